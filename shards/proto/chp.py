@@ -1,0 +1,296 @@
+"""12/CHP (Clustered Hashmap Protocol) wire codec: pure functions, no sockets.
+
+Frame table (ROUTER identity frames are not shown; the caller strips/prepends them)::
+
+    command   channel                 f0            f1 (8 B, network order)  f2 (0|16 B)  f3          f4
+    ICANHAZ   client DEALER -> P      "ICANHAZ?"    subtree                  -            -           -
+    KVSYNC    P -> client DEALER      key           sequence (may be 0)      <empty>      <empty>     value
+    KTHXBAI   P -> client DEALER      "KTHXBAI"     sequence (highest sent)  <empty>      <empty>     subtree
+    KVPUB     P+1 PUB -> client SUB   key           sequence (strictly +1)   UUID         properties  value
+    HUGZ      P+1 PUB -> client SUB   "HUGZ"        00000000                 <empty>      <empty>     <empty>
+    KVSET     client PUB -> P+2 SUB   key           sequence (ignored, 0)    UUID         properties  value
+
+Rules this module enforces (each violation raises ``ProtocolError`` naming it):
+
+* a message has exactly the frame count above (ICANHAZ 2, the rest 5);
+* a sequence is exactly 8 bytes; a UUID is empty or exactly 16 bytes;
+* a key is non-empty UTF-8 text, at most ``Limits.max_key`` bytes, and is not one of the
+  command words ("ICANHAZ?", "KTHXBAI", "HUGZ"), which would make messages ambiguous;
+* a subtree is empty, or "/" followed by one or more segments each ending in "/";
+* properties are zero or more ``name=value\\n`` lines; a name is non-empty and holds no
+  "=", a value may hold "=" (the guide's Python kvmsg drops such properties; we do not);
+* key, value and properties sizes are bounded by ``Limits`` (configurable).
+
+A HUGZ is recognised by its key "HUGZ" *and* sequence 0: KVPUB sequences start at 1, so
+it cannot be mistaken for an update. Values are opaque bytes; an empty value means delete.
+
+Properties stay as raw bytes in the message tuples (cheap on the hot path); use
+``parse_props`` / ``format_props`` to convert.
+"""
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from shards.errors import ProtocolError
+
+PROTOCOL = "12/CHP"
+
+ICANHAZ = b"ICANHAZ?"
+KTHXBAI = b"KTHXBAI"
+HUGZ = b"HUGZ"
+RESERVED_KEYS = frozenset({ICANHAZ, KTHXBAI, HUGZ})
+
+SEQ_ZERO = b"\x00" * 8
+UUID_SIZE = 16
+
+_SEQ = struct.Struct(">Q")
+pack_seq = _SEQ.pack
+_unpack_seq = _SEQ.unpack
+_SUBTREE_RE = re.compile(rb"(?:/(?:[^/]+/)+)?\Z")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Size bounds applied when decoding. Oversized input raises ``ProtocolError``."""
+
+    max_key: int = 1024
+    max_value: int = 1 << 20
+    max_props: int = 4096
+    max_subtree: int = 1024
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class Icanhaz(NamedTuple):
+    subtree: bytes
+
+
+class Kvsync(NamedTuple):
+    key: bytes
+    seq: int
+    value: bytes
+
+
+class Kthxbai(NamedTuple):
+    seq: int
+    subtree: bytes
+
+
+class Kvpub(NamedTuple):
+    key: bytes
+    seq: int
+    uuid: bytes
+    props: bytes
+    value: bytes
+
+
+class Kvset(NamedTuple):
+    key: bytes
+    uuid: bytes
+    props: bytes
+    value: bytes
+
+
+class Hugz(NamedTuple):
+    pass
+
+
+_HUGZ = Hugz()
+
+
+def _fail(message: str, command: str, reason: str) -> ProtocolError:
+    return ProtocolError(f"12/CHP {command or 'message'}: {message}",
+                         protocol=PROTOCOL, command=command, reason=reason)
+
+
+# ----------------------------------------------------------------------------- checks
+
+def _check_count(frames: list[bytes], want: int, command: str) -> None:
+    if len(frames) != want:
+        raise _fail(f"expected {want} frames, got {len(frames)}", command, "frame_count")
+
+
+def _seq(frame: bytes, command: str) -> int:
+    if len(frame) != 8:
+        raise _fail(f"sequence must be 8 bytes, got {len(frame)}", command, "bad_sequence")
+    return _unpack_seq(frame)[0]
+
+
+def check_key(key: bytes, command: str = "", limits: Limits = DEFAULT_LIMITS) -> bytes:
+    if not key:
+        raise _fail("key is empty", command, "bad_key")
+    if len(key) > limits.max_key:
+        raise _fail(f"key is {len(key)} bytes, limit {limits.max_key}", command, "oversize_key")
+    if key in RESERVED_KEYS:
+        raise _fail(f"key {key!r} is a reserved command word", command, "bad_key")
+    try:
+        key.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _fail(f"key is not UTF-8 ({exc.reason} at byte {exc.start})", command,
+                    "bad_key") from None
+    return key
+
+
+def check_subtree(subtree: bytes, command: str = "",
+                  limits: Limits = DEFAULT_LIMITS) -> bytes:
+    if len(subtree) > limits.max_subtree:
+        raise _fail(f"subtree is {len(subtree)} bytes, limit {limits.max_subtree}", command,
+                    "bad_subtree")
+    if not _SUBTREE_RE.match(subtree):
+        raise _fail(f"subtree {subtree[:80]!r} is not empty nor '/seg/.../'", command,
+                    "bad_subtree")
+    try:
+        subtree.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _fail("subtree is not UTF-8", command, "bad_subtree") from None
+    return subtree
+
+
+def _uuid(frame: bytes, command: str) -> bytes:
+    if frame and len(frame) != UUID_SIZE:
+        raise _fail(f"UUID must be empty or {UUID_SIZE} bytes, got {len(frame)}", command,
+                    "bad_uuid")
+    return frame
+
+
+def check_props(props: bytes, command: str = "", limits: Limits = DEFAULT_LIMITS) -> bytes:
+    if not props:
+        return props
+    if len(props) > limits.max_props:
+        raise _fail(f"properties are {len(props)} bytes, limit {limits.max_props}", command,
+                    "oversize_props")
+    if not props.endswith(b"\n"):
+        raise _fail("properties must end with a newline", command, "bad_props")
+    for line in props[:-1].split(b"\n"):
+        name, eq, _ = line.partition(b"=")
+        if not eq or not name:
+            raise _fail(f"property line {line[:80]!r} is not name=value", command, "bad_props")
+    try:
+        props.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _fail("properties are not UTF-8", command, "bad_props") from None
+    return props
+
+
+def _value(frame: bytes, command: str, limits: Limits) -> bytes:
+    if len(frame) > limits.max_value:
+        raise _fail(f"value is {len(frame)} bytes, limit {limits.max_value}", command,
+                    "oversize_value")
+    return frame
+
+
+def _empty(frame: bytes, index: int, command: str) -> None:
+    if frame:
+        raise _fail(f"frame {index} must be empty, got {len(frame)} bytes", command,
+                    "nonempty_frame")
+
+
+# ---------------------------------------------------------------------------- decoders
+
+def decode_icanhaz(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Icanhaz:
+    """Decode a request on the snapshot ROUTER (identity frame already removed)."""
+    if not frames or frames[0] != ICANHAZ:
+        head = frames[0][:16] if frames else b""
+        raise _fail(f"unknown command {head!r} on the snapshot port", "", "unknown_command")
+    _check_count(frames, 2, "ICANHAZ")
+    return Icanhaz(check_subtree(frames[1], "ICANHAZ", limits))
+
+
+def decode_snapshot(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Kvsync | Kthxbai:
+    """Decode a reply on the client's snapshot DEALER: a KVSYNC or the closing KTHXBAI."""
+    if frames and frames[0] == KTHXBAI:
+        _check_count(frames, 5, "KTHXBAI")
+        seq = _seq(frames[1], "KTHXBAI")
+        _empty(frames[2], 2, "KTHXBAI")
+        _empty(frames[3], 3, "KTHXBAI")
+        return Kthxbai(seq, check_subtree(frames[4], "KTHXBAI", limits))
+    _check_count(frames, 5, "KVSYNC")
+    key = check_key(frames[0], "KVSYNC", limits)
+    seq = _seq(frames[1], "KVSYNC")
+    _empty(frames[2], 2, "KVSYNC")
+    _empty(frames[3], 3, "KVSYNC")
+    return Kvsync(key, seq, _value(frames[4], "KVSYNC", limits))
+
+
+def decode_update(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Kvpub | Hugz:
+    """Decode a message from the server's publisher: a KVPUB or a HUGZ."""
+    _check_count(frames, 5, "KVPUB")
+    seq = _seq(frames[1], "KVPUB")
+    if frames[0] == HUGZ and seq == 0:
+        for i in (2, 3, 4):
+            _empty(frames[i], i, "HUGZ")
+        return _HUGZ
+    key = check_key(frames[0], "KVPUB", limits)
+    return Kvpub(key, seq, _uuid(frames[2], "KVPUB"), check_props(frames[3], "KVPUB", limits),
+                 _value(frames[4], "KVPUB", limits))
+
+
+def decode_kvset(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Kvset:
+    """Decode an update arriving on the server's collector. Its sequence is ignored."""
+    _check_count(frames, 5, "KVSET")
+    key = check_key(frames[0], "KVSET", limits)
+    _seq(frames[1], "KVSET")
+    return Kvset(key, _uuid(frames[2], "KVSET"), check_props(frames[3], "KVSET", limits),
+                 _value(frames[4], "KVSET", limits))
+
+
+# ---------------------------------------------------------------------------- builders
+
+def icanhaz(subtree: bytes = b"") -> list[bytes]:
+    return [ICANHAZ, subtree]
+
+
+def kvsync(key: bytes, value: bytes, seq: int = 0) -> list[bytes]:
+    return [key, pack_seq(seq), b"", b"", value]
+
+
+def kthxbai(seq: int, subtree: bytes = b"") -> list[bytes]:
+    return [KTHXBAI, pack_seq(seq), b"", b"", subtree]
+
+
+def kvpub(key: bytes, seq: int, value: bytes, uuid: bytes = b"", props: bytes = b"") -> list[bytes]:
+    return [key, pack_seq(seq), uuid, props, value]
+
+
+def kvset(key: bytes, value: bytes, uuid: bytes = b"", props: bytes = b"") -> list[bytes]:
+    return [key, SEQ_ZERO, uuid, props, value]
+
+
+def hugz() -> list[bytes]:
+    return [HUGZ, SEQ_ZERO, b"", b"", b""]
+
+
+# -------------------------------------------------------------------------- properties
+
+def parse_props(props: bytes) -> dict[str, str]:
+    """``b"ttl=5\\nowner=a=b\\n"`` -> ``{"ttl": "5", "owner": "a=b"}`` (split on the first '=')."""
+    out: dict[str, str] = {}
+    if not props:
+        return out
+    for line in props.decode("utf-8").split("\n"):
+        if line:
+            name, _, value = line.partition("=")
+            out[name] = value
+    return out
+
+
+def format_props(props: dict[str, str] | None) -> bytes:
+    """The inverse of ``parse_props``. Rejects names with '=' or newlines, values with newlines."""
+    if not props:
+        return b""
+    parts = []
+    for name, value in props.items():
+        name, value = str(name), str(value)
+        if not name or "=" in name or "\n" in name or "\n" in value:
+            raise _fail(f"property {name!r}={value!r} cannot be encoded", "", "bad_props")
+        parts.append(f"{name}={value}\n")
+    return "".join(parts).encode("utf-8")
+
+
+def in_subtree(key: bytes, subtree: bytes) -> bool:
+    """Whether ``key`` lies under ``subtree`` (the empty subtree holds every key)."""
+    return key.startswith(subtree)

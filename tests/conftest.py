@@ -1,0 +1,187 @@
+"""Shared fixtures: free ports, real processes ended by PID, zmq sockets closed with linger 0.
+
+Every process a test starts goes through ``procs.spawn``; teardown ends exactly those
+PIDs (SIGTERM, then SIGKILL after a grace period) and reports any that had to be killed.
+Readiness is awaited on the process's own stdout line (an event), never by sleeping.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def ports_free(host: str, base: int, count: int) -> bool:
+    socks = []
+    try:
+        for port in range(base, base + count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in socks:
+            s.close()
+
+
+_used_bases: set[int] = set()
+
+
+def free_port_base(count: int = 4, host: str = "127.0.0.1") -> int:
+    """A base P such that P..P+count-1 are free on ``host`` now (checked by binding)."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(500):
+        base = rng.randrange(20000, 45000 - count) // 10 * 10
+        if any(abs(base - b) < 40 for b in _used_bases):
+            continue
+        if ports_free(host, base, count):
+            _used_bases.add(base)
+            return base
+    raise RuntimeError("no free port range found")
+
+
+@pytest.fixture
+def port_base():
+    """A free base port with four consecutive free ports (P..P+3)."""
+    return free_port_base(4)
+
+
+class Proc:
+    """A child process whose stdout and stderr lines are collected by a thread."""
+
+    def __init__(self, args: list[str], env: dict | None = None, cwd: Path = ROOT):
+        self.args = args
+        full_env = dict(os.environ)
+        full_env["PYTHONUNBUFFERED"] = "1"
+        if env:
+            full_env.update(env)
+        self.popen = subprocess.Popen(
+            args, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.pid = self.popen.pid
+        self.lines: "queue.Queue[str]" = queue.Queue()
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self._threads = [
+            threading.Thread(target=self._pump, args=(self.popen.stdout, self.stdout, True),
+                             daemon=True),
+            threading.Thread(target=self._pump, args=(self.popen.stderr, self.stderr, False),
+                             daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _pump(self, stream, sink: list[str], to_queue: bool) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            sink.append(line)
+            if to_queue:
+                self.lines.put(line)
+        stream.close()
+        if to_queue:
+            self.lines.put(None)  # end of stream
+
+    def wait_line(self, contains: str, timeout_s: float = 15.0) -> str:
+        """Block until a stdout line contains ``contains``; fail with the output tail."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                line = self.lines.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if line is None:
+                self.popen.wait(5)
+                raise AssertionError(
+                    f"{self.args[:4]} exited ({self.popen.returncode}) before printing "
+                    f"{contains!r}\nstderr tail:\n" + "\n".join(self.stderr[-30:]))
+            if contains in line:
+                return line
+        raise AssertionError(f"{self.args[:4]} printed no {contains!r} within {timeout_s} s\n"
+                             "stderr tail:\n" + "\n".join(self.stderr[-30:]))
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout_s: float = 10.0) -> int:
+        return self.popen.wait(timeout_s)
+
+    def stop(self, grace_s: float = 5.0) -> int | None:
+        """SIGTERM, wait up to ``grace_s``, then SIGKILL. Returns the exit code."""
+        if self.alive():
+            try:
+                os.kill(self.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+                os.kill(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+                self.popen.wait(5)
+        for t in self._threads:
+            t.join(2)
+        return self.popen.returncode
+
+
+class Procs:
+    def __init__(self):
+        self.started: list[Proc] = []
+
+    def spawn(self, args: list[str], ready: str | None = None, timeout_s: float = 15.0,
+              env: dict | None = None) -> Proc:
+        proc = Proc(args, env=env)
+        self.started.append(proc)
+        if ready is not None:
+            proc.wait_line(ready, timeout_s)
+        return proc
+
+    def python(self, *args: str, ready: str | None = None, timeout_s: float = 15.0,
+               env: dict | None = None) -> Proc:
+        return self.spawn([PYTHON, *args], ready=ready, timeout_s=timeout_s, env=env)
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.started):
+            proc.stop()
+
+
+@pytest.fixture
+def procs():
+    """Start real processes; every one is ended by PID at teardown."""
+    p = Procs()
+    try:
+        yield p
+    finally:
+        p.stop_all()
+
+
+@pytest.fixture
+def zctx():
+    """A zmq Context whose sockets are all closed with linger 0 at teardown."""
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        yield ctx
+    finally:
+        ctx.destroy(linger=0)
