@@ -1,0 +1,260 @@
+"""The shard's map: key -> value, its sequence, a TTL index and point-in-time snapshots.
+
+Pure: no sockets, no clock reads (time is passed in, wall-clock float seconds).
+
+Memory layout (per key, beyond the key and value ``bytes`` themselves):
+
+* ``data``: one ``dict`` slot, the value stored directly (no entry object, no tuple);
+* keys with a TTL only: one float in ``_expiry`` and one ``(expiry, key)`` entry in the
+  heap. Properties and UUIDs are not kept: a KVSYNC carries neither (12/CHP).
+
+TTL index: a min-heap of ``(expiry_s, key)`` with lazy deletion. A heap entry is live only
+while ``_expiry[key]`` still equals its expiry; rewriting or deleting a key just changes
+``_expiry`` and leaves the old entry to be skipped when it reaches the top. The heap is
+rebuilt from ``_expiry`` (never from the map) once stale entries outnumber live ones, so
+it stays O(live TTL keys) and every operation is O(log n) amortised.
+
+Snapshots: ``open_snapshot`` copies the key list (``list(data)``: ~25 ms per million keys
+here) and registers the cursor; until it is closed, the first change to a key it may
+still have to send records that key's old value in the cursor's ``undo`` dict
+(copy-on-write). A cursor therefore yields exactly the map as it was at ``cursor.seq``:
+keys created later are not in its list, keys changed or deleted later come from ``undo``.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Iterator
+
+from shards.errors import ProtocolError
+
+MAX_TTL_S = 10 * 365 * 86400.0
+"""Longest accepted ``ttl`` (and furthest ``expires``): ten years."""
+
+_TTL = b"ttl"
+_EXPIRES = b"expires"
+
+
+def _bad(message: str, reason: str) -> ProtocolError:
+    return ProtocolError(f"12/CHP KVSET: {message}", protocol="12/CHP", command="KVSET",
+                         reason=reason)
+
+
+def ttl_props(props: bytes, now_wall_s: float) -> tuple[float | None, bytes]:
+    """The absolute expiry a KVSET asks for, and the properties its KVPUB carries.
+
+    ``props`` are already-validated CHP properties (``name=value\\n`` lines).
+
+    * ``ttl=<seconds>`` (float, 0 < ttl <= ``MAX_TTL_S``): expiry = now + ttl, rounded to
+      the millisecond; the KVPUB carries the client's properties minus any ``expires``
+      line, plus ``expires=<epoch seconds, 3 decimals>``, so a backup that replays the
+      KVPUB honours the same absolute expiry.
+    * ``ttl=0``: no expiry (as the guide's server), properties unchanged.
+    * no ``ttl`` but ``expires=<epoch seconds>``: that absolute expiry, properties unchanged.
+    * a ``ttl`` or ``expires`` that is not a finite number in range raises
+      ``ProtocolError`` (reason ``bad_ttl`` / ``bad_expires``).
+    * neither: ``(None, props)``.
+    If a name repeats, the last line wins.
+    """
+    if not props or (b"ttl=" not in props and b"expires=" not in props):
+        return None, props
+    lines = props.split(b"\n")
+    lines.pop()  # validated properties end with "\n"
+    ttl = expires = None
+    for line in lines:
+        name, _, value = line.partition(b"=")
+        if name == _TTL:
+            ttl = value
+        elif name == _EXPIRES:
+            expires = value
+    if ttl is not None:
+        try:
+            ttl_s = float(ttl)
+        except ValueError:
+            raise _bad(f"ttl {ttl[:40]!r} is not a number", "bad_ttl") from None
+        if not (0.0 <= ttl_s <= MAX_TTL_S):  # also false for nan
+            raise _bad(f"ttl {ttl[:40]!r} is not within 0..{MAX_TTL_S:.0f} s", "bad_ttl")
+        if ttl_s == 0.0:
+            return None, props
+        expiry_s = round(now_wall_s + ttl_s, 3)
+        kept = [line for line in lines if not line.startswith(b"expires=")]
+        kept.append(b"expires=%.3f" % expiry_s)
+        kept.append(b"")
+        return expiry_s, b"\n".join(kept)
+    if expires is not None:
+        try:
+            expiry_s = float(expires)
+        except ValueError:
+            raise _bad(f"expires {expires[:40]!r} is not a number", "bad_expires") from None
+        if not (0.0 <= expiry_s <= now_wall_s + MAX_TTL_S):
+            raise _bad(f"expires {expires[:40]!r} is out of range", "bad_expires")
+        return expiry_s, props
+    return None, props
+
+
+class Store:
+    """key (bytes) -> value (bytes), sequenced. Not thread-safe: one owner (the reactor)."""
+
+    __slots__ = ("data", "seq", "_expiry", "_heap", "_cursors")
+
+    def __init__(self, seq: int = 0):
+        self.data: dict[bytes, bytes] = {}
+        self.seq = seq
+        self._expiry: dict[bytes, float] = {}
+        self._heap: list[tuple[float, bytes]] = []
+        self._cursors: list[SnapshotCursor] = []
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def get(self, key: bytes) -> bytes | None:
+        return self.data.get(key)
+
+    def expiry_of(self, key: bytes) -> float | None:
+        return self._expiry.get(key)
+
+    # ------------------------------------------------------------------ updates
+    def apply(self, key: bytes, value: bytes, expiry_s: float | None = None) -> int:
+        """Set (or, with an empty value, delete) ``key``; return its new sequence.
+
+        A delete of a missing key is still sequenced (it is still published). ``expiry_s``
+        is an absolute wall-clock time; a key written without one loses any TTL it had.
+        """
+        self.seq = seq = self.seq + 1
+        data = self.data
+        if self._cursors:
+            self._record_undo(key)
+        if self._expiry:
+            self._expiry.pop(key, None)
+        if value:
+            data[key] = value
+            if expiry_s is not None:
+                self._expiry[key] = expiry_s
+                heapq.heappush(self._heap, (expiry_s, key))
+                if len(self._heap) > 2 * len(self._expiry) + 1024:
+                    self._compact_heap()
+        else:
+            data.pop(key, None)
+        return seq
+
+    def _record_undo(self, key: bytes) -> None:
+        old = self.data.get(key)
+        if old is None:
+            return  # absent now, so absent when every open cursor was opened
+        for cursor in self._cursors:
+            undo = cursor.undo
+            if key not in undo and key.startswith(cursor.subtree):
+                undo[key] = old
+
+    # ------------------------------------------------------------------ TTL
+    def next_expiry(self) -> float | None:
+        """The earliest expiry in the heap (possibly a stale entry: then a harmless early
+        wake-up), or None when no key has a TTL."""
+        heap = self._heap
+        while heap and self._expiry.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def pop_expired(self, now_wall_s: float) -> list[tuple[bytes, int]]:
+        """Delete every key whose expiry is <= now; return ``(key, seq)`` for each delete,
+        in sequence order (each must be published as an empty-valued KVPUB)."""
+        out = []
+        heap = self._heap
+        expiry = self._expiry
+        while heap and heap[0][0] <= now_wall_s:
+            expiry_s, key = heapq.heappop(heap)
+            if expiry.get(key) == expiry_s:
+                out.append((key, self.apply(key, b"")))
+        return out
+
+    @property
+    def ttl_keys(self) -> int:
+        return len(self._expiry)
+
+    @property
+    def ttl_heap_size(self) -> int:
+        return len(self._heap)
+
+    def _compact_heap(self) -> None:
+        self._heap = [(e, k) for k, e in self._expiry.items()]
+        heapq.heapify(self._heap)
+
+    # ------------------------------------------------------------------ snapshots
+    def open_snapshot(self, subtree: bytes = b"") -> "SnapshotCursor":
+        cursor = SnapshotCursor(self, subtree)
+        self._cursors.append(cursor)
+        return cursor
+
+    def _close_cursor(self, cursor: "SnapshotCursor") -> None:
+        try:
+            self._cursors.remove(cursor)
+        except ValueError:
+            pass
+
+    @property
+    def open_cursors(self) -> int:
+        return len(self._cursors)
+
+    def items(self, subtree: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
+        """The live map under ``subtree`` (not point-in-time; for tests and tools)."""
+        for key, value in self.data.items():
+            if key.startswith(subtree):
+                yield key, value
+
+
+class SnapshotCursor:
+    """The map under ``subtree`` as it was at sequence ``seq``, yielded in chunks.
+
+    ``next_chunk(n)`` examines up to ``n`` keys of the key list and returns the
+    ``(key, value)`` pairs among them that lie under the subtree (possibly none, before
+    ``done``). Close the cursor when finished or abandoned (``close`` is idempotent and
+    also runs when the last chunk is taken), so the store stops recording undo entries.
+    """
+
+    __slots__ = ("store", "subtree", "seq", "undo", "_keys", "_pos", "closed")
+
+    def __init__(self, store: Store, subtree: bytes):
+        self.store = store
+        self.subtree = subtree
+        self.seq = store.seq
+        self.undo: dict[bytes, bytes] = {}
+        self._keys = list(store.data)
+        self._pos = 0
+        self.closed = False
+
+    @property
+    def done(self) -> bool:
+        return self._pos >= len(self._keys)
+
+    @property
+    def remaining(self) -> int:
+        return len(self._keys) - self._pos
+
+    def next_chunk(self, n: int) -> list[tuple[bytes, bytes]]:
+        keys = self._keys
+        start = self._pos
+        end = min(start + n, len(keys))
+        self._pos = end
+        data = self.store.data
+        undo = self.undo
+        subtree = self.subtree
+        out = []
+        append = out.append
+        for i in range(start, end):
+            key = keys[i]
+            if subtree and not key.startswith(subtree):
+                continue
+            value = undo.get(key) if undo else None
+            if value is None:
+                value = data[key]
+            append((key, value))
+        if end >= len(keys):
+            self.close()
+        return out
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.store._close_cursor(self)
+            self._keys = []
+            self.undo = {}
