@@ -1,0 +1,543 @@
+"""Cluster configuration: the YAML schema, its defaults, and precise errors.
+
+A config names the cluster, its control endpoint and timeouts, and its shards. Each shard
+is a Binary Star pair (``primary`` and ``backup``); each server has a port base P (it
+uses P..P+3), an address (``host``: an IPv4 address, or ``nic``: an interface whose
+IPv4 address is bound) and a core set (``cores``: ``[2, 3]``, ``"2-3,6"``, ``5`` or
+``auto``). The shortest config is ``shards: N``; everything else has a default:
+
+    field               default                          notes
+    cluster             "clonemap"                       letters, digits, _ . -
+    control             "tcp://127.0.0.1:5555"           tcp://IPV4:PORT or tcp://*:PORT
+    heartbeat_s         1.0                              > 0
+    silence_timeout_s   3 x heartbeat_s                  > heartbeat_s
+    port_base           6000                             shard i: primary port_base+20*i,
+                                                          backup port_base+20*i+10
+    defaults.host/nic   host 127.0.0.1                   for every server lacking both
+    defaults.cores      auto
+    shards              (required)                       a count >= 1, or a list of shards
+    shards[i].name      "s<i>"                           unique
+    shards[i].prefixes  []                               pinned key prefixes, each on one shard
+    shards[i].primary / .backup: host | nic, port, cores (each falls back as above)
+
+Every model forbids unknown fields. ``load_config`` turns YAML and pydantic errors into
+one ``ConfigError`` whose lines read ``FIELD: given VALUE: PROBLEM; EXPECTED``, with
+the field as a path such as ``shards[1].backup.cores``. Checks that need the host (cores,
+NICs, addresses, ports) live in ``supervisor.placement``.
+"""
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import json
+import math
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args
+
+import yaml
+from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
+                      ValidationError, field_validator, model_validator)
+
+from shards.errors import ConfigError
+
+DEFAULT_CLUSTER = "clonemap"
+DEFAULT_CONTROL = "tcp://127.0.0.1:5555"
+DEFAULT_HEARTBEAT_S = 1.0
+SILENCE_HEARTBEATS = 3
+DEFAULT_PORT_BASE = 6000
+SHARD_PORT_STRIDE = 20
+BACKUP_PORT_OFFSET = 10
+PORTS_PER_SERVER = 4
+MAX_PORT_BASE = 65535 - (PORTS_PER_SERVER - 1)
+DEFAULT_HOST = "127.0.0.1"
+ROLES = ("primary", "backup")
+WILDCARD = "0.0.0.0"
+
+CoreSet = tuple[int, ...]
+CoreSpec = Union[Literal["auto"], CoreSet]
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_NAME_EXPECTED = "expected 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+
+
+# ---------------------------------------------------------------- problems and messages
+
+def format_given(value: Any) -> str:
+    """A value as the user wrote it, compactly (strings quoted, lists as lists)."""
+    if isinstance(value, tuple):
+        value = list(value)
+    try:
+        return json.dumps(value, default=str)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def field_path(loc: tuple) -> str:
+    """``("shards", 1, "backup", "cores")`` -> ``shards[1].backup.cores``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+class Problems:
+    """Collects ``FIELD: given VALUE: PROBLEM`` lines; ``raise_if_any`` raises one
+    ConfigError holding them all (its ``field`` is the first one's)."""
+
+    def __init__(self, prefix: str = ""):
+        self.prefix = prefix
+        self.lines: list[str] = []
+        self.fields: list[str] = []
+
+    def add(self, field: str, given: Any, text: str, *, raw_given: bool = False) -> None:
+        shown = given if raw_given else format_given(given)
+        self.fields.append(field)
+        self.lines.append(f"{field}: given {shown}: {text}")
+
+    def add_line(self, field: str, line: str) -> None:
+        self.fields.append(field)
+        self.lines.append(line)
+
+    def __bool__(self) -> bool:
+        return bool(self.lines)
+
+    def raise_if_any(self) -> None:
+        if self.lines:
+            text = "\n".join(self.prefix + line for line in self.lines)
+            raise ConfigError(text, field=self.fields[0])
+
+
+# ---------------------------------------------------------------- value parsers
+
+def parse_cores(value: Any) -> CoreSpec:
+    """``"auto"``, an int, a list of ints or a string like ``"2-3,6"`` -> ``"auto"`` or a
+    sorted tuple of distinct core numbers."""
+    expected = 'expected "auto", a core number, a list like [2, 3] or a string like "2-3,6"'
+    if isinstance(value, str):
+        text = value.strip()
+        if text == "auto":
+            return "auto"
+        cores: set[int] = set()
+        for part in text.split(","):
+            part = part.strip()
+            m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
+            if not m:
+                raise ValueError(f"cannot read {part!r} as a core or a range; {expected}")
+            lo = int(m.group(1))
+            hi = int(m.group(2)) if m.group(2) is not None else lo
+            if hi < lo:
+                raise ValueError(f"range {part!r} runs backwards; write it low-high")
+            cores.update(range(lo, hi + 1))
+        return tuple(sorted(cores))
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"an empty core set; {expected}")
+        for core in value:
+            if isinstance(core, bool) or not isinstance(core, int):
+                raise ValueError(f"{format_given(core)} is not a core number; {expected}")
+            if core < 0:
+                raise ValueError(f"core {core} is negative; core numbers start at 0")
+        return tuple(sorted(set(value)))
+    raise ValueError(expected)
+
+
+def format_cores(cores: CoreSpec) -> str:
+    """``(0, 1, 2, 3, 6)`` -> ``"0-3,6"``."""
+    if cores == "auto":
+        return "auto"
+    runs: list[str] = []
+    ordered = sorted(cores)
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        runs.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(runs)
+
+
+def parse_port(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"not a port number; expected an integer in 1..{MAX_PORT_BASE}")
+    if not 1 <= value <= MAX_PORT_BASE:
+        raise ValueError(f"out of range; expected a port base in 1..{MAX_PORT_BASE} "
+                         f"(a server uses port..port+{PORTS_PER_SERVER - 1})")
+    return value
+
+
+def parse_ipv4(value: Any) -> str:
+    expected = ("expected a dotted IPv4 address such as 127.0.0.1 "
+                "(or use nic: to bind an interface's address)")
+    if not isinstance(value, str):
+        raise ValueError(f"not an IPv4 address; {expected}")
+    try:
+        address = ipaddress.IPv4Address(value.strip())
+    except ValueError:
+        raise ValueError(f"not an IPv4 address; {expected}") from None
+    if address.is_unspecified or address.is_multicast:
+        raise ValueError(f"{address} cannot be a server's address (clients must connect "
+                         f"to it); {expected}")
+    return str(address)
+
+
+def parse_nic(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("expected an interface name such as eth0 or lo")
+    return value.strip()
+
+
+def parse_seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("not a number of seconds; expected a number > 0 such as 1.0")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError("expected a number of seconds > 0 such as 1.0")
+    return float(value)
+
+
+def parse_endpoint(value: Any) -> str:
+    """``tcp://IPV4:PORT`` (or ``tcp://*:PORT``) -> a normalised endpoint string."""
+    expected = "expected tcp://IPV4:PORT such as tcp://127.0.0.1:5555 (or tcp://*:PORT)"
+    if not isinstance(value, str):
+        raise ValueError(expected)
+    m = re.fullmatch(r"tcp://([^:/]+):(\d+)", value.strip())
+    if not m:
+        raise ValueError(expected)
+    host, port = m.group(1), int(m.group(2))
+    if host in ("*", WILDCARD):
+        host = "*"
+    else:
+        try:
+            host = str(ipaddress.IPv4Address(host))
+        except ValueError:
+            raise ValueError(f"{host!r} is not an IPv4 address; {expected}") from None
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range; expected 1..65535")
+    return f"tcp://{host}:{port}"
+
+
+def endpoint_parts(endpoint: str) -> tuple[str, int]:
+    """``tcp://127.0.0.1:5555`` -> ``("127.0.0.1", 5555)``; ``*`` becomes 0.0.0.0."""
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    return (WILDCARD if host == "*" else host), int(port)
+
+
+def parse_name(value: Any) -> str:
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        raise ValueError(_NAME_EXPECTED)
+    return value
+
+
+def parse_prefix(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError('not a string; expected a key prefix such as "/config/"')
+    if not value:
+        raise ValueError('an empty prefix would pin every key; expected a key prefix '
+                         'such as "/config/"')
+    return value
+
+
+Cores = Annotated[Union[CoreSpec, None], PlainValidator(parse_cores)]
+Port = Annotated[Union[int, None], PlainValidator(parse_port)]
+Host = Annotated[Union[str, None], PlainValidator(parse_ipv4)]
+Nic = Annotated[Union[str, None], PlainValidator(parse_nic)]
+Name = Annotated[Union[str, None], PlainValidator(parse_name)]
+Prefix = Annotated[str, PlainValidator(parse_prefix)]
+Seconds = Annotated[float, PlainValidator(parse_seconds)]
+OptSeconds = Annotated[Union[float, None], PlainValidator(parse_seconds)]
+Endpoint = Annotated[str, PlainValidator(parse_endpoint)]
+
+
+# ---------------------------------------------------------------- models
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _check_one_address(model: Any) -> Any:
+    if model.host is not None and model.nic is not None:
+        raise ValueError("both host and nic are set; give one: host (an IPv4 address) "
+                         "or nic (an interface whose IPv4 address is bound)")
+    return model
+
+
+class Defaults(_Model):
+    """Settings every server takes unless it sets its own."""
+
+    host: Host = None
+    nic: Nic = None
+    cores: Cores = None
+
+    @model_validator(mode="after")
+    def _one_address(self) -> "Defaults":
+        return _check_one_address(self)
+
+
+class ServerConfig(_Model):
+    """One CHP server. After ``ClusterConfig`` validation ``port`` and ``cores`` are set
+    and exactly one of ``host`` / ``nic`` is."""
+
+    host: Host = None
+    nic: Nic = None
+    port: Port = None
+    cores: Cores = None
+    _port_from_base: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="after")
+    def _one_address(self) -> "ServerConfig":
+        return _check_one_address(self)
+
+    @property
+    def port_from_base(self) -> bool:
+        """True when ``port`` was derived from the cluster's ``port_base``."""
+        return self._port_from_base
+
+
+class ShardConfig(_Model):
+    """One shard: a name, its pinned prefixes, and its pair of servers."""
+
+    name: Name = None
+    prefixes: list[Prefix] = Field(default_factory=list)
+    primary: ServerConfig = Field(default_factory=ServerConfig)
+    backup: ServerConfig = Field(default_factory=ServerConfig)
+
+    def server(self, role: str) -> ServerConfig:
+        return getattr(self, role)
+
+
+class ClusterConfig(_Model):
+    """A whole cluster. Validation fills every default (see the module docstring)."""
+
+    cluster: Annotated[str, PlainValidator(parse_name)] = DEFAULT_CLUSTER
+    control: Endpoint = DEFAULT_CONTROL
+    heartbeat_s: Seconds = DEFAULT_HEARTBEAT_S
+    silence_timeout_s: OptSeconds = None
+    port_base: Annotated[int, PlainValidator(parse_port)] = DEFAULT_PORT_BASE
+    defaults: Defaults = Field(default_factory=Defaults)
+    shards: list[ShardConfig]
+
+    @field_validator("shards", mode="before")
+    @classmethod
+    def _shard_count(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("expected a shard count (an integer >= 1) or a list of shards")
+        if isinstance(value, int):
+            if value < 1:
+                raise ValueError("a cluster needs at least 1 shard")
+            return [{} for _ in range(value)]
+        if isinstance(value, list) and not value:
+            raise ValueError("a cluster needs at least 1 shard; list one or more shards")
+        if not isinstance(value, list):
+            raise ValueError("expected a shard count (an integer >= 1) or a list of shards")
+        return value
+
+    @model_validator(mode="after")
+    def _resolve(self) -> "ClusterConfig":
+        problems = Problems()
+        if self.silence_timeout_s is None:
+            self.silence_timeout_s = SILENCE_HEARTBEATS * self.heartbeat_s
+        elif self.silence_timeout_s <= self.heartbeat_s:
+            problems.add("silence_timeout_s", self.silence_timeout_s,
+                         f"must be longer than heartbeat_s ({self.heartbeat_s:g} s); "
+                         f"the default is {SILENCE_HEARTBEATS} x heartbeat_s")
+        names: dict[str, int] = {}
+        pinned: dict[str, tuple[int, int]] = {}
+        for i, shard in enumerate(self.shards):
+            if shard.name is None:
+                shard.name = f"s{i}"
+            if shard.name in names:
+                problems.add(f"shards[{i}].name", shard.name,
+                             f"already the name of shards[{names[shard.name]}]; "
+                             "shard names must be unique")
+            names.setdefault(shard.name, i)
+            for j, prefix in enumerate(shard.prefixes):
+                if prefix in pinned:
+                    oi, oj = pinned[prefix]
+                    first = f"shards[{oi}].prefixes[{oj}]"
+                    if oi == i:
+                        text = f"pinned twice in shard {shard.name} (also {first})"
+                    else:
+                        text = (f"pinned to two shards: {self.shards[oi].name} ({first}) "
+                                f"and {shard.name}; a prefix may be pinned to one shard only")
+                    problems.add(f"shards[{i}].prefixes[{j}]", prefix, text)
+                else:
+                    pinned[prefix] = (i, j)
+            for role in ROLES:
+                self._resolve_server(i, role, shard.server(role), problems)
+        problems.raise_if_any()
+        return self
+
+    def _resolve_server(self, index: int, role: str, server: ServerConfig,
+                        problems: Problems) -> None:
+        if server.host is None and server.nic is None:
+            server.host, server.nic = self.defaults.host, self.defaults.nic
+            if server.host is None and server.nic is None:
+                server.host = DEFAULT_HOST
+        if server.cores is None:
+            server.cores = self.defaults.cores if self.defaults.cores is not None else "auto"
+        if server.port is None:
+            offset = SHARD_PORT_STRIDE * index + (BACKUP_PORT_OFFSET if role == "backup" else 0)
+            port = self.port_base + offset
+            server._port_from_base = True
+            if port > MAX_PORT_BASE:
+                problems.add(f"shards[{index}].{role}.port",
+                             f"{port} (port_base {self.port_base} + {offset})",
+                             f"out of range; expected a port base in 1..{MAX_PORT_BASE} "
+                             f"(a server uses port..port+{PORTS_PER_SERVER - 1}); "
+                             "lower port_base or give this server a port",
+                             raw_given=True)
+            server.port = port
+
+    @property
+    def control_address(self) -> str:
+        return endpoint_parts(self.control)[0]
+
+    @property
+    def control_port(self) -> int:
+        return endpoint_parts(self.control)[1]
+
+    @property
+    def shard_count(self) -> int:
+        return len(self.shards)
+
+
+# ---------------------------------------------------------------- pydantic -> ConfigError
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The model class found at ``loc`` below ``root`` (list indices are skipped)."""
+    current: type[BaseModel] | None = root
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if current is None or part not in current.model_fields:
+            return None
+        current = _model_of(current.model_fields[part].annotation)
+    return current
+
+
+def _error_line(err: dict, root: type[BaseModel]) -> tuple[str, str]:
+    loc = tuple(err["loc"])
+    path = field_path(loc) or "(top level)"
+    given = format_given(err.get("input"))
+    kind = err["type"]
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, ConfigError):
+        return cause.field, str(cause)
+    if kind == "extra_forbidden":
+        parent = _model_at(root, loc[:-1])
+        fields = list(parent.model_fields) if parent else []
+        text = "unknown field"
+        if fields:
+            text += f"; expected one of: {', '.join(fields)}"
+            close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
+            if close:
+                text += f' (did you mean "{close[0]}"?)'
+        return path, f"{path}: given {given}: {text}"
+    if kind == "missing":
+        return path, f"{path}: missing required field"
+    if kind == "model_type":
+        model = _model_at(root, loc)
+        fields = ", ".join(model.model_fields) if model else ""
+        return path, f"{path}: given {given}: expected a mapping with fields: {fields}"
+    if kind == "value_error":
+        text = str(cause) if cause is not None else err["msg"]
+    else:
+        text = err["msg"].replace("Input should be", "expected")
+    return path, f"{path}: given {given}: {text}"
+
+
+def config_error_from(err: ValidationError, root: type[BaseModel],
+                      source: str = "") -> ConfigError:
+    """One ConfigError with a line per pydantic error (field path, given, expected)."""
+    prefix = f"{source}: " if source else ""
+    lines, fields = [], []
+    for item in err.errors(include_url=False):
+        field, line = _error_line(item, root)
+        fields.append(field)
+        lines.extend(prefix + part for part in line.split("\n"))
+    return ConfigError("\n".join(lines), field=fields[0] if fields else "")
+
+
+# ---------------------------------------------------------------- YAML
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key repeated in one mapping (YAML keeps the last)."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode,
+                                deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            continue  # SafeLoader reports unhashable keys itself
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise ConfigError(f"line {line}: duplicate key {format_given(key)} "
+                              f"(first at line {seen[key]}); each key may appear once "
+                              "per mapping", field=str(key))
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                              _mapping_without_duplicates)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Parse a YAML (or JSON) file; any failure is a ConfigError naming file and line."""
+    path = str(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}", field=exc.field) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path}: invalid YAML: {where}{problem}") from None
+
+
+def parse_config(data: Any, source: str = "") -> ClusterConfig:
+    """Validate already-parsed data (a dict) into a ClusterConfig, or raise ConfigError."""
+    prefix = f"{source}: " if source else ""
+    if data is None:
+        raise ConfigError(f"{prefix}the config is empty; expected a mapping with at least "
+                          "shards: N")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix}given {format_given(data)}: expected a mapping "
+                          f"with fields: {', '.join(ClusterConfig.model_fields)}")
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise config_error_from(exc, ClusterConfig, source) from None
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    """Read and validate a cluster config file; errors are one ConfigError."""
+    return parse_config(read_yaml(path), source=str(path))
