@@ -1,0 +1,219 @@
+"""Which shard owns a key: the one routing function shared by clients, servers and tools.
+
+The rule (ARCHITECTURE.md, "Routing"), version ``ROUTING_VERSION`` = 1::
+
+    1. pinned prefixes: the longest pinned prefix that starts the key wins;
+    2. otherwise   jump_consistent_hash(blake2b-64(routing segment), shard count)
+
+    routing segment of a key
+      "/users/42/name"  -> "users"   (starts with "/": text between the first "/" and the next)
+      "/users"          -> "users"   (... or the end)
+      "/"               -> ""
+      "config/a"        -> "config"  (no leading "/": text up to the first "/")
+      "plain"           -> "plain"   (... or the whole key)
+      ""                -> ""
+
+    blake2b-64(s) = int.from_bytes(blake2b(s as UTF-8, digest_size=8), "big")
+    jump_consistent_hash: Lamping & Veach 2014, 64-bit LCG 2862933555777941757 * k + 1
+
+Everything works on the key's UTF-8 bytes; ``owner`` accepts ``str`` or ``bytes`` keys and
+gives the same answer for both spellings of one key (a ``bytes`` key that is not valid
+UTF-8 still has an owner: its raw bytes are hashed).
+
+Subtree fan-out (``owners_of_subtree``): the shards that can own *some* key starting with
+the subtree (a subtree here is any prefix; 12/CHP's are "" or "/seg/.../")::
+
+    a pinned prefix p is a prefix of the subtree   -> the longest such p's shard owns every
+                                                      key under it, except keys under
+                                                      longer pins (next line)
+    a pinned prefix q starts with the subtree      -> q's shard
+    no pin is a prefix of the subtree, and the
+      routing segment is complete in the subtree   -> that segment's hashed shard
+      ("/users/x" -> "users"; "cfg/" -> "cfg")
+    ... the segment is still open ("", "/", "/us",
+      "abc")                                       -> every shard (open segments hash anywhere)
+
+So "/users/" fans out to one shard (plus pins under or above it), "" to all of them. Keys
+that do not start with "/" lie only under subtrees that do not start with "/" (in 12/CHP
+terms: only under the empty subtree).
+
+``describe()`` is the routing function's parameters as plain data, served in the cluster
+map over MDP; ``ShardMap.from_description`` rebuilds the map on the client side and
+refuses a version it does not know. The fixed vectors in tests/test_routing.py pin the
+function: changing it silently would split keys between old and new clients.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Iterable, Mapping
+
+from shards.errors import ConfigError
+
+ROUTING_VERSION = 1
+_MASK64 = (1 << 64) - 1
+_JUMP_MULTIPLIER = 2862933555777941757
+
+
+def routing_segment(key: str) -> str:
+    """The part of ``key`` that is hashed (see the module docstring's examples)."""
+    if key.startswith("/"):
+        end = key.find("/", 1)
+        return key[1:] if end < 0 else key[1:end]
+    end = key.find("/")
+    return key if end < 0 else key[:end]
+
+
+def _segment_bytes(key: bytes) -> bytes:
+    if key[:1] == b"/":
+        end = key.find(b"/", 1)
+        return key[1:] if end < 0 else key[1:end]
+    end = key.find(b"/")
+    return key if end < 0 else key[:end]
+
+
+def jump_consistent_hash(key: int, buckets: int) -> int:
+    """Lamping & Veach's jump consistent hash of a 64-bit ``key`` into ``range(buckets)``.
+
+    Growing ``buckets`` from n to n+1 moves a key only into the new bucket n, and moves
+    about 1/(n+1) of the keys.
+    """
+    if buckets < 1:
+        raise ValueError(f"buckets must be >= 1, got {buckets}")
+    key &= _MASK64
+    b, j = -1, 0
+    while j < buckets:
+        b = j
+        key = (key * _JUMP_MULTIPLIER + 1) & _MASK64
+        # same double-precision arithmetic as the paper's C++ code
+        j = int((b + 1) * (float(1 << 31) / float((key >> 33) + 1)))
+    return b
+
+
+def segment_hash(segment: str | bytes) -> int:
+    """blake2b-64 of the segment's UTF-8 bytes, as a big-endian unsigned integer."""
+    data = segment.encode("utf-8") if isinstance(segment, str) else segment
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _hashed_owner(segment: bytes, shards: int) -> int:
+    return jump_consistent_hash(segment_hash(segment), shards)
+
+
+def _as_bytes(key: str | bytes) -> bytes:
+    return key.encode("utf-8") if isinstance(key, str) else bytes(key)
+
+
+class ShardMap:
+    """A shard count plus optional pinned prefixes per shard; answers "who owns this key".
+
+    ``pins`` maps a shard index to the prefixes pinned to it. Raises ``ConfigError``
+    (``field`` names the offending entry) for a bad count, an out-of-range shard index,
+    an empty or non-text prefix, or a prefix pinned to two shards.
+    """
+
+    __slots__ = ("shards", "_pins", "_pin_lengths")
+
+    def __init__(self, shards: int, pins: Mapping[int, Iterable[str]] | None = None):
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise ConfigError(f"shard count must be an integer >= 1, got {shards!r}",
+                              field="shards")
+        self.shards = shards
+        owner_of: dict[bytes, int] = {}
+        for shard, prefixes in (pins or {}).items():
+            if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < shards:
+                raise ConfigError(f"pinned shard index {shard!r} is not in 0..{shards - 1}",
+                                  field=f"pins.{shard}")
+            if isinstance(prefixes, (str, bytes)):
+                raise ConfigError(f"pins of shard {shard} must be a list of prefixes, got "
+                                  f"{prefixes!r}", field=f"pins.{shard}")
+            for prefix in prefixes:
+                if not isinstance(prefix, str) or not prefix:
+                    raise ConfigError(f"a pinned prefix must be non-empty text, got {prefix!r}",
+                                      field=f"pins.{shard}")
+                raw = prefix.encode("utf-8")
+                other = owner_of.setdefault(raw, shard)
+                if other != shard:
+                    raise ConfigError(f"prefix {prefix!r} is pinned to shards {other} and "
+                                      f"{shard}", field=f"pins.{shard}")
+        self._pins = owner_of
+        self._pin_lengths = sorted({len(p) for p in owner_of}, reverse=True)
+
+    @property
+    def pins(self) -> dict[str, int]:
+        """Pinned prefix -> shard index."""
+        return {p.decode("utf-8"): s for p, s in sorted(self._pins.items())}
+
+    def _pinned(self, key: bytes) -> int | None:
+        for length in self._pin_lengths:
+            if len(key) >= length:
+                shard = self._pins.get(key[:length])
+                if shard is not None:
+                    return shard
+        return None
+
+    def owner(self, key: str | bytes) -> int:
+        """The index of the one shard that owns ``key``."""
+        raw = _as_bytes(key)
+        if self._pin_lengths:
+            shard = self._pinned(raw)
+            if shard is not None:
+                return shard
+        return _hashed_owner(_segment_bytes(raw), self.shards)
+
+    def owners_of_subtree(self, subtree: str | bytes) -> list[int]:
+        """Sorted indexes of every shard that can own a key starting with ``subtree``."""
+        sub = _as_bytes(subtree)
+        owners = {s for p, s in self._pins.items() if p.startswith(sub)}
+        above = self._pinned(sub)
+        if above is not None:
+            owners.add(above)  # every key under sub starts with that pin
+            return sorted(owners)
+        if sub[:1] == b"/":
+            end = sub.find(b"/", 1)
+            segment = None if end < 0 else sub[1:end]
+        else:
+            end = sub.find(b"/")
+            segment = None if end < 0 else sub[:end]
+        if segment is None:
+            return list(range(self.shards))
+        owners.add(_hashed_owner(segment, self.shards))
+        return sorted(owners)
+
+    def describe(self) -> dict:
+        """The routing function and its parameters as plain data (for the cluster map)."""
+        return {
+            "version": ROUTING_VERSION,
+            "function": "pinned-prefix-then-jump-consistent-hash",
+            "segment": "first path segment",
+            "hash": "blake2b-64-big-endian",
+            "shards": self.shards,
+            "pins": [[prefix, shard] for prefix, shard in self.pins.items()],
+        }
+
+    @classmethod
+    def from_description(cls, description: Mapping) -> "ShardMap":
+        """Rebuild a map from ``describe()`` output; refuses an unknown routing version."""
+        version = description.get("version")
+        if version != ROUTING_VERSION:
+            raise ConfigError(f"routing version {version!r} is not supported (this client "
+                              f"knows version {ROUTING_VERSION})", field="routing.version")
+        pins: dict[int, list[str]] = {}
+        try:
+            for prefix, shard in description.get("pins", []):
+                pins.setdefault(shard, []).append(prefix)
+        except (TypeError, ValueError):
+            raise ConfigError(f"routing pins must be [prefix, shard] pairs, got "
+                              f"{description.get('pins')!r}", field="routing.pins") from None
+        return cls(description.get("shards"), pins)
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, ShardMap) and self.shards == other.shards
+                and self._pins == other._pins)
+
+    def __hash__(self) -> int:
+        return hash((self.shards, frozenset(self._pins.items())))
+
+    def __repr__(self) -> str:
+        return f"ShardMap(shards={self.shards}, pins={self.pins!r})"

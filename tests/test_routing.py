@@ -1,0 +1,232 @@
+"""Routing: segment rule, jump hash, pinned prefixes, subtree fan-out, fixed vectors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from shards.errors import ConfigError
+from shards.routing import (ROUTING_VERSION, ShardMap, jump_consistent_hash, routing_segment,
+                            segment_hash)
+
+# A small alphabet makes keys, subtrees and pins collide often.
+ALPHABET = "/ab1é"
+keys = st.text(alphabet=ALPHABET, max_size=12)
+prefixes = st.text(alphabet=ALPHABET, min_size=1, max_size=6)
+
+
+@st.composite
+def shard_maps(draw):
+    shards = draw(st.integers(1, 40))
+    pinned = draw(st.dictionaries(prefixes, st.integers(0, shards - 1), max_size=5))
+    pins: dict[int, list[str]] = {}
+    for prefix, shard in pinned.items():
+        pins.setdefault(shard, []).append(prefix)
+    return ShardMap(shards, pins), pinned
+
+
+# ------------------------------------------------------------------ segment and hashes
+
+@pytest.mark.parametrize("key, segment", [
+    ("/users/42/name", "users"), ("/users", "users"), ("/users/", "users"), ("/", ""),
+    ("//x", ""), ("config/a/b", "config"), ("plain", "plain"), ("", ""), ("a/", "a"),
+    ("/é/x", "é"),
+])
+def test_routing_segment(key, segment):
+    assert routing_segment(key) == segment
+
+
+def test_jump_hash_matches_published_vectors():
+    # vectors from independent implementations of the paper's C++ code
+    assert jump_consistent_hash(123456, 1000) == 984
+    assert jump_consistent_hash(1, 1) == 0
+    assert jump_consistent_hash(1, 10) == 6
+    assert jump_consistent_hash(1, 100) == 55
+    assert jump_consistent_hash(2, 100) == 62
+    assert jump_consistent_hash(0xDEADBEEF, 1000) == 285
+    assert jump_consistent_hash(2016238256797177309, 11) == 3
+
+
+def test_jump_hash_rejects_no_buckets():
+    with pytest.raises(ValueError):
+        jump_consistent_hash(1, 0)
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(1, 300))
+def test_jump_hash_moves_keys_only_into_the_new_bucket(key, n):
+    before = jump_consistent_hash(key, n)
+    after = jump_consistent_hash(key, n + 1)
+    assert 0 <= before < n
+    assert after == before or after == n
+
+
+def test_jump_hash_spreads_and_moves_about_one_in_n():
+    n = 8
+    counts = [0] * (n + 1)
+    moved = 0
+    total = 20000
+    for k in range(total):
+        h = segment_hash(f"k{k}")
+        before, after = jump_consistent_hash(h, n), jump_consistent_hash(h, n + 1)
+        counts[after] += 1
+        moved += before != after
+    assert min(counts) > total / (n + 1) * 0.85
+    assert max(counts) < total / (n + 1) * 1.15
+    assert abs(moved - total / (n + 1)) < total / (n + 1) * 0.15
+
+
+def test_segment_hash_is_blake2b64_big_endian():
+    assert segment_hash("users") == segment_hash(b"users") == 0x889B3FB8E93E603E
+    assert segment_hash("") == 0xE4A6A0577479B2B4
+    assert segment_hash("é") == 0xCB1ABF8BEFF3192F
+    assert segment_hash("config") == 0xC42529561396EB19
+
+
+# ------------------------------------------------------------------ fixed vectors
+# Never edit these to make a test pass: a change here means every deployed client and
+# server routes differently. Change ROUTING_VERSION (and the cluster map) instead.
+
+VECTOR_KEYS = ["/users/42", "/orders/7", "/config/x", "/a", "plain", "x/y", "", "/é/1"]
+OWNER_VECTORS = {
+    1: [0, 0, 0, 0, 0, 0, 0, 0],
+    2: [1, 0, 0, 0, 1, 0, 0, 0],
+    4: [1, 0, 3, 0, 3, 0, 2, 2],
+    16: [1, 12, 7, 11, 9, 7, 5, 2],
+}
+
+
+@pytest.mark.parametrize("shards", sorted(OWNER_VECTORS))
+def test_fixed_owner_vectors(shards):
+    smap = ShardMap(shards)
+    assert [smap.owner(k) for k in VECTOR_KEYS] == OWNER_VECTORS[shards]
+    assert [smap.owner(k.encode()) for k in VECTOR_KEYS] == OWNER_VECTORS[shards]
+
+
+def test_routing_version_and_description_are_pinned():
+    assert ROUTING_VERSION == 1
+    assert ShardMap(4, {2: ["/config/"]}).describe() == {
+        "version": 1,
+        "function": "pinned-prefix-then-jump-consistent-hash",
+        "segment": "first path segment",
+        "hash": "blake2b-64-big-endian",
+        "shards": 4,
+        "pins": [["/config/", 2]],
+    }
+
+
+# ------------------------------------------------------------------ ShardMap
+
+@given(shard_maps(), keys)
+def test_every_key_has_exactly_one_owner_in_range(sm, key):
+    smap, _ = sm
+    owner = smap.owner(key)
+    assert 0 <= owner < smap.shards
+    assert smap.owner(key.encode("utf-8")) == owner
+    assert smap.owner(key) == owner  # deterministic
+
+
+@given(shard_maps(), keys)
+def test_longest_pinned_prefix_wins(sm, key):
+    smap, pinned = sm
+    matching = [p for p in pinned if key.startswith(p)]
+    if matching:
+        assert smap.owner(key) == pinned[max(matching, key=len)]
+    else:
+        assert smap.owner(key) == jump_consistent_hash(segment_hash(routing_segment(key)),
+                                                       smap.shards)
+
+
+@settings(max_examples=300)
+@given(shard_maps(), keys, st.lists(keys, min_size=1, max_size=8))
+def test_subtree_fan_out_covers_every_owner_under_it(sm, subtree, suffixes):
+    smap, pinned = sm
+    owners = smap.owners_of_subtree(subtree)
+    assert owners == sorted(set(owners))
+    assert all(0 <= s < smap.shards for s in owners)
+    for suffix in suffixes + [""] + [p[len(subtree):] for p in pinned if p.startswith(subtree)]:
+        assert smap.owner(subtree + suffix) in owners
+
+
+@given(shard_maps(), keys)
+def test_subtree_fan_out_is_tight_for_complete_segments(sm, subtree):
+    """Every shard returned really owns some key under the subtree (no needless fan-out)."""
+    smap, pinned = sm
+    owners = smap.owners_of_subtree(subtree)
+    if owners == list(range(smap.shards)):
+        return  # open segment: any shard may own a key under it
+    # witnesses: the subtree itself, each pin under it, and a key avoiding every pin
+    witnesses = [subtree] + [p for p in pinned if p.startswith(subtree)]
+    witnesses.append(subtree + "\x00zz")  # no pin contains "\x00"
+    assert sorted({smap.owner(k) for k in witnesses}) == owners
+
+
+def test_subtree_examples_without_pins():
+    smap = ShardMap(4)
+    assert smap.owners_of_subtree("") == [0, 1, 2, 3]
+    assert smap.owners_of_subtree("/") == [0, 1, 2, 3]
+    assert smap.owners_of_subtree("/us") == [0, 1, 2, 3]
+    assert smap.owners_of_subtree("/users/") == [smap.owner("/users/1")]
+    assert smap.owners_of_subtree("/users/42/") == [smap.owner("/users/1")]
+    assert smap.owners_of_subtree(b"/users/") == [smap.owner("/users/1")]
+    assert smap.owners_of_subtree("cfg/") == [smap.owner("cfg")]
+
+
+def test_subtree_examples_with_pins():
+    smap = ShardMap(4, {3: ["/users/admin/"], 2: ["/config/"]})
+    hashed = smap.owner("/users/1")
+    assert hashed != 3  # the example needs the pin to add a shard
+    assert smap.owners_of_subtree("/users/") == sorted({hashed, 3})
+    assert smap.owners_of_subtree("/users/admin/") == [3]
+    assert smap.owners_of_subtree("/users/admin/x/") == [3]
+    assert smap.owners_of_subtree("/config/") == [2]
+    assert smap.owner("/config/a") == 2
+    assert smap.owner("/users/admin/") == 3
+    assert smap.owner("/users/admin") == hashed  # the pin is "/users/admin/", not a prefix
+
+
+def test_pin_to_two_shards_is_an_error():
+    with pytest.raises(ConfigError) as info:
+        ShardMap(4, {0: ["/config/"], 1: ["/config/"]})
+    assert "pinned to shards 0 and 1" in str(info.value)
+    assert info.value.field == "pins.1"
+
+
+@pytest.mark.parametrize("shards, pins, text", [
+    (0, None, "shard count"),
+    (True, None, "shard count"),
+    ("4", None, "shard count"),
+    (4, {4: ["/x/"]}, "not in 0..3"),
+    (4, {0: [""]}, "non-empty"),
+    (4, {0: "/x/"}, "list of prefixes"),
+])
+def test_bad_maps_are_refused(shards, pins, text):
+    with pytest.raises(ConfigError) as info:
+        ShardMap(shards, pins)
+    assert text in str(info.value)
+
+
+def test_same_prefix_twice_on_one_shard_is_fine():
+    assert ShardMap(2, {1: ["/a/", "/a/"]}).pins == {"/a/": 1}
+
+
+def test_describe_round_trips_through_json():
+    smap = ShardMap(16, {3: ["/config/", "/users/admin/"], 0: ["/z/"]})
+    description = json.loads(json.dumps(smap.describe()))
+    assert description["version"] == ROUTING_VERSION
+    assert description["shards"] == 16
+    again = ShardMap.from_description(description)
+    assert again == smap
+    assert hash(again) == hash(smap)
+
+
+def test_unknown_routing_version_is_refused():
+    description = ShardMap(2).describe()
+    description["version"] = ROUTING_VERSION + 1
+    with pytest.raises(ConfigError) as info:
+        ShardMap.from_description(description)
+    assert info.value.field == "routing.version"
+
+
+def test_invalid_utf8_bytes_key_still_has_an_owner():
+    assert 0 <= ShardMap(16).owner(b"/\xff\xfe/x") < 16
