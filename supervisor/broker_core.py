@@ -1,0 +1,409 @@
+"""The MDP/0.2 broker's bookkeeping as a pure core: no sockets, no clock, no logging.
+
+The I/O shell (``supervisor/broker.py``) feeds it every message read from its ROUTER
+(``on_message(frames, now)``, ``frames[0]`` is the peer identity) and a periodic
+``on_tick(now)``; both return a list of effects for the shell to perform:
+
+* ``list[bytes]``  send these frames on the ROUTER (``frames[0]`` is the peer identity);
+* ``InternalCall`` run a service the broker hosts itself (see ``add_internal``);
+* ``Drop``         a message or request was dropped: count and log it (DropCounter);
+* ``Note``         a rare lifecycle event worth a log line (worker came, went...).
+
+Rules (spec 18/MDP v0.2; where it is open, the choice is marked *):
+
+* One queue per service. A request to a service with no idle worker is queued (bounded:
+  ``max_queued`` per service, overflow dropped ``queue_full``) and expires after
+  ``request_expiry_s``; the client is told nothing (``request_expired`` drop).
+* Idle workers are served least-recently-used: a worker that finishes joins the back of
+  its service's idle list; a request goes to the front one.
+* A worker PARTIAL/FINAL is relayed to its client as MDPC02 PARTIAL/FINAL with the
+  service name. A FINAL ends the request; the worker then takes the next queued request.
+* Heartbeats: every message from a worker except DISCONNECT refreshes its expiry
+  (``liveness`` x ``heartbeat_s``). On a tick, a worker the broker has sent nothing to
+  for ``heartbeat_s`` gets a HEARTBEAT (the spec asks not to heartbeat beside other
+  traffic), and a worker past its expiry is gone: forgotten silently (the spec: stop
+  sending it anything) and its in-flight request re-queued at the front of the queue
+  for another worker (workers are idempotent) with a fresh expiry. *A re-queued request
+  starts over: the client may see PARTIALs again.
+* Valid but unexpected worker commands get DISCONNECT and the worker is forgotten: a
+  second READY, a PARTIAL/FINAL with no request in flight or for another client, any
+  command but READY/DISCONNECT from an unknown peer (this is how workers of a restarted
+  broker learn to re-register), *a READY for a service the broker hosts itself (mmi.*
+  or internal), *a READY beyond ``max_workers``/``max_services``.
+* Invalid messages (the codec's ProtocolError) are dropped and counted; if the sender
+  was a worker it is forgotten, silently (its request re-queued). *Commands that exist
+  but never travel towards a broker (MDPC02 PARTIAL/FINAL, MDPW02 REQUEST) count as
+  invalid. *The broker keeps no client state, so an invalid client costs nothing more.
+* A DISCONNECT from a worker: forgotten, nothing sent back; from an unknown peer: ignored.
+* MMI (``mmi.*``, answered by the core itself): ``mmi.service`` with the service name as
+  body answers FINAL "200" if that service has a worker or is hosted by the broker, else
+  "404". Any other mmi.* service not registered with ``add_internal`` answers "501".
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
+
+from shards.errors import ProtocolError
+from shards.proto import mdp
+from shards.proto.mdp import (C_FINAL, C_PARTIAL, C_REQUEST, MDPC, MDPW, W_DISCONNECT,
+                              W_FINAL, W_HEARTBEAT, W_PARTIAL, W_READY, W_REQUEST)
+
+MMI_PREFIX = b"mmi."
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerConfig:
+    heartbeat_s: float = 2.5
+    liveness: int = 3
+    request_expiry_s: float = 10.0
+    max_queued: int = 1000
+    """Queued requests per service."""
+    max_services: int = 1000
+    max_workers: int = 10000
+    limits: mdp.Limits = field(default_factory=mdp.Limits)
+
+    def __post_init__(self):
+        if self.heartbeat_s <= 0 or self.request_expiry_s <= 0:
+            raise ValueError("heartbeat_s and request_expiry_s must be > 0")
+        if self.liveness < 1 or self.max_queued < 0:
+            raise ValueError("liveness must be >= 1 and max_queued >= 0")
+
+    @property
+    def worker_expiry_s(self) -> float:
+        return self.heartbeat_s * self.liveness
+
+
+class InternalCall(NamedTuple):
+    """Run the broker-hosted service ``service`` for ``client`` (shell's job)."""
+
+    client: bytes
+    service: bytes
+    body: list[bytes]
+
+
+class Drop(NamedTuple):
+    reason: str
+    detail: str
+
+
+class Note(NamedTuple):
+    event: str
+    detail: str
+
+
+class Request:
+    __slots__ = ("client", "service", "body", "expires_at")
+
+    def __init__(self, client: bytes, service: bytes, body: list[bytes], expires_at: float):
+        self.client = client
+        self.service = service
+        self.body = body
+        self.expires_at = expires_at
+
+
+class Service:
+    __slots__ = ("name", "requests", "idle", "workers")
+
+    def __init__(self, name: bytes):
+        self.name = name
+        self.requests: deque[Request] = deque()
+        self.idle: dict[bytes, Worker] = {}  # insertion order = least recently used first
+        self.workers = 0
+
+
+class Worker:
+    __slots__ = ("identity", "service", "expires_at", "sent_at", "request")
+
+    def __init__(self, identity: bytes, service: Service, expires_at: float, sent_at: float):
+        self.identity = identity
+        self.service = service
+        self.expires_at = expires_at
+        self.sent_at = sent_at
+        self.request: Request | None = None
+
+
+def peer(identity: bytes) -> str:
+    return identity.hex()
+
+
+class BrokerCore:
+    def __init__(self, config: BrokerConfig | None = None):
+        self.config = config or BrokerConfig()
+        self.services: dict[bytes, Service] = {}
+        self.workers: dict[bytes, Worker] = {}
+        self.internal: set[bytes] = set()
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("requests", "dispatched", "partials", "finals", "queued", "requeued", "mmi",
+             "internal_calls", "workers_registered", "workers_expired",
+             "workers_disconnected", "workers_invalid", "heartbeats_sent",
+             "disconnects_sent"), 0)
+        self._expiry_s = self.config.worker_expiry_s
+
+    # ----------------------------------------------------------------- internal services
+    def add_internal(self, service: bytes) -> None:
+        """Let the broker answer ``service`` itself (the shell runs the handler)."""
+        mdp.check_service(service, "READY", self.config.limits)
+        self.internal.add(service)
+
+    def remove_internal(self, service: bytes) -> None:
+        self.internal.discard(service)
+
+    # ----------------------------------------------------------------- messages
+    def on_message(self, frames: Sequence[bytes], now: float) -> list:
+        """One message read from the ROUTER: ``frames[0]`` is the sender's identity."""
+        if len(frames) > 1:
+            header = frames[1]
+            if header == MDPW:
+                return self._on_worker(frames, now)
+            if header == MDPC:
+                return self._on_client(frames, now)
+        identity = frames[0]
+        effects: list = []
+        try:
+            mdp.decode_client(frames[1:], self.config.limits)
+        except ProtocolError as exc:
+            effects.append(Drop(exc.reason, f"peer {peer(identity)}: {exc}"))
+        worker = self.workers.get(identity)
+        if worker is not None:
+            self._invalid_worker(worker, now, effects)
+        return effects
+
+    def _on_client(self, frames: Sequence[bytes], now: float) -> list:
+        client = frames[0]
+        try:
+            msg = mdp.decode_client(frames[1:], self.config.limits)
+        except ProtocolError as exc:
+            return [Drop(exc.reason, f"client {peer(client)}: {exc}")]
+        if msg.command != C_REQUEST:
+            return [Drop("wrong_direction",
+                         f"client {peer(client)}: MDPC02 {mdp.CLIENT_COMMANDS[msg.command]} "
+                         "is only sent by a broker")]
+        return self.on_request(client, msg.service, msg.body, now)
+
+    def on_request(self, client: bytes, service: bytes, body: list[bytes], now: float) -> list:
+        """A valid client REQUEST (also the entry point for tests and internal routing)."""
+        self.counters["requests"] += 1
+        if service in self.internal:
+            self.counters["internal_calls"] += 1
+            return [InternalCall(client, service, body)]
+        if service.startswith(MMI_PREFIX):
+            return [self._mmi(client, service, body)]
+        svc = self.services.get(service)
+        if svc is None:
+            svc = self._new_service(service)
+            if svc is None:
+                return [Drop("too_many_services",
+                             f"request for {service!r} from {peer(client)}: "
+                             f"{len(self.services)} services already")]
+        if svc.idle:
+            worker = svc.idle.pop(next(iter(svc.idle)))
+            return [self._dispatch(worker, Request(client, service, body, 0.0), now)]
+        if len(svc.requests) >= self.config.max_queued:
+            return [Drop("queue_full", f"request for {service!r} from {peer(client)}: "
+                                       f"{len(svc.requests)} queued")]
+        svc.requests.append(Request(client, service, body, now + self.config.request_expiry_s))
+        self.counters["queued"] += 1
+        return []
+
+    def _on_worker(self, frames: Sequence[bytes], now: float) -> list:
+        identity = frames[0]
+        worker = self.workers.get(identity)
+        try:
+            msg = mdp.decode_worker(frames[1:], self.config.limits)
+        except ProtocolError as exc:
+            effects: list = [Drop(exc.reason, f"worker {peer(identity)}: {exc}")]
+            if worker is not None:
+                self._invalid_worker(worker, now, effects)
+            return effects
+        command = msg.command
+        if worker is None:
+            if command == W_READY:
+                return self._register(identity, msg.service, now)
+            if command == W_DISCONNECT:
+                return []
+            if command == W_REQUEST:
+                return [Drop("wrong_direction",
+                             f"peer {peer(identity)}: MDPW02 REQUEST is only sent by a broker")]
+            return self._disconnect(identity, "unknown_worker",
+                                    f"{mdp.WORKER_COMMANDS[command]} from an unknown peer")
+        worker.expires_at = now + self._expiry_s
+        if command == W_FINAL or command == W_PARTIAL:
+            request = worker.request
+            if request is None or request.client != msg.client:
+                effects = self._disconnect(
+                    identity, "unexpected_reply",
+                    f"{mdp.WORKER_COMMANDS[command]} for client {peer(msg.client)} while "
+                    + ("idle" if request is None else f"serving {peer(request.client)}"))
+                self._forget(worker, now, effects)
+                return effects
+            if command == W_PARTIAL:
+                self.counters["partials"] += 1
+                return [[request.client, MDPC, C_PARTIAL, request.service, *msg.body]]
+            self.counters["finals"] += 1
+            worker.request = None
+            effects = [[request.client, MDPC, C_FINAL, request.service, *msg.body]]
+            self._worker_idle(worker, now, effects)
+            return effects
+        if command == W_HEARTBEAT:
+            return []
+        if command == W_DISCONNECT:
+            self.counters["workers_disconnected"] += 1
+            effects = [Note("worker_disconnected",
+                            f"worker {peer(identity)} ({worker.service.name!r}) disconnected")]
+            self._forget(worker, now, effects)
+            return effects
+        if command == W_READY:
+            effects = self._disconnect(identity, "duplicate_ready",
+                                       f"second READY ({msg.service!r})")
+            self._forget(worker, now, effects)
+            return effects
+        # W_REQUEST: exists, but never travels towards a broker
+        effects = [Drop("wrong_direction",
+                        f"worker {peer(identity)}: MDPW02 REQUEST is only sent by a broker")]
+        self._invalid_worker(worker, now, effects)
+        return effects
+
+    # ----------------------------------------------------------------- timer
+    def on_tick(self, now: float) -> list:
+        """Expire silent workers (re-queueing their requests), heartbeat the others,
+        expire queued requests, forget empty services. Call every ~heartbeat_s/4."""
+        effects: list = []
+        heartbeat_s = self.config.heartbeat_s
+        for worker in [w for w in self.workers.values() if w.expires_at <= now]:
+            self.counters["workers_expired"] += 1
+            effects.append(Note("worker_expired",
+                                f"worker {peer(worker.identity)} ({worker.service.name!r}) "
+                                f"silent for {self._expiry_s:g} s"))
+            self._forget(worker, now, effects)
+        for worker in self.workers.values():
+            if now - worker.sent_at >= heartbeat_s:
+                worker.sent_at = now
+                self.counters["heartbeats_sent"] += 1
+                effects.append([worker.identity, MDPW, W_HEARTBEAT])
+        for name in list(self.services):
+            svc = self.services[name]
+            if svc.requests:
+                self._expire_requests(svc, now, effects)
+            if not svc.requests and not svc.workers:
+                del self.services[name]
+        return effects
+
+    # ----------------------------------------------------------------- helpers
+    def _new_service(self, name: bytes) -> Service | None:
+        if len(self.services) >= self.config.max_services:
+            for key in [k for k, s in self.services.items() if not s.requests and not s.workers]:
+                del self.services[key]
+            if len(self.services) >= self.config.max_services:
+                return None
+        svc = self.services[name] = Service(name)
+        return svc
+
+    def _register(self, identity: bytes, service: bytes, now: float) -> list:
+        if service in self.internal or service.startswith(MMI_PREFIX):
+            return self._disconnect(identity, "reserved_service",
+                                    f"READY for {service!r}, a service the broker hosts")
+        if len(self.workers) >= self.config.max_workers:
+            return self._disconnect(identity, "too_many_workers",
+                                    f"READY for {service!r}: {len(self.workers)} workers")
+        svc = self.services.get(service) or self._new_service(service)
+        if svc is None:
+            return self._disconnect(identity, "too_many_services",
+                                    f"READY for {service!r}: {len(self.services)} services")
+        worker = Worker(identity, svc, now + self._expiry_s, now)
+        self.workers[identity] = worker
+        svc.workers += 1
+        self.counters["workers_registered"] += 1
+        effects: list = [Note("worker_ready", f"worker {peer(identity)} serves {service!r}")]
+        self._worker_idle(worker, now, effects)
+        return effects
+
+    def _dispatch(self, worker: Worker, request: Request, now: float) -> list[bytes]:
+        worker.request = request
+        worker.sent_at = now
+        self.counters["dispatched"] += 1
+        return [worker.identity, MDPW, W_REQUEST, request.client, b"", *request.body]
+
+    def _worker_idle(self, worker: Worker, now: float, effects: list) -> None:
+        """The worker can take a request: the next live queued one, or join the idle list."""
+        svc = worker.service
+        requests = svc.requests
+        while requests:
+            request = requests.popleft()
+            if request.expires_at > now:
+                effects.append(self._dispatch(worker, request, now))
+                return
+            self._expired(request, effects)
+        svc.idle[worker.identity] = worker
+
+    def _forget(self, worker: Worker, now: float, effects: list) -> None:
+        """Remove the worker; its in-flight request goes back to the front of the queue."""
+        self.workers.pop(worker.identity, None)
+        svc = worker.service
+        svc.idle.pop(worker.identity, None)
+        svc.workers -= 1
+        request = worker.request
+        worker.request = None
+        if request is None:
+            return
+        self.counters["requeued"] += 1
+        request.expires_at = now + self.config.request_expiry_s
+        if svc.idle:
+            other = svc.idle.pop(next(iter(svc.idle)))
+            effects.append(self._dispatch(other, request, now))
+        else:
+            svc.requests.appendleft(request)
+
+    def _invalid_worker(self, worker: Worker, now: float, effects: list) -> None:
+        self.counters["workers_invalid"] += 1
+        effects.append(Note("worker_invalid", f"worker {peer(worker.identity)} "
+                                              f"({worker.service.name!r}) sent an invalid "
+                                              "message: forgotten"))
+        self._forget(worker, now, effects)
+
+    def _disconnect(self, identity: bytes, reason: str, detail: str) -> list:
+        self.counters["disconnects_sent"] += 1
+        key = "disconnect." + reason
+        self.counters[key] = self.counters.get(key, 0) + 1
+        return [Note("disconnect", f"DISCONNECT to {peer(identity)}: {detail}"),
+                [identity, MDPW, W_DISCONNECT]]
+
+    def _expire_requests(self, svc: Service, now: float, effects: list) -> None:
+        live = deque()
+        for request in svc.requests:
+            if request.expires_at <= now:
+                self._expired(request, effects)
+            else:
+                live.append(request)
+        svc.requests = live
+
+    def _expired(self, request: Request, effects: list) -> None:
+        effects.append(Drop("request_expired",
+                            f"request for {request.service!r} from {peer(request.client)}: "
+                            f"no worker within {self.config.request_expiry_s:g} s"))
+
+    def _mmi(self, client: bytes, service: bytes, body: list[bytes]) -> list[bytes]:
+        self.counters["mmi"] += 1
+        if service == b"mmi.service":
+            name = body[0]
+            svc = self.services.get(name)
+            found = name in self.internal or (svc is not None and svc.workers > 0)
+            status = b"200" if found else b"404"
+        else:
+            status = b"501"
+        return [client, MDPC, C_FINAL, service, status]
+
+    # ----------------------------------------------------------------- reporting
+    def queued(self) -> int:
+        return sum(len(s.requests) for s in self.services.values())
+
+    def snapshot(self) -> dict:
+        """Counters and a per-service view (names decoded), for ``stats()``."""
+        services = {}
+        for name, svc in self.services.items():
+            services[name.decode("utf-8", "replace")] = {
+                "workers": svc.workers, "idle": len(svc.idle), "queued": len(svc.requests)}
+        return {"counters": dict(self.counters), "workers": len(self.workers),
+                "queued": self.queued(), "services": services,
+                "internal": sorted(s.decode("utf-8", "replace") for s in self.internal)}

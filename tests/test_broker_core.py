@@ -1,0 +1,282 @@
+"""The broker's pure core: every rule with a fake clock and frames in memory (no zmq)."""
+from __future__ import annotations
+
+import pytest
+
+from shards.proto import mdp
+from supervisor.broker_core import BrokerConfig, BrokerCore, Drop, InternalCall, Note
+
+HB = 1.0
+CFG = BrokerConfig(heartbeat_s=HB, liveness=3, request_expiry_s=5.0, max_queued=3)
+C1, C2, C3 = b"\x00c1", b"\x00c2", b"\x00c3"
+W1, W2, W3 = b"\x00w1", b"\x00w2", b"\x00w3"
+
+
+def sends(effects):
+    return [e for e in effects if isinstance(e, list)]
+
+
+def drops(effects):
+    return [e.reason for e in effects if isinstance(e, Drop)]
+
+
+class Harness:
+    """A core plus a fake clock; ``client``/``worker`` feed frames as the ROUTER would."""
+
+    def __init__(self, config=CFG):
+        self.core = BrokerCore(config)
+        self.now = 100.0
+
+    def client(self, ident, *frames):
+        return self.core.on_message([ident, *frames], self.now)
+
+    def request(self, ident, service, *body):
+        return self.client(ident, *mdp.client_request(service, *body))
+
+    def worker(self, ident, *frames):
+        return self.core.on_message([ident, *frames], self.now)
+
+    def ready(self, ident, service=b"echo"):
+        return self.worker(ident, *mdp.ready(service))
+
+    def tick(self, dt=0.0):
+        self.now += dt
+        return self.core.on_tick(self.now)
+
+
+@pytest.fixture
+def h():
+    return Harness()
+
+
+def test_request_goes_to_an_idle_worker_with_the_client_address(h):
+    assert sends(h.ready(W1)) == []
+    out = sends(h.request(C1, b"echo", b"a", b"b"))
+    assert out == [[W1, b"MDPW02", b"\x02", C1, b"", b"a", b"b"]]
+
+
+def test_partials_then_final_are_relayed_with_the_service_name(h):
+    h.ready(W1)
+    h.request(C1, b"echo", b"q")
+    assert sends(h.worker(W1, *mdp.worker_partial(C1, b"p1"))) == [
+        [C1, b"MDPC02", b"\x02", b"echo", b"p1"]]
+    assert sends(h.worker(W1, *mdp.worker_partial(C1, b"p2", b"p2b"))) == [
+        [C1, b"MDPC02", b"\x02", b"echo", b"p2", b"p2b"]]
+    assert sends(h.worker(W1, *mdp.worker_final(C1, b"f"))) == [
+        [C1, b"MDPC02", b"\x03", b"echo", b"f"]]
+    assert h.core.counters["partials"] == 2 and h.core.counters["finals"] == 1
+    # after FINAL the worker is idle again and takes the next request
+    assert sends(h.request(C2, b"echo", b"q2"))[0][:4] == [W1, b"MDPW02", b"\x02", C2]
+
+
+def test_workers_are_served_least_recently_used(h):
+    for w in (W1, W2, W3):
+        h.ready(w)
+    order = []
+    for client in (C1, C2, C3, C1, C2):
+        (out,) = sends(h.request(client, b"echo", b"x"))
+        worker = out[0]
+        order.append(worker)
+        h.worker(worker, *mdp.worker_final(client, b"y"))
+    assert order == [W1, W2, W3, W1, W2]
+    # a worker that just finished goes to the back
+    (out,) = sends(h.request(C1, b"echo", b"x"))
+    assert out[0] == W3
+
+
+def test_queued_request_is_served_when_a_worker_arrives(h):
+    assert h.request(C1, b"late", b"q") == []
+    assert h.core.queued() == 1
+    h.now += 1.0
+    out = sends(h.ready(W1, b"late"))
+    assert out == [[W1, b"MDPW02", b"\x02", C1, b"", b"q"]]
+    assert h.core.queued() == 0
+
+
+def test_queued_requests_expire_and_the_client_is_told_nothing(h):
+    h.request(C1, b"ghost", b"old")
+    assert sends(h.tick(4.9)) == []
+    effects = h.tick(0.2)
+    assert sends(effects) == [] and drops(effects) == ["request_expired"]
+    h.request(C2, b"ghost", b"new")
+    assert sends(h.ready(W1, b"ghost")) == [[W1, b"MDPW02", b"\x02", C2, b"", b"new"]]
+
+
+def test_expired_requests_are_skipped_even_before_a_tick(h):
+    h.request(C1, b"ghost", b"old")
+    h.now += 6.0
+    effects = h.ready(W1, b"ghost")
+    assert drops(effects) == ["request_expired"] and sends(effects) == []
+    assert sends(h.request(C2, b"ghost", b"new"))[0][3] == C2
+
+
+def test_queues_are_bounded(h):
+    for _ in range(3):
+        assert h.request(C1, b"busy", b"x") == []
+    assert drops(h.request(C1, b"busy", b"x")) == ["queue_full"]
+    assert h.core.queued() == 3
+
+
+def test_duplicate_ready_gets_disconnect_and_the_worker_is_forgotten(h):
+    h.ready(W1)
+    out = sends(h.ready(W1))
+    assert out == [[W1, b"MDPW02", b"\x06"]]
+    assert W1 not in h.core.workers
+    assert h.core.counters["disconnect.duplicate_ready"] == 1
+    assert h.request(C1, b"echo", b"x") == []  # queued: no worker left
+
+
+def test_reply_without_request_gets_disconnect(h):
+    h.ready(W1)
+    assert sends(h.worker(W1, *mdp.worker_final(C1, b"f"))) == [[W1, b"MDPW02", b"\x06"]]
+    assert W1 not in h.core.workers
+    h.ready(W2)
+    assert sends(h.worker(W2, *mdp.worker_partial(C1, b"p"))) == [[W2, b"MDPW02", b"\x06"]]
+
+
+def test_reply_for_another_client_gets_disconnect_and_the_request_is_requeued(h):
+    h.ready(W1)
+    h.ready(W2)
+    h.request(C1, b"echo", b"q")  # -> W1
+    out = sends(h.worker(W1, *mdp.worker_final(C2, b"wrong")))
+    assert out == [[W1, b"MDPW02", b"\x06"], [W2, b"MDPW02", b"\x02", C1, b"", b"q"]]
+    assert h.core.counters["requeued"] == 1
+
+
+def test_commands_from_unknown_peers(h):
+    for frames in (mdp.heartbeat(), mdp.worker_final(C1, b"x"), mdp.worker_partial(C1, b"x")):
+        assert sends(h.worker(W1, *frames)) == [[W1, b"MDPW02", b"\x06"]]
+    assert h.worker(W1, *mdp.disconnect()) == []  # nothing sent after a DISCONNECT
+    assert drops(h.worker(W1, *mdp.worker_request(C1, b"x"))) == ["wrong_direction"]
+    assert h.core.workers == {}
+
+
+def test_worker_disconnect_forgets_it_and_requeues_its_request(h):
+    h.ready(W1)
+    h.request(C1, b"echo", b"q")
+    effects = h.worker(W1, *mdp.disconnect())
+    assert sends(effects) == []
+    assert W1 not in h.core.workers and h.core.queued() == 1
+    assert sends(h.ready(W2)) == [[W2, b"MDPW02", b"\x02", C1, b"", b"q"]]
+
+
+def test_heartbeats_go_to_workers_not_recently_sent_to(h):
+    h.ready(W1)
+    h.ready(W2)
+    h.tick(0.5)
+    h.request(C1, b"echo", b"q")  # W1 gets a REQUEST at t+0.5
+    out = sends(h.tick(0.5))
+    assert out == [[W2, b"MDPW02", b"\x05"]]
+    h.worker(W2, *mdp.heartbeat())
+    out = sends(h.tick(0.5))
+    assert out == [[W1, b"MDPW02", b"\x05"]]
+    assert h.core.counters["heartbeats_sent"] == 2
+
+
+def test_a_silent_worker_is_gone_and_its_request_goes_to_another(h):
+    h.ready(W1)
+    h.request(C1, b"echo", b"q")  # W1 busy
+    h.ready(W2)
+    for _ in range(5):
+        h.tick(0.5)
+        h.worker(W2, *mdp.heartbeat())  # W2 keeps talking, W1 is silent
+    effects = h.tick(0.5)  # 3 s after W1's last message
+    assert [W2, b"MDPW02", b"\x02", C1, b"", b"q"] in sends(effects)
+    assert not any(e[0] == W1 for e in sends(effects))  # nothing sent to the dead worker
+    assert W1 not in h.core.workers
+    assert h.core.counters["workers_expired"] == 1 and h.core.counters["requeued"] == 1
+    assert sends(h.worker(W2, *mdp.worker_final(C1, b"r"))) == [
+        [C1, b"MDPC02", b"\x03", b"echo", b"r"]]
+
+
+def test_any_worker_message_counts_as_a_heartbeat(h):
+    h.ready(W1)
+    for _ in range(10):
+        h.request(C1, b"echo", b"q")
+        h.now += 1.0
+        h.worker(W1, *mdp.worker_final(C1, b"r"))
+        h.tick()
+    assert W1 in h.core.workers
+
+
+def test_requeued_request_waits_if_no_worker_is_left(h):
+    h.ready(W1)
+    h.request(C1, b"echo", b"first")
+    h.request(C2, b"echo", b"second")  # queued
+    h.tick(3.0)  # W1 expires, "first" goes back to the FRONT of the queue
+    assert h.core.queued() == 2
+    assert sends(h.ready(W2)) == [[W2, b"MDPW02", b"\x02", C1, b"", b"first"]]
+
+
+def test_invalid_messages_are_dropped_and_an_invalid_worker_forgotten(h):
+    h.ready(W1)
+    h.request(C1, b"echo", b"q")
+    for frames in ([b"MDPW02", b"\x09"], [b"MDPW02", b"\x04", C1, b"nodelim", b"x"]):
+        h.ready(W2)
+        effects = h.worker(W2, *frames)
+        assert drops(effects) and sends(effects) == []
+        assert W2 not in h.core.workers
+    effects = h.worker(W1, b"JUNK")
+    assert drops(effects) == ["bad_header"]
+    assert W1 not in h.core.workers and h.core.queued() == 1  # its request was re-queued
+    assert h.core.counters["workers_invalid"] == 3
+
+
+@pytest.mark.parametrize("frames, reason", [
+    ([b""], "leading_empty_frame"),
+    ([b"", b"MDPC02", b"\x01", b"echo", b"x"], "leading_empty_frame"),
+    ([b"MDPC02", b"\x01", b"echo"], "frame_count"),
+    ([b"MDPC02", b"\x07", b"echo", b"x"], "bad_command"),
+    ([b"MDPC02", b"\x03", b"echo", b"x"], "wrong_direction"),
+    ([b"MDPC02", b"\x01", b"bad\x00name", b"x"], "bad_service"),
+    ([b"HELLO"], "bad_header"),
+])
+def test_invalid_client_messages_are_dropped(h, frames, reason):
+    h.ready(W1)
+    effects = h.client(C1, *frames)
+    if reason == "leading_empty_frame" and len(frames) == 1:
+        reason = "bad_header"  # a lone empty frame: nothing says it is MDP/0.1
+    assert drops(effects) == [reason] and sends(effects) == []
+    assert sends(h.request(C2, b"echo", b"ok"))[0][0] == W1  # still serving
+
+
+def test_mmi_service(h):
+    h.ready(W1)
+    assert sends(h.request(C1, b"mmi.service", b"echo")) == [
+        [C1, b"MDPC02", b"\x03", b"mmi.service", b"200"]]
+    assert sends(h.request(C1, b"mmi.service", b"nobody"))[0][4] == b"404"
+    assert sends(h.request(C1, b"mmi.nothing", b"x"))[0][4] == b"501"
+
+
+def test_internal_services(h):
+    h.core.add_internal(b"cluster.map")
+    effects = h.request(C1, b"cluster.map", b"q")
+    assert effects == [InternalCall(C1, b"cluster.map", [b"q"])]
+    assert sends(h.request(C1, b"mmi.service", b"cluster.map"))[0][4] == b"200"
+    # a worker may not take over a broker-hosted service
+    assert sends(h.ready(W1, b"cluster.map")) == [[W1, b"MDPW02", b"\x06"]]
+    assert sends(h.ready(W2, b"mmi.service")) == [[W2, b"MDPW02", b"\x06"]]
+
+
+def test_services_and_workers_are_bounded():
+    h = Harness(BrokerConfig(heartbeat_s=HB, max_services=2, max_workers=2, max_queued=5))
+    h.request(C1, b"a", b"x")
+    h.request(C1, b"b", b"x")
+    assert drops(h.request(C1, b"c", b"x")) == ["too_many_services"]
+    h.ready(W1, b"a")
+    h.ready(W2, b"b")
+    assert sends(h.ready(W3, b"a")) == [[W3, b"MDPW02", b"\x06"]]
+
+
+def test_empty_services_are_forgotten_on_tick(h):
+    h.request(C1, b"ghost", b"x")
+    h.tick(6.0)
+    assert b"ghost" not in h.core.services
+    snap = h.core.snapshot()
+    assert snap["queued"] == 0 and snap["counters"]["requests"] == 1
+
+
+def test_lifecycle_notes(h):
+    assert any(isinstance(e, Note) and e.event == "worker_ready" for e in h.ready(W1))
+    effects = h.tick(3.5)
+    assert any(isinstance(e, Note) and e.event == "worker_expired" for e in effects)
