@@ -1,0 +1,325 @@
+"""Placement: resolve a validated config against a host into a plan, or say precisely why
+it does not fit.
+
+``plan(config, facts)`` is pure. It gives every server its shard, role, core set, NIC,
+IPv4 address and ports P..P+3, and collects every problem into one ConfigError whose
+lines read ``FIELD: given VALUE: PROBLEM; WHAT THE HOST HAS``:
+
+- a core the host lacks (the host's usable cores are listed), a NIC the host lacks (its
+  NICs are listed), a NIC without an IPv4 address, a ``host`` address no NIC holds;
+- two servers whose port ranges overlap on one address (both named), a server range
+  that holds the control port, a control address the host lacks.
+
+(Shard count, port range, unknown fields and prefixes pinned twice are schema errors,
+raised by ``supervisor.config`` while loading.) ``check_ports_free(plan)`` is the one
+check that touches the OS: it binds every port of every server and the control port.
+
+``auto`` cores: each auto server gets one core from a pool, the host's usable cores that
+no server names explicitly (all usable cores if fewer than two are left). Primaries take
+the pool round-robin from its first core; backups continue where the primaries stopped
+(one further when that would land each backup on its own primary's core), so on a 2-core
+host each core carries as many primaries as backups. A server never lands on a core of
+its own pair's partner while the pool has another. Deterministic: the same config and
+host give the same plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from shards.errors import ConfigError
+from supervisor.config import (PORTS_PER_SERVER, ROLES, WILDCARD, ClusterConfig, Problems,
+                               format_cores, load_config)
+from supervisor.hostfacts import HostFacts, local_host_facts, probe_port
+
+# What each of a server's ports P..P+3 carries (ARCHITECTURE.md, "Processes").
+PORT_NAMES = ("snapshot", "updates", "collector", "peer")
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """Where one CHP server runs."""
+
+    shard: str
+    index: int
+    role: str
+    cores: tuple[int, ...]
+    cores_auto: bool
+    nic: str
+    address: str
+    port: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.shard}/{self.role}"
+
+    @property
+    def field(self) -> str:
+        return f"shards[{self.index}].{self.role}"
+
+    @property
+    def ports(self) -> tuple[int, ...]:
+        return tuple(range(self.port, self.port + PORTS_PER_SERVER))
+
+    def endpoint(self, which: str = "snapshot") -> str:
+        return f"tcp://{self.address}:{self.port + PORT_NAMES.index(which)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shard": self.shard, "index": self.index, "role": self.role,
+                "cores": list(self.cores), "cores_auto": self.cores_auto, "nic": self.nic,
+                "address": self.address, "port": self.port, "ports": list(self.ports),
+                "endpoints": {n: self.endpoint(n) for n in PORT_NAMES}}
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    index: int
+    name: str
+    prefixes: tuple[str, ...]
+    primary: ServerPlan
+    backup: ServerPlan
+
+    @property
+    def servers(self) -> tuple[ServerPlan, ServerPlan]:
+        return (self.primary, self.backup)
+
+
+@dataclass(frozen=True)
+class RoutingParams:
+    """What a router needs besides addresses: the shard count and each shard's pinned
+    prefixes, in shard index order (ARCHITECTURE.md, "Routing")."""
+
+    shard_count: int
+    prefixes: tuple[tuple[str, ...], ...]
+
+    def pins(self) -> dict[str, int]:
+        """Pinned prefix -> shard index."""
+        return {p: i for i, ps in enumerate(self.prefixes) for p in ps}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shard_count": self.shard_count,
+                "prefixes": [list(ps) for ps in self.prefixes]}
+
+
+@dataclass(frozen=True)
+class Plan:
+    cluster: str
+    control: str
+    control_address: str
+    control_port: int
+    heartbeat_s: float
+    silence_timeout_s: float
+    shards: tuple[ShardPlan, ...]
+    routing: RoutingParams
+    host: HostFacts
+    notes: tuple[str, ...] = ()
+
+    @property
+    def servers(self) -> list[ServerPlan]:
+        return [s for shard in self.shards for s in shard.servers]
+
+    def server(self, name: str) -> ServerPlan:
+        """``"s1/backup"`` -> its ServerPlan (KeyError if there is none)."""
+        for s in self.servers:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cluster": self.cluster, "control": self.control,
+                "heartbeat_s": self.heartbeat_s, "silence_timeout_s": self.silence_timeout_s,
+                "routing": self.routing.to_dict(),
+                "shards": [{"index": sh.index, "name": sh.name,
+                            "prefixes": list(sh.prefixes),
+                            "primary": sh.primary.to_dict(),
+                            "backup": sh.backup.to_dict()} for sh in self.shards],
+                "host": self.host.to_dict(), "notes": list(self.notes)}
+
+
+# ---------------------------------------------------------------- plan
+
+def _host_label(facts: HostFacts) -> str:
+    return "this host" if facts.local else f"host {facts.source}"
+
+
+def _given_port(config: ClusterConfig, index: int, role: str) -> str:
+    server = config.shards[index].server(role)
+    if server.port_from_base:
+        return f"{server.port} (from port_base {config.port_base})"
+    return str(server.port)
+
+
+def _resolve_address(field: str, server: Any, facts: HostFacts,
+                     problems: Problems) -> tuple[str, str] | None:
+    label = _host_label(facts)
+    if server.nic is not None:
+        if server.nic not in facts.nics:
+            problems.add(f"{field}.nic", server.nic,
+                         f"no NIC of that name on {label}; it has: {facts.describe_nics()}")
+            return None
+        addresses = facts.ipv4_of(server.nic)
+        if not addresses:
+            problems.add(f"{field}.nic", server.nic,
+                         f"NIC {server.nic} has no IPv4 address; NICs with IPv4 on {label}: "
+                         f"{facts.describe_nics(ipv4_only=True)}")
+            return None
+        return server.nic, addresses[0]
+    nic = facts.nic_with(server.host)
+    if nic is None:
+        problems.add(f"{field}.host", server.host,
+                     f"no NIC of {label} holds this address; its IPv4 addresses: "
+                     f"{facts.describe_nics(ipv4_only=True)}")
+        return None
+    return nic, server.host
+
+
+def _check_cores(field: str, cores: tuple[int, ...], facts: HostFacts,
+                 problems: Problems) -> None:
+    missing = [c for c in cores if c not in facts.cores]
+    if missing:
+        which = (f"core {missing[0]} is" if len(missing) == 1
+                 else f"cores {format_cores(tuple(missing))} are")
+        problems.add(f"{field}.cores", list(cores),
+                     f"{which} not usable on {_host_label(facts)}; "
+                     f"it has cores {facts.describe_cores()}")
+
+
+def _auto_cores(config: ClusterConfig, usable: tuple[int, ...]) -> dict[tuple[int, str], int]:
+    """(shard index, role) -> core for every ``auto`` server (see the module docstring)."""
+    explicit = {(i, role): shard.server(role).cores
+                for i, shard in enumerate(config.shards) for role in ROLES
+                if shard.server(role).cores != "auto"}
+    claimed = {c for cores in explicit.values() for c in cores}
+    unclaimed = [c for c in usable if c not in claimed]
+    pool = unclaimed if len(unclaimed) >= min(2, len(usable)) else list(usable)
+    n = len(pool)
+
+    def pick(position: int, avoid: tuple[int, ...]) -> int:
+        for step in range(n):
+            core = pool[(position + step) % n]
+            if core not in avoid:
+                return core
+        return pool[position % n]
+
+    chosen: dict[tuple[int, str], int] = {}
+    primaries = [i for i, sh in enumerate(config.shards) if sh.primary.cores == "auto"]
+    for j, i in enumerate(primaries):
+        chosen[(i, "primary")] = pick(j, explicit.get((i, "backup"), ()))
+    m = len(primaries)
+    shift = 1 if n > 1 and m % n == 0 else 0
+    backups = [i for i, sh in enumerate(config.shards) if sh.backup.cores == "auto"]
+    for j, i in enumerate(backups):
+        partner = explicit.get((i, "primary")) or (chosen[(i, "primary")],)
+        chosen[(i, "backup")] = pick(m + j + shift, partner)
+    return chosen
+
+
+def _check_ports(config: ClusterConfig, servers: list[ServerPlan], problems: Problems) -> None:
+    width = PORTS_PER_SERVER - 1
+    by_address: dict[str, list[ServerPlan]] = {}
+    for s in servers:
+        by_address.setdefault(s.address, []).append(s)
+    order = {(s.index, s.role): k for k, s in enumerate(servers)}
+    for address, group in by_address.items():
+        group.sort(key=lambda s: (s.port, order[(s.index, s.role)]))
+        for a, first in enumerate(group):
+            for second in group[a + 1:]:
+                if second.port > first.port + width:
+                    break
+                early, late = sorted((first, second), key=lambda s: order[(s.index, s.role)])
+                problems.add(f"{late.field}.port", _given_port(config, late.index, late.role),
+                             f"ports {late.port}-{late.port + width} of {late.name} overlap "
+                             f"ports {early.port}-{early.port + width} of {early.name} "
+                             f"({early.field}.port) on {address}; a server uses "
+                             f"port..port+{width}, so port bases on one address must be at "
+                             f"least {PORTS_PER_SERVER} apart", raw_given=True)
+    control_address, control_port = config.control_address, config.control_port
+    for s in servers:
+        if s.port <= control_port <= s.port + width and (
+                control_address in (WILDCARD, s.address)):
+            problems.add(f"{s.field}.port", _given_port(config, s.index, s.role),
+                         f"ports {s.port}-{s.port + width} of {s.name} include the control "
+                         f"port {control_port} (control: {config.control}); move the server "
+                         "or the control endpoint", raw_given=True)
+
+
+def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
+    """Resolve ``config`` on the host ``facts`` describes; ConfigError lists every misfit.
+
+    ``source`` (the config's path) prefixes each error line."""
+    problems = Problems(prefix=f"{source}: " if source else "")
+    label = _host_label(facts)
+    if config.control_address != WILDCARD and facts.nic_with(config.control_address) is None:
+        problems.add("control", config.control,
+                     f"no NIC of {label} holds address {config.control_address}; its IPv4 "
+                     f"addresses: {facts.describe_nics(ipv4_only=True)}")
+    for i, shard in enumerate(config.shards):
+        for role in ROLES:
+            cores = shard.server(role).cores
+            if cores != "auto":
+                _check_cores(f"shards[{i}].{role}", cores, facts, problems)
+    auto = _auto_cores(config, facts.cores)
+    servers: list[ServerPlan] = []
+    shard_plans: list[ShardPlan] = []
+    notes: list[str] = []
+    for i, shard in enumerate(config.shards):
+        pair: dict[str, ServerPlan] = {}
+        for role in ROLES:
+            server = shard.server(role)
+            resolved = _resolve_address(f"shards[{i}].{role}", server, facts, problems)
+            nic, address = resolved if resolved else ("?", "?")
+            is_auto = server.cores == "auto"
+            cores = (auto[(i, role)],) if is_auto else server.cores
+            pair[role] = ServerPlan(shard=shard.name, index=i, role=role, cores=cores,
+                                    cores_auto=is_auto, nic=nic, address=address,
+                                    port=server.port)
+            if resolved:
+                servers.append(pair[role])
+        shared = set(pair["primary"].cores) & set(pair["backup"].cores)
+        if shared:
+            notes.append(f"shard {shard.name}: primary and backup share core(s) "
+                         f"{format_cores(tuple(sorted(shared)))}")
+        shard_plans.append(ShardPlan(index=i, name=shard.name, prefixes=tuple(shard.prefixes),
+                                     primary=pair["primary"], backup=pair["backup"]))
+    _check_ports(config, servers, problems)
+    problems.raise_if_any()
+    routing = RoutingParams(shard_count=len(shard_plans),
+                            prefixes=tuple(sh.prefixes for sh in shard_plans))
+    return Plan(cluster=config.cluster, control=config.control,
+                control_address=config.control_address, control_port=config.control_port,
+                heartbeat_s=config.heartbeat_s, silence_timeout_s=config.silence_timeout_s,
+                shards=tuple(shard_plans), routing=routing, host=facts, notes=tuple(notes))
+
+
+# ---------------------------------------------------------------- the OS check
+
+def check_ports_free(the_plan: Plan, *, source: str = "",
+                     probe: Callable[[str, int], str | None] = probe_port) -> None:
+    """Bind-test the control port and P..P+3 of every server; ConfigError names each
+    server and port that cannot be bound. Only meaningful for facts of this host."""
+    problems = Problems(prefix=f"{source}: " if source else "")
+    reason = probe(the_plan.control_address, the_plan.control_port)
+    if reason:
+        problems.add("control", the_plan.control,
+                     f"control port {the_plan.control_port} cannot be bound on "
+                     f"{the_plan.control_address}: {reason}")
+    for s in the_plan.servers:
+        for port, what in zip(s.ports, PORT_NAMES):
+            reason = probe(s.address, port)
+            if reason:
+                problems.add(f"{s.field}.port", s.port,
+                             f"port {port} of {s.name} ({what}, P+{port - s.port}) cannot "
+                             f"be bound on {s.address}: {reason}; stop what holds it or "
+                             "pick another port")
+    problems.raise_if_any()
+
+
+def load_plan(path: str | Path, facts: HostFacts | None = None) -> Plan:
+    """Load a config file and plan it on ``facts`` (this host when None); no port probe."""
+    return plan(load_config(path), facts if facts is not None else local_host_facts(),
+                source=str(path))
+
+
+__all__ = ["PORT_NAMES", "ServerPlan", "ShardPlan", "RoutingParams", "Plan", "plan",
+           "check_ports_free", "load_plan", "ConfigError"]
