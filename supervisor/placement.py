@@ -254,11 +254,6 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
         problems.add("control", config.control,
                      f"no NIC of {label} holds address {config.control_address}; its IPv4 "
                      f"addresses: {facts.describe_nics(ipv4_only=True)}")
-    for i, shard in enumerate(config.shards):
-        for role in ROLES:
-            cores = shard.server(role).cores
-            if cores != "auto":
-                _check_cores(f"shards[{i}].{role}", cores, facts, problems)
     auto = _auto_cores(config, facts.cores)
     servers: list[ServerPlan] = []
     shard_plans: list[ShardPlan] = []
@@ -267,6 +262,8 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
         pair: dict[str, ServerPlan] = {}
         for role in ROLES:
             server = shard.server(role)
+            if server.cores != "auto":
+                _check_cores(f"shards[{i}].{role}", server.cores, facts, problems)
             resolved = _resolve_address(f"shards[{i}].{role}", server, facts, problems)
             nic, address = resolved if resolved else ("?", "?")
             is_auto = server.cores == "auto"

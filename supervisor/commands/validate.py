@@ -1,0 +1,88 @@
+"""``supervisor validate CONFIG``: check a config against this host (or a host-facts file)
+and print the placement plan, starting nothing.
+
+Exit 0 when the config fits; otherwise every problem goes to stderr, one line each
+(``error: CONFIG: FIELD: given VALUE: PROBLEM; WHAT THE HOST HAS``), and the exit code is
+ConfigError's (2).
+"""
+from __future__ import annotations
+
+import json
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from shards.errors import ConfigError
+from supervisor.config import format_cores, load_config
+from supervisor.hostfacts import load_host_facts, local_host_facts
+from supervisor.placement import Plan, check_ports_free, plan
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def _render(the_plan: Plan, ports_note: str) -> None:
+    console = Console(highlight=False)
+    facts = the_plan.host
+    servers = the_plan.servers
+    for line in (
+            f"cluster [bold]{the_plan.cluster}[/]: {_plural(len(the_plan.shards), 'shard')}, "
+            f"{_plural(len(servers), 'server')}",
+            f"control {the_plan.control}   heartbeat {the_plan.heartbeat_s:g} s   "
+            f"silence timeout {the_plan.silence_timeout_s:g} s",
+            f"host: {facts.source}; cores {facts.describe_cores()}",
+            f"NICs: {facts.describe_nics()}"):
+        console.print(line, soft_wrap=True)
+    with_prefixes = any(shard.prefixes for shard in the_plan.shards)
+    table = Table(show_edge=False, pad_edge=False)
+    columns = ["shard", "role", "cores", "nic", "address", "ports"]
+    for column in columns + (["prefixes"] if with_prefixes else []):
+        table.add_column(column, no_wrap=column != "prefixes")
+    for shard in the_plan.shards:
+        for s in shard.servers:
+            row = [s.shard, s.role, format_cores(s.cores) + (" (auto)" if s.cores_auto else ""),
+                   s.nic, s.address, f"{s.port}-{s.ports[-1]}"]
+            if with_prefixes:
+                row.append(", ".join(shard.prefixes) if s.role == "primary" else "")
+            table.add_row(*row)
+    console.print(table)
+    for note in the_plan.notes:
+        console.print(f"note: {note}", soft_wrap=True)
+    console.print(f"[green]valid[/]: {ports_note}", soft_wrap=True)
+
+
+@click.command("validate")
+@click.argument("config", metavar="CONFIG")
+@click.option("--host-facts", "host_facts", metavar="FILE", default=None,
+              help="Plan for the host described in FILE (YAML/JSON: cores, nics) instead "
+                   "of this one; ports are then not probed.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--no-port-check", is_flag=True,
+              help="Do not bind-test the ports (e.g. while the cluster is running).")
+def command(config: str, host_facts: str | None, as_json: bool, no_port_check: bool) -> None:
+    """Check CONFIG against this host and print the placement plan; start nothing."""
+    try:
+        cluster = load_config(config)
+        facts = load_host_facts(host_facts) if host_facts else local_host_facts()
+        the_plan = plan(cluster, facts, source=config)
+        probed = facts.local and not no_port_check
+        if probed:
+            check_ports_free(the_plan, source=config)
+    except ConfigError as exc:
+        for line in str(exc).splitlines():
+            click.echo(f"error: {line}", err=True)
+        raise SystemExit(exc.exit_code) from None
+    if probed:
+        ports_note = "every port is free on this host"
+    elif host_facts:
+        ports_note = f"ports not probed (host facts from {host_facts})"
+    else:
+        ports_note = "ports not probed (--no-port-check)"
+    if as_json:
+        out = the_plan.to_dict()
+        out.update(valid=True, ports_checked=probed)
+        click.echo(json.dumps(out, indent=2))
+    else:
+        _render(the_plan, ports_note)
