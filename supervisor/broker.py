@@ -1,0 +1,259 @@
+"""The MDP/0.2 broker's I/O shell: one ROUTER for both sub-protocols, a heartbeat timer,
+broker-hosted services, ``stats()``. The bookkeeping is ``supervisor.broker_core``.
+
+Embeddable: ``Broker`` runs inside any asyncio program (the supervisor hosts it on its
+control endpoint)::
+
+    broker = Broker(["tcp://127.0.0.1:5555"], BrokerConfig(heartbeat_s=1.0))
+    broker.register("cluster.map", cluster_map_handler)   # see shards.mdp for handlers
+    await broker.start()
+    ...
+    await broker.stop()
+
+Runnable alone: ``python -m supervisor broker --bind tcp://127.0.0.1:5555``.
+
+The ROUTER is read in capped batches (``shards.zio.AsyncSocket``); messages are told apart
+by their header frame (MDPC02 / MDPW02). The forwarding path sends with
+``shards.zio.send_frames`` from inside the read handler (the reader re-checks the socket
+after each batch, so the edge-triggered FD is never missed). The ROUTER is
+``ROUTER_MANDATORY``: a reply to a vanished peer is counted (``unroutable``), not lost
+silently. The broker hosts ``mmi.stats`` itself: FINAL with ``stats()`` as JSON.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import time
+from typing import Callable, Sequence
+
+import zmq
+
+from shards import mdp as mdplib
+from shards.drops import DropCounter
+from shards.errors import ConfigError, PortInUse
+from shards.proto.mdp import C_FINAL, C_PARTIAL, MDPC, check_service
+from shards.zio import DEFAULT_BATCH, AsyncSocket, send_frames
+from supervisor.broker_core import BrokerConfig, BrokerCore, Drop, InternalCall, Note
+
+log = logging.getLogger(__name__)
+
+MAX_INTERNAL_CALLS = 64
+"""Broker-hosted requests running at once; more are dropped (``internal_busy``)."""
+
+
+class _Limiter:
+    """At most one log line per event kind per ``interval_s`` (lifecycle notes)."""
+
+    def __init__(self, interval_s: float = 1.0):
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def note(self, event: str, detail: str, now: float) -> None:
+        last = self._last.get(event)
+        if last is not None and now - last < self.interval_s:
+            self._suppressed[event] = self._suppressed.get(event, 0) + 1
+            return
+        self._last[event] = now
+        n = self._suppressed.pop(event, 0)
+        log.info("%s%s", detail, f" (+{n} more {event} since)" if n else "")
+
+
+class Broker:
+    def __init__(self, bind: str | Sequence[str], config: BrokerConfig | None = None, *,
+                 ctx: zmq.Context | None = None, batch: int = DEFAULT_BATCH,
+                 clock: Callable[[], float] = time.monotonic):
+        self.binds = [bind] if isinstance(bind, str) else list(bind)
+        self.config = config or BrokerConfig()
+        self.core = BrokerCore(self.config)
+        self.batch = batch
+        self.clock = clock
+        self._own_ctx = ctx is None
+        self.ctx = ctx
+        self.endpoints: list[str] = []
+        self.drops = DropCounter(log)
+        self.handlers: dict[bytes, mdplib.Handler] = {}
+        self.counters = {"unroutable": 0, "internal_errors": 0}
+        self._notes = _Limiter()
+        self._asock: AsyncSocket | None = None
+        self._sock: zmq.Socket | None = None
+        self._tick_task: asyncio.Task | None = None
+        self._calls: set[asyncio.Task] = set()
+        self._started_at = 0.0
+        self.register("mmi.stats", self._mmi_stats)
+
+    # ----------------------------------------------------------------- services
+    def register(self, service: str | bytes, handler: mdplib.Handler) -> None:
+        """Host ``service`` in the broker: requests to it run ``handler`` (the contract in
+        ``shards.mdp``), whose PARTIALs and FINAL go straight back to the client."""
+        name = service.encode() if isinstance(service, str) else service
+        check_service(name, "REQUEST", self.config.limits)
+        self.handlers[name] = handler
+        self.core.add_internal(name)
+
+    def unregister(self, service: str | bytes) -> None:
+        name = service.encode() if isinstance(service, str) else service
+        self.handlers.pop(name, None)
+        self.core.remove_internal(name)
+
+    # ----------------------------------------------------------------- life cycle
+    async def start(self) -> None:
+        """Bind every endpoint (``PortInUse`` / ``ConfigError`` on failure) and serve."""
+        if self.ctx is None:
+            self.ctx = zmq.Context()
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.router_mandatory = 1
+        sock.maxmsgsize = self.config.limits.max_body_bytes
+        try:
+            for endpoint in self.binds:
+                try:
+                    sock.bind(endpoint)
+                except zmq.ZMQError as exc:
+                    if exc.errno == errno.EADDRINUSE:
+                        raise PortInUse(f"cannot bind {endpoint}: address already in use",
+                                        endpoint=endpoint) from None
+                    raise ConfigError(f"cannot bind {endpoint}: {exc.strerror}",
+                                      field="bind") from None
+                self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        except Exception:
+            sock.close(0)
+            if self._own_ctx:
+                self.ctx.term()
+                self.ctx = None
+            raise
+        self._sock = sock
+        self._asock = AsyncSocket(sock, self._on_message, batch=self.batch, name="broker")
+        self._started_at = self.clock()
+        self._tick_task = asyncio.get_running_loop().create_task(self._ticker())
+        log.info("MDP/0.2 broker bound to %s (heartbeat %g s, liveness %d, expiry %g s)",
+                 ", ".join(self.endpoints), self.config.heartbeat_s, self.config.liveness,
+                 self.config.request_expiry_s)
+
+    async def stop(self) -> None:
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            await asyncio.gather(self._tick_task, return_exceptions=True)
+            self._tick_task = None
+        for task in list(self._calls):
+            task.cancel()
+        if self._calls:
+            await asyncio.gather(*self._calls, return_exceptions=True)
+        if self._asock is not None:
+            self._asock.close(linger=0)
+            self._asock = None
+            self._sock = None
+        if self._own_ctx and self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+
+    async def __aenter__(self) -> "Broker":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    # ----------------------------------------------------------------- hot path
+    def _on_message(self, frames: list[bytes]) -> None:
+        effects = self.core.on_message(frames, self.clock())
+        if effects:
+            sock = self._sock
+            for effect in effects:
+                if type(effect) is list:
+                    try:
+                        send_frames(sock, effect)
+                    except zmq.ZMQError:
+                        self._unroutable(effect)
+                else:
+                    self._effect(effect)
+
+    def _perform(self, effects: list) -> None:
+        """Effects produced outside the read handler: send through AsyncSocket.send,
+        which re-checks the edge-triggered FD afterwards."""
+        for effect in effects:
+            if type(effect) is list:
+                self._send(effect)
+            else:
+                self._effect(effect)
+
+    def _send(self, frames: list[bytes]) -> None:
+        if self._asock is None:
+            return
+        try:
+            self._asock.send(frames)
+        except zmq.ZMQError:
+            self._unroutable(frames)
+
+    def _unroutable(self, frames: list[bytes]) -> None:
+        self.counters["unroutable"] += 1
+        self.drops.drop("unroutable", f"peer {frames[0].hex()} is gone or at its high-water "
+                                      "mark")
+
+    def _effect(self, effect) -> None:
+        kind = type(effect)
+        if kind is Drop:
+            self.drops.drop(effect.reason, effect.detail)
+        elif kind is Note:
+            self._notes.note(effect.event, effect.detail, self.clock())
+        elif kind is InternalCall:
+            self._start_call(effect)
+
+    # ----------------------------------------------------------------- timer
+    async def _ticker(self) -> None:
+        tick_s = max(0.005, min(self.config.heartbeat_s, self.config.request_expiry_s) / 4)
+        while True:
+            await asyncio.sleep(tick_s)
+            try:
+                self._perform(self.core.on_tick(self.clock()))
+            except Exception:  # a bug here must not stop heartbeats for good
+                log.exception("broker tick failed")
+
+    # ----------------------------------------------------------------- hosted services
+    def _start_call(self, call: InternalCall) -> None:
+        if len(self._calls) >= MAX_INTERNAL_CALLS:
+            self.drops.drop("internal_busy", f"request for {call.service!r} from "
+                                             f"{call.client.hex()}: {len(self._calls)} running")
+            return
+        task = asyncio.get_running_loop().create_task(self._run_call(call))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+
+    async def _run_call(self, call: InternalCall) -> None:
+        client, service = call.client, call.service
+
+        async def send_partial(body: list[bytes]) -> None:
+            self._send([client, MDPC, C_PARTIAL, service, *body])
+
+        request = mdplib.Request(service, call.body, client, send_partial)
+        handler = self.handlers.get(service)
+        try:
+            if handler is None:
+                raise LookupError(f"service {service!r} is not hosted here any more")
+            body = await mdplib.run_handler(handler, request)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.counters["internal_errors"] += 1
+            log.exception("broker-hosted service %r failed", service)
+            body = mdplib.error_body(exc)
+        self._send([client, MDPC, C_FINAL, service, *body])
+
+    def _mmi_stats(self, request: mdplib.Request) -> bytes:
+        return json.dumps(self.stats(), sort_keys=True).encode()
+
+    # ----------------------------------------------------------------- reporting
+    def stats(self) -> dict:
+        snap = self.core.snapshot()
+        snap.update({
+            "endpoints": list(self.endpoints),
+            "uptime_s": round(self.clock() - self._started_at, 3) if self._started_at else 0.0,
+            "received": self._asock.received if self._asock else 0,
+            "handler_errors": self._asock.errors if self._asock else 0,
+            "drops": dict(self.drops.counts),
+            "internal_running": len(self._calls),
+            **self.counters,
+        })
+        return snap
