@@ -1,0 +1,333 @@
+"""Binary Star: the primary/backup state machine as data plus a pure step function.
+
+``step(machine, event, now) -> (machine, effects)``. Time comes in as ``now`` (float
+seconds, monotonic); nothing here reads a clock, touches a socket or logs. The I/O shell
+(the shard server) turns what it receives into events and performs the effects:
+
+    event                         where it comes from
+    StateMessage (PEER_*)         a decoded state message from the peer's P+3
+                                  (shards.proto.bstar.decode); its ``state`` picks the event
+    Event.CLIENT_REQUEST          an ICANHAZ on the snapshot port: the client's vote
+    Event.TICK                    the shell's timer, at least every heartbeat
+
+    effect                        what the shell does
+    PublishState(state, term)     publish encode(state_message(machine, sequence)) on P+3
+    BecameActive(previous, why)   apply what is still pending, take over the sequence,
+                                  serve snapshots and updates
+    BecamePassive(previous, why)  take a snapshot from the active, follow its P+1
+    AcceptRequest                 answer the ICANHAZ
+    RefuseRequest(why)            do not answer it (the client will try the other server)
+    Fatal(reason, detail)         log and exit non-zero; the supervisor restarts the
+                                  server, which comes back as PRIMARY/BACKUP and goes passive
+    SplitBrainSurvived(...)       log it: the peer was told to die, this server carries on
+    IgnoredPeer(reason, detail)   count and drop the message (not our pair)
+
+Rules (``TABLE``; rows are this server's state, columns the event)::
+
+    state    PEER_PRIMARY    PEER_BACKUP     PEER_ACTIVE     PEER_PASSIVE    CLIENT_REQUEST
+    PRIMARY  fatal: dual     -> ACTIVE       -> PASSIVE      stay (1)        vote (3)
+             primary (5)
+    BACKUP   stay (2)        fatal: dual     -> PASSIVE      stay (2)        refuse
+                             backup (5)
+    ACTIVE   stay (4)        stay (4)        dual active (6) stay            accept
+    PASSIVE  -> ACTIVE       -> ACTIVE       stay            dual passive(6) vote (3)
+
+    (1) the passive peer holds the data: it takes over when it sees us as PRIMARY, then we
+        see it ACTIVE and become passive. Going ACTIVE here would race it.
+    (2) the primary goes active when it sees us; we follow when we see it ACTIVE.
+    (3) vote: -> ACTIVE and accept if now >= peer_expiry, else refuse (not answered).
+    (4) the peer restarted; it sees us ACTIVE and goes passive.
+    (5) the message's role equals ours, whatever the states: two servers configured with
+        the same role can never pair up (they would refuse clients forever), so both exit.
+    (6) split brain. With ``Config.split_brain_survivor`` (the default) one side carries
+        on (SplitBrainSurvived) and only the other exits (Fatal "dual active" / "dual
+        passive"): for dual active the higher (term, is_primary) survives, for dual
+        passive the primary. Both sides compute the same answer from values that do not
+        move in those states (an active's term is frozen; roles never change). With it
+        off, both exit, as in the guide.
+    TICK in any state: PublishState when the heartbeat is due.
+
+Decisions the architecture leaves open:
+
+* peer_expiry = now + 2 x the heartbeat the *peer* advertises in its message (it is the
+  rate the peer publishes at; a pair with different heartbeats does not flap). A new
+  machine starts with peer_expiry = start + 2 x its own heartbeat: a restarted primary
+  waits two heartbeats to hear an already-active backup before a vote can make it active
+  (else a client's vote right after a restart would cause a needless dual active).
+* term: how many takeovers this server knows of. A server that becomes ACTIVE takes
+  max(known) + 1; while not active it adopts any higher term it hears. The side that took
+  over most recently has the higher term, so after a freeze (SIGSTOP/SIGCONT) or a healed
+  partition the stale active exits and the one the clients moved to keeps the data. Both
+  exiting (the guide's rule) would restart both empty and lose the shard's data.
+* A state change is published at once (and the heartbeat timer restarts), not only at
+  the next heartbeat: the peer follows in milliseconds instead of up to a second.
+* A message naming another shard (both names non-empty) is ignored: it neither refreshes
+  peer_expiry nor changes state (IgnoredPeer, for the drop counter).
+* After Fatal the machine is inert: events change nothing, votes are refused, nothing is
+  published. The shell exits.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import Union
+
+from shards.proto.bstar import Role, State, StateMessage
+
+HEARTBEAT_S = 1.0
+PEER_EXPIRY_HEARTBEATS = 2
+
+
+class Event(enum.Enum):
+    PEER_PRIMARY = "PEER_PRIMARY"
+    PEER_BACKUP = "PEER_BACKUP"
+    PEER_ACTIVE = "PEER_ACTIVE"
+    PEER_PASSIVE = "PEER_PASSIVE"
+    CLIENT_REQUEST = "CLIENT_REQUEST"
+    TICK = "TICK"
+
+
+PEER_EVENT = {State.PRIMARY: Event.PEER_PRIMARY, State.BACKUP: Event.PEER_BACKUP,
+              State.ACTIVE: Event.PEER_ACTIVE, State.PASSIVE: Event.PEER_PASSIVE}
+
+
+class Rule(enum.Enum):
+    STAY = "stay"
+    TO_ACTIVE = "-> ACTIVE"
+    TO_PASSIVE = "-> PASSIVE"
+    VOTE = "vote"
+    ACCEPT = "accept"
+    REFUSE = "refuse"
+    DUAL_ROLE = "fatal: same role"
+    DUAL_ACTIVE = "dual active"
+    DUAL_PASSIVE = "dual passive"
+
+
+_S, _E, _R = State, Event, Rule
+TABLE: dict[tuple[State, Event], Rule] = {
+    (_S.PRIMARY, _E.PEER_PRIMARY): _R.DUAL_ROLE,
+    (_S.PRIMARY, _E.PEER_BACKUP): _R.TO_ACTIVE,
+    (_S.PRIMARY, _E.PEER_ACTIVE): _R.TO_PASSIVE,
+    (_S.PRIMARY, _E.PEER_PASSIVE): _R.STAY,
+    (_S.PRIMARY, _E.CLIENT_REQUEST): _R.VOTE,
+    (_S.BACKUP, _E.PEER_PRIMARY): _R.STAY,
+    (_S.BACKUP, _E.PEER_BACKUP): _R.DUAL_ROLE,
+    (_S.BACKUP, _E.PEER_ACTIVE): _R.TO_PASSIVE,
+    (_S.BACKUP, _E.PEER_PASSIVE): _R.STAY,
+    (_S.BACKUP, _E.CLIENT_REQUEST): _R.REFUSE,
+    (_S.ACTIVE, _E.PEER_PRIMARY): _R.STAY,
+    (_S.ACTIVE, _E.PEER_BACKUP): _R.STAY,
+    (_S.ACTIVE, _E.PEER_ACTIVE): _R.DUAL_ACTIVE,
+    (_S.ACTIVE, _E.PEER_PASSIVE): _R.STAY,
+    (_S.ACTIVE, _E.CLIENT_REQUEST): _R.ACCEPT,
+    (_S.PASSIVE, _E.PEER_PRIMARY): _R.TO_ACTIVE,
+    (_S.PASSIVE, _E.PEER_BACKUP): _R.TO_ACTIVE,
+    (_S.PASSIVE, _E.PEER_ACTIVE): _R.STAY,
+    (_S.PASSIVE, _E.PEER_PASSIVE): _R.DUAL_PASSIVE,
+    (_S.PASSIVE, _E.CLIENT_REQUEST): _R.VOTE,
+}
+del _S, _E, _R
+
+
+# ------------------------------------------------------------------------- machine
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    role: Role
+    heartbeat_s: float = HEARTBEAT_S
+    shard: str = ""
+    split_brain_survivor: bool = True
+
+    def __post_init__(self):
+        if not self.heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    config: Config
+    state: State
+    peer_expiry: float
+    next_publish_at: float
+    term: int = 0
+    peer_state: State | None = None   # last state heard from the peer, for status
+    fatal: str = ""                   # the reason once a Fatal was returned
+
+
+def new_machine(role: Role, now: float, heartbeat_s: float = HEARTBEAT_S, shard: str = "",
+                split_brain_survivor: bool = True) -> Machine:
+    """A server that has just started: PRIMARY or BACKUP, peer not yet heard."""
+    config = Config(Role(role), heartbeat_s, shard, split_brain_survivor)
+    state = State.PRIMARY if config.role is Role.PRIMARY else State.BACKUP
+    return Machine(config, state, peer_expiry=now + PEER_EXPIRY_HEARTBEATS * heartbeat_s,
+                   next_publish_at=now)
+
+
+def state_message(machine: Machine, sequence: int = 0) -> StateMessage:
+    """What to publish on P+3 now (encode it with shards.proto.bstar.encode)."""
+    c = machine.config
+    return StateMessage(machine.state, c.role, c.heartbeat_s, machine.term, sequence, c.shard)
+
+
+def peer_alive(machine: Machine, now: float) -> bool:
+    return now < machine.peer_expiry
+
+
+def next_wakeup(machine: Machine) -> float:
+    """When the shell must deliver the next TICK at the latest."""
+    return machine.next_publish_at
+
+
+# ------------------------------------------------------------------------- effects
+
+@dataclass(frozen=True, slots=True)
+class PublishState:
+    state: State
+    term: int
+
+
+@dataclass(frozen=True, slots=True)
+class BecameActive:
+    previous: State
+    reason: str
+    term: int
+
+
+@dataclass(frozen=True, slots=True)
+class BecamePassive:
+    previous: State
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptRequest:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class RefuseRequest:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fatal:
+    reason: str        # "dual active" | "dual passive" | "dual primary" | "dual backup"
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class SplitBrainSurvived:
+    reason: str        # "dual active" | "dual passive"
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class IgnoredPeer:
+    reason: str        # "wrong shard"
+    detail: str
+
+
+Effect = Union[PublishState, BecameActive, BecamePassive, AcceptRequest, RefuseRequest, Fatal,
+               SplitBrainSurvived, IgnoredPeer]
+EventLike = Union[StateMessage, Event]
+
+
+def event_of(event: EventLike) -> Event:
+    if isinstance(event, Event):
+        return event
+    return PEER_EVENT[State(event.state)]
+
+
+# ------------------------------------------------------------------------- step
+
+def step(machine: Machine, event: EventLike, now: float) -> tuple[Machine, list[Effect]]:
+    """Apply one event at time ``now``; returns the new machine and the effects, in the
+    order the shell must perform them."""
+    kind = event_of(event)
+    if kind is Event.TICK:
+        return _tick(machine, now)
+    if machine.fatal:
+        return machine, ([RefuseRequest(f"fatal: {machine.fatal}")]
+                         if kind is Event.CLIENT_REQUEST else [])
+    if kind is Event.CLIENT_REQUEST:
+        return _client_request(machine, now)
+    return _peer(machine, event, kind, now)
+
+
+def _tick(m: Machine, now: float) -> tuple[Machine, list[Effect]]:
+    if m.fatal or now < m.next_publish_at:
+        return m, []
+    return (replace(m, next_publish_at=now + m.config.heartbeat_s),
+            [PublishState(m.state, m.term)])
+
+
+def _to_active(m: Machine, now: float, reason: str) -> tuple[Machine, list[Effect]]:
+    previous = m.state
+    m = replace(m, state=State.ACTIVE, term=m.term + 1,
+                next_publish_at=now + m.config.heartbeat_s)
+    return m, [BecameActive(previous, reason, m.term), PublishState(m.state, m.term)]
+
+
+def _to_passive(m: Machine, now: float, reason: str) -> tuple[Machine, list[Effect]]:
+    previous = m.state
+    m = replace(m, state=State.PASSIVE, next_publish_at=now + m.config.heartbeat_s)
+    return m, [BecamePassive(previous, reason), PublishState(m.state, m.term)]
+
+
+def _client_request(m: Machine, now: float) -> tuple[Machine, list[Effect]]:
+    rule = TABLE[(m.state, Event.CLIENT_REQUEST)]
+    if rule is Rule.ACCEPT:
+        return m, [AcceptRequest()]
+    if rule is Rule.REFUSE:
+        return m, [RefuseRequest("backup: waiting for the primary")]
+    # Rule.VOTE
+    if now < m.peer_expiry:
+        return m, [RefuseRequest(f"peer alive for {m.peer_expiry - now:.3f} s more")]
+    why = "failover: peer silent, client vote" if m.state is State.PASSIVE else \
+        "client vote, no peer heard"
+    m, effects = _to_active(m, now, why)
+    effects.append(AcceptRequest())
+    return m, effects
+
+
+def _rank(term: int, role: Role) -> tuple[int, bool]:
+    return term, role is Role.PRIMARY
+
+
+def _peer(m: Machine, msg: StateMessage, kind: Event,
+          now: float) -> tuple[Machine, list[Effect]]:
+    c = m.config
+    if c.shard and msg.shard and msg.shard != c.shard:
+        return m, [IgnoredPeer("wrong shard", f"state from shard {msg.shard!r}, this server "
+                                              f"serves {c.shard!r}")]
+    peer_role, peer_state = Role(msg.role), State(msg.state)
+    if peer_role is c.role:
+        name = c.role.name.lower()
+        return replace(m, fatal=f"dual {name}", peer_state=peer_state), [
+            Fatal(f"dual {name}", f"the peer is also configured as {name} "
+                                  f"(check --primary/--backup)")]
+    rule = TABLE[(m.state, kind)]
+    if rule is Rule.DUAL_ROLE:  # PRIMARY from a backup or BACKUP from a primary
+        return m, [IgnoredPeer("inconsistent state", f"{peer_state.name} from the "
+                                                     f"{peer_role.name.lower()}")]
+    m = replace(m, peer_expiry=now + PEER_EXPIRY_HEARTBEATS * msg.heartbeat_s,
+                peer_state=peer_state)
+    if m.state is not State.ACTIVE and msg.term > m.term:
+        m = replace(m, term=msg.term)
+    if rule is Rule.STAY:
+        return m, []
+    if rule is Rule.TO_ACTIVE:
+        return _to_active(m, now, f"peer restarted ({kind.name})")
+    if rule is Rule.TO_PASSIVE:
+        return _to_passive(m, now, "peer is active")
+    # Rule.DUAL_ACTIVE / Rule.DUAL_PASSIVE: split brain
+    reason = rule.value
+    if rule is Rule.DUAL_ACTIVE:  # terms are frozen while active: both sides see the same
+        mine, theirs = _rank(m.term, c.role), _rank(msg.term, peer_role)
+    else:  # passive terms drift by adoption; the role alone is symmetric
+        mine, theirs = _rank(0, c.role), _rank(0, peer_role)
+    detail = (f"both servers {m.state.name}: this {c.role.name.lower()} term {m.term}, "
+              f"peer term {msg.term}")
+    if c.split_brain_survivor and mine > theirs:
+        return m, [SplitBrainSurvived(reason, detail + "; the peer exits")]
+    return replace(m, fatal=reason), [Fatal(reason, detail)]
