@@ -223,7 +223,7 @@ class SplitBrainSurvived:
 
 @dataclass(frozen=True, slots=True)
 class IgnoredPeer:
-    reason: str        # "wrong shard"
+    reason: str        # "wrong shard" | "inconsistent state"
     detail: str
 
 
@@ -282,7 +282,7 @@ def _client_request(m: Machine, now: float) -> tuple[Machine, list[Effect]]:
         return m, [RefuseRequest("backup: waiting for the primary")]
     # Rule.VOTE
     if now < m.peer_expiry:
-        return m, [RefuseRequest(f"peer alive for {m.peer_expiry - now:.3f} s more")]
+        return m, [RefuseRequest(f"peer may be alive for {m.peer_expiry - now:.3f} s more")]
     why = "failover: peer silent, client vote" if m.state is State.PASSIVE else \
         "client vote, no peer heard"
     m, effects = _to_active(m, now, why)
