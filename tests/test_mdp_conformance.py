@@ -352,7 +352,7 @@ def test_recovery_when_the_broker_restarts(procs, port_base):
                     await asyncio.sleep(0.05)
                 await asyncio.to_thread(start_broker, procs, port_base, liveness=3)
                 assert await pending == [b"echo", b"2"]
-                assert client.counters["sockets"] >= 3 and client.counters["timeouts"] >= 2
+                assert client.counters["sockets"] >= 2 and client.counters["timeouts"] >= 1
                 assert w.counters["connects"] >= 2  # re-registered with the new broker
                 assert await client.request("echo", b"3") == [b"echo", b"3"]
                 await client.close()
