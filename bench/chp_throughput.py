@@ -1,0 +1,224 @@
+"""Single-shard throughput: the real shard server against a bare forwarding loop.
+
+``python -m bench.chp_throughput [--seconds 5] [--rounds 3] [--keys 100000] [--value-bytes 100]``
+
+Each round runs the *ceiling* (bench/forwarder.py: SUB -> dict -> PUB, same message
+shape) and then the *server* (``python -m shards``), each a fresh process on fresh ports,
+fed by the same writer and counted by the same subscriber (bench/loadgen.py): one writer
+process flat out (``flow`` mode by default: a full pipe blocks it, so nothing is lost
+before the server and a waiting writer leaves the CPU to the others), random keys from
+the key space, and one subscriber counting KVPUBs. After a warm-up, each side counts
+over the same absolute window. Reported per run: updates sent (writer), sequenced (the
+server's sequence advance, read from the KVPUBs) and received (subscriber) per second,
+sequence gaps (loss), latency samples, and the CPU each process used in the window.
+
+The headline is the subscriber's received rate (sequenced and republished), as median
+and spread over rounds, and the ratio server / ceiling. Targets: >= 100,000 updates/s and
+>= 85% of the ceiling.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from bench import record as rec
+from bench.loadgen import LoadRun, SubscriberConfig, WriterConfig, config_dict
+from bench.runner import (Target, exit_on_sigterm, forwarder_argv, free_port_base,
+                          server_argv)
+
+NAME = "chp_throughput"
+TARGET_UPDATES_PER_S = 100_000
+TARGET_RATIO = 0.85
+TARGETS = ("ceiling", "server")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=f"python -m bench.{NAME}",
+                                 description="single-shard CHP throughput vs a bare forwarding loop")
+    ap.add_argument("--seconds", type=float, default=5.0, help="measured window per run")
+    ap.add_argument("--warmup", type=float, default=1.0, help="warm-up before each window (s)")
+    ap.add_argument("--rounds", type=int, default=3, help="ceiling+server pairs")
+    ap.add_argument("--keys", type=int, default=100_000, help="key space")
+    ap.add_argument("--value-bytes", type=int, default=100)
+    ap.add_argument("--writers", type=int, default=1)
+    ap.add_argument("--writer-mode", choices=("flow", "drop"), default="flow")
+    ap.add_argument("--distribution", choices=("uniform", "zipf"), default="uniform")
+    ap.add_argument("--ttl-fraction", type=float, default=0.0)
+    ap.add_argument("--latency-every", type=int, default=64)
+    ap.add_argument("--hwm", type=int, default=100_000,
+                    help="PUB SNDHWM and collector RCVHWM, the same for server and ceiling")
+    ap.add_argument("--only", choices=TARGETS, default=None, help="run one target only")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin writer(s) to core 0 and the subscriber to the last core")
+    ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
+    return ap.parse_args(argv)
+
+
+def canonical_command(args: argparse.Namespace) -> str:
+    opts = {k: v for k, v in vars(args).items() if k != "results_dir"}
+    return rec.command_line(f"bench.{NAME}", opts)
+
+
+def _cpu_s(pids: list[int]) -> dict:
+    """CPU seconds so far per pid, per thread of the first pid, and of the whole host."""
+    import psutil
+
+    out: dict = {}
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            out[pid] = t.user + t.system
+        except psutil.Error:
+            out[pid] = 0.0
+    try:
+        out["threads"] = {t.id: t.user_time + t.system_time
+                          for t in psutil.Process(pids[0]).threads()}
+    except psutil.Error:
+        out["threads"] = {}
+    host = psutil.cpu_times()
+    out["host_busy"] = sum(host) - host.idle - getattr(host, "iowait", 0.0)
+    return out
+
+
+def _sleep_until(t: float) -> None:
+    while (delay := t - time.monotonic()) > 0:
+        time.sleep(min(delay, 0.5))
+
+
+def run_one(kind: str, args: argparse.Namespace) -> dict:
+    """One fresh target process under one load run; returns the run's figures."""
+    import os
+
+    base = free_port_base(4)
+    hwm = ("--pub-hwm", str(args.hwm), "--collect-hwm", str(args.hwm))
+    argv = forwarder_argv(base, extra=hwm) if kind == "ceiling" else server_argv(base, extra=hwm)
+    cores = os.cpu_count() or 1
+    writers = [WriterConfig(collector=f"tcp://127.0.0.1:{base + 2}", keys=args.keys,
+                            value_bytes=args.value_bytes, distribution=args.distribution,
+                            mode=args.writer_mode, ttl_fraction=args.ttl_fraction,
+                            seed=1 + i, writer_id=i, core=(i % cores) if args.pin else None)
+               for i in range(args.writers)]
+    subs = [SubscriberConfig(endpoint=f"tcp://127.0.0.1:{base + 1}",
+                             latency_every=args.latency_every,
+                             core=(cores - 1) if args.pin else None)]
+    with Target(kind, argv) as target, LoadRun(writers, subs) as load:
+        window = load.start(args.warmup, args.seconds)
+        pids = {"target": [target.pid], "writers": load.pids("writer"),
+                "subscribers": load.pids("subscriber")}
+        all_pids = [p for group in pids.values() for p in group]
+        _sleep_until(window.t_start)
+        cpu0 = _cpu_s(all_pids)
+        _sleep_until(window.t_end)
+        cpu1 = _cpu_s(all_pids)
+        result = load.collect(window)
+        if not target.alive():
+            raise RuntimeError(f"{kind} exited during the run: {target.stderr_tail()}")
+    figures = result.figures()
+    pct = lambda a, b: round(100 * (b - a) / window.seconds, 1)  # noqa: E731
+    figures["cpu_pct"] = {
+        group: pct(sum(cpu0[p] for p in group_pids), sum(cpu1[p] for p in group_pids))
+        for group, group_pids in pids.items()}
+    figures["cpu_pct"]["target_threads"] = sorted(
+        (pct(cpu0["threads"].get(tid, 0.0), t1) for tid, t1 in cpu1["threads"].items()),
+        reverse=True)
+    figures["cpu_pct"]["host"] = pct(cpu0["host_busy"], cpu1["host_busy"])
+    figures["target"] = kind
+    figures["target_command"] = " ".join(argv[1:])
+    figures["writers"] = result.writers
+    figures["subscribers"] = result.subscribers
+    return figures
+
+
+def run(args: argparse.Namespace) -> rec.Record:
+    kinds = [args.only] if args.only else list(TARGETS)
+    config = {k: v for k, v in vars(args).items() if k != "results_dir"}
+    config["writer"] = config_dict(WriterConfig(collector="tcp://127.0.0.1:P+2", keys=args.keys,
+                                                value_bytes=args.value_bytes,
+                                                distribution=args.distribution,
+                                                mode=args.writer_mode,
+                                                ttl_fraction=args.ttl_fraction))
+    config["order"] = [f"{r + 1}:{k}" for r in range(args.rounds) for k in kinds]
+    record = rec.Record(NAME, canonical_command(args), config)
+    for r in range(args.rounds):
+        for kind in kinds:
+            rec.log(f"{NAME}: round {r + 1}/{args.rounds} {kind} "
+                    f"({args.warmup:g} s warm-up + {args.seconds:g} s)")
+            figures = run_one(kind, args)
+            figures["round"] = r + 1
+            record.add_run(figures)
+            rec.log(f"  received {figures['received_per_s']:,.0f}/s, "
+                    f"sequenced {figures['sequenced_per_s']:,.0f}/s, "
+                    f"loss {figures['loss_window']}, cpu {figures['cpu_pct']}")
+    summarize(record, kinds)
+    record.finish()
+    return record
+
+
+def summarize(record: rec.Record, kinds: list[str]) -> None:
+    runs = record.data["runs"]
+    summary: dict = {}
+    for kind in kinds:
+        mine = [r for r in runs if r["target"] == kind]
+        summary[kind] = {
+            "received_per_s": rec.spread([r["received_per_s"] for r in mine]),
+            "sequenced_per_s": rec.spread([r["sequenced_per_s"] for r in mine]),
+            "sent_per_s": rec.spread([r["sent_per_s"] for r in mine]),
+            "loss_window": sum(r["loss_window"] for r in mine),
+            "target_cpu_pct": rec.spread([r["cpu_pct"]["target"] for r in mine]),
+        }
+    if "server" in summary:
+        server = summary["server"]["received_per_s"]["median"]
+        record.target("server updates/s (received, median)", server, TARGET_UPDATES_PER_S,
+                      "updates/s")
+    if len(kinds) == 2:
+        ceiling = summary["ceiling"]["received_per_s"]["median"]
+        ratio = server / ceiling if ceiling else 0.0
+        pairs = [s["received_per_s"] / c["received_per_s"]
+                 for c, s in zip([r for r in runs if r["target"] == "ceiling"],
+                                 [r for r in runs if r["target"] == "server"])
+                 if c["received_per_s"]]
+        summary["ratio_server_to_ceiling"] = round(ratio, 3)
+        summary["ratio_per_round"] = [round(p, 3) for p in pairs]
+        summary["ratio_per_round_median"] = round(statistics.median(pairs), 3) if pairs else None
+        record.target("server / ceiling (medians)", round(ratio, 3), TARGET_RATIO, "ratio")
+    record.data["summary"] = summary
+
+
+def report(record: rec.Record) -> None:
+    rows = []
+    for r in record.data["runs"]:
+        lat = r["latency_ms"]
+        rows.append([f"{r['round']} {r['target']}", r["sent_per_s"], r["sequenced_per_s"],
+                     r["received_per_s"], r["loss_window"], r["dropped_at_writer_total"],
+                     lat.get("p50", "-"), lat.get("p99", "-"), r["cpu_pct"]["target"],
+                     r["cpu_pct"]["writers"], r["cpu_pct"]["subscribers"]])
+    rec.print_table(f"{NAME}: runs ({record.data['config']['seconds']:g} s windows)",
+                    ["run", "sent/s", "sequenced/s", "received/s", "lost", "writer drops",
+                     "p50 ms", "p99 ms", "target cpu%", "writer cpu%", "sub cpu%"], rows)
+    rows = []
+    for kind, s in record.data["summary"].items():
+        if isinstance(s, dict) and "received_per_s" in s:
+            x = s["received_per_s"]
+            rows.append([kind, x["median"], x["min"], x["max"], x["spread_pct"],
+                         s["target_cpu_pct"]["median"]])
+    ratio = record.data["summary"].get("ratio_server_to_ceiling")
+    rec.print_table(f"{NAME}: received updates/s over rounds",
+                    ["target", "median", "min", "max", "spread %", "cpu% (median)"], rows,
+                    caption=f"server / ceiling = {ratio}" if ratio is not None else "")
+    rec.print_targets(record)
+
+
+def main(argv: list[str] | None = None) -> rec.Record:
+    args = parse_args(argv)
+    exit_on_sigterm()
+    record = run(args)
+    report(record)
+    path = record.save(Path(args.results_dir))
+    rec.log(f"{NAME}: saved {path}")
+    return record
+
+
+if __name__ == "__main__":
+    main()

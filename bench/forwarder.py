@@ -1,0 +1,90 @@
+"""The ceiling: a bare Python forwarding loop with a CHP server's message shape.
+
+``python -m bench.forwarder --port P [--host H]`` binds a SUB collector on P+2 and a PUB
+on P+1 (P itself is left alone: no snapshots), prints ``READY ...`` and then, for every
+5-frame KVSET it receives: stores the value in a dict (an empty value deletes), and
+publishes a 5-frame KVPUB with the next sequence, echoing UUID and properties. No
+validation, no heartbeats, no TTLs, no event loop: a blocking loop over the same
+shards.zio calls a real server uses, so "server / forwarder" says what everything a
+server does beyond forwarding costs. A malformed message (not 5 frames) is skipped.
+
+SIGTERM ends it at once (the default action); SIGINT ends it cleanly.
+"""
+from __future__ import annotations
+
+import argparse
+import struct
+import sys
+
+HWM = 100_000
+"""Default SNDHWM of the PUB and RCVHWM of the collector: the shard server's defaults."""
+
+
+def serve(host: str, port: int, core: int | None = None, pub_hwm: int = HWM,
+          collect_hwm: int = HWM) -> None:
+    if core is not None:
+        import psutil
+
+        psutil.Process().cpu_affinity([core])
+    import zmq
+
+    from shards.zio import recv_frames, send_frames5
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    pub = ctx.socket(zmq.PUB)
+    for s in (sub, pub):
+        s.linger = 0
+    sub.rcvhwm = collect_hwm
+    pub.sndhwm = pub_hwm
+    try:
+        try:
+            pub.bind(f"tcp://{host}:{port + 1}")
+            sub.bind(f"tcp://{host}:{port + 2}")
+        except zmq.ZMQError as exc:
+            sys.exit(f"forwarder: cannot bind {host}:{port + 1}/{port + 2}: {exc}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        print(f"READY forwarder collector=tcp://{host}:{port + 2} "
+              f"publisher=tcp://{host}:{port + 1}", flush=True)
+        store: dict[bytes, bytes] = {}
+        pack = struct.Struct(">Q").pack
+        seq = 0
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        again = zmq.Again
+        while True:
+            try:
+                frames = recv_frames(sub)       # non-blocking: drain while there is input
+            except again:
+                poller.poll()                   # nothing queued: wait for input
+                continue
+            if len(frames) != 5:
+                continue
+            key, _, uuid, props, value = frames
+            if value:
+                store[key] = value
+            else:
+                store.pop(key, None)
+            seq += 1
+            send_frames5(pub, key, pack(seq), uuid, props, value)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sub.close(0)
+        pub.close(0)
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.forwarder", description=__doc__.split("\n")[0])
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--core", type=int, default=None, help="pin to this core")
+    ap.add_argument("--pub-hwm", type=int, default=HWM)
+    ap.add_argument("--collect-hwm", type=int, default=HWM)
+    args = ap.parse_args(argv)
+    serve(args.host, args.port, args.core, args.pub_hwm, args.collect_hwm)
+
+
+if __name__ == "__main__":
+    main()

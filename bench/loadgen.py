@@ -1,0 +1,529 @@
+"""Load generator for 12/CHP servers: writer and subscriber processes, and one timed run.
+
+A *writer* process sends KVSET commands (5 frames: key, 8 zero bytes, 16-byte UUID,
+properties, value) to a collector endpoint (a server's P+2). A *subscriber* process
+counts the KVPUBs arriving on a publisher endpoint (P+1), checks their sequences for gaps
+and times them. ``run_load`` starts both kinds, lets them warm up, measures one window
+and returns what each side saw.
+
+Design decisions:
+
+* **Processes, not threads**, started with ``multiprocessing`` "spawn" (no zmq state is
+  ever inherited through fork). A process may be pinned to one core; the pin happens
+  before its zmq Context exists, so the context's I/O thread is pinned too.
+* **Frame I/O:** writers send through ``shards.zio.send_frames5``. The subscriber reads
+  with ``recv5``: five ``copy=True`` backend receives (~1 us a message here, against ~4.5
+  us for ``zio.recv_frames``, which builds a zmq.Frame per frame to read its MORE flag).
+  It trusts the server under test to send 5-frame messages and checks that on every
+  ``latency_every``-th message (RCVMORE after the fifth frame; a short sequence frame
+  fails to unpack), counting ``malformed``. The harness must not be the bottleneck.
+* **The writer socket is an XPUB with XPUB_NODROP.** It waits (with a deadline) until the
+  server's collector SUB has subscribed, so no update is lost before the run, and at the
+  high-water mark a send reports EAGAIN instead of dropping silently. Three modes:
+  ``flow`` (flat out, a full pipe blocks the writer: offered load = what the server
+  takes, and a writer waiting costs no CPU - the right mode on a 2-core machine),
+  ``drop`` (flat out, never blocks: a full pipe drops the update and counts it), and a
+  fixed offered ``rate_per_s`` (open loop: the latency stamp is the *intended* send time,
+  so a stall cannot hide behind coordinated omission; a full pipe drops and counts).
+* **Values carry a stamp:** the first 8 bytes of a value are the send time
+  (``time.monotonic_ns``, CLOCK_MONOTONIC, which every process on one host shares), so a
+  subscriber computes end-to-end latency. Values shorter than 8 bytes carry no stamp.
+* **Keys** are drawn from a precomputed schedule (a power-of-two list cycled through), so
+  choosing a key costs one list index: ``uniform`` or ``zipf`` over the key space, or
+  ``sequential`` (key i for the i-th update: N updates load exactly N keys). A key is
+  ``/k%08d``: its routing segment is the whole key, so keys spread over shards.
+* **Windows are absolute CLOCK_MONOTONIC times** handed to every process: each counts
+  what it did between ``t_start`` and ``t_end``, checking the clock once per batch, so no
+  coordination is needed while the load runs.
+"""
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+import multiprocessing as mp
+import os
+import random
+import struct
+import time
+from dataclasses import asdict, dataclass, field
+
+KEY_FORMAT = "/k%08d"
+STAMP_BYTES = 8
+SCHEDULE_LEN = 1 << 18
+CHECK_EVERY = 256
+"""Messages between two clock reads in a writer or subscriber loop."""
+
+READY_DEADLINE_S = 20.0
+GO_DEADLINE_S = 60.0
+SEND_TIMEOUT_MS = 200
+FLUSH_S = 10.0
+"""A writer that finished normally flushes its queue for up to this long before exiting."""
+
+_U64 = struct.Struct(">Q")
+_pack_u64 = _U64.pack
+_unpack_u64 = _U64.unpack
+_SEQ_ZERO = b"\x00" * 8
+
+
+def recv5(sock, flags: int) -> tuple[bytes, bytes, bytes, bytes, bytes]:
+    """Receive a 5-frame message as bytes without reading MORE flags (see the docstring).
+
+    ``flags`` applies to the first frame; the other four are already queued (ZeroMQ
+    delivers a multipart message whole), so a shorter message raises ``zmq.Again`` or
+    borrows frames from the next one, which the periodic RCVMORE check reports.
+    """
+    from zmq.backend import Socket
+
+    recv = Socket.recv
+    f0 = recv(sock, flags, True)
+    return (f0, recv(sock, 1, True), recv(sock, 1, True), recv(sock, 1, True),
+            recv(sock, 1, True))
+
+
+def key_of(i: int) -> bytes:
+    return (KEY_FORMAT % i).encode()
+
+
+def key_index(key: bytes) -> int:
+    """The inverse of ``key_of``."""
+    return int(key[2:])
+
+
+# ------------------------------------------------------------------------ configuration
+
+@dataclass(frozen=True)
+class WriterConfig:
+    collector: str                 # e.g. "tcp://127.0.0.1:P+2"
+    keys: int = 100_000
+    value_bytes: int = 100
+    distribution: str = "uniform"  # uniform | zipf | sequential
+    zipf_s: float = 1.1
+    mode: str = "flow"             # flow | drop | rate
+    rate_per_s: float = 0.0        # mode "rate" only
+    count: int = 0                 # stop after this many updates (0: at the window end)
+    ttl_fraction: float = 0.0      # share of updates carrying "ttl=<ttl_s>"
+    ttl_s: float = 5.0
+    seed: int = 1
+    core: int | None = None        # pin to this core before creating the zmq context
+    writer_id: int = 0
+    tail_s: float = 0.2            # keep sending this long after the window ends
+
+
+@dataclass(frozen=True)
+class SubscriberConfig:
+    endpoint: str                  # e.g. "tcp://127.0.0.1:P+1"
+    subscribe: bytes = b""         # prefix filter ("" = everything, HUGZ included)
+    latency_every: int = 64        # sample the latency of one update in this many
+    rcvhwm: int = 100_000
+    quiet_s: float = 0.5           # after the window: stop after this long without data
+    drain_s: float = 10.0          # after the window: stop after this long at most
+    core: int | None = None
+
+
+@dataclass(frozen=True)
+class Window:
+    """Absolute ``time.monotonic()`` times shared by every process of a run."""
+
+    t_start: float
+    t_end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.t_end - self.t_start
+
+
+# ------------------------------------------------------------------------------- keys
+
+def key_schedule(cfg: WriterConfig, length: int = SCHEDULE_LEN) -> list[tuple[bytes, bytes]]:
+    """``length`` (key, properties) pairs to cycle through (``length`` a power of two)."""
+    rng = random.Random(cfg.seed * 7919 + cfg.writer_id)
+    n = cfg.keys
+    if cfg.distribution == "sequential":
+        if cfg.count and cfg.count > n:
+            raise ValueError("sequential: count exceeds the key space")
+        length = 1 << max(0, (n - 1).bit_length())
+        indices = [i % n for i in range(length)]
+    elif cfg.distribution == "uniform":
+        indices = [rng.randrange(n) for _ in range(length)]
+    elif cfg.distribution == "zipf":
+        weights = list(itertools.accumulate(1.0 / (r ** cfg.zipf_s) for r in range(1, n + 1)))
+        total = weights[-1]
+        ranks = [bisect.bisect_left(weights, rng.random() * total) for _ in range(length)]
+        perm = list(range(n))
+        rng.shuffle(perm)  # rank 1 is a random key, not key 0
+        indices = [perm[min(r, n - 1)] for r in ranks]
+    else:
+        raise ValueError(f"unknown distribution {cfg.distribution!r}")
+    ttl_props = f"ttl={cfg.ttl_s:g}\n".encode()
+    keys = [key_of(i) for i in range(n)] if n <= 4 * length else None
+    out = []
+    for i in indices:
+        props = ttl_props if cfg.ttl_fraction and rng.random() < cfg.ttl_fraction else b""
+        out.append((keys[i] if keys is not None else key_of(i), props))
+    return out
+
+
+# ----------------------------------------------------------------------------- writer
+
+def _pin(core: int | None) -> None:
+    if core is not None:
+        import psutil
+
+        psutil.Process().cpu_affinity([core])
+
+
+def writer_main(cfg: WriterConfig, conn) -> None:
+    """Child process: connect, report ready, wait for a Window, send, report figures."""
+    _pin(cfg.core)
+    import zmq
+
+    from shards.zio import send_frames5
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.XPUB)
+    sock.linger = 0
+    sock.setsockopt(zmq.XPUB_NODROP, 1)
+    sock.sndtimeo = SEND_TIMEOUT_MS
+    sock.rcvtimeo = int(READY_DEADLINE_S * 1000)
+    result: dict = {"role": "writer", "writer_id": cfg.writer_id, "pid": os.getpid()}
+    try:
+        sock.connect(cfg.collector)
+        schedule = key_schedule(cfg)
+        try:
+            sock.recv()  # the collector's subscription: it is connected and listening
+        except zmq.Again:
+            result["error"] = f"no subscription from {cfg.collector} in {READY_DEADLINE_S} s"
+            conn.send(result)
+            return
+        conn.send({"ready": True})
+        if not conn.poll(GO_DEADLINE_S):
+            return
+        window: Window = conn.recv()
+        result.update(_write(sock, cfg, schedule, window, send_frames5, zmq))
+        sock.linger = int(FLUSH_S * 1000)  # what was sent must reach the server
+        conn.send(result)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def _write(sock, cfg: WriterConfig, schedule, window: Window, send5, zmq) -> dict:
+    mask = len(schedule) - 1
+    pad = bytes(max(0, cfg.value_bytes - STAMP_BYTES))
+    stamped = cfg.value_bytes >= STAMP_BYTES
+    plain = bytes(cfg.value_bytes)
+    uuid_prefix = os.urandom(8)
+    pack = _pack_u64
+    seq0 = _SEQ_ZERO
+    now_ns = time.monotonic_ns
+    clock = time.monotonic
+    again = zmq.Again
+    noblock = zmq.NOBLOCK
+    stop_at = window.t_end + cfg.tail_s
+    limit = cfg.count or (1 << 62)
+    rate = cfg.rate_per_s if cfg.mode == "rate" else 0.0
+    flags = 0 if cfg.mode == "flow" else noblock
+    sent = dropped = blocked = 0
+    at_start = at_end = None   # (time, sent, dropped) at the window's edges
+    t_begin = clock()
+    t0_ns = now_ns()
+    period_ns = int(1e9 / rate) if rate else 0
+    i = 0
+    while i < limit:
+        now = clock()
+        if at_start is None and now >= window.t_start:
+            at_start = (now, sent, dropped)
+        if at_end is None and now >= window.t_end:
+            at_end = (now, sent, dropped)
+        if now >= stop_at:
+            break
+        if rate:
+            due = min(limit, int((now_ns() - t0_ns) // period_ns))
+            if i >= due:
+                time.sleep(min(0.001, period_ns * (due + 1 - i) / 1e9))
+                continue
+            burst = min(due - i, CHECK_EVERY)
+        else:
+            burst = min(limit - i, CHECK_EVERY)
+        for _ in range(burst):
+            key, props = schedule[i & mask]
+            if stamped:
+                value = pack(t0_ns + i * period_ns if rate else now_ns()) + pad
+            else:
+                value = plain
+            try:
+                send5(sock, key, seq0, uuid_prefix + pack(i), props, value, flags)
+                sent += 1
+                i += 1
+            except again:
+                if flags:          # drop / rate: counted and skipped
+                    dropped += 1
+                    i += 1
+                else:              # flow: the send timed out; re-check the clock
+                    blocked += 1
+                    break
+    now = clock()
+    if at_start is None:
+        at_start = (now, sent, dropped)
+    if at_end is None:
+        at_end = (now, sent, dropped)
+    return {
+        "sent_total": sent, "dropped_total": dropped, "blocked_timeouts": blocked,
+        "elapsed_s": now - t_begin,
+        "window_s": at_end[0] - at_start[0],
+        "sent_window": at_end[1] - at_start[1],
+        "dropped_window": at_end[2] - at_start[2],
+    }
+
+
+# ------------------------------------------------------------------------- subscriber
+
+def subscriber_main(cfg: SubscriberConfig, conn) -> None:
+    """Child process: subscribe, report ready, count and time KVPUBs over a Window."""
+    _pin(cfg.core)
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.SUB)
+    sock.linger = 0
+    sock.rcvhwm = cfg.rcvhwm
+    sock.rcvtimeo = 100
+    result: dict = {"role": "subscriber", "pid": os.getpid()}
+    try:
+        sock.setsockopt(zmq.SUBSCRIBE, cfg.subscribe)
+        sock.connect(cfg.endpoint)
+        conn.send({"ready": True})
+        if not conn.poll(GO_DEADLINE_S):
+            return
+        window: Window = conn.recv()
+        result.update(_subscribe(sock, cfg, window, zmq))
+        conn.send(result)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def _subscribe(sock, cfg: SubscriberConfig, window: Window, zmq) -> dict:
+    from zmq.backend import Socket
+
+    brecv = Socket.recv
+    more = functools.partial(Socket.get, sock, zmq.RCVMORE)
+    unpack = _unpack_u64
+    clock = time.monotonic
+    now_ns = time.monotonic_ns
+    again = zmq.Again
+    noblock = zmq.NOBLOCK
+    every = max(1, cfg.latency_every)
+    received = hugz = gaps = backwards = malformed = 0
+    first_seq = last_seq = max_seq = 0
+    samples: list[int] = []
+    at_start = at_end = None   # (time, received, max_seq, gaps)
+    last_data = clock()
+    hard_stop = window.t_end + cfg.drain_s
+    while True:
+        try:
+            first = brecv(sock, 0, True)  # blocks up to rcvtimeo for the first of a batch
+        except again:
+            first = None
+        n = 0
+        while first is not None:
+            try:
+                seq_frame = brecv(sock, noblock, True)
+                brecv(sock, noblock, True)
+                brecv(sock, noblock, True)
+                value = brecv(sock, noblock, True)
+                seq = unpack(seq_frame)[0]
+            except (again, struct.error):
+                malformed += 1
+                seq = -1
+            if seq == 0:
+                hugz += 1
+            elif seq > 0:
+                received += 1
+                if seq > max_seq:
+                    if max_seq and seq != max_seq + 1:
+                        gaps += seq - max_seq - 1
+                    max_seq = seq
+                else:
+                    backwards += 1
+                if not first_seq:
+                    first_seq = seq
+                last_seq = seq
+                if received % every == 0:
+                    if more():
+                        malformed += 1
+                        while more():
+                            brecv(sock, noblock, True)
+                    elif len(value) >= STAMP_BYTES:
+                        samples.append(now_ns() - unpack(value[:STAMP_BYTES])[0])
+            n += 1
+            if n >= CHECK_EVERY:
+                break
+            try:
+                first = brecv(sock, noblock, True)
+            except again:
+                first = None
+        now = clock()
+        if n:
+            last_data = now
+        if at_start is None and now >= window.t_start:
+            at_start = (now, received, max_seq, gaps)
+        if at_end is None and now >= window.t_end:
+            at_end = (now, received, max_seq, gaps)
+        if at_end is not None and (now - last_data >= cfg.quiet_s or now >= hard_stop):
+            break
+    samples.sort()
+    window_s = at_end[0] - at_start[0]
+    return {
+        "received_total": received, "hugz": hugz, "first_seq": first_seq,
+        "last_seq": last_seq, "max_seq": max_seq, "gaps_total": gaps,
+        "backwards_total": backwards, "malformed": malformed,
+        "window_s": window_s,
+        "received_window": at_end[1] - at_start[1],
+        "sequenced_window": at_end[2] - at_start[2],
+        "gaps_window": at_end[3] - at_start[3],
+        "seq_at_window_start": at_start[2],
+        "latency_samples": len(samples),
+        "latency_ms": percentiles_ms(samples),
+    }
+
+
+def percentiles_ms(sorted_ns: list[int], points=(50, 90, 99, 99.9)) -> dict[str, float]:
+    if not sorted_ns:
+        return {}
+    out = {}
+    for p in points:
+        idx = min(len(sorted_ns) - 1, int(len(sorted_ns) * p / 100))
+        out[f"p{p:g}"] = round(sorted_ns[idx] / 1e6, 3)
+    out["max"] = round(sorted_ns[-1] / 1e6, 3)
+    return out
+
+
+# ---------------------------------------------------------------------------- one run
+
+@dataclass
+class LoadResult:
+    writers: list[dict] = field(default_factory=list)
+    subscribers: list[dict] = field(default_factory=list)
+
+    def figures(self) -> dict:
+        """Totals and per-second rates over the measured window (first subscriber's)."""
+        w_window = sum(w["window_s"] for w in self.writers) / max(1, len(self.writers))
+        sent_w = sum(w["sent_window"] for w in self.writers)
+        sub = self.subscribers[0]
+        win = sub["window_s"] or 1e-9
+        return {
+            "window_s": round(win, 4),
+            "sent_per_s": round(sent_w / (w_window or 1e-9), 1),
+            "sequenced_per_s": round(sub["sequenced_window"] / win, 1),
+            "received_per_s": round(sub["received_window"] / win, 1),
+            "loss_window": sub["gaps_window"],
+            "sent_total": sum(w["sent_total"] for w in self.writers),
+            "dropped_at_writer_total": sum(w["dropped_total"] for w in self.writers),
+            "sequenced_total": sub["max_seq"],
+            "received_total": sub["received_total"],
+            "loss_total": sub["gaps_total"],
+            "latency_ms": sub["latency_ms"],
+        }
+
+
+class LoadRun:
+    """Writers and subscribers as child processes; every one is ended by PID on exit.
+
+    ``with LoadRun(writers, subscribers) as run: result = run.measure(warmup_s, seconds)``
+    """
+
+    def __init__(self, writers: list[WriterConfig], subscribers: list[SubscriberConfig]):
+        self.writer_cfgs = writers
+        self.subscriber_cfgs = subscribers
+        self._ctx = mp.get_context("spawn")
+        self._children: list[tuple[str, object, object]] = []  # (role, process, conn)
+
+    def __enter__(self) -> "LoadRun":
+        try:
+            for cfg in self.subscriber_cfgs:
+                self._start("subscriber", subscriber_main, cfg)
+            for cfg in self.writer_cfgs:
+                self._start("writer", writer_main, cfg)
+            deadline = time.monotonic() + READY_DEADLINE_S + 10
+            for role, proc, conn in self._children:
+                msg = _recv_by(conn, deadline, f"{role} pid {proc.pid} ready")
+                if "error" in msg:
+                    raise RuntimeError(f"{role}: {msg['error']}")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self, role: str, target, cfg) -> None:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=target, args=(cfg, child), daemon=True,
+                                 name=f"bench-{role}")
+        proc.start()
+        child.close()
+        self._children.append((role, proc, parent))
+
+    def start(self, warmup_s: float, seconds: float) -> Window:
+        """Hand every process the same window (starting after ``warmup_s``); load begins."""
+        now = time.monotonic()
+        window = Window(now + warmup_s, now + warmup_s + seconds)
+        for _, _, conn in self._children:
+            conn.send(window)
+        return window
+
+    def collect(self, window: Window, deadline_s: float = 30.0) -> LoadResult:
+        """Wait (up to ``deadline_s`` after the window) for every process's figures."""
+        deadline = window.t_end + deadline_s
+        result = LoadResult()
+        for role, proc, conn in self._children:
+            msg = _recv_by(conn, deadline, f"{role} pid {proc.pid} result")
+            if "error" in msg:
+                raise RuntimeError(f"{role}: {msg['error']}")
+            (result.writers if role == "writer" else result.subscribers).append(msg)
+        return result
+
+    def measure(self, warmup_s: float, seconds: float) -> LoadResult:
+        return self.collect(self.start(warmup_s, seconds))
+
+    def pids(self, role: str | None = None) -> list[int]:
+        return [proc.pid for r, proc, _ in self._children if role in (None, r)]
+
+    def close(self, grace_s: float = 0.0) -> None:
+        """End every child by PID: wait up to ``grace_s`` for them to exit on their own
+        (a writer flushing its queue), then SIGTERM, then SIGKILL."""
+        deadline = time.monotonic() + grace_s
+        for _, proc, _ in self._children:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for _, proc, conn in self._children:
+            if proc.is_alive():
+                proc.terminate()
+        for _, proc, conn in self._children:
+            proc.join(3)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(3)
+            conn.close()
+        self._children.clear()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(grace_s=0.0 if exc_type else FLUSH_S + 5.0)
+
+
+def _recv_by(conn, deadline: float, what: str) -> dict:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0 or not conn.poll(remaining):
+        raise TimeoutError(f"no {what} within the deadline")
+    try:
+        return conn.recv()
+    except EOFError:
+        raise RuntimeError(f"{what}: the process exited") from None
+
+
+def config_dict(cfg) -> dict:
+    d = asdict(cfg)
+    return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in d.items()}

@@ -1,0 +1,193 @@
+"""Benchmark records: host facts, statistics, a printed table and a saved JSON file.
+
+Every benchmark ends with ``save(record)``, which writes
+``<results_dir>/<name>-<UTC timestamp>.json`` and ``<results_dir>/latest/<name>.json``.
+A record holds (schema 1)::
+
+    benchmark   name, e.g. "chp_throughput"
+    command     the command line that reproduces it (always explicit options)
+    invoked_as  the command line actually typed (e.g. "python -m bench")
+    started_at, finished_at   UTC ISO times; duration_s
+    host        cores, CPU model, load average before and after, Python, pyzmq, libzmq,
+                platform, git commit (and whether the tree was dirty)
+    config      every option the benchmark ran with
+    runs        one entry per measured run (raw figures)
+    summary     medians, spreads, ratios
+    targets     [{name, target, value, unit, met}]
+
+No figure is quoted without the command that produced it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "bench" / "results"
+SCHEMA = 1
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _git() -> dict:
+    def run(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": run("rev-parse", "HEAD"),
+            "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
+
+
+def host_facts() -> dict:
+    import psutil
+    import zmq
+
+    return {
+        "cores_logical": os.cpu_count(),
+        "cores_physical": psutil.cpu_count(logical=False),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "cpu_model": _cpu_model(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "loadavg_before": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "platform": platform.platform(),
+        "git": _git(),
+    }
+
+
+def command_line(module: str, options: dict) -> str:
+    """``python -m <module> --opt value ...`` from a dict of option -> value."""
+    parts = ["python", "-m", module]
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif value is False or value is None:
+            continue
+        else:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
+class Record:
+    def __init__(self, benchmark: str, command: str, config: dict):
+        self.data: dict = {
+            "schema": SCHEMA,
+            "benchmark": benchmark,
+            "command": command,
+            "invoked_as": shlex.join(["python", *sys.argv]) if sys.argv else "",
+            "started_at": _utc_now(),
+            "host": host_facts(),
+            "config": config,
+            "runs": [],
+            "summary": {},
+            "targets": [],
+        }
+        self._t0 = time.monotonic()
+
+    def add_run(self, run: dict) -> None:
+        self.data["runs"].append(run)
+
+    def target(self, name: str, value: float, target: float, unit: str,
+               higher_is_better: bool = True) -> None:
+        met = value >= target if higher_is_better else value < target
+        self.data["targets"].append({"name": name, "value": value, "target": target,
+                                     "unit": unit, "higher_is_better": higher_is_better,
+                                     "met": bool(met)})
+
+    def finish(self) -> None:
+        self.data["finished_at"] = _utc_now()
+        self.data["duration_s"] = round(time.monotonic() - self._t0, 2)
+        self.data["host"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+
+    def save(self, results_dir: Path | str = RESULTS_DIR) -> Path:
+        results_dir = Path(results_dir)
+        (results_dir / "latest").mkdir(parents=True, exist_ok=True)
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        name = self.data["benchmark"]
+        path = results_dir / f"{name}-{stamp}.json"
+        text = json.dumps(self.data, indent=2, sort_keys=False) + "\n"
+        path.write_text(text)
+        (results_dir / "latest" / f"{name}.json").write_text(text)
+        return path
+
+
+def _utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def spread(values: list[float]) -> dict:
+    """Median, min, max and the relative spread (max - min) / median."""
+    if not values:
+        return {"n": 0}
+    med = statistics.median(values)
+    return {"n": len(values), "median": round(med, 1), "min": round(min(values), 1),
+            "max": round(max(values), 1),
+            "spread_pct": round(100 * (max(values) - min(values)) / med, 1) if med else None}
+
+
+# ------------------------------------------------------------------------------ tables
+
+def print_table(title: str, columns: list[str], rows: list[list], caption: str = "") -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption or None)
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*[_fmt(v) for v in row])
+    _console().print(table)
+
+
+def print_targets(record: Record) -> None:
+    rows = [[t["name"], t["value"], ("< " if not t["higher_is_better"] else ">= ") + _fmt(t["target"]),
+             t["unit"], "yes" if t["met"] else "NO"] for t in record.data["targets"]]
+    host = record.data["host"]
+    print_table(f"{record.data['benchmark']}: targets", ["target", "value", "goal", "unit", "met"],
+                rows, caption=f"{record.data['command']}\n{host['cores_logical']} cores, load "
+                f"{host['loadavg_before']} -> {host.get('loadavg_after')}")
+
+
+def _console():
+    import sys
+
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=150)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        return f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
+def log(message: str) -> None:
+    """A progress line on stderr (stdout carries the tables)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)

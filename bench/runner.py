@@ -1,0 +1,131 @@
+"""Processes under test: start one, wait for its READY line, end it by PID.
+
+A ``Target`` is a server process a benchmark measures (the real shard server, or the bare
+forwarding loop). It runs in its own session (so a terminal's Ctrl-C reaches only the
+benchmark, which then ends it), its stdout is drained by a thread, its stderr goes to a
+temporary file whose tail is shown if it fails. ``stop`` sends SIGTERM and, after a grace
+period, SIGKILL - always to the PID it started, never by name.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+READY_TIMEOUT_S = 30.0
+
+
+def server_argv(port: int, host: str = "127.0.0.1", extra: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "shards", "--port", str(port), "--host", host, *extra]
+
+
+def forwarder_argv(port: int, host: str = "127.0.0.1", extra: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "bench.forwarder", "--port", str(port), "--host", host, *extra]
+
+
+def free_port_base(count: int = 4, host: str = "127.0.0.1") -> int:
+    """A base P such that P..P+count-1 can be bound on ``host`` now."""
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(500):
+        base = rng.randrange(46000, 60000 - count) // 10 * 10
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range found")
+
+
+class Target:
+    def __init__(self, name: str, argv: list[str], ready: str = "READY",
+                 timeout_s: float = READY_TIMEOUT_S):
+        self.name = name
+        self.argv = argv
+        self._stderr = tempfile.TemporaryFile()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.popen = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=self._stderr,
+                                      start_new_session=True)
+        self.pid = self.popen.pid
+        self.ready_line = ""
+        self._lines: "queue.Queue[str | None]" = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        try:
+            self.ready_line = self._wait_line(ready, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _pump(self) -> None:
+        for raw in iter(self.popen.stdout.readline, b""):
+            self._lines.put(raw.decode("utf-8", "replace").rstrip("\n"))
+        self._lines.put(None)
+
+    def _wait_line(self, prefix: str, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                line = self._lines.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if line is None:
+                self.popen.wait(5)
+                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}) before "
+                                   f"{prefix!r}: {self.stderr_tail()}")
+            if line.startswith(prefix):
+                return line
+        raise TimeoutError(f"{self.name} printed no {prefix!r} line within {timeout_s} s: "
+                           f"{self.stderr_tail()}")
+
+    def stderr_tail(self, lines: int = 15) -> str:
+        if self._stderr.closed:
+            return ""
+        self._stderr.seek(0)
+        return "\n".join(self._stderr.read().decode("utf-8", "replace").splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, grace_s: float = 5.0) -> int | None:
+        if self.alive():
+            try:
+                os.kill(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+                self.popen.wait(5)
+        self._stderr.close()
+        return self.popen.returncode
+
+    def __enter__(self) -> "Target":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so every ``finally`` ends its processes by PID."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)

@@ -1,0 +1,267 @@
+"""Snapshot join time and server memory per key.
+
+``python -m bench.snapshot [--keys 1000000] [--repeats 3] [--value-bytes 100]``
+
+For each map size (``--keys`` takes a comma-separated list, e.g. ``10000,100000,1000000``):
+
+1. start a fresh shard server and read its resident memory (RSS) idle;
+2. load N distinct keys (``/k%08d``, one KVSET each, N-byte... ``--value-bytes`` values)
+   with one load-generator writer in ``flow`` mode (nothing is dropped on the way in),
+   and wait - on an event, with a deadline - for the KVPUB of the last key, whose
+   sequence must be N;
+3. read the RSS again: memory per key = (RSS loaded - RSS idle) / N, and "beyond key
+   and value" subtracts the average key + value length;
+4. ``--repeats`` times, a new raw client (a DEALER) sends ``ICANHAZ?`` for the whole map
+   and is timed from the request to KTHXBAI; the snapshot must be whole: N KVSYNCs,
+   every key exactly once, every value the right size, KTHXBAI's sequence N and subtree
+   empty. The RSS after the snapshots and the peak RSS (VmHWM) are recorded too.
+
+Targets: 1,000,000 keys whole in < 5 s; < 400 bytes per key beyond key and value.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import struct
+import time
+from pathlib import Path
+
+from bench import record as rec
+from bench.loadgen import (KEY_FORMAT, LoadRun, WriterConfig, config_dict, key_index, key_of,
+                           recv5)
+from bench.runner import Target, exit_on_sigterm, free_port_base, server_argv
+
+NAME = "snapshot"
+TARGET_SNAPSHOT_S = 5.0
+TARGET_KEYS_FOR_TIME = 1_000_000
+TARGET_BYTES_PER_KEY = 400.0
+HEARTBEAT_S = 0.2
+LOAD_RATE_FLOOR_PER_S = 5_000
+"""Loading deadline: N / this + 30 s."""
+IDLE_S = 30.0
+"""A snapshot fails if no frame arrives for this long."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=f"python -m bench.{NAME}",
+                                 description="snapshot join time and memory per key")
+    ap.add_argument("--keys", default="1000000",
+                    help="map size, or a comma-separated list of sizes")
+    ap.add_argument("--value-bytes", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=3, help="snapshots timed per size")
+    ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
+    args = ap.parse_args(argv)
+    try:
+        args.sizes = [int(x.replace("_", "")) for x in str(args.keys).split(",") if x]
+    except ValueError:
+        ap.error(f"--keys: {args.keys!r} is not a list of integers")
+    if not args.sizes or min(args.sizes) < 1:
+        ap.error("--keys: sizes must be >= 1")
+    return args
+
+
+def canonical_command(args: argparse.Namespace) -> str:
+    return rec.command_line(f"bench.{NAME}", {"keys": args.keys, "value_bytes": args.value_bytes,
+                                              "repeats": args.repeats})
+
+
+def rss_bytes(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
+
+
+def peak_rss_bytes(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _wait_for_update(sub, key: bytes, deadline_s: float, zmq) -> int:
+    """Wait for the KVPUB of ``key`` (the socket is subscribed to it and to HUGZ);
+    returns its sequence (0 for a HUGZ)."""
+    deadline = time.monotonic() + deadline_s
+    while (remaining := deadline - time.monotonic()) > 0:
+        if not sub.poll(min(remaining, 1.0) * 1000):
+            continue
+        frames = sub.recv_multipart()
+        if len(frames) == 5 and frames[0] == key:
+            return struct.unpack(">Q", frames[1])[0]
+        if len(frames) == 5 and frames[0] == b"HUGZ" and key == b"HUGZ":
+            return 0
+    raise TimeoutError(f"no update for {key!r} within {deadline_s:g} s")
+
+
+def take_snapshot(ctx, endpoint: str, n: int, value_bytes: int, zmq) -> dict:
+    """One whole-map snapshot through a new DEALER, timed and checked."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.rcvhwm = 0
+    dealer.rcvtimeo = int(IDLE_S * 1000)
+    keys: list[bytes] = []
+    append = keys.append
+    bad_values = 0
+    try:
+        dealer.connect(endpoint)
+        t0 = time.perf_counter()
+        dealer.send_multipart([b"ICANHAZ?", b""])
+        first_s = None
+        while True:
+            try:
+                key, seq, f2, f3, value = recv5(dealer, 0)
+            except zmq.Again:
+                raise TimeoutError(f"snapshot: nothing for {IDLE_S:g} s after {len(keys)} "
+                                   "KVSYNCs") from None
+            if key == b"KTHXBAI":
+                t1 = time.perf_counter()
+                break
+            if first_s is None:
+                first_s = time.perf_counter() - t0
+            append(key)
+            if len(value) != value_bytes:
+                bad_values += 1
+        trailing = dealer.get(zmq.RCVMORE)
+    finally:
+        dealer.close(0)
+    seen = bytearray(n)
+    dupes = foreign = 0
+    for k in keys:
+        try:
+            i = key_index(k)
+        except ValueError:
+            foreign += 1
+            continue
+        if 0 <= i < n and key_of(i) == k:
+            if seen[i]:
+                dupes += 1
+            seen[i] = 1
+        else:
+            foreign += 1
+    missing = n - sum(seen)
+    kthxbai_seq = struct.unpack(">Q", seq)[0] if len(seq) == 8 else -1
+    whole = (len(keys) == n and missing == 0 and dupes == 0 and foreign == 0
+             and bad_values == 0 and kthxbai_seq == n and value == b"" and not trailing)
+    return {"seconds": round(t1 - t0, 4), "first_kvsync_s": round(first_s or 0.0, 4),
+            "kvsync": len(keys), "keys_per_s": round(len(keys) / (t1 - t0), 1),
+            "missing": missing, "duplicates": dupes, "foreign_keys": foreign,
+            "bad_values": bad_values, "kthxbai_seq": kthxbai_seq,
+            "kthxbai_subtree": value.decode("utf-8", "replace"), "whole": whole}
+
+
+def run_size(n: int, args: argparse.Namespace) -> dict:
+    import zmq
+
+    base = free_port_base(4)
+    argv = server_argv(base, extra=("--heartbeat-s", str(HEARTBEAT_S)))
+    last_key = key_of(n - 1)
+    avg_kv = len(last_key) + args.value_bytes  # every key has the same length up to 1e8
+    ctx = zmq.Context()
+    try:
+        with Target("server", argv) as server:
+            sub = ctx.socket(zmq.SUB)
+            sub.linger = 0
+            sub.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
+            sub.setsockopt(zmq.SUBSCRIBE, last_key)
+            sub.connect(f"tcp://127.0.0.1:{base + 1}")
+            _wait_for_update(sub, b"HUGZ", 10 * HEARTBEAT_S + 10, zmq)  # subscribed
+            rss_idle = rss_bytes(server.pid)
+            writer = WriterConfig(collector=f"tcp://127.0.0.1:{base + 2}", keys=n,
+                                  value_bytes=args.value_bytes, distribution="sequential",
+                                  mode="flow", count=n, tail_s=0.0)
+            load_deadline_s = n / LOAD_RATE_FLOOR_PER_S + 30
+            rec.log(f"{NAME}: loading {n:,} keys")
+            t_load = time.perf_counter()
+            with LoadRun([writer], []) as load:
+                window = load.start(0.0, load_deadline_s)
+                wrote = load.collect(window).writers[0]
+            last_seq = _wait_for_update(sub, last_key, load_deadline_s, zmq)
+            load_s = time.perf_counter() - t_load
+            sub.close(0)
+            rss_loaded = rss_bytes(server.pid)
+            rec.log(f"  loaded in {load_s:.1f} s (last sequence {last_seq}); "
+                    f"RSS {rss_idle / 2**20:.1f} -> {rss_loaded / 2**20:.1f} MiB")
+            snaps = []
+            for i in range(args.repeats):
+                snap = take_snapshot(ctx, f"tcp://127.0.0.1:{base}", n, args.value_bytes, zmq)
+                rec.log(f"  snapshot {i + 1}/{args.repeats}: {snap['kvsync']:,} KVSYNC in "
+                        f"{snap['seconds']:.3f} s, whole={snap['whole']}")
+                snaps.append(snap)
+            rss_after = rss_bytes(server.pid)
+            peak = peak_rss_bytes(server.pid)
+            if not server.alive():
+                raise RuntimeError(f"server exited: {server.stderr_tail()}")
+    finally:
+        ctx.destroy(linger=0)
+    per_key = (rss_loaded - rss_idle) / n
+    times = [s["seconds"] for s in snaps]
+    return {
+        "keys": n, "value_bytes": args.value_bytes, "key_bytes": len(last_key),
+        "target_command": " ".join(argv[1:]),
+        "load": {"seconds": round(load_s, 3), "updates_per_s": round(n / load_s, 1),
+                 "sent": wrote["sent_total"], "last_seq": last_seq},
+        "rss_idle_bytes": rss_idle, "rss_loaded_bytes": rss_loaded,
+        "rss_after_snapshots_bytes": rss_after, "peak_rss_bytes": peak,
+        "bytes_per_key": round(per_key, 1),
+        "bytes_per_key_beyond_kv": round(per_key - avg_kv, 1),
+        "snapshots": snaps,
+        "snapshot_s": {"median": round(statistics.median(times), 4), "min": min(times),
+                       "max": max(times)},
+        "all_whole": all(s["whole"] for s in snaps) and last_seq == n,
+    }
+
+
+def run(args: argparse.Namespace) -> rec.Record:
+    config = {"sizes": args.sizes, "value_bytes": args.value_bytes, "repeats": args.repeats,
+              "key_format": KEY_FORMAT, "server_heartbeat_s": HEARTBEAT_S,
+              "writer": config_dict(WriterConfig(collector="tcp://127.0.0.1:P+2",
+                                                 distribution="sequential", mode="flow"))}
+    record = rec.Record(NAME, canonical_command(args), config)
+    for n in args.sizes:
+        record.add_run(run_size(n, args))
+    runs = record.data["runs"]
+    record.data["summary"] = {str(r["keys"]): {"snapshot_s_median": r["snapshot_s"]["median"],
+                                               "bytes_per_key_beyond_kv": r["bytes_per_key_beyond_kv"],
+                                               "whole": r["all_whole"]} for r in runs}
+    for r in runs:
+        if r["keys"] >= TARGET_KEYS_FOR_TIME:
+            record.target(f"{r['keys']:,}-key snapshot, whole (median s)",
+                          r["snapshot_s"]["median"] if r["all_whole"] else float("inf"),
+                          TARGET_SNAPSHOT_S, "s", higher_is_better=False)
+    biggest = max(runs, key=lambda r: r["keys"])
+    record.target(f"memory beyond key+value at {biggest['keys']:,} keys",
+                  biggest["bytes_per_key_beyond_kv"], TARGET_BYTES_PER_KEY, "bytes/key",
+                  higher_is_better=False)
+    record.finish()
+    return record
+
+
+def report(record: rec.Record) -> None:
+    rows = []
+    for r in record.data["runs"]:
+        s = r["snapshot_s"]
+        rows.append([r["keys"], r["load"]["updates_per_s"], s["median"], s["min"], s["max"],
+                     round(r["keys"] / s["median"]), "yes" if r["all_whole"] else "NO",
+                     round(r["rss_idle_bytes"] / 2**20, 1), round(r["rss_loaded_bytes"] / 2**20, 1),
+                     r["bytes_per_key"], r["bytes_per_key_beyond_kv"]])
+    rec.print_table(f"{NAME}: join time and memory", [
+        "keys", "load upd/s", "snapshot s (median)", "min s", "max s", "keys/s", "whole",
+        "RSS idle MiB", "RSS loaded MiB", "bytes/key", "beyond k+v"], rows)
+    rec.print_targets(record)
+
+
+def main(argv: list[str] | None = None) -> rec.Record:
+    args = parse_args(argv)
+    exit_on_sigterm()
+    record = run(args)
+    report(record)
+    path = record.save(Path(args.results_dir))
+    rec.log(f"{NAME}: saved {path}")
+    return record
+
+
+if __name__ == "__main__":
+    main()
