@@ -1,0 +1,525 @@
+"""The per-shard client agent: the I/O shell around ``client.shard_machine``.
+
+One ``ShardAgent`` per shard owns exactly that shard's sockets (STYLE: one owner per
+socket), all driven from one asyncio loop through ``shards.zio.AsyncSocket``:
+
+* SUB to the current server's P+1, subscribed to the subtree and to "HUGZ", opened by a
+  ``Connect`` effect (a fresh socket per server, so nothing stale survives a failover);
+  a ZeroMQ monitor on it reports the handshake, which is when the subscription is live;
+* DEALER to the current server's P, a fresh one per ``RequestSnapshot`` (an abandoned
+  snapshot still streaming to the old identity is dropped by the server's ROUTER, so two
+  KTHXBAIs can never be confused);
+* one XPUB per server of the shard, connected to its P+2 collector (a Binary Star pair
+  gets every KVSET at both servers). An XPUB is a PUB that also reports subscriptions:
+  KVSETs are sent only once the collector's SUB has subscribed (before that a PUB drops
+  them silently), and with ``XPUB_NODROP`` a full pipe queues them here instead of
+  dropping them. The queue is bounded; overflow drops the oldest and is counted.
+
+Hot paths (measured: see ``bench``): a KVPUB is one ``decode_update``, one
+``check_seq`` and one dict store; a KVSYNC is one ``decode_snapshot`` and one dict
+store. While not ACTIVE, SUB messages are kept raw in a bounded buffer and decoded when
+replayed after the KTHXBAI.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from shards.drops import DropCounter
+from shards.errors import ProtocolError
+from shards.proto import chp
+from shards.zio import AsyncSocket
+from client import shard_machine as sm
+from client.watch import WatchHub
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.1
+SYNC_BUFFER_MAX = 500_000
+"""Updates buffered while a snapshot streams (~400 B each with 100-byte values)."""
+REPLAY_BATCH = 4096
+KVSET_QUEUE_MAX = 100_000
+SUB_RCVHWM = 100_000
+DEALER_RCVHWM = 100_000
+XPUB_SNDHWM = 100_000
+
+_Hugz = chp.Hugz
+_Kvsync = chp.Kvsync
+_decode_update = chp.decode_update
+_decode_snapshot = chp.decode_snapshot
+_check_seq = sm.check_seq
+
+
+@dataclass(frozen=True, slots=True)
+class ServerAddress:
+    """One CHP server: host and base port P (snapshot P, publisher P+1, collector P+2)."""
+
+    host: str
+    port: int
+
+    @property
+    def snapshot(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    @property
+    def publisher(self) -> str:
+        return f"tcp://{self.host}:{self.port + 1}"
+
+    @property
+    def collector(self) -> str:
+        return f"tcp://{self.host}:{self.port + 2}"
+
+    def __str__(self) -> str:
+        return self.snapshot
+
+
+_ADDRESS_RE = re.compile(r"(?:tcp://)?(\[[^\]]+\]|[^:/\[\]]+):(\d+)/?\Z")
+
+
+def parse_server(text: "str | ServerAddress") -> ServerAddress:
+    """``"tcp://127.0.0.1:6000"`` or ``"127.0.0.1:6000"`` -> ServerAddress (base port)."""
+    if isinstance(text, ServerAddress):
+        return text
+    m = _ADDRESS_RE.match(str(text).strip())
+    if not m:
+        raise ValueError(f"server address {text!r} is not tcp://HOST:PORT")
+    port = int(m.group(2))
+    if not 1 <= port <= 65533:
+        raise ValueError(f"server address {text!r}: base port must be 1..65533 "
+                         "(P, P+1 and P+2 are used)")
+    return ServerAddress(m.group(1), port)
+
+
+class FailoverInfo(NamedTuple):
+    shard: str
+    old: ServerAddress
+    new: ServerAddress
+    reason: str
+    silent_s: float
+
+
+class _Collector:
+    """One XPUB to one server's collector, with the bounded queue described above."""
+
+    def __init__(self, ctx: zmq.Context, address: ServerAddress, loop, drops: DropCounter,
+                 queue_max: int, on_ready_change: Callable[[], None]):
+        sock = ctx.socket(zmq.XPUB)
+        sock.linger = 0
+        sock.sndhwm = XPUB_SNDHWM
+        sock.setsockopt(zmq.XPUB_NODROP, 1)
+        sock.connect(address.collector)
+        self.address = address
+        self.io = AsyncSocket(sock, self._on_subscription, loop=loop,
+                              name=f"collector {address.collector}")
+        self.loop = loop
+        self.drops = drops
+        self.queue_max = queue_max
+        self.ready = False
+        self.on_ready_change = on_ready_change
+        self.queue: deque[list[bytes]] = deque()
+        self.sent = 0
+        self.dropped = 0
+        self._flusher: asyncio.Task | None = None
+
+    def _on_subscription(self, frames: list[bytes]) -> None:
+        head = frames[0][:1]
+        if head == b"\x01":
+            self.ready = True
+            self.on_ready_change()
+            self._flush_soon()
+        elif head == b"\x00":
+            self.ready = False
+            self.on_ready_change()
+
+    def send(self, frames: list[bytes]) -> None:
+        if self.ready and not self.queue:
+            try:
+                self.io.send(frames)
+                self.sent += 1
+                return
+            except zmq.Again:
+                pass
+        if len(self.queue) >= self.queue_max:
+            self.queue.popleft()
+            self.dropped += 1
+            self.drops.drop("kvset_queue_full",
+                            f"{self.address.collector}: {self.queue_max} KVSETs queued")
+        self.queue.append(frames)
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        if self.ready and self.queue and (self._flusher is None or self._flusher.done()):
+            self._flusher = self.loop.create_task(self._flush())
+
+    async def _flush(self) -> None:
+        queue = self.queue
+        while queue and self.ready:
+            try:
+                self.io.send(queue[0])
+            except zmq.Again:
+                await self.io.wait_writable(None)
+                continue
+            queue.popleft()
+            self.sent += 1
+
+    def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+        self.io.close()
+
+
+class ShardAgent:
+    """One shard: its machine, its sockets, its part of the local map.
+
+    ``map`` (key bytes -> value bytes) is replaced as a whole when a snapshot is
+    installed, so a reader sees either the old or the new snapshot, never a mix.
+    ``last_seq`` is the last applied sequence (this shard's entry of the version vector).
+    """
+
+    def __init__(self, ctx: zmq.Context, servers: Sequence[ServerAddress], *,
+                 name: str = "s0", subtree: bytes = b"", hub: WatchHub | None = None,
+                 silence_timeout_s: float | None = sm.SILENCE_TIMEOUT_S,
+                 sync_timeout_s: float = sm.SYNC_TIMEOUT_S,
+                 connect_timeout_s: float = sm.CONNECT_TIMEOUT_S,
+                 sync_buffer_max: int = SYNC_BUFFER_MAX,
+                 kvset_queue_max: int = KVSET_QUEUE_MAX,
+                 limits: chp.Limits = chp.DEFAULT_LIMITS,
+                 on_failover: Callable[[FailoverInfo], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if not servers:
+            raise ValueError(f"shard {name}: no servers")
+        chp.check_subtree(subtree)
+        self.ctx = ctx
+        self.servers = tuple(parse_server(s) for s in servers)
+        self.name = name
+        self.subtree = subtree
+        self.hub = hub if hub is not None else WatchHub()
+        self.limits = limits
+        self.sync_buffer_max = sync_buffer_max
+        self.kvset_queue_max = kvset_queue_max
+        self.on_failover = on_failover
+        self.clock = clock
+        self.contiguous = not subtree
+        self.state = sm.State(sm.Config(
+            servers=len(self.servers), contiguous=self.contiguous,
+            sync_timeout_s=sync_timeout_s, connect_timeout_s=connect_timeout_s,
+            silence_timeout_s=silence_timeout_s))
+        self.drops = DropCounter(log)
+        self.map: dict[bytes, bytes] = {}
+        self.last_seq = 0
+        self.last_heard_s = 0.0
+        self.last_snapshot_s = 0.0
+        self.synced = False
+        # counters
+        self.applied = 0
+        self.stale = 0
+        self.skipped = 0
+        self.gaps = 0
+        self.overflows = 0
+        self.snapshots = 0
+        self.failovers = 0
+        self.last_failover: FailoverInfo | None = None
+        # internals
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._synced_event: asyncio.Event | None = None
+        self._collector_event: asyncio.Event | None = None
+        self._collectors: list[_Collector] = []
+        self._sub: AsyncSocket | None = None
+        self._monitor: AsyncSocket | None = None
+        self._dealer: AsyncSocket | None = None
+        self._incoming: dict[bytes, bytes] | None = None
+        self._buffer: deque[list[bytes]] = deque()
+        self._buffering = True
+        self._gen = 0
+        self._tick_handle: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def server(self) -> ServerAddress:
+        return self.servers[self.state.server]
+
+    @property
+    def phase(self) -> str:
+        return self.state.phase
+
+    def start(self) -> None:
+        """Open the collectors and start syncing (call from the agent's loop)."""
+        self.loop = asyncio.get_running_loop()
+        self._synced_event = asyncio.Event()
+        self._collector_event = asyncio.Event()
+        for address in self.servers:
+            self._collectors.append(_Collector(self.ctx, address, self.loop, self.drops,
+                                               self.kvset_queue_max,
+                                               self._on_collector_change))
+        self._dispatch(sm.Start())
+        self._tick_handle = self.loop.call_later(TICK_S, self._tick)
+
+    async def wait_ready(self) -> None:
+        """Until the first snapshot is installed and replayed, and a collector listens."""
+        await self._synced_event.wait()
+        await self._collector_event.wait()
+
+    @property
+    def collector_ready(self) -> bool:
+        return any(c.ready for c in self._collectors)
+
+    def _on_collector_change(self) -> None:
+        if self.collector_ready:
+            self._collector_event.set()
+        else:
+            self._collector_event.clear()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._gen += 1
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+        self._close_link()
+        for c in self._collectors:
+            c.close()
+
+    def _close_link(self) -> None:
+        for io in (self._monitor, self._dealer, self._sub):
+            if io is not None:
+                if io is self._sub:
+                    try:
+                        io.sock.disable_monitor()
+                    except zmq.ZMQError:
+                        pass
+                io.close()
+        self._monitor = self._dealer = self._sub = None
+
+    # ------------------------------------------------------------------ machine
+    def _dispatch(self, event) -> None:
+        if self._closed:
+            return
+        self.state, effects = sm.step(self.state, event, self.clock())
+        for effect in effects:
+            getattr(self, "_do_" + type(effect).__name__)(effect)
+
+    def _tick(self) -> None:
+        if self._closed:
+            return
+        self._dispatch(sm.Tick(self.last_heard_s, self.last_snapshot_s))
+        self._tick_handle = self.loop.call_later(TICK_S, self._tick)
+
+    def _do_Connect(self, eff: sm.Connect) -> None:
+        self._close_link()
+        address = self.servers[eff.server]
+        sub = self.ctx.socket(zmq.SUB)
+        sub.linger = 0
+        sub.rcvhwm = SUB_RCVHWM
+        sub.subscribe(self.subtree)
+        if self.subtree:
+            sub.subscribe(chp.HUGZ)
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        sub.connect(address.publisher)
+        self._gen += 1
+        self._buffer.clear()
+        self._buffering = True
+        self._sub = AsyncSocket(sub, self._on_update, loop=self.loop,
+                                name=f"{self.name} SUB {address.publisher}")
+        self._monitor = AsyncSocket(monitor, self._on_monitor, loop=self.loop,
+                                    name=f"{self.name} monitor")
+        log.info("shard %s: subscribing to %s (subtree %r)", self.name, address.publisher,
+                 self.subtree)
+
+    def _do_RequestSnapshot(self, eff: sm.RequestSnapshot) -> None:
+        if self._dealer is not None:
+            self._dealer.close()
+        address = self.servers[eff.server]
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.rcvhwm = DEALER_RCVHWM
+        dealer.connect(address.snapshot)
+        self._dealer = AsyncSocket(dealer, self._on_snapshot, loop=self.loop,
+                                   name=f"{self.name} DEALER {address.snapshot}")
+        self._gen += 1
+        self._incoming = {}
+        self._buffer.clear()
+        self._buffering = True
+        self._dealer.send(chp.icanhaz(self.subtree))
+        log.info("shard %s: ICANHAZ %r to %s (%s)", self.name, self.subtree,
+                 address.snapshot, eff.reason)
+
+    def _do_InstallSnapshot(self, eff: sm.InstallSnapshot) -> None:
+        old, new = self.map, self._incoming if self._incoming is not None else {}
+        self._incoming = None
+        if self._dealer is not None:
+            self._dealer.close()
+            self._dealer = None
+        self.map = new
+        self.last_seq = eff.seq
+        self.snapshots += 1
+        self.hub.installed(self.name, old, new, eff.seq)
+        log.info("shard %s: snapshot of %d keys at sequence %d from %s%s", self.name,
+                 len(new), eff.seq, self.server, " (resync: replaced)" if eff.resync else "")
+        self._replay(self._gen)
+
+    def _do_Failover(self, eff: sm.Failover) -> None:
+        info = FailoverInfo(self.name, self.servers[eff.old], self.servers[eff.new],
+                            eff.reason, eff.silent_s)
+        self.failovers += 1
+        self.last_failover = info
+        log.warning("shard %s: %s after %.1f s; moving from %s to %s", self.name, eff.reason,
+                    eff.silent_s, info.old, info.new)
+        if self.on_failover is not None:
+            try:
+                self.on_failover(info)
+            except Exception:
+                log.exception("shard %s: on_failover callback failed", self.name)
+
+    # ------------------------------------------------------------------ sockets
+    def _on_monitor(self, frames: list[bytes]) -> None:
+        try:
+            event = parse_monitor_message(frames)["event"]
+        except Exception:
+            return
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._monitor is not None:
+            self._stop_monitor()
+            if self.state.phase == sm.INITIAL:
+                self._dispatch(sm.SubscriberLive())
+
+    def _stop_monitor(self) -> None:
+        if self._sub is not None:
+            try:
+                self._sub.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
+
+    def _on_update(self, frames: list[bytes]) -> None:
+        """A message on the SUB: KVPUB or HUGZ (hot path)."""
+        self.last_heard_s = self.clock()
+        if not self._buffering:
+            self._apply(frames, False)
+            return
+        buffer = self._buffer
+        if len(buffer) >= self.sync_buffer_max:
+            self.overflows += 1
+            log.warning("shard %s: %d updates buffered during sync: buffer full, "
+                        "requesting a new snapshot", self.name, len(buffer))
+            self._buffer.clear()
+            self._dispatch(sm.BufferOverflow(self.sync_buffer_max))
+            return
+        buffer.append(frames)
+        if self.state.phase == sm.INITIAL:
+            self._stop_monitor()
+            self._dispatch(sm.SubscriberLive())
+
+    def _apply(self, frames: list[bytes], replay: bool) -> None:
+        try:
+            msg = _decode_update(frames, self.limits)
+        except ProtocolError as exc:
+            self.drops.drop(exc.reason, f"shard {self.name} SUB: {exc}")
+            return
+        if msg.__class__ is _Hugz:
+            return
+        seq = msg.seq
+        verdict = _check_seq(self.last_seq, seq, self.contiguous)
+        if verdict:
+            if verdict == sm.STALE:
+                if replay:
+                    self.skipped += 1
+                else:
+                    self.stale += 1
+                    self._dispatch(sm.SequenceBackwards(self.last_seq, seq))
+            else:
+                self.gaps += 1
+                log.warning("shard %s: sequence gap: expected %d, got %d", self.name,
+                            self.last_seq + 1, seq)
+                self._dispatch(sm.Gap(self.last_seq + 1, seq))
+            return
+        self.last_seq = seq
+        key = msg.key
+        if not key.startswith(self.subtree):
+            # only through the "HUGZ" subscription's prefix (a key like "HUGZY")
+            self.drops.drop("outside_subtree", f"shard {self.name}: KVPUB {key[:60]!r}")
+            return
+        value = msg.value
+        if value:
+            self.map[key] = value
+        else:
+            self.map.pop(key, None)
+        self.applied += 1
+        if self.hub.watches:
+            self.hub.changed(self.name, key, value, seq)
+
+    def _replay(self, gen: int) -> None:
+        """Apply the buffered updates in order, a batch per loop turn; updates that arrive
+        meanwhile are appended to the buffer, so order holds until it is empty."""
+        if gen != self._gen or self._closed:
+            return
+        buffer = self._buffer
+        apply = self._apply
+        n = 0
+        while buffer and n < REPLAY_BATCH:
+            apply(buffer.popleft(), True)
+            n += 1
+            if gen != self._gen:
+                return  # a gap or overflow started a new sync
+        if buffer:
+            self.loop.call_soon(self._replay, gen)
+            return
+        self._buffering = False
+        if not self.synced:
+            self.synced = True
+            self._synced_event.set()
+
+    def _on_snapshot(self, frames: list[bytes]) -> None:
+        """A message on the DEALER: KVSYNC or KTHXBAI (hot path during a sync)."""
+        self.last_snapshot_s = self.clock()
+        incoming = self._incoming
+        if incoming is None:
+            self.drops.drop("unexpected_snapshot", f"shard {self.name}: no sync in progress")
+            return
+        try:
+            msg = _decode_snapshot(frames, self.limits)
+        except ProtocolError as exc:
+            self.drops.drop(exc.reason, f"shard {self.name} DEALER: {exc}")
+            return
+        if msg.__class__ is _Kvsync:
+            key = msg.key
+            if not key.startswith(self.subtree):
+                self.drops.drop("outside_subtree", f"shard {self.name}: KVSYNC {key[:60]!r}")
+            elif msg.value:
+                incoming[key] = msg.value
+            return
+        if msg.subtree != self.subtree:
+            self.drops.drop("wrong_subtree", f"shard {self.name}: KTHXBAI for "
+                            f"{msg.subtree!r}, asked {self.subtree!r}")
+            return
+        self._dispatch(sm.SnapshotDone(msg.seq))
+
+    # ------------------------------------------------------------------ updates out
+    def send_kvset(self, frames: list[bytes]) -> None:
+        """Publish a KVSET to every server of the shard (fire-and-forget)."""
+        for collector in self._collectors:
+            collector.send(frames)
+
+    # ------------------------------------------------------------------ figures
+    def stats(self) -> dict:
+        return {
+            "shard": self.name, "server": str(self.server), "phase": self.state.phase,
+            "keys": len(self.map), "last_seq": self.last_seq, "applied": self.applied,
+            "stale": self.stale, "skipped": self.skipped, "gaps": self.gaps,
+            "overflows": self.overflows, "snapshots": self.snapshots,
+            "failovers": self.failovers, "buffered": len(self._buffer),
+            "kvsets_sent": sum(c.sent for c in self._collectors),
+            "kvsets_queued": sum(len(c.queue) for c in self._collectors),
+            "kvsets_dropped": sum(c.dropped for c in self._collectors),
+            "drops": dict(self.drops.counts),
+        }

@@ -1,0 +1,420 @@
+"""The client API: ``AsyncClone`` (asyncio) and ``Clone`` (threads), over shard agents.
+
+::
+
+    async with AsyncClone(servers="tcp://127.0.0.1:6000", subtree="/orders/") as clone:
+        await clone.set("/orders/1", b"new", ttl=30)      # fire-and-forget KVSET
+        clone.get("/orders/1")                             # local read (None until echoed)
+        async with clone.watch("/orders/") as w:
+            async for change in w:                         # put..., synced, live changes
+                ...
+
+    with Clone("tcp://127.0.0.1:6000", codec="msgpack") as clone:   # background loop
+        clone.set("/cfg/a", {"x": 1})
+        clone.watch("/cfg/", callback=print)
+
+``servers`` names the server(s) of ONE shard by base port P: a string, or a sequence (a
+Binary Star pair, in failover order). Reads (get, items, keys, len) are local; writes are
+KVSETs sent to every server of the owning shard, fire-and-forget as in 12/CHP, each with
+a fresh 16-byte UUID that ``set``/``delete`` return. Routing a key to its shard goes
+through ``_agent_for`` (one shard today; the router issue fills it in).
+
+Keys are ``str`` (UTF-8 on the wire) and must lie under the client's subtree. Values go
+through the codec (``client.codec``): bytes by default, or ``codec="msgpack"``.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import threading
+import uuid as _uuid
+from collections import deque
+from typing import Any, Callable, Sequence
+
+import uvloop
+import zmq
+
+from shards.errors import Timeout
+from shards.proto import chp
+from client import shard_machine as sm
+from client.agent import (KVSET_QUEUE_MAX, SYNC_BUFFER_MAX, FailoverInfo, ServerAddress,
+                          ShardAgent, parse_server)
+from client.codec import Codec, get_codec
+from client.errors import NotRunning
+from client.watch import WATCH_CAPACITY, SyncWatch, Watch, WatchCore, WatchHub
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+def _parse_servers(servers: "str | ServerAddress | Sequence[str | ServerAddress]"
+                   ) -> tuple[ServerAddress, ...]:
+    if isinstance(servers, (str, ServerAddress)):
+        servers = [servers]
+    out = tuple(parse_server(s) for s in servers)
+    if not out:
+        raise ValueError("servers: give at least one server address (tcp://HOST:PORT)")
+    return out
+
+
+def _ttl_text(ttl: float) -> str:
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
+    if not math.isfinite(ttl) or ttl <= 0:
+        raise ValueError(f"ttl must be a finite number of seconds > 0, got {ttl!r}")
+    return str(int(ttl)) if float(ttl).is_integer() else repr(float(ttl))
+
+
+class AsyncClone:
+    """A live local copy of the map under ``subtree``, for asyncio code.
+
+    ``await start()`` (or ``async with``) returns once every shard's snapshot is installed
+    and a collector listens, or raises ``shards.errors.Timeout`` after ``timeout_s``.
+    """
+
+    def __init__(self, servers, *, subtree: str = "", codec: "str | Codec" = "bytes",
+                 timeout_s: float = DEFAULT_TIMEOUT_S,
+                 silence_timeout_s: float | None = sm.SILENCE_TIMEOUT_S,
+                 sync_timeout_s: float = sm.SYNC_TIMEOUT_S,
+                 sync_buffer_max: int = SYNC_BUFFER_MAX,
+                 kvset_queue_max: int = KVSET_QUEUE_MAX,
+                 watch_capacity: int = WATCH_CAPACITY,
+                 limits: chp.Limits = chp.DEFAULT_LIMITS,
+                 on_failover: Callable[[FailoverInfo], None] | None = None,
+                 context: zmq.Context | None = None):
+        if not isinstance(subtree, str):
+            raise TypeError("subtree is a str such as '/orders/' (or '')")
+        self.subtree = subtree
+        self._subtree_b = chp.check_subtree(subtree.encode("utf-8"))
+        self.servers = _parse_servers(servers)
+        self.codec = get_codec(codec)
+        self.timeout_s = timeout_s
+        self.limits = limits
+        self.watch_capacity = watch_capacity
+        self._own_ctx = context is None
+        self._ctx = context if context is not None else zmq.Context()
+        self._hub = WatchHub()
+        self._agents = [ShardAgent(
+            self._ctx, self.servers, name="s0", subtree=self._subtree_b, hub=self._hub,
+            silence_timeout_s=silence_timeout_s, sync_timeout_s=sync_timeout_s,
+            sync_buffer_max=sync_buffer_max, kvset_queue_max=kvset_queue_max,
+            limits=limits, on_failover=on_failover)]
+        self._started = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, timeout_s: float | None = None) -> "AsyncClone":
+        if self._closed:
+            raise NotRunning("this client is closed")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if not self._started:
+            self._started = True
+            for agent in self._agents:
+                agent.start()
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(a.wait_ready() for a in self._agents)), timeout_s)
+        except asyncio.TimeoutError:
+            states = "; ".join(
+                f"shard {a.name} at {a.server}: {a.phase}"
+                f"{', synced' if a.synced else ''}"
+                f"{', collector listening' if a.collector_ready else ', collector silent'}"
+                for a in self._agents)
+            raise Timeout(f"clone not ready within {timeout_s} s ({states})",
+                          what="snapshot", deadline_s=timeout_s) from None
+        return self
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for core in list(self._hub.watches):
+            core.closed = True
+            core.wake()
+        self._hub.watches.clear()
+        for agent in self._agents:
+            agent.close()
+        if self._own_ctx:
+            self._ctx.destroy(linger=0)
+
+    async def __aenter__(self) -> "AsyncClone":
+        try:
+            return await self.start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ keys
+    def _key(self, key: str) -> bytes:
+        if not isinstance(key, str):
+            raise TypeError(f"keys are str, not {type(key).__name__}")
+        key_b = key.encode("utf-8")
+        chp.check_key(key_b, "", self.limits)
+        if not key_b.startswith(self._subtree_b):
+            raise ValueError(f"key {key!r} is outside this client's subtree {self.subtree!r}")
+        return key_b
+
+    def _agent_for(self, key_b: bytes) -> ShardAgent:
+        """The agent of the shard that owns ``key_b`` (one shard for now)."""
+        return self._agents[0]
+
+    def _prefix(self, prefix: str) -> bytes:
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefixes are str, not {type(prefix).__name__}")
+        prefix_b = prefix.encode("utf-8")
+        if not (prefix_b.startswith(self._subtree_b) or self._subtree_b.startswith(prefix_b)):
+            raise ValueError(f"prefix {prefix!r} is outside this client's subtree "
+                             f"{self.subtree!r}")
+        return prefix_b
+
+    # ------------------------------------------------------------------ reads (local)
+    def get(self, key: str, default: Any = None) -> Any:
+        key_b = self._key(key)
+        blob = self._agent_for(key_b).map.get(key_b)
+        return default if blob is None else self.codec.decode(blob)
+
+    def __contains__(self, key: str) -> bool:
+        key_b = self._key(key)
+        return key_b in self._agent_for(key_b).map
+
+    def items(self, prefix: str = "") -> list[tuple[str, Any]]:
+        """(key, value) pairs under ``prefix``, in no particular order (a copy)."""
+        prefix_b = self._prefix(prefix)
+        decode = self.codec.decode
+        return [(k.decode("utf-8"), decode(v)) for a in self._agents
+                for k, v in list(a.map.items()) if k.startswith(prefix_b)]
+
+    def keys(self, prefix: str = "") -> list[str]:
+        prefix_b = self._prefix(prefix)
+        return [k.decode("utf-8") for a in self._agents for k in list(a.map)
+                if k.startswith(prefix_b)]
+
+    def __len__(self) -> int:
+        return sum(len(a.map) for a in self._agents)
+
+    @property
+    def version_vector(self) -> dict[str, int]:
+        """The last applied sequence of each shard."""
+        return {a.name: a.last_seq for a in self._agents}
+
+    @property
+    def synced(self) -> bool:
+        return all(a.synced for a in self._agents)
+
+    def stats(self) -> dict:
+        return {"shards": [a.stats() for a in self._agents], "watches": len(self._hub.watches)}
+
+    # ------------------------------------------------------------------ writes
+    def _prepare(self, key: str, value: Any, ttl: float | None
+                 ) -> tuple[ShardAgent, list[bytes], bytes]:
+        """Validate and encode a KVSET (any thread): the owning agent, frames, UUID."""
+        key_b = self._key(key)
+        blob = b"" if value is None else self.codec.encode(value)
+        if len(blob) > self.limits.max_value:
+            raise ValueError(f"value for {key!r} is {len(blob)} bytes, limit "
+                             f"{self.limits.max_value}")
+        props = b"" if ttl is None else chp.format_props({"ttl": _ttl_text(ttl)})
+        uuid = _uuid.uuid4().bytes
+        return self._agent_for(key_b), chp.kvset(key_b, blob, uuid, props), uuid
+
+    def _check_running(self) -> None:
+        if not self._started or self._closed:
+            raise NotRunning("start() the client first" if not self._closed
+                             else "this client is closed")
+
+    async def set(self, key: str, value: Any, ttl: float | None = None) -> bytes:
+        """Send a KVSET (fire-and-forget); returns its 16-byte UUID. ``ttl`` in seconds."""
+        self._check_running()
+        if value is None:
+            raise ValueError("value is None: use delete() to delete a key")
+        agent, frames, uuid = self._prepare(key, value, ttl)
+        agent.send_kvset(frames)
+        return uuid
+
+    async def delete(self, key: str) -> bytes:
+        """Send a KVSET with an empty value (delete); returns its UUID."""
+        self._check_running()
+        agent, frames, uuid = self._prepare(key, None, None)
+        agent.send_kvset(frames)
+        return uuid
+
+    # ------------------------------------------------------------------ watches
+    def _watch_core(self, prefix: str, capacity: int | None) -> WatchCore:
+        return WatchCore(self._prefix(prefix), self.codec,
+                         self.watch_capacity if capacity is None else capacity)
+
+    def _open_core(self, core: WatchCore) -> None:
+        if self._closed:
+            core.closed = True
+            return
+        self._hub.add(core, self._agents)
+
+    def watch(self, prefix: str = "", *, capacity: int | None = None) -> Watch:
+        """``async with clone.watch("/orders/") as w: async for change in w: ...``"""
+        return Watch(self._watch_core(prefix, capacity), self._open_core, self._hub.remove)
+
+
+class Clone:
+    """The synchronous client: the same agents, run on a uvloop loop in a background
+    thread. Every method is thread-safe; blocking calls have a deadline (``timeout_s``)
+    and raise ``shards.errors.Timeout``. ``get``/``len`` read the map directly (one dict
+    operation, atomic in CPython); ``set``/``delete`` queue the KVSET for the loop thread
+    and return at once (fire-and-forget); ``items``/``keys`` copy on the loop thread."""
+
+    def __init__(self, servers, *, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs):
+        self.timeout_s = timeout_s
+        self._async = AsyncClone(servers, timeout_s=timeout_s, **kwargs)
+        self._outbox: deque = deque()
+        self._wake_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Event | None = None
+        self._loop_ready = threading.Event()
+        self._closed = False
+        self._watches: list[SyncWatch] = []
+        self._thread = threading.Thread(target=self._run, name="clonemap-client", daemon=True)
+        self._thread.start()
+        self._loop_ready.wait()
+        try:
+            self._call(self._async.start(), timeout_s + 1.0)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ the loop thread
+    def _run(self) -> None:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            self._loop = runner.get_loop()
+            runner.run(self._serve())
+
+    async def _serve(self) -> None:
+        self._stopped = asyncio.Event()
+        self._loop_ready.set()
+        await self._stopped.wait()
+        await self._async.close()
+
+    def _call(self, coro, timeout_s: float | None = None):
+        """Run ``coro`` on the loop thread and wait for it, with a deadline."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("blocking Clone call from its own loop thread")
+        if self._closed or not self._thread.is_alive():
+            coro.close()
+            raise NotRunning("this client is closed")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout_s)
+        except concurrent.futures.TimeoutError:  # the builtin TimeoutError since 3.11
+            if fut.done():
+                raise  # the coroutine's own error (e.g. start()'s Timeout)
+            fut.cancel()
+            raise Timeout(f"client call not done within {timeout_s} s", what="call",
+                          deadline_s=timeout_s) from None
+
+    def _post(self, fn, arg) -> None:
+        """Queue ``fn(arg)`` for the loop thread; one wake-up per burst."""
+        if self._closed:
+            raise NotRunning("this client is closed")
+        self._outbox.append((fn, arg))
+        if not self._wake_scheduled:
+            self._wake_scheduled = True
+            self._loop.call_soon_threadsafe(self._flush_outbox)
+
+    def _flush_outbox(self) -> None:
+        self._wake_scheduled = False
+        outbox = self._outbox
+        while outbox:
+            fn, arg = outbox.popleft()
+            fn(arg)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        if self._closed:
+            return
+        for watch in list(self._watches):
+            watch.close()
+        self._closed = True
+        if self._loop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._flush_and_stop)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(self.timeout_s)
+
+    def _flush_and_stop(self) -> None:
+        self._flush_outbox()
+        self._stopped.set()
+
+    def __enter__(self) -> "Clone":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ reads
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._async.get(key, default)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._async
+
+    def __len__(self) -> int:
+        return len(self._async)
+
+    def items(self, prefix: str = "") -> list[tuple[str, Any]]:
+        return self._call(_run_sync(self._async.items, prefix))
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return self._call(_run_sync(self._async.keys, prefix))
+
+    @property
+    def version_vector(self) -> dict[str, int]:
+        return self._async.version_vector
+
+    @property
+    def subtree(self) -> str:
+        return self._async.subtree
+
+    def stats(self) -> dict:
+        return self._call(_run_sync(self._async.stats))
+
+    # ------------------------------------------------------------------ writes
+    def set(self, key: str, value: Any, ttl: float | None = None) -> bytes:
+        """Queue a KVSET (fire-and-forget); returns its 16-byte UUID."""
+        if value is None:
+            raise ValueError("value is None: use delete() to delete a key")
+        agent, frames, uuid = self._async._prepare(key, value, ttl)
+        self._post(agent.send_kvset, frames)
+        return uuid
+
+    def delete(self, key: str) -> bytes:
+        agent, frames, uuid = self._async._prepare(key, None, None)
+        self._post(agent.send_kvset, frames)
+        return uuid
+
+    # ------------------------------------------------------------------ watches
+    def watch(self, prefix: str = "", callback: Callable | None = None, *,
+              on_error: Callable[[BaseException], None] | None = None,
+              capacity: int | None = None) -> SyncWatch:
+        """With ``callback``: call it with each ``Change`` on a dispatcher thread until
+        ``close()``. Without: a blocking iterator (``with clone.watch(p) as w: for c in
+        w``). Either way: items under the prefix, a ``synced`` marker, live changes."""
+        core = self._async._watch_core(prefix, capacity)
+
+        def open_core(c: WatchCore) -> None:
+            self._call(_run_sync(self._async._open_core, c))
+
+        def close_core(c: WatchCore) -> None:
+            if not self._closed and self._thread.is_alive():
+                self._loop.call_soon_threadsafe(self._async._hub.remove, c)
+            if watch in self._watches:
+                self._watches.remove(watch)
+
+        watch = SyncWatch(core, open_core, close_core, callback, on_error)
+        self._watches.append(watch)
+        return watch.open()
+
+
+async def _run_sync(fn, *args):
+    return fn(*args)

@@ -1,0 +1,390 @@
+"""Watches: a bounded stream of changes under a prefix, with an explicit end of snapshot.
+
+Producer side (the agents' event loop thread): ``WatchHub`` keeps the open watches and
+turns what the agents do into entries on each matching watch's queue:
+
+* when a shard's first snapshot is installed (or at once, for a watch opened after it),
+  the shard's current items under the prefix go in as ONE queue entry (a "chunk": a list
+  captured at that instant, so a 1M-key snapshot does not overflow a 10k queue); once
+  every shard has delivered its items, a ``synced`` marker follows;
+* a resync (a later snapshot of a shard) goes in as one chunk of differences: a
+  ``delete`` for each key that vanished, a ``put`` for each key that is new or changed;
+* each applied KVPUB is one entry (``put``, or ``delete`` for an empty value).
+
+A watch's queue is bounded (``capacity`` entries). When it is full, the watch fails: it
+is removed from the hub, and the consumer's next read raises ``SlowConsumer`` with the
+counts (delivered, dropped). It never grows without bound, and never skips silently.
+
+Consumer side: ``Watch`` (asyncio: ``async with clone.watch(p) as w: async for change in
+w``) and ``SyncWatch`` (threads, in ``client.api``) share ``WatchCore``; only how a
+consumer waits differs (a waker callable set by the front end). Values are decoded by the
+consumer, not the agent, so a slow codec never slows the agent down.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, NamedTuple
+
+from shards.errors import SlowConsumer, Timeout
+
+log = logging.getLogger(__name__)
+
+PUT = "put"
+DELETE = "delete"
+SYNCED = "synced"
+
+WATCH_CAPACITY = 10_000
+
+
+class Change(NamedTuple):
+    """One change seen by a watch. ``value`` is None for ``delete`` and ``synced``;
+    ``key`` of the ``synced`` marker is the watch's prefix."""
+    kind: str
+    key: str
+    value: Any
+    seq: int
+    shard: str = ""
+
+
+class WatchCore:
+    """The bounded queue between the agent loop (``push``) and one consumer (``pop``).
+
+    Entries are raw tuples ``(kind, key: bytes, value: bytes, seq, shard)`` or a list of
+    them (a chunk). ``deque.append``/``popleft`` are atomic, so a consumer on another
+    thread may ``pop`` while the loop thread pushes."""
+
+    def __init__(self, prefix: bytes, codec, capacity: int = WATCH_CAPACITY):
+        if capacity < 1:
+            raise ValueError("a watch needs capacity >= 1")
+        self.prefix = prefix
+        self.codec = codec
+        self.capacity = capacity
+        self.pending_shards: set[str] = set()
+        self.delivered = 0
+        self.dropped = 0
+        self.failed: SlowConsumer | None = None
+        self.closed = False
+        self.synced = False
+        self.wake: Callable[[], None] = _nothing
+        self._queue: deque = deque()
+        self._chunk: list = []
+        self._chunk_pos = 0
+
+    # ------------------------------------------------------------ producer (loop thread)
+    def push(self, entry) -> bool:
+        """Queue one entry (a tuple or a chunk). False if the watch failed on it."""
+        if self.failed is not None or self.closed:
+            return False
+        queue = self._queue
+        if len(queue) >= self.capacity:
+            self.dropped = sum(len(e) if type(e) is list else 1 for e in queue) + (
+                len(entry) if type(entry) is list else 1)
+            queue.clear()
+            self.failed = SlowConsumer(
+                f"watch {self.prefix.decode('utf-8', 'replace')!r} fell behind: its queue "
+                f"of {self.capacity} entries was full; {self.dropped} changes dropped "
+                f"after {self.delivered} delivered", dropped=self.dropped)
+            self.failed.delivered = self.delivered
+            self.wake()
+            return False
+        was_empty = not queue
+        queue.append(entry)
+        if was_empty:
+            self.wake()
+        return True
+
+    # ------------------------------------------------------------ consumer
+    def pop(self) -> Change | None:
+        """The next change, or None if none is queued now. Raises ``SlowConsumer`` once the
+        watch has failed, ``StopIteration``-free: the caller checks ``closed``."""
+        if self.failed is not None:
+            self._chunk = []
+            raise self.failed
+        if self._chunk_pos < len(self._chunk):
+            raw = self._chunk[self._chunk_pos]
+            self._chunk_pos += 1
+            return self._decode(raw)
+        queue = self._queue
+        while queue:
+            try:
+                entry = queue.popleft()
+            except IndexError:  # cleared by a concurrent failure
+                break
+            if type(entry) is list:
+                if not entry:
+                    continue
+                self._chunk = entry
+                self._chunk_pos = 1
+                return self._decode(entry[0])
+            return self._decode(entry)
+        if self.failed is not None:
+            raise self.failed
+        return None
+
+    def has_pending(self) -> bool:
+        """Something to pop (or a failure to raise)."""
+        return (self.failed is not None or self._chunk_pos < len(self._chunk)
+                or bool(self._queue))
+
+    def _decode(self, raw) -> Change:
+        kind, key, value, seq, shard = raw
+        self.delivered += 1
+        if kind == SYNCED:
+            self.synced = True
+            return Change(SYNCED, key.decode("utf-8"), None, seq, shard)
+        return Change(kind, key.decode("utf-8"),
+                      self.codec.decode(value) if value else None, seq, shard)
+
+
+def _nothing() -> None:
+    pass
+
+
+class WatchHub:
+    """The open watches of one client, fed by its shard agents (loop thread only)."""
+
+    def __init__(self):
+        self.watches: list[WatchCore] = []
+
+    def add(self, core: WatchCore, agents) -> None:
+        """Register ``core``; deliver what the synced shards already hold."""
+        self.watches.append(core)
+        last_seq = 0
+        for agent in agents:
+            if agent.synced:
+                last_seq = agent.last_seq
+                core.push(_items_chunk(agent.map, core.prefix, agent.last_seq, agent.name))
+            else:
+                core.pending_shards.add(agent.name)
+        if not core.pending_shards:
+            core.push((SYNCED, core.prefix, b"", last_seq, ""))
+
+    def remove(self, core: WatchCore) -> None:
+        try:
+            self.watches.remove(core)
+        except ValueError:
+            pass
+
+    def changed(self, shard: str, key: bytes, value: bytes, seq: int) -> None:
+        """One applied KVPUB (hot path: called only when there are watches)."""
+        entry = (PUT if value else DELETE, key, value, seq, shard)
+        failed = None
+        for core in self.watches:
+            if key.startswith(core.prefix) and not core.push(entry):
+                failed = True
+        if failed:
+            self._drop_failed()
+
+    def installed(self, shard: str, old: dict[bytes, bytes], new: dict[bytes, bytes],
+                  seq: int) -> None:
+        """A snapshot of ``shard`` replaced ``old`` by ``new``."""
+        if not self.watches:
+            return
+        diff = None
+        for core in self.watches:
+            if shard in core.pending_shards:
+                core.pending_shards.discard(shard)
+                core.push(_items_chunk(new, core.prefix, seq, shard))
+                if not core.pending_shards:
+                    core.push((SYNCED, core.prefix, b"", seq, shard))
+                continue
+            if diff is None:
+                diff = snapshot_diff(old, new, seq, shard)
+            part = [e for e in diff if e[1].startswith(core.prefix)] if core.prefix else diff
+            if part:
+                core.push(part)
+        self._drop_failed()
+
+    def _drop_failed(self) -> None:
+        self.watches = [c for c in self.watches if c.failed is None and not c.closed]
+
+
+def _items_chunk(data: dict[bytes, bytes], prefix: bytes, seq: int, shard: str) -> list:
+    if prefix:
+        return [(PUT, k, v, seq, shard) for k, v in data.items() if k.startswith(prefix)]
+    return [(PUT, k, v, seq, shard) for k, v in data.items()]
+
+
+def snapshot_diff(old: dict[bytes, bytes], new: dict[bytes, bytes], seq: int,
+                  shard: str) -> list:
+    """The changes that turn ``old`` into ``new``: deletes (keys that vanished, the
+    "ghosts" a guide client would keep), then puts (new or changed keys)."""
+    out = [(DELETE, k, b"", seq, shard) for k in old.keys() - new.keys()]
+    get = old.get
+    out.extend((PUT, k, v, seq, shard) for k, v in new.items() if get(k) != v)
+    return out
+
+
+class Watch:
+    """An asyncio watch: ``async with clone.watch("/orders/") as w: async for change in w``.
+
+    Yields ``Change`` items: the current items under the prefix (``put``), then one
+    ``synced`` marker (``w.synced`` is True from then on), then live changes. Raises
+    ``SlowConsumer`` if the bounded queue overflowed. Ends when closed."""
+
+    def __init__(self, core: WatchCore, open_fn: Callable[[WatchCore], None],
+                 close_fn: Callable[[WatchCore], None]):
+        self._core = core
+        self._open_fn = open_fn
+        self._close_fn = close_fn
+        self._waiter: asyncio.Future | None = None
+        self._opened = False
+        core.wake = self._wake
+
+    @property
+    def synced(self) -> bool:
+        return self._core.synced
+
+    @property
+    def delivered(self) -> int:
+        return self._core.delivered
+
+    @property
+    def prefix(self) -> str:
+        return self._core.prefix.decode("utf-8")
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def open(self) -> "Watch":
+        if not self._opened:
+            self._opened = True
+            self._open_fn(self._core)
+        return self
+
+    def close(self) -> None:
+        if not self._core.closed:
+            self._core.closed = True
+            self._close_fn(self._core)
+            self._wake()
+
+    async def __aenter__(self) -> "Watch":
+        return self.open()
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+    def __aiter__(self) -> "Watch":
+        self.open()
+        return self
+
+    async def __anext__(self) -> Change:
+        core = self._core
+        while True:
+            change = core.pop()
+            if change is not None:
+                return change
+            if core.closed:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+
+class SyncWatch:
+    """A watch for the synchronous ``Clone``: a blocking iterator, or a callback run on a
+    dispatcher thread of its own (never on the agents' loop thread, so a slow callback
+    cannot stall the agents: it fills this watch's bounded queue and then fails it).
+
+    With a callback, a ``SlowConsumer`` goes to ``on_error`` (or is logged) and is kept in
+    ``error``; without one, iteration raises it."""
+
+    def __init__(self, core: WatchCore, open_fn: Callable[[WatchCore], None],
+                 close_fn: Callable[[WatchCore], None], callback=None, on_error=None):
+        self._core = core
+        self._open_fn = open_fn
+        self._close_fn = close_fn
+        self._cond = threading.Condition()
+        self.callback = callback
+        self.on_error = on_error
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        core.wake = self._wake
+        if callback is not None:
+            self._thread = threading.Thread(
+                target=self._dispatch, daemon=True,
+                name=f"clonemap-watch {core.prefix.decode('utf-8', 'replace')}")
+
+    @property
+    def synced(self) -> bool:
+        return self._core.synced
+
+    @property
+    def delivered(self) -> int:
+        return self._core.delivered
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def open(self) -> "SyncWatch":
+        self._open_fn(self._core)
+        if self._thread is not None:
+            self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if not self._core.closed:
+            self._core.closed = True
+            self._close_fn(self._core)
+        self._wake()
+        if self._thread is not None and self._thread is not threading.current_thread() \
+                and self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def __enter__(self) -> "SyncWatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def get(self, timeout_s: float | None = None) -> Change | None:
+        """The next change; None once the watch is closed. Raises ``SlowConsumer``, or
+        ``Timeout`` if nothing came within ``timeout_s``."""
+        core = self._core
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            change = core.pop()
+            if change is not None:
+                return change
+            with self._cond:
+                while not core.has_pending() and not core.closed:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise Timeout(f"watch {core.prefix!r}: no change within "
+                                      f"{timeout_s} s", what="change", deadline_s=timeout_s)
+                    self._cond.wait(remaining)
+            if core.closed and not core.has_pending():
+                return None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Change:
+        change = self.get()
+        if change is None:
+            raise StopIteration
+        return change
+
+    def _dispatch(self) -> None:
+        log = logging.getLogger(__name__)
+        try:
+            for change in self:
+                try:
+                    self.callback(change)
+                except Exception:
+                    log.exception("watch callback failed on %s %r", change.kind, change.key)
+        except SlowConsumer as exc:
+            self.error = exc
+            if self.on_error is not None:
+                self.on_error(exc)
+            else:
+                log.error("%s", exc)

@@ -1,0 +1,533 @@
+"""The client against raw pyzmq sockets playing a CHP server, frame by frame.
+
+``FakeServer`` binds what a shard server binds (ROUTER P, publisher P+1, SUB collector
+P+2). Its publisher is an XPUB, so a test can wait for the client's subscription (an
+event) before publishing, and check what was subscribed. Its methods block with
+deadlines; asyncio tests call the blocking ones through ``asyncio.to_thread``. The
+collector SUB is owned by a pump thread that keeps it serviced, as a server's reactor
+does (a SUB that nobody polls never sends its subscription to a peer that connects).
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+
+import msgpack
+import pytest
+import uvloop
+import zmq
+
+from shards.errors import SlowConsumer, Timeout
+from shards.proto import chp
+from client.api import AsyncClone, Clone
+from client.watch import DELETE, PUT, SYNCED
+
+DEADLINE_S = 5.0
+
+
+def run(coro):
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(asyncio.wait_for(coro, 30))
+
+
+class FakeServer:
+    def __init__(self, ctx: zmq.Context, base: int, bind_publisher: bool = True):
+        self.base = base
+        self.address = f"tcp://127.0.0.1:{base}"
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.linger = 0
+        self.router.bind(f"tcp://127.0.0.1:{base}")
+        self.xpub = ctx.socket(zmq.XPUB)
+        self.xpub.linger = 0
+        self.xpub.sndhwm = 0
+        self.xpub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        if bind_publisher:
+            self.bind_publisher()
+        self.kvsets: "queue.Queue[list[bytes]]" = queue.Queue()
+        self._stop = threading.Event()
+        collector = ctx.socket(zmq.SUB)
+        collector.linger = 0
+        collector.subscribe(b"")
+        collector.bind(f"tcp://127.0.0.1:{base + 2}")
+        self._pump = threading.Thread(target=self._collect, args=(collector,), daemon=True)
+        self._pump.start()
+        self.subscriptions: list[bytes] = []
+
+    def _collect(self, collector: zmq.Socket) -> None:
+        try:
+            while not self._stop.is_set():
+                if collector.poll(20):
+                    self.kvsets.put(collector.recv_multipart())
+        finally:
+            collector.close(0)
+
+    def bind_publisher(self) -> None:
+        self.xpub.bind(f"tcp://127.0.0.1:{self.base + 1}")
+
+    @staticmethod
+    def _recv(sock: zmq.Socket, timeout_s: float, what: str) -> list[bytes]:
+        if not sock.poll(int(timeout_s * 1000)):
+            raise AssertionError(f"no {what} within {timeout_s} s")
+        return sock.recv_multipart()
+
+    def wait_subscribed(self, timeout_s: float = DEADLINE_S) -> list[bytes]:
+        """Until the client's SUB subscribed; returns every subscription seen so far."""
+        while not any(s[:1] == b"\x01" for s in self.subscriptions) or self.xpub.poll(0):
+            self.subscriptions.append(self._recv(self.xpub, timeout_s, "subscription")[0])
+        return self.subscriptions
+
+    def icanhaz(self, timeout_s: float = DEADLINE_S) -> tuple[bytes, list[bytes]]:
+        frames = self._recv(self.router, timeout_s, "ICANHAZ")
+        return frames[0], frames[1:]
+
+    def snapshot(self, identity: bytes, items: dict[bytes, bytes], seq: int,
+                 subtree: bytes = b"") -> None:
+        for key, value in items.items():
+            self.router.send_multipart([identity, *chp.kvsync(key, value, 0)])
+        self.router.send_multipart([identity, *chp.kthxbai(seq, subtree)])
+
+    def serve_snapshot(self, items: dict[bytes, bytes], seq: int, subtree: bytes = b"",
+                       timeout_s: float = DEADLINE_S) -> list[bytes]:
+        """Answer one ICANHAZ (after the subscription is live); returns its frames."""
+        self.wait_subscribed(timeout_s)
+        identity, request = self.icanhaz(timeout_s)
+        self.snapshot(identity, items, seq, subtree)
+        return request
+
+    def publish(self, key: bytes, seq: int, value: bytes, uuid: bytes = b"",
+                props: bytes = b"") -> None:
+        self.xpub.send_multipart(chp.kvpub(key, seq, value, uuid, props))
+
+    def kvset(self, timeout_s: float = DEADLINE_S) -> list[bytes]:
+        try:
+            return self.kvsets.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"no KVSET within {timeout_s} s") from None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._pump.join(5)
+        for sock in (self.router, self.xpub):
+            sock.close(0)
+
+
+@pytest.fixture
+def fake(zctx, port_base):
+    server = FakeServer(zctx, port_base)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+async def started(fake: FakeServer, clone: AsyncClone, items: dict[bytes, bytes],
+                  seq: int, subtree: bytes = b"") -> list[bytes]:
+    """Start ``clone`` while the fake answers its ICANHAZ; returns the request frames."""
+    serve = asyncio.create_task(asyncio.to_thread(fake.serve_snapshot, items, seq, subtree))
+    await clone.start()
+    return await serve
+
+
+async def next_change(watch, timeout_s: float = DEADLINE_S):
+    return await asyncio.wait_for(watch.__anext__(), timeout_s)
+
+
+async def changes_until(watch, pred, timeout_s: float = DEADLINE_S) -> list:
+    """Changes from ``watch`` up to and including the first for which ``pred`` holds."""
+    got = []
+    while True:
+        change = await next_change(watch, timeout_s)
+        got.append(change)
+        if pred(change):
+            return got
+
+
+# ----------------------------------------------------------------------------- sync
+
+def test_icanhaz_follows_a_live_subscription_and_names_the_subtree(zctx, port_base):
+    fake = FakeServer(zctx, port_base, bind_publisher=False)
+    try:
+        async def main():
+            clone = AsyncClone(fake.address, subtree="/orders/", context=zctx)
+            starting = asyncio.create_task(clone.start())
+            # the publisher is unreachable: the client must not ask for a snapshot yet
+            with pytest.raises(AssertionError, match="no ICANHAZ"):
+                await asyncio.to_thread(fake.icanhaz, 0.5)
+            fake.bind_publisher()
+            subs = await asyncio.to_thread(fake.wait_subscribed)
+            identity, request = await asyncio.to_thread(fake.icanhaz)
+            assert request == [b"ICANHAZ?", b"/orders/"]
+            fake.snapshot(identity, {b"/orders/1": b"one"}, 7, b"/orders/")
+            await starting
+            assert clone.get("/orders/1") == b"one"
+            await clone.close()
+            return subs
+
+        subs = run(main())
+        assert b"\x01/orders/" in subs and b"\x01HUGZ" in subs
+    finally:
+        fake.close()
+
+
+def test_snapshot_is_applied_and_kthxbai_sequence_becomes_the_last_applied(fake, zctx):
+    async def main():
+        clone = AsyncClone(fake.address, context=zctx)
+        request = await started(fake, clone, {b"a": b"1", b"b/c": b"2", b"d": b"x" * 1000}, 42)
+        assert request == [b"ICANHAZ?", b""]
+        assert clone.synced
+        assert clone.get("a") == b"1" and clone.get("b/c") == b"2"
+        assert clone.get("d") == b"x" * 1000 and clone.get("nope", 5) == 5
+        assert len(clone) == 3 and "a" in clone and "zz" not in clone
+        assert sorted(clone.keys()) == ["a", "b/c", "d"]
+        assert sorted(clone.items("b/")) == [("b/c", b"2")]
+        assert clone.version_vector == {"s0": 42}
+        await clone.close()
+
+    run(main())
+
+
+def test_start_times_out_with_a_clear_error_when_nobody_answers(fake, zctx):
+    async def main():
+        clone = AsyncClone(fake.address, context=zctx, timeout_s=0.5)
+        with pytest.raises(Timeout, match="not ready within 0.5 s.*SYNCING") as info:
+            await clone.start()
+        assert isinstance(info.value, TimeoutError)
+        await clone.close()
+
+    run(main())
+
+
+def test_updates_buffered_during_sync_apply_in_order_after_kthxbai(fake, zctx):
+    async def main():
+        clone = AsyncClone(fake.address, context=zctx)
+        w = clone.watch("")
+        w.open()
+        starting = asyncio.create_task(clone.start())
+        await asyncio.to_thread(fake.wait_subscribed)
+        identity, _ = await asyncio.to_thread(fake.icanhaz)
+        # published while the snapshot is being prepared: 9 and 10 are in the snapshot
+        fake.publish(b"k", 9, b"old-9")
+        fake.publish(b"k", 10, b"snap")
+        fake.publish(b"k", 11, b"v11")
+        fake.publish(b"j", 12, b"v12")
+        fake.publish(b"k", 13, b"v13")
+        # the snapshot arrives after the updates were published (the client buffers them)
+        fake.snapshot(identity, {b"k": b"snap", b"j": b"j0"}, 10)
+        await starting
+        got = await changes_until(w, lambda c: c.seq == 13)
+        await clone.close()
+        return clone, got
+
+    clone, got = run(main())
+    assert clone._agents[0].last_seq == 13
+    snapshot = [c for c in got if c.kind == PUT and c.seq == 10]
+    assert sorted((c.key, c.value) for c in snapshot) == [("j", b"j0"), ("k", b"snap")]
+    assert [c.kind for c in got].index(SYNCED) == 2
+    live = [(c.key, c.value, c.seq) for c in got[3:]]
+    assert live == [("k", b"v11", 11), ("j", b"v12", 12), ("k", b"v13", 13)]
+    assert clone._agents[0].skipped == 2  # 9 and 10: not greater than KTHXBAI's 10
+
+
+def test_kvpub_not_greater_than_last_is_discarded_and_a_backwards_stream_resyncs(fake, zctx):
+    async def main():
+        clone = AsyncClone(fake.address, context=zctx)
+        await started(fake, clone, {b"a": b"0"}, 5)
+        w = clone.watch("")
+        w.open()
+        await changes_until(w, lambda c: c.kind == SYNCED)
+        fake.publish(b"a", 6, b"six")
+        assert (await next_change(w)).value == b"six"
+        fake.publish(b"a", 6, b"dup")       # equal: discarded
+        # a stream going backwards means a restarted server: the client asks again
+        identity, request = await asyncio.to_thread(fake.icanhaz)
+        assert request == [b"ICANHAZ?", b""]
+        assert clone.get("a") == b"six"
+        fake.publish(b"a", 4, b"old")       # lower than the last applied 6: buffered...
+        fake.snapshot(identity, {b"a": b"fresh"}, 4)   # ...and not greater than KTHXBAI's
+        changes = [await next_change(w)]
+        fake.publish(b"a", 5, b"five")
+        changes.append(await next_change(w))
+        stats = clone.stats()["shards"][0]
+        await clone.close()
+        return clone, changes, stats
+
+    clone, changes, stats = run(main())
+    assert [(c.kind, c.key, c.value, c.seq) for c in changes] == [
+        (PUT, "a", b"fresh", 4), (PUT, "a", b"five", 5)]
+    assert stats["stale"] == 1 and stats["skipped"] == 1
+    assert stats["last_seq"] == 5 and stats["snapshots"] == 2
+
+
+def test_gap_on_unfiltered_subscription_resyncs_and_replaces_the_map(fake, zctx):
+    async def main():
+        clone = AsyncClone(fake.address, context=zctx)
+        await started(fake, clone, {b"keep": b"1", b"ghost": b"2", b"change": b"3"}, 100)
+        w = clone.watch("")
+        w.open()
+        await changes_until(w, lambda c: c.kind == SYNCED)
+        fake.publish(b"new", 101, b"n")
+        assert (await next_change(w)).key == "new"
+        fake.publish(b"lost", 103, b"x")  # 102 never arrived: a gap
+        identity, _ = await asyncio.to_thread(fake.icanhaz)
+        assert clone.get("lost") is None
+        fake.snapshot(identity, {b"keep": b"1", b"change": b"33", b"new": b"n",
+                                 b"lost": b"x"}, 103)
+        got = [await next_change(w) for _ in range(3)]
+        stats = clone.stats()["shards"][0]
+        keys = sorted(clone.keys())
+        await clone.close()
+        return got, stats, keys
+
+    got, stats, keys = run(main())
+    assert stats["gaps"] == 1 and stats["snapshots"] == 2 and stats["last_seq"] == 103
+    assert keys == ["change", "keep", "lost", "new"]  # "ghost" is gone
+    assert sorted((c.kind, c.key, c.value) for c in got) == [
+        (DELETE, "ghost", None), (PUT, "change", b"33"), (PUT, "lost", b"x")]
+
+
+def test_subtree_client_accepts_sequence_jumps_and_drops_foreign_keys(fake, zctx):
+    async def main():
+        clone = AsyncClone(fake.address, subtree="/a/", context=zctx)
+        await started(fake, clone, {b"/a/1": b"x"}, 10, b"/a/")
+        w = clone.watch("/a/")
+        w.open()
+        await changes_until(w, lambda c: c.kind == SYNCED)
+        fake.publish(b"/a/2", 15, b"y")          # 11..14 were other subtrees: normal
+        fake.publish(b"HUGZY", 16, b"z")         # reaches us through the HUGZ prefix
+        fake.publish(b"/a/3", 20, b"w")
+        got = await changes_until(w, lambda c: c.seq == 20)
+        stats = clone.stats()["shards"][0]
+        await clone.close()
+        return got, stats
+
+    got, stats = run(main())
+    assert [(c.key, c.seq) for c in got] == [("/a/2", 15), ("/a/3", 20)]
+    assert stats["gaps"] == 0 and stats["snapshots"] == 1
+    assert stats["drops"] == {"outside_subtree": 1}
+
+
+def test_malformed_updates_are_counted_and_dropped(fake, zctx):
+    async def main():
+        clone = AsyncClone(fake.address, context=zctx)
+        await started(fake, clone, {}, 0)
+        w = clone.watch("")
+        w.open()
+        await changes_until(w, lambda c: c.kind == SYNCED)
+        fake.xpub.send_multipart([b"k", b"\x00" * 7, b"", b"", b"v"])         # short sequence
+        fake.xpub.send_multipart([b"k", chp.pack_seq(1), b"u" * 15, b"", b"v"])  # 15-byte UUID
+        fake.xpub.send_multipart([b"k", chp.pack_seq(1)])                    # 2 frames
+        fake.xpub.send_multipart([b"\xff\xfe", chp.pack_seq(1), b"", b"", b"v"])  # not UTF-8
+        fake.publish(b"k", 1, b"good")
+        change = await next_change(w)
+        stats = clone.stats()["shards"][0]
+        await clone.close()
+        return change, stats
+
+    change, stats = run(main())
+    assert (change.key, change.value, change.seq) == ("k", b"good", 1)
+    assert stats["drops"] == {"bad_sequence": 1, "bad_uuid": 1, "frame_count": 1,
+                              "bad_key": 1}
+    assert stats["gaps"] == 0
+
+
+def test_sync_buffer_overflow_requests_a_new_snapshot(fake, zctx):
+    async def main():
+        clone = AsyncClone(fake.address, context=zctx, sync_buffer_max=6)
+        starting = asyncio.create_task(clone.start())
+        await asyncio.to_thread(fake.wait_subscribed)
+        first, _ = await asyncio.to_thread(fake.icanhaz)
+        for seq in range(1, 11):
+            fake.publish(b"k", seq, b"v%d" % seq)
+        # 1..6 filled the buffer, 7 overflowed it (8..10 are buffered again): a new request comes from a fresh DEALER
+        second, request = await asyncio.to_thread(fake.icanhaz)
+        assert request == [b"ICANHAZ?", b""] and second != first
+        fake.snapshot(first, {b"k": b"stale"}, 1)  # the abandoned request: never applied
+        fake.snapshot(second, {b"k": b"v10"}, 10)
+        await starting
+        value, stats = clone.get("k"), clone.stats()["shards"][0]
+        await clone.close()
+        return value, stats
+
+    value, stats = run(main())
+    assert value == b"v10"
+    assert stats["overflows"] == 1 and stats["last_seq"] == 10 and stats["snapshots"] == 1
+
+
+# ----------------------------------------------------------------------------- writes
+
+def test_set_and_delete_send_kvsets_with_fresh_uuids_and_ttl(fake, zctx):
+    async def main():
+        clone = AsyncClone(fake.address, subtree="/s/", context=zctx)
+        await started(fake, clone, {}, 0, b"/s/")
+        u1 = await clone.set("/s/a", b"value", ttl=5)
+        u2 = await clone.set("/s/b", b"v2", ttl=0.25)
+        u3 = await clone.delete("/s/a")
+        frames = [await asyncio.to_thread(fake.kvset) for _ in range(3)]
+        with pytest.raises(ValueError, match="outside this client's subtree"):
+            await clone.set("/other/a", b"x")
+        with pytest.raises(ValueError, match="empty value means delete"):
+            await clone.set("/s/a", b"")
+        with pytest.raises(TypeError):
+            await clone.set("/s/a", "text is not bytes")
+        with pytest.raises(ValueError):
+            await clone.set("/s/a", b"x", ttl=-1)
+        await clone.close()
+        return (u1, u2, u3), frames
+
+    (u1, u2, u3), frames = run(main())
+    assert len({u1, u2, u3}) == 3 and all(len(u) == 16 for u in (u1, u2, u3))
+    assert frames[0] == [b"/s/a", b"\x00" * 8, u1, b"ttl=5\n", b"value"]
+    assert frames[1] == [b"/s/b", b"\x00" * 8, u2, b"ttl=0.25\n", b"v2"]
+    assert frames[2] == [b"/s/a", b"\x00" * 8, u3, b"", b""]
+    for f in frames:
+        chp.decode_kvset(f)  # valid 12/CHP
+
+
+def test_msgpack_codec_round_trips_python_values(fake, zctx):
+    value = {"name": "ada", "tags": ["x", 1, 2.5, None, True], "raw": b"\x00\xff"}
+
+    async def main():
+        clone = AsyncClone(fake.address, context=zctx, codec="msgpack")
+        await started(fake, clone, {b"pre": msgpack.packb([1, 2])}, 1)
+        w = clone.watch("")
+        w.open()
+        await changes_until(w, lambda c: c.kind == SYNCED)
+        uuid = await clone.set("doc", value)
+        frames = await asyncio.to_thread(fake.kvset)
+        kv = chp.decode_kvset(frames)
+        fake.publish(kv.key, 2, kv.value, kv.uuid, kv.props)  # the server's echo
+        change = await next_change(w)
+        got, pre = clone.get("doc"), clone.get("pre")
+        await clone.close()
+        return uuid, kv, change, got, pre
+
+    uuid, kv, change, got, pre = run(main())
+    assert kv.uuid == uuid and msgpack.unpackb(kv.value) == value
+    assert got == value and change.value == value and pre == [1, 2]
+
+
+# ----------------------------------------------------------------------------- watches
+
+def test_watch_opened_before_start_gets_snapshot_then_synced_then_live(fake, zctx):
+    async def main():
+        clone = AsyncClone(fake.address, context=zctx)
+        async with clone.watch("/o/") as w:
+            assert not w.synced
+            await started(fake, clone, {b"/o/1": b"a", b"/o/2": b"b", b"/x": b"c"}, 3)
+            first = [await next_change(w) for _ in range(3)]
+            assert w.synced
+            fake.publish(b"/x", 4, b"ignored")
+            fake.publish(b"/o/1", 5, b"")
+            live = await next_change(w)
+        after = [c async for c in w]  # closed: the iterator ends
+        await clone.close()
+        return first, live, after
+
+    first, live, after = run(main())
+    assert sorted((c.kind, c.key, c.value) for c in first[:2]) == [
+        (PUT, "/o/1", b"a"), (PUT, "/o/2", b"b")]
+    assert first[2].kind == SYNCED and first[2].key == "/o/" and first[2].seq == 3
+    assert (live.kind, live.key, live.value, live.seq) == (DELETE, "/o/1", None, 5)
+    assert after == []
+
+
+def test_slow_watch_raises_slow_consumer_with_counts(fake, zctx):
+    async def main():
+        clone = AsyncClone(fake.address, context=zctx)
+        await started(fake, clone, {b"a": b"0"}, 0)
+        slow = clone.watch("", capacity=5)
+        fast = clone.watch("")
+        slow.open()
+        fast.open()
+        await changes_until(fast, lambda c: c.kind == SYNCED)
+        for seq in range(1, 21):
+            fake.publish(b"k%d" % seq, seq, b"v")
+        await changes_until(fast, lambda c: c.seq == 20)
+        got = []
+        with pytest.raises(SlowConsumer) as info:
+            async for change in slow:
+                got.append(change)
+        stats = clone.stats()
+        await clone.close()
+        return got, info.value, stats
+
+    got, exc, stats = run(main())
+    # queued: the snapshot chunk (1 key), the marker, 3 updates; the 4th overflows
+    assert got == []  # a failed watch raises at once rather than serving a broken prefix
+    assert exc.dropped == 1 + 1 + 3 + 1 and exc.delivered == 0
+    assert "queue of 5 entries was full" in str(exc)
+    assert stats["watches"] == 1  # the failed watch was removed; the fast one remains
+
+
+# ----------------------------------------------------------------------------- threads
+
+def test_sync_clone_works_from_plain_threads(fake):
+    server = threading.Thread(target=fake.serve_snapshot, args=({b"/t/a": b"1"}, 1, b"/t/"))
+    server.start()
+    clone = Clone(fake.address, subtree="/t/", timeout_s=DEADLINE_S)
+    try:
+        server.join(DEADLINE_S)
+        assert clone.get("/t/a") == b"1" and len(clone) == 1
+        seen: list = []
+        done = threading.Event()
+
+        def on_change(change):
+            seen.append(change)
+            if change.seq == 4:
+                done.set()
+
+        watch = clone.watch("/t/", on_change)
+        uuids = []
+        errors = []
+
+        def writer(n):
+            try:
+                uuids.append(clone.set(f"/t/w{n}", b"x%d" % n, ttl=1))
+            except Exception as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        writers = [threading.Thread(target=writer, args=(n,)) for n in range(3)]
+        for t in writers:
+            t.start()
+        for t in writers:
+            t.join(DEADLINE_S)
+        sets = [chp.decode_kvset(fake.kvset()) for _ in range(3)]
+        for seq, kv in enumerate(sorted(sets), start=2):
+            fake.publish(kv.key, seq, kv.value, kv.uuid, kv.props)
+        assert done.wait(DEADLINE_S)
+        items = dict(clone.items())
+        watch.close()
+        assert not errors
+        assert sorted(kv.uuid for kv in sets) == sorted(uuids)
+        assert {kv.props for kv in sets} == {b"ttl=1\n"}
+        assert items == {"/t/a": b"1", "/t/w0": b"x0", "/t/w1": b"x1", "/t/w2": b"x2"}
+        assert [c.kind for c in seen[:2]] == [PUT, SYNCED]
+        assert [(c.key, c.seq) for c in seen[2:]] == [("/t/w0", 2), ("/t/w1", 3), ("/t/w2", 4)]
+        with pytest.raises(ValueError):
+            clone.set("/elsewhere", b"x")
+    finally:
+        clone.close()
+    assert not clone._thread.is_alive()
+
+
+def test_sync_clone_start_deadline(fake):
+    with pytest.raises(Timeout, match="not ready within"):
+        Clone(fake.address, timeout_s=0.5)
+
+
+def test_sync_watch_iterator_raises_slow_consumer(fake):
+    server = threading.Thread(target=fake.serve_snapshot, args=({}, 0))
+    server.start()
+    with Clone(fake.address, timeout_s=DEADLINE_S) as clone:
+        server.join(DEADLINE_S)
+        with clone.watch("", capacity=3) as w:
+            assert w.get(DEADLINE_S).kind == SYNCED
+            with clone.watch("") as marker:
+                assert marker.get(DEADLINE_S).kind == SYNCED
+                for seq in range(1, 6):
+                    fake.publish(b"k", seq, b"v")
+                while marker.get(DEADLINE_S).seq != 5:
+                    pass
+            with pytest.raises(SlowConsumer):
+                w.get(DEADLINE_S)
