@@ -1,0 +1,168 @@
+"""The client's shard machine, pure: events in, effects out, time passed in. No zmq."""
+from __future__ import annotations
+
+import pytest
+
+from client import shard_machine as sm
+from client.shard_machine import (ACTIVE, INITIAL, SYNCING, BufferOverflow, Config,
+                                  Connect, Failover, Gap, InstallSnapshot, RequestSnapshot,
+                                  SequenceBackwards, SnapshotDone, Start, State,
+                                  SubscriberLive, Tick, step)
+
+
+def run(state, events):
+    """Feed ``(now, event)`` pairs; return the final state and all effects in order."""
+    effects = []
+    for now, event in events:
+        state, out = step(state, event, now)
+        effects.extend(out)
+    return state, effects
+
+
+def active(config=Config(), now=0.0, seq=10):
+    state, _ = run(State(config), [(now, Start()), (now, SubscriberLive()),
+                                   (now, SnapshotDone(seq))])
+    assert state.phase == ACTIVE
+    return state
+
+
+def test_start_connects_and_waits_for_the_subscription_before_asking():
+    state, effects = step(State(), Start(), 1.0)
+    assert state.phase == INITIAL and effects == [Connect(0)]
+    # ticks while the subscription is not live ask for nothing (one server: keep waiting)
+    state, effects = step(state, Tick(0.0, 0.0), 100.0)
+    assert effects == [] and state.phase == INITIAL
+    state, effects = step(state, SubscriberLive(), 100.5)
+    assert state.phase == SYNCING and effects == [RequestSnapshot(0, "start")]
+    assert state.attempts == 1
+
+
+def test_kthxbai_installs_the_snapshot_and_goes_active():
+    state, effects = run(State(), [(0, Start()), (0, SubscriberLive()),
+                                   (1, SnapshotDone(42))])
+    assert state.phase == ACTIVE and state.snapshot_seq == 42 and state.synced
+    assert effects[-1] == InstallSnapshot(42, resync=False)
+    assert state.attempts == 0
+
+
+def test_events_out_of_phase_are_ignored():
+    state = State()
+    for event in (SubscriberLive(), SnapshotDone(1), Gap(1, 3), Tick(0, 0)):
+        assert step(state, event, 0) == (state, [])  # not started
+    state, _ = step(state, Start(), 0)
+    assert step(state, SnapshotDone(5), 0) == (state, [])   # not SYNCING
+    assert step(state, Gap(1, 3), 0) == (state, [])         # not ACTIVE
+    assert step(state, BufferOverflow(9), 0) == (state, [])  # INITIAL: nothing to redo
+    assert step(state, Start(), 0) == (state, [])
+    live = active()
+    assert step(live, SubscriberLive(), 1) == (live, [])
+    with pytest.raises(TypeError):
+        step(live, object(), 0)
+
+
+def test_snapshot_timeout_retries_then_moves_on():
+    cfg = Config(sync_timeout_s=2.0, max_attempts=2)
+    state, _ = run(State(cfg), [(0, Start()), (0, SubscriberLive())])
+    # snapshot traffic keeps the request alive past the timeout
+    state, effects = step(state, Tick(0.0, 1.5), 3.0)
+    assert effects == []
+    state, effects = step(state, Tick(0.0, 1.5), 3.6)
+    assert effects == [RequestSnapshot(0, "snapshot timeout")] and state.attempts == 2
+    state, effects = step(state, Tick(0.0, 1.5), 5.7)
+    assert state.phase == INITIAL and state.server == 0 and state.attempts == 0
+    assert [type(e) for e in effects] == [Failover, Connect]
+    assert effects[0].reason == "no snapshot after 2 requests"
+
+
+def test_a_pair_moves_to_the_other_server_after_two_refused_requests():
+    cfg = Config(servers=2, sync_timeout_s=1.0)
+    state, effects = run(State(cfg), [
+        (0, Start()), (0, SubscriberLive()),
+        (1, Tick(0, 0)),            # first request unanswered: ask again
+        (2, Tick(0, 0)),            # second unanswered: next server
+    ])
+    assert state.server == 1 and state.phase == INITIAL
+    assert effects == [Connect(0), RequestSnapshot(0, "start"),
+                       RequestSnapshot(0, "snapshot timeout"),
+                       Failover(0, 1, "no snapshot after 2 requests", 1.0), Connect(1)]
+    state, effects = run(state, [(2.1, SubscriberLive()), (2.2, SnapshotDone(7))])
+    assert effects == [RequestSnapshot(1, "start"), InstallSnapshot(7, resync=False)]
+
+
+def test_a_pair_gives_up_on_an_unreachable_server():
+    state, _ = step(State(Config(servers=2, connect_timeout_s=3.0)), Start(), 0)
+    state, effects = step(state, Tick(0, 0), 2.9)
+    assert effects == []
+    state, effects = step(state, Tick(0, 0), 3.0)
+    assert effects == [Failover(0, 1, "no connection", 3.0), Connect(1)]
+
+
+def test_silence_fails_over_and_resync_replaces():
+    cfg = Config(servers=2, silence_timeout_s=3.0)
+    state = active(cfg, now=10.0, seq=50)
+    state, effects = step(state, Tick(12.0, 0), 14.9)
+    assert effects == []  # heard 2.9 s ago
+    state, effects = step(state, Tick(12.0, 0), 15.0)
+    assert effects == [Failover(0, 1, "silent", 3.0), Connect(1)]
+    state, effects = run(state, [(15.1, SubscriberLive()), (15.5, SnapshotDone(60))])
+    assert effects == [RequestSnapshot(1, "reconnect"), InstallSnapshot(60, resync=True)]
+    assert state.phase == ACTIVE and state.server == 1
+
+
+def test_silence_timeout_can_be_disabled():
+    state = active(Config(silence_timeout_s=None))
+    assert step(state, Tick(0, 0), 1e9) == (state, [])
+
+
+def test_gap_and_backwards_sequence_resync_from_the_same_server():
+    state = active(seq=10)
+    state2, effects = step(state, Gap(11, 14), 1.0)
+    assert state2.phase == SYNCING and state2.server == 0
+    assert effects == [RequestSnapshot(0, "sequence gap (expected 11, got 14)")]
+    state3, effects = step(state, SequenceBackwards(10, 3), 1.0)
+    assert effects == [RequestSnapshot(0, "sequence went backwards (last 10, got 3)")]
+    state4, effects = step(state3, SnapshotDone(3), 2.0)
+    assert effects == [InstallSnapshot(3, resync=True)] and state4.snapshot_seq == 3
+
+
+def test_buffer_overflow_requests_again_without_counting_against_the_server():
+    cfg = Config(servers=2, max_attempts=2)
+    state, _ = run(State(cfg), [(0, Start()), (0, SubscriberLive())])
+    for i in range(5):
+        state, effects = step(state, BufferOverflow(100), 1.0 + i)
+        assert effects == [RequestSnapshot(0, "sync buffer overflow (100 updates)")]
+        assert state.attempts == 1 and state.server == 0
+    # while replaying in ACTIVE, an overflow also means the buffer is incomplete
+    state, effects = step(active(cfg), BufferOverflow(100), 1.0)
+    assert state.phase == SYNCING and effects[0].reason.startswith("sync buffer overflow")
+
+
+@pytest.mark.parametrize("last, seq, contiguous, verdict", [
+    (10, 11, True, sm.ACCEPT),
+    (10, 12, True, sm.GAP),
+    (10, 10, True, sm.STALE),
+    (10, 9, True, sm.STALE),
+    (10, 12, False, sm.ACCEPT),   # a subtree filter hides other sequences
+    (10, 10, False, sm.STALE),
+    (0, 1, True, sm.ACCEPT),
+])
+def test_check_seq(last, seq, contiguous, verdict):
+    assert sm.check_seq(last, seq, contiguous) == verdict
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError):
+        Config(servers=0)
+    with pytest.raises(ValueError):
+        Config(max_attempts=0)
+
+
+def test_machine_module_does_not_import_zmq():
+    import sys
+    import subprocess
+
+    code = ("import sys, client.shard_machine, client.watch, client.codec; "
+            "print('zmq' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
