@@ -90,13 +90,26 @@ def command_line(module: str, options: dict) -> str:
     return shlex.join(parts)
 
 
+def invoked_as() -> str:
+    """The command line actually typed, with a module path shown as ``-m module``."""
+    if not sys.argv:
+        return ""
+    head, rest = sys.argv[0], sys.argv[1:]
+    try:
+        rel = Path(head).resolve().relative_to(ROOT).with_suffix("")
+        parts = [p for p in rel.parts if p != "__main__"]
+        return shlex.join(["python", "-m", ".".join(parts), *rest])
+    except ValueError:
+        return shlex.join(["python", head, *rest])
+
+
 class Record:
     def __init__(self, benchmark: str, command: str, config: dict):
         self.data: dict = {
             "schema": SCHEMA,
             "benchmark": benchmark,
             "command": command,
-            "invoked_as": shlex.join(["python", *sys.argv]) if sys.argv else "",
+            "invoked_as": invoked_as(),
             "started_at": _utc_now(),
             "host": host_facts(),
             "config": config,

@@ -1,0 +1,140 @@
+"""Smoke tests for bench/: every benchmark runs for a second or two with tiny sizes.
+
+They assert that each benchmark completes and saves a well-formed JSON record with
+positive figures and the command that produced them - never timings. Plus the pieces
+the benchmarks rest on: the key schedule (pure) and the ceiling's wire behaviour.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from collections import Counter
+
+import pytest
+
+from bench.loadgen import WriterConfig, key_index, key_of, key_schedule
+
+BENCH_TIMEOUT_S = 120
+
+
+def _record(results_dir, name: str) -> dict:
+    latest = results_dir / "latest" / f"{name}.json"
+    assert latest.exists(), f"no {latest}"
+    data = json.loads(latest.read_text())
+    stamped = list(results_dir.glob(f"{name}-*.json"))
+    assert len(stamped) == 1 and json.loads(stamped[0].read_text()) == data
+    assert data["schema"] == 1 and data["benchmark"] == name
+    assert data["command"].startswith(f"python -m bench.{name} ")
+    host = data["host"]
+    assert host["cores_logical"] >= 1 and len(host["loadavg_before"]) == 3
+    assert len(host["loadavg_after"]) == 3 and host["pyzmq"] and host["libzmq"]
+    assert data["duration_s"] > 0 and data["runs"] and data["targets"]
+    for t in data["targets"]:
+        assert set(t) >= {"name", "value", "target", "unit", "met"}
+    return data
+
+
+def _run_bench(procs, results_dir, *args: str) -> None:
+    proc = procs.python("-m", *args, "--results-dir", str(results_dir))
+    rc = proc.wait(BENCH_TIMEOUT_S)
+    assert rc == 0, "\n".join(proc.stderr[-30:])
+
+
+def test_throughput_benchmark_records_positive_figures(procs, tmp_path):
+    _run_bench(procs, tmp_path, "bench.chp_throughput", "--seconds", "1", "--warmup", "0.3",
+               "--rounds", "1", "--keys", "2000")
+    data = _record(tmp_path, "chp_throughput")
+    assert [r["target"] for r in data["runs"]] == ["ceiling", "server"]
+    for run in data["runs"]:
+        assert run["received_per_s"] > 0 and run["sequenced_per_s"] > 0
+        assert run["sent_per_s"] > 0 and run["sent_total"] > 0
+        assert run["received_total"] > 0 and run["sequenced_total"] >= run["received_total"]
+        assert run["loss_total"] >= 0 and run["latency_ms"]["p50"] > 0
+        assert run["subscribers"][0]["malformed"] == 0
+        assert run["cpu_pct"]["target"] > 0
+    assert data["summary"]["ratio_server_to_ceiling"] > 0
+    assert {t["name"] for t in data["targets"]} == {"server updates/s (received, median)",
+                                                    "server / ceiling (medians)"}
+
+
+def test_snapshot_benchmark_gets_the_whole_map(procs, tmp_path):
+    _run_bench(procs, tmp_path, "bench.snapshot", "--keys", "2000", "--repeats", "1")
+    data = _record(tmp_path, "snapshot")
+    (run,) = data["runs"]
+    assert run["keys"] == 2000 and run["load"]["last_seq"] == 2000
+    (snap,) = run["snapshots"]
+    assert snap["whole"] and snap["kvsync"] == 2000 and snap["kthxbai_seq"] == 2000
+    assert snap["seconds"] > 0 and run["rss_loaded_bytes"] > 0
+    assert run["bytes_per_key"] > 0
+
+
+def test_python_m_bench_runs_a_profile(procs, tmp_path):
+    _run_bench(procs, tmp_path, "bench", "--smoke", "--only", "snapshot")
+    data = _record(tmp_path, "snapshot")
+    assert data["invoked_as"].startswith("python -m bench --smoke")
+
+
+# ------------------------------------------------------------------ pure pieces
+
+def test_sequential_schedule_covers_every_key_once():
+    cfg = WriterConfig(collector="", keys=1000, distribution="sequential", count=1000)
+    sched = key_schedule(cfg)
+    assert len(sched) & (len(sched) - 1) == 0  # a power of two, cycled with a mask
+    assert [key_index(k) for k, _ in sched[:1000]] == list(range(1000))
+    assert all(key_of(key_index(k)) == k for k, _ in sched[:10])
+
+
+def test_uniform_and_zipf_schedules_stay_in_the_key_space():
+    uni = key_schedule(WriterConfig(collector="", keys=100, seed=3), length=1 << 14)
+    zipf = key_schedule(WriterConfig(collector="", keys=100, distribution="zipf", seed=3),
+                        length=1 << 14)
+    for sched in (uni, zipf):
+        assert all(0 <= key_index(k) < 100 for k, _ in sched)
+    top_uni = Counter(k for k, _ in uni).most_common(1)[0][1]
+    top_zipf = Counter(k for k, _ in zipf).most_common(1)[0][1]
+    assert top_zipf > 5 * top_uni  # zipf's head key is far hotter than any uniform key
+
+
+def test_ttl_fraction_marks_that_share_of_updates():
+    sched = key_schedule(WriterConfig(collector="", keys=50, ttl_fraction=0.25, ttl_s=2),
+                         length=1 << 14)
+    with_ttl = [p for _, p in sched if p]
+    assert set(with_ttl) == {b"ttl=2\n"}
+    assert 0.2 < len(with_ttl) / len(sched) < 0.3
+
+
+def test_unknown_distribution_is_refused():
+    with pytest.raises(ValueError):
+        key_schedule(WriterConfig(collector="", keys=10, distribution="pareto"))
+
+
+# ------------------------------------------------------------------ the ceiling
+
+def test_forwarder_sequences_and_echoes_like_a_server(procs, port_base, zctx):
+    import zmq
+
+    procs.python("-m", "bench.forwarder", "--port", str(port_base), ready="READY")
+    sub = zctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port_base + 1}")
+    pub = zctx.socket(zmq.XPUB)
+    pub.connect(f"tcp://127.0.0.1:{port_base + 2}")
+    assert pub.poll(10_000) and pub.recv() == b"\x01"  # the collector subscribed
+    uuid = bytes(range(16))
+    # The subscriber's own subscription may still be on its way: send until one arrives.
+    got = None
+    for attempt in range(200):
+        pub.send_multipart([b"/probe", b"\0" * 8, uuid, b"", b"p"])
+        if sub.poll(50):
+            got = sub.recv_multipart()
+            break
+    assert got is not None and got[0] == b"/probe"
+    first = struct.unpack(">Q", got[1])[0]
+    while sub.poll(100):  # drain the probes still in flight
+        first = struct.unpack(">Q", sub.recv_multipart()[1])[0]
+    pub.send_multipart([b"a", b"\0" * 8, uuid, b"ttl=1\n", b"v1"])
+    pub.send_multipart([b"a", b"\0" * 8, b"", b"", b""])
+    assert sub.poll(5000)
+    assert sub.recv_multipart() == [b"a", struct.pack(">Q", first + 1), uuid, b"ttl=1\n", b"v1"]
+    assert sub.poll(5000)
+    assert sub.recv_multipart() == [b"a", struct.pack(">Q", first + 2), b"", b"", b""]
