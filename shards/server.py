@@ -1,0 +1,497 @@
+"""The 12/CHP shard server: a reactor that owns its ZeroMQ context and three sockets.
+
+    P    ROUTER  snapshot:  ICANHAZ? -> KVSYNC* KTHXBAI      (ROUTER_MANDATORY: flow control)
+    P+1  PUB     publisher: KVPUB, HUGZ
+    P+2  SUB     collector: KVSET (subscribed to everything)
+
+Handlers, one per event, none blocking:
+
+* ``on_collect``: a KVSET (drained in capped batches by ``zio.AsyncSocket``) is checked,
+  applied to the ``Store`` and republished as a KVPUB with the next sequence, UUID and
+  properties echoed (a ``ttl`` adds ``expires=<epoch s>``; see ``store.ttl_props``).
+* ``on_snapshot_request``: an ICANHAZ opens a point-in-time ``SnapshotCursor`` (or waits
+  in a bounded queue); ``_pump`` streams at most ``snapshot_chunk`` KVSYNCs per
+  requester per loop turn, round-robin, then KTHXBAI. Every KVSYNC carries the cursor's
+  sequence (the spec gives it no meaning; this way "the highest sequence of the KVSYNCs
+  sent" is exactly KTHXBAI's). A full pipe (``zmq.Again``: ROUTER_MANDATORY) pauses only
+  that requester, retried after ``SNAPSHOT_PAUSE_S``; one that makes no progress for
+  ``snapshot_stall_s`` is abandoned, one that disconnected (EHOSTUNREACH) is dropped;
+  both are counted.
+* ``on_ttl_tick``: a timer armed (``call_at``) for the earliest expiry in the store's heap
+  deletes due keys and publishes each as a KVPUB with an empty value, empty UUID and
+  empty properties.
+* ``on_heartbeat``: every ``heartbeat_s``, a HUGZ if nothing else was published since the
+  last beat.
+
+Malformed input anywhere is counted by ``ProtocolError.reason`` (``DropCounter``), logged
+at a limited rate, and dropped. ``stats()`` returns a JSON-able dict.
+
+Roles: whether this server may publish and answer snapshots is decided in one place,
+``set_active``. A standalone server (the only kind so far) is active from ``start``. A
+server that is not active drops KVSETs (counted ``not_active``) and does not answer
+ICANHAZ (counted ``snapshots_refused``); ``admit_snapshot_request`` is the hook where a
+Binary Star role will treat an ICANHAZ as the client's vote.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import zmq
+from zmq.backend import Socket as _BackendSocket
+
+from shards import zio
+from shards.drops import DropCounter
+from shards.errors import PortInUse, ProtocolError
+from shards.proto import chp
+from shards.store import Store, ttl_props
+
+log = logging.getLogger("shards.server")
+
+HEARTBEAT_S = 1.0
+SNAPSHOT_CHUNK = 256
+"""KVSYNCs sent to one requester per loop turn (between two collector batches)."""
+SNAPSHOT_PAUSE_S = 0.001
+"""Retry delay for a requester whose pipe is full."""
+SNAPSHOT_STALL_S = 30.0
+"""A requester that accepts nothing for this long is abandoned."""
+MAX_ACTIVE_SNAPSHOTS = 16
+"""Cursors streamed at once (each holds a copy of the key list); more requests wait."""
+MAX_WAITING_SNAPSHOTS = 1024
+COLLECT_BATCH = 512
+PUB_SNDHWM = 100_000
+COLLECT_RCVHWM = 100_000
+SNAPSHOT_SNDHWM = 10_000
+
+_send = _BackendSocket.send
+_NOBLOCK = zmq.NOBLOCK
+_MORE = zmq.NOBLOCK | zmq.SNDMORE
+_pack_seq = chp.pack_seq
+_RESERVED = chp.RESERVED_KEYS
+_EHOSTUNREACH = zmq.EHOSTUNREACH
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    port: int
+    host: str = "127.0.0.1"
+    heartbeat_s: float = HEARTBEAT_S
+    limits: chp.Limits = field(default_factory=chp.Limits)
+    snapshot_chunk: int = SNAPSHOT_CHUNK
+    snapshot_stall_s: float = SNAPSHOT_STALL_S
+    max_active_snapshots: int = MAX_ACTIVE_SNAPSHOTS
+    max_waiting_snapshots: int = MAX_WAITING_SNAPSHOTS
+    collect_batch: int = COLLECT_BATCH
+    pub_sndhwm: int = PUB_SNDHWM
+    collect_rcvhwm: int = COLLECT_RCVHWM
+    snapshot_sndhwm: int = SNAPSHOT_SNDHWM
+
+    def endpoint(self, offset: int) -> str:
+        return f"tcp://{self.host}:{self.port + offset}"
+
+
+class _Requester:
+    """One snapshot being streamed to one ROUTER peer."""
+
+    __slots__ = ("identity", "subtree", "cursor", "seq_frame", "pending", "pos",
+                 "last_progress_s", "retry_at_s", "sent")
+
+    def __init__(self, identity: bytes, subtree: bytes, cursor, now_s: float):
+        self.identity = identity
+        self.subtree = subtree
+        self.cursor = cursor
+        self.seq_frame = _pack_seq(cursor.seq)
+        self.pending: list[tuple[bytes, bytes]] = []
+        self.pos = 0
+        self.last_progress_s = now_s
+        self.retry_at_s = 0.0
+        self.sent = 0
+
+
+class ShardServer:
+    """One CHP server. ``bind()`` (sync, may raise ``PortInUse``), then ``start()`` inside
+    a running loop, then ``close()``."""
+
+    def __init__(self, config: ServerConfig, *, role: str = "standalone"):
+        self.config = config
+        self.role = role
+        self.store = Store()
+        self.drops = DropCounter(log)
+        self.active = False
+        self.ctx: zmq.Context | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._router_sock: zmq.Socket | None = None
+        self._pub: zmq.Socket | None = None
+        self._collector_sock: zmq.Socket | None = None
+        self._router: zio.AsyncSocket | None = None
+        self._collector: zio.AsyncSocket | None = None
+        limits = config.limits
+        self._limits = limits
+        self._max_key = limits.max_key
+        self._max_value = limits.max_value
+        # snapshots
+        self._serving: dict[bytes, _Requester] = {}
+        self._waiting: collections.deque[tuple[bytes, bytes]] = collections.deque()
+        self._pump_handle: asyncio.Handle | None = None
+        # timers
+        self._ttl_handle: asyncio.TimerHandle | None = None
+        self._ttl_when: float | None = None
+        self._beat_handle: asyncio.TimerHandle | None = None
+        self._seq_at_beat = 0
+        # counters
+        self.started_s = time.monotonic()
+        self.snapshots_served = 0
+        self.snapshots_abandoned = 0
+        self.snapshots_unreachable = 0
+        self.snapshots_refused = 0
+        self.kvsync_sent = 0
+        self.ttl_expired = 0
+        self.hugz_sent = 0
+        self._process = psutil.Process()
+
+    # ================================================================ set-up
+    def bind(self) -> None:
+        """Create the context and bind P, P+1, P+2. Raises ``PortInUse`` naming the
+        endpoint that is taken (everything opened so far is closed first)."""
+        cfg = self.config
+        self.ctx = zmq.Context()
+        try:
+            router = self._socket(zmq.ROUTER)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            router.setsockopt(zmq.SNDHWM, cfg.snapshot_sndhwm)
+            self._bind(router, cfg.endpoint(0))
+            self._router_sock = router
+            pub = self._socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, cfg.pub_sndhwm)
+            self._bind(pub, cfg.endpoint(1))
+            self._pub = pub
+            collector = self._socket(zmq.SUB)
+            collector.setsockopt(zmq.RCVHWM, cfg.collect_rcvhwm)
+            collector.setsockopt(zmq.SUBSCRIBE, b"")
+            self._bind(collector, cfg.endpoint(2))
+            self._collector_sock = collector
+        except BaseException:
+            self.ctx.destroy(linger=0)
+            self.ctx = None
+            raise
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        return sock
+
+    @staticmethod
+    def _bind(sock: zmq.Socket, endpoint: str) -> None:
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EADDRINUSE:
+                raise PortInUse(f"{endpoint} is already in use", endpoint=endpoint) from None
+            raise
+
+    def start(self) -> None:
+        """Attach to the running loop; a standalone server becomes active at once."""
+        self.loop = loop = asyncio.get_running_loop()
+        self.started_s = time.monotonic()
+        self._router = zio.AsyncSocket(self._router_sock, self.on_snapshot_request,
+                                       batch=256, loop=loop, name="snapshot")
+        self._collector = zio.AsyncSocket(self._collector_sock, self.on_collect,
+                                          batch=self.config.collect_batch, loop=loop,
+                                          name="collector")
+        self._beat_handle = loop.call_later(self.config.heartbeat_s, self.on_heartbeat)
+        if self.role == "standalone":
+            self.set_active(True)
+
+    def close(self) -> None:
+        """Stop timers and close every socket with linger 0. Idempotent."""
+        for handle in (self._beat_handle, self._ttl_handle, self._pump_handle):
+            if handle is not None:
+                handle.cancel()
+        self._beat_handle = self._ttl_handle = self._pump_handle = None
+        for req in self._serving.values():
+            req.cursor.close()
+        self._serving.clear()
+        self._waiting.clear()
+        for asock in (self._router, self._collector):
+            if asock is not None:
+                asock.close(linger=0)
+        if self.ctx is not None:
+            self.ctx.destroy(linger=0)
+            self.ctx = None
+
+    # ================================================================ role
+    def set_active(self, active: bool) -> None:
+        """The one place that decides whether this server publishes and serves snapshots."""
+        if active == self.active:
+            return
+        self.active = active
+        log.info("%s server on port %d is now %s", self.role, self.config.port,
+                 "active" if active else "not active")
+        if active:
+            self._arm_ttl()
+        else:
+            for req in self._serving.values():
+                req.cursor.close()
+            self._serving.clear()
+            self._waiting.clear()
+
+    def admit_snapshot_request(self) -> bool:
+        """Whether an ICANHAZ is answered now (a Binary Star role adds the client vote)."""
+        return self.active
+
+    # ================================================================ collector
+    def on_collect(self, frames: list[bytes]) -> None:
+        """A message on the collector: a KVSET becomes a KVPUB with the next sequence."""
+        if len(frames) == 5 and self.active:
+            key, seq_frame, uuid, props, value = frames
+            # Fast path: a subset of what chp.decode_kvset accepts (ASCII key, no
+            # properties); anything else takes the full check below.
+            if (not props and len(seq_frame) == 8 and (not uuid or len(uuid) == 16)
+                    and 0 < len(key) <= self._max_key and len(value) <= self._max_value
+                    and key.isascii() and key not in _RESERVED):
+                seq = self.store.apply(key, value)
+                pub = self._pub
+                _send(pub, key, _MORE)
+                _send(pub, _pack_seq(seq), _MORE)
+                _send(pub, uuid, _MORE)
+                _send(pub, b"", _MORE)
+                _send(pub, value, _NOBLOCK)
+                return
+        self._collect_checked(frames)
+
+    def _collect_checked(self, frames: list[bytes]) -> None:
+        try:
+            kvset = chp.decode_kvset(frames, self._limits)
+            key, value, props = kvset.key, kvset.value, kvset.props
+            expiry_s = None
+            if value and props:
+                expiry_s, props = ttl_props(props, time.time())
+        except ProtocolError as err:
+            self.drops.drop(err.reason, str(err))
+            return
+        if not self.active:
+            self.drops.drop("not_active", "KVSET while not active")
+            return
+        seq = self.store.apply(key, value, expiry_s)
+        zio.send_frames5(self._pub, key, _pack_seq(seq), kvset.uuid, props, value)
+        if expiry_s is not None:
+            self._arm_ttl()
+
+    # ================================================================ TTL
+    def _arm_ttl(self) -> None:
+        """(Re)arm the TTL timer for the earliest expiry, if that is sooner than armed."""
+        expiry_s = self.store.next_expiry()
+        if expiry_s is None or self.loop is None:
+            return
+        when = self.loop.time() + max(0.0, expiry_s - time.time())
+        if self._ttl_handle is not None:
+            if self._ttl_when is not None and self._ttl_when <= when:
+                return
+            self._ttl_handle.cancel()
+        self._ttl_when = when
+        self._ttl_handle = self.loop.call_at(when, self.on_ttl_tick)
+
+    def on_ttl_tick(self) -> None:
+        """Delete every due key and publish each delete (empty value, UUID, properties)."""
+        self._ttl_handle = None
+        self._ttl_when = None
+        if not self.active:
+            return
+        pub = self._pub
+        for key, seq in self.store.pop_expired(time.time()):
+            zio.send_frames5(pub, key, _pack_seq(seq), b"", b"", b"")
+            self.ttl_expired += 1
+        self._arm_ttl()
+
+    # ================================================================ heartbeat
+    def on_heartbeat(self) -> None:
+        """HUGZ if nothing was published since the last beat; also re-arms the TTL timer
+        (a wall-clock step could have moved the earliest expiry)."""
+        loop = self.loop
+        self._beat_handle = loop.call_later(self.config.heartbeat_s, self.on_heartbeat)
+        if not self.active:
+            return
+        if self.store.seq == self._seq_at_beat:
+            zio.send_frames5(self._pub, *chp.hugz())
+            self.hugz_sent += 1
+        self._seq_at_beat = self.store.seq
+        self._arm_ttl()
+
+    # ================================================================ snapshots
+    def on_snapshot_request(self, frames: list[bytes]) -> None:
+        """An ICANHAZ on the ROUTER: queue a snapshot for this peer."""
+        identity = frames[0]
+        try:
+            request = chp.decode_icanhaz(frames[1:], self._limits)
+        except ProtocolError as err:
+            self.drops.drop(err.reason, str(err))
+            return
+        if not self.admit_snapshot_request():
+            self.snapshots_refused += 1
+            return
+        if len(self._waiting) >= self.config.max_waiting_snapshots:
+            self.drops.drop("snapshot_queue_full", f"{len(self._waiting)} requests wait")
+            return
+        self._waiting.append((identity, request.subtree))
+        self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
+        """Open cursors for waiting requests, in order, while there is room; a peer's
+        second request waits until its first snapshot is complete."""
+        serving = self._serving
+        if not self._waiting or len(serving) >= self.config.max_active_snapshots:
+            return
+        now = self.loop.time()
+        kept: collections.deque[tuple[bytes, bytes]] = collections.deque()
+        while self._waiting:
+            identity, subtree = self._waiting.popleft()
+            if identity in serving or len(serving) >= self.config.max_active_snapshots:
+                kept.append((identity, subtree))
+                continue
+            cursor = self.store.open_snapshot(subtree)
+            serving[identity] = _Requester(identity, subtree, cursor, now)
+        self._waiting = kept
+        self._schedule_pump(0.0)
+
+    def _schedule_pump(self, delay_s: float) -> None:
+        if self._pump_handle is not None:
+            return
+        if delay_s <= 0.0:
+            self._pump_handle = self.loop.call_soon(self._pump)
+        else:
+            self._pump_handle = self.loop.call_later(delay_s, self._pump)
+
+    def _pump(self) -> None:
+        """One round-robin turn: up to ``snapshot_chunk`` messages to each ready requester."""
+        self._pump_handle = None
+        if not self._serving:
+            return
+        now = self.loop.time()
+        progressed = False
+        finished = []
+        next_retry = None
+        for req in list(self._serving.values()):
+            if req.retry_at_s > now:
+                next_retry = req.retry_at_s if next_retry is None else min(next_retry,
+                                                                          req.retry_at_s)
+                continue
+            outcome = self._send_some(req, now)
+            if outcome == "progress":
+                progressed = True
+            elif outcome == "blocked":
+                if now - req.last_progress_s > self.config.snapshot_stall_s:
+                    self.snapshots_abandoned += 1
+                    log.warning("abandoned a snapshot for %r after %d KVSYNC: no progress "
+                                "for %.1f s", req.identity, req.sent,
+                                self.config.snapshot_stall_s)
+                    finished.append(req)
+                else:
+                    req.retry_at_s = now + SNAPSHOT_PAUSE_S
+                    next_retry = req.retry_at_s if next_retry is None else min(
+                        next_retry, req.retry_at_s)
+            else:  # "done" or "gone"
+                finished.append(req)
+        self._router.kick()  # our sends may have consumed the edge-triggered FD signal
+        for req in finished:
+            req.cursor.close()
+            del self._serving[req.identity]
+        if finished:
+            self._admit_waiting()
+        if progressed:
+            self._schedule_pump(0.0)
+        elif next_retry is not None:
+            self._schedule_pump(max(0.0, next_retry - now))
+
+    def _send_some(self, req: _Requester, now: float) -> str:
+        """Send up to ``snapshot_chunk`` KVSYNCs (then KTHXBAI) to one requester.
+        Returns "progress", "blocked" (pipe full, nothing sent), "done" or "gone"."""
+        sock = self._router_sock
+        identity = req.identity
+        seq_frame = req.seq_frame
+        cursor = req.cursor
+        budget = self.config.snapshot_chunk
+        pending, pos = req.pending, req.pos
+        sent = fetched = 0
+        outcome = "blocked"
+        try:
+            while sent < budget:
+                if pos >= len(pending):
+                    if cursor.done:
+                        _send(sock, identity, _MORE)
+                        zio.send_frames5(sock, chp.KTHXBAI, seq_frame, b"", b"", req.subtree)
+                        self.snapshots_served += 1
+                        outcome = "done"
+                        break
+                    if fetched >= 8:  # a sparse subtree: examined enough keys this turn
+                        outcome = "progress"
+                        break
+                    pending = cursor.next_chunk(budget * 4)
+                    pos = 0
+                    fetched += 1
+                    continue
+                key, value = pending[pos]
+                _send(sock, identity, _MORE)  # Again / EHOSTUNREACH come only from here
+                _send(sock, key, _MORE)
+                _send(sock, seq_frame, _MORE)
+                _send(sock, b"", _MORE)
+                _send(sock, b"", _MORE)
+                _send(sock, value, _NOBLOCK)
+                pos += 1
+                sent += 1
+        except zmq.Again:
+            pass
+        except zmq.ZMQError as exc:
+            if exc.errno != _EHOSTUNREACH:
+                raise
+            self.snapshots_unreachable += 1
+            log.info("snapshot peer %r went away after %d KVSYNC", identity, req.sent + sent)
+            outcome = "gone"
+        req.pending, req.pos = pending, pos
+        self.kvsync_sent += sent
+        req.sent += sent
+        if outcome == "done":
+            log.debug("snapshot of %d keys under %r at seq %d sent to %r", req.sent,
+                      req.subtree, cursor.seq, identity)
+            return outcome
+        if sent or fetched:
+            req.last_progress_s = now
+            if outcome == "blocked":
+                outcome = "progress"
+        return outcome
+
+    # ================================================================ stats
+    def stats(self) -> dict:
+        """Counters for the control plane (JSON-able)."""
+        store = self.store
+        drops = dict(self.drops.counts)
+        return {
+            "role": self.role,
+            "active": self.active,
+            "pid": os.getpid(),
+            "port": self.config.port,
+            "host": self.config.host,
+            "seq": store.seq,
+            "keys": len(store),
+            "updates": store.seq - self.ttl_expired,
+            "ttl_keys": store.ttl_keys,
+            "ttl_expired": self.ttl_expired,
+            "snapshots_served": self.snapshots_served,
+            "snapshots_active": len(self._serving),
+            "snapshots_waiting": len(self._waiting),
+            "snapshots_abandoned": self.snapshots_abandoned,
+            "snapshots_unreachable": self.snapshots_unreachable,
+            "snapshots_refused": self.snapshots_refused,
+            "kvsync_sent": self.kvsync_sent,
+            "hugz_sent": self.hugz_sent,
+            "drops": drops,
+            "drops_total": sum(drops.values()),
+            "handler_errors": sum(a.errors for a in (self._router, self._collector)
+                                  if a is not None),
+            "rss_bytes": self._process.memory_info().rss,
+            "uptime_s": round(time.monotonic() - self.started_s, 3),
+        }
