@@ -18,7 +18,7 @@ from bench import record as rec
 PROFILES = {
     "smoke": {
         "chp_throughput": ["--seconds", "1", "--warmup", "0.3", "--rounds", "1",
-                           "--keys", "2000"],
+                           "--keys", "2000", "--retries", "0"],
         "snapshot": ["--keys", "2000", "--repeats", "1"],
     },
     "quick": {

@@ -49,9 +49,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--latency-every", type=int, default=64)
     ap.add_argument("--hwm", type=int, default=100_000,
                     help="PUB SNDHWM and collector RCVHWM, the same for server and ceiling")
+    ap.add_argument("--max-others-pct", type=float, default=60.0,
+                    help="a run during which other processes used more than this share of "
+                         "a core is kept in the record as discarded and run again (0: off)")
+    ap.add_argument("--retries", type=int, default=2,
+                    help="re-runs allowed per run for --max-others-pct")
     ap.add_argument("--only", choices=TARGETS, default=None, help="run one target only")
     ap.add_argument("--pin", action="store_true",
-                    help="pin writer(s) to core 0 and the subscriber to the last core")
+                    help="pin the target to core 0 and the writers and subscriber to the "
+                         "other cores (all to core 0 on a 1-core host)")
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
     return ap.parse_args(argv)
 
@@ -92,17 +98,21 @@ def run_one(kind: str, args: argparse.Namespace) -> dict:
     import os
 
     base = free_port_base(4)
-    hwm = ("--pub-hwm", str(args.hwm), "--collect-hwm", str(args.hwm))
-    argv = forwarder_argv(base, extra=hwm) if kind == "ceiling" else server_argv(base, extra=hwm)
     cores = os.cpu_count() or 1
+    harness_cores = list(range(1, cores)) or [0]
+    extra = ["--pub-hwm", str(args.hwm), "--collect-hwm", str(args.hwm)]
+    if args.pin:
+        extra += ["--core", "0"] if kind == "ceiling" else ["--cpus", "0"]
+    argv = (forwarder_argv if kind == "ceiling" else server_argv)(base, extra=tuple(extra))
     writers = [WriterConfig(collector=f"tcp://127.0.0.1:{base + 2}", keys=args.keys,
                             value_bytes=args.value_bytes, distribution=args.distribution,
                             mode=args.writer_mode, ttl_fraction=args.ttl_fraction,
-                            seed=1 + i, writer_id=i, core=(i % cores) if args.pin else None)
+                            seed=1 + i, writer_id=i,
+                            core=harness_cores[i % len(harness_cores)] if args.pin else None)
                for i in range(args.writers)]
     subs = [SubscriberConfig(endpoint=f"tcp://127.0.0.1:{base + 1}",
                              latency_every=args.latency_every,
-                             core=(cores - 1) if args.pin else None)]
+                             core=harness_cores[-1] if args.pin else None)]
     with Target(kind, argv) as target, LoadRun(writers, subs) as load:
         window = load.start(args.warmup, args.seconds)
         pids = {"target": [target.pid], "writers": load.pids("writer"),
@@ -124,6 +134,8 @@ def run_one(kind: str, args: argparse.Namespace) -> dict:
         (pct(cpu0["threads"].get(tid, 0.0), t1) for tid, t1 in cpu1["threads"].items()),
         reverse=True)
     figures["cpu_pct"]["host"] = pct(cpu0["host_busy"], cpu1["host_busy"])
+    ours = sum(figures["cpu_pct"][group] for group in pids)
+    figures["cpu_pct"]["others"] = round(max(0.0, figures["cpu_pct"]["host"] - ours), 1)
     figures["target"] = kind
     figures["target_command"] = " ".join(argv[1:])
     figures["writers"] = result.writers
@@ -141,16 +153,30 @@ def run(args: argparse.Namespace) -> rec.Record:
                                                 ttl_fraction=args.ttl_fraction))
     config["order"] = [f"{r + 1}:{k}" for r in range(args.rounds) for k in kinds]
     record = rec.Record(NAME, canonical_command(args), config)
+    discarded = record.data["discarded_runs"] = []
     for r in range(args.rounds):
         for kind in kinds:
-            rec.log(f"{NAME}: round {r + 1}/{args.rounds} {kind} "
-                    f"({args.warmup:g} s warm-up + {args.seconds:g} s)")
-            figures = run_one(kind, args)
-            figures["round"] = r + 1
-            record.add_run(figures)
-            rec.log(f"  received {figures['received_per_s']:,.0f}/s, "
-                    f"sequenced {figures['sequenced_per_s']:,.0f}/s, "
-                    f"loss {figures['loss_window']}, cpu {figures['cpu_pct']}")
+            for attempt in range(1 + max(0, args.retries)):
+                rec.log(f"{NAME}: round {r + 1}/{args.rounds} {kind} "
+                        f"({args.warmup:g} s warm-up + {args.seconds:g} s)"
+                        + (f", retry {attempt}" if attempt else ""))
+                figures = run_one(kind, args)
+                figures["round"] = r + 1
+                cpu = figures["cpu_pct"]
+                rec.log(f"  received {figures['received_per_s']:,.0f}/s, "
+                        f"sequenced {figures['sequenced_per_s']:,.0f}/s, "
+                        f"loss {figures['loss_window']}; cpu% target {cpu['target']} "
+                        f"(threads {cpu['target_threads'][:2]}), writers {cpu['writers']}, "
+                        f"subscriber {cpu['subscribers']}, others {cpu['others']}")
+                busy = args.max_others_pct and cpu["others"] > args.max_others_pct
+                if busy and attempt < args.retries:
+                    figures["discarded"] = (f"others used {cpu['others']}% of a core "
+                                            f"(> {args.max_others_pct}%)")
+                    discarded.append(figures)
+                    rec.log(f"  discarded: {figures['discarded']}; running it again")
+                    continue
+                record.add_run(figures)
+                break
     summarize(record, kinds)
     record.finish()
     return record
@@ -167,6 +193,7 @@ def summarize(record: rec.Record, kinds: list[str]) -> None:
             "sent_per_s": rec.spread([r["sent_per_s"] for r in mine]),
             "loss_window": sum(r["loss_window"] for r in mine),
             "target_cpu_pct": rec.spread([r["cpu_pct"]["target"] for r in mine]),
+            "others_cpu_pct": rec.spread([r["cpu_pct"]["others"] for r in mine]),
         }
     if "server" in summary:
         server = summary["server"]["received_per_s"]["median"]
@@ -193,10 +220,14 @@ def report(record: rec.Record) -> None:
         rows.append([f"{r['round']} {r['target']}", r["sent_per_s"], r["sequenced_per_s"],
                      r["received_per_s"], r["loss_window"], r["dropped_at_writer_total"],
                      lat.get("p50", "-"), lat.get("p99", "-"), r["cpu_pct"]["target"],
-                     r["cpu_pct"]["writers"], r["cpu_pct"]["subscribers"]])
+                     r["cpu_pct"]["writers"], r["cpu_pct"]["subscribers"],
+                     r["cpu_pct"]["others"]])
     rec.print_table(f"{NAME}: runs ({record.data['config']['seconds']:g} s windows)",
                     ["run", "sent/s", "sequenced/s", "received/s", "lost", "writer drops",
-                     "p50 ms", "p99 ms", "target cpu%", "writer cpu%", "sub cpu%"], rows)
+                     "p50 ms", "p99 ms", "target cpu%", "writer cpu%", "sub cpu%",
+                     "others cpu%"], rows,
+                    caption="cpu%: of one core, over the window; 'others' = the rest of the "
+                            "host's busy time (other processes, kernel)")
     rows = []
     for kind, s in record.data["summary"].items():
         if isinstance(s, dict) and "received_per_s" in s:
@@ -206,7 +237,9 @@ def report(record: rec.Record) -> None:
     ratio = record.data["summary"].get("ratio_server_to_ceiling")
     rec.print_table(f"{NAME}: received updates/s over rounds",
                     ["target", "median", "min", "max", "spread %", "cpu% (median)"], rows,
-                    caption=f"server / ceiling = {ratio}" if ratio is not None else "")
+                    caption=(f"server / ceiling = {ratio} (medians); per round "
+                             f"{record.data['summary']['ratio_per_round']}")
+                    if ratio is not None else "")
     rec.print_targets(record)
 
 

@@ -527,3 +527,58 @@ def _recv_by(conn, deadline: float, what: str) -> dict:
 def config_dict(cfg) -> dict:
     d = asdict(cfg)
     return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in d.items()}
+
+
+# ------------------------------------------------------------------- command line
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m bench.loadgen --port P ...``: load a running server, print the figures."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m bench.loadgen",
+                                 description="offer KVSET load to a running CHP server "
+                                             "(collector P+2) and count its KVPUBs (P+1)")
+    ap.add_argument("--port", type=int, required=True, help="the server's port base P")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--warmup", type=float, default=1.0)
+    ap.add_argument("--writers", type=int, default=1)
+    ap.add_argument("--subscribers", type=int, default=1)
+    ap.add_argument("--mode", choices=("flow", "drop", "rate"), default="flow")
+    ap.add_argument("--rate", type=float, default=0.0, help="updates/s per writer (mode rate)")
+    ap.add_argument("--keys", type=int, default=100_000)
+    ap.add_argument("--value-bytes", type=int, default=100)
+    ap.add_argument("--distribution", choices=("uniform", "zipf", "sequential"),
+                    default="uniform")
+    ap.add_argument("--ttl-fraction", type=float, default=0.0)
+    ap.add_argument("--ttl-s", type=float, default=5.0)
+    ap.add_argument("--latency-every", type=int, default=64)
+    ap.add_argument("--pin", action="store_true", help="pin process i to core i %% cores")
+    ap.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    args = ap.parse_args(argv)
+    cores = os.cpu_count() or 1
+    mode = "rate" if args.rate else args.mode
+    writers = [WriterConfig(collector=f"tcp://{args.host}:{args.port + 2}", keys=args.keys,
+                            value_bytes=args.value_bytes, distribution=args.distribution,
+                            mode=mode, rate_per_s=args.rate, ttl_fraction=args.ttl_fraction,
+                            ttl_s=args.ttl_s, seed=1 + i, writer_id=i,
+                            core=i % cores if args.pin else None)
+               for i in range(args.writers)]
+    subs = [SubscriberConfig(endpoint=f"tcp://{args.host}:{args.port + 1}",
+                             latency_every=args.latency_every,
+                             core=(args.writers + i) % cores if args.pin else None)
+            for i in range(args.subscribers)]
+    with LoadRun(writers, subs) as run:
+        figures = run.measure(args.warmup, args.seconds).figures()
+    if args.json:
+        print(json.dumps(figures, indent=2))
+        return
+    from bench.record import print_table
+
+    print_table(f"load on {args.host}:{args.port} ({args.seconds:g} s window, {mode})",
+                ["figure", "value"], [[k, v] for k, v in figures.items()])
+
+
+if __name__ == "__main__":
+    main()

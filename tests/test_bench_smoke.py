@@ -42,7 +42,7 @@ def _run_bench(procs, results_dir, *args: str) -> None:
 
 def test_throughput_benchmark_records_positive_figures(procs, tmp_path):
     _run_bench(procs, tmp_path, "bench.chp_throughput", "--seconds", "1", "--warmup", "0.3",
-               "--rounds", "1", "--keys", "2000")
+               "--rounds", "1", "--keys", "2000", "--retries", "0")
     data = _record(tmp_path, "chp_throughput")
     assert [r["target"] for r in data["runs"]] == ["ceiling", "server"]
     for run in data["runs"]:
