@@ -39,7 +39,7 @@ from shards.errors import ProtocolError
 from shards.mdp import Handler, Request, as_body, error_body, run_handler
 from shards.proto import mdp
 from shards.proto.mdp import MDPW, W_DISCONNECT, W_FINAL, W_HEARTBEAT, W_PARTIAL, W_REQUEST
-from shards.zio import DEFAULT_BATCH, AsyncSocket
+from shards.zio import DEFAULT_BATCH, AsyncSocket, send_frames
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class MdpWorker:
         self._last_recv = 0.0
         self._last_sent = 0.0
         self._running = False
+        self._reading = False  # inside the socket's read handler
 
     # ----------------------------------------------------------------- life cycle
     async def start(self) -> None:
@@ -167,6 +168,13 @@ class MdpWorker:
 
     # ----------------------------------------------------------------- receiving
     def _on_message(self, frames: list[bytes]) -> None:
+        self._reading = True
+        try:
+            self._on_command(frames)
+        finally:
+            self._reading = False
+
+    def _on_command(self, frames: list[bytes]) -> None:
         try:
             msg = mdp.decode_worker(frames)
         except ProtocolError as exc:
@@ -269,7 +277,10 @@ class MdpWorker:
         if asock is None:
             return False
         try:
-            asock.send(frames)
+            if self._reading:  # the reader re-checks the socket after its batch
+                send_frames(asock.sock, frames)
+            else:
+                asock.send(frames)
         except zmq.Again:
             self.drops.drop("send_hwm", f"to broker {self.endpoint}: at the high-water mark")
             return False
