@@ -12,8 +12,10 @@ The I/O shell (``supervisor/broker.py``) feeds it every message read from its RO
 Rules (spec 18/MDP v0.2; where it is open, the choice is marked *):
 
 * One queue per service. A request to a service with no idle worker is queued (bounded:
-  ``max_queued`` per service, overflow dropped ``queue_full``) and expires after
-  ``request_expiry_s``; the client is told nothing (``request_expired`` drop).
+  ``max_queued`` per service, overflow dropped ``queue_full``). A queued request expires
+  once ``request_expiry_s`` has passed while its service has no worker at all (the spec's
+  case: nobody registered it); the client is told nothing (``request_expired`` drop).
+  *Requests waiting behind busy workers do not expire: slow services are not cut short.
 * Idle workers are served least-recently-used: a worker that finishes joins the back of
   its service's idle list; a request goes to the front one.
 * A worker PARTIAL/FINAL is relayed to its client as MDPC02 PARTIAL/FINAL with the
@@ -284,7 +286,7 @@ class BrokerCore:
                 effects.append([worker.identity, MDPW, W_HEARTBEAT])
         for name in list(self.services):
             svc = self.services[name]
-            if svc.requests:
+            if svc.requests and not svc.workers:
                 self._expire_requests(svc, now, effects)
             if not svc.requests and not svc.workers:
                 del self.services[name]
@@ -311,11 +313,15 @@ class BrokerCore:
         if svc is None:
             return self._disconnect(identity, "too_many_services",
                                     f"READY for {service!r}: {len(self.services)} services")
+        if svc.requests and not svc.workers:  # the first worker: overdue requests go first
+            self._expire_requests(svc, now, effects := [])
+        else:
+            effects = []
         worker = Worker(identity, svc, now + self._expiry_s, now)
         self.workers[identity] = worker
         svc.workers += 1
         self.counters["workers_registered"] += 1
-        effects: list = [Note("worker_ready", f"worker {peer(identity)} serves {service!r}")]
+        effects.append(Note("worker_ready", f"worker {peer(identity)} serves {service!r}"))
         self._worker_idle(worker, now, effects)
         return effects
 
@@ -326,16 +332,12 @@ class BrokerCore:
         return [worker.identity, MDPW, W_REQUEST, request.client, b"", *request.body]
 
     def _worker_idle(self, worker: Worker, now: float, effects: list) -> None:
-        """The worker can take a request: the next live queued one, or join the idle list."""
+        """The worker can take a request: the next queued one, or join the idle list."""
         svc = worker.service
-        requests = svc.requests
-        while requests:
-            request = requests.popleft()
-            if request.expires_at > now:
-                effects.append(self._dispatch(worker, request, now))
-                return
-            self._expired(request, effects)
-        svc.idle[worker.identity] = worker
+        if svc.requests:
+            effects.append(self._dispatch(worker, svc.requests.popleft(), now))
+        else:
+            svc.idle[worker.identity] = worker
 
     def _forget(self, worker: Worker, now: float, effects: list) -> None:
         """Remove the worker; its in-flight request goes back to the front of the queue."""

@@ -110,6 +110,18 @@ def test_expired_requests_are_skipped_even_before_a_tick(h):
     assert sends(h.request(C2, b"ghost", b"new"))[0][3] == C2
 
 
+def test_requests_behind_busy_workers_do_not_expire(h):
+    h.ready(W1)
+    h.request(C1, b"echo", b"long job")
+    h.request(C2, b"echo", b"waits")
+    for _ in range(8):  # 8 s > request_expiry_s, W1 busy but alive
+        h.tick(1.0)
+        h.worker(W1, *mdp.heartbeat())
+    assert h.core.queued() == 1
+    out = sends(h.worker(W1, *mdp.worker_final(C1, b"r")))
+    assert out[1] == [W1, b"MDPW02", b"\x02", C2, b"", b"waits"]
+
+
 def test_queues_are_bounded(h):
     for _ in range(3):
         assert h.request(C1, b"busy", b"x") == []

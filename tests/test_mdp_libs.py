@@ -285,3 +285,22 @@ def test_abandoned_stream_closes_the_socket(port_base):
         assert await pending == [b"fresh"]
         await client.close()
     run(body)
+
+
+def test_a_cancelled_request_closes_the_socket(port_base):
+    endpoint = f"tcp://127.0.0.1:{port_base}"
+
+    async def body(ctx):
+        router = fake_broker(ctx, port_base)
+        client = MdpClient(endpoint, ctx=ctx, timeout_s=5)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.request("echo", b"1"), 0.3)
+        req = await asyncio.to_thread(recv, router)
+        pending = asyncio.ensure_future(client.request("echo", b"2"))
+        req2 = await asyncio.to_thread(recv, router)
+        assert req2[0] != req[0]  # a fresh socket: the late reply below cannot reach it
+        router.send_multipart([req[0], *mdp.client_final(b"echo", b"late-for-1")])
+        router.send_multipart([req2[0], *mdp.client_final(b"echo", b"for-2")])
+        assert await pending == [b"for-2"]
+        await client.close()
+    run(body)

@@ -145,6 +145,7 @@ class MdpClient:
         frames = mdp.client_request(name, *body)
         self.counters["requests"] += 1
         attempts = 0
+        done = False
         try:
             while True:
                 attempts += 1
@@ -154,6 +155,7 @@ class MdpClient:
                         command, reply = await self._next(timeout_s)
                         if command == C_FINAL:
                             self.counters["finals"] += 1
+                            done = True
                             return reply
                         self.counters["partials"] += 1
                         if stream is not None:
@@ -168,6 +170,8 @@ class MdpClient:
         finally:
             self._service = None
             self._inbox.clear()
+            if not done:  # cancelled or failed: a late reply must not answer the next one
+                self._reset()
 
     def _send(self, name: bytes, frames: list[bytes]) -> None:
         if self._asock is None:
@@ -308,8 +312,9 @@ class SyncMdpClient:
     def request(self, service: str | bytes, *body: bytes, timeout_s: float | None = None,
                 retries: int | None = None) -> list[bytes]:
         """Send a REQUEST and return the FINAL body (PARTIALs are skipped)."""
-        for _ in (stream := self.stream(service, *body, timeout_s=timeout_s, retries=retries)):
-            pass
+        with self.stream(service, *body, timeout_s=timeout_s, retries=retries) as stream:
+            for _ in stream:
+                pass
         return stream.final
 
     def stream(self, service: str | bytes, *body: bytes, timeout_s: float | None = None,
