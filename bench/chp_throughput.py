@@ -21,12 +21,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 from bench import record as rec
 from bench.loadgen import LoadRun, SubscriberConfig, WriterConfig, config_dict
-from bench.runner import (Target, exit_on_sigterm, forwarder_argv, free_port_base,
-                          server_argv)
+from bench.runner import Target, bench_main, forwarder_argv, free_port_base, server_argv
 
 NAME = "chp_throughput"
 TARGET_UPDATES_PER_S = 100_000
@@ -244,13 +242,7 @@ def report(record: rec.Record) -> None:
 
 
 def main(argv: list[str] | None = None) -> rec.Record:
-    args = parse_args(argv)
-    exit_on_sigterm()
-    record = run(args)
-    report(record)
-    path = record.save(Path(args.results_dir))
-    rec.log(f"{NAME}: saved {path}")
-    return record
+    return bench_main(NAME, parse_args, run, report, argv)
 
 
 if __name__ == "__main__":

@@ -163,7 +163,6 @@ def spread(values: list[float]) -> dict:
 # ------------------------------------------------------------------------------ tables
 
 def print_table(title: str, columns: list[str], rows: list[list], caption: str = "") -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title, caption=caption or None)
@@ -184,8 +183,6 @@ def print_targets(record: Record) -> None:
 
 
 def _console():
-    import sys
-
     from rich.console import Console
 
     return Console() if sys.stdout.isatty() else Console(width=150)

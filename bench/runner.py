@@ -129,3 +129,17 @@ def exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def bench_main(name: str, parse_args, run, report, argv: list[str] | None = None):
+    """The shared body of every benchmark's ``main``: parse, run (processes are ended by
+    PID even on SIGTERM), print the tables, save the record."""
+    from bench import record as rec
+
+    args = parse_args(argv)
+    exit_on_sigterm()
+    record = run(args)
+    report(record)
+    path = record.save(Path(args.results_dir))
+    rec.log(f"{name}: saved {path}")
+    return record

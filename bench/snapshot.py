@@ -29,7 +29,7 @@ from pathlib import Path
 from bench import record as rec
 from bench.loadgen import (KEY_FORMAT, LoadRun, WriterConfig, config_dict, key_index, key_of,
                            recv5)
-from bench.runner import Target, exit_on_sigterm, free_port_base, server_argv
+from bench.runner import Target, bench_main, free_port_base, server_argv
 
 NAME = "snapshot"
 TARGET_SNAPSHOT_S = 5.0
@@ -254,13 +254,7 @@ def report(record: rec.Record) -> None:
 
 
 def main(argv: list[str] | None = None) -> rec.Record:
-    args = parse_args(argv)
-    exit_on_sigterm()
-    record = run(args)
-    report(record)
-    path = record.save(Path(args.results_dir))
-    rec.log(f"{NAME}: saved {path}")
-    return record
+    return bench_main(NAME, parse_args, run, report, argv)
 
 
 if __name__ == "__main__":
