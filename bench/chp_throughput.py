@@ -24,7 +24,8 @@ import time
 
 from bench import record as rec
 from bench.loadgen import LoadRun, SubscriberConfig, WriterConfig, config_dict
-from bench.runner import Target, bench_main, forwarder_argv, free_port_base, server_argv
+from bench.runner import (Target, bench_main, cpu_seconds, forwarder_argv, free_port_base,
+                          server_argv)
 
 NAME = "chp_throughput"
 TARGET_UPDATES_PER_S = 100_000
@@ -65,27 +66,6 @@ def canonical_command(args: argparse.Namespace) -> str:
     return rec.command_line(f"bench.{NAME}", opts)
 
 
-def _cpu_s(pids: list[int]) -> dict:
-    """CPU seconds so far per pid, per thread of the first pid, and of the whole host."""
-    import psutil
-
-    out: dict = {}
-    for pid in pids:
-        try:
-            t = psutil.Process(pid).cpu_times()
-            out[pid] = t.user + t.system
-        except psutil.Error:
-            out[pid] = 0.0
-    try:
-        out["threads"] = {t.id: t.user_time + t.system_time
-                          for t in psutil.Process(pids[0]).threads()}
-    except psutil.Error:
-        out["threads"] = {}
-    host = psutil.cpu_times()
-    out["host_busy"] = sum(host) - host.idle - getattr(host, "iowait", 0.0)
-    return out
-
-
 def _sleep_until(t: float) -> None:
     while (delay := t - time.monotonic()) > 0:
         time.sleep(min(delay, 0.5))
@@ -117,9 +97,9 @@ def run_one(kind: str, args: argparse.Namespace) -> dict:
                 "subscribers": load.pids("subscriber")}
         all_pids = [p for group in pids.values() for p in group]
         _sleep_until(window.t_start)
-        cpu0 = _cpu_s(all_pids)
+        cpu0 = cpu_seconds(all_pids)
         _sleep_until(window.t_end)
-        cpu1 = _cpu_s(all_pids)
+        cpu1 = cpu_seconds(all_pids)
         result = load.collect(window)
         if not target.alive():
             raise RuntimeError(f"{kind} exited during the run: {target.stderr_tail()}")

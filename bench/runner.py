@@ -123,6 +123,29 @@ class Target:
         self.stop()
 
 
+def cpu_seconds(pids: list[int]) -> dict:
+    """CPU seconds so far per pid, per thread of the first pid, and of the whole host."""
+    import psutil
+
+    out: dict = {}
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            out[pid] = t.user + t.system
+        except psutil.Error:
+            out[pid] = 0.0
+    try:
+        out["threads"] = {t.id: t.user_time + t.system_time
+                          for t in psutil.Process(pids[0]).threads()}
+    except psutil.Error:
+        out["threads"] = {}
+    host = psutil.cpu_times()
+    # guest time is already inside user time; iowait is idle time
+    out["host_busy"] = sum(host) - host.idle - sum(
+        getattr(host, name, 0.0) for name in ("iowait", "guest", "guest_nice"))
+    return out
+
+
 def exit_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit, so every ``finally`` ends its processes by PID."""
     def handler(signum, frame):

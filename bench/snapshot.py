@@ -21,6 +21,7 @@ Targets: 1,000,000 keys whole in < 5 s; < 400 bytes per key beyond key and value
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import struct
 import time
@@ -29,7 +30,7 @@ from pathlib import Path
 from bench import record as rec
 from bench.loadgen import (KEY_FORMAT, LoadRun, WriterConfig, config_dict, key_index, key_of,
                            recv5)
-from bench.runner import Target, bench_main, free_port_base, server_argv
+from bench.runner import Target, bench_main, cpu_seconds, free_port_base, server_argv
 
 NAME = "snapshot"
 TARGET_SNAPSHOT_S = 5.0
@@ -152,6 +153,14 @@ def take_snapshot(ctx, endpoint: str, n: int, value_bytes: int, zmq) -> dict:
             "kthxbai_subtree": value.decode("utf-8", "replace"), "whole": whole}
 
 
+def _cpu_pct(cpu0: dict, cpu1: dict, pids: list[int], seconds: float) -> dict:
+    pct = {name: round(100 * (cpu1[pid] - cpu0[pid]) / seconds, 1)
+           for name, pid in zip(("server", "client"), pids)}
+    pct["host"] = round(100 * (cpu1["host_busy"] - cpu0["host_busy"]) / seconds, 1)
+    pct["others"] = round(max(0.0, pct["host"] - pct["server"] - pct["client"]), 1)
+    return pct
+
+
 def run_size(n: int, args: argparse.Namespace) -> dict:
     import zmq
 
@@ -185,10 +194,15 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
             rec.log(f"  loaded in {load_s:.1f} s (last sequence {last_seq}); "
                     f"RSS {rss_idle / 2**20:.1f} -> {rss_loaded / 2**20:.1f} MiB")
             snaps = []
+            pids = [server.pid, os.getpid()]
             for i in range(args.repeats):
+                cpu0 = cpu_seconds(pids)
                 snap = take_snapshot(ctx, f"tcp://127.0.0.1:{base}", n, args.value_bytes, zmq)
+                cpu1 = cpu_seconds(pids)
+                snap["cpu_pct"] = _cpu_pct(cpu0, cpu1, pids, snap["seconds"])
                 rec.log(f"  snapshot {i + 1}/{args.repeats}: {snap['kvsync']:,} KVSYNC in "
-                        f"{snap['seconds']:.3f} s, whole={snap['whole']}")
+                        f"{snap['seconds']:.3f} s, whole={snap['whole']}, cpu% "
+                        f"{snap['cpu_pct']}")
                 snaps.append(snap)
             rss_after = rss_bytes(server.pid)
             peak = peak_rss_bytes(server.pid)
