@@ -114,6 +114,7 @@ def run_one(kind: str, args: argparse.Namespace) -> dict:
     figures["cpu_pct"]["host"] = pct(cpu0["host_busy"], cpu1["host_busy"])
     ours = sum(figures["cpu_pct"][group] for group in pids)
     figures["cpu_pct"]["others"] = round(max(0.0, figures["cpu_pct"]["host"] - ours), 1)
+    figures["unsequenced_total"] = figures["sent_total"] - figures["sequenced_total"]
     figures["target"] = kind
     figures["target_command"] = " ".join(argv[1:])
     figures["writers"] = result.writers

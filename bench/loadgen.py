@@ -412,7 +412,8 @@ class LoadResult:
     subscribers: list[dict] = field(default_factory=list)
 
     def figures(self) -> dict:
-        """Totals and per-second rates over the measured window (first subscriber's)."""
+        """Totals and per-second rates over the measured window: the first subscriber's
+        figures, and every subscriber's received rate in ``received_per_s_each``."""
         w_window = sum(w["window_s"] for w in self.writers) / max(1, len(self.writers))
         sent_w = sum(w["sent_window"] for w in self.writers)
         sub = self.subscribers[0]
@@ -425,10 +426,13 @@ class LoadResult:
             "loss_window": sub["gaps_window"],
             "sent_total": sum(w["sent_total"] for w in self.writers),
             "dropped_at_writer_total": sum(w["dropped_total"] for w in self.writers),
-            "sequenced_total": sub["max_seq"],
+            "first_seq": sub["first_seq"],
+            "sequenced_total": sub["max_seq"] - sub["first_seq"] + 1 if sub["max_seq"] else 0,
             "received_total": sub["received_total"],
             "loss_total": sub["gaps_total"],
             "latency_ms": sub["latency_ms"],
+            "received_per_s_each": [round(x["received_window"] / (x["window_s"] or 1e-9), 1)
+                                    for x in self.subscribers],
         }
 
 
