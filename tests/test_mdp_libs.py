@@ -8,10 +8,12 @@ import time
 import pytest
 import zmq
 
-from shards.errors import Timeout
+from shards.errors import PortInUse, Timeout
 from shards.mdp.client import MdpClient, RequestTimeout, SyncMdpClient
 from shards.mdp.worker import MdpWorker
 from shards.proto import mdp
+from supervisor.broker import Broker
+from supervisor.broker_core import BrokerConfig
 
 HB_S = 0.2
 
@@ -148,6 +150,39 @@ def test_worker_reregisters_after_disconnect_from_a_restarted_broker(procs, port
                 assert await client.request("echo", b"2", timeout_s=0.5, retries=20) == [b"2"]
                 assert w.counters["disconnects_received"] >= 1
                 assert w.counters["connects"] == 2 and w.counters["broker_silent"] == 0
+    run(body)
+
+
+def test_embedded_broker_hosts_services_beside_a_worker_and_clients(port_base):
+    endpoint = f"tcp://127.0.0.1:{port_base}"
+
+    async def cluster_map(request):
+        for shard in (b"s0", b"s1"):
+            await request.partial(shard)
+        return b"2 shards"
+
+    def broken(request):
+        raise RuntimeError("nope")
+
+    async def body(ctx):
+        broker = Broker([endpoint], BrokerConfig(heartbeat_s=HB_S), ctx=ctx)
+        broker.register("cluster.map", cluster_map)
+        broker.register("broken", broken)
+        async with broker:  # broker, worker and client share one loop
+            with pytest.raises(PortInUse) as info:
+                await Broker(endpoint, ctx=ctx).start()
+            assert info.value.endpoint == endpoint
+            async with MdpClient(endpoint, ctx=ctx, timeout_s=3) as client, \
+                    MdpWorker(endpoint, "echo", echo, ctx=ctx, heartbeat_s=HB_S):
+                async with client.stream("cluster.map") as replies:
+                    parts = [part async for part in replies]
+                assert parts == [[b"s0"], [b"s1"]] and replies.final == [b"2 shards"]
+                assert await client.request("broken") == [b"500", b"RuntimeError: nope"]
+                assert await client.request("mmi.service", b"cluster.map") == [b"200"]
+                assert await client.request("echo", b"x") == [b"x"]
+            stats = broker.stats()
+            assert stats["counters"]["internal_calls"] == 2 and stats["internal_errors"] == 1
+            assert stats["endpoints"] == [endpoint] and stats["services"]["echo"]["workers"] <= 1
     run(body)
 
 
