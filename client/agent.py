@@ -216,7 +216,12 @@ class ShardAgent:
         self.map: dict[bytes, bytes] = {}
         self.last_seq = 0
         self.last_heard_s = 0.0
+        """When the SUB last delivered anything (KVPUB or HUGZ), to TICK_S."""
         self.last_snapshot_s = 0.0
+        self.heard = 0
+        self.snapshot_messages = 0
+        self._heard_at_tick = 0
+        self._snapshot_messages_at_tick = 0
         self.synced = False
         # counters
         self.applied = 0
@@ -309,8 +314,16 @@ class ShardAgent:
             getattr(self, "_do_" + type(effect).__name__)(effect)
 
     def _tick(self) -> None:
+        """Every TICK_S: turn the hot paths' message counters into times, then step."""
         if self._closed:
             return
+        now = self.clock()
+        if self.heard != self._heard_at_tick:
+            self._heard_at_tick = self.heard
+            self.last_heard_s = now
+        if self.snapshot_messages != self._snapshot_messages_at_tick:
+            self._snapshot_messages_at_tick = self.snapshot_messages
+            self.last_snapshot_s = now
         self._dispatch(sm.Tick(self.last_heard_s, self.last_snapshot_s))
         self._tick_handle = self.loop.call_later(TICK_S, self._tick)
 
@@ -403,7 +416,7 @@ class ShardAgent:
 
     def _on_update(self, frames: list[bytes]) -> None:
         """A message on the SUB: KVPUB or HUGZ (hot path)."""
-        self.last_heard_s = self.clock()
+        self.heard += 1
         if not self._buffering:
             self._apply(frames, False)
             return
@@ -481,7 +494,7 @@ class ShardAgent:
 
     def _on_snapshot(self, frames: list[bytes]) -> None:
         """A message on the DEALER: KVSYNC or KTHXBAI (hot path during a sync)."""
-        self.last_snapshot_s = self.clock()
+        self.snapshot_messages += 1
         incoming = self._incoming
         if incoming is None:
             self.drops.drop("unexpected_snapshot", f"shard {self.name}: no sync in progress")
