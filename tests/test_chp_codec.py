@@ -1,0 +1,368 @@
+"""shards.proto.chp: the pure 12/CHP codec (no zmq here).
+
+Property tests: every valid message of the six commands round-trips through its builder
+and decoder; any garbage (random frame lists, and valid messages with one thing broken)
+raises nothing but ``ProtocolError``, with a reason from a known set. Then targeted
+cases: 8-byte sequences, UUIDs, properties holding '=', size limits, reserved keys.
+"""
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import assume, given, settings, strategies as st
+
+from shards.errors import ProtocolError
+from shards.proto import chp
+
+REASONS = {"frame_count", "bad_sequence", "bad_key", "oversize_key", "bad_subtree",
+           "bad_uuid", "bad_props", "oversize_props", "oversize_value", "nonempty_frame",
+           "unknown_command"}
+DECODERS = (chp.decode_icanhaz, chp.decode_snapshot, chp.decode_update, chp.decode_kvset)
+
+# ------------------------------------------------------------------ strategies
+
+keys = (st.text(min_size=1, max_size=60).map(lambda s: s.encode("utf-8"))
+        .filter(lambda k: len(k) <= chp.DEFAULT_LIMITS.max_key and k not in chp.RESERVED_KEYS))
+seqs = st.integers(0, 2**64 - 1)
+uuids = st.one_of(st.just(b""), st.binary(min_size=16, max_size=16))
+values = st.binary(max_size=300)
+prop_names = st.text(min_size=1, max_size=12).filter(lambda s: "=" not in s and "\n" not in s)
+prop_values = st.text(max_size=20).filter(lambda s: "\n" not in s)
+props_dicts = st.dictionaries(prop_names, prop_values, max_size=5)
+props = props_dicts.map(chp.format_props)
+segments = st.text(min_size=1, max_size=8).filter(lambda s: "/" not in s)
+subtrees = st.one_of(st.just(b""), st.lists(segments, min_size=1, max_size=4).map(
+    lambda segs: ("/" + "".join(s + "/" for s in segs)).encode("utf-8")))
+
+
+def valid_messages():
+    """(decoder, frames) for a valid message of any of the six commands."""
+    return st.one_of(
+        subtrees.map(lambda s: (chp.decode_icanhaz, chp.icanhaz(s))),
+        st.tuples(keys, values, seqs).map(lambda a: (chp.decode_snapshot, chp.kvsync(*a))),
+        st.tuples(seqs, subtrees).map(lambda a: (chp.decode_snapshot, chp.kthxbai(*a))),
+        st.tuples(keys, st.integers(1, 2**64 - 1), values, uuids, props).map(
+            lambda a: (chp.decode_update, chp.kvpub(*a))),
+        st.just((chp.decode_update, chp.hugz())),
+        st.tuples(keys, values, uuids, props).map(lambda a: (chp.decode_kvset, chp.kvset(*a))),
+    )
+
+
+# ------------------------------------------------------------------ round trips
+
+@given(subtrees)
+def test_icanhaz_round_trips(subtree):
+    frames = chp.icanhaz(subtree)
+    assert frames == [b"ICANHAZ?", subtree]
+    assert chp.decode_icanhaz(frames) == chp.Icanhaz(subtree)
+
+
+@given(keys, values, seqs)
+def test_kvsync_round_trips(key, value, seq):
+    frames = chp.kvsync(key, value, seq)
+    assert frames == [key, struct.pack(">Q", seq), b"", b"", value]
+    assert chp.decode_snapshot(frames) == chp.Kvsync(key, seq, value)
+
+
+@given(seqs, subtrees)
+def test_kthxbai_round_trips(seq, subtree):
+    frames = chp.kthxbai(seq, subtree)
+    assert frames == [b"KTHXBAI", struct.pack(">Q", seq), b"", b"", subtree]
+    assert chp.decode_snapshot(frames) == chp.Kthxbai(seq, subtree)
+
+
+@given(keys, st.integers(1, 2**64 - 1), values, uuids, props_dicts)
+def test_kvpub_round_trips_with_its_properties(key, seq, value, uuid, pdict):
+    raw = chp.format_props(pdict)
+    frames = chp.kvpub(key, seq, value, uuid, raw)
+    assert frames == [key, struct.pack(">Q", seq), uuid, raw, value]
+    msg = chp.decode_update(frames)
+    assert msg == chp.Kvpub(key, seq, uuid, raw, value)
+    assert chp.parse_props(msg.props) == pdict
+
+
+def test_hugz_round_trips():
+    frames = chp.hugz()
+    assert frames == [b"HUGZ", b"\0" * 8, b"", b"", b""]
+    assert chp.decode_update(frames) == chp.Hugz()
+
+
+@given(keys, values, uuids, props_dicts)
+def test_kvset_round_trips_and_ignores_its_sequence(key, value, uuid, pdict):
+    raw = chp.format_props(pdict)
+    frames = chp.kvset(key, value, uuid, raw)
+    assert frames == [key, b"\0" * 8, uuid, raw, value]
+    assert chp.decode_kvset(frames) == chp.Kvset(key, uuid, raw, value)
+    frames[1] = struct.pack(">Q", 12345)  # "no significance": any 8 bytes
+    assert chp.decode_kvset(frames) == chp.Kvset(key, uuid, raw, value)
+    assert chp.parse_props(raw) == pdict
+
+
+@given(props_dicts)
+def test_props_round_trip_through_format_and_parse(pdict):
+    raw = chp.format_props(pdict)
+    assert chp.check_props(raw) == raw
+    assert chp.parse_props(raw) == pdict
+
+
+# ------------------------------------------------------------------ garbage
+
+def _only_protocol_errors(decoder, frames, limits=chp.DEFAULT_LIMITS):
+    try:
+        decoder(frames, limits)
+    except ProtocolError as err:
+        assert err.reason in REASONS, err.reason
+        assert err.protocol == "12/CHP"
+        assert str(err).startswith("12/CHP ")
+
+
+frame_lists = st.lists(st.one_of(
+    st.binary(max_size=24),
+    st.sampled_from([b"", b"ICANHAZ?", b"KTHXBAI", b"HUGZ", b"\0" * 8, b"\0" * 16,
+                     b"/a/", b"ttl=1\n", b"\xff\xfe", b"a=b=c\n", b"=x\n"])), max_size=8)
+
+
+@settings(max_examples=400)
+@given(frame_lists)
+def test_garbage_frames_raise_only_protocol_errors(frames):
+    for decoder in DECODERS:
+        _only_protocol_errors(decoder, list(frames))
+
+
+@st.composite
+def broken_messages(draw):
+    """A valid message with one thing broken: a frame dropped, added, replaced, cut."""
+    decoder, frames = draw(valid_messages())
+    frames = list(frames)
+    how = draw(st.sampled_from(["drop", "add", "replace", "truncate", "extend"]))
+    i = draw(st.integers(0, len(frames) - 1))
+    if how == "drop":
+        del frames[i]
+    elif how == "add":
+        frames.insert(draw(st.integers(0, len(frames))), draw(st.binary(max_size=20)))
+    elif how == "replace":
+        frames[i] = draw(st.binary(max_size=20))
+    elif how == "truncate":
+        frames[i] = frames[i][:draw(st.integers(0, max(0, len(frames[i]) - 1)))]
+    else:
+        frames[i] = frames[i] + draw(st.binary(min_size=1, max_size=3))
+    return decoder, frames
+
+
+@settings(max_examples=400)
+@given(broken_messages(), st.sampled_from([chp.DEFAULT_LIMITS,
+                                           chp.Limits(max_key=4, max_value=4, max_props=6,
+                                                      max_subtree=4)]))
+def test_broken_valid_messages_raise_only_protocol_errors(msg, limits):
+    decoder, frames = msg
+    for dec in DECODERS:
+        _only_protocol_errors(dec, frames, limits)
+    _only_protocol_errors(decoder, frames, limits)
+
+
+@given(st.text(max_size=30))
+def test_check_props_on_arbitrary_text_accepts_exactly_name_value_lines(text):
+    raw = text.encode("utf-8")
+    lines = text.split("\n")
+    ok = (raw == b"" or (text.endswith("\n")
+                         and all("=" in ln and not ln.startswith("=") for ln in lines[:-1])))
+    if ok:
+        assert chp.check_props(raw) == raw
+    else:
+        with pytest.raises(ProtocolError):
+            chp.check_props(raw)
+
+
+# ------------------------------------------------------------------ sequences
+
+@pytest.mark.parametrize("size", [0, 1, 7, 9, 16])
+def test_a_sequence_must_be_exactly_8_bytes(size):
+    frames = [b"/k", b"\0" * size, b"", b"", b"v"]
+    for decoder in (chp.decode_kvset, chp.decode_update, chp.decode_snapshot):
+        with pytest.raises(ProtocolError) as err:
+            decoder(frames)
+        assert err.value.reason == "bad_sequence"
+        assert "8 bytes" in str(err.value) and str(size) in str(err.value)
+    with pytest.raises(ProtocolError) as err:
+        chp.decode_snapshot([b"KTHXBAI", b"\0" * size, b"", b"", b""])
+    assert err.value.reason == "bad_sequence" and err.value.command == "KTHXBAI"
+
+
+def test_sequences_are_network_order_and_span_64_bits():
+    assert chp.kvpub(b"k", 1, b"v")[1] == b"\0\0\0\0\0\0\0\x01"
+    assert chp.kthxbai(0x0102030405060708)[1] == bytes(range(1, 9))
+    top = 2**64 - 1
+    assert chp.decode_update(chp.kvpub(b"k", top, b"v")).seq == top
+    with pytest.raises(struct.error):
+        chp.pack_seq(2**64)
+
+
+def test_hugz_is_recognised_by_key_and_sequence_zero_only():
+    with pytest.raises(ProtocolError) as err:   # "HUGZ" with a sequence is a bad KVPUB key
+        chp.decode_update([b"HUGZ", chp.pack_seq(5), b"", b"", b""])
+    assert err.value.reason == "bad_key"
+    with pytest.raises(ProtocolError) as err:
+        chp.decode_update([b"HUGZ", b"\0" * 8, b"", b"", b"x"])
+    assert err.value.reason == "nonempty_frame" and err.value.command == "HUGZ"
+
+
+# ------------------------------------------------------------------ UUIDs
+
+@pytest.mark.parametrize("size", [1, 15, 17, 32])
+def test_a_uuid_must_be_empty_or_16_bytes(size):
+    with pytest.raises(ProtocolError) as err:
+        chp.decode_kvset(chp.kvset(b"/k", b"v", b"u" * size))
+    assert err.value.reason == "bad_uuid" and "16" in str(err.value)
+    with pytest.raises(ProtocolError):
+        chp.decode_update(chp.kvpub(b"/k", 1, b"v", b"u" * size))
+
+
+@pytest.mark.parametrize("uuid", [b"", bytes(16), b"\xff" * 16])
+def test_empty_and_16_byte_uuids_are_accepted(uuid):
+    assert chp.decode_kvset(chp.kvset(b"/k", b"v", uuid)).uuid == uuid
+    assert chp.decode_update(chp.kvpub(b"/k", 9, b"v", uuid)).uuid == uuid
+
+
+# ------------------------------------------------------------------ properties
+
+def test_a_property_value_may_hold_equals_signs():
+    raw = b"owner=a=b\nexpr=x==y=\nttl=5\n"
+    msg = chp.decode_kvset(chp.kvset(b"/k", b"v", b"", raw))
+    assert msg.props == raw
+    assert chp.parse_props(raw) == {"owner": "a=b", "expr": "x==y=", "ttl": "5"}
+    assert chp.format_props({"owner": "a=b"}) == b"owner=a=b\n"
+
+
+def test_empty_property_values_and_no_properties():
+    assert chp.parse_props(b"a=\n") == {"a": ""}
+    assert chp.parse_props(b"") == {} and chp.format_props({}) == b""
+    assert chp.format_props(None) == b""
+
+
+@pytest.mark.parametrize("raw", [b"ttl=5", b"novalue\n", b"=5\n", b"\n", b"a=1\n\n",
+                                 b"a=1\nb\n", b"\xff=1\n", b"a=\xc3\n"])
+def test_malformed_properties_are_refused(raw):
+    with pytest.raises(ProtocolError) as err:
+        chp.decode_kvset(chp.kvset(b"/k", b"v", b"", raw))
+    assert err.value.reason == "bad_props"
+
+
+@pytest.mark.parametrize("pdict", [{"a=b": "1"}, {"": "1"}, {"a\nb": "1"}, {"a": "1\n2"}])
+def test_format_props_refuses_what_cannot_be_encoded(pdict):
+    with pytest.raises(ProtocolError) as err:
+        chp.format_props(pdict)
+    assert err.value.reason == "bad_props"
+
+
+# ------------------------------------------------------------------ keys and subtrees
+
+@pytest.mark.parametrize("key", [b"", b"ICANHAZ?", b"KTHXBAI", b"HUGZ", b"\xff", b"a\xc3",
+                                 b"\xed\xa0\x80"])
+def test_bad_keys_are_refused(key):
+    with pytest.raises(ProtocolError) as err:
+        chp.decode_kvset(chp.kvset(key, b"v"))
+    assert err.value.reason == "bad_key" and err.value.command == "KVSET"
+
+
+def test_non_ascii_utf8_keys_are_accepted():
+    key = "/ключ/ü/😀".encode()
+    assert chp.decode_kvset(chp.kvset(key, b"v")).key == key
+
+
+@pytest.mark.parametrize("subtree", [b"", b"/a/", b"/a/b/", b"/a b/=/", "/ü/".encode()])
+def test_good_subtrees(subtree):
+    assert chp.decode_icanhaz(chp.icanhaz(subtree)).subtree == subtree
+    assert chp.decode_snapshot(chp.kthxbai(3, subtree)).subtree == subtree
+
+
+@pytest.mark.parametrize("subtree", [b"/", b"a/", b"/a", b"//", b"/a//", b"a", b"/a/b",
+                                     b"/\xff/"])
+def test_bad_subtrees(subtree):
+    with pytest.raises(ProtocolError) as err:
+        chp.decode_icanhaz(chp.icanhaz(subtree))
+    assert err.value.reason == "bad_subtree"
+    with pytest.raises(ProtocolError):
+        chp.decode_snapshot(chp.kthxbai(3, subtree))
+
+
+def test_icanhaz_frame_count_and_unknown_commands():
+    for frames, reason in (([b"ICANHAZ?"], "frame_count"),
+                           ([b"ICANHAZ?", b"", b""], "frame_count"),
+                           ([], "unknown_command"),
+                           ([b"ICANHAZ"], "unknown_command"),
+                           ([b"GIMME", b""], "unknown_command")):
+        with pytest.raises(ProtocolError) as err:
+            chp.decode_icanhaz(frames)
+        assert err.value.reason == reason, frames
+
+
+@pytest.mark.parametrize("count", [0, 1, 4, 6])
+def test_five_frame_commands_check_their_frame_count(count):
+    frames = [b"/k", b"\0" * 8, b"", b"", b"v", b"x"][:count]
+    for decoder in (chp.decode_kvset, chp.decode_update, chp.decode_snapshot):
+        with pytest.raises(ProtocolError) as err:
+            decoder(frames)
+        assert err.value.reason == "frame_count" and f"got {count}" in str(err.value)
+
+
+def test_kvsync_and_kthxbai_frames_2_and_3_must_be_empty():
+    with pytest.raises(ProtocolError) as err:
+        chp.decode_snapshot([b"/k", b"\0" * 8, b"u", b"", b"v"])
+    assert err.value.reason == "nonempty_frame"
+    with pytest.raises(ProtocolError) as err:
+        chp.decode_snapshot([b"KTHXBAI", b"\0" * 8, b"", b"p", b""])
+    assert err.value.reason == "nonempty_frame"
+
+
+def test_in_subtree():
+    assert chp.in_subtree(b"/a/b", b"/a/") and chp.in_subtree(b"x", b"")
+    assert not chp.in_subtree(b"/ab", b"/a/")
+
+
+# ------------------------------------------------------------------ limits
+
+SMALL = chp.Limits(max_key=8, max_value=16, max_props=12, max_subtree=6)
+
+
+def test_limits_are_inclusive_and_name_the_reason():
+    ok = chp.kvset(b"k" * 8, b"v" * 16, b"", b"ab=" + b"x" * 8 + b"\n")
+    assert len(ok[3]) == 12
+    assert chp.decode_kvset(ok, SMALL).key == b"k" * 8
+    cases = [(chp.kvset(b"k" * 9, b"v"), "oversize_key"),
+             (chp.kvset(b"k", b"v" * 17), "oversize_value"),
+             (chp.kvset(b"k", b"v", b"", b"ab=" + b"x" * 9 + b"\n"), "oversize_props")]
+    for frames, reason in cases:
+        with pytest.raises(ProtocolError) as err:
+            chp.decode_kvset(frames, SMALL)
+        assert err.value.reason == reason
+        assert "limit" in str(err.value)
+    assert chp.decode_icanhaz(chp.icanhaz(b"/abcd/"), SMALL).subtree == b"/abcd/"
+    with pytest.raises(ProtocolError) as err:
+        chp.decode_icanhaz(chp.icanhaz(b"/abcde/"), SMALL)
+    assert err.value.reason == "bad_subtree"
+
+
+def test_limits_apply_to_every_decoder_that_carries_the_field():
+    with pytest.raises(ProtocolError) as err:
+        chp.decode_update(chp.kvpub(b"k", 1, b"v" * 17), SMALL)
+    assert err.value.reason == "oversize_value"
+    with pytest.raises(ProtocolError) as err:
+        chp.decode_snapshot(chp.kvsync(b"k" * 9, b"v"), SMALL)
+    assert err.value.reason == "oversize_key"
+
+
+def test_default_limits_accept_a_megabyte_value():
+    value = bytes(chp.DEFAULT_LIMITS.max_value)
+    assert chp.decode_kvset(chp.kvset(b"/big", value)).value == value
+    with pytest.raises(ProtocolError):
+        chp.decode_kvset(chp.kvset(b"/big", value + b"x"))
+
+
+@given(valid_messages())
+def test_every_valid_message_decodes_under_its_own_decoder(msg):
+    decoder, frames = msg
+    decoded = decoder(list(frames))
+    assume(decoded is not None)
+    assert isinstance(decoded, (chp.Icanhaz, chp.Kvsync, chp.Kthxbai, chp.Kvpub, chp.Hugz,
+                                chp.Kvset))
