@@ -16,6 +16,9 @@ Rules (spec 18/MDP v0.2; where it is open, the choice is marked *):
   once ``request_expiry_s`` has passed while its service has no worker at all (the spec's
   case: nobody registered it); the client is told nothing (``request_expired`` drop).
   *Requests waiting behind busy workers do not expire: slow services are not cut short.
+  *The expiry clock restarts when a service loses its last worker (its queued requests
+  get ``request_expiry_s`` from that moment), so a request that waited behind busy
+  workers is not dropped at once when they vanish.
 * Idle workers are served least-recently-used: a worker that finishes joins the back of
   its service's idle list; a request goes to the front one.
 * A worker PARTIAL/FINAL is relayed to its client as MDPC02 PARTIAL/FINAL with the
@@ -40,6 +43,36 @@ Rules (spec 18/MDP v0.2; where it is open, the choice is marked *):
 * MMI (``mmi.*``, answered by the core itself): ``mmi.service`` with the service name as
   body answers FINAL "200" if that service has a worker or is hosted by the broker, else
   "404". Any other mmi.* service not registered with ``add_internal`` answers "501".
+
+Open points of the spec, and what this broker decided (the list the README repeats):
+
+* Sockets: ONE ROUTER carries both sub-protocols (the spec allows one or two); commands
+  are told apart by their header frame (MDPC02 / MDPW02). It may bind several endpoints.
+* Distribution: least-recently-used idle worker (the spec allows any, LRU or round robin).
+  Fairness between clients: one FIFO queue per service; the ROUTER fair-queues its
+  inputs and the shell reads them in capped batches.
+* An unknown service (no worker ever registered): the request is queued like any other
+  and expires silently after ``request_expiry_s``; the client learns it only from its
+  own deadline (``shards.mdp.client.RequestTimeout``). A client may ask first with
+  ``mmi.service`` (FINAL "404"). Nothing else is ever sent for it: MDP/Client has no
+  error command, and inventing a reply body would be indistinguishable from a worker's.
+* Expiry: only while the service has no worker (see above); bounded queues
+  (``max_queued``), overflow counted (``queue_full``), never answered.
+* Heartbeat interval and liveness are configuration (defaults 2.5 s x 3; the spec says
+  3-5 intervals). The spec's own known weakness applies: broker and workers must be
+  configured alike, or healthy peers are declared dead.
+* Liveness bookkeeping is per worker only: clients hold no state in the broker (the
+  spec's client dialogue has no heartbeat); a reply to a client that has gone is counted
+  (``unroutable``, the ROUTER is ROUTER_MANDATORY) and dropped.
+* A client's retry on a fresh socket is a new request to the broker (it cannot tell
+  them apart): both may be served, the reply to the abandoned socket is unroutable and
+  counted. MDP's workers are idempotent (spec), so this is safe.
+* Workers re-register after a broker restart because the new broker answers their
+  HEARTBEAT/PARTIAL/FINAL (unknown peer) with DISCONNECT; a worker DISCONNECT from an
+  unknown peer, including before READY (which the spec allows), is ignored.
+* Services hosted by the broker itself (the spec allows it): ``add_internal``; ``mmi.*``
+  is reserved for the broker; a worker READY for a reserved name gets DISCONNECT.
+* MMI is not part of 18/MDP; ``mmi.service`` follows 8/MMI's status codes.
 """
 from __future__ import annotations
 
@@ -345,6 +378,10 @@ class BrokerCore:
         svc = worker.service
         svc.idle.pop(worker.identity, None)
         svc.workers -= 1
+        if not svc.workers and svc.requests:  # unregistered again: the expiry clock restarts
+            expires_at = now + self.config.request_expiry_s
+            for queued in svc.requests:
+                queued.expires_at = expires_at
         request = worker.request
         worker.request = None
         if request is None:

@@ -292,3 +292,16 @@ def test_lifecycle_notes(h):
     assert any(isinstance(e, Note) and e.event == "worker_ready" for e in h.ready(W1))
     effects = h.tick(3.5)
     assert any(isinstance(e, Note) and e.event == "worker_expired" for e in effects)
+
+
+def test_the_expiry_clock_restarts_when_the_last_worker_leaves(h):
+    h.ready(W1)
+    h.request(C1, b"echo", b"long job")
+    h.request(C2, b"echo", b"waits")  # queued behind the busy worker
+    for _ in range(8):  # longer than request_expiry_s
+        h.tick(1.0)
+        h.worker(W1, *mdp.heartbeat())
+    h.worker(W1, *mdp.disconnect())  # the service has no worker from now on
+    assert drops(h.tick(4.9)) == [] and h.core.queued() == 2
+    assert drops(h.tick(0.2)) == ["request_expired", "request_expired"]
+    assert h.core.queued() == 0
