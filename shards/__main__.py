@@ -1,8 +1,17 @@
-"""``python -m shards --port P [--host H] ...``: run one standalone 12/CHP shard server.
+"""``python -m shards --port P [--host H] ...``: run one 12/CHP shard server.
 
-Prints ``READY shard host=H port=P pid=N`` on stdout once P, P+1 and P+2 are bound.
-Exit codes: 0 after SIGINT/SIGTERM, 3 if a port is taken (one line on stderr naming the
-endpoint), 2 on bad arguments (click).
+    python -m shards --port P                               standalone (active at once)
+    python -m shards --port P  --primary --peer HOST:P2     Binary Star primary
+    python -m shards --port P2 --backup  --peer HOST:P      Binary Star backup
+    ... [--shard NAME] [--control tcp://HOST:PORT] [--parent-pid PID]
+
+Prints ``READY shard host=H port=P pid=N role=primary|backup|standalone`` on stdout once
+P..P+2 (and P+3 for a pair) are bound. ``--control`` embeds an MDP/0.2 worker for the
+service ``shard.<NAME>.<ROLE>`` whose FINAL body is the stats as JSON. ``--parent-pid``:
+exit (0) when that process is gone, checked every ``PARENT_POLL_S``.
+Exit codes: 0 after SIGINT/SIGTERM or when the parent is gone, 1 on a fatal Binary Star
+error (dual active/passive/primary/backup: one line on stderr, logged "FATAL"), 3 if a
+port is taken (one line on stderr naming the endpoint), 2 on bad arguments (click).
 """
 from __future__ import annotations
 
@@ -17,6 +26,8 @@ import click
 import uvloop
 
 from shards.errors import PortInUse
+from shards.pair import PairServer, parse_peer
+from shards.pending import MAX_AGE_S, MAX_ENTRIES
 from shards.proto import chp
 from shards.server import (COLLECT_BATCH, COLLECT_RCVHWM, HEARTBEAT_S, MAX_ACTIVE_SNAPSHOTS,
                            PUB_SNDHWM, SNAPSHOT_CHUNK, SNAPSHOT_SNDHWM, SNAPSHOT_STALL_S,
@@ -24,6 +35,8 @@ from shards.server import (COLLECT_BATCH, COLLECT_RCVHWM, HEARTBEAT_S, MAX_ACTIV
 
 log = logging.getLogger("shards")
 _DEFAULT = chp.Limits()
+PARENT_POLL_S = 0.5
+FATAL_EXIT = 1
 
 
 def _parse_cpus(ctx, param, value: str | None) -> list[int] | None:
@@ -38,7 +51,36 @@ def _parse_cpus(ctx, param, value: str | None) -> list[int] | None:
     return cpus
 
 
-async def _serve(server: ShardServer) -> None:
+def _peer_arg(ctx, param, value: str | None) -> tuple[str, int] | None:
+    if value is None:
+        return None
+    try:
+        return parse_peer(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc))
+
+
+def control_stats(server: ShardServer, shard: str) -> dict:
+    """What the control service answers: the server's stats plus who it is."""
+    stats = server.stats()
+    if not isinstance(server, PairServer):
+        stats.update(shard=shard, role=server.role, bstar_state=None, peer=None,
+                     pid=os.getpid())
+    return stats
+
+
+def _parent_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # exists, owned by someone else
+        return False
+    return False
+
+
+async def _serve(server: ShardServer, shard: str, control: str | None,
+                 parent_pid: int | None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -46,14 +88,50 @@ async def _serve(server: ShardServer) -> None:
     loop.add_signal_handler(signal.SIGUSR1,
                             lambda: log.info("stats %s", json.dumps(server.stats())))
     server.start()
+    worker = None
+    if control:
+        from shards.mdp.worker import MdpWorker
+
+        service = f"shard.{shard}.{server.role}"
+        worker = MdpWorker(control, service,
+                           lambda request: json.dumps(control_stats(server, shard)),
+                           ctx=server.ctx)
+        await worker.start()
+        log.info("control: MDP worker for %r at %s", service, control)
+    parent_handle = None
+    if parent_pid is not None:
+        def check_parent() -> None:
+            nonlocal parent_handle
+            if _parent_gone(parent_pid):
+                log.info("parent process %d is gone: exiting", parent_pid)
+                stop.set()
+                return
+            parent_handle = loop.call_later(PARENT_POLL_S, check_parent)
+        check_parent()
     cfg = server.config
-    print(f"READY shard host={cfg.host} port={cfg.port} pid={os.getpid()}", flush=True)
+    print(f"READY shard host={cfg.host} port={cfg.port} pid={os.getpid()} role={server.role}",
+          flush=True)
+    waits = [asyncio.ensure_future(stop.wait())]
+    if isinstance(server, PairServer):
+        waits.append(asyncio.ensure_future(server.done.wait()))
+    code = 0
     try:
-        await stop.wait()
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if isinstance(server, PairServer) and server.fatal:
+            click.echo(f"shards: fatal Binary Star error on shard {shard} ({server.role}, port "
+                       f"{cfg.port}): {server.fatal}", err=True)
+            code = FATAL_EXIT
     finally:
+        for fut in waits:
+            fut.cancel()
+        if parent_handle is not None:
+            parent_handle.cancel()
+        if worker is not None:
+            await worker.stop()
         stats = server.stats()
         server.close()
         log.info("stopped; final stats %s", json.dumps(stats))
+    return code
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -86,12 +164,35 @@ async def _serve(server: ShardServer) -> None:
               show_default=True)
 @click.option("--cpus", callback=_parse_cpus, default=None,
               help="Pin the process to these CPUs (e.g. 0,1) before any thread starts.")
+@click.option("--primary", "pair_role", flag_value="primary", default=None,
+              help="Binary Star primary (needs --peer).")
+@click.option("--backup", "pair_role", flag_value="backup",
+              help="Binary Star backup (needs --peer).")
+@click.option("--peer", callback=_peer_arg, default=None, metavar="HOST:PORT",
+              help="The other server of the pair: its host and base port P.")
+@click.option("--shard", default="0", show_default=True,
+              help="Shard name (logs, state messages, control service).")
+@click.option("--control", default=None, metavar="ENDPOINT",
+              help="MDP broker endpoint: serve stats as service shard.<NAME>.<ROLE>.")
+@click.option("--parent-pid", type=click.IntRange(1), default=None,
+              help="Exit cleanly when this process is gone.")
+@click.option("--pending-max", type=click.IntRange(1), default=MAX_ENTRIES,
+              show_default=True, help="Pending-table entries (passive server).")
+@click.option("--pending-age-s", type=click.FloatRange(0.001), default=MAX_AGE_S,
+              show_default=True, help="Longest a pending update is kept.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def main(port, host, heartbeat_s, max_key_bytes, max_value_bytes, max_props_bytes,
          max_subtree_bytes, snapshot_chunk, snapshot_stall_s, max_snapshots, collect_batch,
-         pub_hwm, collect_hwm, snapshot_hwm, cpus, log_level):
-    """Run one standalone 12/CHP shard server."""
+         pub_hwm, collect_hwm, snapshot_hwm, cpus, pair_role, peer, shard, control,
+         parent_pid, pending_max, pending_age_s, log_level):
+    """Run one 12/CHP shard server: standalone, or one server of a Binary Star pair."""
+    if pair_role is not None and peer is None:
+        raise click.UsageError(f"--{pair_role} needs --peer HOST:PORT (the other server)")
+    if pair_role is None and peer is not None:
+        raise click.UsageError("--peer needs --primary or --backup")
+    if port > 65532 and pair_role is not None:
+        raise click.BadParameter("a pair server uses P..P+3: at most 65532", param_hint="--port")
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
     if cpus is not None:
@@ -109,15 +210,19 @@ def main(port, host, heartbeat_s, max_key_bytes, max_value_bytes, max_props_byte
         snapshot_chunk=snapshot_chunk, snapshot_stall_s=snapshot_stall_s,
         max_active_snapshots=max_snapshots, collect_batch=collect_batch,
         pub_sndhwm=pub_hwm, collect_rcvhwm=collect_hwm, snapshot_sndhwm=snapshot_hwm)
-    server = ShardServer(config)
+    if pair_role is None:
+        server = ShardServer(config)
+    else:
+        server = PairServer(config, role=pair_role, peer=peer, shard=shard,
+                            pending_max=pending_max, pending_age_s=pending_age_s)
     try:
         server.bind()
     except PortInUse as exc:
         click.echo(f"shards: cannot bind: {exc}", err=True)
         sys.exit(exc.exit_code)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve(server))
-    sys.exit(0)
+        code = runner.run(_serve(server, shard, control, parent_pid))
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,326 @@
+"""A Binary Star server: a ``ShardServer`` driven by the pure machine in ``shards.bstar``.
+
+Sockets beyond the CHP server's P, P+1, P+2 (all on the server's context and loop)::
+
+    P+3      PUB     this server's state (shards.proto.bstar), every heartbeat and at once
+                     on a change
+    peer P+3 SUB     the peer's state -> bstar.step -> effects
+    peer P+1 SUB     the active's updates  } owned by shards.replica.Follower, used while
+    peer P   DEALER  the active's snapshot } passive
+
+The shell performs the machine's effects:
+
+* ``PublishState``: publish the state message (with this server's sequence) on P+3.
+* ``BecameActive``: stop following, first handling whatever the dead active's stream still
+  holds in the SUB (``Follower.drain``), ``set_active(True)``, then apply and publish what
+  is still in the pending table, in arrival order, continuing the sequence. The TTL timer
+  is armed for the replica's absolute expiry times.
+* ``BecamePassive``: ``set_active(False)`` and synchronise the replica (``Follower``).
+* ``AcceptRequest`` / ``RefuseRequest``: the answer of ``admit_snapshot_request`` (an
+  ICANHAZ is the client's vote; a refused one is not answered at all).
+* ``Fatal``: log one clear line, stop serving and set ``done``; ``python -m shards`` exits 1.
+* ``SplitBrainSurvived``: log it; ``IgnoredPeer``: counted as a drop.
+
+Pending table (``shards.pending.PendingTable``, keyed by UUID, bounded by count and age,
+O(1)): while not active, every valid KVSET heard on this server's collector is kept until
+the active's KVPUB with the same UUID arrives. A relative ``ttl`` is turned into an
+absolute ``expires`` at arrival, so an update applied at takeover expires when the client
+meant. The table is emptied when a synchronisation starts: what was heard before it is in
+the snapshot (or was never taken by the active). A KVSET with an empty UUID cannot be
+matched: it is not tracked (``pending.untracked``), never an error.
+
+Active side: a ``BSTAR-TTL?`` request on P (``shards.replica``) is answered at once with
+the absolute expiry times, so a passive's snapshot keeps its TTLs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import zmq
+
+from shards import bstar, zio
+from shards.errors import PortInUse, ProtocolError
+from shards.pending import MAX_AGE_S, MAX_ENTRIES, PendingTable
+from shards.proto import bstar as wire
+from shards.proto import chp
+from shards.replica import TTL_REQUEST, Follower, encode_ttl_table
+from shards.server import ServerConfig, ShardServer
+from shards.store import Store, ttl_props
+
+log = logging.getLogger("shards.pair")
+
+STATE_OFFSET = 3
+"""The state PUB is on P+3."""
+
+
+def parse_peer(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (PORT the peer's base P) -> (host, port). Raises ValueError."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    try:
+        port_n = int(port)
+    except ValueError:
+        raise ValueError(f"{text!r}: port {port!r} is not a number") from None
+    if not 1 <= port_n <= 65532:
+        raise ValueError(f"{text!r}: port must be 1..65532 (it uses P..P+3)")
+    return host, port_n
+
+
+def _strip_ttl(props: bytes) -> bytes:
+    """``ttl_props`` output minus its ``ttl`` line: the absolute ``expires`` alone."""
+    lines = [line for line in props.split(b"\n") if line and not line.startswith(b"ttl=")]
+    return b"".join(line + b"\n" for line in lines)
+
+
+class PairServer(ShardServer):
+    """One server of a Binary Star pair (``role`` "primary" or "backup")."""
+
+    def __init__(self, config: ServerConfig, *, role: str, peer: tuple[str, int],
+                 shard: str = "0", pending_max: int = MAX_ENTRIES,
+                 pending_age_s: float = MAX_AGE_S, split_brain_survivor: bool = True,
+                 sync_timeout_s: float | None = None):
+        if role not in ("primary", "backup"):
+            raise ValueError(f"role must be primary or backup, not {role!r}")
+        super().__init__(config, role=role)
+        self.shard = shard
+        self.peer = peer
+        self.pending = PendingTable(pending_max, pending_age_s)
+        self.split_brain_survivor = split_brain_survivor
+        self.machine: bstar.Machine | None = None
+        self.fatal = ""
+        self.done = asyncio.Event()
+        self.pending_discarded = 0
+        self.pending_applied = 0
+        self.takeovers = 0
+        self.refused_votes = 0
+        self.split_brains_survived = 0
+        self._state_pub: zmq.Socket | None = None
+        self._state_sub_sock: zmq.Socket | None = None
+        self._state_sub: zio.AsyncSocket | None = None
+        self._tick_handle: asyncio.TimerHandle | None = None
+        if sync_timeout_s is None:
+            sync_timeout_s = max(2.0, 10 * config.heartbeat_s)
+        self.follower = Follower(self, peer[0], peer[1], sync_timeout_s=sync_timeout_s)
+
+    @property
+    def peer_text(self) -> str:
+        return f"{self.peer[0]}:{self.peer[1]}"
+
+    # ================================================================ set-up
+    def bind(self) -> None:
+        """Bind P..P+2 (``ShardServer.bind``), then P+3; connect to the peer's P+3."""
+        super().bind()
+        try:
+            pub = self._socket(zmq.PUB)
+            self._bind(pub, self.config.endpoint(STATE_OFFSET))
+            self._state_pub = pub
+            sub = self._socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(f"tcp://{self.peer[0]}:{self.peer[1] + STATE_OFFSET}")
+            self._state_sub_sock = sub
+        except BaseException:
+            self.close()
+            raise
+
+    def start(self) -> None:
+        super().start()  # not standalone: stays inactive until the machine says so
+        now = self.loop.time()
+        self.machine = bstar.new_machine(
+            wire.Role.PRIMARY if self.role == "primary" else wire.Role.BACKUP, now,
+            heartbeat_s=self.config.heartbeat_s, shard=self.shard,
+            split_brain_survivor=self.split_brain_survivor)
+        self._state_sub = zio.AsyncSocket(self._state_sub_sock, self.on_peer_state, batch=64,
+                                          loop=self.loop, name="peer state")
+        self.follower.open()
+        self.on_tick()
+
+    def close(self) -> None:
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+            self._tick_handle = None
+        self.follower.close()
+        if self._state_sub is not None:
+            self._state_sub.close(linger=0)
+            self._state_sub = None
+        super().close()  # destroys the context: closes the P+3 PUB and anything left
+
+    # ================================================================ machine
+    def _step(self, event) -> list:
+        now = self.loop.time()
+        self.machine, effects = bstar.step(self.machine, event, now)
+        accepted = False
+        for effect in effects:
+            accepted = self._perform(effect, now) or accepted
+        self._arm_tick()
+        return accepted
+
+    def _perform(self, effect, now: float) -> bool:
+        if isinstance(effect, bstar.PublishState):
+            self._publish_state()
+        elif isinstance(effect, bstar.AcceptRequest):
+            return True
+        elif isinstance(effect, bstar.RefuseRequest):
+            self.refused_votes += 1
+            log.debug("shard %s: ICANHAZ refused: %s", self.shard, effect.reason)
+        elif isinstance(effect, bstar.BecameActive):
+            self.on_become_active(effect, now)
+        elif isinstance(effect, bstar.BecamePassive):
+            self.on_become_passive(effect, now)
+        elif isinstance(effect, bstar.Fatal):
+            self.on_fatal(effect)
+        elif isinstance(effect, bstar.SplitBrainSurvived):
+            self.split_brains_survived += 1
+            log.warning("shard %s: %s survived: %s", self.shard, effect.reason, effect.detail)
+        elif isinstance(effect, bstar.IgnoredPeer):
+            self.drops.drop("peer_" + effect.reason.replace(" ", "_"), effect.detail)
+        return False
+
+    def _publish_state(self) -> None:
+        frames = wire.encode(bstar.state_message(self.machine, self.store.seq))
+        try:
+            zio.send_frames(self._state_pub, frames)
+        except zmq.Again:  # a PUB never blocks; kept for safety
+            self.drops.drop("state_hwm", "state message not sent")
+
+    def _arm_tick(self) -> None:
+        if self.machine is None or self.loop is None or self.fatal:
+            return
+        when = min(bstar.next_wakeup(self.machine), self.loop.time() + self.config.heartbeat_s)
+        if self._tick_handle is not None:
+            if self._tick_handle.when() <= when:
+                return
+            self._tick_handle.cancel()
+        self._tick_handle = self.loop.call_at(when, self.on_tick)
+
+    def on_tick(self) -> None:
+        """The machine's TICK (publishes state when due), sync deadlines, pending ageing."""
+        self._tick_handle = None
+        now = self.loop.time()
+        self.pending.expire(now)
+        self.follower.on_tick(now)
+        self._step(bstar.Event.TICK)
+
+    def on_peer_state(self, frames: list[bytes]) -> None:
+        """A state message from the peer's P+3."""
+        try:
+            msg = wire.decode(frames)
+        except ProtocolError as err:
+            self.drops.drop("peer_" + err.reason, str(err))
+            return
+        self._step(msg)
+
+    # ================================================================ transitions
+    def on_become_active(self, effect: bstar.BecameActive, now: float) -> None:
+        drained = self.follower.drain()  # what the old active published before it died
+        self.follower.stop()
+        self.takeovers += 1
+        self.set_active(True)
+        pending = self.pending.drain(now)
+        for entry in pending:
+            ShardServer.on_collect(self, entry.update)
+        self.pending_applied += len(pending)
+        log.warning("shard %s: %s is ACTIVE (%s, was %s, term %d): %d late updates from the "
+                    "old active, %d pending updates applied, sequence now %d", self.shard,
+                    self.role, effect.reason, effect.previous.name, effect.term, drained,
+                    len(pending), self.store.seq)
+
+    def on_become_passive(self, effect: bstar.BecamePassive, now: float) -> None:
+        self.set_active(False)
+        log.info("shard %s: %s is PASSIVE (%s, was %s)", self.shard, self.role,
+                 effect.reason, effect.previous.name)
+        self.follower.start_sync(now)
+
+    def on_fatal(self, effect: bstar.Fatal) -> None:
+        self.fatal = f"{effect.reason}: {effect.detail}"
+        self.set_active(False)
+        self.follower.stop()
+        log.error("shard %s: FATAL Binary Star %s (%s server on port %d): %s", self.shard,
+                  effect.reason, self.role, self.config.port, effect.detail)
+        self.done.set()
+
+    # hooks for the follower
+    def reset_pending(self) -> None:
+        discarded = self.pending.drain()
+        self.pending_discarded += len(discarded)
+
+    def replace_store(self, store: Store) -> None:
+        self.store = store
+
+    # ================================================================ ShardServer hooks
+    def admit_snapshot_request(self) -> bool:
+        """An ICANHAZ is the client's vote: answered only if the machine accepts it."""
+        if self.machine is None:
+            return False
+        return self._step(bstar.Event.CLIENT_REQUEST)
+
+    def on_snapshot_request(self, frames: list[bytes]) -> None:
+        if len(frames) == 2 and frames[1] == TTL_REQUEST:
+            self.on_ttl_request(frames[0])
+            return
+        super().on_snapshot_request(frames)
+
+    def on_ttl_request(self, identity: bytes) -> None:
+        """A passive peer's BSTAR-TTL?: the absolute expiry times at this sequence."""
+        if not self.active:
+            self.snapshots_refused += 1
+            return
+        store = self.store
+        # Store keeps its expiry index private; it is read here, never written.
+        reply = encode_ttl_table(store.seq, store._expiry.items())
+        try:
+            zio.send_frames(self._router_sock, [identity, *reply])
+        except zmq.ZMQError as exc:  # Again (full pipe) or EHOSTUNREACH: the peer retries
+            self.drops.drop("ttl_table_unsent", f"BSTAR-TTL to {identity!r}: {exc}")
+        self._router.kick()
+
+    def on_collect(self, frames: list[bytes]) -> None:
+        """Active: the CHP server's path. Otherwise: keep the KVSET pending by UUID."""
+        if self.active:
+            ShardServer.on_collect(self, frames)
+            return
+        self.hold_pending(frames)
+
+    def hold_pending(self, frames: list[bytes]) -> None:
+        try:
+            kvset = chp.decode_kvset(frames, self._limits)
+            props = kvset.props
+            if kvset.value and props and b"ttl=" in props:
+                expiry_s, props = ttl_props(props, time.time())
+                if expiry_s is not None:
+                    props = _strip_ttl(props)
+        except ProtocolError as err:
+            self.drops.drop(err.reason, str(err))
+            return
+        if self.fatal:
+            self.drops.drop("fatal", "KVSET after a fatal Binary Star error")
+            return
+        update = [kvset.key, chp.SEQ_ZERO, kvset.uuid, props, kvset.value]
+        self.pending.add(kvset.uuid, update, self.loop.time())
+
+    def stats(self) -> dict:
+        out = super().stats()
+        m = self.machine
+        out.update({
+            "shard": self.shard,
+            "role": self.role,
+            "bstar_state": m.state.name if m is not None else None,
+            "peer": self.peer_text,
+            "pid": os.getpid(),
+            "term": m.term if m is not None else 0,
+            "peer_state": m.peer_state.name if m is not None and m.peer_state else None,
+            "fatal": self.fatal,
+            "takeovers": self.takeovers,
+            "refused_votes": self.refused_votes,
+            "split_brains_survived": self.split_brains_survived,
+            "pending": len(self.pending),
+            "pending_early": self.pending.early_count,
+            "pending_applied": self.pending_applied,
+            "pending_discarded": self.pending_discarded,
+            "pending_counters": dict(self.pending.counters),
+            "replica": self.follower.stats(),
+        })
+        return out

@@ -1,0 +1,327 @@
+"""The passive server's replica: a snapshot from the active, then the active's P+1 stream.
+
+A ``Follower`` belongs to a ``shards.pair.PairServer`` and owns two sockets on its loop:
+
+    DEALER -> the active's P     BSTAR-TTL? and ICANHAZ? "" (the whole map)
+    SUB    -> the active's P+1   KVPUB, HUGZ (subscribed to everything, connected at start)
+
+Synchronisation (``start_sync``), a state with a deadline, never a blocking loop:
+
+1. Every KVPUB heard from now on is buffered (bounded: ``buffer_max``) and its UUID
+   confirmed in the owner's pending table. The pending table was emptied just before:
+   updates heard before the sync began are covered by the snapshot or lost with the old
+   active (see ``PairServer``).
+2. The DEALER sends ``BSTAR-TTL?`` then ``ICANHAZ?``. The active answers the first at once
+   with its absolute expiry times at its current sequence T (a KVSYNC carries no
+   properties, so a snapshot alone would turn every TTL key into a permanent one), then
+   streams the snapshot at sequence S >= T: KVSYNC*, KTHXBAI.
+3. Each KVSYNC goes into a fresh ``Store`` with the expiry from the table. At KTHXBAI the
+   keys rewritten between T and S take their expiry from the buffered KVPUBs T+1..S (the
+   buffer must hold all of them, else the sync starts over), the store's sequence is set
+   to S, the buffered KVPUBs after S are applied, and the new store replaces the owner's.
+4. Live: a KVPUB with sequence ``store.seq + 1`` is applied with the active's sequence
+   and its ``expires`` property (absolute wall-clock seconds); an older one is a duplicate
+   (ignored); a newer one means updates were lost (a gap): the sync starts over.
+
+No reply for ``sync_timeout_s`` (each reply restarts it) or a malformed reply also starts
+the sync over on a fresh DEALER. ``drain()`` reads whatever the SUB still holds, so a
+server that takes over first applies everything the dead active managed to publish.
+
+BSTAR-TTL frames (DEALER <-> ROUTER, identity frame not shown)::
+
+    request  f0 "BSTAR-TTL?"
+    reply    f0 "BSTAR-TTL"   f1 sequence T (8 B)   f2 entries: (expiry_s f64, key_len u16,
+                                                        key) repeated, network order
+"""
+from __future__ import annotations
+
+import logging
+import struct
+from typing import TYPE_CHECKING
+
+import zmq
+
+from shards import zio
+from shards.errors import ProtocolError
+from shards.proto import chp
+from shards.store import Store
+
+if TYPE_CHECKING:
+    from shards.pair import PairServer
+
+log = logging.getLogger("shards.replica")
+
+TTL_REQUEST = b"BSTAR-TTL?"
+TTL_REPLY = b"BSTAR-TTL"
+_ENTRY = struct.Struct(">dH")
+_SEQ = struct.Struct(">Q")
+BUFFER_MAX = 200_000
+"""KVPUBs buffered while a snapshot streams; more restart the sync."""
+_EXPIRES = b"expires="
+
+
+def expires_of(props: bytes) -> float | None:
+    """The absolute expiry a KVPUB carries (``expires=<epoch s>``), or None."""
+    if not props or _EXPIRES not in props:
+        return None
+    found = None
+    for line in props.split(b"\n"):
+        if line.startswith(_EXPIRES):
+            try:
+                found = float(line[len(_EXPIRES):])
+            except ValueError:
+                found = None
+    return found
+
+
+def encode_ttl_table(seq: int, expiries) -> list[bytes]:
+    """The BSTAR-TTL reply for ``expiries``: iterable of (key, expiry_s)."""
+    parts = []
+    for key, expiry_s in expiries:
+        parts.append(_ENTRY.pack(expiry_s, len(key)))
+        parts.append(key)
+    return [TTL_REPLY, _SEQ.pack(seq), b"".join(parts)]
+
+
+def decode_ttl_table(frames: list[bytes]) -> tuple[int, dict[bytes, float]]:
+    if len(frames) != 3 or frames[0] != TTL_REPLY or len(frames[1]) != 8:
+        raise ProtocolError("BSTAR-TTL reply: malformed", protocol="bstar/1",
+                            command="BSTAR-TTL", reason="bad_ttl_table")
+    body = frames[2]
+    table: dict[bytes, float] = {}
+    pos, end = 0, len(body)
+    try:
+        while pos < end:
+            expiry_s, key_len = _ENTRY.unpack_from(body, pos)
+            pos += _ENTRY.size
+            if pos + key_len > end:
+                raise struct.error("truncated key")
+            table[body[pos:pos + key_len]] = expiry_s
+            pos += key_len
+    except struct.error:
+        raise ProtocolError("BSTAR-TTL reply: truncated entry", protocol="bstar/1",
+                            command="BSTAR-TTL", reason="bad_ttl_table") from None
+    return _SEQ.unpack(frames[1])[0], table
+
+
+class Follower:
+    """Keeps ``owner.store`` a replica of the active peer's map (see the module doc)."""
+
+    def __init__(self, owner: "PairServer", peer_host: str, peer_port: int, *,
+                 sync_timeout_s: float, buffer_max: int = BUFFER_MAX):
+        self.owner = owner
+        self.snapshot_endpoint = f"tcp://{peer_host}:{peer_port}"
+        self.updates_endpoint = f"tcp://{peer_host}:{peer_port + 1}"
+        self.sync_timeout_s = sync_timeout_s
+        self.buffer_max = buffer_max
+        self.phase = "idle"            # idle | syncing | live
+        self._sub: zio.AsyncSocket | None = None
+        self._dealer: zio.AsyncSocket | None = None
+        self._buffer: list[chp.Kvpub] = []
+        self._building: Store | None = None
+        self._ttl_seq: int | None = None
+        self._ttl_table: dict[bytes, float] = {}
+        self._deadline = 0.0
+        self._retry_at: float | None = None
+        self.counters = dict.fromkeys(
+            ("syncs_started", "syncs_done", "sync_timeouts", "sync_retries", "gaps",
+             "duplicates", "applied", "hugz", "ignored_while_active", "kvsync"), 0)
+        self.last_heard = 0.0
+        self._taking_over = False
+
+    # ------------------------------------------------------------------ sockets
+    def open(self) -> None:
+        """Connect the SUB to the active's P+1 (once, at start)."""
+        sock = self.owner.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, self.owner.config.collect_rcvhwm)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self.updates_endpoint)
+        self._sub = zio.AsyncSocket(sock, self.on_update, batch=self.owner.config.collect_batch,
+                                    loop=self.owner.loop, name="peer updates")
+
+    def close(self) -> None:
+        self._close_dealer()
+        if self._sub is not None:
+            self._sub.close(linger=0)
+            self._sub = None
+
+    def _close_dealer(self) -> None:
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None
+
+    # ------------------------------------------------------------------ control
+    def start_sync(self, now: float) -> None:
+        """Start (or restart) a full synchronisation from the active."""
+        self._close_dealer()
+        self.phase = "syncing"
+        self.counters["syncs_started"] += 1
+        self._buffer = []
+        self._building = None
+        self._ttl_seq = None
+        self._ttl_table = {}
+        self._retry_at = None
+        self.owner.reset_pending()
+        sock = self.owner.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.snapshot_endpoint)
+        self._dealer = zio.AsyncSocket(sock, self.on_snapshot_reply, batch=1024,
+                                       loop=self.owner.loop, name="peer snapshot")
+        self._dealer.send([TTL_REQUEST])
+        self._dealer.send(chp.icanhaz(b""))
+        self._deadline = now + self.sync_timeout_s
+        log.info("shard %s: synchronising from the active at %s", self.owner.shard,
+                 self.snapshot_endpoint)
+
+    def stop(self) -> None:
+        """Stop following (this server is becoming active)."""
+        if self.phase == "syncing":
+            log.warning("shard %s: taking over before the replica was complete (%s)",
+                        self.owner.shard, self.snapshot_endpoint)
+        self.phase = "idle"
+        self._close_dealer()
+        self._buffer = []
+        self._building = None
+
+    def _restart_later(self, now: float, why: str) -> None:
+        """Start over after a short pause (one heartbeat), on a fresh DEALER."""
+        log.warning("shard %s: replica sync restarts: %s", self.owner.shard, why)
+        self.counters["sync_retries"] += 1
+        self._close_dealer()
+        self.phase = "syncing"
+        self._buffer = []
+        self._building = None
+        self._retry_at = now + self.owner.config.heartbeat_s
+
+    def on_tick(self, now: float) -> None:
+        """Called by the owner's timer: deadlines and delayed retries."""
+        if self.phase != "syncing":
+            return
+        if self._retry_at is not None:
+            if now >= self._retry_at:
+                self.start_sync(now)
+            return
+        if now > self._deadline:
+            self.counters["sync_timeouts"] += 1
+            self._restart_later(now, f"no reply from {self.snapshot_endpoint} for "
+                                     f"{self.sync_timeout_s:g} s")
+
+    def drain(self) -> int:
+        """Read and handle everything the SUB holds now (before taking over)."""
+        if self._sub is None:
+            return 0
+        n = 0
+        sock = self._sub.sock
+        self._taking_over = True  # a gap now must not restart a sync (nor empty pending)
+        while True:
+            try:
+                frames = zio.recv_frames(sock)
+            except zmq.Again:
+                break
+            self.on_update(frames)
+            n += 1
+        self._taking_over = False
+        self._sub.kick()
+        return n
+
+    # ------------------------------------------------------------------ stream
+    def on_update(self, frames: list[bytes]) -> None:
+        """A KVPUB or HUGZ from the active's P+1."""
+        owner = self.owner
+        if self.phase == "idle":
+            self.counters["ignored_while_active"] += 1
+            return
+        try:
+            msg = chp.decode_update(frames, owner.config.limits)
+        except ProtocolError as err:
+            owner.drops.drop("peer_" + err.reason, f"from {self.updates_endpoint}: {err}")
+            return
+        now = owner.loop.time()
+        self.last_heard = now
+        if not isinstance(msg, chp.Kvpub):
+            self.counters["hugz"] += 1
+            return
+        owner.pending.confirm(msg.uuid, now)
+        if self.phase == "syncing":
+            if len(self._buffer) >= self.buffer_max:
+                self._restart_later(now, f"more than {self.buffer_max} updates while the "
+                                         "snapshot streamed")
+                return
+            self._buffer.append(msg)
+            return
+        self._apply(msg, now)
+
+    def _apply(self, msg: chp.Kvpub, now: float) -> bool:
+        store = self.owner.store
+        if msg.seq <= store.seq:
+            self.counters["duplicates"] += 1
+            return True
+        if msg.seq != store.seq + 1:
+            self.counters["gaps"] += 1
+            log.warning("shard %s: gap in the active's stream: have %d, got %d",
+                        self.owner.shard, store.seq, msg.seq)
+            if self._taking_over:
+                self.phase = "idle"  # what follows the gap cannot be applied
+                return False
+            self.start_sync(now)
+            return False
+        store.apply(msg.key, msg.value, expires_of(msg.props) if msg.value else None)
+        self.counters["applied"] += 1
+        return True
+
+    # ------------------------------------------------------------------ snapshot
+    def on_snapshot_reply(self, frames: list[bytes]) -> None:
+        if self.phase != "syncing" or self._retry_at is not None:
+            return
+        owner = self.owner
+        now = owner.loop.time()
+        self._deadline = now + self.sync_timeout_s
+        try:
+            if frames and frames[0] == TTL_REPLY:
+                self._ttl_seq, self._ttl_table = decode_ttl_table(frames)
+                self._building = Store()
+                return
+            reply = chp.decode_snapshot(frames, owner.config.limits)
+        except ProtocolError as err:
+            owner.drops.drop("peer_" + err.reason, f"from {self.snapshot_endpoint}: {err}")
+            self._restart_later(now, f"malformed snapshot reply ({err.reason})")
+            return
+        if self._building is None:
+            self._restart_later(now, "snapshot before the TTL table")
+            return
+        if isinstance(reply, chp.Kvsync):
+            self.counters["kvsync"] += 1
+            self._building.apply(reply.key, reply.value, self._ttl_table.get(reply.key))
+            return
+        self._finish(reply.seq, now)
+
+    def _finish(self, snap_seq: int, now: float) -> None:
+        store, ttl_seq = self._building, self._ttl_seq
+        # keys rewritten between the TTL table (T) and the snapshot (S)
+        between = [m for m in self._buffer if ttl_seq < m.seq <= snap_seq]
+        if len(between) != snap_seq - ttl_seq or any(
+                m.seq != ttl_seq + 1 + i for i, m in enumerate(between)):
+            self._restart_later(now, f"updates {ttl_seq + 1}..{snap_seq} not all heard "
+                                     f"({len(between)} buffered)")
+            return
+        for m in between:
+            value = store.get(m.key)
+            if value is not None:
+                store.apply(m.key, value, expires_of(m.props) if m.value else None)
+        store.seq = snap_seq
+        later = [m for m in self._buffer if m.seq > snap_seq]
+        self._buffer = []
+        self._building = None
+        self._close_dealer()
+        self.owner.replace_store(store)
+        self.phase = "live"
+        self.counters["syncs_done"] += 1
+        log.info("shard %s: replica synchronised: %d keys at sequence %d (%d TTL keys)",
+                 self.owner.shard, len(store), snap_seq, store.ttl_keys)
+        for m in later:
+            if not self._apply(m, now):
+                return
+
+    def stats(self) -> dict:
+        return {"phase": self.phase, "buffered": len(self._buffer), **self.counters}
