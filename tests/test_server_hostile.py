@@ -1,0 +1,198 @@
+"""Hostile input: a stream of malformed multipart messages on the collector (P+2) and on
+the snapshot ROUTER (P) leaves the server running and correct for the next valid client,
+and every drop is counted under its reason.
+
+Counters are read where the control plane can read them today: the server logs
+``stats {json}`` on SIGUSR1 and ``final stats {json}`` when it stops. Nothing sleeps; the
+one wait on the log polls the collected stderr lines with a deadline.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+import zmq
+
+from shards.proto import chp
+from test_server_conformance import DEADLINE_S, SEQ, Peer, seq_of, start_server
+
+MAX_VALUE = 4096
+
+Z8 = b"\0" * 8
+COLLECTOR_GARBAGE = [
+    # (frames, reason)
+    ([b""], "frame_count"),                                    # an empty message
+    ([b"/k"], "frame_count"),
+    ([b"/k", Z8, b"", b"", b"v", b"extra"], "frame_count"),
+    ([b"/k", Z8, b"", b"v"], "frame_count"),
+    ([b"x"] * 100, "frame_count"),                             # far too many frames
+    ([b"/k", b"\0" * 7, b"", b"", b"v"], "bad_sequence"),      # short sequence
+    ([b"/k", b"", b"", b"", b"v"], "bad_sequence"),
+    ([b"/k", b"\0" * 9, b"", b"", b"v"], "bad_sequence"),
+    ([b"/k", Z8, b"u" * 15, b"", b"v"], "bad_uuid"),           # 15-byte UUID
+    ([b"/k", Z8, b"u" * 17, b"", b"v"], "bad_uuid"),
+    ([b"/k", Z8, b"", b"", b"v" * (MAX_VALUE + 1)], "oversize_value"),
+    ([b"/\xff\xfe", Z8, b"", b"", b"v"], "bad_key"),           # not UTF-8
+    ([b"/\xc3", Z8, b"", b"", b"v"], "bad_key"),
+    ([b"", Z8, b"", b"", b"v"], "bad_key"),                    # empty key
+    ([b"HUGZ", Z8, b"", b"", b""], "bad_key"),                 # a command word as a key
+    ([b"KTHXBAI", Z8, b"", b"", b"v"], "bad_key"),
+    ([b"/" + b"k" * 2000, Z8, b"", b"", b"v"], "oversize_key"),
+    ([b"/k", Z8, b"", b"novalue\n", b"v"], "bad_props"),
+    ([b"/k", Z8, b"", b"a=1", b"v"], "bad_props"),             # no final newline
+    ([b"/k", Z8, b"", b"=1\n", b"v"], "bad_props"),
+    ([b"/k", Z8, b"", b"a=\xff\n", b"v"], "bad_props"),
+    ([b"/k", Z8, b"", b"a=" + b"x" * 5000 + b"\n", b"v"], "oversize_props"),
+    ([b"/k", Z8, b"", b"ttl=soon\n", b"v"], "bad_ttl"),
+    ([b"/k", Z8, b"", b"ttl=-1\n", b"v"], "bad_ttl"),
+    ([b"/k", Z8, b"", b"ttl=nan\n", b"v"], "bad_ttl"),
+    ([b"/k", Z8, b"", b"expires=never\n", b"v"], "bad_expires"),
+]
+SNAPSHOT_GARBAGE = [
+    ([b""], "unknown_command"),                                # an empty message
+    ([b"GIMME", b""], "unknown_command"),
+    ([b"ICANHAZ", b""], "unknown_command"),                    # no question mark
+    ([b"KTHXBAI", Z8, b"", b"", b""], "unknown_command"),      # a server's command
+    ([b"ICANHAZ?"], "frame_count"),
+    ([b"ICANHAZ?", b"", b""], "frame_count"),
+    ([b"ICANHAZ?"] * 70, "frame_count"),
+    ([b"ICANHAZ?", b"/a"], "bad_subtree"),                     # bad subtrees
+    ([b"ICANHAZ?", b"a/"], "bad_subtree"),
+    ([b"ICANHAZ?", b"/"], "bad_subtree"),
+    ([b"ICANHAZ?", b"/a//"], "bad_subtree"),
+    ([b"ICANHAZ?", b"/\xff/"], "bad_subtree"),
+    ([b"ICANHAZ?", b"/" + b"s" * 2000 + b"/"], "bad_subtree"),
+]
+
+
+def expected_counts() -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for _, reason in COLLECTOR_GARBAGE + SNAPSHOT_GARBAGE:
+        counts[reason] = counts.get(reason, 0) + 1
+    return counts
+
+
+def wait_stderr(proc, contains: str, start: int = 0, timeout_s: float = DEADLINE_S) -> str:
+    """The first stderr line at index >= ``start`` holding ``contains`` (polled)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in proc.stderr[start:]:
+            if contains in line:
+                return line
+        assert proc.alive(), "\n".join(proc.stderr[-20:])
+        time.sleep(0.02)  # the reader thread appends lines; there is no event to await
+    raise AssertionError(f"no stderr line with {contains!r} within {timeout_s} s")
+
+
+def stats_now(proc) -> dict:
+    start = len(proc.stderr)
+    proc.signal(signal.SIGUSR1)
+    line = wait_stderr(proc, " stats {", start)
+    return json.loads(line.split(" stats ", 1)[1])
+
+
+@pytest.fixture
+def server(procs, port_base):
+    return start_server(procs, port_base, "--max-value-bytes", str(MAX_VALUE))
+
+
+def test_malformed_messages_are_dropped_counted_by_reason_and_harm_no_one(
+        server, port_base, zctx):
+    peer = Peer(zctx, port_base)
+    peer.sync()  # the collector is live: nothing written from now on is lost
+    data = {b"/h/%d" % i: b"v%d" % i for i in range(20)}
+    for key, value in data.items():
+        peer.kvset(key, value)
+    base = peer.sync()  # everything before the fence is applied
+    # A stream of garbage on both ports, interleaved, twice over.
+    for _ in range(2):
+        for frames, _ in COLLECTOR_GARBAGE:
+            peer.send_raw(frames)
+        for frames, _ in SNAPSHOT_GARBAGE:
+            peer.dealer.send_multipart(frames)
+    # The same connections still work: nothing of the garbage was sequenced or answered.
+    peer.kvset(b"/h/after", b"ok", b"A" * 16, b"p=q=r\n")
+    assert peer.recv_update() == [b"/h/after", SEQ.pack(base + 1), b"A" * 16, b"p=q=r\n",
+                                  b"ok"]
+    data[b"/h/after"] = b"ok"
+    items, seq, _ = peer.snapshot(b"/h/")  # the first reply on this DEALER is this one
+    assert items == data and seq == base + 1
+    assert server.alive()
+    stats = stats_now(server)
+    want = {reason: 2 * n for reason, n in expected_counts().items()}
+    assert stats["drops"] == want
+    assert stats["drops_total"] == sum(want.values())
+    assert stats["handler_errors"] == 0
+    assert stats["seq"] == base + 1 and stats["keys"] == len(data)
+    # A log line names each reason (rate-limited: at most one per reason per interval).
+    for reason in want:
+        assert any(f"dropped ({reason})" in line for line in server.stderr), reason
+
+
+def test_the_next_valid_client_gets_a_correct_service(server, port_base, zctx):
+    first = Peer(zctx, port_base)
+    first.sync()
+    first.kvset(b"/n/a", b"1")
+    base = first.sync()
+    for frames, _ in COLLECTOR_GARBAGE:
+        first.send_raw(frames)
+    for frames, _ in SNAPSHOT_GARBAGE:
+        first.dealer.send_multipart(frames)
+    for sock in (first.dealer, first.sub, first.pub):
+        sock.close(0)
+    nxt = Peer(zctx, port_base)
+    fence = nxt.sync()
+    assert fence > base  # its own probes only: garbage was never sequenced
+    nxt.kvset(b"/n/b", b"2")
+    assert nxt.recv_update() == [b"/n/b", SEQ.pack(fence + 1), b"", b"", b"2"]
+    items, seq, _ = nxt.snapshot(b"/n/")
+    assert items == {b"/n/a": b"1", b"/n/b": b"2"} and seq == fence + 1
+    stats = stats_now(server)
+    assert stats["drops"] == expected_counts()
+
+
+def test_a_requester_that_vanishes_mid_snapshot_does_not_stall_others(server, port_base,
+                                                                      zctx):
+    peer = Peer(zctx, port_base)
+    value = bytes(200)
+    peer.sync()
+    for i in range(20_000):
+        peer.kvset(b"/v/%06d" % i, value)
+    base = peer.sync()
+    for _ in range(5):  # ask, read one message, disconnect
+        gone = zctx.socket(zmq.DEALER)
+        gone.rcvhwm = 10
+        gone.connect(f"tcp://127.0.0.1:{port_base}")
+        gone.send_multipart(chp.icanhaz(b""))
+        assert gone.poll(DEADLINE_S * 1000)
+        gone.close(0)
+    items, seq, _ = peer.snapshot(b"/v/", timeout_s=30)
+    assert len(items) == 20_000 and seq == base
+    peer.kvset(b"/v/after", b"x")
+    assert peer.recv_update()[:2] == [b"/v/after", SEQ.pack(base + 1)]
+    stats = stats_now(server)
+    assert stats["drops"] == {}
+    # Each vanished requester was dropped when its pipe closed (or, had its whole
+    # snapshot fitted in the buffers first, counted as served): none is left open.
+    assert stats["snapshots_unreachable"] + stats["snapshots_served"] == 6
+    assert stats["snapshots_served"] >= 1 and stats["snapshots_active"] == 0
+    assert stats["handler_errors"] == 0
+
+
+def test_final_stats_are_logged_on_stop(server, port_base, zctx):
+    peer = Peer(zctx, port_base)
+    peer.sync()
+    peer.send_raw([b"/k", b"short", b"", b"", b"v"])
+    peer.dealer.send_multipart([b"ICANHAZ?", b"nope"])
+    peer.snapshot()  # both garbage messages were handled before this reply
+    peer.kvset(b"/x", b"y")
+    peer.recv_update()
+    server.signal(signal.SIGTERM)
+    assert server.wait(10) == 0
+    server.stop()
+    (line,) = [x for x in server.stderr if "final stats" in x]
+    stats = json.loads(line.split("final stats ", 1)[1])
+    assert stats["drops"] == {"bad_sequence": 1, "bad_subtree": 1}
+    assert stats["keys"] == 1 and stats["snapshots_served"] == 1
