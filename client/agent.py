@@ -5,7 +5,9 @@ socket), all driven from one asyncio loop through ``shards.zio.AsyncSocket``:
 
 * SUB to the current server's P+1, subscribed to the subtree and to "HUGZ", opened by a
   ``Connect`` effect (a fresh socket per server, so nothing stale survives a failover);
-  a ZeroMQ monitor on it reports the handshake, which is when the subscription is live;
+  a ZeroMQ monitor on it reports the handshake, which is when the subscription is live,
+  and later disconnections: a handshake after a disconnection is a ``Reconnected``
+  event (resync: updates were missed, the server may have restarted);
 * DEALER to the current server's P, a fresh one per ``RequestSnapshot`` (an abandoned
   snapshot still streaming to the old identity is dropped by the server's ROUTER, so two
   KTHXBAIs can never be confused);
@@ -50,6 +52,7 @@ KVSET_QUEUE_MAX = 100_000
 SUB_RCVHWM = 100_000
 DEALER_RCVHWM = 100_000
 XPUB_SNDHWM = 100_000
+PHASE_LOG_MAX = 64
 
 _Hugz = chp.Hugz
 _Kvsync = chp.Kvsync
@@ -231,7 +234,10 @@ class ShardAgent:
         self.overflows = 0
         self.snapshots = 0
         self.failovers = 0
+        self.disconnects = 0
         self.last_failover: FailoverInfo | None = None
+        self.phase_log: deque[tuple[float, str]] = deque(maxlen=PHASE_LOG_MAX)
+        """(time, phase) at start and at each phase change, newest last (bounded)."""
         # internals
         self.loop: asyncio.AbstractEventLoop | None = None
         self._synced_event: asyncio.Event | None = None
@@ -243,6 +249,7 @@ class ShardAgent:
         self._incoming: dict[bytes, bytes] | None = None
         self._buffer: deque[list[bytes]] = deque()
         self._buffering = True
+        self._sub_lost = False
         self._gen = 0
         self._tick_handle: asyncio.TimerHandle | None = None
         self._closed = False
@@ -309,7 +316,11 @@ class ShardAgent:
     def _dispatch(self, event) -> None:
         if self._closed:
             return
-        self.state, effects = sm.step(self.state, event, self.clock())
+        now = self.clock()
+        before = self.state
+        self.state, effects = sm.step(before, event, now)
+        if self.state.phase != before.phase or not before.started:
+            self.phase_log.append((now, self.state.phase))
         for effect in effects:
             getattr(self, "_do_" + type(effect).__name__)(effect)
 
@@ -336,11 +347,13 @@ class ShardAgent:
         sub.subscribe(self.subtree)
         if self.subtree:
             sub.subscribe(chp.HUGZ)
-        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                         | zmq.EVENT_DISCONNECTED)
         sub.connect(address.publisher)
         self._gen += 1
         self._buffer.clear()
         self._buffering = True
+        self._sub_lost = False
         self._sub = AsyncSocket(sub, self._on_update, loop=self.loop,
                                 name=f"{self.name} SUB {address.publisher}")
         self._monitor = AsyncSocket(monitor, self._on_monitor, loop=self.loop,
@@ -399,20 +412,19 @@ class ShardAgent:
             event = parse_monitor_message(frames)["event"]
         except Exception:
             return
-        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._monitor is not None:
-            self._stop_monitor()
+        if self._monitor is None:
+            return
+        if event == zmq.EVENT_DISCONNECTED:
+            self._sub_lost = True
+            self.disconnects += 1
+            log.info("shard %s: SUB lost its connection to %s", self.name,
+                     self.server.publisher)
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             if self.state.phase == sm.INITIAL:
                 self._dispatch(sm.SubscriberLive())
-
-    def _stop_monitor(self) -> None:
-        if self._sub is not None:
-            try:
-                self._sub.sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-        if self._monitor is not None:
-            self._monitor.close()
-            self._monitor = None
+            elif self._sub_lost:
+                self._sub_lost = False
+                self._dispatch(sm.Reconnected())
 
     def _on_update(self, frames: list[bytes]) -> None:
         """A message on the SUB: KVPUB or HUGZ (hot path)."""
@@ -430,7 +442,6 @@ class ShardAgent:
             return
         buffer.append(frames)
         if self.state.phase == sm.INITIAL:
-            self._stop_monitor()
             self._dispatch(sm.SubscriberLive())
 
     def _apply(self, frames: list[bytes], replay: bool) -> None:
@@ -530,7 +541,8 @@ class ShardAgent:
             "keys": len(self.map), "last_seq": self.last_seq, "applied": self.applied,
             "stale": self.stale, "skipped": self.skipped, "gaps": self.gaps,
             "overflows": self.overflows, "snapshots": self.snapshots,
-            "failovers": self.failovers, "buffered": len(self._buffer),
+            "failovers": self.failovers, "disconnects": self.disconnects,
+            "buffered": len(self._buffer),
             "kvsets_sent": sum(c.sent for c in self._collectors),
             "kvsets_queued": sum(len(c.queue) for c in self._collectors),
             "kvsets_dropped": sum(c.dropped for c in self._collectors),

@@ -112,9 +112,11 @@ class AsyncClone:
             for agent in self._agents:
                 agent.start()
         try:
-            await asyncio.wait_for(
-                asyncio.gather(*(a.wait_ready() for a in self._agents)), timeout_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+            # that lands just as the agents become ready
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(*(a.wait_ready() for a in self._agents))
+        except TimeoutError:
             states = "; ".join(
                 f"shard {a.name} at {a.server}: {a.phase}"
                 f"{', synced' if a.synced else ''}"

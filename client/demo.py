@@ -164,8 +164,11 @@ async def run_clients(address: str) -> None:
         while True:
             remaining = deadline - time.monotonic()
             try:
-                change = await asyncio.wait_for(changes.get(), max(remaining, 0))
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a Ctrl-C
+                # cancellation that lands just as the queue delivers
+                async with asyncio.timeout(max(remaining, 0)):
+                    change = await changes.get()
+            except TimeoutError:
                 raise DemoFailed(f"the reader saw no {kind} of {key} ({what}) "
                                  f"within {STEP_TIMEOUT_S} s") from None
             if change.kind == kind and change.key == key:
@@ -244,6 +247,8 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def main() -> int:
+    # Ctrl-C works even when started with SIGINT ignored (e.g. as a background job)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _on_sigterm)
     server = None
     with tempfile.TemporaryFile() as server_log:

@@ -27,7 +27,10 @@ Phases::
   ACTIVE while the buffer is still being replayed) re-requests at once.
 * **ACTIVE**: KVPUBs are applied by the shell's hot path (``check_seq`` is its rule). A
   ``Gap`` (unfiltered subscriptions only) or ``SequenceBackwards`` (a restarted server)
-  re-requests a snapshot from the same server, keeping the SUB live. Silence (no KVPUB,
+  re-requests a snapshot from the same server, keeping the SUB live. So does
+  ``Reconnected`` (in SYNCING too): the SUB's connection broke and ZeroMQ re-established
+  it, so updates were missed meanwhile, and the server may have restarted with an empty
+  map and a new sequence that a subtree client could not tell apart from a jump. Silence (no KVPUB,
   no HUGZ) for ``silence_timeout_s`` fails over to the next server (``Failover`` effect).
 
 The hot path (one KVPUB) is not an event: stepping a frozen state per message would cost
@@ -127,6 +130,10 @@ class SequenceBackwards(NamedTuple):
     got: int
 
 
+class Reconnected(NamedTuple):
+    """The SUB's connection was lost and has been re-established (same server)."""
+
+
 class Tick(NamedTuple):
     last_heard_s: float
     """Last KVPUB or HUGZ on the SUB (any phase)."""
@@ -135,7 +142,7 @@ class Tick(NamedTuple):
 
 
 Event = Union[Start, SubscriberLive, SnapshotDone, BufferOverflow, Gap, SequenceBackwards,
-              Tick]
+              Reconnected, Tick]
 
 
 # ----------------------------------------------------------------------------- effects
@@ -249,4 +256,9 @@ def step(state: State, event: Event, now: float) -> tuple[State, list]:
             return state, []
         return _request(replace(state, attempts=0), now,
                         f"sequence went backwards (last {event.last}, got {event.got})")
+    if kind is Reconnected:
+        if phase == INITIAL:
+            return state, []
+        return _request(replace(state, attempts=0), now,
+                        "subscriber reconnected (updates missed; server restarted?)")
     raise TypeError(f"not a shard machine event: {event!r}")
