@@ -1,0 +1,31 @@
+"""``supervisor kill SHARD/ROLE``: SIGKILL one server now, for failure drills (MDP
+``cluster.kill``). The restart policy then restarts it with back-off; a killed primary
+comes back as passive while its backup serves. Exit 6 for an unknown server, 64 for a
+malformed SHARD/ROLE, 1 if it has no process now, 4 when no supervisor answers.
+"""
+from __future__ import annotations
+
+import json
+
+import click
+
+from supervisor.control import (call, checked_target, control_options, ping, resolve_control,
+                                run_command, target_argument)
+
+
+@click.command("kill")
+@target_argument
+@control_options
+def command(target: str, control: str | None, config: str | None, timeout_s: float) -> None:
+    """SIGKILL one server (a failure drill), e.g. s0/primary."""
+
+    def body() -> int:
+        name = checked_target(target)
+        endpoint = resolve_control(control, config)
+        ping(endpoint, "cluster.kill", timeout_s)
+        reply = json.loads(call(endpoint, "cluster.kill", name.encode(), timeout_s=timeout_s,
+                                retries=0))
+        click.echo(f"killed {reply['server']}: pid {reply['pid']} (SIGKILL)")
+        return 0
+
+    run_command(body)

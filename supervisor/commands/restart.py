@@ -1,0 +1,33 @@
+"""``supervisor restart SHARD/ROLE``: stop one server (SIGTERM, then SIGKILL after the
+deadline) and start it again at once, with a fresh restart count (a FAILED server gets
+another chance). MDP ``cluster.restart``. Exit 6 for an unknown server, 64 for a
+malformed SHARD/ROLE, 4 when no supervisor answers.
+"""
+from __future__ import annotations
+
+import json
+
+import click
+
+from supervisor.control import (call, checked_target, control_options, ping, resolve_control,
+                                run_command, target_argument)
+from supervisor.runner import STOP_DEADLINE_S
+
+
+@click.command("restart")
+@target_argument
+@control_options
+def command(target: str, control: str | None, config: str | None, timeout_s: float) -> None:
+    """Restart one server, e.g. s0/primary."""
+
+    def body() -> int:
+        name = checked_target(target)
+        endpoint = resolve_control(control, config)
+        ping(endpoint, "cluster.restart", timeout_s)
+        # the reply comes once the old run has exited: allow for the stop deadline
+        reply = json.loads(call(endpoint, "cluster.restart", name.encode(),
+                                timeout_s=timeout_s + 2 * STOP_DEADLINE_S, retries=0))
+        click.echo(f"restarted {reply['server']}: pid {reply['pid']}")
+        return 0
+
+    run_command(body)

@@ -1,0 +1,271 @@
+"""``supervisor start CONFIG``: validate and place, host the MDP broker on the control
+endpoint, start every server (a primary and a backup per shard), keep them alive, and
+stop everything on Ctrl-C / SIGTERM / ``supervisor stop``.
+
+    supervisor start CONFIG [--detach] [--run-dir DIR] [--demo-load] [--table/--no-table]
+
+Foreground: a live status table when stdout is a terminal (``--no-table``: one line per
+event instead). Once every server is up it prints
+``READY supervisor cluster=C control=EP pid=N servers=8 running=8`` (a detached start
+prints it too, then returns). The run directory (default ``./run/<cluster>``) holds
+``supervisor.pid``, ``supervisor.log`` and ``logs/<shard>-<role>.log``.
+
+Exit codes: 0 after a clean stop, 2 a config that does not fit (or a port taken at the
+check), 3 the control port in use, 1 anything else.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import click
+
+from shards.errors import ConfigError, PortInUse
+from supervisor.config import load_config
+from supervisor.hostfacts import local_host_facts
+from supervisor.placement import Plan, check_ports_free, plan
+from supervisor.policy import (BACKOFF_CAP_S, BACKOFF_INITIAL_S, CRASH_LIMIT, CRASH_WINDOW_S,
+                               PolicyConfig)
+
+log = logging.getLogger("supervisor")
+
+DETACH_READY_TIMEOUT_S = 60.0
+_LOG_FORMAT = "%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s"
+
+
+def _fail(exc: Exception, code: int) -> None:
+    for line in str(exc).splitlines():
+        click.echo(f"error: {line}", err=True)
+    raise SystemExit(code)
+
+
+def _connect_endpoint(control: str) -> str:
+    return control.replace("tcp://*:", "tcp://127.0.0.1:")
+
+
+# ===================================================================== detach
+
+def _detach(argv: list[str], run_dir: Path) -> int:
+    """Re-run this command in a new session with stdout on a pipe until READY, stderr
+    (then stdout too) on RUN_DIR/supervisor.log. Returns an exit code."""
+    log_path = run_dir / "supervisor.log"
+    with open(log_path, "ab") as log_file:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", *argv, "--detached-child"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_file,
+            start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + DETACH_READY_TIMEOUT_S
+    for raw in iter(child.stdout.readline, b""):
+        line = raw.decode("utf-8", "replace").rstrip("\n")
+        if line.startswith("READY "):
+            click.echo(line)
+            click.echo(f"supervisor running in the background: pid {child.pid}; logs in "
+                       f"{run_dir}; stop it with: supervisor stop --control ...")
+            child.stdout.close()
+            return 0
+        if time.monotonic() > deadline:
+            break
+    child.stdout.close()
+    try:
+        code = child.wait(5)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        code = child.wait()
+    click.echo(f"error: the detached supervisor did not start (exit {code}); the end of "
+               f"{log_path}:", err=True)
+    try:
+        tail = log_path.read_text(errors="replace").splitlines()[-15:]
+    except OSError:
+        tail = []
+    for line in tail:
+        click.echo(f"  {line}", err=True)
+    return code or 1
+
+
+# ===================================================================== the supervisor
+
+class Supervisor:
+    def __init__(self, the_plan: Plan, run_dir: Path, *, table: bool, demo_load: bool,
+                 detached: bool, ready_timeout_s: float, policy: PolicyConfig):
+        self.plan = the_plan
+        self.policy = policy
+        self.run_dir = run_dir
+        self.table = table
+        self.demo_load = demo_load
+        self.detached = detached
+        self.ready_timeout_s = ready_timeout_s
+        self.events: deque[str] = deque(maxlen=6)
+        self.stop = asyncio.Event()
+
+    def on_event(self, text: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        self.events.append(f"{stamp} {text}")
+        if not self.table:
+            print(f"EVENT {text}", flush=True)
+
+    async def run(self) -> int:
+        import zmq
+
+        from supervisor.broker import Broker
+        from supervisor.broker_core import BrokerConfig
+        from supervisor.control import ControlServices, StatsPoller
+        from supervisor.runner import Runner, ServerArgs, shards_has_pair_options
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(sig, self.stop.set)
+        the_plan = self.plan
+        control = _connect_endpoint(the_plan.control)
+        pair = shards_has_pair_options()
+        if not pair:
+            log.warning("python -m shards has no pair options: running standalone servers")
+        ctx = zmq.Context()
+        broker = Broker([the_plan.control], BrokerConfig(), ctx=ctx)
+        runner = Runner(the_plan, self.run_dir,
+                        ServerArgs(control=control, heartbeat_s=the_plan.heartbeat_s,
+                                   parent_pid=os.getpid(), pair=pair),
+                        policy=self.policy, on_event=self.on_event)
+        ControlServices(the_plan, runner, self.stop).register(broker)
+        tasks: list[asyncio.Task] = []
+        pid_file = self.run_dir / "supervisor.pid"
+        try:
+            try:
+                await broker.start()
+            except PortInUse as exc:
+                click.echo(f"error: control endpoint: {exc}", err=True)
+                return exc.exit_code
+            pid_file.write_text(f"{os.getpid()}\n")
+            missing = await runner.start_all(self.ready_timeout_s)
+            running = len(runner.servers) - len(missing)
+            if missing:
+                log.warning("not running after %g s: %s", self.ready_timeout_s,
+                            ", ".join(missing))
+            print(f"READY supervisor cluster={the_plan.cluster} control={the_plan.control} "
+                  f"pid={os.getpid()} servers={len(runner.servers)} running={running} "
+                  f"run_dir={self.run_dir}", flush=True)
+            if self.detached:  # from now on stdout goes to the log as well
+                os.dup2(2, 1)
+            poller = StatsPoller(runner, control, ctx)
+            tasks.append(loop.create_task(poller.run()))
+            if self.demo_load:
+                from supervisor.demo_load import DemoLoad
+
+                tasks.append(loop.create_task(DemoLoad(the_plan, ctx).run()))
+            if self.table:
+                tasks.append(loop.create_task(self._live(runner)))
+            await self.stop.wait()
+            log.info("stopping %d servers", len(runner.servers))
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            tasks.clear()
+            await poller.close()
+            await runner.stop_all()
+            print(f"STOPPED supervisor cluster={the_plan.cluster} pid={os.getpid()}",
+                  flush=True)
+            return 0
+        finally:
+            for task in tasks:
+                task.cancel()
+            runner.kill_all_now()  # only if something above failed midway
+            await broker.stop()
+            ctx.destroy(linger=0)
+            if pid_file.exists() and pid_file.read_text().strip() == str(os.getpid()):
+                pid_file.unlink()
+
+    async def _live(self, runner) -> None:
+        from rich.console import Console, Group
+        from rich.live import Live
+        from rich.text import Text
+
+        from supervisor.status_view import status_table, summary_line
+
+        console = Console()
+
+        def render():
+            rows = runner.describe()
+            title = (f"cluster {self.plan.cluster}  control {self.plan.control}  "
+                     f"supervisor pid {os.getpid()}  {summary_line(rows)}  (Ctrl-C stops)")
+            return Group(status_table(rows, title=title),
+                         Text("\n".join(self.events), style="dim"))
+
+        with Live(render(), console=console, refresh_per_second=4,
+                  transient=False) as live:
+            while True:
+                await asyncio.sleep(1.0)
+                live.update(render())
+
+
+# ===================================================================== command
+
+@click.command("start")
+@click.argument("config", metavar="CONFIG")
+@click.option("--detach", is_flag=True, help="Run in the background (logs in the run dir).")
+@click.option("--run-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the pid file and logs go [default: ./run/<cluster>].")
+@click.option("--demo-load", is_flag=True,
+              help="Write a few keys per second across the shards (for make run).")
+@click.option("--table/--no-table", default=None,
+              help="Live status table [default: when stdout is a terminal].")
+@click.option("--ready-timeout-s", type=click.FloatRange(min=1), default=20.0,
+              show_default=True, help="How long to wait for every server's READY.")
+@click.option("--backoff-initial-s", type=click.FloatRange(min=0), default=BACKOFF_INITIAL_S,
+              show_default=True, help="First restart delay after a crash (doubles).")
+@click.option("--backoff-cap-s", type=click.FloatRange(min=0), default=BACKOFF_CAP_S,
+              show_default=True, help="Longest restart delay.")
+@click.option("--crash-limit", type=click.IntRange(min=1), default=CRASH_LIMIT,
+              show_default=True,
+              help=f"Crashes within {CRASH_WINDOW_S:g} s after which a server is FAILED.")
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
+              default="INFO", show_default=True)
+@click.option("--detached-child", is_flag=True, hidden=True)
+def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
+            table: bool | None, ready_timeout_s: float, backoff_initial_s: float,
+            backoff_cap_s: float, crash_limit: int, log_level: str,
+            detached_child: bool) -> None:
+    """Start the cluster in CONFIG and keep it running (Ctrl-C stops it)."""
+    try:
+        policy = PolicyConfig(backoff_initial_s=backoff_initial_s,
+                              backoff_cap_s=max(backoff_cap_s, backoff_initial_s),
+                              crash_limit=crash_limit)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    try:
+        cluster = load_config(config)
+        the_plan = plan(cluster, local_host_facts(), source=config)
+        check_ports_free(the_plan, source=config)
+    except ConfigError as exc:
+        _fail(exc, exc.exit_code)
+    run_path = Path(run_dir or Path("run") / the_plan.cluster).resolve()
+    run_path.mkdir(parents=True, exist_ok=True)
+    if detach and not detached_child:
+        argv = ["start", str(Path(config).resolve()), "--run-dir", str(run_path),
+                "--no-table", "--ready-timeout-s", str(ready_timeout_s),
+                "--log-level", log_level, "--backoff-initial-s", str(backoff_initial_s),
+                "--backoff-cap-s", str(backoff_cap_s), "--crash-limit", str(crash_limit)
+                ] + (["--demo-load"] if demo_load else [])
+        raise SystemExit(_detach(argv, run_path))
+    if table is None:
+        table = sys.stdout.isatty() and not detached_child
+    handler: logging.Handler
+    if table:  # keep the terminal for the table
+        handler = logging.FileHandler(run_path / "supervisor.log")
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+    logging.basicConfig(level=getattr(logging, log_level), handlers=[handler])
+    import uvloop
+
+    supervisor = Supervisor(the_plan, run_path, table=table, demo_load=demo_load,
+                            detached=detached_child, ready_timeout_s=ready_timeout_s,
+                            policy=policy)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        code = runner.run(supervisor.run())
+    raise SystemExit(code)

@@ -1,0 +1,43 @@
+"""``supervisor status [CONFIG] [--json] [--control EP]``: the running cluster's status,
+from the supervisor's ``cluster.status`` service (one row per server).
+
+Exit codes: 0 when every server is RUNNING, 1 when some is not (BACKOFF, FAILED...),
+4 when no supervisor answers in time.
+"""
+from __future__ import annotations
+
+import json
+
+import click
+
+from supervisor.control import control_options, resolve_control, run_command, status_rows
+
+
+@click.command("status")
+@click.argument("config_arg", metavar="[CONFIG]", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@control_options
+def command(config_arg: str | None, as_json: bool, control: str | None, config: str | None,
+            timeout_s: float) -> None:
+    """Show every server of the running cluster."""
+
+    def body() -> int:
+        endpoint = resolve_control(control, config or config_arg)
+        rows, summary = status_rows(endpoint, timeout_s)
+        if as_json:
+            click.echo(json.dumps({"summary": summary, "servers": rows}, indent=2,
+                                  sort_keys=True))
+        else:
+            from rich.console import Console
+
+            from supervisor.status_view import status_table, summary_line
+
+            title = (f"cluster {summary.get('cluster')}  control {endpoint}  "
+                     f"supervisor pid {summary.get('pid')}  {summary_line(rows)}")
+            console = Console(highlight=False)
+            if not console.is_terminal:
+                console = Console(highlight=False, width=200)
+            console.print(status_table(rows, title=title))
+        return 0 if all(row.get("state") == "RUNNING" for row in rows) else 1
+
+    run_command(body)

@@ -1,0 +1,43 @@
+"""``supervisor stop [--control EP | --config CONFIG]``: ask the running supervisor to stop
+every server and exit (MDP ``cluster.stop``). With ``--wait`` (the default) it returns
+once the supervisor no longer answers. Exit 4 when no supervisor answers.
+"""
+from __future__ import annotations
+
+import time
+
+import click
+
+from shards.errors import Timeout
+from supervisor.control import call, control_options, ping, resolve_control, run_command
+
+STOP_WAIT_S = 30.0
+
+
+@click.command("stop")
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait until the supervisor has stopped.")
+@control_options
+def command(wait: bool, control: str | None, config: str | None, timeout_s: float) -> None:
+    """Stop every server and the supervisor."""
+
+    def body() -> int:
+        endpoint = resolve_control(control, config)
+        ping(endpoint, "cluster.stop", timeout_s)
+        call(endpoint, "cluster.stop", timeout_s=timeout_s, retries=0)
+        if wait:
+            deadline = time.monotonic() + STOP_WAIT_S
+            while time.monotonic() < deadline:
+                try:  # answers while it stops its servers; silence once it is gone
+                    ping(endpoint, "cluster.stop", timeout_s=0.5)
+                except Timeout:
+                    break
+                time.sleep(0.2)
+            else:
+                click.echo(f"error: the supervisor still answers {STOP_WAIT_S:g} s later",
+                           err=True)
+                return 1
+        click.echo(f"stopped ({endpoint})")
+        return 0
+
+    run_command(body)

@@ -1,0 +1,70 @@
+"""The status table: one row per server from ``cluster.status`` rows (or
+``Runner.describe()``), rendered with rich for the live view and ``supervisor status``.
+
+    column     what
+    shard      the shard's name
+    role       primary / backup (the configured role; Binary Star decides who serves)
+    bstar      the server's Binary Star state: ACTIVE serves clients, PASSIVE replicates,
+               PRIMARY/BACKUP still looking for its peer
+    pid        the process id of the current run
+    cores      the cores it is pinned to
+    address    the address and port base P it binds (P..P+3)
+    seq        the shard's last sequence number seen by this server
+    keys       keys in its map
+    upd/s      updates per second since the previous poll (about 1 s)
+    restarts   how often the supervisor started it again
+    state      RUNNING, STARTING, BACKOFF (waiting to restart: shows the delay),
+               FAILED (crashed too often: not restarted), STOPPING, STOPPED
+"""
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+
+STATE_STYLE = {"RUNNING": "green", "STARTING": "cyan", "BACKOFF": "yellow",
+               "FAILED": "bold red", "STOPPING": "magenta", "STOPPED": "dim"}
+BSTAR_STYLE = {"ACTIVE": "bold green", "PASSIVE": "blue"}
+COLUMNS = ("shard", "role", "bstar", "pid", "cores", "address", "seq", "keys", "upd/s",
+           "restarts", "state")
+
+
+def _dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def _state(row: dict) -> Text:
+    state = row.get("state", "?")
+    text = state
+    if state == "BACKOFF" and row.get("restart_in_s") is not None:
+        text += f" {row['restart_in_s']:.1f}s"
+    elif state == "FAILED":
+        text += f" ({row.get('reason', '')})"
+    return Text(text, style=STATE_STYLE.get(state, ""))
+
+
+def row_cells(row: dict) -> list:
+    rate = row.get("updates_per_s")
+    bstar = row.get("bstar")
+    return [row.get("shard", "?"), row.get("role", "?"),
+            Text(_dash(bstar), style=BSTAR_STYLE.get(bstar or "", "")),
+            _dash(row.get("pid")), row.get("cores_text") or ",".join(map(str, row["cores"])),
+            f"{row.get('address')}:{row.get('port')}", _dash(row.get("seq")),
+            _dash(row.get("keys")), "-" if rate is None else f"{rate:.0f}",
+            str(row.get("restarts", 0)), _state(row)]
+
+
+def status_table(rows: list[dict], title: str | None = None) -> Table:
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    for column in COLUMNS:
+        justify = "right" if column in ("pid", "seq", "keys", "upd/s", "restarts") else "left"
+        table.add_column(column, justify=justify, no_wrap=column != "state")
+    for row in rows:
+        table.add_row(*row_cells(row))
+    return table
+
+
+def summary_line(rows: list[dict]) -> str:
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row.get("state", "?")] = counts.get(row.get("state", "?"), 0) + 1
+    return ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))

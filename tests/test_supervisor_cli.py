@@ -1,0 +1,315 @@
+"""The supervisor's command line, end to end: real ``supervisor start`` processes, real
+shard servers, the control commands over MDP, pinning checked on every thread, and no
+process left behind however the supervisor ends.
+
+Each test writes a copy of a config from configs/ with its ports moved to free ones.
+``start --no-table`` prints one ``EVENT <server> ...`` line per event (started, ready,
+exit, restart), which is what the tests wait on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from conftest import PYTHON, ROOT, free_port_base
+from shards.proto import chp
+from supervisor.runner import shards_has_pair_options
+
+PAIR = shards_has_pair_options(PYTHON)
+needs_pair = pytest.mark.skipif(not PAIR, reason="python -m shards has no Binary Star "
+                                                 "pair options (--primary/--peer) yet")
+pytestmark = pytest.mark.timeout(120)
+
+
+# ------------------------------------------------------------------ helpers
+
+def write_config(tmp_path: Path, source: str, **overrides) -> tuple[Path, str]:
+    """A copy of configs/<source> with a free control port and free server ports."""
+    data = yaml.safe_load((ROOT / "configs" / source).read_text())
+    control = f"tcp://127.0.0.1:{free_port_base(1)}"
+    data["control"] = control
+    shards = data["shards"]
+    count = shards if isinstance(shards, int) else len(shards)
+    base = free_port_base(20 * count)
+    if isinstance(shards, int):
+        data["port_base"] = base
+    else:
+        for i, shard in enumerate(shards):
+            shard.setdefault("primary", {})["port"] = base + 20 * i
+            shard.setdefault("backup", {})["port"] = base + 20 * i + 10
+    data.update(overrides)
+    path = tmp_path / f"cluster-{source}"
+    path.write_text(yaml.safe_dump(data))
+    return path, control
+
+
+def cli(*args: str, timeout_s: float = 30.0) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "supervisor", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def status(control: str) -> dict[str, dict]:
+    out = cli("status", "--json", "--control", control)
+    assert out.returncode in (0, 1), out.stderr
+    return {row["name"]: row for row in json.loads(out.stdout)["servers"]}
+
+
+def start(procs, config: Path, tmp_path: Path, *extra: str, timeout_s: float = 60.0):
+    return procs.python("-m", "supervisor", "start", str(config), "--no-table",
+                        "--run-dir", str(tmp_path / "run"), *extra,
+                        ready="READY supervisor", timeout_s=timeout_s)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(pids, timeout_s: float = 15.0) -> list[int]:
+    """Wait until every pid has exited (a zombie counts as exited); the ones left."""
+    deadline = time.monotonic() + timeout_s
+    left = list(pids)
+    while left and time.monotonic() < deadline:
+        psutil.wait_procs([p for p in (_proc(pid) for pid in left) if p], timeout=0.2)
+        left = [pid for pid in left if not gone(pid)]
+    return left
+
+
+def _proc(pid: int):
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def children_of(pid: int) -> list[int]:
+    return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+
+
+def wait_status(control: str, predicate, timeout_s: float = 20.0) -> dict[str, dict]:
+    """Poll ``supervisor status`` (the thing under test) until ``predicate(rows)``."""
+    deadline = time.monotonic() + timeout_s
+    rows = status(control)
+    while not predicate(rows):
+        assert time.monotonic() < deadline, json.dumps(rows, indent=1)[:3000]
+        time.sleep(0.3)
+        rows = status(control)
+    return rows
+
+
+def snapshot_answered(zctx, address: str, port: int, timeout_s: float = 5.0) -> int:
+    """Ask a server for a snapshot (ICANHAZ) on a raw DEALER; the KTHXBAI's sequence."""
+    import zmq
+
+    sock = zctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(f"tcp://{address}:{port}")
+    sock.send_multipart(chp.icanhaz(b""))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0 and sock.poll(int(remaining * 1000)), "no snapshot"
+        msg = chp.decode_snapshot(sock.recv_multipart())
+        if isinstance(msg, chp.Kthxbai):
+            sock.close(0)
+            return msg.seq
+
+
+# ------------------------------------------------------------------ tests
+
+def test_control_commands_without_a_supervisor_exit_4(free_control):
+    for args in (["status"], ["stop"], ["kill", "s0/primary"], ["restart", "s0/backup"],
+                 ["logs", "s0/primary"]):
+        out = cli(*args, "--control", free_control, "--timeout-s", "0.3")
+        assert out.returncode == 4, (args, out.stderr)
+        assert "no reply within 0.3 s" in out.stderr and "is the supervisor running" in \
+            out.stderr
+    out = cli("kill", "s0", "--control", free_control)
+    assert out.returncode == 64 and "is not SHARD/ROLE" in out.stderr
+
+
+@pytest.fixture
+def free_control():
+    return f"tcp://127.0.0.1:{free_port_base(1)}"
+
+
+def test_start_refuses_a_taken_port_before_starting_anything(procs, tmp_path):
+    config, control = write_config(tmp_path, "1shard.yaml")
+    import socket
+
+    data = yaml.safe_load(config.read_text())
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", data["port_base"] + 11))  # the backup's P+1
+    try:
+        out = cli("start", str(config), "--no-table", "--run-dir", str(tmp_path / "run"))
+    finally:
+        holder.close()
+    assert out.returncode == 2
+    assert "shards[0].backup.port" in out.stderr and "cannot be bound" in out.stderr
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_four_shards_pinned_mapped_killed_restarted_stopped(procs, tmp_path, zctx):
+    from shards.mdp.client import SyncMdpClient
+
+    config, control = write_config(tmp_path, "4shard.yaml")
+    sup = start(procs, config, tmp_path, "--demo-load", "--backoff-initial-s", "0.2")
+    ready = [line for line in sup.stdout if line.startswith("READY supervisor")]
+    assert ready and "servers=8 running=8" in ready[0]
+    plan = json.loads(cli("validate", str(config), "--json", "--no-port-check").stdout)
+    planned = {f"{sh['name']}/{role}": sh[role] for sh in plan["shards"]
+               for role in ("primary", "backup")}
+    rows = status(control)
+    assert sorted(rows) == sorted(planned) and len(rows) == 8
+    assert {row["state"] for row in rows.values()} == {"RUNNING"}
+    assert sorted(children_of(sup.pid)) == sorted(row["pid"] for row in rows.values())
+    seen_pids = {row["pid"] for row in rows.values()}
+
+    # pinned as planned: every thread of every server, ZeroMQ's I/O threads included
+    for name, row in rows.items():
+        proc = psutil.Process(row["pid"])
+        threads = proc.threads()
+        assert len(threads) >= 3, (name, threads)  # main + zmq I/O + reaper at least
+        for thread in threads:
+            assert os.sched_getaffinity(thread.id) == set(planned[name]["cores"]), (
+                name, thread.id)
+        assert row["address"] == planned[name]["address"]
+        assert row["port"] == planned[name]["port"]
+
+    # the cluster map over MDP, as a client would read it
+    with SyncMdpClient(control, ctx=zctx, timeout_s=3) as client:
+        status_code, body = client.request("cluster.map")
+    assert status_code == b"200"
+    cmap = json.loads(body)
+    assert cmap["cluster"] == "four" and cmap["routing"]["shards"] == 4
+    assert cmap["routing"]["version"] == 1
+    for shard in cmap["shards"]:
+        for role in ("primary", "backup"):
+            server = planned[f"{shard['name']}/{role}"]
+            assert shard[role]["port"] == server["port"]
+            assert shard[role]["endpoints"]["snapshot"] == server["endpoints"]["snapshot"]
+
+    # logs over MDP
+    out = cli("logs", "s1/backup", "-n", "5", "--control", control)
+    assert out.returncode == 0 and "READY shard" in cli(
+        "logs", "s1/backup", "-n", "1000", "--control", control).stdout
+    assert len(out.stdout.splitlines()) <= 5
+    out = cli("logs", "s9/backup", "--control", control)
+    assert out.returncode == 6 and "no server 's9/backup'" in out.stderr
+
+    if PAIR:  # each pair settles: one ACTIVE, one PASSIVE, figures from the servers
+        rows = wait_status(control, lambda r: all(
+            {r[f"s{i}/primary"]["bstar"], r[f"s{i}/backup"]["bstar"]} == {"ACTIVE", "PASSIVE"}
+            for i in range(4)) and all(row["seq"] is not None for row in r.values()))
+
+    # kill a primary: it is restarted (a new pid) and the cluster keeps serving
+    victim = rows["s0/primary"]
+    out = cli("kill", "s0/primary", "--control", control)
+    assert out.returncode == 0 and f"pid {victim['pid']}" in out.stdout
+    sup.wait_line(f"EVENT s0/primary pid {victim['pid']} killed by SIGKILL")
+    sup.wait_line("EVENT s0/primary ready")
+    rows = wait_status(control, lambda r: r["s0/primary"]["state"] == "RUNNING")
+    assert rows["s0/primary"]["pid"] != victim["pid"] and rows["s0/primary"]["restarts"] == 1
+    assert rows["s0/primary"]["last_exit"] == "killed by SIGKILL"
+    assert gone(victim["pid"])
+    seen_pids |= {row["pid"] for row in rows.values()}
+    if PAIR:  # the backup took over; the restarted primary rejoined as passive
+        rows = wait_status(control, lambda r: r["s0/backup"]["bstar"] == "ACTIVE"
+                           and r["s0/primary"]["bstar"] == "PASSIVE")
+        backup = rows["s0/backup"]
+        assert snapshot_answered(zctx, backup["address"], backup["port"]) >= 0
+
+    # an operator restart: SIGTERM, a new pid, a clean exit recorded
+    old = rows["s2/backup"]["pid"]
+    out = cli("restart", "s2/backup", "--control", control)
+    assert out.returncode == 0, out.stderr
+    rows = wait_status(control, lambda r: r["s2/backup"]["state"] == "RUNNING")
+    assert rows["s2/backup"]["pid"] not in (None, old)
+    assert rows["s2/backup"]["last_exit"] == "exited with code 0"
+    seen_pids |= {row["pid"] for row in rows.values()}
+
+    # stop: every server and the supervisor end, nothing left
+    out = cli("stop", "--control", control)
+    assert out.returncode == 0, out.stderr
+    assert sup.wait(20) == 0
+    assert any(line.startswith("STOPPED supervisor") for line in sup.stdout)
+    assert wait_gone(seen_pids) == []
+    assert cli("status", "--control", control, "--timeout-s", "0.3").returncode == 4
+
+
+def test_sigkilled_supervisor_leaves_no_child_and_sigterm_stops_cleanly(procs, tmp_path):
+    config, control = write_config(tmp_path, "2shard.yaml")
+    sup = start(procs, config, tmp_path)
+    children = children_of(sup.pid)
+    assert len(children) == 4
+    sup.signal(signal.SIGKILL)
+    sup.wait(5)
+    assert wait_gone(children) == [], "children outlived a SIGKILLed supervisor"
+
+    sup = start(procs, config, tmp_path)  # the ports are free again
+    children = children_of(sup.pid)
+    assert len(children) == 4
+    sup.signal(signal.SIGTERM)
+    assert sup.wait(20) == 0
+    assert wait_gone(children) == []
+    logs = sorted(p.name for p in (tmp_path / "run" / "logs").iterdir())
+    assert logs == ["s0-backup.log", "s0-primary.log", "s1-backup.log", "s1-primary.log"]
+    assert "stopped with the supervisor" in (tmp_path / "run" / "logs" /
+                                             "s0-primary.log").read_text()
+    assert not (tmp_path / "run" / "supervisor.pid").exists()
+
+
+def test_a_server_that_keeps_crashing_is_failed_not_restarted(procs, tmp_path):
+    config, control = write_config(tmp_path, "1shard.yaml")
+    sup = start(procs, config, tmp_path, "--backoff-initial-s", "0.05", "--crash-limit", "3")
+    for attempt in range(3):
+        row = status(control)["s0/backup"]
+        assert row["state"] == "RUNNING"
+        assert cli("kill", "s0/backup", "--control", control).returncode == 0
+        sup.wait_line(f"EVENT s0/backup pid {row['pid']} killed by SIGKILL")
+        if attempt < 2:
+            sup.wait_line("EVENT s0/backup ready")
+    sup.wait_line("EVENT s0/backup FAILED: crashed 3 times")
+    rows = status(control)
+    assert rows["s0/backup"]["state"] == "FAILED" and rows["s0/backup"]["pid"] is None
+    assert rows["s0/primary"]["state"] == "RUNNING"
+    out = cli("status", "--control", control)
+    assert out.returncode == 1 and "FAILED" in out.stdout
+    out = cli("kill", "s0/backup", "--control", control)
+    assert out.returncode == 1 and "has no process now (FAILED)" in out.stderr
+    assert cli("restart", "s0/backup", "--control", control).returncode == 0  # a new chance
+    rows = wait_status(control, lambda r: r["s0/backup"]["state"] == "RUNNING")
+    assert rows["s0/backup"]["restarts"] == 3
+
+
+def test_detach_runs_in_the_background_and_stop_ends_it(tmp_path):
+    config, control = write_config(tmp_path, "1shard.yaml")
+    run_dir = tmp_path / "run"
+    out = cli("start", str(config), "--detach", "--run-dir", str(run_dir), timeout_s=60)
+    pid_file = run_dir / "supervisor.pid"
+    pid = int(pid_file.read_text()) if pid_file.exists() else None
+    children: list[int] = []
+    try:
+        assert out.returncode == 0, out.stderr
+        assert "READY supervisor" in out.stdout and pid is not None
+        children = children_of(pid)
+        assert len(children) == 2
+        rows = status(control)
+        assert {r["state"] for r in rows.values()} == {"RUNNING"}
+        assert cli("stop", "--control", control).returncode == 0
+        assert wait_gone([pid, *children]) == []
+        assert "STOPPED supervisor" in (run_dir / "supervisor.log").read_text()
+    finally:
+        for leftover in ([pid] if pid else []) + children:
+            if not gone(leftover):
+                os.kill(leftover, signal.SIGKILL)
