@@ -292,6 +292,18 @@ def ping(endpoint: str, service: str, timeout_s: float = CONTROL_TIMEOUT_S) -> N
         raise ReplyError("404", f"the supervisor at {endpoint} has no service {service!r}")
 
 
+def act(service: str, target: str, control: str | None, config: str | None,
+        timeout_s: float, reply_timeout_s: float | None = None) -> dict:
+    """A command that acts on one server (``cluster.kill``, ``cluster.restart``): check
+    the target, check a supervisor answers, then send the request once (never retried:
+    it must not act twice) and return its JSON reply."""
+    name = checked_target(target)
+    endpoint = resolve_control(control, config)
+    ping(endpoint, service, timeout_s)
+    return json.loads(call(endpoint, service, name.encode(),
+                           timeout_s=reply_timeout_s or timeout_s, retries=0))
+
+
 def status_rows(endpoint: str, timeout_s: float = CONTROL_TIMEOUT_S) -> tuple[list[dict], dict]:
     """``cluster.status``: (one dict per server, the summary)."""
     rows: list[dict] = []

@@ -16,6 +16,8 @@ A server is a child ``python -m shards`` process::
   supervisor dies (``prctl(PR_SET_PDEATHSIG)``, and exits at once if the supervisor is
   already gone); ``--parent-pid`` makes the server itself exit when that pid disappears.
   ``stop_all`` sends SIGTERM, then SIGKILL after a deadline, and reaps every child.
+* Own process group: a terminal's Ctrl-C goes to the supervisor alone, which then stops
+  the servers in order (and records those exits as requested stops).
 * Exits are events: each child's pidfd is watched by the event loop (no polling).
 * Output: stdout is a pipe read by the supervisor (the ``READY`` line marks the server
   RUNNING; every line is copied to the log); stderr goes straight to
@@ -280,6 +282,7 @@ class Runner:
                 proc.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=proc._log.fileno(), close_fds=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                process_group=0,  # a terminal's Ctrl-C reaches the supervisor only
                 preexec_fn=_child_setup(os.getpid(), proc.plan.cores))
         except OSError as exc:
             proc.history.append(Run(started_at=now, exited_at=now, exit_code=127,

@@ -125,6 +125,36 @@ def snapshot_answered(zctx, address: str, port: int, timeout_s: float = 5.0) -> 
             return msg.seq
 
 
+# ------------------------------------------------------------------ pieces
+
+def test_targets_log_tails_and_the_cluster_map_agree_with_routing(tmp_path):
+    from shards.routing import ShardMap
+    from supervisor.control import check_target, cluster_map, tail_lines
+    from supervisor.hostfacts import load_host_facts
+    from supervisor.placement import load_plan
+
+    assert check_target(" s0/primary ") == "s0/primary"
+    for bad in ("s0", "s0/leader", "/primary", "s 0/backup", "s0/backup/x"):
+        with pytest.raises(ValueError, match="is not SHARD/ROLE"):
+            check_target(bad)
+    log = tmp_path / "x.log"
+    log.write_bytes(b"".join(b"line %d\n" % i for i in range(100000)))
+    assert tail_lines(log, 3) == b"line 99997\nline 99998\nline 99999\n"
+    log.write_bytes(b"a\nb")
+    assert tail_lines(log, 5) == b"a\nb\n" and tail_lines(log, 1) == b"b\n"
+    log.write_bytes(b"")
+    assert tail_lines(log, 5) == b""
+    plan = load_plan(ROOT / "configs" / "16core-2nic.yaml",
+                     load_host_facts(ROOT / "configs" / "hosts" / "16core-2nic.yaml"))
+    cmap = json.loads(json.dumps(cluster_map(plan)))
+    rebuilt = ShardMap.from_description(cmap["routing"])
+    pins = {i: list(sh.prefixes) for i, sh in enumerate(plan.shards) if sh.prefixes}
+    assert pins and rebuilt == ShardMap(len(plan.shards), pins)
+    for shard, planned in zip(cmap["shards"], plan.shards):
+        assert shard["primary"]["endpoints"]["updates"] == planned.primary.endpoint("updates")
+        assert shard["backup"]["ports"]["peer"] == planned.backup.port + 3
+
+
 # ------------------------------------------------------------------ tests
 
 def test_control_commands_without_a_supervisor_exit_4(free_control):
@@ -160,6 +190,8 @@ def test_start_refuses_a_taken_port_before_starting_anything(procs, tmp_path):
 
 
 def test_four_shards_pinned_mapped_killed_restarted_stopped(procs, tmp_path, zctx):
+    import zmq
+
     from shards.mdp.client import SyncMdpClient
 
     config, control = write_config(tmp_path, "4shard.yaml")
@@ -198,6 +230,20 @@ def test_four_shards_pinned_mapped_killed_restarted_stopped(procs, tmp_path, zct
             server = planned[f"{shard['name']}/{role}"]
             assert shard[role]["port"] == server["port"]
             assert shard[role]["endpoints"]["snapshot"] == server["endpoints"]["snapshot"]
+
+    # cluster.status at the frame level, on a raw DEALER: a PARTIAL per server, a FINAL
+    dealer = zctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.connect(control)
+    dealer.send_multipart([b"MDPC02", b"\x01", b"cluster.status", b""])
+    replies = []
+    while not replies or replies[-1][1] != b"\x03":
+        assert dealer.poll(5000), replies
+        replies.append(dealer.recv_multipart())
+    assert [r[:3] for r in replies[:-1]] == [[b"MDPC02", b"\x02", b"cluster.status"]] * 8
+    assert {json.loads(r[3])["name"] for r in replies[:-1]} == set(planned)
+    assert replies[-1][:4] == [b"MDPC02", b"\x03", b"cluster.status", b"200"]
+    assert json.loads(replies[-1][4])["states"] == {"RUNNING": 8}
 
     # logs over MDP
     out = cli("logs", "s1/backup", "-n", "5", "--control", control)

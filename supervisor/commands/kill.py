@@ -5,12 +5,9 @@ malformed SHARD/ROLE, 1 if it has no process now, 4 when no supervisor answers.
 """
 from __future__ import annotations
 
-import json
-
 import click
 
-from supervisor.control import (call, checked_target, control_options, ping, resolve_control,
-                                run_command, target_argument)
+from supervisor.control import act, control_options, run_command, target_argument
 
 
 @click.command("kill")
@@ -20,11 +17,7 @@ def command(target: str, control: str | None, config: str | None, timeout_s: flo
     """SIGKILL one server (a failure drill), e.g. s0/primary."""
 
     def body() -> int:
-        name = checked_target(target)
-        endpoint = resolve_control(control, config)
-        ping(endpoint, "cluster.kill", timeout_s)
-        reply = json.loads(call(endpoint, "cluster.kill", name.encode(), timeout_s=timeout_s,
-                                retries=0))
+        reply = act("cluster.kill", target, control, config, timeout_s)
         click.echo(f"killed {reply['server']}: pid {reply['pid']} (SIGKILL)")
         return 0
 

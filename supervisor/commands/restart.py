@@ -5,12 +5,9 @@ malformed SHARD/ROLE, 4 when no supervisor answers.
 """
 from __future__ import annotations
 
-import json
-
 import click
 
-from supervisor.control import (call, checked_target, control_options, ping, resolve_control,
-                                run_command, target_argument)
+from supervisor.control import act, control_options, run_command, target_argument
 from supervisor.runner import STOP_DEADLINE_S
 
 
@@ -21,12 +18,9 @@ def command(target: str, control: str | None, config: str | None, timeout_s: flo
     """Restart one server, e.g. s0/primary."""
 
     def body() -> int:
-        name = checked_target(target)
-        endpoint = resolve_control(control, config)
-        ping(endpoint, "cluster.restart", timeout_s)
         # the reply comes once the old run has exited: allow for the stop deadline
-        reply = json.loads(call(endpoint, "cluster.restart", name.encode(),
-                                timeout_s=timeout_s + 2 * STOP_DEADLINE_S, retries=0))
+        reply = act("cluster.restart", target, control, config, timeout_s,
+                    reply_timeout_s=timeout_s + 2 * STOP_DEADLINE_S)
         click.echo(f"restarted {reply['server']}: pid {reply['pid']}")
         return 0
 
