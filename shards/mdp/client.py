@@ -39,7 +39,7 @@ import zmq
 from shards.drops import DropCounter
 from shards.errors import ProtocolError, SlowConsumer, Timeout
 from shards.proto import mdp
-from shards.proto.mdp import C_FINAL, C_PARTIAL, C_REQUEST, MDPC
+from shards.proto.mdp import C_FINAL, C_PARTIAL, C_REQUEST
 from shards.zio import AsyncSocket, recv_frames, send_frames
 
 log = logging.getLogger(__name__)
