@@ -238,16 +238,16 @@ class SnapshotCursor:
         data = self.store.data
         undo = self.undo
         subtree = self.subtree
-        out = []
-        append = out.append
-        for i in range(start, end):
-            key = keys[i]
-            if subtree and not key.startswith(subtree):
-                continue
-            value = undo.get(key) if undo else None
-            if value is None:
-                value = data[key]
-            append((key, value))
+        chunk = keys[start:end]
+        if subtree:
+            chunk = [key for key in chunk if key.startswith(subtree)]
+        # A listed key absent from ``undo`` has not changed since the cursor opened, so
+        # it is still in ``data``; stored values are never empty, so ``or`` is safe.
+        if undo:
+            get = undo.get
+            out = [(key, get(key) or data[key]) for key in chunk]
+        else:
+            out = list(zip(chunk, map(data.__getitem__, chunk)))
         if end >= len(keys):
             self.close()
         return out
