@@ -83,31 +83,18 @@ class ServerArgs:
     heartbeat_s: float
     parent_pid: int
     python: str = sys.executable
-    pair: bool = True
-    """False: a ``python -m shards`` without the pair options (standalone servers)."""
     extra: tuple[str, ...] = ()
 
 
 def server_argv(server: ServerPlan, peer: ServerPlan, args: ServerArgs) -> list[str]:
-    argv = [args.python, "-m", "shards",
+    return [args.python, "-m", "shards",
             "--port", str(server.port), "--host", server.address,
             "--cpus", ",".join(map(str, server.cores)),
-            "--heartbeat-s", f"{args.heartbeat_s:g}"]
-    if args.pair:
-        argv += ["--shard", server.shard, f"--{server.role}",
-                 "--peer", f"{peer.address}:{peer.port}",
-                 "--control", args.control, "--parent-pid", str(args.parent_pid)]
-    return argv + list(args.extra)
-
-
-def shards_has_pair_options(python: str = sys.executable) -> bool:
-    """Whether this ``python -m shards`` takes the pair options (``--control``...)."""
-    try:
-        out = subprocess.run([python, "-m", "shards", "--help"], capture_output=True,
-                             timeout=30, check=False).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return b"--control" in out and b"--parent-pid" in out
+            "--heartbeat-s", f"{args.heartbeat_s:g}",
+            "--shard", server.shard, f"--{server.role}",
+            "--peer", f"{peer.address}:{peer.port}",
+            "--control", args.control, "--parent-pid", str(args.parent_pid),
+            *args.extra]
 
 
 def parse_ready(line: str) -> dict[str, str]:
@@ -352,6 +339,7 @@ class Runner:
         proc.history[-1] = replace(run, exited_at=now, exit_code=code,
                                    stop_requested=proc.stop_requested or self.stopping)
         proc.popen, proc.pid = None, None
+        proc.stats, proc.stats_at, proc.updates_per_s = {}, None, None
         self._event(proc, f"pid {popen.pid} {describe_exit(proc.history[-1])}")
         proc.exited.set()
         self._after_exit(proc)

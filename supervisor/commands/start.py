@@ -52,7 +52,7 @@ def _connect_endpoint(control: str) -> str:
 
 # ===================================================================== detach
 
-def _detach(argv: list[str], run_dir: Path) -> int:
+def _detach(argv: list[str], run_dir: Path, control: str) -> int:
     """Re-run this command in a new session with stdout on a pipe until READY, stderr
     (then stdout too) on RUN_DIR/supervisor.log. Returns an exit code."""
     log_path = run_dir / "supervisor.log"
@@ -67,7 +67,8 @@ def _detach(argv: list[str], run_dir: Path) -> int:
         if line.startswith("READY "):
             click.echo(line)
             click.echo(f"supervisor running in the background: pid {child.pid}; logs in "
-                       f"{run_dir}; stop it with: supervisor stop --control ...")
+                       f"{run_dir}; stop it with: supervisor stop --control "
+                       f"{_connect_endpoint(control)}")
             child.stdout.close()
             return 0
         if time.monotonic() > deadline:
@@ -116,21 +117,18 @@ class Supervisor:
         from supervisor.broker import Broker
         from supervisor.broker_core import BrokerConfig
         from supervisor.control import ControlServices, StatsPoller
-        from supervisor.runner import Runner, ServerArgs, shards_has_pair_options
+        from supervisor.runner import Runner, ServerArgs
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self.stop.set)
         the_plan = self.plan
         control = _connect_endpoint(the_plan.control)
-        pair = shards_has_pair_options()
-        if not pair:
-            log.warning("python -m shards has no pair options: running standalone servers")
         ctx = zmq.Context()
         broker = Broker([the_plan.control], BrokerConfig(), ctx=ctx)
         runner = Runner(the_plan, self.run_dir,
                         ServerArgs(control=control, heartbeat_s=the_plan.heartbeat_s,
-                                   parent_pid=os.getpid(), pair=pair),
+                                   parent_pid=os.getpid()),
                         policy=self.policy, on_event=self.on_event)
         ControlServices(the_plan, runner, self.stop).register(broker)
         tasks: list[asyncio.Task] = []
@@ -251,7 +249,7 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
                 "--log-level", log_level, "--backoff-initial-s", str(backoff_initial_s),
                 "--backoff-cap-s", str(backoff_cap_s), "--crash-limit", str(crash_limit)
                 ] + (["--demo-load"] if demo_load else [])
-        raise SystemExit(_detach(argv, run_path))
+        raise SystemExit(_detach(argv, run_path, the_plan.control))
     if table is None:
         table = sys.stdout.isatty() and not detached_child
     handler: logging.Handler
