@@ -15,7 +15,13 @@ socket), all driven from one asyncio loop through ``shards.zio.AsyncSocket``:
   gets every KVSET at both servers). An XPUB is a PUB that also reports subscriptions:
   KVSETs are sent only once the collector's SUB has subscribed (before that a PUB drops
   them silently), and with ``XPUB_NODROP`` a full pipe queues them here instead of
-  dropping them. The queue is bounded; overflow drops the oldest and is counted.
+  dropping them. ``ZMQ_IMMEDIATE`` makes a lost connection an unsubscription. The queue is bounded; overflow drops the oldest and is counted.
+  Only the collector of the server the shard follows (or the only one) queues while not
+  subscribed; a KVSET for the *other* server of a pair while its collector is down (dead,
+  restarting) is dropped and counted (``collector_down``), and a failover clears the
+  queue of a collector that is down. Otherwise a restarted server would receive a backlog
+  of old KVSETs after it has resynchronised, hold them as pending, and re-apply stale
+  values if it took over again.
 
 Hot paths (measured: see ``bench``): a KVPUB is one ``decode_update``, one
 ``check_seq`` and one dict store; a KVSYNC is one ``decode_snapshot`` and one dict
@@ -102,11 +108,25 @@ def parse_server(text: "str | ServerAddress") -> ServerAddress:
 
 
 class FailoverInfo(NamedTuple):
+    """A shard moved to another server of its pair (``on_failover`` callback).
+
+    Reported twice per failover: when the shard switches (``resumed`` False: the old
+    server was ``silent_s`` seconds silent, or refused or never answered the snapshot
+    requests, as ``reason`` says), and when it has resumed (``resumed`` True: the new
+    server's snapshot is installed; ``gap_s`` is the time from the last message heard
+    from ``old`` to that moment; ``removed`` keys vanished and ``changed`` keys were new or
+    different in the new snapshot, all told to watches). A chain of switches (the first
+    server tried refused) reports each switch, and one ``resumed`` from the first ``old``.
+    """
     shard: str
     old: ServerAddress
     new: ServerAddress
     reason: str
     silent_s: float
+    resumed: bool = False
+    gap_s: float | None = None
+    removed: int = 0
+    changed: int = 0
 
 
 class _Collector:
@@ -118,6 +138,11 @@ class _Collector:
         sock.linger = 0
         sock.sndhwm = XPUB_SNDHWM
         sock.setsockopt(zmq.XPUB_NODROP, 1)
+        # IMMEDIATE: no pipe while disconnected, so a dead or restarting server is
+        # reported as an unsubscription (ready False) and nothing piles up in ZeroMQ
+        # for it (a connecting socket otherwise keeps its pipe, and its subscriptions,
+        # across reconnects, and would replay a stale backlog to a restarted server)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.connect(address.collector)
         self.address = address
         self.io = AsyncSocket(sock, self._on_subscription, loop=loop,
@@ -142,7 +167,8 @@ class _Collector:
             self.ready = False
             self.on_ready_change()
 
-    def send(self, frames: list[bytes]) -> None:
+    def send(self, frames: list[bytes], keep: bool = True) -> None:
+        """Send, or queue; ``keep`` False: drop (counted) while not subscribed."""
         if self.ready and not self.queue:
             try:
                 self.io.send(frames)
@@ -150,6 +176,10 @@ class _Collector:
                 return
             except zmq.Again:
                 pass
+        elif not self.ready and not keep:
+            self.dropped += 1
+            self.drops.drop("collector_down", f"{self.address.collector}: not subscribed")
+            return
         if len(self.queue) >= self.queue_max:
             self.queue.popleft()
             self.dropped += 1
@@ -157,6 +187,16 @@ class _Collector:
                             f"{self.address.collector}: {self.queue_max} KVSETs queued")
         self.queue.append(frames)
         self._flush_soon()
+
+    def discard_queue(self) -> None:
+        """Drop what is queued (counted): this server is down and not followed."""
+        if self.queue:
+            n = len(self.queue)
+            self.queue.clear()
+            self.dropped += n
+            self.drops.drop("collector_down", f"{self.address.collector}: {n} queued "
+                            "KVSETs dropped (server down, shard moved)")
+            self.drops.counts["collector_down"] += n - 1
 
     def _flush_soon(self) -> None:
         if self.ready and self.queue and (self._flusher is None or self._flusher.done()):
@@ -236,6 +276,8 @@ class ShardAgent:
         self.failovers = 0
         self.disconnects = 0
         self.last_failover: FailoverInfo | None = None
+        self._failover_from: tuple[int, float, str, float] | None = None
+        """(old server, last heard from it, reason, silent_s) until the shard resumes."""
         self.phase_log: deque[tuple[float, str]] = deque(maxlen=PHASE_LOG_MAX)
         """(time, phase) at start and at each phase change, newest last (bounded)."""
         # internals
@@ -391,20 +433,47 @@ class ShardAgent:
         self.hub.installed(self.name, old, new, eff.seq)
         log.info("shard %s: snapshot of %d keys at sequence %d from %s%s", self.name,
                  len(new), eff.seq, self.server, " (resync: replaced)" if eff.resync else "")
+        if self._failover_from is not None:
+            self._resumed(old, new)
         self._replay(self._gen)
+
+    def _resumed(self, old: dict[bytes, bytes], new: dict[bytes, bytes]) -> None:
+        first, heard_s, reason, silent_s = self._failover_from
+        self._failover_from = None
+        get = old.get
+        removed = len(old.keys() - new.keys())
+        changed = sum(1 for k, v in new.items() if get(k) != v)
+        info = FailoverInfo(self.name, self.servers[first], self.server, reason, silent_s,
+                            resumed=True, gap_s=self.clock() - heard_s, removed=removed,
+                            changed=changed)
+        self.last_failover = info
+        log.warning("shard %s: resumed on %s %.2f s after the last message from %s "
+                    "(%d keys removed, %d new or changed)", self.name, info.new, info.gap_s,
+                    info.old, removed, changed)
+        self._report(info)
+
+    def _report(self, info: FailoverInfo) -> None:
+        if self.on_failover is not None:
+            try:
+                self.on_failover(info)
+            except Exception:
+                log.exception("shard %s: on_failover callback failed", self.name)
 
     def _do_Failover(self, eff: sm.Failover) -> None:
         info = FailoverInfo(self.name, self.servers[eff.old], self.servers[eff.new],
                             eff.reason, eff.silent_s)
         self.failovers += 1
         self.last_failover = info
+        if self._failover_from is None:
+            # the gap starts at the last message heard (a snapshot message counts)
+            heard_s = max(self.last_heard_s, self.last_snapshot_s) or self.clock()
+            self._failover_from = (eff.old, heard_s, eff.reason, eff.silent_s)
         log.warning("shard %s: %s after %.1f s; moving from %s to %s", self.name, eff.reason,
                     eff.silent_s, info.old, info.new)
-        if self.on_failover is not None:
-            try:
-                self.on_failover(info)
-            except Exception:
-                log.exception("shard %s: on_failover callback failed", self.name)
+        for i, collector in enumerate(self._collectors):
+            if i != eff.new and not collector.ready:
+                collector.discard_queue()
+        self._report(info)
 
     # ------------------------------------------------------------------ sockets
     def _on_monitor(self, frames: list[bytes]) -> None:
@@ -531,8 +600,13 @@ class ShardAgent:
     # ------------------------------------------------------------------ updates out
     def send_kvset(self, frames: list[bytes]) -> None:
         """Publish a KVSET to every server of the shard (fire-and-forget)."""
-        for collector in self._collectors:
-            collector.send(frames)
+        collectors = self._collectors
+        if len(collectors) == 1:
+            collectors[0].send(frames)
+            return
+        current = self.state.server
+        for i, collector in enumerate(collectors):
+            collector.send(frames, i == current)
 
     # ------------------------------------------------------------------ figures
     def stats(self) -> dict:

@@ -45,6 +45,9 @@ from client.errors import NotRunning
 from client.watch import WATCH_CAPACITY, SyncWatch, Watch, WatchCore, WatchHub
 
 DEFAULT_TIMEOUT_S = 10.0
+AUTO = "auto"
+SILENCE_HEARTBEATS = 3
+"""``silence_timeout_s="auto"``: this many of the servers' heartbeats (``heartbeat_s``)."""
 
 
 def _parse_servers(servers: "str | ServerAddress | Sequence[str | ServerAddress]"
@@ -70,12 +73,22 @@ class AsyncClone:
 
     ``await start()`` (or ``async with``) returns once every shard's snapshot is installed
     and a collector listens, or raises ``shards.errors.Timeout`` after ``timeout_s``.
+
+    Failover (a Binary Star pair given as ``servers=[primary, backup]``): a shard silent
+    (no KVPUB, no HUGZ) for ``silence_timeout_s`` (``"auto"``: 3 x ``heartbeat_s``, the
+    servers' heartbeat; ``None``: never) moves to the next server; a server that sends no
+    snapshot for ``sync_timeout_s`` is asked again, twice at most, then the next one;
+    a SUB that never connects moves on after ``connect_timeout_s``. ``on_failover`` is
+    called (on the agent's loop thread; keep it short) with a ``FailoverInfo`` when the
+    shard switches and again when it has resumed.
     """
 
     def __init__(self, servers, *, subtree: str = "", codec: "str | Codec" = "bytes",
                  timeout_s: float = DEFAULT_TIMEOUT_S,
-                 silence_timeout_s: float | None = sm.SILENCE_TIMEOUT_S,
+                 heartbeat_s: float = sm.HEARTBEAT_S,
+                 silence_timeout_s: "float | None | str" = AUTO,
                  sync_timeout_s: float = sm.SYNC_TIMEOUT_S,
+                 connect_timeout_s: float = sm.CONNECT_TIMEOUT_S,
                  sync_buffer_max: int = SYNC_BUFFER_MAX,
                  kvset_queue_max: int = KVSET_QUEUE_MAX,
                  watch_capacity: int = WATCH_CAPACITY,
@@ -91,13 +104,18 @@ class AsyncClone:
         self.timeout_s = timeout_s
         self.limits = limits
         self.watch_capacity = watch_capacity
+        if silence_timeout_s == AUTO:
+            if not heartbeat_s > 0:
+                raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s!r}")
+            silence_timeout_s = SILENCE_HEARTBEATS * heartbeat_s
+        self.silence_timeout_s = silence_timeout_s
         self._own_ctx = context is None
         self._ctx = context if context is not None else zmq.Context()
         self._hub = WatchHub()
         self._agents = [ShardAgent(
             self._ctx, self.servers, name="s0", subtree=self._subtree_b, hub=self._hub,
             silence_timeout_s=silence_timeout_s, sync_timeout_s=sync_timeout_s,
-            sync_buffer_max=sync_buffer_max, kvset_queue_max=kvset_queue_max,
+            connect_timeout_s=connect_timeout_s, sync_buffer_max=sync_buffer_max, kvset_queue_max=kvset_queue_max,
             limits=limits, on_failover=on_failover)]
         self._started = False
         self._closed = False
