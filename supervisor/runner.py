@@ -313,7 +313,7 @@ class Runner:
             if text.startswith("READY ") and proc.popen is popen and proc.state == STARTING:
                 self._set_state(proc, RUNNING, "ready")
                 proc.ready.set()
-                self.on_event(f"{proc.name} ready: {text}")
+                self.on_event(f"{proc.name} ready (pid {popen.pid})")
 
     def _close_stdout(self, proc: ServerProcess, popen: subprocess.Popen) -> None:
         if popen.stdout is not None and not popen.stdout.closed:

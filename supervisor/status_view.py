@@ -8,7 +8,8 @@
                PRIMARY/BACKUP still looking for its peer
     pid        the process id of the current run
     cores      the cores it is pinned to
-    address    the address and port base P it binds (P..P+3)
+    address    the address and port base P it binds (P..P+3); only ``port`` when every
+               server binds one address (it is then in the title)
     seq        the shard's last sequence number seen by this server
     keys       keys in its map
     upd/s      updates per second since the previous poll (about 1 s)
@@ -18,6 +19,7 @@
 """
 from __future__ import annotations
 
+from rich import box
 from rich.table import Table
 from rich.text import Text
 
@@ -26,6 +28,7 @@ STATE_STYLE = {"RUNNING": "green", "STARTING": "cyan", "BACKOFF": "yellow",
 BSTAR_STYLE = {"ACTIVE": "bold green", "PASSIVE": "blue"}
 COLUMNS = ("shard", "role", "bstar", "pid", "cores", "address", "seq", "keys", "upd/s",
            "restarts", "state")
+NUMERIC = {"pid", "seq", "keys", "upd/s", "restarts"}
 
 
 def _dash(value) -> str:
@@ -42,24 +45,37 @@ def _state(row: dict) -> Text:
     return Text(text, style=STATE_STYLE.get(state, ""))
 
 
-def row_cells(row: dict) -> list:
+def row_cells(row: dict, with_address: bool = True) -> list:
     rate = row.get("updates_per_s")
     bstar = row.get("bstar")
+    where = f"{row.get('address')}:{row.get('port')}" if with_address else str(row.get("port"))
     return [row.get("shard", "?"), row.get("role", "?"),
             Text(_dash(bstar), style=BSTAR_STYLE.get(bstar or "", "")),
             _dash(row.get("pid")), row.get("cores_text") or ",".join(map(str, row["cores"])),
-            f"{row.get('address')}:{row.get('port')}", _dash(row.get("seq")),
-            _dash(row.get("keys")), "-" if rate is None else f"{rate:.0f}",
-            str(row.get("restarts", 0)), _state(row)]
+            where, _dash(row.get("seq")), _dash(row.get("keys")),
+            "-" if rate is None else f"{rate:.0f}", str(row.get("restarts", 0)), _state(row)]
+
+
+def common_address(rows: list[dict]) -> str | None:
+    """The one address every server binds, if there is one."""
+    addresses = {row.get("address") for row in rows}
+    return addresses.pop() if len(addresses) == 1 else None
 
 
 def status_table(rows: list[dict], title: str | None = None) -> Table:
-    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    """The table; when every server binds one address it goes to the title and the
+    column shows only the port (so the table fits 80 columns)."""
+    shared = common_address(rows)
+    if shared is not None and title is not None:
+        title += f"  address {shared}"
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                  pad_edge=False, collapse_padding=True)
     for column in COLUMNS:
-        justify = "right" if column in ("pid", "seq", "keys", "upd/s", "restarts") else "left"
-        table.add_column(column, justify=justify, no_wrap=column != "state")
+        name = "port" if column == "address" and shared is not None else column
+        table.add_column(name, justify="right" if column in NUMERIC else "left",
+                         no_wrap=True, overflow="ellipsis")
     for row in rows:
-        table.add_row(*row_cells(row))
+        table.add_row(*row_cells(row, with_address=shared is None))
     return table
 
 

@@ -190,9 +190,12 @@ class Supervisor:
         def render():
             rows = runner.describe()
             title = (f"cluster {self.plan.cluster}  control {self.plan.control}  "
-                     f"supervisor pid {os.getpid()}  {summary_line(rows)}  (Ctrl-C stops)")
+                     f"supervisor pid {os.getpid()}  {summary_line(rows)}")
             return Group(status_table(rows, title=title),
-                         Text("\n".join(self.events), style="dim"))
+                         Text("\n".join(self.events), style="dim"),
+                         Text(f"Ctrl-C stops everything; drills: supervisor kill s0/primary "
+                              f"--control {_connect_endpoint(self.plan.control)}",
+                              style="italic"))
 
         with Live(render(), console=console, refresh_per_second=4,
                   transient=False) as live:
