@@ -201,7 +201,7 @@ def report(record: rec.Record) -> None:
                      lat.get("p50", "-"), lat.get("p99", "-"), r["cpu_pct"]["target"],
                      r["cpu_pct"]["writers"], r["cpu_pct"]["subscribers"],
                      r["cpu_pct"]["others"]])
-    rec.print_table(f"{NAME}: runs ({record.data['config']['seconds']:g} s windows)",
+    rec.table(record, f"{NAME}: runs ({record.data['config']['seconds']:g} s windows)",
                     ["run", "sent/s", "sequenced/s", "received/s", "lost", "writer drops",
                      "p50 ms", "p99 ms", "target cpu%", "writer cpu%", "sub cpu%",
                      "others cpu%"], rows,
@@ -214,7 +214,7 @@ def report(record: rec.Record) -> None:
             rows.append([kind, x["median"], x["min"], x["max"], x["spread_pct"],
                          s["target_cpu_pct"]["median"]])
     ratio = record.data["summary"].get("ratio_server_to_ceiling")
-    rec.print_table(f"{NAME}: received updates/s over rounds",
+    rec.table(record, f"{NAME}: received updates/s over rounds",
                     ["target", "median", "min", "max", "spread %", "cpu% (median)"], rows,
                     caption=(f"server / ceiling = {ratio} (medians); per round "
                              f"{record.data['summary']['ratio_per_round']}")

@@ -1,7 +1,8 @@
 """Benchmark records: host facts, statistics, a printed table and a saved JSON file.
 
 Every benchmark ends with ``save(record)``, which writes
-``<results_dir>/<name>-<UTC timestamp>.json`` and ``<results_dir>/latest/<name>.json``.
+``<results_dir>/<name>-<UTC timestamp>.json`` and ``<results_dir>/latest/<name>.json``,
+and the same tables as printed, in Markdown, beside each (``.md``).
 A record holds (schema 1)::
 
     benchmark   name, e.g. "chp_throughput"
@@ -118,6 +119,7 @@ class Record:
             "targets": [],
         }
         self._t0 = time.monotonic()
+        self.tables: list[tuple[str, list[str], list[list[str]], str]] = []
 
     def add_run(self, run: dict) -> None:
         self.data["runs"].append(run)
@@ -143,7 +145,35 @@ class Record:
         text = json.dumps(self.data, indent=2, sort_keys=False) + "\n"
         path.write_text(text)
         (results_dir / "latest" / f"{name}.json").write_text(text)
+        md = self.markdown()
+        path.with_suffix(".md").write_text(md)
+        (results_dir / "latest" / f"{name}.md").write_text(md)
         return path
+
+    def markdown(self) -> str:
+        """The record's tables (as printed), its command and host, in Markdown."""
+        d = self.data
+        host = d["host"]
+        git = host.get("git", {})
+        lines = [
+            f"# {d['benchmark']} ({d['started_at']})", "",
+            f"- command: `{d['command']}`",
+            f"- invoked as: `{d['invoked_as']}`",
+            f"- host: {host['cores_logical']} logical cores ({host['cpu_model']}), load "
+            f"average {host['loadavg_before']} before, {host.get('loadavg_after')} after",
+            f"- Python {host['python']}, pyzmq {host['pyzmq']}, libzmq {host['libzmq']}; "
+            f"git {git.get('commit', '')[:12]}{' (dirty tree)' if git.get('dirty') else ''}",
+            f"- duration: {d.get('duration_s')} s", "",
+        ]
+        for title, columns, rows, caption in self.tables:
+            lines += [f"## {title}", "", "| " + " | ".join(columns) + " |",
+                      "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns)))
+                      + "|"]
+            lines += ["| " + " | ".join(row) + " |" for row in rows]
+            if caption:
+                lines += ["", caption.replace("\n", " ")]
+            lines.append("")
+        return "\n".join(lines)
 
 
 def _utc_now() -> str:
@@ -173,13 +203,21 @@ def print_table(title: str, columns: list[str], rows: list[list], caption: str =
     _console().print(table)
 
 
+def table(record: Record, title: str, columns: list[str], rows: list[list],
+          caption: str = "") -> None:
+    """Print a table and keep it in the record for the Markdown file."""
+    print_table(title, columns, rows, caption)
+    record.tables.append((title, list(columns), [[_fmt(v) for v in row] for row in rows],
+                          caption))
+
+
 def print_targets(record: Record) -> None:
     rows = [[t["name"], t["value"], ("< " if not t["higher_is_better"] else ">= ") + _fmt(t["target"]),
              t["unit"], "yes" if t["met"] else "NO"] for t in record.data["targets"]]
     host = record.data["host"]
-    print_table(f"{record.data['benchmark']}: targets", ["target", "value", "goal", "unit", "met"],
-                rows, caption=f"{record.data['command']}\n{host['cores_logical']} cores, load "
-                f"{host['loadavg_before']} -> {host.get('loadavg_after')}")
+    table(record, f"{record.data['benchmark']}: targets", ["target", "value", "goal", "unit", "met"],
+          rows, caption=f"{record.data['command']}\n{host['cores_logical']} cores, load "
+          f"{host['loadavg_before']} -> {host.get('loadavg_after')}")
 
 
 def _console():

@@ -261,7 +261,7 @@ def report(record: rec.Record) -> None:
                      round(r["keys"] / s["median"]), "yes" if r["all_whole"] else "NO",
                      round(r["rss_idle_bytes"] / 2**20, 1), round(r["rss_loaded_bytes"] / 2**20, 1),
                      r["bytes_per_key"], r["bytes_per_key_beyond_kv"]])
-    rec.print_table(f"{NAME}: join time and memory", [
+    rec.table(record, f"{NAME}: join time and memory", [
         "keys", "load upd/s", "snapshot s (median)", "min s", "max s", "keys/s", "whole",
         "RSS idle MiB", "RSS loaded MiB", "bytes/key", "beyond k+v"], rows)
     rec.print_targets(record)

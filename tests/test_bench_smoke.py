@@ -31,6 +31,10 @@ def _record(results_dir, name: str) -> dict:
     assert data["duration_s"] > 0 and data["runs"] and data["targets"]
     for t in data["targets"]:
         assert set(t) >= {"name", "value", "target", "unit", "met"}
+    md = (results_dir / "latest" / f"{name}.md").read_text()
+    assert stamped[0].with_suffix(".md").read_text() == md
+    assert md.startswith(f"# {name} ") and f"`{data['command']}`" in md
+    assert f"## {name}: targets" in md and "| target | value | goal | unit | met |" in md
     return data
 
 
