@@ -97,11 +97,6 @@ def server_argv(server: ServerPlan, peer: ServerPlan, args: ServerArgs) -> list[
             *args.extra]
 
 
-def parse_ready(line: str) -> dict[str, str]:
-    """``READY shard host=H port=P pid=N role=R`` -> ``{"host": H, ...}``."""
-    return dict(part.split("=", 1) for part in line.split()[1:] if "=" in part)
-
-
 class ServerProcess:
     """One planned server and its successive runs."""
 
@@ -124,6 +119,7 @@ class ServerProcess:
         self.stats_at: float | None = None
         self.updates_per_s: float | None = None
         self._restart_handle: asyncio.TimerHandle | None = None
+        self.lock = asyncio.Lock()  # one operator command at a time per server
         self._pidfd: int | None = None
         self._out_fd: int | None = None
         self._out_buf = b""
@@ -384,13 +380,15 @@ class Runner:
         """Stop (SIGTERM, then SIGKILL after the deadline) and start again at once; a
         fresh count for the restart policy (a FAILED server gets another chance)."""
         proc = self.get(name)
-        if self.stopping:
-            raise RuntimeError("the supervisor is stopping")
-        self._cancel_backoff(proc)
-        if proc.popen is not None:
-            self._event(proc, "restart on request")
-            await self._stop_one(proc)
-        self._spawn(proc, manual=True)
+        async with proc.lock:
+            if self.stopping:
+                raise RuntimeError("the supervisor is stopping")
+            self._cancel_backoff(proc)
+            if proc.popen is not None:
+                self._event(proc, "restart on request")
+                await self._stop_one(proc)
+            if not self.stopping:
+                self._spawn(proc, manual=True)
 
     async def _stop_one(self, proc: ServerProcess) -> None:
         popen = proc.popen
@@ -440,9 +438,6 @@ class Runner:
                 proc.popen.wait()
 
     # ----------------------------------------------------------------- status
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.servers.values() if p.pid is not None]
-
     def describe(self) -> list[dict]:
         now = self.clock()
         return [p.describe(now) for p in self.servers.values()]

@@ -365,3 +365,35 @@ def test_detach_runs_in_the_background_and_stop_ends_it(tmp_path):
         for leftover in ([pid] if pid else []) + children:
             if not gone(leftover):
                 os.kill(leftover, signal.SIGKILL)
+
+
+def test_sigterm_while_the_servers_start_stops_them_all(procs, tmp_path):
+    config, control = write_config(tmp_path, "1shard.yaml")
+    sup = procs.python("-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
+                       str(tmp_path / "run"))
+    pids = [int(sup.wait_line(f"EVENT s0/{role} started pid", 30).split()[4])
+            for role in ("primary", "backup")]
+    sup.signal(signal.SIGTERM)
+    assert sup.wait(20) == 0
+    assert wait_gone(pids) == []
+    assert any(line.startswith("STOPPED supervisor") for line in sup.stdout)
+
+
+def test_server_command_line_follows_the_plan():
+    from supervisor.hostfacts import load_host_facts
+    from supervisor.placement import load_plan
+    from supervisor.runner import ServerArgs, server_argv
+
+    plan = load_plan(ROOT / "configs" / "16core-2nic.yaml",
+                     load_host_facts(ROOT / "configs" / "hosts" / "16core-2nic.yaml"))
+    shard = plan.shards[1]
+    args = ServerArgs(control="tcp://127.0.0.1:5555", heartbeat_s=0.5, parent_pid=42,
+                      python="py")
+    argv = server_argv(shard.backup, shard.primary, args)
+    assert argv[:3] == ["py", "-m", "shards"] and "--backup" in argv
+    rest = [a for a in argv[3:] if a != "--backup"]
+    assert dict(zip(rest[::2], rest[1::2])) == {
+        "--port": str(shard.backup.port), "--host": shard.backup.address,
+        "--cpus": ",".join(map(str, shard.backup.cores)), "--heartbeat-s": "0.5",
+        "--shard": shard.name, "--peer": f"{shard.primary.address}:{shard.primary.port}",
+        "--control": "tcp://127.0.0.1:5555", "--parent-pid": "42"}

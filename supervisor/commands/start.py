@@ -140,7 +140,18 @@ class Supervisor:
                 click.echo(f"error: control endpoint: {exc}", err=True)
                 return exc.exit_code
             pid_file.write_text(f"{os.getpid()}\n")
-            missing = await runner.start_all(self.ready_timeout_s)
+            starting = loop.create_task(runner.start_all(self.ready_timeout_s))
+            stopping = loop.create_task(self.stop.wait())
+            await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not starting.done():  # a signal or cluster.stop while starting
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+                await runner.stop_all()
+                print(f"STOPPED supervisor cluster={the_plan.cluster} pid={os.getpid()} "
+                      "(before every server was ready)", flush=True)
+                return 0
+            missing = starting.result()
             running = len(runner.servers) - len(missing)
             if missing:
                 log.warning("not running after %g s: %s", self.ready_timeout_s,
