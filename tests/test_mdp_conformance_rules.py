@@ -250,3 +250,13 @@ def test_a_reply_to_a_vanished_client_is_counted_and_the_worker_goes_on(zctx, pr
     assert req2[4:] == [b"next"]
     w.send(mdp.worker_final(req2[2], b"fine"))
     assert c.recv() == [b"MDPC02", b"\x03", b"echo", b"fine"]
+
+
+# ------------------------------------------------------------------ the command
+
+def test_an_endpoint_that_cannot_be_bound_exits_2_with_one_line(procs):
+    proc = procs.python("-m", "supervisor", "broker", "--bind", "bogus://nowhere")
+    assert proc.wait(15) == 2
+    proc.stop()  # joins the output readers
+    assert len(proc.stderr) == 1 and "cannot bind bogus://nowhere" in proc.stderr[0]
+    assert proc.stdout == []
