@@ -114,10 +114,12 @@ def test_unknown_distribution_is_refused():
 
 # ------------------------------------------------------------------ the ceiling
 
-def test_forwarder_sequences_and_echoes_like_a_server(procs, port_base, zctx):
+@pytest.mark.parametrize("blind", [False, True])
+def test_forwarder_sequences_and_echoes_like_a_server(procs, port_base, zctx, blind):
     import zmq
 
-    procs.python("-m", "bench.forwarder", "--port", str(port_base), ready="READY")
+    procs.python("-m", "bench.forwarder", "--port", str(port_base),
+                 *(["--blind"] if blind else []), ready="READY")
     sub = zctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{port_base + 1}")
