@@ -26,7 +26,8 @@ PROFILES = {
         "snapshot": ["--keys", "100000", "--repeats", "2"],
     },
     "full": {
-        "chp_throughput": ["--seconds", "5", "--warmup", "1", "--rounds", "5"],
+        "chp_throughput": ["--seconds", "5", "--warmup", "1", "--rounds", "5",
+                           "--blind-ceiling"],
         "snapshot": ["--keys", "10000,100000,1000000", "--repeats", "3"],
     },
 }
