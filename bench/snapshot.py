@@ -41,6 +41,9 @@ LOAD_RATE_FLOOR_PER_S = 5_000
 """Loading deadline: N / this + 30 s."""
 IDLE_S = 30.0
 """A snapshot fails if no frame arrives for this long."""
+DEALER_RCVHWM = 100_000
+"""As the client library's DEALER: bounded, so the server's flow control (ROUTER_MANDATORY,
+its own SNDHWM) is what keeps a million-key snapshot whole."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,7 +104,7 @@ def take_snapshot(ctx, endpoint: str, n: int, value_bytes: int, zmq) -> dict:
     """One whole-map snapshot through a new DEALER, timed and checked."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.linger = 0
-    dealer.rcvhwm = 0
+    dealer.rcvhwm = DEALER_RCVHWM
     dealer.rcvtimeo = int(IDLE_S * 1000)
     keys: list[bytes] = []
     append = keys.append
