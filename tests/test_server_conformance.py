@@ -309,6 +309,25 @@ def test_a_50k_key_snapshot_arrives_whole(server, port_base, zctx):
     assert len(kvsync_seqs) == n
 
 
+def test_a_blocked_snapshot_does_not_stall_publishing(server, port_base, zctx):
+    peer = Peer(zctx, port_base, subscribe=(b"/probe/", b"/live/"))
+    peer.dealer.rcvhwm = 10
+    base = peer.sync()
+    n = 30_000
+    value = bytes(1000)  # 30 MB: more than the pipes and socket buffers hold
+    for i in range(n):
+        peer.kvset(b"/big/%06d" % i, value)
+    fence = peer.sync()
+    peer.dealer.send_multipart(chp.icanhaz(b""))
+    assert peer.dealer.poll(DEADLINE_S * 1000)  # streaming; we read nothing more for now
+    for i in range(100):  # the server keeps sequencing and publishing meanwhile
+        peer.kvset(b"/live/%d" % i, b"x")
+        assert peer.recv_update()[:2] == [b"/live/%d" % i, SEQ.pack(fence + 1 + i)]
+    items, seq, _ = peer.snapshot(send=False, timeout_s=30)
+    assert seq == fence and len(items) == n
+    assert all(v == value for v in items.values())
+
+
 def test_many_clients_snapshot_at_once(server, port_base, zctx):
     peer = Peer(zctx, port_base)
     data, last = _fill(peer)
