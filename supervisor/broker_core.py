@@ -159,6 +159,15 @@ class Worker:
         self.request: Request | None = None
 
 
+def _body_fits(frames: Sequence[bytes], start: int, n: int, limits: mdp.Limits) -> bool:
+    if n - start == 1:
+        return len(frames[start]) <= limits.max_body_bytes
+    size = 0
+    for i in range(start, n):
+        size += len(frames[i])
+    return size <= limits.max_body_bytes
+
+
 def peer(identity: bytes) -> str:
     return identity.hex()
 
@@ -188,11 +197,20 @@ class BrokerCore:
     # ----------------------------------------------------------------- messages
     def on_message(self, frames: Sequence[bytes], now: float) -> list:
         """One message read from the ROUTER: ``frames[0]`` is the sender's identity."""
-        if len(frames) > 1:
+        n = len(frames)
+        if n > 1:
             header = frames[1]
             if header == MDPW:
+                if n > 5 and frames[2] == W_FINAL:
+                    fast = self._fast_final(frames, n, now)
+                    if fast is not None:
+                        return fast
                 return self._on_worker(frames, now)
             if header == MDPC:
+                if n > 4 and frames[2] == C_REQUEST:
+                    fast = self._fast_request(frames, n, now)
+                    if fast is not None:
+                        return fast
                 return self._on_client(frames, now)
         identity = frames[0]
         effects: list = []
@@ -203,6 +221,39 @@ class BrokerCore:
         worker = self.workers.get(identity)
         if worker is not None:
             self._invalid_worker(worker, now, effects)
+        return effects
+
+    # The two messages of every request, without the decoder's objects and copies. Each
+    # takes only input that the full path would accept and treat the same way; anything
+    # else (returns None) goes the full way, which names the fault.
+    def _fast_request(self, frames: Sequence[bytes], n: int, now: float) -> list | None:
+        """A REQUEST to a known, worker-served service that has an idle worker."""
+        service = frames[3]
+        svc = self.services.get(service)  # names in ``services`` were checked on entry
+        if svc is None or not svc.idle or service in self.internal:
+            return None
+        limits = self.config.limits
+        if n - 4 > limits.max_body_frames or not _body_fits(frames, 4, n, limits):
+            return None
+        self.counters["requests"] += 1
+        worker = svc.idle.pop(next(iter(svc.idle)))
+        return [self._dispatch(worker, Request(frames[0], service, frames[4:], 0.0), now)]
+
+    def _fast_final(self, frames: Sequence[bytes], n: int, now: float) -> list | None:
+        """A FINAL from a known worker for the client it is serving."""
+        worker = self.workers.get(frames[0])
+        if worker is None:
+            return None
+        request = worker.request
+        limits = self.config.limits
+        if (request is None or frames[3] != request.client or frames[4]
+                or n - 5 > limits.max_body_frames or not _body_fits(frames, 5, n, limits)):
+            return None
+        worker.expires_at = now + self._expiry_s
+        self.counters["finals"] += 1
+        worker.request = None
+        effects = [[request.client, MDPC, C_FINAL, request.service, *frames[5:]]]
+        self._worker_idle(worker, now, effects)
         return effects
 
     def _on_client(self, frames: Sequence[bytes], now: float) -> list:

@@ -305,3 +305,34 @@ def test_the_expiry_clock_restarts_when_the_last_worker_leaves(h):
     assert drops(h.tick(4.9)) == [] and h.core.queued() == 2
     assert drops(h.tick(0.2)) == ["request_expired", "request_expired"]
     assert h.core.queued() == 0
+
+
+def test_oversize_bodies_are_refused_on_the_hot_path_too():
+    h = Harness(BrokerConfig(heartbeat_s=HB, limits=mdp.Limits(max_body_frames=3,
+                                                               max_body_bytes=10)))
+    h.ready(W1)
+    for body in ([b"x"] * 4, [b"x" * 11], [b"x" * 6, b"y" * 6]):
+        effects = h.request(C1, b"echo", *body)
+        assert drops(effects) == ["oversize_body"] and sends(effects) == []
+    assert sends(h.request(C1, b"echo", b"x" * 5, b"y" * 5))[0][0] == W1  # at the limits
+    for body in ([b"x"] * 4, [b"x" * 11], [b"x" * 6, b"y" * 6]):
+        h.ready(W2)
+        (sent,) = sends(h.request(C2, b"echo", b"q"))
+        assert sent[0] == W2
+        effects = h.worker(W2, *mdp.worker_final(C2, *body))
+        assert drops(effects) == ["oversize_body"] and not any(
+            s[0] == C2 for s in sends(effects))  # nothing relayed
+        assert W2 not in h.core.workers  # an invalid worker is forgotten...
+        assert h.core.queued() == 1  # ...and its request waits for another
+        h.core.services[b"echo"].requests.clear()
+    assert h.core.counters["finals"] == 0 and h.core.counters["workers_invalid"] == 3
+
+
+def test_a_final_with_a_bad_envelope_is_not_relayed(h):
+    h.ready(W1)
+    h.request(C1, b"echo", b"q")
+    effects = h.worker(W1, b"MDPW02", b"\x04", C1, b"not-empty", b"r")
+    assert drops(effects) == ["missing_delimiter"] and sends(effects) == []
+    h.ready(W2)  # takes the re-queued request
+    assert sends(h.worker(W2, *mdp.worker_final(C1, b"r"))) == [
+        [C1, b"MDPC02", b"\x03", b"echo", b"r"]]
