@@ -27,6 +27,12 @@ Hot paths (measured: see ``bench``): a KVPUB is one ``decode_update``, one
 ``check_seq`` and one dict store; a KVSYNC is one ``decode_snapshot`` and one dict
 store. While not ACTIVE, SUB messages are kept raw in a bounded buffer and decoded when
 replayed after the KTHXBAI.
+
+Sequences (12/CHP: a KVPUB not greater than the last applied is discarded): a discarded
+KVPUB whose sequence is at most the installed snapshot's (KTHXBAI) is a late copy of what
+the snapshot holds, counted ``skipped``; one above the snapshot's but not above the last
+applied means the stream went backwards, counted ``stale``, and starts a resync. A server
+restarted behind the same address is noticed by the SUB's reconnection instead.
 """
 from __future__ import annotations
 
@@ -258,6 +264,8 @@ class ShardAgent:
         self.drops = DropCounter(log)
         self.map: dict[bytes, bytes] = {}
         self.last_seq = 0
+        self.snapshot_seq = 0
+        """KTHXBAI sequence of the installed snapshot."""
         self.last_heard_s = 0.0
         """When the SUB last delivered anything (KVPUB or HUGZ), to TICK_S."""
         self.last_snapshot_s = 0.0
@@ -428,7 +436,7 @@ class ShardAgent:
             self._dealer.close()
             self._dealer = None
         self.map = new
-        self.last_seq = eff.seq
+        self.last_seq = self.snapshot_seq = eff.seq
         self.snapshots += 1
         self.hub.installed(self.name, old, new, eff.seq)
         log.info("shard %s: snapshot of %d keys at sequence %d from %s%s", self.name,
@@ -525,9 +533,12 @@ class ShardAgent:
         verdict = _check_seq(self.last_seq, seq, self.contiguous)
         if verdict:
             if verdict == sm.STALE:
-                if replay:
+                if replay or seq <= self.snapshot_seq:
+                    # already in the installed snapshot: a late copy (the SUB and the
+                    # DEALER are separate connections, read in no fixed order)
                     self.skipped += 1
                 else:
+                    # we applied something newer from this stream: it went backwards
                     self.stale += 1
                     self._dispatch(sm.SequenceBackwards(self.last_seq, seq))
             else:
