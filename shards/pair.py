@@ -54,6 +54,8 @@ log = logging.getLogger("shards.pair")
 
 STATE_OFFSET = 3
 """The state PUB is on P+3."""
+FATAL_LINGER_BEATS = 2
+"""After a same-role fatal, the state is still published this many heartbeats."""
 
 
 def parse_peer(text: str) -> tuple[str, int]:
@@ -236,11 +238,28 @@ class PairServer(ShardServer):
 
     def on_fatal(self, effect: bstar.Fatal) -> None:
         self.fatal = f"{effect.reason}: {effect.detail}"
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+            self._tick_handle = None
         self.set_active(False)
         self.follower.stop()
         log.error("shard %s: FATAL Binary Star %s (%s server on port %d): %s", self.shard,
                   effect.reason, self.role, self.config.port, effect.detail)
-        self.done.set()
+        if effect.reason in ("dual primary", "dual backup"):
+            # Both must exit; the peer may not have heard us yet (it may have started just
+            # now): keep telling it for two more heartbeats. (A split-brain loser stays
+            # silent: the survivor must not take it for a live peer.)
+            self._linger(FATAL_LINGER_BEATS)
+        else:
+            self.done.set()
+
+    def _linger(self, beats: int) -> None:
+        self._publish_state()
+        if beats <= 0:
+            self.done.set()
+            return
+        self._tick_handle = self.loop.call_later(self.config.heartbeat_s, self._linger,
+                                                 beats - 1)
 
     # hooks for the follower
     def reset_pending(self) -> None:

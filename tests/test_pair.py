@@ -1,0 +1,411 @@
+"""Binary Star pairs as real processes: start-up, votes, state exchange, the passive's
+replica, empty UUIDs, the control service, --parent-pid and the command line.
+
+Raw pyzmq sockets play the peers: a SUB on each server's P+3 reads its state messages
+(``Watcher``), a DEALER sends ICANHAZ (the client's vote), an XPUB writes KVSETs to both
+collectors, SUBs on both P+1 read KVPUBs. Every wait is for a message or a line, with a
+deadline. The fault tests (kill -9, restart, SIGSTOP, TTL across failover) are in
+test_pair_faults.py and use the helpers below.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import uuid as uuidlib
+
+import pytest
+import zmq
+
+from conftest import free_port_base
+from shards.mdp.client import SyncMdpClient
+from shards.proto import bstar as wire
+from shards.proto import chp
+
+HEARTBEAT_S = 0.2
+DEADLINE_S = 10.0
+ACTIVE, PASSIVE = wire.State.ACTIVE, wire.State.PASSIVE
+PRIMARY, BACKUP = wire.State.PRIMARY, wire.State.BACKUP
+
+
+# ============================================================================ helpers
+
+def start_server(procs, port: int, role: str, peer: int, *extra: str, shard: str = "t"):
+    proc = procs.python("-m", "shards", "--port", str(port), f"--{role}", "--peer",
+                        f"127.0.0.1:{peer}", "--shard", shard, "--heartbeat-s",
+                        str(HEARTBEAT_S), "--log-level", "info", *extra, ready="READY")
+    proc.port = port
+    return proc
+
+
+def two_bases(port_base: int) -> tuple[int, int]:
+    return port_base, free_port_base(4)
+
+
+def _ms(deadline: float) -> int:
+    return max(0, int((deadline - time.monotonic()) * 1000))
+
+
+class Watcher:
+    """Reads one server's state messages from its P+3."""
+
+    def __init__(self, zctx, port: int):
+        self.port = port
+        self.sock = zctx.socket(zmq.SUB)
+        self.sock.linger = 0
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(f"tcp://127.0.0.1:{port + 3}")
+        self.last: wire.StateMessage | None = None
+
+    def next(self, timeout_s: float = DEADLINE_S) -> wire.StateMessage:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            raise AssertionError(f"no state message from port {self.port} in {timeout_s} s")
+        self.last = wire.decode(self.sock.recv_multipart())
+        return self.last
+
+    def wait(self, pred, timeout_s: float = DEADLINE_S, what: str = "") -> wire.StateMessage:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.sock.poll(_ms(deadline)):
+                raise AssertionError(f"port {self.port}: no state message with {what} within "
+                                     f"{timeout_s} s (last {self.last})")
+            self.last = msg = wire.decode(self.sock.recv_multipart())
+            if pred(msg):
+                return msg
+
+    def wait_state(self, state: wire.State, timeout_s: float = DEADLINE_S):
+        return self.wait(lambda m: m.state == state, timeout_s, f"state {state.name}")
+
+    def wait_seq(self, seq: int, timeout_s: float = DEADLINE_S):
+        return self.wait(lambda m: m.sequence >= seq, timeout_s, f"sequence >= {seq}")
+
+
+def snapshot(zctx, port: int, timeout_s: float = DEADLINE_S
+             ) -> tuple[dict[bytes, bytes], int] | None:
+    """ICANHAZ on one DEALER; the map and KTHXBAI's sequence, or None if unanswered."""
+    dealer = zctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        dealer.send_multipart(chp.icanhaz())
+        deadline = time.monotonic() + timeout_s
+        out: dict[bytes, bytes] = {}
+        while True:
+            if not dealer.poll(_ms(deadline)):
+                return None
+            reply = chp.decode_snapshot(dealer.recv_multipart())
+            if isinstance(reply, chp.Kthxbai):
+                return out, reply.seq
+            out[reply.key] = reply.value
+    finally:
+        dealer.close(0)
+
+
+def vote(zctx, port: int, timeout_s: float = DEADLINE_S) -> tuple[dict[bytes, bytes], int]:
+    """Vote (ICANHAZ once per heartbeat, as a failing-over client) until answered."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = snapshot(zctx, port, min(HEARTBEAT_S, max(0.01, deadline - time.monotonic())))
+        if got is not None:
+            return got
+    raise AssertionError(f"port {port} answered no ICANHAZ within {timeout_s} s")
+
+
+class Writer:
+    """An XPUB connected to the collectors of both servers (as the client library)."""
+
+    def __init__(self, zctx, ports: list[int]):
+        self.sock = zctx.socket(zmq.XPUB)
+        self.sock.linger = 0
+        self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.sock.sndhwm = 0
+        for port in ports:
+            self.sock.connect(f"tcp://127.0.0.1:{port + 2}")
+        deadline = time.monotonic() + DEADLINE_S
+        for _ in ports:  # one subscription per collector: both are connected
+            assert self.sock.poll(_ms(deadline)), "a collector did not subscribe"
+            assert self.sock.recv() == b"\x01"
+        self.sent: list[tuple[bytes, bytes, bytes]] = []
+
+    def kvset(self, key: bytes, value: bytes, props: bytes = b"", uuid: bytes | None = None
+              ) -> bytes:
+        uuid = uuidlib.uuid4().bytes if uuid is None else uuid
+        self.sock.send_multipart(chp.kvset(key, value, uuid, props))
+        self.sent.append((uuid, key, value))
+        return uuid
+
+
+class Updates:
+    """A SUB on one server's P+1: KVPUBs in arrival order (HUGZ skipped)."""
+
+    def __init__(self, zctx, port: int):
+        self.port = port
+        self.sock = zctx.socket(zmq.SUB)
+        self.sock.linger = 0
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(f"tcp://127.0.0.1:{port + 1}")
+        self.got: list[chp.Kvpub] = []
+
+        self.hugz = 0
+
+    def pump(self, timeout_s: float = 0.0) -> int:
+        """Read what is there (waiting up to ``timeout_s`` for the first message)."""
+        n = 0
+        wait_ms = int(timeout_s * 1000)
+        while self.sock.poll(wait_ms):
+            wait_ms = 0
+            msg = chp.decode_update(self.sock.recv_multipart())
+            if isinstance(msg, chp.Kvpub):
+                self.got.append(msg)
+                n += 1
+            else:
+                self.hugz += 1
+        return n
+
+    def connected(self, timeout_s: float = DEADLINE_S) -> None:
+        """Wait for any message (an idle active sends HUGZ every heartbeat): from now on
+        this SUB hears everything the server publishes."""
+        deadline = time.monotonic() + timeout_s
+        while not (self.got or self.hugz):
+            assert time.monotonic() < deadline, f"port {self.port}: silent"
+            self.pump(max(0.001, deadline - time.monotonic()))
+
+    def wait(self, pred, timeout_s: float = DEADLINE_S, what: str = "") -> chp.Kvpub:
+        deadline = time.monotonic() + timeout_s
+        checked = 0
+        while True:
+            for msg in self.got[checked:]:
+                checked += 1
+                if pred(msg):
+                    return msg
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"port {self.port}: no KVPUB {what} within {timeout_s} s")
+            self.pump(max(0.001, deadline - time.monotonic()))
+
+
+def start_pair(procs, zctx, primary_port: int, backup_port: int, *extra: str,
+               backup_first: bool = False):
+    """Start both servers; return (primary, backup, watchers) once primary is ACTIVE and
+    backup PASSIVE."""
+    if backup_first:
+        backup = start_server(procs, backup_port, "backup", primary_port, *extra)
+        primary = start_server(procs, primary_port, "primary", backup_port, *extra)
+    else:
+        primary = start_server(procs, primary_port, "primary", backup_port, *extra)
+        backup = start_server(procs, backup_port, "backup", primary_port, *extra)
+    watch = {primary_port: Watcher(zctx, primary_port), backup_port: Watcher(zctx, backup_port)}
+    watch[primary_port].wait_state(ACTIVE)
+    watch[backup_port].wait_state(PASSIVE)
+    return primary, backup, watch
+
+
+def settle(writer: Writer, active: Updates, passive_watch: Watcher, key=b"/probe/") -> int:
+    """Write a probe through the active and wait until the passive's replica holds it."""
+    active.connected()
+    uuid = writer.kvset(key, b"probe")
+    seq = active.wait(lambda m: m.uuid == uuid, what="(probe)").seq
+    passive_watch.wait_seq(seq)
+    return seq
+
+
+def stderr_text(proc) -> str:
+    return "\n".join(proc.stderr)
+
+
+# ============================================================================ start-up
+
+def test_primary_first_waits_then_pairs_with_the_backup(procs, zctx, port_base):
+    p, b = two_bases(port_base)
+    start_server(procs, p, "primary", b)
+    wp = Watcher(zctx, p)
+    msg = wp.wait_state(PRIMARY)
+    assert (msg.role, msg.shard, msg.heartbeat_s) == (wire.Role.PRIMARY, "t", HEARTBEAT_S)
+    start_server(procs, b, "backup", p)
+    wb = Watcher(zctx, b)
+    assert wp.wait_state(ACTIVE).term == 1
+    assert wb.wait_state(PASSIVE).role == wire.Role.BACKUP
+    got = snapshot(zctx, p)
+    assert got == ({}, 0)
+
+
+def test_backup_first_refuses_clients_until_the_primary_comes(procs, zctx, port_base):
+    p, b = two_bases(port_base)
+    start_server(procs, b, "backup", p)
+    wb = Watcher(zctx, b)
+    wb.wait_state(BACKUP)
+    assert snapshot(zctx, b, timeout_s=4 * HEARTBEAT_S) is None  # a backup never takes a vote
+    start_server(procs, p, "primary", b)
+    wp = Watcher(zctx, p)
+    wp.wait_state(ACTIVE)
+    wb.wait_state(PASSIVE)
+    assert snapshot(zctx, p) == ({}, 0)
+
+
+def test_a_lone_primary_takes_a_client_vote_after_peer_expiry(procs, zctx, port_base):
+    p, b = two_bases(port_base)
+    start_server(procs, p, "primary", b)
+    wp = Watcher(zctx, p)
+    assert vote(zctx, p) == ({}, 0)
+    wp.wait_state(ACTIVE)
+    start_server(procs, b, "backup", p)
+    Watcher(zctx, b).wait_state(PASSIVE)
+
+
+def test_only_the_active_answers_icanhaz_and_the_passive_replicates(procs, zctx, port_base):
+    p, b = two_bases(port_base)
+    primary, backup, watch = start_pair(procs, zctx, p, b)
+    writer = Writer(zctx, [p, b])
+    updates = Updates(zctx, p)
+    settle(writer, updates, watch[b])
+    uuids = [writer.kvset(b"/k/%d" % i, b"v%d" % i) for i in range(200)]
+    last = updates.wait(lambda m: m.uuid == uuids[-1], what="(last write)")
+    watch[b].wait_seq(last.seq)
+    assert snapshot(zctx, b, timeout_s=4 * HEARTBEAT_S) is None
+    snap, seq = snapshot(zctx, p)
+    assert seq == last.seq and len(snap) == 201
+    assert primary.alive() and backup.alive()
+
+
+def test_a_server_that_starts_after_writes_gets_the_whole_map_with_its_ttls(
+        procs, zctx, port_base):
+    p, b = two_bases(port_base)
+    start_server(procs, p, "primary", b)
+    wp = Watcher(zctx, p)
+    vote(zctx, p)
+    writer = Writer(zctx, [p])
+    updates = Updates(zctx, p)
+    settle(writer, updates, wp)
+    writer.kvset(b"/ttl/a", b"x", b"ttl=600\n")
+    uuid = writer.kvset(b"/plain", b"y")
+    updates.wait(lambda m: m.uuid == uuid)
+    start_server(procs, b, "backup", p)
+    wb = Watcher(zctx, b)
+    wb.wait_state(PASSIVE)
+    wb.wait_seq(updates.got[-1].seq)
+    # the backup's replica is only visible through its stats: ask for them on SIGUSR1
+    backup = procs.started[-1]
+    backup.signal(signal.SIGUSR1)
+    deadline = time.monotonic() + DEADLINE_S
+    stats = None
+    while stats is None and time.monotonic() < deadline:
+        for line in list(backup.stderr):
+            if " stats {" in line:
+                stats = json.loads(line.split(" stats ", 1)[1])
+        if stats is None:
+            wb.next()  # a heartbeat passes
+    assert stats is not None
+    assert stats["keys"] == 3 and stats["ttl_keys"] == 1
+    assert stats["replica"]["phase"] == "live" and stats["replica"]["syncs_done"] == 1
+
+
+# ============================================================================ robustness
+
+def test_empty_uuid_kvsets_on_both_servers_are_accepted(procs, zctx, port_base):
+    p, b = two_bases(port_base)
+    primary, backup, watch = start_pair(procs, zctx, p, b)
+    writer = Writer(zctx, [p, b])
+    updates = Updates(zctx, p)
+    settle(writer, updates, watch[b])
+    writer.kvset(b"/e/1", b"one", uuid=b"")
+    writer.kvset(b"/e/2", b"two", b"ttl=30\n", uuid=b"")
+    writer.kvset(b"/e/1", b"", uuid=b"")
+    last = updates.wait(lambda m: m.key == b"/e/1" and m.value == b"")
+    assert [m.uuid for m in updates.got[-3:]] == [b"", b"", b""]
+    watch[b].wait_seq(last.seq)
+    watch[p].wait_seq(last.seq)
+    assert primary.alive() and backup.alive()
+    snap, seq = snapshot(zctx, p)
+    assert snap.get(b"/e/2") == b"two" and b"/e/1" not in snap and seq == last.seq
+
+
+def test_garbage_on_p3_and_the_collector_is_dropped(procs, zctx, port_base):
+    p, b = two_bases(port_base)
+    primary, backup, watch = start_pair(procs, zctx, p, b)
+    # a stranger connects to the backup's collector and sends garbage
+    junk = zctx.socket(zmq.PUB)
+    junk.linger = 0
+    junk.connect(f"tcp://127.0.0.1:{b + 2}")
+    writer = Writer(zctx, [p, b])
+    updates = Updates(zctx, p)
+    settle(writer, updates, watch[b])
+    for frames in ([b"x"], [b"k", b"short", b"", b"", b"v"], [b"k", b"\0" * 8, b"bad", b"", b"v"]):
+        junk.send_multipart(frames)
+        writer.sock.send_multipart(frames)
+    seq = settle(writer, updates, watch[b], key=b"/probe/2")
+    assert seq >= 2 and primary.alive() and backup.alive()
+
+
+def test_two_primaries_both_exit_with_a_clear_message(procs, zctx, port_base):
+    p, b = two_bases(port_base)
+    one = start_server(procs, p, "primary", b)
+    two = start_server(procs, b, "primary", p)
+    assert one.wait(DEADLINE_S) == 1 and two.wait(DEADLINE_S) == 1
+    assert "dual primary" in stderr_text(one) and "dual primary" in stderr_text(two)
+
+
+# ============================================================================ control, CLI
+
+def test_control_stats_service_over_mdp(procs, zctx, port_base):
+    p, b = two_bases(port_base)
+    broker_port = free_port_base(1)
+    control = f"tcp://127.0.0.1:{broker_port}"
+    procs.python("-m", "supervisor", "broker", "--bind", control, "--heartbeat-s", "0.5",
+                 ready="READY broker")
+    primary, backup, watch = start_pair(procs, zctx, p, b, "--control", control)
+    with SyncMdpClient(control, ctx=zctx, timeout_s=3.0, retries=2) as client:
+        ps = json.loads(client.request("shard.t.primary")[0])
+        bs = json.loads(client.request("shard.t.backup")[0])
+    assert (ps["shard"], ps["role"], ps["bstar_state"], ps["pid"]) == (
+        "t", "primary", "ACTIVE", primary.pid)
+    assert (bs["shard"], bs["role"], bs["bstar_state"], bs["pid"]) == (
+        "t", "backup", "PASSIVE", backup.pid)
+    assert ps["peer"] == f"127.0.0.1:{b}" and bs["peer"] == f"127.0.0.1:{p}"
+    assert ps["active"] is True and bs["active"] is False
+
+
+def test_control_stats_of_a_standalone_server(procs, zctx, port_base):
+    broker_port = free_port_base(1)
+    control = f"tcp://127.0.0.1:{broker_port}"
+    procs.python("-m", "supervisor", "broker", "--bind", control, ready="READY broker")
+    server = procs.python("-m", "shards", "--port", str(port_base), "--shard", "s9",
+                          "--control", control, ready="READY")
+    assert server.stdout[0].endswith(" role=standalone")
+    with SyncMdpClient(control, ctx=zctx, timeout_s=3.0, retries=2) as client:
+        stats = json.loads(client.request("shard.s9.standalone")[0])
+    assert (stats["shard"], stats["role"], stats["bstar_state"], stats["peer"]) == (
+        "s9", "standalone", None, None)
+    assert stats["pid"] == server.pid and stats["active"] is True
+
+
+def test_parent_pid_gone_exits_0(procs, zctx, port_base):
+    p, b = two_bases(port_base)
+    parent = procs.python("-c", "import sys; print('READY parent', flush=True); "
+                                "sys.stdin.read()", ready="READY parent")
+    server = start_server(procs, p, "primary", b, "--parent-pid", str(parent.pid))
+    parent.signal(signal.SIGKILL)
+    assert server.wait(DEADLINE_S) == 0
+    assert any(f"parent process {parent.pid} is gone" in line for line in server.stderr)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--primary"], "--primary needs --peer"),
+    (["--peer", "127.0.0.1:5000"], "--peer needs --primary or --backup"),
+    (["--backup", "--peer", "nohost"], "is not HOST:PORT"),
+    (["--backup", "--peer", "h:x"], "is not a number"),
+])
+def test_bad_pair_arguments_exit_2(procs, port_base, args, message):
+    proc = procs.python("-m", "shards", "--port", str(port_base), *args)
+    assert proc.wait(DEADLINE_S) == 2
+    assert message in stderr_text(proc)
+
+
+def test_state_port_in_use_exits_3(procs, zctx, port_base):
+    p, b = two_bases(port_base)
+    blocker = zctx.socket(zmq.PUB)
+    blocker.bind(f"tcp://127.0.0.1:{p + 3}")
+    proc = procs.python("-m", "shards", "--port", str(p), "--primary", "--peer",
+                        f"127.0.0.1:{b}")
+    assert proc.wait(DEADLINE_S) == 3
+    assert f"tcp://127.0.0.1:{p + 3}" in stderr_text(proc)
