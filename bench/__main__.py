@@ -27,8 +27,9 @@ PROFILES = {
     },
     "full": {
         "chp_throughput": ["--seconds", "5", "--warmup", "1", "--rounds", "5",
-                           "--blind-ceiling"],
-        "snapshot": ["--keys", "10000,100000,1000000", "--repeats", "3"],
+                           "--blind-ceiling", "--quiet-wait-s", "60"],
+        "snapshot": ["--keys", "10000,100000,1000000", "--repeats", "3",
+                     "--quiet-wait-s", "60"],
     },
 }
 BENCHMARKS = {"chp_throughput": chp_throughput.main, "snapshot": snapshot.main}

@@ -30,7 +30,7 @@ import time
 from bench import record as rec
 from bench.loadgen import LoadRun, SubscriberConfig, WriterConfig, config_dict
 from bench.runner import (Target, bench_main, cpu_seconds, forwarder_argv, free_port_base,
-                          server_argv)
+                          server_argv, wait_for_quiet)
 
 NAME = "chp_throughput"
 TARGET_UPDATES_PER_S = 100_000
@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "a core is kept in the record as discarded and run again (0: off)")
     ap.add_argument("--retries", type=int, default=2,
                     help="re-runs allowed per run for --max-others-pct")
+    ap.add_argument("--quiet-wait-s", type=float, default=0.0,
+                    help="before each run, wait up to this long for the host's busy CPU "
+                         "to fall to --max-others-pct (0: do not wait)")
     ap.add_argument("--only", choices=TARGETS, default=None, help="run one target only")
     ap.add_argument("--blind-ceiling", action="store_true",
                     help="also run a forwarder that reads 5 frames without MORE checks "
@@ -152,7 +155,13 @@ def run(args: argparse.Namespace) -> rec.Record:
                 rec.log(f"{NAME}: round {r + 1}/{args.rounds} {kind} "
                         f"({args.warmup:g} s warm-up + {args.seconds:g} s)"
                         + (f", retry {attempt}" if attempt else ""))
+                quiet = None
+                if args.quiet_wait_s > 0:
+                    quiet = wait_for_quiet(args.max_others_pct or 60.0, args.quiet_wait_s)
+                    rec.log(f"  host busy {quiet['host_busy_pct']}% of a core after waiting "
+                            f"{quiet['waited_s']} s")
                 figures = run_one(kind, args)
+                figures["host_before"] = quiet
                 figures["round"] = r + 1
                 cpu = figures["cpu_pct"]
                 rec.log(f"  received {figures['received_per_s']:,.0f}/s, "

@@ -146,6 +146,23 @@ def cpu_seconds(pids: list[int]) -> dict:
     return out
 
 
+def wait_for_quiet(max_busy_pct: float, timeout_s: float, sample_s: float = 1.0) -> dict:
+    """Before a measurement on a shared host: sample the host's busy CPU (percent of one
+    core, all processes) over ``sample_s`` until it is at most ``max_busy_pct`` or
+    ``timeout_s`` has passed. Returns the last sample, the time waited, and whether the
+    host was quiet; ``timeout_s <= 0`` samples once and never waits."""
+    import psutil
+
+    cores = psutil.cpu_count() or 1
+    t0 = time.monotonic()
+    while True:
+        busy = psutil.cpu_percent(interval=sample_s) * cores
+        waited = time.monotonic() - t0
+        if busy <= max_busy_pct or waited >= timeout_s:
+            return {"host_busy_pct": round(busy, 1), "waited_s": round(waited, 1),
+                    "quiet": busy <= max_busy_pct}
+
+
 def exit_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit, so every ``finally`` ends its processes by PID."""
     def handler(signum, frame):

@@ -30,7 +30,8 @@ from pathlib import Path
 from bench import record as rec
 from bench.loadgen import (KEY_FORMAT, LoadRun, WriterConfig, config_dict, key_index, key_of,
                            recv5)
-from bench.runner import Target, bench_main, cpu_seconds, free_port_base, server_argv
+from bench.runner import (Target, bench_main, cpu_seconds, free_port_base, server_argv,
+                          wait_for_quiet)
 
 NAME = "snapshot"
 TARGET_SNAPSHOT_S = 5.0
@@ -53,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="map size, or a comma-separated list of sizes")
     ap.add_argument("--value-bytes", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=3, help="snapshots timed per size")
+    ap.add_argument("--quiet-wait-s", type=float, default=0.0,
+                    help="before each timed snapshot, wait up to this long for the host's "
+                         "busy CPU to fall to --quiet-pct (0: do not wait)")
+    ap.add_argument("--quiet-pct", type=float, default=60.0,
+                    help="host busy CPU (percent of one core) that counts as quiet")
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
     args = ap.parse_args(argv)
     try:
@@ -65,8 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def canonical_command(args: argparse.Namespace) -> str:
-    return rec.command_line(f"bench.{NAME}", {"keys": args.keys, "value_bytes": args.value_bytes,
-                                              "repeats": args.repeats})
+    opts = {"keys": args.keys, "value_bytes": args.value_bytes, "repeats": args.repeats}
+    if args.quiet_wait_s > 0:
+        opts.update(quiet_wait_s=args.quiet_wait_s, quiet_pct=args.quiet_pct)
+    return rec.command_line(f"bench.{NAME}", opts)
 
 
 def rss_bytes(pid: int) -> int:
@@ -199,13 +207,17 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
             snaps = []
             pids = [server.pid, os.getpid()]
             for i in range(args.repeats):
+                quiet = None
+                if args.quiet_wait_s > 0:
+                    quiet = wait_for_quiet(args.quiet_pct, args.quiet_wait_s)
                 cpu0 = cpu_seconds(pids)
                 snap = take_snapshot(ctx, f"tcp://127.0.0.1:{base}", n, args.value_bytes, zmq)
                 cpu1 = cpu_seconds(pids)
                 snap["cpu_pct"] = _cpu_pct(cpu0, cpu1, pids, snap["seconds"])
+                snap["host_before"] = quiet
                 rec.log(f"  snapshot {i + 1}/{args.repeats}: {snap['kvsync']:,} KVSYNC in "
                         f"{snap['seconds']:.3f} s, whole={snap['whole']}, cpu% "
-                        f"{snap['cpu_pct']}")
+                        f"{snap['cpu_pct']}, host before {quiet}")
                 snaps.append(snap)
             rss_after = rss_bytes(server.pid)
             peak = peak_rss_bytes(server.pid)
