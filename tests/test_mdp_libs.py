@@ -3,6 +3,7 @@ ROUTER playing the broker (to see their exact frames, reconnects and fresh socke
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -338,4 +339,27 @@ def test_a_cancelled_request_closes_the_socket(port_base):
         router.send_multipart([req2[0], *mdp.client_final(b"echo", b"for-2")])
         assert await pending == [b"for-2"]
         await client.close()
+    run(body)
+
+
+def test_a_stopped_worker_tells_the_broker_at_once(broker):
+    async def body(ctx):
+        async with MdpClient(broker, ctx=ctx, timeout_s=3) as client:
+            async def echo_workers():
+                stats = json.loads((await client.request("mmi.stats"))[0])
+                return stats["services"].get("echo", {}).get("workers", 0), stats
+
+            # without its DISCONNECT the broker would only notice the silence (0.6 s here),
+            # and count the worker as expired, not disconnected
+            w = MdpWorker(broker, "echo", echo, ctx=ctx, heartbeat_s=HB_S)
+            await w.start()
+            assert await client.request("echo", b"x") == [b"x"]
+            await w.stop()
+            deadline = time.monotonic() + 5
+            while (await echo_workers())[0]:
+                assert time.monotonic() < deadline, "the broker never heard the DISCONNECT"
+                await asyncio.sleep(0.02)
+            stats = (await echo_workers())[1]
+            assert stats["counters"]["workers_disconnected"] == 1
+            assert stats["counters"]["workers_expired"] == 0
     run(body)

@@ -43,6 +43,10 @@ from shards.zio import DEFAULT_BATCH, AsyncSocket, send_frames
 
 log = logging.getLogger(__name__)
 
+STOP_LINGER_MS = 100
+"""How long the closing socket may keep trying to deliver ``stop()``'s DISCONNECT (a
+broker that misses it keeps the worker until its heartbeats stop, ``liveness`` intervals)."""
+
 
 class MdpWorker:
     def __init__(self, endpoint: str, service: str | bytes, handler: Handler, *,
@@ -99,7 +103,7 @@ class MdpWorker:
             self._timer = None
         if self._asock is not None:
             self._send([MDPW, W_DISCONNECT])
-        self._close_socket()
+        self._close_socket(linger_ms=STOP_LINGER_MS)
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
 
@@ -129,14 +133,14 @@ class MdpWorker:
         self._last_recv = self.clock()
         self._send(mdp.ready(self.service))
 
-    def _close_socket(self) -> None:
+    def _close_socket(self, linger_ms: int = 0) -> None:
         self._gen += 1  # replies of a running handler now go nowhere
         if self._task is not None and not self._task.done():
             self.counters["cancelled"] += 1
             self._task.cancel()
         self._busy = False
         if self._asock is not None:
-            self._asock.close(linger=0)
+            self._asock.close(linger=linger_ms)
             self._asock = None
 
     def _reconnect(self, why: str) -> None:
