@@ -54,6 +54,9 @@ log = logging.getLogger("shards.pair")
 
 STATE_OFFSET = 3
 """The state PUB is on P+3."""
+PENDING_GRACE_HEARTBEATS = 2
+"""At takeover, a pending update heard more than this many heartbeats before the old
+active's last KVPUB/HUGZ is stale (the active had time to publish it): dropped."""
 FATAL_LINGER_BEATS = 2
 """After a same-role fatal, the state is still published this many heartbeats."""
 
@@ -97,6 +100,7 @@ class PairServer(ShardServer):
         self.done = asyncio.Event()
         self.pending_discarded = 0
         self.pending_applied = 0
+        self.pending_stale = 0
         self.takeovers = 0
         self.refused_votes = 0
         self.split_brains_survived = 0
@@ -222,13 +226,24 @@ class PairServer(ShardServer):
         self.takeovers += 1
         self.set_active(True)
         pending = self.pending.drain(now)
+        # An update the active heard too and had time to publish, but did not, is stale:
+        # typically a KVSET a client's socket queued while this server was down and
+        # delivered when it came back, long since published by the active (and so never
+        # confirmed here). Re-applying it would overwrite newer values.
+        heard = self.follower.last_heard
+        cutoff = heard - PENDING_GRACE_HEARTBEATS * self.config.heartbeat_s if heard else None
+        stale = 0
         for entry in pending:
+            if cutoff is not None and entry.added_at < cutoff:
+                stale += 1
+                continue
             ShardServer.on_collect(self, entry.update)
-        self.pending_applied += len(pending)
+        self.pending_applied += len(pending) - stale
+        self.pending_stale += stale
         log.warning("shard %s: %s is ACTIVE (%s, was %s, term %d): %d late updates from the "
-                    "old active, %d pending updates applied, sequence now %d", self.shard,
-                    self.role, effect.reason, effect.previous.name, effect.term, drained,
-                    len(pending), self.store.seq)
+                    "old active, %d pending updates applied (%d stale dropped), sequence now "
+                    "%d", self.shard, self.role, effect.reason, effect.previous.name,
+                    effect.term, drained, len(pending) - stale, stale, self.store.seq)
 
     def on_become_passive(self, effect: bstar.BecamePassive, now: float) -> None:
         self.set_active(False)
@@ -339,6 +354,7 @@ class PairServer(ShardServer):
             "pending_early": self.pending.early_count,
             "pending_applied": self.pending_applied,
             "pending_discarded": self.pending_discarded,
+            "pending_stale": self.pending_stale,
             "pending_counters": dict(self.pending.counters),
             "replica": self.follower.stats(),
         })
