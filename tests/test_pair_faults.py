@@ -5,6 +5,7 @@ message or an exit, with a deadline.
 """
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -235,3 +236,15 @@ def test_a_pending_update_the_active_had_time_to_publish_is_not_replayed(procs, 
     snap, seq = snapshot(zctx, b)
     assert b"/stale" not in snap and snap[b"/late"] == b"after the kill" and seq >= msg.seq
     assert pending_applied(backup) == (1, 1)
+
+
+def test_failover_benchmark_smoke(procs, tmp_path):
+    proc = procs.python("-m", "bench.failover", "--kills", "2", "--steady-s", "0.3",
+                        "--results-dir", str(tmp_path))
+    assert proc.wait(90) == 0, "\n".join(proc.stderr[-20:])
+    data = json.loads((tmp_path / "latest" / "failover.json").read_text())
+    assert data["benchmark"] == "failover" and len(data["runs"]) == 2
+    assert [r["killed"] for r in data["runs"]] == ["primary", "backup"]
+    assert all(r["client_resume_s"] > 0 and r["first_kvpub_s"] > 0 for r in data["runs"])
+    assert data["summary"]["lost"] == 0 and data["summary"]["reader_converged"] is True
+    assert data["command"].startswith("python -m bench.failover ")
