@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench clean venv
+.PHONY: run demo test bench clean venv
 
 venv: $(STAMP)
 
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
+	$(BIN)/python -m supervisor start configs/4shard.yaml --demo-load
+
+demo: $(STAMP)
 	$(BIN)/python -m client.demo
 
 test: $(STAMP)
