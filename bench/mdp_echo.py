@@ -55,6 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--body-bytes", type=int, default=32)
     ap.add_argument("--workers", default="1,4", help="worker counts to run (comma list)")
     ap.add_argument("--modes", default="sync,inflight", help="client modes (comma list)")
+    ap.add_argument("--quiet-wait-s", type=float, default=0.0,
+                    help="before each round, wait up to this long for the host's busy CPU "
+                         "to fall to --quiet-pct (0: do not wait)")
+    ap.add_argument("--quiet-pct", type=float, default=60.0,
+                    help="host busy CPU (percent of one core) that counts as quiet")
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR / "mdp"))
     # process roles used by the benchmark itself
     ap.add_argument("--role", choices=("bench", "bare", "relay", "worker"), default="bench",
@@ -241,7 +246,7 @@ SIDES = ("ceiling", "relay", "broker")
 def run_bench(args: argparse.Namespace) -> rec.Record:
     import statistics
 
-    from bench.runner import Target, exit_on_sigterm, free_port_base
+    from bench.runner import Target, exit_on_sigterm, free_port_base, wait_for_quiet
 
     exit_on_sigterm()
     worker_counts = [int(x) for x in args.workers.split(",") if x]
@@ -278,6 +283,11 @@ def run_bench(args: argparse.Namespace) -> rec.Record:
                 figures: dict[str, list[float]] = {side: [] for side in SIDES}
                 for rnd in range(args.rounds):
                     order = SIDES if rnd % 2 == 0 else SIDES[::-1]
+                    quiet = None
+                    if args.quiet_wait_s > 0:  # once per round: its three runs stay close
+                        quiet = wait_for_quiet(args.quiet_pct, args.quiet_wait_s)
+                        rec.log(f"host busy {quiet['host_busy_pct']}% of a core after "
+                                f"waiting {quiet['waited_s']} s")
                     for side in order:
                         rec.log(f"{mode} workers={wanted} clients={clients} round {rnd + 1} "
                                 f"{side}")
@@ -287,7 +297,8 @@ def run_bench(args: argparse.Namespace) -> rec.Record:
                             fig = drive_inflight(eps[side], body, clients, args.warmup,
                                                  args.seconds)
                         fig.update(mode=mode, workers=wanted, clients=clients, side=side,
-                                   round=rnd + 1, loadavg=[round(x, 2) for x in os.getloadavg()])
+                                   round=rnd + 1, loadavg=[round(x, 2) for x in os.getloadavg()],
+                                   host_before=quiet)
                         record.add_run(fig)
                         figures[side].append(fig["rps"])
                 med = {side: round(statistics.median(v), 1) for side, v in figures.items()}
