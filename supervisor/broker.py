@@ -18,6 +18,20 @@ by their header frame (MDPC02 / MDPW02). The forwarding path sends with
 after each batch, so the edge-triggered FD is never missed). The ROUTER is
 ``ROUTER_MANDATORY``: a reply to a vanished peer is counted (``unroutable``), not lost
 silently. The broker hosts ``mmi.stats`` itself: FINAL with ``stats()`` as JSON.
+
+``stats()`` (and ``mmi.stats``): ``counters`` from the core (requests, dispatched,
+partials, finals, queued, requeued, mmi, internal_calls, workers_registered /
+_expired / _disconnected / _invalid, heartbeats_sent, disconnects_sent and one
+``disconnect.<reason>`` per reason: duplicate_ready, unexpected_reply, unknown_worker,
+reserved_service, too_many_workers, too_many_services), ``workers``, ``queued``,
+``services`` {name: {workers, idle, queued}}, ``internal`` (hosted services),
+``drops`` {reason: count} (the codec's faults: bad_header, leading_empty_frame,
+bad_command, frame_count, bad_service, bad_address, missing_delimiter, oversize_body;
+and wrong_direction, queue_full, too_many_services, request_expired, unroutable,
+internal_busy), ``unroutable``, ``internal_errors``, ``handler_errors``, ``received``,
+``internal_running``, ``endpoints``, ``uptime_s``. Drops are logged at most once per
+reason per 5 s (``shards.drops.DropCounter``); worker arrivals and departures at most once
+per kind per second.
 """
 from __future__ import annotations
 

@@ -23,6 +23,11 @@ that has already yielded a PARTIAL is not retried (that would repeat PARTIALs): 
 A stream abandoned before its FINAL also closes the socket, so a late reply can never be
 taken for the answer to the next request.
 
+A service no worker serves gets no answer at all: the broker queues the request and lets
+it expire silently (spec 18/MDP), so it ends in ``RequestTimeout``. To tell "absent"
+from "slow", ask first: ``request("mmi.service", b"name")`` answers ``[b"200"]`` or
+``[b"404"]``.
+
 Replies are checked: wrong header/command/frames (the codec), a service other than the
 one asked, or a reply when nothing was asked are dropped and counted (``drops``). PARTIALs
 wait in a bounded queue (``max_pending``); overflow raises ``SlowConsumer``.
