@@ -42,7 +42,7 @@ import time
 import zmq
 
 from shards import bstar, zio
-from shards.errors import PortInUse, ProtocolError
+from shards.errors import ProtocolError
 from shards.pending import MAX_AGE_S, MAX_ENTRIES, PendingTable
 from shards.proto import bstar as wire
 from shards.proto import chp

@@ -10,9 +10,7 @@ test_pair_faults.py and use the helpers below.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import sys
 import time
 import uuid as uuidlib
 

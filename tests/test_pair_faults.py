@@ -77,12 +77,17 @@ def check_failover(old: Updates, new: Updates, writer: Writer, new_active_port: 
     return seq
 
 
-def pending_applied(proc) -> tuple[int, int]:
-    """(applied, stale dropped) from the server's takeover log line."""
-    lines = [line for line in proc.stderr if "pending updates applied" in line]
-    assert lines, "no takeover logged"
-    found = re.search(r"(\d+) pending updates applied \((\d+) stale dropped\)", lines[-1])
-    return int(found.group(1)), int(found.group(2))
+def pending_applied(proc, watcher: Watcher) -> tuple[int, int]:
+    """(applied, stale dropped) from the server's takeover log line. stderr is read by a
+    thread: until the line shows, let the server's heartbeats pass (bounded)."""
+    for _ in range(50):
+        lines = [line for line in proc.stderr if "pending updates applied" in line]
+        if lines:
+            found = re.search(r"(\d+) pending updates applied \((\d+) stale dropped\)",
+                              lines[-1])
+            return int(found.group(1)), int(found.group(2))
+        watcher.next()
+    raise AssertionError("no takeover logged")
 
 
 def test_kill9_under_writes_restart_rejoin_kill_the_other(procs, zctx, port_base):
@@ -108,7 +113,7 @@ def test_kill9_under_writes_restart_rejoin_kill_the_other(procs, zctx, port_base
         writer.kvset(b"/a/%d" % (i % 50), b"v%d" % i)
     seq = check_failover(at_p, at_b, writer, b, zctx, from_seq=start)
     assert backup.alive()
-    applied, stale = pending_applied(backup)
+    applied, stale = pending_applied(backup, watch[b])
     assert applied >= 100 and stale == 0  # the writes nobody was active for
 
     # ---- round 2: the primary comes back, rejoins as passive with the same map
@@ -135,7 +140,7 @@ def test_kill9_under_writes_restart_rejoin_kill_the_other(procs, zctx, port_base
     assert watch[p].wait_state(ACTIVE).term == 3
     writer.kvset(b"/b/last", b"done")
     check_failover(at_b, at_p, writer, p, zctx, from_seq=start)
-    applied, stale = pending_applied(primary)
+    applied, stale = pending_applied(primary, watch[p])
     assert applied >= 80
     # the keys from round 1 survived both failovers
     snap, _ = snapshot(zctx, p)
@@ -235,7 +240,7 @@ def test_a_pending_update_the_active_had_time_to_publish_is_not_replayed(procs, 
     assert stale not in {m.uuid for m in at_b.got}
     snap, seq = snapshot(zctx, b)
     assert b"/stale" not in snap and snap[b"/late"] == b"after the kill" and seq >= msg.seq
-    assert pending_applied(backup) == (1, 1)
+    assert pending_applied(backup, watch[b]) == (1, 1)
 
 
 def test_failover_benchmark_smoke(procs, tmp_path):
