@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -58,6 +59,15 @@ def _peer_arg(ctx, param, value: str | None) -> tuple[str, int] | None:
         return parse_peer(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc))
+
+
+_SHARD_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
+
+
+def _shard_arg(ctx, param, value: str) -> str:
+    if not _SHARD_RE.match(value):
+        raise click.BadParameter(f"{value!r}: 1..64 characters from A-Z a-z 0-9 _ . -")
+    return value
 
 
 def control_stats(server: ShardServer, shard: str) -> dict:
@@ -170,7 +180,7 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
               help="Binary Star backup (needs --peer).")
 @click.option("--peer", callback=_peer_arg, default=None, metavar="HOST:PORT",
               help="The other server of the pair: its host and base port P.")
-@click.option("--shard", default="0", show_default=True,
+@click.option("--shard", default="0", show_default=True, callback=_shard_arg,
               help="Shard name (logs, state messages, control service).")
 @click.option("--control", default=None, metavar="ENDPOINT",
               help="MDP broker endpoint: serve stats as service shard.<NAME>.<ROLE>.")

@@ -393,6 +393,7 @@ def test_parent_pid_gone_exits_0(procs, zctx, port_base):
     (["--peer", "127.0.0.1:5000"], "--peer needs --primary or --backup"),
     (["--backup", "--peer", "nohost"], "is not HOST:PORT"),
     (["--backup", "--peer", "h:x"], "is not a number"),
+    (["--shard", "a b"], "1..64 characters"),
 ])
 def test_bad_pair_arguments_exit_2(procs, port_base, args, message):
     proc = procs.python("-m", "shards", "--port", str(port_base), *args)

@@ -253,3 +253,49 @@ def test_failover_benchmark_smoke(procs, tmp_path):
     assert all(r["client_resume_s"] > 0 and r["first_kvpub_s"] > 0 for r in data["runs"])
     assert data["summary"]["lost"] == 0 and data["summary"]["reader_converged"] is True
     assert data["command"].startswith("python -m bench.failover ")
+
+
+def test_a_server_rejoining_under_writes_gets_an_exact_replica(procs, zctx, port_base):
+    p, b = two_bases(port_base)
+    primary = start_server(procs, p, "primary", b)
+    wp = Watcher(zctx, p)
+    vote(zctx, p)
+    writer = Writer(zctx, [p, b], connected=1)
+    at_p = Updates(zctx, p)
+    settle(writer, at_p, wp)
+    for i in range(20_000):  # a map big enough for the snapshot to stream a while
+        writer.kvset(b"/big/%d" % i, b"v" * 50, b"ttl=600\n" if i % 4 == 0 else b"")
+    backup = procs.python("-m", "shards", "--port", str(b), "--backup", "--peer",
+                          f"127.0.0.1:{p}", "--shard", "t", "--heartbeat-s", "0.2")
+    wb = Watcher(zctx, b)
+    i = 0
+    deadline = time.monotonic() + DEADLINE_S
+    while wb.last is None or wb.last.state != PASSIVE:  # keep writing while it starts
+        assert time.monotonic() < deadline and backup.alive()
+        for _ in range(20):
+            writer.kvset(b"/live/%d" % (i % 500), b"%d" % i, b"ttl=600\n" if i % 5 == 0 else b"")
+            i += 1
+        wb.sock.poll(5)
+        while wb.sock.poll(0):
+            wb.next()
+    for _ in range(3000):  # and while it synchronises
+        writer.kvset(b"/live/%d" % (i % 500), b"%d" % i, b"ttl=600\n" if i % 5 == 0 else b"")
+        i += 1
+    last = writer.kvset(b"/live/last", b"end")
+    seq = at_p.wait(lambda m: m.uuid == last, timeout_s=30).seq
+    wb.wait_seq(seq, timeout_s=30)
+    before, at = snapshot(zctx, p)
+    assert at == seq
+    primary.signal(signal.SIGKILL)
+    after, at_after = vote(zctx, b)
+    assert at_after == seq and after == before  # same keys, values and sequence
+    backup.signal(signal.SIGUSR1)
+    for _ in range(50):
+        stats = [line for line in backup.stderr if " stats {" in line]
+        if stats:
+            break
+        wb.next()
+    got = json.loads(stats[-1].split(" stats ", 1)[1])
+    expect_ttl = 5000 + len({k for k in before if k.startswith(b"/live/")
+                             and k != b"/live/last" and int(before[k]) % 5 == 0})
+    assert got["ttl_keys"] == expect_ttl
