@@ -16,10 +16,11 @@ socket), all driven from one asyncio loop through ``shards.zio.AsyncSocket``:
   KVSETs are sent only once the collector's SUB has subscribed (before that a PUB drops
   them silently), and with ``XPUB_NODROP`` a full pipe queues them here instead of
   dropping them. ``ZMQ_IMMEDIATE`` makes a lost connection an unsubscription. The queue is bounded; overflow drops the oldest and is counted.
-  Only the collector of the server the shard follows (or the only one) queues while not
-  subscribed; a KVSET for the *other* server of a pair while its collector is down (dead,
-  restarting) is dropped and counted (``collector_down``), and a failover clears the
-  queue of a collector that is down. Otherwise a restarted server would receive a backlog
+  The collector of the server the shard follows (or the only one) queues while not
+  subscribed. For the *other* server of a pair, a KVSET is dropped and counted
+  (``collector_down``) while its collector, once subscribed, is down (dead, restarting);
+  before its first subscription (start-up) it is queued for at most
+  ``STANDBY_QUEUE_AGE_S``; and a failover clears the queue of a collector that is down. Otherwise a restarted server would receive a backlog
   of old KVSETs after it has resynchronised, hold them as pending, and re-apply stale
   values if it took over again.
 
@@ -65,6 +66,8 @@ SUB_RCVHWM = 100_000
 DEALER_RCVHWM = 100_000
 XPUB_SNDHWM = 100_000
 PHASE_LOG_MAX = 64
+STANDBY_QUEUE_AGE_S = 2.0
+"""Longest a KVSET waits for the collector of a server the shard does not follow."""
 
 _Hugz = chp.Hugz
 _Kvsync = chp.Kvsync
@@ -157,8 +160,10 @@ class _Collector:
         self.drops = drops
         self.queue_max = queue_max
         self.ready = False
+        self.ever_ready = False
         self.on_ready_change = on_ready_change
-        self.queue: deque[list[bytes]] = deque()
+        self.queue: deque[tuple[float, bool, list[bytes]]] = deque()
+        """(queued at, for the followed server, frames)."""
         self.sent = 0
         self.dropped = 0
         self._flusher: asyncio.Task | None = None
@@ -166,7 +171,7 @@ class _Collector:
     def _on_subscription(self, frames: list[bytes]) -> None:
         head = frames[0][:1]
         if head == b"\x01":
-            self.ready = True
+            self.ready = self.ever_ready = True
             self.on_ready_change()
             self._flush_soon()
         elif head == b"\x00":
@@ -174,7 +179,10 @@ class _Collector:
             self.on_ready_change()
 
     def send(self, frames: list[bytes], keep: bool = True) -> None:
-        """Send, or queue; ``keep`` False: drop (counted) while not subscribed."""
+        """Send, or queue. ``keep`` False (not the followed server): dropped, counted, if
+        this collector was subscribed and is no longer (the server died or restarts);
+        queued for at most ``STANDBY_QUEUE_AGE_S`` otherwise (not subscribed yet at
+        start-up, or a full pipe)."""
         if self.ready and not self.queue:
             try:
                 self.io.send(frames)
@@ -182,7 +190,7 @@ class _Collector:
                 return
             except zmq.Again:
                 pass
-        elif not self.ready and not keep:
+        elif not self.ready and not keep and self.ever_ready:
             self.dropped += 1
             self.drops.drop("collector_down", f"{self.address.collector}: not subscribed")
             return
@@ -191,7 +199,7 @@ class _Collector:
             self.dropped += 1
             self.drops.drop("kvset_queue_full",
                             f"{self.address.collector}: {self.queue_max} KVSETs queued")
-        self.queue.append(frames)
+        self.queue.append((self.loop.time(), keep, frames))
         self._flush_soon()
 
     def discard_queue(self) -> None:
@@ -211,8 +219,17 @@ class _Collector:
     async def _flush(self) -> None:
         queue = self.queue
         while queue and self.ready:
+            queued_s, keep, frames = queue[0]
+            if not keep and self.loop.time() - queued_s > STANDBY_QUEUE_AGE_S:
+                # too old for a standby server: the active had it long ago, and the
+                # standby would only hold it as pending and might re-apply it stale
+                queue.popleft()
+                self.dropped += 1
+                self.drops.drop("kvset_too_old", f"{self.address.collector}: queued "
+                                f"more than {STANDBY_QUEUE_AGE_S} s")
+                continue
             try:
-                self.io.send(queue[0])
+                self.io.send(frames)
             except zmq.Again:
                 await self.io.wait_writable(None)
                 continue

@@ -26,6 +26,7 @@ import uvloop
 import zmq
 
 from conftest import free_port_base
+from test_client_server import fetch_map  # a raw ICANHAZ (only an active answers)
 from client.agent import FailoverInfo
 from client.api import AsyncClone
 from client.watch import DELETE, PUT, SYNCED
@@ -130,29 +131,6 @@ def start_pair(procs, zctx):
     wait_state(zctx, pa, wire.State.ACTIVE)
     wait_stderr(backup, "replica synchronised")
     return primary, backup
-
-
-def fetch_map(ctx: zmq.Context, port: int, subtree: bytes = b"",
-              timeout_s: float = DEADLINE_S) -> tuple[dict[bytes, bytes], int]:
-    """The server's map and KTHXBAI sequence by a raw ICANHAZ (only an active answers)."""
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.linger = 0
-    dealer.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        dealer.send_multipart([b"ICANHAZ?", subtree])
-        out: dict[bytes, bytes] = {}
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not dealer.poll(remaining_ms):
-                raise AssertionError(f"no KTHXBAI from port {port} within {timeout_s} s")
-            frames = dealer.recv_multipart()
-            assert len(frames) == 5, frames
-            if frames[0] == b"KTHXBAI":
-                return out, int.from_bytes(frames[1], "big")
-            out[frames[0]] = frames[4]
-    finally:
-        dealer.close(0)
 
 
 class KvpubRecorder:
