@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from shards.proto import mdp
 from supervisor.broker_core import BrokerConfig, BrokerCore, Drop, InternalCall, Note
@@ -336,3 +337,66 @@ def test_a_final_with_a_bad_envelope_is_not_relayed(h):
     h.ready(W2)  # takes the re-queued request
     assert sends(h.worker(W2, *mdp.worker_final(C1, b"r"))) == [
         [C1, b"MDPC02", b"\x03", b"echo", b"r"]]
+
+
+class _FullPathOnly(BrokerCore):
+    def _fast_request(self, frames, n, now):
+        return None
+
+    def _fast_final(self, frames, n, now):
+        return None
+
+
+_WORKERS = st.sampled_from([b"\x00w1", b"\x00w2"])
+_CLIENTS = st.sampled_from([b"\x00c1", b"\x00c2", b"\x00c3", b"\x00w1"])
+_SERVICES = st.sampled_from([b"echo", b"echo", b"other", b"mmi.service"])
+_BODY = st.lists(st.binary(max_size=5), min_size=0, max_size=4)
+_DELIMITER = st.sampled_from([b"", b"", b"", b"x"])
+_KINDS = st.sampled_from(["ready"] * 2 + ["request"] * 4 + ["answer"] * 4
+                         + ["final", "partial", "heartbeat", "disconnect", "tick"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_fast_paths_behave_exactly_like_the_full_path(data):
+    """The same random traffic into a core with and without the fast paths."""
+    config = BrokerConfig(heartbeat_s=HB, liveness=2, request_expiry_s=2.0, max_queued=3,
+                          limits=mdp.Limits(max_body_frames=3, max_body_bytes=12))
+    fast, full = BrokerCore(config), _FullPathOnly(config)
+    now = 0.0
+    for _ in range(data.draw(st.integers(5, 60))):
+        kind = data.draw(_KINDS)
+        if kind == "tick":
+            now += data.draw(st.floats(min_value=0.0, max_value=1.5))
+            assert fast.on_tick(now) == full.on_tick(now)
+            continue
+        if kind == "ready":
+            frames = [data.draw(_WORKERS), *mdp.ready(data.draw(_SERVICES))]
+        elif kind == "request":
+            frames = [data.draw(_CLIENTS),
+                      *mdp.client_request(data.draw(_SERVICES), *data.draw(_BODY))]
+        elif kind in ("answer", "final", "partial"):
+            ident = data.draw(_WORKERS)
+            worker = fast.workers.get(ident)
+            if kind == "answer" and worker is not None and worker.request is not None:
+                client = worker.request.client  # a FINAL for the client it serves
+            else:
+                client = data.draw(_CLIENTS)
+            cmd = mdp.W_PARTIAL if kind == "partial" else mdp.W_FINAL
+            frames = [ident, b"MDPW02", cmd, client, data.draw(_DELIMITER),
+                      *(data.draw(_BODY) or [b""])]
+        else:
+            frames = [data.draw(_WORKERS),
+                      *(mdp.heartbeat() if kind == "heartbeat" else mdp.disconnect())]
+        assert fast.on_message(frames, now) == full.on_message(frames, now), frames
+        assert _state(fast) == _state(full)
+
+
+def _state(core):
+    """Everything the core keeps, as plain values."""
+    workers = {i: (w.service.name, w.expires_at, w.sent_at,
+                   w.request and (w.request.client, w.request.body, w.request.expires_at))
+               for i, w in core.workers.items()}
+    queues = {n: ([(r.client, r.body, r.expires_at) for r in svc.requests], list(svc.idle),
+                  svc.workers) for n, svc in core.services.items()}
+    return workers, queues, core.counters
