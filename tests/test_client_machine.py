@@ -166,3 +166,13 @@ def test_machine_module_does_not_import_zmq():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_reconnected_resyncs_from_the_same_server():
+    """A SUB that reconnected may face a restarted, empty server: take a fresh snapshot
+    from the same server; before any server is followed, a reconnect means nothing."""
+    state = active(Config(servers=2))
+    state, effects = step(state, sm.Reconnected(), 10.0)
+    assert state.phase == SYNCING and state.server == 0
+    assert [type(e) for e in effects] == [RequestSnapshot]
+    assert step(State(Config()), sm.Reconnected(), 0.0)[1] == []
