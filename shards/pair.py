@@ -55,8 +55,14 @@ log = logging.getLogger("shards.pair")
 STATE_OFFSET = 3
 """The state PUB is on P+3."""
 PENDING_GRACE_HEARTBEATS = 2
-"""At takeover, a pending update heard more than this many heartbeats before the old
-active's last KVPUB/HUGZ is stale (the active had time to publish it): dropped."""
+PENDING_GRACE_MIN_S = 1.0
+
+
+def pending_grace_s(heartbeat_s: float) -> float:
+    """At takeover, a pending update heard more than this long before the old active's
+    last KVPUB/HUGZ is stale (the active had time to publish it) and is dropped: two
+    heartbeats, at least ``PENDING_GRACE_MIN_S`` (an active under load publishes late)."""
+    return max(PENDING_GRACE_HEARTBEATS * heartbeat_s, PENDING_GRACE_MIN_S)
 FATAL_LINGER_BEATS = 2
 """After a same-role fatal, the state is still published this many heartbeats."""
 
@@ -231,7 +237,7 @@ class PairServer(ShardServer):
         # delivered when it came back, long since published by the active (and so never
         # confirmed here). Re-applying it would overwrite newer values.
         heard = self.follower.last_heard
-        cutoff = heard - PENDING_GRACE_HEARTBEATS * self.config.heartbeat_s if heard else None
+        cutoff = heard - pending_grace_s(self.config.heartbeat_s) if heard else None
         stale = 0
         for entry in pending:
             if cutoff is not None and entry.added_at < cutoff:

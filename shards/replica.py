@@ -125,7 +125,7 @@ class Follower:
         self._retry_at: float | None = None
         self.counters = dict.fromkeys(
             ("syncs_started", "syncs_done", "sync_timeouts", "sync_retries", "gaps",
-             "duplicates", "applied", "hugz", "ignored_while_active", "kvsync"), 0)
+             "duplicates", "applied", "hugz", "ignored_while_idle", "kvsync"), 0)
         self.last_heard = 0.0
         self._taking_over = False
 
@@ -230,7 +230,7 @@ class Follower:
         """A KVPUB or HUGZ from the active's P+1."""
         owner = self.owner
         if self.phase == "idle":
-            self.counters["ignored_while_active"] += 1
+            self.counters["ignored_while_idle"] += 1
             return
         try:
             msg = chp.decode_update(frames, owner.config.limits)
