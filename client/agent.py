@@ -236,10 +236,10 @@ class _Collector:
             queue.popleft()
             self.sent += 1
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
         if self._flusher is not None:
             self._flusher.cancel()
-        self.io.close()
+        self.io.close(linger_ms)
 
 
 class ShardAgent:
@@ -320,6 +320,8 @@ class ShardAgent:
         self._gen = 0
         self._tick_handle: asyncio.TimerHandle | None = None
         self._closed = False
+        self.waiters: dict[bytes, tuple[bytes, bytes, asyncio.Future]] = {}
+        """UUID -> (key, value, future) of writes awaiting their echo (``wait=True``)."""
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -357,7 +359,8 @@ class ShardAgent:
         else:
             self._collector_event.clear()
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every socket; ``linger_ms`` lets KVSETs already handed to ZeroMQ out."""
         if self._closed:
             return
         self._closed = True
@@ -366,7 +369,11 @@ class ShardAgent:
             self._tick_handle.cancel()
         self._close_link()
         for c in self._collectors:
-            c.close()
+            c.close(linger_ms)
+        for _, _, fut in list(self.waiters.values()):
+            if not fut.done():
+                fut.cancel()
+        self.waiters.clear()
 
     def _close_link(self) -> None:
         for io in (self._monitor, self._dealer, self._sub):
@@ -460,6 +467,8 @@ class ShardAgent:
                  len(new), eff.seq, self.server, " (resync: replaced)" if eff.resync else "")
         if self._failover_from is not None:
             self._resumed(old, new)
+        if self.waiters:
+            self._confirm_in(new)
         self._replay(self._gen)
 
     def _resumed(self, old: dict[bytes, bytes], new: dict[bytes, bytes]) -> None:
@@ -554,6 +563,8 @@ class ShardAgent:
                     # already in the installed snapshot: a late copy (the SUB and the
                     # DEALER are separate connections, read in no fixed order)
                     self.skipped += 1
+                    if self.waiters:
+                        self._confirm(msg.uuid)
                 else:
                     # we applied something newer from this stream: it went backwards
                     self.stale += 1
@@ -578,6 +589,8 @@ class ShardAgent:
         self.applied += 1
         if self.hub.watches:
             self.hub.changed(self.name, key, value, seq)
+        if self.waiters:
+            self._confirm(msg.uuid)
 
     def _replay(self, gen: int) -> None:
         """Apply the buffered updates in order, a batch per loop turn; updates that arrive
@@ -626,6 +639,11 @@ class ShardAgent:
         self._dispatch(sm.SnapshotDone(msg.seq))
 
     # ------------------------------------------------------------------ updates out
+    @property
+    def kvsets_queued(self) -> int:
+        """KVSETs waiting here for a collector (not yet handed to ZeroMQ)."""
+        return sum(len(c.queue) for c in self._collectors)
+
     def send_kvset(self, frames: list[bytes]) -> None:
         """Publish a KVSET to every server of the shard (fire-and-forget)."""
         collectors = self._collectors
@@ -635,6 +653,30 @@ class ShardAgent:
         current = self.state.server
         for i, collector in enumerate(collectors):
             collector.send(frames, i == current)
+
+    def expect(self, uuid: bytes, key: bytes, value: bytes) -> asyncio.Future:
+        """A future resolved when this shard publishes the update ``uuid`` back (its
+        KVPUB applied here), or a snapshot installed here holds ``key`` = ``value``
+        (the KVPUB itself was folded into a resync). The caller cancels it on timeout."""
+        fut = self.loop.create_future()
+        self.waiters[uuid] = (key, value, fut)
+        fut.add_done_callback(lambda _f, u=uuid: self._forget(u, _f))
+        return fut
+
+    def _forget(self, uuid: bytes, fut: asyncio.Future) -> None:
+        entry = self.waiters.get(uuid)
+        if entry is not None and entry[2] is fut:
+            del self.waiters[uuid]
+
+    def _confirm(self, uuid: bytes) -> None:
+        entry = self.waiters.get(uuid)
+        if entry is not None and not entry[2].done():
+            entry[2].set_result(self.last_seq)
+
+    def _confirm_in(self, new: dict[bytes, bytes]) -> None:
+        for key, value, fut in list(self.waiters.values()):
+            if not fut.done() and new.get(key, b"") == value:
+                fut.set_result(self.last_seq)
 
     # ------------------------------------------------------------------ figures
     def stats(self) -> dict:

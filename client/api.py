@@ -13,11 +13,22 @@
         clone.set("/cfg/a", {"x": 1})
         clone.watch("/cfg/", callback=print)
 
-``servers`` names the server(s) of ONE shard by base port P: a string, or a sequence (a
-Binary Star pair, in failover order). Reads (get, items, keys, len) are local; writes are
-KVSETs sent to every server of the owning shard, fire-and-forget as in 12/CHP, each with
-a fresh 16-byte UUID that ``set``/``delete`` return. Routing a key to its shard goes
-through ``_agent_for`` (one shard today; the router issue fills it in).
+Where the cluster is (exactly one of):
+
+* ``servers=`` the server(s) of ONE shard by base port P: a string, or a sequence (a
+  Binary Star pair, in failover order);
+* ``shards=[[p0, b0], [p1, b1], ...]``: shard i served by entry i (hashed routing, no pins);
+* ``config="configs/4shard.yaml"``: the supervisor config, planned on this host;
+* ``control="tcp://host:5555"``: the supervisor's MDP ``cluster.map``, fetched in start().
+
+The router (``client.router``): one ``ShardAgent`` per shard that can own a key under the
+subtree (``ShardMap.owners_of_subtree``), each with its own sockets, sequence (the
+``version_vector``), failover and resync; the local map is the union of their parts.
+Reads (get, items, keys, len) are local; a write is a KVSET sent to every server of the
+key's owning shard (``ShardMap.owner``), fire-and-forget as in 12/CHP, with a fresh
+16-byte UUID that ``set``/``delete`` return. ``wait=True`` returns only once the owning
+shard has published that UUID back and it is applied locally (read-your-writes), or
+raises ``shards.errors.Timeout``.
 
 Keys are ``str`` (UTF-8 on the wire) and must lie under the client's subtree. Values go
 through the codec (``client.codec``): bytes by default, or ``codec="msgpack"``.
@@ -42,6 +53,7 @@ from client.agent import (KVSET_QUEUE_MAX, SYNC_BUFFER_MAX, FailoverInfo, Server
                           ShardAgent, parse_server)
 from client.codec import Codec, get_codec
 from client.errors import NotRunning
+from client.router import CONTROL_TIMEOUT_S, Cluster, fetch_cluster
 from client.watch import WATCH_CAPACITY, SyncWatch, Watch, WatchCore, WatchHub
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -83,9 +95,11 @@ class AsyncClone:
     shard switches and again when it has resumed.
     """
 
-    def __init__(self, servers, *, subtree: str = "", codec: "str | Codec" = "bytes",
+    def __init__(self, servers=None, *, shards=None, config=None, control: str | None = None,
+                 subtree: str = "", codec: "str | Codec" = "bytes",
                  timeout_s: float = DEFAULT_TIMEOUT_S,
-                 heartbeat_s: float = sm.HEARTBEAT_S,
+                 control_timeout_s: float = CONTROL_TIMEOUT_S,
+                 heartbeat_s: float | None = None,
                  silence_timeout_s: "float | None | str" = AUTO,
                  sync_timeout_s: float = sm.SYNC_TIMEOUT_S,
                  connect_timeout_s: float = sm.CONNECT_TIMEOUT_S,
@@ -97,34 +111,80 @@ class AsyncClone:
                  context: zmq.Context | None = None):
         if not isinstance(subtree, str):
             raise TypeError("subtree is a str such as '/orders/' (or '')")
+        given = [name for name, v in (("servers", servers), ("shards", shards),
+                                      ("config", config), ("control", control))
+                 if v is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of servers=, shards=, config=, control= "
+                             f"(got {', '.join(given) or 'none'})")
         self.subtree = subtree
         self._subtree_b = chp.check_subtree(subtree.encode("utf-8"))
-        self.servers = _parse_servers(servers)
+        self.servers = _parse_servers(servers) if servers is not None else ()
+        self.control = control
+        self.control_timeout_s = control_timeout_s
         self.codec = get_codec(codec)
         self.timeout_s = timeout_s
         self.limits = limits
         self.watch_capacity = watch_capacity
-        if silence_timeout_s == AUTO:
-            if not heartbeat_s > 0:
-                raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s!r}")
-            silence_timeout_s = SILENCE_HEARTBEATS * heartbeat_s
-        self.silence_timeout_s = silence_timeout_s
+        if heartbeat_s is not None and not heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s!r}")
+        self._heartbeat_s = heartbeat_s
+        self._silence_arg = silence_timeout_s
+        self.silence_timeout_s: float | None = None
+        self._agent_kw = dict(sync_timeout_s=sync_timeout_s,
+                              connect_timeout_s=connect_timeout_s,
+                              sync_buffer_max=sync_buffer_max,
+                              kvset_queue_max=kvset_queue_max, limits=limits,
+                              on_failover=on_failover)
         self._own_ctx = context is None
         self._ctx = context if context is not None else zmq.Context()
         self._hub = WatchHub()
-        self._agents = [ShardAgent(
-            self._ctx, self.servers, name="s0", subtree=self._subtree_b, hub=self._hub,
-            silence_timeout_s=silence_timeout_s, sync_timeout_s=sync_timeout_s,
-            connect_timeout_s=connect_timeout_s, sync_buffer_max=sync_buffer_max, kvset_queue_max=kvset_queue_max,
-            limits=limits, on_failover=on_failover)]
+        self.cluster: Cluster | None = None
+        self._agents: list[ShardAgent] = []
+        self._by_index: dict[int, ShardAgent] = {}
         self._started = False
         self._closed = False
+        try:
+            if servers is not None:
+                self._route(Cluster.from_servers(self.servers))
+            elif shards is not None:
+                self._route(Cluster.from_pairs(shards))
+            elif config is not None:
+                self._route(Cluster.from_config(config))
+        except BaseException:
+            if self._own_ctx:
+                self._ctx.destroy(linger=0)
+            raise
+
+    def _route(self, cluster: Cluster) -> None:
+        """One agent per shard that can own a key under the subtree."""
+        silence = self._silence_arg
+        if silence == AUTO:
+            if self._heartbeat_s is None and cluster.silence_timeout_s is not None:
+                silence = cluster.silence_timeout_s
+            else:
+                heartbeat_s = self._heartbeat_s or cluster.heartbeat_s or sm.HEARTBEAT_S
+                silence = SILENCE_HEARTBEATS * heartbeat_s
+        self.silence_timeout_s = silence
+        self.cluster = cluster
+        for spec in cluster.shards_for(self._subtree_b):
+            agent = ShardAgent(self._ctx, spec.servers, name=spec.name,
+                               subtree=self._subtree_b, hub=self._hub,
+                               silence_timeout_s=silence, **self._agent_kw)
+            self._agents.append(agent)
+            self._by_index[spec.index] = agent
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, timeout_s: float | None = None) -> "AsyncClone":
         if self._closed:
             raise NotRunning("this client is closed")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if self.cluster is None:
+            # control=: discover the cluster (Timeout if no supervisor answers)
+            cluster = await fetch_cluster(self.control, ctx=self._ctx,
+                                          timeout_s=min(self.control_timeout_s, timeout_s))
+            if self.cluster is None:
+                self._route(cluster)
         if not self._started:
             self._started = True
             for agent in self._agents:
@@ -144,7 +204,9 @@ class AsyncClone:
                           what="snapshot", deadline_s=timeout_s) from None
         return self
 
-    async def close(self) -> None:
+    async def close(self, linger_s: float = 0.0) -> None:
+        """Close every socket. ``linger_s`` > 0 lets KVSETs already handed to ZeroMQ
+        out for that long (for a process about to exit after fire-and-forget writes)."""
         if self._closed:
             return
         self._closed = True
@@ -152,10 +214,11 @@ class AsyncClone:
             core.closed = True
             core.wake()
         self._hub.watches.clear()
+        linger_ms = max(0, int(linger_s * 1000))
         for agent in self._agents:
-            agent.close()
+            agent.close(linger_ms)
         if self._own_ctx:
-            self._ctx.destroy(linger=0)
+            self._ctx.destroy(linger=linger_ms)
 
     async def __aenter__(self) -> "AsyncClone":
         try:
@@ -178,8 +241,21 @@ class AsyncClone:
         return key_b
 
     def _agent_for(self, key_b: bytes) -> ShardAgent:
-        """The agent of the shard that owns ``key_b`` (one shard for now)."""
-        return self._agents[0]
+        """The agent of the shard that owns ``key_b`` (``ShardMap.owner``)."""
+        if self.cluster is None:
+            raise NotRunning("start() the client first (the cluster map is not known yet)")
+        index = self.cluster.shard_map.owner(key_b)
+        try:
+            return self._by_index[index]
+        except KeyError:
+            # cannot happen for a key under the subtree (owners_of_subtree covers it)
+            raise RuntimeError(f"routing: key {key_b[:60]!r} is owned by shard {index}, "
+                               f"which subtree {self.subtree!r} does not fan out to") from None
+
+    @property
+    def shard_names(self) -> list[str]:
+        """The shards this client follows (its subtree's fan-out), in index order."""
+        return [a.name for a in self._agents]
 
     def _prefix(self, prefix: str) -> bytes:
         if not isinstance(prefix, str):
@@ -230,7 +306,8 @@ class AsyncClone:
     # ------------------------------------------------------------------ writes
     def _prepare(self, key: str, value: Any, ttl: float | None
                  ) -> tuple[ShardAgent, list[bytes], bytes]:
-        """Validate and encode a KVSET (any thread): the owning agent, frames, UUID."""
+        """Validate and encode a KVSET (any thread): the owning agent, frames, UUID
+        (frames[0] is the key and frames[4] the encoded value)."""
         key_b = self._key(key)
         blob = b"" if value is None else self.codec.encode(value)
         if len(blob) > self.limits.max_value:
@@ -245,21 +322,55 @@ class AsyncClone:
             raise NotRunning("start() the client first" if not self._closed
                              else "this client is closed")
 
-    async def set(self, key: str, value: Any, ttl: float | None = None) -> bytes:
-        """Send a KVSET (fire-and-forget); returns its 16-byte UUID. ``ttl`` in seconds."""
+    async def set(self, key: str, value: Any, ttl: float | None = None, *,
+                  wait: bool = False, timeout_s: float | None = None) -> bytes:
+        """Send a KVSET; returns its 16-byte UUID. ``ttl`` in seconds. Fire-and-forget,
+        or with ``wait=True`` once the owning shard has published it back and it is in
+        the local map (``Timeout`` after ``timeout_s``, default the client's)."""
         self._check_running()
         if value is None:
             raise ValueError("value is None: use delete() to delete a key")
         agent, frames, uuid = self._prepare(key, value, ttl)
-        agent.send_kvset(frames)
-        return uuid
+        return await self._send(agent, frames, uuid, wait, timeout_s)
 
-    async def delete(self, key: str) -> bytes:
-        """Send a KVSET with an empty value (delete); returns its UUID."""
+    async def delete(self, key: str, *, wait: bool = False,
+                     timeout_s: float | None = None) -> bytes:
+        """Send a KVSET with an empty value (delete); returns its UUID. ``wait`` as
+        for ``set``."""
         self._check_running()
         agent, frames, uuid = self._prepare(key, None, None)
+        return await self._send(agent, frames, uuid, wait, timeout_s)
+
+    async def _send(self, agent: ShardAgent, frames: list[bytes], uuid: bytes, wait: bool,
+                    timeout_s: float | None) -> bytes:
+        if not wait:
+            agent.send_kvset(frames)
+            return uuid
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        echo = agent.expect(uuid, frames[0], frames[4])
         agent.send_kvset(frames)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await echo
+        except TimeoutError:
+            raise Timeout(f"shard {agent.name} ({agent.server}) did not publish the update "
+                          f"of {frames[0][:60].decode('utf-8', 'replace')!r} back within "
+                          f"{timeout_s} s", what="echo", deadline_s=timeout_s) from None
+        finally:
+            echo.cancel()
         return uuid
+
+    async def flush(self, timeout_s: float | None = None) -> None:
+        """Until every KVSET queued here has been handed to ZeroMQ (``Timeout``
+        otherwise). A short-lived process then closes with ``close(linger_s=...)``."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while any(a.kvsets_queued for a in self._agents):
+            if loop.time() >= deadline:
+                raise Timeout(f"KVSETs still queued after {timeout_s} s (no collector "
+                              "listening)", what="flush", deadline_s=timeout_s)
+            await asyncio.sleep(0.01)
 
     # ------------------------------------------------------------------ watches
     def _watch_core(self, prefix: str, capacity: int | None) -> WatchCore:
@@ -284,7 +395,7 @@ class Clone:
     operation, atomic in CPython); ``set``/``delete`` queue the KVSET for the loop thread
     and return at once (fire-and-forget); ``items``/``keys`` copy on the loop thread."""
 
-    def __init__(self, servers, *, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs):
+    def __init__(self, servers=None, *, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs):
         self.timeout_s = timeout_s
         self._async = AsyncClone(servers, timeout_s=timeout_s, **kwargs)
         self._outbox: deque = deque()
@@ -293,6 +404,7 @@ class Clone:
         self._stopped: asyncio.Event | None = None
         self._loop_ready = threading.Event()
         self._closed = False
+        self._linger_s = 0.0
         self._watches: list[SyncWatch] = []
         self._thread = threading.Thread(target=self._run, name="clonemap-client", daemon=True)
         self._thread.start()
@@ -313,7 +425,7 @@ class Clone:
         self._stopped = asyncio.Event()
         self._loop_ready.set()
         await self._stopped.wait()
-        await self._async.close()
+        await self._async.close(self._linger_s)
 
     def _call(self, coro, timeout_s: float | None = None):
         """Run ``coro`` on the loop thread and wait for it, with a deadline."""
@@ -351,9 +463,12 @@ class Clone:
             fn(arg)
 
     # ------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Stop the loop thread and close every socket (``linger_s`` as for
+        ``AsyncClone.close``)."""
         if self._closed:
             return
+        self._linger_s = linger_s
         for watch in list(self._watches):
             watch.close()
         self._closed = True
@@ -400,18 +515,45 @@ class Clone:
         return self._call(_run_sync(self._async.stats))
 
     # ------------------------------------------------------------------ writes
-    def set(self, key: str, value: Any, ttl: float | None = None) -> bytes:
-        """Queue a KVSET (fire-and-forget); returns its 16-byte UUID."""
+    def set(self, key: str, value: Any, ttl: float | None = None, *, wait: bool = False,
+            timeout_s: float | None = None) -> bytes:
+        """Queue a KVSET (fire-and-forget); returns its 16-byte UUID. ``wait=True``:
+        block until the owning shard published it back (``Timeout`` otherwise)."""
         if value is None:
             raise ValueError("value is None: use delete() to delete a key")
+        if wait:
+            return self._wait_call(self._async.set(key, value, ttl, wait=True,
+                                                   timeout_s=timeout_s), timeout_s)
         agent, frames, uuid = self._async._prepare(key, value, ttl)
         self._post(agent.send_kvset, frames)
         return uuid
 
-    def delete(self, key: str) -> bytes:
+    def delete(self, key: str, *, wait: bool = False, timeout_s: float | None = None) -> bytes:
+        if wait:
+            return self._wait_call(self._async.delete(key, wait=True, timeout_s=timeout_s),
+                                   timeout_s)
         agent, frames, uuid = self._async._prepare(key, None, None)
         self._post(agent.send_kvset, frames)
         return uuid
+
+    def _wait_call(self, coro, timeout_s: float | None):
+        # queued fire-and-forget writes go first, so per-key order holds
+        self._post(lambda _: None, None)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        return self._call(coro, timeout_s + 1.0)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Until every queued KVSET has been handed to ZeroMQ."""
+        self._post(lambda _: None, None)
+        self._call(self._async.flush(timeout_s))
+
+    @property
+    def shard_names(self) -> list[str]:
+        return self._async.shard_names
+
+    @property
+    def cluster(self) -> Cluster | None:
+        return self._async.cluster
 
     # ------------------------------------------------------------------ watches
     def watch(self, prefix: str = "", callback: Callable | None = None, *,

@@ -1,0 +1,177 @@
+"""The cluster a client routes over: shards, their servers, and the routing function.
+
+A ``Cluster`` is what ``AsyncClone`` needs to route: a ``shards.routing.ShardMap`` (who
+owns a key, which shards a subtree fans out to) and, per shard index, its name and its
+servers in failover order (a Binary Star pair: primary, backup). Four ways to get one::
+
+    Cluster.from_servers("tcp://h:6000")                 one shard (one server or a pair)
+    Cluster.from_pairs([[p0, b0], [p1, b1], ...])         N shards, hashed (no pins)
+    Cluster.from_config("configs/4shard.yaml")            the supervisor's plan, read locally
+    await fetch_cluster("tcp://h:5555")                   MDP ``cluster.map`` from a supervisor
+
+The last two read the same document (``supervisor.control.cluster_map``): routing
+parameters (``ShardMap.describe``), shard names, pinned prefixes, and each server's
+address and base port P. A server bound to a wildcard address ("0.0.0.0", "*") is reached
+on the host the map came from (the control endpoint's host, or 127.0.0.1 for a file).
+
+Pure except ``from_config`` (reads a file) and ``fetch_cluster`` (one MDP request).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import zmq
+
+from shards.errors import ConfigError, ProtocolError
+from shards.routing import ShardMap
+from client.agent import ServerAddress, parse_server
+
+CLUSTER_MAP_SERVICE = "cluster.map"
+CONTROL_TIMEOUT_S = 3.0
+_WILDCARDS = ("0.0.0.0", "*", "", "::")
+_HOST_RE = re.compile(r"tcp://(\[[^\]]+\]|[^:/]+):\d+")
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One shard: its index in the routing function, its name, its servers."""
+
+    index: int
+    name: str
+    servers: tuple[ServerAddress, ...]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    shard_map: ShardMap
+    shards: tuple[ShardSpec, ...]
+    heartbeat_s: float | None = None
+    silence_timeout_s: float | None = None
+    source: str = ""
+
+    def __post_init__(self):
+        if len(self.shards) != self.shard_map.shards:
+            raise ConfigError(f"{self.source or 'cluster'}: {len(self.shards)} shards listed "
+                              f"but the routing function has {self.shard_map.shards}",
+                              field="shards")
+        for i, shard in enumerate(self.shards):
+            if shard.index != i:
+                raise ConfigError(f"shard {shard.name!r} has index {shard.index}, "
+                                  f"expected {i}", field=f"shards[{i}].index")
+            if not shard.servers:
+                raise ConfigError(f"shard {shard.name!r} has no server",
+                                  field=f"shards[{i}]")
+
+    def shard(self, which: "str | int") -> ShardSpec:
+        """A shard by name or by index (``"s1"``, ``1`` or ``"1"``); KeyError if none."""
+        for shard in self.shards:
+            if shard.name == str(which):
+                return shard
+        if isinstance(which, int) or str(which).isdigit():
+            i = int(which)
+            if 0 <= i < len(self.shards):
+                return self.shards[i]
+        raise KeyError(which)
+
+    def shards_for(self, subtree: "str | bytes") -> list[ShardSpec]:
+        """The shards that can own a key under ``subtree`` (the ICANHAZ fan-out)."""
+        return [self.shards[i] for i in self.shard_map.owners_of_subtree(subtree)]
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_servers(cls, servers) -> "Cluster":
+        """One shard served by ``servers`` (one address, or a pair in failover order)."""
+        return cls.from_pairs([servers], source="servers")
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence, *, source: str = "shards") -> "Cluster":
+        """Shard i served by ``pairs[i]`` (an address or a sequence of them), hashed."""
+        if isinstance(pairs, (str, ServerAddress)) or not pairs:
+            raise ValueError("shards: give a list with one entry per shard, each a server "
+                             "address or a [primary, backup] pair")
+        specs = []
+        for i, entry in enumerate(pairs):
+            if isinstance(entry, (str, ServerAddress)):
+                entry = [entry]
+            servers = tuple(parse_server(s) for s in entry)
+            if not servers:
+                raise ValueError(f"shards[{i}]: no server address")
+            specs.append(ShardSpec(i, f"s{i}", servers))
+        return cls(ShardMap(len(specs)), tuple(specs), source=source)
+
+    @classmethod
+    def from_map(cls, doc: Mapping[str, Any], *, host: str = "127.0.0.1",
+                 source: str = "cluster map") -> "Cluster":
+        """From a ``cluster.map`` document; ``host`` replaces wildcard bind addresses."""
+        try:
+            shard_map = ShardMap.from_description(doc["routing"])
+            specs = []
+            for i, sh in enumerate(doc["shards"]):
+                servers = []
+                for role in ("primary", "backup"):
+                    server = sh.get(role)
+                    if not server:
+                        continue
+                    address = str(server["address"])
+                    if address in _WILDCARDS:
+                        address = host
+                    servers.append(ServerAddress(address, int(server["port"])))
+                specs.append(ShardSpec(int(sh.get("index", i)), str(sh["name"]),
+                                       tuple(servers)))
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"{source}: not a cluster map ({type(exc).__name__}: {exc})",
+                              field="cluster map") from None
+        return cls(shard_map, tuple(specs), heartbeat_s=_seconds(doc.get("heartbeat_s")),
+                   silence_timeout_s=_seconds(doc.get("silence_timeout_s")), source=source)
+
+    @classmethod
+    def from_config(cls, path) -> "Cluster":
+        """Plan the supervisor config at ``path`` on this host and read its cluster map
+        (the same document the supervisor serves; raises ``ConfigError``)."""
+        from supervisor.control import cluster_map
+        from supervisor.placement import load_plan
+
+        return cls.from_map(cluster_map(load_plan(path)), source=str(path))
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def control_host(endpoint: str) -> str:
+    """The host of a ``tcp://HOST:PORT`` endpoint (127.0.0.1 for a wildcard)."""
+    m = _HOST_RE.match(endpoint)
+    host = m.group(1) if m else "127.0.0.1"
+    return "127.0.0.1" if host in _WILDCARDS else host
+
+
+def parse_map_reply(frames: list[bytes], endpoint: str) -> dict:
+    """The FINAL body of ``cluster.map``: status ``200`` then the JSON document."""
+    if len(frames) < 2 or frames[0] != b"200":
+        status = frames[0].decode("utf-8", "replace") if frames else "(empty)"
+        text = frames[1].decode("utf-8", "replace") if len(frames) > 1 else ""
+        raise ProtocolError(f"{CLUSTER_MAP_SERVICE} at {endpoint} answered {status} {text}",
+                            reason="bad_cluster_map")
+    try:
+        return json.loads(frames[1])
+    except ValueError as exc:
+        raise ProtocolError(f"{CLUSTER_MAP_SERVICE} at {endpoint}: not JSON ({exc})",
+                            reason="bad_cluster_map") from None
+
+
+async def fetch_cluster(endpoint: str, *, ctx: zmq.Context | None = None,
+                        timeout_s: float = CONTROL_TIMEOUT_S, retries: int = 1) -> Cluster:
+    """Ask the supervisor at ``endpoint`` for ``cluster.map`` (MDP/0.2). Raises
+    ``shards.errors.Timeout`` when nobody answers within the deadline (per attempt)."""
+    from shards.mdp.client import MdpClient
+
+    endpoint = endpoint.replace("tcp://*:", "tcp://127.0.0.1:")
+    async with MdpClient(endpoint, ctx=ctx, timeout_s=timeout_s, retries=retries) as mdp:
+        frames = await mdp.request(CLUSTER_MAP_SERVICE)
+    return Cluster.from_map(parse_map_reply(frames, endpoint), host=control_host(endpoint),
+                            source=endpoint)
