@@ -1,0 +1,429 @@
+"""``chp``: the clonemap map from a shell (get, set, del, dump, watch, trace).
+
+::
+
+    chp [--control EP | --config FILE | --servers tcp://H:P[,tcp://H:P2] ...] COMMAND
+
+    chp get KEY [--hex | --raw]          the value (text + newline, hex, or exact bytes)
+    chp set KEY VALUE [--ttl S]          VALUE as text; --hex VALUE, or --file PATH (- stdin)
+        [--wait/--no-wait]               wait (default) until the owning shard published it
+    chp del KEY                          delete (exit 1 if the key is not there)
+    chp dump [SUBTREE] [--json] [--hex]  every key under SUBTREE, sorted
+    chp watch [SUBTREE] [--json]         the items, a "synced" line, then live changes
+    chp trace SHARD                      every command on the shard's publisher (P+1)
+
+Where the cluster is: ``--control`` (the supervisor's MDP ``cluster.map``), ``--config``
+(a supervisor config, planned here), or ``--servers`` once per shard (a server or a
+comma-separated Binary Star pair; N given = N hashed shards). None given:
+``$CLONEMAP_CONTROL``, else tcp://127.0.0.1:5555.
+
+A command follows only the shards it needs: ``get /users/42/name`` asks for the subtree
+"/users/42/" (one shard); ``dump`` and ``watch`` of "" ask every shard.
+
+Exit codes (decided here, in ``_exit_code``): 0 ok; 1 key not found (get, del); 2 usage
+or a bad config; 3 other failure; 4 timeout (no cluster reachable, no echo); 5 a watch
+that fell behind (slow consumer); 130 interrupted (Ctrl-C). Errors: one line on stderr.
+"""
+from __future__ import annotations
+
+import asyncio
+import binascii
+import json
+import os
+import signal
+import sys
+import time
+
+import click
+import uvloop
+import zmq
+
+from shards.errors import ClonemapError, ConfigError, SlowConsumer, Timeout
+from shards.proto import chp
+from shards.zio import AsyncSocket
+from client.api import AsyncClone
+from client.router import Cluster, fetch_cluster
+
+DEFAULT_CONTROL = "tcp://127.0.0.1:5555"
+DEFAULT_TIMEOUT_S = 5.0
+
+EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_FAILED, EXIT_TIMEOUT, EXIT_SLOW = 0, 1, 2, 3, 4, 5
+EXIT_INTERRUPTED = 130
+
+
+class NotFound(ClonemapError):
+    """The key is not in the map."""
+
+
+# ------------------------------------------------------------------ helpers (pure)
+
+def subtree_of(prefix: str) -> str:
+    """The deepest 12/CHP subtree ("" or "/a/.../") that holds every key under
+    ``prefix``: "/users/42/name" -> "/users/42/", "/users" -> "", "plain" -> ""."""
+    if not prefix.startswith("/"):
+        return ""
+    cut = prefix.rfind("/")
+    sub = prefix[:cut + 1] if cut > 0 else ""
+    try:
+        chp.check_subtree(sub.encode("utf-8"))
+    except ValueError:
+        return ""
+    return sub
+
+
+def show_value(value: bytes, hex_all: bool = False) -> str:
+    """Text if the value is printable UTF-8 (no control characters), else 0x<hex>."""
+    if not hex_all:
+        try:
+            text = value.decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+        else:
+            if text.isprintable():
+                return text
+    return "0x" + value.hex()
+
+
+def json_value(value: bytes):
+    """A JSON string for UTF-8 text, ``{"hex": ...}`` for anything else."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return {"hex": value.hex()}
+
+
+def _exit_code(exc: BaseException) -> int:
+    if isinstance(exc, NotFound):
+        return EXIT_NOT_FOUND
+    if isinstance(exc, (ConfigError, click.UsageError)):
+        return EXIT_USAGE
+    if isinstance(exc, TimeoutError):
+        return EXIT_TIMEOUT
+    if isinstance(exc, SlowConsumer):
+        return EXIT_SLOW
+    if isinstance(exc, (ValueError, TypeError)):
+        return EXIT_USAGE  # a bad key, subtree or value
+    return EXIT_FAILED
+
+
+# ------------------------------------------------------------------ running a command
+
+class Target:
+    """Where the cluster is, as the global options said."""
+
+    def __init__(self, control: str | None, config: str | None, servers: tuple[str, ...],
+                 timeout_s: float):
+        given = [n for n, v in (("--control", control), ("--config", config),
+                                ("--servers", servers)) if v]
+        if len(given) > 1:
+            raise click.UsageError(f"give one of --control, --config, --servers "
+                                   f"(got {' and '.join(given)})")
+        self.control = control if (control or config or servers) else \
+            os.environ.get("CLONEMAP_CONTROL", DEFAULT_CONTROL)
+        self.config = config
+        self.servers = servers
+        self.timeout_s = timeout_s
+
+    def describe(self) -> str:
+        if self.config:
+            return f"config {self.config}"
+        if self.servers:
+            return "servers " + " ".join(self.servers)
+        return f"control {self.control}"
+
+    def _pairs(self) -> list[list[str]]:
+        return [[s for s in entry.split(",") if s.strip()] for entry in self.servers]
+
+    def clone(self, subtree: str = "") -> AsyncClone:
+        kw = dict(subtree=subtree, timeout_s=self.timeout_s)
+        if self.config:
+            return AsyncClone(config=self.config, **kw)
+        if self.servers:
+            return AsyncClone(shards=self._pairs(), **kw)
+        return AsyncClone(control=self.control, control_timeout_s=self.timeout_s / 2, **kw)
+
+    async def cluster(self, ctx: zmq.Context) -> Cluster:
+        if self.config:
+            return Cluster.from_config(self.config)
+        if self.servers:
+            return Cluster.from_pairs(self._pairs())
+        return await fetch_cluster(self.control, ctx=ctx, timeout_s=self.timeout_s / 2)
+
+
+def run(target: Target, coro_fn, *args) -> None:
+    """Run ``coro_fn(target, *args)`` on uvloop; map its outcome to an exit code."""
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            code = runner.run(_with_signals(coro_fn(target, *args)))
+    except KeyboardInterrupt:
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    except click.UsageError:
+        raise
+    except (ClonemapError, ValueError, TypeError, OSError, zmq.ZMQError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if isinstance(exc, TimeoutError) and not isinstance(exc, NotFound):
+            message += f" (is the cluster up? tried {target.describe()})"
+        click.echo(f"chp: error: {message}", err=True)
+        raise SystemExit(_exit_code(exc)) from None
+    raise SystemExit(code or EXIT_OK)
+
+
+async def _with_signals(coro):
+    """Ctrl-C (SIGINT) ends a long command (watch, trace) with 130, SIGTERM with 0; both
+    close the sockets first. (Installed explicitly: a shell's background job starts with
+    SIGINT ignored, and Python then would not raise KeyboardInterrupt.)"""
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    got: list[int] = []
+
+    def stop(signum: int) -> None:
+        got.append(signum)
+        task.cancel()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop, signum)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if got:
+            return EXIT_INTERRUPTED if got[0] == signal.SIGINT else EXIT_OK
+        raise
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+def _out(data: bytes) -> None:
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
+
+
+# ------------------------------------------------------------------ commands
+
+async def do_get(target: Target, key: str, mode: str) -> int:
+    async with target.clone(subtree_of(key)) as clone:
+        value = clone.get(key)
+    if value is None:
+        raise NotFound(f"key not found: {key}")
+    if mode == "hex":
+        _out(value.hex().encode() + b"\n")
+    elif mode == "raw":
+        _out(value)
+    else:
+        _out(value + b"\n")
+    return EXIT_OK
+
+
+async def do_set(target: Target, key: str, value: bytes | None, ttl: float | None,
+                 wait: bool) -> int:
+    async with target.clone(subtree_of(key)) as clone:
+        if value is None:
+            if key not in clone:
+                raise NotFound(f"key not found: {key}")
+            await clone.delete(key, wait=wait)
+        else:
+            await clone.set(key, value, ttl, wait=wait)
+        if not wait:
+            await clone.flush()
+            await clone.close(linger_s=1.0)
+    return EXIT_OK
+
+
+async def do_dump(target: Target, subtree: str, as_json: bool, hex_all: bool) -> int:
+    async with target.clone(subtree_of(subtree)) as clone:
+        items = sorted(clone.items(subtree))
+    if as_json:
+        doc = {k: ({"hex": v.hex()} if hex_all else json_value(v)) for k, v in items}
+        _out(json.dumps(doc, indent=1, ensure_ascii=False).encode("utf-8") + b"\n")
+    else:
+        _out(b"".join(f"{k}\t{show_value(v, hex_all)}\n".encode("utf-8") for k, v in items))
+    return EXIT_OK
+
+
+async def do_watch(target: Target, subtree: str, as_json: bool, count: int | None) -> int:
+    seen = 0
+    async with target.clone(subtree_of(subtree)) as clone:
+        async with clone.watch(subtree) as watch:
+            async for change in watch:
+                if as_json:
+                    doc = {"kind": change.kind, "key": change.key, "seq": change.seq,
+                           "shard": change.shard}
+                    if change.value is not None:
+                        doc["value"] = json_value(change.value)
+                    line = json.dumps(doc, ensure_ascii=False)
+                elif change.kind == "put":
+                    line = f"put {change.key} {show_value(change.value)}"
+                elif change.kind == "delete":
+                    line = f"delete {change.key}"
+                else:
+                    line = f"synced {change.key}".rstrip()
+                _out(line.encode("utf-8") + b"\n")
+                if change.kind != "synced" and watch.synced:
+                    seen += 1  # a live change (the snapshot's items do not count)
+                    if count is not None and seen >= count:
+                        break
+    return EXIT_OK
+
+
+def trace_line(server: str, frames: list[bytes]) -> str:
+    """One decoded line per message on a publisher (KVPUB, HUGZ, or what is wrong)."""
+    stamp = time.strftime("%H:%M:%S", time.localtime()) + f".{int(time.time() * 1000) % 1000:03d}"
+    try:
+        msg = chp.decode_update(frames)
+    except ValueError as exc:
+        return f"{stamp} {server} BAD {exc}"
+    if isinstance(msg, chp.Hugz):
+        return f"{stamp} {server} HUGZ"
+    props = chp.parse_props(msg.props) if msg.props else {}
+    what = "KVPUB" if msg.value else "KVPUB(delete)"
+    return (f"{stamp} {server} {what} seq={msg.seq} key={msg.key.decode('utf-8', 'replace')}"
+            f" uuid={msg.uuid.hex() or '-'} props={json.dumps(props, sort_keys=True)}"
+            f" value={show_value(msg.value)}")
+
+
+async def do_trace(target: Target, shard: str, count: int | None) -> int:
+    ctx = zmq.Context()
+    socks: list[AsyncSocket] = []
+    try:
+        cluster = await target.cluster(ctx)
+        try:
+            spec = cluster.shard(shard)
+        except KeyError:
+            names = ", ".join(s.name for s in cluster.shards)
+            raise click.UsageError(f"no shard {shard!r} (the cluster has {names})") from None
+        done = asyncio.get_running_loop().create_future()
+        seen = [0]
+        for server in spec.servers:
+            sock = ctx.socket(zmq.SUB)
+            sock.linger = 0
+            sock.subscribe(b"")
+            sock.connect(server.publisher)
+
+            def on_message(frames, server=server):
+                if done.done():
+                    return
+                _out(trace_line(server.publisher, frames).encode("utf-8") + b"\n")
+                seen[0] += 1
+                if count is not None and seen[0] >= count:
+                    done.set_result(None)
+
+            socks.append(AsyncSocket(sock, on_message, name=f"trace {server.publisher}"))
+        click.echo(f"tracing shard {spec.name}: "
+                   + ", ".join(s.publisher for s in spec.servers), err=True)
+        await done
+    finally:
+        for s in socks:
+            s.close()
+        ctx.destroy(linger=0)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ the command line
+
+def _value_of(value: str | None, hex_value: bool, path: str | None) -> bytes:
+    if path is not None:
+        if value is not None:
+            raise click.UsageError("give VALUE or --file, not both")
+        if path == "-":
+            return sys.stdin.buffer.read()
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise click.UsageError(f"--file {path}: {exc.strerror}") from None
+    if value is None:
+        raise click.UsageError("missing VALUE (or --file PATH)")
+    if hex_value:
+        try:
+            return binascii.unhexlify(value.removeprefix("0x"))
+        except (binascii.Error, ValueError):
+            raise click.UsageError(f"--hex: {value!r} is not an even number of hex digits") \
+                from None
+    return value.encode("utf-8")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--control", metavar="ENDPOINT", default=None,
+              help="The supervisor's control endpoint (MDP cluster.map) [default: "
+                   f"$CLONEMAP_CONTROL or {DEFAULT_CONTROL}].")
+@click.option("--config", "-c", "config", metavar="FILE", default=None,
+              help="A supervisor config: route with its plan, no supervisor needed.")
+@click.option("--servers", "-s", multiple=True, metavar="tcp://H:P[,tcp://H:P2]",
+              help="One shard per use: a server, or a comma-separated pair (primary,backup).")
+@click.option("--timeout-s", type=click.FloatRange(min=0.05), default=DEFAULT_TIMEOUT_S,
+              show_default=True, help="How long to wait for the cluster (and for an echo).")
+@click.pass_context
+def main(ctx: click.Context, control, config, servers, timeout_s) -> None:
+    """Read, write, dump, watch and trace a clonemap cluster."""
+    ctx.obj = Target(control, config, servers, timeout_s)
+
+
+@main.command("get")
+@click.argument("key")
+@click.option("--hex", "mode", flag_value="hex", help="Print the value as hex digits.")
+@click.option("--raw", "mode", flag_value="raw", help="Print exactly the value's bytes.")
+@click.pass_obj
+def get_command(target: Target, key: str, mode: str | None) -> None:
+    """Print KEY's value (exit 1 if it is not there)."""
+    run(target, do_get, key, mode or "text")
+
+
+@main.command("set")
+@click.argument("key")
+@click.argument("value", required=False)
+@click.option("--ttl", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="S", help="Expire after S seconds.")
+@click.option("--hex", "hex_value", is_flag=True, help="VALUE is hex digits (binary values).")
+@click.option("--file", "path", metavar="PATH", default=None,
+              help="Take the value from a file ('-': stdin).")
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait until the owning shard has published the update back.")
+@click.pass_obj
+def set_command(target: Target, key: str, value, ttl, hex_value, path, wait) -> None:
+    """Set KEY to VALUE."""
+    run(target, do_set, key, _value_of(value, hex_value, path), ttl, wait)
+
+
+@main.command("del")
+@click.argument("key")
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait until the owning shard has published the delete back.")
+@click.pass_obj
+def del_command(target: Target, key: str, wait: bool) -> None:
+    """Delete KEY (exit 1 if it is not there)."""
+    run(target, do_set, key, None, None, wait)
+
+
+@main.command("dump")
+@click.argument("subtree", default="")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (binary as {hex}).")
+@click.option("--hex", "hex_all", is_flag=True, help="Every value as hex.")
+@click.pass_obj
+def dump_command(target: Target, subtree: str, as_json: bool, hex_all: bool) -> None:
+    """Print every key under SUBTREE (a key prefix; default all), sorted."""
+    run(target, do_dump, subtree, as_json, hex_all)
+
+
+@main.command("watch")
+@click.argument("subtree", default="")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--count", type=click.IntRange(min=1), default=None,
+              help="Stop after this many live changes (default: until Ctrl-C).")
+@click.pass_obj
+def watch_command(target: Target, subtree: str, as_json: bool, count) -> None:
+    """Print the items under SUBTREE, "synced", then every change, live."""
+    run(target, do_watch, subtree, as_json, count)
+
+
+@main.command("trace")
+@click.argument("shard")
+@click.option("--count", type=click.IntRange(min=1), default=None,
+              help="Stop after this many messages (default: until Ctrl-C).")
+@click.pass_obj
+def trace_command(target: Target, shard: str, count) -> None:
+    """Print every message on SHARD's publishers (name or index), decoded."""
+    run(target, do_trace, shard, count)
+
+
+if __name__ == "__main__":
+    main()
