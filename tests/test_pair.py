@@ -265,6 +265,7 @@ def test_only_the_active_answers_icanhaz_and_the_passive_replicates(procs, zctx,
     snap, seq = snapshot(zctx, p)
     assert seq == last.seq and len(snap) == 201
     assert primary.alive() and backup.alive()
+    assert backup.stop() == 0 and primary.stop() == 0  # SIGTERM: a clean exit, both roles
 
 
 def test_a_server_that_starts_after_writes_gets_the_whole_map_with_its_ttls(
