@@ -87,6 +87,20 @@ def _strip_ttl(props: bytes) -> bytes:
     return b"".join(line + b"\n" for line in lines)
 
 
+def _expiries(store: Store):
+    """(key, absolute expiry) for every key with a TTL. ``Store`` has no public iterator
+    for this yet (wanted upstream: ``Store.expiries()``); its private index is read, never
+    written, and a slow O(n) walk is the fallback if that ever changes."""
+    public = getattr(store, "expiries", None)
+    if callable(public):
+        return public()
+    index = getattr(store, "_expiry", None)
+    if isinstance(index, dict):
+        return index.items()
+    return ((key, expiry) for key in store.data
+            if (expiry := store.expiry_of(key)) is not None)
+
+
 class PairServer(ShardServer):
     """One server of a Binary Star pair (``role`` "primary" or "backup")."""
 
@@ -309,8 +323,7 @@ class PairServer(ShardServer):
             self.snapshots_refused += 1
             return
         store = self.store
-        # Store keeps its expiry index private; it is read here, never written.
-        reply = encode_ttl_table(store.seq, store._expiry.items())
+        reply = encode_ttl_table(store.seq, _expiries(store))
         try:
             zio.send_frames(self._router_sock, [identity, *reply])
         except zmq.ZMQError as exc:  # Again (full pipe) or EHOSTUNREACH: the peer retries
