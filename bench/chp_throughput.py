@@ -29,8 +29,8 @@ import time
 
 from bench import record as rec
 from bench.loadgen import LoadRun, SubscriberConfig, WriterConfig, config_dict
-from bench.runner import (Target, bench_main, cpu_seconds, forwarder_argv, free_port_base,
-                          server_argv, wait_for_quiet)
+from bench.runner import (bench_main, cpu_seconds, forwarder_argv, server_argv,
+                          start_on_free_ports, wait_for_quiet)
 
 NAME = "chp_throughput"
 TARGET_UPDATES_PER_S = 100_000
@@ -86,7 +86,6 @@ def run_one(kind: str, args: argparse.Namespace) -> dict:
     """One fresh target process under one load run; returns the run's figures."""
     import os
 
-    base = free_port_base(4)
     cores = os.cpu_count() or 1
     harness_cores = list(range(1, cores)) or [0]
     extra = ["--pub-hwm", str(args.hwm), "--collect-hwm", str(args.hwm)]
@@ -95,7 +94,9 @@ def run_one(kind: str, args: argparse.Namespace) -> dict:
         extra += ["--core", "0"] if forwarder else ["--cpus", "0"]
     if kind == "ceiling_blind":
         extra.append("--blind")
-    argv = (forwarder_argv if forwarder else server_argv)(base, extra=tuple(extra))
+    target, base = start_on_free_ports(
+        kind, lambda b: (forwarder_argv if forwarder else server_argv)(b, extra=tuple(extra)))
+    argv = target.argv
     writers = [WriterConfig(collector=f"tcp://127.0.0.1:{base + 2}", keys=args.keys,
                             value_bytes=args.value_bytes, distribution=args.distribution,
                             mode=args.writer_mode, ttl_fraction=args.ttl_fraction,
@@ -105,7 +106,7 @@ def run_one(kind: str, args: argparse.Namespace) -> dict:
     subs = [SubscriberConfig(endpoint=f"tcp://127.0.0.1:{base + 1}",
                              latency_every=args.latency_every,
                              core=harness_cores[-1] if args.pin else None)]
-    with Target(kind, argv) as target, LoadRun(writers, subs) as load:
+    with target, LoadRun(writers, subs) as load:
         window = load.start(args.warmup, args.seconds)
         pids = {"target": [target.pid], "writers": load.pids("writer"),
                 "subscribers": load.pids("subscriber")}

@@ -32,11 +32,17 @@ def forwarder_argv(port: int, host: str = "127.0.0.1", extra: tuple[str, ...] = 
     return [sys.executable, "-m", "bench.forwarder", "--port", str(port), "--host", host, *extra]
 
 
+PORT_RANGE = (10000, 19990)
+"""Where benchmarks take their ports: below the tests' range (20000-45000) and below
+Linux's ephemeral range (32768-60999), from which any process's outgoing connection may
+take a port between our check and our bind."""
+
+
 def free_port_base(count: int = 4, host: str = "127.0.0.1") -> int:
     """A base P such that P..P+count-1 can be bound on ``host`` now."""
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(500):
-        base = rng.randrange(46000, 60000 - count) // 10 * 10
+        base = rng.randrange(PORT_RANGE[0], PORT_RANGE[1] - count) // 10 * 10
         socks = []
         try:
             for port in range(base, base + count):
@@ -121,6 +127,20 @@ class Target:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def start_on_free_ports(name: str, argv_for, count: int = 4,
+                        attempts: int = 3) -> tuple["Target", int]:
+    """Start ``Target(name, argv_for(base))`` on a free port base; if another process
+    takes one of its ports between the check and the bind, try another base."""
+    for attempt in range(attempts):
+        base = free_port_base(count)
+        try:
+            return Target(name, argv_for(base)), base
+        except RuntimeError as exc:
+            if "in use" not in str(exc) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def cpu_seconds(pids: list[int]) -> dict:

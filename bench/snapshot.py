@@ -30,7 +30,7 @@ from pathlib import Path
 from bench import record as rec
 from bench.loadgen import (KEY_FORMAT, LoadRun, WriterConfig, config_dict, key_index, key_of,
                            recv5)
-from bench.runner import (Target, bench_main, cpu_seconds, free_port_base, server_argv,
+from bench.runner import (bench_main, cpu_seconds, server_argv, start_on_free_ports,
                           wait_for_quiet)
 
 NAME = "snapshot"
@@ -175,13 +175,14 @@ def _cpu_pct(cpu0: dict, cpu1: dict, pids: list[int], seconds: float) -> dict:
 def run_size(n: int, args: argparse.Namespace) -> dict:
     import zmq
 
-    base = free_port_base(4)
-    argv = server_argv(base, extra=("--heartbeat-s", str(HEARTBEAT_S)))
     last_key = key_of(n - 1)
     avg_kv = len(last_key) + args.value_bytes  # every key has the same length up to 1e8
+    target, base = start_on_free_ports(
+        "server", lambda b: server_argv(b, extra=("--heartbeat-s", str(HEARTBEAT_S))))
+    argv = target.argv
     ctx = zmq.Context()
     try:
-        with Target("server", argv) as server:
+        with target as server:
             sub = ctx.socket(zmq.SUB)
             sub.linger = 0
             sub.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
