@@ -23,7 +23,6 @@ keys created later are not in its list, keys changed or deleted later come from 
 from __future__ import annotations
 
 import heapq
-import math
 from typing import Iterator
 
 from shards.errors import ProtocolError

@@ -318,6 +318,7 @@ def test_a_blocked_snapshot_does_not_stall_publishing(server, port_base, zctx):
     for i in range(n):
         peer.kvset(b"/big/%06d" % i, value)
     fence = peer.sync()
+    assert fence > base + n  # every key is in (the probes come after)
     peer.dealer.send_multipart(chp.icanhaz(b""))
     assert peer.dealer.poll(DEADLINE_S * 1000)  # streaming; we read nothing more for now
     for i in range(100):  # the server keeps sequencing and publishing meanwhile

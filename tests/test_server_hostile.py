@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from shards.proto import chp
-from test_server_conformance import DEADLINE_S, SEQ, Peer, seq_of, start_server
+from test_server_conformance import DEADLINE_S, SEQ, Peer, start_server
 
 MAX_VALUE = 4096
 
