@@ -10,6 +10,7 @@ test_pair_faults.py and use the helpers below.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 import uuid as uuidlib
@@ -31,9 +32,12 @@ PRIMARY, BACKUP = wire.State.PRIMARY, wire.State.BACKUP
 # ============================================================================ helpers
 
 def start_server(procs, port: int, role: str, peer: int, *extra: str, shard: str = "t"):
+    """A pair server that also exits if this test process dies (``--parent-pid``: a
+    killed test run leaves no server behind; a later ``--parent-pid`` in ``extra`` wins)."""
     proc = procs.python("-m", "shards", "--port", str(port), f"--{role}", "--peer",
                         f"127.0.0.1:{peer}", "--shard", shard, "--heartbeat-s",
-                        str(HEARTBEAT_S), "--log-level", "info", *extra, ready="READY")
+                        str(HEARTBEAT_S), "--log-level", "info", "--parent-pid",
+                        str(os.getpid()), *extra, ready="READY")
     proc.port = port
     return proc
 

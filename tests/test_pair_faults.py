@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import time
@@ -272,7 +273,8 @@ def test_a_server_rejoining_under_writes_gets_an_exact_replica(procs, zctx, port
     for i in range(20_000):  # a map big enough for the snapshot to stream a while
         writer.kvset(b"/big/%d" % i, b"v" * 50, b"ttl=600\n" if i % 4 == 0 else b"")
     backup = procs.python("-m", "shards", "--port", str(b), "--backup", "--peer",
-                          f"127.0.0.1:{p}", "--shard", "t", "--heartbeat-s", "0.2")
+                          f"127.0.0.1:{p}", "--shard", "t", "--heartbeat-s", "0.2",
+                          "--parent-pid", str(os.getpid()))
     wb = Watcher(zctx, b)
     i = 0
     deadline = time.monotonic() + DEADLINE_S
