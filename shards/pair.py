@@ -27,7 +27,11 @@ the active's KVPUB with the same UUID arrives. A relative ``ttl`` is turned into
 absolute ``expires`` at arrival, so an update applied at takeover expires when the client
 meant. The table is emptied when a synchronisation starts: what was heard before it is in
 the snapshot (or was never taken by the active). A KVSET with an empty UUID cannot be
-matched: it is not tracked (``pending.untracked``), never an error.
+matched: it is not tracked (``pending.untracked``), never an error. At takeover, an entry
+heard more than ``pending_grace_s`` before the old active's last message is stale (the
+active had time to publish it and did not: e.g. a KVSET a client's socket queued while
+this server was down and delivered on reconnection): dropped and counted, never replayed
+over newer values.
 
 Active side: a ``BSTAR-TTL?`` request on P (``shards.replica``) is answered at once with
 the absolute expiry times, so a passive's snapshot keeps its TTLs.
