@@ -142,9 +142,10 @@ class _Collector:
     """One XPUB to one server's collector, with the bounded queue described above."""
 
     def __init__(self, ctx: zmq.Context, address: ServerAddress, loop, drops: DropCounter,
-                 queue_max: int, on_ready_change: Callable[[], None]):
+                 queue_max: int, on_ready_change: Callable[[], None], affinity: int = 0):
         sock = ctx.socket(zmq.XPUB)
         sock.linger = 0
+        sock.affinity = affinity
         sock.sndhwm = XPUB_SNDHWM
         sock.setsockopt(zmq.XPUB_NODROP, 1)
         # IMMEDIATE: no pipe while disconnected, so a dead or restarting server is
@@ -259,7 +260,7 @@ class ShardAgent:
                  kvset_queue_max: int = KVSET_QUEUE_MAX,
                  limits: chp.Limits = chp.DEFAULT_LIMITS,
                  on_failover: Callable[[FailoverInfo], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, affinity: int = 0):
         if not servers:
             raise ValueError(f"shard {name}: no servers")
         chp.check_subtree(subtree)
@@ -273,6 +274,9 @@ class ShardAgent:
         self.kvset_queue_max = kvset_queue_max
         self.on_failover = on_failover
         self.clock = clock
+        self.affinity = affinity
+        """ZMQ_AFFINITY of every socket of this shard: a bit mask of the context's I/O
+        threads (0: ZeroMQ chooses). The Black Box pattern: one I/O thread per shard."""
         self.contiguous = not subtree
         self.state = sm.State(sm.Config(
             servers=len(self.servers), contiguous=self.contiguous,
@@ -340,7 +344,7 @@ class ShardAgent:
         for address in self.servers:
             self._collectors.append(_Collector(self.ctx, address, self.loop, self.drops,
                                                self.kvset_queue_max,
-                                               self._on_collector_change))
+                                               self._on_collector_change, self.affinity))
         self._dispatch(sm.Start())
         self._tick_handle = self.loop.call_later(TICK_S, self._tick)
 
@@ -417,6 +421,7 @@ class ShardAgent:
         address = self.servers[eff.server]
         sub = self.ctx.socket(zmq.SUB)
         sub.linger = 0
+        sub.affinity = self.affinity
         sub.rcvhwm = SUB_RCVHWM
         sub.subscribe(self.subtree)
         if self.subtree:
@@ -441,6 +446,7 @@ class ShardAgent:
         address = self.servers[eff.server]
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.linger = 0
+        dealer.affinity = self.affinity
         dealer.rcvhwm = DEALER_RCVHWM
         dealer.connect(address.snapshot)
         self._dealer = AsyncSocket(dealer, self._on_snapshot, loop=self.loop,

@@ -57,6 +57,9 @@ from client.router import CONTROL_TIMEOUT_S, Cluster, fetch_cluster
 from client.watch import WATCH_CAPACITY, SyncWatch, Watch, WatchCore, WatchHub
 
 DEFAULT_TIMEOUT_S = 10.0
+PER_SHARD = "per_shard"
+"""``io_threads=PER_SHARD``: one ZeroMQ I/O thread per followed shard (Black Box)."""
+MAX_IO_THREADS = 64
 AUTO = "auto"
 SILENCE_HEARTBEATS = 3
 """``silence_timeout_s="auto"``: this many of the servers' heartbeats (``heartbeat_s``)."""
@@ -108,7 +111,7 @@ class AsyncClone:
                  watch_capacity: int = WATCH_CAPACITY,
                  limits: chp.Limits = chp.DEFAULT_LIMITS,
                  on_failover: Callable[[FailoverInfo], None] | None = None,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, io_threads: "int | str | None" = None):
         if not isinstance(subtree, str):
             raise TypeError("subtree is a str such as '/orders/' (or '')")
         given = [name for name, v in (("servers", servers), ("shards", shards),
@@ -136,6 +139,15 @@ class AsyncClone:
                               sync_buffer_max=sync_buffer_max,
                               kvset_queue_max=kvset_queue_max, limits=limits,
                               on_failover=on_failover)
+        if io_threads is not None and context is not None:
+            raise ValueError("io_threads applies to the client's own context: give "
+                             "io_threads or context, not both")
+        if not (io_threads is None or io_threads == PER_SHARD
+                or (isinstance(io_threads, int) and not isinstance(io_threads, bool)
+                    and 1 <= io_threads <= MAX_IO_THREADS)):
+            raise ValueError(f"io_threads is None, {PER_SHARD!r} or 1..{MAX_IO_THREADS}, "
+                             f"got {io_threads!r}")
+        self.io_threads = io_threads
         self._own_ctx = context is None
         self._ctx = context if context is not None else zmq.Context()
         self._hub = WatchHub()
@@ -167,10 +179,20 @@ class AsyncClone:
                 silence = SILENCE_HEARTBEATS * heartbeat_s
         self.silence_timeout_s = silence
         self.cluster = cluster
-        for spec in cluster.shards_for(self._subtree_b):
+        specs = cluster.shards_for(self._subtree_b)
+        threads = 0
+        if self.io_threads is not None:
+            # the Black Box pattern: the shards' sockets spread over the context's I/O
+            # threads (set before the context's first socket: fetch_cluster used its own)
+            threads = min(len(specs), MAX_IO_THREADS) if self.io_threads == PER_SHARD \
+                else self.io_threads
+            self._ctx.io_threads = threads
+        for position, spec in enumerate(specs):
             agent = ShardAgent(self._ctx, spec.servers, name=spec.name,
                                subtree=self._subtree_b, hub=self._hub,
-                               silence_timeout_s=silence, **self._agent_kw)
+                               silence_timeout_s=silence,
+                               affinity=1 << (position % threads) if threads else 0,
+                               **self._agent_kw)
             self._agents.append(agent)
             self._by_index[spec.index] = agent
 
@@ -181,8 +203,13 @@ class AsyncClone:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if self.cluster is None:
             # control=: discover the cluster (Timeout if no supervisor answers)
-            cluster = await fetch_cluster(self.control, ctx=self._ctx,
-                                          timeout_s=min(self.control_timeout_s, timeout_s))
+            # a context of its own: io_threads must be set before self._ctx's first socket
+            mdp_ctx = zmq.Context()
+            try:
+                cluster = await fetch_cluster(self.control, ctx=mdp_ctx,
+                                              timeout_s=min(self.control_timeout_s, timeout_s))
+            finally:
+                mdp_ctx.destroy(linger=0)
             if self.cluster is None:
                 self._route(cluster)
         if not self._started:

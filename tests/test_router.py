@@ -336,3 +336,26 @@ def test_killing_one_shards_active_stalls_only_that_shard(procs, zctx):
                 await c.close()
 
     run(main())
+
+
+def test_one_io_thread_per_shard_black_box(procs):
+    ports = start_shards(procs, 4)
+    shards = addresses(ports)
+    with pytest.raises(ValueError, match="io_threads"):
+        AsyncClone(shards=shards, io_threads=0)
+
+    async def main():
+        async with AsyncClone(shards=shards, io_threads="per_shard",
+                              heartbeat_s=HEARTBEAT_S) as c, \
+                AsyncClone(shards=shards, io_threads=2, heartbeat_s=HEARTBEAT_S) as two:
+            assert c._ctx.io_threads == 4 and two._ctx.io_threads == 2
+            masks = [{a._sub.sock.affinity, *(col.io.sock.affinity for col in a._collectors)}
+                     for a in c._agents]
+            assert masks == [{1}, {2}, {4}, {8}]
+            assert [a._sub.sock.affinity for a in two._agents] == [1, 2, 1, 2]
+            for i, seg in enumerate(SEGMENTS):
+                await c.set(f"/{seg}/bb", b"%d" % i, wait=True)
+            await until_map(two, as_bytes_map(c.items()))
+            assert len(two) == len(SEGMENTS)
+
+    run(main())
