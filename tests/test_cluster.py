@@ -17,7 +17,7 @@ from test_client_failover import Events
 from test_client_server import fetch_map
 from test_router import DEADLINE_S, as_bytes_map, run, until_map
 from test_supervisor_cli import start, wait_status, write_config
-from client.api import AsyncClone
+from client.api import AsyncClone, Clone
 from shards.routing import ShardMap
 from supervisor.control import call
 
@@ -134,3 +134,9 @@ def test_four_shard_cluster_converges_and_one_shard_fails_over_alone(procs, tmp_
                 await c.close()
 
     run(main(), timeout_s=120)
+    # the synchronous client finds the cluster the same way
+    with Clone(control=control, timeout_s=DEADLINE_S) as c:
+        assert c.shard_names == ["s0", "s1", "s2", "s3"]
+        before = len(c)
+        c.set(f"/{on[3][0]}/sync", b"S", wait=True)
+        assert c.get(f"/{on[3][0]}/sync") == b"S" and len(c) == before + 1
