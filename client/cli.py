@@ -38,7 +38,7 @@ import click
 import uvloop
 import zmq
 
-from shards.errors import ClonemapError, ConfigError, SlowConsumer, Timeout
+from shards.errors import ClonemapError, ConfigError, SlowConsumer
 from shards.proto import chp
 from shards.zio import AsyncSocket
 from client.api import AsyncClone

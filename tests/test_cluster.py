@@ -52,7 +52,7 @@ def test_four_shard_cluster_converges_and_one_shard_fails_over_alone(procs, tmp_
     config, control = write_config(tmp_path, "4shard.yaml", heartbeat_s=HEARTBEAT_S,
                                    silence_timeout_s=3 * HEARTBEAT_S)
     start(procs, config, tmp_path, "--backoff-initial-s", "0.2")
-    rows = actives(control)
+    actives(control)  # every pair settled: one ACTIVE, one PASSIVE
     shard_map = ShardMap(4)
     on: dict[int, list[str]] = {i: [] for i in range(4)}
     for seg in SEGMENTS:

@@ -87,8 +87,8 @@ def test_cluster_from_the_4shard_config_matches_the_shard_map():
     cluster = Cluster.from_config(ROOT / "configs" / "4shard.yaml")
     assert [s.name for s in cluster.shards] == ["s0", "s1", "s2", "s3"]
     assert cluster.shard_map == ShardMap(4)
-    assert [[a.port for a in s.servers] for s in cluster.shards] == [[6000, 6010], [6020, 6030], [6040, 6050],
-                                         [6060, 6070]]
+    assert [[a.port for a in s.servers] for s in cluster.shards] == [
+        [6000, 6010], [6020, 6030], [6040, 6050], [6060, 6070]]
     assert cluster.heartbeat_s == 1.0 and cluster.silence_timeout_s == 3.0
     assert cluster.shard("s2") is cluster.shards[2] is cluster.shard("2")
     with pytest.raises(KeyError):
@@ -279,7 +279,7 @@ def test_killing_one_shards_active_stalls_only_that_shard(procs, zctx):
     """Two shards, each a Binary Star pair. kill -9 shard s0's primary: s1 keeps taking
     writes (wait=True) throughout; both clients fail s0 over to its backup, resync it
     alone, and end equal to the union of the two actives' maps."""
-    pairs, actives = [], []
+    pairs = []
     for _ in range(2):
         pa, pb = free_port_base(4), free_port_base(4)
         primary = start_pair_server(procs, pa, "primary", pb)
