@@ -260,7 +260,9 @@ class ShardAgent:
                  kvset_queue_max: int = KVSET_QUEUE_MAX,
                  limits: chp.Limits = chp.DEFAULT_LIMITS,
                  on_failover: Callable[[FailoverInfo], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, affinity: int = 0):
+                 clock: Callable[[], float] = time.monotonic, affinity: int = 0,
+                 sub_rcvhwm: int = SUB_RCVHWM,
+                 on_behind: "Callable[[ShardAgent, int, int], bool] | None" = None):
         if not servers:
             raise ValueError(f"shard {name}: no servers")
         chp.check_subtree(subtree)
@@ -275,6 +277,11 @@ class ShardAgent:
         self.on_failover = on_failover
         self.clock = clock
         self.affinity = affinity
+        self.sub_rcvhwm = sub_rcvhwm
+        self.on_behind = on_behind
+        """Called with (agent, expected seq, got seq) on a gap in an unfiltered stream:
+        updates were lost, i.e. this client fell behind the publisher (its high-water
+        marks overflowed). True: the client handled it (policy "die"), no resync."""
         """ZMQ_AFFINITY of every socket of this shard: a bit mask of the context's I/O
         threads (0: ZeroMQ chooses). The Black Box pattern: one I/O thread per shard."""
         self.contiguous = not subtree
@@ -422,7 +429,7 @@ class ShardAgent:
         sub = self.ctx.socket(zmq.SUB)
         sub.linger = 0
         sub.affinity = self.affinity
-        sub.rcvhwm = SUB_RCVHWM
+        sub.rcvhwm = self.sub_rcvhwm
         sub.subscribe(self.subtree)
         if self.subtree:
             sub.subscribe(chp.HUGZ)
@@ -579,6 +586,8 @@ class ShardAgent:
                 self.gaps += 1
                 log.warning("shard %s: sequence gap: expected %d, got %d", self.name,
                             self.last_seq + 1, seq)
+                if self.on_behind is not None and self.on_behind(self, self.last_seq + 1, seq):
+                    return
                 self._dispatch(sm.Gap(self.last_seq + 1, seq))
             return
         self.last_seq = seq

@@ -36,6 +36,7 @@ through the codec (``client.codec``): bytes by default, or ``codec="msgpack"``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import concurrent.futures
 import math
 import threading
@@ -49,14 +50,19 @@ import zmq
 from shards.errors import Timeout
 from shards.proto import chp
 from client import shard_machine as sm
-from client.agent import (KVSET_QUEUE_MAX, SYNC_BUFFER_MAX, FailoverInfo, ServerAddress,
+from client.agent import (KVSET_QUEUE_MAX, SUB_RCVHWM, SYNC_BUFFER_MAX, FailoverInfo,
+                          ServerAddress,
                           ShardAgent, parse_server)
 from client.codec import Codec, get_codec
-from client.errors import NotRunning
+from client.errors import NotRunning, SlowSubscriber
 from client.router import CONTROL_TIMEOUT_S, Cluster, fetch_cluster
 from client.watch import WATCH_CAPACITY, SyncWatch, Watch, WatchCore, WatchHub
 
+log = logging.getLogger(__name__)
+
 DEFAULT_TIMEOUT_S = 10.0
+RESYNC, DIE = "resync", "die"
+SLOW_POLICIES = (RESYNC, DIE)
 PER_SHARD = "per_shard"
 """``io_threads=PER_SHARD``: one ZeroMQ I/O thread per followed shard (Black Box)."""
 MAX_IO_THREADS = 64
@@ -111,7 +117,10 @@ class AsyncClone:
                  watch_capacity: int = WATCH_CAPACITY,
                  limits: chp.Limits = chp.DEFAULT_LIMITS,
                  on_failover: Callable[[FailoverInfo], None] | None = None,
-                 context: zmq.Context | None = None, io_threads: "int | str | None" = None):
+                 context: zmq.Context | None = None, io_threads: "int | str | None" = None,
+                 slow_policy: str = RESYNC,
+                 on_slow: Callable[[SlowSubscriber], None] | None = None,
+                 sub_rcvhwm: int = SUB_RCVHWM):
         if not isinstance(subtree, str):
             raise TypeError("subtree is a str such as '/orders/' (or '')")
         given = [name for name, v in (("servers", servers), ("shards", shards),
@@ -134,7 +143,8 @@ class AsyncClone:
         self._heartbeat_s = heartbeat_s
         self._silence_arg = silence_timeout_s
         self.silence_timeout_s: float | None = None
-        self._agent_kw = dict(sync_timeout_s=sync_timeout_s,
+        self._agent_kw = dict(sync_timeout_s=sync_timeout_s, sub_rcvhwm=sub_rcvhwm,
+                              on_behind=self._on_behind,
                               connect_timeout_s=connect_timeout_s,
                               sync_buffer_max=sync_buffer_max,
                               kvset_queue_max=kvset_queue_max, limits=limits,
@@ -148,6 +158,14 @@ class AsyncClone:
             raise ValueError(f"io_threads is None, {PER_SHARD!r} or 1..{MAX_IO_THREADS}, "
                              f"got {io_threads!r}")
         self.io_threads = io_threads
+        if slow_policy not in SLOW_POLICIES:
+            raise ValueError(f"slow_policy is one of {', '.join(SLOW_POLICIES)}, "
+                             f"got {slow_policy!r}")
+        self.slow_policy = slow_policy
+        self.on_slow = on_slow
+        self.failed: SlowSubscriber | None = None
+        self.fell_behind = 0
+        """How many times a shard's stream had a gap (this client fell behind)."""
         self._own_ctx = context is None
         self._ctx = context if context is not None else zmq.Context()
         self._hub = WatchHub()
@@ -258,7 +276,42 @@ class AsyncClone:
         await self.close()
 
     # ------------------------------------------------------------------ keys
+    def _on_behind(self, agent: ShardAgent, expected: int, got: int) -> bool:
+        """A gap in an unfiltered shard stream: this client fell behind (Suicidal Snail).
+        ``resync``: count it, the agent takes a fresh snapshot of that shard. ``die``:
+        fail the client loudly; every later call and every watch raises."""
+        if self.failed is not None:
+            return True  # already dead; the rest of this batch is dropped
+        self.fell_behind += 1
+        if self.slow_policy == RESYNC:
+            return False
+        if self.failed is None:
+            exc = SlowSubscriber(
+                f"client fell behind shard {agent.name} ({agent.server}): expected sequence "
+                f"{expected}, got {got} ({got - expected} updates lost); slow_policy='die'",
+                shard=agent.name, expected=expected, got=got)
+            self.failed = exc
+            log.error("%s", exc)
+            for core in list(self._hub.watches):
+                core.failed = exc
+                core.wake()
+            self._hub.watches.clear()
+            # closed on the next loop turn: this runs inside an agent's SUB batch
+            agent.loop.call_soon(self._close_agents)
+            if self.on_slow is not None:
+                try:
+                    self.on_slow(exc)
+                except Exception:
+                    log.exception("on_slow callback failed")
+        return True
+
+    def _close_agents(self) -> None:
+        for a in self._agents:
+            a.close()
+
     def _key(self, key: str) -> bytes:
+        if self.failed is not None:
+            raise self.failed
         if not isinstance(key, str):
             raise TypeError(f"keys are str, not {type(key).__name__}")
         key_b = key.encode("utf-8")
@@ -285,6 +338,8 @@ class AsyncClone:
         return [a.name for a in self._agents]
 
     def _prefix(self, prefix: str) -> bytes:
+        if self.failed is not None:
+            raise self.failed
         if not isinstance(prefix, str):
             raise TypeError(f"prefixes are str, not {type(prefix).__name__}")
         prefix_b = prefix.encode("utf-8")
@@ -316,6 +371,8 @@ class AsyncClone:
                 if k.startswith(prefix_b)]
 
     def __len__(self) -> int:
+        if self.failed is not None:
+            raise self.failed
         return sum(len(a.map) for a in self._agents)
 
     @property
@@ -328,7 +385,9 @@ class AsyncClone:
         return all(a.synced for a in self._agents)
 
     def stats(self) -> dict:
-        return {"shards": [a.stats() for a in self._agents], "watches": len(self._hub.watches)}
+        return {"shards": [a.stats() for a in self._agents], "watches": len(self._hub.watches),
+                "slow_policy": self.slow_policy, "fell_behind": self.fell_behind,
+                "failed": str(self.failed) if self.failed is not None else None}
 
     # ------------------------------------------------------------------ writes
     def _prepare(self, key: str, value: Any, ttl: float | None

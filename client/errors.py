@@ -1,8 +1,19 @@
 """Client-specific errors, under the package root ``shards.errors.ClonemapError``."""
 from __future__ import annotations
 
-from shards.errors import ClonemapError
+from shards.errors import ClonemapError, SlowConsumer
 
 
 class NotRunning(ClonemapError, RuntimeError):
     """The client was used before ``start()`` or after ``close()``."""
+
+
+class SlowSubscriber(SlowConsumer):
+    """The client fell behind a shard's publisher: updates were lost on the way (the
+    guide's Suicidal Snail). Raised by every call of a client whose ``slow_policy`` is
+    ``"die"``; ``shard``, ``expected`` and ``got`` say where."""
+
+    def __init__(self, message: str, *, shard: str = "", expected: int = 0, got: int = 0):
+        super().__init__(message, dropped=max(0, got - expected), shard=shard)
+        self.expected = expected
+        self.got = got

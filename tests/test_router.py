@@ -359,3 +359,84 @@ def test_one_io_thread_per_shard_black_box(procs):
             assert len(two) == len(SEGMENTS)
 
     run(main())
+
+
+# ------------------------------------------------------------------ slow subscribers
+
+SLOW_WRITES = 20_000
+SLOW_VALUE = b"v" * 1000
+
+
+def stall_while_a_writer_floods(zctx, port: int, address: str) -> None:
+    """Block the calling loop (a deliberately slow subscriber) while another client
+    writes ~20 MB, until the server has published all of it: more than the publisher's
+    and the subscriber's high-water marks plus the kernel's buffers, so the publisher
+    drops updates for this subscriber."""
+    with Clone(address, heartbeat_s=HEARTBEAT_S) as writer:
+        for i in range(SLOW_WRITES):
+            writer.set(f"/flood/k{i % 500}", SLOW_VALUE + b"%d" % i)
+        writer.flush(30)
+        writer.close(linger_s=10)  # let what ZeroMQ holds out before the sockets close
+    deadline = time.monotonic() + 30
+    while fetch_map(zctx, port, b"/nothing/")[1] < SLOW_WRITES:
+        assert time.monotonic() < deadline, "the server did not publish the flood"
+        time.sleep(0.05)
+
+
+def start_small_hwm_server(procs) -> int:
+    port = free_port_base(4)
+    procs.python("-m", "shards", "--port", str(port), "--heartbeat-s", str(HEARTBEAT_S),
+                 "--pub-hwm", "100", ready="READY")
+    return port
+
+
+@pytest.mark.parametrize("policy", ["resync", "die"])
+def test_a_slow_subscriber_is_detected_and_handled_by_its_policy(procs, zctx, policy):
+    from client.errors import SlowSubscriber
+
+    port = start_small_hwm_server(procs)
+    address = f"tcp://127.0.0.1:{port}"
+
+    async def main():
+        died = asyncio.Event()
+        reports: list[SlowSubscriber] = []
+
+        def on_slow(exc):
+            reports.append(exc)
+            died.set()
+
+        async with AsyncClone(address, slow_policy=policy, on_slow=on_slow, sub_rcvhwm=100,
+                              silence_timeout_s=None) as slow:
+            await slow.set("/flood/k0", b"first", wait=True)
+            w = slow.watch("/flood/")
+            await w.__aenter__()
+            assert (await w.__anext__()).kind == "put"
+            assert (await w.__anext__()).kind == "synced"
+            stall_while_a_writer_floods(zctx, port, address)  # blocks this loop
+            if policy == "resync":
+                expected, _ = await asyncio.to_thread(fetch_map, zctx, port)
+                await until_map(slow, expected, timeout_s=20)
+                stats = slow.stats()
+                assert slow.fell_behind >= 1 and stats["fell_behind"] == slow.fell_behind
+                assert stats["shards"][0]["gaps"] >= 1
+                assert stats["shards"][0]["snapshots"] >= 2
+                assert slow.failed is None
+                w.close()
+            else:
+                async with asyncio.timeout(DEADLINE_S):
+                    await died.wait()
+                exc = reports[0]
+                assert isinstance(exc, SlowSubscriber) and exc.shard == "s0"
+                assert exc.got > exc.expected and exc.dropped == exc.got - exc.expected
+                assert slow.failed is exc and slow.fell_behind == 1
+                for call in (lambda: slow.get("/flood/k1"), lambda: len(slow),
+                             lambda: slow.items()):
+                    with pytest.raises(SlowSubscriber):
+                        call()
+                with pytest.raises(SlowSubscriber):
+                    await slow.set("/flood/x", b"no")
+                with pytest.raises(SlowSubscriber):
+                    while True:
+                        await asyncio.wait_for(w.__anext__(), DEADLINE_S)
+
+    run(main())
