@@ -30,6 +30,16 @@ key's owning shard (``ShardMap.owner``), fire-and-forget as in 12/CHP, with a fr
 shard has published that UUID back and it is applied locally (read-your-writes), or
 raises ``shards.errors.Timeout``.
 
+Slow subscribers (the guide's Suicidal Snail): for a client without a subtree, a gap in a
+shard's sequence means the publisher dropped updates for it (its high-water marks
+overflowed: the client fell behind). ``slow_policy="resync"`` (default) counts it
+(``fell_behind``) and takes a fresh snapshot of that shard; ``"die"`` fails the client:
+every later call and every watch raises ``client.errors.SlowSubscriber`` and ``on_slow``
+is called. (A subtree filter makes gaps normal, so a subtree client cannot tell.)
+
+``io_threads=None | N | "per_shard"``: the Black Box pattern, the client's own ZeroMQ
+context gets N I/O threads and each shard's sockets are pinned to one (ZMQ_AFFINITY).
+
 Keys are ``str`` (UTF-8 on the wire) and must lie under the client's subtree. Values go
 through the codec (``client.codec``): bytes by default, or ``codec="msgpack"``.
 """
