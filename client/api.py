@@ -392,7 +392,7 @@ class AsyncClone:
 
     @property
     def synced(self) -> bool:
-        return all(a.synced for a in self._agents)
+        return self.cluster is not None and all(a.synced for a in self._agents)
 
     def stats(self) -> dict:
         return {"shards": [a.stats() for a in self._agents], "watches": len(self._hub.watches),
@@ -477,6 +477,8 @@ class AsyncClone:
         if self._closed:
             core.closed = True
             return
+        if self.cluster is None:
+            raise NotRunning("start() the client first (the cluster map is not known yet)")
         self._hub.add(core, self._agents)
 
     def watch(self, prefix: str = "", *, capacity: int | None = None) -> Watch:

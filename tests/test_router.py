@@ -440,3 +440,21 @@ def test_a_slow_subscriber_is_detected_and_handled_by_its_policy(procs, zctx, po
                         await asyncio.wait_for(w.__anext__(), DEADLINE_S)
 
     run(main())
+
+
+def test_a_control_client_needs_start_before_routing():
+    from client.errors import NotRunning
+
+    async def main():
+        c = AsyncClone(control="tcp://127.0.0.1:1", control_timeout_s=0.2, timeout_s=0.3)
+        assert not c.synced and c.cluster is None and c.shard_names == []
+        with pytest.raises(NotRunning):
+            c.get("/a/b")
+        with pytest.raises(NotRunning):
+            async with c.watch():
+                pass
+        with pytest.raises(Timeout):
+            await c.start()
+        await c.close()
+
+    run(main())
