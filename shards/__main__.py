@@ -4,11 +4,15 @@
     python -m shards --port P  --primary --peer HOST:P2     Binary Star primary
     python -m shards --port P2 --backup  --peer HOST:P      Binary Star backup
     ... [--shard NAME] [--control tcp://HOST:PORT] [--parent-pid PID]
+    ... [--routing JSON --shard-index I]                    drop keys shard I does not own
 
 Prints ``READY shard host=H port=P pid=N role=primary|backup|standalone`` on stdout once
 P..P+2 (and P+3 for a pair) are bound. ``--control`` embeds an MDP/0.2 worker for the
 service ``shard.<NAME>.<ROLE>`` whose FINAL body is the stats as JSON. ``--parent-pid``:
-exit (0) when that process is gone, checked every ``PARENT_POLL_S``.
+exit (0) when that process is gone, checked every ``PARENT_POLL_S``. ``--routing`` (the
+cluster map's ``routing`` document, ``ShardMap.describe()``, as JSON text or ``@FILE``)
+with ``--shard-index``: KVSETs for keys this shard does not own are dropped and counted
+``not_owner``; without it the server owns every key.
 Exit codes: 0 after SIGINT/SIGTERM or when the parent is gone, 1 on a fatal Binary Star
 error (dual active/passive/primary/backup: one line on stderr, logged "FATAL"), 3 if a
 port is taken (one line on stderr naming the endpoint), 2 on bad arguments (click).
@@ -26,10 +30,11 @@ import sys
 import click
 import uvloop
 
-from shards.errors import PortInUse
+from shards.errors import ConfigError, PortInUse
 from shards.pair import PairServer, parse_peer
 from shards.pending import MAX_AGE_S, MAX_ENTRIES
 from shards.proto import chp
+from shards.routing import ShardMap
 from shards.server import (COLLECT_BATCH, COLLECT_RCVHWM, HEARTBEAT_S, MAX_ACTIVE_SNAPSHOTS,
                            PUB_SNDHWM, SNAPSHOT_CHUNK, SNAPSHOT_SNDHWM, SNAPSHOT_STALL_S,
                            ServerConfig, ShardServer)
@@ -68,6 +73,30 @@ def _shard_arg(ctx, param, value: str) -> str:
     if not _SHARD_RE.match(value):
         raise click.BadParameter(f"{value!r}: 1..64 characters from A-Z a-z 0-9 _ . -")
     return value
+
+
+def _routing_arg(ctx, param, value: str | None) -> ShardMap | None:
+    if value is None:
+        return None
+    text = value
+    if value.startswith("@"):
+        try:
+            with open(value[1:], encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {value[1:]!r}: {exc.strerror}")
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}")
+    if not isinstance(doc, dict):
+        raise click.BadParameter("must be a JSON object (ShardMap.describe())")
+    if isinstance(doc.get("routing"), dict):  # a whole cluster map: take its routing
+        doc = doc["routing"]
+    try:
+        return ShardMap.from_description(doc)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc))
 
 
 def control_stats(server: ShardServer, shard: str) -> dict:
@@ -186,6 +215,14 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
               help="MDP broker endpoint: serve stats as service shard.<NAME>.<ROLE>.")
 @click.option("--parent-pid", type=click.IntRange(1), default=None,
               help="Exit cleanly when this process is gone.")
+@click.option("--routing", "shard_map", callback=_routing_arg, default=None,
+              metavar="JSON|@FILE",
+              help="The cluster's routing (ShardMap.describe(): {\"version\": 1, \"shards\": "
+                   "N, \"pins\": [[prefix, shard], ...]}, or a cluster map holding it), as "
+                   "JSON or @file. With --shard-index: KVSETs for keys this shard does not "
+                   "own are dropped, counted 'not_owner'. Default: own every key.")
+@click.option("--shard-index", type=click.IntRange(0), default=None,
+              help="This server's shard index in --routing (required with it).")
 @click.option("--pending-max", type=click.IntRange(1), default=MAX_ENTRIES,
               show_default=True, help="Pending-table entries (passive server).")
 @click.option("--pending-age-s", type=click.FloatRange(0.001), default=MAX_AGE_S,
@@ -195,12 +232,17 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
 def main(port, host, heartbeat_s, max_key_bytes, max_value_bytes, max_props_bytes,
          max_subtree_bytes, snapshot_chunk, snapshot_stall_s, max_snapshots, collect_batch,
          pub_hwm, collect_hwm, snapshot_hwm, cpus, pair_role, peer, shard, control,
-         parent_pid, pending_max, pending_age_s, log_level):
+         parent_pid, shard_map, shard_index, pending_max, pending_age_s, log_level):
     """Run one 12/CHP shard server: standalone, or one server of a Binary Star pair."""
     if pair_role is not None and peer is None:
         raise click.UsageError(f"--{pair_role} needs --peer HOST:PORT (the other server)")
     if pair_role is None and peer is not None:
         raise click.UsageError("--peer needs --primary or --backup")
+    if (shard_map is None) != (shard_index is None):
+        raise click.UsageError("--routing and --shard-index go together")
+    if shard_map is not None and shard_index >= shard_map.shards:
+        raise click.BadParameter(f"{shard_index} is not a shard of --routing (0.."
+                                 f"{shard_map.shards - 1})", param_hint="--shard-index")
     if port > 65532 and pair_role is not None:
         raise click.BadParameter("a pair server uses P..P+3: at most 65532", param_hint="--port")
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
@@ -219,7 +261,8 @@ def main(port, host, heartbeat_s, max_key_bytes, max_value_bytes, max_props_byte
                           max_props=max_props_bytes, max_subtree=max_subtree_bytes),
         snapshot_chunk=snapshot_chunk, snapshot_stall_s=snapshot_stall_s,
         max_active_snapshots=max_snapshots, collect_batch=collect_batch,
-        pub_sndhwm=pub_hwm, collect_rcvhwm=collect_hwm, snapshot_sndhwm=snapshot_hwm)
+        pub_sndhwm=pub_hwm, collect_rcvhwm=collect_hwm, snapshot_sndhwm=snapshot_hwm,
+        shard_map=shard_map, shard_index=shard_index or 0)
     if pair_role is None:
         server = ShardServer(config)
     else:

@@ -31,7 +31,8 @@ matched: it is not tracked (``pending.untracked``), never an error. At takeover,
 heard more than ``pending_grace_s`` before the old active's last message is stale (the
 active had time to publish it and did not: e.g. a KVSET a client's socket queued while
 this server was down and delivered on reconnection): dropped and counted, never replayed
-over newer values.
+over newer values. A KVSET for a key this shard does not own (``--routing``) is not held:
+it is dropped and counted ``not_owner``, as the active does.
 
 Active side: a ``BSTAR-TTL?`` request on P (``shards.replica``) is answered at once with
 the absolute expiry times, so a passive's snapshot keeps its TTLs.
@@ -354,6 +355,8 @@ class PairServer(ShardServer):
             return
         if self.fatal:
             self.drops.drop("fatal", "KVSET after a fatal Binary Star error")
+            return
+        if not self.owns(kvset.key):  # the active drops it too: never confirmed
             return
         update = [kvset.key, chp.SEQ_ZERO, kvset.uuid, props, kvset.value]
         self.pending.add(kvset.uuid, update, self.loop.time())

@@ -26,6 +26,14 @@ Handlers, one per event, none blocking:
 Malformed input anywhere is counted by ``ProtocolError.reason`` (``DropCounter``), logged
 at a limited rate, and dropped. ``stats()`` returns a JSON-able dict.
 
+Ownership: with a routing map (``ServerConfig.shard_map`` and ``shard_index``, from
+``python -m shards --routing JSON --shard-index I``), a KVSET for a key this shard does not
+own (``ShardMap.owner(key) != shard_index``) is dropped and counted ``not_owner``. The
+answer is cached per *routing slot* in a bounded dict (``OwnerCache``): the key up to and
+including the slash that ends its routing segment (``/users/`` for ``/users/42``), or the
+whole key when nothing follows the segment (``/k00000001``). Without a map (or with one
+shard) every key is owned and the check costs nothing.
+
 Roles: whether this server may publish and answer snapshots is decided in one place,
 ``set_active``. A standalone server (the only kind so far) is active from ``start``. A
 server that is not active drops KVSETs (counted ``not_active``) and does not answer
@@ -49,6 +57,7 @@ from shards import zio
 from shards.drops import DropCounter
 from shards.errors import PortInUse, ProtocolError
 from shards.proto import chp
+from shards.routing import ShardMap
 from shards.store import Store, ttl_props
 
 log = logging.getLogger("shards.server")
@@ -67,6 +76,8 @@ COLLECT_BATCH = 512
 PUB_SNDHWM = 100_000
 COLLECT_RCVHWM = 100_000
 SNAPSHOT_SNDHWM = 10_000
+OWNER_CACHE_MAX = 1 << 18
+"""Routing slots remembered by ``OwnerCache`` (cleared when full)."""
 
 _send = _BackendSocket.send
 _NOBLOCK = zmq.NOBLOCK
@@ -90,9 +101,61 @@ class ServerConfig:
     pub_sndhwm: int = PUB_SNDHWM
     collect_rcvhwm: int = COLLECT_RCVHWM
     snapshot_sndhwm: int = SNAPSHOT_SNDHWM
+    shard_map: ShardMap | None = None
+    """The cluster's routing; None: this server owns every key (standalone use)."""
+    shard_index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.shard_map is not None and not 0 <= self.shard_index < self.shard_map.shards:
+            raise ValueError(f"shard index {self.shard_index} is not in "
+                             f"0..{self.shard_map.shards - 1}")
 
     def endpoint(self, offset: int) -> str:
         return f"tcp://{self.host}:{self.port + offset}"
+
+
+_UNKNOWN = object()
+
+
+class OwnerCache:
+    """Whether this shard owns a key, remembered per routing slot (see the module doc).
+
+    ``slots`` maps a slot to True (owned), False (not owned) or None (a pinned prefix
+    longer than the slot decides per key: ``owns`` asks the map every time). The hot path
+    reads ``slots`` directly and calls ``owns`` only when the slot is not known True.
+    """
+
+    __slots__ = ("shard_map", "index", "slots", "max_slots", "_deep_pins")
+
+    def __init__(self, shard_map: ShardMap, index: int, max_slots: int = OWNER_CACHE_MAX):
+        self.shard_map = shard_map
+        self.index = index
+        self.slots: dict[bytes, bool | None] = {}
+        self.max_slots = max_slots
+        self._deep_pins = [p.encode("utf-8") for p in shard_map.pins]
+
+    @staticmethod
+    def slot(key: bytes) -> bytes:
+        end = key.find(b"/", 1)  # a key not starting with "/" has no "/" at 0 either
+        return key if end < 0 else key[:end + 1]
+
+    def owns(self, key: bytes) -> bool:
+        slot = self.slot(key)
+        known = self.slots.get(slot, _UNKNOWN)
+        if known is None:
+            return self.shard_map.owner(key) == self.index
+        if known is not _UNKNOWN:
+            return known
+        if slot[-1:] != b"/" or len(slot) == len(key):  # the slot is the whole key
+            owned = self.shard_map.owner(key) == self.index
+        elif any(p.startswith(slot) and len(p) > len(slot) for p in self._deep_pins):
+            owned = None  # "/users/vip/" pinned elsewhere than "/users/x"
+        else:  # every key under the slot matches the same pins as the slot itself
+            owned = self.shard_map.owner(slot) == self.index
+        if len(self.slots) >= self.max_slots:
+            self.slots.clear()
+        self.slots[slot] = owned
+        return self.shard_map.owner(key) == self.index if owned is None else owned
 
 
 class _Requester:
@@ -134,6 +197,11 @@ class ShardServer:
         self._limits = limits
         self._max_key = limits.max_key
         self._max_value = limits.max_value
+        owner_map = config.shard_map
+        self.owner_cache: OwnerCache | None = None
+        if owner_map is not None and (owner_map.shards > 1 or config.shard_index != 0):
+            self.owner_cache = OwnerCache(owner_map, config.shard_index)
+        self._owned_slots = self.owner_cache.slots if self.owner_cache else None
         # snapshots
         self._serving: dict[bytes, _Requester] = {}
         self._waiting: collections.deque[tuple[bytes, bytes]] = collections.deque()
@@ -251,9 +319,12 @@ class ShardServer:
             key, seq_frame, uuid, props, value = frames
             # Fast path: a subset of what chp.decode_kvset accepts (ASCII key, no
             # properties); anything else takes the full check below.
+            owned = self._owned_slots
             if (not props and len(seq_frame) == 8 and (not uuid or len(uuid) == 16)
                     and 0 < len(key) <= self._max_key and len(value) <= self._max_value
-                    and key.isascii() and key not in _RESERVED):
+                    and key.isascii() and key not in _RESERVED
+                    and (owned is None or owned.get(
+                        key if (end := key.find(b"/", 1)) < 0 else key[:end + 1]) is True)):
                 seq = self.store.apply(key, value)
                 pub = self._pub
                 _send(pub, key, _MORE)
@@ -277,10 +348,21 @@ class ShardServer:
         if not self.active:
             self.drops.drop("not_active", "KVSET while not active")
             return
+        if not self.owns(key):
+            return
         seq = self.store.apply(key, value, expiry_s)
         zio.send_frames5(self._pub, key, _pack_seq(seq), kvset.uuid, props, value)
         if expiry_s is not None:
             self._arm_ttl()
+
+    def owns(self, key: bytes) -> bool:
+        """Whether this shard owns ``key``; if not, the drop is counted ``not_owner``."""
+        cache = self.owner_cache
+        if cache is None or cache.owns(key):
+            return True
+        self.drops.drop("not_owner", f"key {key[:64]!r} belongs to shard "
+                                     f"{cache.shard_map.owner(key)}, not {cache.index}")
+        return False
 
     # ================================================================ TTL
     def _arm_ttl(self) -> None:
@@ -496,6 +578,11 @@ class ShardServer:
             "snapshots_refused": self.snapshots_refused,
             "kvsync_sent": self.kvsync_sent,
             "hugz_sent": self.hugz_sent,
+            "routing": (None if self.config.shard_map is None else
+                        {"shard_index": self.config.shard_index,
+                         "shards": self.config.shard_map.shards,
+                         "owner_slots": len(self.owner_cache.slots)
+                         if self.owner_cache else 0}),
             "drops": drops,
             "drops_total": sum(drops.values()),
             "handler_errors": sum(a.errors for a in (self._router, self._collector)

@@ -7,6 +7,11 @@ A server is a child ``python -m shards`` process::
     python -m shards --port P --host ADDRESS --cpus 0,1 --heartbeat-s H
         --shard NAME --primary|--backup --peer PEER_ADDRESS:PEER_P
         --control CONTROL_ENDPOINT --parent-pid SUPERVISOR_PID
+        --routing ROUTING_JSON --shard-index I
+
+* Ownership: every server gets the plan's routing (``ShardMap.describe()`` of the shard
+  count and pinned prefixes, the same document the cluster map serves) and its shard
+  index, so it drops and counts (``not_owner``) KVSETs for keys another shard owns.
 
 * Pinning: the child pins itself (``--cpus``) before its ZeroMQ context exists, so the
   context's I/O threads inherit the core set. As a second guard the child is already
@@ -32,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import json
 import logging
 import os
 import signal
@@ -43,7 +49,8 @@ from pathlib import Path
 from typing import Callable
 
 from supervisor.config import format_cores
-from supervisor.placement import Plan, ServerPlan
+from shards.routing import ShardMap
+from supervisor.placement import Plan, RoutingParams, ServerPlan
 from supervisor.policy import (DEFAULT_POLICY, GiveUp, Leave, PolicyConfig, Restart, Run,
                                Running, decide, describe_exit)
 
@@ -95,6 +102,14 @@ def server_argv(server: ServerPlan, peer: ServerPlan, args: ServerArgs) -> list[
             "--peer", f"{peer.address}:{peer.port}",
             "--control", args.control, "--parent-pid", str(args.parent_pid),
             *args.extra]
+
+
+def routing_argv(routing: RoutingParams, shard_index: int) -> list[str]:
+    """``--routing JSON --shard-index I``: what a server needs to drop keys it does not own."""
+    pins = {i: list(ps) for i, ps in enumerate(routing.prefixes) if ps}
+    doc = ShardMap(routing.shard_count, pins).describe()
+    return ["--routing", json.dumps(doc, separators=(",", ":")),
+            "--shard-index", str(shard_index)]
 
 
 class ServerProcess:
@@ -210,8 +225,9 @@ class Runner:
         for shard in plan.shards:
             for server, peer in ((shard.primary, shard.backup), (shard.backup, shard.primary)):
                 path = self.log_dir / f"{server.shard}-{server.role}.log"
-                self.servers[server.name] = ServerProcess(
-                    server, server_argv(server, peer, args), path)
+                argv = server_argv(server, peer, args) + routing_argv(plan.routing,
+                                                                      server.index)
+                self.servers[server.name] = ServerProcess(server, argv, path)
 
     # ----------------------------------------------------------------- events
     def _event(self, proc: ServerProcess, text: str) -> None:
