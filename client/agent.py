@@ -5,9 +5,12 @@ socket), all driven from one asyncio loop through ``shards.zio.AsyncSocket``:
 
 * SUB to the current server's P+1, subscribed to the subtree and to "HUGZ", opened by a
   ``Connect`` effect (a fresh socket per server, so nothing stale survives a failover);
-  a ZeroMQ monitor on it reports the handshake, which is when the subscription is live,
-  and later disconnections: a handshake after a disconnection is a ``Reconnected``
-  event (resync: updates were missed, the server may have restarted);
+  a ZeroMQ monitor on it reports the handshake and later disconnections. A handshake
+  only says the subscription was sent, so the subscription counts as live at the SUB's
+  first message (our servers answer each new subscription with a HUGZ), or
+  ``LIVE_GRACE_S`` after the handshake; only then is the snapshot requested
+  (``SubscriberLive``). A handshake after a disconnection is, the same way, a
+  ``Reconnected`` event (resync: updates were missed, the server may have restarted);
 * DEALER to the current server's P, a fresh one per ``RequestSnapshot`` (an abandoned
   snapshot still streaming to the old identity is dropped by the server's ROUTER, so two
   KTHXBAIs can never be confused);
@@ -67,6 +70,13 @@ DEALER_RCVHWM = 100_000
 XPUB_SNDHWM = 100_000
 PHASE_LOG_MAX = 64
 STANDBY_QUEUE_AGE_S = 2.0
+LIVE_GRACE_S = 0.25
+"""After the SUB's handshake, how long to wait for its first message before treating the
+subscription as live anyway. A handshake only says the subscription was *sent*; the
+server's publisher applies it a moment later, and a snapshot point taken in between
+would lose the updates of that moment (seen in CI under load). Our servers answer every
+new subscription with a HUGZ at once, so the first message normally ends the wait within
+a round trip; the grace is for peers that do not (another CHP server)."""
 """Longest a KVSET waits for the collector of a server the shard does not follow."""
 
 _Hugz = chp.Hugz
@@ -329,6 +339,10 @@ class ShardAgent:
         self._buffering = True
         self._sub_lost = False
         self._gen = 0
+        self._live_pending: object | None = None
+        """The event (SubscriberLive or Reconnected) to dispatch once the SUB delivers its
+        first message after a handshake (or LIVE_GRACE_S after it)."""
+        self._live_timer: asyncio.TimerHandle | None = None
         self._tick_handle: asyncio.TimerHandle | None = None
         self._closed = False
         self.waiters: dict[bytes, tuple[bytes, bytes, asyncio.Future]] = {}
@@ -387,6 +401,10 @@ class ShardAgent:
         self.waiters.clear()
 
     def _close_link(self) -> None:
+        if self._live_timer is not None:
+            self._live_timer.cancel()
+            self._live_timer = None
+        self._live_pending = None
         for io in (self._monitor, self._dealer, self._sub):
             if io is not None:
                 if io is self._sub:
@@ -537,14 +555,37 @@ class ShardAgent:
                      self.server.publisher)
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             if self.state.phase == sm.INITIAL:
-                self._dispatch(sm.SubscriberLive())
+                self._await_live(sm.SubscriberLive())
             elif self._sub_lost:
                 self._sub_lost = False
-                self._dispatch(sm.Reconnected())
+                self._await_live(sm.Reconnected())
+
+    def _await_live(self, event) -> None:
+        """Dispatch ``event`` once the subscription is proven live: the SUB's first message
+        (our servers send a HUGZ for each new subscription), or LIVE_GRACE_S."""
+        self._live_pending = event
+        if self._live_timer is not None:
+            self._live_timer.cancel()
+        self._live_timer = self.loop.call_later(LIVE_GRACE_S, self._live_now)
+
+    def _live_now(self) -> None:
+        if self._live_timer is not None:
+            self._live_timer.cancel()
+            self._live_timer = None
+        event, self._live_pending = self._live_pending, None
+        if event is not None and not self._closed:
+            self._dispatch(event)
 
     def _on_update(self, frames: list[bytes]) -> None:
         """A message on the SUB: KVPUB or HUGZ (hot path)."""
         self.heard += 1
+        if self._live_pending is not None:
+            if self._buffering:
+                self._buffer.append(frames)
+            else:
+                self._apply(frames, False)
+            self._live_now()
+            return
         if not self._buffering:
             self._apply(frames, False)
             return

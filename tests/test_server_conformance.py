@@ -395,6 +395,22 @@ def test_hugz_when_idle(server, port_base, zctx):
         assert peer.recv_update(skip_hugz=False) == [b"HUGZ", b"\0" * 8, b"", b"", b""]
 
 
+def test_each_new_subscription_is_answered_with_a_hugz_at_once(procs, port_base, zctx):
+    """With a heartbeat far beyond the test's deadline, a HUGZ can only be the
+    publisher's answer to a new subscription: the proof a client waits for before it
+    asks for a snapshot (a handshake alone does not mean the subscription is applied)."""
+    server = start_server(procs, port_base, "--heartbeat-s", "3600")
+    for _ in range(2):  # a second subscriber of the same topic is answered too
+        sub = zctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"/x/")
+        sub.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
+        sub.connect(f"tcp://127.0.0.1:{port_base + 1}")
+        assert sub.poll(10_000), "no HUGZ for a new subscription"
+        assert sub.recv_multipart() == [b"HUGZ", b"\0" * 8, b"", b"", b""]
+        sub.close()
+    assert server.popen.poll() is None
+
+
 def test_hugz_does_not_consume_a_sequence(server, port_base, zctx):
     peer = Peer(zctx, port_base, subscribe=(b"/probe/", b"/h/", b"HUGZ"))
     base = peer.sync()
