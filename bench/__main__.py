@@ -6,13 +6,14 @@
 
 Each benchmark prints its tables and saves a JSON record under ``--results-dir``
 (default bench/results/, and bench/results/latest/<name>.json). The per-benchmark
-commands are ``python -m bench.chp_throughput`` and ``python -m bench.snapshot``.
+commands are ``python -m bench.chp_throughput``, ``python -m bench.snapshot`` and
+``python -m bench.fanout``.
 """
 from __future__ import annotations
 
 import argparse
 
-from bench import chp_throughput, snapshot
+from bench import chp_throughput, fanout, snapshot
 from bench import record as rec
 
 PROFILES = {
@@ -20,19 +21,26 @@ PROFILES = {
         "chp_throughput": ["--seconds", "1", "--warmup", "0.3", "--rounds", "1",
                            "--keys", "2000", "--retries", "0"],
         "snapshot": ["--keys", "2000", "--repeats", "1"],
+        "fanout": ["--shards", "1,2", "--subscribers", "1,4", "--rate", "200",
+                   "--seconds", "0.5"],
     },
     "quick": {
         "chp_throughput": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
         "snapshot": ["--keys", "100000", "--repeats", "2"],
+        "fanout": ["--shards", "1,4", "--subscribers", "1,4,16", "--rate", "1000",
+                   "--seconds", "3"],
     },
     "full": {
         "chp_throughput": ["--seconds", "5", "--warmup", "1", "--rounds", "5",
                            "--blind-ceiling", "--quiet-wait-s", "60"],
         "snapshot": ["--keys", "10000,100000,1000000", "--repeats", "3",
                      "--quiet-wait-s", "60"],
+        "fanout": ["--shards", "1,4", "--subscribers", "1,4,16", "--rate", "1000",
+                   "--seconds", "5"],
     },
 }
-BENCHMARKS = {"chp_throughput": chp_throughput.main, "snapshot": snapshot.main}
+BENCHMARKS = {"chp_throughput": chp_throughput.main, "snapshot": snapshot.main,
+              "fanout": fanout.main}
 
 
 def main(argv: list[str] | None = None) -> None:

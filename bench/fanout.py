@@ -1,0 +1,376 @@
+"""Fan-out: one writer, N subscribing clients, from a 1-shard and a 4-shard cluster.
+
+``python -m bench.fanout [--shards 1,4] [--subscribers 1,4,16] [--rate 1000] [--seconds 5]``
+
+For each cluster size S and subscriber count N, a fresh run:
+
+* S standalone shard servers (``python -m shards``, ports from ``bench.runner``), each
+  given the S-shard routing (``--routing``/``--shard-index``: it drops keys it does not
+  own, so a misrouted update would show up as missing);
+* N subscribing clients (``client.api.AsyncClone`` over every shard, each with one watch
+  on the whole map), ``--clients-per-process`` of them per subprocess (a process per
+  client would only measure the scheduler on a small host); each process prints READY
+  once all its clients have their snapshot and their watch open;
+* then one writer process: an XPUB per shard connected to the collectors (as a client
+  does; it waits until every collector has subscribed), sending ``rate x seconds`` KVSETs
+  **open loop**: update i is due at ``t0 + i / rate`` and is sent then (or at once, if the
+  writer is late), whatever the replies. Each key is new (``/s<i mod segments>/<i>``:
+  the routing segments spread the keys over the shards) and routed with
+  ``shards.routing.ShardMap``; its value starts with the writer's ``time.time_ns()`` at
+  the send, zero-padded to 19 digits, then padding up to ``--value-bytes``.
+
+Each subscriber records, per update, the end-to-end latency (its ``time.time_ns()`` when
+the watch yields the change minus the writer's timestamp; one host, one clock), and
+counts updates received, missing and duplicated. Reported per run: the offered and sent
+rates, updates/s delivered to each subscriber (received / (its last arrival - the first
+send)), the lowest of those and the sum over subscribers, whether every subscriber got
+every update, and latency percentiles p50, p99, p99.9 and max over all deliveries. The
+writer's lateness against its schedule is reported too (a late writer offers less).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import statistics
+import struct
+import sys
+import time
+
+from bench import record as rec
+from bench.runner import Target, bench_main, server_argv, start_on_free_ports
+
+NAME = "fanout"
+TS_DIGITS = 19
+SUBSCRIBER_IDLE_S = 5.0
+"""A subscriber that has heard nothing for this long after its first update stops."""
+START_TIMEOUT_S = 60.0
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers >= 1")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=f"python -m bench.{NAME}",
+                                 description="one writer, N subscribing clients: delivered "
+                                             "updates/s and end-to-end latency")
+    ap.add_argument("--shards", type=_int_list, default=[1, 4],
+                    help="cluster sizes, comma-separated")
+    ap.add_argument("--subscribers", type=_int_list, default=[1, 4, 16],
+                    help="subscriber counts, comma-separated")
+    ap.add_argument("--rate", type=float, default=1000.0,
+                    help="offered updates/s (open loop, the same for every run)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="how long the writer writes")
+    ap.add_argument("--value-bytes", type=int, default=100)
+    ap.add_argument("--segments", type=int, default=64,
+                    help="routing segments the keys are spread over")
+    ap.add_argument("--clients-per-process", type=int, default=4)
+    ap.add_argument("--drain-s", type=float, default=30.0,
+                    help="longest wait for the subscribers after the writer is done")
+    ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
+    args = ap.parse_args(argv)
+    if args.rate <= 0 or args.seconds <= 0 or args.clients_per_process < 1:
+        ap.error("--rate, --seconds and --clients-per-process must be > 0")
+    if args.value_bytes < TS_DIGITS:
+        ap.error(f"--value-bytes must be >= {TS_DIGITS} (the timestamp)")
+    return args
+
+
+def canonical_command(args: argparse.Namespace) -> str:
+    opts = {k: (",".join(map(str, v)) if isinstance(v, list) else v)
+            for k, v in vars(args).items() if k != "results_dir"}
+    return rec.command_line(f"bench.{NAME}", opts)
+
+
+def key_of(i: int, segments: int) -> bytes:
+    return b"/s%d/%d" % (i % segments, i)
+
+
+def index_of(key: str) -> int:
+    return int(key.rsplit("/", 1)[1])
+
+
+def percentile(sorted_values: list[float], pct: float) -> float:
+    """Nearest-rank percentile of an already sorted list."""
+    if not sorted_values:
+        return float("nan")
+    rank = max(1, math.ceil(pct / 100 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+# ================================================================ the writer process
+
+def writer_main(argv: list[str]) -> None:
+    import zmq
+
+    from shards.routing import ShardMap
+
+    ap = argparse.ArgumentParser(prog=f"python -m bench.{NAME} _writer")
+    ap.add_argument("--ports", type=_int_list, required=True)
+    ap.add_argument("--rate", type=float, required=True)
+    ap.add_argument("--count", type=int, required=True)
+    ap.add_argument("--segments", type=int, required=True)
+    ap.add_argument("--value-bytes", type=int, required=True)
+    args = ap.parse_args(argv)
+    ctx = zmq.Context()
+    socks = []
+    for port in args.ports:
+        sock = ctx.socket(zmq.XPUB)
+        sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        sock.sndhwm = 0  # never drop here: a loss must be the system's
+        sock.linger = 10_000
+        sock.connect(f"tcp://127.0.0.1:{port + 2}")
+        if not sock.poll(int(START_TIMEOUT_S * 1000)):  # the collector's subscription
+            raise SystemExit(f"writer: the collector on {port + 2} never subscribed")
+        sock.recv()
+        socks.append(sock)
+    shard_map = ShardMap(len(args.ports))
+    keys = [key_of(i, args.segments) for i in range(args.count)]
+    owners = [socks[shard_map.owner(k)] for k in keys]
+    pad = b"." * (args.value_bytes - TS_DIGITS)
+    seq0 = b"\0" * 8
+    uuid_head = b"FANOUT\0\0"
+    pack = struct.Struct(">Q").pack
+    period_s = 1.0 / args.rate
+    print("READY writer", flush=True)
+    late_s: list[float] = []
+    t0 = time.monotonic() + 0.05
+    first_ns = 0
+    for i in range(args.count):
+        due = t0 + i * period_s
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+            late_s.append(0.0)
+        else:
+            late_s.append(-delay)
+        now_ns = time.time_ns()
+        if i == 0:
+            first_ns = now_ns
+        owners[i].send_multipart([keys[i], seq0, uuid_head + pack(i), b"",
+                                  b"%019d" % now_ns + pad])
+    elapsed_s = time.monotonic() - t0
+    late_s.sort()
+    print("RESULT " + json.dumps({
+        "sent": args.count, "seconds": round(elapsed_s, 3),
+        "sent_per_s": round(args.count / elapsed_s, 1) if elapsed_s > 0 else None,
+        "first_send_ns": first_ns,
+        "late_ms": {"p50": round(percentile(late_s, 50) * 1e3, 3),
+                    "p99": round(percentile(late_s, 99) * 1e3, 3),
+                    "max": round(late_s[-1] * 1e3, 3)}}), flush=True)
+    for sock in socks:
+        sock.close()  # linger: what is queued still goes out
+    ctx.term()
+
+
+# ================================================================ the subscriber process
+
+async def _consume(watch, count: int, result: dict) -> None:
+    seen = bytearray(count)
+    lat_us = result["lat_us"]
+    received = duplicates = strays = 0
+    it = watch.__aiter__()
+    timeout_s = START_TIMEOUT_S
+    while received < count:
+        try:
+            change = await asyncio.wait_for(it.__anext__(), timeout_s)
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            break
+        if change.kind != "put":
+            continue
+        now_ns = time.time_ns()
+        try:
+            i = index_of(change.key)
+            sent_ns = int(change.value[:TS_DIGITS])
+        except ValueError:
+            strays += 1
+            continue
+        if not 0 <= i < count:
+            strays += 1
+            continue
+        if seen[i]:
+            duplicates += 1
+            continue
+        seen[i] = 1
+        received += 1
+        lat_us.append((now_ns - sent_ns) // 1000)
+        result["last_ns"] = now_ns
+        timeout_s = SUBSCRIBER_IDLE_S
+    result.update(received=received, duplicates=duplicates, strays=strays,
+                  missing=count - received)
+
+
+async def subscriber_async(args: argparse.Namespace) -> None:
+    from client.api import AsyncClone
+
+    shards = [f"tcp://127.0.0.1:{p}" for p in args.ports]
+    clones = [AsyncClone(shards=shards, timeout_s=START_TIMEOUT_S,
+                         watch_capacity=max(10_000, 2 * args.count))
+              for _ in range(args.clients)]
+    try:
+        await asyncio.gather(*(c.start() for c in clones))
+        watches = [c.watch("").open() for c in clones]
+        results = [{"lat_us": [], "last_ns": 0} for _ in clones]
+        tasks = [asyncio.ensure_future(_consume(w, args.count, r))
+                 for w, r in zip(watches, results)]
+        await asyncio.sleep(0)  # the watches' snapshot entries are queued already
+        print("READY subscriber", flush=True)
+        await asyncio.gather(*tasks)
+        for w in watches:
+            w.close()
+        print("RESULT " + json.dumps(results), flush=True)
+    finally:
+        for c in clones:
+            await c.close()
+
+
+def subscriber_main(argv: list[str]) -> None:
+    import uvloop
+
+    ap = argparse.ArgumentParser(prog=f"python -m bench.{NAME} _subscriber")
+    ap.add_argument("--ports", type=_int_list, required=True)
+    ap.add_argument("--clients", type=int, required=True)
+    ap.add_argument("--count", type=int, required=True)
+    args = ap.parse_args(argv)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(subscriber_async(args))
+
+
+# ================================================================ the benchmark
+
+def _result_line(target: Target, timeout_s: float) -> dict:
+    line = target._wait_line("RESULT ", timeout_s)
+    return json.loads(line[len("RESULT "):])
+
+
+def run_one(shards: int, subscribers: int, args: argparse.Namespace) -> dict:
+    """One fresh cluster, ``subscribers`` clients, one writer; returns the run's figures."""
+    from shards.routing import ShardMap
+
+    count = max(1, round(args.rate * args.seconds))
+    routing = json.dumps(ShardMap(shards).describe(), separators=(",", ":"))
+    me = [sys.executable, "-m", f"bench.{NAME}"]
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for i in range(shards):
+            target, base = start_on_free_ports(f"shard {i}", lambda b, i=i: server_argv(
+                b, extra=("--routing", routing, "--shard-index", str(i),
+                          "--log-level", "warning")))
+            stack.enter_context(target)
+            ports.append(base)
+        port_list = ",".join(map(str, ports))
+        subs = []
+        left = subscribers
+        while left:
+            k = min(left, args.clients_per_process)
+            left -= k
+            subs.append((stack.enter_context(Target(
+                f"subscribers {len(subs)}",
+                [*me, "_subscriber", "--ports", port_list, "--clients", str(k),
+                 "--count", str(count)], timeout_s=START_TIMEOUT_S)), k))
+        writer = stack.enter_context(Target("writer", [
+            *me, "_writer", "--ports", port_list, "--rate", f"{args.rate:g}",
+            "--count", str(count), "--segments", str(args.segments),
+            "--value-bytes", str(args.value_bytes)], timeout_s=START_TIMEOUT_S))
+        wrote = _result_line(writer, args.seconds * 3 + START_TIMEOUT_S)
+        clients = []
+        for target, _ in subs:
+            clients += _result_line(target, args.drain_s + SUBSCRIBER_IDLE_S + 5)
+    first_ns = wrote["first_send_ns"]
+    per_sub_rate = []
+    lat_ms: list[float] = []
+    for c in clients:
+        span_s = (c["last_ns"] - first_ns) / 1e9 if c["last_ns"] else 0.0
+        per_sub_rate.append(round(c["received"] / span_s, 1) if span_s > 0 else 0.0)
+        lat_ms.extend(us / 1000 for us in c.pop("lat_us"))
+    lat_ms.sort()
+    return {
+        "shards": shards, "subscribers": subscribers, "processes": len(subs),
+        "offered_per_s": args.rate, "updates": count,
+        "sent_per_s": wrote["sent_per_s"], "writer_late_ms": wrote["late_ms"],
+        "delivered_per_s_each": per_sub_rate,
+        "delivered_per_s_min": min(per_sub_rate),
+        "delivered_per_s_total": round(sum(per_sub_rate), 1),
+        "received": [c["received"] for c in clients],
+        "missing_total": sum(c["missing"] for c in clients),
+        "duplicates_total": sum(c["duplicates"] for c in clients),
+        "strays_total": sum(c["strays"] for c in clients),
+        "complete": all(c["received"] == count for c in clients),
+        "latency_ms": {"samples": len(lat_ms),
+                       "p50": round(percentile(lat_ms, 50), 3),
+                       "p99": round(percentile(lat_ms, 99), 3),
+                       "p99.9": round(percentile(lat_ms, 99.9), 3),
+                       "max": round(lat_ms[-1], 3) if lat_ms else None},
+    }
+
+
+def run(args: argparse.Namespace) -> rec.Record:
+    config = {k: v for k, v in vars(args).items() if k != "results_dir"}
+    record = rec.Record(NAME, canonical_command(args), config)
+    for shards in args.shards:
+        for n in args.subscribers:
+            rec.log(f"{NAME}: {shards} shard(s), {n} subscriber(s), {args.rate:g} updates/s "
+                    f"for {args.seconds:g} s")
+            figures = run_one(shards, n, args)
+            lat = figures["latency_ms"]
+            rec.log(f"  delivered {figures['delivered_per_s_min']:,.0f}/s to each (lowest), "
+                    f"complete {figures['complete']}, latency p50 {lat['p50']} ms "
+                    f"p99 {lat['p99']} ms p99.9 {lat['p99.9']} ms")
+            record.add_run(figures)
+    runs = record.data["runs"]
+    record.data["summary"] = {
+        "all_complete": all(r["complete"] for r in runs),
+        "by_run": {f"{r['shards']}x{r['subscribers']}": {
+            "delivered_per_s_min": r["delivered_per_s_min"],
+            "p50_ms": r["latency_ms"]["p50"], "p99_ms": r["latency_ms"]["p99"],
+            "p99.9_ms": r["latency_ms"]["p99.9"]} for r in runs},
+        "p99_ms_median": statistics.median(r["latency_ms"]["p99"] for r in runs),
+    }
+    record.target("runs where every subscriber got every update",
+                  sum(r["complete"] for r in runs), len(runs), "runs")
+    record.finish()
+    return record
+
+
+def report(record: rec.Record) -> None:
+    rows = []
+    for r in record.data["runs"]:
+        lat = r["latency_ms"]
+        rows.append([r["shards"], r["subscribers"], r["offered_per_s"], r["sent_per_s"],
+                     r["delivered_per_s_min"], r["delivered_per_s_total"],
+                     "yes" if r["complete"] else f"NO ({r['missing_total']} missing)",
+                     lat["p50"], lat["p99"], lat["p99.9"], lat["max"],
+                     r["writer_late_ms"]["max"]])
+    cfg = record.data["config"]
+    rec.table(record, f"{NAME}: one writer, N subscribers ({cfg['seconds']:g} s at "
+                      f"{cfg['rate']:g} updates/s, open loop)",
+              ["shards", "subscribers", "offered/s", "sent/s", "delivered/s each (min)",
+               "delivered/s all", "every update", "p50 ms", "p99 ms", "p99.9 ms", "max ms",
+               "writer late max ms"], rows,
+              caption="delivered/s each: updates received by one subscriber / (its last "
+                      "arrival - the first send), the lowest subscriber; all: the sum. "
+                      "Latency: writer time.time_ns() in the value to the subscriber's watch "
+                      "yielding it, over every delivery.")
+    rec.print_targets(record)
+
+
+def main(argv: list[str] | None = None) -> rec.Record | None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_writer"]:
+        return writer_main(argv[1:])
+    if argv[:1] == ["_subscriber"]:
+        return subscriber_main(argv[1:])
+    return bench_main(NAME, parse_args, run, report, argv)
+
+
+if __name__ == "__main__":
+    main()
