@@ -40,7 +40,7 @@ import sys
 import time
 
 from bench import record as rec
-from bench.runner import Target, bench_main, server_argv, start_on_free_ports
+from bench.runner import Target, bench_main, cpu_seconds, server_argv, start_on_free_ports
 
 NAME = "fanout"
 TS_DIGITS = 19
@@ -260,12 +260,12 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace) -> dict:
     routing = json.dumps(ShardMap(shards).describe(), separators=(",", ":"))
     me = [sys.executable, "-m", f"bench.{NAME}"]
     with contextlib.ExitStack() as stack:
-        ports = []
+        ports, servers = [], []
         for i in range(shards):
             target, base = start_on_free_ports(f"shard {i}", lambda b, i=i: server_argv(
                 b, extra=("--routing", routing, "--shard-index", str(i),
                           "--log-level", "warning")))
-            stack.enter_context(target)
+            servers.append(stack.enter_context(target))
             ports.append(base)
         port_list = ",".join(map(str, ports))
         subs = []
@@ -281,10 +281,25 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace) -> dict:
             *me, "_writer", "--ports", port_list, "--rate", f"{args.rate:g}",
             "--count", str(count), "--segments", str(args.segments),
             "--value-bytes", str(args.value_bytes)], timeout_s=START_TIMEOUT_S))
+        groups = {"servers": [t.pid for t in servers], "subscribers": [t.pid for t, _ in subs],
+                  "writer": [writer.pid]}
+        pids = [p for g in groups.values() for p in g]
+        t0, cpu0 = time.monotonic(), cpu_seconds(pids)
         wrote = _result_line(writer, args.seconds * 3 + START_TIMEOUT_S)
+        cpu_w = cpu_seconds(pids)  # the writer exits after its RESULT line
         clients = []
         for target, _ in subs:
             clients += _result_line(target, args.drain_s + SUBSCRIBER_IDLE_S + 5)
+        window_s = time.monotonic() - t0
+        cpu1 = cpu_seconds(pids)
+    pct = lambda pid_list, c1: round(  # noqa: E731
+        100 * sum(c1.get(p, 0.0) - cpu0.get(p, 0.0) for p in pid_list) / window_s, 1)
+    cpu_pct = {"servers": pct(groups["servers"], cpu1),
+               "subscribers": pct(groups["subscribers"], cpu1),
+               "writer": pct(groups["writer"], cpu_w),
+               "host": round(100 * (cpu1["host_busy"] - cpu0["host_busy"]) / window_s, 1)}
+    cpu_pct["others"] = round(max(0.0, cpu_pct["host"] - cpu_pct["servers"]
+                                  - cpu_pct["subscribers"] - cpu_pct["writer"]), 1)
     first_ns = wrote["first_send_ns"]
     per_sub_rate = []
     lat_ms: list[float] = []
@@ -310,6 +325,7 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace) -> dict:
                        "p99": round(percentile(lat_ms, 99), 3),
                        "p99.9": round(percentile(lat_ms, 99.9), 3),
                        "max": round(lat_ms[-1], 3) if lat_ms else None},
+        "window_s": round(window_s, 3), "cpu_pct": cpu_pct,
     }
 
 
@@ -349,17 +365,21 @@ def report(record: rec.Record) -> None:
                      r["delivered_per_s_min"], r["delivered_per_s_total"],
                      "yes" if r["complete"] else f"NO ({r['missing_total']} missing)",
                      lat["p50"], lat["p99"], lat["p99.9"], lat["max"],
-                     r["writer_late_ms"]["max"]])
+                     r["writer_late_ms"]["max"], r["cpu_pct"]["servers"],
+                     r["cpu_pct"]["subscribers"], r["cpu_pct"]["others"]])
     cfg = record.data["config"]
     rec.table(record, f"{NAME}: one writer, N subscribers ({cfg['seconds']:g} s at "
                       f"{cfg['rate']:g} updates/s, open loop)",
               ["shards", "subscribers", "offered/s", "sent/s", "delivered/s each (min)",
                "delivered/s all", "every update", "p50 ms", "p99 ms", "p99.9 ms", "max ms",
-               "writer late max ms"], rows,
+               "writer late max ms", "servers cpu%", "subscribers cpu%", "others cpu%"],
+              rows,
               caption="delivered/s each: updates received by one subscriber / (its last "
                       "arrival - the first send), the lowest subscriber; all: the sum. "
                       "Latency: writer time.time_ns() in the value to the subscriber's watch "
-                      "yielding it, over every delivery.")
+                      "yielding it, over every delivery. cpu%: of one core, from the "
+                      "writer's start to the last subscriber's result; others: the rest of "
+                      "the host's busy time.")
     rec.print_targets(record)
 
 

@@ -37,6 +37,8 @@ def test_fanout_smoke_record(procs, tmp_path):
         assert 0 <= lat["p50"] <= lat["p99"] <= lat["p99.9"] <= lat["max"]
         assert len(r["delivered_per_s_each"]) == r["subscribers"]
         assert r["delivered_per_s_min"] > 0
+        assert set(r["cpu_pct"]) == {"servers", "subscribers", "writer", "host", "others"}
+        assert r["cpu_pct"]["subscribers"] > 0
     assert record["summary"]["all_complete"] is True
     assert record["targets"][0]["met"] is True
     assert "every update" in "\n".join(proc.stdout)
