@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import os
 import queue
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from shards import ports
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 30.0
@@ -39,23 +39,8 @@ take a port between our check and our bind."""
 
 
 def free_port_base(count: int = 4, host: str = "127.0.0.1") -> int:
-    """A base P such that P..P+count-1 can be bound on ``host`` now."""
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(500):
-        base = rng.randrange(PORT_RANGE[0], PORT_RANGE[1] - count) // 10 * 10
-        socks = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range found")
+    """A base P in ``PORT_RANGE`` such that P..P+count-1 can be bound on ``host`` now."""
+    return ports.free_port_base(PORT_RANGE[0], PORT_RANGE[1], count, host)
 
 
 class Target:

@@ -33,6 +33,7 @@ from rich.table import Table
 
 from client.api import AsyncClone, Clone
 from client.watch import SYNCED, Change
+from shards.ports import ports_free
 
 HOST = "127.0.0.1"
 READY_TIMEOUT_S = 10.0
@@ -56,18 +57,8 @@ def _free_port_base(count: int = 3) -> int:
             base = probe.getsockname()[1]
         if base + count > 65535:
             continue
-        socks = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((HOST, port))
+        if ports_free(HOST, base, count):
             return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
     raise DemoFailed("no free port range found")
 
 
@@ -208,7 +199,7 @@ async def run_clients(address: str) -> None:
                 uuid = action()
                 console.print(f"[bold]writer[/] {text}  [dim](KVSET uuid {uuid.hex()[:8]}...)[/]")
                 await expect(kind, key, text)
-            console.print(f"[bold]writer[/] waiting for the server to expire /demo/session")
+            console.print("[bold]writer[/] waiting for the server to expire /demo/session")
             await expect("delete", "/demo/session", "TTL expiry")
             console.print(f"[bold]ttl expired[/] /demo/session removed by the server "
                           f"{time.monotonic() - set_at['/demo/session']:.2f} s after it "

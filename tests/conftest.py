@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import queue
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,23 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from shards.ports import free_port_base as _free_port_base
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-
-
-def ports_free(host: str, base: int, count: int) -> bool:
-    socks = []
-    try:
-        for port in range(base, base + count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind((host, port))
-        return True
-    except OSError:
-        return False
-    finally:
-        for s in socks:
-            s.close()
 
 
 _used_bases: set[int] = set()
@@ -44,18 +29,12 @@ _used_bases: set[int] = set()
 def free_port_base(count: int = 4, host: str = "127.0.0.1") -> int:
     """A base P such that P..P+count-1 are free on ``host`` now (checked by binding).
 
-    Bases come from 20000-32700: below Linux's default ephemeral range (32768-60999),
+    Bases come from 20000-32760: below Linux's default ephemeral range (32768-60999),
     so an outgoing connection cannot take a port between this check and the bind, and
-    above the benchmarks' 10000-19990."""
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(500):
-        base = rng.randrange(20000, 32760 - count) // 10 * 10
-        if any(abs(base - b) < 40 for b in _used_bases):
-            continue
-        if ports_free(host, base, count):
-            _used_bases.add(base)
-            return base
-    raise RuntimeError("no free port range found")
+    above the benchmarks' 10000-19990. Bases handed out in this run stay 40 apart."""
+    base = _free_port_base(20000, 32760, count, host, avoid=_used_bases, spacing=40)
+    _used_bases.add(base)
+    return base
 
 
 @pytest.fixture
