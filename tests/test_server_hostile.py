@@ -141,6 +141,10 @@ def test_the_next_valid_client_gets_a_correct_service(server, port_base, zctx):
         first.send_raw(frames)
     for frames, _ in SNAPSHOT_GARBAGE:
         first.dealer.send_multipart(frames)
+    # Both paths are ordered: a fence on each proves every garbage message was read by
+    # the server before the sockets close (close(0) would discard what is still queued).
+    first.sync()
+    assert first.snapshot(b"/n/")[0] == {b"/n/a": b"1"}
     for sock in (first.dealer, first.sub, first.pub):
         sock.close(0)
     nxt = Peer(zctx, port_base)
