@@ -35,6 +35,8 @@ segments = st.text(min_size=1, max_size=8).filter(lambda s: "/" not in s)
 subtrees = st.one_of(st.just(b""), st.lists(segments, min_size=1, max_size=4).map(
     lambda segs: ("/" + "".join(s + "/" for s in segs)).encode("utf-8")))
 
+clock_ts = st.floats(0, 4e9, allow_nan=False)
+
 
 def valid_messages():
     """(decoder, frames) for a valid message of any of the six commands."""
@@ -45,6 +47,8 @@ def valid_messages():
         st.tuples(keys, st.integers(1, 2**64 - 1), values, uuids, props).map(
             lambda a: (chp.decode_update, chp.kvpub(*a))),
         st.just((chp.decode_update, chp.hugz())),
+        st.tuples(clock_ts, seqs).map(lambda a: (chp.decode_update, chp.hugz(*a))),
+        props.map(lambda p: (chp.decode_update, [b"HUGZ", b"\0" * 8, b"", p, b""])),
         st.tuples(keys, values, uuids, props).map(lambda a: (chp.decode_kvset, chp.kvset(*a))),
     )
 
@@ -86,6 +90,48 @@ def test_hugz_round_trips():
     frames = chp.hugz()
     assert frames == [b"HUGZ", b"\0" * 8, b"", b"", b""]
     assert chp.decode_update(frames) == chp.Hugz()
+    assert chp.hugz_clock(chp.decode_update(frames)) is None
+
+
+@given(clock_ts, seqs)
+def test_hugz_with_the_server_clock_round_trips(ts, seq):
+    """Our deviation: frame 3 of a HUGZ carries ts=<epoch s, 6 decimals> and seq."""
+    frames = chp.hugz(ts, seq)
+    raw = b"ts=%.6f\nseq=%d\n" % (ts, seq)
+    assert frames == [b"HUGZ", b"\0" * 8, b"", raw, b""]
+    msg = chp.decode_update(frames)
+    assert msg == chp.Hugz(raw)
+    got_ts, got_seq = chp.hugz_clock(msg)
+    assert abs(got_ts - ts) <= 1e-6 and got_seq == seq
+
+
+@given(props_dicts)
+def test_hugz_accepts_any_valid_properties(pdict):
+    raw = chp.format_props(pdict)
+    msg = chp.decode_update([b"HUGZ", b"\0" * 8, b"", raw, b""])
+    assert msg == chp.Hugz(raw)
+    clock = chp.hugz_clock(msg)
+    if "ts" not in pdict:
+        assert clock is None
+
+
+@pytest.mark.parametrize("raw", [b"ts=x\nseq=1\n", b"ts=nan\n", b"ts=inf\n", b"seq=3\n"])
+def test_hugz_without_a_usable_clock_reads_as_plain(raw):
+    assert chp.hugz_clock(chp.decode_update([b"HUGZ", b"\0" * 8, b"", raw, b""])) is None
+
+
+def test_hugz_with_a_bad_seq_keeps_its_ts():
+    msg = chp.decode_update([b"HUGZ", b"\0" * 8, b"", b"ts=12.5\nseq=zz\n", b""])
+    assert chp.hugz_clock(msg) == (12.5, -1)
+
+
+def test_hugz_with_bad_properties_is_dropped():
+    with pytest.raises(ProtocolError) as err:
+        chp.decode_update([b"HUGZ", b"\0" * 8, b"", b"no-equals-sign\n", b""])
+    assert err.value.reason == "bad_props" and err.value.command == "HUGZ"
+    with pytest.raises(ProtocolError) as err:
+        chp.decode_update([b"HUGZ", b"\0" * 8, b"", b"ts=1\n" * 2000, b""])
+    assert err.value.reason == "oversize_props"
 
 
 @given(keys, values, uuids, props_dicts)
@@ -204,6 +250,9 @@ def test_hugz_is_recognised_by_key_and_sequence_zero_only():
     assert err.value.reason == "bad_key"
     with pytest.raises(ProtocolError) as err:
         chp.decode_update([b"HUGZ", b"\0" * 8, b"", b"", b"x"])
+    assert err.value.reason == "nonempty_frame" and err.value.command == "HUGZ"
+    with pytest.raises(ProtocolError) as err:
+        chp.decode_update([b"HUGZ", b"\0" * 8, b"\0" * 16, b"", b""])
     assert err.value.reason == "nonempty_frame" and err.value.command == "HUGZ"
 
 

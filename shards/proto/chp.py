@@ -7,7 +7,7 @@ Frame table (ROUTER identity frames are not shown; the caller strips/prepends th
     KVSYNC    P -> client DEALER      key           sequence (may be 0)      <empty>      <empty>     value
     KTHXBAI   P -> client DEALER      "KTHXBAI"     sequence (highest sent)  <empty>      <empty>     subtree
     KVPUB     P+1 PUB -> client SUB   key           sequence (strictly +1)   UUID         properties  value
-    HUGZ      P+1 PUB -> client SUB   "HUGZ"        00000000                 <empty>      <empty>     <empty>
+    HUGZ      P+1 PUB -> client SUB   "HUGZ"        00000000                 <empty>      clock (*)   <empty>
     KVSET     client PUB -> P+2 SUB   key           sequence (ignored, 0)    UUID         properties  value
 
 Rules this module enforces (each violation raises ``ProtocolError`` naming it):
@@ -22,7 +22,12 @@ Rules this module enforces (each violation raises ``ProtocolError`` naming it):
 * key, value and properties sizes are bounded by ``Limits`` (configurable).
 
 A HUGZ is recognised by its key "HUGZ" *and* sequence 0: KVPUB sequences start at 1, so
-it cannot be mistaken for an update. Values are opaque bytes; an empty value means delete.
+it cannot be mistaken for an update. (*) Deviation from 12/CHP (frame 3 empty): our servers
+put a clock in a HUGZ's properties frame, ``ts=<server epoch s, 6 decimals>\\nseq=<current
+sequence>\\n`` (``hugz(ts, seq)``), so a client can measure how far behind it is even under
+a subtree filter; frames 2 and 4 stay empty. ``decode_update`` accepts an empty or any
+valid properties frame (``Hugz.props``; ``hugz_clock`` reads ts and seq). Strict CHP
+clients key on "HUGZ" and ignore the rest. Values are opaque bytes; an empty value means delete.
 
 Properties stay as raw bytes in the message tuples (cheap on the hot path); use
 ``parse_props`` / ``format_props`` to convert.
@@ -96,7 +101,8 @@ class Kvset(NamedTuple):
 
 
 class Hugz(NamedTuple):
-    pass
+    props: bytes = b""
+    """Empty, or the server clock ``ts=...\nseq=...\n`` (see ``hugz_clock``)."""
 
 
 _HUGZ = Hugz()
@@ -221,9 +227,12 @@ def decode_update(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Kvpub
     _check_count(frames, 5, "KVPUB")
     seq = _seq(frames[1], "KVPUB")
     if frames[0] == HUGZ and seq == 0:
-        for i in (2, 3, 4):
-            _empty(frames[i], i, "HUGZ")
-        return _HUGZ
+        _empty(frames[2], 2, "HUGZ")
+        _empty(frames[4], 4, "HUGZ")
+        props = frames[3]
+        if not props:
+            return _HUGZ
+        return Hugz(check_props(props, "HUGZ", limits))
     key = check_key(frames[0], "KVPUB", limits)
     return Kvpub(key, seq, _uuid(frames[2], "KVPUB"), check_props(frames[3], "KVPUB", limits),
                  _value(frames[4], "KVPUB", limits))
@@ -260,8 +269,32 @@ def kvset(key: bytes, value: bytes, uuid: bytes = b"", props: bytes = b"") -> li
     return [key, SEQ_ZERO, uuid, props, value]
 
 
-def hugz() -> list[bytes]:
-    return [HUGZ, SEQ_ZERO, b"", b"", b""]
+def hugz(ts: float | None = None, seq: int = 0) -> list[bytes]:
+    """A HUGZ: plain (``ts`` None: frames 2-4 empty, as 12/CHP has it), or carrying the
+    server clock ``ts=<epoch s, 6 decimals>\nseq=<current sequence>\n`` in frame 3."""
+    if ts is None:
+        return [HUGZ, SEQ_ZERO, b"", b"", b""]
+    return [HUGZ, SEQ_ZERO, b"", b"ts=%.6f\nseq=%d\n" % (ts, seq), b""]
+
+
+def hugz_clock(msg: Hugz) -> tuple[float, int] | None:
+    """``(ts, seq)`` of a HUGZ that carries the server clock, else None (a plain HUGZ, or
+    properties without a valid ``ts``; a missing or bad ``seq`` reads as -1)."""
+    props = msg.props
+    if not props:
+        return None
+    fields = parse_props(props)
+    try:
+        ts = float(fields["ts"])
+    except (KeyError, ValueError):
+        return None
+    if ts != ts or ts in (float("inf"), float("-inf")):
+        return None
+    try:
+        seq = int(fields.get("seq", "-1"))
+    except ValueError:
+        seq = -1
+    return ts, seq
 
 
 # -------------------------------------------------------------------------- properties
