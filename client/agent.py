@@ -37,6 +37,15 @@ KVPUB whose sequence is at most the installed snapshot's (KTHXBAI) is a late cop
 the snapshot holds, counted ``skipped``; one above the snapshot's but not above the last
 applied means the stream went backwards, counted ``stale``, and starts a resync. A server
 restarted behind the same address is noticed by the SUB's reconnection instead.
+
+Lag (the guide's Suicidal Snail, with or without a subtree): our servers send a HUGZ
+with their clock (``ts``, ``seq``) every ``clock_s`` (0.5 s), busy or not. On each one
+read live (not replayed after a sync) the agent takes ``delay = time.time() - ts`` and
+keeps ``clock_offset_s``, the smallest delay seen from this server (reset on every
+``Connect``): that absorbs the clock offset between the hosts and the network's floor,
+so ``lag_s = delay - clock_offset_s`` is how much later than usual this client reads the
+stream. Above ``max_lag_s`` (None: off) the agent asks ``on_lag(agent, lag_s)`` (True:
+handled, e.g. policy "die") or resyncs (``FellBehind``), counted ``lagged``.
 """
 from __future__ import annotations
 
@@ -272,7 +281,9 @@ class ShardAgent:
                  on_failover: Callable[[FailoverInfo], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, affinity: int = 0,
                  sub_rcvhwm: int = SUB_RCVHWM,
-                 on_behind: "Callable[[ShardAgent, int, int], bool] | None" = None):
+                 on_behind: "Callable[[ShardAgent, int, int], bool] | None" = None,
+                 max_lag_s: float | None = None,
+                 on_lag: "Callable[[ShardAgent, float], bool] | None" = None):
         if not servers:
             raise ValueError(f"shard {name}: no servers")
         chp.check_subtree(subtree)
@@ -294,6 +305,14 @@ class ShardAgent:
         marks overflowed). True: the client handled it (policy "die"), no resync."""
         """ZMQ_AFFINITY of every socket of this shard: a bit mask of the context's I/O
         threads (0: ZeroMQ chooses). The Black Box pattern: one I/O thread per shard."""
+        self.max_lag_s = max_lag_s
+        self.on_lag = on_lag
+        self.clock_offset_s: float | None = None
+        """Smallest (time.time() - HUGZ ts) seen from the current server (see module)."""
+        self.lag_s = 0.0
+        """Lag at the last clock HUGZ read live."""
+        self.max_lag_seen_s = 0.0
+        self.lagged = 0
         self.contiguous = not subtree
         self.state = sm.State(sm.Config(
             servers=len(self.servers), contiguous=self.contiguous,
@@ -458,6 +477,7 @@ class ShardAgent:
         self._buffer.clear()
         self._buffering = True
         self._sub_lost = False
+        self.clock_offset_s = None
         self._sub = AsyncSocket(sub, self._on_update, loop=self.loop,
                                 name=f"{self.name} SUB {address.publisher}")
         self._monitor = AsyncSocket(monitor, self._on_monitor, loop=self.loop,
@@ -608,6 +628,8 @@ class ShardAgent:
             self.drops.drop(exc.reason, f"shard {self.name} SUB: {exc}")
             return
         if msg.__class__ is _Hugz:
+            if msg.props and not replay:
+                self._on_clock(msg)
             return
         seq = msg.seq
         verdict = _check_seq(self.last_seq, seq, self.contiguous)
@@ -647,6 +669,29 @@ class ShardAgent:
             self.hub.changed(self.name, key, value, seq)
         if self.waiters:
             self._confirm(msg.uuid)
+
+    def _on_clock(self, msg: chp.Hugz) -> None:
+        """A HUGZ with the server clock, read live: measure this client's lag."""
+        clock = chp.hugz_clock(msg)
+        if clock is None:
+            return
+        delay_s = time.time() - clock[0]
+        offset_s = self.clock_offset_s
+        if offset_s is None or delay_s < offset_s:
+            self.clock_offset_s = offset_s = delay_s
+        lag_s = delay_s - offset_s
+        self.lag_s = lag_s
+        if lag_s > self.max_lag_seen_s:
+            self.max_lag_seen_s = lag_s
+        if (self.max_lag_s is None or lag_s <= self.max_lag_s
+                or self.state.phase != sm.ACTIVE):
+            return
+        self.lagged += 1
+        log.warning("shard %s: %.2f s behind the publisher (max_lag_s %.2f)", self.name,
+                    lag_s, self.max_lag_s)
+        if self.on_lag is not None and self.on_lag(self, lag_s):
+            return
+        self._dispatch(sm.FellBehind(lag_s))
 
     def _replay(self, gen: int) -> None:
         """Apply the buffered updates in order, a batch per loop turn; updates that arrive
@@ -741,6 +786,8 @@ class ShardAgent:
             "keys": len(self.map), "last_seq": self.last_seq, "applied": self.applied,
             "stale": self.stale, "skipped": self.skipped, "gaps": self.gaps,
             "overflows": self.overflows, "snapshots": self.snapshots,
+            "lag_s": round(self.lag_s, 6), "max_lag_seen_s": round(self.max_lag_seen_s, 6),
+            "lagged": self.lagged,
             "failovers": self.failovers, "disconnects": self.disconnects,
             "buffered": len(self._buffer),
             "kvsets_sent": sum(c.sent for c in self._collectors),

@@ -11,9 +11,12 @@ class NotRunning(ClonemapError, RuntimeError):
 class SlowSubscriber(SlowConsumer):
     """The client fell behind a shard's publisher: updates were lost on the way (the
     guide's Suicidal Snail). Raised by every call of a client whose ``slow_policy`` is
-    ``"die"``; ``shard``, ``expected`` and ``got`` say where."""
+    ``"die"``; ``shard`` says where, and either ``expected``/``got`` (a sequence gap) or
+    ``lag_s`` (the server clock in a HUGZ showed the client that far behind)."""
 
-    def __init__(self, message: str, *, shard: str = "", expected: int = 0, got: int = 0):
+    def __init__(self, message: str, *, shard: str = "", expected: int = 0, got: int = 0,
+                 lag_s: float | None = None):
         super().__init__(message, dropped=max(0, got - expected), shard=shard)
         self.expected = expected
         self.got = got
+        self.lag_s = lag_s

@@ -125,6 +125,12 @@ class Gap(NamedTuple):
     got: int
 
 
+class FellBehind(NamedTuple):
+    """The server clock in a HUGZ says this client reads the stream ``lag_s`` late
+    (beyond its ``max_lag_s``): resync (policy "resync")."""
+    lag_s: float
+
+
 class SequenceBackwards(NamedTuple):
     last: int
     got: int
@@ -141,8 +147,8 @@ class Tick(NamedTuple):
     """Last KVSYNC/KTHXBAI on the DEALER."""
 
 
-Event = Union[Start, SubscriberLive, SnapshotDone, BufferOverflow, Gap, SequenceBackwards,
-              Reconnected, Tick]
+Event = Union[Start, SubscriberLive, SnapshotDone, BufferOverflow, Gap, FellBehind,
+              SequenceBackwards, Reconnected, Tick]
 
 
 # ----------------------------------------------------------------------------- effects
@@ -251,6 +257,11 @@ def step(state: State, event: Event, now: float) -> tuple[State, list]:
             return state, []
         return _request(replace(state, attempts=0), now,
                         f"sequence gap (expected {event.expected}, got {event.got})")
+    if kind is FellBehind:
+        if phase != ACTIVE:
+            return state, []
+        return _request(replace(state, attempts=0), now,
+                        f"fell behind the publisher by {event.lag_s:.2f} s")
     if kind is SequenceBackwards:
         if phase != ACTIVE:
             return state, []

@@ -35,7 +35,7 @@ from shards.pair import PairServer, parse_peer
 from shards.pending import MAX_AGE_S, MAX_ENTRIES
 from shards.proto import chp
 from shards.routing import ShardMap
-from shards.server import (COLLECT_BATCH, COLLECT_RCVHWM, HEARTBEAT_S, MAX_ACTIVE_SNAPSHOTS,
+from shards.server import (CLOCK_S, COLLECT_BATCH, COLLECT_RCVHWM, HEARTBEAT_S, MAX_ACTIVE_SNAPSHOTS,
                            PUB_SNDHWM, SNAPSHOT_CHUNK, SNAPSHOT_SNDHWM, SNAPSHOT_STALL_S,
                            ServerConfig, ShardServer)
 
@@ -180,6 +180,10 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
               help="Address to bind (an IPv4 address, or * for all).")
 @click.option("--heartbeat-s", type=click.FloatRange(0.01, 3600), default=HEARTBEAT_S,
               show_default=True, help="HUGZ interval when idle.")
+@click.option("--clock-s", type=click.FloatRange(0, 3600), default=CLOCK_S,
+              show_default=True,
+              help="Interval of the HUGZ carrying the server clock (ts, seq), sent even "
+                   "when busy; 0 disables it.")
 @click.option("--max-key-bytes", type=click.IntRange(1), default=_DEFAULT.max_key,
               show_default=True)
 @click.option("--max-value-bytes", type=click.IntRange(1), default=_DEFAULT.max_value,
@@ -229,7 +233,7 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
               show_default=True, help="Longest a pending update is kept.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
-def main(port, host, heartbeat_s, max_key_bytes, max_value_bytes, max_props_bytes,
+def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_props_bytes,
          max_subtree_bytes, snapshot_chunk, snapshot_stall_s, max_snapshots, collect_batch,
          pub_hwm, collect_hwm, snapshot_hwm, cpus, pair_role, peer, shard, control,
          parent_pid, shard_map, shard_index, pending_max, pending_age_s, log_level):
@@ -256,7 +260,7 @@ def main(port, host, heartbeat_s, max_key_bytes, max_value_bytes, max_props_byte
             click.echo(f"shards: cannot pin to CPUs {cpus}: {exc}", err=True)
             sys.exit(2)
     config = ServerConfig(
-        port=port, host=host, heartbeat_s=heartbeat_s,
+        port=port, host=host, heartbeat_s=heartbeat_s, clock_s=clock_s,
         limits=chp.Limits(max_key=max_key_bytes, max_value=max_value_bytes,
                           max_props=max_props_bytes, max_subtree=max_subtree_bytes),
         snapshot_chunk=snapshot_chunk, snapshot_stall_s=snapshot_stall_s,

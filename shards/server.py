@@ -20,8 +20,14 @@ Handlers, one per event, none blocking:
 * ``on_ttl_tick``: a timer armed (``call_at``) for the earliest expiry in the store's heap
   deletes due keys and publishes each as a KVPUB with an empty value, empty UUID and
   empty properties.
-* ``on_heartbeat``: every ``heartbeat_s``, a HUGZ if nothing else was published since the
-  last beat.
+* ``on_heartbeat``: one timer for both HUGZ rules. The *clock*: every ``clock_s`` (0.5 s
+  by default; 0 disables), busy or not, a HUGZ whose properties frame carries the server
+  clock, ``ts=<epoch s, 6 decimals>\\nseq=<current sequence>\\n`` (our deviation from
+  12/CHP, whose HUGZ has frame 3 empty; see ``chp.hugz``): a client compares ``ts`` with
+  its own clock to see how far behind the publisher it reads, even under a subtree filter
+  where sequence gaps are normal. The *idle heartbeat*: every ``heartbeat_s``, a HUGZ if
+  nothing else was published since the last beat (with the clock on, it carries the clock
+  too). The timer runs every ``min(heartbeat_s, clock_s)``.
 
 Malformed input anywhere is counted by ``ProtocolError.reason`` (``DropCounter``), logged
 at a limited rate, and dropped. ``stats()`` returns a JSON-able dict.
@@ -69,6 +75,8 @@ from shards.store import Store, ttl_props
 log = logging.getLogger("shards.server")
 
 HEARTBEAT_S = 1.0
+CLOCK_S = 0.5
+"""A HUGZ carrying the server clock (ts, seq) at least this often, busy or idle."""
 SNAPSHOT_CHUNK = 256
 """KVSYNCs sent to one requester per loop turn (between two collector batches)."""
 SNAPSHOT_PAUSE_S = 0.001
@@ -100,6 +108,8 @@ class ServerConfig:
     port: int
     host: str = "127.0.0.1"
     heartbeat_s: float = HEARTBEAT_S
+    clock_s: float = CLOCK_S
+    """Interval of the clock HUGZ (sent even when busy); 0 disables it."""
     limits: chp.Limits = field(default_factory=chp.Limits)
     snapshot_chunk: int = SNAPSHOT_CHUNK
     snapshot_stall_s: float = SNAPSHOT_STALL_S
@@ -222,6 +232,8 @@ class ShardServer:
         self._ttl_when: float | None = None
         self._beat_handle: asyncio.TimerHandle | None = None
         self._seq_at_beat = 0
+        self._beat_at = 0.0
+        self._clock_at = 0.0
         # counters
         self.started_s = time.monotonic()
         self.snapshots_served = 0
@@ -288,7 +300,8 @@ class ShardServer:
                                            loop=loop, name="publisher")
         self._sub_check_handle = loop.call_later(SUBSCRIPTION_CHECK_S,
                                                  self._check_subscriptions)
-        self._beat_handle = loop.call_later(self.config.heartbeat_s, self.on_heartbeat)
+        self._beat_at = self._clock_at = loop.time()
+        self._beat_handle = loop.call_later(self._beat_s, self.on_heartbeat)
         if self.role == "standalone":
             self.set_active(True)
 
@@ -429,26 +442,49 @@ class ShardServer:
                                                       self._check_subscriptions)
         self._pub_reader.kick()
 
+    def _hugz(self) -> list[bytes]:
+        """A HUGZ with the server clock when ``clock_s`` is on, else a plain one."""
+        if self.config.clock_s > 0:
+            return chp.hugz(time.time(), self.store.seq)
+        return chp.hugz()
+
+    @property
+    def _beat_s(self) -> float:
+        clock_s = self.config.clock_s
+        heartbeat_s = self.config.heartbeat_s
+        return min(heartbeat_s, clock_s) if clock_s > 0 else heartbeat_s
+
     def _send_welcome(self) -> None:
         self._welcome_handle = None
         try:
-            zio.send_frames5(self._pub, *chp.hugz())
+            zio.send_frames5(self._pub, *self._hugz())
         except zmq.ZMQError as exc:
             self.drops.drop("welcome_unsent", f"HUGZ for a new subscriber: {exc}")
             return
         self.hugz_welcome += 1
 
     def on_heartbeat(self) -> None:
-        """HUGZ if nothing was published since the last beat; also re-arms the TTL timer
-        (a wall-clock step could have moved the earliest expiry)."""
+        """Every ``min(heartbeat_s, clock_s)``: a clock HUGZ when ``clock_s`` is due (busy
+        or not), else a HUGZ if nothing was published for ``heartbeat_s``; also re-arms
+        the TTL timer (a wall-clock step could have moved the earliest expiry)."""
         loop = self.loop
-        self._beat_handle = loop.call_later(self.config.heartbeat_s, self.on_heartbeat)
+        config = self.config
+        self._beat_handle = loop.call_later(self._beat_s, self.on_heartbeat)
         if not self.active:
             return
-        if self.store.seq == self._seq_at_beat:
-            zio.send_frames5(self._pub, *chp.hugz())
+        now = loop.time()
+        # a margin of a tenth of the interval: timers fire a little early or late
+        clock_due = (config.clock_s > 0
+                     and now - self._clock_at >= 0.9 * config.clock_s)
+        beat_due = now - self._beat_at >= 0.9 * config.heartbeat_s
+        idle = beat_due and self.store.seq == self._seq_at_beat
+        if clock_due or idle:
+            zio.send_frames5(self._pub, *self._hugz())
             self.hugz_sent += 1
-        self._seq_at_beat = self.store.seq
+            self._clock_at = now
+        if beat_due:
+            self._seq_at_beat = self.store.seq
+            self._beat_at = now
         self._arm_ttl()
 
     # ================================================================ snapshots

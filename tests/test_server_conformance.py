@@ -15,6 +15,7 @@ was, so snapshots hold only what a test wrote.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import struct
@@ -32,6 +33,21 @@ SEQ = struct.Struct(">Q")
 def seq_of(frame: bytes) -> int:
     assert len(frame) == 8, f"sequence frame of {len(frame)} bytes"
     return SEQ.unpack(frame)[0]
+
+
+CLOCK_PROPS_RE = re.compile(rb"ts=(\d+\.\d{6})\nseq=(\d+)\n\Z")
+
+
+def check_hugz(frames: list[bytes]) -> tuple[float, int] | None:
+    """A HUGZ, frame by frame: key "HUGZ", sequence 0, frames 2 and 4 empty, and frame 3
+    empty (12/CHP) or exactly ``ts=<epoch s, 6 decimals>\\nseq=<current sequence>\\n``
+    (our clock). Returns (ts, seq) of a clock HUGZ, None for a plain one."""
+    assert frames[:3] == [b"HUGZ", b"\0" * 8, b""] and frames[4] == b"", frames
+    if not frames[3]:
+        return None
+    m = CLOCK_PROPS_RE.match(frames[3])
+    assert m, f"HUGZ properties {frames[3]!r}"
+    return float(m.group(1)), int(m.group(2))
 
 
 def start_server(procs, port: int, *extra: str):
@@ -76,7 +92,7 @@ class Peer:
             frames = self.sub.recv_multipart()
             assert len(frames) == 5, f"a {len(frames)}-frame message on the publisher"
             if skip_hugz and frames[0] == b"HUGZ":
-                assert frames == chp.hugz()
+                check_hugz(frames)
                 continue
             return frames
         raise AssertionError(f"no update within {timeout_s} s")
@@ -389,17 +405,62 @@ def test_rewriting_without_ttl_cancels_the_expiry_and_expiries_come_in_order(
 
 # ====================================================================== HUGZ, subtrees
 
-def test_hugz_when_idle(server, port_base, zctx):
+def test_hugz_when_idle_carries_the_server_clock(server, port_base, zctx):
+    peer = Peer(zctx, port_base, subscribe=(b"HUGZ",))
+    stamps = []
+    for _ in range(3):
+        clock = check_hugz(peer.recv_update(skip_hugz=False))
+        assert clock is not None, "the default server sends its clock"
+        ts, seq = clock
+        assert abs(ts - time.time()) < 60 and seq == 0  # same host; nothing published
+        stamps.append(ts)
+    assert stamps == sorted(stamps)
+
+
+def test_hugz_when_idle_without_the_clock_is_plain_chp(procs, port_base, zctx):
+    start_server(procs, port_base, "--clock-s", "0")
     peer = Peer(zctx, port_base, subscribe=(b"HUGZ",))
     for _ in range(2):
         assert peer.recv_update(skip_hugz=False) == [b"HUGZ", b"\0" * 8, b"", b"", b""]
+
+
+def test_the_clock_hugz_is_sent_while_busy_with_the_current_sequence(procs, port_base,
+                                                                      zctx):
+    """Under a continuous stream of KVSETs (the idle heartbeat never fires) a clock HUGZ
+    still arrives, and its seq is exactly that of the KVPUB just before it on the same
+    publisher: the sequence at the moment it was sent."""
+    start_server(procs, port_base, "--heartbeat-s", "3600", "--clock-s", "0.1")
+    peer = Peer(zctx, port_base, subscribe=(b"/probe/", b"/busy/", b"HUGZ"))
+    last = peer.sync()
+    busy_hugz = []
+    n = 0
+    deadline = time.monotonic() + DEADLINE_S
+    while len(busy_hugz) < 3:
+        assert time.monotonic() < deadline, f"only {len(busy_hugz)} clock HUGZ while busy"
+        for _ in range(50):
+            n += 1
+            peer.kvset(b"/busy/%d" % (n % 100), b"v%d" % n)
+        while peer.sub.poll(5):
+            frames = peer.sub.recv_multipart()
+            if frames[0] == b"HUGZ":
+                clock = check_hugz(frames)
+                assert clock is not None
+                assert clock[1] == last, (clock, last)
+                if last > 0:
+                    busy_hugz.append(clock)
+            else:
+                seq = seq_of(frames[1])
+                assert seq == last + 1
+                last = seq
+    assert [s for _, s in busy_hugz] == sorted(s for _, s in busy_hugz)
+    assert busy_hugz[0][1] < busy_hugz[-1][1], "updates were published between them"
 
 
 def test_each_new_subscription_is_answered_with_a_hugz_at_once(procs, port_base, zctx):
     """With a heartbeat far beyond the test's deadline, a HUGZ can only be the
     publisher's answer to a new subscription: the proof a client waits for before it
     asks for a snapshot (a handshake alone does not mean the subscription is applied)."""
-    server = start_server(procs, port_base, "--heartbeat-s", "3600")
+    server = start_server(procs, port_base, "--heartbeat-s", "3600", "--clock-s", "0")
     for _ in range(2):  # a second subscriber of the same topic is answered too
         sub = zctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"/x/")
