@@ -6,14 +6,14 @@
 
 Each benchmark prints its tables and saves a JSON record under ``--results-dir``
 (default bench/results/, and bench/results/latest/<name>.json). The per-benchmark
-commands are ``python -m bench.chp_throughput``, ``python -m bench.snapshot`` and
-``python -m bench.fanout``.
+commands are ``python -m bench.chp_throughput``, ``python -m bench.snapshot``,
+``python -m bench.fanout`` and ``python -m bench.handoff``.
 """
 from __future__ import annotations
 
 import argparse
 
-from bench import chp_throughput, fanout, snapshot
+from bench import chp_throughput, fanout, handoff, snapshot
 from bench import record as rec
 
 PROFILES = {
@@ -23,12 +23,15 @@ PROFILES = {
         "snapshot": ["--keys", "2000", "--repeats", "1"],
         "fanout": ["--shards", "1,2", "--subscribers", "1,4", "--rate", "200",
                    "--seconds", "0.5"],
+        "handoff": ["--modes", "inline,thread", "--work", "cpu", "--rate", "300",
+                    "--seconds", "0.5"],
     },
     "quick": {
         "chp_throughput": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
         "snapshot": ["--keys", "100000", "--repeats", "2"],
         "fanout": ["--shards", "1,4", "--subscribers", "1,4,16", "--rate", "1000",
                    "--seconds", "3"],
+        "handoff": ["--rate", "40000", "--seconds", "2"],
     },
     "full": {
         "chp_throughput": ["--seconds", "5", "--warmup", "1", "--rounds", "5",
@@ -37,10 +40,11 @@ PROFILES = {
                      "--quiet-wait-s", "60"],
         "fanout": ["--shards", "1,4", "--subscribers", "1,4,16", "--rate", "1000",
                    "--seconds", "5"],
+        "handoff": ["--rate", "40000", "--seconds", "3"],
     },
 }
 BENCHMARKS = {"chp_throughput": chp_throughput.main, "snapshot": snapshot.main,
-              "fanout": fanout.main}
+              "fanout": fanout.main, "handoff": handoff.main}
 
 
 def main(argv: list[str] | None = None) -> None:

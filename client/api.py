@@ -35,7 +35,10 @@ shard's sequence means the publisher dropped updates for it (its high-water mark
 overflowed: the client fell behind). ``slow_policy="resync"`` (default) counts it
 (``fell_behind``) and takes a fresh snapshot of that shard; ``"die"`` fails the client:
 every later call and every watch raises ``client.errors.SlowSubscriber`` and ``on_slow``
-is called. (A subtree filter makes gaps normal, so a subtree client cannot tell.)
+is called. A subtree filter makes gaps normal, so lag is also measured by time, with or
+without a subtree: our servers put their clock in a HUGZ every 0.5 s (``--clock-s``), busy
+or not, and a shard read more than ``max_lag_s`` (default 1.0 s; None: off) later than
+usual gets the same policy (see ``client.agent``).
 
 ``io_threads=None | N | "per_shard"``: the Black Box pattern, the client's own ZeroMQ
 context gets N I/O threads and each shard's sockets are pinned to one (ZMQ_AFFINITY).
@@ -66,12 +69,16 @@ from client.agent import (KVSET_QUEUE_MAX, SUB_RCVHWM, SYNC_BUFFER_MAX, Failover
 from client.codec import Codec, get_codec
 from client.errors import NotRunning, SlowSubscriber
 from client.router import CONTROL_TIMEOUT_S, Cluster, fetch_cluster
-from client.watch import WATCH_CAPACITY, SyncWatch, Watch, WatchCore, WatchHub
+from client.watch import (DELIVER_MODES, DELIVER_THREAD, WATCH_CAPACITY, SyncWatch, Watch,
+                          WatchCore, WatchHub)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 10.0
 RESYNC, DIE = "resync", "die"
+MAX_LAG_S = 1.0
+"""A shard read this much later than usual (by the server clock in HUGZ) is a slow
+subscriber."""
 SLOW_POLICIES = (RESYNC, DIE)
 PER_SHARD = "per_shard"
 """``io_threads=PER_SHARD``: one ZeroMQ I/O thread per followed shard (Black Box)."""
@@ -130,7 +137,8 @@ class AsyncClone:
                  context: zmq.Context | None = None, io_threads: "int | str | None" = None,
                  slow_policy: str = RESYNC,
                  on_slow: Callable[[SlowSubscriber], None] | None = None,
-                 sub_rcvhwm: int = SUB_RCVHWM):
+                 sub_rcvhwm: int = SUB_RCVHWM,
+                 max_lag_s: float | None = MAX_LAG_S):
         if not isinstance(subtree, str):
             raise TypeError("subtree is a str such as '/orders/' (or '')")
         given = [name for name, v in (("servers", servers), ("shards", shards),
@@ -153,8 +161,12 @@ class AsyncClone:
         self._heartbeat_s = heartbeat_s
         self._silence_arg = silence_timeout_s
         self.silence_timeout_s: float | None = None
+        if max_lag_s is not None and not max_lag_s > 0:
+            raise ValueError(f"max_lag_s must be > 0 or None, got {max_lag_s!r}")
+        self.max_lag_s = max_lag_s
         self._agent_kw = dict(sync_timeout_s=sync_timeout_s, sub_rcvhwm=sub_rcvhwm,
-                              on_behind=self._on_behind,
+                              on_behind=self._on_behind, max_lag_s=max_lag_s,
+                              on_lag=self._on_lag,
                               connect_timeout_s=connect_timeout_s,
                               sync_buffer_max=sync_buffer_max,
                               kvset_queue_max=kvset_queue_max, limits=limits,
@@ -290,29 +302,40 @@ class AsyncClone:
         """A gap in an unfiltered shard stream: this client fell behind (Suicidal Snail).
         ``resync``: count it, the agent takes a fresh snapshot of that shard. ``die``:
         fail the client loudly; every later call and every watch raises."""
+        return self._fell_behind(agent, lambda: SlowSubscriber(
+            f"client fell behind shard {agent.name} ({agent.server}): expected sequence "
+            f"{expected}, got {got} ({got - expected} updates lost); slow_policy='die'",
+            shard=agent.name, expected=expected, got=got))
+
+    def _on_lag(self, agent: ShardAgent, lag_s: float) -> bool:
+        """The server clock in a HUGZ: this client reads shard ``agent`` ``lag_s`` late,
+        beyond ``max_lag_s``. The same policy and counter as a gap."""
+        return self._fell_behind(agent, lambda: SlowSubscriber(
+            f"client fell behind shard {agent.name} ({agent.server}) by {lag_s:.2f} s "
+            f"(max_lag_s {self.max_lag_s}); slow_policy='die'",
+            shard=agent.name, lag_s=lag_s))
+
+    def _fell_behind(self, agent: ShardAgent, make_exc: Callable[[], SlowSubscriber]) -> bool:
+        """True: handled here (die); False: the agent resyncs the shard."""
         if self.failed is not None:
             return True  # already dead; the rest of this batch is dropped
         self.fell_behind += 1
         if self.slow_policy == RESYNC:
             return False
-        if self.failed is None:
-            exc = SlowSubscriber(
-                f"client fell behind shard {agent.name} ({agent.server}): expected sequence "
-                f"{expected}, got {got} ({got - expected} updates lost); slow_policy='die'",
-                shard=agent.name, expected=expected, got=got)
-            self.failed = exc
-            log.error("%s", exc)
-            for core in list(self._hub.watches):
-                core.failed = exc
-                core.wake()
-            self._hub.watches.clear()
-            # closed on the next loop turn: this runs inside an agent's SUB batch
-            agent.loop.call_soon(self._close_agents)
-            if self.on_slow is not None:
-                try:
-                    self.on_slow(exc)
-                except Exception:
-                    log.exception("on_slow callback failed")
+        exc = make_exc()
+        self.failed = exc
+        log.error("%s", exc)
+        for core in list(self._hub.watches):
+            core.failed = exc
+            core.wake()
+        self._hub.watches.clear()
+        # closed on the next loop turn: this runs inside an agent's SUB batch
+        agent.loop.call_soon(self._close_agents)
+        if self.on_slow is not None:
+            try:
+                self.on_slow(exc)
+            except Exception:
+                log.exception("on_slow callback failed")
         return True
 
     def _close_agents(self) -> None:
@@ -397,6 +420,7 @@ class AsyncClone:
     def stats(self) -> dict:
         return {"shards": [a.stats() for a in self._agents], "watches": len(self._hub.watches),
                 "slow_policy": self.slow_policy, "fell_behind": self.fell_behind,
+                "max_lag_s": self.max_lag_s,
                 "failed": str(self.failed) if self.failed is not None else None}
 
     # ------------------------------------------------------------------ writes
@@ -493,7 +517,13 @@ class Clone:
     operation, atomic in CPython); ``set``/``delete`` queue the KVSET for the loop thread
     and return at once (fire-and-forget); ``items``/``keys`` copy on the loop thread."""
 
-    def __init__(self, servers=None, *, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs):
+    def __init__(self, servers=None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 deliver: str = DELIVER_THREAD, **kwargs):
+        if deliver not in DELIVER_MODES:
+            raise ValueError(f"deliver is one of {', '.join(DELIVER_MODES)}, got {deliver!r}")
+        self.deliver = deliver
+        """Default for ``watch(callback=...)``: "thread" (a dispatcher thread per watch
+        decodes and calls back) or "inline" (on the client's loop thread)."""
         self.timeout_s = timeout_s
         self._async = AsyncClone(servers, timeout_s=timeout_s, **kwargs)
         self._outbox: deque = deque()
@@ -656,10 +686,14 @@ class Clone:
     # ------------------------------------------------------------------ watches
     def watch(self, prefix: str = "", callback: Callable | None = None, *,
               on_error: Callable[[BaseException], None] | None = None,
-              capacity: int | None = None) -> SyncWatch:
-        """With ``callback``: call it with each ``Change`` on a dispatcher thread until
-        ``close()``. Without: a blocking iterator (``with clone.watch(p) as w: for c in
-        w``). Either way: items under the prefix, a ``synced`` marker, live changes."""
+              capacity: int | None = None, deliver: str | None = None) -> SyncWatch:
+        """With ``callback``: call it with each ``Change`` until ``close()``, on a
+        dispatcher thread (``deliver="thread"``, the client's default) or on the client's
+        loop thread (``"inline"``: see ``SyncWatch``). Without: a blocking iterator
+        (``with clone.watch(p) as w: for c in w``). Either way: items under the prefix,
+        a ``synced`` marker, live changes."""
+        if deliver is None:
+            deliver = self.deliver if callback is not None else DELIVER_THREAD
         core = self._async._watch_core(prefix, capacity)
 
         def open_core(c: WatchCore) -> None:
@@ -671,7 +705,7 @@ class Clone:
             if watch in self._watches:
                 self._watches.remove(watch)
 
-        watch = SyncWatch(core, open_core, close_core, callback, on_error)
+        watch = SyncWatch(core, open_core, close_core, callback, on_error, deliver)
         self._watches.append(watch)
         return watch.open()
 

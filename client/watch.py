@@ -289,16 +289,37 @@ class Watch:
                 self._waiter = None
 
 
+DELIVER_THREAD = "thread"
+DELIVER_INLINE = "inline"
+DELIVER_MODES = (DELIVER_THREAD, DELIVER_INLINE)
+
+
 class SyncWatch:
-    """A watch for the synchronous ``Clone``: a blocking iterator, or a callback run on a
-    dispatcher thread of its own (never on the agents' loop thread, so a slow callback
-    cannot stall the agents: it fills this watch's bounded queue and then fails it).
+    """A watch for the synchronous ``Clone``: a blocking iterator, or a callback.
+
+    Where a callback runs (``deliver``; the guide's Black Box hands updates to workers):
+
+    * ``"thread"`` (default): on a dispatcher thread of its own, which also decodes the
+      values. The agents' loop thread only queues raw entries, so a slow callback cannot
+      stall the sockets: it fills this watch's bounded queue and then fails it
+      (``SlowConsumer``).
+    * ``"inline"``: on the agents' loop thread, at once, as each change is applied
+      (decode included). No queue builds up here and no thread hop is paid, but every
+      microsecond the callback takes is a microsecond the loop is not reading the
+      sockets: a slow callback makes the *client* fall behind (the server clock then
+      reports it: ``max_lag_s``, ``slow_policy``). Keep it short.
 
     With a callback, a ``SlowConsumer`` goes to ``on_error`` (or is logged) and is kept in
     ``error``; without one, iteration raises it."""
 
     def __init__(self, core: WatchCore, open_fn: Callable[[WatchCore], None],
-                 close_fn: Callable[[WatchCore], None], callback=None, on_error=None):
+                 close_fn: Callable[[WatchCore], None], callback=None, on_error=None,
+                 deliver: str = DELIVER_THREAD):
+        if deliver not in DELIVER_MODES:
+            raise ValueError(f"deliver is one of {', '.join(DELIVER_MODES)}, got {deliver!r}")
+        if deliver == DELIVER_INLINE and callback is None:
+            raise ValueError("deliver='inline' needs a callback")
+        self.deliver = deliver
         self._core = core
         self._open_fn = open_fn
         self._close_fn = close_fn
@@ -307,8 +328,11 @@ class SyncWatch:
         self.on_error = on_error
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._draining = False
         core.wake = self._wake
-        if callback is not None:
+        if deliver == DELIVER_INLINE:
+            core.wake = self._drain_inline
+        elif callback is not None:
             self._thread = threading.Thread(
                 target=self._dispatch, daemon=True,
                 name=f"clonemap-watch {core.prefix.decode('utf-8', 'replace')}")
@@ -373,6 +397,35 @@ class SyncWatch:
         if change is None:
             raise StopIteration
         return change
+
+    def _drain_inline(self) -> None:
+        """``deliver="inline"``: the core's waker, on the loop thread: run the callback
+        on everything queued (one entry, or one snapshot chunk), now."""
+        if self._draining:  # a callback that made the hub push again: its loop drains it
+            return
+        self._draining = True
+        core = self._core
+        try:
+            while True:
+                change = core.pop()
+                if change is None:
+                    return
+                try:
+                    self.callback(change)
+                except Exception:
+                    logging.getLogger(__name__).exception(
+                        "watch callback failed on %s %r", change.kind, change.key)
+        except SlowConsumer as exc:
+            if self.error is None:
+                self.error = exc
+                if self.on_error is not None:
+                    self.on_error(exc)
+                else:
+                    logging.getLogger(__name__).error("%s", exc)
+        finally:
+            self._draining = False
+        with self._cond:
+            self._cond.notify_all()
 
     def _dispatch(self) -> None:
         log = logging.getLogger(__name__)

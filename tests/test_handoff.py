@@ -1,0 +1,86 @@
+"""Where a watch callback runs (``Clone(deliver=...)``), and bench.handoff's smoke run.
+
+``deliver="inline"``: on the client's loop thread, values decoded; ``"thread"`` (the
+default): on the watch's own dispatcher thread. Both against a real server, both see the
+items, the ``synced`` marker and live changes in order. Then ``python -m bench --smoke
+--only handoff`` (so the profile is registered too) for a couple of seconds: the record's
+shape, and the callback got every update in both modes.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+
+import pytest
+
+from client.api import Clone
+
+pytestmark = pytest.mark.timeout(180)
+
+DEADLINE_S = 10.0
+BENCH_TIMEOUT_S = 150
+
+
+@pytest.fixture
+def server(procs, port_base):
+    procs.python("-m", "shards", "--port", str(port_base), "--heartbeat-s", "0.2",
+                 "--log-level", "info", ready="READY")
+    return f"tcp://127.0.0.1:{port_base}"
+
+
+@pytest.mark.parametrize("deliver, thread_prefix", [("inline", "clonemap-client"),
+                                                    ("thread", "clonemap-watch")])
+def test_a_callback_runs_where_deliver_says(server, deliver, thread_prefix):
+    got: "queue.Queue[tuple[str, str, object, str]]" = queue.Queue()
+
+    def on_change(change) -> None:
+        got.put((change.kind, change.key, change.value, threading.current_thread().name))
+
+    with Clone(server, subtree="/h/", codec="msgpack", deliver=deliver) as clone:
+        clone.set("/h/a", {"n": 1}, wait=True)
+        with clone.watch("/h/", callback=on_change) as w:
+            assert w.deliver == deliver
+            clone.set("/h/b", [1, 2], wait=True)
+            clone.delete("/h/a", wait=True)
+            seen = [got.get(timeout=DEADLINE_S) for _ in range(4)]
+    assert [s[:3] for s in seen] == [("put", "/h/a", {"n": 1}), ("synced", "/h/", None),
+                                     ("put", "/h/b", [1, 2]), ("delete", "/h/a", None)]
+    assert all(s[3].startswith(thread_prefix) for s in seen), seen
+
+
+def test_deliver_is_checked(server):
+    with pytest.raises(ValueError, match="deliver"):
+        Clone(server, deliver="process")
+    with Clone(server) as clone:
+        with pytest.raises(ValueError, match="needs a callback"):
+            clone.watch("", deliver="inline")
+
+
+def test_handoff_smoke_record(procs, tmp_path):
+    out = tmp_path / "results"
+    proc = procs.python("-m", "bench", "--smoke", "--only", "handoff",
+                        "--results-dir", str(out))
+    assert proc.wait(BENCH_TIMEOUT_S) == 0, "\n".join(proc.stderr[-30:])
+    record = json.loads((out / "latest" / "handoff.json").read_text())
+    assert record["benchmark"] == "handoff" and record["schema"] == 1
+    assert record["command"].startswith("python -m bench.handoff --modes inline,thread ")
+    assert record["invoked_as"].startswith("python -m bench --smoke")
+    (stamped,) = out.glob("handoff-*.json")
+    assert json.loads(stamped.read_text()) == record
+    md = (out / "latest" / "handoff.md").read_text()
+    assert md.startswith("# handoff ") and f"`{record['command']}`" in md
+    assert "| work | deliver |" in md
+    runs = record["runs"]
+    assert [(r["work"], r["mode"]) for r in runs] == [("cpu", "inline"), ("cpu", "thread")]
+    for r in runs:
+        assert r["updates"] == 150
+        assert r["received"] == 150 and r["complete"], r
+        assert r["delivered_per_s"] > 0 and r["work_us"] > 0
+        assert r["max_lag_seen_s"] >= 0 and r["watch_error"] is None
+        assert r["subscriber_cpu_pct"] > 0
+    summary = record["summary"]
+    assert summary["all_complete"] is True
+    assert set(summary["delivered_per_s"]) == {"cpu/inline", "cpu/thread"}
+    assert summary["thread_over_inline"]["cpu"] > 0
+    assert record["targets"][0]["met"] is True
