@@ -35,12 +35,12 @@ import threading
 import time
 
 from bench import record as rec
+from bench.fanout import _result_line  # the writer is fanout's too
 from bench.runner import Target, bench_main, cpu_seconds, server_argv, start_on_free_ports
 
 NAME = "handoff"
 MODES = ("inline", "thread")
 WORKS = ("cpu", "nogil")
-TS_DIGITS = 19
 IDLE_S = 5.0
 """A subscriber that has heard nothing for this long after its first update stops."""
 START_TIMEOUT_S = 60.0
@@ -173,11 +173,6 @@ def subscriber_main(argv: list[str]) -> None:
 
 
 # ================================================================ the benchmark
-
-def _result_line(target: Target, timeout_s: float) -> dict:
-    line = target._wait_line("RESULT ", timeout_s)
-    return json.loads(line[len("RESULT "):])
-
 
 def run_one(mode: str, work: str, args: argparse.Namespace) -> dict:
     count = max(1, round(args.rate * args.seconds))

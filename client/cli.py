@@ -273,7 +273,10 @@ def trace_line(server: str, frames: list[bytes]) -> str:
     except ValueError as exc:
         return f"{stamp} {server} BAD {exc}"
     if isinstance(msg, chp.Hugz):
-        return f"{stamp} {server} HUGZ"
+        clock = chp.hugz_clock(msg)
+        if clock is None:
+            return f"{stamp} {server} HUGZ"
+        return f"{stamp} {server} HUGZ ts={clock[0]:.6f} seq={clock[1]}"
     props = chp.parse_props(msg.props) if msg.props else {}
     what = "KVPUB" if msg.value else "KVPUB(delete)"
     return (f"{stamp} {server} {what} seq={msg.seq} key={msg.key.decode('utf-8', 'replace')}"

@@ -170,3 +170,18 @@ def test_a_healthy_subtree_client_under_the_same_load_is_never_flagged(server, p
     assert shard["lagged"] == 0 and shard["snapshots"] == 1
     assert shard["max_lag_seen_s"] <= MAX_LAG_S
     assert local == server_map
+
+
+def test_the_machine_resyncs_on_fell_behind_only_when_active():
+    """The pure part: ``FellBehind`` asks the same server for a fresh snapshot when
+    ACTIVE, and is ignored while a snapshot is on its way (the lag is then stale)."""
+    from client import shard_machine as sm
+
+    state = sm.State(sm.Config(contiguous=False))
+    for event in (sm.Start(), sm.SubscriberLive(), sm.SnapshotDone(10)):
+        state, _ = sm.step(state, event, 0.0)
+    assert state.phase == sm.ACTIVE
+    syncing, effects = sm.step(state, sm.FellBehind(2.5), 1.0)
+    assert syncing.phase == sm.SYNCING and syncing.server == 0
+    assert effects == [sm.RequestSnapshot(0, "fell behind the publisher by 2.50 s")]
+    assert sm.step(syncing, sm.FellBehind(3.0), 1.1) == (syncing, [])
