@@ -6,6 +6,7 @@ Readiness is awaited on the process's own stdout line (an event), never by sleep
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -168,3 +169,38 @@ def zctx():
         yield ctx
     finally:
         ctx.destroy(linger=0)
+
+
+# ------------------------------------------------------------------ benchmark smoke tests
+BENCH_TIMEOUT_S = 180
+
+
+def bench_record(results_dir, name: str) -> dict:
+    """The record a benchmark saved under ``results_dir``, checked for the shape every
+    record has (latest copy = stamped copy, host facts, targets, Markdown page)."""
+    latest = results_dir / "latest" / f"{name}.json"
+    assert latest.exists(), f"no {latest}"
+    data = json.loads(latest.read_text())
+    stamped = list(results_dir.glob(f"{name}-*.json"))
+    assert len(stamped) == 1 and json.loads(stamped[0].read_text()) == data
+    assert data["schema"] == 1 and data["benchmark"] == name
+    assert data["command"].startswith(f"python -m bench.{name} ")
+    host = data["host"]
+    assert host["cores_logical"] >= 1 and len(host["loadavg_before"]) == 3
+    assert len(host["loadavg_after"]) == 3 and host["pyzmq"] and host["libzmq"]
+    assert data["duration_s"] > 0 and data["runs"] and data["targets"]
+    for t in data["targets"]:
+        assert set(t) >= {"name", "value", "target", "unit", "met"}
+    md = (results_dir / "latest" / f"{name}.md").read_text()
+    assert stamped[0].with_suffix(".md").read_text() == md
+    assert md.startswith(f"# {name} ") and f"`{data['command']}`" in md
+    assert f"## {name}: targets" in md and "| target | value | goal | unit | met |" in md
+    return data
+
+
+def run_bench(procs, results_dir, *args: str) -> list[str]:
+    """``python -m ARGS --results-dir DIR`` to completion (exit 0); its stdout lines."""
+    proc = procs.python("-m", *args, "--results-dir", str(results_dir))
+    rc = proc.wait(BENCH_TIMEOUT_S)
+    assert rc == 0, "\n".join(proc.stderr[-30:])
+    return proc.stdout

@@ -6,48 +6,18 @@ the benchmarks rest on: the key schedule (pure) and the ceiling's wire behaviour
 """
 from __future__ import annotations
 
-import json
 import struct
 from collections import Counter
 
 import pytest
 
 from bench.loadgen import WriterConfig, key_index, key_of, key_schedule
-
-BENCH_TIMEOUT_S = 120
-
-
-def _record(results_dir, name: str) -> dict:
-    latest = results_dir / "latest" / f"{name}.json"
-    assert latest.exists(), f"no {latest}"
-    data = json.loads(latest.read_text())
-    stamped = list(results_dir.glob(f"{name}-*.json"))
-    assert len(stamped) == 1 and json.loads(stamped[0].read_text()) == data
-    assert data["schema"] == 1 and data["benchmark"] == name
-    assert data["command"].startswith(f"python -m bench.{name} ")
-    host = data["host"]
-    assert host["cores_logical"] >= 1 and len(host["loadavg_before"]) == 3
-    assert len(host["loadavg_after"]) == 3 and host["pyzmq"] and host["libzmq"]
-    assert data["duration_s"] > 0 and data["runs"] and data["targets"]
-    for t in data["targets"]:
-        assert set(t) >= {"name", "value", "target", "unit", "met"}
-    md = (results_dir / "latest" / f"{name}.md").read_text()
-    assert stamped[0].with_suffix(".md").read_text() == md
-    assert md.startswith(f"# {name} ") and f"`{data['command']}`" in md
-    assert f"## {name}: targets" in md and "| target | value | goal | unit | met |" in md
-    return data
-
-
-def _run_bench(procs, results_dir, *args: str) -> None:
-    proc = procs.python("-m", *args, "--results-dir", str(results_dir))
-    rc = proc.wait(BENCH_TIMEOUT_S)
-    assert rc == 0, "\n".join(proc.stderr[-30:])
-
+from conftest import bench_record, run_bench
 
 def test_throughput_benchmark_records_positive_figures(procs, tmp_path):
-    _run_bench(procs, tmp_path, "bench.chp_throughput", "--seconds", "1", "--warmup", "0.3",
+    run_bench(procs, tmp_path, "bench.chp_throughput", "--seconds", "1", "--warmup", "0.3",
                "--rounds", "1", "--keys", "2000", "--retries", "0")
-    data = _record(tmp_path, "chp_throughput")
+    data = bench_record(tmp_path, "chp_throughput")
     assert [r["target"] for r in data["runs"]] == ["ceiling", "server"]
     for run in data["runs"]:
         assert run["received_per_s"] > 0 and run["sequenced_per_s"] > 0
@@ -62,8 +32,8 @@ def test_throughput_benchmark_records_positive_figures(procs, tmp_path):
 
 
 def test_snapshot_benchmark_gets_the_whole_map(procs, tmp_path):
-    _run_bench(procs, tmp_path, "bench.snapshot", "--keys", "2000", "--repeats", "1")
-    data = _record(tmp_path, "snapshot")
+    run_bench(procs, tmp_path, "bench.snapshot", "--keys", "2000", "--repeats", "1")
+    data = bench_record(tmp_path, "snapshot")
     (run,) = data["runs"]
     assert run["keys"] == 2000 and run["load"]["last_seq"] == 2000
     (snap,) = run["snapshots"]
@@ -73,8 +43,8 @@ def test_snapshot_benchmark_gets_the_whole_map(procs, tmp_path):
 
 
 def test_python_m_bench_runs_a_profile(procs, tmp_path):
-    _run_bench(procs, tmp_path, "bench", "--smoke", "--only", "snapshot")
-    data = _record(tmp_path, "snapshot")
+    run_bench(procs, tmp_path, "bench", "--smoke", "--only", "snapshot")
+    data = bench_record(tmp_path, "snapshot")
     assert data["invoked_as"].startswith("python -m bench --smoke")
 
 
