@@ -9,16 +9,15 @@ period, SIGKILL - always to the PID it started, never by name.
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from shards import ports
+from shards.children import LinePump, terminate
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 30.0
@@ -55,34 +54,24 @@ class Target:
                                       start_new_session=True)
         self.pid = self.popen.pid
         self.ready_line = ""
-        self._lines: "queue.Queue[str | None]" = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._stdout = LinePump(self.popen.stdout)
         try:
             self.ready_line = self._wait_line(ready, timeout_s)
         except BaseException:
             self.stop()
             raise
 
-    def _pump(self) -> None:
-        for raw in iter(self.popen.stdout.readline, b""):
-            self._lines.put(raw.decode("utf-8", "replace").rstrip("\n"))
-        self._lines.put(None)
-
     def _wait_line(self, prefix: str, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                line = self._lines.get(timeout=remaining)
-            except queue.Empty:
-                break
-            if line is None:
-                self.popen.wait(5)
-                raise RuntimeError(f"{self.name} exited ({self.popen.returncode}) before "
-                                   f"{prefix!r}: {self.stderr_tail()}")
-            if line.startswith(prefix):
-                return line
-        raise TimeoutError(f"{self.name} printed no {prefix!r} line within {timeout_s} s: "
-                           f"{self.stderr_tail()}")
+        try:
+            line = self._stdout.wait_for(lambda text: text.startswith(prefix), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"{self.name} printed no {prefix!r} line within {timeout_s} s: "
+                               f"{self.stderr_tail()}") from None
+        if line is None:
+            self.popen.wait(5)
+            raise RuntimeError(f"{self.name} exited ({self.popen.returncode}) before "
+                               f"{prefix!r}: {self.stderr_tail()}")
+        return line
 
     def stderr_tail(self, lines: int = 15) -> str:
         if self._stderr.closed:
@@ -94,18 +83,9 @@ class Target:
         return self.popen.poll() is None
 
     def stop(self, grace_s: float = 5.0) -> int | None:
-        if self.alive():
-            try:
-                os.kill(self.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.popen.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
-                self.popen.wait(5)
+        code = terminate(self.popen, grace_s)
         self._stderr.close()
-        return self.popen.returncode
+        return code
 
     def __enter__(self) -> "Target":
         return self

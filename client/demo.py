@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import uvloop
@@ -33,6 +31,7 @@ from rich.table import Table
 
 from client.api import AsyncClone, Clone
 from client.watch import SYNCED, Change
+from shards.children import LinePump, die_with_parent, terminate
 from shards.ports import ports_free
 
 HOST = "127.0.0.1"
@@ -62,17 +61,6 @@ def _free_port_base(count: int = 3) -> int:
     raise DemoFailed("no free port range found")
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (Linux prctl)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
 class ServerProcess:
     """``python -m shards`` as a child; ``stop()`` ends it by PID (TERM, then KILL)."""
 
@@ -83,42 +71,22 @@ class ServerProcess:
              "--heartbeat-s", str(HEARTBEAT_S), "--log-level", "warning"],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_file,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+            preexec_fn=die_with_parent())
         self.pid = self.popen.pid
-        self._lines: "queue.Queue[str | None]" = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for raw in iter(self.popen.stdout.readline, b""):
-            self._lines.put(raw.decode("utf-8", "replace").rstrip("\n"))
-        self._lines.put(None)
+        self._stdout = LinePump(self.popen.stdout)
 
     def wait_ready(self, timeout_s: float) -> str | None:
         """The READY line; None if the process exited first. Raises on the deadline."""
-        deadline = time.monotonic() + timeout_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                line = self._lines.get(timeout=remaining)
-            except queue.Empty:
-                break
-            if line is None:
-                self.popen.wait(5)
-                return None
-            if line.startswith("READY "):
-                return line
-        raise DemoFailed(f"shard server printed no READY within {timeout_s} s")
+        try:
+            line = self._stdout.wait_for(lambda text: text.startswith("READY "), timeout_s)
+        except TimeoutError:
+            raise DemoFailed(f"shard server printed no READY within {timeout_s} s") from None
+        if line is None:
+            self.popen.wait(5)
+        return line
 
     def stop(self, grace_s: float = 3.0) -> int | None:
-        if self.popen.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGTERM)
-                self.popen.wait(grace_s)
-            except ProcessLookupError:
-                pass
-            except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
-                self.popen.wait(grace_s)
-        return self.popen.returncode
+        return terminate(self.popen, grace_s, kill_wait_s=grace_s)
 
 
 def start_server(log_file, attempts: int = 3) -> ServerProcess:

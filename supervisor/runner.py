@@ -35,8 +35,6 @@ States: STARTING (spawned, no READY yet), RUNNING, BACKOFF (waiting to restart),
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import json
 import logging
 import os
@@ -48,6 +46,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from shards.children import die_with_parent
 from supervisor.config import format_cores
 from shards.routing import ShardMap
 from supervisor.placement import Plan, RoutingParams, ServerPlan
@@ -62,24 +61,6 @@ READY_TIMEOUT_S = 20.0
 
 STARTING, RUNNING, BACKOFF, FAILED, STOPPING, STOPPED = (
     "STARTING", "RUNNING", "BACKOFF", "FAILED", "STOPPING", "STOPPED")
-
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_prctl = _libc.prctl  # resolved before any fork: preexec_fn only calls it
-
-
-def _child_setup(parent_pid: int, cores: tuple[int, ...]) -> Callable[[], None]:
-    """The ``preexec_fn``: runs in the child between fork and exec (async-signal-safe
-    enough: a C call, os calls, no locks)."""
-
-    def setup() -> None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the supervisor died before prctl took effect
-            os._exit(1)
-        if cores:
-            os.sched_setaffinity(0, cores)
-
-    return setup
 
 
 @dataclass
@@ -282,7 +263,7 @@ class Runner:
                 stderr=proc._log.fileno(), close_fds=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 process_group=0,  # a terminal's Ctrl-C reaches the supervisor only
-                preexec_fn=_child_setup(os.getpid(), proc.plan.cores))
+                preexec_fn=die_with_parent(os.getpid(), proc.plan.cores))
         except OSError as exc:
             proc.history.append(Run(started_at=now, exited_at=now, exit_code=127,
                                     manual=manual))

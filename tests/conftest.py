@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
+from shards.children import LinePump, terminate
 from shards.ports import free_port_base as _free_port_base
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,48 +54,24 @@ class Proc:
             args, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self.pid = self.popen.pid
-        self.lines: "queue.Queue[str]" = queue.Queue()
-        self.stdout: list[str] = []
-        self.stderr: list[str] = []
-        self._threads = [
-            threading.Thread(target=self._pump, args=(self.popen.stdout, self.stdout, True),
-                             daemon=True),
-            threading.Thread(target=self._pump, args=(self.popen.stderr, self.stderr, False),
-                             daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _pump(self, stream, sink: list[str], to_queue: bool) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            sink.append(line)
-            if to_queue:
-                self.lines.put(line)
-        stream.close()
-        if to_queue:
-            self.lines.put(None)  # end of stream
+        self._out = LinePump(self.popen.stdout)
+        self._err = LinePump(self.popen.stderr, queued=False)
+        self.stdout: list[str] = self._out.lines
+        self.stderr: list[str] = self._err.lines
 
     def wait_line(self, contains: str, timeout_s: float = 15.0) -> str:
         """Block until a stdout line contains ``contains``; fail with the output tail."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                line = self.lines.get(timeout=remaining)
-            except queue.Empty:
-                break
-            if line is None:
-                self.popen.wait(5)
-                raise AssertionError(
-                    f"{self.args[:4]} exited ({self.popen.returncode}) before printing "
-                    f"{contains!r}\nstderr tail:\n" + "\n".join(self.stderr[-30:]))
-            if contains in line:
-                return line
-        raise AssertionError(f"{self.args[:4]} printed no {contains!r} within {timeout_s} s\n"
-                             "stderr tail:\n" + "\n".join(self.stderr[-30:]))
+        try:
+            line = self._out.wait_for(lambda text: contains in text, timeout_s)
+        except TimeoutError:
+            raise AssertionError(f"{self.args[:4]} printed no {contains!r} within {timeout_s} s\n"
+                                 "stderr tail:\n" + "\n".join(self.stderr[-30:])) from None
+        if line is None:
+            self.popen.wait(5)
+            raise AssertionError(
+                f"{self.args[:4]} exited ({self.popen.returncode}) before printing "
+                f"{contains!r}\nstderr tail:\n" + "\n".join(self.stderr[-30:]))
+        return line
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -111,21 +84,12 @@ class Proc:
         return self.popen.wait(timeout_s)
 
     def stop(self, grace_s: float = 5.0) -> int | None:
-        """SIGTERM, wait up to ``grace_s``, then SIGKILL. Returns the exit code."""
-        if self.alive():
-            try:
-                os.kill(self.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-                os.kill(self.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.popen.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
-                self.popen.wait(5)
-        for t in self._threads:
-            t.join(2)
-        return self.popen.returncode
+        """SIGCONT and SIGTERM (a stopped process cannot act on SIGTERM), wait up to
+        ``grace_s``, then SIGKILL. Returns the exit code."""
+        code = terminate(self.popen, grace_s, resume=True)
+        for pump in (self._out, self._err):
+            pump.thread.join(2)
+        return code
 
 
 class Procs:

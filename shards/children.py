@@ -1,0 +1,104 @@
+"""Child processes run from synchronous code: their output lines, their end, their death.
+
+One piece for the supervisor, the benchmarks, the demo and the tests, which all start
+``python -m ...`` children, wait for a line such as ``READY ...`` and end them by PID:
+
+* ``LinePump``: a daemon thread reads one of a child's pipes line by line, keeps every
+  line in ``lines`` and (optionally) queues it for ``wait_for``;
+* ``terminate``: SIGTERM, a grace period, then SIGKILL (SIGCONT first on request: a
+  stopped process cannot act on SIGTERM); returns the exit code;
+* ``die_with_parent``: a ``preexec_fn`` that has the kernel send the child SIGTERM when
+  its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``), optionally pinning it to cores.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Callable
+
+_PR_SET_PDEATHSIG = 1
+_LINUX = sys.platform.startswith("linux")
+_prctl = (ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+          if _LINUX else None)  # resolved before any fork: preexec_fn only calls it
+
+
+class LinePump:
+    """Reads ``stream`` (a child's stdout or stderr, bytes) on a daemon thread."""
+
+    def __init__(self, stream: IO[bytes], *, queued: bool = True):
+        self.lines: list[str] = []
+        self._queue: "queue.Queue[str | None] | None" = queue.Queue() if queued else None
+        self.thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _run(self, stream: IO[bytes]) -> None:
+        q = self._queue
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self.lines.append(line)
+            if q is not None:
+                q.put(line)
+        stream.close()
+        if q is not None:
+            q.put(None)  # end of stream
+
+    def wait_for(self, match: Callable[[str], bool], timeout_s: float) -> str | None:
+        """The next queued line that ``match``es; None if the stream ended first (the
+        child exited). Raises ``TimeoutError`` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                line = self._queue.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if line is None:
+                return None
+            if match(line):
+                return line
+        raise TimeoutError(f"no matching line within {timeout_s} s")
+
+
+def terminate(popen: subprocess.Popen, grace_s: float = 5.0, *, kill_wait_s: float = 5.0,
+              resume: bool = False) -> int | None:
+    """End ``popen`` by its PID: SIGTERM, wait ``grace_s``, then SIGKILL and wait
+    ``kill_wait_s``. ``resume`` sends SIGCONT first. Returns the exit code."""
+    if popen.poll() is None:
+        try:
+            if resume:
+                os.kill(popen.pid, signal.SIGCONT)
+            os.kill(popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            popen.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.kill(popen.pid, signal.SIGKILL)
+            popen.wait(kill_wait_s)
+    return popen.returncode
+
+
+def die_with_parent(parent_pid: int | None = None,
+                    cores: tuple[int, ...] = ()) -> Callable[[], None] | None:
+    """A ``preexec_fn`` (runs in the child between fork and exec: a C call and os calls,
+    no locks): SIGTERM when the parent dies; exit at once if it is already gone; pin to
+    ``cores`` if given. None where ``prctl`` does not exist and nothing is to be pinned."""
+    parent_pid = os.getpid() if parent_pid is None else parent_pid
+    if not _LINUX and not cores:
+        return None
+
+    def setup() -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            if os.getppid() != parent_pid:  # the parent died before prctl took effect
+                os._exit(1)
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    return setup
