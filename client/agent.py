@@ -646,12 +646,7 @@ class ShardAgent:
                     self.stale += 1
                     self._dispatch(sm.SequenceBackwards(self.last_seq, seq))
             else:
-                self.gaps += 1
-                log.warning("shard %s: sequence gap: expected %d, got %d", self.name,
-                            self.last_seq + 1, seq)
-                if self.on_behind is not None and self.on_behind(self, self.last_seq + 1, seq):
-                    return
-                self._dispatch(sm.Gap(self.last_seq + 1, seq))
+                self._gap(seq)
             return
         self.last_seq = seq
         key = msg.key
@@ -670,10 +665,28 @@ class ShardAgent:
         if self.waiters:
             self._confirm(msg.uuid)
 
+    def _gap(self, seq: int) -> None:
+        """Sequence ``seq`` is known to be published while ``last_seq + 1`` was never
+        applied: the publisher dropped updates for this (unfiltered) subscriber."""
+        self.gaps += 1
+        log.warning("shard %s: sequence gap: expected %d, got %d", self.name,
+                    self.last_seq + 1, seq)
+        if self.on_behind is not None and self.on_behind(self, self.last_seq + 1, seq):
+            return
+        self._dispatch(sm.Gap(self.last_seq + 1, seq))
+
     def _on_clock(self, msg: chp.Hugz) -> None:
-        """A HUGZ with the server clock, read live: measure this client's lag."""
+        """A HUGZ with the server clock, read live: measure this client's lag. For an
+        unfiltered subscription its ``seq`` is also a gap check: every KVPUB up to it was
+        published before it on this ordered stream, so a loss that ended the stream (no
+        later KVPUB to show the gap) is seen here."""
         clock = chp.hugz_clock(msg)
         if clock is None:
+            return
+        if (self.contiguous and clock[1] > self.last_seq
+                and self.state.phase == sm.ACTIVE and self._live_pending is None):
+            # (not the first message after a reconnect: that resyncs as Reconnected)
+            self._gap(clock[1])
             return
         delay_s = time.time() - clock[0]
         offset_s = self.clock_offset_s

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 
 import msgpack
 import pytest
@@ -284,6 +285,30 @@ def test_gap_on_unfiltered_subscription_resyncs_and_replaces_the_map(fake, zctx)
     assert keys == ["change", "keep", "lost", "new"]  # "ghost" is gone
     assert sorted((c.kind, c.key, c.value) for c in got) == [
         (DELETE, "ghost", None), (PUT, "change", b"33"), (PUT, "lost", b"x")]
+
+
+def test_a_clock_hugz_ahead_of_the_last_update_is_a_gap_when_unfiltered(fake, zctx):
+    """The lost updates were the last ones published: no later KVPUB shows the gap, but
+    the clock HUGZ's sequence does (it follows them on the same ordered stream)."""
+    async def main():
+        clone = AsyncClone(fake.address, context=zctx)
+        await started(fake, clone, {b"a": b"1"}, 7)
+        w = clone.watch("")
+        w.open()
+        await changes_until(w, lambda c: c.kind == SYNCED)
+        fake.xpub.send_multipart(chp.hugz(time.time(), 7))   # in step: nothing happens
+        fake.publish(b"b", 8, b"2")
+        assert (await next_change(w)).key == "b"
+        fake.xpub.send_multipart(chp.hugz(time.time(), 10))  # 9 and 10 never arrived
+        identity, _ = await asyncio.to_thread(fake.icanhaz)
+        fake.snapshot(identity, {b"a": b"1", b"b": b"2", b"c": b"3"}, 10)
+        assert (await next_change(w)).key == "c"
+        stats = clone.stats()["shards"][0]
+        await clone.close()
+        return stats
+
+    stats = run(main())
+    assert stats["gaps"] == 1 and stats["snapshots"] == 2 and stats["last_seq"] == 10
 
 
 def test_subtree_client_accepts_sequence_jumps_and_drops_foreign_keys(fake, zctx):
