@@ -239,3 +239,96 @@ def _fmt(v) -> str:
 def log(message: str) -> None:
     """A progress line on stderr (stdout carries the tables)."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- progress
+
+class Progress:
+    """What a benchmark shows while it runs: one step per measured run.
+
+    On a terminal, a rich progress bar over the steps with a live status line (the
+    current step, the time left in its window and whatever ``status()`` returns, e.g.
+    the received rate so far); otherwise (CI, a pipe) a log line on stderr when a step
+    starts and a status line every ``every_s`` seconds while it waits.
+
+        with rec.Progress("scaleout", total=9) as progress:
+            progress.step("1 shard, server, round 1")
+            progress.wait_until(window.t_end, status=lambda: f"{n:,} received")
+    """
+
+    def __init__(self, name: str, total: int, every_s: float = 5.0):
+        self.name = name
+        self.total = max(1, total)
+        self.done = 0
+        self.every_s = every_s
+        self._bar = None
+        self._task = None
+        self._description = ""
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bar,
+                                       TextColumn, TimeElapsedColumn)
+
+            self._bar = Bar(TextColumn("[bold]{task.fields[name]}"), BarColumn(),
+                            MofNCompleteColumn(), TimeElapsedColumn(),
+                            TextColumn("{task.description}"),
+                            console=Console(stderr=True), transient=False)
+            self._task = self._bar.add_task("", total=self.total, name=name)
+
+    def __enter__(self) -> "Progress":
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def step(self, description: str) -> None:
+        """A new step begins; the previous one (if any) counts as done."""
+        if self._description:
+            self.done += 1
+        self._description = description
+        text = f"{self.name}: [{self.done + 1}/{self.total}] {description}"
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, description=description)
+        else:
+            log(text)
+
+    def note(self, text: str) -> None:
+        """A line about the current step (a result, a retry)."""
+        if self._bar is not None:
+            self._bar.console.print(f"  {text}")
+        else:
+            log(f"  {text}")
+
+    def finish_step(self) -> None:
+        if self._description:
+            self.done += 1
+            self._description = ""
+            if self._bar is not None:
+                self._bar.update(self._task, completed=self.done)
+
+    def wait_until(self, t: float, status=None) -> None:
+        """Sleep until ``time.monotonic() >= t``, refreshing the live line (``status``:
+        a callable returning a short string, called at most every 0.25 s)."""
+        last_log = time.monotonic()
+        while (left := t - time.monotonic()) > 0:
+            time.sleep(min(left, 0.25))
+            extra = ""
+            if status is not None:
+                try:
+                    extra = status() or ""
+                except Exception as exc:  # a status probe must never break a run
+                    extra = f"(status: {exc})"
+            left = max(0.0, t - time.monotonic())
+            line = f"{self._description}: {left:4.1f} s left" + (f", {extra}" if extra else "")
+            if self._bar is not None:
+                self._bar.update(self._task, description=line)
+            elif time.monotonic() - last_log >= self.every_s:
+                last_log = time.monotonic()
+                log(f"  {line}")
