@@ -360,6 +360,18 @@ def test_shipped_loopback_configs_plan_on_this_host(name):
         assert set(sh.primary.cores + sh.backup.cores) <= set(local_host_facts().cores)
 
 
+def test_shipped_16core_scale_config_gives_every_server_a_core_of_its_own():
+    """configs/16core-scale.yaml (issue 7's scale test): primaries on cores 0-5, backups on
+    6-11, nothing on 12-15 (the load generator's cores)."""
+    the_plan = plan(load_config(ROOT / "configs" / "16core-scale.yaml"), load_host_facts(FACTS_16))
+    assert len(the_plan.shards) == 6
+    for i, sh in enumerate(the_plan.shards):
+        assert (sh.primary.cores, sh.backup.cores) == ((i,), (6 + i,))
+        assert sh.primary.address == sh.backup.address == "127.0.0.1"
+    used = [c for s in the_plan.servers for c in s.cores]
+    assert sorted(used) == list(range(12))
+
+
 def test_shipped_16core_config_uses_every_option():
     facts = load_host_facts(FACTS_16)
     assert facts.cores == tuple(range(16)) and not facts.local
