@@ -15,17 +15,9 @@ socket), all driven from one asyncio loop through ``shards.zio.AsyncSocket``:
   snapshot still streaming to the old identity is dropped by the server's ROUTER, so two
   KTHXBAIs can never be confused);
 * one XPUB per server of the shard, connected to its P+2 collector (a Binary Star pair
-  gets every KVSET at both servers). An XPUB is a PUB that also reports subscriptions:
-  KVSETs are sent only once the collector's SUB has subscribed (before that a PUB drops
-  them silently), and with ``XPUB_NODROP`` a full pipe queues them here instead of
-  dropping them. ``ZMQ_IMMEDIATE`` makes a lost connection an unsubscription. The queue is bounded; overflow drops the oldest and is counted.
-  The collector of the server the shard follows (or the only one) queues while not
-  subscribed. For the *other* server of a pair, a KVSET is dropped and counted
-  (``collector_down``) while its collector, once subscribed, is down (dead, restarting);
-  before its first subscription (start-up) it is queued for at most
-  ``STANDBY_QUEUE_AGE_S``; and a failover clears the queue of a collector that is down. Otherwise a restarted server would receive a backlog
-  of old KVSETs after it has resynchronised, hold them as pending, and re-apply stale
-  values if it took over again.
+  gets every KVSET at both servers): ``client.collector.Collector``, which sends a KVSET
+  only once that collector has subscribed, queues (bounded) otherwise, and drops what a
+  down standby server must not get later (see there).
 
 Hot paths (measured: see ``bench``): a KVPUB is one ``decode_update``, one
 ``check_seq`` and one dict store; a KVSYNC is one ``decode_snapshot`` and one dict
@@ -51,10 +43,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
 import zmq
@@ -65,6 +55,7 @@ from shards.errors import ProtocolError
 from shards.proto import chp
 from shards.zio import AsyncSocket
 from client import shard_machine as sm
+from client.collector import Collector, ServerAddress, parse_server
 from client.watch import WatchHub
 
 log = logging.getLogger(__name__)
@@ -76,9 +67,7 @@ REPLAY_BATCH = 4096
 KVSET_QUEUE_MAX = 100_000
 SUB_RCVHWM = 100_000
 DEALER_RCVHWM = 100_000
-XPUB_SNDHWM = 100_000
 PHASE_LOG_MAX = 64
-STANDBY_QUEUE_AGE_S = 2.0
 LIVE_GRACE_S = 0.25
 """After the SUB's handshake, how long to wait for its first message before treating the
 subscription as live anyway. A handshake only says the subscription was *sent*; the
@@ -86,53 +75,12 @@ server's publisher applies it a moment later, and a snapshot point taken in betw
 would lose the updates of that moment (seen in CI under load). Our servers answer every
 new subscription with a HUGZ at once, so the first message normally ends the wait within
 a round trip; the grace is for peers that do not (another CHP server)."""
-"""Longest a KVSET waits for the collector of a server the shard does not follow."""
 
 _Hugz = chp.Hugz
 _Kvsync = chp.Kvsync
 _decode_update = chp.decode_update
 _decode_snapshot = chp.decode_snapshot
 _check_seq = sm.check_seq
-
-
-@dataclass(frozen=True, slots=True)
-class ServerAddress:
-    """One CHP server: host and base port P (snapshot P, publisher P+1, collector P+2)."""
-
-    host: str
-    port: int
-
-    @property
-    def snapshot(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
-
-    @property
-    def publisher(self) -> str:
-        return f"tcp://{self.host}:{self.port + 1}"
-
-    @property
-    def collector(self) -> str:
-        return f"tcp://{self.host}:{self.port + 2}"
-
-    def __str__(self) -> str:
-        return self.snapshot
-
-
-_ADDRESS_RE = re.compile(r"(?:tcp://)?(\[[^\]]+\]|[^:/\[\]]+):(\d+)/?\Z")
-
-
-def parse_server(text: "str | ServerAddress") -> ServerAddress:
-    """``"tcp://127.0.0.1:6000"`` or ``"127.0.0.1:6000"`` -> ServerAddress (base port)."""
-    if isinstance(text, ServerAddress):
-        return text
-    m = _ADDRESS_RE.match(str(text).strip())
-    if not m:
-        raise ValueError(f"server address {text!r} is not tcp://HOST:PORT")
-    port = int(m.group(2))
-    if not 1 <= port <= 65533:
-        raise ValueError(f"server address {text!r}: base port must be 1..65533 "
-                         "(P, P+1 and P+2 are used)")
-    return ServerAddress(m.group(1), port)
 
 
 class FailoverInfo(NamedTuple):
@@ -155,111 +103,6 @@ class FailoverInfo(NamedTuple):
     gap_s: float | None = None
     removed: int = 0
     changed: int = 0
-
-
-class _Collector:
-    """One XPUB to one server's collector, with the bounded queue described above."""
-
-    def __init__(self, ctx: zmq.Context, address: ServerAddress, loop, drops: DropCounter,
-                 queue_max: int, on_ready_change: Callable[[], None], affinity: int = 0):
-        sock = ctx.socket(zmq.XPUB)
-        sock.linger = 0
-        sock.affinity = affinity
-        sock.sndhwm = XPUB_SNDHWM
-        sock.setsockopt(zmq.XPUB_NODROP, 1)
-        # IMMEDIATE: no pipe while disconnected, so a dead or restarting server is
-        # reported as an unsubscription (ready False) and nothing piles up in ZeroMQ
-        # for it (a connecting socket otherwise keeps its pipe, and its subscriptions,
-        # across reconnects, and would replay a stale backlog to a restarted server)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.connect(address.collector)
-        self.address = address
-        self.io = AsyncSocket(sock, self._on_subscription, loop=loop,
-                              name=f"collector {address.collector}")
-        self.loop = loop
-        self.drops = drops
-        self.queue_max = queue_max
-        self.ready = False
-        self.ever_ready = False
-        self.on_ready_change = on_ready_change
-        self.queue: deque[tuple[float, bool, list[bytes]]] = deque()
-        """(queued at, for the followed server, frames)."""
-        self.sent = 0
-        self.dropped = 0
-        self._flusher: asyncio.Task | None = None
-
-    def _on_subscription(self, frames: list[bytes]) -> None:
-        head = frames[0][:1]
-        if head == b"\x01":
-            self.ready = self.ever_ready = True
-            self.on_ready_change()
-            self._flush_soon()
-        elif head == b"\x00":
-            self.ready = False
-            self.on_ready_change()
-
-    def send(self, frames: list[bytes], keep: bool = True) -> None:
-        """Send, or queue. ``keep`` False (not the followed server): dropped, counted, if
-        this collector was subscribed and is no longer (the server died or restarts);
-        queued for at most ``STANDBY_QUEUE_AGE_S`` otherwise (not subscribed yet at
-        start-up, or a full pipe)."""
-        if self.ready and not self.queue:
-            try:
-                self.io.send(frames)
-                self.sent += 1
-                return
-            except zmq.Again:
-                pass
-        elif not self.ready and not keep and self.ever_ready:
-            self.dropped += 1
-            self.drops.drop("collector_down", f"{self.address.collector}: not subscribed")
-            return
-        if len(self.queue) >= self.queue_max:
-            self.queue.popleft()
-            self.dropped += 1
-            self.drops.drop("kvset_queue_full",
-                            f"{self.address.collector}: {self.queue_max} KVSETs queued")
-        self.queue.append((self.loop.time(), keep, frames))
-        self._flush_soon()
-
-    def discard_queue(self) -> None:
-        """Drop what is queued (counted): this server is down and not followed."""
-        if self.queue:
-            n = len(self.queue)
-            self.queue.clear()
-            self.dropped += n
-            self.drops.drop("collector_down", f"{self.address.collector}: {n} queued "
-                            "KVSETs dropped (server down, shard moved)")
-            self.drops.counts["collector_down"] += n - 1
-
-    def _flush_soon(self) -> None:
-        if self.ready and self.queue and (self._flusher is None or self._flusher.done()):
-            self._flusher = self.loop.create_task(self._flush())
-
-    async def _flush(self) -> None:
-        queue = self.queue
-        while queue and self.ready:
-            queued_s, keep, frames = queue[0]
-            if not keep and self.loop.time() - queued_s > STANDBY_QUEUE_AGE_S:
-                # too old for a standby server: the active had it long ago, and the
-                # standby would only hold it as pending and might re-apply it stale
-                queue.popleft()
-                self.dropped += 1
-                self.drops.drop("kvset_too_old", f"{self.address.collector}: queued "
-                                f"more than {STANDBY_QUEUE_AGE_S} s")
-                continue
-            try:
-                self.io.send(frames)
-            except zmq.Again:
-                await self.io.wait_writable(None)
-                continue
-            queue.popleft()
-            self.sent += 1
-
-    def close(self, linger_ms: int = 0) -> None:
-        if self._flusher is not None:
-            self._flusher.cancel()
-        self.io.close(linger_ms)
 
 
 class ShardAgent:
@@ -349,7 +192,7 @@ class ShardAgent:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._synced_event: asyncio.Event | None = None
         self._collector_event: asyncio.Event | None = None
-        self._collectors: list[_Collector] = []
+        self._collectors: list[Collector] = []
         self._sub: AsyncSocket | None = None
         self._monitor: AsyncSocket | None = None
         self._dealer: AsyncSocket | None = None
@@ -382,7 +225,7 @@ class ShardAgent:
         self._synced_event = asyncio.Event()
         self._collector_event = asyncio.Event()
         for address in self.servers:
-            self._collectors.append(_Collector(self.ctx, address, self.loop, self.drops,
+            self._collectors.append(Collector(self.ctx, address, self.loop, self.drops,
                                                self.kvset_queue_max,
                                                self._on_collector_change, self.affinity))
         self._dispatch(sm.Start())

@@ -27,7 +27,7 @@ import zmq
 
 from shards.errors import ConfigError, ProtocolError
 from shards.routing import ShardMap
-from client.agent import ServerAddress, parse_server
+from client.collector import ServerAddress, parse_server
 
 CLUSTER_MAP_SERVICE = "cluster.map"
 CONTROL_TIMEOUT_S = 3.0

@@ -1,0 +1,228 @@
+"""The synchronous client, ``Clone``: an ``AsyncClone`` run on a uvloop loop in a background
+thread (see ``client.api`` for what the client does; ``from client.api import Clone``
+still works).
+
+Calls from other threads reach the loop two ways: blocking calls (``start``, ``flush``,
+``set(..., wait=True)``, ``items``) run a coroutine on the loop and wait for it with a
+deadline; fire-and-forget ``set``/``delete`` go through an outbox the loop drains in one
+wake-up, so a burst of writes costs one cross-thread call, not one per write.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections import deque
+from typing import Any, Callable
+
+import uvloop
+
+from shards.errors import Timeout
+from client.api import DEFAULT_TIMEOUT_S, AsyncClone
+from client.errors import NotRunning
+from client.router import Cluster
+from client.watch import DELIVER_MODES, DELIVER_THREAD, SyncWatch, WatchCore
+
+
+class Clone:
+    """The synchronous client: the same agents, run on a uvloop loop in a background
+    thread. Every method is thread-safe; blocking calls have a deadline (``timeout_s``)
+    and raise ``shards.errors.Timeout``. ``get``/``len`` read the map directly (one dict
+    operation, atomic in CPython); ``set``/``delete`` queue the KVSET for the loop thread
+    and return at once (fire-and-forget); ``items``/``keys`` copy on the loop thread."""
+
+    def __init__(self, servers=None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 deliver: str = DELIVER_THREAD, **kwargs):
+        if deliver not in DELIVER_MODES:
+            raise ValueError(f"deliver is one of {', '.join(DELIVER_MODES)}, got {deliver!r}")
+        self.deliver = deliver
+        """Default for ``watch(callback=...)``: "thread" (a dispatcher thread per watch
+        decodes and calls back) or "inline" (on the client's loop thread)."""
+        self.timeout_s = timeout_s
+        self._async = AsyncClone(servers, timeout_s=timeout_s, **kwargs)
+        self._outbox: deque = deque()
+        self._wake_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Event | None = None
+        self._loop_ready = threading.Event()
+        self._closed = False
+        self._linger_s = 0.0
+        self._watches: list[SyncWatch] = []
+        self._thread = threading.Thread(target=self._run, name="clonemap-client", daemon=True)
+        self._thread.start()
+        self._loop_ready.wait()
+        try:
+            self._call(self._async.start(), timeout_s + 1.0)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ the loop thread
+    def _run(self) -> None:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            self._loop = runner.get_loop()
+            runner.run(self._serve())
+
+    async def _serve(self) -> None:
+        self._stopped = asyncio.Event()
+        self._loop_ready.set()
+        await self._stopped.wait()
+        await self._async.close(self._linger_s)
+
+    def _call(self, coro, timeout_s: float | None = None):
+        """Run ``coro`` on the loop thread and wait for it, with a deadline."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("blocking Clone call from its own loop thread")
+        if self._closed or not self._thread.is_alive():
+            coro.close()
+            raise NotRunning("this client is closed")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout_s)
+        except concurrent.futures.TimeoutError:  # the builtin TimeoutError since 3.11
+            if fut.done():
+                raise  # the coroutine's own error (e.g. start()'s Timeout)
+            fut.cancel()
+            raise Timeout(f"client call not done within {timeout_s} s", what="call",
+                          deadline_s=timeout_s) from None
+
+    def _post(self, fn, arg) -> None:
+        """Queue ``fn(arg)`` for the loop thread; one wake-up per burst."""
+        if self._closed:
+            raise NotRunning("this client is closed")
+        self._outbox.append((fn, arg))
+        if not self._wake_scheduled:
+            self._wake_scheduled = True
+            self._loop.call_soon_threadsafe(self._flush_outbox)
+
+    def _flush_outbox(self) -> None:
+        self._wake_scheduled = False
+        outbox = self._outbox
+        while outbox:
+            fn, arg = outbox.popleft()
+            fn(arg)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, linger_s: float = 0.0) -> None:
+        """Stop the loop thread and close every socket (``linger_s`` as for
+        ``AsyncClone.close``)."""
+        if self._closed:
+            return
+        self._linger_s = linger_s
+        for watch in list(self._watches):
+            watch.close()
+        self._closed = True
+        if self._loop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._flush_and_stop)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(self.timeout_s)
+
+    def _flush_and_stop(self) -> None:
+        self._flush_outbox()
+        self._stopped.set()
+
+    def __enter__(self) -> "Clone":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ reads
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._async.get(key, default)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._async
+
+    def __len__(self) -> int:
+        return len(self._async)
+
+    def items(self, prefix: str = "") -> list[tuple[str, Any]]:
+        return self._call(_run_sync(self._async.items, prefix))
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return self._call(_run_sync(self._async.keys, prefix))
+
+    @property
+    def version_vector(self) -> dict[str, int]:
+        return self._async.version_vector
+
+    @property
+    def subtree(self) -> str:
+        return self._async.subtree
+
+    def stats(self) -> dict:
+        return self._call(_run_sync(self._async.stats))
+
+    # ------------------------------------------------------------------ writes
+    def set(self, key: str, value: Any, ttl: float | None = None, *, wait: bool = False,
+            timeout_s: float | None = None) -> bytes:
+        """Queue a KVSET (fire-and-forget); returns its 16-byte UUID. ``wait=True``:
+        block until the owning shard published it back (``Timeout`` otherwise)."""
+        if value is None:
+            raise ValueError("value is None: use delete() to delete a key")
+        if wait:
+            return self._wait_call(self._async.set(key, value, ttl, wait=True,
+                                                   timeout_s=timeout_s), timeout_s)
+        agent, frames, uuid = self._async._prepare(key, value, ttl)
+        self._post(agent.send_kvset, frames)
+        return uuid
+
+    def delete(self, key: str, *, wait: bool = False, timeout_s: float | None = None) -> bytes:
+        if wait:
+            return self._wait_call(self._async.delete(key, wait=True, timeout_s=timeout_s),
+                                   timeout_s)
+        agent, frames, uuid = self._async._prepare(key, None, None)
+        self._post(agent.send_kvset, frames)
+        return uuid
+
+    def _wait_call(self, coro, timeout_s: float | None):
+        # queued fire-and-forget writes go first, so per-key order holds
+        self._post(lambda _: None, None)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        return self._call(coro, timeout_s + 1.0)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Until every queued KVSET has been handed to ZeroMQ."""
+        self._post(lambda _: None, None)
+        self._call(self._async.flush(timeout_s))
+
+    @property
+    def shard_names(self) -> list[str]:
+        return self._async.shard_names
+
+    @property
+    def cluster(self) -> Cluster | None:
+        return self._async.cluster
+
+    # ------------------------------------------------------------------ watches
+    def watch(self, prefix: str = "", callback: Callable | None = None, *,
+              on_error: Callable[[BaseException], None] | None = None,
+              capacity: int | None = None, deliver: str | None = None) -> SyncWatch:
+        """With ``callback``: call it with each ``Change`` until ``close()``, on a
+        dispatcher thread (``deliver="thread"``, the client's default) or on the client's
+        loop thread (``"inline"``: see ``SyncWatch``). Without: a blocking iterator
+        (``with clone.watch(p) as w: for c in w``). Either way: items under the prefix,
+        a ``synced`` marker, live changes."""
+        if deliver is None:
+            deliver = self.deliver if callback is not None else DELIVER_THREAD
+        core = self._async._watch_core(prefix, capacity)
+
+        def open_core(c: WatchCore) -> None:
+            self._call(_run_sync(self._async._open_core, c))
+
+        def close_core(c: WatchCore) -> None:
+            if not self._closed and self._thread.is_alive():
+                self._loop.call_soon_threadsafe(self._async._hub.remove, c)
+            if watch in self._watches:
+                self._watches.remove(watch)
+
+        watch = SyncWatch(core, open_core, close_core, callback, on_error, deliver)
+        self._watches.append(watch)
+        return watch.open()
+
+
+async def _run_sync(fn, *args):
+    return fn(*args)
