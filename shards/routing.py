@@ -217,3 +217,52 @@ class ShardMap:
 
     def __repr__(self) -> str:
         return f"ShardMap(shards={self.shards}, pins={self.pins!r})"
+
+
+# ------------------------------------------------------------- server-side owner cache
+
+OWNER_CACHE_MAX = 1 << 18
+"""Routing slots remembered by ``OwnerCache`` (cleared when full)."""
+_UNKNOWN = object()
+
+
+class OwnerCache:
+    """Whether this shard owns a key, remembered per routing slot (the server's owner
+    check: see ``shards.server``'s module doc, *Ownership*).
+
+    ``slots`` maps a slot to True (owned), False (not owned) or None (a pinned prefix
+    longer than the slot decides per key: ``owns`` asks the map every time). The hot path
+    reads ``slots`` directly and calls ``owns`` only when the slot is not known True.
+    """
+
+    __slots__ = ("shard_map", "index", "slots", "max_slots", "_deep_pins")
+
+    def __init__(self, shard_map: ShardMap, index: int, max_slots: int = OWNER_CACHE_MAX):
+        self.shard_map = shard_map
+        self.index = index
+        self.slots: dict[bytes, bool | None] = {}
+        self.max_slots = max_slots
+        self._deep_pins = [p.encode("utf-8") for p in shard_map.pins]
+
+    @staticmethod
+    def slot(key: bytes) -> bytes:
+        end = key.find(b"/", 1)  # a key not starting with "/" has no "/" at 0 either
+        return key if end < 0 else key[:end + 1]
+
+    def owns(self, key: bytes) -> bool:
+        slot = self.slot(key)
+        known = self.slots.get(slot, _UNKNOWN)
+        if known is None:
+            return self.shard_map.owner(key) == self.index
+        if known is not _UNKNOWN:
+            return known
+        if slot[-1:] != b"/" or len(slot) == len(key):  # the slot is the whole key
+            owned = self.shard_map.owner(key) == self.index
+        elif any(p.startswith(slot) and len(p) > len(slot) for p in self._deep_pins):
+            owned = None  # "/users/vip/" pinned elsewhere than "/users/x"
+        else:  # every key under the slot matches the same pins as the slot itself
+            owned = self.shard_map.owner(slot) == self.index
+        if len(self.slots) >= self.max_slots:
+            self.slots.clear()
+        self.slots[slot] = owned
+        return self.shard_map.owner(key) == self.index if owned is None else owned
