@@ -58,6 +58,7 @@ import zmq
 
 from shards.errors import Timeout
 from shards.proto import chp
+from shards.timing import HEARTBEAT_S, SILENCE_HEARTBEATS
 from client import shard_machine as sm
 from client.agent import (KVSET_QUEUE_MAX, SUB_RCVHWM, SYNC_BUFFER_MAX, FailoverInfo,
                           ShardAgent)
@@ -79,8 +80,6 @@ PER_SHARD = "per_shard"
 """``io_threads=PER_SHARD``: one ZeroMQ I/O thread per followed shard (Black Box)."""
 MAX_IO_THREADS = 64
 AUTO = "auto"
-SILENCE_HEARTBEATS = 3
-"""``silence_timeout_s="auto"``: this many of the servers' heartbeats (``heartbeat_s``)."""
 
 
 def _parse_servers(servers: "str | ServerAddress | Sequence[str | ServerAddress]"
@@ -210,7 +209,7 @@ class AsyncClone:
             if self._heartbeat_s is None and cluster.silence_timeout_s is not None:
                 silence = cluster.silence_timeout_s
             else:
-                heartbeat_s = self._heartbeat_s or cluster.heartbeat_s or sm.HEARTBEAT_S
+                heartbeat_s = self._heartbeat_s or cluster.heartbeat_s or HEARTBEAT_S
                 silence = SILENCE_HEARTBEATS * heartbeat_s
         self.silence_timeout_s = silence
         self.cluster = cluster

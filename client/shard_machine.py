@@ -42,12 +42,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Union
 
+from shards.timing import SILENCE_TIMEOUT_S
+
 INITIAL = "INITIAL"
 SYNCING = "SYNCING"
 ACTIVE = "ACTIVE"
 
-HEARTBEAT_S = 1.0
-SILENCE_TIMEOUT_S = 3 * HEARTBEAT_S
 SYNC_TIMEOUT_S = 3.0
 CONNECT_TIMEOUT_S = 3.0
 MAX_ATTEMPTS = 2

@@ -73,8 +73,8 @@ from dataclasses import dataclass, replace
 from typing import Union
 
 from shards.proto.bstar import Role, State, StateMessage
+from shards.timing import HEARTBEAT_S
 
-HEARTBEAT_S = 1.0
 PEER_EXPIRY_HEARTBEATS = 2
 
 

@@ -71,10 +71,10 @@ from shards.errors import PortInUse, ProtocolError
 from shards.proto import chp
 from shards.routing import OwnerCache, ShardMap
 from shards.store import Store, ttl_props
+from shards.timing import HEARTBEAT_S
 
 log = logging.getLogger("shards.server")
 
-HEARTBEAT_S = 1.0
 CLOCK_S = 0.5
 """A HUGZ carrying the server clock (ts, seq) at least this often, busy or idle."""
 SNAPSHOT_CHUNK = 256

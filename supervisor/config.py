@@ -40,11 +40,10 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
                       ValidationError, field_validator, model_validator)
 
 from shards.errors import ConfigError
+from shards.timing import HEARTBEAT_S as DEFAULT_HEARTBEAT_S, SILENCE_HEARTBEATS
 
 DEFAULT_CLUSTER = "clonemap"
 DEFAULT_CONTROL = "tcp://127.0.0.1:5555"
-DEFAULT_HEARTBEAT_S = 1.0
-SILENCE_HEARTBEATS = 3
 DEFAULT_PORT_BASE = 6000
 SHARD_PORT_STRIDE = 20
 BACKUP_PORT_OFFSET = 10
