@@ -1,0 +1,476 @@
+"""``python -m bench.report``: one Markdown report and PNG plots from the latest records.
+
+    python -m bench.report [--results-dir bench/results] [--out DIR]
+
+Reads ``<results-dir>/latest/<name>.json`` for every scenario (chp_throughput, scaleout,
+latency, snapshot, fanout, failover, load, handoff) and writes ``<out>/REPORT.md`` and
+``<out>/plots/{scaleout,latency,snapshot,fanout}.png`` (out defaults to the results dir).
+Takes a few seconds. Every figure comes from a record, beside the command that produced
+it and the host it ran on; nothing is measured here.
+
+A missing record gives a "not run yet" line with the command to run. A record that cannot
+be read (bad JSON, not an object) gives a line saying so in its section and a warning on
+stderr; the report is still written and the exit code is 0. A results dir that does not
+exist is a usage error (exit 2).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bench import record as rec
+
+# (record name, section title, the command that produces it)
+SCENARIOS = [
+    ("chp_throughput", "Single-shard throughput", "python -m bench single"),
+    ("scaleout", "Scale-out over 1, 2 and 4 shards", "python -m bench scaleout"),
+    ("latency", "Latency at fixed offered rates (open loop)", "python -m bench latency"),
+    ("snapshot", "Snapshot join time and memory per key", "python -m bench snapshot"),
+    ("fanout", "Fan-out to many subscribers", "python -m bench fanout"),
+    ("failover", "Failover gap", "python -m bench failover"),
+    ("load", "Load generator", "python -m bench load"),
+    ("handoff", "Callback hand-off", "python -m bench handoff"),
+]
+PLOTS = ("scaleout", "latency", "snapshot", "fanout")
+FORWARDER_TARGET = 0.70   # one shard / bare forwarding loop
+P99_TARGET_MS = 5.0       # p99 at half the single-shard max
+DPI = 100
+
+
+class Unreadable(Exception):
+    """A record file that exists but cannot be used."""
+
+
+# ------------------------------------------------------------------------------ reading
+
+def load_record(results_dir: Path, name: str) -> dict | None:
+    """The latest record called ``name``, None if there is none; Unreadable if broken."""
+    path = results_dir / "latest" / f"{name}.json"
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Unreadable(f"{path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise Unreadable(f"{path}: a JSON {type(data).__name__}, not a record object")
+    return data
+
+
+def get(d, *path, default=None):
+    """``d[p0][p1]...`` or ``default`` where any step is missing or of the wrong type."""
+    for p in path:
+        if isinstance(d, dict) and p in d:
+            d = d[p]
+        elif isinstance(d, list) and isinstance(p, int) and -len(d) <= p < len(d):
+            d = d[p]
+        else:
+            return default
+    return d
+
+
+def is_spread(v) -> bool:
+    return isinstance(v, dict) and isinstance(v.get("median"), (int, float))
+
+
+def median(v) -> float | None:
+    """A SPREAD's median, or the number itself; None if neither."""
+    if is_spread(v):
+        return float(v["median"])
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    return None
+
+
+def errbar(v) -> tuple[float, float]:
+    """(below, above) the median for an error bar; zeros for a bare number."""
+    m = median(v)
+    if not is_spread(v) or m is None:
+        return 0.0, 0.0
+    return max(0.0, m - v.get("min", m)), max(0.0, v.get("max", m) - m)
+
+
+# --------------------------------------------------------------------------- formatting
+
+def num(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        return f"{v:.1f}" if abs(v) >= 10 else f"{v:.4g}"
+    return str(v)
+
+
+def fmt(v) -> str:
+    """A SPREAD as ``median (min-max, spread%)``; a number as itself; else ``-``/text."""
+    if is_spread(v):
+        lo, hi, m = v.get("min"), v.get("max"), v["median"]
+        sp = v.get("spread_pct")
+        if sp is None and isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and m:
+            sp = round(100 * (hi - lo) / m, 1)
+        tail = f", {sp}%" if sp is not None else ""
+        return f"{num(m)} ({num(lo)}-{num(hi)}{tail})"
+    if isinstance(v, dict):
+        return "-"
+    if isinstance(v, list):
+        return ", ".join(num(x) for x in v) if v else "-"
+    return num(v)
+
+
+def runs_of(v) -> str:
+    return num(v.get("n")) if is_spread(v) else "-"
+
+
+def md_table(columns: list[str], rows: list[list], left: int = 1) -> list[str]:
+    """A Markdown table; the first ``left`` columns (text) left-aligned, the rest right."""
+    def cell(x) -> str:
+        return (x if isinstance(x, str) else fmt(x)).replace("|", "\\|").replace("\n", " ")
+
+    out = ["| " + " | ".join(columns) + " |",
+           "|" + "|".join("---" if i < left else "---:" for i in range(len(columns))) + "|"]
+    out += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return out + [""]
+
+
+def host_line(data: dict) -> str:
+    h = data.get("host") if isinstance(data.get("host"), dict) else {}
+    git = h.get("git") if isinstance(h.get("git"), dict) else {}
+    commit = (git.get("commit") or "?")[:12]
+    return (f"{h.get('cores_logical', '?')} cores ({h.get('cpu_model', '?')}), load average "
+            f"{h.get('loadavg_before', '?')} -> {h.get('loadavg_after', '?')}; Python "
+            f"{h.get('python', '?')}, pyzmq {h.get('pyzmq', '?')}, libzmq {h.get('libzmq', '?')};"
+            f" git {commit}{' (dirty tree)' if git.get('dirty') else ''}")
+
+
+# --------------------------------------------------------------------- per-record tables
+
+def figures_tables(summary: dict) -> list[str]:
+    """Every summary entry (but points and ceilings, shown apart) as Markdown."""
+    figures, scalars, out = [], [], []
+    for key, v in summary.items():
+        if key in ("points", "ceilings"):
+            continue
+        if is_spread(v):
+            figures.append([key, fmt(v), runs_of(v)])
+        elif isinstance(v, dict) and v and all(is_spread(x) or not isinstance(x, (dict, list))
+                                                for x in v.values()):
+            if any(is_spread(x) for x in v.values()):
+                figures += [[f"{key} {k}", fmt(x), runs_of(x)] for k, x in v.items()]
+            else:
+                scalars.append(f"{key}: " + ", ".join(f"{k} {num(x)}" for k, x in v.items()))
+        elif isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()):
+            cols: list[str] = []
+            for x in v.values():
+                cols += [c for c in x if c not in cols]
+            out += [f"**{key}**", ""]
+            out += md_table([key] + cols, [[k] + [fmt(x.get(c)) for c in cols]
+                                           for k, x in v.items()])
+        elif not isinstance(v, dict) and not is_ratio(key):
+            scalars.append(f"{key}: {fmt(v)}")
+    head = []
+    if figures:
+        head += md_table(["figure", "median (min-max, spread)", "runs"], figures)
+    if scalars:
+        head += [f"- {s}" for s in scalars] + [""]
+    return head + out
+
+
+def ceilings_table(summary: dict) -> list[str]:
+    ceil = summary.get("ceilings")
+    if not isinstance(ceil, dict):
+        return []
+    figs = {k: v for k, v in ceil.items() if k in ("pubsub", "forwarder") and isinstance(v, dict)}
+    if not figs:  # one set per point: {"<label>": {"pubsub": FIG, ...}}
+        figs = {f"{lbl} {k}": v for lbl, c in ceil.items() if isinstance(c, dict)
+                for k, v in c.items() if k in ("pubsub", "forwarder") and isinstance(v, dict)}
+    if not figs:
+        return []
+    rows = [[k, f.get("received_per_s"), f.get("sent_per_s"), get(f, "latency_ms", "p50"),
+             get(f, "latency_ms", "p99"), f.get("loss_window")] for k, f in figs.items()]
+    lines = ["Ceilings measured in the same run (pubsub = bare PUB->SUB, forwarder = bare "
+             "SUB->dict->PUB loop):", ""]
+    return lines + md_table(["ceiling", "received/s", "sent/s", "p50 ms", "p99 ms",
+                             "loss in window"], rows)
+
+
+def is_ratio(key: str) -> bool:
+    return "ratio" in key or "_over_" in key
+
+
+def ratios(summary: dict) -> list[str]:
+    """Server / ceiling medians from the record, and any ratio the producer computed."""
+    out = []
+    server = median(get(summary, "server", "received_per_s"))
+    for kind in ("forwarder", "pubsub"):
+        c = median(get(summary, "ceilings", kind, "received_per_s"))
+        if server is not None and c:
+            out.append(f"server / {kind} ceiling (medians): {server / c:.3f}")
+    for key, v in summary.items():
+        if is_ratio(key) and not isinstance(v, dict):
+            out.append(f"{key}: {fmt(v)}")
+    return ["Ratios:", ""] + [f"- {r}" for r in out] + [""] if out else []
+
+
+def points_of(data: dict) -> list[dict]:
+    """``summary["points"]``. For a snapshot record, join times come from the raw runs
+    when the summary has none or rounded them (record.spread keeps one decimal, and a
+    10k-key join takes ~0.05 s); an older snapshot record gets its points from its runs."""
+    pts = [p for p in get(data, "summary", "points", default=[]) or [] if isinstance(p, dict)]
+    if data.get("benchmark") != "snapshot":
+        return pts
+    raw = {}
+    for r in data.get("runs") or []:
+        secs = [s.get("seconds") for s in get(r, "snapshots", default=[]) or []
+                if isinstance(s, dict) and isinstance(s.get("seconds"), (int, float))]
+        if isinstance(r, dict) and isinstance(r.get("keys"), int) and secs:
+            m = statistics.median(secs)
+            raw[r["keys"]] = ({"n": len(secs), "median": round(m, 4), "min": round(min(secs), 4),
+                               "max": round(max(secs), 4),
+                               "spread_pct": round(100 * (max(secs) - min(secs)) / m, 1)},
+                              r.get("bytes_per_key"))
+    for p in pts:
+        if p.get("keys") in raw and (median(p.get("join_s")) or 0) < 1:
+            p["join_s"] = raw[p["keys"]][0]
+    if not pts:
+        pts = [{"keys": n, "join_s": j, "bytes_per_key": b} for n, (j, b) in sorted(raw.items())]
+    return pts
+
+
+def points_table(name: str, data: dict) -> list[str]:
+    pts = points_of(data)
+    if not pts:
+        return []
+    if name == "scaleout":
+        cols = ["shards", "target", "aggregate updates/s", "cores busy", "updates/s per core",
+                "efficiency", "runs"]
+        rows = [[p.get("shards"), p.get("target"), p.get("received_per_s"), p.get("cpu_cores"),
+                 p.get("per_core_per_s"), p.get("efficiency"), runs_of(p.get("received_per_s"))]
+                for p in pts]
+    elif name == "latency":
+        cols = ["target", "offered/s", "of max", "received/s", "p50 ms", "p90 ms", "p99 ms",
+                "p99.9 ms", "max ms", "loss", "writer drops", "runs"]
+        rows = [[p.get("target"), p.get("offered_per_s"), p.get("fraction_of_max"),
+                 p.get("received_per_s")]
+                + [get(p, "latency_ms", q) for q in ("p50", "p90", "p99", "p99.9", "max")]
+                + [p.get("loss"), p.get("writer_drops"), runs_of(get(p, "latency_ms", "p99"))]
+                for p in pts]
+    else:
+        cols = ["keys", "join s", "bytes/key", "pubsub ceiling s", "join / ceiling", "runs"]
+        rows = []
+        for p in pts:
+            j, c = median(p.get("join_s")), median(p.get("ceiling_pubsub_s"))
+            rows.append([p.get("keys"), p.get("join_s"), p.get("bytes_per_key"),
+                         p.get("ceiling_pubsub_s"), round(j / c, 2) if j and c else None,
+                         runs_of(p.get("join_s"))])
+    return md_table(cols, rows)
+
+
+def targets_table(data: dict) -> list[str]:
+    rows = []
+    for t in data.get("targets") or []:
+        if not isinstance(t, dict):
+            continue
+        op = ">= " if t.get("higher_is_better", True) else "< "
+        rows.append([t.get("name", "?"), t.get("value"), op + num(t.get("target")),
+                     t.get("unit", ""), "yes" if t.get("met") else "NO"])
+    return md_table(["target", "value", "goal", "unit", "met"], rows) if rows else []
+
+
+# ------------------------------------------------------------------- targets at a glance
+
+def _single_ratio(data: dict) -> float | None:
+    s = data.get("summary") if isinstance(data.get("summary"), dict) else {}
+    for key in ("ratio_server_to_forwarder", "ratio_server_to_ceiling"):
+        if median(s.get(key)) is not None:
+            return median(s.get(key))
+    server = median(get(s, "server", "received_per_s"))
+    fwd = median(get(s, "ceilings", "forwarder", "received_per_s")) or \
+        median(get(s, "ceiling", "received_per_s"))
+    return server / fwd if server is not None and fwd else None
+
+
+def _scaleout_growth(data: dict) -> tuple[str, bool | None]:
+    pts = [p for p in get(data, "summary", "points", default=[]) or []
+           if isinstance(p, dict) and p.get("target") == "server"
+           and median(p.get("received_per_s")) is not None]
+    agg = {p.get("shards"): median(p["received_per_s"]) for p in pts}
+    cores = get(data, "host", "cores_logical", default=0) or 0
+    counts = sorted(n for n in agg if isinstance(n, int))
+    if 1 not in agg or len(counts) < 2:
+        return "-", None
+    within = [n for n in counts if 1 < n <= max(cores, 2)]
+    grows = all(agg[n] > agg[prev] for prev, n in zip(counts, counts[1:]) if n in within)
+    effs = "; ".join(f"{n} shards x{agg[n] / agg[1]:.2f}, efficiency "
+                     f"{agg[n] / (n * agg[1]):.2f}" for n in counts if n > 1 and agg[1])
+    return effs, grows if within else None
+
+
+def _p99_at_half(data: dict) -> tuple[float | None, str]:
+    pts = [p for p in get(data, "summary", "points", default=[]) or []
+           if isinstance(p, dict) and p.get("target") == "server"
+           and isinstance(p.get("fraction_of_max"), (int, float))
+           and median(get(p, "latency_ms", "p99")) is not None]
+    if not pts:
+        return None, ""
+    p = min(pts, key=lambda p: abs(p["fraction_of_max"] - 0.5))
+    return median(get(p, "latency_ms", "p99")), f"at {p['fraction_of_max']:.0%} of max"
+
+
+def glance_rows(records: dict) -> list[list[str]]:
+    """Issue 7's targets, then every record's own targets: [scenario, target, value, goal,
+    met]. ``records`` maps name -> record dict, None (not run) or an Unreadable."""
+    def state(name):
+        r = records.get(name)
+        return r if isinstance(r, dict) else None
+
+    def missing(name):
+        return "unreadable record" if isinstance(records.get(name), Unreadable) else "not run yet"
+
+    rows = []
+    goal = f">= {FORWARDER_TARGET:.2f}"
+    d = state("chp_throughput")
+    ratio = _single_ratio(d) if d else None
+    rows.append(["single", "one shard / bare forwarding loop (medians)",
+                 f"{ratio:.3f}" if ratio is not None else "-", goal,
+                 missing("chp_throughput") if d is None else
+                 "-" if ratio is None else "met" if ratio >= FORWARDER_TARGET else "NOT met"])
+    d = state("scaleout")
+    text, grows = _scaleout_growth(d) if d else ("-", None)
+    rows.append(["scaleout", "aggregate grows with shards while cores remain", text,
+                 "more at each shard count <= cores", missing("scaleout") if d is None else
+                 "-" if grows is None else "met" if grows else "NOT met"])
+    d = state("latency")
+    p99, where = _p99_at_half(d) if d else (None, "")
+    rows.append(["latency", "server p99 at half the single-shard max",
+                 f"{num(p99)} ms {where}" if p99 is not None else "-", f"< {P99_TARGET_MS:g} ms",
+                 missing("latency") if d is None else
+                 "-" if p99 is None else "met" if p99 < P99_TARGET_MS else "NOT met"])
+    for name, _, _ in SCENARIOS:
+        for t in (state(name) or {}).get("targets") or []:
+            if isinstance(t, dict):
+                op = ">= " if t.get("higher_is_better", True) else "< "
+                rows.append([name, t.get("name", "?"), f"{num(t.get('value'))} {t.get('unit', '')}",
+                             op + num(t.get("target")), "met" if t.get("met") else "NOT met"])
+    return rows
+
+
+# ------------------------------------------------------------------------------- report
+
+METHOD = """\
+- **Warm-up, then repeated runs.** Every scenario warms up before its measured windows and
+  repeats each point (`--rounds`/`--repeats`); figures are the median with the min-max and
+  the spread ((max - min) / median) and the number of runs beside it.
+- **Ceilings in the same run.** A bare pyzmq PUB->SUB and a bare SUB->dict->PUB forwarding
+  loop of the same 5-frame message are measured with the same writer and subscriber in the
+  same run, so the server is judged by a ratio that shares the host's conditions.
+- **Open-loop latency.** Writers send at fixed intended times and latency is taken from the
+  intended send time, so a stall delays every later message and shows in the tail
+  (coordinated omission does not hide it).
+- **A shared 2-core host.** The machine runs other work: each record keeps the load average
+  before and after and the CPU used by others. Compare ratios within one run, not absolute
+  figures across runs."""
+
+
+def render(results_dir: Path, out: Path, records: dict, plots: dict[str, str]) -> str:
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    lines = ["# clonemap benchmark report", "",
+             f"Generated {now} by `python -m bench.report` from "
+             f"`{_shown(results_dir / 'latest')}/`. Every figure below is copied from a "
+             "record, beside the command that produced it.", "",
+             "## Targets at a glance", ""]
+    lines += md_table(["scenario", "target", "value", "goal", "met"], glance_rows(records),
+                      left=2)
+    lines += ["## Method", "", METHOD, ""]
+    for name, title, command in SCENARIOS:
+        lines += [f"## {title} (`{name}`)", ""]
+        data = records.get(name)
+        if data is None:
+            lines += [f"Not run yet: `{command}`", ""]
+            continue
+        if isinstance(data, Unreadable):
+            lines += [f"**Record unreadable**, section skipped: {data}. Re-run `{command}`.", ""]
+            continue
+        summary = data.get("summary") if isinstance(data.get("summary"), dict) else {}
+        lines += [f"- command: `{data.get('command', '?')}`",
+                  f"- when: {data.get('started_at', '?')} to {data.get('finished_at', '?')}"
+                  f" ({num(data.get('duration_s'))} s)",
+                  f"- host: {host_line(data)}", ""]
+        lines += points_table(name, data) + figures_tables(summary)
+        lines += ceilings_table(summary) + ratios(summary)
+        for key in ("contention",):
+            if isinstance(summary.get(key), str):
+                lines += [f"{key.capitalize()}: {summary[key]}", ""]
+        if isinstance(summary.get("estimate_16core"), dict):
+            lines += ["16-core estimate: " + ", ".join(
+                f"{k} {fmt(v)}" for k, v in summary["estimate_16core"].items()), ""]
+        lines += targets_table(data)
+        if name in plots:
+            lines += [f"![{name}]({plots[name]})", ""]
+    mdp = results_dir / "mdp" / "SUMMARY.md"
+    lines += ["## MDP/0.2 broker", ""]
+    lines += ([f"See [{_rel(mdp, out)}]({_rel(mdp, out)}) (`python -m bench.mdp_echo`).", ""]
+              if mdp.exists() else ["Not run yet: `python -m bench.mdp_echo`", ""])
+    lines += ["## How to reproduce", "", "- everything, then this report: "
+              "`python -m bench all --full`", "- this report alone: `python -m bench report`"]
+    for name, _, command in SCENARIOS:
+        data = records.get(name)
+        used = data.get("command") if isinstance(data, dict) else None
+        lines.append(f"- {name}: `{used or command}`")
+    return "\n".join(lines) + "\n"
+
+
+def _shown(path: Path) -> str:
+    """A path as the reader would type it: relative to the repository when inside it."""
+    try:
+        return path.resolve().relative_to(rec.ROOT).as_posix()
+    except ValueError:
+        return path.resolve().as_posix()
+
+
+def _rel(path: Path, start: Path) -> str:
+    return Path(os.path.relpath(path.resolve(), start.resolve())).as_posix()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.report",
+                                 description="Markdown report and PNG plots from the latest "
+                                 "benchmark records (a few seconds).")
+    ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR),
+                    help="reads DIR/latest/<name>.json (default: %(default)s)")
+    ap.add_argument("--out", help="writes REPORT.md and plots/*.png here (default: the "
+                    "results dir)")
+    args = ap.parse_args(argv)
+    results_dir = Path(args.results_dir)
+    if not results_dir.is_dir():
+        ap.error(f"--results-dir {results_dir}: no such directory")
+    out = Path(args.out) if args.out else results_dir
+    out.mkdir(parents=True, exist_ok=True)
+    records: dict = {}
+    for name, _, _ in SCENARIOS:
+        try:
+            records[name] = load_record(results_dir, name)
+        except Unreadable as exc:
+            rec.log(f"report: warning: {exc}")
+            records[name] = exc
+    from bench import report_plots
+
+    plots = report_plots.draw_all({k: v for k, v in records.items() if isinstance(v, dict)},
+                                  out / "plots")
+    text = render(results_dir, out, records, {k: f"plots/{v.name}" for k, v in plots.items()})
+    (out / "REPORT.md").write_text(text)
+    rec.log(f"report: wrote {out / 'REPORT.md'} and {len(plots)} plot(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
