@@ -35,6 +35,19 @@ Design decisions:
 * **Windows are absolute CLOCK_MONOTONIC times** handed to every process: each counts
   what it did between ``t_start`` and ``t_end``, checking the clock once per batch, so no
   coordination is needed while the load runs.
+* **Several shards:** a writer given several ``collectors`` opens one socket per shard
+  and routes each key as a client would (``shards.routing.ShardMap`` over that many
+  shards, with ``pins``); the owner is computed once per schedule entry, so the hot loop
+  still costs one list index. A subscriber given several ``endpoints`` reads them all,
+  draining each in capped batches and polling only when all are empty, and tracks
+  sequences and gaps per source (each shard has its own sequence).
+* **Bare PUB->SUB** (the ``pubsub`` ceiling): there is no sequencer, so the writer puts
+  its own counter of sent messages in the sequence frame (``seq_stamp``) and *binds* its
+  XPUB (``bind``); the subscriber connects to every writer, one socket each, so each
+  source has one sequence. (A SUB that binds, with the XPUB connecting, never passed its
+  subscription on here: libzmq 4.3.5, checked with a two-socket script.)
+* **Live figures:** every ``progress_s`` a subscriber sends its running totals to the
+  parent (``LoadRun.progress()`` reads them without blocking).
 """
 from __future__ import annotations
 
@@ -108,6 +121,15 @@ class WriterConfig:
     core: int | None = None        # pin to this core before creating the zmq context
     writer_id: int = 0
     tail_s: float = 0.2            # keep sending this long after the window ends
+    collectors: tuple[str, ...] = ()   # several shards: one socket each (overrides collector)
+    pins: tuple[tuple[str, int], ...] = ()  # pinned (prefix, shard) of the shards' routing
+    seq_stamp: bool = False        # sequence frame = this socket's sent counter (bare PUB->SUB)
+    bind: bool = False             # bind the collector endpoints (bare PUB->SUB: the subscriber
+                                   # connects, as to a server's publisher)
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return self.collectors or (self.collector,)
 
 
 @dataclass(frozen=True)
@@ -119,6 +141,13 @@ class SubscriberConfig:
     quiet_s: float = 0.5           # after the window: stop after this long without data
     drain_s: float = 10.0          # after the window: stop after this long at most
     core: int | None = None
+    endpoints: tuple[str, ...] = ()  # several publishers (shards): overrides endpoint
+    bind: bool = False             # bind the endpoints (bare PUB->SUB: writers connect)
+    progress_s: float = 0.5        # send running totals to the parent this often (0: never)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return self.endpoints or (self.endpoint,)
 
 
 @dataclass(frozen=True)
@@ -164,6 +193,30 @@ def key_schedule(cfg: WriterConfig, length: int = SCHEDULE_LEN) -> list[tuple[by
     return out
 
 
+def routed_schedule(cfg: WriterConfig,
+                    length: int = SCHEDULE_LEN) -> list[tuple[bytes, bytes, int]]:
+    """``key_schedule`` with each entry's owning shard (an index into ``cfg.endpoints``),
+    routed with the clients' function over ``len(cfg.endpoints)`` shards and ``cfg.pins``."""
+    sched = key_schedule(cfg, length)
+    shards = len(cfg.endpoints)
+    if shards == 1:
+        return [(k, p, 0) for k, p in sched]
+    from shards.routing import ShardMap
+
+    pins: dict[int, list[str]] = {}
+    for prefix, shard in cfg.pins:
+        pins.setdefault(shard, []).append(prefix)
+    owner = ShardMap(shards, pins).owner
+    owners: dict[bytes, int] = {}
+    out = []
+    for k, p in sched:
+        shard = owners.get(k)
+        if shard is None:
+            shard = owners[k] = owner(k)
+        out.append((k, p, shard))
+    return out
+
+
 # ----------------------------------------------------------------------------- writer
 
 def _pin(core: int | None) -> None:
@@ -181,43 +234,57 @@ def writer_main(cfg: WriterConfig, conn) -> None:
     from shards.zio import send_frames5
 
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.XPUB)
-    sock.linger = 0
-    sock.setsockopt(zmq.XPUB_NODROP, 1)
-    sock.sndtimeo = SEND_TIMEOUT_MS
-    sock.rcvtimeo = int(READY_DEADLINE_S * 1000)
+    socks = []
     result: dict = {"role": "writer", "writer_id": cfg.writer_id, "pid": os.getpid()}
     try:
-        sock.connect(cfg.collector)
-        schedule = key_schedule(cfg)
-        try:
-            sock.recv()  # the collector's subscription: it is connected and listening
-        except zmq.Again:
-            result["error"] = f"no subscription from {cfg.collector} in {READY_DEADLINE_S} s"
-            conn.send(result)
-            return
+        for endpoint in cfg.endpoints:
+            sock = ctx.socket(zmq.XPUB)
+            socks.append(sock)
+            sock.linger = 0
+            sock.setsockopt(zmq.XPUB_NODROP, 1)
+            sock.sndtimeo = SEND_TIMEOUT_MS
+            if cfg.bind:
+                sock.bind(endpoint)
+            else:
+                sock.connect(endpoint)
+        schedule = routed_schedule(cfg)
+        deadline = time.monotonic() + READY_DEADLINE_S
+        for endpoint, sock in zip(cfg.endpoints, socks):
+            # the collector's subscription: it is connected and listening
+            if not sock.poll(max(0, int(1000 * (deadline - time.monotonic())))):
+                result["error"] = f"no subscription from {endpoint} in {READY_DEADLINE_S} s"
+                conn.send(result)
+                return
+            sock.recv()
         conn.send({"ready": True})
         if not conn.poll(GO_DEADLINE_S):
             return
         window: Window = conn.recv()
-        result.update(_write(sock, cfg, schedule, window, send_frames5, zmq))
-        sock.linger = int(FLUSH_S * 1000)  # what was sent must reach the server
+        result.update(_write(socks, cfg, schedule, window, send_frames5, zmq))
+        for sock in socks:
+            sock.linger = int(FLUSH_S * 1000)  # what was sent must reach the server
         conn.send(result)
     except KeyboardInterrupt:
         pass
+    except zmq.ZMQError as exc:
+        result["error"] = f"writer on {cfg.endpoints}: {exc}"
+        conn.send(result)
     finally:
-        sock.close()
+        for sock in socks:
+            sock.close()
         ctx.term()
 
 
-def _write(sock, cfg: WriterConfig, schedule, window: Window, send5, zmq) -> dict:
+def _write(socks, cfg: WriterConfig, schedule, window: Window, send5, zmq) -> dict:
     mask = len(schedule) - 1
+    seq_stamp = cfg.seq_stamp
+    counts = [0] * len(socks)      # sent per socket (seq_stamp's sequence)
+    seq_frame = _SEQ_ZERO
     pad = bytes(max(0, cfg.value_bytes - STAMP_BYTES))
     stamped = cfg.value_bytes >= STAMP_BYTES
     plain = bytes(cfg.value_bytes)
     uuid_prefix = os.urandom(8)
     pack = _pack_u64
-    seq0 = _SEQ_ZERO
     now_ns = time.monotonic_ns
     clock = time.monotonic
     again = zmq.Again
@@ -249,15 +316,20 @@ def _write(sock, cfg: WriterConfig, schedule, window: Window, send5, zmq) -> dic
         else:
             burst = min(limit - i, CHECK_EVERY)
         for _ in range(burst):
-            key, props = schedule[i & mask]
+            key, props, shard = schedule[i & mask]
             if stamped:
                 value = pack(t0_ns + i * period_ns if rate else now_ns()) + pad
             else:
                 value = plain
+            if seq_stamp:
+                seq_frame = pack(counts[shard] + 1)
             try:
-                send5(sock, key, seq0, uuid_prefix + pack(i), props, value, flags)
+                send5(socks[shard], key, seq_frame, uuid_prefix + pack(i), props, value,
+                      flags)
                 sent += 1
                 i += 1
+                if seq_stamp:
+                    counts[shard] += 1
             except again:
                 if flags:          # drop / rate: counted and skipped
                     dropped += 1
@@ -276,10 +348,75 @@ def _write(sock, cfg: WriterConfig, schedule, window: Window, send5, zmq) -> dic
         "window_s": at_end[0] - at_start[0],
         "sent_window": at_end[1] - at_start[1],
         "dropped_window": at_end[2] - at_start[2],
+        "sent_per_shard": counts if seq_stamp else None,
     }
 
 
 # ------------------------------------------------------------------------- subscriber
+
+class SourceState:
+    """What a subscriber saw from one publisher (one shard): counts and its sequence."""
+
+    __slots__ = ("received", "hugz", "gaps", "backwards", "malformed", "first_seq",
+                 "last_seq", "max_seq")
+
+    def __init__(self) -> None:
+        self.received = self.hugz = self.gaps = self.backwards = self.malformed = 0
+        self.first_seq = self.last_seq = self.max_seq = 0
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+def drain(sock, st: SourceState, budget: int, every: int, samples: list[int], recv, more,
+          again, now_ns) -> int:
+    """Read up to ``budget`` queued 5-frame messages from ``sock`` without blocking,
+    updating ``st``: a sequence above the highest seen so far that skips numbers counts
+    the skipped ones as gaps; one at or below it counts as backwards; 0 is a HUGZ. Every
+    ``every``-th update is checked for a sixth frame (malformed) and its latency sampled
+    from the value's stamp. ``recv(sock, flags, copy)``, ``more(sock)``, ``again`` and
+    ``now_ns`` are passed in (pyzmq's backend calls in a subscriber). Returns the count."""
+    received, max_seq, gaps, last = st.received, st.max_seq, st.gaps, st.last_seq
+    unpack = _unpack_u64
+    n = 0
+    while n < budget:
+        try:
+            recv(sock, 1, True)          # 1 = zmq.NOBLOCK
+        except again:
+            break
+        n += 1
+        try:
+            seq_frame = recv(sock, 1, True)
+            recv(sock, 1, True)
+            recv(sock, 1, True)
+            value = recv(sock, 1, True)
+            seq = unpack(seq_frame)[0]
+        except (again, struct.error):
+            st.malformed += 1
+            continue
+        if seq == 0:
+            st.hugz += 1
+            continue
+        received += 1
+        last = seq
+        if seq > max_seq:
+            if max_seq and seq != max_seq + 1:
+                gaps += seq - max_seq - 1
+            max_seq = seq
+        else:
+            st.backwards += 1
+        if not st.first_seq:
+            st.first_seq = seq
+        if received % every == 0:
+            if more(sock):
+                st.malformed += 1
+                while more(sock):
+                    recv(sock, 1, True)
+            elif len(value) >= STAMP_BYTES:
+                samples.append(now_ns() - unpack(value[:STAMP_BYTES])[0])
+    st.received, st.max_seq, st.gaps, st.last_seq = received, max_seq, gaps, last
+    return n
+
 
 def subscriber_main(cfg: SubscriberConfig, conn) -> None:
     """Child process: subscribe, report ready, count and time KVPUBs over a Window."""
@@ -287,109 +424,111 @@ def subscriber_main(cfg: SubscriberConfig, conn) -> None:
     import zmq
 
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.SUB)
-    sock.linger = 0
-    sock.rcvhwm = cfg.rcvhwm
-    sock.rcvtimeo = 100
+    socks = []
     result: dict = {"role": "subscriber", "pid": os.getpid()}
     try:
-        sock.setsockopt(zmq.SUBSCRIBE, cfg.subscribe)
-        sock.connect(cfg.endpoint)
+        for endpoint in cfg.sources:
+            sock = ctx.socket(zmq.SUB)
+            socks.append(sock)
+            sock.linger = 0
+            sock.rcvhwm = cfg.rcvhwm
+            sock.setsockopt(zmq.SUBSCRIBE, cfg.subscribe)
+            if cfg.bind:
+                sock.bind(endpoint)
+            else:
+                sock.connect(endpoint)
         conn.send({"ready": True})
         if not conn.poll(GO_DEADLINE_S):
             return
         window: Window = conn.recv()
-        result.update(_subscribe(sock, cfg, window, zmq))
+        result.update(_subscribe(socks, cfg, window, conn, zmq))
         conn.send(result)
     except KeyboardInterrupt:
         pass
+    except zmq.ZMQError as exc:
+        result["error"] = f"subscriber on {cfg.sources}: {exc}"
+        conn.send(result)
     finally:
-        sock.close(0)
+        for sock in socks:
+            sock.close(0)
         ctx.term()
 
 
-def _subscribe(sock, cfg: SubscriberConfig, window: Window, zmq) -> dict:
+def _subscribe(socks, cfg: SubscriberConfig, window: Window, conn, zmq) -> dict:
     from zmq.backend import Socket
 
-    brecv = Socket.recv
-    more = functools.partial(Socket.get, sock, zmq.RCVMORE)
-    unpack = _unpack_u64
+    recv = Socket.recv
+    rcvmore = zmq.RCVMORE
+    get = Socket.get
+    more = lambda sock: get(sock, rcvmore)  # noqa: E731 (called once per ~64 updates)
+    again = zmq.Again
     clock = time.monotonic
     now_ns = time.monotonic_ns
-    again = zmq.Again
-    noblock = zmq.NOBLOCK
     every = max(1, cfg.latency_every)
-    received = hugz = gaps = backwards = malformed = 0
-    first_seq = last_seq = max_seq = 0
+    states = [SourceState() for _ in socks]
+    pairs = list(zip(socks, states))
+    poller = zmq.Poller()
+    for sock in socks:
+        poller.register(sock, zmq.POLLIN)
     samples: list[int] = []
-    at_start = at_end = None   # (time, received, max_seq, gaps)
+    at_start = at_end = None   # (time, [(received, max_seq, gaps) per source])
     last_data = clock()
     hard_stop = window.t_end + cfg.drain_s
+    progress_s = cfg.progress_s
+    next_progress = clock() + progress_s if progress_s else float("inf")
+    last_report = (clock(), 0)
+
+    def snapshot(now):
+        return now, [(st.received, st.max_seq, st.gaps) for st in states]
+
     while True:
-        try:
-            first = brecv(sock, 0, True)  # blocks up to rcvtimeo for the first of a batch
-        except again:
-            first = None
         n = 0
-        while first is not None:
-            try:
-                seq_frame = brecv(sock, noblock, True)
-                brecv(sock, noblock, True)
-                brecv(sock, noblock, True)
-                value = brecv(sock, noblock, True)
-                seq = unpack(seq_frame)[0]
-            except (again, struct.error):
-                malformed += 1
-                seq = -1
-            if seq == 0:
-                hugz += 1
-            elif seq > 0:
-                received += 1
-                if seq > max_seq:
-                    if max_seq and seq != max_seq + 1:
-                        gaps += seq - max_seq - 1
-                    max_seq = seq
-                else:
-                    backwards += 1
-                if not first_seq:
-                    first_seq = seq
-                last_seq = seq
-                if received % every == 0:
-                    if more():
-                        malformed += 1
-                        while more():
-                            brecv(sock, noblock, True)
-                    elif len(value) >= STAMP_BYTES:
-                        samples.append(now_ns() - unpack(value[:STAMP_BYTES])[0])
-            n += 1
-            if n >= CHECK_EVERY:
-                break
-            try:
-                first = brecv(sock, noblock, True)
-            except again:
-                first = None
+        for sock, st in pairs:
+            n += drain(sock, st, CHECK_EVERY, every, samples, recv, more, again, now_ns)
         now = clock()
         if n:
             last_data = now
+        else:
+            poller.poll(100)
+            now = clock()
         if at_start is None and now >= window.t_start:
-            at_start = (now, received, max_seq, gaps)
+            at_start = snapshot(now)
         if at_end is None and now >= window.t_end:
-            at_end = (now, received, max_seq, gaps)
+            at_end = snapshot(now)
+        if now >= next_progress:
+            total = sum(st.received for st in states)
+            rate = (total - last_report[1]) / ((now - last_report[0]) or 1e-9)
+            conn.send({"progress": True, "t": now, "received": total,
+                       "received_per_s": round(rate, 1),
+                       "gaps": sum(st.gaps for st in states)})
+            last_report = (now, total)
+            next_progress = now + progress_s
         if at_end is not None and (now - last_data >= cfg.quiet_s or now >= hard_stop):
             break
     samples.sort()
     window_s = at_end[0] - at_start[0]
+    per_source = []
+    for endpoint, st, s0, s1 in zip(cfg.sources, states, at_start[1], at_end[1]):
+        per_source.append({"endpoint": endpoint, **st.as_dict(),
+                           "received_window": s1[0] - s0[0],
+                           "sequenced_window": s1[1] - s0[1],
+                           "gaps_window": s1[2] - s0[2], "seq_at_window_start": s0[1]})
+    total = lambda name: sum(x[name] for x in per_source)  # noqa: E731
     return {
-        "received_total": received, "hugz": hugz, "first_seq": first_seq,
-        "last_seq": last_seq, "max_seq": max_seq, "gaps_total": gaps,
-        "backwards_total": backwards, "malformed": malformed,
+        "received_total": total("received"), "hugz": total("hugz"),
+        "first_seq": per_source[0]["first_seq"], "last_seq": per_source[0]["last_seq"],
+        "max_seq": per_source[0]["max_seq"], "gaps_total": total("gaps"),
+        "backwards_total": total("backwards"), "malformed": total("malformed"),
         "window_s": window_s,
-        "received_window": at_end[1] - at_start[1],
-        "sequenced_window": at_end[2] - at_start[2],
-        "gaps_window": at_end[3] - at_start[3],
-        "seq_at_window_start": at_start[2],
+        "received_window": total("received_window"),
+        "sequenced_window": total("sequenced_window"),
+        "gaps_window": total("gaps_window"),
+        "seq_at_window_start": per_source[0]["seq_at_window_start"],
+        "sequenced_total": sum(x["max_seq"] - x["first_seq"] + 1 for x in per_source
+                               if x["max_seq"]),
         "latency_samples": len(samples),
         "latency_ms": percentiles_ms(samples),
+        "per_source": per_source if len(per_source) > 1 else [],
     }
 
 
@@ -427,12 +566,17 @@ class LoadResult:
             "sent_total": sum(w["sent_total"] for w in self.writers),
             "dropped_at_writer_total": sum(w["dropped_total"] for w in self.writers),
             "first_seq": sub["first_seq"],
-            "sequenced_total": sub["max_seq"] - sub["first_seq"] + 1 if sub["max_seq"] else 0,
+            "sequenced_total": sub["sequenced_total"],
             "received_total": sub["received_total"],
             "loss_total": sub["gaps_total"],
             "latency_ms": sub["latency_ms"],
             "received_per_s_each": [round(x["received_window"] / (x["window_s"] or 1e-9), 1)
                                     for x in self.subscribers],
+            "loss_window_each": [x["gaps_window"] for x in self.subscribers],
+            "malformed": sum(x["malformed"] for x in self.subscribers),
+            "per_source": [{k: x[k] for k in ("endpoint", "received_window",
+                                               "sequenced_window", "gaps_window")}
+                           for x in sub["per_source"]],
         }
 
 
@@ -447,6 +591,8 @@ class LoadRun:
         self.subscriber_cfgs = subscribers
         self._ctx = mp.get_context("spawn")
         self._children: list[tuple[str, object, object]] = []  # (role, process, conn)
+        self._results: dict[int, dict] = {}    # child index -> result read early
+        self._progress: dict[int, dict] = {}   # child index -> latest progress message
 
     def __enter__(self) -> "LoadRun":
         try:
@@ -480,12 +626,47 @@ class LoadRun:
             conn.send(window)
         return window
 
+    def progress(self) -> dict:
+        """The subscribers' latest running figures, without blocking: ``received`` and
+        ``received_per_s`` (over the last ~``progress_s``) per subscriber, and their sum of
+        ``gaps``. Empty lists before the first report."""
+        for idx, (role, _, conn) in enumerate(self._children):
+            if role != "subscriber" or idx in self._results:
+                continue
+            try:
+                while conn.poll(0):
+                    msg = conn.recv()
+                    if "progress" in msg:
+                        self._progress[idx] = msg
+                    else:
+                        self._results[idx] = msg
+                        break
+            except (EOFError, OSError):
+                continue
+        latest = [self._progress[i] for i in sorted(self._progress)]
+        return {"received": [m["received"] for m in latest],
+                "received_per_s": [m["received_per_s"] for m in latest],
+                "gaps": sum(m["gaps"] for m in latest)}
+
+    def status(self) -> str:
+        """A short live line from ``progress()``, e.g. for ``record.Progress.wait_until``."""
+        p = self.progress()
+        if not p["received_per_s"]:
+            return "waiting for the first figures"
+        rates = p["received_per_s"]
+        each = (f"{min(rates):,.0f}-{max(rates):,.0f}/s per subscriber" if len(rates) > 1
+                else f"{rates[0]:,.0f}/s")
+        return f"received {each}, {sum(p['received']):,} so far, gaps {p['gaps']}"
+
     def collect(self, window: Window, deadline_s: float = 30.0) -> LoadResult:
-        """Wait (up to ``deadline_s`` after the window) for every process's figures."""
+        """Wait (up to ``deadline_s`` after the window) for every process's figures
+        (progress messages are skipped)."""
         deadline = window.t_end + deadline_s
         result = LoadResult()
-        for role, proc, conn in self._children:
-            msg = _recv_by(conn, deadline, f"{role} pid {proc.pid} result")
+        for idx, (role, proc, conn) in enumerate(self._children):
+            msg = self._results.pop(idx, None)
+            while msg is None or "progress" in msg:
+                msg = _recv_by(conn, deadline, f"{role} pid {proc.pid} result")
             if "error" in msg:
                 raise RuntimeError(f"{role}: {msg['error']}")
             (result.writers if role == "writer" else result.subscribers).append(msg)
@@ -513,6 +694,8 @@ class LoadRun:
                 proc.join(3)
             conn.close()
         self._children.clear()
+        self._results.clear()
+        self._progress.clear()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(grace_s=0.0 if exc_type else FLUSH_S + 5.0)

@@ -168,3 +168,16 @@ def bench_main(name: str, parse_args, run, report, argv: list[str] | None = None
     path = record.save(Path(args.results_dir))
     rec.log(f"{name}: saved {path}")
     return record
+
+
+def cpu_pct_by_group(groups: dict[str, list[int]], before: dict, after: dict,
+                     seconds: float) -> dict:
+    """Percent of one core per group of pids between two ``cpu_seconds`` samples, plus
+    ``ours`` (all groups), ``host`` (the host's busy time) and ``others`` (host - ours)."""
+    pct = lambda a, b: round(100 * (b - a) / (seconds or 1e-9), 1)  # noqa: E731
+    out = {group: pct(sum(before.get(p, 0.0) for p in pids), sum(after.get(p, 0.0) for p in pids))
+           for group, pids in groups.items()}
+    out["ours"] = round(sum(out[g] for g in groups), 1)
+    out["host"] = pct(before["host_busy"], after["host_busy"])
+    out["others"] = round(max(0.0, out["host"] - out["ours"]), 1)
+    return out
