@@ -1,8 +1,15 @@
-"""Single-shard throughput: the real shard server against a bare forwarding loop.
+"""Single-shard throughput: the real shard server against a bare forwarding loop and a bare
+PUB->SUB (``python -m bench single``, or ``python -m bench.chp_throughput``).
 
 ``python -m bench.chp_throughput [--seconds 5] [--rounds 3] [--keys 100000] [--value-bytes 100]``
 
-Each round runs the *ceiling* (bench/forwarder.py: SUB -> dict -> PUB, same message
+Duration: rounds x 3 runs x (warmup + seconds + ~2 s start-up and drain): smoke
+(``--seconds 1 --warmup 0.3 --rounds 1``) ~12 s; quick (2 s, 2 rounds) ~30 s; full
+(``--seconds 5 --warmup 1 --rounds 5``) ~2.5 min, more with ``--quiet-wait-s``.
+
+Each round runs the *pubsub* ceiling (bench/ceilings.py: the writer's XPUB straight to
+the subscriber, nothing in between: what ZeroMQ and the harness alone can move), the
+*ceiling* (bench/forwarder.py: SUB -> dict -> PUB, same message
 shape) and then the *server* (``python -m shards``), each a fresh process on fresh ports,
 fed by the same writer and counted by the same subscriber (bench/loadgen.py): one writer
 process flat out (``flow`` mode by default: a full pipe blocks it, so nothing is lost
@@ -13,8 +20,10 @@ server's sequence advance, read from the KVPUBs) and received (subscriber) per s
 sequence gaps (loss), latency samples, and the CPU each process used in the window.
 
 The headline is the subscriber's received rate (sequenced and republished), as median
-and spread over rounds, and the ratio server / ceiling. Targets: >= 100,000 updates/s and
->= 85% of the ceiling.
+and spread over rounds, and the ratios server / ceiling (the forwarding loop) and server /
+pubsub. Targets: >= 100,000 updates/s, >= 85% of the ceiling (issue 2) and >= 70% of
+the ceiling (issue 7). ``summary["ceilings"]`` holds both ceilings in the shape
+``bench.ceilings.measure_ceilings`` returns (medians over rounds).
 
 The ceiling reads whole messages exactly as the server must (``zio.recv_frames``, MORE
 checked on every frame). ``--blind-ceiling`` adds, in each round, a forwarder that reads
@@ -25,9 +34,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 from bench import record as rec
+from bench.ceilings import FIGURE_KEYS
+from bench.load import Offer, Targets, run_offer
 from bench.loadgen import LoadRun, SubscriberConfig, WriterConfig, config_dict
 from bench.runner import (bench_main, cpu_seconds, forwarder_argv, server_argv,
                           start_on_free_ports, wait_for_quiet)
@@ -35,7 +45,8 @@ from bench.runner import (bench_main, cpu_seconds, forwarder_argv, server_argv,
 NAME = "chp_throughput"
 TARGET_UPDATES_PER_S = 100_000
 TARGET_RATIO = 0.85
-TARGETS = ("ceiling", "server")
+TARGET_RATIO_ISSUE7 = 0.70
+TARGETS = ("pubsub", "ceiling", "server")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  description="single-shard CHP throughput vs a bare forwarding loop")
     ap.add_argument("--seconds", type=float, default=5.0, help="measured window per run")
     ap.add_argument("--warmup", type=float, default=1.0, help="warm-up before each window (s)")
-    ap.add_argument("--rounds", type=int, default=3, help="ceiling+server pairs")
+    ap.add_argument("--rounds", type=int, default=3, help="pubsub+ceiling+server triples")
     ap.add_argument("--keys", type=int, default=100_000, help="key space")
     ap.add_argument("--value-bytes", type=int, default=100)
     ap.add_argument("--writers", type=int, default=1)
@@ -69,7 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="pin the target to core 0 and the writers and subscriber to the "
                          "other cores (all to core 0 on a 1-core host)")
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.seconds <= 0 or args.warmup < 0 or args.rounds < 1 or args.writers < 1:
+        ap.error("--seconds must be > 0, --warmup >= 0, --rounds and --writers >= 1")
+    return args
 
 
 def canonical_command(args: argparse.Namespace) -> str:
@@ -77,15 +91,27 @@ def canonical_command(args: argparse.Namespace) -> str:
     return rec.command_line(f"bench.{NAME}", opts)
 
 
-def _sleep_until(t: float) -> None:
-    while (delay := t - time.monotonic()) > 0:
-        time.sleep(min(delay, 0.5))
+def run_pubsub(args: argparse.Namespace, progress: rec.Progress) -> dict:
+    """The bare PUB->SUB ceiling with the same writers and subscriber settings."""
+    offer = Offer(writers=args.writers, keys=args.keys, value_bytes=args.value_bytes,
+                  distribution=args.distribution, ttl_fraction=args.ttl_fraction,
+                  mode=args.writer_mode, latency_every=args.latency_every, pin=args.pin)
+    with Targets("pubsub", offer=offer) as targets:
+        figures = run_offer(targets, warmup=args.warmup, seconds=args.seconds,
+                            progress=progress)
+    cpu = figures["cpu_pct"]
+    cpu["target"], cpu["target_threads"] = 0.0, []
+    figures["target_command"] = "(none: writer XPUB -> subscriber SUB)"
+    figures["unsequenced_total"] = figures["sent_total"] - figures["sequenced_total"]
+    return figures
 
 
-def run_one(kind: str, args: argparse.Namespace) -> dict:
+def run_one(kind: str, args: argparse.Namespace, progress: rec.Progress) -> dict:
     """One fresh target process under one load run; returns the run's figures."""
     import os
 
+    if kind == "pubsub":
+        return run_pubsub(args, progress)
     cores = os.cpu_count() or 1
     harness_cores = list(range(1, cores)) or [0]
     extra = ["--pub-hwm", str(args.hwm), "--collect-hwm", str(args.hwm)]
@@ -111,9 +137,9 @@ def run_one(kind: str, args: argparse.Namespace) -> dict:
         pids = {"target": [target.pid], "writers": load.pids("writer"),
                 "subscribers": load.pids("subscriber")}
         all_pids = [p for group in pids.values() for p in group]
-        _sleep_until(window.t_start)
+        progress.wait_until(window.t_start, status=lambda: "warm-up, " + load.status())
         cpu0 = cpu_seconds(all_pids)
-        _sleep_until(window.t_end)
+        progress.wait_until(window.t_end, status=load.status)
         cpu1 = cpu_seconds(all_pids)
         result = load.collect(window)
         if not target.alive():
@@ -129,6 +155,8 @@ def run_one(kind: str, args: argparse.Namespace) -> dict:
     figures["cpu_pct"]["host"] = pct(cpu0["host_busy"], cpu1["host_busy"])
     ours = sum(figures["cpu_pct"][group] for group in pids)
     figures["cpu_pct"]["others"] = round(max(0.0, figures["cpu_pct"]["host"] - ours), 1)
+    figures["cpu_cores"] = round(ours / 100, 3)
+    figures["writer_drops"] = sum(w["dropped_window"] for w in result.writers)
     figures["unsequenced_total"] = figures["sent_total"] - figures["sequenced_total"]
     figures["target"] = kind
     figures["target_command"] = " ".join(argv[1:])
@@ -140,7 +168,7 @@ def run_one(kind: str, args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> rec.Record:
     kinds = [args.only] if args.only else list(TARGETS)
     if args.blind_ceiling and not args.only:
-        kinds.insert(1, "ceiling_blind")
+        kinds.insert(kinds.index("ceiling") + 1, "ceiling_blind")
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
     config["writer"] = config_dict(WriterConfig(collector="tcp://127.0.0.1:P+2", keys=args.keys,
                                                 value_bytes=args.value_bytes,
@@ -150,38 +178,46 @@ def run(args: argparse.Namespace) -> rec.Record:
     config["order"] = [f"{r + 1}:{k}" for r in range(args.rounds) for k in kinds]
     record = rec.Record(NAME, canonical_command(args), config)
     discarded = record.data["discarded_runs"] = []
+    with rec.Progress(NAME, total=args.rounds * len(kinds)) as progress:
+        _rounds(record, args, kinds, discarded, progress)
+        progress.finish_step()
+    summarize(record, kinds)
+    record.finish()
+    return record
+
+
+def _rounds(record: rec.Record, args: argparse.Namespace, kinds: list[str], discarded: list,
+            progress: rec.Progress) -> None:
     for r in range(args.rounds):
         for kind in kinds:
             for attempt in range(1 + max(0, args.retries)):
-                rec.log(f"{NAME}: round {r + 1}/{args.rounds} {kind} "
-                        f"({args.warmup:g} s warm-up + {args.seconds:g} s)"
-                        + (f", retry {attempt}" if attempt else ""))
+                progress.step(f"round {r + 1}/{args.rounds} {kind} "
+                              f"({args.warmup:g} s warm-up + {args.seconds:g} s)"
+                              + (f", retry {attempt}" if attempt else ""))
                 quiet = None
                 if args.quiet_wait_s > 0:
                     quiet = wait_for_quiet(args.max_others_pct or 60.0, args.quiet_wait_s)
-                    rec.log(f"  host busy {quiet['host_busy_pct']}% of a core after waiting "
-                            f"{quiet['waited_s']} s")
-                figures = run_one(kind, args)
+                    progress.note(f"host busy {quiet['host_busy_pct']}% of a core after "
+                                  f"waiting {quiet['waited_s']} s")
+                figures = run_one(kind, args, progress)
                 figures["host_before"] = quiet
                 figures["round"] = r + 1
                 cpu = figures["cpu_pct"]
-                rec.log(f"  received {figures['received_per_s']:,.0f}/s, "
-                        f"sequenced {figures['sequenced_per_s']:,.0f}/s, "
-                        f"loss {figures['loss_window']}; cpu% target {cpu['target']} "
-                        f"(threads {cpu['target_threads'][:2]}), writers {cpu['writers']}, "
-                        f"subscriber {cpu['subscribers']}, others {cpu['others']}")
+                progress.note(f"received {figures['received_per_s']:,.0f}/s, "
+                              f"sequenced {figures['sequenced_per_s']:,.0f}/s, "
+                              f"loss {figures['loss_window']}; cpu% target {cpu['target']} "
+                              f"(threads {cpu['target_threads'][:2]}), writers "
+                              f"{cpu['writers']}, subscriber {cpu['subscribers']}, others "
+                              f"{cpu['others']}")
                 busy = args.max_others_pct and cpu["others"] > args.max_others_pct
                 if busy and attempt < args.retries:
                     figures["discarded"] = (f"others used {cpu['others']}% of a core "
                                             f"(> {args.max_others_pct}%)")
                     discarded.append(figures)
-                    rec.log(f"  discarded: {figures['discarded']}; running it again")
+                    progress.note(f"discarded: {figures['discarded']}; running it again")
                     continue
                 record.add_run(figures)
                 break
-    summarize(record, kinds)
-    record.finish()
-    return record
 
 
 def summarize(record: rec.Record, kinds: list[str]) -> None:
@@ -215,7 +251,33 @@ def summarize(record: rec.Record, kinds: list[str]) -> None:
         summary["ratio_per_round"] = [round(p, 3) for p in pairs]
         summary["ratio_per_round_median"] = round(statistics.median(pairs), 3) if pairs else None
         record.target("server / ceiling (medians)", round(ratio, 3), TARGET_RATIO, "ratio")
+        record.target("server / forwarding loop, issue 7 (medians)", round(ratio, 3),
+                      TARGET_RATIO_ISSUE7, "ratio")
+    if "pubsub" in summary and "server" in summary:
+        pubsub = summary["pubsub"]["received_per_s"]["median"]
+        summary["ratio_server_to_pubsub"] = round(server / pubsub, 3) if pubsub else 0.0
+    summary["ceilings"] = ceilings_of(runs, record.data["config"])
     record.data["summary"] = summary
+
+
+def ceilings_of(runs: list[dict], config: dict) -> dict:
+    """``summary["ceilings"]`` in ``measure_ceilings``' shape: per kind, the figures of the
+    round with the median received rate, and the spread over rounds."""
+    out: dict = {"config": {k: config.get(k) for k in ("seconds", "warmup", "keys",
+                                                         "value_bytes", "writers", "pin")}}
+    out["config"].update(rate_per_s=0.0, writer_mode=config.get("writer_mode"),
+                         kinds=["pubsub", "forwarder"])
+    for kind, name in (("pubsub", "pubsub"), ("ceiling", "forwarder")):
+        mine = sorted((r for r in runs if r["target"] == kind),
+                      key=lambda r: r["received_per_s"])
+        if not mine:
+            continue
+        mid = mine[(len(mine) - 1) // 2]
+        out[name] = {k: mid.get(k) for k in FIGURE_KEYS}
+        out[name]["writer_drops"] = mid.get("writer_drops", mid["dropped_at_writer_total"])
+        out[name]["cpu_cores"] = mid.get("cpu_cores")
+        out[name]["rounds"] = rec.spread([r["received_per_s"] for r in mine])
+    return out
 
 
 def report(record: rec.Record) -> None:
@@ -243,6 +305,8 @@ def report(record: rec.Record) -> None:
     ratio = summary.get("ratio_server_to_ceiling")
     caption = (f"server / ceiling = {ratio} (medians); per round "
                f"{summary['ratio_per_round']}") if ratio is not None else ""
+    if "ratio_server_to_pubsub" in summary:
+        caption += f"; server / pubsub = {summary['ratio_server_to_pubsub']}"
     if "ratio_server_to_blind_ceiling" in summary:
         caption += (f"; server / blind ceiling (information only) = "
                     f"{summary['ratio_server_to_blind_ceiling']}")

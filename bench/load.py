@@ -89,7 +89,8 @@ class Targets:
     """
 
     def __init__(self, kind: str, shards: int = 1, *, offer: Offer, host: str = "127.0.0.1",
-                 ports: list[int] | None = None, pins: tuple = (), extra: tuple = ()):
+                 ports: list[int] | None = None, hosts: list[str] | None = None,
+                 pins: tuple = (), extra: tuple = ()):
         if kind not in (*KINDS, "external"):
             raise ValueError(f"unknown target kind {kind!r}")
         self.kind, self.shards, self.offer, self.host = kind, shards, offer, host
@@ -97,6 +98,7 @@ class Targets:
         self.procs: list[Target] = []
         self.extra = tuple(extra)
         self.ports = list(ports or [])
+        self.hosts = list(hosts or [])   # external: one address per port (default: host)
         if kind == "pubsub":
             self.shards = offer.writers
         elif kind == "external":
@@ -158,13 +160,15 @@ class Targets:
 
     def collectors(self) -> list[str]:
         if self.kind == "pubsub":    # the writer binds, the subscriber connects
-            return [f"tcp://{self.host}:{p}" for p in self.ports]
-        return [f"tcp://{self.host}:{p + 2}" for p in self.ports]
+            return self._endpoints(0)
+        return self._endpoints(2)
 
     def publishers(self) -> list[str]:
-        if self.kind == "pubsub":
-            return self.collectors()
-        return [f"tcp://{self.host}:{p + 1}" for p in self.ports]
+        return self._endpoints(0 if self.kind == "pubsub" else 1)
+
+    def _endpoints(self, offset: int) -> list[str]:
+        hosts = self.hosts or [self.host] * len(self.ports)
+        return [f"tcp://{h}:{p + offset}" for h, p in zip(hosts, self.ports)]
 
     def configs(self, offer: Offer | None = None, seed: int = 1
                 ) -> tuple[list[WriterConfig], list[SubscriberConfig]]:
@@ -238,3 +242,186 @@ def brief(fig: dict) -> str:
             f"loss {fig['loss_window']}, writer drops {fig.get('writer_drops', 0)}, "
             f"p50 {lat.get('p50', '-')} ms p99 {lat.get('p99', '-')} ms, "
             f"cpu cores {fig['cpu_cores']} (others {fig['cpu_pct']['others']}%)")
+
+
+# ---------------------------------------------------------------------- the command
+
+def add_offer_args(ap: argparse.ArgumentParser, writers: int = 1) -> None:
+    """The load options every scenario shares."""
+    ap.add_argument("--writers", type=int, default=writers, help="writer processes")
+    ap.add_argument("--keys", type=int, default=100_000, help="key space")
+    ap.add_argument("--value-bytes", type=int, default=100,
+                    help="value size (>= 8 carries the latency stamp)")
+    ap.add_argument("--distribution", choices=("uniform", "zipf"), default="uniform")
+    ap.add_argument("--ttl-fraction", type=float, default=0.0,
+                    help="share of updates carrying ttl=--ttl-s")
+    ap.add_argument("--ttl-s", type=float, default=5.0)
+    ap.add_argument("--latency-every", type=int, default=64,
+                    help="sample the latency of one update in this many")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin every process to one core: targets first, then writers and "
+                         "subscribers on the cores left")
+    ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
+
+
+def check_offer_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.writers < 1 or args.keys < 1 or args.value_bytes < 0:
+        ap.error("--writers and --keys must be >= 1, --value-bytes >= 0")
+    if not 0 <= args.ttl_fraction <= 1 or args.ttl_s <= 0 or args.latency_every < 1:
+        ap.error("--ttl-fraction must be in 0..1, --ttl-s > 0, --latency-every >= 1")
+    for name in ("seconds", "warmup", "rounds"):
+        if name in args and getattr(args, name) <= (0 if name != "warmup" else -1e-9):
+            ap.error(f"--{name} must be positive")
+
+
+def offer_from(args: argparse.Namespace, **over) -> Offer:
+    fields = {f: getattr(args, f) for f in ("writers", "keys", "value_bytes", "distribution",
+                                             "ttl_fraction", "ttl_s", "latency_every", "pin")
+              if f in args}
+    fields.update(over)
+    return Offer(**fields)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench load",
+        description="Offer KVSET load to CHP shard servers (a running server, a running "
+                    "cluster's primaries, or N servers started here) and count what they "
+                    "publish. Duration: rounds x (warmup + seconds) + ~2 s start-up; smoke "
+                    "(--seconds 1 --warmup 0.3) ~4 s, full (--seconds 10 --rounds 3) ~40 s.")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--port", type=int, help="a running server's port base P")
+    where.add_argument("--config", help="a running cluster's config (YAML): load every "
+                                        "shard's primary, keys routed as a client does")
+    where.add_argument("--start-shards", type=int, metavar="N",
+                       help="start N standalone shard servers here (ended at exit)")
+    ap.add_argument("--host", default="127.0.0.1", help="with --port: the server's address")
+    ap.add_argument("--seconds", type=float, default=5.0, help="measured window per round")
+    ap.add_argument("--warmup", type=float, default=1.0, help="warm-up before each window")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--subscribers", type=int, default=1,
+                    help="subscriber processes, each reading every shard")
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="open loop: updates/s offered PER WRITER (0: flat out)")
+    ap.add_argument("--mode", choices=("flow", "drop"), default="flow",
+                    help="flat out: flow (a full pipe blocks the writer) or drop (counts)")
+    add_offer_args(ap)
+    args = ap.parse_args(argv)
+    check_offer_args(ap, args)
+    if args.subscribers < 1 or args.rate < 0:
+        ap.error("--subscribers must be >= 1 and --rate >= 0")
+    if args.start_shards is not None and not 1 <= args.start_shards <= 64:
+        ap.error("--start-shards must be in 1..64")
+    if args.port is not None and not 1 <= args.port <= 65533:
+        ap.error("--port must be in 1..65533")
+    args.cluster = None
+    if args.config:
+        args.cluster = _cluster_from(ap, args.config)
+    return args
+
+
+def _cluster_from(ap: argparse.ArgumentParser, path: str) -> dict:
+    """Every shard's primary (address, port) and the routing's pins, from a config."""
+    from supervisor.placement import load_plan
+
+    try:
+        plan = load_plan(path)
+    except Exception as exc:  # ConfigError, OSError, YAML errors: say what and exit 2
+        ap.error(f"--config {path}: {exc}")
+    return {"hosts": [sh.primary.address for sh in plan.shards],
+            "ports": [sh.primary.port for sh in plan.shards],
+            "pins": sorted(plan.routing.pins().items()),
+            "shards": [sh.name for sh in plan.shards]}
+
+
+def _targets(args: argparse.Namespace, offer: Offer) -> Targets:
+    if args.start_shards:
+        return Targets("server", args.start_shards, offer=offer)
+    if args.cluster:
+        c = args.cluster
+        return Targets("external", offer=offer, ports=c["ports"], hosts=c["hosts"],
+                       pins=tuple(tuple(p) for p in c["pins"]))
+    return Targets("external", offer=offer, ports=[args.port], hosts=[args.host])
+
+
+def run(args: argparse.Namespace) -> rec.Record:
+    offer = offer_from(args, subscribers=args.subscribers, rate_per_s=args.rate,
+                       mode=args.mode)
+    config = {k: v for k, v in vars(args).items() if k != "results_dir"}
+    config["offer"] = asdict(offer)
+    config["rate_meaning"] = "updates/s per writer (0: flat out)"
+    record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", {
+        k: v for k, v in vars(args).items() if k not in ("results_dir", "cluster")}), config)
+    with rec.Progress(NAME, total=args.rounds) as progress, _targets(args, offer) as targets:
+        config["targets"] = targets.describe()
+        for r in range(args.rounds):
+            progress.step(f"round {r + 1}/{args.rounds}: {targets.shards} shard(s), "
+                          f"{offer.writers} writer(s) "
+                          + (f"at {offer.rate_per_s:,.0f}/s each" if offer.rate_per_s
+                             else f"flat out ({offer.mode})"))
+            fig = run_offer(targets, warmup=args.warmup, seconds=args.seconds,
+                            progress=progress, seed=1 + 100 * r)
+            fig["round"] = r + 1
+            progress.note(brief(fig))
+            record.add_run(fig)
+        progress.finish_step()
+    summarize(record)
+    record.finish()
+    return record
+
+
+def summarize(record: rec.Record) -> None:
+    runs = record.data["runs"]
+    offer = record.data["config"]["offer"]
+    lat = lambda p: rec.spread([r["latency_ms"][p] for r in runs if r["latency_ms"]])  # noqa
+    summary = {
+        "received_per_s": rec.spread([r["received_per_s"] for r in runs]),
+        "sent_per_s": rec.spread([r["sent_per_s"] for r in runs]),
+        "sequenced_per_s": rec.spread([r["sequenced_per_s"] for r in runs]),
+        "loss_window": sum(r["loss_window"] for r in runs),
+        "writer_drops": sum(r["writer_drops"] for r in runs),
+        "latency_ms": {p: lat(p) for p in ("p50", "p90", "p99", "p99.9", "max")},
+        "cpu_cores": rec.spread([r["cpu_cores"] for r in runs]),
+        "per_shard_received_per_s": [
+            round(s["received_window"] / (r["window_s"] or 1e-9), 1)
+            for r in runs[-1:] for s in r["per_source"]],
+    }
+    record.data["summary"] = summary
+    record.target("updates lost (all windows)", summary["loss_window"], 1, "updates",
+                  higher_is_better=False)
+    if offer["rate_per_s"]:
+        offered = offer["rate_per_s"] * offer["writers"]
+        summary["offered_per_s"] = offered
+        record.target("received / offered (median)",
+                      round(summary["received_per_s"]["median"] / offered, 3), 0.99, "ratio")
+
+
+def report(record: rec.Record) -> None:
+    rows = []
+    for r in record.data["runs"]:
+        lat = r["latency_ms"]
+        rows.append([r["round"], r["sent_per_s"], r["received_per_s"], r["loss_window"],
+                     r["writer_drops"], lat.get("p50", "-"), lat.get("p99", "-"),
+                     lat.get("p99.9", "-"), lat.get("max", "-"), r["cpu_pct"]["targets"],
+                     r["cpu_pct"]["writers"], r["cpu_pct"]["subscribers"],
+                     r["cpu_pct"]["others"]])
+    cfg = record.data["config"]
+    rec.table(record, f"{NAME}: {cfg['targets']['shards']} shard(s), {cfg['seconds']:g} s "
+                      f"windows", ["round", "sent/s", "received/s", "lost", "writer drops",
+                                   "p50 ms", "p99 ms", "p99.9 ms", "max ms", "targets cpu%",
+                                   "writers cpu%", "subs cpu%", "others cpu%"], rows,
+              caption="received/s: per subscriber (the first); cpu%: of one core over the "
+                      "window; targets cpu% is 0 for servers this command did not start")
+    per_shard = record.data["summary"]["per_shard_received_per_s"]
+    if per_shard:
+        rec.table(record, f"{NAME}: received/s per shard (last round)",
+                  ["shard", "received/s"], [[i, v] for i, v in enumerate(per_shard)])
+    rec.print_targets(record)
+
+
+def main(argv: list[str] | None = None) -> rec.Record:
+    return bench_main(NAME, parse_args, run, report, argv)
+
+
+if __name__ == "__main__":
+    main()
