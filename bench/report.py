@@ -158,8 +158,9 @@ def figures_tables(summary: dict) -> list[str]:
     """Every summary entry (but points and ceilings, shown apart) as Markdown."""
     figures, scalars, out = [], [], []
     for key, v in summary.items():
-        if key in ("points", "ceilings"):
-            continue
+        if key in ("points", "ceilings", "contention", "estimate_16core") or (
+                key == "by_run" and summary.get("points")):
+            continue  # shown apart; by_run: fan-out's medians, also in its points
         if is_spread(v):
             figures.append([key, fmt(v), runs_of(v)])
         elif isinstance(v, dict) and v and all(is_spread(x) or not isinstance(x, (dict, list))
@@ -196,11 +197,15 @@ def ceilings_table(summary: dict) -> list[str]:
     if not figs:
         return []
     rows = [[k, f.get("received_per_s"), f.get("sent_per_s"), get(f, "latency_ms", "p50"),
-             get(f, "latency_ms", "p99"), f.get("loss_window")] for k, f in figs.items()]
+             get(f, "latency_ms", "p99"), f.get("loss_window"), f.get("cpu_cores")]
+            for k, f in figs.items()]
     lines = ["Ceilings measured in the same run (pubsub = bare PUB->SUB, forwarder = bare "
              "SUB->dict->PUB loop):", ""]
+    rate = get(ceil, "config", "rate_per_s")
+    if isinstance(rate, (int, float)):
+        lines[0] = lines[0][:-1] + (f", open loop at {num(rate)}/s:" if rate else ", flat out:")
     return lines + md_table(["ceiling", "received/s", "sent/s", "p50 ms", "p99 ms",
-                             "loss in window"], rows)
+                             "loss in window", "cores busy"], rows)
 
 
 def is_ratio(key: str) -> bool:
@@ -224,14 +229,16 @@ def ratios(summary: dict) -> list[str]:
 def points_of(data: dict) -> list[dict]:
     """``summary["points"]``. For a snapshot record, join times come from the raw runs
     when the summary has none or rounded them (record.spread keeps one decimal, and a
-    10k-key join takes ~0.05 s); an older snapshot record gets its points from its runs."""
+    10k-key join takes ~0.05 s); an older snapshot record gets its points from its runs.
+    Warm-up snapshots (``"warmup": true``) are left out."""
     pts = [p for p in get(data, "summary", "points", default=[]) or [] if isinstance(p, dict)]
     if data.get("benchmark") != "snapshot":
         return pts
     raw = {}
     for r in data.get("runs") or []:
         secs = [s.get("seconds") for s in get(r, "snapshots", default=[]) or []
-                if isinstance(s, dict) and isinstance(s.get("seconds"), (int, float))]
+                if isinstance(s, dict) and isinstance(s.get("seconds"), (int, float))
+                and not s.get("warmup")]
         if isinstance(r, dict) and isinstance(r.get("keys"), int) and secs:
             m = statistics.median(secs)
             raw[r["keys"]] = ({"n": len(secs), "median": round(m, 4), "min": round(min(secs), 4),
@@ -239,40 +246,56 @@ def points_of(data: dict) -> list[dict]:
                                "spread_pct": round(100 * (max(secs) - min(secs)) / m, 1)},
                               r.get("bytes_per_key"))
     for p in pts:
-        if p.get("keys") in raw and (median(p.get("join_s")) or 0) < 1:
+        if p.get("keys") in raw and not median(p.get("join_s")):
             p["join_s"] = raw[p["keys"]][0]
+        join, ceiling = median(p.get("join_s")), median(p.get("ceiling_pubsub_s"))
+        if join and ceiling and p.get("join_to_pubsub") is None:
+            p["join_to_pubsub"] = round(join / ceiling, 2)
     if not pts:
         pts = [{"keys": n, "join_s": j, "bytes_per_key": b} for n, (j, b) in sorted(raw.items())]
     return pts
 
 
+LABELS = {"received_per_s": "received/s", "cpu_cores": "cores busy",
+          "per_core_per_s": "received/s per busy core", "offered_per_s": "offered/s",
+          "fraction_of_max": "of max", "join_s": "join s", "bytes_per_key": "bytes/key",
+          "writer_drops": "writer drops", "delivered_per_s_min": "delivered/s (lowest sub)",
+          "ceiling_pubsub_s": "pubsub ceiling s (N / rate)",
+          "ceiling_forwarder_s": "forwarder ceiling s (N / rate)",
+          "join_to_pubsub": "join / pubsub", "join_to_forwarder": "join / forwarder",
+          "bytes_per_key_beyond_kv": "bytes/key beyond key+value",
+          "delivered_to_pubsub": "delivered / pubsub", "p50_to_pubsub": "p50 / pubsub",
+          "p99_to_pubsub": "p99 / pubsub"}
+NOTES = {"scaleout": "received/s: the aggregate over all shards; efficiency: aggregate / "
+                     "(shards x the 1-shard median of the same target).",
+         "latency": "Latency in ms from each update's intended send time (open loop)."}
+
+
 def points_table(name: str, data: dict) -> list[str]:
+    """``summary["points"]``, one row each; nested figures (latency_ms) one column per key;
+    a column that no point fills is left out."""
     pts = points_of(data)
     if not pts:
         return []
-    if name == "scaleout":
-        cols = ["shards", "target", "aggregate updates/s", "cores busy", "updates/s per core",
-                "efficiency", "runs"]
-        rows = [[p.get("shards"), p.get("target"), p.get("received_per_s"), p.get("cpu_cores"),
-                 p.get("per_core_per_s"), p.get("efficiency"), runs_of(p.get("received_per_s"))]
-                for p in pts]
-    elif name == "latency":
-        cols = ["target", "offered/s", "of max", "received/s", "p50 ms", "p90 ms", "p99 ms",
-                "p99.9 ms", "max ms", "loss", "writer drops", "runs"]
-        rows = [[p.get("target"), p.get("offered_per_s"), p.get("fraction_of_max"),
-                 p.get("received_per_s")]
-                + [get(p, "latency_ms", q) for q in ("p50", "p90", "p99", "p99.9", "max")]
-                + [p.get("loss"), p.get("writer_drops"), runs_of(get(p, "latency_ms", "p99"))]
-                for p in pts]
-    else:
-        cols = ["keys", "join s", "bytes/key", "pubsub ceiling s", "join / ceiling", "runs"]
-        rows = []
-        for p in pts:
-            j, c = median(p.get("join_s")), median(p.get("ceiling_pubsub_s"))
-            rows.append([p.get("keys"), p.get("join_s"), p.get("bytes_per_key"),
-                         p.get("ceiling_pubsub_s"), round(j / c, 2) if j and c else None,
-                         runs_of(p.get("join_s"))])
-    return md_table(cols, rows)
+    cols: list[tuple] = []
+    for p in pts:
+        for k, v in p.items():
+            paths = ([(k, q) for q in v] if isinstance(v, dict) and not is_spread(v)
+                     and all(is_spread(x) or not isinstance(x, (dict, list)) for x in v.values())
+                     else [(k,)])
+            cols += [c for c in paths if c not in cols]
+    cols = [c for c in cols if any(get(p, *c) is not None for p in pts)
+            and not all(isinstance(get(p, *c), (dict, list)) and not is_spread(get(p, *c))
+                        for p in pts)]
+
+    def runs(p) -> str:
+        return next((runs_of(get(p, *c)) for c in cols if is_spread(get(p, *c))), "-")
+
+    head = [f"{c[1]} ms" if c[0] == "latency_ms" and len(c) == 2
+            else " ".join(LABELS.get(part, part) for part in c) for c in cols]
+    lines = [NOTES[name], ""] if name in NOTES else []
+    return lines + md_table(head + ["runs"], [[get(p, *c) for c in cols] + [runs(p)]
+                                              for p in pts], left=0)
 
 
 def targets_table(data: dict) -> list[str]:
@@ -376,7 +399,7 @@ METHOD = """\
 - **Open-loop latency.** Writers send at fixed intended times and latency is taken from the
   intended send time, so a stall delays every later message and shows in the tail
   (coordinated omission does not hide it).
-- **A shared 2-core host.** The machine runs other work: each record keeps the load average
+- **A shared {cores} host.** The machine runs other work: each record keeps the load average
   before and after and the CPU used by others. Compare ratios within one run, not absolute
   figures across runs."""
 
@@ -390,7 +413,10 @@ def render(results_dir: Path, out: Path, records: dict, plots: dict[str, str]) -
              "## Targets at a glance", ""]
     lines += md_table(["scenario", "target", "value", "goal", "met"], glance_rows(records),
                       left=2)
-    lines += ["## Method", "", METHOD, ""]
+    cores = sorted({get(r, "host", "cores_logical") for r in records.values()
+                    if isinstance(r, dict) and isinstance(get(r, "host", "cores_logical"), int)})
+    lines += ["## Method", "", METHOD.format(cores="/".join(map(str, cores)) + "-core"
+                                             if cores else "multi-core"), ""]
     for name, title, command in SCENARIOS:
         lines += [f"## {title} (`{name}`)", ""]
         data = records.get(name)

@@ -33,8 +33,9 @@ def _title(what: str, data: dict) -> str:
 
 def _series(pts: list[dict], x_key: str, y):
     """Sorted (xs, ys, yerr) of the points whose x is a number and y(p) a figure."""
-    rows = sorted((p[x_key], y(p)) for p in pts
-                  if isinstance(p.get(x_key), (int, float)) and median(y(p)) is not None)
+    rows = sorted(((p[x_key], y(p)) for p in pts
+                   if isinstance(p.get(x_key), (int, float)) and median(y(p)) is not None),
+                  key=lambda r: r[0])
     xs = [r[0] for r in rows]
     ys = [median(r[1]) for r in rows]
     bars = [errbar(r[1]) for r in rows]
@@ -58,9 +59,10 @@ def scaleout(plt, data: dict, path: Path) -> bool:
             one = ys[xs.index(1)]
             ax1.plot(counts, [n * one for n in counts], ls=":", color=color,
                      label=f"{target} linear ideal")
-        for x, p in zip(xs, sorted(mine, key=lambda p: p.get("shards", 0))):
-            if isinstance(p.get("efficiency"), (int, float)) and x > 1:
-                ax1.annotate(f"eff {p['efficiency']:.2f}", (x, ys[xs.index(x)]),
+        for p in mine:
+            y = median(p.get("received_per_s"))
+            if isinstance(p.get("efficiency"), (int, float)) and p.get("shards") in xs[1:] and y:
+                ax1.annotate(f"eff {p['efficiency']:.2f}", (p["shards"], y),
                              textcoords="offset points", xytext=(6, -12), fontsize=8,
                              color=color)
         cx, cy, cerr = _series(mine, "shards", lambda p: p.get("per_core_per_s"))
@@ -141,21 +143,22 @@ def snapshot(plt, data: dict, path: Path) -> bool:
 
 
 def fanout(plt, data: dict, path: Path) -> bool:
-    rows = []
-    for key, v in (get(data, "summary", "by_run", default={}) or {}).items():
-        m = re.fullmatch(r"(\d+)x(\d+)", str(key))
-        if m and isinstance(v, dict) and median(v.get("p99_ms")) is not None:
-            rows.append((int(m[1]), int(m[2]), v["p99_ms"]))
+    rows = []  # (shards, subscribers, p99): the points (with spreads), else by_run medians
     for p in points_of(data):
         if isinstance(p.get("shards"), int) and isinstance(p.get("subscribers"), int):
             p99 = get(p, "latency_ms", "p99", default=p.get("p99_ms"))
             if median(p99) is not None:
                 rows.append((p["shards"], p["subscribers"], p99))
+    for key, v in ({} if rows else get(data, "summary", "by_run", default={}) or {}).items():
+        m = re.fullmatch(r"(\d+)x(\d+)", str(key))
+        if m and isinstance(v, dict) and median(v.get("p99_ms")) is not None:
+            rows.append((int(m[1]), int(m[2]), v["p99_ms"]))
     if not rows:
         return False
     fig, ax = plt.subplots(figsize=(8, 5), dpi=DPI)
     for shards in sorted({r[0] for r in rows}):
-        mine = sorted((r[1], r[2]) for r in rows if r[0] == shards and median(r[2]) > 0)
+        mine = sorted(((r[1], r[2]) for r in rows if r[0] == shards and median(r[2]) > 0),
+                      key=lambda r: r[0])
         if mine:
             bars = [errbar(v) for _, v in mine]
             ax.errorbar([s for s, _ in mine], [median(v) for _, v in mine],

@@ -168,3 +168,37 @@ def test_a_results_dir_that_does_not_exist_is_a_usage_error(tmp_path, capsys):
         main(["--results-dir", str(tmp_path / "nowhere")])
     assert exc.value.code == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+def test_odd_or_partial_records_give_dashes_not_errors(tmp_path):
+    """Keys a producer left out or filled with the wrong type: "-" cells, no exception;
+    fan-out points (the newer schema) are drawn with their spreads."""
+    from bench import report, report_plots
+
+    odd = {
+        "chp_throughput": {"benchmark": "chp_throughput", "summary": [], "targets": "x"},
+        "scaleout": {"benchmark": "scaleout", "summary": {"points": [
+            {"shards": 1, "target": "server"}, {"shards": "two"}, "not a point",
+            {"shards": 2, "target": "server", "received_per_s": spread([5.0, 6.0])},
+            {"shards": 2, "target": "server", "received_per_s": spread([7.0, 8.0])}]}},
+        "latency": {"benchmark": "latency", "host": None, "summary": {
+            "single_shard_max_per_s": "fast", "points": [
+                {"target": "server", "fraction_of_max": 0.5, "latency_ms": {"p99": None}}]}},
+        "snapshot": {"benchmark": "snapshot", "runs": [{"keys": 10, "snapshots": [{}]}],
+                     "summary": {"ceilings": {"pubsub": "fast"}}},
+        "fanout": {"benchmark": "fanout", "started_at": "2026-11-21T22:00:00+00:00",
+                   "summary": {"by_run": {"1x1": {"p99_ms": 0.9}}, "points": [
+                       {"shards": s, "subscribers": n, "delivered_per_s_min": spread([999, 1000]),
+                        "latency_ms": {"p99": spread([0.5 * n, 0.6 * n])}, "p99_to_pubsub": 2.0}
+                       for s in (1, 4) for n in (1, 4, 16)]}},
+    }
+    text = report.render(tmp_path, tmp_path, odd, {})
+    rows = {r[0]: r for r in report.glance_rows(odd)}
+    assert rows["single"][4] == rows["scaleout"][4] == rows["latency"][4] == "-"
+    assert "| shards | subscribers | delivered/s (lowest sub) | p99 ms | p99 / pubsub | runs |" \
+        in text
+    assert "| 4 | 16 | 999.5 (999-1,000, 0.1%) | 8.8 (8-9.6, 18.2%) | 2 | 2 |" in text
+    assert "**by_run**" not in text  # the same medians as the points: shown once
+    drawn = report_plots.draw_all(odd, tmp_path / "plots")
+    assert set(drawn) == {"fanout", "scaleout"}
+    check_png(drawn["fanout"])
