@@ -1,65 +1,226 @@
-"""``python -m bench``: run every benchmark, quick versions by default.
+"""``python -m bench``: the benchmark scenarios, one command each, and all of them in a row.
 
-    python -m bench            # quick: ~1 minute (throughput 2 rounds x 2 s, snapshot 100k keys)
-    python -m bench --full     # the figures the README quotes (1M-key snapshot included)
-    python -m bench --smoke    # a few seconds, tiny sizes: checks that nothing rotted
+    python -m bench <scenario> [options]       # one scenario; options go to its module
+    python -m bench all [--smoke|--full] [--only NAME ...]   # every scenario, then the report
+    python -m bench [--smoke|--full] [--only NAME ...]       # the same as ``all``
 
-Each benchmark prints its tables and saves a JSON record under ``--results-dir``
-(default bench/results/, and bench/results/latest/<name>.json). The per-benchmark
-commands are ``python -m bench.chp_throughput``, ``python -m bench.snapshot``,
-``python -m bench.fanout`` and ``python -m bench.handoff``.
+Profiles: ``--smoke`` (tiny sizes, seconds each: checks that nothing rotted), quick (the
+default; a few minutes in all) and ``--full`` (the figures the committed report quotes).
+Each scenario prints its tables and saves a JSON record under ``--results-dir`` (default
+bench/results/, newest copy in bench/results/latest/<record>.json); ``all`` ends with the
+report (Markdown + PNG plots from the latest records) and a table of what ran. A scenario
+that fails does not stop the others; ``all`` then exits with status 1.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
+import sys
+import time
+from dataclasses import dataclass
 
-from bench import chp_throughput, fanout, handoff, snapshot
 from bench import record as rec
 
-PROFILES = {
+
+@dataclass(frozen=True)
+class Scenario:
+    module: str
+    record: str | None
+    """The record it saves (``bench/results/latest/<record>.json``); None for the report."""
+    about: str
+    duration: dict
+    """Expected wall time per profile on this 2-core host."""
+
+
+SCENARIOS = {
+    "single": Scenario("bench.chp_throughput", "chp_throughput",
+                       "single-shard throughput: server vs bare forwarding loop vs bare "
+                       "PUB->SUB", {"smoke": "~5 s", "quick": "~30 s", "full": "~2-4 min"}),
+    "scaleout": Scenario("bench.scaleout", "scaleout",
+                         "the same load over 1, 2, 4 shards: aggregate updates/s, per-core "
+                         "efficiency", {"smoke": "~10 s", "quick": "~1 min", "full": "~4 min"}),
+    "latency": Scenario("bench.latency", "latency",
+                        "open-loop fixed rates (% of the single-shard max): p50..p99.9, max",
+                        {"smoke": "~10 s", "quick": "~1 min", "full": "~4 min"}),
+    "load": Scenario("bench.load", "load",
+                     "the load generator (pinned writers, fixed rate or flat out, uniform/zipf, "
+                     "TTL mix) and timing subscribers", {"smoke": "~5 s", "quick": "~20 s",
+                                                         "full": "~1 min"}),
+    "snapshot": Scenario("bench.snapshot", "snapshot",
+                         "snapshot join time and memory per key (10k, 100k, 1M keys) vs a bare "
+                         "PUB->SUB carrying N messages", {"smoke": "~5 s", "quick": "~25 s",
+                                                          "full": "~1.5-4 min"}),
+    "fanout": Scenario("bench.fanout", "fanout",
+                       "one writer, N subscribing clients, 1 and 4 shards: delivered/s and "
+                       "latency vs PUB->SUB at the same rate",
+                       {"smoke": "~8 s", "quick": "~1 min", "full": "~3 min"}),
+    "failover": Scenario("bench.failover", "failover",
+                         "Binary Star kill -9: gap, client resume vs its silence timeout, "
+                         "lost writes", {"smoke": "~6 s", "quick": "~25 s", "full": "~1 min"}),
+    "handoff": Scenario("bench.handoff", "handoff",
+                        "watch callbacks run inline vs handed off to a thread",
+                        {"smoke": "~5 s", "quick": "~15 s", "full": "~20 s"}),
+    "report": Scenario("bench.report", None,
+                       "Markdown report + PNG plots from the latest records",
+                       {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),
+}
+ALIASES = {"chp_throughput": "single"}
+ALL_DURATION = {"smoke": "~1.5 min", "quick": "~6 min", "full": "~25 min"}
+ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failover", "handoff"]
+"""What ``all`` runs, in this order, then ``report``."""
+
+PROFILES: dict[str, dict[str, list[str]]] = {
     "smoke": {
-        "chp_throughput": ["--seconds", "1", "--warmup", "0.3", "--rounds", "1",
-                           "--keys", "2000", "--retries", "0"],
-        "snapshot": ["--keys", "2000", "--repeats", "1"],
+        "single": ["--seconds", "1", "--warmup", "0.3", "--rounds", "1", "--keys", "2000",
+                   "--retries", "0"],
+        "scaleout": [],
+        "latency": [],
+        "load": [],
+        "snapshot": ["--keys", "2000", "--repeats", "1", "--warmup-snapshots", "0",
+                     "--ceiling-s", "0.5"],
         "fanout": ["--shards", "1,2", "--subscribers", "1,4", "--rate", "200",
-                   "--seconds", "0.5"],
+                   "--seconds", "0.5", "--warmup", "0", "--ceiling-s", "0.5"],
+        "failover": ["--kills", "1", "--rate", "200", "--steady-s", "0.3",
+                     "--ceiling-s", "0.5"],
         "handoff": ["--modes", "inline,thread", "--work", "cpu", "--rate", "300",
                     "--seconds", "0.5"],
+        "report": [],
     },
     "quick": {
-        "chp_throughput": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
-        "snapshot": ["--keys", "100000", "--repeats", "2"],
+        "single": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
+        "scaleout": [],
+        "latency": [],
+        "load": [],
+        "snapshot": ["--keys", "10000,100000", "--repeats", "3", "--ceiling-s", "1"],
         "fanout": ["--shards", "1,4", "--subscribers", "1,4,16", "--rate", "1000",
-                   "--seconds", "3"],
+                   "--seconds", "3", "--warmup", "0.5", "--ceiling-s", "1"],
+        "failover": ["--kills", "3", "--rate", "500", "--steady-s", "1", "--ceiling-s", "1"],
         "handoff": ["--rate", "40000", "--seconds", "2"],
+        "report": [],
     },
     "full": {
-        "chp_throughput": ["--seconds", "5", "--warmup", "1", "--rounds", "5",
-                           "--blind-ceiling", "--quiet-wait-s", "60"],
+        "single": ["--seconds", "5", "--warmup", "1", "--rounds", "5",
+                   "--blind-ceiling", "--quiet-wait-s", "60"],
+        "scaleout": [],
+        "latency": [],
+        "load": [],
         "snapshot": ["--keys", "10000,100000,1000000", "--repeats", "3",
-                     "--quiet-wait-s", "60"],
+                     "--quiet-wait-s", "20", "--ceiling-s", "3"],
         "fanout": ["--shards", "1,4", "--subscribers", "1,4,16", "--rate", "1000",
-                   "--seconds", "5"],
+                   "--seconds", "5", "--warmup", "1", "--rounds", "2", "--ceiling-s", "3"],
+        "failover": ["--kills", "10", "--rate", "500", "--steady-s", "2", "--ceiling-s", "3"],
         "handoff": ["--rate", "40000", "--seconds", "3"],
+        "report": [],
     },
 }
-BENCHMARKS = {"chp_throughput": chp_throughput.main, "snapshot": snapshot.main,
-              "fanout": fanout.main, "handoff": handoff.main}
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+def _epilog() -> str:
+    lines = ["scenarios (python -m bench <name> --help for each one's options):"]
+    for name, sc in SCENARIOS.items():
+        d = sc.duration
+        lines.append(f"  {name:9} {sc.about}")
+        lines.append(f"  {'':9}   [{sc.module}; smoke {d['smoke']}, quick {d['quick']}, "
+                     f"full {d['full']}]")
+    lines.append("  all       every scenario above in a profile, the report last "
+                 f"[smoke {ALL_DURATION['smoke']}, quick {ALL_DURATION['quick']}, "
+                 f"full {ALL_DURATION['full']}]")
+    return "\n".join(lines)
+
+
+def _load(name: str):
+    """The scenario's ``main``, imported now (a module not written yet fails only here)."""
+    module = SCENARIOS[name].module
+    try:
+        return importlib.import_module(module).main
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        raise LookupError(f"scenario {name!r}: {module} does not exist (yet)") from None
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=prog, usage=f"{prog} [<scenario> [options] | all] [--smoke|--full] [--only NAME]",
+        description="The benchmark scenarios, one command each (python -m bench <scenario> "
+                    "[options]), and all of them in a row (python -m bench all [options], "
+                    "or no scenario): every scenario in a profile, then the report. A "
+                    "scenario that fails does not stop the others; the exit status is then 1.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog())
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--full", action="store_true", help="the full versions")
-    size.add_argument("--smoke", action="store_true", help="tiny versions (seconds)")
-    ap.add_argument("--only", choices=sorted(BENCHMARKS), action="append",
-                    help="run only this benchmark (repeatable)")
+    size.add_argument("--full", action="store_true",
+                      help="the full sizes: the figures the committed report quotes")
+    size.add_argument("--smoke", action="store_true", help="tiny sizes (seconds each)")
+    ap.add_argument("--only", action="append", metavar="NAME",
+                    choices=[*ORDER, "report", *ALIASES],
+                    help=f"run only this scenario (repeatable): {', '.join(ORDER)}, report "
+                         "(without --only: all of them, then report)")
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
-    args = ap.parse_args(argv)
-    profile = PROFILES["full" if args.full else "smoke" if args.smoke else "quick"]
-    for name in args.only or list(BENCHMARKS):
-        BENCHMARKS[name]([*profile[name], "--results-dir", args.results_dir])
+    return ap
+
+
+def parse_all(argv: list[str], prog: str) -> argparse.Namespace:
+    args = build_parser(prog).parse_args(argv)
+    args.profile = "full" if args.full else "smoke" if args.smoke else "quick"
+    args.names = ([ALIASES.get(n, n) for n in args.only] if args.only
+                  else [*ORDER, "report"])
+    return args
+
+
+def run_all(args: argparse.Namespace) -> int:
+    from bench.runner import exit_on_sigterm
+
+    exit_on_sigterm()
+    profile = PROFILES[args.profile]
+    names = sorted(set(args.names), key=[*ORDER, "report"].index)
+    rows, failed = [], 0
+    t_all = time.monotonic()
+    for i, name in enumerate(names):
+        argv = [*profile[name], "--results-dir", args.results_dir]
+        rec.log(f"bench all ({args.profile}) [{i + 1}/{len(names)}]: python -m bench {name} "
+                + " ".join(argv))
+        t0 = time.monotonic()
+        try:
+            _load(name)(argv)
+            status = "ok"
+        except (Exception, SystemExit) as exc:
+            if isinstance(exc, SystemExit) and (exc.code in (0, None) or
+                                                isinstance(exc.code, int) and exc.code >= 128):
+                if exc.code in (0, None):
+                    status = "ok"
+                else:
+                    raise  # a signal: stop here (every scenario ends its processes itself)
+            else:
+                status = f"FAILED: {type(exc).__name__}: {exc}"[:200]
+                rec.log(f"bench all: {name} {status}")
+        failed += status != "ok"
+        rows.append([name, SCENARIOS[name].module, status, round(time.monotonic() - t0, 1),
+                     SCENARIOS[name].duration[args.profile]])
+    rec.print_table(f"python -m bench all ({args.profile}): "
+                    f"{time.monotonic() - t_all:.0f} s in all",
+                    ["scenario", "module", "status", "seconds", "expected"], rows,
+                    caption=f"records in {args.results_dir}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SCENARIOS or argv and argv[0] in ALIASES:
+        name = ALIASES.get(argv[0], argv[0])
+        try:
+            scenario_main = _load(name)
+        except LookupError as exc:
+            print(f"python -m bench: {exc}", file=sys.stderr)
+            return 2
+        scenario_main(argv[1:])
+        return 0
+    if argv and argv[0] == "all":
+        return run_all(parse_all(argv[1:], "python -m bench all"))
+    if argv and not argv[0].startswith("-"):
+        build_parser("python -m bench").error(
+            f"unknown scenario {argv[0]!r}: choose from {', '.join([*SCENARIOS, 'all'])}")
+    return run_all(parse_all(argv, "python -m bench"))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,10 @@
 """Binary Star failover: the gap after a kill -9, updates lost, the passive's CPU and memory.
 
-``python -m bench.failover [--kills 6] [--rate 500] [--heartbeat-s 0.2] [--steady-s 2]``
+``python -m bench.failover [--kills 6] [--rate 500] [--heartbeat-s 0.2] [--steady-s 2]
+[--ceiling-s 2]`` (also ``python -m bench failover ...``)
 
-One pair (``python -m shards --primary/--backup``) serves one shard. In this process:
+First the same-run ceilings, flat out, for context (``bench.ceilings.measure_ceilings``:
+a bare pyzmq PUB->SUB and the bare forwarding loop). One pair (``python -m shards --primary/--backup``) serves one shard. In this process:
 
 * a writer client (``client.api.Clone`` with both servers, so every KVSET goes to both
   collectors) sets a NEW key ``/w/<n>`` at ``--rate`` per second for the whole run;
@@ -26,8 +28,15 @@ next kill hits the other one. At the end the writer stops, the last key is await
 reader, and the active's snapshot is compared with everything written: ``lost`` counts
 keys written but missing (target 0); the reader's map must equal the snapshot.
 
+The gap is set against the configured client silence timeout (3 heartbeats): resume
+minus silence, and resume / silence; and against the ceilings: how many updates the bare
+PUB->SUB carries in the median gap.
+
 Targets: every client resumes within 2 s of its silence timeout; zero updates lost; the
 passive's RSS grows < 20 MiB within any steady window.
+
+Duration on a 2-core host: smoke (``--kills 1 --steady-s 0.3``) ~6 s; quick
+(``--kills 3 --steady-s 1``) ~25 s; full (``--kills 10 --steady-s 2``) ~1 min.
 """
 from __future__ import annotations
 
@@ -42,6 +51,8 @@ from bench import record as rec
 from bench.runner import Target, bench_main, free_port_base, server_argv
 
 NAME = "failover"
+DURATION = ("Duration (2 cores): smoke (--kills 1 --steady-s 0.3) ~6 s; quick (--kills 3 "
+            "--steady-s 1) ~25 s; full (--kills 10 --steady-s 2) ~1 min.")
 SILENCE_HEARTBEATS = 3
 RESUME_SLACK_S = 2.0
 RSS_GROWTH_TARGET_BYTES = 20 * 2**20
@@ -50,23 +61,27 @@ DEADLINE_S = 20.0
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.failover",
-                                 description=__doc__.split("\n")[0])
+                                 description=__doc__.split("\n")[0], epilog=DURATION)
     ap.add_argument("--kills", type=int, default=6, help="kill -9 this many times")
     ap.add_argument("--rate", type=float, default=500.0, help="writes per second")
     ap.add_argument("--heartbeat-s", type=float, default=0.2)
     ap.add_argument("--steady-s", type=float, default=2.0,
                     help="steady load before each kill (CPU/RSS sampled)")
+    ap.add_argument("--ceiling-s", type=float, default=2.0,
+                    help="measured window of each same-run ceiling (PUB->SUB, forwarder)")
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
     args = ap.parse_args(argv)
-    if args.kills < 1 or args.rate <= 0 or args.heartbeat_s <= 0 or args.steady_s < 0:
-        ap.error("--kills >= 1, --rate > 0, --heartbeat-s > 0, --steady-s >= 0")
+    if (args.kills < 1 or args.rate <= 0 or args.heartbeat_s <= 0 or args.steady_s < 0
+            or args.ceiling_s <= 0):
+        ap.error("--kills >= 1, --rate > 0, --heartbeat-s > 0, --steady-s >= 0, "
+                 "--ceiling-s > 0")
     return args
 
 
 def canonical_command(args: argparse.Namespace) -> str:
     return rec.command_line("bench.failover", {
         "kills": args.kills, "rate": args.rate, "heartbeat_s": args.heartbeat_s,
-        "steady_s": args.steady_s})
+        "steady_s": args.steady_s, "ceiling_s": args.ceiling_s})
 
 
 class Pair:
@@ -188,6 +203,43 @@ def _proc_sample(pid: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> rec.Record:
+    from bench.ceilings import measure_ceilings
+
+    hb = args.heartbeat_s
+    silence_s = round(SILENCE_HEARTBEATS * hb, 6)
+    record = rec.Record(NAME, canonical_command(args), {
+        "kills": args.kills, "rate_per_s": args.rate, "heartbeat_s": hb,
+        "client_silence_timeout_s": silence_s, "steady_s": args.steady_s,
+        "ceiling_s": args.ceiling_s})
+    with rec.Progress(NAME, 3 + args.kills) as progress:
+        ceilings = measure_ceilings(seconds=args.ceiling_s, warmup=min(1.0, args.ceiling_s / 2),
+                                    kinds=("pubsub", "forwarder"), progress=progress)
+        _run_pair(args, record, progress)
+        progress.finish_step()
+    s = record.data["summary"]
+    s["ceilings"] = ceilings
+    pubsub_rate = ceilings.get("pubsub", {}).get("received_per_s") or 0.0
+    resume = s["client_resume_s"].get("median")
+    s["gap"] = {
+        "client_silence_timeout_s": silence_s,
+        "client_resume_to_silence": round(resume / silence_s, 2) if resume else None,
+        "first_kvpub_after_silence_s": _dist([r["first_kvpub_s"] - silence_s
+                                              for r in record.data["runs"]
+                                              if r["first_kvpub_s"] is not None]),
+        "pubsub_updates_in_median_gap": round(resume * pubsub_rate) if resume else None,
+    }
+    record.target("client resume after its silence timeout (max)",
+                  s["client_resume_after_silence_s"]["max"], RESUME_SLACK_S, "s",
+                  higher_is_better=False)
+    record.target("updates lost", s["lost"], 1, "updates", higher_is_better=False)
+    record.target("passive RSS growth in a steady window (max)", s["passive_rss_growth_mib"],
+                  RSS_GROWTH_TARGET_BYTES / 2**20, "MiB", higher_is_better=False)
+    record.finish()
+    return record
+
+
+def _run_pair(args: argparse.Namespace, record: rec.Record, progress: rec.Progress) -> None:
+    """The pair, the clients and the kills; fills the record's runs and summary."""
     import zmq
 
     from client.api import Clone
@@ -195,10 +247,7 @@ def run(args: argparse.Namespace) -> rec.Record:
     from shards.proto import chp
 
     hb = args.heartbeat_s
-    silence_s = SILENCE_HEARTBEATS * hb
-    record = rec.Record(NAME, canonical_command(args), {
-        "kills": args.kills, "rate_per_s": args.rate, "heartbeat_s": hb,
-        "client_silence_timeout_s": silence_s, "steady_s": args.steady_s})
+    silence_s = round(SILENCE_HEARTBEATS * hb, 6)
     pair = Pair(hb)
     ctx = zmq.Context()
     clones = []
@@ -234,6 +283,8 @@ def run(args: argparse.Namespace) -> rec.Record:
         rss_growth = []
         for k in range(args.kills):
             passive = 1 - active
+            progress.step(f"kill {k + 1}/{args.kills}: {args.steady_s:g} s steady load, then "
+                          f"kill -9 the {pair.procs[active].name}")
             # the passive has rejoined and caught up
             states.wait(lambda s: s[passive] is not None and s[passive].state ==
                         wire.State.PASSIVE and s[active].state == wire.State.ACTIVE)
@@ -280,9 +331,13 @@ def run(args: argparse.Namespace) -> rec.Record:
                 "writes_so_far": writer.n,
             }
             record.add_run(run_)
-            rec.log(f"kill {k + 1}: {run_}")
+            progress.note(f"kill {k + 1}: first KVPUB {run_['first_kvpub_s']} s, client "
+                          f"resumed {run_['client_resume_s']} s after the kill (silence "
+                          f"timeout {silence_s:g} s); passive CPU {run_['passive_cpu_pct']}%, "
+                          f"RSS {run_['passive_rss_mib']} MiB")
             pair.start(active)  # rejoins as passive
             active = passive
+        progress.step("the last write at the reader; the active's snapshot vs every write")
         writer.stop_event.set()
         writer.join()
         last_key = f"/w/{writer.n - 1:08d}"
@@ -303,15 +358,6 @@ def run(args: argparse.Namespace) -> rec.Record:
             c.close()
         pair.stop()
         ctx.destroy(linger=0)
-    s = record.data["summary"]
-    record.target("client resume after its silence timeout (max)",
-                  s["client_resume_after_silence_s"]["max"], RESUME_SLACK_S, "s",
-                  higher_is_better=False)
-    record.target("updates lost", s["lost"], 1, "updates", higher_is_better=False)
-    record.target("passive RSS growth in a steady window (max)", s["passive_rss_growth_mib"],
-                  RSS_GROWTH_TARGET_BYTES / 2**20, "MiB", higher_is_better=False)
-    record.finish()
-    return record
 
 
 def _snapshot(ctx, port: int, zmq, chp) -> dict[bytes, bytes]:
@@ -366,18 +412,26 @@ def report(record: rec.Record) -> None:
         "kill", "killed", "first KVPUB", "client switch", "client resynced", "client resume",
         "passive CPU %", "passive RSS MiB", "RSS growth KiB"], rows)
     s = record.data["summary"]
+    gap, c = s["gap"], s["ceilings"]
     rows = [[name, d.get("n"), d.get("median"), d.get("min"), d.get("p90"), d.get("max")]
             for name, d in (("first KVPUB from the new active", s["first_kvpub_s"]),
                             ("client switch (callback)", s["client_failover_s"]),
                             ("client resynced (callback)", s["client_resumed_s"]),
                             ("client resume (first update)", s["client_resume_s"]),
-                            ("resume minus silence timeout", s["client_resume_after_silence_s"]))]
+                            ("resume minus silence timeout", s["client_resume_after_silence_s"]),
+                            ("first KVPUB minus silence timeout",
+                             gap["first_kvpub_after_silence_s"]))]
     rec.table(record, f"{NAME}: distribution (s)", ["measure", "n", "median", "min", "p90",
                                                     "max"], rows,
               caption=f"{s['written']} writes, {s['lost']} lost, reader converged: "
                       f"{s['reader_converged']}; passive RSS median "
                       f"{s['passive_rss_mib'].get('median')} MiB, max growth in a steady "
-                      f"window {s['passive_rss_growth_mib']} MiB")
+                      f"window {s['passive_rss_growth_mib']} MiB. Client silence timeout "
+                      f"{gap['client_silence_timeout_s']:g} s: resume / silence "
+                      f"{gap['client_resume_to_silence']}. Same-run ceilings (flat out): "
+                      f"bare PUB->SUB {c['pubsub']['received_per_s']:,.0f}/s (it would carry "
+                      f"{gap['pubsub_updates_in_median_gap']} updates in the median gap), "
+                      f"bare forwarding loop {c['forwarder']['received_per_s']:,.0f}/s.")
     rec.print_targets(record)
 
 

@@ -1,8 +1,12 @@
 """Fan-out: one writer, N subscribing clients, from a 1-shard and a 4-shard cluster.
 
-``python -m bench.fanout [--shards 1,4] [--subscribers 1,4,16] [--rate 1000] [--seconds 5]``
+``python -m bench.fanout [--shards 1,4] [--subscribers 1,4,16] [--rate 1000] [--seconds 5]
+[--warmup 1] [--rounds 1] [--ceiling-s 2]`` (also ``python -m bench fanout ...``)
 
-For each cluster size S and subscriber count N, a fresh run:
+First the same-run ceilings at the same offered rate (``bench.ceilings.measure_ceilings``,
+open loop at ``--rate``): a bare pyzmq PUB->SUB and the bare forwarding loop, one writer
+and one subscriber each. Then for each cluster size S and subscriber count N, ``--rounds``
+fresh runs:
 
 * S standalone shard servers (``python -m shards``, ports from ``bench.runner``), each
   given the S-shard routing (``--routing``/``--shard-index``: it drops keys it does not
@@ -26,6 +30,13 @@ rates, updates/s delivered to each subscriber (received / (its last arrival - th
 send)), the lowest of those and the sum over subscribers, whether every subscriber got
 every update, and latency percentiles p50, p99, p99.9 and max over all deliveries. The
 writer's lateness against its schedule is reported too (a late writer offers less).
+The first ``rate x --warmup`` updates are a warm-up: they must arrive too, but are not
+timed. Per (S, N): median and spread over the rounds, and ratios to the ceilings: lowest
+delivered rate / the PUB->SUB's received rate, p50 and p99 / the PUB->SUB's.
+
+Duration on a 2-core host: smoke (1,2 shards x 1,4 subscribers, 0.5 s at 200/s) ~8 s;
+quick (1,4 x 1,4,16, 3 s at 1000/s) ~1 min; full (the same, 5 s after a 1 s warm-up,
+2 rounds, ``--ceiling-s 3``) ~3 min.
 """
 from __future__ import annotations
 
@@ -40,9 +51,13 @@ import sys
 import time
 
 from bench import record as rec
+from bench.snapshot import precise_spread
 from bench.runner import Target, bench_main, cpu_seconds, server_argv, start_on_free_ports
 
 NAME = "fanout"
+DURATION = ("Duration (2 cores): smoke (--shards 1,2 --subscribers 1,4 --rate 200 --seconds "
+            "0.5) ~8 s; quick (--seconds 3) ~1 min; full (--seconds 5 --warmup 1 --rounds 2) "
+            "~3 min.")
 TS_DIGITS = 19
 SUBSCRIBER_IDLE_S = 5.0
 """A subscriber that has heard nothing for this long after its first update stops."""
@@ -62,14 +77,22 @@ def _int_list(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=f"python -m bench.{NAME}",
                                  description="one writer, N subscribing clients: delivered "
-                                             "updates/s and end-to-end latency")
+                                             "updates/s and end-to-end latency, against a "
+                                             "bare PUB->SUB at the same offered rate",
+                                 epilog=DURATION)
     ap.add_argument("--shards", type=_int_list, default=[1, 4],
                     help="cluster sizes, comma-separated")
     ap.add_argument("--subscribers", type=_int_list, default=[1, 4, 16],
                     help="subscriber counts, comma-separated")
     ap.add_argument("--rate", type=float, default=1000.0,
                     help="offered updates/s (open loop, the same for every run)")
-    ap.add_argument("--seconds", type=float, default=5.0, help="how long the writer writes")
+    ap.add_argument("--seconds", type=float, default=5.0,
+                    help="how long the writer writes (timed updates)")
+    ap.add_argument("--warmup", type=float, default=1.0,
+                    help="seconds of untimed updates first (they must arrive too)")
+    ap.add_argument("--rounds", type=int, default=1, help="fresh runs per (shards, subscribers)")
+    ap.add_argument("--ceiling-s", type=float, default=2.0,
+                    help="measured window of each same-run ceiling (PUB->SUB, forwarder)")
     ap.add_argument("--value-bytes", type=int, default=100)
     ap.add_argument("--segments", type=int, default=64,
                     help="routing segments the keys are spread over")
@@ -80,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.rate <= 0 or args.seconds <= 0 or args.clients_per_process < 1:
         ap.error("--rate, --seconds and --clients-per-process must be > 0")
+    if args.warmup < 0 or args.rounds < 1 or args.ceiling_s <= 0:
+        ap.error("--warmup >= 0, --rounds >= 1, --ceiling-s > 0")
     if args.value_bytes < TS_DIGITS:
         ap.error(f"--value-bytes must be >= {TS_DIGITS} (the timestamp)")
     return args
@@ -120,6 +145,7 @@ def writer_main(argv: list[str]) -> None:
     ap.add_argument("--count", type=int, required=True)
     ap.add_argument("--segments", type=int, required=True)
     ap.add_argument("--value-bytes", type=int, required=True)
+    ap.add_argument("--warm", type=int, default=0)
     args = ap.parse_args(argv)
     ctx = zmq.Context()
     socks = []
@@ -154,15 +180,16 @@ def writer_main(argv: list[str]) -> None:
         else:
             late_s.append(-delay)
         now_ns = time.time_ns()
-        if i == 0:
+        if i == args.warm:
             first_ns = now_ns
         owners[i].send_multipart([keys[i], seq0, uuid_head + pack(i), b"",
                                   b"%019d" % now_ns + pad])
-    elapsed_s = time.monotonic() - t0
-    late_s.sort()
+    elapsed_s = time.monotonic() - (t0 + args.warm * period_s)
+    late_s = sorted(late_s[args.warm:])
+    timed = args.count - args.warm
     print("RESULT " + json.dumps({
-        "sent": args.count, "seconds": round(elapsed_s, 3),
-        "sent_per_s": round(args.count / elapsed_s, 1) if elapsed_s > 0 else None,
+        "sent": timed, "seconds": round(elapsed_s, 3),
+        "sent_per_s": round(timed / elapsed_s, 1) if elapsed_s > 0 else None,
         "first_send_ns": first_ns,
         "late_ms": {"p50": round(percentile(late_s, 50) * 1e3, 3),
                     "p99": round(percentile(late_s, 99) * 1e3, 3),
@@ -174,7 +201,8 @@ def writer_main(argv: list[str]) -> None:
 
 # ================================================================ the subscriber process
 
-async def _consume(watch, count: int, result: dict) -> None:
+async def _consume(watch, count: int, warm: int, result: dict) -> None:
+    """Take ``count`` puts from the watch; the first ``warm`` indices are not timed."""
     seen = bytearray(count)
     lat_us = result["lat_us"]
     received = duplicates = strays = 0
@@ -202,11 +230,12 @@ async def _consume(watch, count: int, result: dict) -> None:
             continue
         seen[i] = 1
         received += 1
-        lat_us.append((now_ns - sent_ns) // 1000)
+        if i >= warm:
+            lat_us.append((now_ns - sent_ns) // 1000)
         result["last_ns"] = now_ns
         timeout_s = SUBSCRIBER_IDLE_S
-    result.update(received=received, duplicates=duplicates, strays=strays,
-                  missing=count - received)
+    result.update(received=received - sum(seen[:warm]), duplicates=duplicates,
+                  strays=strays, missing=count - received)
 
 
 async def subscriber_async(args: argparse.Namespace) -> None:
@@ -220,7 +249,7 @@ async def subscriber_async(args: argparse.Namespace) -> None:
         await asyncio.gather(*(c.start() for c in clones))
         watches = [c.watch("").open() for c in clones]
         results = [{"lat_us": [], "last_ns": 0} for _ in clones]
-        tasks = [asyncio.ensure_future(_consume(w, args.count, r))
+        tasks = [asyncio.ensure_future(_consume(w, args.count, args.warm, r))
                  for w, r in zip(watches, results)]
         await asyncio.sleep(0)  # the watches' snapshot entries are queued already
         print("READY subscriber", flush=True)
@@ -240,6 +269,7 @@ def subscriber_main(argv: list[str]) -> None:
     ap.add_argument("--ports", type=_int_list, required=True)
     ap.add_argument("--clients", type=int, required=True)
     ap.add_argument("--count", type=int, required=True)
+    ap.add_argument("--warm", type=int, default=0)
     args = ap.parse_args(argv)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(subscriber_async(args))
@@ -252,11 +282,14 @@ def _result_line(target: Target, timeout_s: float) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def run_one(shards: int, subscribers: int, args: argparse.Namespace) -> dict:
+def run_one(shards: int, subscribers: int, args: argparse.Namespace,
+            progress: rec.Progress) -> dict:
     """One fresh cluster, ``subscribers`` clients, one writer; returns the run's figures."""
     from shards.routing import ShardMap
 
-    count = max(1, round(args.rate * args.seconds))
+    timed = max(1, round(args.rate * args.seconds))
+    warm = round(args.rate * args.warmup)
+    count = warm + timed
     routing = json.dumps(ShardMap(shards).describe(), separators=(",", ":"))
     me = [sys.executable, "-m", f"bench.{NAME}"]
     with contextlib.ExitStack() as stack:
@@ -276,15 +309,17 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace) -> dict:
             subs.append((stack.enter_context(Target(
                 f"subscribers {len(subs)}",
                 [*me, "_subscriber", "--ports", port_list, "--clients", str(k),
-                 "--count", str(count)], timeout_s=START_TIMEOUT_S)), k))
+                 "--count", str(count), "--warm", str(warm)], timeout_s=START_TIMEOUT_S)), k))
         writer = stack.enter_context(Target("writer", [
             *me, "_writer", "--ports", port_list, "--rate", f"{args.rate:g}",
             "--count", str(count), "--segments", str(args.segments),
-            "--value-bytes", str(args.value_bytes)], timeout_s=START_TIMEOUT_S))
+            "--value-bytes", str(args.value_bytes), "--warm", str(warm)],
+            timeout_s=START_TIMEOUT_S))
         groups = {"servers": [t.pid for t in servers], "subscribers": [t.pid for t, _ in subs],
                   "writer": [writer.pid]}
         pids = [p for g in groups.values() for p in g]
         t0, cpu0 = time.monotonic(), cpu_seconds(pids)
+        progress.wait_until(t0 + count / args.rate)
         wrote = _result_line(writer, args.seconds * 3 + START_TIMEOUT_S)
         cpu_w = cpu_seconds(pids)  # the writer exits after its RESULT line
         clients = []
@@ -310,7 +345,7 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace) -> dict:
     lat_ms.sort()
     return {
         "shards": shards, "subscribers": subscribers, "processes": len(subs),
-        "offered_per_s": args.rate, "updates": count,
+        "offered_per_s": args.rate, "updates": timed, "warmup_updates": warm,
         "sent_per_s": wrote["sent_per_s"], "writer_late_ms": wrote["late_ms"],
         "delivered_per_s_each": per_sub_rate,
         "delivered_per_s_min": min(per_sub_rate),
@@ -319,7 +354,7 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace) -> dict:
         "missing_total": sum(c["missing"] for c in clients),
         "duplicates_total": sum(c["duplicates"] for c in clients),
         "strays_total": sum(c["strays"] for c in clients),
-        "complete": all(c["received"] == count for c in clients),
+        "complete": all(c["received"] == timed and c["missing"] == 0 for c in clients),
         "latency_ms": {"samples": len(lat_ms),
                        "p50": round(percentile(lat_ms, 50), 3),
                        "p99": round(percentile(lat_ms, 99), 3),
@@ -329,27 +364,58 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace) -> dict:
     }
 
 
+def point(runs: list[dict], ceilings: dict) -> dict:
+    """One (shards, subscribers) over its rounds, against the PUB->SUB at the same rate."""
+    lat = {p: precise_spread([r["latency_ms"][p] for r in runs])
+           for p in ("p50", "p99", "p99.9", "max")}
+    delivered = rec.spread([r["delivered_per_s_min"] for r in runs])
+    pubsub = ceilings.get("pubsub", {})
+    ratio = lambda a, b: round(a / b, 2) if a is not None and b else None  # noqa: E731
+    ceiling_lat = pubsub.get("latency_ms", {})
+    return {"shards": runs[0]["shards"], "subscribers": runs[0]["subscribers"],
+            "offered_per_s": runs[0]["offered_per_s"], "rounds": len(runs),
+            "complete": all(r["complete"] for r in runs),
+            "delivered_per_s_min": delivered, "latency_ms": lat,
+            "delivered_to_pubsub": ratio(delivered["median"], pubsub.get("received_per_s")),
+            "p50_to_pubsub": ratio(lat["p50"]["median"], ceiling_lat.get("p50")),
+            "p99_to_pubsub": ratio(lat["p99"]["median"], ceiling_lat.get("p99"))}
+
+
 def run(args: argparse.Namespace) -> rec.Record:
+    from bench.ceilings import measure_ceilings
+
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
     record = rec.Record(NAME, canonical_command(args), config)
-    for shards in args.shards:
-        for n in args.subscribers:
-            rec.log(f"{NAME}: {shards} shard(s), {n} subscriber(s), {args.rate:g} updates/s "
-                    f"for {args.seconds:g} s")
-            figures = run_one(shards, n, args)
-            lat = figures["latency_ms"]
-            rec.log(f"  delivered {figures['delivered_per_s_min']:,.0f}/s to each (lowest), "
-                    f"complete {figures['complete']}, latency p50 {lat['p50']} ms "
-                    f"p99 {lat['p99']} ms p99.9 {lat['p99.9']} ms")
-            record.add_run(figures)
+    combos = [(s, n) for s in args.shards for n in args.subscribers]
+    with rec.Progress(NAME, 2 + len(combos) * args.rounds) as progress:
+        ceilings = measure_ceilings(seconds=args.ceiling_s, warmup=min(1.0, args.ceiling_s / 2),
+                                    value_bytes=args.value_bytes, rate_per_s=args.rate,
+                                    kinds=("pubsub", "forwarder"), progress=progress)
+        for shards, n in combos:
+            for rnd in range(args.rounds):
+                progress.step(f"{shards} shard(s), {n} subscriber(s), round {rnd + 1}/"
+                              f"{args.rounds}: {args.rate:g} updates/s for "
+                              f"{args.warmup:g} + {args.seconds:g} s")
+                figures = run_one(shards, n, args, progress)
+                figures["round"] = rnd + 1
+                lat = figures["latency_ms"]
+                progress.note(f"delivered {figures['delivered_per_s_min']:,.0f}/s to each "
+                              f"(lowest), complete {figures['complete']}, latency p50 "
+                              f"{lat['p50']} ms p99 {lat['p99']} ms p99.9 {lat['p99.9']} ms")
+                record.add_run(figures)
+        progress.finish_step()
     runs = record.data["runs"]
+    points = [point([r for r in runs if (r["shards"], r["subscribers"]) == c], ceilings)
+              for c in combos]
     record.data["summary"] = {
         "all_complete": all(r["complete"] for r in runs),
-        "by_run": {f"{r['shards']}x{r['subscribers']}": {
-            "delivered_per_s_min": r["delivered_per_s_min"],
-            "p50_ms": r["latency_ms"]["p50"], "p99_ms": r["latency_ms"]["p99"],
-            "p99.9_ms": r["latency_ms"]["p99.9"]} for r in runs},
+        "by_run": {f"{p['shards']}x{p['subscribers']}": {
+            "delivered_per_s_min": p["delivered_per_s_min"]["median"],
+            "p50_ms": p["latency_ms"]["p50"]["median"],
+            "p99_ms": p["latency_ms"]["p99"]["median"],
+            "p99.9_ms": p["latency_ms"]["p99.9"]["median"]} for p in points},
         "p99_ms_median": statistics.median(r["latency_ms"]["p99"] for r in runs),
+        "points": points, "ceilings": ceilings,
     }
     record.target("runs where every subscriber got every update",
                   sum(r["complete"] for r in runs), len(runs), "runs")
@@ -361,25 +427,46 @@ def report(record: rec.Record) -> None:
     rows = []
     for r in record.data["runs"]:
         lat = r["latency_ms"]
-        rows.append([r["shards"], r["subscribers"], r["offered_per_s"], r["sent_per_s"],
-                     r["delivered_per_s_min"], r["delivered_per_s_total"],
+        rows.append([r["shards"], r["subscribers"], r.get("round", 1), r["offered_per_s"],
+                     r["sent_per_s"], r["delivered_per_s_min"], r["delivered_per_s_total"],
                      "yes" if r["complete"] else f"NO ({r['missing_total']} missing)",
                      lat["p50"], lat["p99"], lat["p99.9"], lat["max"],
                      r["writer_late_ms"]["max"], r["cpu_pct"]["servers"],
                      r["cpu_pct"]["subscribers"], r["cpu_pct"]["others"]])
     cfg = record.data["config"]
     rec.table(record, f"{NAME}: one writer, N subscribers ({cfg['seconds']:g} s at "
-                      f"{cfg['rate']:g} updates/s, open loop)",
-              ["shards", "subscribers", "offered/s", "sent/s", "delivered/s each (min)",
-               "delivered/s all", "every update", "p50 ms", "p99 ms", "p99.9 ms", "max ms",
-               "writer late max ms", "servers cpu%", "subscribers cpu%", "others cpu%"],
+                      f"{cfg['rate']:g} updates/s after {cfg.get('warmup', 0):g} s warm-up, "
+                      "open loop)",
+              ["shards", "subscribers", "round", "offered/s", "sent/s",
+               "delivered/s each (min)", "delivered/s all", "every update", "p50 ms",
+               "p99 ms", "p99.9 ms", "max ms", "writer late max ms", "servers cpu%",
+               "subscribers cpu%", "others cpu%"],
               rows,
               caption="delivered/s each: updates received by one subscriber / (its last "
-                      "arrival - the first send), the lowest subscriber; all: the sum. "
+                      "arrival - the first timed send), the lowest subscriber; all: the sum. "
                       "Latency: writer time.time_ns() in the value to the subscriber's watch "
-                      "yielding it, over every delivery. cpu%: of one core, from the "
+                      "yielding it, over every timed delivery. cpu%: of one core, from the "
                       "writer's start to the last subscriber's result; others: the rest of "
                       "the host's busy time.")
+    summary = record.data["summary"]
+    c = summary["ceilings"]
+    rows = []
+    for p in summary["points"]:
+        d, lat = p["delivered_per_s_min"], p["latency_ms"]
+        rows.append([p["shards"], p["subscribers"], p["rounds"], d["median"], d["spread_pct"],
+                     p["delivered_to_pubsub"], lat["p50"]["median"], p["p50_to_pubsub"],
+                     lat["p99"]["median"], lat["p99"]["spread_pct"], p["p99_to_pubsub"],
+                     lat["p99.9"]["median"]])
+    ps, fw = c["pubsub"], c["forwarder"]
+    rec.table(record, f"{NAME}: medians over rounds, against the same-run ceilings",
+              ["shards", "subscribers", "rounds", "delivered/s min", "spread %",
+               "/ PUB->SUB", "p50 ms", "/ PUB->SUB", "p99 ms", "spread %", "/ PUB->SUB",
+               "p99.9 ms"], rows,
+              caption=f"ceilings at the same offered rate ({cfg['rate']:g}/s, open loop, one "
+                      f"subscriber): bare PUB->SUB {ps['received_per_s']:,.0f}/s received, "
+                      f"p50 {ps['latency_ms']['p50']} ms, p99 {ps['latency_ms']['p99']} ms; "
+                      f"bare forwarding loop {fw['received_per_s']:,.0f}/s, p50 "
+                      f"{fw['latency_ms']['p50']} ms, p99 {fw['latency_ms']['p99']} ms.")
     rec.print_targets(record)
 
 

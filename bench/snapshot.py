@@ -1,8 +1,11 @@
-"""Snapshot join time and server memory per key.
+"""Snapshot join time and server memory per key, against a bare PUB->SUB carrying as much.
 
-``python -m bench.snapshot [--keys 1000000] [--repeats 3] [--value-bytes 100]``
+``python -m bench.snapshot [--keys 1000000] [--repeats 3] [--value-bytes 100] [--ceiling-s 2]``
+(also ``python -m bench snapshot ...``)
 
-For each map size (``--keys`` takes a comma-separated list, e.g. ``10000,100000,1000000``):
+First the same-run ceilings (``bench.ceilings.measure_ceilings``, flat out, the same
+value size): a bare pyzmq PUB->SUB and the bare forwarding loop. Then for each map size
+(``--keys`` takes a comma-separated list, e.g. ``10000,100000,1000000``):
 
 1. start a fresh shard server and read its resident memory (RSS) idle;
 2. load N distinct keys (``/k%08d``, one KVSET each, N-byte... ``--value-bytes`` values)
@@ -11,10 +14,20 @@ For each map size (``--keys`` takes a comma-separated list, e.g. ``10000,100000,
    sequence must be N;
 3. read the RSS again: memory per key = (RSS loaded - RSS idle) / N, and "beyond key
    and value" subtracts the average key + value length;
-4. ``--repeats`` times, a new raw client (a DEALER) sends ``ICANHAZ?`` for the whole map
-   and is timed from the request to KTHXBAI; the snapshot must be whole: N KVSYNCs,
+4. ``--warmup-snapshots`` untimed snapshots, then ``--repeats`` times, a new raw client
+   (a DEALER) sends ``ICANHAZ?`` for the whole map and is timed from the request to KTHXBAI; the snapshot must be whole: N KVSYNCs,
    every key exactly once, every value the right size, KTHXBAI's sequence N and subtree
    empty. The RSS after the snapshots and the peak RSS (VmHWM) are recorded too.
+
+Each size is a point: join time (median and spread over the repeats), memory per key
+(one load per size: n=1), and ``ceiling_pubsub_s`` = N / the bare PUB->SUB's received
+rate, the time a bare PUB->SUB needs to carry N messages of the same shape; the ratio
+``join_to_pubsub`` = join time / that says what the snapshot path costs beyond the wire.
+
+Duration on a 2-core host: smoke (``--keys 2000 --repeats 1``) ~5 s; quick
+(``10000,100000``, 3 repeats) ~25 s; full (``10000,100000,1000000``, 3 repeats, 1 warm-up
+snapshot each, ``--ceiling-s 3``) ~1.5 min on a quiet host, up to ~4 min with
+``--quiet-wait-s 20`` on a busy one (loading 1M keys takes ~15 s, a 1M snapshot ~3 s).
 
 Targets: 1,000,000 keys whole in < 5 s; < 400 bytes per key beyond key and value.
 """
@@ -34,6 +47,9 @@ from bench.runner import (bench_main, cpu_seconds, server_argv, start_on_free_po
                           wait_for_quiet)
 
 NAME = "snapshot"
+DURATION = ("Duration (2 cores): smoke (--keys 2000 --repeats 1) ~5 s; quick "
+            "(--keys 10000,100000) ~25 s; full (--keys 10000,100000,1000000 --repeats 3) "
+            "~1.5 min, up to ~4 min with --quiet-wait-s 20 on a busy host.")
 TARGET_SNAPSHOT_S = 5.0
 TARGET_KEYS_FOR_TIME = 1_000_000
 TARGET_BYTES_PER_KEY = 400.0
@@ -49,11 +65,17 @@ its own SNDHWM) is what keeps a million-key snapshot whole."""
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=f"python -m bench.{NAME}",
-                                 description="snapshot join time and memory per key")
+                                 description="snapshot join time and memory per key, against "
+                                             "a bare PUB->SUB carrying N messages",
+                                 epilog=DURATION)
     ap.add_argument("--keys", default="1000000",
                     help="map size, or a comma-separated list of sizes")
     ap.add_argument("--value-bytes", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=3, help="snapshots timed per size")
+    ap.add_argument("--warmup-snapshots", type=int, default=1,
+                    help="untimed snapshots per size before the timed ones")
+    ap.add_argument("--ceiling-s", type=float, default=2.0,
+                    help="measured window of each same-run ceiling (PUB->SUB, forwarder)")
     ap.add_argument("--quiet-wait-s", type=float, default=0.0,
                     help="before each timed snapshot, wait up to this long for the host's "
                          "busy CPU to fall to --quiet-pct (0: do not wait)")
@@ -67,11 +89,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--keys: {args.keys!r} is not a list of integers")
     if not args.sizes or min(args.sizes) < 1:
         ap.error("--keys: sizes must be >= 1")
+    if args.repeats < 1 or args.warmup_snapshots < 0 or args.ceiling_s <= 0:
+        ap.error("--repeats >= 1, --warmup-snapshots >= 0, --ceiling-s > 0")
+    if args.value_bytes < 1:
+        ap.error("--value-bytes must be >= 1")
     return args
 
 
 def canonical_command(args: argparse.Namespace) -> str:
-    opts = {"keys": args.keys, "value_bytes": args.value_bytes, "repeats": args.repeats}
+    opts = {"keys": args.keys, "value_bytes": args.value_bytes, "repeats": args.repeats,
+            "warmup_snapshots": args.warmup_snapshots, "ceiling_s": args.ceiling_s}
     if args.quiet_wait_s > 0:
         opts.update(quiet_wait_s=args.quiet_wait_s, quiet_pct=args.quiet_pct)
     return rec.command_line(f"bench.{NAME}", opts)
@@ -172,7 +199,7 @@ def _cpu_pct(cpu0: dict, cpu1: dict, pids: list[int], seconds: float) -> dict:
     return pct
 
 
-def run_size(n: int, args: argparse.Namespace) -> dict:
+def run_size(n: int, args: argparse.Namespace, progress: rec.Progress) -> dict:
     import zmq
 
     last_key = key_of(n - 1)
@@ -194,7 +221,7 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
                                   value_bytes=args.value_bytes, distribution="sequential",
                                   mode="flow", count=n, tail_s=0.0)
             load_deadline_s = n / LOAD_RATE_FLOOR_PER_S + 30
-            rec.log(f"{NAME}: loading {n:,} keys")
+            progress.step(f"{n:,} keys: loading")
             t_load = time.perf_counter()
             with LoadRun([writer], []) as load:
                 window = load.start(0.0, load_deadline_s)
@@ -203,22 +230,26 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
             load_s = time.perf_counter() - t_load
             sub.close(0)
             rss_loaded = rss_bytes(server.pid)
-            rec.log(f"  loaded in {load_s:.1f} s (last sequence {last_seq}); "
-                    f"RSS {rss_idle / 2**20:.1f} -> {rss_loaded / 2**20:.1f} MiB")
+            progress.note(f"loaded {n:,} keys in {load_s:.1f} s (last sequence {last_seq}); "
+                          f"RSS {rss_idle / 2**20:.1f} -> {rss_loaded / 2**20:.1f} MiB")
             snaps = []
             pids = [server.pid, os.getpid()]
-            for i in range(args.repeats):
+            for i in range(args.warmup_snapshots + args.repeats):
+                warm = i < args.warmup_snapshots
+                progress.step(f"{n:,} keys: " + (f"warm-up snapshot {i + 1}" if warm else
+                              f"snapshot {i + 1 - args.warmup_snapshots}/{args.repeats}"))
                 quiet = None
-                if args.quiet_wait_s > 0:
+                if args.quiet_wait_s > 0 and not warm:
                     quiet = wait_for_quiet(args.quiet_pct, args.quiet_wait_s)
                 cpu0 = cpu_seconds(pids)
                 snap = take_snapshot(ctx, f"tcp://127.0.0.1:{base}", n, args.value_bytes, zmq)
                 cpu1 = cpu_seconds(pids)
                 snap["cpu_pct"] = _cpu_pct(cpu0, cpu1, pids, snap["seconds"])
                 snap["host_before"] = quiet
-                rec.log(f"  snapshot {i + 1}/{args.repeats}: {snap['kvsync']:,} KVSYNC in "
-                        f"{snap['seconds']:.3f} s, whole={snap['whole']}, cpu% "
-                        f"{snap['cpu_pct']}, host before {quiet}")
+                snap["warmup"] = warm
+                progress.note(f"{snap['kvsync']:,} KVSYNC in {snap['seconds']:.3f} s, "
+                              f"whole={snap['whole']}, cpu% {snap['cpu_pct']}"
+                              + (f", host before {quiet}" if quiet else ""))
                 snaps.append(snap)
             rss_after = rss_bytes(server.pid)
             peak = peak_rss_bytes(server.pid)
@@ -227,7 +258,8 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
     finally:
         ctx.destroy(linger=0)
     per_key = (rss_loaded - rss_idle) / n
-    times = [s["seconds"] for s in snaps]
+    timed = [s for s in snaps if not s["warmup"]]
+    times = [s["seconds"] for s in timed]
     return {
         "keys": n, "value_bytes": args.value_bytes, "key_bytes": len(last_key),
         "target_command": " ".join(argv[1:]),
@@ -244,18 +276,54 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
     }
 
 
+def precise_spread(values: list[float]) -> dict:
+    """``rec.spread`` kept to 1/10,000 of the unit (it rounds to 0.1): for seconds and
+    milliseconds."""
+    out = rec.spread([v * 1000 for v in values])
+    for k in ("median", "min", "max"):
+        if k in out:
+            out[k] = round(out[k] / 1000, 4)
+    return out
+
+
+def point(r: dict, ceilings: dict) -> dict:
+    """One map size for the report: join time and memory, against the bare ceilings."""
+    n = r["keys"]
+    join = precise_spread([s["seconds"] for s in r["snapshots"] if not s["warmup"]])
+    out = {"keys": n, "join_s": join, "bytes_per_key": rec.spread([r["bytes_per_key"]]),
+           "bytes_per_key_beyond_kv": r["bytes_per_key_beyond_kv"], "whole": r["all_whole"]}
+    for kind in ("pubsub", "forwarder"):
+        rate = ceilings.get(kind, {}).get("received_per_s") or 0.0
+        ceiling_s = n / rate if rate > 0 else None
+        out[f"ceiling_{kind}_s"] = round(ceiling_s, 4) if ceiling_s else None
+        out[f"join_to_{kind}"] = round(join["median"] / ceiling_s, 2) if ceiling_s else None
+    return out
+
+
 def run(args: argparse.Namespace) -> rec.Record:
+    from bench.ceilings import measure_ceilings
+
     config = {"sizes": args.sizes, "value_bytes": args.value_bytes, "repeats": args.repeats,
+              "warmup_snapshots": args.warmup_snapshots, "ceiling_s": args.ceiling_s,
               "key_format": KEY_FORMAT, "server_heartbeat_s": HEARTBEAT_S,
               "writer": config_dict(WriterConfig(collector="tcp://127.0.0.1:P+2",
                                                  distribution="sequential", mode="flow"))}
     record = rec.Record(NAME, canonical_command(args), config)
-    for n in args.sizes:
-        record.add_run(run_size(n, args))
+    steps = 2 + len(args.sizes) * (1 + args.warmup_snapshots + args.repeats)
+    with rec.Progress(NAME, steps) as progress:
+        ceilings = measure_ceilings(seconds=args.ceiling_s, warmup=min(1.0, args.ceiling_s / 2),
+                                    keys=max(args.sizes), value_bytes=args.value_bytes,
+                                    kinds=("pubsub", "forwarder"), progress=progress)
+        for n in args.sizes:
+            record.add_run(run_size(n, args, progress))
+        progress.finish_step()
     runs = record.data["runs"]
-    record.data["summary"] = {str(r["keys"]): {"snapshot_s_median": r["snapshot_s"]["median"],
-                                               "bytes_per_key_beyond_kv": r["bytes_per_key_beyond_kv"],
-                                               "whole": r["all_whole"]} for r in runs}
+    summary = {str(r["keys"]): {"snapshot_s_median": r["snapshot_s"]["median"],
+                                "bytes_per_key_beyond_kv": r["bytes_per_key_beyond_kv"],
+                                "whole": r["all_whole"]} for r in runs}
+    summary["points"] = [point(r, ceilings) for r in runs]
+    summary["ceilings"] = ceilings
+    record.data["summary"] = summary
     for r in runs:
         if r["keys"] >= TARGET_KEYS_FOR_TIME:
             record.target(f"{r['keys']:,}-key snapshot, whole (median s)",
@@ -271,15 +339,23 @@ def run(args: argparse.Namespace) -> rec.Record:
 
 def report(record: rec.Record) -> None:
     rows = []
+    points = {p["keys"]: p for p in record.data["summary"]["points"]}
     for r in record.data["runs"]:
-        s = r["snapshot_s"]
+        s, p = r["snapshot_s"], points[r["keys"]]
         rows.append([r["keys"], r["load"]["updates_per_s"], s["median"], s["min"], s["max"],
-                     round(r["keys"] / s["median"]), "yes" if r["all_whole"] else "NO",
+                     round(r["keys"] / s["median"]), p["ceiling_pubsub_s"],
+                     p["join_to_pubsub"], "yes" if r["all_whole"] else "NO",
                      round(r["rss_idle_bytes"] / 2**20, 1), round(r["rss_loaded_bytes"] / 2**20, 1),
                      r["bytes_per_key"], r["bytes_per_key_beyond_kv"]])
+    c = record.data["summary"]["ceilings"]
     rec.table(record, f"{NAME}: join time and memory", [
-        "keys", "load upd/s", "snapshot s (median)", "min s", "max s", "keys/s", "whole",
-        "RSS idle MiB", "RSS loaded MiB", "bytes/key", "beyond k+v"], rows)
+        "keys", "load upd/s", "snapshot s (median)", "min s", "max s", "keys/s",
+        "PUB->SUB s for N", "snapshot / PUB->SUB", "whole", "RSS idle MiB", "RSS loaded MiB",
+        "bytes/key", "beyond k+v"], rows,
+        caption=f"same-run ceilings (flat out, {record.data['config']['value_bytes']}-byte "
+                f"values): bare PUB->SUB {c['pubsub']['received_per_s']:,.0f}/s, bare "
+                f"forwarding loop {c['forwarder']['received_per_s']:,.0f}/s. PUB->SUB s for N "
+                "= N / the PUB->SUB rate: the time the bare wire needs for N messages.")
     rec.print_targets(record)
 
 

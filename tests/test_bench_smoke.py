@@ -1,4 +1,5 @@
-"""Smoke tests for bench/: every benchmark runs for a second or two with tiny sizes.
+"""Smoke tests for bench/: the throughput benchmark runs for a second or two with tiny sizes
+(snapshot, fan-out, failover and ``python -m bench all``: tests/test_bench_scenarios.py).
 
 They assert that each benchmark completes and saves a well-formed JSON record with
 positive figures and the command that produced them - never timings. Plus the pieces
@@ -13,6 +14,7 @@ import pytest
 
 from bench.loadgen import WriterConfig, key_index, key_of, key_schedule
 from conftest import bench_record, run_bench
+
 
 def test_throughput_benchmark_records_positive_figures(procs, tmp_path):
     run_bench(procs, tmp_path, "bench.chp_throughput", "--seconds", "1", "--warmup", "0.3",
@@ -29,23 +31,6 @@ def test_throughput_benchmark_records_positive_figures(procs, tmp_path):
     assert data["summary"]["ratio_server_to_ceiling"] > 0
     assert {t["name"] for t in data["targets"]} == {"server updates/s (received, median)",
                                                     "server / ceiling (medians)"}
-
-
-def test_snapshot_benchmark_gets_the_whole_map(procs, tmp_path):
-    run_bench(procs, tmp_path, "bench.snapshot", "--keys", "2000", "--repeats", "1")
-    data = bench_record(tmp_path, "snapshot")
-    (run,) = data["runs"]
-    assert run["keys"] == 2000 and run["load"]["last_seq"] == 2000
-    (snap,) = run["snapshots"]
-    assert snap["whole"] and snap["kvsync"] == 2000 and snap["kthxbai_seq"] == 2000
-    assert snap["seconds"] > 0 and run["rss_loaded_bytes"] > 0
-    assert run["bytes_per_key"] > 0
-
-
-def test_python_m_bench_runs_a_profile(procs, tmp_path):
-    run_bench(procs, tmp_path, "bench", "--smoke", "--only", "snapshot")
-    data = bench_record(tmp_path, "snapshot")
-    assert data["invoked_as"].startswith("python -m bench --smoke")
 
 
 # ------------------------------------------------------------------ pure pieces

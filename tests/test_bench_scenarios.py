@@ -1,0 +1,151 @@
+"""The benchmark scenarios through ``python -m bench``: snapshot, fan-out and failover for a
+second or two each, and ``python -m bench all --smoke``, which runs every scenario and the
+report. They assert what each record says happened (every key arrived, every subscriber got
+every update, no write was lost, the same-run ceilings are there and positive) - never
+timings. Each scenario ends every process it starts by PID, even on the SIGTERM the
+``procs`` fixture sends at teardown.
+"""
+from __future__ import annotations
+
+import pytest
+
+from conftest import bench_record, run_bench
+
+RECORDS = ["chp_throughput", "scaleout", "latency", "load", "snapshot", "fanout", "failover",
+           "handoff"]
+"""What ``python -m bench all`` saves (the report reads these)."""
+
+
+def check_ceilings(ceilings: dict, rate_per_s: float = 0.0) -> None:
+    for kind in ("pubsub", "forwarder"):
+        fig = ceilings[kind]
+        assert fig["received_per_s"] > 0 and fig["sent_per_s"] > 0, (kind, fig)
+        lat = fig["latency_ms"]
+        assert 0 <= lat["p50"] <= lat["p99"] <= lat["max"], (kind, lat)
+    assert ceilings["config"]["rate_per_s"] == rate_per_s
+
+
+def check_snapshot(data: dict, keys: int, timed: int, warm: int) -> None:
+    (run,) = data["runs"]
+    assert run["keys"] == keys and run["load"]["last_seq"] == keys and run["all_whole"]
+    snaps = run["snapshots"]
+    assert [s["warmup"] for s in snaps] == [True] * warm + [False] * timed
+    for snap in snaps:  # every key arrived, once, with its value; KTHXBAI says N
+        assert snap["whole"] and snap["kvsync"] == keys and snap["kthxbai_seq"] == keys
+        assert snap["missing"] == snap["duplicates"] == snap["bad_values"] == 0
+        assert snap["seconds"] > 0
+    assert run["bytes_per_key"] > 0
+    summary = data["summary"]
+    check_ceilings(summary["ceilings"])
+    (point,) = summary["points"]
+    assert point["keys"] == keys and point["whole"]
+    assert point["join_s"]["n"] == timed and point["join_s"]["median"] > 0
+    assert point["bytes_per_key"]["median"] == run["bytes_per_key"]
+    pubsub_s = keys / summary["ceilings"]["pubsub"]["received_per_s"]
+    assert abs(point["ceiling_pubsub_s"] - pubsub_s) <= 1e-4 + 1e-3 * pubsub_s
+    assert point["join_to_pubsub"] > 0 and point["join_to_forwarder"] > 0
+
+
+def check_fanout(data: dict, combos: list[tuple[int, int]], rounds: int, updates: int) -> None:
+    runs = data["runs"]
+    assert [(r["shards"], r["subscribers"]) for r in runs] == [
+        c for c in combos for _ in range(rounds)]
+    for r in runs:  # every subscriber got every update, once
+        assert r["updates"] == updates
+        assert r["received"] == [updates] * r["subscribers"], r
+        assert r["complete"] and r["missing_total"] == r["duplicates_total"] == 0
+        assert r["strays_total"] == 0
+        lat = r["latency_ms"]
+        assert lat["samples"] == updates * r["subscribers"]
+        assert 0 <= lat["p50"] <= lat["p99"] <= lat["p99.9"] <= lat["max"]
+        assert r["delivered_per_s_min"] > 0 and r["cpu_pct"]["subscribers"] > 0
+    summary = data["summary"]
+    assert summary["all_complete"] is True and data["targets"][0]["met"] is True
+    check_ceilings(summary["ceilings"], data["config"]["rate"])
+    assert [(p["shards"], p["subscribers"]) for p in summary["points"]] == combos
+    for p in summary["points"]:
+        assert p["rounds"] == rounds and p["complete"]
+        assert p["delivered_per_s_min"]["n"] == rounds
+        assert p["delivered_to_pubsub"] > 0 and p["p99_to_pubsub"] > 0
+        assert p["latency_ms"]["p99"]["median"] >= p["latency_ms"]["p50"]["median"] >= 0
+
+
+def check_failover(data: dict, kills: int) -> None:
+    runs = data["runs"]
+    assert [r["kill"] for r in runs] == list(range(1, kills + 1))
+    for r in runs:  # the new active published, the client switched and resumed
+        assert r["first_kvpub_s"] > 0 and r["client_resume_s"] > 0
+        assert r["client_resumed_s"] is not None
+    s = data["summary"]
+    assert s["written"] > 0 and s["lost"] == 0 and s["reader_converged"] is True
+    assert s["missed_measurements"] == 0
+    check_ceilings(s["ceilings"])
+    gap = s["gap"]
+    assert gap["client_silence_timeout_s"] == pytest.approx(3 * data["config"]["heartbeat_s"])
+    assert gap["client_resume_to_silence"] > 0 and gap["pubsub_updates_in_median_gap"] > 0
+    assert {t["name"]: t["met"] for t in data["targets"]}["updates lost"] is True
+
+
+def test_snapshot_scenario_gets_the_whole_map_against_the_ceilings(procs, tmp_path):
+    run_bench(procs, tmp_path, "bench", "snapshot", "--keys", "3000", "--repeats", "2",
+              "--warmup-snapshots", "1", "--ceiling-s", "0.5")
+    data = bench_record(tmp_path, "snapshot")
+    assert data["invoked_as"].startswith("python -m bench snapshot --keys 3000")
+    check_snapshot(data, keys=3000, timed=2, warm=1)
+    assert "snapshot / PUB->SUB" in (tmp_path / "latest" / "snapshot.md").read_text()
+
+
+def test_fanout_scenario_delivers_every_update_to_every_subscriber(procs, tmp_path):
+    run_bench(procs, tmp_path, "bench", "fanout", "--shards", "2", "--subscribers", "1,3",
+              "--rate", "200", "--seconds", "0.5", "--warmup", "0.2", "--ceiling-s", "0.5")
+    data = bench_record(tmp_path, "fanout")
+    assert data["runs"][0]["warmup_updates"] == 40
+    check_fanout(data, [(2, 1), (2, 3)], rounds=1, updates=100)
+
+
+def test_failover_scenario_loses_no_write(procs, tmp_path):
+    run_bench(procs, tmp_path, "bench", "failover", "--kills", "1", "--rate", "200",
+              "--steady-s", "0.3", "--ceiling-s", "0.5")
+    check_failover(bench_record(tmp_path, "failover"), kills=1)
+
+
+def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
+    stdout = run_bench(procs, tmp_path, "bench", "all", "--smoke")
+    records = {name: bench_record(tmp_path, name) for name in RECORDS}
+    for data in records.values():
+        assert data["invoked_as"].startswith("python -m bench all --smoke")
+    check_snapshot(records["snapshot"], keys=2000, timed=1, warm=0)
+    check_fanout(records["fanout"], [(1, 1), (1, 4), (2, 1), (2, 4)], rounds=1, updates=100)
+    check_failover(records["failover"], kills=1)
+    for name in ("chp_throughput", "scaleout", "latency"):
+        assert records[name]["summary"], name
+    assert (tmp_path / "REPORT.md").exists() and list((tmp_path / "plots").glob("*.png"))
+    table = "\n".join(stdout)
+    assert "python -m bench all (smoke)" in table and "FAILED" not in table
+
+
+def test_bench_refuses_an_unknown_scenario_and_lists_them_all(procs):
+    bad = procs.python("-m", "bench", "nosuch")
+    assert bad.wait(30) == 2
+    assert any("unknown scenario 'nosuch'" in line for line in bad.stderr)
+    helped = procs.python("-m", "bench", "--help")
+    assert helped.wait(30) == 0
+    text = "\n".join(helped.stdout)
+    for name in ("single", "scaleout", "latency", "load", "snapshot", "fanout", "failover",
+                 "report", "all"):
+        assert f"\n  {name} " in text, name
+    assert text.count("smoke ~") >= 10
+
+
+def test_a_scenario_help_states_its_durations(procs):
+    for name in ("snapshot", "fanout", "failover"):
+        helped = procs.python("-m", "bench", name, "--help")
+        assert helped.wait(30) == 0
+        text = " ".join(" ".join(helped.stdout).split())
+        assert "smoke" in text and "full" in text and "min" in text, (name, text)
+
+
+def test_the_records_checked_here_are_every_scenario_all_runs():
+    from bench.__main__ import ORDER, SCENARIOS
+
+    assert sorted(SCENARIOS[n].record for n in ORDER) == sorted(RECORDS)
