@@ -54,6 +54,8 @@ from supervisor.broker_core import BrokerConfig, BrokerCore, Drop, InternalCall,
 log = logging.getLogger(__name__)
 
 MAX_INTERNAL_CALLS = 64
+STOP_LINGER_MS = 200
+"""How long ``stop()`` lets its DISCONNECTs to the workers drain before closing."""
 """Broker-hosted requests running at once; more are dropped (``internal_busy``)."""
 
 
@@ -156,7 +158,8 @@ class Broker:
         if self._calls:
             await asyncio.gather(*self._calls, return_exceptions=True)
         if self._asock is not None:
-            self._asock.close(linger=0)
+            self._perform(self.core.on_stop())
+            self._asock.close(linger=STOP_LINGER_MS)
             self._asock = None
             self._sock = None
         if self._own_ctx and self.ctx is not None:

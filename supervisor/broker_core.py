@@ -182,7 +182,7 @@ class BrokerCore:
             ("requests", "dispatched", "partials", "finals", "queued", "requeued", "mmi",
              "internal_calls", "workers_registered", "workers_expired",
              "workers_disconnected", "workers_invalid", "heartbeats_sent",
-             "disconnects_sent"), 0)
+             "disconnects_sent", "dropped_on_stop"), 0)
         self._expiry_s = self.config.worker_expiry_s
 
     # ----------------------------------------------------------------- internal services
@@ -451,6 +451,26 @@ class BrokerCore:
                                               f"({worker.service.name!r}) sent an invalid "
                                               "message: forgotten"))
         self._forget(worker, now, effects)
+
+    def on_stop(self) -> list:
+        """The broker is going away: a DISCONNECT to every worker, which then starts over
+        on a fresh socket at once (a restarted broker gets its READY without waiting
+        ``liveness`` heartbeats). Requests in flight or queued are dropped and counted
+        (``dropped_on_stop``): their clients' own deadlines and retries take over."""
+        effects: list = []
+        for identity in list(self.workers):
+            effects += self._disconnect(identity, "broker_stopping", "the broker is stopping")
+        lost = sum(1 for w in self.workers.values() if w.request is not None)
+        lost += sum(len(svc.requests) for svc in self.services.values())
+        if lost:
+            self.counters["dropped_on_stop"] += lost
+            effects.append(Note("stopping", f"{lost} requests in flight or queued dropped"))
+        self.workers.clear()
+        for svc in self.services.values():
+            svc.idle.clear()
+            svc.requests.clear()
+            svc.workers = 0
+        return effects
 
     def _disconnect(self, identity: bytes, reason: str, detail: str) -> list:
         self.counters["disconnects_sent"] += 1

@@ -173,6 +173,20 @@ def test_worker_disconnect_forgets_it_and_requeues_its_request(h):
     assert sends(h.ready(W2)) == [[W2, b"MDPW02", b"\x02", C1, b"", b"q"]]
 
 
+def test_stopping_disconnects_every_worker_and_counts_what_it_drops(h):
+    h.ready(W1)
+    h.ready(W2)
+    h.ready(W3, b"other")
+    h.request(C1, b"echo", b"in flight")
+    h.request(C2, b"nobody", b"queued")
+    out = h.core.on_stop()
+    assert sorted(sends(out)) == [[w, b"MDPW02", b"\x06"] for w in (W1, W2, W3)]
+    assert h.core.counters["dropped_on_stop"] == 2
+    assert h.core.counters["disconnects_sent"] == 3
+    assert h.core.workers == {} and h.core.queued() == 0
+    assert sends(h.core.on_stop()) == []  # a second stop has nobody left to tell
+
+
 def test_heartbeats_go_to_workers_not_recently_sent_to(h):
     h.ready(W1)
     h.ready(W2)

@@ -379,3 +379,15 @@ def test_signals_stop_cleanly(procs, port_base, sig):
     proc = start_broker(procs, port_base)
     proc.signal(sig)
     assert proc.wait(10) == 0
+
+
+def test_a_stopping_broker_disconnects_every_worker(zctx, procs, port_base):
+    """A broker that stops sends each worker DISCONNECT (allowed by the spec), so workers
+    start over at once instead of waiting out ``liveness`` heartbeats of silence."""
+    proc = start_broker(procs, port_base)
+    endpoint = f"tcp://127.0.0.1:{port_base}"
+    workers = [worker(zctx, endpoint, b"echo"), worker(zctx, endpoint, b"other")]
+    proc.signal(signal.SIGTERM)
+    for w in workers:
+        assert w.recv() == DISCONNECT
+    assert proc.wait(10) == 0

@@ -141,7 +141,9 @@ def test_worker_reregisters_after_disconnect_from_a_restarted_broker(procs, port
 
     async def body(ctx):
         # liveness 100: the worker would wait 20 s to notice silence, so the quick
-        # recovery below can only come from the new broker's DISCONNECT
+        # recovery below can only come from a DISCONNECT: the stopping broker's, or the
+        # new broker's answer to a peer it does not know (a READY that reached the old
+        # broker while it was closing leaves the worker unknown to the new one: then both)
         async with MdpWorker(endpoint, "echo", echo, ctx=ctx, heartbeat_s=HB_S,
                              liveness=100) as w:
             async with MdpClient(endpoint, ctx=ctx, timeout_s=3) as client:
@@ -150,7 +152,7 @@ def test_worker_reregisters_after_disconnect_from_a_restarted_broker(procs, port
                 await asyncio.to_thread(start_broker, procs, port_base)
                 assert await client.request("echo", b"2", timeout_s=0.5, retries=20) == [b"2"]
                 assert w.counters["disconnects_received"] >= 1
-                assert w.counters["connects"] == 2 and w.counters["broker_silent"] == 0
+                assert 2 <= w.counters["connects"] <= 3 and w.counters["broker_silent"] == 0
     run(body)
 
 
