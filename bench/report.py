@@ -112,7 +112,10 @@ def num(v) -> str:
 
 
 def fmt(v) -> str:
-    """A SPREAD as ``median (min-max, spread%)``; a number as itself; else ``-``/text."""
+    """A SPREAD as ``median (min-max, spread%)`` (one run: the value); a number as itself;
+    else ``-`` or the text."""
+    if is_spread(v) and v.get("n") == 1:
+        return num(v["median"])  # one run: no spread to show
     if is_spread(v):
         lo, hi, m = v.get("min"), v.get("max"), v["median"]
         sp = v.get("spread_pct")
@@ -159,8 +162,8 @@ def figures_tables(summary: dict) -> list[str]:
     figures, scalars, out = [], [], []
     for key, v in summary.items():
         if key in ("points", "ceilings", "contention", "estimate_16core") or (
-                key == "by_run" and summary.get("points")):
-            continue  # shown apart; by_run: fan-out's medians, also in its points
+                (key == "by_run" or key.isdigit()) and summary.get("points")):
+            continue  # shown apart; by_run (fan-out), "<keys>" (snapshot): in the points
         if is_spread(v):
             figures.append([key, fmt(v), runs_of(v)])
         elif isinstance(v, dict) and v and all(is_spread(x) or not isinstance(x, (dict, list))

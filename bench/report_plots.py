@@ -169,6 +169,10 @@ def fanout(plt, data: dict, path: Path) -> bool:
     _plain_log(ax.xaxis, sorted({r[1] for r in rows}))
     _plain_log(ax.yaxis)
     ax.axhline(P99_TARGET_MS, color="red", lw=1, label=f"{P99_TARGET_MS:g} ms")
+    ceiling = median(get(data, "summary", "ceilings", "pubsub", "latency_ms", "p99"))
+    if ceiling:
+        ax.axhline(ceiling, color="grey", ls="--", lw=1,
+                   label="bare PUB->SUB p99, 1 subscriber, same rate")
     ax.set(xlabel="subscribers (log2)", ylabel="p99 latency ms (log)",
            title=_title("Fan-out: p99 against subscribers", data))
     ax.grid(alpha=0.3, which="both")
@@ -178,10 +182,12 @@ def fanout(plt, data: dict, path: Path) -> bool:
 
 def _plain_log(axis, ticks=None) -> None:
     """Plain numbers (1, 4, 0.5, 1e+06) on a log axis instead of powers; optional ticks."""
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     if ticks:
         axis.set_ticks(ticks)
+    else:  # 1, 2, 5, 10, 20, 50...: labels even on a range narrower than a decade
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
 
