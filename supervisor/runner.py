@@ -28,6 +28,11 @@ A server is a child ``python -m shards`` process::
   RUNNING; every line is copied to the log); stderr goes straight to
   ``RUN_DIR/logs/<shard>-<role>.log``. The supervisor adds its own ``--- supervisor:``
   lines there (starts, exits, restarts).
+* Log rotation (copy-truncate, as the server holds its log open): every
+  ``LOG_CHECK_S`` and before each start, a log over ``log_max_bytes`` is copied to
+  ``<log>.1`` (older copies shift up to ``.<log_keep>``, the oldest is dropped) and
+  truncated in place; the server's O_APPEND writes continue at the new end. Lines
+  written between the copy and the truncation (microseconds) are lost.
 
 States: STARTING (spawned, no READY yet), RUNNING, BACKOFF (waiting to restart), FAILED
 (the policy gave up), STOPPING, STOPPED.
@@ -39,6 +44,7 @@ import json
 import logging
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -58,6 +64,12 @@ log = logging.getLogger(__name__)
 STOP_DEADLINE_S = 5.0
 """SIGTERM, then SIGKILL after this long."""
 READY_TIMEOUT_S = 20.0
+LOG_MAX_BYTES = 16 * 1024 * 1024
+"""A server log this big is rotated (``supervisor start --log-max-mb``)."""
+LOG_KEEP = 3
+"""Rotated copies kept per server log (``<log>.1`` newest .. ``<log>.3``)."""
+LOG_CHECK_S = 10.0
+"""How often the logs' sizes are checked."""
 
 STARTING, RUNNING, BACKOFF, FAILED, STOPPING, STOPPED = (
     "STARTING", "RUNNING", "BACKOFF", "FAILED", "STOPPING", "STOPPED")
@@ -139,6 +151,24 @@ class ServerProcess:
             self._log.write(f"{stamp} --- supervisor: {text}\n".encode())
             self._log.flush()
 
+    def rotate_log(self, max_bytes: int, keep: int) -> bool:
+        """Copy-truncate this server's log if it is ``max_bytes`` or more (see the module
+        doc). Returns whether it rotated."""
+        if self._log is None or keep < 1:
+            return False
+        fd = self._log.fileno()
+        if os.fstat(fd).st_size < max_bytes:
+            return False
+        path = self.log_path
+        for i in range(keep - 1, 0, -1):
+            older = path.with_name(f"{path.name}.{i}")
+            if older.exists():
+                os.replace(older, path.with_name(f"{path.name}.{i + 1}"))
+        shutil.copyfile(path, path.with_name(f"{path.name}.1"))
+        os.ftruncate(fd, 0)
+        self.note(f"log rotated; the previous lines are in {path.name}.1")
+        return True
+
     def describe(self, now: float) -> dict:
         """This server as JSON-able data (the status row; stats come from its service)."""
         p = self.plan
@@ -191,8 +221,12 @@ class Runner:
                  policy: PolicyConfig = DEFAULT_POLICY,
                  clock: Callable[[], float] = time.monotonic,
                  on_event: Callable[[str], None] | None = None,
-                 stop_deadline_s: float = STOP_DEADLINE_S):
+                 stop_deadline_s: float = STOP_DEADLINE_S,
+                 log_max_bytes: int = LOG_MAX_BYTES, log_keep: int = LOG_KEEP):
         self.plan = plan
+        self.log_max_bytes = log_max_bytes
+        self.log_keep = log_keep
+        self._log_task: asyncio.Task | None = None
         self.run_dir = Path(run_dir)
         self.log_dir = self.run_dir / "logs"
         self.args = args
@@ -223,9 +257,28 @@ class Runner:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for proc in self.servers.values():
             self._spawn(proc, manual=True)
+        if self._log_task is None:
+            self._log_task = asyncio.get_running_loop().create_task(self._watch_logs())
         await self.wait_for(lambda: all(p.state in (RUNNING, FAILED)
                                         for p in self.servers.values()), timeout_s)
         return [p.name for p in self.servers.values() if p.state != RUNNING]
+
+    def rotate_logs(self) -> list[str]:
+        """Rotate every server log over the limit now; returns the servers rotated."""
+        rotated = []
+        for proc in self.servers.values():
+            try:
+                if proc.rotate_log(self.log_max_bytes, self.log_keep):
+                    rotated.append(proc.name)
+            except OSError as exc:  # a full disk must not stop the supervisor
+                log.warning("%s: cannot rotate %s: %s", proc.name, proc.log_path, exc)
+        return rotated
+
+    async def _watch_logs(self) -> None:
+        while True:
+            await asyncio.sleep(LOG_CHECK_S)
+            for name in self.rotate_logs():
+                log.info("%s: log rotated (over %d bytes)", name, self.log_max_bytes)
 
     async def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until ``predicate()`` holds, re-checked at every state change."""
@@ -256,6 +309,10 @@ class Runner:
         if proc._log is None:
             proc.log_path.parent.mkdir(parents=True, exist_ok=True)
             proc._log = open(proc.log_path, "ab")
+        try:
+            proc.rotate_log(self.log_max_bytes, self.log_keep)
+        except OSError as exc:
+            log.warning("%s: cannot rotate %s: %s", proc.name, proc.log_path, exc)
         now = self.clock()
         try:
             popen = subprocess.Popen(
@@ -416,6 +473,9 @@ class Runner:
     async def stop_all(self) -> None:
         """Stop every server (no restarts from now on); returns once all are reaped."""
         self.stopping = True
+        if self._log_task is not None:
+            self._log_task.cancel()
+            self._log_task = None
         for proc in self.servers.values():
             self._cancel_backoff(proc)
             if proc.state == BACKOFF:

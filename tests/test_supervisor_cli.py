@@ -344,6 +344,28 @@ def test_a_server_that_keeps_crashing_is_failed_not_restarted(procs, tmp_path):
     assert rows["s0/backup"]["restarts"] == 3
 
 
+def test_a_server_log_over_the_limit_is_rotated_and_the_server_keeps_writing(procs, tmp_path):
+    """Copy-truncate at each start: the restarted server's log begins afresh, the old lines
+    are in <log>.1, and the running server's later lines land in the truncated file."""
+    config, control = write_config(tmp_path, "1shard.yaml")
+    sup = start(procs, config, tmp_path, "--backoff-initial-s", "0.05", "--log-max-mb", "0.0001")
+    log = tmp_path / "run" / "logs" / "s0-backup.log"
+    first_pid = status(control)["s0/backup"]["pid"]
+    assert log.stat().st_size >= 105, log.read_text()  # start-up lines: over the limit
+    assert cli("kill", "s0/backup", "--control", control).returncode == 0
+    sup.wait_line(f"EVENT s0/backup pid {first_pid} killed by SIGKILL")
+    sup.wait_line("EVENT s0/backup ready")
+    rotated = log.with_name("s0-backup.log.1")
+    old = rotated.read_text()
+    assert f"started pid {first_pid}" in old and "killed by SIGKILL" in old
+    new = log.read_text()
+    assert "log rotated; the previous lines are in s0-backup.log.1" in new
+    assert f"started pid {first_pid} " not in new
+    assert "started pid" in new  # the new run's own lines go to the fresh file
+    assert cli("stop", "--control", control).returncode == 0
+    assert sup.wait(20) == 0
+
+
 def test_detach_runs_in_the_background_and_stop_ends_it(tmp_path):
     config, control = write_config(tmp_path, "1shard.yaml")
     run_dir = tmp_path / "run"

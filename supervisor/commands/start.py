@@ -94,8 +94,10 @@ def _detach(argv: list[str], run_dir: Path, control: str) -> int:
 
 class Supervisor:
     def __init__(self, the_plan: Plan, run_dir: Path, *, table: bool, demo_load: bool,
-                 detached: bool, ready_timeout_s: float, policy: PolicyConfig):
+                 detached: bool, ready_timeout_s: float, policy: PolicyConfig,
+                 log_max_bytes: int):
         self.plan = the_plan
+        self.log_max_bytes = log_max_bytes
         self.policy = policy
         self.run_dir = run_dir
         self.table = table
@@ -129,7 +131,8 @@ class Supervisor:
         runner = Runner(the_plan, self.run_dir,
                         ServerArgs(control=control, heartbeat_s=the_plan.heartbeat_s,
                                    parent_pid=os.getpid()),
-                        policy=self.policy, on_event=self.on_event)
+                        policy=self.policy, on_event=self.on_event,
+                        log_max_bytes=self.log_max_bytes)
         ControlServices(the_plan, runner, self.stop).register(broker)
         tasks: list[asyncio.Task] = []
         pid_file = self.run_dir / "supervisor.pid"
@@ -237,10 +240,13 @@ class Supervisor:
               help=f"Crashes within {CRASH_WINDOW_S:g} s after which a server is FAILED.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]),
               default="INFO", show_default=True)
+@click.option("--log-max-mb", type=click.FloatRange(min=0, min_open=True), default=16.0,
+              show_default=True,
+              help="Rotate a server's log at this size (3 copies kept: <log>.1 .. .3).")
 @click.option("--detached-child", is_flag=True, hidden=True)
 def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
             table: bool | None, ready_timeout_s: float, backoff_initial_s: float,
-            backoff_cap_s: float, crash_limit: int, log_level: str,
+            backoff_cap_s: float, crash_limit: int, log_level: str, log_max_mb: float,
             detached_child: bool) -> None:
     """Start the cluster in CONFIG and keep it running (Ctrl-C stops it)."""
     try:
@@ -261,8 +267,8 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
         argv = ["start", str(Path(config).resolve()), "--run-dir", str(run_path),
                 "--no-table", "--ready-timeout-s", str(ready_timeout_s),
                 "--log-level", log_level, "--backoff-initial-s", str(backoff_initial_s),
-                "--backoff-cap-s", str(backoff_cap_s), "--crash-limit", str(crash_limit)
-                ] + (["--demo-load"] if demo_load else [])
+                "--backoff-cap-s", str(backoff_cap_s), "--crash-limit", str(crash_limit),
+                "--log-max-mb", str(log_max_mb)] + (["--demo-load"] if demo_load else [])
         raise SystemExit(_detach(argv, run_path, the_plan.control))
     if table is None:
         table = sys.stdout.isatty() and not detached_child
@@ -277,7 +283,7 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
 
     supervisor = Supervisor(the_plan, run_path, table=table, demo_load=demo_load,
                             detached=detached_child, ready_timeout_s=ready_timeout_s,
-                            policy=policy)
+                            policy=policy, log_max_bytes=int(log_max_mb * 1024 * 1024))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(supervisor.run())
     raise SystemExit(code)
