@@ -36,7 +36,7 @@ Targets: every client resumes within 2 s of its silence timeout; zero updates lo
 passive's RSS grows < 20 MiB within any steady window.
 
 Duration on a 2-core host: smoke (``--kills 1 --steady-s 0.3``) ~6 s; quick
-(``--kills 3 --steady-s 1``) ~25 s; full (``--kills 10 --steady-s 2``) ~1 min.
+(``--kills 3 --steady-s 1``) ~20 s; full (``--kills 10 --steady-s 2``) ~1 min.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from bench.runner import Target, bench_main, free_port_base, server_argv
 
 NAME = "failover"
 DURATION = ("Duration (2 cores): smoke (--kills 1 --steady-s 0.3) ~6 s; quick (--kills 3 "
-            "--steady-s 1) ~25 s; full (--kills 10 --steady-s 2) ~1 min.")
+            "--steady-s 1) ~20 s; full (--kills 10 --steady-s 2) ~1 min.")
 SILENCE_HEARTBEATS = 3
 RESUME_SLACK_S = 2.0
 RSS_GROWTH_TARGET_BYTES = 20 * 2**20

@@ -35,8 +35,8 @@ timed. Per (S, N): median and spread over the rounds, and ratios to the ceilings
 delivered rate / the PUB->SUB's received rate, p50 and p99 / the PUB->SUB's.
 
 Duration on a 2-core host: smoke (1,2 shards x 1,4 subscribers, 0.5 s at 200/s) ~8 s;
-quick (1,4 x 1,4,16, 3 s at 1000/s) ~1 min; full (the same, 5 s after a 1 s warm-up,
-2 rounds, ``--ceiling-s 3``) ~3 min.
+quick (1,4 x 1,4,16, 3 s at 1000/s) ~45 s; full (the same, 5 s after a 1 s warm-up,
+2 rounds, ``--ceiling-s 3``) ~2.5 min.
 """
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ from bench.runner import Target, bench_main, cpu_seconds, server_argv, start_on_
 
 NAME = "fanout"
 DURATION = ("Duration (2 cores): smoke (--shards 1,2 --subscribers 1,4 --rate 200 --seconds "
-            "0.5) ~8 s; quick (--seconds 3) ~1 min; full (--seconds 5 --warmup 1 --rounds 2) "
-            "~3 min.")
+            "0.5) ~8 s; quick (--seconds 3) ~45 s; full (--seconds 5 --warmup 1 --rounds 2) "
+            "~2.5 min.")
 TS_DIGITS = 19
 SUBSCRIBER_IDLE_S = 5.0
 """A subscriber that has heard nothing for this long after its first update stops."""
