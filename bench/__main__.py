@@ -17,6 +17,7 @@ import argparse
 import importlib
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 from bench import record as rec
@@ -165,6 +166,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     return ap
 
 
+def _status(result) -> int:
+    """A scenario's ``main`` returns its record (success) or, like the report, an exit
+    status."""
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
 def parse_all(argv: list[str], prog: str) -> argparse.Namespace:
     args = build_parser(prog).parse_args(argv)
     args.profile = "full" if args.full else "smoke" if args.smoke else "quick"
@@ -187,18 +194,18 @@ def run_all(args: argparse.Namespace) -> int:
                 + " ".join(argv))
         t0 = time.monotonic()
         try:
-            _load(name)(argv)
-            status = "ok"
-        except (Exception, SystemExit) as exc:
-            if isinstance(exc, SystemExit) and (exc.code in (0, None) or
-                                                isinstance(exc.code, int) and exc.code >= 128):
-                if exc.code in (0, None):
-                    status = "ok"
-                else:
-                    raise  # a signal: stop here (every scenario ends its processes itself)
-            else:
-                status = f"FAILED: {type(exc).__name__}: {exc}"[:200]
-                rec.log(f"bench all: {name} {status}")
+            code = _status(_load(name)(argv))
+            status = "ok" if code == 0 else f"FAILED: exit status {code}"
+        except SystemExit as exc:  # argparse's 2, or a signal (128 + n): stop there
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            if code >= 128:
+                raise
+            status = "ok" if code == 0 else f"FAILED: exit status {code}"
+        except Exception as exc:  # noqa: BLE001 - reported, and the others still run
+            traceback.print_exc()
+            status = f"FAILED: {type(exc).__name__}: {exc}"[:200]
+        if status != "ok":
+            rec.log(f"bench all: {name} {status}")
         failed += status != "ok"
         rows.append([name, SCENARIOS[name].module, status, round(time.monotonic() - t0, 1),
                      SCENARIOS[name].duration[args.profile]])
@@ -218,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         except LookupError as exc:
             print(f"python -m bench: {exc}", file=sys.stderr)
             return 2
-        scenario_main(argv[1:])
-        return 0
+        return _status(scenario_main(argv[1:]))
     if argv and argv[0] == "all":
         return run_all(parse_all(argv[1:], "python -m bench all"))
     if argv and not argv[0].startswith("-"):
