@@ -57,6 +57,8 @@ class Offer:
     mode: str = "flow"             # flat out: flow (block) or drop
     latency_every: int = 64
     pin: bool = False
+    drain_s: float = 2.0           # subscriber: read at most this long after the window
+    flush_s: float = 1.0           # writer: flush its queue at most this long at exit
 
     @property
     def writer_mode(self) -> str:
@@ -110,8 +112,17 @@ class Targets:
     def __enter__(self) -> "Targets":
         try:
             if self.kind in ("server", "forwarder"):
-                for i in range(self.shards):
-                    self._start(i)
+                # start them side by side (each waits ~1 s for its READY line)
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(self.shards) as pool:
+                    started = list(pool.map(self._start, range(self.shards)))
+                for proc, base in started:
+                    self.procs.append(proc)
+                    self.ports.append(base)
+                for proc, _ in started:
+                    if isinstance(proc, BaseException):
+                        raise proc
             elif self.kind == "pubsub":
                 base = free_port_base(self.shards)
                 self.ports = [base + i for i in range(self.shards)]
@@ -120,7 +131,14 @@ class Targets:
             raise
         return self
 
-    def _start(self, index: int) -> None:
+    def _start(self, index: int):
+        """(Target, port base), or (the exception, None) if it could not start."""
+        try:
+            return start_on_free_ports(f"{self.kind}-{index}", self._argv_for(index))
+        except BaseException as exc:  # re-raised by __enter__ once every start is done
+            return exc, None
+
+    def _argv_for(self, index: int):
         extra = list(self.extra)
         if self.kind == "server":
             from shards.routing import ShardMap
@@ -129,21 +147,19 @@ class Targets:
             for prefix, shard in self.pins:
                 pins.setdefault(shard, []).append(prefix)
             routing = json.dumps(ShardMap(self.shards, pins).describe(), separators=(",", ":"))
-            extra += ["--routing", routing, "--shard-index", str(index)]
+            extra += ["--routing", routing, "--shard-index", str(index),
+                      "--parent-pid", str(os.getpid())]
             if self.offer.pin:
                 extra += ["--cpus", str(self.target_cores[index])]
-            argv_for = lambda b: server_argv(b, self.host, tuple(extra))  # noqa: E731
-        else:
-            if self.offer.pin:
-                extra += ["--core", str(self.target_cores[index])]
-            argv_for = lambda b: forwarder_argv(b, self.host, tuple(extra))  # noqa: E731
-        proc, base = start_on_free_ports(f"{self.kind}-{index}", argv_for)
-        self.procs.append(proc)
-        self.ports.append(base)
+            return lambda b: server_argv(b, self.host, tuple(extra))
+        if self.offer.pin:
+            extra += ["--core", str(self.target_cores[index])]
+        return lambda b: forwarder_argv(b, self.host, tuple(extra))
 
     def close(self) -> None:
         for proc in self.procs:
-            proc.stop()
+            if isinstance(proc, Target):
+                proc.stop()
         self.procs.clear()
 
     def __exit__(self, *exc) -> None:
@@ -185,10 +201,11 @@ class Targets:
                 pins=self.pins, keys=o.keys, value_bytes=o.value_bytes,
                 distribution=o.distribution, mode=o.writer_mode, rate_per_s=o.rate_per_s,
                 ttl_fraction=o.ttl_fraction, ttl_s=o.ttl_s, seed=seed + i, writer_id=i,
-                core=cores[i], seq_stamp=self.kind == "pubsub", bind=self.kind == "pubsub"))
+                core=cores[i], seq_stamp=self.kind == "pubsub", bind=self.kind == "pubsub",
+                flush_s=o.flush_s))
         pubs = tuple(self.publishers())
         subs = [SubscriberConfig(endpoint=pubs[0], endpoints=pubs if len(pubs) > 1 else (),
-                                 latency_every=o.latency_every,
+                                 latency_every=o.latency_every, drain_s=o.drain_s,
                                  core=cores[o.writers + j])
                 for j in range(1 if self.kind == "pubsub" else o.subscribers)]
         return writers, subs

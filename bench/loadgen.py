@@ -124,6 +124,7 @@ class WriterConfig:
     collectors: tuple[str, ...] = ()   # several shards: one socket each (overrides collector)
     pins: tuple[tuple[str, int], ...] = ()  # pinned (prefix, shard) of the shards' routing
     seq_stamp: bool = False        # sequence frame = this socket's sent counter (bare PUB->SUB)
+    flush_s: float = FLUSH_S       # at exit, flush the queue for at most this long
     bind: bool = False             # bind the collector endpoints (bare PUB->SUB: the subscriber
                                    # connects, as to a server's publisher)
 
@@ -262,7 +263,7 @@ def writer_main(cfg: WriterConfig, conn) -> None:
         window: Window = conn.recv()
         result.update(_write(socks, cfg, schedule, window, send_frames5, zmq))
         for sock in socks:
-            sock.linger = int(FLUSH_S * 1000)  # what was sent must reach the server
+            sock.linger = int(cfg.flush_s * 1000)  # what was sent must reach the server
         conn.send(result)
     except KeyboardInterrupt:
         pass

@@ -1,0 +1,284 @@
+"""Scale-out: the same offered load over 1, 2 and 4 shards (``python -m bench scaleout``).
+
+Every point is one fresh set of targets under the same harness: ``--writers`` writer
+processes flat out (``flow``: a full pipe blocks the writer, nothing is dropped before a
+target), each routing every key to its owning shard as a client does, and one subscriber
+process reading every shard's publisher (sequence and gaps per shard). Targets:
+
+* ``server``: N standalone ``python -m shards`` processes, each started with the routing
+  of N shards and its ``--shard-index`` (it drops keys it does not own, as in a cluster);
+* ``forwarder``: N bare forwarding loops (bench/forwarder.py) under the same harness,
+  the ceiling for each N.
+
+Plus the bare PUB->SUB ceiling (bench/ceilings.py) with the same writers. Per run:
+aggregate received updates/s, ``cpu_cores`` (CPU seconds of all our processes - targets,
+writers, subscriber - over the window) and updates/s per busy core; per point the
+median and spread over ``--rounds``, and ``efficiency`` = aggregate / (N x the 1-shard
+median of the same target). ``contention`` says where the host runs out of cores;
+``estimate_16core`` turns the measured CPU per update of server, writers and subscriber
+into an estimated aggregate for a 16-core host (configs/16core-scale.yaml: 6 shards,
+primaries on cores 0-5, backups on 6-11, harness on 12-15), with its inputs and formula.
+
+Duration: (rounds x len(shards) x 2 targets) runs of warmup + seconds + ~1.5 s start-up
+per target process, plus one ceiling run: smoke (``--shards 1,2 --seconds 0.5 --warmup
+0.2 --rounds 1``) ~15 s; quick (``--seconds 2 --rounds 2``) ~1.5 min; full (``--seconds
+4 --warmup 1 --rounds 3``) ~4 min.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import asdict
+
+from bench import record as rec
+from bench.ceilings import FIGURE_KEYS, measure_ceilings
+from bench.load import (Offer, Targets, add_offer_args, brief, check_offer_args, offer_from,
+                        run_offer)
+from bench.runner import bench_main
+
+NAME = "scaleout"
+ESTIMATE_HOST = {"config": "configs/16core-scale.yaml", "cores": 16, "shards": 6,
+                 "primary_cores": [0, 1, 2, 3, 4, 5], "backup_cores": [6, 7, 8, 9, 10, 11],
+                 "harness_cores": [12, 13, 14, 15]}
+
+ESTIMATE_ASSUMPTIONS = (
+    "the same CPU cost per update there as here (same CPU speed), no other load, loopback "
+    "networking, backups on their own cores (a passive server's replication does not slow "
+    "its primary), each primary alone on its core with its I/O thread, and enough harness "
+    "processes to spread writing and subscribing over the harness cores (one subscriber "
+    "process is capped at 1 / c_sub). Costs measured here under contention (processes "
+    "sharing 2 cores) are a little higher than on idle cores, so the estimate leans low.")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog=f"python -m bench {NAME}",
+        description="aggregate throughput over 1, 2 and 4 shard servers and as many bare "
+                    "forwarding loops, same writers and subscriber. Duration: smoke "
+                    "(--shards 1,2 --seconds 0.5 --warmup 0.2 --rounds 1) ~15 s, quick "
+                    "(--seconds 2 --rounds 2) ~1.5 min, full (--seconds 4 --warmup 1 "
+                    "--rounds 3) ~4 min")
+    ap.add_argument("--shards", default="1,2,4", help="shard counts, e.g. 1,2,4")
+    ap.add_argument("--targets", default="server,forwarder",
+                    help="server and/or forwarder, comma-separated")
+    ap.add_argument("--seconds", type=float, default=2.0, help="measured window per run")
+    ap.add_argument("--warmup", type=float, default=0.5, help="warm-up before each window")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--hwm", type=int, default=10_000,
+                    help="targets' PUB SNDHWM and collector RCVHWM (small: flat-out runs "
+                         "drain quickly)")
+    add_offer_args(ap, writers=2)
+    args = ap.parse_args(argv)
+    check_offer_args(ap, args)
+    try:
+        args.shard_counts = sorted({int(x) for x in args.shards.split(",") if x.strip()})
+    except ValueError:
+        ap.error(f"--shards: expected comma-separated integers, got {args.shards!r}")
+    if not args.shard_counts or args.shard_counts[0] < 1 or args.shard_counts[-1] > 16:
+        ap.error("--shards: counts must be in 1..16")
+    if 1 not in args.shard_counts:
+        ap.error("--shards must include 1 (efficiency is against the 1-shard figure)")
+    args.target_kinds = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if not args.target_kinds or set(args.target_kinds) - {"server", "forwarder"}:
+        ap.error("--targets: server and/or forwarder")
+    if args.hwm < 1:
+        ap.error("--hwm must be >= 1")
+    return args
+
+
+def run(args: argparse.Namespace) -> rec.Record:
+    offer = offer_from(args, subscribers=1)
+    opts = {k: v for k, v in vars(args).items()
+            if k not in ("results_dir", "shard_counts", "target_kinds")}
+    config = dict(opts, offer=asdict(offer))
+    config["order"] = [f"{r + 1}:{n}:{k}" for r in range(args.rounds)
+                       for n in args.shard_counts for k in args.target_kinds]
+    record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", opts), config)
+    extra = ("--pub-hwm", str(args.hwm), "--collect-hwm", str(args.hwm))
+    steps = 1 + len(config["order"])
+    with rec.Progress(NAME, total=steps) as progress:
+        ceilings = measure_ceilings(seconds=args.seconds, warmup=args.warmup, keys=args.keys,
+                                    value_bytes=args.value_bytes, writers=args.writers,
+                                    pin=args.pin, kinds=("pubsub",), progress=progress)
+        for r in range(args.rounds):
+            for n in args.shard_counts:
+                for kind in args.target_kinds:
+                    progress.step(f"round {r + 1}/{args.rounds}: {n} x {kind}")
+                    with Targets(kind, n, offer=offer, extra=extra) as targets:
+                        fig = run_offer(targets, warmup=args.warmup, seconds=args.seconds,
+                                        progress=progress, seed=1 + 100 * r)
+                        fig["targets"] = targets.describe()
+                    fig["round"] = r + 1
+                    fig["per_core_per_s"] = round(fig["received_per_s"]
+                                                  / (fig["cpu_cores"] or 1e-9), 1)
+                    progress.note(f"{n} x {kind}: {brief(fig)}")
+                    record.add_run(fig)
+        progress.finish_step()
+    summarize(record, ceilings, offer)
+    record.finish()
+    return record
+
+
+def summarize(record: rec.Record, ceilings: dict, offer: Offer) -> None:
+    runs = record.data["runs"]
+    cfg = record.data["config"]
+    points = []
+    base: dict[str, float] = {}
+    for kind in [t.strip() for t in cfg["targets"].split(",") if t.strip()]:
+        for n in sorted({r["shards"] for r in runs}):
+            mine = [r for r in runs if r["target"] == kind and r["shards"] == n]
+            if not mine:
+                continue
+            received = rec.spread([r["received_per_s"] for r in mine])
+            if n == 1:
+                base[kind] = received["median"]
+            points.append({
+                "shards": n, "target": kind, "received_per_s": received,
+                "cpu_cores": rec.spread([r["cpu_cores"] for r in mine]),
+                "per_core_per_s": rec.spread([r["per_core_per_s"] for r in mine]),
+                "efficiency": round(received["median"] / (n * base[kind]), 3)
+                if base.get(kind) else None,
+                "loss": sum(r["loss_window"] for r in mine),
+                "targets_cpu_pct": rec.spread([r["cpu_pct"]["targets"] for r in mine]),
+                "harness_cpu_pct": rec.spread([r["cpu_pct"]["writers"]
+                                               + r["cpu_pct"]["subscribers"] for r in mine]),
+                "others_cpu_pct": rec.spread([r["cpu_pct"]["others"] for r in mine]),
+            })
+    fwd1 = _median_run([r for r in runs if r["target"] == "forwarder" and r["shards"] == 1])
+    if fwd1 is not None:
+        ceilings["forwarder"] = {k: fwd1.get(k) for k in FIGURE_KEYS}
+        ceilings["config"]["kinds"] = ["pubsub", "forwarder"]
+        ceilings["forwarder_from"] = "the 1-shard forwarder point (median round)"
+    pubsub = ceilings.get("pubsub", {}).get("received_per_s")
+    by = {(p["target"], p["shards"]): p for p in points}
+    for p in points:
+        med = p["received_per_s"]["median"]
+        fwd = by.get(("forwarder", p["shards"]))
+        if p["target"] == "server" and fwd:
+            p["ratio_to_forwarder"] = round(med / fwd["received_per_s"]["median"], 3)
+        if pubsub:
+            p["ratio_to_pubsub"] = round(med / pubsub, 3)
+    summary = {"points": points, "ceilings": ceilings,
+               "contention": contention(points, record.data["host"]),
+               "estimate_16core": estimate_16core(runs, offer)}
+    record.data["summary"] = summary
+    top = max((p for p in points if p["target"] == "server"), key=lambda p: p["shards"],
+              default=None)
+    if top is not None and top["shards"] > 1:
+        one = by[("server", 1)]["received_per_s"]["median"]
+        record.target(f"server aggregate, {top['shards']} shards / 1 shard (medians)",
+                      round(top["received_per_s"]["median"] / one, 3) if one else 0.0, 1.0,
+                      "ratio")
+    record.target("updates lost (all server windows)",
+                  sum(p["loss"] for p in points if p["target"] == "server"), 1, "updates",
+                  higher_is_better=False)
+
+
+def _median_run(runs: list[dict]) -> dict | None:
+    if not runs:
+        return None
+    return sorted(runs, key=lambda r: r["received_per_s"])[(len(runs) - 1) // 2]
+
+
+def contention(points: list[dict], host: dict) -> str:
+    """One honest sentence: how many cores one shard plus the harness already use."""
+    cores = host.get("cores_usable") or host.get("cores_logical")
+    by = {(p["target"], p["shards"]): p for p in points}
+    one = by.get(("server", 1))
+    if one is None:
+        return "no 1-shard server point was measured"
+    most = max((p for p in points if p["target"] == "server"), key=lambda p: p["shards"])
+    busy = one["cpu_cores"]["median"]
+    text = (f"On this {cores}-core host one shard server plus the harness (writers and "
+            f"subscriber) already keeps {busy:.2f} cores busy (server "
+            f"{one['targets_cpu_pct']['median']:.0f}%, harness "
+            f"{one['harness_cpu_pct']['median']:.0f}% of a core, other processes "
+            f"{one['others_cpu_pct']['median']:.0f}%), so ")
+    if busy >= 0.8 * cores:
+        text += "contention starts at the first shard: "
+    else:
+        text += "contention starts as soon as a second shard needs a core of its own: "
+    text += (f"{most['shards']} shards gave {most['received_per_s']['median']:,.0f} "
+             f"updates/s against {one['received_per_s']['median']:,.0f} for one "
+             f"(efficiency {most['efficiency']}), with {most['cpu_cores']['median']:.2f} "
+             f"cores busy - more shards add processes, not cores.")
+    return text
+
+
+def estimate_16core(runs: list[dict], offer: Offer) -> dict:
+    """The aggregate a 16-core host would reach with ESTIMATE_HOST's layout, from the CPU
+    per update measured here (1-shard server runs, median round):
+
+        c_server = server CPU s / received update         (all its threads, one core each)
+        c_writer = writers' CPU s / sent update
+        c_sub    = subscriber CPU s / received update (a subscriber reading all shards)
+        aggregate = min(shards / c_server, harness_cores / (c_writer + c_sub))
+
+    See ESTIMATE_ASSUMPTIONS."""
+    one = [r for r in runs if r["target"] == "server" and r["shards"] == 1]
+    if not one:
+        return {"error": "no 1-shard server run"}
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    c_server = med([r["cpu_pct"]["targets"] / 100 / (r["received_per_s"] or 1e-9) for r in one])
+    c_writer = med([r["cpu_pct"]["writers"] / 100 / (r["sent_per_s"] or 1e-9) for r in one])
+    c_sub = med([r["cpu_pct"]["subscribers"] / 100 / (r["received_per_s"] or 1e-9)
+                 for r in one])
+    host = ESTIMATE_HOST
+    server_bound = host["shards"] / c_server if c_server else 0.0
+    harness_bound = (len(host["harness_cores"]) / (c_writer + c_sub)
+                     if c_writer + c_sub else 0.0)
+    return {
+        "host": host,
+        "inputs": {"c_server_us": round(c_server * 1e6, 3),
+                   "c_writer_us": round(c_writer * 1e6, 3),
+                   "c_sub_us": round(c_sub * 1e6, 3),
+                   "measured_from": f"{len(one)} 1-shard server run(s), median"},
+        "formula": "min(shards / c_server, harness_cores / (c_writer + c_sub))",
+        "server_bound_per_s": round(server_bound, 0),
+        "harness_bound_per_s": round(harness_bound, 0),
+        "single_subscriber_cap_per_s": round(1 / c_sub, 0) if c_sub else None,
+        "aggregate_per_s": round(min(server_bound, harness_bound), 0),
+        "limited_by": "servers" if server_bound <= harness_bound else "harness",
+        "assumptions": ESTIMATE_ASSUMPTIONS,
+    }
+
+
+def report(record: rec.Record) -> None:
+    s = record.data["summary"]
+    rows = []
+    for p in s["points"]:
+        rows.append([f"{p['shards']} x {p['target']}", p["received_per_s"]["median"],
+                     p["received_per_s"]["spread_pct"], p["cpu_cores"]["median"],
+                     p["per_core_per_s"]["median"], p["efficiency"],
+                     p.get("ratio_to_forwarder", "-"), p.get("ratio_to_pubsub", "-"),
+                     p["loss"], p["others_cpu_pct"]["median"]])
+    pubsub = s["ceilings"].get("pubsub", {})
+    rec.table(record, f"{NAME}: aggregate received updates/s (medians over "
+                      f"{record.data['config']['rounds']} rounds)",
+              ["point", "received/s", "spread %", "cpu cores", "per core/s", "efficiency",
+               "/ forwarder", "/ pubsub", "lost", "others cpu%"], rows,
+              caption=f"efficiency = aggregate / (N x 1-shard median of the same target); "
+                      f"bare PUB->SUB ceiling {pubsub.get('received_per_s', 0):,.0f}/s with "
+                      f"the same writers. {s['contention']}")
+    e = s["estimate_16core"]
+    if "inputs" in e:
+        i = e["inputs"]
+        rec.table(record, f"{NAME}: estimate for a 16-core host ({e['host']['config']})",
+                  ["figure", "value"],
+                  [["server CPU per update (us)", i["c_server_us"]],
+                   ["writer CPU per update (us)", i["c_writer_us"]],
+                   ["subscriber CPU per update (us)", i["c_sub_us"]],
+                   ["server-bound (6 shards)", e["server_bound_per_s"]],
+                   ["harness-bound (4 cores)", e["harness_bound_per_s"]],
+                   ["estimated aggregate", e["aggregate_per_s"]],
+                   ["limited by", e["limited_by"]]],
+                  caption=f"{e['formula']}; {e['assumptions']}")
+    rec.print_targets(record)
+
+
+def main(argv: list[str] | None = None) -> rec.Record:
+    return bench_main(NAME, parse_args, run, report, argv)
+
+
+if __name__ == "__main__":
+    main()
