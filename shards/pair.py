@@ -34,8 +34,14 @@ this server was down and delivered on reconnection): dropped and counted, never 
 over newer values. A KVSET for a key this shard does not own (``--routing``) is not held:
 it is dropped and counted ``not_owner``, as the active does.
 
-Active side: a ``BSTAR-TTL?`` request on P (``shards.replica``) is answered at once with
-the absolute expiry times, so a passive's snapshot keeps its TTLs.
+Active side: a ``BSTAR-TTL?`` request on P (``shards.replica``) is answered with the
+absolute expiry times, so a passive's snapshot keeps its TTLs: a point-in-time copy of
+the store's expiry index (one C-level copy, ~25 ms per million TTL keys) streamed in
+chunks of ``bstar_ttl.CHUNK_ENTRIES``, one chunk per peer per loop turn, so collecting
+and publishing go on between chunks (``TtlStreams``; the frames are in
+``shards.proto.bstar_ttl``). A full pipe pauses the stream; a peer that accepts nothing
+for ``snapshot_stall_s``, or has gone, is dropped (the passive's sync deadline restarts
+it), and a server that stops being active drops its streams.
 """
 from __future__ import annotations
 
@@ -50,9 +56,9 @@ from shards import bstar, zio
 from shards.errors import ProtocolError
 from shards.pending import MAX_AGE_S, MAX_ENTRIES, PendingTable
 from shards.proto import bstar as wire
-from shards.proto import chp
-from shards.replica import TTL_REQUEST, Follower, encode_ttl_table
-from shards.server import ServerConfig, ShardServer
+from shards.proto import bstar_ttl, chp
+from shards.replica import Follower
+from shards.server import SNAPSHOT_PAUSE_S, ServerConfig, ShardServer
 from shards.store import Store, ttl_props
 
 log = logging.getLogger("shards.pair")
@@ -106,6 +112,84 @@ def _expiries(store: Store):
             if (expiry := store.expiry_of(key)) is not None)
 
 
+class TtlStreams:
+    """BSTAR-TTL replies being streamed by the active, one per passive peer (see the
+    module doc). ``start`` takes the copy; ``pump`` sends one chunk per stream and is
+    rescheduled on the loop until every stream is done."""
+
+    MAX_STREAMS = 4
+    """A second request from the same peer replaces its stream; more peers than this
+    (there is normally one) drop the oldest."""
+
+    def __init__(self, server: "PairServer"):
+        self.server = server
+        self.streams: dict[bytes, list] = {}  # identity -> [seq, items, pos, progress_s]
+        self._handle: asyncio.Handle | None = None
+        self.counters = dict.fromkeys(("tables", "chunks", "abandoned", "unreachable"), 0)
+
+    def start(self, identity: bytes, seq: int, expiries, now: float) -> None:
+        items = list(expiries)  # the point-in-time copy at sequence ``seq``
+        self.streams.pop(identity, None)
+        while len(self.streams) >= self.MAX_STREAMS:
+            self.streams.pop(next(iter(self.streams)))
+            self.counters["abandoned"] += 1
+        self.streams[identity] = [seq, items, 0, now]
+        self.counters["tables"] += 1
+        self._schedule(0.0)
+
+    def clear(self) -> None:
+        self.streams.clear()
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _schedule(self, delay_s: float) -> None:
+        if self._handle is None:
+            loop = self.server.loop
+            self._handle = (loop.call_soon(self.pump) if delay_s <= 0
+                            else loop.call_later(delay_s, self.pump))
+
+    def pump(self) -> None:
+        self._handle = None
+        server = self.server
+        if not server.active:
+            self.clear()
+            return
+        now = server.loop.time()
+        sock = server._router_sock
+        chunk_n = bstar_ttl.CHUNK_ENTRIES
+        progressed = blocked = False
+        for identity, stream in list(self.streams.items()):
+            seq, items, pos, progress_s = stream
+            end = min(len(items), pos + chunk_n)
+            frames = bstar_ttl.encode_chunk(seq, items[pos:end], last=end == len(items))
+            try:
+                zio.send_frames(sock, [identity, *frames])
+            except zmq.Again:  # the peer's pipe is full: retry later, unless it stalled
+                if now - progress_s > server.config.snapshot_stall_s:
+                    del self.streams[identity]
+                    self.counters["abandoned"] += 1
+                    server.drops.drop("ttl_table_stalled", f"BSTAR-TTL to {identity!r}: "
+                                      f"nothing accepted for {server.config.snapshot_stall_s:g} s")
+                else:
+                    blocked = True
+                continue
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer has gone
+                del self.streams[identity]
+                self.counters["unreachable"] += 1
+                server.drops.drop("ttl_table_unsent", f"BSTAR-TTL to {identity!r}: {exc}")
+                continue
+            self.counters["chunks"] += 1
+            progressed = True
+            if end == len(items):
+                del self.streams[identity]
+            else:
+                stream[2], stream[3] = end, now
+        server._router.kick()
+        if self.streams:
+            self._schedule(0.0 if progressed or not blocked else SNAPSHOT_PAUSE_S)
+
+
 class PairServer(ShardServer):
     """One server of a Binary Star pair (``role`` "primary" or "backup")."""
 
@@ -136,6 +220,7 @@ class PairServer(ShardServer):
         if sync_timeout_s is None:
             sync_timeout_s = max(2.0, 10 * config.heartbeat_s)
         self.follower = Follower(self, peer[0], peer[1], sync_timeout_s=sync_timeout_s)
+        self.ttl_streams = TtlStreams(self)
 
     @property
     def peer_text(self) -> str:
@@ -174,6 +259,7 @@ class PairServer(ShardServer):
             self._tick_handle.cancel()
             self._tick_handle = None
         self.follower.close()
+        self.ttl_streams.clear()
         if self._state_sub is not None:
             self._state_sub.close(linger=0)
             self._state_sub = None
@@ -272,6 +358,7 @@ class PairServer(ShardServer):
 
     def on_become_passive(self, effect: bstar.BecamePassive, now: float) -> None:
         self.set_active(False)
+        self.ttl_streams.clear()
         log.info("shard %s: %s is PASSIVE (%s, was %s)", self.shard, self.role,
                  effect.reason, effect.previous.name)
         self.follower.start_sync(now)
@@ -317,23 +404,18 @@ class PairServer(ShardServer):
         return self._step(bstar.Event.CLIENT_REQUEST)
 
     def on_snapshot_request(self, frames: list[bytes]) -> None:
-        if len(frames) == 2 and frames[1] == TTL_REQUEST:
+        if len(frames) == 2 and frames[1] == bstar_ttl.REQUEST:
             self.on_ttl_request(frames[0])
             return
         super().on_snapshot_request(frames)
 
     def on_ttl_request(self, identity: bytes) -> None:
-        """A passive peer's BSTAR-TTL?: the absolute expiry times at this sequence."""
+        """A passive peer's BSTAR-TTL?: the absolute expiry times at this sequence,
+        streamed in chunks (``TtlStreams``)."""
         if not self.active:
             self.snapshots_refused += 1
             return
-        store = self.store
-        reply = encode_ttl_table(store.seq, _expiries(store))
-        try:
-            zio.send_frames(self._router_sock, [identity, *reply])
-        except zmq.ZMQError as exc:  # Again (full pipe) or EHOSTUNREACH: the peer retries
-            self.drops.drop("ttl_table_unsent", f"BSTAR-TTL to {identity!r}: {exc}")
-        self._router.kick()
+        self.ttl_streams.start(identity, self.store.seq, _expiries(self.store), self.loop.time())
 
     def on_collect(self, frames: list[bytes]) -> None:
         """Active: the CHP server's path. Otherwise: keep the KVSET pending by UUID."""
@@ -383,5 +465,7 @@ class PairServer(ShardServer):
             "pending_stale": self.pending_stale,
             "pending_counters": dict(self.pending.counters),
             "replica": self.follower.stats(),
+            "ttl_streams": {"active": len(self.ttl_streams.streams),
+                            **self.ttl_streams.counters},
         })
         return out

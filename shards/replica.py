@@ -11,10 +11,11 @@ Synchronisation (``start_sync``), a state with a deadline, never a blocking loop
    confirmed in the owner's pending table. The pending table was emptied just before:
    updates heard before the sync began are covered by the snapshot or lost with the old
    active (see ``PairServer``).
-2. The DEALER sends ``BSTAR-TTL?`` then ``ICANHAZ?``. The active answers the first at once
-   with its absolute expiry times at its current sequence T (a KVSYNC carries no
-   properties, so a snapshot alone would turn every TTL key into a permanent one), then
-   streams the snapshot at sequence S >= T: KVSYNC*, KTHXBAI.
+2. The DEALER sends ``BSTAR-TTL?``. The active streams its absolute expiry times, a
+   point-in-time copy at its current sequence T, in chunks (``shards.proto.bstar_ttl``: a
+   KVSYNC carries no properties, so a snapshot alone would turn every TTL key into a
+   permanent one). At the last chunk the DEALER sends ``ICANHAZ?`` and the active streams
+   the snapshot at sequence S >= T: KVSYNC*, KTHXBAI.
 3. Each KVSYNC goes into a fresh ``Store`` with the expiry from the table. At KTHXBAI the
    keys rewritten between T and S take their expiry from the buffered KVPUBs T+1..S (the
    buffer must hold all of them, else the sync starts over), the store's sequence is set
@@ -27,23 +28,18 @@ No reply for ``sync_timeout_s`` (each reply restarts it) or a malformed reply al
 the sync over on a fresh DEALER. ``drain()`` reads whatever the SUB still holds, so a
 server that takes over first applies everything the dead active managed to publish.
 
-BSTAR-TTL frames (DEALER <-> ROUTER, identity frame not shown)::
-
-    request  f0 "BSTAR-TTL?"
-    reply    f0 "BSTAR-TTL"   f1 sequence T (8 B)   f2 entries: (expiry_s f64, key_len u16,
-                                                        key) repeated, network order
+The BSTAR-TTL frames are in ``shards.proto.bstar_ttl``.
 """
 from __future__ import annotations
 
 import logging
-import struct
 from typing import TYPE_CHECKING
 
 import zmq
 
 from shards import zio
 from shards.errors import ProtocolError
-from shards.proto import chp
+from shards.proto import bstar_ttl, chp
 from shards.store import Store
 
 if TYPE_CHECKING:
@@ -51,10 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shards.replica")
 
-TTL_REQUEST = b"BSTAR-TTL?"
-TTL_REPLY = b"BSTAR-TTL"
-_ENTRY = struct.Struct(">dH")
-_SEQ = struct.Struct(">Q")
 BUFFER_MAX = 200_000
 """KVPUBs buffered while a snapshot streams; more restart the sync."""
 _EXPIRES = b"expires="
@@ -72,36 +64,6 @@ def expires_of(props: bytes) -> float | None:
             except ValueError:
                 found = None
     return found
-
-
-def encode_ttl_table(seq: int, expiries) -> list[bytes]:
-    """The BSTAR-TTL reply for ``expiries``: iterable of (key, expiry_s)."""
-    parts = []
-    for key, expiry_s in expiries:
-        parts.append(_ENTRY.pack(expiry_s, len(key)))
-        parts.append(key)
-    return [TTL_REPLY, _SEQ.pack(seq), b"".join(parts)]
-
-
-def decode_ttl_table(frames: list[bytes]) -> tuple[int, dict[bytes, float]]:
-    if len(frames) != 3 or frames[0] != TTL_REPLY or len(frames[1]) != 8:
-        raise ProtocolError("BSTAR-TTL reply: malformed", protocol="bstar/1",
-                            command="BSTAR-TTL", reason="bad_ttl_table")
-    body = frames[2]
-    table: dict[bytes, float] = {}
-    pos, end = 0, len(body)
-    try:
-        while pos < end:
-            expiry_s, key_len = _ENTRY.unpack_from(body, pos)
-            pos += _ENTRY.size
-            if pos + key_len > end:
-                raise struct.error("truncated key")
-            table[body[pos:pos + key_len]] = expiry_s
-            pos += key_len
-    except struct.error:
-        raise ProtocolError("BSTAR-TTL reply: truncated entry", protocol="bstar/1",
-                            command="BSTAR-TTL", reason="bad_ttl_table") from None
-    return _SEQ.unpack(frames[1])[0], table
 
 
 class Follower:
@@ -125,7 +87,8 @@ class Follower:
         self._retry_at: float | None = None
         self.counters = dict.fromkeys(
             ("syncs_started", "syncs_done", "sync_timeouts", "sync_retries", "gaps",
-             "duplicates", "applied", "hugz", "ignored_while_idle", "kvsync"), 0)
+             "duplicates", "applied", "hugz", "ignored_while_idle", "kvsync", "ttl_chunks"),
+            0)
         self.last_heard = 0.0
         self._taking_over = False
 
@@ -168,8 +131,7 @@ class Follower:
         sock.connect(self.snapshot_endpoint)
         self._dealer = zio.AsyncSocket(sock, self.on_snapshot_reply, batch=1024,
                                        loop=self.owner.loop, name="peer snapshot")
-        self._dealer.send([TTL_REQUEST])
-        self._dealer.send(chp.icanhaz(b""))
+        self._dealer.send(bstar_ttl.request())
         self._deadline = now + self.sync_timeout_s
         log.info("shard %s: synchronising from the active at %s", self.owner.shard,
                  self.snapshot_endpoint)
@@ -278,9 +240,8 @@ class Follower:
         now = owner.loop.time()
         self._deadline = now + self.sync_timeout_s
         try:
-            if frames and frames[0] == TTL_REPLY:
-                self._ttl_seq, self._ttl_table = decode_ttl_table(frames)
-                self._building = Store()
+            if frames and frames[0] == bstar_ttl.REPLY:
+                self._on_ttl_chunk(bstar_ttl.decode_chunk(frames), now)
                 return
             reply = chp.decode_snapshot(frames, owner.config.limits)
         except ProtocolError as err:
@@ -295,6 +256,21 @@ class Follower:
             self._building.apply(reply.key, reply.value, self._ttl_table.get(reply.key))
             return
         self._finish(reply.seq, now)
+
+    def _on_ttl_chunk(self, chunk: bstar_ttl.Chunk, now: float) -> None:
+        if self._building is not None:
+            self._restart_later(now, "a TTL chunk after the TTL table's last")
+            return
+        if self._ttl_seq is None:
+            self._ttl_seq = chunk.seq
+        elif chunk.seq != self._ttl_seq:
+            self._restart_later(now, f"TTL chunks of two tables ({self._ttl_seq}, {chunk.seq})")
+            return
+        self._ttl_table.update(chunk.table)
+        self.counters["ttl_chunks"] += 1
+        if chunk.last:
+            self._building = Store()
+            self._dealer.send(chp.icanhaz(b""))
 
     def _finish(self, snap_seq: int, now: float) -> None:
         store, ttl_seq = self._building, self._ttl_seq

@@ -21,6 +21,7 @@ import zmq
 from conftest import free_port_base
 from shards.mdp.client import SyncMdpClient
 from shards.proto import bstar as wire
+from shards.proto import bstar_ttl
 from shards.proto import chp
 
 HEARTBEAT_S = 0.2
@@ -288,20 +289,64 @@ def test_a_server_that_starts_after_writes_gets_the_whole_map_with_its_ttls(
     wb = Watcher(zctx, b)
     wb.wait_state(PASSIVE)
     wb.wait_seq(updates.got[-1].seq)
-    # the backup's replica is only visible through its stats: ask for them on SIGUSR1
-    backup = procs.started[-1]
-    backup.signal(signal.SIGUSR1)
-    deadline = time.monotonic() + DEADLINE_S
-    stats = None
-    while stats is None and time.monotonic() < deadline:
-        for line in list(backup.stderr):
-            if " stats {" in line:
-                stats = json.loads(line.split(" stats ", 1)[1])
-        if stats is None:
-            wb.next()  # a heartbeat passes
-    assert stats is not None
+    stats = stats_on_sigusr1(procs.started[-1], wb)
     assert stats["keys"] == 3 and stats["ttl_keys"] == 1
     assert stats["replica"]["phase"] == "live" and stats["replica"]["syncs_done"] == 1
+
+
+def stats_on_sigusr1(server, watch: Watcher) -> dict:
+    """A passive's replica is only visible through its stats: it logs them on SIGUSR1."""
+    seen = len(server.stderr)
+    server.signal(signal.SIGUSR1)
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        for line in list(server.stderr)[seen:]:
+            if " stats {" in line:
+                return json.loads(line.split(" stats ", 1)[1])
+        watch.next()  # a heartbeat passes
+    raise AssertionError("no stats line after SIGUSR1")
+
+
+def test_a_large_ttl_table_streams_in_chunks_and_the_backup_keeps_every_ttl(
+        procs, zctx, port_base):
+    p, b = two_bases(port_base)
+    start_server(procs, p, "primary", b)
+    vote(zctx, p)
+    writer = Writer(zctx, [p])
+    updates = Updates(zctx, p)
+    updates.connected()
+    n = 2 * bstar_ttl.CHUNK_ENTRIES + 100  # three chunks
+    for i in range(n):
+        writer.kvset(b"/ttl/%06d" % i, b"v", b"ttl=600\n")
+    last = writer.kvset(b"/plain", b"p")
+    seq = updates.wait(lambda m: m.uuid == last, what="(the last write)").seq
+    written_at = time.time()
+    # the frames on the wire, read by a raw DEALER playing the passive
+    dealer = zctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.connect(f"tcp://127.0.0.1:{p}")
+    dealer.send_multipart(bstar_ttl.request())
+    chunks = []
+    while not chunks or not chunks[-1].last:
+        assert dealer.poll(DEADLINE_S * 1000), f"no chunk after {len(chunks)}"
+        frames = dealer.recv_multipart()
+        assert len(frames) == 4 and frames[0] == b"BSTAR-TTL"
+        chunks.append(bstar_ttl.decode_chunk(frames))
+    dealer.close(0)
+    assert [c.last for c in chunks] == [False, False, True]
+    assert [len(c.table) for c in chunks] == [bstar_ttl.CHUNK_ENTRIES] * 2 + [100]
+    assert {c.seq for c in chunks} == {seq}
+    table = {k: v for c in chunks for k, v in c.table.items()}
+    assert set(table) == {b"/ttl/%06d" % i for i in range(n)}
+    assert all(written_at + 590 < expiry <= written_at + 601 for expiry in table.values())
+    # and a backup started now replicates all of them, TTLs included
+    start_server(procs, b, "backup", p)
+    wb = Watcher(zctx, b)
+    wb.wait_state(PASSIVE)
+    wb.wait_seq(seq)
+    stats = stats_on_sigusr1(procs.started[-1], wb)
+    assert stats["keys"] == n + 1 and stats["ttl_keys"] == n
+    assert stats["replica"]["ttl_chunks"] == 3 and stats["replica"]["syncs_done"] == 1
 
 
 # ============================================================================ robustness

@@ -1,0 +1,88 @@
+"""BSTAR-TTL: the absolute expiry times a passive server asks its active peer for. Pure codec.
+
+A 12/CHP KVSYNC carries no properties (frames 2 and 3 are empty by the spec), so a
+snapshot alone would turn every key with a TTL into a permanent one on the passive. The
+passive's replica (``shards.replica``) therefore first asks the active's snapshot ROUTER
+(port P) for its TTL table, then for the snapshot. The table is a point-in-time copy at
+the active's sequence T, sent in chunks so that a map with millions of TTL keys never
+stalls the active for longer than one chunk (``shards.pair`` streams them, one chunk per
+peer per loop turn, with ROUTER_MANDATORY flow control).
+
+Frames (DEALER <-> ROUTER; the ROUTER's identity frame is not shown)::
+
+    request  f0 "BSTAR-TTL?"
+    reply    f0 "BSTAR-TTL"
+             f1 sequence T, 8 bytes, network order (the same in every chunk of a table)
+             f2 entries: (expiry_s f64, key_len u16, key) repeated, network order
+             f3 1 byte: 0x00 more chunks follow, 0x01 the last chunk
+
+A table with no TTL key is one chunk with an empty f2 and f3 = 0x01. Rules enforced by
+``decode_chunk`` (``ProtocolError`` with ``protocol="bstar/1"``, reason
+``bad_ttl_table``): exactly 4 frames, the header, an 8-byte sequence, whole entries and a
+flag of 0 or 1.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Iterable, NamedTuple
+
+from shards.errors import ProtocolError
+
+PROTOCOL = "bstar/1"
+REQUEST = b"BSTAR-TTL?"
+REPLY = b"BSTAR-TTL"
+MORE, LAST = b"\x00", b"\x01"
+CHUNK_ENTRIES = 4096
+"""Entries per chunk: ~0.1 MB of 20-byte keys, a few milliseconds to encode."""
+
+_ENTRY = struct.Struct(">dH")
+_SEQ = struct.Struct(">Q")
+
+
+class Chunk(NamedTuple):
+    seq: int
+    table: dict[bytes, float]
+    last: bool
+
+
+def request() -> list[bytes]:
+    return [REQUEST]
+
+
+def encode_chunk(seq: int, entries: Iterable[tuple[bytes, float]], last: bool) -> list[bytes]:
+    """One reply chunk for ``entries``: (key, absolute expiry in epoch seconds) pairs."""
+    parts = []
+    for key, expiry_s in entries:
+        parts.append(_ENTRY.pack(expiry_s, len(key)))
+        parts.append(key)
+    return [REPLY, _SEQ.pack(seq), b"".join(parts), LAST if last else MORE]
+
+
+def _fail(message: str) -> ProtocolError:
+    return ProtocolError(f"BSTAR-TTL reply: {message}", protocol=PROTOCOL, command="BSTAR-TTL",
+                         reason="bad_ttl_table")
+
+
+def decode_chunk(frames: list[bytes]) -> Chunk:
+    if len(frames) != 4:
+        raise _fail(f"expected 4 frames, got {len(frames)}")
+    if frames[0] != REPLY:
+        raise _fail(f"header {bytes(frames[0][:16])!r} is not {REPLY!r}")
+    if len(frames[1]) != 8:
+        raise _fail(f"sequence is {len(frames[1])} bytes, expected 8")
+    if frames[3] not in (MORE, LAST):
+        raise _fail(f"flag {bytes(frames[3][:4])!r} is neither 0x00 nor 0x01")
+    body = frames[2]
+    table: dict[bytes, float] = {}
+    pos, end, size = 0, len(body), _ENTRY.size
+    unpack = _ENTRY.unpack_from
+    while pos < end:
+        if pos + size > end:
+            raise _fail("truncated entry")
+        expiry_s, key_len = unpack(body, pos)
+        pos += size
+        if pos + key_len > end:
+            raise _fail("truncated key")
+        table[body[pos:pos + key_len]] = expiry_s
+        pos += key_len
+    return Chunk(_SEQ.unpack(frames[1])[0], table, frames[3] == LAST)

@@ -1,0 +1,58 @@
+"""The BSTAR-TTL codec (shards.proto.bstar_ttl): round trips and every malformed reply."""
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given, strategies as st
+
+from shards.errors import ProtocolError
+from shards.proto import bstar_ttl
+
+keys = st.binary(min_size=1, max_size=300)
+expiries = st.floats(min_value=0, max_value=4e9, allow_nan=False)
+
+
+@given(st.dictionaries(keys, expiries, max_size=50), st.integers(0, 2**64 - 1), st.booleans())
+def test_a_chunk_round_trips(table, seq, last):
+    frames = bstar_ttl.encode_chunk(seq, table.items(), last)
+    assert frames[0] == b"BSTAR-TTL" and len(frames[1]) == 8
+    assert frames[3] == (b"\x01" if last else b"\x00")
+    assert bstar_ttl.decode_chunk(frames) == (seq, table, last)
+
+
+def test_the_request_is_one_frame():
+    assert bstar_ttl.request() == [b"BSTAR-TTL?"]
+
+
+def test_an_empty_table_is_one_empty_last_chunk():
+    frames = bstar_ttl.encode_chunk(7, [], last=True)
+    assert frames == [b"BSTAR-TTL", struct.pack(">Q", 7), b"", b"\x01"]
+    assert bstar_ttl.decode_chunk(frames) == (7, {}, True)
+
+
+GOOD = bstar_ttl.encode_chunk(3, [(b"/a", 1.5)], last=False)
+
+
+@pytest.mark.parametrize("frames, fault", [
+    (GOOD[:3], "expected 4 frames"),
+    (GOOD + [b""], "expected 4 frames"),
+    ([b"BSTAR-TTX", *GOOD[1:]], "header"),
+    ([GOOD[0], b"\x00" * 7, *GOOD[2:]], "sequence is 7 bytes"),
+    ([*GOOD[:3], b"\x02"], "flag"),
+    ([*GOOD[:3], b""], "flag"),
+    ([GOOD[0], GOOD[1], GOOD[2][:5], GOOD[3]], "truncated entry"),
+    ([GOOD[0], GOOD[1], GOOD[2][:-1], GOOD[3]], "truncated key"),
+])
+def test_malformed_replies_name_their_fault(frames, fault):
+    with pytest.raises(ProtocolError) as info:
+        bstar_ttl.decode_chunk(frames)
+    assert info.value.reason == "bad_ttl_table" and fault in str(info.value)
+
+
+@given(st.lists(st.binary(max_size=40), min_size=1, max_size=6))
+def test_garbage_raises_nothing_but_protocol_error(frames):
+    try:
+        bstar_ttl.decode_chunk(frames)
+    except ProtocolError:
+        pass
