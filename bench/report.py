@@ -207,8 +207,11 @@ def ceilings_table(summary: dict) -> list[str]:
     rate = get(ceil, "config", "rate_per_s")
     if isinstance(rate, (int, float)):
         lines[0] = lines[0][:-1] + (f", open loop at {num(rate)}/s:" if rate else ", flat out:")
-    return lines + md_table(["ceiling", "received/s", "sent/s", "p50 ms", "p99 ms",
-                             "loss in window", "cores busy"], rows)
+    lines += md_table(["ceiling", "received/s", "sent/s", "p50 ms", "p99 ms",
+                       "loss in window", "cores busy"], rows)
+    notes = [f"{k.replace('_', ' ')} {v}" for k, v in ceil.items()
+             if k.endswith("_from") and isinstance(v, str)]  # e.g. forwarder_from
+    return lines + ([f"Note: {'; '.join(notes)}.", ""] if notes else [])
 
 
 def is_ratio(key: str) -> bool:
@@ -268,7 +271,9 @@ LABELS = {"received_per_s": "received/s", "cpu_cores": "cores busy",
           "join_to_pubsub": "join / pubsub", "join_to_forwarder": "join / forwarder",
           "bytes_per_key_beyond_kv": "bytes/key beyond key+value",
           "delivered_to_pubsub": "delivered / pubsub", "p50_to_pubsub": "p50 / pubsub",
-          "p99_to_pubsub": "p99 / pubsub"}
+          "p99_to_pubsub": "p99 / pubsub", "targets_cpu_pct": "targets cpu %",
+          "harness_cpu_pct": "harness cpu %", "others_cpu_pct": "others cpu %",
+          "ratio_to_forwarder": "/ forwarder", "ratio_to_pubsub": "/ pubsub"}
 NOTES = {"scaleout": "received/s: the aggregate over all shards; efficiency: aggregate / "
                      "(shards x the 1-shard median of the same target).",
          "latency": "Latency in ms from each update's intended send time (open loop)."}
@@ -440,8 +445,11 @@ def render(results_dir: Path, out: Path, records: dict, plots: dict[str, str]) -
             if isinstance(summary.get(key), str):
                 lines += [f"{key.capitalize()}: {summary[key]}", ""]
         if isinstance(summary.get("estimate_16core"), dict):
-            lines += ["16-core estimate: " + ", ".join(
-                f"{k} {fmt(v)}" for k, v in summary["estimate_16core"].items()), ""]
+            lines += ["16-core estimate (computed by the scenario from this run's CPU per "
+                      "update, not measured):", ""]
+            lines += [f"- {k}: " + (", ".join(f"{a} {fmt(b)}" for a, b in v.items())
+                                    if isinstance(v, dict) else fmt(v))
+                      for k, v in summary["estimate_16core"].items()] + [""]
         lines += targets_table(data)
         if name in plots:
             lines += [f"![{name}]({plots[name]})", ""]

@@ -46,9 +46,11 @@ def scaleout(plt, data: dict, path: Path) -> bool:
     pts = points_of(data)
     if not any(median(p.get("received_per_s")) is not None for p in pts):
         return False
+    from matplotlib.ticker import FuncFormatter
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=DPI)
     counts = sorted({p.get("shards") for p in pts if isinstance(p.get("shards"), int)})
-    for target, color in (("server", "C0"), ("forwarder", "C1")):
+    for target, color, dy in (("server", "C0", -12), ("forwarder", "C1", 6)):
         mine = [p for p in pts if p.get("target") == target]
         xs, ys, err = _series(mine, "shards", lambda p: p.get("received_per_s"))
         if not xs:
@@ -63,7 +65,7 @@ def scaleout(plt, data: dict, path: Path) -> bool:
             y = median(p.get("received_per_s"))
             if isinstance(p.get("efficiency"), (int, float)) and p.get("shards") in xs[1:] and y:
                 ax1.annotate(f"eff {p['efficiency']:.2f}", (p["shards"], y),
-                             textcoords="offset points", xytext=(6, -12), fontsize=8,
+                             textcoords="offset points", xytext=(6, dy), fontsize=8,
                              color=color)
         cx, cy, cerr = _series(mine, "shards", lambda p: p.get("per_core_per_s"))
         if cx:
@@ -77,6 +79,7 @@ def scaleout(plt, data: dict, path: Path) -> bool:
             title="per-core efficiency")
     for ax in (ax1, ax2):
         ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
