@@ -211,6 +211,8 @@ def ceilings_table(summary: dict) -> list[str]:
                        "loss in window", "cores busy"], rows)
     notes = [f"{k.replace('_', ' ')} {v}" for k, v in ceil.items()
              if k.endswith("_from") and isinstance(v, str)]  # e.g. forwarder_from
+    if isinstance(get(ceil, "config", "from"), str):
+        notes.append(f"taken from {ceil['config']['from']}")
     return lines + ([f"Note: {'; '.join(notes)}.", ""] if notes else [])
 
 

@@ -112,6 +112,9 @@ def latency(plt, data: dict, path: Path) -> bool:
     top = get(data, "summary", "single_shard_max_per_s")
     if isinstance(top, (int, float)) and top > 0:
         ax.axvline(top / 2, color="grey", lw=1, ls="-.", label="half the single-shard max")
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax.set(xlabel="offered updates/s", ylabel="latency ms (log)",
            title=_title("Latency against offered rate (server solid, forwarder dashed, "
                         "pubsub dotted)", data))
