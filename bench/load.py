@@ -242,6 +242,8 @@ def run_offer(targets: Targets, *, warmup: float, seconds: float, offer: Offer |
     figures["writer_drops"] = sum(w["dropped_window"] for w in result.writers)
     figures["target"] = targets.kind
     figures["shards"] = targets.shards
+    figures["writers"] = result.writers
+    figures["subscribers"] = result.subscribers
     return figures
 
 

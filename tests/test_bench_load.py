@@ -1,0 +1,177 @@
+"""The load generator (``python -m bench load``), the same-run ceilings and the harness
+pieces under them: key routing in the writer's schedule, per-shard sequence and gap
+tracking in the subscriber, core planning. Smoke runs last a second or two each and
+assert the record's figures, never timings."""
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from bench.load import core_plan
+from bench.loadgen import SourceState, WriterConfig, drain, key_index, routed_schedule
+from conftest import bench_record, run_bench
+from shards.routing import ShardMap
+
+SMOKE = ("--seconds", "1", "--warmup", "0.3", "--keys", "2000")
+
+
+# ------------------------------------------------------------------ routing in the schedule
+
+def test_routed_schedule_sends_every_key_to_its_owner():
+    cfg = WriterConfig(collector="", collectors=("a", "b", "c"), keys=500, seed=2)
+    sched = routed_schedule(cfg, length=1 << 12)
+    owner = ShardMap(3).owner
+    assert all(shard == owner(key) for key, _, shard in sched)
+    assert {shard for _, _, shard in sched} == {0, 1, 2}  # 500 keys reach every shard
+
+
+def test_routed_schedule_honours_pins_and_keeps_one_shard_simple():
+    pinned = WriterConfig(collector="", collectors=("a", "b"), keys=100,
+                          pins=(("/k0000001", 1),))
+    sched = routed_schedule(pinned, length=1 << 12)
+    owner = ShardMap(2, {1: ["/k0000001"]}).owner
+    assert all(shard == owner(key) for key, _, shard in sched)
+    pinned_keys = [(k, s) for k, _, s in sched if k.startswith(b"/k0000001")]
+    assert pinned_keys and all(s == 1 for _, s in pinned_keys)
+    single = routed_schedule(WriterConfig(collector="x", keys=50), length=1 << 10)
+    assert {s for _, _, s in single} == {0}
+    assert all(0 <= key_index(k) < 50 for k, _, _ in single)
+
+
+def test_core_plan_puts_targets_first_and_the_harness_on_the_rest():
+    assert core_plan(1, 3, [0, 1]) == ([0], [1, 1, 1])
+    assert core_plan(2, 2, [0, 1]) == ([0, 1], [0, 1])       # no core left: share them all
+    assert core_plan(4, 2, [0, 1, 2, 3, 4, 5, 6, 7]) == ([0, 1, 2, 3], [4, 5])
+
+
+# ------------------------------------------------------------------ per-shard gap tracking
+
+class Again(Exception):
+    pass
+
+
+class FakeSocket:
+    """Queued 5-frame messages; ``recv`` pops frames, raising Again when empty."""
+
+    def __init__(self, messages):
+        self.frames = [f for m in messages for f in m]
+        self.extra_after: set[int] = set()
+
+    @staticmethod
+    def recv(sock, flags, copy):
+        if not sock.frames:
+            raise Again()
+        return sock.frames.pop(0)
+
+    @staticmethod
+    def more(sock):
+        return False
+
+
+def kvpub(seq: int, value: bytes = b"v" * 8) -> list[bytes]:
+    return [b"/k", struct.pack(">Q", seq), b"u" * 16, b"", value]
+
+
+def drain_all(sock, st, budget=1000, every=1_000_000):
+    samples: list[int] = []
+    n = drain(sock, st, budget, every, samples, FakeSocket.recv, FakeSocket.more, Again,
+              lambda: 0)
+    return n, samples
+
+
+def test_each_source_keeps_its_own_sequence_and_gaps():
+    # two shards with independent sequences: interleaving them is not a gap
+    s0 = FakeSocket([kvpub(q) for q in (1, 2, 3, 6, 7)])      # 4 and 5 lost
+    s1 = FakeSocket([kvpub(q) for q in (1, 2, 3, 4)])
+    st0, st1 = SourceState(), SourceState()
+    assert drain_all(s0, st0)[0] == 5 and drain_all(s1, st1)[0] == 4
+    assert (st0.received, st0.max_seq, st0.gaps, st0.first_seq) == (5, 7, 2, 1)
+    assert (st1.received, st1.max_seq, st1.gaps) == (4, 4, 0)
+
+
+def test_hugz_backwards_budget_and_malformed_are_counted():
+    sock = FakeSocket([kvpub(5), kvpub(0), kvpub(4), kvpub(6), kvpub(8)])
+    st = SourceState()
+    n, _ = drain_all(sock, st, budget=3)              # capped batch: three messages
+    assert n == 3 and (st.received, st.hugz, st.backwards, st.max_seq) == (2, 1, 1, 5)
+    n, _ = drain_all(sock, st)
+    assert n == 2 and (st.received, st.max_seq, st.gaps, st.last_seq) == (4, 8, 1, 8)
+    short = FakeSocket([[b"/k", b"\x00\x01"] + [b"x"] * 3])  # a 2-byte sequence frame
+    st = SourceState()
+    drain_all(short, st)
+    assert st.malformed == 1 and st.received == 0
+
+
+def test_latency_is_sampled_from_the_value_stamp():
+    stamp = struct.pack(">Q", 1_000)
+    sock = FakeSocket([kvpub(q, stamp + b"pad") for q in (1, 2, 3, 4)])
+    st = SourceState()
+    samples: list[int] = []
+    drain(sock, st, 100, 2, samples, FakeSocket.recv, FakeSocket.more, Again, lambda: 3_500)
+    assert samples == [2_500, 2_500]                   # every 2nd update: now - stamp
+
+
+# ------------------------------------------------------------------ smoke runs
+
+def _load_figures(data, shards):
+    (run,) = data["runs"]
+    assert run["received_per_s"] > 0 and run["sent_per_s"] > 0 and run["loss_window"] == 0
+    assert run["malformed"] == 0 and run["latency_ms"]["p50"] > 0
+    assert run["shards"] == shards and run["cpu_cores"] > 0
+    assert data["summary"]["loss_window"] == 0
+    assert data["summary"]["received_per_s"]["median"] > 0
+    return run
+
+
+def test_load_starts_its_own_shards_and_routes_over_them(procs, tmp_path):
+    run_bench(procs, tmp_path, "bench.load", "--start-shards", "2", *SMOKE, "--ttl-fraction",
+              "0.2", "--distribution", "zipf")
+    data = bench_record(tmp_path, "load")
+    run = _load_figures(data, 2)
+    assert [s["gaps_window"] for s in run["per_source"]] == [0, 0]
+    assert all(s["received_window"] > 0 for s in run["per_source"])  # both shards served
+    assert run["cpu_pct"]["targets"] > 0
+    assert len(data["config"]["targets"]["commands"]) == 2
+    assert all("--shard-index" in c for c in data["config"]["targets"]["commands"])
+
+
+def test_load_against_a_running_server_at_a_fixed_rate(procs, tmp_path, port_base):
+    procs.python("-m", "shards", "--port", str(port_base), ready="READY")
+    run_bench(procs, tmp_path, "bench.load", "--port", str(port_base), *SMOKE,
+              "--rate", "2000", "--subscribers", "2")
+    data = bench_record(tmp_path, "load")
+    run = _load_figures(data, 1)
+    assert run["writer_drops"] == 0 and len(run["received_per_s_each"]) == 2
+    assert data["summary"]["offered_per_s"] == 2000
+    assert {t["name"] for t in data["targets"]} == {"updates lost (all windows)",
+                                                    "received / offered (median)"}
+
+
+@pytest.mark.parametrize("bad", [["--start-shards", "0"], ["--port", "1", "--rate", "-1"],
+                                 ["--config", "/nonexistent.yaml"],
+                                 ["--port", "1", "--distribution", "pareto"]])
+def test_load_refuses_bad_input_with_exit_code_2(procs, bad):
+    proc = procs.python("-m", "bench.load", *bad)
+    assert proc.wait(30) == 2
+    assert any("error" in line for line in proc.stderr)
+    assert not any("Traceback" in line for line in proc.stderr)
+
+
+def test_ceilings_are_measured_with_the_loadgen_harness():
+    from bench.ceilings import measure_ceilings
+
+    c = measure_ceilings(seconds=0.5, warmup=0.2, keys=2000)
+    assert set(c) == {"pubsub", "forwarder", "config"}
+    for kind in ("pubsub", "forwarder"):
+        fig = c[kind]
+        assert fig["received_per_s"] > 0 and fig["sent_per_s"] > 0
+        assert fig["loss_window"] == 0 and fig["writer_drops"] == 0
+        assert set(fig["latency_ms"]) == {"p50", "p90", "p99", "p99.9", "max"}
+        assert fig["cpu_pct"]["writers"] > 0 and fig["cpu_pct"]["subscribers"] > 0
+    assert c["forwarder"]["cpu_pct"]["targets"] > 0
+    assert c["pubsub"]["cpu_pct"]["targets"] == 0      # nothing in between
+    open_loop = measure_ceilings(seconds=0.5, warmup=0.2, keys=2000, rate_per_s=1000,
+                                 kinds=("pubsub",))
+    assert open_loop["config"]["writer_mode"] == "rate"
+    assert open_loop["pubsub"]["sent_per_s"] > 0 and open_loop["pubsub"]["loss_window"] == 0

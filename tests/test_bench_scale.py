@@ -1,0 +1,76 @@
+"""Smoke runs of the single-shard, scale-out and latency scenarios: each runs for a second
+or two with tiny sizes and saves a record whose figures and summary schema (the keys the
+report plots) are asserted - never timings."""
+from __future__ import annotations
+
+from conftest import bench_record, run_bench
+
+SPREAD_KEYS = {"n", "median", "min", "max", "spread_pct"}
+FIG_KEYS = {"received_per_s", "sent_per_s", "loss_window", "latency_ms", "cpu_pct"}
+
+
+def _check_ceilings(ceilings: dict, kinds=("pubsub", "forwarder")) -> None:
+    assert "config" in ceilings
+    for kind in kinds:
+        assert set(ceilings[kind]) >= FIG_KEYS
+        assert ceilings[kind]["received_per_s"] > 0
+
+
+def test_single_shard_runs_pubsub_beside_the_forwarding_loop(procs, tmp_path):
+    run_bench(procs, tmp_path, "bench.chp_throughput", "--seconds", "0.5", "--warmup", "0.2",
+              "--rounds", "1", "--keys", "2000", "--retries", "0")
+    data = bench_record(tmp_path, "chp_throughput")
+    assert [r["target"] for r in data["runs"]] == ["pubsub", "ceiling", "server"]
+    for run in data["runs"]:
+        assert run["received_per_s"] > 0 and run["loss_window"] == 0
+        assert run["subscribers"][0]["malformed"] == 0
+    s = data["summary"]
+    assert s["ratio_server_to_ceiling"] > 0 and s["ratio_server_to_pubsub"] > 0
+    _check_ceilings(s["ceilings"])
+    names = {t["name"] for t in data["targets"]}
+    assert {"server / ceiling (medians)",
+            "server / forwarding loop, issue 7 (medians)"} <= names
+
+
+def test_scaleout_measures_every_shard_count_for_servers_and_forwarders(procs, tmp_path):
+    run_bench(procs, tmp_path, "bench.scaleout", "--shards", "1,2", "--seconds", "0.5",
+              "--warmup", "0.2", "--rounds", "1", "--keys", "2000")
+    data = bench_record(tmp_path, "scaleout")
+    s = data["summary"]
+    assert {(p["shards"], p["target"]) for p in s["points"]} == {
+        (1, "server"), (2, "server"), (1, "forwarder"), (2, "forwarder")}
+    for p in s["points"]:
+        for key in ("received_per_s", "cpu_cores", "per_core_per_s"):
+            assert set(p[key]) == SPREAD_KEYS and p[key]["median"] > 0
+        assert p["efficiency"] > 0 and p["loss"] == 0
+    assert all(p["efficiency"] == 1.0 for p in s["points"] if p["shards"] == 1)
+    for run in data["runs"]:
+        if run["shards"] == 2:  # keys were routed: both shards published
+            assert [x["received_window"] > 0 for x in run["per_source"]] == [True, True]
+            assert [x["gaps_window"] for x in run["per_source"]] == [0, 0]
+    _check_ceilings(s["ceilings"])
+    assert isinstance(s["contention"], str) and "cores" in s["contention"]
+    est = s["estimate_16core"]
+    assert est["aggregate_per_s"] > 0 and est["formula"]
+    assert set(est["inputs"]) >= {"c_server_us", "c_writer_us", "c_sub_us"}
+    assert est["host"]["shards"] == 6
+
+
+def test_latency_runs_open_loop_at_fractions_of_the_same_run_max(procs, tmp_path):
+    run_bench(procs, tmp_path, "bench.latency", "--fractions", "0.5", "--seconds", "0.5",
+              "--warmup", "0.2", "--max-seconds", "0.5", "--keys", "2000")
+    data = bench_record(tmp_path, "latency")
+    s = data["summary"]
+    top = s["single_shard_max_per_s"]
+    assert top > 0 and data["max_run"]["received_per_s"] == top
+    assert {(p["fraction_of_max"], p["target"]) for p in s["points"]} == {
+        (0.5, k) for k in ("server", "forwarder", "pubsub")}
+    for p in s["points"]:
+        assert p["offered_per_s"] == round(p["fraction_of_max"] * top, 1)
+        assert p["received_per_s"]["median"] > 0 and p["loss"] == 0
+        assert set(p["latency_ms"]) == {"p50", "p90", "p99", "p99.9", "max"}
+        assert all(set(v) == SPREAD_KEYS for v in p["latency_ms"].values())
+        assert p["latency_ms"]["p99"]["median"] >= p["latency_ms"]["p50"]["median"] > 0
+        assert p["writer_drops"] >= 0
+    _check_ceilings(s["ceilings"])
+    assert any(t["name"].startswith("server p99 at half") for t in data["targets"])
