@@ -112,6 +112,11 @@ class Store:
     def expiry_of(self, key: bytes) -> float | None:
         return self._expiry.get(key)
 
+    def expiries(self) -> dict[bytes, float]:
+        """A copy of {key: absolute expiry} for every key with a TTL (one C-level dict
+        copy: ~25 ms per million keys), e.g. for a Binary Star peer's TTL table."""
+        return dict(self._expiry)
+
     # ------------------------------------------------------------------ updates
     def apply(self, key: bytes, value: bytes, expiry_s: float | None = None) -> int:
         """Set (or, with an empty value, delete) ``key``; return its new sequence.

@@ -107,6 +107,19 @@ def test_rewrite_without_ttl_loses_the_ttl_and_delete_forgets_it():
     assert s.next_expiry() is None
 
 
+def test_expiries_is_a_copy_of_the_ttl_keys_only():
+    s = Store()
+    s.apply(b"/a", b"1", 100.0)
+    s.apply(b"/b", b"2")
+    s.apply(b"/c", b"3", 50.0)
+    copy = s.expiries()
+    assert copy == {b"/a": 100.0, b"/c": 50.0}
+    s.apply(b"/a", b"")          # later changes do not reach the copy
+    s.apply(b"/d", b"4", 70.0)
+    assert copy == {b"/a": 100.0, b"/c": 50.0}
+    assert s.expiries() == {b"/c": 50.0, b"/d": 70.0}
+
+
 def test_rewrite_with_a_later_ttl_moves_the_expiry():
     s = Store()
     s.apply(b"k", b"v", 10.0)
