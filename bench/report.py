@@ -493,7 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     if not results_dir.is_dir():
         ap.error(f"--results-dir {results_dir}: no such directory")
     out = Path(args.out) if args.out else results_dir
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        (out / "plots").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        ap.error(f"--out {out}: {exc.strerror or exc}")
     records: dict = {}
     for name, _, _ in SCENARIOS:
         try:
