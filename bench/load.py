@@ -340,17 +340,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _cluster_from(ap: argparse.ArgumentParser, path: str) -> dict:
-    """Every shard's primary (address, port) and the routing's pins, from a config."""
+    """Every shard's primary (address, port) and the routing's pins, from a config: planned
+    on this host (NIC names resolved), or - when the plan does not fit this host, e.g. the
+    cluster runs elsewhere - read as written (each primary then needs a ``host``)."""
+    from supervisor.config import load_config
     from supervisor.placement import load_plan
 
     try:
         plan = load_plan(path)
-    except Exception as exc:  # ConfigError, OSError, YAML errors: say what and exit 2
+        return {"hosts": [sh.primary.address for sh in plan.shards],
+                "ports": [sh.primary.port for sh in plan.shards],
+                "pins": sorted(plan.routing.pins().items()),
+                "shards": [sh.name for sh in plan.shards], "planned_here": True}
+    except Exception as exc:  # ConfigError, OSError, YAML errors
+        planned_error = exc
+    try:
+        cfg = load_config(path)
+    except Exception as exc:
         ap.error(f"--config {path}: {exc}")
-    return {"hosts": [sh.primary.address for sh in plan.shards],
-            "ports": [sh.primary.port for sh in plan.shards],
-            "pins": sorted(plan.routing.pins().items()),
-            "shards": [sh.name for sh in plan.shards]}
+    hosts = [sh.primary.host for sh in cfg.shards]
+    if None in hosts or "*" in hosts or "0.0.0.0" in hosts:
+        ap.error(f"--config {path}: it does not fit this host ({planned_error}), and not "
+                 "every primary names an address (host:) to connect to")
+    return {"hosts": hosts, "ports": [sh.primary.port for sh in cfg.shards],
+            "pins": sorted((p, i) for i, sh in enumerate(cfg.shards) for p in sh.prefixes),
+            "shards": [sh.name for sh in cfg.shards], "planned_here": False}
 
 
 def _targets(args: argparse.Namespace, offer: Offer) -> Targets:
@@ -439,7 +453,10 @@ def report(record: rec.Record) -> None:
 
 
 def main(argv: list[str] | None = None) -> rec.Record:
-    return bench_main(NAME, parse_args, run, report, argv)
+    try:
+        return bench_main(NAME, parse_args, run, report, argv)
+    except (RuntimeError, TimeoutError) as exc:  # e.g. no server at the given ports
+        raise SystemExit(f"{NAME}: {exc}") from None
 
 
 if __name__ == "__main__":
