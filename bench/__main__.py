@@ -42,7 +42,7 @@ SCENARIOS = {
                          "efficiency", {"smoke": "~15 s", "quick": "~1.5 min", "full": "~4 min"}),
     "latency": Scenario("bench.latency", "latency",
                         "open-loop fixed rates (% of the single-shard max): p50..p99.9, max",
-                        {"smoke": "~10 s", "quick": "~1 min", "full": "~4 min"}),
+                        {"smoke": "~10 s", "quick": "~45 s", "full": "~3.5 min"}),
     "load": Scenario("bench.load", "load",
                      "the load generator (pinned writers, fixed rate or flat out, uniform/zipf, "
                      "TTL mix) and timing subscribers", {"smoke": "~4 s", "quick": "~10 s",
@@ -66,25 +66,26 @@ SCENARIOS = {
                        {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),
 }
 ALIASES = {"chp_throughput": "single"}
-ALL_DURATION = {"smoke": "~1.5 min", "quick": "~6 min", "full": "~25 min"}
+ALL_DURATION = {"smoke": "~1.5 min", "quick": "~5 min", "full": "~20 min"}
 ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failover", "handoff"]
 """What ``all`` runs, in this order, then ``report``."""
 
 PROFILES: dict[str, dict[str, list[str]]] = {
     "smoke": {
-        "single": ["--seconds", "1", "--warmup", "0.3", "--rounds", "1", "--keys", "2000",
+        "single": ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "1", "--keys", "2000",
                    "--retries", "0"],
-        "scaleout": ["--shards", "1,2", "--seconds", "0.5", "--warmup", "0.2", "--rounds", "1"],
-        "latency": [],
+        "scaleout": ["--shards", "1,2", "--seconds", "0.3", "--warmup", "0.1", "--rounds", "1"],
+        "latency": ["--fractions", "0.5", "--seconds", "0.3", "--warmup", "0.1",
+                    "--max-seconds", "0.5", "--rounds", "1"],
         "load": ["--start-shards", "2", "--writers", "2", "--rate", "1000",
                  "--distribution", "zipf", "--ttl-fraction", "0.1", "--ttl-s", "5",
-                 "--seconds", "1", "--warmup", "0.3", "--rounds", "1"],
+                 "--seconds", "0.5", "--warmup", "0.2", "--rounds", "1"],
         "snapshot": ["--keys", "2000", "--repeats", "1", "--warmup-snapshots", "0",
-                     "--ceiling-s", "0.5"],
+                     "--ceiling-s", "0.3"],
         "fanout": ["--shards", "1,2", "--subscribers", "1,4", "--rate", "200",
-                   "--seconds", "0.5", "--warmup", "0", "--ceiling-s", "0.5"],
+                   "--seconds", "0.5", "--warmup", "0", "--ceiling-s", "0.3"],
         "failover": ["--kills", "1", "--rate", "200", "--steady-s", "0.3",
-                     "--ceiling-s", "0.5"],
+                     "--ceiling-s", "0.3"],
         "handoff": ["--modes", "inline,thread", "--work", "cpu", "--rate", "300",
                     "--seconds", "0.5"],
         "report": [],
@@ -92,7 +93,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
     "quick": {
         "single": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
         "scaleout": ["--shards", "1,2,4", "--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
-        "latency": [],
+        "latency": ["--fractions", "0.25,0.5,0.9", "--seconds", "2", "--warmup", "0.5",
+                    "--rounds", "1"],
         "load": ["--start-shards", "2", "--writers", "2", "--rate", "10000",
                  "--distribution", "zipf", "--ttl-fraction", "0.1", "--ttl-s", "5",
                  "--seconds", "3", "--warmup", "0.5", "--rounds", "2"],
@@ -107,7 +109,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "single": ["--seconds", "5", "--warmup", "1", "--rounds", "5",
                    "--blind-ceiling", "--quiet-wait-s", "15"],
         "scaleout": ["--shards", "1,2,4", "--seconds", "4", "--warmup", "1", "--rounds", "3"],
-        "latency": [],
+        "latency": ["--fractions", "0.1,0.25,0.5,0.75,0.9", "--seconds", "3", "--warmup", "1",
+                    "--rounds", "2"],
         "load": ["--start-shards", "2", "--writers", "2", "--rate", "10000",
                  "--distribution", "zipf", "--ttl-fraction", "0.1", "--ttl-s", "5",
                  "--seconds", "10", "--warmup", "1", "--rounds", "3"],

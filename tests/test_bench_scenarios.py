@@ -86,6 +86,33 @@ def check_failover(data: dict, kills: int) -> None:
     assert {t["name"]: t["met"] for t in data["targets"]}["updates lost"] is True
 
 
+def check_single(data: dict) -> None:
+    runs = data["runs"]
+    assert [r["target"] for r in runs] == ["pubsub", "ceiling", "server"]
+    for run in runs:
+        assert run["received_per_s"] > 0 and run["sequenced_per_s"] > 0, run["target"]
+        assert run["sent_per_s"] > 0 and run["sent_total"] > 0
+        assert run["received_total"] > 0 and run["sequenced_total"] >= run["received_total"]
+        assert run["loss_total"] >= 0 and run["latency_ms"]["p50"] > 0
+        assert run["malformed"] == 0
+    for run in runs[1:]:  # the forwarding loop and the server: their own process
+        assert run["subscribers"][0]["malformed"] == 0 and run["cpu_pct"]["target"] > 0
+    s = data["summary"]
+    assert s["ratio_server_to_ceiling"] > 0 and s["ratio_server_to_pubsub"] > 0
+    assert {"server updates/s (received, median)", "server / ceiling (medians)"} <= {
+        t["name"] for t in data["targets"]}
+
+
+def check_points(data: dict, keys: set[str]) -> None:
+    """The summary points the report plots (design of issue 7), each with a positive
+    received rate."""
+    points = data["summary"]["points"]
+    assert points
+    for p in points:
+        assert keys <= set(p), (data["benchmark"], p)
+        assert p["received_per_s"]["median"] > 0, (data["benchmark"], p)
+
+
 def test_snapshot_scenario_gets_the_whole_map_against_the_ceilings(procs, tmp_path):
     run_bench(procs, tmp_path, "bench", "snapshot", "--keys", "3000", "--repeats", "2",
               "--warmup-snapshots", "1", "--ceiling-s", "0.5")
@@ -117,8 +144,10 @@ def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
     check_snapshot(records["snapshot"], keys=2000, timed=1, warm=0)
     check_fanout(records["fanout"], [(1, 1), (1, 4), (2, 1), (2, 4)], rounds=1, updates=100)
     check_failover(records["failover"], kills=1)
-    for name in ("chp_throughput", "scaleout", "latency"):
-        assert records[name]["summary"], name
+    check_single(records["chp_throughput"])
+    check_points(records["scaleout"], {"shards", "target", "received_per_s", "efficiency"})
+    check_points(records["latency"], {"offered_per_s", "target", "latency_ms"})
+    assert records["load"]["runs"] and records["load"]["summary"]
     assert (tmp_path / "REPORT.md").exists() and list((tmp_path / "plots").glob("*.png"))
     table = "\n".join(stdout)
     assert "python -m bench all (smoke)" in table and "FAILED" not in table
