@@ -4,7 +4,8 @@
 [--ceiling-s 2]`` (also ``python -m bench failover ...``)
 
 First the same-run ceilings, flat out, for context (``bench.ceilings.measure_ceilings``:
-a bare pyzmq PUB->SUB and the bare forwarding loop). One pair (``python -m shards --primary/--backup``) serves one shard. In this process:
+a bare pyzmq PUB->SUB and the bare forwarding loop). Then one pair (``python -m shards
+--primary/--backup``) serves one shard. In this process:
 
 * a writer client (``client.api.Clone`` with both servers, so every KVSET goes to both
   collectors) sets a NEW key ``/w/<n>`` at ``--rate`` per second for the whole run;
@@ -35,7 +36,7 @@ PUB->SUB carries in the median gap.
 Targets: every client resumes within 2 s of its silence timeout; zero updates lost; the
 passive's RSS grows < 20 MiB within any steady window.
 
-Duration on a 2-core host: smoke (``--kills 1 --steady-s 0.3``) ~6 s; quick
+Duration on a 2-core host: smoke (``--kills 1 --steady-s 0.3``) ~8 s; quick
 (``--kills 3 --steady-s 1``) ~20 s; full (``--kills 10 --steady-s 2``) ~1 min.
 """
 from __future__ import annotations
@@ -49,11 +50,12 @@ import time
 
 from bench import record as rec
 from bench.runner import Target, bench_main, free_port_base, server_argv
+from shards import timing
 
 NAME = "failover"
-DURATION = ("Duration (2 cores): smoke (--kills 1 --steady-s 0.3) ~6 s; quick (--kills 3 "
+DURATION = ("Duration (2 cores): smoke (--kills 1 --steady-s 0.3) ~8 s; quick (--kills 3 "
             "--steady-s 1) ~20 s; full (--kills 10 --steady-s 2) ~1 min.")
-SILENCE_HEARTBEATS = 3
+SILENCE_HEARTBEATS = timing.SILENCE_HEARTBEATS
 RESUME_SLACK_S = 2.0
 RSS_GROWTH_TARGET_BYTES = 20 * 2**20
 DEADLINE_S = 20.0

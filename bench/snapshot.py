@@ -15,9 +15,9 @@ value size): a bare pyzmq PUB->SUB and the bare forwarding loop. Then for each m
 3. read the RSS again: memory per key = (RSS loaded - RSS idle) / N, and "beyond key
    and value" subtracts the average key + value length;
 4. ``--warmup-snapshots`` untimed snapshots, then ``--repeats`` times, a new raw client
-   (a DEALER) sends ``ICANHAZ?`` for the whole map and is timed from the request to KTHXBAI; the snapshot must be whole: N KVSYNCs,
-   every key exactly once, every value the right size, KTHXBAI's sequence N and subtree
-   empty. The RSS after the snapshots and the peak RSS (VmHWM) are recorded too.
+   (a DEALER) sends ``ICANHAZ?`` for the whole map and is timed from the request to
+   KTHXBAI; the snapshot must be whole: N KVSYNCs, every key exactly once, every value the
+   right size, KTHXBAI's sequence N and subtree empty. The RSS after the snapshots and the peak RSS (VmHWM) are recorded too.
 
 Each size is a point: join time (median and spread over the repeats), memory per key
 (one load per size: n=1), and ``ceiling_pubsub_s`` = N / the bare PUB->SUB's received
