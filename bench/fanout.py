@@ -469,7 +469,9 @@ def report(record: rec.Record) -> None:
                       f"subscriber): bare PUB->SUB {ps['received_per_s']:,.0f}/s received, "
                       f"p50 {ps['latency_ms']['p50']} ms, p99 {ps['latency_ms']['p99']} ms; "
                       f"bare forwarding loop {fw['received_per_s']:,.0f}/s, p50 "
-                      f"{fw['latency_ms']['p50']} ms, p99 {fw['latency_ms']['p99']} ms.")
+                      f"{fw['latency_ms']['p50']} ms, p99 {fw['latency_ms']['p99']} ms (their "
+                      "latency counts from the intended send time, the fan-out writer's from "
+                      "its actual send).")
     rec.print_targets(record)
 
 
