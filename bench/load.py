@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from bench import record as rec
 from bench.loadgen import LoadRun, SubscriberConfig, WriterConfig

@@ -52,7 +52,6 @@ Design decisions:
 from __future__ import annotations
 
 import bisect
-import functools
 import itertools
 import multiprocessing as mp
 import os
@@ -70,6 +69,10 @@ CHECK_EVERY = 256
 READY_DEADLINE_S = 20.0
 GO_DEADLINE_S = 60.0
 SEND_TIMEOUT_MS = 200
+RATE_TICK_S = 0.0002
+"""At a fixed rate a writer sleeps at least this long between bursts of what is due (one
+wake-up per update costs more CPU than the update at tens of thousands a second); an
+update may so leave up to ~0.25 ms after its intended time, counted in its latency."""
 FLUSH_S = 10.0
 """A writer that finished normally flushes its queue for up to this long before exiting."""
 
@@ -311,7 +314,7 @@ def _write(socks, cfg: WriterConfig, schedule, window: Window, send5, zmq) -> di
         if rate:
             due = min(limit, int((now_ns() - t0_ns) // period_ns))
             if i >= due:
-                time.sleep(min(0.001, period_ns * (due + 1 - i) / 1e9))
+                time.sleep(min(0.001, max(RATE_TICK_S, period_ns * (due + 1 - i) / 1e9)))
                 continue
             burst = min(due - i, CHECK_EVERY)
         else:

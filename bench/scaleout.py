@@ -32,7 +32,7 @@ from dataclasses import asdict
 
 from bench import record as rec
 from bench.ceilings import FIGURE_KEYS, measure_ceilings
-from bench.load import (Offer, Targets, add_offer_args, brief, check_offer_args, offer_from,
+from bench.load import (Targets, add_offer_args, brief, check_offer_args, offer_from,
                         run_offer)
 from bench.runner import bench_main
 
@@ -47,7 +47,9 @@ ESTIMATE_ASSUMPTIONS = (
     "its primary), each primary alone on its core with its I/O thread, and enough harness "
     "processes to spread writing and subscribing over the harness cores (one subscriber "
     "process is capped at 1 / c_sub). Costs measured here under contention (processes "
-    "sharing 2 cores) are a little higher than on idle cores, so the estimate leans low.")
+    "sharing 2 cores) are a little higher than on idle cores, so the estimate leans low. A "
+    "subscriber reading all 6 shards at that rate would need several processes, each "
+    "reading every shard or a subset of them.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,9 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=2.0, help="measured window per run")
     ap.add_argument("--warmup", type=float, default=0.5, help="warm-up before each window")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--hwm", type=int, default=10_000,
-                    help="targets' PUB SNDHWM and collector RCVHWM (small: flat-out runs "
-                         "drain quickly)")
+    ap.add_argument("--hwm", type=int, default=100_000,
+                    help="targets' PUB SNDHWM and collector RCVHWM (the server's default)")
     add_offer_args(ap, writers=2)
     args = ap.parse_args(argv)
     check_offer_args(ap, args)
@@ -114,12 +115,12 @@ def run(args: argparse.Namespace) -> rec.Record:
                     progress.note(f"{n} x {kind}: {brief(fig)}")
                     record.add_run(fig)
         progress.finish_step()
-    summarize(record, ceilings, offer)
+    summarize(record, ceilings)
     record.finish()
     return record
 
 
-def summarize(record: rec.Record, ceilings: dict, offer: Offer) -> None:
+def summarize(record: rec.Record, ceilings: dict) -> None:
     runs = record.data["runs"]
     cfg = record.data["config"]
     points = []
@@ -160,7 +161,7 @@ def summarize(record: rec.Record, ceilings: dict, offer: Offer) -> None:
             p["ratio_to_pubsub"] = round(med / pubsub, 3)
     summary = {"points": points, "ceilings": ceilings,
                "contention": contention(points, record.data["host"]),
-               "estimate_16core": estimate_16core(runs, offer)}
+               "estimate_16core": estimate_16core(runs, ceilings)}
     record.data["summary"] = summary
     top = max((p for p in points if p["target"] == "server"), key=lambda p: p["shards"],
               default=None)
@@ -205,13 +206,16 @@ def contention(points: list[dict], host: dict) -> str:
     return text
 
 
-def estimate_16core(runs: list[dict], offer: Offer) -> dict:
-    """The aggregate a 16-core host would reach with ESTIMATE_HOST's layout, from the CPU
-    per update measured here (1-shard server runs, median round):
+def estimate_16core(runs: list[dict], ceilings: dict) -> dict:
+    """The aggregate a 16-core host would reach with ESTIMATE_HOST's layout, from CPU per
+    update measured in this run:
 
-        c_server = server CPU s / received update         (all its threads, one core each)
-        c_writer = writers' CPU s / sent update
-        c_sub    = subscriber CPU s / received update (a subscriber reading all shards)
+        c_server = server CPU s / received update, 1-shard server runs (median): all its
+                   threads, so one core per primary gives 1 / c_server per shard
+        c_writer = writers' CPU s / sent update, c_sub = subscriber CPU s / received update,
+                   from the bare PUB->SUB ceiling run, where writers and subscriber run
+                   flat out (in the server runs they wait for the server, and a process
+                   that waits spends more CPU per update on wake-ups than one that is busy)
         aggregate = min(shards / c_server, harness_cores / (c_writer + c_sub))
 
     See ESTIMATE_ASSUMPTIONS."""
@@ -219,10 +223,17 @@ def estimate_16core(runs: list[dict], offer: Offer) -> dict:
     if not one:
         return {"error": "no 1-shard server run"}
     med = lambda xs: statistics.median(xs)  # noqa: E731
-    c_server = med([r["cpu_pct"]["targets"] / 100 / (r["received_per_s"] or 1e-9) for r in one])
-    c_writer = med([r["cpu_pct"]["writers"] / 100 / (r["sent_per_s"] or 1e-9) for r in one])
-    c_sub = med([r["cpu_pct"]["subscribers"] / 100 / (r["received_per_s"] or 1e-9)
-                 for r in one])
+    per = lambda cpu, rate: cpu / 100 / (rate or 1e-9)  # noqa: E731
+    c_server = med([per(r["cpu_pct"]["targets"], r["received_per_s"]) for r in one])
+    pubsub = ceilings.get("pubsub")
+    source = "the bare PUB->SUB ceiling run (flat out)"
+    if pubsub and pubsub.get("received_per_s"):
+        c_writer = per(pubsub["cpu_pct"]["writers"], pubsub["sent_per_s"])
+        c_sub = per(pubsub["cpu_pct"]["subscribers"], pubsub["received_per_s"])
+    else:
+        source = "the 1-shard server runs (median; no PUB->SUB ceiling run)"
+        c_writer = med([per(r["cpu_pct"]["writers"], r["sent_per_s"]) for r in one])
+        c_sub = med([per(r["cpu_pct"]["subscribers"], r["received_per_s"]) for r in one])
     host = ESTIMATE_HOST
     server_bound = host["shards"] / c_server if c_server else 0.0
     harness_bound = (len(host["harness_cores"]) / (c_writer + c_sub)
@@ -232,7 +243,8 @@ def estimate_16core(runs: list[dict], offer: Offer) -> dict:
         "inputs": {"c_server_us": round(c_server * 1e6, 3),
                    "c_writer_us": round(c_writer * 1e6, 3),
                    "c_sub_us": round(c_sub * 1e6, 3),
-                   "measured_from": f"{len(one)} 1-shard server run(s), median"},
+                   "c_server_from": f"{len(one)} 1-shard server run(s), median",
+                   "c_harness_from": source},
         "formula": "min(shards / c_server, harness_cores / (c_writer + c_sub))",
         "server_bound_per_s": round(server_bound, 0),
         "harness_bound_per_s": round(harness_bound, 0),
@@ -270,6 +282,7 @@ def report(record: rec.Record) -> None:
                    ["subscriber CPU per update (us)", i["c_sub_us"]],
                    ["server-bound (6 shards)", e["server_bound_per_s"]],
                    ["harness-bound (4 cores)", e["harness_bound_per_s"]],
+                   ["one subscriber process's cap", e["single_subscriber_cap_per_s"]],
                    ["estimated aggregate", e["aggregate_per_s"]],
                    ["limited by", e["limited_by"]]],
                   caption=f"{e['formula']}; {e['assumptions']}")
