@@ -51,7 +51,13 @@ TARGETS = ("pubsub", "ceiling", "server")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=f"python -m bench.{NAME}",
-                                 description="single-shard CHP throughput vs a bare forwarding loop")
+                                 description="single-shard CHP throughput vs a bare forwarding "
+                                             "loop and a bare PUB->SUB. Duration: smoke "
+                                             "(--seconds 1 --warmup 0.3 --rounds 1) ~12 s, "
+                                             "quick (--seconds 2 --warmup 0.5 --rounds 2) "
+                                             "~30 s, full (--seconds 5 --warmup 1 --rounds "
+                                             "5) ~2.5 min, more with retries and "
+                                             "--quiet-wait-s")
     ap.add_argument("--seconds", type=float, default=5.0, help="measured window per run")
     ap.add_argument("--warmup", type=float, default=1.0, help="warm-up before each window (s)")
     ap.add_argument("--rounds", type=int, default=3, help="pubsub+ceiling+server triples")
