@@ -34,7 +34,7 @@ import os
 from dataclasses import asdict, dataclass
 
 from bench import record as rec
-from bench.loadgen import LoadRun, SubscriberConfig, WriterConfig
+from bench.loadgen import RATE_TICK_S, LoadRun, SubscriberConfig, WriterConfig
 from bench.runner import (Target, bench_main, cpu_pct_by_group, cpu_seconds, forwarder_argv,
                           free_port_base, server_argv, start_on_free_ports)
 
@@ -59,6 +59,7 @@ class Offer:
     pin: bool = False
     drain_s: float = 2.0           # subscriber: read at most this long after the window
     flush_s: float = 1.0           # writer: flush its queue at most this long at exit
+    tick_s: float = RATE_TICK_S    # fixed rate: a writer's shortest sleep between bursts
 
     @property
     def writer_mode(self) -> str:
@@ -202,7 +203,7 @@ class Targets:
                 distribution=o.distribution, mode=o.writer_mode, rate_per_s=o.rate_per_s,
                 ttl_fraction=o.ttl_fraction, ttl_s=o.ttl_s, seed=seed + i, writer_id=i,
                 core=cores[i], seq_stamp=self.kind == "pubsub", bind=self.kind == "pubsub",
-                flush_s=o.flush_s))
+                flush_s=o.flush_s, tick_s=o.tick_s))
         pubs = tuple(self.publishers())
         subs = [SubscriberConfig(endpoint=pubs[0], endpoints=pubs if len(pubs) > 1 else (),
                                  latency_every=o.latency_every, drain_s=o.drain_s,
@@ -280,6 +281,9 @@ def add_offer_args(ap: argparse.ArgumentParser, writers: int = 1) -> None:
     ap.add_argument("--pin", action="store_true",
                     help="pin every process to one core: targets first, then writers and "
                          "subscribers on the cores left")
+    ap.add_argument("--tick-ms", type=float, default=RATE_TICK_S * 1000,
+                    help="fixed rate: a writer's shortest sleep between bursts of due "
+                         "updates (longer: less CPU, up to this much added latency)")
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
 
 
@@ -288,6 +292,8 @@ def check_offer_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> N
         ap.error("--writers and --keys must be >= 1, --value-bytes >= 0")
     if not 0 <= args.ttl_fraction <= 1 or args.ttl_s <= 0 or args.latency_every < 1:
         ap.error("--ttl-fraction must be in 0..1, --ttl-s > 0, --latency-every >= 1")
+    if not 0 <= args.tick_ms <= 100:
+        ap.error("--tick-ms must be in 0..100")
     for name in ("seconds", "warmup", "rounds"):
         if name in args and getattr(args, name) <= (0 if name != "warmup" else -1e-9):
             ap.error(f"--{name} must be positive")
@@ -297,6 +303,8 @@ def offer_from(args: argparse.Namespace, **over) -> Offer:
     fields = {f: getattr(args, f) for f in ("writers", "keys", "value_bytes", "distribution",
                                              "ttl_fraction", "ttl_s", "latency_every", "pin")
               if f in args}
+    if "tick_ms" in args:
+        fields["tick_s"] = args.tick_ms / 1000
     fields.update(over)
     return Offer(**fields)
 
