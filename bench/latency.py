@@ -34,6 +34,8 @@ NAME = "latency"
 KINDS = ("server", "forwarder", "pubsub")
 PERCENTILES = ("p50", "p90", "p99", "p99.9", "max")
 TARGET_P99_MS = 5.0
+MAX_WARMUP_S = 1.0
+"""The flat-out max run warms up at least this long (its pipes fill first, see --hwm)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,6 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="window of the flat-out single-shard max run")
     ap.add_argument("--max-per-s", type=float, default=0.0,
                     help="use this single-shard max instead of measuring it (0: measure)")
+    ap.add_argument("--hwm", type=int, default=10_000,
+                    help="server's and forwarder's PUB SNDHWM and collector RCVHWM (small, "
+                         "so the flat-out max run is past its pipe-filling transient within "
+                         "the warm-up; below capacity no queue builds)")
     add_offer_args(ap, writers=1)
     ap.set_defaults(latency_every=2)
     args = ap.parse_args(argv)
@@ -69,8 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.kinds = [k.strip() for k in args.targets.split(",") if k.strip()]
     if not args.kinds or set(args.kinds) - set(KINDS):
         ap.error(f"--targets: any of {', '.join(KINDS)}")
-    if args.max_seconds <= 0 or args.max_per_s < 0:
-        ap.error("--max-seconds must be > 0 and --max-per-s >= 0")
+    if args.max_seconds <= 0 or args.max_per_s < 0 or args.hwm < 1:
+        ap.error("--max-seconds must be > 0, --max-per-s >= 0 and --hwm >= 1")
     return args
 
 
@@ -88,9 +94,9 @@ def run(args: argparse.Namespace) -> rec.Record:
             record.data["max_run"] = {"given": top}
         else:
             progress.step("single-shard max: 1 server, writers flat out")
-            with Targets("server", 1, offer=flat) as targets:
-                fig = run_offer(targets, warmup=args.warmup, seconds=args.max_seconds,
-                                progress=progress)
+            with Targets("server", 1, offer=flat, extra=_hwm(args)) as targets:
+                fig = run_offer(targets, warmup=max(args.warmup, MAX_WARMUP_S),
+                                seconds=args.max_seconds, progress=progress)
             progress.note(f"max: {brief(fig)}")
             record.data["max_run"] = fig
             top = fig["received_per_s"]
@@ -102,7 +108,7 @@ def run(args: argparse.Namespace) -> rec.Record:
                 for kind in args.kinds:
                     progress.step(f"round {r + 1}/{args.rounds}: {kind} at {offered:,.0f}/s "
                                   f"({fraction:g} of max)")
-                    with Targets(kind, 1, offer=offer) as targets:
+                    with Targets(kind, 1, offer=offer, extra=_hwm(args)) as targets:
                         fig = run_offer(targets, warmup=args.warmup, seconds=args.seconds,
                                         progress=progress, seed=1 + 100 * r)
                     fig.update(round=r + 1, fraction_of_max=fraction, offered_per_s=offered)
@@ -112,6 +118,10 @@ def run(args: argparse.Namespace) -> rec.Record:
     summarize(record, top)
     record.finish()
     return record
+
+
+def _hwm(args: argparse.Namespace) -> tuple[str, ...]:
+    return ("--pub-hwm", str(args.hwm), "--collect-hwm", str(args.hwm))
 
 
 def summarize(record: rec.Record, top: float) -> None:

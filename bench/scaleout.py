@@ -19,10 +19,14 @@ median of the same target). ``contention`` says where the host runs out of cores
 into an estimated aggregate for a 16-core host (configs/16core-scale.yaml: 6 shards,
 primaries on cores 0-5, backups on 6-11, harness on 12-15), with its inputs and formula.
 
+Queues: the targets run with ``--hwm`` 10,000 (see ``HWM``) so that flat-out writers
+reach a steady state (blocked on full pipes) within the warm-up; each run says whether
+it did (``steady``).
+
 Duration: (rounds x len(shards) x 2 targets) runs of warmup + seconds + ~1.5 s start-up
-per target process, plus one ceiling run: smoke (``--shards 1,2 --seconds 0.5 --warmup
-0.2 --rounds 1``) ~15 s; quick (``--seconds 2 --rounds 2``) ~1.5 min; full (``--seconds
-4 --warmup 1 --rounds 3``) ~4 min.
+and drain, plus one ceiling run: smoke (``--shards 1,2 --seconds 0.5 --warmup 0.2
+--rounds 1``) ~15 s; quick (``--seconds 2 --rounds 2``) ~1.7 min; full (``--seconds 4
+--warmup 1 --rounds 3``) ~4.5 min.
 """
 from __future__ import annotations
 
@@ -37,6 +41,14 @@ from bench.load import (Targets, add_offer_args, brief, check_offer_args, offer_
 from bench.runner import bench_main
 
 NAME = "scaleout"
+HWM = 10_000
+"""Targets' queue limits. Flat out, the writers first fill every pipe (collector queue,
+kernel socket buffers) and only then wait for the targets; with the servers' default
+100,000 the pipes of 4 shards take seconds to fill, and while they fill the writers run
+flat out and take CPU from the targets, so a short window measured that transient (4
+shards looked slower than 1). At 10,000 the pipes are full within the 1 s warm-up: each
+run records ``steady`` (sent within 10% of received over the window)."""
+STEADY_RATIO = 0.10
 ESTIMATE_HOST = {"config": "configs/16core-scale.yaml", "cores": 16, "shards": 6,
                  "primary_cores": [0, 1, 2, 3, 4, 5], "backup_cores": [6, 7, 8, 9, 10, 11],
                  "harness_cores": [12, 13, 14, 15]}
@@ -58,16 +70,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="aggregate throughput over 1, 2 and 4 shard servers and as many bare "
                     "forwarding loops, same writers and subscriber. Duration: smoke "
                     "(--shards 1,2 --seconds 0.5 --warmup 0.2 --rounds 1) ~15 s, quick "
-                    "(--seconds 2 --rounds 2) ~1.5 min, full (--seconds 4 --warmup 1 "
-                    "--rounds 3) ~4 min")
+                    "(--seconds 2 --rounds 2) ~1.7 min, full (--seconds 4 --warmup 1 "
+                    "--rounds 3) ~4.5 min")
     ap.add_argument("--shards", default="1,2,4", help="shard counts, e.g. 1,2,4")
     ap.add_argument("--targets", default="server,forwarder",
                     help="server and/or forwarder, comma-separated")
     ap.add_argument("--seconds", type=float, default=2.0, help="measured window per run")
-    ap.add_argument("--warmup", type=float, default=0.5, help="warm-up before each window")
+    ap.add_argument("--warmup", type=float, default=1.0,
+                    help="warm-up before each window: long enough for the writers to fill "
+                         "the pipes and block (see --hwm)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--hwm", type=int, default=100_000,
-                    help="targets' PUB SNDHWM and collector RCVHWM (the server's default)")
+    ap.add_argument("--hwm", type=int, default=HWM,
+                    help="targets' PUB SNDHWM and collector RCVHWM (see the module doc)")
     add_offer_args(ap, writers=2)
     args = ap.parse_args(argv)
     check_offer_args(ap, args)
@@ -112,6 +126,8 @@ def run(args: argparse.Namespace) -> rec.Record:
                     fig["round"] = r + 1
                     fig["per_core_per_s"] = round(fig["received_per_s"]
                                                   / (fig["cpu_cores"] or 1e-9), 1)
+                    fig["steady"] = (abs(fig["sent_per_s"] - fig["received_per_s"])
+                                     <= STEADY_RATIO * fig["received_per_s"])
                     progress.note(f"{n} x {kind}: {brief(fig)}")
                     record.add_run(fig)
         progress.finish_step()
@@ -140,7 +156,11 @@ def summarize(record: rec.Record, ceilings: dict) -> None:
                 "efficiency": round(received["median"] / (n * base[kind]), 3)
                 if base.get(kind) else None,
                 "loss": sum(r["loss_window"] for r in mine),
+                "steady_runs": sum(bool(r.get("steady")) for r in mine),
                 "targets_cpu_pct": rec.spread([r["cpu_pct"]["targets"] for r in mine]),
+                "target_us_per_update": rec.spread(
+                    [1e4 * r["cpu_pct"]["targets"] / (r["received_per_s"] or 1e-9)
+                     for r in mine]),
                 "harness_cpu_pct": rec.spread([r["cpu_pct"]["writers"]
                                                + r["cpu_pct"]["subscribers"] for r in mine]),
                 "others_cpu_pct": rec.spread([r["cpu_pct"]["others"] for r in mine]),
@@ -202,7 +222,9 @@ def contention(points: list[dict], host: dict) -> str:
     text += (f"{most['shards']} shards gave {most['received_per_s']['median']:,.0f} "
              f"updates/s against {one['received_per_s']['median']:,.0f} for one "
              f"(efficiency {most['efficiency']}), with {most['cpu_cores']['median']:.2f} "
-             f"cores busy - more shards add processes, not cores.")
+             f"cores busy - more shards add processes, not cores; the servers' CPU per "
+             f"update went from {one['target_us_per_update']['median']:.1f} to "
+             f"{most['target_us_per_update']['median']:.1f} us as they shared the cores.")
     return text
 
 
@@ -263,12 +285,15 @@ def report(record: rec.Record) -> None:
                      p["received_per_s"]["spread_pct"], p["cpu_cores"]["median"],
                      p["per_core_per_s"]["median"], p["efficiency"],
                      p.get("ratio_to_forwarder", "-"), p.get("ratio_to_pubsub", "-"),
-                     p["loss"], p["others_cpu_pct"]["median"]])
+                     p["target_us_per_update"]["median"], p["loss"],
+                     p["others_cpu_pct"]["median"],
+                     f"{p['steady_runs']}/{p['received_per_s']['n']}"])
     pubsub = s["ceilings"].get("pubsub", {})
     rec.table(record, f"{NAME}: aggregate received updates/s (medians over "
                       f"{record.data['config']['rounds']} rounds)",
               ["point", "received/s", "spread %", "cpu cores", "per core/s", "efficiency",
-               "/ forwarder", "/ pubsub", "lost", "others cpu%"], rows,
+               "/ forwarder", "/ pubsub", "target us/update", "lost", "others cpu%",
+               "steady runs"], rows,
               caption=f"efficiency = aggregate / (N x 1-shard median of the same target); "
                       f"bare PUB->SUB ceiling {pubsub.get('received_per_s', 0):,.0f}/s with "
                       f"the same writers. {s['contention']}")
