@@ -39,7 +39,7 @@ SCENARIOS = {
                        "PUB->SUB", {"smoke": "~12 s", "quick": "~30 s", "full": "~3.5 min"}),
     "scaleout": Scenario("bench.scaleout", "scaleout",
                          "the same load over 1, 2, 4 shards: aggregate updates/s, per-core "
-                         "efficiency", {"smoke": "~15 s", "quick": "~1.5 min", "full": "~4 min"}),
+                         "efficiency", {"smoke": "~15 s", "quick": "~1.7 min", "full": "~4.5 min"}),
     "latency": Scenario("bench.latency", "latency",
                         "open-loop fixed rates (% of the single-shard max): p50..p99.9, max",
                         {"smoke": "~10 s", "quick": "~45 s", "full": "~3.5 min"}),
@@ -66,7 +66,7 @@ SCENARIOS = {
                        {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),
 }
 ALIASES = {"chp_throughput": "single"}
-ALL_DURATION = {"smoke": "~1.5 min", "quick": "~5 min", "full": "~20 min"}
+ALL_DURATION = {"smoke": "~1.5 min", "quick": "~5.5 min", "full": "~20 min"}
 ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failover", "handoff"]
 """What ``all`` runs, in this order, then ``report``."""
 
@@ -92,7 +92,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
     },
     "quick": {
         "single": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
-        "scaleout": ["--shards", "1,2,4", "--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
+        "scaleout": ["--shards", "1,2,4", "--seconds", "2", "--warmup", "1", "--rounds", "2"],
         "latency": ["--fractions", "0.25,0.5,0.9", "--seconds", "2", "--warmup", "0.5",
                     "--rounds", "1"],
         "load": ["--start-shards", "2", "--writers", "2", "--rate", "10000",
