@@ -14,6 +14,11 @@ spread over ``--rounds``, sequence gaps (loss) and writer drops.
 
 Target: server p99 < 5 ms at half the single-shard maximum.
 
+``--pin`` puts the target alone on core 0 and the writers and subscriber on the other
+cores. On the 2-core dev host it mattered more than anything else: the server's p99 at
+half the maximum (~36,000/s) was 2-7 ms pinned against ~25-30 ms unpinned (dev runs,
+quiet host), because unpinned the server's threads queue behind the harness's.
+
 Duration: max run (warmup + max-seconds + ~2 s) plus rounds x fractions x targets runs of
 warmup + seconds + ~1.5 s: smoke (``--fractions 0.25,0.5 --seconds 0.5 --warmup 0.2
 --max-seconds 0.5 --rounds 1``) ~15 s; quick (``--fractions 0.25,0.5,0.9 --seconds 2``)
