@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> rec.Record:
     opts = {k: v for k, v in vars(args).items()
-            if k not in ("results_dir", "fraction_list", "kinds")}
+            if k not in ("results_dir", "fraction_list", "kinds", "core_list")}
     flat = offer_from(args, latency_every=64)
     config = dict(opts, fractions_run=args.fraction_list, offer=asdict(flat),
                   rate_meaning="offered updates/s in total, split evenly over the writers")

@@ -57,6 +57,7 @@ class Offer:
     mode: str = "flow"             # flat out: flow (block) or drop
     latency_every: int = 64
     pin: bool = False
+    cores: tuple[int, ...] = ()    # the harness's cores (implies pinning the harness)
     drain_s: float = 2.0           # subscriber: read at most this long after the window
     flush_s: float = 1.0           # writer: flush its queue at most this long at exit
     tick_s: float = RATE_TICK_S    # fixed rate: a writer's shortest sleep between bursts
@@ -70,15 +71,36 @@ def usable_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def core_plan(targets: int, harness: int, cores: list[int] | None = None
+def core_plan(targets: int, harness: int, cores: list[int] | None = None,
+              harness_cores: list[int] | tuple[int, ...] = ()
               ) -> tuple[list[int], list[int]]:
     """Cores for ``targets`` target processes and ``harness`` load processes: targets
     take the first cores (round robin), the harness the cores left (all of them, round
-    robin, if none is left)."""
+    robin, if none is left). Given ``harness_cores``, the harness takes those (round
+    robin) and the targets the other cores."""
     cores = cores or usable_cores()
+    if harness_cores:
+        rest = [c for c in cores if c not in harness_cores] or cores
+        return ([rest[i % len(rest)] for i in range(targets)],
+                [harness_cores[i % len(harness_cores)] for i in range(harness)])
     target_cores = [cores[i % len(cores)] for i in range(targets)]
     rest = [c for c in cores if c not in target_cores] or cores
     return target_cores, [rest[i % len(rest)] for i in range(harness)]
+
+
+def parse_core_list(text: str) -> tuple[int, ...]:
+    """``"12-15"``, ``"0,2-3"`` -> sorted distinct cores; ValueError on anything else."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"not a core list: {text!r} (e.g. 12-15 or 0,2-3)")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise ValueError(f"not a core list: {text!r} ({part}: the range is backwards)")
+        cores.update(range(a, b + 1))
+    return tuple(sorted(cores))
 
 
 class Targets:
@@ -108,7 +130,7 @@ class Targets:
             self.shards = len(self.ports)
         n_targets = self.shards if kind in ("server", "forwarder") else 0
         self.target_cores, self.harness_cores = core_plan(
-            n_targets, offer.writers + offer.subscribers)
+            n_targets, offer.writers + offer.subscribers, harness_cores=offer.cores)
 
     def __enter__(self) -> "Targets":
         try:
@@ -192,7 +214,8 @@ class Targets:
         """Writer and subscriber configs of ``offer`` (default: the one given) for these
         targets: writers route keys over every shard (pubsub: writer i to socket i)."""
         o = offer or self.offer
-        cores = self.harness_cores if o.pin else [None] * (o.writers + o.subscribers)
+        cores = (self.harness_cores if o.pin or o.cores
+                 else [None] * (o.writers + o.subscribers))
         collectors = tuple(self.collectors())
         writers = []
         for i in range(o.writers):
@@ -215,7 +238,8 @@ class Targets:
         return {"kind": self.kind, "shards": self.shards, "ports": self.ports,
                 "commands": [" ".join(p.argv[1:]) for p in self.procs],
                 "target_cores": self.target_cores if self.offer.pin else None,
-                "harness_cores": self.harness_cores if self.offer.pin else None}
+                "harness_cores": (self.harness_cores if self.offer.pin or self.offer.cores
+                                  else None)}
 
 
 def run_offer(targets: Targets, *, warmup: float, seconds: float, offer: Offer | None = None,
@@ -281,6 +305,9 @@ def add_offer_args(ap: argparse.ArgumentParser, writers: int = 1) -> None:
     ap.add_argument("--pin", action="store_true",
                     help="pin every process to one core: targets first, then writers and "
                          "subscribers on the cores left")
+    ap.add_argument("--cores", default="",
+                    help="pin the writers and subscribers round robin to these cores, e.g. "
+                         "12-15 (targets started here take the other cores with --pin)")
     ap.add_argument("--tick-ms", type=float, default=RATE_TICK_S * 1000,
                     help="fixed rate: a writer's shortest sleep between bursts of due "
                          "updates (longer: less CPU, up to this much added latency)")
@@ -294,6 +321,16 @@ def check_offer_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> N
         ap.error("--ttl-fraction must be in 0..1, --ttl-s > 0, --latency-every >= 1")
     if not 0 <= args.tick_ms <= 100:
         ap.error("--tick-ms must be in 0..100")
+    args.core_list = ()
+    if args.cores:
+        try:
+            args.core_list = parse_core_list(args.cores)
+        except ValueError as exc:
+            ap.error(f"--cores: {exc}")
+        missing = sorted(set(args.core_list) - set(usable_cores()))
+        if missing:
+            ap.error(f"--cores: {missing} not usable on this host (usable: "
+                     f"{usable_cores()})")
     for name in ("seconds", "warmup", "rounds"):
         if name in args and getattr(args, name) <= (0 if name != "warmup" else -1e-9):
             ap.error(f"--{name} must be positive")
@@ -305,6 +342,8 @@ def offer_from(args: argparse.Namespace, **over) -> Offer:
               if f in args}
     if "tick_ms" in args:
         fields["tick_s"] = args.tick_ms / 1000
+    if getattr(args, "core_list", ()):
+        fields["cores"] = tuple(args.core_list)
     fields.update(over)
     return Offer(**fields)
 
@@ -391,8 +430,9 @@ def run(args: argparse.Namespace) -> rec.Record:
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
     config["offer"] = asdict(offer)
     config["rate_meaning"] = "updates/s per writer (0: flat out)"
-    record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", {
-        k: v for k, v in vars(args).items() if k not in ("results_dir", "cluster")}), config)
+    command = rec.command_line(f"bench.{NAME}", {
+        k: v for k, v in vars(args).items() if k not in ("results_dir", "cluster", "core_list")})
+    record = rec.Record(NAME, command, config)
     with rec.Progress(NAME, total=args.rounds) as progress, _targets(args, offer) as targets:
         config["targets"] = targets.describe()
         for r in range(args.rounds):

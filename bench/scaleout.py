@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> rec.Record:
     offer = offer_from(args, subscribers=1)
     opts = {k: v for k, v in vars(args).items()
-            if k not in ("results_dir", "shard_counts", "target_kinds")}
+            if k not in ("results_dir", "shard_counts", "target_kinds", "core_list")}
     config = dict(opts, offer=asdict(offer))
     config["order"] = [f"{r + 1}:{n}:{k}" for r in range(args.rounds)
                        for n in args.shard_counts for k in args.target_kinds]

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from bench.load import core_plan
+from bench.load import core_plan, parse_core_list
 from bench.loadgen import SourceState, WriterConfig, drain, key_index, routed_schedule
 from conftest import bench_record, run_bench
 from shards.routing import ShardMap
@@ -43,6 +43,17 @@ def test_core_plan_puts_targets_first_and_the_harness_on_the_rest():
     assert core_plan(1, 3, [0, 1]) == ([0], [1, 1, 1])
     assert core_plan(2, 2, [0, 1]) == ([0, 1], [0, 1])       # no core left: share them all
     assert core_plan(4, 2, [0, 1, 2, 3, 4, 5, 6, 7]) == ([0, 1, 2, 3], [4, 5])
+    # --cores 12-15 on a 16-core host: 3 writers and 1 subscriber, targets elsewhere
+    assert core_plan(2, 4, list(range(16)), harness_cores=(12, 13, 14, 15)) == (
+        [0, 1], [12, 13, 14, 15])
+
+
+def test_core_lists_parse_ranges_and_refuse_the_rest():
+    assert parse_core_list("12-15") == (12, 13, 14, 15)
+    assert parse_core_list("0, 2-3,2") == (0, 2, 3)
+    for bad in ("", "1x", "3-1", "-2", "1-"):
+        with pytest.raises(ValueError):
+            parse_core_list(bad)
 
 
 # ------------------------------------------------------------------ per-shard gap tracking
