@@ -63,9 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-per-s", type=float, default=0.0,
                     help="use this single-shard max instead of measuring it (0: measure)")
     ap.add_argument("--hwm", type=int, default=10_000,
-                    help="server's and forwarder's PUB SNDHWM and collector RCVHWM (small, "
-                         "so the flat-out max run is past its pipe-filling transient within "
-                         "the warm-up; below capacity no queue builds)")
+                    help="server's and forwarder's collector RCVHWM (small, so the flat-out "
+                         "max run is past its pipe-filling transient within the warm-up; "
+                         "below capacity no queue builds); their PUB keeps 100,000")
     add_offer_args(ap, writers=1)
     ap.set_defaults(latency_every=2)
     args = ap.parse_args(argv)
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> rec.Record:
 
 
 def _hwm(args: argparse.Namespace) -> tuple[str, ...]:
-    return ("--pub-hwm", str(args.hwm), "--collect-hwm", str(args.hwm))
+    return ("--collect-hwm", str(args.hwm))
 
 
 def summarize(record: rec.Record, top: float) -> None:

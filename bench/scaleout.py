@@ -17,11 +17,14 @@ median and spread over ``--rounds``, and ``efficiency`` = aggregate / (N x the 1
 median of the same target). ``contention`` says where the host runs out of cores;
 ``estimate_16core`` turns the measured CPU per update of server, writers and subscriber
 into an estimated aggregate for a 16-core host (configs/16core-scale.yaml: 6 shards,
-primaries on cores 0-5, backups on 6-11, harness on 12-15), with its inputs and formula.
+primaries on cores 0-5, backups on 6-11, 3 writers and 1 subscriber on 12-15), with its
+inputs and formula.
 
-Queues: the targets run with ``--hwm`` 10,000 (see ``HWM``) so that flat-out writers
-reach a steady state (blocked on full pipes) within the warm-up; each run says whether
-it did (``steady``).
+Queues: the targets' collectors run with ``--hwm`` 10,000 (see ``HWM``) so that flat-out
+writers reach a steady state (blocked on full pipes) within the warm-up; each run says
+whether it did (``steady``). Their publishers keep the server's default 100,000
+(``--pub-hwm``): a subscriber briefly starved of CPU then falls behind without losing
+updates.
 
 Duration: (rounds x len(shards) x 2 targets) runs of warmup + seconds + ~1.5 s start-up
 and drain, plus one ceiling run: smoke (``--shards 1,2 --seconds 0.5 --warmup 0.2
@@ -42,7 +45,7 @@ from bench.runner import bench_main
 
 NAME = "scaleout"
 HWM = 10_000
-"""Targets' queue limits. Flat out, the writers first fill every pipe (collector queue,
+"""Targets' collector queue limit. Flat out, the writers first fill every pipe (collector queue,
 kernel socket buffers) and only then wait for the targets; with the servers' default
 100,000 the pipes of 4 shards take seconds to fill, and while they fill the writers run
 flat out and take CPU from the targets, so a short window measured that transient (4
@@ -51,17 +54,17 @@ run records ``steady`` (sent within 10% of received over the window)."""
 STEADY_RATIO = 0.10
 ESTIMATE_HOST = {"config": "configs/16core-scale.yaml", "cores": 16, "shards": 6,
                  "primary_cores": [0, 1, 2, 3, 4, 5], "backup_cores": [6, 7, 8, 9, 10, 11],
-                 "harness_cores": [12, 13, 14, 15]}
+                 "harness_cores": [12, 13, 14, 15], "writers": 3, "subscribers": 1,
+                 "harness_command": "python -m bench load --config configs/16core-scale.yaml "
+                                    "--writers 3 --subscribers 1 --pin --cores 12-15"}
 
 ESTIMATE_ASSUMPTIONS = (
     "the same CPU cost per update there as here (same CPU speed), no other load, loopback "
     "networking, backups on their own cores (a passive server's replication does not slow "
-    "its primary), each primary alone on its core with its I/O thread, and enough harness "
-    "processes to spread writing and subscribing over the harness cores (one subscriber "
-    "process is capped at 1 / c_sub). Costs measured here under contention (processes "
-    "sharing 2 cores) are a little higher than on idle cores, so the estimate leans low. A "
-    "subscriber reading all 6 shards at that rate would need several processes, each "
-    "reading every shard or a subset of them.")
+    "its primary), each primary alone on its core with its I/O thread, each harness "
+    "process alone on a harness core, and keys spread evenly over the shards (uniform "
+    "keys). Costs measured here under contention (processes sharing 2 cores) are a little "
+    "higher than on idle cores, so the estimate leans low.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "the pipes and block (see --hwm)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--hwm", type=int, default=HWM,
-                    help="targets' PUB SNDHWM and collector RCVHWM (see the module doc)")
+                    help="targets' collector RCVHWM (see the module doc)")
+    ap.add_argument("--pub-hwm", type=int, default=100_000, help="targets' PUB SNDHWM")
     add_offer_args(ap, writers=2)
     args = ap.parse_args(argv)
     check_offer_args(ap, args)
@@ -96,8 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.target_kinds = [t.strip() for t in args.targets.split(",") if t.strip()]
     if not args.target_kinds or set(args.target_kinds) - {"server", "forwarder"}:
         ap.error("--targets: server and/or forwarder")
-    if args.hwm < 1:
-        ap.error("--hwm must be >= 1")
+    if args.hwm < 1 or args.pub_hwm < 1:
+        ap.error("--hwm and --pub-hwm must be >= 1")
     return args
 
 
@@ -109,7 +113,7 @@ def run(args: argparse.Namespace) -> rec.Record:
     config["order"] = [f"{r + 1}:{n}:{k}" for r in range(args.rounds)
                        for n in args.shard_counts for k in args.target_kinds]
     record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", opts), config)
-    extra = ("--pub-hwm", str(args.hwm), "--collect-hwm", str(args.hwm))
+    extra = ("--pub-hwm", str(args.pub_hwm), "--collect-hwm", str(args.hwm))
     steps = 1 + len(config["order"])
     with rec.Progress(NAME, total=steps) as progress:
         ceilings = measure_ceilings(seconds=args.seconds, warmup=args.warmup, keys=args.keys,
@@ -238,9 +242,10 @@ def estimate_16core(runs: list[dict], ceilings: dict) -> dict:
                    from the bare PUB->SUB ceiling run, where writers and subscriber run
                    flat out (in the server runs they wait for the server, and a process
                    that waits spends more CPU per update on wake-ups than one that is busy)
-        aggregate = min(shards / c_server, harness_cores / (c_writer + c_sub))
+        aggregate = min(shards / c_server, writers / c_writer, subscribers / c_sub)
 
-    See ESTIMATE_ASSUMPTIONS."""
+    (each primary, writer and subscriber process on a core of its own: 6 primaries, 3
+    writers, 1 subscriber reading all 6 shards). See ESTIMATE_ASSUMPTIONS."""
     one = [r for r in runs if r["target"] == "server" and r["shards"] == 1]
     if not one:
         return {"error": "no 1-shard server run"}
@@ -257,9 +262,11 @@ def estimate_16core(runs: list[dict], ceilings: dict) -> dict:
         c_writer = med([per(r["cpu_pct"]["writers"], r["sent_per_s"]) for r in one])
         c_sub = med([per(r["cpu_pct"]["subscribers"], r["received_per_s"]) for r in one])
     host = ESTIMATE_HOST
-    server_bound = host["shards"] / c_server if c_server else 0.0
-    harness_bound = (len(host["harness_cores"]) / (c_writer + c_sub)
-                     if c_writer + c_sub else 0.0)
+    bound = lambda n, c: n / c if c else 0.0  # noqa: E731
+    bounds = {"servers": bound(host["shards"], c_server),
+              "writers": bound(host["writers"], c_writer),
+              "subscriber": bound(host["subscribers"], c_sub)}
+    limit = min(bounds, key=bounds.get)
     return {
         "host": host,
         "inputs": {"c_server_us": round(c_server * 1e6, 3),
@@ -267,12 +274,12 @@ def estimate_16core(runs: list[dict], ceilings: dict) -> dict:
                    "c_sub_us": round(c_sub * 1e6, 3),
                    "c_server_from": f"{len(one)} 1-shard server run(s), median",
                    "c_harness_from": source},
-        "formula": "min(shards / c_server, harness_cores / (c_writer + c_sub))",
-        "server_bound_per_s": round(server_bound, 0),
-        "harness_bound_per_s": round(harness_bound, 0),
-        "single_subscriber_cap_per_s": round(1 / c_sub, 0) if c_sub else None,
-        "aggregate_per_s": round(min(server_bound, harness_bound), 0),
-        "limited_by": "servers" if server_bound <= harness_bound else "harness",
+        "formula": "min(shards / c_server, writers / c_writer, subscribers / c_sub)",
+        "server_bound_per_s": round(bounds["servers"], 0),
+        "writer_bound_per_s": round(bounds["writers"], 0),
+        "subscriber_bound_per_s": round(bounds["subscriber"], 0),
+        "aggregate_per_s": round(bounds[limit], 0),
+        "limited_by": limit,
         "assumptions": ESTIMATE_ASSUMPTIONS,
     }
 
@@ -305,9 +312,9 @@ def report(record: rec.Record) -> None:
                   [["server CPU per update (us)", i["c_server_us"]],
                    ["writer CPU per update (us)", i["c_writer_us"]],
                    ["subscriber CPU per update (us)", i["c_sub_us"]],
-                   ["server-bound (6 shards)", e["server_bound_per_s"]],
-                   ["harness-bound (4 cores)", e["harness_bound_per_s"]],
-                   ["one subscriber process's cap", e["single_subscriber_cap_per_s"]],
+                   ["server-bound (6 primaries)", e["server_bound_per_s"]],
+                   ["writer-bound (3 writers)", e["writer_bound_per_s"]],
+                   ["subscriber-bound (1 subscriber)", e["subscriber_bound_per_s"]],
                    ["estimated aggregate", e["aggregate_per_s"]],
                    ["limited by", e["limited_by"]]],
                   caption=f"{e['formula']}; {e['assumptions']}")

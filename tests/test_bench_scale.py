@@ -42,12 +42,14 @@ def test_scaleout_measures_every_shard_count_for_servers_and_forwarders(procs, t
     for p in s["points"]:
         for key in ("received_per_s", "cpu_cores", "per_core_per_s"):
             assert set(p[key]) == SPREAD_KEYS and p[key]["median"] > 0
-        assert p["efficiency"] > 0 and p["loss"] == 0
+        assert p["efficiency"] > 0
+        assert p["loss"] == 0 or p["target"] == "forwarder"  # a bare loop's PUB may drop
     assert all(p["efficiency"] == 1.0 for p in s["points"] if p["shards"] == 1)
     for run in data["runs"]:
         if run["shards"] == 2:  # keys were routed: both shards published
             assert [x["received_window"] > 0 for x in run["per_source"]] == [True, True]
-            assert [x["gaps_window"] for x in run["per_source"]] == [0, 0]
+            if run["target"] == "server":
+                assert [x["gaps_window"] for x in run["per_source"]] == [0, 0]
     _check_ceilings(s["ceilings"])
     assert isinstance(s["contention"], str) and "cores" in s["contention"]
     est = s["estimate_16core"]
