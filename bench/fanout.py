@@ -53,7 +53,6 @@ import sys
 import time
 
 from bench import record as rec
-from bench.snapshot import precise_spread
 from bench.runner import Target, bench_main, cpu_seconds, server_argv, start_on_free_ports
 
 NAME = "fanout"
@@ -368,8 +367,9 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace,
 
 def point(runs: list[dict], ceilings: dict) -> dict:
     """One (shards, subscribers) over its rounds, against the PUB->SUB at the same rate."""
-    lat = {p: precise_spread([r["latency_ms"][p] for r in runs
-                              if r["latency_ms"][p] is not None and r["latency_ms"]["samples"]])
+    lat = {p: rec.spread([r["latency_ms"][p] for r in runs
+                          if r["latency_ms"][p] is not None and r["latency_ms"]["samples"]],
+                         digits=3)
            for p in ("p50", "p99", "p99.9", "max")}
     delivered = rec.spread([r["delivered_per_s_min"] for r in runs])
     pubsub = ceilings.get("pubsub", {})

@@ -142,7 +142,8 @@ def summarize(record: rec.Record, top: float) -> None:
                 "target": kind,
                 "received_per_s": rec.spread([r["received_per_s"] for r in mine]),
                 "latency_ms": {p: rec.spread([r["latency_ms"][p] for r in mine
-                                              if r["latency_ms"]]) for p in PERCENTILES},
+                                              if r["latency_ms"]], digits=3)
+                               for p in PERCENTILES},
                 "loss": sum(r["loss_window"] for r in mine),
                 "writer_drops": sum(r["writer_drops"] for r in mine),
                 "latency_samples": sum(r["subscribers"][0]["latency_samples"]

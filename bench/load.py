@@ -454,7 +454,7 @@ def run(args: argparse.Namespace) -> rec.Record:
 def summarize(record: rec.Record) -> None:
     runs = record.data["runs"]
     offer = record.data["config"]["offer"]
-    lat = lambda p: rec.spread([r["latency_ms"][p] for r in runs if r["latency_ms"]])  # noqa
+    lat = lambda p: rec.spread([r["latency_ms"][p] for r in runs if r["latency_ms"]], 3)  # noqa
     summary = {
         "received_per_s": rec.spread([r["received_per_s"] for r in runs]),
         "sent_per_s": rec.spread([r["sent_per_s"] for r in runs]),

@@ -180,13 +180,14 @@ def _utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def spread(values: list[float]) -> dict:
-    """Median, min, max and the relative spread (max - min) / median."""
+def spread(values: list[float], digits: int = 1) -> dict:
+    """Median, min, max (rounded to ``digits`` decimals: 1 for rates, 3-4 for seconds
+    and milliseconds) and the relative spread (max - min) / median in percent."""
     if not values:
         return {"n": 0}
     med = statistics.median(values)
-    return {"n": len(values), "median": round(med, 1), "min": round(min(values), 1),
-            "max": round(max(values), 1),
+    return {"n": len(values), "median": round(med, digits), "min": round(min(values), digits),
+            "max": round(max(values), digits),
             "spread_pct": round(100 * (max(values) - min(values)) / med, 1) if med else None}
 
 

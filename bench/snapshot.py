@@ -276,20 +276,10 @@ def run_size(n: int, args: argparse.Namespace, progress: rec.Progress) -> dict:
     }
 
 
-def precise_spread(values: list[float]) -> dict:
-    """``rec.spread`` kept to 1/10,000 of the unit (it rounds to 0.1): for seconds and
-    milliseconds."""
-    out = rec.spread([v * 1000 for v in values])
-    for k in ("median", "min", "max"):
-        if k in out:
-            out[k] = round(out[k] / 1000, 4)
-    return out
-
-
 def point(r: dict, ceilings: dict) -> dict:
     """One map size for the report: join time and memory, against the bare ceilings."""
     n = r["keys"]
-    join = precise_spread([s["seconds"] for s in r["snapshots"] if not s["warmup"]])
+    join = rec.spread([s["seconds"] for s in r["snapshots"] if not s["warmup"]], digits=4)
     out = {"keys": n, "join_s": join, "bytes_per_key": rec.spread([r["bytes_per_key"]]),
            "bytes_per_key_beyond_kv": r["bytes_per_key_beyond_kv"], "whole": r["all_whole"]}
     for kind in ("pubsub", "forwarder"):

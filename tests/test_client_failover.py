@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import re
 import signal
 import threading
