@@ -55,7 +55,9 @@ def _git() -> dict:
             return ""
 
     return {"commit": run("rev-parse", "HEAD"),
-            "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
+            # the records a benchmark run writes are not code: they never make a tree dirty
+            "dirty": bool(run("status", "--porcelain", "--untracked-files=no", "--", ".",
+                              ":(exclude)bench/results"))}
 
 
 def host_facts() -> dict:
