@@ -38,7 +38,8 @@ import statistics
 from bench import record as rec
 from bench.ceilings import FIGURE_KEYS
 from bench.load import Offer, Targets, run_offer
-from bench.loadgen import LoadRun, SubscriberConfig, WriterConfig, config_dict
+from bench.loadgen import SubscriberConfig, WriterConfig
+from bench.loadrun import LoadRun, config_dict
 from bench.runner import (bench_main, cpu_seconds, forwarder_argv, server_argv,
                           start_on_free_ports, wait_for_quiet)
 

@@ -34,7 +34,8 @@ import os
 from dataclasses import asdict, dataclass
 
 from bench import record as rec
-from bench.loadgen import RATE_TICK_S, LoadRun, SubscriberConfig, WriterConfig
+from bench.loadgen import RATE_TICK_S, SubscriberConfig, WriterConfig
+from bench.loadrun import LoadRun
 from bench.runner import (Target, bench_main, cpu_pct_by_group, cpu_seconds, forwarder_argv,
                           free_port_base, server_argv, start_on_free_ports)
 

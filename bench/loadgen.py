@@ -3,8 +3,9 @@
 A *writer* process sends KVSET commands (5 frames: key, 8 zero bytes, 16-byte UUID,
 properties, value) to a collector endpoint (a server's P+2). A *subscriber* process
 counts the KVPUBs arriving on a publisher endpoint (P+1), checks their sequences for gaps
-and times them. ``run_load`` starts both kinds, lets them warm up, measures one window
-and returns what each side saw.
+and times them. ``bench.loadrun.LoadRun`` starts both kinds as child processes, lets them
+warm up, measures one window and returns what each side saw; ``python -m bench load`` is
+the command line.
 
 Design decisions:
 
@@ -53,12 +54,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import multiprocessing as mp
 import os
 import random
 import struct
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 KEY_FORMAT = "/k%08d"
 STAMP_BYTES = 8
@@ -550,231 +550,3 @@ def percentiles_ms(sorted_ns: list[int], points=(50, 90, 99, 99.9)) -> dict[str,
         out[f"p{p:g}"] = round(sorted_ns[idx] / 1e6, 3)
     out["max"] = round(sorted_ns[-1] / 1e6, 3)
     return out
-
-
-# ---------------------------------------------------------------------------- one run
-
-@dataclass
-class LoadResult:
-    writers: list[dict] = field(default_factory=list)
-    subscribers: list[dict] = field(default_factory=list)
-
-    def figures(self) -> dict:
-        """Totals and per-second rates over the measured window: the first subscriber's
-        figures, and every subscriber's received rate in ``received_per_s_each``."""
-        w_window = sum(w["window_s"] for w in self.writers) / max(1, len(self.writers))
-        sent_w = sum(w["sent_window"] for w in self.writers)
-        sub = self.subscribers[0]
-        win = sub["window_s"] or 1e-9
-        return {
-            "window_s": round(win, 4),
-            "sent_per_s": round(sent_w / (w_window or 1e-9), 1),
-            "sequenced_per_s": round(sub["sequenced_window"] / win, 1),
-            "received_per_s": round(sub["received_window"] / win, 1),
-            "loss_window": sub["gaps_window"],
-            "sent_total": sum(w["sent_total"] for w in self.writers),
-            "dropped_at_writer_total": sum(w["dropped_total"] for w in self.writers),
-            "first_seq": sub["first_seq"],
-            "sequenced_total": sub["sequenced_total"],
-            "received_total": sub["received_total"],
-            "loss_total": sub["gaps_total"],
-            "latency_ms": sub["latency_ms"],
-            "received_per_s_each": [round(x["received_window"] / (x["window_s"] or 1e-9), 1)
-                                    for x in self.subscribers],
-            "loss_window_each": [x["gaps_window"] for x in self.subscribers],
-            "malformed": sum(x["malformed"] for x in self.subscribers),
-            "per_source": [{k: x[k] for k in ("endpoint", "received_window",
-                                               "sequenced_window", "gaps_window")}
-                           for x in sub["per_source"]],
-        }
-
-
-class LoadRun:
-    """Writers and subscribers as child processes; every one is ended by PID on exit.
-
-    ``with LoadRun(writers, subscribers) as run: result = run.measure(warmup_s, seconds)``
-    """
-
-    def __init__(self, writers: list[WriterConfig], subscribers: list[SubscriberConfig]):
-        self.writer_cfgs = writers
-        self.subscriber_cfgs = subscribers
-        self._ctx = mp.get_context("spawn")
-        self._children: list[tuple[str, object, object]] = []  # (role, process, conn)
-        self._results: dict[int, dict] = {}    # child index -> result read early
-        self._progress: dict[int, dict] = {}   # child index -> latest progress message
-
-    def __enter__(self) -> "LoadRun":
-        try:
-            for cfg in self.subscriber_cfgs:
-                self._start("subscriber", subscriber_main, cfg)
-            for cfg in self.writer_cfgs:
-                self._start("writer", writer_main, cfg)
-            deadline = time.monotonic() + READY_DEADLINE_S + 10
-            for role, proc, conn in self._children:
-                msg = _recv_by(conn, deadline, f"{role} pid {proc.pid} ready")
-                if "error" in msg:
-                    raise RuntimeError(f"{role}: {msg['error']}")
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def _start(self, role: str, target, cfg) -> None:
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=target, args=(cfg, child), daemon=True,
-                                 name=f"bench-{role}")
-        proc.start()
-        child.close()
-        self._children.append((role, proc, parent))
-
-    def start(self, warmup_s: float, seconds: float) -> Window:
-        """Hand every process the same window (starting after ``warmup_s``); load begins."""
-        now = time.monotonic()
-        window = Window(now + warmup_s, now + warmup_s + seconds)
-        for _, _, conn in self._children:
-            conn.send(window)
-        return window
-
-    def progress(self) -> dict:
-        """The subscribers' latest running figures, without blocking: ``received`` and
-        ``received_per_s`` (over the last ~``progress_s``) per subscriber, and their sum of
-        ``gaps``. Empty lists before the first report."""
-        for idx, (role, _, conn) in enumerate(self._children):
-            if role != "subscriber" or idx in self._results:
-                continue
-            try:
-                while conn.poll(0):
-                    msg = conn.recv()
-                    if "progress" in msg:
-                        self._progress[idx] = msg
-                    else:
-                        self._results[idx] = msg
-                        break
-            except (EOFError, OSError):
-                continue
-        latest = [self._progress[i] for i in sorted(self._progress)]
-        return {"received": [m["received"] for m in latest],
-                "received_per_s": [m["received_per_s"] for m in latest],
-                "gaps": sum(m["gaps"] for m in latest)}
-
-    def status(self) -> str:
-        """A short live line from ``progress()``, e.g. for ``record.Progress.wait_until``."""
-        p = self.progress()
-        if not p["received_per_s"]:
-            return "waiting for the first figures"
-        rates = p["received_per_s"]
-        each = (f"{min(rates):,.0f}-{max(rates):,.0f}/s per subscriber" if len(rates) > 1
-                else f"{rates[0]:,.0f}/s")
-        return f"received {each}, {sum(p['received']):,} so far, gaps {p['gaps']}"
-
-    def collect(self, window: Window, deadline_s: float = 30.0) -> LoadResult:
-        """Wait (up to ``deadline_s`` after the window) for every process's figures
-        (progress messages are skipped)."""
-        deadline = window.t_end + deadline_s
-        result = LoadResult()
-        for idx, (role, proc, conn) in enumerate(self._children):
-            msg = self._results.pop(idx, None)
-            while msg is None or "progress" in msg:
-                msg = _recv_by(conn, deadline, f"{role} pid {proc.pid} result")
-            if "error" in msg:
-                raise RuntimeError(f"{role}: {msg['error']}")
-            (result.writers if role == "writer" else result.subscribers).append(msg)
-        return result
-
-    def measure(self, warmup_s: float, seconds: float) -> LoadResult:
-        return self.collect(self.start(warmup_s, seconds))
-
-    def pids(self, role: str | None = None) -> list[int]:
-        return [proc.pid for r, proc, _ in self._children if role in (None, r)]
-
-    def close(self, grace_s: float = 0.0) -> None:
-        """End every child by PID: wait up to ``grace_s`` for them to exit on their own
-        (a writer flushing its queue), then SIGTERM, then SIGKILL."""
-        deadline = time.monotonic() + grace_s
-        for _, proc, _ in self._children:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for _, proc, conn in self._children:
-            if proc.is_alive():
-                proc.terminate()
-        for _, proc, conn in self._children:
-            proc.join(3)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(3)
-            conn.close()
-        self._children.clear()
-        self._results.clear()
-        self._progress.clear()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(grace_s=0.0 if exc_type else FLUSH_S + 5.0)
-
-
-def _recv_by(conn, deadline: float, what: str) -> dict:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0 or not conn.poll(remaining):
-        raise TimeoutError(f"no {what} within the deadline")
-    try:
-        return conn.recv()
-    except EOFError:
-        raise RuntimeError(f"{what}: the process exited") from None
-
-
-def config_dict(cfg) -> dict:
-    d = asdict(cfg)
-    return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in d.items()}
-
-
-# ------------------------------------------------------------------- command line
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m bench.loadgen --port P ...``: load a running server, print the figures."""
-    import argparse
-    import json
-
-    ap = argparse.ArgumentParser(prog="python -m bench.loadgen",
-                                 description="offer KVSET load to a running CHP server "
-                                             "(collector P+2) and count its KVPUBs (P+1)")
-    ap.add_argument("--port", type=int, required=True, help="the server's port base P")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--warmup", type=float, default=1.0)
-    ap.add_argument("--writers", type=int, default=1)
-    ap.add_argument("--subscribers", type=int, default=1)
-    ap.add_argument("--mode", choices=("flow", "drop", "rate"), default="flow")
-    ap.add_argument("--rate", type=float, default=0.0, help="updates/s per writer (mode rate)")
-    ap.add_argument("--keys", type=int, default=100_000)
-    ap.add_argument("--value-bytes", type=int, default=100)
-    ap.add_argument("--distribution", choices=("uniform", "zipf", "sequential"),
-                    default="uniform")
-    ap.add_argument("--ttl-fraction", type=float, default=0.0)
-    ap.add_argument("--ttl-s", type=float, default=5.0)
-    ap.add_argument("--latency-every", type=int, default=64)
-    ap.add_argument("--pin", action="store_true", help="pin process i to core i %% cores")
-    ap.add_argument("--json", action="store_true", help="print the raw figures as JSON")
-    args = ap.parse_args(argv)
-    cores = os.cpu_count() or 1
-    mode = "rate" if args.rate else args.mode
-    writers = [WriterConfig(collector=f"tcp://{args.host}:{args.port + 2}", keys=args.keys,
-                            value_bytes=args.value_bytes, distribution=args.distribution,
-                            mode=mode, rate_per_s=args.rate, ttl_fraction=args.ttl_fraction,
-                            ttl_s=args.ttl_s, seed=1 + i, writer_id=i,
-                            core=i % cores if args.pin else None)
-               for i in range(args.writers)]
-    subs = [SubscriberConfig(endpoint=f"tcp://{args.host}:{args.port + 1}",
-                             latency_every=args.latency_every,
-                             core=(args.writers + i) % cores if args.pin else None)
-            for i in range(args.subscribers)]
-    with LoadRun(writers, subs) as run:
-        figures = run.measure(args.warmup, args.seconds).figures()
-    if args.json:
-        print(json.dumps(figures, indent=2))
-        return
-    from bench.record import print_table
-
-    print_table(f"load on {args.host}:{args.port} ({args.seconds:g} s window, {mode})",
-                ["figure", "value"], [[k, v] for k, v in figures.items()])
-
-
-if __name__ == "__main__":
-    main()

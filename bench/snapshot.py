@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 
 from bench import record as rec
-from bench.loadgen import (KEY_FORMAT, LoadRun, WriterConfig, config_dict, key_index, key_of,
-                           recv5)
+from bench.loadgen import KEY_FORMAT, WriterConfig, key_index, key_of, recv5
+from bench.loadrun import LoadRun, config_dict
 from bench.runner import (bench_main, cpu_seconds, server_argv, start_on_free_ports,
                           wait_for_quiet)
 
