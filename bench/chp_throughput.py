@@ -38,10 +38,9 @@ import statistics
 from bench import record as rec
 from bench.ceilings import FIGURE_KEYS
 from bench.load import Offer, Targets, run_offer
-from bench.loadgen import SubscriberConfig, WriterConfig
-from bench.loadrun import LoadRun, config_dict
-from bench.runner import (bench_main, cpu_seconds, forwarder_argv, server_argv,
-                          start_on_free_ports, wait_for_quiet)
+from bench.loadgen import WriterConfig
+from bench.loadrun import config_dict
+from bench.runner import bench_main, wait_for_quiet
 
 NAME = "chp_throughput"
 TARGET_UPDATES_PER_S = 100_000
@@ -98,77 +97,33 @@ def canonical_command(args: argparse.Namespace) -> str:
     return rec.command_line(f"bench.{NAME}", opts)
 
 
-def run_pubsub(args: argparse.Namespace, progress: rec.Progress) -> dict:
-    """The bare PUB->SUB ceiling with the same writers and subscriber settings."""
+def run_one(kind: str, args: argparse.Namespace, progress: rec.Progress) -> dict:
+    """One fresh target (pubsub: none) under one load run; returns the run's figures.
+
+    The targets and the load are ``bench.load``'s (``Targets``, ``run_offer``), as in
+    every scenario; with ``--pin`` the target takes core 0 and the writers and the
+    subscriber the other cores."""
     offer = Offer(writers=args.writers, keys=args.keys, value_bytes=args.value_bytes,
                   distribution=args.distribution, ttl_fraction=args.ttl_fraction,
                   mode=args.writer_mode, latency_every=args.latency_every, pin=args.pin)
-    with Targets("pubsub", offer=offer) as targets:
+    if kind == "pubsub":
+        target_kind, extra = "pubsub", ()
+    else:
+        target_kind = "forwarder" if kind.startswith("ceiling") else "server"
+        extra = ("--pub-hwm", str(args.hwm), "--collect-hwm", str(args.hwm),
+                 *(("--blind",) if kind == "ceiling_blind" else ()))
+    with Targets(target_kind, offer=offer, extra=extra) as targets:
         figures = run_offer(targets, warmup=args.warmup, seconds=args.seconds,
                             progress=progress)
+        commands = targets.describe()["commands"]
     cpu = figures["cpu_pct"]
-    cpu["target"], cpu["target_threads"] = 0.0, []
-    figures["target_command"] = "(none: writer XPUB -> subscriber SUB)"
-    figures["unsequenced_total"] = figures["sent_total"] - figures["sequenced_total"]
-    return figures
-
-
-def run_one(kind: str, args: argparse.Namespace, progress: rec.Progress) -> dict:
-    """One fresh target process under one load run; returns the run's figures."""
-    import os
-
-    if kind == "pubsub":
-        return run_pubsub(args, progress)
-    cores = os.cpu_count() or 1
-    harness_cores = list(range(1, cores)) or [0]
-    extra = ["--pub-hwm", str(args.hwm), "--collect-hwm", str(args.hwm)]
-    forwarder = kind.startswith("ceiling")
-    if args.pin:
-        extra += ["--core", "0"] if forwarder else ["--cpus", "0"]
-    if kind == "ceiling_blind":
-        extra.append("--blind")
-    target, base = start_on_free_ports(
-        kind, lambda b: (forwarder_argv if forwarder else server_argv)(b, extra=tuple(extra)))
-    argv = target.argv
-    writers = [WriterConfig(collector=f"tcp://127.0.0.1:{base + 2}", keys=args.keys,
-                            value_bytes=args.value_bytes, distribution=args.distribution,
-                            mode=args.writer_mode, ttl_fraction=args.ttl_fraction,
-                            seed=1 + i, writer_id=i,
-                            core=harness_cores[i % len(harness_cores)] if args.pin else None)
-               for i in range(args.writers)]
-    subs = [SubscriberConfig(endpoint=f"tcp://127.0.0.1:{base + 1}",
-                             latency_every=args.latency_every,
-                             core=harness_cores[-1] if args.pin else None)]
-    with target, LoadRun(writers, subs) as load:
-        window = load.start(args.warmup, args.seconds)
-        pids = {"target": [target.pid], "writers": load.pids("writer"),
-                "subscribers": load.pids("subscriber")}
-        all_pids = [p for group in pids.values() for p in group]
-        progress.wait_until(window.t_start, status=lambda: "warm-up, " + load.status())
-        cpu0 = cpu_seconds(all_pids)
-        progress.wait_until(window.t_end, status=load.status)
-        cpu1 = cpu_seconds(all_pids)
-        result = load.collect(window)
-        if not target.alive():
-            raise RuntimeError(f"{kind} exited during the run: {target.stderr_tail()}")
-    figures = result.figures()
-    pct = lambda a, b: round(100 * (b - a) / window.seconds, 1)  # noqa: E731
-    figures["cpu_pct"] = {
-        group: pct(sum(cpu0[p] for p in group_pids), sum(cpu1[p] for p in group_pids))
-        for group, group_pids in pids.items()}
-    figures["cpu_pct"]["target_threads"] = sorted(
-        (pct(cpu0["threads"].get(tid, 0.0), t1) for tid, t1 in cpu1["threads"].items()),
-        reverse=True)
-    figures["cpu_pct"]["host"] = pct(cpu0["host_busy"], cpu1["host_busy"])
-    ours = sum(figures["cpu_pct"][group] for group in pids)
-    figures["cpu_pct"]["others"] = round(max(0.0, figures["cpu_pct"]["host"] - ours), 1)
-    figures["cpu_cores"] = round(ours / 100, 3)
-    figures["writer_drops"] = sum(w["dropped_window"] for w in result.writers)
-    figures["unsequenced_total"] = figures["sent_total"] - figures["sequenced_total"]
+    cpu["target"] = cpu["targets"]
+    threads = cpu.pop("first_pid_threads")  # pubsub: the first pid is a writer
+    cpu["target_threads"] = threads if commands else []
     figures["target"] = kind
-    figures["target_command"] = " ".join(argv[1:])
-    figures["writers"] = result.writers
-    figures["subscribers"] = result.subscribers
+    figures["target_command"] = (commands[0] if commands
+                                 else "(none: writer XPUB -> subscriber SUB)")
+    figures["unsequenced_total"] = figures["sent_total"] - figures["sequenced_total"]
     return figures
 
 

@@ -180,4 +180,8 @@ def cpu_pct_by_group(groups: dict[str, list[int]], before: dict, after: dict,
     out["ours"] = round(sum(out[g] for g in groups), 1)
     out["host"] = pct(before["host_busy"], after["host_busy"])
     out["others"] = round(max(0.0, out["host"] - out["ours"]), 1)
+    # the threads of the first pid sampled (a scenario's first target), busiest first
+    out["first_pid_threads"] = sorted(
+        (pct(before.get("threads", {}).get(tid, 0.0), t1)
+         for tid, t1 in after.get("threads", {}).items()), reverse=True)
     return out
