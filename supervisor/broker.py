@@ -54,9 +54,9 @@ from supervisor.broker_core import BrokerConfig, BrokerCore, Drop, InternalCall,
 log = logging.getLogger(__name__)
 
 MAX_INTERNAL_CALLS = 64
+"""Broker-hosted requests running at once; more are dropped (``internal_busy``)."""
 STOP_LINGER_MS = 200
 """How long ``stop()`` lets its DISCONNECTs to the workers drain before closing."""
-"""Broker-hosted requests running at once; more are dropped (``internal_busy``)."""
 
 
 class _Limiter:

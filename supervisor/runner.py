@@ -263,16 +263,16 @@ class Runner:
                                         for p in self.servers.values()), timeout_s)
         return [p.name for p in self.servers.values() if p.state != RUNNING]
 
+    def _rotate_log(self, proc: ServerProcess) -> bool:
+        try:
+            return proc.rotate_log(self.log_max_bytes, self.log_keep)
+        except OSError as exc:  # a full disk must not stop the supervisor
+            log.warning("%s: cannot rotate %s: %s", proc.name, proc.log_path, exc)
+            return False
+
     def rotate_logs(self) -> list[str]:
         """Rotate every server log over the limit now; returns the servers rotated."""
-        rotated = []
-        for proc in self.servers.values():
-            try:
-                if proc.rotate_log(self.log_max_bytes, self.log_keep):
-                    rotated.append(proc.name)
-            except OSError as exc:  # a full disk must not stop the supervisor
-                log.warning("%s: cannot rotate %s: %s", proc.name, proc.log_path, exc)
-        return rotated
+        return [proc.name for proc in self.servers.values() if self._rotate_log(proc)]
 
     async def _watch_logs(self) -> None:
         while True:
@@ -309,10 +309,7 @@ class Runner:
         if proc._log is None:
             proc.log_path.parent.mkdir(parents=True, exist_ok=True)
             proc._log = open(proc.log_path, "ab")
-        try:
-            proc.rotate_log(self.log_max_bytes, self.log_keep)
-        except OSError as exc:
-            log.warning("%s: cannot rotate %s: %s", proc.name, proc.log_path, exc)
+        self._rotate_log(proc)
         now = self.clock()
         try:
             popen = subprocess.Popen(
