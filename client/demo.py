@@ -10,12 +10,14 @@ for its ``READY`` line, then:
   by the server, and both clients' maps are compared at the end.
 
 Exits 0 within a few seconds; 1 with a message if a step missed its deadline; 130 on
-Ctrl-C. The server is ended by its PID on every path out (normal, exception, Ctrl-C,
+Ctrl-C. ``--hold`` keeps the server and both clients running after the last step (it
+prints ``holding``, with the server's address for ``chp``) until Ctrl-C or SIGTERM. The server is ended by its PID on every path out (normal, exception, Ctrl-C,
 SIGTERM), and on Linux it is also told to exit if this process dies (PDEATHSIG), so no
 server is left behind.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
@@ -115,7 +117,7 @@ def _show(change: Change) -> str:
     return f"[green]put[/]    {change.key} = {change.value!r} (seq {change.seq})"
 
 
-async def run_clients(address: str) -> None:
+async def run_clients(address: str, hold: bool = False) -> None:
     changes: asyncio.Queue[Change] = asyncio.Queue()
 
     async def expect(kind: str, key: str, what: str) -> Change:
@@ -191,6 +193,10 @@ async def run_clients(address: str) -> None:
                 raise DemoFailed(f"maps differ: reader {mine!r}, writer {theirs!r}")
             console.print(f"[bold green]maps converged[/] {len(mine)} key{'s' if len(mine) != 1 else ''} at "
                           f"seq {reader.version_vector['s0']}")
+            if hold:
+                console.print(f"[bold]holding[/]: server at {address}, both clients live; "
+                              "Ctrl-C ends the demo")
+                await asyncio.Event().wait()
         finally:
             await asyncio.to_thread(writer.close)
             watcher.cancel()
@@ -205,7 +211,14 @@ def _on_sigterm(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m client.demo",
+                                 description="one shard server, an AsyncClone reader and a "
+                                             "Clone writer, a few seconds")
+    ap.add_argument("--hold", action="store_true",
+                    help="keep the server and both clients running after the last step, "
+                         "until Ctrl-C")
+    hold = ap.parse_args(argv).hold
     # Ctrl-C works even when started with SIGINT ignored (e.g. as a background job)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -214,7 +227,7 @@ def main() -> int:
         try:
             server = start_server(server_log)
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                runner.run(run_clients(f"tcp://{HOST}:{server.port}"))
+                runner.run(run_clients(f"tcp://{HOST}:{server.port}", hold))
             console.print("[bold green]demo done[/]")
             return 0
         except KeyboardInterrupt:

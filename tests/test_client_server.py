@@ -122,9 +122,11 @@ def test_demo_runs_to_completion_and_leaves_no_server(procs):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_demo_interrupted_stops_its_server(procs, sig):
-    demo = procs.python("-m", "client.demo")
+    # --hold: the demo waits for the signal after its last step (without it, a test
+    # process slowed by a busy host could send the signal after the demo had finished)
+    demo = procs.python("-m", "client.demo", "--hold")
     server_pid = int(re.search(r"pid=(\d+)", demo.wait_line("READY shard")).group(1))
-    demo.wait_line("reader AsyncClone ACTIVE")
+    demo.wait_line("holding: server at")
     demo.signal(sig)
     assert demo.wait(15) == 130
     assert any("interrupted" in line for line in demo.stdout)
