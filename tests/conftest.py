@@ -166,5 +166,9 @@ def run_bench(procs, results_dir, *args: str) -> list[str]:
     """``python -m ARGS --results-dir DIR`` to completion (exit 0); its stdout lines."""
     proc = procs.python("-m", *args, "--results-dir", str(results_dir))
     rc = proc.wait(BENCH_TIMEOUT_S)
-    assert rc == 0, "\n".join(proc.stderr[-30:])
+    if rc != 0:  # a failed scenario's traceback may lie far above the last lines
+        err = list(proc.stderr)
+        first = next((i for i, line in enumerate(err) if line.startswith("Traceback")), None)
+        shown = (err[first:first + 40] + ["..."] if first is not None else []) + err[-30:]
+        raise AssertionError(f"exit {rc}:\n" + "\n".join(shown + proc.stdout[-20:]))
     return proc.stdout
