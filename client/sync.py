@@ -49,8 +49,20 @@ class Clone:
         self._linger_s = 0.0
         self._watches: list[SyncWatch] = []
         self._thread = threading.Thread(target=self._run, name="clonemap-client", daemon=True)
+        self._loop_error: BaseException | None = None
         self._thread.start()
-        self._loop_ready.wait()
+        if not self._loop_ready.wait(timeout_s) or self._loop_error is not None:
+            # the loop thread did not come up in time, or died first: never hang here.
+            # A thread that comes up later sees _closed (set before _loop is read here)
+            # or is stopped through _stopped, and ends.
+            self._closed = True
+            if self._loop is not None and self._stopped is not None:
+                self._loop.call_soon_threadsafe(self._stopped.set)
+            if self._loop_error is not None:
+                raise NotRunning(f"the client's loop thread failed to start: "
+                                 f"{self._loop_error!r}") from self._loop_error
+            raise Timeout(f"the client's loop thread did not start within {timeout_s} s",
+                          what="loop thread", deadline_s=timeout_s)
         try:
             self._call(self._async.start(), timeout_s + 1.0)
         except BaseException:
@@ -59,13 +71,25 @@ class Clone:
 
     # ------------------------------------------------------------------ the loop thread
     def _run(self) -> None:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            self._loop = runner.get_loop()
-            runner.run(self._serve())
+        try:
+            with asyncio.Runner(loop_factory=self._loop_factory) as runner:
+                self._loop = runner.get_loop()
+                runner.run(self._serve())
+        except BaseException as exc:  # reported to __init__ if it is still waiting
+            self._loop_error = exc
+            self._loop_ready.set()
+            if self._stopped is None:
+                return
+            raise
+
+    _loop_factory = staticmethod(uvloop.new_event_loop)
+    """How the loop thread makes its loop (a seam for the start-up deadline test)."""
 
     async def _serve(self) -> None:
         self._stopped = asyncio.Event()
         self._loop_ready.set()
+        if self._closed:  # __init__ gave up waiting for this thread
+            return
         await self._stopped.wait()
         await self._async.close(self._linger_s)
 

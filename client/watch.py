@@ -91,9 +91,13 @@ class WatchCore:
             self.failed.delivered = self.delivered
             self.wake()
             return False
-        was_empty = not queue
         queue.append(entry)
-        if was_empty:
+        # Decide on the wake-up *after* appending: a consumer on another thread may drain
+        # the queue at any moment, and one that drained it between an emptiness check and
+        # the append would sleep with this entry queued (a lost wake-up). Here, if the
+        # consumer emptied the queue before the append, its length is now 1 and it is
+        # woken; if it drains after the append, it pops this entry itself.
+        if len(queue) == 1:
             self.wake()
         return True
 
