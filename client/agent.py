@@ -30,6 +30,24 @@ the snapshot holds, counted ``skipped``; one above the snapshot's but not above 
 applied means the stream went backwards, counted ``stale``, and starts a resync. A server
 restarted behind the same address is noticed by the SUB's reconnection instead.
 
+Serving hint and generation (our HUGZ properties, see ``shards.proto.chp``): a HUGZ
+read before it is applied (the first message after a handshake, or while the snapshot
+streams) is peeked at. ``serving=0`` means this server would not answer the ICANHAZ
+(a passive Binary Star server): ``NotServing``, and the machine moves to the other
+server at once. ``gen=`` names the generation of the server's map; the link's latest
+is kept. When a snapshot is installed over an earlier one, a generation that changed
+or a sequence that went backwards is a *data loss*: the server's map is not the one
+this client had. It is reported once (``ResetInfo`` to ``on_reset``, a WARNING, the
+``resets`` counter, a ``reset`` change to watches) and handled by ``reset_policy``:
+``"accept"`` installs the new map, ``"keep"`` keeps the old copy read-only and stops
+following the shard.
+
+Tolerance: snapshots and updates are decoded liberally (``strict=False``): the guide's
+reference C server sends KVSYNC with UUID and properties, an empty KTHXBAI subtree and
+HUGZ with its sequence. Properties that come with a key (KVPUB or KVSYNC) are kept
+per key (``props``, sparse). A snapshot whose every KVSYNC was malformed is not a
+success (``SnapshotRejected``).
+
 Lag (the guide's Suicidal Snail, with or without a subtree): our servers send a HUGZ
 with their clock (``ts``, ``seq``) every ``clock_s`` (0.5 s), busy or not. On each one
 read live (not replayed after a sync) the agent takes ``delay = time.time() - ts`` and
@@ -78,9 +96,45 @@ a round trip; the grace is for peers that do not (another CHP server)."""
 
 _Hugz = chp.Hugz
 _Kvsync = chp.Kvsync
+_HUGZ_KEY = chp.HUGZ
 _decode_update = chp.decode_update
 _decode_snapshot = chp.decode_snapshot
 _check_seq = sm.check_seq
+
+ACCEPT, KEEP = "accept", "keep"
+RESET_POLICIES = (ACCEPT, KEEP)
+KEPT = "KEPT"
+"""``phase`` of a shard whose data loss was answered by ``reset_policy="keep"``."""
+
+
+class ResetInfo(NamedTuple):
+    """A shard's server holds another map than the one this client had: data was lost
+    (both servers of a pair died, a standalone server restarted, or the new active did
+    not have the last updates). Reported once per loss (``on_reset``)."""
+    shard: str
+    server: ServerAddress
+    reason: str
+    old_generation: str
+    new_generation: str
+    """Map generations (our servers announce them in HUGZ; "" when unknown)."""
+    old_seq: int
+    new_seq: int
+    keys_before: int
+    keys_after: int
+    keys_lost: int
+    """Keys this client held that the new map does not have."""
+    changed: int
+    """Keys whose value differs or that are new in the new map."""
+    policy: str
+    """"accept": the new map is installed; "keep": the old copy stays, read-only."""
+
+    def describe(self) -> str:
+        gens = (f"generation {self.old_generation or '?'} -> {self.new_generation or '?'}, "
+                if self.old_generation != self.new_generation else "")
+        return (f"shard {self.shard}: DATA LOSS at {self.server}: {self.reason} "
+                f"({gens}sequence {self.old_seq} -> {self.new_seq}): {self.keys_lost} of "
+                f"{self.keys_before} keys lost, {self.changed} new or changed; "
+                f"reset_policy={self.policy!r}")
 
 
 class FailoverInfo(NamedTuple):
@@ -126,7 +180,9 @@ class ShardAgent:
                  sub_rcvhwm: int = SUB_RCVHWM,
                  on_behind: "Callable[[ShardAgent, int, int], bool] | None" = None,
                  max_lag_s: float | None = None,
-                 on_lag: "Callable[[ShardAgent, float], bool] | None" = None):
+                 on_lag: "Callable[[ShardAgent, float], bool] | None" = None,
+                 on_reset: Callable[[ResetInfo], None] | None = None,
+                 reset_policy: str = ACCEPT):
         if not servers:
             raise ValueError(f"shard {name}: no servers")
         chp.check_subtree(subtree)
@@ -150,6 +206,26 @@ class ShardAgent:
         threads (0: ZeroMQ chooses). The Black Box pattern: one I/O thread per shard."""
         self.max_lag_s = max_lag_s
         self.on_lag = on_lag
+        if reset_policy not in RESET_POLICIES:
+            raise ValueError(f"reset_policy is one of {', '.join(RESET_POLICIES)}, "
+                             f"got {reset_policy!r}")
+        self.on_reset = on_reset
+        self.reset_policy = reset_policy
+        self.generation = ""
+        """Generation of the map the installed snapshot came from ("" unknown)."""
+        self._link_generation = ""
+        """The latest generation the current server's HUGZ named (reset on Connect)."""
+        self.resets = 0
+        self.last_reset: ResetInfo | None = None
+        self.kept: ResetInfo | None = None
+        """Set when a data loss was answered by ``reset_policy="keep"``: frozen."""
+        self.props: dict[bytes, bytes] = {}
+        """Properties that came with a key (KVPUB or KVSYNC), only for keys that had any."""
+        self._incoming_props: dict[bytes, bytes] = {}
+        self._sync_in = 0
+        self._sync_dropped = 0
+        self._first_sync_error = ""
+        self.snapshots_rejected = 0
         self.clock_offset_s: float | None = None
         """Smallest (time.time() - HUGZ ts) seen from the current server (see module)."""
         self.lag_s = 0.0
@@ -217,7 +293,7 @@ class ShardAgent:
 
     @property
     def phase(self) -> str:
-        return self.state.phase
+        return KEPT if self.kept is not None else self.state.phase
 
     def start(self) -> None:
         """Open the collectors and start syncing (call from the agent's loop)."""
@@ -230,6 +306,27 @@ class ShardAgent:
                                                self._on_collector_change, self.affinity))
         self._dispatch(sm.Start())
         self._tick_handle = self.loop.call_later(TICK_S, self._tick)
+
+    def _freeze(self) -> None:
+        """``reset_policy="keep"``: stop following the shard; the map stays as it was."""
+        self._gen += 1
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+            self._tick_handle = None
+        self._close_link()
+        self._buffer.clear()
+        for _, _, fut in list(self.waiters.values()):
+            if not fut.done():
+                fut.set_exception(self._kept_error())
+        if not self._synced_event.is_set():
+            self._synced_event.set()
+
+    def _kept_error(self) -> Exception:
+        from client.errors import ShardReset
+
+        info = self.kept
+        return ShardReset(f"shard {self.name} is read-only: its server lost the data this "
+                          f"client keeps ({info.describe()})", shard=self.name, info=info)
 
     async def wait_ready(self) -> None:
         """Until the first snapshot is installed and replayed, and a collector listens."""
@@ -279,7 +376,7 @@ class ShardAgent:
 
     # ------------------------------------------------------------------ machine
     def _dispatch(self, event) -> None:
-        if self._closed:
+        if self._closed or self.kept is not None:
             return
         now = self.clock()
         before = self.state
@@ -321,6 +418,7 @@ class ShardAgent:
         self._buffering = True
         self._sub_lost = False
         self.clock_offset_s = None
+        self._link_generation = ""
         self._sub = AsyncSocket(sub, self._on_update, loop=self.loop,
                                 name=f"{self.name} SUB {address.publisher}")
         self._monitor = AsyncSocket(monitor, self._on_monitor, loop=self.loop,
@@ -341,6 +439,9 @@ class ShardAgent:
                                    name=f"{self.name} DEALER {address.snapshot}")
         self._gen += 1
         self._incoming = {}
+        self._incoming_props = {}
+        self._sync_in = self._sync_dropped = 0
+        self._first_sync_error = ""
         self._buffer.clear()
         self._buffering = True
         self._dealer.send(chp.icanhaz(self.subtree))
@@ -353,17 +454,59 @@ class ShardAgent:
         if self._dealer is not None:
             self._dealer.close()
             self._dealer = None
+        reset = self._data_loss(old, new, eff.seq) if self.snapshots else None
+        if reset is not None:
+            self.resets += 1
+            self.last_reset = reset
+            log.warning("%s", reset.describe())
+            if reset.policy == KEEP:
+                self.kept = reset
+                self.hub.reset(self.name, reset, None, eff.seq)
+                self._report_reset(reset)
+                self._freeze()
+                return
         self.map = new
+        self.props = self._incoming_props
+        self._incoming_props = {}
+        self.generation = self._link_generation
         self.last_seq = self.snapshot_seq = eff.seq
         self.snapshots += 1
-        self.hub.installed(self.name, old, new, eff.seq)
+        if reset is not None:
+            self.hub.reset(self.name, reset, new, eff.seq)
+        else:
+            self.hub.installed(self.name, old, new, eff.seq)
         log.info("shard %s: snapshot of %d keys at sequence %d from %s%s", self.name,
                  len(new), eff.seq, self.server, " (resync: replaced)" if eff.resync else "")
         if self._failover_from is not None:
             self._resumed(old, new)
         if self.waiters:
             self._confirm_in(new)
+        if reset is not None:
+            self._report_reset(reset)
         self._replay(self._gen)
+
+    def _data_loss(self, old: dict[bytes, bytes], new: dict[bytes, bytes],
+                   seq: int) -> ResetInfo | None:
+        """A snapshot about to replace an installed one: is it a different map?"""
+        old_gen, new_gen = self.generation, self._link_generation
+        if old_gen and new_gen and old_gen != new_gen:
+            reason = "the server's map is a new generation"
+        elif seq < self.last_seq:
+            reason = "the server's sequence went backwards"
+        else:
+            return None
+        lost = len(old.keys() - new.keys())
+        get = old.get
+        changed = sum(1 for k, v in new.items() if get(k) != v)
+        return ResetInfo(self.name, self.server, reason, old_gen, new_gen, self.last_seq,
+                         seq, len(old), len(new), lost, changed, self.reset_policy)
+
+    def _report_reset(self, info: ResetInfo) -> None:
+        if self.on_reset is not None:
+            try:
+                self.on_reset(info)
+            except Exception:
+                log.exception("shard %s: on_reset callback failed", self.name)
 
     def _resumed(self, old: dict[bytes, bytes], new: dict[bytes, bytes]) -> None:
         first, heard_s, reason, silent_s = self._failover_from
@@ -431,18 +574,40 @@ class ShardAgent:
             self._live_timer.cancel()
         self._live_timer = self.loop.call_later(LIVE_GRACE_S, self._live_now)
 
-    def _live_now(self) -> None:
+    def _live_now(self, instead=None) -> None:
+        """Dispatch the pending live event (or ``instead`` of it)."""
         if self._live_timer is not None:
             self._live_timer.cancel()
             self._live_timer = None
         event, self._live_pending = self._live_pending, None
+        if instead is not None:
+            event = instead
         if event is not None and not self._closed:
             self._dispatch(event)
+
+    def _peek_hugz(self, frames: list[bytes]) -> bool:
+        """A HUGZ read before it is applied (not on the hot path): keep the generation
+        it names; True if it says the server is not serving (``serving=0``)."""
+        if len(frames) != 5 or frames[0] != _HUGZ_KEY:
+            return False
+        try:
+            msg = _decode_update(frames, self.limits, strict=False)
+        except ProtocolError:
+            return False  # counted when applied
+        if msg.__class__ is not _Hugz:
+            return False
+        info = chp.hugz_info(msg)
+        if info.generation:
+            self._link_generation = info.generation
+        return not info.serving and len(self.servers) > 1
 
     def _on_update(self, frames: list[bytes]) -> None:
         """A message on the SUB: KVPUB or HUGZ (hot path)."""
         self.heard += 1
         if self._live_pending is not None:
+            if frames[0] == _HUGZ_KEY and self._peek_hugz(frames):
+                self._live_now(sm.NotServing())  # ask the other server, not this one
+                return
             if self._buffering:
                 self._buffer.append(frames)
             else:
@@ -451,6 +616,9 @@ class ShardAgent:
             return
         if not self._buffering:
             self._apply(frames, False)
+            return
+        if frames[0] == _HUGZ_KEY and self._peek_hugz(frames):
+            self._dispatch(sm.NotServing())
             return
         buffer = self._buffer
         if len(buffer) >= self.sync_buffer_max:
@@ -466,13 +634,13 @@ class ShardAgent:
 
     def _apply(self, frames: list[bytes], replay: bool) -> None:
         try:
-            msg = _decode_update(frames, self.limits)
+            msg = _decode_update(frames, self.limits, strict=False)
         except ProtocolError as exc:
             self.drops.drop(exc.reason, f"shard {self.name} SUB: {exc}")
             return
         if msg.__class__ is _Hugz:
-            if msg.props and not replay:
-                self._on_clock(msg)
+            if (msg.props or msg.seq) and not replay:
+                self._on_hugz(msg)
             return
         seq = msg.seq
         verdict = _check_seq(self.last_seq, seq, self.contiguous)
@@ -502,6 +670,11 @@ class ShardAgent:
             self.map[key] = value
         else:
             self.map.pop(key, None)
+        props = msg.props
+        if props and value:
+            self.props[key] = props
+        elif self.props:
+            self.props.pop(key, None)
         self.applied += 1
         if self.hub.watches:
             self.hub.changed(self.name, key, value, seq)
@@ -518,14 +691,28 @@ class ShardAgent:
             return
         self._dispatch(sm.Gap(self.last_seq + 1, seq))
 
-    def _on_clock(self, msg: chp.Hugz) -> None:
-        """A HUGZ with the server clock, read live: measure this client's lag. For an
-        unfiltered subscription its ``seq`` is also a gap check: every KVPUB up to it was
-        published before it on this ordered stream, so a loss that ended the stream (no
-        later KVPUB to show the gap) is seen here."""
-        clock = chp.hugz_clock(msg)
-        if clock is None:
+    def _on_hugz(self, msg: chp.Hugz) -> None:
+        """A HUGZ with properties (or a sequence), read live. ``serving=0``: the server
+        stopped serving (``NotServing``: move). A generation other than the installed
+        map's: its map was lost (``NewGeneration``: resync, and the loss is reported).
+        The server clock measures this client's lag. For an unfiltered subscription the
+        clock's ``seq`` is also a gap check: every KVPUB up to it was published before it
+        on this ordered stream, so a loss that ended the stream (no later KVPUB to show
+        the gap) is seen here. A HUGZ sequence without a clock (the reference C
+        server's) is only a liveness sign: our gap rule is not its contract."""
+        info = chp.hugz_info(msg)
+        if info.generation:
+            self._link_generation = info.generation
+        if not info.serving and len(self.servers) > 1:
+            self._dispatch(sm.NotServing())
             return
+        if (info.generation and self.generation and info.generation != self.generation
+                and self.state.phase == sm.ACTIVE and self._live_pending is None):
+            self._dispatch(sm.NewGeneration(self.generation, info.generation))
+            return
+        if info.ts is None:
+            return
+        clock = (info.ts, info.seq)
         if (self.contiguous and clock[1] > self.last_seq
                 and self.state.phase == sm.ACTIVE and self._live_pending is None):
             # (not the first message after a reconnect: that resyncs as Reconnected)
@@ -578,20 +765,40 @@ class ShardAgent:
             self.drops.drop("unexpected_snapshot", f"shard {self.name}: no sync in progress")
             return
         try:
-            msg = _decode_snapshot(frames, self.limits)
+            msg = _decode_snapshot(frames, self.limits, strict=False)
         except ProtocolError as exc:
+            if frames and frames[0] != chp.KTHXBAI:
+                self._sync_in += 1
+                self._sync_dropped += 1
+                self._first_sync_error = self._first_sync_error or str(exc)
             self.drops.drop(exc.reason, f"shard {self.name} DEALER: {exc}")
             return
         if msg.__class__ is _Kvsync:
+            self._sync_in += 1
             key = msg.key
             if not key.startswith(self.subtree):
+                self._sync_dropped += 1
                 self.drops.drop("outside_subtree", f"shard {self.name}: KVSYNC {key[:60]!r}")
             elif msg.value:
                 incoming[key] = msg.value
+                if msg.props:
+                    self._incoming_props[key] = msg.props
             return
-        if msg.subtree != self.subtree:
+        if msg.subtree != self.subtree and msg.subtree:
+            # (an empty KTHXBAI subtree is the reference C server's: tolerated)
             self.drops.drop("wrong_subtree", f"shard {self.name}: KTHXBAI for "
                             f"{msg.subtree!r}, asked {self.subtree!r}")
+            return
+        if self._sync_in and self._sync_dropped == self._sync_in:
+            self.snapshots_rejected += 1
+            reason = (f"{self._sync_in} KVSYNC from {self.server}, none valid (first: "
+                      f"{self._first_sync_error or 'outside the subtree'})")
+            log.error("shard %s: snapshot rejected: %s", self.name, reason)
+            self._incoming = None  # nothing of it is installed
+            if self._dealer is not None:
+                self._dealer.close()
+                self._dealer = None
+            self._dispatch(sm.SnapshotRejected(reason))
             return
         self._dispatch(sm.SnapshotDone(msg.seq))
 
@@ -645,6 +852,10 @@ class ShardAgent:
             "lag_s": round(self.lag_s, 6), "max_lag_seen_s": round(self.max_lag_seen_s, 6),
             "lagged": self.lagged,
             "failovers": self.failovers, "disconnects": self.disconnects,
+            "generation": self.generation, "resets": self.resets,
+            "last_reset": self.last_reset._asdict() | {"server": str(self.last_reset.server)}
+            if self.last_reset is not None else None,
+            "snapshots_rejected": self.snapshots_rejected,
             "buffered": len(self._buffer),
             "kvsets_sent": sum(c.sent for c in self._collectors),
             "kvsets_queued": sum(len(c.queue) for c in self._collectors),

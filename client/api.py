@@ -60,8 +60,8 @@ from shards.errors import Timeout
 from shards.proto import chp
 from shards.timing import HEARTBEAT_S, SILENCE_HEARTBEATS
 from client import shard_machine as sm
-from client.agent import (KVSET_QUEUE_MAX, SUB_RCVHWM, SYNC_BUFFER_MAX, FailoverInfo,
-                          ShardAgent)
+from client.agent import (ACCEPT, KVSET_QUEUE_MAX, SUB_RCVHWM, SYNC_BUFFER_MAX,
+                          FailoverInfo, ResetInfo, ShardAgent)
 from client.collector import ServerAddress, parse_server
 from client.codec import Codec, get_codec
 from client.errors import NotRunning, SlowSubscriber
@@ -95,8 +95,9 @@ def _parse_servers(servers: "str | ServerAddress | Sequence[str | ServerAddress]
 def _ttl_text(ttl: float) -> str:
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
         raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
-    if not math.isfinite(ttl) or ttl <= 0:
-        raise ValueError(f"ttl must be a finite number of seconds > 0, got {ttl!r}")
+    if not math.isfinite(ttl) or ttl < 0:
+        raise ValueError(f"ttl must be a finite number of seconds >= 0 (0: none), "
+                         f"got {ttl!r}")
     return str(int(ttl)) if float(ttl).is_integer() else repr(float(ttl))
 
 
@@ -113,6 +114,15 @@ class AsyncClone:
     a SUB that never connects moves on after ``connect_timeout_s``. ``on_failover`` is
     called (on the agent's loop thread; keep it short) with a ``FailoverInfo`` when the
     shard switches and again when it has resumed.
+
+    Data loss: when a shard's server holds another map than the one this client had (a
+    new map generation, or a sequence that went backwards: both servers of a pair died,
+    or a standalone server restarted), ``on_reset`` is called once with a ``ResetInfo``
+    (shard, old and new sequence and generation, keys lost), a WARNING is logged, watches
+    get a ``reset`` change, and ``stats()`` counts it. ``reset_policy="accept"``
+    (default) installs the new map; ``"keep"`` keeps this client's copy of that shard
+    read-only (reads work, writes to it raise ``client.errors.ShardReset``) and stops
+    following it.
     """
 
     def __init__(self, servers=None, *, shards=None, config=None, control: str | None = None,
@@ -132,7 +142,9 @@ class AsyncClone:
                  slow_policy: str = RESYNC,
                  on_slow: Callable[[SlowSubscriber], None] | None = None,
                  sub_rcvhwm: int = SUB_RCVHWM,
-                 max_lag_s: float | None = MAX_LAG_S):
+                 max_lag_s: float | None = MAX_LAG_S,
+                 on_reset: Callable[[ResetInfo], None] | None = None,
+                 reset_policy: str = ACCEPT):
         if not isinstance(subtree, str):
             raise TypeError("subtree is a str such as '/orders/' (or '')")
         given = [name for name, v in (("servers", servers), ("shards", shards),
@@ -164,7 +176,8 @@ class AsyncClone:
                               connect_timeout_s=connect_timeout_s,
                               sync_buffer_max=sync_buffer_max,
                               kvset_queue_max=kvset_queue_max, limits=limits,
-                              on_failover=on_failover)
+                              on_failover=on_failover, on_reset=on_reset,
+                              reset_policy=reset_policy)
         if io_threads is not None and context is not None:
             raise ValueError("io_threads applies to the client's own context: give "
                              "io_threads or context, not both")
@@ -385,6 +398,14 @@ class AsyncClone:
         key_b = self._key(key)
         return key_b in self._agent_for(key_b).map
 
+    def properties(self, key: str) -> dict[str, str]:
+        """The properties the server sent with ``key``'s current value (e.g. our
+        servers' ``expires=<epoch s>`` for a TTL key, or the reference C server's
+        ``ttl``); empty if none or if the key is absent."""
+        key_b = self._key(key)
+        raw = self._agent_for(key_b).props.get(key_b)
+        return chp.parse_props(raw) if raw else {}
+
     def items(self, prefix: str = "") -> list[tuple[str, Any]]:
         """(key, value) pairs under ``prefix``, in no particular order (a copy)."""
         prefix_b = self._prefix(prefix)
@@ -413,6 +434,7 @@ class AsyncClone:
 
     def stats(self) -> dict:
         return {"shards": [a.stats() for a in self._agents], "watches": len(self._hub.watches),
+                "resets": sum(a.resets for a in self._agents),
                 "slow_policy": self.slow_policy, "fell_behind": self.fell_behind,
                 "max_lag_s": self.max_lag_s,
                 "failed": str(self.failed) if self.failed is not None else None}
@@ -427,9 +449,12 @@ class AsyncClone:
         if len(blob) > self.limits.max_value:
             raise ValueError(f"value for {key!r} is {len(blob)} bytes, limit "
                              f"{self.limits.max_value}")
-        props = b"" if ttl is None else chp.format_props({"ttl": _ttl_text(ttl)})
+        props = b"" if not ttl else chp.format_props({"ttl": _ttl_text(ttl)})
+        agent = self._agent_for(key_b)
+        if agent.kept is not None:
+            raise agent._kept_error()
         uuid = _uuid.uuid4().bytes
-        return self._agent_for(key_b), chp.kvset(key_b, blob, uuid, props), uuid
+        return agent, chp.kvset(key_b, blob, uuid, props), uuid
 
     def _check_running(self) -> None:
         if not self._started or self._closed:

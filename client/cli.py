@@ -374,7 +374,7 @@ def get_command(target: Target, key: str, mode: str | None) -> None:
 @main.command("set")
 @click.argument("key")
 @click.argument("value", required=False)
-@click.option("--ttl", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--ttl", type=click.FloatRange(min=0), default=None,
               metavar="S", help="Expire after S seconds.")
 @click.option("--hex", "hex_value", is_flag=True, help="VALUE is hex digits (binary values).")
 @click.option("--file", "path", metavar="PATH", default=None,

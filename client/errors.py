@@ -20,3 +20,13 @@ class SlowSubscriber(SlowConsumer):
         self.expected = expected
         self.got = got
         self.lag_s = lag_s
+
+
+class ShardReset(ClonemapError, RuntimeError):
+    """A write to a shard kept read-only after its server lost the data this client holds
+    (``reset_policy="keep"``). ``info`` is the ``client.agent.ResetInfo``."""
+
+    def __init__(self, message: str, *, shard: str = "", info=None):
+        super().__init__(message)
+        self.shard = shard
+        self.info = info

@@ -32,6 +32,18 @@ Phases::
   it, so updates were missed meanwhile, and the server may have restarted with an empty
   map and a new sequence that a subtree client could not tell apart from a jump. Silence (no KVPUB,
   no HUGZ) for ``silence_timeout_s`` fails over to the next server (``Failover`` effect).
+* **SnapshotRejected** (SYNCING): nothing of a snapshot could be applied; treated like a
+  snapshot that timed out, and paced like one (asked again after ``sync_timeout_s``,
+  then the next server), never a tight loop of requests. **NewGeneration** (ACTIVE): the server announced another map
+  generation; resync (the shell reports the data loss when it installs).
+* **NotServing**, in any phase: the current server said in a HUGZ that it would not
+  answer an ICANHAZ now (``serving=0``: a Binary Star server that is passive, or just
+  restarted, while its peer serves). With a pair, the shard moves to the next server at
+  once instead of waiting for snapshot timeouts. If every server of the pair said so in
+  a row (the pair is between states, e.g. both just started), the shard stays, holding
+  its SUB, and moves on after ``standby_retry_s``; a HUGZ from the held server that no
+  longer says so (it became active) is ``SubscriberLive`` and the snapshot is requested
+  there. A lone server that says so is asked anyway (the ICANHAZ is its vote).
 
 The hot path (one KVPUB) is not an event: stepping a frozen state per message would cost
 more than the message. The shell applies updates itself with ``check_seq`` and reports
@@ -51,6 +63,9 @@ ACTIVE = "ACTIVE"
 SYNC_TIMEOUT_S = 3.0
 CONNECT_TIMEOUT_S = 3.0
 MAX_ATTEMPTS = 2
+STANDBY_RETRY_S = 0.25
+"""When every server of a pair said ``serving=0`` in a row: how long to hold before
+asking the next one again (a pair settles within a heartbeat)."""
 
 # check_seq verdicts
 ACCEPT = 0
@@ -78,6 +93,7 @@ class Config:
     connect_timeout_s: float = CONNECT_TIMEOUT_S
     silence_timeout_s: float | None = SILENCE_TIMEOUT_S
     max_attempts: int = MAX_ATTEMPTS
+    standby_retry_s: float = STANDBY_RETRY_S
 
     def __post_init__(self):
         if self.servers < 1:
@@ -100,6 +116,10 @@ class State:
     """KTHXBAI sequence of the last installed snapshot."""
     synced: bool = False
     """At least one snapshot has been installed."""
+    standby_streak: int = 0
+    """Servers in a row that said ``serving=0`` since the last installed snapshot."""
+    holding: bool = False
+    """INITIAL on a server that said ``serving=0`` while every other one had too."""
 
 
 # ------------------------------------------------------------------------------ events
@@ -140,6 +160,24 @@ class Reconnected(NamedTuple):
     """The SUB's connection was lost and has been re-established (same server)."""
 
 
+class SnapshotRejected(NamedTuple):
+    """A KTHXBAI closed a snapshot of which nothing could be applied (every KVSYNC was
+    malformed): not a success. Asked again, then the next server, as for a timeout."""
+    reason: str
+
+
+class NewGeneration(NamedTuple):
+    """A HUGZ from the current server names another map generation than the one the
+    installed snapshot came from: its map was lost and started over. Resync (the
+    install reports the loss)."""
+    old: str
+    new: str
+
+
+class NotServing(NamedTuple):
+    """The current server's HUGZ said ``serving=0``: it would not answer an ICANHAZ."""
+
+
 class Tick(NamedTuple):
     last_heard_s: float
     """Last KVPUB or HUGZ on the SUB (any phase)."""
@@ -148,7 +186,8 @@ class Tick(NamedTuple):
 
 
 Event = Union[Start, SubscriberLive, SnapshotDone, BufferOverflow, Gap, FellBehind,
-              SequenceBackwards, Reconnected, Tick]
+              SequenceBackwards, Reconnected, NotServing, SnapshotRejected, NewGeneration,
+              Tick]
 
 
 # ----------------------------------------------------------------------------- effects
@@ -189,15 +228,41 @@ def _request(state: State, now: float, reason: str) -> tuple[State, list]:
             [RequestSnapshot(state.server, reason)])
 
 
-def _move(state: State, now: float, reason: str, silent_s: float) -> tuple[State, list]:
+def _move(state: State, now: float, reason: str, silent_s: float,
+          standby_streak: int = 0) -> tuple[State, list]:
+    """To the next server; ``standby_streak`` > 0 only for moves because servers said
+    ``serving=0`` (any other reason to move starts the count again)."""
     new = (state.server + 1) % state.config.servers
-    return (replace(state, phase=INITIAL, server=new, attempts=0, since_s=now),
+    return (replace(state, phase=INITIAL, server=new, attempts=0, since_s=now,
+                    holding=False, standby_streak=standby_streak),
             [Failover(state.server, new, reason, silent_s), Connect(new)])
+
+
+def _not_serving(state: State, now: float) -> tuple[State, list]:
+    cfg = state.config
+    if cfg.servers == 1:
+        # nobody else to ask: the ICANHAZ is this server's vote (answered, or timed out)
+        if state.phase == INITIAL:
+            return _request(replace(state, attempts=0), now, "start (server not serving)")
+        return state, []
+    if state.holding:
+        return state, []
+    streak = state.standby_streak + 1
+    if streak >= cfg.servers:
+        # every server said so in a row: hold here, try the next one after a pause
+        return replace(state, phase=INITIAL, attempts=0, since_s=now, holding=True,
+                       standby_streak=streak), []
+    return _move(state, now, "server not serving (passive)", 0.0, streak)
 
 
 def _on_tick(state: State, ev: Tick, now: float) -> tuple[State, list]:
     cfg = state.config
     if state.phase == INITIAL:
+        if state.holding:
+            if now - state.since_s >= cfg.standby_retry_s:
+                return _move(state, now, "every server not serving (passive)",
+                             now - state.since_s, state.standby_streak)
+            return state, []
         if cfg.servers > 1 and now - state.since_s >= cfg.connect_timeout_s:
             return _move(state, now, "no connection", now - state.since_s)
         return state, []
@@ -237,13 +302,26 @@ def step(state: State, event: Event, now: float) -> tuple[State, list]:
     if kind is SubscriberLive:
         if phase != INITIAL:
             return state, []
-        return _request(replace(state, attempts=0), now, "start" if not state.synced
-                        else "reconnect")
+        return _request(replace(state, attempts=0, holding=False), now,
+                        "start" if not state.synced else "reconnect")
+    if kind is NotServing:
+        return _not_serving(state, now)
+    if kind is SnapshotRejected:
+        # as if this request had timed out, paced like one: the shell has dropped the
+        # reply; after sync_timeout_s the next Tick asks again, or moves on
+        if phase != SYNCING:
+            return state, []
+        return replace(state, since_s=now), []
+    if kind is NewGeneration:
+        if phase != ACTIVE:
+            return state, []
+        return _request(replace(state, attempts=0), now,
+                        f"map generation changed ({event.old} -> {event.new})")
     if kind is SnapshotDone:
         if phase != SYNCING:
             return state, []
         return (replace(state, phase=ACTIVE, attempts=0, since_s=now,
-                        snapshot_seq=event.seq, synced=True),
+                        snapshot_seq=event.seq, synced=True, standby_streak=0),
                 [InstallSnapshot(event.seq, resync=state.synced)])
     if kind is BufferOverflow:
         if phase == INITIAL:

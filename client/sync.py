@@ -163,6 +163,9 @@ class Clone:
     def __len__(self) -> int:
         return len(self._async)
 
+    def properties(self, key: str) -> dict[str, str]:
+        return self._async.properties(key)
+
     def items(self, prefix: str = "") -> list[tuple[str, Any]]:
         return self._call(_run_sync(self._async.items, prefix))
 

@@ -9,7 +9,12 @@ turns what the agents do into entries on each matching watch's queue:
   every shard has delivered its items, a ``synced`` marker follows;
 * a resync (a later snapshot of a shard) goes in as one chunk of differences: a
   ``delete`` for each key that vanished, a ``put`` for each key that is new or changed;
-* each applied KVPUB is one entry (``put``, or ``delete`` for an empty value).
+* each applied KVPUB is one entry (``put``, or ``delete`` for an empty value);
+* a data loss (the shard's server holds another map than the one this client had: see
+  ``client.agent.ResetInfo``) goes in as one chunk: a ``reset`` marker (its ``value`` is
+  the ``ResetInfo``, its ``shard`` the shard) meaning "forget what you hold of this
+  shard", then a ``put`` for each key of the new map under the prefix. Not a flood of
+  deletes: a consumer that sees ``reset`` rebuilds that shard's part from what follows.
 
 A watch's queue is bounded (``capacity`` entries). When it is full, the watch fails: it
 is removed from the hub, and the consumer's next read raises ``SlowConsumer`` with the
@@ -36,13 +41,15 @@ log = logging.getLogger(__name__)
 PUT = "put"
 DELETE = "delete"
 SYNCED = "synced"
+RESET = "reset"
 
 WATCH_CAPACITY = 10_000
 
 
 class Change(NamedTuple):
     """One change seen by a watch. ``value`` is None for ``delete`` and ``synced``;
-    ``key`` of the ``synced`` marker is the watch's prefix."""
+    ``key`` of the ``synced`` and ``reset`` markers is the watch's prefix; the value of
+    ``reset`` is the ``client.agent.ResetInfo``."""
     kind: str
     key: str
     value: Any
@@ -140,6 +147,8 @@ class WatchCore:
         if kind == SYNCED:
             self.synced = True
             return Change(SYNCED, key.decode("utf-8"), None, seq, shard)
+        if kind == RESET:
+            return Change(RESET, key.decode("utf-8"), value, seq, shard)
         return Change(kind, key.decode("utf-8"),
                       self.codec.decode(value) if value else None, seq, shard)
 
@@ -201,6 +210,20 @@ class WatchHub:
             part = [e for e in diff if e[1].startswith(core.prefix)] if core.prefix else diff
             if part:
                 core.push(part)
+        self._drop_failed()
+
+    def reset(self, shard: str, info, new: dict[bytes, bytes] | None, seq: int) -> None:
+        """``shard`` lost its data: a ``reset`` marker, then the new map's items (none
+        when ``new`` is None: the client keeps its old copy)."""
+        if not self.watches:
+            return
+        for core in self.watches:
+            if shard in core.pending_shards:
+                continue  # this watch has nothing of the shard yet: nothing to forget
+            chunk = [(RESET, core.prefix, info, seq, shard)]
+            if new is not None:
+                chunk.extend(_items_chunk(new, core.prefix, seq, shard))
+            core.push(chunk)
         self._drop_failed()
 
     def _drop_failed(self) -> None:

@@ -173,6 +173,15 @@ def peer_alive(machine: Machine, now: float) -> bool:
     return now < machine.peer_expiry
 
 
+def would_accept(machine: Machine, now: float) -> bool:
+    """Whether a CLIENT_REQUEST at ``now`` would be accepted (answered), without stepping:
+    ACTIVE, or a vote that would win because the peer has been silent past its expiry."""
+    if machine.fatal:
+        return False
+    rule = TABLE[(machine.state, Event.CLIENT_REQUEST)]
+    return rule is Rule.ACCEPT or (rule is Rule.VOTE and now >= machine.peer_expiry)
+
+
 def next_wakeup(machine: Machine) -> float:
     """When the shell must deliver the next TICK at the latest."""
     return machine.next_publish_at

@@ -102,10 +102,12 @@ def _strip_ttl(props: bytes) -> bytes:
 class _TtlStream:
     """One BSTAR-TTL table being streamed to one peer."""
 
-    __slots__ = ("seq", "entries", "left", "progress_s", "frames")
+    __slots__ = ("seq", "generation", "entries", "left", "progress_s", "frames")
 
-    def __init__(self, seq: int, expiries: dict[bytes, float], now: float):
+    def __init__(self, seq: int, expiries: dict[bytes, float], now: float,
+                 generation: str = ""):
         self.seq = seq
+        self.generation = generation
         self.entries = iter(expiries.items())
         self.left = len(expiries)
         self.progress_s = now
@@ -116,7 +118,8 @@ class _TtlStream:
         if self.frames is None:
             chunk = list(itertools.islice(self.entries, bstar_ttl.CHUNK_ENTRIES))
             self.left -= len(chunk)
-            self.frames = bstar_ttl.encode_chunk(self.seq, chunk, last=self.left <= 0)
+            self.frames = bstar_ttl.encode_chunk(self.seq, chunk, last=self.left <= 0,
+                                                 generation=self.generation)
         return self.frames
 
 
@@ -136,14 +139,14 @@ class TtlStreams:
         self.counters = dict.fromkeys(("tables", "chunks", "abandoned", "unreachable"), 0)
 
     def start(self, identity: bytes, seq: int, expiries: dict[bytes, float],
-              now: float) -> None:
+              now: float, generation: str = "") -> None:
         """``expiries``: the point-in-time copy at sequence ``seq`` (never mutated later,
-        so an iterator over it can span loop turns)."""
+        so an iterator over it can span loop turns); ``generation``: the map's."""
         self.streams.pop(identity, None)
         while len(self.streams) >= self.MAX_STREAMS:
             self.streams.pop(next(iter(self.streams)))
             self.counters["abandoned"] += 1
-        self.streams[identity] = _TtlStream(seq, expiries, now)
+        self.streams[identity] = _TtlStream(seq, expiries, now, generation)
         self.counters["tables"] += 1
         self._schedule(0.0)
 
@@ -398,10 +401,23 @@ class PairServer(ShardServer):
         discarded = self.pending.drain()
         self.pending_discarded += len(discarded)
 
-    def replace_store(self, store: Store) -> None:
+    def replace_store(self, store: Store, generation: str = "") -> None:
+        """The replica is complete: serve ``store``, whose map is the active's
+        ``generation`` (kept when the active sent none)."""
         self.store = store
+        if generation and generation != self.generation:
+            log.info("shard %s: map generation %s (the active's; was %s)", self.shard,
+                     generation, self.generation)
+            self.generation = generation
 
     # ================================================================ ShardServer hooks
+    def serving(self) -> bool:
+        """Whether the machine would accept a client's ICANHAZ now (ACTIVE, or a vote
+        that would win): otherwise HUGZ say ``serving=0``."""
+        if self.machine is None or self.loop is None:
+            return False
+        return bstar.would_accept(self.machine, self.loop.time())
+
     def admit_snapshot_request(self) -> bool:
         """An ICANHAZ is the client's vote: answered only if the machine accepts it."""
         if self.machine is None:
@@ -420,7 +436,8 @@ class PairServer(ShardServer):
         if not self.active:
             self.snapshots_refused += 1
             return
-        self.ttl_streams.start(identity, self.store.seq, self.store.expiries(), self.loop.time())
+        self.ttl_streams.start(identity, self.store.seq, self.store.expiries(), self.loop.time(),
+                               self.generation)
 
     def on_collect(self, frames: list[bytes]) -> None:
         """Active: the CHP server's path. Otherwise: keep the KVSET pending by UUID."""

@@ -11,15 +11,16 @@ Synchronisation (``start_sync``), a state with a deadline, never a blocking loop
    confirmed in the owner's pending table. The pending table was emptied just before:
    updates heard before the sync began are covered by the snapshot or lost with the old
    active (see ``PairServer``).
-2. The DEALER sends ``BSTAR-TTL?``. The active streams its absolute expiry times, a
-   point-in-time copy at its current sequence T, in chunks (``shards.proto.bstar_ttl``: a
+2. The DEALER sends ``BSTAR-TTL?``. The active streams its absolute expiry times (and
+   its map's generation), a point-in-time copy at its current sequence T, in chunks (``shards.proto.bstar_ttl``: a
    KVSYNC carries no properties, so a snapshot alone would turn every TTL key into a
    permanent one). At the last chunk the DEALER sends ``ICANHAZ?`` and the active streams
    the snapshot at sequence S >= T: KVSYNC*, KTHXBAI.
 3. Each KVSYNC goes into a fresh ``Store`` with the expiry from the table. At KTHXBAI the
    keys rewritten between T and S take their expiry from the buffered KVPUBs T+1..S (the
    buffer must hold all of them, else the sync starts over), the store's sequence is set
-   to S, the buffered KVPUBs after S are applied, and the new store replaces the owner's.
+   to S, the buffered KVPUBs after S are applied, and the new store replaces the owner's,
+   which takes over the active's generation (clients see one generation per map).
 4. Live: a KVPUB with sequence ``store.seq + 1`` is applied with the active's sequence
    and its ``expires`` property (absolute wall-clock seconds); an older one is a duplicate
    (ignored); a newer one means updates were lost (a gap): the sync starts over.
@@ -83,6 +84,8 @@ class Follower:
         self._building: Store | None = None
         self._ttl_seq: int | None = None
         self._ttl_table: dict[bytes, float] = {}
+        self._generation = ""
+        """The active's map generation, from its TTL table (taken over at the end)."""
         self._deadline = 0.0
         self._retry_at: float | None = None
         self.counters = dict.fromkeys(
@@ -124,6 +127,7 @@ class Follower:
         self._building = None
         self._ttl_seq = None
         self._ttl_table = {}
+        self._generation = ""
         self._retry_at = None
         self.owner.reset_pending()
         sock = self.owner.ctx.socket(zmq.DEALER)
@@ -267,6 +271,7 @@ class Follower:
             self._restart_later(now, f"TTL chunks of two tables ({self._ttl_seq}, {chunk.seq})")
             return
         self._ttl_table.update(chunk.table)
+        self._generation = chunk.generation or self._generation
         self.counters["ttl_chunks"] += 1
         if chunk.last:
             self._building = Store()
@@ -290,7 +295,7 @@ class Follower:
         self._buffer = []
         self._building = None
         self._close_dealer()
-        self.owner.replace_store(store)
+        self.owner.replace_store(store, self._generation)
         self.phase = "live"
         self.counters["syncs_done"] += 1
         log.info("shard %s: replica synchronised: %d keys at sequence %d (%d TTL keys)",

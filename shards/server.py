@@ -101,6 +101,11 @@ _RESERVED = chp.RESERVED_KEYS
 _EHOSTUNREACH = zmq.EHOSTUNREACH
 
 
+def new_generation() -> str:
+    """A fresh generation token: 16 hex digits, random (a restart draws a new one)."""
+    return os.urandom(8).hex()
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     port: int
@@ -156,6 +161,9 @@ class ShardServer:
         self.config = config
         self.role = role
         self.store = Store()
+        self.generation = new_generation()
+        """The map's generation token, announced in every clock HUGZ (``gen=``): a map
+        born empty gets a new one; a Binary Star replica takes its active's."""
         self.drops = DropCounter(log)
         self.active = False
         self.ctx: zmq.Context | None = None
@@ -288,6 +296,10 @@ class ShardServer:
                  "active" if active else "not active")
         if active:
             self._arm_ttl()
+            # tell subscribers at once (a client holding on a server that said
+            # serving=0 asks for its snapshot on this HUGZ), after this turn's work
+            if self.loop is not None and self._welcome_handle is None:
+                self._welcome_handle = self.loop.call_soon(self._send_welcome)
         else:
             for req in self._serving.values():
                 req.cursor.close()
@@ -296,6 +308,12 @@ class ShardServer:
 
     def admit_snapshot_request(self) -> bool:
         """Whether an ICANHAZ is answered now (a Binary Star role adds the client vote)."""
+        return self.active
+
+    def serving(self) -> bool:
+        """Whether an ICANHAZ would be answered now, without acting on it (no vote): a
+        HUGZ from a server that would not says ``serving=0``, so a client asks the other
+        server of its pair at once."""
         return self.active
 
     # ================================================================ collector
@@ -385,7 +403,8 @@ class ShardServer:
         subscription is live when a message arrives, and asks for its snapshot only then.
         Without it, a snapshot point taken before the publisher applied the subscription
         would lose the updates published in between (12/CHP's "slow joiner" gap). Sent
-        in every role: a client's ICANHAZ to a passive server is its failover vote."""
+        in every role: a server that would not answer an ICANHAZ now says so in it
+        (``serving=0``), and the client asks the other server of its pair at once."""
         if frames[0][:1] == b"\x01" and self._welcome_handle is None:
             self._welcome_handle = self.loop.call_soon(self._send_welcome)
 
@@ -397,10 +416,14 @@ class ShardServer:
         self._pub_reader.kick()
 
     def _hugz(self) -> list[bytes]:
-        """A HUGZ with the server clock when ``clock_s`` is on, else a plain one."""
+        """A HUGZ with the server clock and the map's generation when ``clock_s`` is on,
+        else a plain one; either says ``serving=0`` when this server would not answer an
+        ICANHAZ now."""
+        serving = self.serving()
         if self.config.clock_s > 0:
-            return chp.hugz(time.time(), self.store.seq)
-        return chp.hugz()
+            return chp.hugz(time.time(), self.store.seq, serving=serving,
+                            generation=self.generation)
+        return chp.hugz(serving=serving)
 
     @property
     def _beat_s(self) -> float:
@@ -603,6 +626,7 @@ class ShardServer:
             "port": self.config.port,
             "host": self.config.host,
             "seq": store.seq,
+            "generation": self.generation,
             "keys": len(store),
             "updates": store.seq - self.ttl_expired,
             "ttl_keys": store.ttl_keys,

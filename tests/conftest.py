@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
 
-_used_bases: set[int] = set()
+_used_ranges: list[tuple[int, int]] = []
+RANGE_GAP = 20
+"""Ports kept free between two ranges handed out in this run."""
 
 
 def free_port_base(count: int = 4, host: str = "127.0.0.1") -> int:
@@ -29,10 +31,15 @@ def free_port_base(count: int = 4, host: str = "127.0.0.1") -> int:
 
     Bases come from 20000-32760: below Linux's default ephemeral range (32768-60999),
     so an outgoing connection cannot take a port between this check and the bind, and
-    above the benchmarks' 10000-19990. Bases handed out in this run stay 40 apart."""
-    base = _free_port_base(20000, 32760, count, host, avoid=_used_bases, spacing=40)
-    _used_bases.add(base)
-    return base
+    above the benchmarks' 10000-19990. Ranges handed out in this run never overlap (a
+    whole 80-port cluster range included) and stay ``RANGE_GAP`` apart."""
+    for _ in range(500):
+        base = _free_port_base(20000, 32760, count, host)
+        end = base + count
+        if all(end + RANGE_GAP <= lo or base >= hi + RANGE_GAP for lo, hi in _used_ranges):
+            _used_ranges.append((base, end))
+            return base
+    raise RuntimeError(f"no {count} free ports apart from this run's other ranges")
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ def test_a_chunk_round_trips(table, seq, last):
     frames = bstar_ttl.encode_chunk(seq, table.items(), last)
     assert frames[0] == b"BSTAR-TTL" and len(frames[1]) == 8
     assert frames[3] == (b"\x01" if last else b"\x00")
-    assert bstar_ttl.decode_chunk(frames) == (seq, table, last)
+    assert bstar_ttl.decode_chunk(frames) == (seq, table, last, "")
 
 
 def test_the_request_is_one_frame():
@@ -28,15 +28,24 @@ def test_the_request_is_one_frame():
 def test_an_empty_table_is_one_empty_last_chunk():
     frames = bstar_ttl.encode_chunk(7, [], last=True)
     assert frames == [b"BSTAR-TTL", struct.pack(">Q", 7), b"", b"\x01"]
-    assert bstar_ttl.decode_chunk(frames) == (7, {}, True)
+    assert bstar_ttl.decode_chunk(frames) == (7, {}, True, "")
 
 
 GOOD = bstar_ttl.encode_chunk(3, [(b"/a", 1.5)], last=False)
 
 
+def test_a_chunk_carries_the_map_generation_when_given():
+    frames = bstar_ttl.encode_chunk(9, [(b"/k", 12.5)], last=True, generation="a1b2c3d4e5f60718")
+    assert frames[4] == b"a1b2c3d4e5f60718"
+    assert bstar_ttl.decode_chunk(frames) == (9, {b"/k": 12.5}, True, "a1b2c3d4e5f60718")
+
+
 @pytest.mark.parametrize("frames, fault", [
-    (GOOD[:3], "expected 4 frames"),
-    (GOOD + [b""], "expected 4 frames"),
+    (GOOD[:3], "expected 4 or 5 frames"),
+    (GOOD + [b"gen", b""], "expected 4 or 5 frames"),
+    (GOOD + [b""], "generation"),
+    (GOOD + [b"not ascii \xff"], "generation"),
+    (GOOD + [b"g" * 65], "generation"),
     ([b"BSTAR-TTX", *GOOD[1:]], "header"),
     ([GOOD[0], b"\x00" * 7, *GOOD[2:]], "sequence is 7 bytes"),
     ([*GOOD[:3], b"\x02"], "flag"),

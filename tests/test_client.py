@@ -246,7 +246,7 @@ def test_kvpub_not_greater_than_last_is_discarded_and_a_backwards_stream_resyncs
         assert clone.get("a") == b"six"
         fake.publish(b"a", 4, b"old")       # lower than the last applied 6: buffered...
         fake.snapshot(identity, {b"a": b"fresh"}, 4)   # ...and not greater than KTHXBAI's
-        changes = [await next_change(w)]
+        changes = [await next_change(w), await next_change(w)]
         fake.publish(b"a", 5, b"five")
         changes.append(await next_change(w))
         stats = clone.stats()["shards"][0]
@@ -254,9 +254,14 @@ def test_kvpub_not_greater_than_last_is_discarded_and_a_backwards_stream_resyncs
         return clone, changes, stats
 
     clone, changes, stats = run(main())
-    assert [(c.kind, c.key, c.value, c.seq) for c in changes] == [
+    # the server's sequence went backwards (6 -> 4): its map is not the one this client
+    # had, a data loss: one reset marker, then the new map, then the live stream
+    reset = changes[0]
+    assert (reset.kind, reset.key, reset.seq, reset.shard) == ("reset", "", 4, "s0")
+    assert (reset.value.old_seq, reset.value.new_seq, reset.value.keys_lost) == (6, 4, 0)
+    assert [(c.kind, c.key, c.value, c.seq) for c in changes[1:]] == [
         (PUT, "a", b"fresh", 4), (PUT, "a", b"five", 5)]
-    assert stats["stale"] == 1 and stats["skipped"] == 1
+    assert stats["stale"] == 1 and stats["skipped"] == 1 and stats["resets"] == 1
     assert stats["last_seq"] == 5 and stats["snapshots"] == 2
 
 

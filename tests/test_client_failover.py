@@ -518,8 +518,9 @@ def test_frozen_active_ends_with_one_active_and_converged_clients(procs, zctx):
 # ------------------------------------------------------------------ standalone servers
 
 def test_failover_to_a_server_with_another_map_replaces_it_and_deletes_ghosts(procs, zctx):
-    """Two standalone servers with different maps stand in for a pair whose replica
-    differs: the client must end with exactly the new server's map."""
+    """Two standalone servers with different maps (two map generations) stand in for a
+    pair whose replica was lost: the client must end with exactly the new server's map,
+    and say it is a data loss (one ``reset`` change, then the new map's items)."""
     a = start_standalone(procs, free_port_base(4))
     b = start_standalone(procs, free_port_base(4))
 
@@ -547,10 +548,15 @@ def test_failover_to_a_server_with_another_map_replaces_it_and_deletes_ghosts(pr
                 assert [i.resumed for i in ev.infos] == [False, True]
                 assert (info.old.port, info.new.port) == (a.port, b.port)
                 assert (info.removed, info.changed) == (2, 2)  # ghosts; changed + only_b
-                # watchers are told: the ghosts are deleted, the new values put
-                diff = {(ch.kind, ch.key, ch.value) for ch in switched}
-                assert diff == {(DELETE, "/g/ghost1", None), (DELETE, "/g/ghost2", None),
-                                (PUT, "/g/changed", b"new"), (PUT, "/g/only_b", b"b")}
+                # watchers are told: a reset (not a delete per ghost), then B's map
+                reset = switched[0]
+                assert (reset.kind, reset.key, reset.shard) == ("reset", "/g/", "s0")
+                assert (reset.value.keys_lost, reset.value.changed) == (2, 2)
+                assert reset.value.old_generation != reset.value.new_generation
+                diff = {(ch.kind, ch.key, ch.value) for ch in switched[1:]}
+                assert diff == {(PUT, "/g/same", b"1"), (PUT, "/g/changed", b"new"),
+                                (PUT, "/g/only_b", b"b")}
+                assert DELETE not in {ch.kind for ch in switched}
             assert dict(c.items()) == {"/g/same": b"1", "/g/changed": b"new",
                                        "/g/only_b": b"b"}
             server_map, seq = fetch_map(zctx, b.port, b"/g/")

@@ -325,14 +325,18 @@ def test_second_client_converges_to_the_first_while_writes_continue(server, zctx
 
 def test_restarted_server_is_noticed_and_the_map_replaced(procs, port_base, zctx):
     """A standalone server killed and restarted on the same port comes back empty, with
-    its sequence at 1 again. The client's SUB reconnects by itself; the agent notices the
-    disconnection, resyncs, and replaces its map (the vanished keys are deleted and
-    watchers told), even with the silence timeout off."""
+    its sequence at 1 again and a new map generation. The client's SUB reconnects by
+    itself; the agent notices the disconnection, resyncs, and reports a data loss: one
+    ``on_reset`` with the old and new sequence and the keys lost, one ``reset`` change to
+    the watch (not a delete per key), and the map replaced, even with the silence
+    timeout off."""
     first = start_server(procs, port_base)
     address = f"tcp://127.0.0.1:{port_base}"
+    resets = []
 
     async def main():
-        async with AsyncClone(address, subtree="/r/", silence_timeout_s=None) as clone:
+        async with AsyncClone(address, subtree="/r/", silence_timeout_s=None,
+                              on_reset=resets.append) as clone:
             async with clone.watch("/r/") as w:
                 await until(w, lambda c: c.kind == SYNCED)
                 for i in range(5):
@@ -342,22 +346,23 @@ def test_restarted_server_is_noticed_and_the_map_replaced(procs, port_base, zctx
                 first.signal(signal.SIGKILL)
                 first.wait()
                 start_server(procs, port_base)
-                # the ghosts go first: the resync's diff
-                ghosts = {f"/r/old{i}" for i in range(5)}
-                deleted = set()
-
-                def all_ghosts_gone(c) -> bool:
-                    assert c.kind == DELETE, c
-                    deleted.add(c.key)
-                    return deleted == ghosts
-
-                await until(w, all_ghosts_gone)
+                change = (await until(w, lambda c: True))[0]
+                assert change.kind == "reset" and change.shard == "s0", change
                 assert clone.items() == []
                 async with AsyncClone(address, subtree="/r/") as writer:
                     await writer.set("/r/new", b"y")  # sequence 1 on the new server
-                    await until(w, is_(PUT, "/r/new"))
+                    # no delete of the lost keys comes before it: the reset said it all
+                    change = (await until(w, lambda c: True))[0]
+                    assert (change.kind, change.key) == (PUT, "/r/new"), change
             stats = clone.stats()["shards"][0]
             assert stats["disconnects"] >= 1 and stats["snapshots"] == 2
+            assert stats["resets"] == 1 and stats["last_reset"]["keys_lost"] == 5
+            assert len(resets) == 1
+            info = resets[0]
+            assert (info.shard, info.old_seq, info.new_seq) == ("s0", 5, 0)
+            assert (info.keys_before, info.keys_after, info.keys_lost) == (5, 0, 5)
+            assert info.old_generation and info.new_generation
+            assert info.old_generation != info.new_generation and info.policy == "accept"
             server_map, seq = fetch_map(zctx, port_base, b"/r/")
             assert server_map == {b"/r/new": b"y"}
             assert as_bytes_map(clone.items()) == server_map

@@ -273,6 +273,63 @@ def test_only_the_active_answers_icanhaz_and_the_passive_replicates(procs, zctx,
     assert backup.stop() == 0 and primary.stop() == 0  # SIGTERM: a clean exit, both roles
 
 
+def welcome_hugz(zctx, port: int) -> dict[str, str]:
+    """Subscribe a raw SUB to ``port``'s P+1 and return the properties of the HUGZ that
+    answers the subscription (frame by frame)."""
+    sub = zctx.socket(zmq.SUB)
+    sub.linger = 0
+    sub.subscribe(b"HUGZ")
+    sub.connect(f"tcp://127.0.0.1:{port + 1}")
+    try:
+        assert sub.poll(int(DEADLINE_S * 1000)), f"no HUGZ from port {port + 1}"
+        frames = sub.recv_multipart()
+    finally:
+        sub.close(0)
+    assert frames[:3] == [b"HUGZ", b"\0" * 8, b""] and frames[4] == b"", frames
+    return chp.parse_props(frames[3])
+
+
+def test_the_passive_says_it_is_not_serving_and_both_announce_one_generation(
+        procs, zctx, port_base):
+    """A passive server's welcome HUGZ says ``serving=0`` (a client asks the other server
+    at once); the active's does not. The passive's replica took over the active's map
+    generation. After the active is killed and the passive takes over on a client's
+    vote, it serves, with the same generation: the map lives on."""
+    p, b = two_bases(port_base)
+    primary, backup, watch = start_pair(procs, zctx, p, b)
+    writer = Writer(zctx, [p, b])
+    settle(writer, Updates(zctx, p), watch[b])
+    on_active, on_passive = welcome_hugz(zctx, p), welcome_hugz(zctx, b)
+    assert "serving" not in on_active and on_passive["serving"] == "0"
+    assert len(on_active["gen"]) == 16 and on_passive["gen"] == on_active["gen"]
+    assert int(on_passive["seq"]) == int(on_active["seq"]) >= 1
+    primary.signal(signal.SIGKILL)
+    primary.wait()
+    vote(zctx, b)  # the passive takes the vote once the primary has expired
+    after = welcome_hugz(zctx, b)
+    assert "serving" not in after and after["gen"] == on_active["gen"]
+
+
+def test_a_restarted_primary_is_not_serving_until_it_may_win_a_vote(procs, zctx, port_base):
+    """A primary restarted next to a live active backup: its welcome HUGZ says
+    ``serving=0`` (it would refuse the vote: the peer is alive), and it becomes the
+    passive with the backup's generation."""
+    p, b = two_bases(port_base)
+    primary, backup, watch = start_pair(procs, zctx, p, b)
+    writer = Writer(zctx, [p, b])
+    settle(writer, Updates(zctx, p), watch[b])
+    primary.signal(signal.SIGKILL)
+    primary.wait()
+    vote(zctx, b)
+    generation = welcome_hugz(zctx, b)["gen"]
+    start_server(procs, p, "primary", b)
+    assert welcome_hugz(zctx, p).get("serving") == "0"
+    watch[p].wait_state(PASSIVE)
+    settle(writer, Updates(zctx, b), watch[p])
+    again = welcome_hugz(zctx, p)
+    assert again.get("serving") == "0" and again["gen"] == generation
+
+
 def test_a_server_that_starts_after_writes_gets_the_whole_map_with_its_ttls(
         procs, zctx, port_base):
     p, b = two_bases(port_base)
@@ -330,10 +387,12 @@ def test_a_large_ttl_table_streams_in_chunks_and_the_backup_keeps_every_ttl(
     while not chunks or not chunks[-1].last:
         assert dealer.poll(DEADLINE_S * 1000), f"no chunk after {len(chunks)}"
         frames = dealer.recv_multipart()
-        assert len(frames) == 4 and frames[0] == b"BSTAR-TTL"
+        assert len(frames) == 5 and frames[0] == b"BSTAR-TTL"
         chunks.append(bstar_ttl.decode_chunk(frames))
     dealer.close(0)
     assert [c.last for c in chunks] == [False, False, True]
+    generations = {c.generation for c in chunks}  # the active's map generation
+    assert len(generations) == 1 and len(generations.pop()) == 16
     assert [len(c.table) for c in chunks] == [bstar_ttl.CHUNK_ENTRIES] * 2 + [100]
     assert {c.seq for c in chunks} == {seq}
     table = {k: v for c in chunks for k, v in c.table.items()}
@@ -347,6 +406,8 @@ def test_a_large_ttl_table_streams_in_chunks_and_the_backup_keeps_every_ttl(
     stats = stats_on_sigusr1(procs.started[-1], wb)
     assert stats["keys"] == n + 1 and stats["ttl_keys"] == n
     assert stats["replica"]["ttl_chunks"] == 3 and stats["replica"]["syncs_done"] == 1
+    # the replica took over the active's generation: one map, one generation
+    assert stats["generation"] == chunks[0].generation
 
 
 # ============================================================================ robustness

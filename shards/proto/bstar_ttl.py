@@ -15,11 +15,15 @@ Frames (DEALER <-> ROUTER; the ROUTER's identity frame is not shown)::
              f1 sequence T, 8 bytes, network order (the same in every chunk of a table)
              f2 entries: (expiry_s f64, key_len u16, key) repeated, network order
              f3 1 byte: 0x00 more chunks follow, 0x01 the last chunk
+             f4 the active's map generation (ASCII token, 1..64 bytes; optional)
 
-A table with no TTL key is one chunk with an empty f2 and f3 = 0x01. Rules enforced by
-``decode_chunk`` (``ProtocolError`` with ``protocol="bstar/1"``, reason
-``bad_ttl_table``): exactly 4 frames, the header, an 8-byte sequence, whole entries and a
-flag of 0 or 1.
+A table with no TTL key is one chunk with an empty f2 and f3 = 0x01. The generation
+(``shards.server.new_generation``) tells the passive which map its replica now copies:
+it takes that generation over at the end of the sync, so the pair announces one
+generation for as long as the map lives. Rules enforced by ``decode_chunk``
+(``ProtocolError`` with ``protocol="bstar/1"``, reason ``bad_ttl_table``): 4 or 5
+frames, the header, an 8-byte sequence, whole entries, a flag of 0 or 1, and a
+generation of 1..64 ASCII letters and digits when present.
 """
 from __future__ import annotations
 
@@ -39,23 +43,31 @@ _ENTRY = struct.Struct(">dH")
 _SEQ = struct.Struct(">Q")
 
 
+MAX_GENERATION = 64
+
+
 class Chunk(NamedTuple):
     seq: int
     table: dict[bytes, float]
     last: bool
+    generation: str = ""
 
 
 def request() -> list[bytes]:
     return [REQUEST]
 
 
-def encode_chunk(seq: int, entries: Iterable[tuple[bytes, float]], last: bool) -> list[bytes]:
+def encode_chunk(seq: int, entries: Iterable[tuple[bytes, float]], last: bool,
+                 generation: str = "") -> list[bytes]:
     """One reply chunk for ``entries``: (key, absolute expiry in epoch seconds) pairs."""
     parts = []
     for key, expiry_s in entries:
         parts.append(_ENTRY.pack(expiry_s, len(key)))
         parts.append(key)
-    return [REPLY, _SEQ.pack(seq), b"".join(parts), LAST if last else MORE]
+    frames = [REPLY, _SEQ.pack(seq), b"".join(parts), LAST if last else MORE]
+    if generation:
+        frames.append(generation.encode("ascii"))
+    return frames
 
 
 def _fail(message: str) -> ProtocolError:
@@ -64,8 +76,15 @@ def _fail(message: str) -> ProtocolError:
 
 
 def decode_chunk(frames: list[bytes]) -> Chunk:
-    if len(frames) != 4:
-        raise _fail(f"expected 4 frames, got {len(frames)}")
+    if len(frames) not in (4, 5):
+        raise _fail(f"expected 4 or 5 frames, got {len(frames)}")
+    generation = ""
+    if len(frames) == 5:
+        raw = bytes(frames[4])
+        if not 0 < len(raw) <= MAX_GENERATION or not (raw.isascii() and raw.isalnum()):
+            raise _fail(f"generation {raw[:16]!r} is not 1..{MAX_GENERATION} ASCII "
+                        "letters and digits")
+        generation = raw.decode("ascii")
     if frames[0] != REPLY:
         raise _fail(f"header {bytes(frames[0][:16])!r} is not {REPLY!r}")
     if len(frames[1]) != 8:
@@ -85,4 +104,4 @@ def decode_chunk(frames: list[bytes]) -> Chunk:
             raise _fail("truncated key")
         table[body[pos:pos + key_len]] = expiry_s
         pos += key_len
-    return Chunk(_SEQ.unpack(frames[1])[0], table, frames[3] == LAST)
+    return Chunk(_SEQ.unpack(frames[1])[0], table, frames[3] == LAST, generation)

@@ -29,6 +29,23 @@ a subtree filter; frames 2 and 4 stay empty. ``decode_update`` accepts an empty 
 valid properties frame (``Hugz.props``; ``hugz_clock`` reads ts and seq). Strict CHP
 clients key on "HUGZ" and ignore the rest. Values are opaque bytes; an empty value means delete.
 
+Two more HUGZ properties (``hugz_info``), also ignored by strict clients:
+
+* ``gen=<token>``: the *generation* of the server's map, a random token drawn when a map
+  is born empty and carried over by a Binary Star replica. Same generation and a
+  sequence that continues: nothing was lost. A new generation: the map was lost and
+  started over (both servers of a pair died, or a standalone server restarted).
+* ``serving=0``: this server will not answer an ICANHAZ now (a Binary Star server that
+  is not active while its peer is alive). A client asks the other server of the pair at
+  once instead of waiting for a snapshot timeout.
+
+Liberal reading (``strict=False``, what a client uses): the guide's reference C server
+(clonesrv6) deviates from 12/CHP in ways a reader can tolerate. Its KVSYNC carries the
+stored UUID and properties in frames 2 and 3 (kept in ``Kvsync.uuid``/``props``), its
+KTHXBAI has an empty subtree whatever was asked, and its HUGZ carries the current
+sequence instead of 0 (``Hugz.seq``). With ``strict=True`` (the default, and what every
+conformance test checks our server with) all three are errors.
+
 Properties stay as raw bytes in the message tuples (cheap on the hot path); use
 ``parse_props`` / ``format_props`` to convert.
 """
@@ -78,6 +95,9 @@ class Kvsync(NamedTuple):
     key: bytes
     seq: int
     value: bytes
+    uuid: bytes = b""
+    props: bytes = b""
+    """Empty from a 12/CHP server; the reference C server sends the stored ones."""
 
 
 class Kthxbai(NamedTuple):
@@ -103,9 +123,26 @@ class Kvset(NamedTuple):
 class Hugz(NamedTuple):
     props: bytes = b""
     """Empty, or the server clock ``ts=...\nseq=...\n`` (see ``hugz_clock``)."""
+    seq: int = 0
+    """0 by 12/CHP; the reference C server sends its current sequence."""
 
 
 _HUGZ = Hugz()
+
+
+class HugzInfo(NamedTuple):
+    """What a HUGZ's properties say (``hugz_info``)."""
+    ts: float | None
+    """The server clock (epoch s), or None."""
+    seq: int
+    """The server's sequence (-1 if not given)."""
+    serving: bool
+    """False: the server says it will not answer an ICANHAZ now (``serving=0``)."""
+    generation: str
+    """The map's generation token ("" if not given)."""
+
+
+_PLAIN_HUGZ_INFO = HugzInfo(None, -1, True, "")
 
 
 def _fail(message: str, command: str, reason: str) -> ProtocolError:
@@ -206,8 +243,11 @@ def decode_icanhaz(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Ican
     return Icanhaz(check_subtree(frames[1], "ICANHAZ", limits))
 
 
-def decode_snapshot(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Kvsync | Kthxbai:
-    """Decode a reply on the client's snapshot DEALER: a KVSYNC or the closing KTHXBAI."""
+def decode_snapshot(frames: list[bytes], limits: Limits = DEFAULT_LIMITS, *,
+                    strict: bool = True) -> Kvsync | Kthxbai:
+    """Decode a reply on the client's snapshot DEALER: a KVSYNC or the closing KTHXBAI.
+    ``strict=False`` also reads the reference C server's KVSYNC (UUID and properties in
+    frames 2 and 3, checked as a KVPUB's); its empty KTHXBAI subtree decodes as given."""
     if frames and frames[0] == KTHXBAI:
         _check_count(frames, 5, "KTHXBAI")
         seq = _seq(frames[1], "KTHXBAI")
@@ -217,22 +257,27 @@ def decode_snapshot(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Kvs
     _check_count(frames, 5, "KVSYNC")
     key = check_key(frames[0], "KVSYNC", limits)
     seq = _seq(frames[1], "KVSYNC")
-    _empty(frames[2], 2, "KVSYNC")
-    _empty(frames[3], 3, "KVSYNC")
-    return Kvsync(key, seq, _value(frames[4], "KVSYNC", limits))
+    if strict or not (frames[2] or frames[3]):
+        _empty(frames[2], 2, "KVSYNC")
+        _empty(frames[3], 3, "KVSYNC")
+        return Kvsync(key, seq, _value(frames[4], "KVSYNC", limits))
+    return Kvsync(key, seq, _value(frames[4], "KVSYNC", limits), _uuid(frames[2], "KVSYNC"),
+                  check_props(frames[3], "KVSYNC", limits))
 
 
-def decode_update(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Kvpub | Hugz:
-    """Decode a message from the server's publisher: a KVPUB or a HUGZ."""
+def decode_update(frames: list[bytes], limits: Limits = DEFAULT_LIMITS, *,
+                  strict: bool = True) -> Kvpub | Hugz:
+    """Decode a message from the server's publisher: a KVPUB or a HUGZ. ``strict=False``
+    also takes "HUGZ" with a non-zero sequence as a HUGZ (the reference C server's)."""
     _check_count(frames, 5, "KVPUB")
     seq = _seq(frames[1], "KVPUB")
-    if frames[0] == HUGZ and seq == 0:
+    if frames[0] == HUGZ and (seq == 0 or not strict):
         _empty(frames[2], 2, "HUGZ")
         _empty(frames[4], 4, "HUGZ")
         props = frames[3]
-        if not props:
+        if not props and not seq:
             return _HUGZ
-        return Hugz(check_props(props, "HUGZ", limits))
+        return Hugz(check_props(props, "HUGZ", limits), seq)
     key = check_key(frames[0], "KVPUB", limits)
     return Kvpub(key, seq, _uuid(frames[2], "KVPUB"), check_props(frames[3], "KVPUB", limits),
                  _value(frames[4], "KVPUB", limits))
@@ -269,12 +314,32 @@ def kvset(key: bytes, value: bytes, uuid: bytes = b"", props: bytes = b"") -> li
     return [key, SEQ_ZERO, uuid, props, value]
 
 
-def hugz(ts: float | None = None, seq: int = 0) -> list[bytes]:
-    """A HUGZ: plain (``ts`` None: frames 2-4 empty, as 12/CHP has it), or carrying the
-    server clock ``ts=<epoch s, 6 decimals>\nseq=<current sequence>\n`` in frame 3."""
-    if ts is None:
-        return [HUGZ, SEQ_ZERO, b"", b"", b""]
-    return [HUGZ, SEQ_ZERO, b"", b"ts=%.6f\nseq=%d\n" % (ts, seq), b""]
+def hugz(ts: float | None = None, seq: int = 0, *, serving: bool = True,
+         generation: str = "") -> list[bytes]:
+    """A HUGZ: plain (``ts`` None, serving: frames 2-4 empty, as 12/CHP has it), or
+    carrying in frame 3 the server clock ``ts=<epoch s, 6 decimals>\nseq=<current
+    sequence>\n`` and the map's ``gen=<token>\n`` (with ``ts``), and ``serving=0\n``
+    when the server will not answer an ICANHAZ now (see the module doc)."""
+    props = b""
+    if ts is not None:
+        props = b"ts=%.6f\nseq=%d\n" % (ts, seq)
+        if generation:
+            props += b"gen=%s\n" % generation.encode("ascii")
+    if not serving:
+        props += b"serving=0\n"
+    return [HUGZ, SEQ_ZERO, b"", props, b""]
+
+
+def hugz_info(msg: Hugz) -> HugzInfo:
+    """Everything a HUGZ's properties say; a plain HUGZ says nothing (serving, no clock,
+    no generation). Unreadable values read as absent, never as an error."""
+    props = msg.props
+    if not props:
+        return _PLAIN_HUGZ_INFO if not msg.seq else HugzInfo(None, msg.seq, True, "")
+    fields = parse_props(props)
+    clock = _clock_of(fields)
+    ts, seq = clock if clock is not None else (None, msg.seq or -1)
+    return HugzInfo(ts, seq, fields.get("serving", "1") != "0", fields.get("gen", ""))
 
 
 def hugz_clock(msg: Hugz) -> tuple[float, int] | None:
@@ -283,7 +348,10 @@ def hugz_clock(msg: Hugz) -> tuple[float, int] | None:
     props = msg.props
     if not props:
         return None
-    fields = parse_props(props)
+    return _clock_of(parse_props(props))
+
+
+def _clock_of(fields: dict[str, str]) -> tuple[float, int] | None:
     try:
         ts = float(fields["ts"])
     except (KeyError, ValueError):
