@@ -58,6 +58,12 @@ SCENARIOS = {
     "failover": Scenario("bench.failover", "failover",
                          "Binary Star kill -9: gap, client resume vs its silence timeout, "
                          "lost writes", {"smoke": "~8 s", "quick": "~20 s", "full": "~1 min"}),
+    "failover_supervised": Scenario(
+        "bench.failover_supervised", "failover_supervised",
+        "the cluster as users run it: supervisor kill of s0's active, restarted PASSIVE by "
+        "the supervisor: wait=True stall, new Clone, chp get", {"smoke": "~20 s",
+                                                               "quick": "~45 s",
+                                                               "full": "~45 s"}),
     "handoff": Scenario("bench.handoff", "handoff",
                         "watch callbacks run inline vs handed off to a thread",
                         {"smoke": "~5 s", "quick": "~15 s", "full": "~20 s"}),
@@ -68,7 +74,8 @@ SCENARIOS = {
 ALIASES = {"chp_throughput": "single"}
 ALL_DURATION = {"smoke": "~1.5 min", "quick": "~5.5 min", "full": "~20 min"}
 ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failover", "handoff"]
-"""What ``all`` runs, in this order, then ``report``."""
+"""What ``all`` runs, in this order, then ``report`` (``failover_supervised`` runs alone:
+it starts a whole 8-server cluster)."""
 
 PROFILES: dict[str, dict[str, list[str]]] = {
     "smoke": {
@@ -86,6 +93,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
                    "--seconds", "0.5", "--warmup", "0", "--ceiling-s", "0.3"],
         "failover": ["--kills", "1", "--rate", "200", "--steady-s", "0.3",
                      "--ceiling-s", "0.3"],
+        "failover_supervised": ["--kills", "1"],
         "handoff": ["--modes", "inline,thread", "--work", "cpu", "--rate", "300",
                     "--seconds", "0.5"],
         "report": [],
@@ -102,6 +110,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "fanout": ["--shards", "1,4", "--subscribers", "1,4,16", "--rate", "1000",
                    "--seconds", "3", "--warmup", "0.5", "--ceiling-s", "1"],
         "failover": ["--kills", "3", "--rate", "500", "--steady-s", "1", "--ceiling-s", "1"],
+        "failover_supervised": ["--kills", "3"],
         "handoff": ["--rate", "40000", "--seconds", "2"],
         "report": [],
     },
@@ -119,6 +128,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "fanout": ["--shards", "1,4", "--subscribers", "1,4,16", "--rate", "1000",
                    "--seconds", "5", "--warmup", "1", "--rounds", "2", "--ceiling-s", "3"],
         "failover": ["--kills", "10", "--rate", "500", "--steady-s", "2", "--ceiling-s", "3"],
+        "failover_supervised": ["--kills", "5"],
         "handoff": ["--rate", "40000", "--seconds", "3"],
         "report": [],
     },

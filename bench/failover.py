@@ -36,6 +36,9 @@ PUB->SUB carries in the median gap.
 Targets: every client resumes within 2 s of its silence timeout; zero updates lost; the
 passive's RSS grows < 20 MiB within any steady window.
 
+``--supervised`` measures the other mode, the one users meet: the real supervisor
+restarts the killed server at once and it rejoins PASSIVE (``bench.failover_supervised``).
+
 Duration on a 2-core host: smoke (``--kills 1 --steady-s 0.3``) ~8 s; quick
 (``--kills 3 --steady-s 1``) ~20 s; full (``--kills 10 --steady-s 2``) ~1 min.
 """
@@ -71,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="steady load before each kill (CPU/RSS sampled)")
     ap.add_argument("--ceiling-s", type=float, default=2.0,
                     help="measured window of each same-run ceiling (PUB->SUB, forwarder)")
+    ap.add_argument("--supervised", action="store_true",
+                    help="the cluster as users run it: supervisor start configs/4shard.yaml, "
+                         "supervisor kill of s0's active, restarted by the supervisor "
+                         "(bench.failover_supervised; record failover_supervised)")
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
     args = ap.parse_args(argv)
     if (args.kills < 1 or args.rate <= 0 or args.heartbeat_s <= 0 or args.steady_s < 0
@@ -438,6 +445,13 @@ def report(record: rec.Record) -> None:
 
 
 def main(argv: list[str] | None = None) -> rec.Record:
+    if argv is None:
+        import sys
+        argv = sys.argv[1:]
+    if "--supervised" in argv:
+        from bench import failover_supervised
+
+        return failover_supervised.main(argv)
     return bench_main(NAME, parse_args, run, report, argv)
 
 

@@ -33,6 +33,8 @@ SCENARIOS = [
     ("snapshot", "Snapshot join time and memory per key", "python -m bench snapshot"),
     ("fanout", "Fan-out to many subscribers", "python -m bench fanout"),
     ("failover", "Failover gap", "python -m bench failover"),
+    ("failover_supervised", "Failover under the supervisor (restart as passive)",
+     "python -m bench failover_supervised"),
     ("load", "Load generator", "python -m bench load"),
     ("handoff", "Callback hand-off", "python -m bench handoff"),
 ]

@@ -845,7 +845,7 @@ class ShardAgent:
     # ------------------------------------------------------------------ figures
     def stats(self) -> dict:
         return {
-            "shard": self.name, "server": str(self.server), "phase": self.state.phase,
+            "shard": self.name, "server": str(self.server), "phase": self.phase,
             "keys": len(self.map), "last_seq": self.last_seq, "applied": self.applied,
             "stale": self.stale, "skipped": self.skipped, "gaps": self.gaps,
             "overflows": self.overflows, "snapshots": self.snapshots,

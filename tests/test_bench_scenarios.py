@@ -178,3 +178,18 @@ def test_the_records_checked_here_are_every_scenario_all_runs():
     from bench.__main__ import ORDER, SCENARIOS
 
     assert sorted(SCENARIOS[n].record for n in ORDER) == sorted(RECORDS)
+
+
+def test_supervised_failover_scenario_under_a_real_supervisor(procs, tmp_path):
+    """``python -m bench failover_supervised --kills 1``: a real ``supervisor start`` of the
+    4-shard config, one ``supervisor kill`` of s0's active, the server restarted PASSIVE;
+    the writer never failed, chp answered, and no client waited on the passive."""
+    run_bench(procs, tmp_path, "bench", "failover_supervised", "--kills", "1")
+    data = bench_record(tmp_path, "failover_supervised")
+    (run,) = data["runs"]
+    assert run["killed"] in ("s0/primary", "s0/backup")
+    assert run["chp_exit"] == 0 and run["passive_refused"] == 0
+    assert run["write_stall_s"] is not None and run["new_clone_s"] > 0
+    assert data["summary"]["writer_errors"] == []
+    names = {t["name"] for t in data["targets"]}
+    assert "wait=True stall across kill and restart (max)" in names

@@ -415,3 +415,55 @@ def test_every_valid_message_decodes_under_its_own_decoder(msg):
     assume(decoded is not None)
     assert isinstance(decoded, (chp.Icanhaz, chp.Kvsync, chp.Kthxbai, chp.Kvpub, chp.Hugz,
                                 chp.Kvset))
+
+
+# ------------------------------------------------------------------ HUGZ properties, dialects
+
+def test_hugz_carries_clock_generation_and_the_serving_hint():
+    frames = chp.hugz(1700000000.5, 42, generation="00ff00ff00ff00ff")
+    assert frames == [b"HUGZ", b"\0" * 8, b"",
+                      b"ts=1700000000.500000\nseq=42\ngen=00ff00ff00ff00ff\n", b""]
+    info = chp.hugz_info(chp.decode_update(frames))
+    assert info == (1700000000.5, 42, True, "00ff00ff00ff00ff")
+    passive = chp.decode_update(chp.hugz(1.0, 3, serving=False, generation="ab"))
+    assert chp.hugz_info(passive).serving is False
+    plain_passive = chp.hugz(serving=False)  # clock off: the hint alone
+    assert plain_passive[3] == b"serving=0\n"
+    assert chp.hugz_info(chp.decode_update(plain_passive)) == (None, -1, False, "")
+    assert chp.hugz_info(chp.decode_update(chp.hugz())) == (None, -1, True, "")
+
+
+def test_strict_decoding_refuses_the_reference_c_servers_dialect():
+    kvsync = [b"/k", chp.pack_seq(5), b"U" * 16, b"ttl=0\n", b"v"]
+    hugz = [b"HUGZ", chp.pack_seq(9), b"", b"", b""]
+    with pytest.raises(ProtocolError, match="frame 2 must be empty"):
+        chp.decode_snapshot(kvsync)
+    with pytest.raises(ProtocolError, match="reserved"):
+        chp.decode_update(hugz)
+
+
+def test_liberal_decoding_reads_the_reference_c_servers_dialect():
+    kvsync = chp.decode_snapshot([b"/k", chp.pack_seq(5), b"U" * 16, b"ttl=1700000000123\n",
+                                  b"v"], strict=False)
+    assert kvsync == chp.Kvsync(b"/k", 5, b"v", b"U" * 16, b"ttl=1700000000123\n")
+    plain = chp.decode_snapshot(chp.kvsync(b"/k", b"v", 3), strict=False)
+    assert plain == chp.Kvsync(b"/k", 3, b"v")
+    hugz = chp.decode_update([b"HUGZ", chp.pack_seq(9), b"", b"", b""], strict=False)
+    assert hugz == chp.Hugz(b"", 9) and chp.hugz_info(hugz) == (None, 9, True, "")
+    assert chp.decode_snapshot(chp.kthxbai(4, b""), strict=False) == chp.Kthxbai(4, b"")
+    # still refused, liberal or not: a bad UUID, bad properties, a value in a HUGZ
+    for frames in ([b"/k", chp.pack_seq(1), b"abc", b"", b"v"],
+                   [b"/k", chp.pack_seq(1), b"", b"no-equals\n", b"v"]):
+        with pytest.raises(ProtocolError):
+            chp.decode_snapshot(frames, strict=False)
+    with pytest.raises(ProtocolError):
+        chp.decode_update([b"HUGZ", chp.pack_seq(9), b"", b"", b"body"], strict=False)
+
+
+@given(st.lists(st.binary(max_size=40), min_size=0, max_size=7))
+def test_liberal_decoding_of_garbage_raises_nothing_but_protocol_error(frames):
+    for decode in (chp.decode_snapshot, chp.decode_update):
+        try:
+            decode(frames, strict=False)
+        except ProtocolError:
+            pass

@@ -176,3 +176,83 @@ def test_reconnected_resyncs_from_the_same_server():
     assert state.phase == SYNCING and state.server == 0
     assert [type(e) for e in effects] == [RequestSnapshot]
     assert step(State(Config()), sm.Reconnected(), 0.0)[1] == []
+
+
+# ------------------------------------------------------------------ serving hint (pairs)
+
+PAIR = Config(servers=2)
+
+
+def test_a_server_that_says_it_is_not_serving_is_left_at_once():
+    state, _ = step(State(PAIR), Start(), 0.0)
+    state, effects = step(state, sm.NotServing(), 0.01)
+    assert effects == [Failover(0, 1, "server not serving (passive)", 0.0), Connect(1)]
+    assert state.phase == INITIAL and state.server == 1 and state.standby_streak == 1
+    # the other server serves: the snapshot is asked there, and the streak ends with it
+    state, effects = step(state, SubscriberLive(), 0.02)
+    assert effects == [RequestSnapshot(1, "start")]
+    state, _ = step(state, SnapshotDone(7), 0.05)
+    assert state.phase == ACTIVE and state.standby_streak == 0
+
+
+def test_when_every_server_says_so_the_shard_holds_then_tries_again():
+    state, _ = step(State(PAIR), Start(), 0.0)
+    state, _ = step(state, sm.NotServing(), 0.0)        # 0 -> 1
+    state, effects = step(state, sm.NotServing(), 0.01)  # 1 too: hold on 1
+    assert effects == [] and state.holding and state.server == 1
+    assert step(state, sm.NotServing(), 0.02)[1] == []   # still holding
+    assert step(state, Tick(0, 0), 0.01 + PAIR.standby_retry_s / 2)[1] == []
+    state, effects = step(state, Tick(0, 0), 0.01 + PAIR.standby_retry_s)
+    assert effects[-1] == Connect(0) and effects[0].reason == "every server not serving (passive)"
+    assert not state.holding and state.standby_streak == 2
+    state, effects = step(state, sm.NotServing(), 0.3)  # 0 still not: hold again
+    assert effects == [] and state.holding
+
+
+def test_a_held_server_that_starts_serving_is_asked():
+    state, _ = run(State(PAIR), [(0, Start()), (0, sm.NotServing()), (0, sm.NotServing())])
+    assert state.holding
+    state, effects = step(state, SubscriberLive(), 0.1)  # a HUGZ without serving=0
+    assert effects == [RequestSnapshot(1, "start")] and not state.holding
+
+
+def test_an_active_shard_whose_server_stops_serving_moves():
+    state = active(PAIR)
+    state, effects = step(state, sm.NotServing(), 5.0)
+    assert effects == [Failover(0, 1, "server not serving (passive)", 0.0), Connect(1)]
+
+
+def test_a_lone_server_that_is_not_serving_is_asked_anyway():
+    state, _ = step(State(), Start(), 0.0)
+    state, effects = step(state, sm.NotServing(), 0.1)
+    assert effects == [RequestSnapshot(0, "start (server not serving)")]
+    assert step(active(), sm.NotServing(), 1.0)[1] == []
+
+
+def test_timeouts_start_the_not_serving_count_again():
+    state, _ = run(State(PAIR), [(0, Start()), (0, sm.NotServing())])
+    assert state.standby_streak == 1
+    state, effects = step(state, Tick(0, 0), 0 + PAIR.connect_timeout_s)  # 1 never connects
+    assert effects[-1] == Connect(0) and state.standby_streak == 0
+
+
+# ------------------------------------------------------------------ rejected snapshots
+
+def test_a_rejected_snapshot_is_paced_like_a_timeout():
+    state, _ = run(State(PAIR), [(0, Start()), (0, SubscriberLive())])
+    state, effects = step(state, sm.SnapshotRejected("garbage"), 0.5)
+    assert effects == [] and state.phase == SYNCING and state.attempts == 1
+    assert step(state, Tick(0, 0.5), 0.5 + PAIR.sync_timeout_s / 2)[1] == []  # no tight loop
+    state, effects = step(state, Tick(0, 0.5), 0.5 + PAIR.sync_timeout_s)
+    assert effects == [RequestSnapshot(0, "snapshot timeout")] and state.attempts == 2
+    state, _ = step(state, sm.SnapshotRejected("garbage"), 4.0)
+    state, effects = step(state, Tick(0, 4.0), 4.0 + PAIR.sync_timeout_s)
+    assert effects[-1] == Connect(1)  # attempts used up: the next server
+    assert step(active(), sm.SnapshotRejected("x"), 1)[1] == []
+
+
+def test_a_new_generation_resyncs_an_active_shard():
+    state, effects = step(active(), sm.NewGeneration("aa", "bb"), 2.0)
+    assert effects == [RequestSnapshot(0, "map generation changed (aa -> bb)")]
+    state, _ = run(State(), [(0, Start())])
+    assert step(state, sm.NewGeneration("aa", "bb"), 1)[1] == []  # not ACTIVE: ignored

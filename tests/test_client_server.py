@@ -462,3 +462,35 @@ def test_watch_gets_current_items_then_synced_then_changes_in_order(server):
                 assert [(c.kind, c.key) for c in await until(narrow, is_(DELETE, "/w/other/skip"))] \
                     == [(DELETE, "/w/other/skip")]
     run(main())
+
+
+def test_reset_policy_keep_holds_the_old_copy_read_only(procs, port_base):
+    """``reset_policy="keep"``: after the server comes back with another map, the client
+    keeps its copy of the shard (reads work), refuses writes to it with ``ShardReset``
+    naming the loss, and stops following the shard."""
+    from client.errors import ShardReset
+
+    first = start_server(procs, port_base)
+    address = f"tcp://127.0.0.1:{port_base}"
+    resets = []
+
+    async def main():
+        async with AsyncClone(address, subtree="/p/", silence_timeout_s=None,
+                              reset_policy="keep", on_reset=resets.append) as clone:
+            async with clone.watch("/p/") as w:
+                await until(w, lambda c: c.kind == SYNCED)
+                await clone.set("/p/a", b"1", wait=True)
+                await clone.set("/p/b", b"2", wait=True)
+                first.signal(signal.SIGKILL)
+                first.wait()
+                start_server(procs, port_base)
+                change = (await until(w, lambda c: c.kind == "reset"))[-1]
+            assert change.value.policy == "keep" and change.value.keys_lost == 2
+            assert dict(clone.items()) == {"/p/a": b"1", "/p/b": b"2"}
+            with pytest.raises(ShardReset, match="read-only") as info:
+                await clone.set("/p/c", b"3")
+            assert info.value.shard == "s0" and info.value.info is resets[0]
+            stats = clone.stats()["shards"][0]
+            assert stats["phase"] == "KEPT" and stats["resets"] == 1
+    run(main())
+    assert len(resets) == 1
