@@ -215,6 +215,8 @@ class ShardAgent:
         """Generation of the map the installed snapshot came from ("" unknown)."""
         self._link_generation = ""
         """The latest generation the current server's HUGZ named (reset on Connect)."""
+        self._link_not_serving = False
+        """The current server said ``serving=0`` on this link (reset on Connect)."""
         self.resets = 0
         self.last_reset: ResetInfo | None = None
         self.kept: ResetInfo | None = None
@@ -419,6 +421,7 @@ class ShardAgent:
         self._sub_lost = False
         self.clock_offset_s = None
         self._link_generation = ""
+        self._link_not_serving = False
         self._sub = AsyncSocket(sub, self._on_update, loop=self.loop,
                                 name=f"{self.name} SUB {address.publisher}")
         self._monitor = AsyncSocket(monitor, self._on_monitor, loop=self.loop,
@@ -568,7 +571,12 @@ class ShardAgent:
 
     def _await_live(self, event) -> None:
         """Dispatch ``event`` once the subscription is proven live: the SUB's first message
-        (our servers send a HUGZ for each new subscription), or LIVE_GRACE_S."""
+        (our servers send a HUGZ for each new subscription), or LIVE_GRACE_S. Not when
+        this link's server already said ``serving=0``: its welcome HUGZ came before the
+        handshake event (two sockets, read in no fixed order), and only a later message
+        (it became active) may lead to a snapshot request there."""
+        if self._link_not_serving:
+            return
         self._live_pending = event
         if self._live_timer is not None:
             self._live_timer.cancel()
@@ -599,7 +607,8 @@ class ShardAgent:
         info = chp.hugz_info(msg)
         if info.generation:
             self._link_generation = info.generation
-        return not info.serving and len(self.servers) > 1
+        self._link_not_serving = not info.serving and len(self.servers) > 1
+        return self._link_not_serving
 
     def _on_update(self, frames: list[bytes]) -> None:
         """A message on the SUB: KVPUB or HUGZ (hot path)."""
@@ -703,7 +712,8 @@ class ShardAgent:
         info = chp.hugz_info(msg)
         if info.generation:
             self._link_generation = info.generation
-        if not info.serving and len(self.servers) > 1:
+        self._link_not_serving = not info.serving and len(self.servers) > 1
+        if self._link_not_serving:
             self._dispatch(sm.NotServing())
             return
         if (info.generation and self.generation and info.generation != self.generation

@@ -90,7 +90,8 @@ class Follower:
         self._retry_at: float | None = None
         self.counters = dict.fromkeys(
             ("syncs_started", "syncs_done", "sync_timeouts", "sync_retries", "gaps",
-             "duplicates", "applied", "hugz", "ignored_while_idle", "kvsync", "ttl_chunks"),
+             "duplicates", "applied", "hugz", "hugz_not_serving", "ignored_while_idle",
+             "kvsync", "ttl_chunks"),
             0)
         self.last_heard = 0.0
         self._taking_over = False
@@ -204,10 +205,17 @@ class Follower:
             owner.drops.drop("peer_" + err.reason, f"from {self.updates_endpoint}: {err}")
             return
         now = owner.loop.time()
-        self.last_heard = now
         if not isinstance(msg, chp.Kvpub):
             self.counters["hugz"] += 1
+            if msg.props and not chp.hugz_info(msg).serving:
+                # not from an active: the peer restarted (its welcome HUGZ) and is not
+                # serving. It must not count as the active's last word, or KVSETs
+                # pending here would look stale at takeover and be dropped.
+                self.counters["hugz_not_serving"] += 1
+                return
+            self.last_heard = now
             return
+        self.last_heard = now
         owner.pending.confirm(msg.uuid, now)
         if self.phase == "syncing":
             if len(self._buffer) >= self.buffer_max:

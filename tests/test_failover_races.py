@@ -1,0 +1,78 @@
+"""Two races around a restarted Binary Star server, forced in a fixed order by calling the
+handlers in that order (the real classes, real sockets, no sleeps).
+
+1. The client: a SUB's data and its monitor's handshake event arrive on two sockets, read
+   in no fixed order. A server's welcome HUGZ saying ``serving=0`` can be read before the
+   handshake event; the handshake must not then start the grace timer that asks the
+   not-serving server for a snapshot anyway (seen under the supervisor: a 6 s stall on
+   two refused requests).
+2. The passive's replica: the restarted peer's welcome HUGZ (``serving=0``) must not count
+   as the active's last message. It did, and KVSETs held pending since the kill looked
+   stale at takeover and were dropped (seen under the supervisor: a write lost).
+"""
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import pytest
+import zmq
+
+from conftest import free_port_base
+from client import shard_machine as sm
+from client.agent import ShardAgent
+from shards.pair import PairServer
+from shards.proto import chp
+from shards.server import ServerConfig
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def handshake_event(endpoint: str) -> list[bytes]:
+    """A ZeroMQ monitor message: EVENT_HANDSHAKE_SUCCEEDED on ``endpoint``."""
+    return [struct.pack("=hi", zmq.EVENT_HANDSHAKE_SUCCEEDED, 0), endpoint.encode()]
+
+
+def test_a_not_serving_hugz_read_before_the_handshake_event_asks_for_nothing(zctx):
+    a, b = free_port_base(4), free_port_base(4)
+
+    async def main():
+        agent = ShardAgent(zctx, [f"tcp://127.0.0.1:{a}", f"tcp://127.0.0.1:{b}"])
+        agent.start()
+        try:
+            passive = chp.hugz(1.0, 5, serving=False, generation="ab")
+            agent._on_update(passive)  # server a: not serving -> move to b
+            assert agent.state.server == 1 and agent.state.standby_streak == 1
+            agent._on_update(passive)  # b too (read before b's handshake event)
+            assert agent.state.holding and agent.state.phase == sm.INITIAL
+            agent._on_monitor(handshake_event(f"tcp://127.0.0.1:{b + 1}"))
+            assert agent._live_timer is None  # no grace timer armed ...
+            agent._live_now()                 # ... and were one to fire: nothing to send
+            assert agent._dealer is None and agent.state.phase == sm.INITIAL
+            # b becomes active: its HUGZ no longer says serving=0 -> ask it
+            agent._on_update(chp.hugz(1.1, 5, generation="ab"))
+            assert agent.state.phase == sm.SYNCING and agent._dealer is not None
+            assert not agent._link_not_serving
+        finally:
+            agent.close()
+
+    asyncio.run(main())
+
+
+def test_a_restarted_peers_welcome_hugz_is_not_the_actives_last_word():
+    port, peer = free_port_base(4), free_port_base(4)
+    server = PairServer(ServerConfig(port=port), role="backup", peer=("127.0.0.1", peer))
+    loop = asyncio.new_event_loop()
+    try:
+        server.loop = loop
+        follower = server.follower
+        follower.phase = "live"
+        follower.on_update(chp.hugz(1.0, 0, generation="aa"))  # the active, alive
+        heard = follower.last_heard
+        assert heard > 0
+        # the active dies; it restarts and its welcome HUGZ reaches this follower
+        follower.on_update(chp.hugz(2.0, 0, serving=False, generation="bb"))
+        assert follower.last_heard == heard
+        assert follower.counters["hugz_not_serving"] == 1
+    finally:
+        loop.close()
