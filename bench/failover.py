@@ -53,7 +53,7 @@ import time
 
 from bench import record as rec
 from bench.runner import Target, bench_main, free_port_base, server_argv
-from shards import timing
+from shards.common import timing
 
 NAME = "failover"
 DURATION = ("Duration (2 cores): smoke (--kills 1 --steady-s 0.3) ~8 s; quick (--kills 3 "
@@ -252,8 +252,8 @@ def _run_pair(args: argparse.Namespace, record: rec.Record, progress: rec.Progre
     import zmq
 
     from client.api import Clone
-    from shards.proto import bstar as wire
-    from shards.proto import chp
+    from shards.common.proto import bstar as wire
+    from shards.common.proto import chp
 
     hb = args.heartbeat_s
     silence_s = round(SILENCE_HEARTBEATS * hb, 6)

@@ -20,7 +20,7 @@ fresh runs:
   **open loop**: update i is due at ``t0 + i / rate`` and is sent then (or at once, if the
   writer is late), whatever the replies. Each key is new (``/s<i mod segments>/<i>``:
   the routing segments spread the keys over the shards) and routed with
-  ``shards.routing.ShardMap``; its value starts with the writer's ``time.time_ns()`` at
+  ``shards.common.routing.ShardMap``; its value starts with the writer's ``time.time_ns()`` at
   the send, zero-padded to 19 digits, then padding up to ``--value-bytes``.
 
 Each subscriber records, per update, the end-to-end latency (its ``time.time_ns()`` when
@@ -138,7 +138,7 @@ def percentile(sorted_values: list[float], pct: float) -> float:
 def writer_main(argv: list[str]) -> None:
     import zmq
 
-    from shards.routing import ShardMap
+    from shards.common.routing import ShardMap
 
     ap = argparse.ArgumentParser(prog=f"python -m bench.{NAME} _writer")
     ap.add_argument("--ports", type=_int_list, required=True)
@@ -286,7 +286,7 @@ def _result_line(target: Target, timeout_s: float) -> dict:
 def run_one(shards: int, subscribers: int, args: argparse.Namespace,
             progress: rec.Progress) -> dict:
     """One fresh cluster, ``subscribers`` clients, one writer; returns the run's figures."""
-    from shards.routing import ShardMap
+    from shards.common.routing import ShardMap
 
     timed = max(1, round(args.rate * args.seconds))
     warm = round(args.rate * args.warmup)

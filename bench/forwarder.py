@@ -5,7 +5,7 @@ on P+1 (P itself is left alone: no snapshots), prints ``READY ...`` and then, fo
 5-frame KVSET it receives: stores the value in a dict (an empty value deletes), and
 publishes a 5-frame KVPUB with the next sequence, echoing UUID and properties. No
 validation, no heartbeats, no TTLs, no event loop: a blocking loop over the same
-shards.zio calls a real server uses, so "server / forwarder" says what everything a
+shards.common.zio calls a real server uses, so "server / forwarder" says what everything a
 server does beyond forwarding costs. A malformed message (not 5 frames) is skipped.
 
 SIGTERM ends it at once (the default action); SIGINT ends it cleanly.
@@ -34,7 +34,7 @@ def serve(host: str, port: int, core: int | None = None, pub_hwm: int = HWM,
         psutil.Process().cpu_affinity([core])
     import zmq
 
-    from shards.zio import recv_frames, send_frames5
+    from shards.common.zio import recv_frames, send_frames5
 
     if blind:
         from bench.loadgen import recv5

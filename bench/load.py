@@ -165,7 +165,7 @@ class Targets:
     def _argv_for(self, index: int):
         extra = list(self.extra)
         if self.kind == "server":
-            from shards.routing import ShardMap
+            from shards.common.routing import ShardMap
 
             pins: dict[int, list[str]] = {}
             for prefix, shard in self.pins:
@@ -391,8 +391,8 @@ def _cluster_from(ap: argparse.ArgumentParser, path: str) -> dict:
     """Every shard's primary (address, port) and the routing's pins, from a config: planned
     on this host (NIC names resolved), or - when the plan does not fit this host, e.g. the
     cluster runs elsewhere - read as written (each primary then needs a ``host``)."""
-    from supervisor.config import load_config
-    from supervisor.placement import load_plan
+    from shards.common.config import load_config
+    from shards.common.placement import load_plan
 
     try:
         plan = load_plan(path)

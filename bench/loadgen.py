@@ -12,7 +12,7 @@ Design decisions:
 * **Processes, not threads**, started with ``multiprocessing`` "spawn" (no zmq state is
   ever inherited through fork). A process may be pinned to one core; the pin happens
   before its zmq Context exists, so the context's I/O thread is pinned too.
-* **Frame I/O:** writers send through ``shards.zio.send_frames5``. The subscriber reads
+* **Frame I/O:** writers send through ``shards.common.zio.send_frames5``. The subscriber reads
   with ``recv5``: five ``copy=True`` backend receives (~1 us a message here, against ~4.5
   us for ``zio.recv_frames``, which builds a zmq.Frame per frame to read its MORE flag).
   It trusts the server under test to send 5-frame messages and checks that on every
@@ -37,7 +37,7 @@ Design decisions:
   what it did between ``t_start`` and ``t_end``, checking the clock once per batch, so no
   coordination is needed while the load runs.
 * **Several shards:** a writer given several ``collectors`` opens one socket per shard
-  and routes each key as a client would (``shards.routing.ShardMap`` over that many
+  and routes each key as a client would (``shards.common.routing.ShardMap`` over that many
   shards, with ``pins``); the owner is computed once per schedule entry, so the hot loop
   still costs one list index. A subscriber given several ``endpoints`` reads them all,
   draining each in capped batches and polling only when all are empty, and tracks
@@ -209,7 +209,7 @@ def routed_schedule(cfg: WriterConfig,
     shards = len(cfg.endpoints)
     if shards == 1:
         return [(k, p, 0) for k, p in sched]
-    from shards.routing import ShardMap
+    from shards.common.routing import ShardMap
 
     pins: dict[int, list[str]] = {}
     for prefix, shard in cfg.pins:
@@ -239,7 +239,7 @@ def writer_main(cfg: WriterConfig, conn) -> None:
     _pin(cfg.core)
     import zmq
 
-    from shards.zio import send_frames5
+    from shards.common.zio import send_frames5
 
     ctx = zmq.Context()
     socks = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from bench.report import DPI, P99_TARGET_MS, PLOTS, errbar, get, median, points_of
+from bench.report_data import DPI, P99_TARGET_MS, PLOTS, errbar, get, median, points_of
 
 
 def _plt():

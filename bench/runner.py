@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from shards import ports
-from shards.children import LinePump, terminate
+from shards.common import ports
+from shards.common.children import LinePump, terminate
 
 ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 30.0

@@ -1,7 +1,7 @@
 """The per-shard client agent: the I/O shell around ``client.shard_machine``.
 
 One ``ShardAgent`` per shard owns exactly that shard's sockets (STYLE: one owner per
-socket), all driven from one asyncio loop through ``shards.zio.AsyncSocket``:
+socket), all driven from one asyncio loop through ``shards.common.zio.AsyncSocket``:
 
 * SUB to the current server's P+1, subscribed to the subtree and to "HUGZ", opened by a
   ``Connect`` effect (a fresh socket per server, so nothing stale survives a failover);
@@ -30,7 +30,7 @@ the snapshot holds, counted ``skipped``; one above the snapshot's but not above 
 applied means the stream went backwards, counted ``stale``, and starts a resync. A server
 restarted behind the same address is noticed by the SUB's reconnection instead.
 
-Serving hint and generation (our HUGZ properties, see ``shards.proto.chp``): a HUGZ
+Serving hint and generation (our HUGZ properties, see ``shards.common.proto.chp``): a HUGZ
 read before it is applied (the first message after a handshake, or while the snapshot
 streams) is peeked at. ``serving=0`` means this server would not answer the ICANHAZ
 (a passive Binary Star server): ``NotServing``, and the machine moves to the other
@@ -68,10 +68,10 @@ from typing import Callable, NamedTuple, Sequence
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from shards.drops import DropCounter
-from shards.errors import ProtocolError
-from shards.proto import chp
-from shards.zio import AsyncSocket
+from shards.common.drops import DropCounter
+from shards.common.errors import ProtocolError
+from shards.common.proto import chp
+from shards.common.zio import AsyncSocket
 from client import shard_machine as sm
 from client.collector import Collector, ServerAddress, parse_server
 from client.watch import WatchHub

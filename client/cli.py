@@ -38,9 +38,9 @@ import click
 import uvloop
 import zmq
 
-from shards.errors import ClonemapError, ConfigError, SlowConsumer
-from shards.proto import chp
-from shards.zio import AsyncSocket
+from shards.common.errors import ClonemapError, ConfigError, SlowConsumer
+from shards.common.proto import chp
+from shards.common.zio import AsyncSocket
 from client.api import AsyncClone
 from client.router import Cluster, fetch_cluster
 

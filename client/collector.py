@@ -29,8 +29,8 @@ from typing import Callable
 
 import zmq
 
-from shards.drops import DropCounter
-from shards.zio import AsyncSocket
+from shards.common.drops import DropCounter
+from shards.common.zio import AsyncSocket
 
 XPUB_SNDHWM = 100_000
 STANDBY_QUEUE_AGE_S = 2.0

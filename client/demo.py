@@ -33,8 +33,8 @@ from rich.table import Table
 
 from client.api import AsyncClone, Clone
 from client.watch import SYNCED, Change
-from shards.children import LinePump, die_with_parent, terminate
-from shards.ports import ports_free
+from shards.common.children import LinePump, die_with_parent, terminate
+from shards.common.ports import ports_free
 
 HOST = "127.0.0.1"
 READY_TIMEOUT_S = 10.0

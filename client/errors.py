@@ -1,7 +1,7 @@
-"""Client-specific errors, under the package root ``shards.errors.ClonemapError``."""
+"""Client-specific errors, under the package root ``shards.common.errors.ClonemapError``."""
 from __future__ import annotations
 
-from shards.errors import ClonemapError, SlowConsumer
+from shards.common.errors import ClonemapError, SlowConsumer
 
 
 class NotRunning(ClonemapError, RuntimeError):

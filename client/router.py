@@ -1,6 +1,6 @@
 """The cluster a client routes over: shards, their servers, and the routing function.
 
-A ``Cluster`` is what ``AsyncClone`` needs to route: a ``shards.routing.ShardMap`` (who
+A ``Cluster`` is what ``AsyncClone`` needs to route: a ``shards.common.routing.ShardMap`` (who
 owns a key, which shards a subtree fans out to) and, per shard index, its name and its
 servers in failover order (a Binary Star pair: primary, backup). Four ways to get one::
 
@@ -9,7 +9,7 @@ servers in failover order (a Binary Star pair: primary, backup). Four ways to ge
     Cluster.from_config("configs/4shard.yaml")            the supervisor's plan, read locally
     await fetch_cluster("tcp://h:5555")                   MDP ``cluster.map`` from a supervisor
 
-The last two read the same document (``supervisor.control.cluster_map``): routing
+The last two read the same document (``shards.common.cluster.cluster_map``): routing
 parameters (``ShardMap.describe``), shard names, pinned prefixes, and each server's
 address and base port P. A server bound to a wildcard address ("0.0.0.0", "*") is reached
 on the host the map came from (the control endpoint's host, or 127.0.0.1 for a file).
@@ -25,8 +25,8 @@ from typing import Any, Mapping, Sequence
 
 import zmq
 
-from shards.errors import ConfigError, ProtocolError
-from shards.routing import ShardMap
+from shards.common.errors import ConfigError, ProtocolError
+from shards.common.routing import ShardMap
 from client.collector import ServerAddress, parse_server
 
 CLUSTER_MAP_SERVICE = "cluster.map"
@@ -133,8 +133,8 @@ class Cluster:
     def from_config(cls, path) -> "Cluster":
         """Plan the supervisor config at ``path`` on this host and read its cluster map
         (the same document the supervisor serves; raises ``ConfigError``)."""
-        from supervisor.control import cluster_map
-        from supervisor.placement import load_plan
+        from shards.common.cluster import cluster_map
+        from shards.common.placement import load_plan
 
         return cls.from_map(cluster_map(load_plan(path)), source=str(path))
 
@@ -167,8 +167,8 @@ def parse_map_reply(frames: list[bytes], endpoint: str) -> dict:
 async def fetch_cluster(endpoint: str, *, ctx: zmq.Context | None = None,
                         timeout_s: float = CONTROL_TIMEOUT_S, retries: int = 1) -> Cluster:
     """Ask the supervisor at ``endpoint`` for ``cluster.map`` (MDP/0.2). Raises
-    ``shards.errors.Timeout`` when nobody answers within the deadline (per attempt)."""
-    from shards.mdp.client import MdpClient
+    ``shards.common.errors.Timeout`` when nobody answers within the deadline (per attempt)."""
+    from shards.common.mdp.client import MdpClient
 
     endpoint = endpoint.replace("tcp://*:", "tcp://127.0.0.1:")
     async with MdpClient(endpoint, ctx=ctx, timeout_s=timeout_s, retries=retries) as mdp:

@@ -54,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Union
 
-from shards.timing import SILENCE_TIMEOUT_S
+from shards.common.timing import SILENCE_TIMEOUT_S
 
 INITIAL = "INITIAL"
 SYNCING = "SYNCING"

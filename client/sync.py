@@ -1,6 +1,6 @@
 """The synchronous client, ``Clone``: an ``AsyncClone`` run on a uvloop loop in a background
-thread (see ``client.api`` for what the client does; ``from client.api import Clone``
-still works).
+thread (see ``client.clone`` for what the client does; applications import it as
+``from client.api import Clone``).
 
 Calls from other threads reach the loop two ways: blocking calls (``start``, ``flush``,
 ``set(..., wait=True)``, ``items``) run a coroutine on the loop and wait for it with a
@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import uvloop
 
-from shards.errors import Timeout
-from client.api import DEFAULT_TIMEOUT_S, AsyncClone
+from shards.common.errors import Timeout
+from client.clone import DEFAULT_TIMEOUT_S, AsyncClone
 from client.errors import NotRunning
 from client.router import Cluster
 from client.watch import DELIVER_MODES, DELIVER_THREAD, SyncWatch, WatchCore
@@ -27,7 +27,7 @@ from client.watch import DELIVER_MODES, DELIVER_THREAD, SyncWatch, WatchCore
 class Clone:
     """The synchronous client: the same agents, run on a uvloop loop in a background
     thread. Every method is thread-safe; blocking calls have a deadline (``timeout_s``)
-    and raise ``shards.errors.Timeout``. ``get``/``len`` read the map directly (one dict
+    and raise ``shards.common.errors.Timeout``. ``get``/``len`` read the map directly (one dict
     operation, atomic in CPython); ``set``/``delete`` queue the KVSET for the loop thread
     and return at once (fire-and-forget); ``items``/``keys`` copy on the loop thread."""
 

@@ -34,7 +34,7 @@ import time
 from collections import deque
 from typing import Any, Callable, NamedTuple
 
-from shards.errors import SlowConsumer, Timeout
+from shards.common.errors import SlowConsumer, Timeout
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ import sys
 import click
 import uvloop
 
-from shards.errors import ConfigError, PortInUse
+from shards.common.errors import ConfigError, PortInUse
 from shards.pair import PairServer, parse_peer
 from shards.pending import MAX_AGE_S, MAX_ENTRIES
-from shards.proto import chp
-from shards.routing import ShardMap
+from shards.common.proto import chp
+from shards.common.routing import ShardMap
 from shards.server import (CLOCK_S, COLLECT_BATCH, COLLECT_RCVHWM, HEARTBEAT_S, MAX_ACTIVE_SNAPSHOTS,
                            PUB_SNDHWM, SNAPSHOT_CHUNK, SNAPSHOT_SNDHWM, SNAPSHOT_STALL_S,
                            ServerConfig, ShardServer)
@@ -129,7 +129,7 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
     server.start()
     worker = None
     if control:
-        from shards.mdp.worker import MdpWorker
+        from shards.common.mdp.worker import MdpWorker
 
         service = f"shard.{shard}.{server.role}"
         worker = MdpWorker(control, service,

@@ -6,7 +6,7 @@ seconds, monotonic); nothing here reads a clock, touches a socket or logs. The I
 
     event                         where it comes from
     StateMessage (PEER_*)         a decoded state message from the peer's P+3
-                                  (shards.proto.bstar.decode); its ``state`` picks the event
+                                  (shards.common.proto.bstar.decode); its ``state`` picks the event
     Event.CLIENT_REQUEST          an ICANHAZ on the snapshot port: the client's vote
     Event.TICK                    the shell's timer, at least every heartbeat
 
@@ -72,8 +72,8 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Union
 
-from shards.proto.bstar import Role, State, StateMessage
-from shards.timing import HEARTBEAT_S
+from shards.common.proto.bstar import Role, State, StateMessage
+from shards.common.timing import HEARTBEAT_S
 
 PEER_EXPIRY_HEARTBEATS = 2
 
@@ -164,7 +164,7 @@ def new_machine(role: Role, now: float, heartbeat_s: float = HEARTBEAT_S, shard:
 
 
 def state_message(machine: Machine, sequence: int = 0) -> StateMessage:
-    """What to publish on P+3 now (encode it with shards.proto.bstar.encode)."""
+    """What to publish on P+3 now (encode it with shards.common.proto.bstar.encode)."""
     c = machine.config
     return StateMessage(machine.state, c.role, c.heartbeat_s, machine.term, sequence, c.shard)
 

@@ -2,7 +2,7 @@
 
 Sockets beyond the CHP server's P, P+1, P+2 (all on the server's context and loop)::
 
-    P+3      PUB     this server's state (shards.proto.bstar), every heartbeat and at once
+    P+3      PUB     this server's state (shards.common.proto.bstar), every heartbeat and at once
                      on a change
     peer P+3 SUB     the peer's state -> bstar.step -> effects
     peer P+1 SUB     the active's updates  } owned by shards.replica.Follower, used while
@@ -39,7 +39,7 @@ absolute expiry times, so a passive's snapshot keeps its TTLs: a point-in-time c
 the store's expiry index (one C-level copy, ~25 ms per million TTL keys) streamed in
 chunks of ``bstar_ttl.CHUNK_ENTRIES``, one chunk per peer per loop turn, so collecting
 and publishing go on between chunks (``TtlStreams``; the frames are in
-``shards.proto.bstar_ttl``). A full pipe pauses the stream; a peer that accepts nothing
+``shards.common.proto.bstar_ttl``). A full pipe pauses the stream; a peer that accepts nothing
 for ``snapshot_stall_s``, or has gone, is dropped (the passive's sync deadline restarts
 it), and a server that stops being active drops its streams.
 """
@@ -53,11 +53,13 @@ import time
 
 import zmq
 
-from shards import bstar, zio
-from shards.errors import ProtocolError
+from shards import bstar
+
+from shards.common import zio
+from shards.common.errors import ProtocolError
 from shards.pending import MAX_AGE_S, MAX_ENTRIES, PendingTable
-from shards.proto import bstar as wire
-from shards.proto import bstar_ttl, chp
+from shards.common.proto import bstar as wire
+from shards.common.proto import bstar_ttl, chp
 from shards.replica import Follower
 from shards.server import SNAPSHOT_PAUSE_S, ServerConfig, ShardServer
 from shards.store import Store, ttl_props

@@ -1,6 +1,7 @@
 """The passive server's replica: a snapshot from the active, then the active's P+1 stream.
 
-A ``Follower`` belongs to a ``shards.pair.PairServer`` and owns two sockets on its loop:
+A ``Follower`` belongs to a server (``ReplicaOwner``: in practice ``shards.pair.PairServer``)
+and owns two sockets on its loop:
 
     DEALER -> the active's P     BSTAR-TTL? and ICANHAZ? "" (the whole map)
     SUB    -> the active's P+1   KVPUB, HUGZ (subscribed to everything, connected at start)
@@ -12,7 +13,7 @@ Synchronisation (``start_sync``), a state with a deadline, never a blocking loop
    updates heard before the sync began are covered by the snapshot or lost with the old
    active (see ``PairServer``).
 2. The DEALER sends ``BSTAR-TTL?``. The active streams its absolute expiry times (and
-   its map's generation), a point-in-time copy at its current sequence T, in chunks (``shards.proto.bstar_ttl``: a
+   its map's generation), a point-in-time copy at its current sequence T, in chunks (``shards.common.proto.bstar_ttl``: a
    KVSYNC carries no properties, so a snapshot alone would turn every TTL key into a
    permanent one). At the last chunk the DEALER sends ``ICANHAZ?`` and the active streams
    the snapshot at sequence S >= T: KVSYNC*, KTHXBAI.
@@ -29,22 +30,23 @@ No reply for ``sync_timeout_s`` (each reply restarts it) or a malformed reply al
 the sync over on a fresh DEALER. ``drain()`` reads whatever the SUB still holds, so a
 server that takes over first applies everything the dead active managed to publish.
 
-The BSTAR-TTL frames are in ``shards.proto.bstar_ttl``.
+The BSTAR-TTL frames are in ``shards.common.proto.bstar_ttl``.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import zmq
 
-from shards import zio
-from shards.errors import ProtocolError
-from shards.proto import bstar_ttl, chp
+from shards.common import zio
+from shards.common.drops import DropCounter
+from shards.common.errors import ProtocolError
+from shards.common.proto import bstar_ttl, chp
+from shards.pending import PendingTable
+from shards.server import ServerConfig
 from shards.store import Store
-
-if TYPE_CHECKING:
-    from shards.pair import PairServer
 
 log = logging.getLogger("shards.replica")
 
@@ -67,10 +69,26 @@ def expires_of(props: bytes) -> float | None:
     return found
 
 
+class ReplicaOwner(Protocol):
+    """What a ``Follower`` uses of the server it belongs to (``shards.pair.PairServer``)."""
+
+    ctx: zmq.Context
+    loop: asyncio.AbstractEventLoop
+    config: ServerConfig
+    shard: str
+    store: Store
+    drops: DropCounter
+    pending: PendingTable
+
+    def reset_pending(self) -> None: ...
+
+    def replace_store(self, store: Store, generation: str = "") -> None: ...
+
+
 class Follower:
     """Keeps ``owner.store`` a replica of the active peer's map (see the module doc)."""
 
-    def __init__(self, owner: "PairServer", peer_host: str, peer_port: int, *,
+    def __init__(self, owner: ReplicaOwner, peer_host: str, peer_port: int, *,
                  sync_timeout_s: float, buffer_max: int = BUFFER_MAX):
         self.owner = owner
         self.snapshot_endpoint = f"tcp://{peer_host}:{peer_port}"

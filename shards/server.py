@@ -65,13 +65,13 @@ import psutil
 import zmq
 from zmq.backend import Socket as _BackendSocket
 
-from shards import zio
-from shards.drops import DropCounter
-from shards.errors import PortInUse, ProtocolError
-from shards.proto import chp
-from shards.routing import OwnerCache, ShardMap
+from shards.common import zio
+from shards.common.drops import DropCounter
+from shards.common.errors import PortInUse, ProtocolError
+from shards.common.proto import chp
+from shards.common.routing import OwnerCache, ShardMap
 from shards.store import Store, ttl_props
-from shards.timing import HEARTBEAT_S
+from shards.common.timing import HEARTBEAT_S
 
 log = logging.getLogger("shards.server")
 

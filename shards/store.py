@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 from typing import Iterator
 
-from shards.errors import ProtocolError
+from shards.common.errors import ProtocolError
 
 MAX_TTL_S = 10 * 365 * 86400.0
 """Longest accepted ``ttl`` (and furthest ``expires``): ten years."""

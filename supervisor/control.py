@@ -29,12 +29,12 @@ from typing import Callable
 
 import zmq
 
-from shards.errors import ClonemapError, ConfigError
-from shards.mdp import Request
-from shards.mdp.client import MdpClient, SyncMdpClient
-from shards.routing import ShardMap
-from supervisor.config import DEFAULT_CONTROL, load_config
-from supervisor.placement import PORT_NAMES, Plan
+from shards.common.errors import ClonemapError, ConfigError
+from shards.common.mdp import Request
+from shards.common.mdp.client import MdpClient, SyncMdpClient
+from shards.common.config import DEFAULT_CONTROL, load_config
+from shards.common.cluster import cluster_map
+from shards.common.placement import Plan
 from supervisor.runner import RUNNING, Runner
 
 log = logging.getLogger(__name__)
@@ -60,26 +60,6 @@ def check_target(text: str) -> str:
         raise ValueError(f"{text!r} is not SHARD/ROLE; expected a shard name, a slash "
                          "and primary or backup, such as s0/primary")
     return text
-
-
-def cluster_map(plan: Plan) -> dict:
-    """Everything a client needs to route: shards, addresses, ports, pinned prefixes,
-    and the routing function's parameters (``shards.routing.ShardMap.describe``)."""
-    pins = {i: list(sh.prefixes) for i, sh in enumerate(plan.shards) if sh.prefixes}
-    shard_map = ShardMap(len(plan.shards), pins)
-
-    def server(s) -> dict:
-        return {"address": s.address, "port": s.port, "nic": s.nic,
-                "ports": dict(zip(PORT_NAMES, s.ports)),
-                "endpoints": {n: s.endpoint(n) for n in PORT_NAMES},
-                "cores": list(s.cores)}
-
-    return {"cluster": plan.cluster, "control": plan.control,
-            "heartbeat_s": plan.heartbeat_s, "silence_timeout_s": plan.silence_timeout_s,
-            "routing": shard_map.describe(),
-            "shards": [{"index": sh.index, "name": sh.name, "prefixes": list(sh.prefixes),
-                        "primary": server(sh.primary), "backup": server(sh.backup)}
-                       for sh in plan.shards]}
 
 
 def tail_lines(path: str | os.PathLike, lines: int) -> bytes:
@@ -268,7 +248,7 @@ class ReplyError(ClonemapError):
 def call(endpoint: str, service: str, *body: bytes, timeout_s: float = CONTROL_TIMEOUT_S,
          retries: int = 1, on_partial: Callable[[bytes], None] | None = None) -> bytes:
     """One control request; returns the FINAL payload after the 200 status. Raises
-    ``shards.errors.Timeout`` when no supervisor answers, ``ReplyError`` otherwise.
+    ``shards.common.errors.Timeout`` when no supervisor answers, ``ReplyError`` otherwise.
     Commands that act (kill, restart, stop) pass ``retries=0``: never sent twice."""
     with SyncMdpClient(endpoint, timeout_s=timeout_s, retries=retries) as client:
         with client.stream(service, *body) as stream:
@@ -314,7 +294,7 @@ def status_rows(endpoint: str, timeout_s: float = CONTROL_TIMEOUT_S) -> tuple[li
 
 def run_command(fn: Callable[[], int | None]) -> None:
     """Run a control command's body; map errors to one line on stderr and an exit code
-    (4 when no supervisor answers: ``shards.errors.Timeout``)."""
+    (4 when no supervisor answers: ``shards.common.errors.Timeout``)."""
     import click
 
     try:

@@ -52,10 +52,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from shards.children import die_with_parent
-from supervisor.config import format_cores
-from shards.routing import ShardMap
-from supervisor.placement import Plan, RoutingParams, ServerPlan
+from shards.common.children import die_with_parent
+from shards.common.config import format_cores
+from shards.common.routing import ShardMap
+from shards.common.placement import Plan, RoutingParams, ServerPlan
 from supervisor.policy import (DEFAULT_POLICY, GiveUp, Leave, PolicyConfig, Restart, Run,
                                Running, decide, describe_exit)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from shards.children import LinePump, terminate
-from shards.ports import free_port_base as _free_port_base
+from shards.common.children import LinePump, terminate
+from shards.common.ports import free_port_base as _free_port_base
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable

@@ -11,7 +11,7 @@ import pytest
 from bench.load import core_plan, parse_core_list
 from bench.loadgen import SourceState, WriterConfig, drain, key_index, routed_schedule
 from conftest import bench_record, run_bench
-from shards.routing import ShardMap
+from shards.common.routing import ShardMap
 
 SMOKE = ("--seconds", "1", "--warmup", "0.3", "--keys", "2000")
 

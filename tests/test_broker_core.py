@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shards.proto import mdp
-from supervisor.broker_core import BrokerConfig, BrokerCore, Drop, InternalCall, Note
+from shards.common.mdp import codec as mdp
+from shards.common.mdp.broker_core import BrokerConfig, BrokerCore, Drop, InternalCall, Note
 
 HB = 1.0
 CFG = BrokerConfig(heartbeat_s=HB, liveness=3, request_expiry_s=5.0, max_queued=3)

@@ -16,9 +16,9 @@ from shards import bstar
 from shards.bstar import (AcceptRequest, BecameActive, BecamePassive, Event, Fatal,
                           IgnoredPeer, PublishState, RefuseRequest, Rule, SplitBrainSurvived,
                           TABLE, new_machine, state_message, step)
-from shards.errors import ProtocolError
-from shards.proto import bstar as wire
-from shards.proto.bstar import Role, State, StateMessage
+from shards.common.errors import ProtocolError
+from shards.common.proto import bstar as wire
+from shards.common.proto.bstar import Role, State, StateMessage
 
 HB = 1.0
 DT = 0.05

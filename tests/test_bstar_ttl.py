@@ -1,4 +1,4 @@
-"""The BSTAR-TTL codec (shards.proto.bstar_ttl): round trips and every malformed reply."""
+"""The BSTAR-TTL codec (shards.common.proto.bstar_ttl): round trips and every malformed reply."""
 from __future__ import annotations
 
 import struct
@@ -6,8 +6,8 @@ import struct
 import pytest
 from hypothesis import given, strategies as st
 
-from shards.errors import ProtocolError
-from shards.proto import bstar_ttl
+from shards.common.errors import ProtocolError
+from shards.common.proto import bstar_ttl
 
 keys = st.binary(min_size=1, max_size=300)
 expiries = st.floats(min_value=0, max_value=4e9, allow_nan=False)

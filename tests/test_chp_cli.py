@@ -20,7 +20,7 @@ import pytest
 from conftest import PYTHON, ROOT, free_port_base
 from test_client_failover import start_standalone
 from test_supervisor_cli import start, write_config
-from shards.routing import ShardMap
+from shards.common.routing import ShardMap
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""shards.proto.chp: the pure 12/CHP codec (no zmq here).
+"""shards.common.proto.chp: the pure 12/CHP codec (no zmq here).
 
 Property tests: every valid message of the six commands round-trips through its builder
 and decoder; any garbage (random frame lists, and valid messages with one thing broken)
@@ -12,8 +12,8 @@ import struct
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from shards.errors import ProtocolError
-from shards.proto import chp
+from shards.common.errors import ProtocolError
+from shards.common.proto import chp
 
 REASONS = {"frame_count", "bad_sequence", "bad_key", "oversize_key", "bad_subtree",
            "bad_uuid", "bad_props", "oversize_props", "oversize_value", "nonempty_frame",

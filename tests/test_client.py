@@ -19,8 +19,8 @@ import pytest
 import uvloop
 import zmq
 
-from shards.errors import SlowConsumer, Timeout
-from shards.proto import chp
+from shards.common.errors import SlowConsumer, Timeout
+from shards.common.proto import chp
 from client.api import AsyncClone, Clone
 from client.watch import DELETE, PUT, SYNCED
 

@@ -29,7 +29,7 @@ from test_client_server import fetch_map  # a raw ICANHAZ (only an active answer
 from client.agent import FailoverInfo
 from client.api import AsyncClone
 from client.watch import DELETE, PUT, SYNCED
-from shards.proto import bstar as wire
+from shards.common.proto import bstar as wire
 
 HEARTBEAT_S = 0.2
 SILENCE_S = 3 * HEARTBEAT_S

@@ -18,7 +18,7 @@ from test_client_server import fetch_map
 from test_router import DEADLINE_S, as_bytes_map, run, until_map
 from test_supervisor_cli import start, wait_status, write_config
 from client.api import AsyncClone, Clone
-from shards.routing import ShardMap
+from shards.common.routing import ShardMap
 from supervisor.control import call
 
 pytestmark = pytest.mark.timeout(150)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, free_port_base
-from shards.errors import ConfigError
-from supervisor.config import format_cores, load_config, parse_config, parse_cores
-from supervisor.hostfacts import HostFacts, load_host_facts, local_host_facts, probe_port
-from supervisor.placement import check_ports_free, load_plan, plan
+from shards.common.errors import ConfigError
+from shards.common.config import format_cores, load_config, parse_config, parse_cores
+from shards.common.hostfacts import HostFacts, load_host_facts, local_host_facts, probe_port
+from shards.common.placement import check_ports_free, load_plan, plan
 
 FACTS_16 = ROOT / "configs" / "hosts" / "16core-2nic.yaml"
 SHIPPED = {"1shard.yaml": 1, "2shard.yaml": 2, "4shard.yaml": 4, "short.yaml": 1}

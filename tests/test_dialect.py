@@ -16,8 +16,8 @@ import zmq
 
 from conftest import PYTHON, ROOT, free_port_base
 from client.api import AsyncClone
-from shards.errors import Timeout
-from shards.proto import chp
+from shards.common.errors import Timeout
+from shards.common.proto import chp
 
 pytestmark = pytest.mark.timeout(90)
 

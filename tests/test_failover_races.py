@@ -22,7 +22,7 @@ from conftest import free_port_base
 from client import shard_machine as sm
 from client.agent import ShardAgent
 from shards.pair import PairServer
-from shards.proto import chp
+from shards.common.proto import chp
 from shards.server import ServerConfig
 
 pytestmark = pytest.mark.timeout(30)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shards.errors import ProtocolError
-from shards.proto import mdp
+from shards.common.errors import ProtocolError
+from shards.common.mdp import codec as mdp
 
 
 # ------------------------------------------------------------------ exact frames

@@ -15,9 +15,9 @@ import time
 import pytest
 import zmq
 
-from shards.mdp.client import MdpClient
-from shards.mdp.worker import MdpWorker
-from shards.proto import mdp
+from shards.common.mdp.client import MdpClient
+from shards.common.mdp.worker import MdpWorker
+from shards.common.mdp import codec as mdp
 
 HB_S = 0.2
 HEARTBEAT = [b"MDPW02", b"\x05"]

@@ -13,8 +13,8 @@ import time
 
 import zmq
 
-from shards.mdp.worker import MdpWorker
-from shards.proto import mdp
+from shards.common.mdp.worker import MdpWorker
+from shards.common.mdp import codec as mdp
 from test_mdp_conformance import (DISCONNECT, HEARTBEAT, Peer, first_request, start_broker,
                                   stats, wait_stats, worker)
 

@@ -9,12 +9,12 @@ import time
 import pytest
 import zmq
 
-from shards.errors import PortInUse, Timeout
-from shards.mdp.client import MdpClient, RequestTimeout, SyncMdpClient
-from shards.mdp.worker import MdpWorker
-from shards.proto import mdp
-from supervisor.broker import Broker
-from supervisor.broker_core import BrokerConfig
+from shards.common.errors import PortInUse, Timeout
+from shards.common.mdp.client import MdpClient, RequestTimeout, SyncMdpClient
+from shards.common.mdp.worker import MdpWorker
+from shards.common.mdp import codec as mdp
+from shards.common.mdp.broker import Broker
+from shards.common.mdp.broker_core import BrokerConfig
 
 HB_S = 0.2
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from shards.routing import ShardMap
+from shards.common.routing import ShardMap
 from test_pair import DEADLINE_S, Updates, Writer, start_pair, two_bases
 from test_server_conformance import SEQ, Peer, start_server
 from test_server_hostile import stats_now
@@ -139,8 +139,8 @@ def test_routing_from_a_file_and_a_whole_cluster_map(procs, port_base, zctx, tmp
 def test_the_supervisor_passes_each_server_the_plan_routing_and_its_index(tmp_path):
     from pathlib import Path
 
-    from supervisor.hostfacts import load_host_facts
-    from supervisor.placement import load_plan
+    from shards.common.hostfacts import load_host_facts
+    from shards.common.placement import load_plan
     from supervisor.runner import Runner, ServerArgs
 
     root = Path(__file__).resolve().parent.parent

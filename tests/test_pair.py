@@ -19,10 +19,10 @@ import pytest
 import zmq
 
 from conftest import free_port_base
-from shards.mdp.client import SyncMdpClient
-from shards.proto import bstar as wire
-from shards.proto import bstar_ttl
-from shards.proto import chp
+from shards.common.mdp.client import SyncMdpClient
+from shards.common.proto import bstar as wire
+from shards.common.proto import bstar_ttl
+from shards.common.proto import chp
 
 HEARTBEAT_S = 0.2
 DEADLINE_S = 10.0

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 
 from shards.pair import pending_grace_s
-from shards.proto import chp
+from shards.common.proto import chp
 from test_pair import (ACTIVE, DEADLINE_S, HEARTBEAT_S, PASSIVE, Updates, Watcher,
                        Writer, settle, snapshot, start_pair, start_server, stderr_text,
                        two_bases, vote)

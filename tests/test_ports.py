@@ -1,11 +1,11 @@
-"""shards.ports: the free-range probe shared by tests, benchmarks and the demo."""
+"""shards.common.ports: the free-range probe shared by tests, benchmarks and the demo."""
 from __future__ import annotations
 
 import socket
 
 import pytest
 
-from shards.ports import free_port_base, ports_free
+from shards.common.ports import free_port_base, ports_free
 
 
 def test_a_bound_port_makes_its_range_not_free():

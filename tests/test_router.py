@@ -25,9 +25,9 @@ from test_client_server import fetch_map
 from client.api import AsyncClone, Clone
 from client.cli import subtree_of
 from client.router import Cluster
-from shards.errors import ConfigError, Timeout
-from shards.proto import bstar as wire
-from shards.routing import ShardMap
+from shards.common.errors import ConfigError, Timeout
+from shards.common.proto import bstar as wire
+from shards.common.routing import ShardMap
 
 pytestmark = pytest.mark.timeout(120)
 

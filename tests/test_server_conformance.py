@@ -24,7 +24,7 @@ import time
 import pytest
 import zmq
 
-from shards.proto import chp
+from shards.common.proto import chp
 
 DEADLINE_S = 10.0
 SEQ = struct.Struct(">Q")

@@ -15,7 +15,7 @@ import time
 import pytest
 import zmq
 
-from shards.proto import chp
+from shards.common.proto import chp
 from test_server_conformance import DEADLINE_S, SEQ, Peer, start_server
 
 MAX_VALUE = 4096

@@ -23,7 +23,7 @@ import zmq
 from test_client_server import fetch_map
 from client.api import AsyncClone, Clone
 from client.errors import SlowSubscriber
-from shards.proto import chp
+from shards.common.proto import chp
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -6,7 +6,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shards.errors import ProtocolError
+from shards.common.errors import ProtocolError
 from shards.store import MAX_TTL_S, Store, ttl_props
 
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from conftest import PYTHON, ROOT, free_port_base
-from shards.proto import chp
+from shards.common.proto import chp
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,10 +133,11 @@ def snapshot_answered(zctx, address: str, port: int, timeout_s: float = 5.0) -> 
 # ------------------------------------------------------------------ pieces
 
 def test_targets_log_tails_and_the_cluster_map_agree_with_routing(tmp_path):
-    from shards.routing import ShardMap
-    from supervisor.control import check_target, cluster_map, tail_lines
-    from supervisor.hostfacts import load_host_facts
-    from supervisor.placement import load_plan
+    from shards.common.routing import ShardMap
+    from shards.common.cluster import cluster_map
+    from supervisor.control import check_target, tail_lines
+    from shards.common.hostfacts import load_host_facts
+    from shards.common.placement import load_plan
 
     assert check_target(" s0/primary ") == "s0/primary"
     for bad in ("s0", "s0/leader", "/primary", "s 0/backup", "s0/backup/x"):
@@ -197,7 +198,7 @@ def test_start_refuses_a_taken_port_before_starting_anything(procs, tmp_path):
 def test_four_shards_pinned_mapped_killed_restarted_stopped(procs, tmp_path, zctx):
     import zmq
 
-    from shards.mdp.client import SyncMdpClient
+    from shards.common.mdp.client import SyncMdpClient
 
     config, control = write_config(tmp_path, "4shard.yaml")
     sup = start(procs, config, tmp_path, "--demo-load", "--backoff-initial-s", "0.2")
@@ -402,8 +403,8 @@ def test_sigterm_while_the_servers_start_stops_them_all(procs, tmp_path):
 
 
 def test_server_command_line_follows_the_plan():
-    from supervisor.hostfacts import load_host_facts
-    from supervisor.placement import load_plan
+    from shards.common.hostfacts import load_host_facts
+    from shards.common.placement import load_plan
     from supervisor.runner import ServerArgs, server_argv
 
     plan = load_plan(ROOT / "configs" / "16core-2nic.yaml",

@@ -16,7 +16,7 @@ import pytest
 
 from client.codec import get_codec
 from client.watch import PUT, SyncWatch, WatchCore
-from shards.errors import Timeout
+from shards.common.errors import Timeout
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,10 +1,10 @@
-"""shards.zio over real sockets: whole messages, capped batches, timers not starved."""
+"""shards.common.zio over real sockets: whole messages, capped batches, timers not starved."""
 import asyncio
 
 import pytest
 import zmq
 
-from shards import zio
+from shards.common import zio
 
 
 def run(coro):
@@ -96,7 +96,7 @@ def test_handler_errors_are_counted_not_fatal(zctx):
 
 
 def test_wait_writable_times_out_with_clonemap_timeout(zctx):
-    from shards.errors import Timeout
+    from shards.common.errors import Timeout
 
     dealer = zctx.socket(zmq.DEALER)  # never connected: never writable
 

@@ -16,9 +16,9 @@ import sys
 
 import click
 
-from shards.errors import ConfigError, PortInUse
-from supervisor.broker import Broker
-from supervisor.broker_core import BrokerConfig
+from shards.common.errors import ConfigError, PortInUse
+from shards.common.mdp.broker import Broker
+from shards.common.mdp.broker_core import BrokerConfig
 
 
 async def _serve(binds: list[str], config: BrokerConfig) -> int:
@@ -36,7 +36,7 @@ async def _serve(binds: list[str], config: BrokerConfig) -> int:
     try:
         await stop.wait()
     finally:
-        logging.getLogger("supervisor.broker").info("stopping: %s", broker.stats()["counters"])
+        logging.getLogger("shards.common.mdp.broker").info("stopping: %s", broker.stats()["counters"])
         await broker.stop()
     return 0
 

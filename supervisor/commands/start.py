@@ -27,10 +27,10 @@ from pathlib import Path
 
 import click
 
-from shards.errors import ConfigError, PortInUse
-from supervisor.config import load_config
-from supervisor.hostfacts import local_host_facts
-from supervisor.placement import Plan, check_ports_free, plan
+from shards.common.errors import ConfigError, PortInUse
+from shards.common.config import load_config
+from shards.common.hostfacts import local_host_facts
+from shards.common.placement import Plan, check_ports_free, plan
 from supervisor.policy import (BACKOFF_CAP_S, BACKOFF_INITIAL_S, CRASH_LIMIT, CRASH_WINDOW_S,
                                PolicyConfig)
 
@@ -116,8 +116,8 @@ class Supervisor:
     async def run(self) -> int:
         import zmq
 
-        from supervisor.broker import Broker
-        from supervisor.broker_core import BrokerConfig
+        from shards.common.mdp.broker import Broker
+        from shards.common.mdp.broker_core import BrokerConfig
         from supervisor.control import ControlServices, StatsPoller
         from supervisor.runner import Runner, ServerArgs
 

@@ -8,7 +8,7 @@ import time
 
 import click
 
-from shards.errors import Timeout
+from shards.common.errors import Timeout
 from supervisor.control import call, control_options, ping, resolve_control, run_command
 
 STOP_WAIT_S = 30.0

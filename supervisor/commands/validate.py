@@ -13,10 +13,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from shards.errors import ConfigError
-from supervisor.config import format_cores, load_config
-from supervisor.hostfacts import load_host_facts, local_host_facts
-from supervisor.placement import Plan, check_ports_free, plan
+from shards.common.errors import ConfigError
+from shards.common.config import format_cores, load_config
+from shards.common.hostfacts import load_host_facts, local_host_facts
+from shards.common.placement import Plan, check_ports_free, plan
 
 
 def _plural(count: int, word: str) -> str:

@@ -1,6 +1,6 @@
 """MDP/0.2 worker library (asyncio): one service, one DEALER to one broker.
 
-    async def echo(request):                  # the handler contract: see shards.mdp
+    async def echo(request):                  # the handler contract: see shards.common.mdp
         await request.partial(b"working")     # any number of PARTIALs...
         return request.body                   # ...then the FINAL body
 
@@ -20,7 +20,7 @@ The conversation (spec 18/MDP v0.2, MDP/Worker):
   ``reconnect_max_s`` until the broker is heard again;
 * ``stop()`` sends DISCONNECT and closes.
 
-Never blocks the loop: the socket is read in capped batches by ``shards.zio.AsyncSocket``,
+Never blocks the loop: the socket is read in capped batches by ``shards.common.zio.AsyncSocket``,
 so a worker lives beside other sockets on one loop (the shard servers embed one). A plain
 (non-async) handler is called inline and its FINAL sent at once (no task per request).
 """
@@ -34,12 +34,12 @@ from typing import Callable
 
 import zmq
 
-from shards.drops import DropCounter
-from shards.errors import ProtocolError
-from shards.mdp import Handler, Request, as_body, error_body, run_handler
-from shards.proto import mdp
-from shards.proto.mdp import MDPW, W_DISCONNECT, W_FINAL, W_HEARTBEAT, W_PARTIAL, W_REQUEST
-from shards.zio import DEFAULT_BATCH, AsyncSocket, send_frames
+from shards.common.drops import DropCounter
+from shards.common.errors import ProtocolError
+from shards.common.mdp import Handler, Request, as_body, error_body, run_handler
+from shards.common.mdp import codec as mdp
+from shards.common.mdp.codec import MDPW, W_DISCONNECT, W_FINAL, W_HEARTBEAT, W_PARTIAL, W_REQUEST
+from shards.common.zio import DEFAULT_BATCH, AsyncSocket, send_frames
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """MDP/0.2 (Majordomo) libraries: an asyncio worker (``worker.MdpWorker``) and clients
 (``client.MdpClient``, asyncio; ``client.SyncMdpClient``, blocking). The wire codec is
-``shards.proto.mdp``; the broker is ``supervisor.broker``.
+``shards.common.mdp.codec``; the broker is ``shards.common.mdp.broker``.
 
 The handler contract, shared by the worker library and the services a broker hosts
-itself (``supervisor.broker.Broker.register``)::
+itself (``shards.common.mdp.broker.Broker.register``)::
 
     async def stats(request: Request) -> Body:
         for figure in figures():

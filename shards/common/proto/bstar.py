@@ -39,7 +39,7 @@ import enum
 import struct
 from typing import NamedTuple
 
-from shards.errors import ProtocolError
+from shards.common.errors import ProtocolError
 
 PROTOCOL = "bstar/1"
 SIGNATURE = b"BSTAR1"

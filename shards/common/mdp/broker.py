@@ -1,20 +1,20 @@
 """The MDP/0.2 broker's I/O shell: one ROUTER for both sub-protocols, a heartbeat timer,
-broker-hosted services, ``stats()``. The bookkeeping is ``supervisor.broker_core``.
+broker-hosted services, ``stats()``. The bookkeeping is ``shards.common.mdp.broker_core``.
 
 Embeddable: ``Broker`` runs inside any asyncio program (the supervisor hosts it on its
 control endpoint)::
 
     broker = Broker(["tcp://127.0.0.1:5555"], BrokerConfig(heartbeat_s=1.0))
-    broker.register("cluster.map", cluster_map_handler)   # see shards.mdp for handlers
+    broker.register("cluster.map", cluster_map_handler)   # see shards.common.mdp for handlers
     await broker.start()
     ...
     await broker.stop()
 
 Runnable alone: ``python -m supervisor broker --bind tcp://127.0.0.1:5555``.
 
-The ROUTER is read in capped batches (``shards.zio.AsyncSocket``); messages are told apart
+The ROUTER is read in capped batches (``shards.common.zio.AsyncSocket``); messages are told apart
 by their header frame (MDPC02 / MDPW02). The forwarding path sends with
-``shards.zio.send_frames`` from inside the read handler (the reader re-checks the socket
+``shards.common.zio.send_frames`` from inside the read handler (the reader re-checks the socket
 after each batch, so the edge-triggered FD is never missed). The ROUTER is
 ``ROUTER_MANDATORY``: a reply to a vanished peer is counted (``unroutable``), not lost
 silently. The broker hosts ``mmi.stats`` itself: FINAL with ``stats()`` as JSON.
@@ -30,7 +30,7 @@ bad_command, frame_count, bad_service, bad_address, missing_delimiter, oversize_
 and wrong_direction, queue_full, too_many_services, request_expired, unroutable,
 internal_busy), ``unroutable``, ``internal_errors``, ``handler_errors``, ``received``,
 ``internal_running``, ``endpoints``, ``uptime_s``. Drops are logged at most once per
-reason per 5 s (``shards.drops.DropCounter``); worker arrivals and departures at most once
+reason per 5 s (``shards.common.drops.DropCounter``); worker arrivals and departures at most once
 per kind per second.
 """
 from __future__ import annotations
@@ -44,12 +44,12 @@ from typing import Callable, Sequence
 
 import zmq
 
-from shards import mdp as mdplib
-from shards.drops import DropCounter
-from shards.errors import ConfigError, PortInUse
-from shards.proto.mdp import C_FINAL, C_PARTIAL, MDPC, check_service
-from shards.zio import DEFAULT_BATCH, AsyncSocket, send_frames
-from supervisor.broker_core import BrokerConfig, BrokerCore, Drop, InternalCall, Note
+from shards.common import mdp as mdplib
+from shards.common.drops import DropCounter
+from shards.common.errors import ConfigError, PortInUse
+from shards.common.mdp.codec import C_FINAL, C_PARTIAL, MDPC, check_service
+from shards.common.zio import DEFAULT_BATCH, AsyncSocket, send_frames
+from shards.common.mdp.broker_core import BrokerConfig, BrokerCore, Drop, InternalCall, Note
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class Broker:
     # ----------------------------------------------------------------- services
     def register(self, service: str | bytes, handler: mdplib.Handler) -> None:
         """Host ``service`` in the broker: requests to it run ``handler`` (the contract in
-        ``shards.mdp``), whose PARTIALs and FINAL go straight back to the client."""
+        ``shards.common.mdp``), whose PARTIALs and FINAL go straight back to the client."""
         name = service.encode() if isinstance(service, str) else service
         check_service(name, "REQUEST", self.config.limits)
         self.handlers[name] = handler

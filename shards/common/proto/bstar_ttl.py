@@ -30,7 +30,7 @@ from __future__ import annotations
 import struct
 from typing import Iterable, NamedTuple
 
-from shards.errors import ProtocolError
+from shards.common.errors import ProtocolError
 
 PROTOCOL = "bstar/1"
 REQUEST = b"BSTAR-TTL?"

@@ -28,8 +28,8 @@ from typing import Annotated, Any, Union
 import psutil
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
-from shards.errors import ConfigError
-from supervisor.config import config_error_from, format_cores, parse_cores, read_yaml
+from shards.common.errors import ConfigError
+from shards.common.config import config_error_from, format_cores, parse_cores, read_yaml
 
 LOCAL_SOURCE = "this host"
 

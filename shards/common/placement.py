@@ -11,7 +11,7 @@ lines read ``FIELD: given VALUE: PROBLEM; WHAT THE HOST HAS``:
   that holds the control port, a control address the host lacks.
 
 (Shard count, port range, unknown fields and prefixes pinned twice are schema errors,
-raised by ``supervisor.config`` while loading.) ``check_ports_free(plan)`` is the one
+raised by ``shards.common.config`` while loading.) ``check_ports_free(plan)`` is the one
 check that touches the OS: it binds every port of every server and the control port.
 
 ``auto`` cores: each auto server gets one core from a pool, the host's usable cores that
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from shards.errors import ConfigError
-from supervisor.config import (PORTS_PER_SERVER, ROLES, WILDCARD, ClusterConfig, Problems,
+from shards.common.errors import ConfigError
+from shards.common.config import (PORTS_PER_SERVER, ROLES, WILDCARD, ClusterConfig, Problems,
                                format_cores, load_config)
-from supervisor.hostfacts import HostFacts, local_host_facts, probe_port
+from shards.common.hostfacts import HostFacts, local_host_facts, probe_port
 
 # What each of a server's ports P..P+3 carries (ARCHITECTURE.md, "Processes").
 PORT_NAMES = ("snapshot", "updates", "collector", "peer")

@@ -23,7 +23,7 @@ IPv4 address is bound) and a core set (``cores``: ``[2, 3]``, ``"2-3,6"``, ``5``
 Every model forbids unknown fields. ``load_config`` turns YAML and pydantic errors into
 one ``ConfigError`` whose lines read ``FIELD: given VALUE: PROBLEM; EXPECTED``, with
 the field as a path such as ``shards[1].backup.cores``. Checks that need the host (cores,
-NICs, addresses, ports) live in ``supervisor.placement``.
+NICs, addresses, ports) live in ``shards.common.placement``.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
                       ValidationError, field_validator, model_validator)
 
-from shards.errors import ConfigError
-from shards.timing import HEARTBEAT_S as DEFAULT_HEARTBEAT_S, SILENCE_HEARTBEATS
+from shards.common.errors import ConfigError
+from shards.common.timing import HEARTBEAT_S as DEFAULT_HEARTBEAT_S, SILENCE_HEARTBEATS
 
 DEFAULT_CLUSTER = "clonemap"
 DEFAULT_CONTROL = "tcp://127.0.0.1:5555"

@@ -24,7 +24,7 @@ from typing import Callable
 import zmq
 from zmq.backend import Socket as _BackendSocket
 
-from shards.errors import Timeout
+from shards.common.errors import Timeout
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The MDP/0.2 broker's bookkeeping as a pure core: no sockets, no clock, no logging.
 
-The I/O shell (``supervisor/broker.py``) feeds it every message read from its ROUTER
+The I/O shell (``shards/common/mdp/broker.py``) feeds it every message read from its ROUTER
 (``on_message(frames, now)``, ``frames[0]`` is the peer identity) and a periodic
 ``on_tick(now)``; both return a list of effects for the shell to perform:
 
@@ -53,7 +53,7 @@ Open points of the spec, and what this broker decided (the list the README repea
   inputs and the shell reads them in capped batches.
 * An unknown service (no worker ever registered): the request is queued like any other
   and expires silently after ``request_expiry_s``; the client learns it only from its
-  own deadline (``shards.mdp.client.RequestTimeout``). A client may ask first with
+  own deadline (``shards.common.mdp.client.RequestTimeout``). A client may ask first with
   ``mmi.service`` (FINAL "404"). Nothing else is ever sent for it: MDP/Client has no
   error command, and inventing a reply body would be indistinguishable from a worker's.
 * Expiry: only while the service has no worker (see above); bounded queues
@@ -80,9 +80,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
-from shards.errors import ProtocolError
-from shards.proto import mdp
-from shards.proto.mdp import (C_FINAL, C_PARTIAL, C_REQUEST, MDPC, MDPW, W_DISCONNECT,
+from shards.common.errors import ProtocolError
+from shards.common.mdp import codec as mdp
+from shards.common.mdp.codec import (C_FINAL, C_PARTIAL, C_REQUEST, MDPC, MDPW, W_DISCONNECT,
                               W_FINAL, W_HEARTBEAT, W_PARTIAL, W_READY, W_REQUEST)
 
 MMI_PREFIX = b"mmi."

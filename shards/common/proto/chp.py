@@ -56,7 +56,7 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from shards.errors import ProtocolError
+from shards.common.errors import ProtocolError
 
 PROTOCOL = "12/CHP"
 

@@ -48,7 +48,7 @@ import functools
 import hashlib
 from typing import Iterable, Mapping
 
-from shards.errors import ConfigError
+from shards.common.errors import ConfigError
 
 ROUTING_VERSION = 1
 _MASK64 = (1 << 64) - 1

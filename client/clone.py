@@ -1,0 +1,531 @@
+"""``AsyncClone``, the client over its shard agents (asyncio); ``client.sync.Clone`` runs
+it on a background thread, and ``client.api`` is where applications import both from.
+
+::
+
+    async with AsyncClone(servers="tcp://127.0.0.1:6000", subtree="/orders/") as clone:
+        await clone.set("/orders/1", b"new", ttl=30)      # fire-and-forget KVSET
+        clone.get("/orders/1")                             # local read (None until echoed)
+        async with clone.watch("/orders/") as w:
+            async for change in w:                         # put..., synced, live changes
+                ...
+
+    with Clone("tcp://127.0.0.1:6000", codec="msgpack") as clone:   # background loop
+        clone.set("/cfg/a", {"x": 1})
+        clone.watch("/cfg/", callback=print)
+
+Where the cluster is (exactly one of):
+
+* ``servers=`` the server(s) of ONE shard by base port P: a string, or a sequence (a
+  Binary Star pair, in failover order);
+* ``shards=[[p0, b0], [p1, b1], ...]``: shard i served by entry i (hashed routing, no pins);
+* ``config="configs/4shard.yaml"``: the supervisor config, planned on this host;
+* ``control="tcp://host:5555"``: the supervisor's MDP ``cluster.map``, fetched in start().
+
+The router (``client.router``): one ``ShardAgent`` per shard that can own a key under the
+subtree (``ShardMap.owners_of_subtree``), each with its own sockets, sequence (the
+``version_vector``), failover and resync; the local map is the union of their parts.
+Reads (get, items, keys, len) are local; a write is a KVSET sent to every server of the
+key's owning shard (``ShardMap.owner``), fire-and-forget as in 12/CHP, with a fresh
+16-byte UUID that ``set``/``delete`` return. ``wait=True`` returns only once the owning
+shard has published that UUID back and it is applied locally (read-your-writes), or
+raises ``shards.common.errors.Timeout``.
+
+Slow subscribers (the guide's Suicidal Snail): for a client without a subtree, a gap in a
+shard's sequence means the publisher dropped updates for it (its high-water marks
+overflowed: the client fell behind). ``slow_policy="resync"`` (default) counts it
+(``fell_behind``) and takes a fresh snapshot of that shard; ``"die"`` fails the client:
+every later call and every watch raises ``client.errors.SlowSubscriber`` and ``on_slow``
+is called. A subtree filter makes gaps normal, so lag is also measured by time, with or
+without a subtree: our servers put their clock in a HUGZ every 0.5 s (``--clock-s``), busy
+or not, and a shard read more than ``max_lag_s`` (default 1.0 s; None: off) later than
+usual gets the same policy (see ``client.agent``).
+
+``io_threads=None | N | "per_shard"``: the Black Box pattern, the client's own ZeroMQ
+context gets N I/O threads and each shard's sockets are pinned to one (ZMQ_AFFINITY).
+
+Keys are ``str`` (UTF-8 on the wire) and must lie under the client's subtree. Values go
+through the codec (``client.codec``): bytes by default, or ``codec="msgpack"``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid as _uuid
+from typing import Any, Callable, Sequence
+
+import zmq
+
+from shards.common.errors import Timeout
+from shards.common.proto import chp
+from shards.common.timing import HEARTBEAT_S, SILENCE_HEARTBEATS
+from client import shard_machine as sm
+from client.agent import (ACCEPT, KVSET_QUEUE_MAX, SUB_RCVHWM, SYNC_BUFFER_MAX,
+                          FailoverInfo, ResetInfo, ShardAgent)
+from client.collector import ServerAddress, parse_server
+from client.codec import Codec, get_codec
+from client.errors import NotRunning, SlowSubscriber
+from client.router import CONTROL_TIMEOUT_S, Cluster, fetch_cluster
+from client.watch import WATCH_CAPACITY, Watch, WatchCore, WatchHub
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 10.0
+RESYNC, DIE = "resync", "die"
+MAX_LAG_S = 1.0
+"""A shard read this much later than usual (by the server clock in HUGZ) is a slow
+subscriber."""
+SLOW_POLICIES = (RESYNC, DIE)
+PER_SHARD = "per_shard"
+"""``io_threads=PER_SHARD``: one ZeroMQ I/O thread per followed shard (Black Box)."""
+MAX_IO_THREADS = 64
+AUTO = "auto"
+
+
+def _parse_servers(servers: "str | ServerAddress | Sequence[str | ServerAddress]"
+                   ) -> tuple[ServerAddress, ...]:
+    if isinstance(servers, (str, ServerAddress)):
+        servers = [servers]
+    out = tuple(parse_server(s) for s in servers)
+    if not out:
+        raise ValueError("servers: give at least one server address (tcp://HOST:PORT)")
+    return out
+
+
+def _ttl_text(ttl: float) -> str:
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
+    if not math.isfinite(ttl) or ttl < 0:
+        raise ValueError(f"ttl must be a finite number of seconds >= 0 (0: none), "
+                         f"got {ttl!r}")
+    return str(int(ttl)) if float(ttl).is_integer() else repr(float(ttl))
+
+
+class AsyncClone:
+    """A live local copy of the map under ``subtree``, for asyncio code.
+
+    ``await start()`` (or ``async with``) returns once every shard's snapshot is installed
+    and a collector listens, or raises ``shards.common.errors.Timeout`` after ``timeout_s``.
+
+    Failover (a Binary Star pair given as ``servers=[primary, backup]``): a shard silent
+    (no KVPUB, no HUGZ) for ``silence_timeout_s`` (``"auto"``: 3 x ``heartbeat_s``, the
+    servers' heartbeat; ``None``: never) moves to the next server; a server that sends no
+    snapshot for ``sync_timeout_s`` is asked again, twice at most, then the next one;
+    a SUB that never connects moves on after ``connect_timeout_s``. ``on_failover`` is
+    called (on the agent's loop thread; keep it short) with a ``FailoverInfo`` when the
+    shard switches and again when it has resumed.
+
+    Data loss: when a shard's server holds another map than the one this client had (a
+    new map generation, or a sequence that went backwards: both servers of a pair died,
+    or a standalone server restarted), ``on_reset`` is called once with a ``ResetInfo``
+    (shard, old and new sequence and generation, keys lost), a WARNING is logged, watches
+    get a ``reset`` change, and ``stats()`` counts it. ``reset_policy="accept"``
+    (default) installs the new map; ``"keep"`` keeps this client's copy of that shard
+    read-only (reads work, writes to it raise ``client.errors.ShardReset``) and stops
+    following it.
+    """
+
+    def __init__(self, servers=None, *, shards=None, config=None, control: str | None = None,
+                 subtree: str = "", codec: "str | Codec" = "bytes",
+                 timeout_s: float = DEFAULT_TIMEOUT_S,
+                 control_timeout_s: float = CONTROL_TIMEOUT_S,
+                 heartbeat_s: float | None = None,
+                 silence_timeout_s: "float | None | str" = AUTO,
+                 sync_timeout_s: float = sm.SYNC_TIMEOUT_S,
+                 connect_timeout_s: float = sm.CONNECT_TIMEOUT_S,
+                 sync_buffer_max: int = SYNC_BUFFER_MAX,
+                 kvset_queue_max: int = KVSET_QUEUE_MAX,
+                 watch_capacity: int = WATCH_CAPACITY,
+                 limits: chp.Limits = chp.DEFAULT_LIMITS,
+                 on_failover: Callable[[FailoverInfo], None] | None = None,
+                 context: zmq.Context | None = None, io_threads: "int | str | None" = None,
+                 slow_policy: str = RESYNC,
+                 on_slow: Callable[[SlowSubscriber], None] | None = None,
+                 sub_rcvhwm: int = SUB_RCVHWM,
+                 max_lag_s: float | None = MAX_LAG_S,
+                 on_reset: Callable[[ResetInfo], None] | None = None,
+                 reset_policy: str = ACCEPT):
+        if not isinstance(subtree, str):
+            raise TypeError("subtree is a str such as '/orders/' (or '')")
+        given = [name for name, v in (("servers", servers), ("shards", shards),
+                                      ("config", config), ("control", control))
+                 if v is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of servers=, shards=, config=, control= "
+                             f"(got {', '.join(given) or 'none'})")
+        self.subtree = subtree
+        self._subtree_b = chp.check_subtree(subtree.encode("utf-8"))
+        self.servers = _parse_servers(servers) if servers is not None else ()
+        self.control = control
+        self.control_timeout_s = control_timeout_s
+        self.codec = get_codec(codec)
+        self.timeout_s = timeout_s
+        self.limits = limits
+        self.watch_capacity = watch_capacity
+        if heartbeat_s is not None and not heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s!r}")
+        self._heartbeat_s = heartbeat_s
+        self._silence_arg = silence_timeout_s
+        self.silence_timeout_s: float | None = None
+        if max_lag_s is not None and not max_lag_s > 0:
+            raise ValueError(f"max_lag_s must be > 0 or None, got {max_lag_s!r}")
+        self.max_lag_s = max_lag_s
+        self._agent_kw = dict(sync_timeout_s=sync_timeout_s, sub_rcvhwm=sub_rcvhwm,
+                              on_behind=self._on_behind, max_lag_s=max_lag_s,
+                              on_lag=self._on_lag,
+                              connect_timeout_s=connect_timeout_s,
+                              sync_buffer_max=sync_buffer_max,
+                              kvset_queue_max=kvset_queue_max, limits=limits,
+                              on_failover=on_failover, on_reset=on_reset,
+                              reset_policy=reset_policy)
+        if io_threads is not None and context is not None:
+            raise ValueError("io_threads applies to the client's own context: give "
+                             "io_threads or context, not both")
+        if not (io_threads is None or io_threads == PER_SHARD
+                or (isinstance(io_threads, int) and not isinstance(io_threads, bool)
+                    and 1 <= io_threads <= MAX_IO_THREADS)):
+            raise ValueError(f"io_threads is None, {PER_SHARD!r} or 1..{MAX_IO_THREADS}, "
+                             f"got {io_threads!r}")
+        self.io_threads = io_threads
+        if slow_policy not in SLOW_POLICIES:
+            raise ValueError(f"slow_policy is one of {', '.join(SLOW_POLICIES)}, "
+                             f"got {slow_policy!r}")
+        self.slow_policy = slow_policy
+        self.on_slow = on_slow
+        self.failed: SlowSubscriber | None = None
+        self.fell_behind = 0
+        """How many times a shard's stream had a gap (this client fell behind)."""
+        self._own_ctx = context is None
+        self._ctx = context if context is not None else zmq.Context()
+        self._hub = WatchHub()
+        self.cluster: Cluster | None = None
+        self._agents: list[ShardAgent] = []
+        self._by_index: dict[int, ShardAgent] = {}
+        self._started = False
+        self._closed = False
+        try:
+            if servers is not None:
+                self._route(Cluster.from_servers(self.servers))
+            elif shards is not None:
+                self._route(Cluster.from_pairs(shards))
+            elif config is not None:
+                self._route(Cluster.from_config(config))
+        except BaseException:
+            if self._own_ctx:
+                self._ctx.destroy(linger=0)
+            raise
+
+    def _route(self, cluster: Cluster) -> None:
+        """One agent per shard that can own a key under the subtree."""
+        silence = self._silence_arg
+        if silence == AUTO:
+            if self._heartbeat_s is None and cluster.silence_timeout_s is not None:
+                silence = cluster.silence_timeout_s
+            else:
+                heartbeat_s = self._heartbeat_s or cluster.heartbeat_s or HEARTBEAT_S
+                silence = SILENCE_HEARTBEATS * heartbeat_s
+        self.silence_timeout_s = silence
+        self.cluster = cluster
+        specs = cluster.shards_for(self._subtree_b)
+        threads = 0
+        if self.io_threads is not None:
+            # the Black Box pattern: the shards' sockets spread over the context's I/O
+            # threads (set before the context's first socket: fetch_cluster used its own)
+            threads = min(len(specs), MAX_IO_THREADS) if self.io_threads == PER_SHARD \
+                else self.io_threads
+            self._ctx.io_threads = threads
+        for position, spec in enumerate(specs):
+            agent = ShardAgent(self._ctx, spec.servers, name=spec.name,
+                               subtree=self._subtree_b, hub=self._hub,
+                               silence_timeout_s=silence,
+                               affinity=1 << (position % threads) if threads else 0,
+                               **self._agent_kw)
+            self._agents.append(agent)
+            self._by_index[spec.index] = agent
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, timeout_s: float | None = None) -> "AsyncClone":
+        if self._closed:
+            raise NotRunning("this client is closed")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if self.cluster is None:
+            # control=: discover the cluster (Timeout if no supervisor answers)
+            # a context of its own: io_threads must be set before self._ctx's first socket
+            mdp_ctx = zmq.Context()
+            try:
+                cluster = await fetch_cluster(self.control, ctx=mdp_ctx,
+                                              timeout_s=min(self.control_timeout_s, timeout_s))
+            finally:
+                mdp_ctx.destroy(linger=0)
+            if self.cluster is None:
+                self._route(cluster)
+        if not self._started:
+            self._started = True
+            for agent in self._agents:
+                agent.start()
+        try:
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+            # that lands just as the agents become ready
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(*(a.wait_ready() for a in self._agents))
+        except TimeoutError:
+            states = "; ".join(
+                f"shard {a.name} at {a.server}: {a.phase}"
+                f"{', synced' if a.synced else ''}"
+                f"{', collector listening' if a.collector_ready else ', collector silent'}"
+                for a in self._agents)
+            raise Timeout(f"clone not ready within {timeout_s} s ({states})",
+                          what="snapshot", deadline_s=timeout_s) from None
+        return self
+
+    async def close(self, linger_s: float = 0.0) -> None:
+        """Close every socket. ``linger_s`` > 0 lets KVSETs already handed to ZeroMQ
+        out for that long (for a process about to exit after fire-and-forget writes)."""
+        if self._closed:
+            return
+        self._closed = True
+        for core in list(self._hub.watches):
+            core.closed = True
+            core.wake()
+        self._hub.watches.clear()
+        linger_ms = max(0, int(linger_s * 1000))
+        for agent in self._agents:
+            agent.close(linger_ms)
+        if self._own_ctx:
+            self._ctx.destroy(linger=linger_ms)
+
+    async def __aenter__(self) -> "AsyncClone":
+        try:
+            return await self.start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ keys
+    def _on_behind(self, agent: ShardAgent, expected: int, got: int) -> bool:
+        """A gap in an unfiltered shard stream: this client fell behind (Suicidal Snail).
+        ``resync``: count it, the agent takes a fresh snapshot of that shard. ``die``:
+        fail the client loudly; every later call and every watch raises."""
+        return self._fell_behind(agent, lambda: SlowSubscriber(
+            f"client fell behind shard {agent.name} ({agent.server}): expected sequence "
+            f"{expected}, got {got} ({got - expected} updates lost); slow_policy='die'",
+            shard=agent.name, expected=expected, got=got))
+
+    def _on_lag(self, agent: ShardAgent, lag_s: float) -> bool:
+        """The server clock in a HUGZ: this client reads shard ``agent`` ``lag_s`` late,
+        beyond ``max_lag_s``. The same policy and counter as a gap."""
+        return self._fell_behind(agent, lambda: SlowSubscriber(
+            f"client fell behind shard {agent.name} ({agent.server}) by {lag_s:.2f} s "
+            f"(max_lag_s {self.max_lag_s}); slow_policy='die'",
+            shard=agent.name, lag_s=lag_s))
+
+    def _fell_behind(self, agent: ShardAgent, make_exc: Callable[[], SlowSubscriber]) -> bool:
+        """True: handled here (die); False: the agent resyncs the shard."""
+        if self.failed is not None:
+            return True  # already dead; the rest of this batch is dropped
+        self.fell_behind += 1
+        if self.slow_policy == RESYNC:
+            return False
+        exc = make_exc()
+        self.failed = exc
+        log.error("%s", exc)
+        for core in list(self._hub.watches):
+            core.failed = exc
+            core.wake()
+        self._hub.watches.clear()
+        # closed on the next loop turn: this runs inside an agent's SUB batch
+        agent.loop.call_soon(self._close_agents)
+        if self.on_slow is not None:
+            try:
+                self.on_slow(exc)
+            except Exception:
+                log.exception("on_slow callback failed")
+        return True
+
+    def _close_agents(self) -> None:
+        for a in self._agents:
+            a.close()
+
+    def _key(self, key: str) -> bytes:
+        if self.failed is not None:
+            raise self.failed
+        if not isinstance(key, str):
+            raise TypeError(f"keys are str, not {type(key).__name__}")
+        key_b = key.encode("utf-8")
+        chp.check_key(key_b, "", self.limits)
+        if not key_b.startswith(self._subtree_b):
+            raise ValueError(f"key {key!r} is outside this client's subtree {self.subtree!r}")
+        return key_b
+
+    def _agent_for(self, key_b: bytes) -> ShardAgent:
+        """The agent of the shard that owns ``key_b`` (``ShardMap.owner``)."""
+        if self.cluster is None:
+            raise NotRunning("start() the client first (the cluster map is not known yet)")
+        index = self.cluster.shard_map.owner(key_b)
+        try:
+            return self._by_index[index]
+        except KeyError:
+            # cannot happen for a key under the subtree (owners_of_subtree covers it)
+            raise RuntimeError(f"routing: key {key_b[:60]!r} is owned by shard {index}, "
+                               f"which subtree {self.subtree!r} does not fan out to") from None
+
+    @property
+    def shard_names(self) -> list[str]:
+        """The shards this client follows (its subtree's fan-out), in index order."""
+        return [a.name for a in self._agents]
+
+    def _prefix(self, prefix: str) -> bytes:
+        if self.failed is not None:
+            raise self.failed
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefixes are str, not {type(prefix).__name__}")
+        prefix_b = prefix.encode("utf-8")
+        if not (prefix_b.startswith(self._subtree_b) or self._subtree_b.startswith(prefix_b)):
+            raise ValueError(f"prefix {prefix!r} is outside this client's subtree "
+                             f"{self.subtree!r}")
+        return prefix_b
+
+    # ------------------------------------------------------------------ reads (local)
+    def get(self, key: str, default: Any = None) -> Any:
+        key_b = self._key(key)
+        blob = self._agent_for(key_b).map.get(key_b)
+        return default if blob is None else self.codec.decode(blob)
+
+    def __contains__(self, key: str) -> bool:
+        key_b = self._key(key)
+        return key_b in self._agent_for(key_b).map
+
+    def properties(self, key: str) -> dict[str, str]:
+        """The properties the server sent with ``key``'s current value (e.g. our
+        servers' ``expires=<epoch s>`` for a TTL key, or the reference C server's
+        ``ttl``); empty if none or if the key is absent."""
+        key_b = self._key(key)
+        raw = self._agent_for(key_b).props.get(key_b)
+        return chp.parse_props(raw) if raw else {}
+
+    def items(self, prefix: str = "") -> list[tuple[str, Any]]:
+        """(key, value) pairs under ``prefix``, in no particular order (a copy)."""
+        prefix_b = self._prefix(prefix)
+        decode = self.codec.decode
+        return [(k.decode("utf-8"), decode(v)) for a in self._agents
+                for k, v in list(a.map.items()) if k.startswith(prefix_b)]
+
+    def keys(self, prefix: str = "") -> list[str]:
+        prefix_b = self._prefix(prefix)
+        return [k.decode("utf-8") for a in self._agents for k in list(a.map)
+                if k.startswith(prefix_b)]
+
+    def __len__(self) -> int:
+        if self.failed is not None:
+            raise self.failed
+        return sum(len(a.map) for a in self._agents)
+
+    @property
+    def version_vector(self) -> dict[str, int]:
+        """The last applied sequence of each shard."""
+        return {a.name: a.last_seq for a in self._agents}
+
+    @property
+    def synced(self) -> bool:
+        return self.cluster is not None and all(a.synced for a in self._agents)
+
+    def stats(self) -> dict:
+        return {"shards": [a.stats() for a in self._agents], "watches": len(self._hub.watches),
+                "resets": sum(a.resets for a in self._agents),
+                "slow_policy": self.slow_policy, "fell_behind": self.fell_behind,
+                "max_lag_s": self.max_lag_s,
+                "failed": str(self.failed) if self.failed is not None else None}
+
+    # ------------------------------------------------------------------ writes
+    def _prepare(self, key: str, value: Any, ttl: float | None
+                 ) -> tuple[ShardAgent, list[bytes], bytes]:
+        """Validate and encode a KVSET (any thread): the owning agent, frames, UUID
+        (frames[0] is the key and frames[4] the encoded value)."""
+        key_b = self._key(key)
+        blob = b"" if value is None else self.codec.encode(value)
+        if len(blob) > self.limits.max_value:
+            raise ValueError(f"value for {key!r} is {len(blob)} bytes, limit "
+                             f"{self.limits.max_value}")
+        props = b"" if not ttl else chp.format_props({"ttl": _ttl_text(ttl)})
+        agent = self._agent_for(key_b)
+        if agent.kept is not None:
+            raise agent._kept_error()
+        uuid = _uuid.uuid4().bytes
+        return agent, chp.kvset(key_b, blob, uuid, props), uuid
+
+    def _check_running(self) -> None:
+        if not self._started or self._closed:
+            raise NotRunning("start() the client first" if not self._closed
+                             else "this client is closed")
+
+    async def set(self, key: str, value: Any, ttl: float | None = None, *,
+                  wait: bool = False, timeout_s: float | None = None) -> bytes:
+        """Send a KVSET; returns its 16-byte UUID. ``ttl`` in seconds. Fire-and-forget,
+        or with ``wait=True`` once the owning shard has published it back and it is in
+        the local map (``Timeout`` after ``timeout_s``, default the client's)."""
+        self._check_running()
+        if value is None:
+            raise ValueError("value is None: use delete() to delete a key")
+        agent, frames, uuid = self._prepare(key, value, ttl)
+        return await self._send(agent, frames, uuid, wait, timeout_s)
+
+    async def delete(self, key: str, *, wait: bool = False,
+                     timeout_s: float | None = None) -> bytes:
+        """Send a KVSET with an empty value (delete); returns its UUID. ``wait`` as
+        for ``set``."""
+        self._check_running()
+        agent, frames, uuid = self._prepare(key, None, None)
+        return await self._send(agent, frames, uuid, wait, timeout_s)
+
+    async def _send(self, agent: ShardAgent, frames: list[bytes], uuid: bytes, wait: bool,
+                    timeout_s: float | None) -> bytes:
+        if not wait:
+            agent.send_kvset(frames)
+            return uuid
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        echo = agent.expect(uuid, frames[0], frames[4])
+        agent.send_kvset(frames)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await echo
+        except TimeoutError:
+            raise Timeout(f"shard {agent.name} ({agent.server}) did not publish the update "
+                          f"of {frames[0][:60].decode('utf-8', 'replace')!r} back within "
+                          f"{timeout_s} s", what="echo", deadline_s=timeout_s) from None
+        finally:
+            echo.cancel()
+        return uuid
+
+    async def flush(self, timeout_s: float | None = None) -> None:
+        """Until every KVSET queued here has been handed to ZeroMQ (``Timeout``
+        otherwise). A short-lived process then closes with ``close(linger_s=...)``."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while any(a.kvsets_queued for a in self._agents):
+            if loop.time() >= deadline:
+                raise Timeout(f"KVSETs still queued after {timeout_s} s (no collector "
+                              "listening)", what="flush", deadline_s=timeout_s)
+            await asyncio.sleep(0.01)
+
+    # ------------------------------------------------------------------ watches
+    def _watch_core(self, prefix: str, capacity: int | None) -> WatchCore:
+        return WatchCore(self._prefix(prefix), self.codec,
+                         self.watch_capacity if capacity is None else capacity)
+
+    def _open_core(self, core: WatchCore) -> None:
+        if self._closed:
+            core.closed = True
+            return
+        if self.cluster is None:
+            raise NotRunning("start() the client first (the cluster map is not known yet)")
+        self._hub.add(core, self._agents)
+
+    def watch(self, prefix: str = "", *, capacity: int | None = None) -> Watch:
+        """``async with clone.watch("/orders/") as w: async for change in w: ...``"""
+        return Watch(self._watch_core(prefix, capacity), self._open_core, self._hub.remove)
+

@@ -1,0 +1,30 @@
+"""The cluster map: the one document a client needs to route, and that the supervisor
+serves as MDP ``cluster.map``; ``cluster_map(plan)`` builds it from a placement plan
+(``shards.common.placement.load_plan`` plans a config on this host). Shared, so that a
+client reading a config and a supervisor serving it produce the same document, and the
+client imports nothing from ``supervisor/``.
+"""
+from __future__ import annotations
+
+from shards.common.placement import PORT_NAMES, Plan
+from shards.common.routing import ShardMap
+
+
+def cluster_map(plan: Plan) -> dict:
+    """Everything a client needs to route: shards, addresses, ports, pinned prefixes,
+    and the routing function's parameters (``shards.common.routing.ShardMap.describe``)."""
+    pins = {i: list(sh.prefixes) for i, sh in enumerate(plan.shards) if sh.prefixes}
+    shard_map = ShardMap(len(plan.shards), pins)
+
+    def server(s) -> dict:
+        return {"address": s.address, "port": s.port, "nic": s.nic,
+                "ports": dict(zip(PORT_NAMES, s.ports)),
+                "endpoints": {n: s.endpoint(n) for n in PORT_NAMES},
+                "cores": list(s.cores)}
+
+    return {"cluster": plan.cluster, "control": plan.control,
+            "heartbeat_s": plan.heartbeat_s, "silence_timeout_s": plan.silence_timeout_s,
+            "routing": shard_map.describe(),
+            "shards": [{"index": sh.index, "name": sh.name, "prefixes": list(sh.prefixes),
+                        "primary": server(sh.primary), "backup": server(sh.backup)}
+                       for sh in plan.shards]}
