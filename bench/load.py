@@ -393,6 +393,7 @@ def _cluster_from(ap: argparse.ArgumentParser, path: str) -> dict:
     cluster runs elsewhere - read as written (each primary then needs a ``host``)."""
     from shards.common.config import load_config
     from shards.common.placement import load_plan
+    from shards.common.endpoints import WILDCARDS
 
     try:
         plan = load_plan(path)
@@ -407,7 +408,7 @@ def _cluster_from(ap: argparse.ArgumentParser, path: str) -> dict:
     except Exception as exc:
         ap.error(f"--config {path}: {exc}")
     hosts = [sh.primary.host for sh in cfg.shards]
-    if None in hosts or "*" in hosts or "0.0.0.0" in hosts:
+    if None in hosts or any(h in WILDCARDS for h in hosts):
         ap.error(f"--config {path}: it does not fit this host ({planned_error}), and not "
                  "every primary names an address (host:) to connect to")
     return {"hosts": hosts, "ports": [sh.primary.port for sh in cfg.shards],

@@ -386,7 +386,17 @@ class ShardAgent:
         if self.state.phase != before.phase or not before.started:
             self.phase_log.append((now, self.state.phase))
         for effect in effects:
-            getattr(self, "_do_" + type(effect).__name__)(effect)
+            match effect:
+                case sm.Connect():
+                    self._connect(effect)
+                case sm.RequestSnapshot():
+                    self._request_snapshot(effect)
+                case sm.InstallSnapshot():
+                    self._install_snapshot(effect)
+                case sm.Failover():
+                    self._failed_over(effect)
+                case _:
+                    raise TypeError(f"not a shard machine effect: {effect!r}")
 
     def _tick(self) -> None:
         """Every TICK_S: turn the hot paths' message counters into times, then step."""
@@ -402,7 +412,7 @@ class ShardAgent:
         self._dispatch(sm.Tick(self.last_heard_s, self.last_snapshot_s))
         self._tick_handle = self.loop.call_later(TICK_S, self._tick)
 
-    def _do_Connect(self, eff: sm.Connect) -> None:
+    def _connect(self, eff: sm.Connect) -> None:
         self._close_link()
         address = self.servers[eff.server]
         sub = self.ctx.socket(zmq.SUB)
@@ -429,7 +439,7 @@ class ShardAgent:
         log.info("shard %s: subscribing to %s (subtree %r)", self.name, address.publisher,
                  self.subtree)
 
-    def _do_RequestSnapshot(self, eff: sm.RequestSnapshot) -> None:
+    def _request_snapshot(self, eff: sm.RequestSnapshot) -> None:
         if self._dealer is not None:
             self._dealer.close()
         address = self.servers[eff.server]
@@ -451,7 +461,7 @@ class ShardAgent:
         log.info("shard %s: ICANHAZ %r to %s (%s)", self.name, self.subtree,
                  address.snapshot, eff.reason)
 
-    def _do_InstallSnapshot(self, eff: sm.InstallSnapshot) -> None:
+    def _install_snapshot(self, eff: sm.InstallSnapshot) -> None:
         old, new = self.map, self._incoming if self._incoming is not None else {}
         self._incoming = None
         if self._dealer is not None:
@@ -533,7 +543,7 @@ class ShardAgent:
             except Exception:
                 log.exception("shard %s: on_failover callback failed", self.name)
 
-    def _do_Failover(self, eff: sm.Failover) -> None:
+    def _failed_over(self, eff: sm.Failover) -> None:
         info = FailoverInfo(self.name, self.servers[eff.old], self.servers[eff.new],
                             eff.reason, eff.silent_s)
         self.failovers += 1

@@ -38,17 +38,18 @@ import click
 import uvloop
 import zmq
 
-from shards.common.errors import ClonemapError, ConfigError, SlowConsumer
+from shards.common.endpoints import DEFAULT_CONTROL
+from shards.common.errors import ClonemapError, ConfigError, Exit, SlowConsumer
 from shards.common.proto import chp
 from shards.common.zio import AsyncSocket
 from client.api import AsyncClone
 from client.router import Cluster, fetch_cluster
 
-DEFAULT_CONTROL = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT_S = 5.0
 
-EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_FAILED, EXIT_TIMEOUT, EXIT_SLOW = 0, 1, 2, 3, 4, 5
-EXIT_INTERRUPTED = 130
+EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_FAILED, EXIT_TIMEOUT, EXIT_SLOW = (
+    Exit.OK, Exit.NOT_FOUND, Exit.USAGE, Exit.FAILED, Exit.TIMEOUT, Exit.SLOW)
+EXIT_INTERRUPTED = Exit.INTERRUPTED
 
 
 class NotFound(ClonemapError):

@@ -59,7 +59,8 @@ import zmq
 
 from shards.common.errors import Timeout
 from shards.common.proto import chp
-from shards.common.timing import HEARTBEAT_S, SILENCE_HEARTBEATS
+from shards.common import timing
+from shards.common.timing import HEARTBEAT_S
 from client import shard_machine as sm
 from client.agent import (ACCEPT, KVSET_QUEUE_MAX, SUB_RCVHWM, SYNC_BUFFER_MAX,
                           FailoverInfo, ResetInfo, ShardAgent)
@@ -224,7 +225,7 @@ class AsyncClone:
                 silence = cluster.silence_timeout_s
             else:
                 heartbeat_s = self._heartbeat_s or cluster.heartbeat_s or HEARTBEAT_S
-                silence = SILENCE_HEARTBEATS * heartbeat_s
+                silence = timing.silence_timeout_s(heartbeat_s)
         self.silence_timeout_s = silence
         self.cluster = cluster
         specs = cluster.shards_for(self._subtree_b)

@@ -25,13 +25,13 @@ from typing import Any, Mapping, Sequence
 
 import zmq
 
+from shards.common.endpoints import LOOPBACK, reachable
 from shards.common.errors import ConfigError, ProtocolError
 from shards.common.routing import ShardMap
 from client.collector import ServerAddress, parse_server
 
 CLUSTER_MAP_SERVICE = "cluster.map"
 CONTROL_TIMEOUT_S = 3.0
-_WILDCARDS = ("0.0.0.0", "*", "", "::")
 _HOST_RE = re.compile(r"tcp://(\[[^\]]+\]|[^:/]+):\d+")
 
 
@@ -103,7 +103,7 @@ class Cluster:
         return cls(ShardMap(len(specs)), tuple(specs), source=source)
 
     @classmethod
-    def from_map(cls, doc: Mapping[str, Any], *, host: str = "127.0.0.1",
+    def from_map(cls, doc: Mapping[str, Any], *, host: str = LOOPBACK,
                  source: str = "cluster map") -> "Cluster":
         """From a ``cluster.map`` document; ``host`` replaces wildcard bind addresses."""
         try:
@@ -115,9 +115,7 @@ class Cluster:
                     server = sh.get(role)
                     if not server:
                         continue
-                    address = str(server["address"])
-                    if address in _WILDCARDS:
-                        address = host
+                    address = reachable(str(server["address"]), host)
                     servers.append(ServerAddress(address, int(server["port"])))
                 specs.append(ShardSpec(int(sh.get("index", i)), str(sh["name"]),
                                        tuple(servers)))
@@ -146,8 +144,7 @@ def _seconds(value: Any) -> float | None:
 def control_host(endpoint: str) -> str:
     """The host of a ``tcp://HOST:PORT`` endpoint (127.0.0.1 for a wildcard)."""
     m = _HOST_RE.match(endpoint)
-    host = m.group(1) if m else "127.0.0.1"
-    return "127.0.0.1" if host in _WILDCARDS else host
+    return reachable(m.group(1) if m else LOOPBACK)
 
 
 def parse_map_reply(frames: list[bytes], endpoint: str) -> dict:

@@ -286,24 +286,28 @@ class PairServer(ShardServer):
         return accepted
 
     def _perform(self, effect, now: float) -> bool:
-        if isinstance(effect, bstar.PublishState):
-            self._publish_state()
-        elif isinstance(effect, bstar.AcceptRequest):
-            return True
-        elif isinstance(effect, bstar.RefuseRequest):
-            self.refused_votes += 1
-            log.debug("shard %s: ICANHAZ refused: %s", self.shard, effect.reason)
-        elif isinstance(effect, bstar.BecameActive):
-            self.on_become_active(effect, now)
-        elif isinstance(effect, bstar.BecamePassive):
-            self.on_become_passive(effect, now)
-        elif isinstance(effect, bstar.Fatal):
-            self.on_fatal(effect)
-        elif isinstance(effect, bstar.SplitBrainSurvived):
-            self.split_brains_survived += 1
-            log.warning("shard %s: %s survived: %s", self.shard, effect.reason, effect.detail)
-        elif isinstance(effect, bstar.IgnoredPeer):
-            self.drops.drop("peer_" + effect.reason.replace(" ", "_"), effect.detail)
+        """Perform one of the machine's effects; True for AcceptRequest (answer it)."""
+        match effect:
+            case bstar.PublishState():
+                self._publish_state()
+            case bstar.AcceptRequest():
+                return True
+            case bstar.RefuseRequest(reason=reason):
+                self.refused_votes += 1
+                log.debug("shard %s: ICANHAZ refused: %s", self.shard, reason)
+            case bstar.BecameActive():
+                self.on_become_active(effect, now)
+            case bstar.BecamePassive():
+                self.on_become_passive(effect, now)
+            case bstar.Fatal():
+                self.on_fatal(effect)
+            case bstar.SplitBrainSurvived(reason=reason, detail=detail):
+                self.split_brains_survived += 1
+                log.warning("shard %s: %s survived: %s", self.shard, reason, detail)
+            case bstar.IgnoredPeer(reason=reason, detail=detail):
+                self.drops.drop("peer_" + reason.replace(" ", "_"), detail)
+            case _:
+                raise TypeError(f"not a Binary Star effect: {effect!r}")
         return False
 
     def _publish_state(self) -> None:

@@ -29,7 +29,7 @@ from typing import Callable
 
 import zmq
 
-from shards.common.errors import ClonemapError, ConfigError
+from shards.common.errors import ClonemapError, ConfigError, Exit
 from shards.common.mdp import Request
 from shards.common.mdp.client import MdpClient, SyncMdpClient
 from shards.common.config import DEFAULT_CONTROL, load_config
@@ -45,8 +45,8 @@ MAX_LOG_LINES = 10000
 STATS_INTERVAL_S = 1.0
 CONTROL_TIMEOUT_S = 3.0
 TARGET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}/(primary|backup)$")
-EXIT_NOT_FOUND = 6
-EXIT_USAGE = 64
+EXIT_NOT_FOUND = Exit.NOT_FOUND
+EXIT_USAGE = Exit.USAGE
 
 
 def stats_service(shard: str, role: str) -> str:
@@ -242,7 +242,7 @@ class ReplyError(ClonemapError):
         super().__init__(f"{status} {text}")
         self.status = status
         self.text = text
-        self.exit_code = {"404": EXIT_NOT_FOUND, "400": EXIT_USAGE}.get(status, 1)
+        self.exit_code = {"404": EXIT_NOT_FOUND, "400": EXIT_USAGE}.get(status, Exit.FAILED)
 
 
 def call(endpoint: str, service: str, *body: bytes, timeout_s: float = CONTROL_TIMEOUT_S,
@@ -337,7 +337,7 @@ def target_argument(fn):
 
 
 def checked_target(text: str) -> str:
-    """``check_target`` for a command line: a malformed target exits 64 (usage)."""
+    """``check_target`` for a command line: a malformed target exits 2 (usage)."""
     try:
         return check_target(text)
     except ValueError as exc:

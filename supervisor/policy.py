@@ -10,7 +10,7 @@ answer only depends on its arguments, so asking twice is harmless)::
     still running                                      Running
     exited after a stop was requested                  Leave            (stopped on purpose)
     exited with a code in cfg.give_up_exit_codes       GiveUp           (bad config or
-      (2 = ConfigError, 64 = usage: a restart cannot fix them)            arguments)
+      (2 = usage or ConfigError: a restart cannot fix them)              arguments)
     the crash_limit-th crash within crash_window_s     GiveUp           "crashed 5 times in
       (counted back from the last exit)                                  60 s": FAILED
     any other exit (any code, 0 included, or a signal) Restart(delay_s)
@@ -38,14 +38,16 @@ import signal
 from dataclasses import dataclass
 from typing import Sequence, Union
 
+from shards.common.errors import Exit
+
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_FACTOR = 2.0
 BACKOFF_CAP_S = 30.0
 CRASH_LIMIT = 5
 CRASH_WINDOW_S = 60.0
 STABLE_AFTER_S = 10.0
-GIVE_UP_EXIT_CODES = frozenset({2, 64})
-_EXIT_MEANING = {2: "configuration error", 64: "usage error"}
+GIVE_UP_EXIT_CODES = frozenset({Exit.USAGE})
+_EXIT_MEANING = {Exit.USAGE: "usage or configuration error"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,7 +57,7 @@ from shards.common.config import format_cores
 from shards.common.routing import ShardMap
 from shards.common.placement import Plan, RoutingParams, ServerPlan
 from supervisor.policy import (DEFAULT_POLICY, GiveUp, Leave, PolicyConfig, Restart, Run,
-                               Running, decide, describe_exit)
+                               decide, describe_exit)
 
 log = logging.getLogger(__name__)
 
@@ -394,20 +394,22 @@ class Runner:
     def _after_exit(self, proc: ServerProcess) -> None:
         now = self.clock()
         action = decide(proc.history, now, self.policy)
-        if isinstance(action, Restart) and not self.stopping:
-            self._set_state(proc, BACKOFF, action.reason)
-            proc.restart_at = now + action.delay_s
-            proc._restart_handle = asyncio.get_running_loop().call_later(
-                action.delay_s, self._spawn, proc)
-            self._event(proc, f"restart in {action.delay_s:.2f} s ({action.reason})")
-        elif isinstance(action, GiveUp):
-            self._set_state(proc, FAILED, action.reason)
-            self._event(proc, f"FAILED: {action.reason}")
-        elif isinstance(action, (Leave, Restart)):
-            self._set_state(proc, STOPPED,
-                            action.reason if isinstance(action, Leave) else "stopped")
-        elif isinstance(action, Running):  # cannot happen after an exit; keep the state
-            pass
+        match action:
+            case Restart(delay_s=delay_s, reason=reason) if not self.stopping:
+                self._set_state(proc, BACKOFF, reason)
+                proc.restart_at = now + delay_s
+                proc._restart_handle = asyncio.get_running_loop().call_later(
+                    delay_s, self._spawn, proc)
+                self._event(proc, f"restart in {delay_s:.2f} s ({reason})")
+            case GiveUp(reason=reason):
+                self._set_state(proc, FAILED, reason)
+                self._event(proc, f"FAILED: {reason}")
+            case Leave(reason=reason):
+                self._set_state(proc, STOPPED, reason)
+            case Restart():  # a restart was due, but the supervisor is stopping
+                self._set_state(proc, STOPPED, "stopped")
+            case _:
+                raise TypeError(f"not an action after an exit: {action!r}")
 
     # ----------------------------------------------------------------- commands
     def get(self, name: str) -> ServerProcess:

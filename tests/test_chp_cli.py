@@ -83,8 +83,8 @@ def test_values_round_trip_as_text_hex_raw_and_files(two_shards, tmp_path):
     assert ok(chp(*srv, "dump", "/nothing/")) == b""
     # del, then get and del again: exit 1, one line
     ok(chp(*srv, "del", "/bin/a"))
-    one_error_line(chp(*srv, "get", "/bin/a"), 1, "key not found: /bin/a")
-    one_error_line(chp(*srv, "del", "/bin/a"), 1, "key not found")
+    one_error_line(chp(*srv, "get", "/bin/a"), 6, "key not found: /bin/a")
+    one_error_line(chp(*srv, "del", "/bin/a"), 6, "key not found")
 
 
 def test_usage_errors_exit_2_and_no_cluster_exits_4(two_shards, tmp_path):
@@ -163,7 +163,7 @@ def test_control_and_config_against_a_real_supervisor(procs, tmp_path):
     out = chp(*via_control, "trace", "s1", "--count", "1")
     assert ok(out).count(b"\n") == 1 and (b"HUGZ" in out.stdout or b"KVPUB" in out.stdout)
     ok(chp(*via_config, "del", "/orders/1"))
-    one_error_line(chp(*via_control, "get", "/orders/1"), 1, "not found")
+    one_error_line(chp(*via_control, "get", "/orders/1"), 6, "not found")
 
 
 def test_the_chp_entry_point_is_installed():

@@ -40,10 +40,11 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
                       ValidationError, field_validator, model_validator)
 
 from shards.common.errors import ConfigError
+from shards.common import timing
+from shards.common.endpoints import DEFAULT_CONTROL, WILDCARD
 from shards.common.timing import HEARTBEAT_S as DEFAULT_HEARTBEAT_S, SILENCE_HEARTBEATS
 
 DEFAULT_CLUSTER = "clonemap"
-DEFAULT_CONTROL = "tcp://127.0.0.1:5555"
 DEFAULT_PORT_BASE = 6000
 SHARD_PORT_STRIDE = 20
 BACKUP_PORT_OFFSET = 10
@@ -51,7 +52,6 @@ PORTS_PER_SERVER = 4
 MAX_PORT_BASE = 65535 - (PORTS_PER_SERVER - 1)
 DEFAULT_HOST = "127.0.0.1"
 ROLES = ("primary", "backup")
-WILDCARD = "0.0.0.0"
 
 CoreSet = tuple[int, ...]
 CoreSpec = Union[Literal["auto"], CoreSet]
@@ -340,7 +340,7 @@ class ClusterConfig(_Model):
     def _resolve(self) -> "ClusterConfig":
         problems = Problems()
         if self.silence_timeout_s is None:
-            self.silence_timeout_s = SILENCE_HEARTBEATS * self.heartbeat_s
+            self.silence_timeout_s = timing.silence_timeout_s(self.heartbeat_s)
         elif self.silence_timeout_s <= self.heartbeat_s:
             problems.add("silence_timeout_s", self.silence_timeout_s,
                          f"must be longer than heartbeat_s ({self.heartbeat_s:g} s); "

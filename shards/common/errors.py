@@ -3,15 +3,37 @@
 ``ClonemapError`` is the one root; subclasses also derive from the matching builtin so a
 caller may catch either (``except TimeoutError`` works for ``Timeout``). Errors carry
 structured fields (shard, endpoint, sequence...) as attributes, not only in the text.
-Exit codes for the command-line tools are decided in one place: ``EXIT_CODES``.
+Exit codes for every command line (``chp``, ``supervisor``, ``python -m shards``) are
+decided in one place: ``Exit``.
 """
 from __future__ import annotations
+
+import enum
+
+
+class Exit(enum.IntEnum):
+    """The exit codes of every clonemap command, one table."""
+
+    OK = 0
+    FAILED = 1
+    """The operation failed or is not possible now (``status``: not every server
+    RUNNING; ``kill`` of a FAILED server; a Binary Star fatal verdict)."""
+    USAGE = 2
+    """Bad arguments, a bad config, key, value, endpoint or SHARD/ROLE."""
+    PORT_IN_USE = 3
+    TIMEOUT = 4
+    """Nobody answered before the deadline."""
+    SLOW = 5
+    """A watch fell behind (a slow consumer)."""
+    NOT_FOUND = 6
+    """No such key, no such server."""
+    INTERRUPTED = 130
 
 
 class ClonemapError(Exception):
     """Root of all clonemap errors."""
 
-    exit_code = 1
+    exit_code = Exit.FAILED
 
 
 class ProtocolError(ClonemapError, ValueError):
@@ -32,7 +54,7 @@ class ProtocolError(ClonemapError, ValueError):
 class ConfigError(ClonemapError, ValueError):
     """A configuration does not fit its schema or this host. ``field`` is the dotted path."""
 
-    exit_code = 2
+    exit_code = Exit.USAGE
 
     def __init__(self, message: str, *, field: str = ""):
         super().__init__(message)
@@ -42,7 +64,7 @@ class ConfigError(ClonemapError, ValueError):
 class PortInUse(ClonemapError, OSError):
     """A port the process must bind is taken."""
 
-    exit_code = 3
+    exit_code = Exit.PORT_IN_USE
 
     def __init__(self, message: str, *, endpoint: str = ""):
         super().__init__(message)
@@ -52,7 +74,7 @@ class PortInUse(ClonemapError, OSError):
 class Timeout(ClonemapError, TimeoutError):
     """A deadline passed. ``what`` says what was awaited."""
 
-    exit_code = 4
+    exit_code = Exit.TIMEOUT
 
     def __init__(self, message: str, *, what: str = "", deadline_s: float | None = None):
         super().__init__(message)
@@ -63,21 +85,10 @@ class Timeout(ClonemapError, TimeoutError):
 class SlowConsumer(ClonemapError):
     """A bounded queue between an agent and user code overflowed; ``dropped`` counts."""
 
-    exit_code = 5
+    exit_code = Exit.SLOW
 
     def __init__(self, message: str, *, dropped: int = 0, shard: str = ""):
         super().__init__(message)
         self.dropped = dropped
         self.shard = shard
 
-
-EXIT_CODES = {
-    "ok": 0,
-    "error": ClonemapError.exit_code,
-    "usage": 64,
-    "config": ConfigError.exit_code,
-    "port_in_use": PortInUse.exit_code,
-    "timeout": Timeout.exit_code,
-    "slow_consumer": SlowConsumer.exit_code,
-    "not_found": 6,
-}

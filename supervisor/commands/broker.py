@@ -19,6 +19,7 @@ import click
 from shards.common.errors import ConfigError, PortInUse
 from shards.common.mdp.broker import Broker
 from shards.common.mdp.broker_core import BrokerConfig
+from shards.common.timing import MDP_HEARTBEAT_S
 
 
 async def _serve(binds: list[str], config: BrokerConfig) -> int:
@@ -44,7 +45,7 @@ async def _serve(binds: list[str], config: BrokerConfig) -> int:
 @click.command("broker")
 @click.option("--bind", "binds", multiple=True, default=["tcp://127.0.0.1:5555"],
               show_default=True, help="ZeroMQ endpoint for the ROUTER (repeatable).")
-@click.option("--heartbeat-s", type=click.FloatRange(min=0.001), default=2.5,
+@click.option("--heartbeat-s", type=click.FloatRange(min=0.001), default=MDP_HEARTBEAT_S,
               show_default=True, help="Heartbeat interval, seconds.")
 @click.option("--liveness", type=click.IntRange(min=1, max=100), default=3, show_default=True,
               help="Heartbeat intervals of silence after which a worker is gone.")

@@ -1,6 +1,6 @@
 """``supervisor kill SHARD/ROLE``: SIGKILL one server now, for failure drills (MDP
 ``cluster.kill``). The restart policy then restarts it with back-off; a killed primary
-comes back as passive while its backup serves. Exit 6 for an unknown server, 64 for a
+comes back as passive while its backup serves. Exit 6 for an unknown server, 2 for a
 malformed SHARD/ROLE, 1 if it has no process now, 4 when no supervisor answers.
 """
 from __future__ import annotations

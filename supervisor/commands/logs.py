@@ -1,6 +1,6 @@
 """``supervisor logs SHARD/ROLE [-n N]``: the last N lines (default 50) of one server's
 log, RUN_DIR/logs/SHARD-ROLE.log, served by the supervisor (MDP ``cluster.logs``).
-Exit 6 for an unknown server, 64 for a malformed SHARD/ROLE, 4 when no supervisor
+Exit 6 for an unknown server, 2 for a malformed SHARD/ROLE, 4 when no supervisor
 answers.
 """
 from __future__ import annotations

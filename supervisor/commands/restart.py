@@ -1,6 +1,6 @@
 """``supervisor restart SHARD/ROLE``: stop one server (SIGTERM, then SIGKILL after the
 deadline) and start it again at once, with a fresh restart count (a FAILED server gets
-another chance). MDP ``cluster.restart``. Exit 6 for an unknown server, 64 for a
+another chance). MDP ``cluster.restart``. Exit 6 for an unknown server, 2 for a
 malformed SHARD/ROLE, 4 when no supervisor answers.
 """
 from __future__ import annotations

@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 import zmq
 
 from shards.common import mdp as mdplib
-from shards.common.drops import DropCounter
+from shards.common.drops import DropCounter, RateLimiter
 from shards.common.errors import ConfigError, PortInUse
 from shards.common.mdp.codec import C_FINAL, C_PARTIAL, MDPC, check_service
 from shards.common.zio import DEFAULT_BATCH, AsyncSocket, send_frames
@@ -59,22 +59,17 @@ STOP_LINGER_MS = 200
 """How long ``stop()`` lets its DISCONNECTs to the workers drain before closing."""
 
 
-class _Limiter:
-    """At most one log line per event kind per ``interval_s`` (lifecycle notes)."""
+class _Notes:
+    """Lifecycle notes (workers arriving, leaving): at most one INFO line per event kind
+    per ``interval_s`` (``RateLimiter``)."""
 
     def __init__(self, interval_s: float = 1.0):
-        self.interval_s = interval_s
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
+        self._limiter = RateLimiter(interval_s)
 
     def note(self, event: str, detail: str, now: float) -> None:
-        last = self._last.get(event)
-        if last is not None and now - last < self.interval_s:
-            self._suppressed[event] = self._suppressed.get(event, 0) + 1
-            return
-        self._last[event] = now
-        n = self._suppressed.pop(event, 0)
-        log.info("%s%s", detail, f" (+{n} more {event} since)" if n else "")
+        n = self._limiter.allow(event, now)
+        if n is not None:
+            log.info("%s%s", detail, f" (+{n} more {event} since)" if n else "")
 
 
 class Broker:
@@ -92,7 +87,7 @@ class Broker:
         self.drops = DropCounter(log)
         self.handlers: dict[bytes, mdplib.Handler] = {}
         self.counters = {"unroutable": 0, "internal_errors": 0}
-        self._notes = _Limiter()
+        self._notes = _Notes()
         self._asock: AsyncSocket | None = None
         self._sock: zmq.Socket | None = None
         self._tick_task: asyncio.Task | None = None
@@ -179,22 +174,24 @@ class Broker:
         if effects:
             sock = self._sock
             for effect in effects:
-                if type(effect) is list:
-                    try:
-                        send_frames(sock, effect)
-                    except zmq.ZMQError:
-                        self._unroutable(effect)
-                else:
-                    self._effect(effect)
+                match effect:
+                    case list():  # frames to send (the common case)
+                        try:
+                            send_frames(sock, effect)
+                        except zmq.ZMQError:
+                            self._unroutable(effect)
+                    case _:
+                        self._effect(effect)
 
     def _perform(self, effects: list) -> None:
         """Effects produced outside the read handler: send through AsyncSocket.send,
         which re-checks the edge-triggered FD afterwards."""
         for effect in effects:
-            if type(effect) is list:
-                self._send(effect)
-            else:
-                self._effect(effect)
+            match effect:
+                case list():
+                    self._send(effect)
+                case _:
+                    self._effect(effect)
 
     def _send(self, frames: list[bytes]) -> None:
         if self._asock is None:
@@ -210,13 +207,15 @@ class Broker:
                                       "mark")
 
     def _effect(self, effect) -> None:
-        kind = type(effect)
-        if kind is Drop:
-            self.drops.drop(effect.reason, effect.detail)
-        elif kind is Note:
-            self._notes.note(effect.event, effect.detail, self.clock())
-        elif kind is InternalCall:
-            self._start_call(effect)
+        match effect:
+            case Drop(reason=reason, detail=detail):
+                self.drops.drop(reason, detail)
+            case Note(event=event, detail=detail):
+                self._notes.note(event, detail, self.clock())
+            case InternalCall():
+                self._start_call(effect)
+            case _:
+                raise TypeError(f"not a broker effect: {effect!r}")
 
     # ----------------------------------------------------------------- timer
     async def _ticker(self) -> None:

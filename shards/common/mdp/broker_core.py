@@ -81,6 +81,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 from shards.common.errors import ProtocolError
+from shards.common.timing import MDP_HEARTBEAT_S, MDP_LIVENESS
 from shards.common.mdp import codec as mdp
 from shards.common.mdp.codec import (C_FINAL, C_PARTIAL, C_REQUEST, MDPC, MDPW, W_DISCONNECT,
                               W_FINAL, W_HEARTBEAT, W_PARTIAL, W_READY, W_REQUEST)
@@ -90,8 +91,8 @@ MMI_PREFIX = b"mmi."
 
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
-    heartbeat_s: float = 2.5
-    liveness: int = 3
+    heartbeat_s: float = MDP_HEARTBEAT_S
+    liveness: int = MDP_LIVENESS
     request_expiry_s: float = 10.0
     max_queued: int = 1000
     """Queued requests per service."""

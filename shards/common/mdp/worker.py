@@ -38,6 +38,7 @@ from shards.common.drops import DropCounter
 from shards.common.errors import ProtocolError
 from shards.common.mdp import Handler, Request, as_body, error_body, run_handler
 from shards.common.mdp import codec as mdp
+from shards.common.timing import MDP_HEARTBEAT_S, MDP_LIVENESS
 from shards.common.mdp.codec import MDPW, W_DISCONNECT, W_FINAL, W_HEARTBEAT, W_PARTIAL, W_REQUEST
 from shards.common.zio import DEFAULT_BATCH, AsyncSocket, send_frames
 
@@ -50,7 +51,8 @@ broker that misses it keeps the worker until its heartbeats stop, ``liveness`` i
 
 class MdpWorker:
     def __init__(self, endpoint: str, service: str | bytes, handler: Handler, *,
-                 ctx: zmq.Context | None = None, heartbeat_s: float = 2.5, liveness: int = 3,
+                 ctx: zmq.Context | None = None, heartbeat_s: float = MDP_HEARTBEAT_S,
+                 liveness: int = MDP_LIVENESS,
                  reconnect_s: float = 0.25, reconnect_max_s: float = 5.0,
                  batch: int = DEFAULT_BATCH, clock: Callable[[], float] = time.monotonic):
         self.endpoint = endpoint
