@@ -1,6 +1,6 @@
 """The per-shard client agent: the I/O shell around ``client.shard_machine``.
 
-One ``ShardAgent`` per shard owns exactly that shard's sockets (STYLE: one owner per
+One ``ShardAgent`` per shard owns exactly that shard's sockets (one owner per
 socket), all driven from one asyncio loop through ``shards.common.zio.AsyncSocket``:
 
 * SUB to the current server's P+1, subscribed to the subtree and to "HUGZ", opened by a
@@ -19,7 +19,7 @@ socket), all driven from one asyncio loop through ``shards.common.zio.AsyncSocke
   only once that collector has subscribed, queues (bounded) otherwise, and drops what a
   down standby server must not get later (see there).
 
-Hot paths (measured: see ``bench``): a KVPUB is one ``decode_update``, one
+Hot paths: a KVPUB is one ``decode_update``, one
 ``check_seq`` and one dict store; a KVSYNC is one ``decode_snapshot`` and one dict
 store. While not ACTIVE, SUB messages are kept raw in a bounded buffer and decoded when
 replayed after the KTHXBAI.

@@ -21,7 +21,7 @@ is removed from the hub, and the consumer's next read raises ``SlowConsumer`` wi
 counts (delivered, dropped). It never grows without bound, and never skips silently.
 
 Consumer side: ``Watch`` (asyncio: ``async with clone.watch(p) as w: async for change in
-w``) and ``SyncWatch`` (threads, in ``client.api``) share ``WatchCore``; only how a
+w``) and ``SyncWatch`` (threads, for ``client.sync.Clone``) share ``WatchCore``; only how a
 consumer waits differs (a waker callable set by the front end). Values are decoded by the
 consumer, not the agent, so a slow codec never slows the agent down.
 """

@@ -98,20 +98,20 @@ class Rule(enum.Enum):
     VOTE = "vote"
     ACCEPT = "accept"
     REFUSE = "refuse"
-    DUAL_ROLE = "fatal: same role"
+    INCONSISTENT = "ignore: inconsistent state"
     DUAL_ACTIVE = "dual active"
     DUAL_PASSIVE = "dual passive"
 
 
 _S, _E, _R = State, Event, Rule
 TABLE: dict[tuple[State, Event], Rule] = {
-    (_S.PRIMARY, _E.PEER_PRIMARY): _R.DUAL_ROLE,
+    (_S.PRIMARY, _E.PEER_PRIMARY): _R.INCONSISTENT,
     (_S.PRIMARY, _E.PEER_BACKUP): _R.TO_ACTIVE,
     (_S.PRIMARY, _E.PEER_ACTIVE): _R.TO_PASSIVE,
     (_S.PRIMARY, _E.PEER_PASSIVE): _R.STAY,
     (_S.PRIMARY, _E.CLIENT_REQUEST): _R.VOTE,
     (_S.BACKUP, _E.PEER_PRIMARY): _R.STAY,
-    (_S.BACKUP, _E.PEER_BACKUP): _R.DUAL_ROLE,
+    (_S.BACKUP, _E.PEER_BACKUP): _R.INCONSISTENT,
     (_S.BACKUP, _E.PEER_ACTIVE): _R.TO_PASSIVE,
     (_S.BACKUP, _E.PEER_PASSIVE): _R.STAY,
     (_S.BACKUP, _E.CLIENT_REQUEST): _R.REFUSE,
@@ -316,7 +316,7 @@ def _peer(m: Machine, msg: StateMessage, kind: Event,
             Fatal(f"dual {name}", f"the peer is also configured as {name} "
                                   f"(check --primary/--backup)")]
     rule = TABLE[(m.state, kind)]
-    if rule is Rule.DUAL_ROLE:  # PRIMARY from a backup or BACKUP from a primary
+    if rule is Rule.INCONSISTENT:  # PRIMARY from a backup or BACKUP from a primary
         return m, [IgnoredPeer("inconsistent state", f"{peer_state.name} from the "
                                                      f"{peer_role.name.lower()}")]
     m = replace(m, peer_expiry=now + PEER_EXPIRY_HEARTBEATS * msg.heartbeat_s,

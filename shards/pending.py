@@ -34,8 +34,10 @@ it is not tracked (counted as ``untracked``); the shell applies it as the active
 when it arrives from the active, and a client update with no UUID that the active never
 published is lost on failover. clonemap's clients always send a UUID.
 
-Entries carry their arrival time (``Pending.added_at``) so the new active can turn a
-relative TTL into the absolute expiry the client meant.
+Entries carry their arrival time (``Pending.added_at``): the table ages them out after
+``max_age_s``, and at takeover ``shards.pair`` drops as stale an entry heard long before
+the old active's last message (the active had time to publish it and did not). A
+relative TTL was already made absolute when the update was held (``shards.pair``).
 """
 from __future__ import annotations
 

@@ -41,16 +41,16 @@ whole key when nothing follows the segment (``/k00000001``). The hot path first 
 store: a key it already holds was owned when it was applied (only owned keys are ever
 applied, and a passive's replica is the active's store), and that lookup is the one
 ``Store.apply`` repeats at once on warm cache lines; only a key new to the store reads
-the slot cache (and, the first time a slot is seen, the routing function: ~2 us). Measured
-in-process (a loop over ``on_collect``, 100k flat keys): no measurable
-cost per update once the keys are known, where a separate 100k-slot dict alone cost
-~0.6 us. Without a map (or with one shard) every key is owned and the check costs nothing.
+the slot cache (and, the first time a slot is seen, the routing function). So a known key
+costs no extra lookup (the README's *Client router* section has the measured figures).
+Without a map (or with one shard) every key is owned and the check costs nothing.
 
 Roles: whether this server may publish and answer snapshots is decided in one place,
-``set_active``. A standalone server (the only kind so far) is active from ``start``. A
-server that is not active drops KVSETs (counted ``not_active``) and does not answer
-ICANHAZ (counted ``snapshots_refused``); ``admit_snapshot_request`` is the hook where a
-Binary Star role will treat an ICANHAZ as the client's vote.
+``set_active``. A standalone server is active from ``start``; a Binary Star server
+(``shards.pair.PairServer``) becomes active when its machine says so. A server that is not
+active drops KVSETs (counted ``not_active``) and does not answer ICANHAZ (counted
+``snapshots_refused``); ``admit_snapshot_request`` is where a pair treats an ICANHAZ as
+the client's vote, and ``serving`` what its HUGZ say about it (``serving=0``).
 """
 from __future__ import annotations
 

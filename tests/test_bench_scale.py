@@ -29,7 +29,7 @@ def test_single_shard_runs_pubsub_beside_the_forwarding_loop(procs, tmp_path):
     _check_ceilings(s["ceilings"])
     names = {t["name"] for t in data["targets"]}
     assert {"server / ceiling (medians)",
-            "server / forwarding loop, issue 7 (medians)"} <= names
+            "server / forwarding loop (medians)"} <= names
 
 
 def test_scaleout_measures_every_shard_count_for_servers_and_forwarders(procs, tmp_path):
@@ -73,6 +73,6 @@ def test_latency_runs_open_loop_at_fractions_of_the_same_run_max(procs, tmp_path
         assert set(p["latency_ms"]) == {"p50", "p90", "p99", "p99.9", "max"}
         assert all(set(v) == SPREAD_KEYS for v in p["latency_ms"].values())
         assert p["latency_ms"]["p99"]["median"] >= p["latency_ms"]["p50"]["median"] > 0
-        assert p["writer_drops"] >= 0
+        assert isinstance(p["writer_drops"], int)  # present, a count
     _check_ceilings(s["ceilings"])
     assert any(t["name"].startswith("server p99 at half") for t in data["targets"])

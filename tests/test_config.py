@@ -361,7 +361,7 @@ def test_shipped_loopback_configs_plan_on_this_host(name):
 
 
 def test_shipped_16core_scale_config_gives_every_server_a_core_of_its_own():
-    """configs/16core-scale.yaml (issue 7's scale test): primaries on cores 0-5, backups on
+    """configs/16core-scale.yaml (the scale test's config): primaries on cores 0-5, backups on
     6-11, nothing on 12-15 (the load generator's cores)."""
     the_plan = plan(load_config(ROOT / "configs" / "16core-scale.yaml"), load_host_facts(FACTS_16))
     assert len(the_plan.shards) == 6

@@ -69,7 +69,7 @@ def test_handoff_smoke_record(procs, tmp_path):
         assert r["updates"] == 150
         assert r["received"] == 150 and r["complete"], r
         assert r["delivered_per_s"] > 0 and r["work_us"] > 0
-        assert r["max_lag_seen_s"] >= 0 and r["watch_error"] is None
+        assert isinstance(r["max_lag_seen_s"], float) and r["watch_error"] is None
         assert r["subscriber_cpu_pct"] > 0
     summary = record["summary"]
     assert summary["all_complete"] is True

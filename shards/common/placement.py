@@ -33,7 +33,7 @@ from shards.common.config import (PORTS_PER_SERVER, ROLES, WILDCARD, ClusterConf
                                format_cores, load_config)
 from shards.common.hostfacts import HostFacts, local_host_facts, probe_port
 
-# What each of a server's ports P..P+3 carries (ARCHITECTURE.md, "Processes").
+# What each of a server's ports P..P+3 carries.
 PORT_NAMES = ("snapshot", "updates", "collector", "peer")
 
 
@@ -88,7 +88,7 @@ class ShardPlan:
 @dataclass(frozen=True)
 class RoutingParams:
     """What a router needs besides addresses: the shard count and each shard's pinned
-    prefixes, in shard index order (ARCHITECTURE.md, "Routing")."""
+    prefixes, in shard index order (see shards.common.routing)."""
 
     shard_count: int
     prefixes: tuple[tuple[str, ...], ...]

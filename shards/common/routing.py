@@ -1,6 +1,6 @@
 """Which shard owns a key: the one routing function shared by clients, servers and tools.
 
-The rule (ARCHITECTURE.md, "Routing"), version ``ROUTING_VERSION`` = 1::
+The rule, version ``ROUTING_VERSION`` = 1::
 
     1. pinned prefixes: the longest pinned prefix that starts the key wins;
     2. otherwise   jump_consistent_hash(blake2b-64(routing segment), shard count)

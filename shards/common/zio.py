@@ -1,12 +1,13 @@
 """ZeroMQ sockets inside an asyncio loop: fast frame I/O and a capped-batch reader.
 
-Why this exists (measured here, pyzmq 27, 5-frame ~130-byte messages):
+Why this exists (the figures are in the README's *Performance* section, measured by the
+benchmarks, not here):
 
-* ``send_multipart`` ~7 us, ``recv_multipart`` ~6 us per message: mostly Python-side
-  flag handling. The backend calls below cost ~1 us (send) and ~3.5 us (recv, checking
-  ``Frame.more`` so a short message can never be merged with the next one).
-* ``zmq.asyncio`` awaits one message at a time (~5x slower than draining in batches), and
-  draining until EAGAIN starves the loop's timers. ``AsyncSocket`` drains up to ``batch``
+* ``send_multipart``/``recv_multipart`` spend most of their time in Python-side flag
+  handling; the backend calls below are several times cheaper. ``recv_frames`` checks
+  ``Frame.more`` on every frame, so a short message can never be merged with the next.
+* ``zmq.asyncio`` awaits one message at a time (much slower than draining in batches),
+  and draining until EAGAIN starves the loop's timers. ``AsyncSocket`` drains up to ``batch``
   messages per wake-up, then yields with ``call_soon``.
 
 ZeroMQ's ``FD`` is edge-triggered: it signals that ``EVENTS`` *may* have changed, and any
