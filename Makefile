@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run demo test bench clean venv
+.PHONY: run demo test test-unit bench clean venv
 
 venv: $(STAMP)
 
@@ -22,6 +22,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q -m unit
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

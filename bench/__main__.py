@@ -175,7 +175,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                     choices=[*ORDER, "report", *ALIASES],
                     help=f"run only this scenario (repeatable): {', '.join(ORDER)}, report "
                          "(without --only: all of them, then report)")
-    ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
+    ap.add_argument("--results-dir", default=None,
+                    help=f"where records go (default {rec.RESULTS_DIR}; with --smoke "
+                         f"{rec.SCRATCH_DIR}, so smoke figures never replace the committed "
+                         "ones)")
     return ap
 
 
@@ -188,6 +191,8 @@ def _status(result) -> int:
 def parse_all(argv: list[str], prog: str) -> argparse.Namespace:
     args = build_parser(prog).parse_args(argv)
     args.profile = "full" if args.full else "smoke" if args.smoke else "quick"
+    if args.results_dir is None:
+        args.results_dir = str(rec.SCRATCH_DIR if args.smoke else rec.RESULTS_DIR)
     args.names = ([ALIASES.get(n, n) for n in args.only] if args.only
                   else [*ORDER, "report"])
     return args

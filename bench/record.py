@@ -33,6 +33,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
+"""Committed: ``latest/`` (one record per benchmark), the report and its plots. The
+timestamped copies a save also writes there are the local history (not committed)."""
+SCRATCH_DIR = RESULTS_DIR / "scratch"
+"""Where smoke runs go (not committed): never over the committed figures."""
 SCHEMA = 1
 
 

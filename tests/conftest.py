@@ -20,6 +20,31 @@ from shards.common.ports import free_port_base as _free_port_base
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
+# ------------------------------------------------------------------ kinds of test
+UNIT = {"test_broker_core", "test_bstar", "test_bstar_ttl", "test_chp_codec",
+        "test_client_machine", "test_drops", "test_mdp_codec", "test_pending", "test_policy",
+        "test_routing", "test_store"}
+"""Pure: no sockets, no processes, no zmq (``make test-unit``)."""
+BENCH = {"test_bench_load", "test_bench_report", "test_bench_scale", "test_bench_scenarios",
+         "test_bench_smoke", "test_handoff", "test_mdp_bench_smoke"}
+"""Smoke runs of the benchmarks. Every other test module is ``integration``: real
+sockets, real processes."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test ``unit``, ``bench`` or ``integration`` by its module (one table,
+    above); a unit module that imports zmq is refused."""
+    for item in items:
+        name = item.module.__name__.rpartition(".")[2]
+        if name in UNIT:
+            if "zmq" in vars(item.module):
+                raise pytest.UsageError(f"{name} is listed as a unit test but imports zmq")
+            item.add_marker(pytest.mark.unit)
+        elif name in BENCH:
+            item.add_marker(pytest.mark.bench)
+        else:
+            item.add_marker(pytest.mark.integration)
+
 
 _used_ranges: list[tuple[int, int]] = []
 RANGE_GAP = 20
