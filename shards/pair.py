@@ -38,7 +38,8 @@ Active side: a ``BSTAR-TTL?`` request on P (``shards.replica``) is answered with
 absolute expiry times, so a passive's snapshot keeps its TTLs: a point-in-time copy of
 the store's expiry index (one C-level copy, ~25 ms per million TTL keys) streamed in
 chunks of ``bstar_ttl.CHUNK_ENTRIES``, one chunk per peer per loop turn, so collecting
-and publishing go on between chunks (``TtlStreams``; the frames are in
+and publishing go on between chunks (``TtlStream`` on a ``shards.streams.StreamPump``, the
+same pump that streams snapshots; the frames are in
 ``shards.common.proto.bstar_ttl``). A full pipe pauses the stream; a peer that accepts nothing
 for ``snapshot_stall_s``, or has gone, is dropped (the passive's sync deadline restarts
 it), and a server that stops being active drops its streams.
@@ -61,7 +62,8 @@ from shards.pending import MAX_AGE_S, MAX_ENTRIES, PendingTable
 from shards.common.proto import bstar as wire
 from shards.common.proto import bstar_ttl, chp
 from shards.replica import Follower
-from shards.server import SNAPSHOT_PAUSE_S, ServerConfig, ShardServer
+from shards import streams
+from shards.server import ServerConfig, ShardServer
 from shards.store import Store, ttl_props
 
 log = logging.getLogger("shards.pair")
@@ -77,6 +79,9 @@ def pending_grace_s(heartbeat_s: float) -> float:
     last KVPUB/HUGZ is stale (the active had time to publish it) and is dropped: two
     heartbeats, at least ``PENDING_GRACE_MIN_S`` (an active under load publishes late)."""
     return max(PENDING_GRACE_HEARTBEATS * heartbeat_s, PENDING_GRACE_MIN_S)
+TTL_STREAMS_MAX = 4
+"""BSTAR-TTL tables streamed at once: a peer's second request replaces its first; more
+peers than this (there is normally one) drop the oldest."""
 FATAL_LINGER_BEATS = 2
 """After a same-role fatal, the state is still published this many heartbeats."""
 
@@ -101,103 +106,40 @@ def _strip_ttl(props: bytes) -> bytes:
     return b"".join(line + b"\n" for line in lines)
 
 
-class _TtlStream:
-    """One BSTAR-TTL table being streamed to one peer."""
+class TtlStream:
+    """One BSTAR-TTL table streamed to one passive peer (a ``shards.streams`` stream):
+    a point-in-time copy of the expiry index (never mutated later, so an iterator over it
+    can span loop turns), one chunk per turn."""
 
-    __slots__ = ("seq", "generation", "entries", "left", "progress_s", "frames")
+    __slots__ = ("identity", "seq", "generation", "entries", "left", "frames", "counters")
 
-    def __init__(self, seq: int, expiries: dict[bytes, float], now: float,
-                 generation: str = ""):
+    def __init__(self, identity: bytes, seq: int, expiries: dict[bytes, float],
+                 generation: str, counters: dict[str, int]):
+        self.identity = identity
         self.seq = seq
         self.generation = generation
         self.entries = iter(expiries.items())
         self.left = len(expiries)
-        self.progress_s = now
         self.frames: list[bytes] | None = None
         """The next chunk, encoded and not yet accepted by the pipe."""
+        self.counters = counters
 
-    def next_frames(self) -> list[bytes]:
+    def send_some(self, sock: zmq.Socket) -> str:
         if self.frames is None:
             chunk = list(itertools.islice(self.entries, bstar_ttl.CHUNK_ENTRIES))
             self.left -= len(chunk)
             self.frames = bstar_ttl.encode_chunk(self.seq, chunk, last=self.left <= 0,
                                                  generation=self.generation)
-        return self.frames
+        try:
+            zio.send_frames(sock, [self.identity, *self.frames])
+        except zmq.Again:  # the peer's pipe is full: the pump retries, or abandons
+            return streams.BLOCKED
+        self.frames = None
+        self.counters["chunks"] += 1
+        return streams.DONE if self.left <= 0 else streams.PROGRESS
 
-
-class TtlStreams:
-    """BSTAR-TTL replies being streamed by the active, one per passive peer (see the
-    module doc). ``start`` takes the copy; ``pump`` sends one chunk per stream and is
-    rescheduled on the loop until every stream is done."""
-
-    MAX_STREAMS = 4
-    """A second request from the same peer replaces its stream; more peers than this
-    (there is normally one) drop the oldest."""
-
-    def __init__(self, server: "PairServer"):
-        self.server = server
-        self.streams: dict[bytes, _TtlStream] = {}
-        self._handle: asyncio.Handle | None = None
-        self.counters = dict.fromkeys(("tables", "chunks", "abandoned", "unreachable"), 0)
-
-    def start(self, identity: bytes, seq: int, expiries: dict[bytes, float],
-              now: float, generation: str = "") -> None:
-        """``expiries``: the point-in-time copy at sequence ``seq`` (never mutated later,
-        so an iterator over it can span loop turns); ``generation``: the map's."""
-        self.streams.pop(identity, None)
-        while len(self.streams) >= self.MAX_STREAMS:
-            self.streams.pop(next(iter(self.streams)))
-            self.counters["abandoned"] += 1
-        self.streams[identity] = _TtlStream(seq, expiries, now, generation)
-        self.counters["tables"] += 1
-        self._schedule(0.0)
-
-    def clear(self) -> None:
-        self.streams.clear()
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-    def _schedule(self, delay_s: float) -> None:
-        if self._handle is None:
-            loop = self.server.loop
-            self._handle = (loop.call_soon(self.pump) if delay_s <= 0
-                            else loop.call_later(delay_s, self.pump))
-
-    def pump(self) -> None:
-        self._handle = None
-        server = self.server
-        if not server.active:
-            self.clear()
-            return
-        now = server.loop.time()
-        stall_s = server.config.snapshot_stall_s
-        progressed = blocked = False
-        for identity, stream in list(self.streams.items()):
-            try:
-                zio.send_frames(server._router_sock, [identity, *stream.next_frames()])
-            except zmq.Again:  # the peer's pipe is full: retry later, unless it stalled
-                if now - stream.progress_s > stall_s:
-                    del self.streams[identity]
-                    self.counters["abandoned"] += 1
-                    server.drops.drop("ttl_table_stalled", f"BSTAR-TTL to {identity!r}: "
-                                                           f"nothing accepted for {stall_s:g} s")
-                else:
-                    blocked = True
-                continue
-            except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer has gone
-                del self.streams[identity]
-                self.counters["unreachable"] += 1
-                server.drops.drop("ttl_table_unsent", f"BSTAR-TTL to {identity!r}: {exc}")
-                continue
-            self.counters["chunks"] += 1
-            progressed = True
-            stream.frames, stream.progress_s = None, now
-            if stream.left <= 0:
-                del self.streams[identity]
-        server._router.kick()
-        if self.streams:
-            self._schedule(0.0 if progressed or not blocked else SNAPSHOT_PAUSE_S)
+    def close(self) -> None:
+        self.entries = iter(())
 
 
 class PairServer(ShardServer):
@@ -230,7 +172,9 @@ class PairServer(ShardServer):
         if sync_timeout_s is None:
             sync_timeout_s = max(2.0, 10 * config.heartbeat_s)
         self.follower = Follower(self, peer[0], peer[1], sync_timeout_s=sync_timeout_s)
-        self.ttl_streams = TtlStreams(self)
+        self.ttl_streams: streams.StreamPump | None = None
+        """BSTAR-TTL replies being streamed (made in start(), on the loop)."""
+        self.ttl_counters = dict.fromkeys(("tables", "chunks"), 0)
 
     @property
     def peer_text(self) -> str:
@@ -259,6 +203,10 @@ class PairServer(ShardServer):
             wire.Role.PRIMARY if self.role == "primary" else wire.Role.BACKUP, now,
             heartbeat_s=self.config.heartbeat_s, shard=self.shard,
             split_brain_survivor=self.split_brain_survivor)
+        self.ttl_streams = streams.StreamPump(
+            self.loop, self._router_sock, self._router.kick,
+            stall_s=self.config.snapshot_stall_s, max_active=TTL_STREAMS_MAX, evict=True,
+            name="BSTAR-TTL table")
         self._state_sub = zio.AsyncSocket(self._state_sub_sock, self.on_peer_state, batch=64,
                                           loop=self.loop, name="peer state")
         self.follower.open()
@@ -269,7 +217,8 @@ class PairServer(ShardServer):
             self._tick_handle.cancel()
             self._tick_handle = None
         self.follower.close()
-        self.ttl_streams.clear()
+        if self.ttl_streams is not None:
+            self.ttl_streams.clear()
         if self._state_sub is not None:
             self._state_sub.close(linger=0)
             self._state_sub = None
@@ -438,12 +387,14 @@ class PairServer(ShardServer):
 
     def on_ttl_request(self, identity: bytes) -> None:
         """A passive peer's BSTAR-TTL?: the absolute expiry times at this sequence,
-        streamed in chunks (``TtlStreams``)."""
+        streamed in chunks (``TtlStream``)."""
         if not self.active:
             self.snapshots_refused += 1
             return
-        self.ttl_streams.start(identity, self.store.seq, self.store.expiries(), self.loop.time(),
-                               self.generation)
+        self.ttl_counters["tables"] += 1
+        seq, expiries = self.store.seq, self.store.expiries()
+        self.ttl_streams.add(identity, lambda: TtlStream(identity, seq, expiries,
+                                                         self.generation, self.ttl_counters))
 
     def on_collect(self, frames: list[bytes]) -> None:
         """Active: the CHP server's path. Otherwise: keep the KVSET pending by UUID."""
@@ -471,6 +422,12 @@ class PairServer(ShardServer):
         update = [kvset.key, chp.SEQ_ZERO, kvset.uuid, props, kvset.value]
         self.pending.add(kvset.uuid, update, self.loop.time())
 
+    def _ttl_stats(self) -> dict:
+        pump = self.ttl_streams
+        if pump is None:
+            return {"active": 0, **self.ttl_counters}
+        return {"active": len(pump.active), **self.ttl_counters, **pump.counters}
+
     def stats(self) -> dict:
         out = super().stats()
         m = self.machine
@@ -493,7 +450,6 @@ class PairServer(ShardServer):
             "pending_stale": self.pending_stale,
             "pending_counters": dict(self.pending.counters),
             "replica": self.follower.stats(),
-            "ttl_streams": {"active": len(self.ttl_streams.streams),
-                            **self.ttl_streams.counters},
+            "ttl_streams": self._ttl_stats(),
         })
         return out

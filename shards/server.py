@@ -9,14 +9,14 @@ Handlers, one per event, none blocking:
 * ``on_collect``: a KVSET (drained in capped batches by ``zio.AsyncSocket``) is checked,
   applied to the ``Store`` and republished as a KVPUB with the next sequence, UUID and
   properties echoed (a ``ttl`` adds ``expires=<epoch s>``; see ``store.ttl_props``).
-* ``on_snapshot_request``: an ICANHAZ opens a point-in-time ``SnapshotCursor`` (or waits
-  in a bounded queue); ``_pump`` streams at most ``snapshot_chunk`` KVSYNCs per
-  requester per loop turn, round-robin, then KTHXBAI. Every KVSYNC carries the cursor's
-  sequence (the spec gives it no meaning; this way "the highest sequence of the KVSYNCs
-  sent" is exactly KTHXBAI's). A full pipe (``zmq.Again``: ROUTER_MANDATORY) pauses only
-  that requester, retried after ``SNAPSHOT_PAUSE_S``; one that makes no progress for
-  ``snapshot_stall_s`` is abandoned, one that disconnected (EHOSTUNREACH) is dropped;
-  both are counted.
+* ``on_snapshot_request``: an ICANHAZ becomes a ``SnapshotStream`` on the server's
+  ``shards.streams.StreamPump`` (or waits in its bounded queue): a point-in-time
+  ``SnapshotCursor``, at most ``snapshot_chunk`` KVSYNCs per requester per loop turn,
+  round-robin, then KTHXBAI. Every KVSYNC carries the cursor's sequence (the spec gives
+  it no meaning; this way "the highest sequence of the KVSYNCs sent" is exactly
+  KTHXBAI's). The pump's rules apply: a full pipe pauses only that requester, one that
+  makes no progress for ``snapshot_stall_s`` is abandoned, one that disconnected
+  (EHOSTUNREACH) is dropped; both are counted.
 * ``on_ttl_tick``: a timer armed (``call_at``) for the earliest expiry in the store's heap
   deletes due keys and publishes each as a KVPUB with an empty value, empty UUID and
   empty properties.
@@ -55,7 +55,6 @@ the client's vote, and ``serving`` what its HUGZ say about it (``serving=0``).
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
 import time
@@ -65,6 +64,7 @@ import psutil
 import zmq
 from zmq.backend import Socket as _BackendSocket
 
+from shards import streams
 from shards.common import zio
 from shards.common.drops import DropCounter
 from shards.common.errors import PortInUse, ProtocolError
@@ -79,8 +79,6 @@ CLOCK_S = 0.5
 """A HUGZ carrying the server clock (ts, seq) at least this often, busy or idle."""
 SNAPSHOT_CHUNK = 256
 """KVSYNCs sent to one requester per loop turn (between two collector batches)."""
-SNAPSHOT_PAUSE_S = 0.001
-"""Retry delay for a requester whose pipe is full."""
 SNAPSHOT_STALL_S = 30.0
 """A requester that accepts nothing for this long is abandoned."""
 MAX_ACTIVE_SNAPSHOTS = 16
@@ -98,7 +96,6 @@ _NOBLOCK = zmq.NOBLOCK
 _MORE = zmq.NOBLOCK | zmq.SNDMORE
 _pack_seq = chp.pack_seq
 _RESERVED = chp.RESERVED_KEYS
-_EHOSTUNREACH = zmq.EHOSTUNREACH
 
 
 def new_generation() -> str:
@@ -135,22 +132,76 @@ class ServerConfig:
         return f"tcp://{self.host}:{self.port + offset}"
 
 
-class _Requester:
-    """One snapshot being streamed to one ROUTER peer."""
+class SnapshotStream:
+    """One snapshot being streamed to one ROUTER peer (a ``shards.streams`` stream):
+    KVSYNCs from a point-in-time cursor, ``chunk`` per turn, then KTHXBAI."""
 
-    __slots__ = ("identity", "subtree", "cursor", "seq_frame", "pending", "pos",
-                 "last_progress_s", "retry_at_s", "sent")
+    __slots__ = ("identity", "subtree", "cursor", "seq_frame", "pending", "pos", "chunk",
+                 "sent", "server")
 
-    def __init__(self, identity: bytes, subtree: bytes, cursor, now_s: float):
+    def __init__(self, server: "ShardServer", identity: bytes, subtree: bytes):
+        self.server = server
         self.identity = identity
         self.subtree = subtree
-        self.cursor = cursor
-        self.seq_frame = _pack_seq(cursor.seq)
+        self.cursor = server.store.open_snapshot(subtree)
+        self.seq_frame = _pack_seq(self.cursor.seq)
         self.pending: list[tuple[bytes, bytes]] = []
         self.pos = 0
-        self.last_progress_s = now_s
-        self.retry_at_s = 0.0
+        self.chunk = server.config.snapshot_chunk
         self.sent = 0
+
+    def close(self) -> None:
+        self.cursor.close()
+
+    def send_some(self, sock: zmq.Socket) -> str:
+        """Up to ``chunk`` KVSYNCs (then KTHXBAI); EHOSTUNREACH goes to the pump."""
+        identity, seq_frame, cursor = self.identity, self.seq_frame, self.cursor
+        budget = self.chunk
+        pending, pos = self.pending, self.pos
+        sent = fetched = 0
+        outcome = streams.BLOCKED
+        send, more, last, empty = _send, _MORE, _NOBLOCK, b""
+        i = pos
+        try:
+            while sent < budget:
+                if pos >= len(pending):
+                    if cursor.done:
+                        _send(sock, identity, _MORE)
+                        zio.send_frames5(sock, chp.KTHXBAI, seq_frame, b"", b"",
+                                         self.subtree)
+                        outcome = streams.DONE
+                        break
+                    if fetched >= 8:  # a sparse subtree: examined enough keys this turn
+                        outcome = streams.PROGRESS
+                        break
+                    pending = cursor.next_chunk(budget * 4)
+                    pos = i = 0
+                    fetched += 1
+                    continue
+                stop = min(len(pending), pos + budget - sent)
+                while i < stop:  # the hot loop: one KVSYNC per turn, nothing else
+                    key, value = pending[i]
+                    send(sock, identity, more)  # Again / EHOSTUNREACH come only from here
+                    send(sock, key, more)
+                    send(sock, seq_frame, more)
+                    send(sock, empty, more)
+                    send(sock, empty, more)
+                    send(sock, value, last)
+                    i += 1
+                sent += i - pos
+                pos = i
+        except zmq.Again:
+            sent += i - pos
+            pos = i
+        finally:
+            self.pending, self.pos = pending, pos
+            self.sent += sent
+            self.server.kvsync_sent += sent
+        if outcome == streams.DONE:
+            log.debug("snapshot of %d keys under %r at seq %d sent to %r", self.sent,
+                      self.subtree, cursor.seq, identity)
+            return outcome
+        return streams.PROGRESS if (sent or fetched) else outcome
 
 
 class ShardServer:
@@ -185,10 +236,8 @@ class ShardServer:
         if owner_map is not None and (owner_map.shards > 1 or config.shard_index != 0):
             self.owner_cache = OwnerCache(owner_map, config.shard_index)
         self._owned_slots = self.owner_cache.slots if self.owner_cache else None
-        # snapshots
-        self._serving: dict[bytes, _Requester] = {}
-        self._waiting: collections.deque[tuple[bytes, bytes]] = collections.deque()
-        self._pump_handle: asyncio.Handle | None = None
+        # snapshots: streamed by a StreamPump (made in start(), on the loop)
+        self.snapshots: streams.StreamPump | None = None
         # timers
         self._ttl_handle: asyncio.TimerHandle | None = None
         self._ttl_when: float | None = None
@@ -198,9 +247,6 @@ class ShardServer:
         self._clock_at = 0.0
         # counters
         self.started_s = time.monotonic()
-        self.snapshots_served = 0
-        self.snapshots_abandoned = 0
-        self.snapshots_unreachable = 0
         self.snapshots_refused = 0
         self.kvsync_sent = 0
         self.ttl_expired = 0
@@ -255,6 +301,11 @@ class ShardServer:
         self.started_s = time.monotonic()
         self._router = zio.AsyncSocket(self._router_sock, self.on_snapshot_request,
                                        batch=256, loop=loop, name="snapshot")
+        cfg = self.config
+        self.snapshots = streams.StreamPump(
+            loop, self._router_sock, self._router.kick, stall_s=cfg.snapshot_stall_s,
+            max_active=cfg.max_active_snapshots, max_waiting=cfg.max_waiting_snapshots,
+            name="snapshot")
         self._collector = zio.AsyncSocket(self._collector_sock, self.on_collect,
                                           batch=self.config.collect_batch, loop=loop,
                                           name="collector")
@@ -269,16 +320,14 @@ class ShardServer:
 
     def close(self) -> None:
         """Stop timers and close every socket with linger 0. Idempotent."""
-        for handle in (self._beat_handle, self._ttl_handle, self._pump_handle,
-                       self._welcome_handle, self._sub_check_handle):
+        for handle in (self._beat_handle, self._ttl_handle, self._welcome_handle,
+                       self._sub_check_handle):
             if handle is not None:
                 handle.cancel()
-        self._beat_handle = self._ttl_handle = self._pump_handle = None
+        self._beat_handle = self._ttl_handle = None
         self._welcome_handle = self._sub_check_handle = None
-        for req in self._serving.values():
-            req.cursor.close()
-        self._serving.clear()
-        self._waiting.clear()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         for asock in (self._router, self._collector, self._pub_reader):
             if asock is not None:
                 asock.close(linger=0)
@@ -300,11 +349,8 @@ class ShardServer:
             # serving=0 asks for its snapshot on this HUGZ), after this turn's work
             if self.loop is not None and self._welcome_handle is None:
                 self._welcome_handle = self.loop.call_soon(self._send_welcome)
-        else:
-            for req in self._serving.values():
-                req.cursor.close()
-            self._serving.clear()
-            self._waiting.clear()
+        elif self.snapshots is not None:
+            self.snapshots.clear()
 
     def admit_snapshot_request(self) -> bool:
         """Whether an ICANHAZ is answered now (a Binary Star role adds the client vote)."""
@@ -476,148 +522,16 @@ class ShardServer:
         if not self.admit_snapshot_request():
             self.snapshots_refused += 1
             return
-        if len(self._waiting) >= self.config.max_waiting_snapshots:
-            self.drops.drop("snapshot_queue_full", f"{len(self._waiting)} requests wait")
-            return
-        self._waiting.append((identity, request.subtree))
-        self._admit_waiting()
-
-    def _admit_waiting(self) -> None:
-        """Open cursors for waiting requests, in order, while there is room; a peer's
-        second request waits until its first snapshot is complete."""
-        serving = self._serving
-        if not self._waiting or len(serving) >= self.config.max_active_snapshots:
-            return
-        now = self.loop.time()
-        kept: collections.deque[tuple[bytes, bytes]] = collections.deque()
-        while self._waiting:
-            identity, subtree = self._waiting.popleft()
-            if identity in serving or len(serving) >= self.config.max_active_snapshots:
-                kept.append((identity, subtree))
-                continue
-            cursor = self.store.open_snapshot(subtree)
-            serving[identity] = _Requester(identity, subtree, cursor, now)
-        self._waiting = kept
-        self._schedule_pump(0.0)
-
-    def _schedule_pump(self, delay_s: float) -> None:
-        if self._pump_handle is not None:
-            return
-        if delay_s <= 0.0:
-            self._pump_handle = self.loop.call_soon(self._pump)
-        else:
-            self._pump_handle = self.loop.call_later(delay_s, self._pump)
-
-    def _pump(self) -> None:
-        """One round-robin turn: up to ``snapshot_chunk`` messages to each ready requester."""
-        self._pump_handle = None
-        if not self._serving:
-            return
-        now = self.loop.time()
-        progressed = False
-        finished = []
-        next_retry = None
-        for req in list(self._serving.values()):
-            if req.retry_at_s > now:
-                next_retry = req.retry_at_s if next_retry is None else min(next_retry,
-                                                                          req.retry_at_s)
-                continue
-            outcome = self._send_some(req, now)
-            if outcome == "progress":
-                progressed = True
-            elif outcome == "blocked":
-                if now - req.last_progress_s > self.config.snapshot_stall_s:
-                    self.snapshots_abandoned += 1
-                    log.warning("abandoned a snapshot for %r after %d KVSYNC: no progress "
-                                "for %.1f s", req.identity, req.sent,
-                                self.config.snapshot_stall_s)
-                    finished.append(req)
-                else:
-                    req.retry_at_s = now + SNAPSHOT_PAUSE_S
-                    next_retry = req.retry_at_s if next_retry is None else min(
-                        next_retry, req.retry_at_s)
-            else:  # "done" or "gone"
-                finished.append(req)
-        self._router.kick()  # our sends may have consumed the edge-triggered FD signal
-        for req in finished:
-            req.cursor.close()
-            del self._serving[req.identity]
-        if finished:
-            self._admit_waiting()
-        if progressed:
-            self._schedule_pump(0.0)
-        elif next_retry is not None:
-            self._schedule_pump(max(0.0, next_retry - now))
-
-    def _send_some(self, req: _Requester, now: float) -> str:
-        """Send up to ``snapshot_chunk`` KVSYNCs (then KTHXBAI) to one requester.
-        Returns "progress", "blocked" (pipe full, nothing sent), "done" or "gone"."""
-        sock = self._router_sock
-        identity = req.identity
-        seq_frame = req.seq_frame
-        cursor = req.cursor
-        budget = self.config.snapshot_chunk
-        pending, pos = req.pending, req.pos
-        sent = fetched = 0
-        outcome = "blocked"
-        send, more, last, empty = _send, _MORE, _NOBLOCK, b""
-        i = pos
-        try:
-            while sent < budget:
-                if pos >= len(pending):
-                    if cursor.done:
-                        _send(sock, identity, _MORE)
-                        zio.send_frames5(sock, chp.KTHXBAI, seq_frame, b"", b"", req.subtree)
-                        self.snapshots_served += 1
-                        outcome = "done"
-                        break
-                    if fetched >= 8:  # a sparse subtree: examined enough keys this turn
-                        outcome = "progress"
-                        break
-                    pending = cursor.next_chunk(budget * 4)
-                    pos = i = 0
-                    fetched += 1
-                    continue
-                stop = min(len(pending), pos + budget - sent)
-                while i < stop:  # the hot loop: one KVSYNC per turn, nothing else
-                    key, value = pending[i]
-                    send(sock, identity, more)  # Again / EHOSTUNREACH come only from here
-                    send(sock, key, more)
-                    send(sock, seq_frame, more)
-                    send(sock, empty, more)
-                    send(sock, empty, more)
-                    send(sock, value, last)
-                    i += 1
-                sent += i - pos
-                pos = i
-        except zmq.Again:
-            sent += i - pos
-            pos = i
-        except zmq.ZMQError as exc:
-            if exc.errno != _EHOSTUNREACH:
-                raise
-            sent += i - pos
-            pos = i
-            self.snapshots_unreachable += 1
-            log.info("snapshot peer %r went away after %d KVSYNC", identity, req.sent + sent)
-            outcome = "gone"
-        req.pending, req.pos = pending, pos
-        self.kvsync_sent += sent
-        req.sent += sent
-        if outcome == "done":
-            log.debug("snapshot of %d keys under %r at seq %d sent to %r", req.sent,
-                      req.subtree, cursor.seq, identity)
-            return outcome
-        if sent or fetched:
-            req.last_progress_s = now
-            if outcome == "blocked":
-                outcome = "progress"
-        return outcome
+        if not self.snapshots.add(identity, lambda: SnapshotStream(self, identity,
+                                                                  request.subtree)):
+            self.drops.drop("snapshot_queue_full", f"{len(self.snapshots.waiting)} "
+                                                   "requests wait")
 
     # ================================================================ stats
     def stats(self) -> dict:
         """Counters for the control plane (JSON-able)."""
         store = self.store
+        pump = self.snapshots
         drops = dict(self.drops.counts)
         return {
             "role": self.role,
@@ -631,11 +545,11 @@ class ShardServer:
             "updates": store.seq - self.ttl_expired,
             "ttl_keys": store.ttl_keys,
             "ttl_expired": self.ttl_expired,
-            "snapshots_served": self.snapshots_served,
-            "snapshots_active": len(self._serving),
-            "snapshots_waiting": len(self._waiting),
-            "snapshots_abandoned": self.snapshots_abandoned,
-            "snapshots_unreachable": self.snapshots_unreachable,
+            "snapshots_served": pump.counters["done"] if pump is not None else 0,
+            "snapshots_active": len(pump.active) if pump is not None else 0,
+            "snapshots_waiting": len(pump.waiting) if pump is not None else 0,
+            "snapshots_abandoned": pump.counters["abandoned"] if pump is not None else 0,
+            "snapshots_unreachable": pump.counters["unreachable"] if pump is not None else 0,
             "snapshots_refused": self.snapshots_refused,
             "kvsync_sent": self.kvsync_sent,
             "hugz_sent": self.hugz_sent,
