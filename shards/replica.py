@@ -6,7 +6,10 @@ and owns two sockets on its loop:
     DEALER -> the active's P     BSTAR-TTL? and ICANHAZ? "" (the whole map)
     SUB    -> the active's P+1   KVPUB, HUGZ (subscribed to everything, connected at start)
 
-Synchronisation (``start_sync``), a state with a deadline, never a blocking loop:
+The rules are the pure machine ``shards.replica_machine`` (phases, the T..S check,
+deadlines, retries); this module is its I/O shell: sockets, the buffer, the TTL table and
+the store being built. Synchronisation (``start_sync``), a state with a deadline, never a
+blocking loop:
 
 1. Every KVPUB heard from now on is buffered (bounded: ``buffer_max``) and its UUID
    confirmed in the owner's pending table. The pending table was emptied just before:
@@ -43,6 +46,7 @@ import zmq
 from shards.common import zio
 from shards.common.drops import DropCounter
 from shards.common.errors import ProtocolError
+from shards import replica_machine as rm
 from shards.common.proto import bstar_ttl, chp
 from shards.pending import PendingTable
 from shards.server import ServerConfig
@@ -86,7 +90,8 @@ class ReplicaOwner(Protocol):
 
 
 class Follower:
-    """Keeps ``owner.store`` a replica of the active peer's map (see the module doc)."""
+    """Keeps ``owner.store`` a replica of the active peer's map: the I/O shell around
+    ``shards.replica_machine`` (see the module doc)."""
 
     def __init__(self, owner: ReplicaOwner, peer_host: str, peer_port: int, *,
                  sync_timeout_s: float, buffer_max: int = BUFFER_MAX):
@@ -95,17 +100,17 @@ class Follower:
         self.updates_endpoint = f"tcp://{peer_host}:{peer_port + 1}"
         self.sync_timeout_s = sync_timeout_s
         self.buffer_max = buffer_max
-        self.phase = "idle"            # idle | syncing | live
+        self.state = rm.State(rm.Config(sync_timeout_s=sync_timeout_s,
+                                        retry_s=owner.config.heartbeat_s))
         self._sub: zio.AsyncSocket | None = None
         self._dealer: zio.AsyncSocket | None = None
         self._buffer: list[chp.Kvpub] = []
         self._building: Store | None = None
-        self._ttl_seq: int | None = None
         self._ttl_table: dict[bytes, float] = {}
         self._generation = ""
         """The active's map generation, from its TTL table (taken over at the end)."""
-        self._deadline = 0.0
-        self._retry_at: float | None = None
+        self._last_reply = 0.0
+        self._now = 0.0
         self.counters = dict.fromkeys(
             ("syncs_started", "syncs_done", "sync_timeouts", "sync_retries", "gaps",
              "duplicates", "applied", "hugz", "hugz_not_serving", "ignored_while_idle",
@@ -113,6 +118,10 @@ class Follower:
             0)
         self.last_heard = 0.0
         self._taking_over = False
+
+    @property
+    def phase(self) -> str:
+        return self.state.phase
 
     # ------------------------------------------------------------------ sockets
     def open(self) -> None:
@@ -136,18 +145,46 @@ class Follower:
             self._dealer.close(linger=0)
             self._dealer = None
 
-    # ------------------------------------------------------------------ control
-    def start_sync(self, now: float) -> None:
-        """Start (or restart) a full synchronisation from the active."""
+    # ------------------------------------------------------------------ machine
+    def _dispatch(self, event, now: float) -> None:
+        self._now = now
+        self.state, effects = rm.step(self.state, event, now)
+        for effect in effects:
+            match effect:
+                case rm.OpenSync():
+                    self._open_sync()
+                case rm.RequestSnapshot():
+                    self._building = Store()
+                    self._dealer.send(chp.icanhaz(b""))
+                case rm.Install(ttl_seq=ttl_seq, snap_seq=snap_seq):
+                    self._install(ttl_seq, snap_seq)
+                case rm.Abandon(reason=reason, timeout=timeout):
+                    self.counters["sync_retries"] += 1
+                    if timeout:
+                        self.counters["sync_timeouts"] += 1
+                    log.warning("shard %s: replica sync restarts: %s (%s)", self.owner.shard,
+                                reason, self.snapshot_endpoint)
+                    self._drop_sync()
+                case rm.StopFollowing(incomplete=incomplete):
+                    if incomplete:
+                        log.warning("shard %s: taking over before the replica was complete "
+                                    "(%s)", self.owner.shard, self.snapshot_endpoint)
+                    self._drop_sync()
+                case _:
+                    raise TypeError(f"not a replica effect: {effect!r}")
+
+    def _drop_sync(self) -> None:
         self._close_dealer()
-        self.phase = "syncing"
+        self._buffer = []
+        self._building = None
+
+    def _open_sync(self) -> None:
+        self._close_dealer()
         self.counters["syncs_started"] += 1
         self._buffer = []
         self._building = None
-        self._ttl_seq = None
         self._ttl_table = {}
         self._generation = ""
-        self._retry_at = None
         self.owner.reset_pending()
         sock = self.owner.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -155,42 +192,22 @@ class Follower:
         self._dealer = zio.AsyncSocket(sock, self.on_snapshot_reply, batch=1024,
                                        loop=self.owner.loop, name="peer snapshot")
         self._dealer.send(bstar_ttl.request())
-        self._deadline = now + self.sync_timeout_s
         log.info("shard %s: synchronising from the active at %s", self.owner.shard,
                  self.snapshot_endpoint)
 
+    # ------------------------------------------------------------------ control
+    def start_sync(self, now: float) -> None:
+        """Start (or restart) a full synchronisation from the active."""
+        self._dispatch(rm.StartSync(), now)
+
     def stop(self) -> None:
         """Stop following (this server is becoming active)."""
-        if self.phase == "syncing":
-            log.warning("shard %s: taking over before the replica was complete (%s)",
-                        self.owner.shard, self.snapshot_endpoint)
-        self.phase = "idle"
-        self._close_dealer()
-        self._buffer = []
-        self._building = None
-
-    def _restart_later(self, now: float, why: str) -> None:
-        """Start over after a short pause (one heartbeat), on a fresh DEALER."""
-        log.warning("shard %s: replica sync restarts: %s", self.owner.shard, why)
-        self.counters["sync_retries"] += 1
-        self._close_dealer()
-        self.phase = "syncing"
-        self._buffer = []
-        self._building = None
-        self._retry_at = now + self.owner.config.heartbeat_s
+        self._dispatch(rm.Stop(), self.owner.loop.time())
 
     def on_tick(self, now: float) -> None:
         """Called by the owner's timer: deadlines and delayed retries."""
-        if self.phase != "syncing":
-            return
-        if self._retry_at is not None:
-            if now >= self._retry_at:
-                self.start_sync(now)
-            return
-        if now > self._deadline:
-            self.counters["sync_timeouts"] += 1
-            self._restart_later(now, f"no reply from {self.snapshot_endpoint} for "
-                                     f"{self.sync_timeout_s:g} s")
+        if self.state.phase == rm.SYNCING:
+            self._dispatch(rm.Tick(self._last_reply), now)
 
     def drain(self) -> int:
         """Read and handle everything the SUB holds now (before taking over)."""
@@ -214,7 +231,8 @@ class Follower:
     def on_update(self, frames: list[bytes]) -> None:
         """A KVPUB or HUGZ from the active's P+1."""
         owner = self.owner
-        if self.phase == "idle":
+        state = self.state
+        if state.phase == rm.IDLE:
             self.counters["ignored_while_idle"] += 1
             return
         try:
@@ -235,28 +253,26 @@ class Follower:
             return
         self.last_heard = now
         owner.pending.confirm(msg.uuid, now)
-        if self.phase == "syncing":
+        if rm.buffering(state):
             if len(self._buffer) >= self.buffer_max:
-                self._restart_later(now, f"more than {self.buffer_max} updates while the "
-                                         "snapshot streamed")
+                self._dispatch(rm.BufferOverflow(self.buffer_max), now)
                 return
             self._buffer.append(msg)
             return
         self._apply(msg, now)
 
     def _apply(self, msg: chp.Kvpub, now: float) -> bool:
+        """The live rule (``replica_machine.check_seq``); False after a gap."""
         store = self.owner.store
-        if msg.seq <= store.seq:
+        verdict = rm.check_seq(store.seq, msg.seq)
+        if verdict == rm.DUPLICATE:
             self.counters["duplicates"] += 1
             return True
-        if msg.seq != store.seq + 1:
+        if verdict == rm.GAP:
             self.counters["gaps"] += 1
             log.warning("shard %s: gap in the active's stream: have %d, got %d",
                         self.owner.shard, store.seq, msg.seq)
-            if self._taking_over:
-                self.phase = "idle"  # what follows the gap cannot be applied
-                return False
-            self.start_sync(now)
+            self._dispatch(rm.Gap(store.seq, msg.seq, self._taking_over), now)
             return False
         store.apply(msg.key, msg.value, expires_of(msg.props) if msg.value else None)
         self.counters["applied"] += 1
@@ -264,70 +280,54 @@ class Follower:
 
     # ------------------------------------------------------------------ snapshot
     def on_snapshot_reply(self, frames: list[bytes]) -> None:
-        if self.phase != "syncing" or self._retry_at is not None:
+        state = self.state
+        if state.phase != rm.SYNCING or state.step == rm.RETRY:
             return
         owner = self.owner
-        now = owner.loop.time()
-        self._deadline = now + self.sync_timeout_s
+        now = self._last_reply = owner.loop.time()
         try:
             if frames and frames[0] == bstar_ttl.REPLY:
-                self._on_ttl_chunk(bstar_ttl.decode_chunk(frames), now)
+                chunk = bstar_ttl.decode_chunk(frames)
+                self._dispatch(rm.TtlChunk(chunk.seq, chunk.last), now)
+                if self.state.phase == rm.SYNCING and self.state.step != rm.RETRY:
+                    self._ttl_table.update(chunk.table)
+                    self._generation = chunk.generation or self._generation
+                    self.counters["ttl_chunks"] += 1
                 return
             reply = chp.decode_snapshot(frames, owner.config.limits)
         except ProtocolError as err:
             owner.drops.drop("peer_" + err.reason, f"from {self.snapshot_endpoint}: {err}")
-            self._restart_later(now, f"malformed snapshot reply ({err.reason})")
-            return
-        if self._building is None:
-            self._restart_later(now, "snapshot before the TTL table")
+            self._dispatch(rm.Malformed(err.reason), now)
             return
         if isinstance(reply, chp.Kvsync):
+            if not rm.accepts_snapshot(state):
+                self._dispatch(rm.SnapshotItem(), now)
+                return
             self.counters["kvsync"] += 1
             self._building.apply(reply.key, reply.value, self._ttl_table.get(reply.key))
             return
-        self._finish(reply.seq, now)
+        self._dispatch(rm.SnapshotDone(reply.seq, [m.seq for m in self._buffer]), now)
 
-    def _on_ttl_chunk(self, chunk: bstar_ttl.Chunk, now: float) -> None:
-        if self._building is not None:
-            self._restart_later(now, "a TTL chunk after the TTL table's last")
-            return
-        if self._ttl_seq is None:
-            self._ttl_seq = chunk.seq
-        elif chunk.seq != self._ttl_seq:
-            self._restart_later(now, f"TTL chunks of two tables ({self._ttl_seq}, {chunk.seq})")
-            return
-        self._ttl_table.update(chunk.table)
-        self._generation = chunk.generation or self._generation
-        self.counters["ttl_chunks"] += 1
-        if chunk.last:
-            self._building = Store()
-            self._dealer.send(chp.icanhaz(b""))
-
-    def _finish(self, snap_seq: int, now: float) -> None:
-        store, ttl_seq = self._building, self._ttl_seq
+    def _install(self, ttl_seq: int, snap_seq: int) -> None:
+        """``Install(T, S)``: the snapshot is whole and T+1..S were all heard."""
+        store = self._building
         # keys rewritten between the TTL table (T) and the snapshot (S)
-        between = [m for m in self._buffer if ttl_seq < m.seq <= snap_seq]
-        if len(between) != snap_seq - ttl_seq or any(
-                m.seq != ttl_seq + 1 + i for i, m in enumerate(between)):
-            self._restart_later(now, f"updates {ttl_seq + 1}..{snap_seq} not all heard "
-                                     f"({len(between)} buffered)")
-            return
-        for m in between:
-            value = store.get(m.key)
-            if value is not None:
-                store.apply(m.key, value, expires_of(m.props) if m.value else None)
+        for m in self._buffer:
+            if ttl_seq < m.seq <= snap_seq:
+                value = store.get(m.key)
+                if value is not None:
+                    store.apply(m.key, value, expires_of(m.props) if m.value else None)
         store.seq = snap_seq
         later = [m for m in self._buffer if m.seq > snap_seq]
         self._buffer = []
         self._building = None
         self._close_dealer()
         self.owner.replace_store(store, self._generation)
-        self.phase = "live"
         self.counters["syncs_done"] += 1
         log.info("shard %s: replica synchronised: %d keys at sequence %d (%d TTL keys)",
                  self.owner.shard, len(store), snap_seq, store.ttl_keys)
         for m in later:
-            if not self._apply(m, now):
+            if not self._apply(m, self._now):
                 return
 
     def stats(self) -> dict:

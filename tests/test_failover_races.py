@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from dataclasses import replace
 
 import pytest
 import zmq
@@ -21,6 +22,7 @@ import zmq
 from conftest import free_port_base
 from client import shard_machine as sm
 from client.agent import ShardAgent
+from shards import replica_machine as rm
 from shards.pair import PairServer
 from shards.common.proto import chp
 from shards.server import ServerConfig
@@ -66,7 +68,7 @@ def test_a_restarted_peers_welcome_hugz_is_not_the_actives_last_word():
     try:
         server.loop = loop
         follower = server.follower
-        follower.phase = "live"
+        follower.state = replace(follower.state, phase=rm.LIVE)
         follower.on_update(chp.hugz(1.0, 0, generation="aa"))  # the active, alive
         heard = follower.last_heard
         assert heard > 0
