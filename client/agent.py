@@ -48,14 +48,11 @@ HUGZ with its sequence. Properties that come with a key (KVPUB or KVSYNC) are ke
 per key (``props``, sparse). A snapshot whose every KVSYNC was malformed is not a
 success (``SnapshotRejected``).
 
-Lag (the guide's Suicidal Snail, with or without a subtree): our servers send a HUGZ
-with their clock (``ts``, ``seq``) every ``clock_s`` (0.5 s), busy or not. On each one
-read live (not replayed after a sync) the agent takes ``delay = time.time() - ts`` and
-keeps ``clock_offset_s``, the smallest delay seen from this server (reset on every
-``Connect``): that absorbs the clock offset between the hosts and the network's floor,
-so ``lag_s = delay - clock_offset_s`` is how much later than usual this client reads the
-stream. Above ``max_lag_s`` (None: off) the agent asks ``on_lag(agent, lag_s)`` (True:
-handled, e.g. policy "die") or resyncs (``FellBehind``), counted ``lagged``.
+Lag (the guide's Suicidal Snail, with or without a subtree): each clock HUGZ read live
+(not replayed after a sync) goes to the agent's ``LagMeter`` (``client.lag``, pure; reset
+on every ``Connect``). Above ``max_lag_s`` (None: off) the agent asks ``on_lag(agent,
+lag_s)`` (True: handled, e.g. policy "die") or resyncs (``FellBehind``), counted
+``lagged``. Writes awaiting their echo (``wait=True``) are ``client.echoes.Echoes``.
 """
 from __future__ import annotations
 
@@ -74,6 +71,8 @@ from shards.common.proto import chp
 from shards.common.zio import AsyncSocket
 from client import shard_machine as sm
 from client.collector import Collector, ServerAddress, parse_server
+from client.echoes import Echoes
+from client.lag import LagMeter
 from client.watch import WatchHub
 
 log = logging.getLogger(__name__)
@@ -228,11 +227,8 @@ class ShardAgent:
         self._sync_dropped = 0
         self._first_sync_error = ""
         self.snapshots_rejected = 0
-        self.clock_offset_s: float | None = None
-        """Smallest (time.time() - HUGZ ts) seen from the current server (see module)."""
-        self.lag_s = 0.0
-        """Lag at the last clock HUGZ read live."""
-        self.max_lag_seen_s = 0.0
+        self.lag = LagMeter()
+        """How far behind the publisher this client reads (``client.lag``)."""
         self.lagged = 0
         self.contiguous = not subtree
         self.state = sm.State(sm.Config(
@@ -285,8 +281,8 @@ class ShardAgent:
         self._live_timer: asyncio.TimerHandle | None = None
         self._tick_handle: asyncio.TimerHandle | None = None
         self._closed = False
-        self.waiters: dict[bytes, tuple[bytes, bytes, asyncio.Future]] = {}
-        """UUID -> (key, value, future) of writes awaiting their echo (``wait=True``)."""
+        self.echoes = Echoes()
+        """Writes awaiting their echo (``wait=True``): ``client.echoes``."""
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -317,9 +313,7 @@ class ShardAgent:
             self._tick_handle = None
         self._close_link()
         self._buffer.clear()
-        for _, _, fut in list(self.waiters.values()):
-            if not fut.done():
-                fut.set_exception(self._kept_error())
+        self.echoes.fail_all(self._kept_error())
         if not self._synced_event.is_set():
             self._synced_event.set()
 
@@ -356,10 +350,7 @@ class ShardAgent:
         self._close_link()
         for c in self._collectors:
             c.close(linger_ms)
-        for _, _, fut in list(self.waiters.values()):
-            if not fut.done():
-                fut.cancel()
-        self.waiters.clear()
+        self.echoes.cancel_all()
 
     def _close_link(self) -> None:
         if self._live_timer is not None:
@@ -429,7 +420,7 @@ class ShardAgent:
         self._buffer.clear()
         self._buffering = True
         self._sub_lost = False
-        self.clock_offset_s = None
+        self.lag.reset()
         self._link_generation = ""
         self._link_not_serving = False
         self._sub = AsyncSocket(sub, self._on_update, loop=self.loop,
@@ -492,8 +483,8 @@ class ShardAgent:
                  len(new), eff.seq, self.server, " (resync: replaced)" if eff.resync else "")
         if self._failover_from is not None:
             self._resumed(old, new)
-        if self.waiters:
-            self._confirm_in(new)
+        if self.echoes:
+            self.echoes.confirm_in(new, self.last_seq)
         if reset is not None:
             self._report_reset(reset)
         self._replay(self._gen)
@@ -669,8 +660,8 @@ class ShardAgent:
                     # already in the installed snapshot: a late copy (the SUB and the
                     # DEALER are separate connections, read in no fixed order)
                     self.skipped += 1
-                    if self.waiters:
-                        self._confirm(msg.uuid)
+                    if self.echoes:
+                        self.echoes.confirm(msg.uuid, self.last_seq)
                 else:
                     # we applied something newer from this stream: it went backwards
                     self.stale += 1
@@ -697,8 +688,8 @@ class ShardAgent:
         self.applied += 1
         if self.hub.watches:
             self.hub.changed(self.name, key, value, seq)
-        if self.waiters:
-            self._confirm(msg.uuid)
+        if self.echoes:
+            self.echoes.confirm(msg.uuid, self.last_seq)
 
     def _gap(self, seq: int) -> None:
         """Sequence ``seq`` is known to be published while ``last_seq + 1`` was never
@@ -738,14 +729,7 @@ class ShardAgent:
             # (not the first message after a reconnect: that resyncs as Reconnected)
             self._gap(clock[1])
             return
-        delay_s = time.time() - clock[0]
-        offset_s = self.clock_offset_s
-        if offset_s is None or delay_s < offset_s:
-            self.clock_offset_s = offset_s = delay_s
-        lag_s = delay_s - offset_s
-        self.lag_s = lag_s
-        if lag_s > self.max_lag_seen_s:
-            self.max_lag_seen_s = lag_s
+        lag_s = self.lag.observe(clock[0], time.time())
         if (self.max_lag_s is None or lag_s <= self.max_lag_s
                 or self.state.phase != sm.ACTIVE):
             return
@@ -842,25 +826,7 @@ class ShardAgent:
         """A future resolved when this shard publishes the update ``uuid`` back (its
         KVPUB applied here), or a snapshot installed here holds ``key`` = ``value``
         (the KVPUB itself was folded into a resync). The caller cancels it on timeout."""
-        fut = self.loop.create_future()
-        self.waiters[uuid] = (key, value, fut)
-        fut.add_done_callback(lambda _f, u=uuid: self._forget(u, _f))
-        return fut
-
-    def _forget(self, uuid: bytes, fut: asyncio.Future) -> None:
-        entry = self.waiters.get(uuid)
-        if entry is not None and entry[2] is fut:
-            del self.waiters[uuid]
-
-    def _confirm(self, uuid: bytes) -> None:
-        entry = self.waiters.get(uuid)
-        if entry is not None and not entry[2].done():
-            entry[2].set_result(self.last_seq)
-
-    def _confirm_in(self, new: dict[bytes, bytes]) -> None:
-        for key, value, fut in list(self.waiters.values()):
-            if not fut.done() and new.get(key, b"") == value:
-                fut.set_result(self.last_seq)
+        return self.echoes.expect(self.loop, uuid, key, value)
 
     # ------------------------------------------------------------------ figures
     def stats(self) -> dict:
@@ -869,7 +835,8 @@ class ShardAgent:
             "keys": len(self.map), "last_seq": self.last_seq, "applied": self.applied,
             "stale": self.stale, "skipped": self.skipped, "gaps": self.gaps,
             "overflows": self.overflows, "snapshots": self.snapshots,
-            "lag_s": round(self.lag_s, 6), "max_lag_seen_s": round(self.max_lag_seen_s, 6),
+            "lag_s": round(self.lag.lag_s, 6),
+            "max_lag_seen_s": round(self.lag.max_lag_seen_s, 6),
             "lagged": self.lagged,
             "failovers": self.failovers, "disconnects": self.disconnects,
             "generation": self.generation, "resets": self.resets,

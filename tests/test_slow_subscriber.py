@@ -90,7 +90,7 @@ async def until(cond, what: str, timeout_s: float = DEADLINE_S) -> None:
 async def clock_heard(client: AsyncClone) -> None:
     """Until the client has a clock offset from its server (it reads clock HUGZ)."""
     agent = client._agents[0]
-    await until(lambda: agent.clock_offset_s is not None, "a clock HUGZ read")
+    await until(lambda: agent.lag.offset_s is not None, "a clock HUGZ read")
 
 
 def test_a_blocked_subtree_client_dies_loudly(server, port_base, zctx):

@@ -1,0 +1,55 @@
+"""Writes awaiting their echo (``set(..., wait=True)``): UUID -> the future that resolves
+when the owning shard publishes that update back, or when a snapshot installed by the
+client already holds the written value (the KVPUB itself was folded into a resync).
+Owned by one shard agent, on its loop."""
+from __future__ import annotations
+
+import asyncio
+
+
+class Echoes:
+    def __init__(self):
+        self.waiters: dict[bytes, tuple[bytes, bytes, asyncio.Future]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.waiters)
+
+    def __len__(self) -> int:
+        return len(self.waiters)
+
+    def expect(self, loop: asyncio.AbstractEventLoop, uuid: bytes, key: bytes,
+               value: bytes) -> asyncio.Future:
+        """A future for the echo of ``uuid`` (``key`` = ``value``); the caller cancels it
+        on its timeout, and it is forgotten then."""
+        fut = loop.create_future()
+        self.waiters[uuid] = (key, value, fut)
+        fut.add_done_callback(lambda _f, u=uuid: self._forget(u, _f))
+        return fut
+
+    def _forget(self, uuid: bytes, fut: asyncio.Future) -> None:
+        entry = self.waiters.get(uuid)
+        if entry is not None and entry[2] is fut:
+            del self.waiters[uuid]
+
+    def confirm(self, uuid: bytes, seq: int) -> None:
+        """The KVPUB with ``uuid`` was applied (or was already in the snapshot)."""
+        entry = self.waiters.get(uuid)
+        if entry is not None and not entry[2].done():
+            entry[2].set_result(seq)
+
+    def confirm_in(self, data: dict[bytes, bytes], seq: int) -> None:
+        """A snapshot was installed: every write whose value it holds is confirmed."""
+        for key, value, fut in list(self.waiters.values()):
+            if not fut.done() and data.get(key, b"") == value:
+                fut.set_result(seq)
+
+    def fail_all(self, exc: BaseException) -> None:
+        for _, _, fut in list(self.waiters.values()):
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def cancel_all(self) -> None:
+        for _, _, fut in list(self.waiters.values()):
+            if not fut.done():
+                fut.cancel()
+        self.waiters.clear()
