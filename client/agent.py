@@ -3,17 +3,11 @@
 One ``ShardAgent`` per shard owns exactly that shard's sockets (one owner per
 socket), all driven from one asyncio loop through ``shards.common.zio.AsyncSocket``:
 
-* SUB to the current server's P+1, subscribed to the subtree and to "HUGZ", opened by a
-  ``Connect`` effect (a fresh socket per server, so nothing stale survives a failover);
-  a ZeroMQ monitor on it reports the handshake and later disconnections. A handshake
-  only says the subscription was sent, so the subscription counts as live at the SUB's
-  first message (our servers answer each new subscription with a HUGZ), or
-  ``LIVE_GRACE_S`` after the handshake; only then is the snapshot requested
-  (``SubscriberLive``). A handshake after a disconnection is, the same way, a
-  ``Reconnected`` event (resync: updates were missed, the server may have restarted);
-* DEALER to the current server's P, a fresh one per ``RequestSnapshot`` (an abandoned
-  snapshot still streaming to the old identity is dropped by the server's ROUTER, so two
-  KTHXBAIs can never be confused);
+* its ``client.link.Link`` to the current server: the SUB on P+1 (subscribed to the
+  subtree and to "HUGZ", a fresh socket per server, opened by a ``Connect`` effect) with
+  its monitor, and a fresh DEALER on P per ``RequestSnapshot``; the link says when the
+  subscription is proven live (``SubscriberLive``, or ``Reconnected`` after a
+  disconnection) and remembers what the server's HUGZ said (generation, serving);
 * one XPUB per server of the shard, connected to its P+2 collector (a Binary Star pair
   gets every KVSET at both servers): ``client.collector.Collector``, which sends a KVSET
   only once that collector has subscribed, queues (bounded) otherwise, and drops what a
@@ -63,16 +57,15 @@ from collections import deque
 from typing import Callable, NamedTuple, Sequence
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from shards.common.drops import DropCounter
 from shards.common.errors import ProtocolError
 from shards.common.proto import chp
-from shards.common.zio import AsyncSocket
 from client import shard_machine as sm
 from client.collector import Collector, ServerAddress, parse_server
 from client.echoes import Echoes
 from client.lag import LagMeter
+from client.link import Link
 from client.watch import WatchHub
 
 log = logging.getLogger(__name__)
@@ -83,15 +76,7 @@ SYNC_BUFFER_MAX = 500_000
 REPLAY_BATCH = 4096
 KVSET_QUEUE_MAX = 100_000
 SUB_RCVHWM = 100_000
-DEALER_RCVHWM = 100_000
 PHASE_LOG_MAX = 64
-LIVE_GRACE_S = 0.25
-"""After the SUB's handshake, how long to wait for its first message before treating the
-subscription as live anyway. A handshake only says the subscription was *sent*; the
-server's publisher applies it a moment later, and a snapshot point taken in between
-would lose the updates of that moment (seen in CI under load). Our servers answer every
-new subscription with a HUGZ at once, so the first message normally ends the wait within
-a round trip; the grace is for peers that do not (another CHP server)."""
 
 _Hugz = chp.Hugz
 _Kvsync = chp.Kvsync
@@ -212,10 +197,6 @@ class ShardAgent:
         self.reset_policy = reset_policy
         self.generation = ""
         """Generation of the map the installed snapshot came from ("" unknown)."""
-        self._link_generation = ""
-        """The latest generation the current server's HUGZ named (reset on Connect)."""
-        self._link_not_serving = False
-        """The current server said ``serving=0`` on this link (reset on Connect)."""
         self.resets = 0
         self.last_reset: ResetInfo | None = None
         self.kept: ResetInfo | None = None
@@ -256,7 +237,6 @@ class ShardAgent:
         self.overflows = 0
         self.snapshots = 0
         self.failovers = 0
-        self.disconnects = 0
         self.last_failover: FailoverInfo | None = None
         self._failover_from: tuple[int, float, str, float] | None = None
         """(old server, last heard from it, reason, silent_s) until the shard resumes."""
@@ -267,18 +247,12 @@ class ShardAgent:
         self._synced_event: asyncio.Event | None = None
         self._collector_event: asyncio.Event | None = None
         self._collectors: list[Collector] = []
-        self._sub: AsyncSocket | None = None
-        self._monitor: AsyncSocket | None = None
-        self._dealer: AsyncSocket | None = None
+        self.link: Link | None = None
+        """The SUB, its monitor and the DEALER to the current server (made in start())."""
         self._incoming: dict[bytes, bytes] | None = None
         self._buffer: deque[list[bytes]] = deque()
         self._buffering = True
-        self._sub_lost = False
         self._gen = 0
-        self._live_pending: object | None = None
-        """The event (SubscriberLive or Reconnected) to dispatch once the SUB delivers its
-        first message after a handshake (or LIVE_GRACE_S after it)."""
-        self._live_timer: asyncio.TimerHandle | None = None
         self._tick_handle: asyncio.TimerHandle | None = None
         self._closed = False
         self.echoes = Echoes()
@@ -296,6 +270,10 @@ class ShardAgent:
     def start(self) -> None:
         """Open the collectors and start syncing (call from the agent's loop)."""
         self.loop = asyncio.get_running_loop()
+        self.link = Link(self.ctx, self.name, self.subtree, loop=self.loop,
+                         affinity=self.affinity, sub_rcvhwm=self.sub_rcvhwm,
+                         on_update=self._on_update, on_snapshot=self._on_snapshot,
+                         on_live=self._on_live, initial=lambda: self.state.phase == sm.INITIAL)
         self._synced_event = asyncio.Event()
         self._collector_event = asyncio.Event()
         for address in self.servers:
@@ -311,7 +289,8 @@ class ShardAgent:
         if self._tick_handle is not None:
             self._tick_handle.cancel()
             self._tick_handle = None
-        self._close_link()
+        if self.link is not None:
+            self.link.close()
         self._buffer.clear()
         self.echoes.fail_all(self._kept_error())
         if not self._synced_event.is_set():
@@ -347,25 +326,11 @@ class ShardAgent:
         self._gen += 1
         if self._tick_handle is not None:
             self._tick_handle.cancel()
-        self._close_link()
+        if self.link is not None:
+            self.link.close()
         for c in self._collectors:
             c.close(linger_ms)
         self.echoes.cancel_all()
-
-    def _close_link(self) -> None:
-        if self._live_timer is not None:
-            self._live_timer.cancel()
-            self._live_timer = None
-        self._live_pending = None
-        for io in (self._monitor, self._dealer, self._sub):
-            if io is not None:
-                if io is self._sub:
-                    try:
-                        io.sock.disable_monitor()
-                    except zmq.ZMQError:
-                        pass
-                io.close()
-        self._monitor = self._dealer = self._sub = None
 
     # ------------------------------------------------------------------ machine
     def _dispatch(self, event) -> None:
@@ -404,43 +369,15 @@ class ShardAgent:
         self._tick_handle = self.loop.call_later(TICK_S, self._tick)
 
     def _connect(self, eff: sm.Connect) -> None:
-        self._close_link()
-        address = self.servers[eff.server]
-        sub = self.ctx.socket(zmq.SUB)
-        sub.linger = 0
-        sub.affinity = self.affinity
-        sub.rcvhwm = self.sub_rcvhwm
-        sub.subscribe(self.subtree)
-        if self.subtree:
-            sub.subscribe(chp.HUGZ)
-        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
-                                         | zmq.EVENT_DISCONNECTED)
-        sub.connect(address.publisher)
+        self.link.connect(self.servers[eff.server])
         self._gen += 1
         self._buffer.clear()
         self._buffering = True
-        self._sub_lost = False
         self.lag.reset()
-        self._link_generation = ""
-        self._link_not_serving = False
-        self._sub = AsyncSocket(sub, self._on_update, loop=self.loop,
-                                name=f"{self.name} SUB {address.publisher}")
-        self._monitor = AsyncSocket(monitor, self._on_monitor, loop=self.loop,
-                                    name=f"{self.name} monitor")
-        log.info("shard %s: subscribing to %s (subtree %r)", self.name, address.publisher,
-                 self.subtree)
 
     def _request_snapshot(self, eff: sm.RequestSnapshot) -> None:
-        if self._dealer is not None:
-            self._dealer.close()
         address = self.servers[eff.server]
-        dealer = self.ctx.socket(zmq.DEALER)
-        dealer.linger = 0
-        dealer.affinity = self.affinity
-        dealer.rcvhwm = DEALER_RCVHWM
-        dealer.connect(address.snapshot)
-        self._dealer = AsyncSocket(dealer, self._on_snapshot, loop=self.loop,
-                                   name=f"{self.name} DEALER {address.snapshot}")
+        self.link.request_snapshot(address)
         self._gen += 1
         self._incoming = {}
         self._incoming_props = {}
@@ -448,16 +385,13 @@ class ShardAgent:
         self._first_sync_error = ""
         self._buffer.clear()
         self._buffering = True
-        self._dealer.send(chp.icanhaz(self.subtree))
         log.info("shard %s: ICANHAZ %r to %s (%s)", self.name, self.subtree,
                  address.snapshot, eff.reason)
 
     def _install_snapshot(self, eff: sm.InstallSnapshot) -> None:
         old, new = self.map, self._incoming if self._incoming is not None else {}
         self._incoming = None
-        if self._dealer is not None:
-            self._dealer.close()
-            self._dealer = None
+        self.link.close_dealer()
         reset = self._data_loss(old, new, eff.seq) if self.snapshots else None
         if reset is not None:
             self.resets += 1
@@ -472,7 +406,7 @@ class ShardAgent:
         self.map = new
         self.props = self._incoming_props
         self._incoming_props = {}
-        self.generation = self._link_generation
+        self.generation = self.link.generation
         self.last_seq = self.snapshot_seq = eff.seq
         self.snapshots += 1
         if reset is not None:
@@ -492,7 +426,7 @@ class ShardAgent:
     def _data_loss(self, old: dict[bytes, bytes], new: dict[bytes, bytes],
                    seq: int) -> ResetInfo | None:
         """A snapshot about to replace an installed one: is it a different map?"""
-        old_gen, new_gen = self.generation, self._link_generation
+        old_gen, new_gen = self.generation, self.link.generation
         if old_gen and new_gen and old_gen != new_gen:
             reason = "the server's map is a new generation"
         elif seq < self.last_seq:
@@ -551,47 +485,9 @@ class ShardAgent:
         self._report(info)
 
     # ------------------------------------------------------------------ sockets
-    def _on_monitor(self, frames: list[bytes]) -> None:
-        try:
-            event = parse_monitor_message(frames)["event"]
-        except Exception:
-            return
-        if self._monitor is None:
-            return
-        if event == zmq.EVENT_DISCONNECTED:
-            self._sub_lost = True
-            self.disconnects += 1
-            log.info("shard %s: SUB lost its connection to %s", self.name,
-                     self.server.publisher)
-        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            if self.state.phase == sm.INITIAL:
-                self._await_live(sm.SubscriberLive())
-            elif self._sub_lost:
-                self._sub_lost = False
-                self._await_live(sm.Reconnected())
-
-    def _await_live(self, event) -> None:
-        """Dispatch ``event`` once the subscription is proven live: the SUB's first message
-        (our servers send a HUGZ for each new subscription), or LIVE_GRACE_S. Not when
-        this link's server already said ``serving=0``: its welcome HUGZ came before the
-        handshake event (two sockets, read in no fixed order), and only a later message
-        (it became active) may lead to a snapshot request there."""
-        if self._link_not_serving:
-            return
-        self._live_pending = event
-        if self._live_timer is not None:
-            self._live_timer.cancel()
-        self._live_timer = self.loop.call_later(LIVE_GRACE_S, self._live_now)
-
-    def _live_now(self, instead=None) -> None:
-        """Dispatch the pending live event (or ``instead`` of it)."""
-        if self._live_timer is not None:
-            self._live_timer.cancel()
-            self._live_timer = None
-        event, self._live_pending = self._live_pending, None
-        if instead is not None:
-            event = instead
-        if event is not None and not self._closed:
+    def _on_live(self, event) -> None:
+        """The link's live event (SubscriberLive, Reconnected, or NotServing instead)."""
+        if not self._closed:
             self._dispatch(event)
 
     def _peek_hugz(self, frames: list[bytes]) -> bool:
@@ -605,24 +501,21 @@ class ShardAgent:
             return False  # counted when applied
         if msg.__class__ is not _Hugz:
             return False
-        info = chp.hugz_info(msg)
-        if info.generation:
-            self._link_generation = info.generation
-        self._link_not_serving = not info.serving and len(self.servers) > 1
-        return self._link_not_serving
+        return self.link.note_hugz(chp.hugz_info(msg), len(self.servers) > 1)
 
     def _on_update(self, frames: list[bytes]) -> None:
         """A message on the SUB: KVPUB or HUGZ (hot path)."""
         self.heard += 1
-        if self._live_pending is not None:
+        link = self.link
+        if link.live_pending is not None:
             if frames[0] == _HUGZ_KEY and self._peek_hugz(frames):
-                self._live_now(sm.NotServing())  # ask the other server, not this one
+                link.live_now(sm.NotServing())  # ask the other server, not this one
                 return
             if self._buffering:
                 self._buffer.append(frames)
             else:
                 self._apply(frames, False)
-            self._live_now()
+            link.live_now()
             return
         if not self._buffering:
             self._apply(frames, False)
@@ -711,21 +604,18 @@ class ShardAgent:
         the gap) is seen here. A HUGZ sequence without a clock (the reference C
         server's) is only a liveness sign: our gap rule is not its contract."""
         info = chp.hugz_info(msg)
-        if info.generation:
-            self._link_generation = info.generation
-        self._link_not_serving = not info.serving and len(self.servers) > 1
-        if self._link_not_serving:
+        if self.link.note_hugz(info, len(self.servers) > 1):
             self._dispatch(sm.NotServing())
             return
         if (info.generation and self.generation and info.generation != self.generation
-                and self.state.phase == sm.ACTIVE and self._live_pending is None):
+                and self.state.phase == sm.ACTIVE and self.link.live_pending is None):
             self._dispatch(sm.NewGeneration(self.generation, info.generation))
             return
         if info.ts is None:
             return
         clock = (info.ts, info.seq)
         if (self.contiguous and clock[1] > self.last_seq
-                and self.state.phase == sm.ACTIVE and self._live_pending is None):
+                and self.state.phase == sm.ACTIVE and self.link.live_pending is None):
             # (not the first message after a reconnect: that resyncs as Reconnected)
             self._gap(clock[1])
             return
@@ -799,9 +689,7 @@ class ShardAgent:
                       f"{self._first_sync_error or 'outside the subtree'})")
             log.error("shard %s: snapshot rejected: %s", self.name, reason)
             self._incoming = None  # nothing of it is installed
-            if self._dealer is not None:
-                self._dealer.close()
-                self._dealer = None
+            self.link.close_dealer()
             self._dispatch(sm.SnapshotRejected(reason))
             return
         self._dispatch(sm.SnapshotDone(msg.seq))
@@ -838,7 +726,8 @@ class ShardAgent:
             "lag_s": round(self.lag.lag_s, 6),
             "max_lag_seen_s": round(self.lag.max_lag_seen_s, 6),
             "lagged": self.lagged,
-            "failovers": self.failovers, "disconnects": self.disconnects,
+            "failovers": self.failovers,
+            "disconnects": self.link.disconnects if self.link is not None else 0,
             "generation": self.generation, "resets": self.resets,
             "last_reset": self.last_reset._asdict() | {"server": str(self.last_reset.server)}
             if self.last_reset is not None else None,

@@ -47,14 +47,14 @@ def test_a_not_serving_hugz_read_before_the_handshake_event_asks_for_nothing(zct
             assert agent.state.server == 1 and agent.state.standby_streak == 1
             agent._on_update(passive)  # b too (read before b's handshake event)
             assert agent.state.holding and agent.state.phase == sm.INITIAL
-            agent._on_monitor(handshake_event(f"tcp://127.0.0.1:{b + 1}"))
-            assert agent._live_timer is None  # no grace timer armed ...
-            agent._live_now()                 # ... and were one to fire: nothing to send
-            assert agent._dealer is None and agent.state.phase == sm.INITIAL
+            agent.link._on_monitor(handshake_event(f"tcp://127.0.0.1:{b + 1}"))
+            assert agent.link._timer is None  # no grace timer armed ...
+            agent.link.live_now()             # ... and were one to fire: nothing to send
+            assert agent.link.dealer is None and agent.state.phase == sm.INITIAL
             # b becomes active: its HUGZ no longer says serving=0 -> ask it
             agent._on_update(chp.hugz(1.1, 5, generation="ab"))
-            assert agent.state.phase == sm.SYNCING and agent._dealer is not None
-            assert not agent._link_not_serving
+            assert agent.state.phase == sm.SYNCING and agent.link.dealer is not None
+            assert not agent.link.not_serving
         finally:
             agent.close()
 

@@ -1,0 +1,175 @@
+"""One shard agent's link to its current server: the SUB on P+1 (with a ZeroMQ monitor)
+and, while a snapshot is asked for, a DEALER on P; and whether the subscription is
+proven live.
+
+A handshake only says the subscription was *sent*: the server's publisher applies it a
+moment later, and a snapshot point taken in between would lose that moment's updates.
+So the subscription counts as live at the SUB's first message (our servers answer each
+new subscription with a HUGZ), or ``LIVE_GRACE_S`` after the handshake for servers that
+do not. A handshake after a disconnection means updates were missed meanwhile: the
+agent resyncs (``Reconnected``). The link also remembers what the current server's HUGZ
+said: its map generation, and whether it serves (``serving=0``); a server that said it
+does not serve gets no grace timer, so only a later message (it became active) leads to
+a snapshot request there.
+
+The link owns its sockets (fresh ones for every server, and a fresh DEALER for every
+request, so nothing stale survives a move) and calls back into the agent: each SUB
+message (``on_update``), each DEALER message (``on_snapshot``), and the live event once
+it is due (``on_live``).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from shards.common.proto import chp
+from shards.common.zio import AsyncSocket
+from client import shard_machine as sm
+from client.collector import ServerAddress
+
+log = logging.getLogger("client.agent")
+
+LIVE_GRACE_S = 0.25
+"""After the SUB's handshake, how long to wait for its first message before treating the
+subscription as live anyway (for servers that send no welcome HUGZ)."""
+DEALER_RCVHWM = 100_000
+
+
+class Link:
+    def __init__(self, ctx: zmq.Context, name: str, subtree: bytes, *,
+                 loop: asyncio.AbstractEventLoop, affinity: int, sub_rcvhwm: int,
+                 on_update: Callable[[list[bytes]], None],
+                 on_snapshot: Callable[[list[bytes]], None],
+                 on_live: Callable[[object], None], initial: Callable[[], bool]):
+        self.ctx, self.name, self.subtree, self.loop = ctx, name, subtree, loop
+        self.affinity, self.sub_rcvhwm = affinity, sub_rcvhwm
+        self.on_update, self.on_snapshot, self.on_live = on_update, on_snapshot, on_live
+        self.initial = initial
+        """Whether the agent's machine is INITIAL (a handshake then means SubscriberLive)."""
+        self.address: ServerAddress | None = None
+        self.sub: AsyncSocket | None = None
+        self.monitor: AsyncSocket | None = None
+        self.dealer: AsyncSocket | None = None
+        self.lost = False
+        """The SUB lost its connection (until its next handshake)."""
+        self.disconnects = 0
+        self.live_pending: object | None = None
+        """The event (SubscriberLive or Reconnected) to dispatch once the SUB delivers its
+        first message after a handshake (or LIVE_GRACE_S after it)."""
+        self._timer: asyncio.TimerHandle | None = None
+        self.generation = ""
+        """The latest map generation this server's HUGZ named."""
+        self.not_serving = False
+        """This server said ``serving=0`` (and has not said otherwise since)."""
+
+    # ------------------------------------------------------------------ sockets
+    def connect(self, address: ServerAddress) -> None:
+        """Drop the old link; a fresh SUB (and monitor) to ``address``'s publisher."""
+        self.close()
+        self.address = address
+        sub = self.ctx.socket(zmq.SUB)
+        sub.linger = 0
+        sub.affinity = self.affinity
+        sub.rcvhwm = self.sub_rcvhwm
+        sub.subscribe(self.subtree)
+        if self.subtree:
+            sub.subscribe(chp.HUGZ)
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                         | zmq.EVENT_DISCONNECTED)
+        sub.connect(address.publisher)
+        self.lost = False
+        self.generation = ""
+        self.not_serving = False
+        self.sub = AsyncSocket(sub, self.on_update, loop=self.loop,
+                               name=f"{self.name} SUB {address.publisher}")
+        self.monitor = AsyncSocket(monitor, self._on_monitor, loop=self.loop,
+                                   name=f"{self.name} monitor")
+        log.info("shard %s: subscribing to %s (subtree %r)", self.name, address.publisher,
+                 self.subtree)
+
+    def request_snapshot(self, address: ServerAddress) -> None:
+        """A fresh DEALER to ``address``'s snapshot port, and ICANHAZ on it (an abandoned
+        snapshot still streaming to the old identity is dropped by the server's ROUTER,
+        so two KTHXBAIs can never be confused)."""
+        self.close_dealer()
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.affinity = self.affinity
+        dealer.rcvhwm = DEALER_RCVHWM
+        dealer.connect(address.snapshot)
+        self.dealer = AsyncSocket(dealer, self.on_snapshot, loop=self.loop,
+                                  name=f"{self.name} DEALER {address.snapshot}")
+        self.dealer.send(chp.icanhaz(self.subtree))
+
+    def close_dealer(self) -> None:
+        if self.dealer is not None:
+            self.dealer.close()
+            self.dealer = None
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.live_pending = None
+        for io in (self.monitor, self.dealer, self.sub):
+            if io is not None:
+                if io is self.sub:
+                    try:
+                        io.sock.disable_monitor()
+                    except zmq.ZMQError:
+                        pass
+                io.close()
+        self.monitor = self.dealer = self.sub = None
+
+    # ------------------------------------------------------------------ liveness
+    def note_hugz(self, info: chp.HugzInfo, pair: bool) -> bool:
+        """What a HUGZ from this server said; True if it does not serve (and there is
+        another server to ask)."""
+        if info.generation:
+            self.generation = info.generation
+        self.not_serving = not info.serving and pair
+        return self.not_serving
+
+    def _on_monitor(self, frames: list[bytes]) -> None:
+        try:
+            event = parse_monitor_message(frames)["event"]
+        except Exception:
+            return
+        if self.monitor is None:
+            return
+        if event == zmq.EVENT_DISCONNECTED:
+            self.lost = True
+            self.disconnects += 1
+            log.info("shard %s: SUB lost its connection to %s", self.name,
+                     self.address.publisher if self.address else "?")
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if self.initial():
+                self.await_live(sm.SubscriberLive())
+            elif self.lost:
+                self.lost = False
+                self.await_live(sm.Reconnected())
+
+    def await_live(self, event) -> None:
+        """Dispatch ``event`` once the subscription is proven live: the SUB's first
+        message, or LIVE_GRACE_S; never for a server that said it does not serve."""
+        if self.not_serving:
+            return
+        self.live_pending = event
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(LIVE_GRACE_S, self.live_now)
+
+    def live_now(self, instead=None) -> None:
+        """Dispatch the pending live event (or ``instead`` of it) through ``on_live``."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        event, self.live_pending = self.live_pending, None
+        if instead is not None:
+            event = instead
+        if event is not None:
+            self.on_live(event)
