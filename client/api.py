@@ -15,7 +15,7 @@ works; this module defines nothing.
 from __future__ import annotations
 
 from shards.common.errors import ClonemapError, SlowConsumer, Timeout
-from client.agent import FailoverInfo, ResetInfo
+from client.events import FailoverInfo, ResetInfo
 from client.clone import DEFAULT_TIMEOUT_S, AsyncClone
 from client.errors import NotRunning, ShardReset, SlowSubscriber
 from client.sync import Clone

@@ -62,8 +62,8 @@ from shards.common.proto import chp
 from shards.common import timing
 from shards.common.timing import HEARTBEAT_S
 from client import shard_machine as sm
-from client.agent import (ACCEPT, KVSET_QUEUE_MAX, SUB_RCVHWM, SYNC_BUFFER_MAX,
-                          FailoverInfo, ResetInfo, ShardAgent)
+from client.agent import KVSET_QUEUE_MAX, SUB_RCVHWM, SYNC_BUFFER_MAX, ShardAgent
+from client.events import ACCEPT, FailoverInfo, ResetInfo
 from client.collector import ServerAddress, parse_server
 from client.codec import Codec, get_codec
 from client.errors import NotRunning, SlowSubscriber

@@ -26,7 +26,7 @@ import zmq
 
 from conftest import free_port_base
 from test_client_server import fetch_map  # a raw ICANHAZ (only an active answers)
-from client.agent import FailoverInfo
+from client.events import FailoverInfo
 from client.api import AsyncClone
 from client.watch import DELETE, PUT, SYNCED
 from shards.common.proto import bstar as wire
