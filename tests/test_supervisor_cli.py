@@ -135,7 +135,8 @@ def snapshot_answered(zctx, address: str, port: int, timeout_s: float = 5.0) -> 
 def test_targets_log_tails_and_the_cluster_map_agree_with_routing(tmp_path):
     from shards.common.routing import ShardMap
     from shards.common.cluster import cluster_map
-    from supervisor.control import check_target, tail_lines
+    from supervisor.protocol import check_target
+    from supervisor.services import tail_lines
     from shards.common.hostfacts import load_host_facts
     from shards.common.placement import load_plan
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import click
 
-from supervisor.control import (DEFAULT_LOG_LINES, MAX_LOG_LINES, call, checked_target,
-                                control_options, resolve_control, run_command,
-                                target_argument)
+from supervisor.control import (call, checked_target, control_options, resolve_control,
+                                run_command, target_argument)
+from supervisor.protocol import DEFAULT_LOG_LINES, MAX_LOG_LINES
 
 
 @click.command("logs")

@@ -118,7 +118,7 @@ class Supervisor:
 
         from shards.common.mdp.broker import Broker
         from shards.common.mdp.broker_core import BrokerConfig
-        from supervisor.control import ControlServices, StatsPoller
+        from supervisor.services import ControlServices, StatsPoller
         from supervisor.runner import Runner, ServerArgs
 
         loop = asyncio.get_running_loop()
