@@ -20,7 +20,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from bench import record as rec
+from bench.harness import record as rec
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ def parse_all(argv: list[str], prog: str) -> argparse.Namespace:
 
 
 def run_all(args: argparse.Namespace) -> int:
-    from bench.runner import exit_on_sigterm
+    from bench.harness.procs import exit_on_sigterm
 
     exit_on_sigterm()
     profile = PROFILES[args.profile]

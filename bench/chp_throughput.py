@@ -7,11 +7,11 @@ Duration: rounds x 3 runs x (warmup + seconds + ~2 s start-up and drain): smoke
 (``--seconds 1 --warmup 0.3 --rounds 1``) ~12 s; quick (2 s, 2 rounds) ~30 s; full
 (``--seconds 5 --warmup 1 --rounds 5``) ~2.5 min, more with ``--quiet-wait-s``.
 
-Each round runs the *pubsub* ceiling (bench/ceilings.py: the writer's XPUB straight to
+Each round runs the *pubsub* ceiling (bench/harness/ceilings.py: the writer's XPUB straight to
 the subscriber, nothing in between: what ZeroMQ and the harness alone can move), the
-*ceiling* (bench/forwarder.py: SUB -> dict -> PUB, same message
+*ceiling* (bench/harness/forwarder.py: SUB -> dict -> PUB, same message
 shape) and then the *server* (``python -m shards``), each a fresh process on fresh ports,
-fed by the same writer and counted by the same subscriber (bench/loadgen.py): one writer
+fed by the same writer and counted by the same subscriber (bench/harness/traffic.py): one writer
 process flat out (``flow`` mode by default: a full pipe blocks it, so nothing is lost
 before the server and a waiting writer leaves the CPU to the others), random keys from
 the key space, and one subscriber counting KVPUBs. After a warm-up, each side counts
@@ -23,11 +23,11 @@ The headline is the subscriber's received rate (sequenced and republished), as m
 and spread over rounds, and the ratios server / ceiling (the forwarding loop) and server /
 pubsub. Targets: >= 100,000 updates/s, >= 85% of the ceiling, and >= 70% of
 the ceiling (the forwarding-loop target). ``summary["ceilings"]`` holds both ceilings in the shape
-``bench.ceilings.measure_ceilings`` returns (medians over rounds).
+``bench.harness.ceilings.measure_ceilings`` returns (medians over rounds).
 
 The ceiling reads whole messages exactly as the server must (``zio.recv_frames``, MORE
 checked on every frame). ``--blind-ceiling`` adds, in each round, a forwarder that reads
-five frames blindly (``bench.forwarder --blind``): unsafe for a server, reported for
+five frames blindly (``bench.harness.forwarder --blind``): unsafe for a server, reported for
 information only (``ratio_server_to_blind_ceiling``), never a target.
 """
 from __future__ import annotations
@@ -35,12 +35,12 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from bench import record as rec
-from bench.ceilings import FIGURE_KEYS
-from bench.load import Offer, Targets, run_offer
-from bench.loadgen import WriterConfig
-from bench.loadrun import config_dict
-from bench.runner import bench_main, wait_for_quiet
+from bench.harness import record as rec
+from bench.harness.ceilings import FIGURE_KEYS
+from bench.harness.offer import Offer, Targets, run_offer
+from bench.harness.traffic import WriterConfig
+from bench.harness.fleet import config_dict
+from bench.harness.procs import bench_main, wait_for_quiet
 
 NAME = "chp_throughput"
 TARGET_UPDATES_PER_S = 100_000

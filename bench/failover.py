@@ -3,7 +3,7 @@
 ``python -m bench.failover [--kills 6] [--rate 500] [--heartbeat-s 0.2] [--steady-s 2]
 [--ceiling-s 2]`` (also ``python -m bench failover ...``)
 
-First the same-run ceilings, flat out, for context (``bench.ceilings.measure_ceilings``:
+First the same-run ceilings, flat out, for context (``bench.harness.ceilings.measure_ceilings``:
 a bare pyzmq PUB->SUB and the bare forwarding loop). Then one pair (``python -m shards
 --primary/--backup``) serves one shard. In this process:
 
@@ -51,8 +51,8 @@ import statistics
 import threading
 import time
 
-from bench import record as rec
-from bench.runner import Target, bench_main, free_port_base, server_argv
+from bench.harness import record as rec
+from bench.harness.procs import Target, bench_main, free_port_base, server_argv
 from shards.common import timing
 
 NAME = "failover"
@@ -212,7 +212,7 @@ def _proc_sample(pid: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> rec.Record:
-    from bench.ceilings import measure_ceilings
+    from bench.harness.ceilings import measure_ceilings
 
     hb = args.heartbeat_s
     silence_s = round(SILENCE_HEARTBEATS * hb, 6)

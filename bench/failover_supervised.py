@@ -36,8 +36,8 @@ from pathlib import Path
 
 import yaml
 
-from bench import record as rec
-from bench.runner import ROOT, Target, free_port_base
+from bench.harness import record as rec
+from bench.harness.procs import ROOT, Target, free_port_base
 
 NAME = "failover_supervised"
 DURATION = "Duration (2 cores): smoke (--kills 1) ~20 s; quick (--kills 3) ~45 s."
@@ -258,7 +258,7 @@ def main_supervised(args) -> rec.Record:
 
 
 def main(argv: list[str] | None = None) -> rec.Record:
-    from bench.runner import bench_main
+    from bench.harness.procs import bench_main
 
     return bench_main(NAME, parse_args, main_supervised, report_supervised, argv)
 

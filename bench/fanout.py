@@ -3,12 +3,12 @@
 ``python -m bench.fanout [--shards 1,4] [--subscribers 1,4,16] [--rate 1000] [--seconds 5]
 [--warmup 1] [--rounds 1] [--ceiling-s 2]`` (also ``python -m bench fanout ...``)
 
-First the same-run ceilings at the same offered rate (``bench.ceilings.measure_ceilings``,
+First the same-run ceilings at the same offered rate (``bench.harness.ceilings.measure_ceilings``,
 open loop at ``--rate``): a bare pyzmq PUB->SUB and the bare forwarding loop, one writer
 and one subscriber each. Then for each cluster size S and subscriber count N, ``--rounds``
 fresh runs:
 
-* S standalone shard servers (``python -m shards``, ports from ``bench.runner``), each
+* S standalone shard servers (``python -m shards``, ports from ``bench.harness.procs``), each
   given the S-shard routing (``--routing``/``--shard-index``: it drops keys it does not
   own, so a misrouted update would show up as missing);
 * N subscribing clients (``client.api.AsyncClone`` over every shard, each with one watch
@@ -52,8 +52,8 @@ import struct
 import sys
 import time
 
-from bench import record as rec
-from bench.runner import Target, bench_main, cpu_seconds, server_argv, start_on_free_ports
+from bench.harness import record as rec
+from bench.harness.procs import Target, bench_main, cpu_seconds, server_argv, start_on_free_ports
 
 NAME = "fanout"
 DURATION = ("Duration (2 cores): smoke (--shards 1,2 --subscribers 1,4 --rate 200 --seconds "
@@ -385,7 +385,7 @@ def point(runs: list[dict], ceilings: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> rec.Record:
-    from bench.ceilings import measure_ceilings
+    from bench.harness.ceilings import measure_ceilings
 
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
     record = rec.Record(NAME, canonical_command(args), config)

@@ -9,7 +9,7 @@ workers. ``client.api.Clone(deliver=...)`` chooses where a watch callback runs:
 updates), ``"thread"`` on the watch's dispatcher thread (it also decodes the values).
 For each mode and each kind of work, a fresh run:
 
-* one standalone shard server (``python -m shards``, ports from ``bench.runner``);
+* one standalone shard server (``python -m shards``, ports from ``bench.harness.procs``);
 * one subscriber process: a ``Clone`` with one watch on the whole map and a callback that
   does ``--cost-us`` of work per update: ``cpu`` is a pure-Python busy loop (it holds the
   GIL, like most Python callbacks), ``nogil`` is a SHA-256 of a buffer sized to take that
@@ -34,9 +34,9 @@ import sys
 import threading
 import time
 
-from bench import record as rec
+from bench.harness import record as rec
 from bench.fanout import _result_line  # the writer is fanout's too
-from bench.runner import Target, bench_main, cpu_seconds, server_argv, start_on_free_ports
+from bench.harness.procs import Target, bench_main, cpu_seconds, server_argv, start_on_free_ports
 
 NAME = "handoff"
 MODES = ("inline", "thread")

@@ -30,10 +30,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
-from bench import record as rec
-from bench.ceilings import FIGURE_KEYS
-from bench.load import Targets, add_offer_args, brief, check_offer_args, offer_from, run_offer
-from bench.runner import bench_main
+from bench.harness import record as rec
+from bench.harness.ceilings import FIGURE_KEYS
+from bench.harness.offer import Targets, add_offer_args, brief, check_offer_args, offer_from, run_offer
+from bench.harness.procs import bench_main
 
 NAME = "latency"
 KINDS = ("server", "forwarder", "pubsub")

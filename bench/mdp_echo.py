@@ -38,7 +38,7 @@ import os
 import sys
 import time
 
-from bench import record as rec
+from bench.harness import record as rec
 
 NAME = "mdp_echo"
 TARGET_RATIO = 0.70
@@ -246,7 +246,7 @@ SIDES = ("ceiling", "relay", "broker")
 def run_bench(args: argparse.Namespace) -> rec.Record:
     import statistics
 
-    from bench.runner import Target, exit_on_sigterm, free_port_base, wait_for_quiet
+    from bench.harness.procs import Target, exit_on_sigterm, free_port_base, wait_for_quiet
 
     exit_on_sigterm()
     worker_counts = [int(x) for x in args.workers.split(",") if x]

@@ -22,7 +22,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench import record as rec
+from bench.harness import record as rec
 from bench.report_data import P99_TARGET_MS, get, is_spread, median, points_of
 
 # (record name, section title, the command that produces it)

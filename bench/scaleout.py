@@ -7,10 +7,10 @@ process reading every shard's publisher (sequence and gaps per shard). Targets:
 
 * ``server``: N standalone ``python -m shards`` processes, each started with the routing
   of N shards and its ``--shard-index`` (it drops keys it does not own, as in a cluster);
-* ``forwarder``: N bare forwarding loops (bench/forwarder.py) under the same harness,
+* ``forwarder``: N bare forwarding loops (bench/harness/forwarder.py) under the same harness,
   the ceiling for each N.
 
-Plus the bare PUB->SUB ceiling (bench/ceilings.py) with the same writers. Per run:
+Plus the bare PUB->SUB ceiling (bench/harness/ceilings.py) with the same writers. Per run:
 aggregate received updates/s, ``cpu_cores`` (CPU seconds of all our processes - targets,
 writers, subscriber - over the window) and updates/s per busy core; per point the
 median and spread over ``--rounds``, and ``efficiency`` = aggregate / (N x the 1-shard
@@ -37,11 +37,10 @@ import argparse
 import statistics
 from dataclasses import asdict
 
-from bench import record as rec
-from bench.ceilings import FIGURE_KEYS, measure_ceilings
-from bench.load import (Targets, add_offer_args, brief, check_offer_args, offer_from,
-                        run_offer)
-from bench.runner import bench_main
+from bench.harness import record as rec
+from bench.harness.ceilings import FIGURE_KEYS, measure_ceilings
+from bench.harness.offer import Targets, add_offer_args, brief, check_offer_args, offer_from, run_offer
+from bench.harness.procs import bench_main
 
 NAME = "scaleout"
 HWM = 10_000

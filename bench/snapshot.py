@@ -3,7 +3,7 @@
 ``python -m bench.snapshot [--keys 1000000] [--repeats 3] [--value-bytes 100] [--ceiling-s 2]``
 (also ``python -m bench snapshot ...``)
 
-First the same-run ceilings (``bench.ceilings.measure_ceilings``, flat out, the same
+First the same-run ceilings (``bench.harness.ceilings.measure_ceilings``, flat out, the same
 value size): a bare pyzmq PUB->SUB and the bare forwarding loop. Then for each map size
 (``--keys`` takes a comma-separated list, e.g. ``10000,100000,1000000``):
 
@@ -40,10 +40,10 @@ import struct
 import time
 from pathlib import Path
 
-from bench import record as rec
-from bench.loadgen import KEY_FORMAT, WriterConfig, key_index, key_of, recv5
-from bench.loadrun import LoadRun, config_dict
-from bench.runner import (bench_main, cpu_seconds, server_argv, start_on_free_ports,
+from bench.harness import record as rec
+from bench.harness.traffic import KEY_FORMAT, WriterConfig, key_index, key_of, recv5
+from bench.harness.fleet import LoadRun, config_dict
+from bench.harness.procs import (bench_main, cpu_seconds, server_argv, start_on_free_ports,
                           wait_for_quiet)
 
 NAME = "snapshot"
@@ -291,7 +291,7 @@ def point(r: dict, ceilings: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> rec.Record:
-    from bench.ceilings import measure_ceilings
+    from bench.harness.ceilings import measure_ceilings
 
     config = {"sizes": args.sizes, "value_bytes": args.value_bytes, "repeats": args.repeats,
               "warmup_snapshots": args.warmup_snapshots, "ceiling_s": args.ceiling_s,

@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from bench.load import core_plan, parse_core_list
-from bench.loadgen import SourceState, WriterConfig, drain, key_index, routed_schedule
+from bench.harness.offer import core_plan, parse_core_list
+from bench.harness.traffic import SourceState, WriterConfig, drain, key_index, routed_schedule
 from conftest import bench_record, run_bench
 from shards.common.routing import ShardMap
 
@@ -169,8 +169,8 @@ def test_load_refuses_bad_input_with_exit_code_2(procs, bad):
     assert not any("Traceback" in line for line in proc.stderr)
 
 
-def test_ceilings_are_measured_with_the_loadgen_harness():
-    from bench.ceilings import measure_ceilings
+def test_ceilings_are_measured_with_the_traffic_harness():
+    from bench.harness.ceilings import measure_ceilings
 
     c = measure_ceilings(seconds=0.5, warmup=0.2, keys=2000)
     assert set(c) == {"pubsub", "forwarder", "config"}

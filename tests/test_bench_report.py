@@ -1,6 +1,6 @@
 """``python -m bench.report``: REPORT.md and PNG plots from records written here.
 
-Records are built with bench.record.Record (real host facts) in the schemas of the issue-7
+Records are built with bench.harness.record.Record (real host facts) in the schemas of the issue-7
 design (scaleout, latency and snapshot points, same-run ceilings), plus real records
 copied from bench/results/latest; each test runs the report as a real process and reads
 what it wrote. Values are chosen on both sides of every issue-7 target.
@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from bench.record import Record, spread
+from bench.harness.record import Record, spread
 from conftest import ROOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -22,7 +22,7 @@ COPIED = ["failover", "handoff"]  # real records, as the benchmarks saved them
 
 
 def fig(rate: float) -> dict:
-    """A ceiling figure as bench.ceilings returns it."""
+    """A ceiling figure as bench.harness.ceilings returns it."""
     return {"received_per_s": rate, "sent_per_s": rate * 1.01, "loss_window": 0,
             "latency_ms": {"p50": 0.4, "p90": 0.6, "p99": 0.9, "p99.9": 1.5, "max": 3.0}}
 

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from bench.loadgen import WriterConfig, key_index, key_of, key_schedule
+from bench.harness.traffic import WriterConfig, key_index, key_of, key_schedule
 
 
 # ------------------------------------------------------------------ pure pieces
@@ -52,7 +52,7 @@ def test_unknown_distribution_is_refused():
 def test_forwarder_sequences_and_echoes_like_a_server(procs, port_base, zctx, blind):
     import zmq
 
-    procs.python("-m", "bench.forwarder", "--port", str(port_base),
+    procs.python("-m", "bench.harness.forwarder", "--port", str(port_base),
                  *(["--blind"] if blind else []), ready="READY")
     sub = zctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")

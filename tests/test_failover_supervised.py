@@ -13,7 +13,6 @@ together come back with an empty map, and a connected client hears it once.
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import threading
 import time

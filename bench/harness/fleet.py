@@ -1,4 +1,4 @@
-"""One timed load run: the writer and subscriber processes of ``bench.loadgen`` as children.
+"""One timed load run: the writer and subscriber processes of ``bench.harness.traffic`` as children.
 
 ``with LoadRun(writers, subscribers) as run: result = run.measure(warmup_s, seconds)``
 starts every process (``multiprocessing`` "spawn"), waits until each is ready (a writer:
@@ -12,7 +12,7 @@ import multiprocessing as mp
 import time
 from dataclasses import asdict, dataclass, field
 
-from bench.loadgen import (FLUSH_S, READY_DEADLINE_S, SubscriberConfig, Window, WriterConfig,
+from bench.harness.traffic import (FLUSH_S, READY_DEADLINE_S, SubscriberConfig, Window, WriterConfig,
                            subscriber_main, writer_main)
 
 

@@ -4,24 +4,24 @@
   each writer process binds its XPUB and the subscriber process connects to every
   writer. There is no sequencer, so each writer numbers what it sends in the sequence
   frame and the subscriber checks those numbers (one sequence per writer socket).
-* ``forwarder``: bench/forwarder.py, a bare blocking SUB -> dict -> PUB loop, fed and
-  counted by the same loadgen writers and subscriber as the server.
+* ``forwarder``: bench/harness/forwarder.py, a bare blocking SUB -> dict -> PUB loop, fed and
+  counted by the same writers and subscriber (bench.harness.traffic) as the server.
 
-Both use the loadgen writers exactly as a scenario does: flat out (``rate_per_s=0``,
+Both use the harness writers exactly as a scenario does: flat out (``rate_per_s=0``,
 ``flow``: a full pipe blocks the writer) or open loop at ``rate_per_s`` updates/s *in
 total* (split evenly over the writers; latency counts from each update's intended send
 time). Each kind costs ``warmup + seconds`` plus ~1-2 s of process start-up.
 
-    from bench.ceilings import measure_ceilings
+    from bench.harness.ceilings import measure_ceilings
     ceilings = measure_ceilings(seconds=2, kinds=("pubsub", "forwarder"))
     ratio = server_rate / ceilings["forwarder"]["received_per_s"]
 
-``python -m bench.ceilings [--seconds 2] [--rate 0]`` prints them (no record).
+``python -m bench.harness.ceilings [--seconds 2] [--rate 0]`` prints them (no record).
 """
 from __future__ import annotations
 
-from bench import record as rec
-from bench.load import Offer, Targets, brief, run_offer
+from bench.harness import record as rec
+from bench.harness.offer import Offer, Targets, brief, run_offer
 
 KINDS = ("pubsub", "forwarder")
 FIGURE_KEYS = ("received_per_s", "sent_per_s", "sequenced_per_s", "loss_window",
@@ -67,7 +67,7 @@ def measure_ceilings(*, seconds: float = 2.0, warmup: float = 0.5, keys: int = 1
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m bench.ceilings",
+    ap = argparse.ArgumentParser(prog="python -m bench.harness.ceilings",
                                  description="measure the bare PUB->SUB and forwarding-loop "
                                              "ceilings now and print them (~2x(warmup+seconds)"
                                              " + 3 s)")

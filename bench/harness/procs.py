@@ -19,7 +19,7 @@ from pathlib import Path
 from shards.common import ports
 from shards.common.children import LinePump, terminate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 30.0
 
 
@@ -28,7 +28,7 @@ def server_argv(port: int, host: str = "127.0.0.1", extra: tuple[str, ...] = ())
 
 
 def forwarder_argv(port: int, host: str = "127.0.0.1", extra: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "bench.forwarder", "--port", str(port), "--host", host, *extra]
+    return [sys.executable, "-m", "bench.harness.forwarder", "--port", str(port), "--host", host, *extra]
 
 
 PORT_RANGE = (10000, 19990)
@@ -159,7 +159,7 @@ def exit_on_sigterm() -> None:
 def bench_main(name: str, parse_args, run, report, argv: list[str] | None = None):
     """The shared body of every benchmark's ``main``: parse, run (processes are ended by
     PID even on SIGTERM), print the tables, save the record."""
-    from bench import record as rec
+    from bench.harness import record as rec
 
     args = parse_args(argv)
     exit_on_sigterm()

@@ -3,7 +3,7 @@
 A *writer* process sends KVSET commands (5 frames: key, 8 zero bytes, 16-byte UUID,
 properties, value) to a collector endpoint (a server's P+2). A *subscriber* process
 counts the KVPUBs arriving on a publisher endpoint (P+1), checks their sequences for gaps
-and times them. ``bench.loadrun.LoadRun`` starts both kinds as child processes, lets them
+and times them. ``bench.harness.fleet.LoadRun`` starts both kinds as child processes, lets them
 warm up, measures one window and returns what each side saw; ``python -m bench load`` is
 the command line.
 

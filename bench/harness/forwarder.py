@@ -1,6 +1,6 @@
 """The ceiling: a bare Python forwarding loop with a CHP server's message shape.
 
-``python -m bench.forwarder --port P [--host H]`` binds a SUB collector on P+2 and a PUB
+``python -m bench.harness.forwarder --port P [--host H]`` binds a SUB collector on P+2 and a PUB
 on P+1 (P itself is left alone: no snapshots), prints ``READY ...`` and then, for every
 5-frame KVSET it receives: stores the value in a dict (an empty value deletes), and
 publishes a 5-frame KVPUB with the next sequence, echoing UUID and properties. No
@@ -37,7 +37,7 @@ def serve(host: str, port: int, core: int | None = None, pub_hwm: int = HWM,
     from shards.common.zio import recv_frames, send_frames5
 
     if blind:
-        from bench.loadgen import recv5
+        from bench.harness.traffic import recv5
 
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
@@ -89,7 +89,7 @@ def serve(host: str, port: int, core: int | None = None, pub_hwm: int = HWM,
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.forwarder", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.harness.forwarder", description=__doc__.split("\n")[0])
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--core", type=int, default=None, help="pin to this core")

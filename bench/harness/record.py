@@ -31,7 +31,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "bench" / "results"
 """Committed: ``latest/`` (one record per benchmark), the report and its plots. The
 timestamped copies a save also writes there are the local history (not committed)."""
