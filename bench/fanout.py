@@ -15,26 +15,26 @@ fresh runs:
   on the whole map), ``--clients-per-process`` of them per subprocess (a process per
   client would only measure the scheduler on a small host); each process prints READY
   once all its clients have their snapshot and their watch open;
-* then one writer process: an XPUB per shard connected to the collectors (as a client
-  does; it waits until every collector has subscribed), sending ``rate x seconds`` KVSETs
-  **open loop**: update i is due at ``t0 + i / rate`` and is sent then (or at once, if the
-  writer is late), whatever the replies. Each key is new (``/s<i mod segments>/<i>``:
-  the routing segments spread the keys over the shards) and routed with
-  ``shards.common.routing.ShardMap``; its value starts with the writer's ``time.time_ns()`` at
-  the send, zero-padded to 19 digits, then padding up to ``--value-bytes``.
+* then one writer process, the one every scenario uses (``bench.harness.fleet.timed_writer``,
+  the ``bench.harness.traffic`` writer): an XPUB per shard connected to the collectors (as
+  a client does; it waits until every collector has subscribed), sending ``rate x
+  seconds`` KVSETs **open loop**: update i is due at ``i / rate`` after the start and is
+  sent then (or at once, if the writer is late), whatever the replies. Each key is new
+  (``/k%08d``: each key its own routing segment, so the keys spread over the shards),
+  routed as a client routes it; its value starts with the update's *intended* send time
+  (CLOCK_MONOTONIC ns, 8 bytes), then padding up to ``--value-bytes``.
 
-Each subscriber records, per update, the end-to-end latency (its ``time.time_ns()`` when
-the watch yields the change minus the writer's timestamp; one host, one clock), and
+Each subscriber records, per update, the end-to-end latency (its ``time.monotonic_ns()``
+when the watch yields the change minus the intended send time; one host, one clock: a
+late writer shows as latency, as in the ceilings), and
 counts updates received, missing and duplicated. Reported per run: the offered and sent
 rates, updates/s delivered to each subscriber (received / (its last arrival - the first
 send)), the lowest of those and the sum over subscribers, whether every subscriber got
-every update, and latency percentiles p50, p99, p99.9 and max over all deliveries. The
-writer's lateness against its schedule is reported too (a late writer offers less).
+every update, and latency percentiles p50, p99, p99.9 and max over all deliveries.
 The first ``rate x --warmup`` updates are a warm-up: they must arrive too, but are not
 timed. Per (S, N): median and spread over the rounds, and ratios to the ceilings: lowest
-delivered rate / the PUB->SUB's received rate, p50 and p99 / the PUB->SUB's (the ceilings
-count latency from each update's intended send time, this writer from its actual send,
-its lateness reported apart).
+delivered rate / the PUB->SUB's received rate, p50 and p99 / the PUB->SUB's (both count
+latency from each update's intended send time).
 
 Duration on a 2-core host: smoke (1,2 shards x 1,4 subscribers, 0.5 s at 200/s) ~8 s;
 quick (1,4 x 1,4,16, 3 s at 1000/s) ~45 s; full (the same, 5 s after a 1 s warm-up,
@@ -48,18 +48,19 @@ import contextlib
 import json
 import math
 import statistics
-import struct
 import sys
 import time
+from struct import error as struct_error
 
 from bench.harness import record as rec
+from bench.harness.fleet import timed_writer
 from bench.harness.procs import Target, bench_main, cpu_seconds, server_argv, start_on_free_ports
+from bench.harness.traffic import STAMP_BYTES, key_index, stamp_of
 
 NAME = "fanout"
 DURATION = ("Duration (2 cores): smoke (--shards 1,2 --subscribers 1,4 --rate 200 --seconds "
             "0.5) ~8 s; quick (--seconds 3) ~45 s; full (--seconds 5 --warmup 1 --rounds 2) "
             "~2.5 min.")
-TS_DIGITS = 19
 SUBSCRIBER_IDLE_S = 5.0
 """A subscriber that has heard nothing for this long after its first update stops."""
 START_TIMEOUT_S = 60.0
@@ -95,8 +96,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ceiling-s", type=float, default=2.0,
                     help="measured window of each same-run ceiling (PUB->SUB, forwarder)")
     ap.add_argument("--value-bytes", type=int, default=100)
-    ap.add_argument("--segments", type=int, default=64,
-                    help="routing segments the keys are spread over")
     ap.add_argument("--clients-per-process", type=int, default=4)
     ap.add_argument("--drain-s", type=float, default=30.0,
                     help="longest wait for the subscribers after the writer is done")
@@ -106,8 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--rate, --seconds and --clients-per-process must be > 0")
     if args.warmup < 0 or args.rounds < 1 or args.ceiling_s <= 0:
         ap.error("--warmup >= 0, --rounds >= 1, --ceiling-s > 0")
-    if args.value_bytes < TS_DIGITS:
-        ap.error(f"--value-bytes must be >= {TS_DIGITS} (the timestamp)")
+    if args.value_bytes < STAMP_BYTES:
+        ap.error(f"--value-bytes must be >= {STAMP_BYTES} (the timestamp)")
     return args
 
 
@@ -117,87 +116,12 @@ def canonical_command(args: argparse.Namespace) -> str:
     return rec.command_line(f"bench.{NAME}", opts)
 
 
-def key_of(i: int, segments: int) -> bytes:
-    return b"/s%d/%d" % (i % segments, i)
-
-
-def index_of(key: str) -> int:
-    return int(key.rsplit("/", 1)[1])
-
-
 def percentile(sorted_values: list[float], pct: float) -> float:
     """Nearest-rank percentile of an already sorted list."""
     if not sorted_values:
         return float("nan")
     rank = max(1, math.ceil(pct / 100 * len(sorted_values)))
     return sorted_values[rank - 1]
-
-
-# ================================================================ the writer process
-
-def writer_main(argv: list[str]) -> None:
-    import zmq
-
-    from shards.common.routing import ShardMap
-
-    ap = argparse.ArgumentParser(prog=f"python -m bench.{NAME} _writer")
-    ap.add_argument("--ports", type=_int_list, required=True)
-    ap.add_argument("--rate", type=float, required=True)
-    ap.add_argument("--count", type=int, required=True)
-    ap.add_argument("--segments", type=int, required=True)
-    ap.add_argument("--value-bytes", type=int, required=True)
-    ap.add_argument("--warm", type=int, default=0)
-    args = ap.parse_args(argv)
-    ctx = zmq.Context()
-    socks = []
-    for port in args.ports:
-        sock = ctx.socket(zmq.XPUB)
-        sock.setsockopt(zmq.XPUB_VERBOSE, 1)
-        sock.sndhwm = 0  # never drop here: a loss must be the system's
-        sock.linger = 10_000
-        sock.connect(f"tcp://127.0.0.1:{port + 2}")
-        if not sock.poll(int(START_TIMEOUT_S * 1000)):  # the collector's subscription
-            raise SystemExit(f"writer: the collector on {port + 2} never subscribed")
-        sock.recv()
-        socks.append(sock)
-    shard_map = ShardMap(len(args.ports))
-    keys = [key_of(i, args.segments) for i in range(args.count)]
-    owners = [socks[shard_map.owner(k)] for k in keys]
-    pad = b"." * (args.value_bytes - TS_DIGITS)
-    seq0 = b"\0" * 8
-    uuid_head = b"FANOUT\0\0"
-    pack = struct.Struct(">Q").pack
-    period_s = 1.0 / args.rate
-    print("READY writer", flush=True)
-    late_s: list[float] = []
-    t0 = time.monotonic() + 0.05
-    first_ns = 0
-    for i in range(args.count):
-        due = t0 + i * period_s
-        delay = due - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-            late_s.append(0.0)
-        else:
-            late_s.append(-delay)
-        now_ns = time.time_ns()
-        if i == args.warm:
-            first_ns = now_ns
-        owners[i].send_multipart([keys[i], seq0, uuid_head + pack(i), b"",
-                                  b"%019d" % now_ns + pad])
-    elapsed_s = time.monotonic() - (t0 + args.warm * period_s)
-    late_s = sorted(late_s[args.warm:])
-    timed = args.count - args.warm
-    print("RESULT " + json.dumps({
-        "sent": timed, "seconds": round(elapsed_s, 3),
-        "sent_per_s": round(timed / elapsed_s, 1) if elapsed_s > 0 else None,
-        "first_send_ns": first_ns,
-        "late_ms": {"p50": round(percentile(late_s, 50) * 1e3, 3),
-                    "p99": round(percentile(late_s, 99) * 1e3, 3),
-                    "max": round(late_s[-1] * 1e3, 3)}}), flush=True)
-    for sock in socks:
-        sock.close()  # linger: what is queued still goes out
-    ctx.term()
 
 
 # ================================================================ the subscriber process
@@ -216,11 +140,11 @@ async def _consume(watch, count: int, warm: int, result: dict) -> None:
             break
         if change.kind != "put":
             continue
-        now_ns = time.time_ns()
+        now_ns = time.monotonic_ns()
         try:
-            i = index_of(change.key)
-            sent_ns = int(change.value[:TS_DIGITS])
-        except ValueError:
+            i = key_index(change.key)
+            sent_ns = stamp_of(change.value)
+        except (ValueError, TypeError, struct_error):
             strays += 1
             continue
         if not 0 <= i < count:
@@ -311,18 +235,16 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace,
                 f"subscribers {len(subs)}",
                 [*me, "_subscriber", "--ports", port_list, "--clients", str(k),
                  "--count", str(count), "--warm", str(warm)], timeout_s=START_TIMEOUT_S)), k))
-        writer = stack.enter_context(Target("writer", [
-            *me, "_writer", "--ports", port_list, "--rate", f"{args.rate:g}",
-            "--count", str(count), "--segments", str(args.segments),
-            "--value-bytes", str(args.value_bytes), "--warm", str(warm)],
-            timeout_s=START_TIMEOUT_S))
+        writer = stack.enter_context(timed_writer(ports, rate=args.rate, count=count,
+                                                  value_bytes=args.value_bytes))
         groups = {"servers": [t.pid for t in servers], "subscribers": [t.pid for t, _ in subs],
-                  "writer": [writer.pid]}
+                  "writer": writer.pids("writer")}
         pids = [p for g in groups.values() for p in g]
         t0, cpu0 = time.monotonic(), cpu_seconds(pids)
+        window = writer.start(0.0, count / args.rate + 1.0)
         progress.wait_until(t0 + count / args.rate)
-        wrote = _result_line(writer, args.seconds * 3 + START_TIMEOUT_S)
-        cpu_w = cpu_seconds(pids)  # the writer exits after its RESULT line
+        wrote = writer.collect(window, args.seconds * 3 + START_TIMEOUT_S).writers[0]
+        cpu_w = cpu_seconds(pids)
         clients = []
         for target, _ in subs:
             clients += _result_line(target, args.drain_s + SUBSCRIBER_IDLE_S + 5)
@@ -337,6 +259,8 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace,
     cpu_pct["others"] = round(max(0.0, cpu_pct["host"] - cpu_pct["servers"]
                                   - cpu_pct["subscribers"] - cpu_pct["writer"]), 1)
     first_ns = wrote["first_send_ns"]
+    sent_per_s = (round(wrote["sent_total"] / wrote["elapsed_s"], 1)
+                  if wrote["elapsed_s"] else None)
     per_sub_rate = []
     lat_ms: list[float] = []
     for c in clients:
@@ -347,7 +271,7 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace,
     return {
         "shards": shards, "subscribers": subscribers, "processes": len(subs),
         "offered_per_s": args.rate, "updates": timed, "warmup_updates": warm,
-        "sent_per_s": wrote["sent_per_s"], "writer_late_ms": wrote["late_ms"],
+        "sent_per_s": sent_per_s,
         "delivered_per_s_each": per_sub_rate,
         "delivered_per_s_min": min(per_sub_rate),
         "delivered_per_s_total": round(sum(per_sub_rate), 1),
@@ -434,7 +358,7 @@ def report(record: rec.Record) -> None:
                      r["sent_per_s"], r["delivered_per_s_min"], r["delivered_per_s_total"],
                      "yes" if r["complete"] else f"NO ({r['missing_total']} missing)",
                      lat["p50"], lat["p99"], lat["p99.9"], lat["max"],
-                     r["writer_late_ms"]["max"], r["cpu_pct"]["servers"],
+                     r["cpu_pct"]["servers"],
                      r["cpu_pct"]["subscribers"], r["cpu_pct"]["others"]])
     cfg = record.data["config"]
     rec.table(record, f"{NAME}: one writer, N subscribers ({cfg['seconds']:g} s at "
@@ -442,13 +366,13 @@ def report(record: rec.Record) -> None:
                       "open loop)",
               ["shards", "subscribers", "round", "offered/s", "sent/s",
                "delivered/s each (min)", "delivered/s all", "every update", "p50 ms",
-               "p99 ms", "p99.9 ms", "max ms", "writer late max ms", "servers cpu%",
+               "p99 ms", "p99.9 ms", "max ms", "servers cpu%",
                "subscribers cpu%", "others cpu%"],
               rows,
               caption="delivered/s each: updates received by one subscriber / (its last "
                       "arrival - the first timed send), the lowest subscriber; all: the sum. "
-                      "Latency: writer time.time_ns() in the value to the subscriber's watch "
-                      "yielding it, over every timed delivery. cpu%: of one core, from the "
+                      "Latency: the update's intended send time (in the value) to the "
+                      "subscriber's watch yielding it, over every timed delivery. cpu%: of one core, from the "
                       "writer's start to the last subscriber's result; others: the rest of "
                       "the host's busy time.")
     summary = record.data["summary"]
@@ -469,16 +393,13 @@ def report(record: rec.Record) -> None:
                       f"subscriber): bare PUB->SUB {ps['received_per_s']:,.0f}/s received, "
                       f"p50 {ps['latency_ms']['p50']} ms, p99 {ps['latency_ms']['p99']} ms; "
                       f"bare forwarding loop {fw['received_per_s']:,.0f}/s, p50 "
-                      f"{fw['latency_ms']['p50']} ms, p99 {fw['latency_ms']['p99']} ms (their "
-                      "latency counts from the intended send time, the fan-out writer's from "
-                      "its actual send).")
+                      f"{fw['latency_ms']['p50']} ms, p99 {fw['latency_ms']['p99']} ms (all "
+                      "latency counts from the intended send time).")
     rec.print_targets(record)
 
 
 def main(argv: list[str] | None = None) -> rec.Record | None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_writer"]:
-        return writer_main(argv[1:])
     if argv[:1] == ["_subscriber"]:
         return subscriber_main(argv[1:])
     return bench_main(NAME, parse_args, run, report, argv)

@@ -16,8 +16,8 @@ For each mode and each kind of work, a fresh run:
   long (hashlib releases the GIL for large buffers, like I/O or numpy work would). Its
   slow-subscriber check is off (``max_lag_s=None``) and its watch queue large, so
   nothing is dropped or resynced: the figure is what the callback sustains;
-* one writer (``bench.fanout``'s, open loop): ``rate x seconds`` new keys, the send
-  time in each value.
+* one writer (``bench.harness.fleet.timed_writer``, the writer every scenario uses, open
+  loop): ``rate x seconds`` new keys, the intended send time in each value.
 
 Reported per run: sent/s, updates/s delivered to the callback (received / (last callback
 - first send)), whether every update arrived, the subscriber's CPU (% of one core), the
@@ -35,7 +35,8 @@ import threading
 import time
 
 from bench.harness import record as rec
-from bench.fanout import _result_line  # the writer is fanout's too
+from bench.fanout import _result_line
+from bench.harness.fleet import timed_writer
 from bench.harness.procs import Target, bench_main, cpu_seconds, server_argv, start_on_free_ports
 
 NAME = "handoff"
@@ -142,7 +143,7 @@ def subscriber_main(argv: list[str]) -> None:
         if not state["synced"] or change.kind != "put":
             return
         work()
-        now_ns = time.time_ns()
+        now_ns = time.monotonic_ns()  # the writer's clock (CLOCK_MONOTONIC, one host)
         if not state["received"]:
             state["first_ns"] = now_ns
         state["received"] += 1
@@ -185,21 +186,21 @@ def run_one(mode: str, work: str, args: argparse.Namespace) -> dict:
             *me, "_subscriber", "--port", str(port), "--deliver", mode, "--work", work,
             "--cost-us", f"{args.cost_us:g}", "--count", str(count)],
             timeout_s=START_TIMEOUT_S))
-        writer = stack.enter_context(Target("writer", [
-            sys.executable, "-m", "bench.fanout", "_writer", "--ports", str(port),
-            "--rate", f"{args.rate:g}", "--count", str(count), "--segments", "64",
-            "--value-bytes", "100"], timeout_s=START_TIMEOUT_S))
+        writer = stack.enter_context(timed_writer([port], rate=args.rate, count=count))
         t0, cpu0 = time.monotonic(), cpu_seconds([sub.pid, server.pid])
-        wrote = _result_line(writer, args.seconds * 3 + START_TIMEOUT_S)
+        window = writer.start(0.0, count / args.rate + 1.0)
+        wrote = writer.collect(window, args.seconds * 3 + START_TIMEOUT_S).writers[0]
         got = _result_line(sub, args.seconds * 20 + IDLE_S + START_TIMEOUT_S)
         window_s = time.monotonic() - t0
         cpu1 = cpu_seconds([sub.pid, server.pid])
     first_send_ns = wrote["first_send_ns"]
-    last_send_ns = first_send_ns + int(wrote["seconds"] * 1e9)
+    last_send_ns = first_send_ns + int(wrote["elapsed_s"] * 1e9)
+    sent_per_s = (round(wrote["sent_total"] / wrote["elapsed_s"], 1)
+                  if wrote["elapsed_s"] else None)
     span_s = (got["last_ns"] - first_send_ns) / 1e9 if got["last_ns"] else 0.0
     return {
         "mode": mode, "work": work, "cost_us": args.cost_us, "work_us": got["work_us"],
-        "offered_per_s": args.rate, "updates": count, "sent_per_s": wrote["sent_per_s"],
+        "offered_per_s": args.rate, "updates": count, "sent_per_s": sent_per_s,
         "received": got["received"], "complete": got["received"] == count,
         "delivered_per_s": round(got["received"] / span_s, 1) if span_s > 0 else 0.0,
         "applied": got["applied"],

@@ -185,3 +185,19 @@ def _recv_by(conn, deadline: float, what: str) -> dict:
 def config_dict(cfg) -> dict:
     d = asdict(cfg)
     return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in d.items()}
+
+
+def timed_writer(ports: list[int], *, rate: float, count: int,
+                 value_bytes: int = 100) -> LoadRun:
+    """One open-loop writer (the traffic writer, the one every scenario uses): ``count``
+    new keys ``key_of(0..count-1)``, routed over the shards at base ports ``ports`` as a
+    client routes them, update i due at ``i / rate`` s and stamped with that intended
+    time (``stamp_of``). ``with timed_writer(...) as run: window = run.start(0.0, s)``,
+    then ``run.collect(window).writers[0]`` (``sent_total``, ``elapsed_s``,
+    ``first_send_ns``)."""
+    collectors = tuple(f"tcp://127.0.0.1:{p + 2}" for p in ports)
+    cfg = WriterConfig(collector=collectors[0], collectors=collectors if len(ports) > 1
+                       else (), keys=count, value_bytes=value_bytes,
+                       distribution="sequential", mode="rate", rate_per_s=rate, count=count,
+                       tail_s=0.0)
+    return LoadRun([cfg], [])

@@ -104,9 +104,15 @@ def key_of(i: int) -> bytes:
     return (KEY_FORMAT % i).encode()
 
 
-def key_index(key: bytes) -> int:
+def key_index(key: bytes | str) -> int:
     """The inverse of ``key_of``."""
     return int(key[2:])
+
+
+def stamp_of(value: bytes) -> int:
+    """The send time a writer put in the first 8 bytes of a value (CLOCK_MONOTONIC ns:
+    compare with ``time.monotonic_ns()`` on the same host)."""
+    return _U64.unpack_from(value)[0]
 
 
 # ------------------------------------------------------------------------ configuration
@@ -353,7 +359,7 @@ def _write(socks, cfg: WriterConfig, schedule, window: Window, send5, zmq) -> di
         at_end = (now, sent, dropped)
     return {
         "sent_total": sent, "dropped_total": dropped, "blocked_timeouts": blocked,
-        "elapsed_s": now - t_begin,
+        "elapsed_s": now - t_begin, "first_send_ns": t0_ns,
         "window_s": at_end[0] - at_start[0],
         "sent_window": at_end[1] - at_start[1],
         "dropped_window": at_end[2] - at_start[2],
