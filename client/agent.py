@@ -86,6 +86,12 @@ _decode_update = chp.decode_update
 _decode_snapshot = chp.decode_snapshot
 _check_seq = sm.check_seq
 
+def diff_counts(old: dict[bytes, bytes], new: dict[bytes, bytes]) -> tuple[int, int]:
+    """(keys of ``old`` that ``new`` lacks, keys new or changed in ``new``)."""
+    get = old.get
+    return len(old.keys() - new.keys()), sum(1 for k, v in new.items() if get(k) != v)
+
+
 class ShardAgent:
     """One shard: its machine, its sockets, its part of the local map.
 
@@ -376,25 +382,25 @@ class ShardAgent:
             reason = "the server's sequence went backwards"
         else:
             return None
-        lost = len(old.keys() - new.keys())
-        get = old.get
-        changed = sum(1 for k, v in new.items() if get(k) != v)
+        lost, changed = diff_counts(old, new)
         return ResetInfo(self.name, self.server, reason, old_gen, new_gen, self.last_seq,
                          seq, len(old), len(new), lost, changed, self.reset_policy)
 
     def _report_reset(self, info: ResetInfo) -> None:
-        if self.on_reset is not None:
+        self._call_back(self.on_reset, info, "on_reset")
+
+    def _call_back(self, callback, info, name: str) -> None:
+        """An application callback: its failure is logged, never the agent's."""
+        if callback is not None:
             try:
-                self.on_reset(info)
+                callback(info)
             except Exception:
-                log.exception("shard %s: on_reset callback failed", self.name)
+                log.exception("shard %s: %s callback failed", self.name, name)
 
     def _resumed(self, old: dict[bytes, bytes], new: dict[bytes, bytes]) -> None:
         first, heard_s, reason, silent_s = self._failover_from
         self._failover_from = None
-        get = old.get
-        removed = len(old.keys() - new.keys())
-        changed = sum(1 for k, v in new.items() if get(k) != v)
+        removed, changed = diff_counts(old, new)
         info = FailoverInfo(self.name, self.servers[first], self.server, reason, silent_s,
                             resumed=True, gap_s=self.clock() - heard_s, removed=removed,
                             changed=changed)
@@ -405,11 +411,7 @@ class ShardAgent:
         self._report(info)
 
     def _report(self, info: FailoverInfo) -> None:
-        if self.on_failover is not None:
-            try:
-                self.on_failover(info)
-            except Exception:
-                log.exception("shard %s: on_failover callback failed", self.name)
+        self._call_back(self.on_failover, info, "on_failover")
 
     def _failed_over(self, eff: sm.Failover) -> None:
         info = FailoverInfo(self.name, self.servers[eff.old], self.servers[eff.new],
