@@ -83,7 +83,7 @@ _Hugz = chp.Hugz
 _Kvsync = chp.Kvsync
 _HUGZ_KEY = chp.HUGZ
 _decode_update = chp.decode_update
-_decode_snapshot = chp.decode_snapshot
+_decode_snapshot = chp.decode_snapshot_liberal
 _check_seq = sm.check_seq
 
 def diff_counts(old: dict[bytes, bytes], new: dict[bytes, bytes]) -> tuple[int, int]:
@@ -153,7 +153,8 @@ class ShardAgent:
         self.props: dict[bytes, bytes] = {}
         """Properties that came with a key (KVPUB or KVSYNC), only for keys that had any."""
         self._incoming_props: dict[bytes, bytes] = {}
-        self._sync_in = 0
+        self._sync_base = 0
+        """``snapshot_messages`` when the current request went out."""
         self._sync_dropped = 0
         self._first_sync_error = ""
         self.snapshots_rejected = 0
@@ -330,7 +331,7 @@ class ShardAgent:
         self._gen += 1
         self._incoming = {}
         self._incoming_props = {}
-        self._sync_in = self._sync_dropped = 0
+        self._sync_base, self._sync_dropped = self.snapshot_messages, 0
         self._first_sync_error = ""
         self._buffer.clear()
         self._buffering = True
@@ -604,16 +605,14 @@ class ShardAgent:
             self.drops.drop("unexpected_snapshot", f"shard {self.name}: no sync in progress")
             return
         try:
-            msg = _decode_snapshot(frames, self.limits, strict=False)
+            msg = _decode_snapshot(frames, self.limits)
         except ProtocolError as exc:
             if frames and frames[0] != chp.KTHXBAI:
-                self._sync_in += 1
                 self._sync_dropped += 1
                 self._first_sync_error = self._first_sync_error or str(exc)
             self.drops.drop(exc.reason, f"shard {self.name} DEALER: {exc}")
             return
         if msg.__class__ is _Kvsync:
-            self._sync_in += 1
             key = msg.key
             if not key.startswith(self.subtree):
                 self._sync_dropped += 1
@@ -628,9 +627,10 @@ class ShardAgent:
             self.drops.drop("wrong_subtree", f"shard {self.name}: KTHXBAI for "
                             f"{msg.subtree!r}, asked {self.subtree!r}")
             return
-        if self._sync_in and self._sync_dropped == self._sync_in:
+        arrived = self.snapshot_messages - self._sync_base - 1  # KVSYNCs (not KTHXBAI)
+        if arrived and self._sync_dropped == arrived:
             self.snapshots_rejected += 1
-            reason = (f"{self._sync_in} KVSYNC from {self.server}, none valid (first: "
+            reason = (f"{arrived} KVSYNC from {self.server}, none valid (first: "
                       f"{self._first_sync_error or 'outside the subtree'})")
             log.error("shard %s: snapshot rejected: %s", self.name, reason)
             self._incoming = None  # nothing of it is installed

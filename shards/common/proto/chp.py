@@ -265,6 +265,13 @@ def decode_snapshot(frames: list[bytes], limits: Limits = DEFAULT_LIMITS, *,
                   check_props(frames[3], "KVSYNC", limits))
 
 
+def decode_snapshot_liberal(frames: list[bytes],
+                            limits: Limits = DEFAULT_LIMITS) -> Kvsync | Kthxbai:
+    """``decode_snapshot(frames, limits, strict=False)`` without the keyword's cost (a
+    client's hot path during a sync)."""
+    return decode_snapshot(frames, limits, strict=False)
+
+
 def decode_update(frames: list[bytes], limits: Limits = DEFAULT_LIMITS, *,
                   strict: bool = True) -> Kvpub | Hugz:
     """Decode a message from the server's publisher: a KVPUB or a HUGZ. ``strict=False``
