@@ -30,7 +30,7 @@ import sys
 import click
 import uvloop
 
-from shards.common.errors import ConfigError, PortInUse
+from shards.common.errors import ConfigError, Exit, PortInUse
 from shards.pair import PairServer, parse_peer
 from shards.pending import MAX_AGE_S, MAX_ENTRIES
 from shards.common.proto import chp
@@ -173,6 +173,28 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
     return code
 
 
+def _recover(server: ShardServer, data_dir: str, fsync: str) -> None:
+    """Load the persisted map before binding (the same map, sequence, TTL instants and
+    generation), then log every update from here on."""
+    from shards import persist
+
+    try:
+        got = persist.recover(data_dir)
+    except (persist.CorruptLog, OSError) as exc:
+        click.echo(f"shards: cannot recover the map from {data_dir}: {exc}", err=True)
+        sys.exit(Exit.FAILED)
+    server.store = got.store
+    if got.generation:
+        server.generation = got.generation
+    if got.torn_bytes:
+        log.warning("recovery: a torn last record (%d bytes) was truncated in %s",
+                    got.torn_bytes, got.path)
+    log.info("recovered %d keys at sequence %d from %s (%d records; generation %s)",
+             len(got.store), got.store.seq, got.path, got.records, server.generation)
+    server.persist = persist.LogWriter(data_dir, server.generation, fsync=fsync)
+    server.persist.torn_bytes = got.torn_bytes
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--port", "-p", type=click.IntRange(1, 65533), required=True,
               help="Port base P: snapshot ROUTER on P, PUB on P+1, collector SUB on P+2.")
@@ -231,12 +253,20 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
               show_default=True, help="Pending-table entries (passive server).")
 @click.option("--pending-age-s", type=click.FloatRange(0.001), default=MAX_AGE_S,
               show_default=True, help="Longest a pending update is kept.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Persist every applied update in this directory and recover from it "
+                   "at start (standalone servers; default: memory only).")
+@click.option("--fsync", type=click.Choice(["everysec", "no"]), default="everysec",
+              show_default=True,
+              help="With --data-dir: fsync the log at most once a second (everysec), or "
+                   "leave it to the OS (no).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_props_bytes,
          max_subtree_bytes, snapshot_chunk, snapshot_stall_s, max_snapshots, collect_batch,
          pub_hwm, collect_hwm, snapshot_hwm, cpus, pair_role, peer, shard, control,
-         parent_pid, shard_map, shard_index, pending_max, pending_age_s, log_level):
+         parent_pid, shard_map, shard_index, pending_max, pending_age_s, data_dir, fsync,
+         log_level):
     """Run one 12/CHP shard server: standalone, or one server of a Binary Star pair."""
     if pair_role is not None and peer is None:
         raise click.UsageError(f"--{pair_role} needs --peer HOST:PORT (the other server)")
@@ -247,6 +277,9 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
     if shard_map is not None and shard_index >= shard_map.shards:
         raise click.BadParameter(f"{shard_index} is not a shard of --routing (0.."
                                  f"{shard_map.shards - 1})", param_hint="--shard-index")
+    if data_dir is not None and pair_role is not None:
+        raise click.UsageError("--data-dir is for standalone servers in this version (a "
+                               "Binary Star pair keeps its map in memory)")
     if port > 65532 and pair_role is not None:
         raise click.BadParameter("a pair server uses P..P+3: at most 65532", param_hint="--port")
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
@@ -272,6 +305,8 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
     else:
         server = PairServer(config, role=pair_role, peer=peer, shard=shard,
                             pending_max=pending_max, pending_age_s=pending_age_s)
+    if data_dir is not None:
+        _recover(server, data_dir, fsync)
     try:
         server.bind()
     except PortInUse as exc:

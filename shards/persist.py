@@ -155,6 +155,8 @@ class LogWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._buf = bytearray()
         self.records = 0
+        self.torn_bytes = 0
+        """Bytes of a torn last record truncated by the recovery before this writer."""
         self.fsyncs = 0
         self.fsync_s_total = 0.0
         self._unsynced = False
@@ -206,4 +208,5 @@ class LogWriter:
 
     def stats(self) -> dict:
         return {"path": str(self.path), "fsync": self.policy, "records": self.records,
-                "fsyncs": self.fsyncs, "fsync_s_total": round(self.fsync_s_total, 6)}
+                "fsyncs": self.fsyncs, "fsync_s_total": round(self.fsync_s_total, 6),
+                "torn_bytes_recovered": self.torn_bytes}

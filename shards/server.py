@@ -216,6 +216,9 @@ class ShardServer:
         """The map's generation token, announced in every clock HUGZ (``gen=``): a map
         born empty gets a new one; a Binary Star replica takes its active's."""
         self.drops = DropCounter(log)
+        self.persist = None
+        """A ``shards.persist.LogWriter`` when the server persists (``--data-dir``)."""
+        self._persist_flush: asyncio.Handle | None = None
         self.active = False
         self.ctx: zmq.Context | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -320,8 +323,11 @@ class ShardServer:
 
     def close(self) -> None:
         """Stop timers and close every socket with linger 0. Idempotent."""
+        if self.persist is not None:
+            self.persist.close()  # flush and fsync: a clean stop loses nothing
+            self.persist = None
         for handle in (self._beat_handle, self._ttl_handle, self._welcome_handle,
-                       self._sub_check_handle):
+                       self._sub_check_handle, self._persist_flush):
             if handle is not None:
                 handle.cancel()
         self._beat_handle = self._ttl_handle = None
@@ -378,6 +384,8 @@ class ShardServer:
                         and not self.owns(key)):
                     return  # counted not_owner
                 seq = self.store.apply(key, value)
+                if self.persist is not None:
+                    self._log(seq, key, value, None)
                 pub = self._pub
                 _send(pub, key, _MORE)
                 _send(pub, _pack_seq(seq), _MORE)
@@ -403,9 +411,22 @@ class ShardServer:
         if not self.owns(key):
             return
         seq = self.store.apply(key, value, expiry_s)
+        if self.persist is not None:
+            self._log(seq, key, value, expiry_s)
         zio.send_frames5(self._pub, key, _pack_seq(seq), kvset.uuid, props, value)
         if expiry_s is not None:
             self._arm_ttl()
+
+    def _log(self, seq: int, key: bytes, value: bytes, expiry_s: float | None) -> None:
+        """Persist one applied update; the buffer is written once per loop turn."""
+        self.persist.append(seq, key, value, expiry_s)
+        if self._persist_flush is None and self.loop is not None:
+            self._persist_flush = self.loop.call_soon(self._flush_log)
+
+    def _flush_log(self) -> None:
+        self._persist_flush = None
+        if self.persist is not None:
+            self.persist.flush()
 
     def owns(self, key: bytes) -> bool:
         """Whether this shard owns ``key``; if not, the drop is counted ``not_owner``."""
@@ -438,6 +459,8 @@ class ShardServer:
             return
         pub = self._pub
         for key, seq in self.store.pop_expired(time.time()):
+            if self.persist is not None:
+                self._log(seq, key, b"", None)
             zio.send_frames5(pub, key, _pack_seq(seq), b"", b"", b"")
             self.ttl_expired += 1
         self._arm_ttl()
@@ -493,6 +516,8 @@ class ShardServer:
         loop = self.loop
         config = self.config
         self._beat_handle = loop.call_later(self._beat_s, self.on_heartbeat)
+        if self.persist is not None:
+            self.persist.tick()  # everysec: fsync what was written, once a second
         if not self.active:
             return
         now = loop.time()
@@ -561,6 +586,7 @@ class ShardServer:
                          if self.owner_cache else 0}),
             "drops": drops,
             "drops_total": sum(drops.values()),
+            "persist": self.persist.stats() if self.persist is not None else None,
             "handler_errors": sum(a.errors for a in (self._router, self._collector)
                                   if a is not None),
             "rss_bytes": self._process.memory_info().rss,
