@@ -256,10 +256,11 @@ def _recover(server: ShardServer, data_dir: str, fsync: str) -> None:
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
               help="Persist every applied update in this directory and recover from it "
                    "at start (standalone servers; default: memory only).")
-@click.option("--fsync", type=click.Choice(["everysec", "no"]), default="everysec",
-              show_default=True,
-              help="With --data-dir: fsync the log at most once a second (everysec), or "
-                   "leave it to the OS (no).")
+@click.option("--fsync", type=click.Choice(["always", "everysec", "no"]),
+              default="everysec", show_default=True,
+              help="With --data-dir: fsync every batch before its KVPUBs go out (always: "
+                   "an acknowledged write is on disk), at most once a second (everysec), "
+                   "or leave it to the OS (no).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_props_bytes,

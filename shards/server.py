@@ -219,6 +219,9 @@ class ShardServer:
         self.persist = None
         """A ``shards.persist.LogWriter`` when the server persists (``--data-dir``)."""
         self._persist_flush: asyncio.Handle | None = None
+        self._held: list[tuple] = []
+        """``fsync: always``: KVPUBs applied and logged but not yet published; they go
+        out in order right after the batch's fsync (group commit)."""
         self.active = False
         self.ctx: zmq.Context | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -386,6 +389,9 @@ class ShardServer:
                 seq = self.store.apply(key, value)
                 if self.persist is not None:
                     self._log(seq, key, value, None)
+                    if self.persist.policy == "always":  # publish after the fsync
+                        self._held.append((key, _pack_seq(seq), uuid, b"", value))
+                        return
                 pub = self._pub
                 _send(pub, key, _MORE)
                 _send(pub, _pack_seq(seq), _MORE)
@@ -413,7 +419,10 @@ class ShardServer:
         seq = self.store.apply(key, value, expiry_s)
         if self.persist is not None:
             self._log(seq, key, value, expiry_s)
-        zio.send_frames5(self._pub, key, _pack_seq(seq), kvset.uuid, props, value)
+        if self.persist is not None and self.persist.policy == "always":
+            self._held.append((key, _pack_seq(seq), kvset.uuid, props, value))
+        else:
+            zio.send_frames5(self._pub, key, _pack_seq(seq), kvset.uuid, props, value)
         if expiry_s is not None:
             self._arm_ttl()
 
@@ -424,9 +433,18 @@ class ShardServer:
             self._persist_flush = self.loop.call_soon(self._flush_log)
 
     def _flush_log(self) -> None:
+        """Write the turn's records (fsync with ``always``), then publish what was held
+        for that fsync, in sequence order."""
+        if self._persist_flush is not None:
+            self._persist_flush.cancel()
         self._persist_flush = None
         if self.persist is not None:
             self.persist.flush()
+        if self._held:
+            held, self._held = self._held, []
+            pub = self._pub
+            for frames in held:
+                zio.send_frames5(pub, *frames)
 
     def owns(self, key: bytes) -> bool:
         """Whether this shard owns ``key``; if not, the drop is counted ``not_owner``."""
@@ -458,10 +476,14 @@ class ShardServer:
         if not self.active:
             return
         pub = self._pub
+        hold = self.persist is not None and self.persist.policy == "always"
         for key, seq in self.store.pop_expired(time.time()):
             if self.persist is not None:
                 self._log(seq, key, b"", None)
-            zio.send_frames5(pub, key, _pack_seq(seq), b"", b"", b"")
+            if hold:
+                self._held.append((key, _pack_seq(seq), b"", b"", b""))
+            else:
+                zio.send_frames5(pub, key, _pack_seq(seq), b"", b"", b"")
             self.ttl_expired += 1
         self._arm_ttl()
 
@@ -487,10 +509,11 @@ class ShardServer:
     def _hugz(self) -> list[bytes]:
         """A HUGZ with the server clock and the map's generation when ``clock_s`` is on,
         else a plain one; either says ``serving=0`` when this server would not answer an
-        ICANHAZ now."""
+        ICANHAZ now. Its sequence is the last *published* one (updates held for an fsync
+        are not announced before they go out)."""
         serving = self.serving()
         if self.config.clock_s > 0:
-            return chp.hugz(time.time(), self.store.seq, serving=serving,
+            return chp.hugz(time.time(), self.store.seq - len(self._held), serving=serving,
                             generation=self.generation)
         return chp.hugz(serving=serving)
 
@@ -538,6 +561,8 @@ class ShardServer:
     # ================================================================ snapshots
     def on_snapshot_request(self, frames: list[bytes]) -> None:
         """An ICANHAZ on the ROUTER: queue a snapshot for this peer."""
+        if self._held:  # a snapshot point must not show what is not on disk yet
+            self._flush_log()
         identity = frames[0]
         try:
             request = chp.decode_icanhaz(frames[1:], self._limits)
