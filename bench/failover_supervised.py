@@ -152,7 +152,6 @@ def run_supervised(args, record: rec.Record, progress: rec.Progress) -> None:
                                   if rows[r]["bstar"] == "ACTIVE")
                     old_pid = rows[victim]["pid"]
                     progress.step(f"kill {k + 1}/{args.kills}: supervisor kill {victim}")
-                    refused_before = 0  # a new process: its counters start at 0
                     t_kill = time.monotonic()
                     subprocess.run([python, "-m", "supervisor", "kill", victim, "--control",
                                     control], cwd=ROOT, check=True, capture_output=True)
@@ -175,6 +174,7 @@ def run_supervised(args, record: rec.Record, progress: rec.Progress) -> None:
                         time.sleep(0.02)
                     stall = max((end - start for start, end in list(writer.spans)
                                  if end >= t_kill), default=None)
+                    # the restarted process's own counter (a new process starts at 0)
                     refused = _rows(control)[victim]["stats"]["snapshots_refused"]
                     run = {"kill": k + 1, "killed": victim,
                            "restarted_s": round(restarted_s, 3),
@@ -182,7 +182,7 @@ def run_supervised(args, record: rec.Record, progress: rec.Progress) -> None:
                            "new_clone_s": round(new_clone_s, 3),
                            "new_clone_s0_server": s0["server"],
                            "chp_get_s": round(chp_get_s, 3), "chp_exit": out.returncode,
-                           "passive_refused": refused - refused_before}
+                           "passive_refused": refused}
                     record.add_run(run)
                     progress.note(f"kill {k + 1} ({victim}): restarted PASSIVE after "
                                   f"{restarted_s:.2f} s; wait=True stall {run['write_stall_s']} s;"

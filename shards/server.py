@@ -388,10 +388,8 @@ class ShardServer:
                     return  # counted not_owner
                 seq = self.store.apply(key, value)
                 if self.persist is not None:
-                    self._log(seq, key, value, None)
-                    if self.persist.policy == "always":  # publish after the fsync
-                        self._held.append((key, _pack_seq(seq), uuid, b"", value))
-                        return
+                    self._log_and_publish(seq, key, uuid, b"", value, None)
+                    return
                 pub = self._pub
                 _send(pub, key, _MORE)
                 _send(pub, _pack_seq(seq), _MORE)
@@ -418,19 +416,26 @@ class ShardServer:
             return
         seq = self.store.apply(key, value, expiry_s)
         if self.persist is not None:
-            self._log(seq, key, value, expiry_s)
-        if self.persist is not None and self.persist.policy == "always":
-            self._held.append((key, _pack_seq(seq), kvset.uuid, props, value))
+            self._log_and_publish(seq, key, kvset.uuid, props, value, expiry_s)
         else:
             zio.send_frames5(self._pub, key, _pack_seq(seq), kvset.uuid, props, value)
         if expiry_s is not None:
             self._arm_ttl()
 
-    def _log(self, seq: int, key: bytes, value: bytes, expiry_s: float | None) -> None:
-        """Persist one applied update; the buffer is written once per loop turn."""
-        self.persist.append(seq, key, value, expiry_s)
+    def _log_and_publish(self, seq: int, key: bytes, uuid: bytes, props: bytes, value: bytes,
+                         expiry_s: float | None) -> None:
+        """Persist one applied update (the buffer is written once per loop turn) and
+        publish its KVPUB: at once, or with ``fsync: always`` held until that write's
+        fsync (``_flush_log``)."""
+        persist = self.persist
+        persist.append(seq, key, value, expiry_s)
         if self._persist_flush is None and self.loop is not None:
             self._persist_flush = self.loop.call_soon(self._flush_log)
+        frames = (key, _pack_seq(seq), uuid, props, value)
+        if persist.policy == "always":
+            self._held.append(frames)
+        else:
+            zio.send_frames5(self._pub, *frames)
 
     def _flush_log(self) -> None:
         """Write the turn's records (fsync with ``always``), then publish what was held
@@ -476,12 +481,9 @@ class ShardServer:
         if not self.active:
             return
         pub = self._pub
-        hold = self.persist is not None and self.persist.policy == "always"
         for key, seq in self.store.pop_expired(time.time()):
             if self.persist is not None:
-                self._log(seq, key, b"", None)
-            if hold:
-                self._held.append((key, _pack_seq(seq), b"", b"", b""))
+                self._log_and_publish(seq, key, b"", b"", b"", None)
             else:
                 zio.send_frames5(pub, key, _pack_seq(seq), b"", b"", b"")
             self.ttl_expired += 1
