@@ -223,7 +223,8 @@ class ShardAgent:
         self.link = Link(self.ctx, self.name, self.subtree, loop=self.loop,
                          affinity=self.affinity, sub_rcvhwm=self.sub_rcvhwm,
                          on_update=self._on_update, on_snapshot=self._on_snapshot,
-                         on_live=self._on_live, initial=lambda: self.state.phase == sm.INITIAL)
+                         on_live=self._on_live, initial=lambda: self.state.phase == sm.INITIAL,
+                         pair=len(self.servers) > 1)
         self._synced_event = asyncio.Event()
         self._collector_event = asyncio.Event()
         for address in self.servers:
@@ -447,7 +448,7 @@ class ShardAgent:
             return False  # counted when applied
         if msg.__class__ is not _Hugz:
             return False
-        return self.link.note_hugz(chp.hugz_info(msg), len(self.servers) > 1)
+        return self.link.note_hugz(chp.hugz_info(msg))
 
     def _on_update(self, frames: list[bytes]) -> None:
         """A message on the SUB: KVPUB or HUGZ (hot path)."""
@@ -550,7 +551,7 @@ class ShardAgent:
         the gap) is seen here. A HUGZ sequence without a clock (the reference C
         server's) is only a liveness sign: our gap rule is not its contract."""
         info = chp.hugz_info(msg)
-        if self.link.note_hugz(info, len(self.servers) > 1):
+        if self.link.note_hugz(info):
             self._dispatch(sm.NotServing())
             return
         if (info.generation and self.generation and info.generation != self.generation
@@ -559,13 +560,12 @@ class ShardAgent:
             return
         if info.ts is None:
             return
-        clock = (info.ts, info.seq)
-        if (self.contiguous and clock[1] > self.last_seq
+        if (self.contiguous and info.seq > self.last_seq
                 and self.state.phase == sm.ACTIVE and self.link.live_pending is None):
             # (not the first message after a reconnect: that resyncs as Reconnected)
-            self._gap(clock[1])
+            self._gap(info.seq)
             return
-        lag_s = self.lag.observe(clock[0], time.time())
+        lag_s = self.lag.observe(info.ts, time.time())
         if (self.max_lag_s is None or lag_s <= self.max_lag_s
                 or self.state.phase != sm.ACTIVE):
             return

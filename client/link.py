@@ -44,11 +44,14 @@ class Link:
                  loop: asyncio.AbstractEventLoop, affinity: int, sub_rcvhwm: int,
                  on_update: Callable[[list[bytes]], None],
                  on_snapshot: Callable[[list[bytes]], None],
-                 on_live: Callable[[object], None], initial: Callable[[], bool]):
+                 on_live: Callable[[object], None], initial: Callable[[], bool],
+                 pair: bool = False):
         self.ctx, self.name, self.subtree, self.loop = ctx, name, subtree, loop
         self.affinity, self.sub_rcvhwm = affinity, sub_rcvhwm
         self.on_update, self.on_snapshot, self.on_live = on_update, on_snapshot, on_live
         self.initial = initial
+        self.pair = pair
+        """There is another server to ask when this one says it does not serve."""
         """Whether the agent's machine is INITIAL (a handshake then means SubscriberLive)."""
         self.address: ServerAddress | None = None
         self.sub: AsyncSocket | None = None
@@ -126,12 +129,12 @@ class Link:
         self.monitor = self.dealer = self.sub = None
 
     # ------------------------------------------------------------------ liveness
-    def note_hugz(self, info: chp.HugzInfo, pair: bool) -> bool:
+    def note_hugz(self, info: chp.HugzInfo) -> bool:
         """What a HUGZ from this server said; True if it does not serve (and there is
         another server to ask)."""
         if info.generation:
             self.generation = info.generation
-        self.not_serving = not info.serving and pair
+        self.not_serving = not info.serving and self.pair
         return self.not_serving
 
     def _on_monitor(self, frames: list[bytes]) -> None:
