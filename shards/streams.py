@@ -70,8 +70,8 @@ class StreamPump:
         self.evict = evict
         self.name = name
         self.active: dict[bytes, _Entry] = {}
-        self.waiting: collections.deque[Callable[[], Stream]] = collections.deque()
-        self._waiting_ids: collections.deque[bytes] = collections.deque()
+        self.waiting: collections.deque[tuple[bytes, Callable[[], Stream]]] = \
+            collections.deque()
         self._handle: asyncio.Handle | None = None
         self.counters = dict.fromkeys(("done", "abandoned", "unreachable", "refused"), 0)
 
@@ -97,8 +97,7 @@ class StreamPump:
         if len(self.waiting) >= self.max_waiting:
             self.counters["refused"] += 1
             return False
-        self.waiting.append(make)
-        self._waiting_ids.append(identity)
+        self.waiting.append((identity, make))
         self._admit()
         return True
 
@@ -107,7 +106,6 @@ class StreamPump:
             entry.stream.close()
         self.active.clear()
         self.waiting.clear()
-        self._waiting_ids.clear()
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
@@ -119,15 +117,13 @@ class StreamPump:
             return
         now = self.loop.time()
         kept: collections.deque = collections.deque()
-        kept_ids: collections.deque = collections.deque()
         while self.waiting:
-            make, identity = self.waiting.popleft(), self._waiting_ids.popleft()
+            identity, make = self.waiting.popleft()
             if identity in self.active or len(self.active) >= self.max_active:
-                kept.append(make)
-                kept_ids.append(identity)
+                kept.append((identity, make))
                 continue
             self.active[identity] = _Entry(make(), now)
-        self.waiting, self._waiting_ids = kept, kept_ids
+        self.waiting = kept
         self._schedule(0.0)
 
     def _schedule(self, delay_s: float) -> None:
