@@ -191,8 +191,8 @@ def _recover(server: ShardServer, data_dir: str, fsync: str) -> None:
                     got.torn_bytes, got.path)
     log.info("recovered %d keys at sequence %d from %s (%d records; generation %s)",
              len(got.store), got.store.seq, got.path, got.records, server.generation)
-    server.persist = persist.LogWriter(data_dir, server.generation, fsync=fsync)
-    server.persist.torn_bytes = got.torn_bytes
+    server.persist = persist.LogWriter(data_dir, server.generation, fsync=fsync,
+                                       torn_bytes=got.torn_bytes)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -144,7 +144,7 @@ class LogWriter:
     """Appends records to ``data_dir``'s log (see the module doc)."""
 
     def __init__(self, data_dir: str | os.PathLike, generation: str, fsync: str = "everysec",
-                 clock=time.monotonic):
+                 clock=time.monotonic, torn_bytes: int = 0):
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync is one of {', '.join(FSYNC_POLICIES)}, got {fsync!r}")
         self.path = Path(data_dir) / LOG_NAME
@@ -155,7 +155,7 @@ class LogWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._buf = bytearray()
         self.records = 0
-        self.torn_bytes = 0
+        self.torn_bytes = torn_bytes
         """Bytes of a torn last record truncated by the recovery before this writer."""
         self.fsyncs = 0
         self.fsync_s_total = 0.0
