@@ -173,13 +173,14 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
     return code
 
 
-def _recover(server: ShardServer, data_dir: str, fsync: str) -> None:
-    """Load the persisted map before binding (the same map, sequence, TTL instants and
-    generation), then log every update from here on."""
+def _recover(server: ShardServer, data_dir: str, fsync: str, compact_min_bytes: int) -> None:
+    """Load the persisted map before binding (the same map, sequence, TTL instants,
+    generation and, for a pair server, Binary Star term), then log every update."""
     from shards import persist
 
     try:
         got = persist.recover(data_dir)
+        writer = persist.DataDir(data_dir, fsync, compact_min_bytes=compact_min_bytes)
     except (persist.CorruptLog, OSError) as exc:
         click.echo(f"shards: cannot recover the map from {data_dir}: {exc}", err=True)
         sys.exit(Exit.FAILED)
@@ -188,11 +189,23 @@ def _recover(server: ShardServer, data_dir: str, fsync: str) -> None:
         server.generation = got.generation
     if got.torn_bytes:
         log.warning("recovery: a torn last record (%d bytes) was truncated in %s",
-                    got.torn_bytes, got.path)
-    log.info("recovered %d keys at sequence %d from %s (%d records; generation %s)",
-             len(got.store), got.store.seq, got.path, got.records, server.generation)
-    server.persist = persist.LogWriter(data_dir, server.generation, fsync=fsync,
-                                       torn_bytes=got.torn_bytes)
+                    got.torn_bytes, data_dir)
+    if got.incomplete:
+        log.warning("recovery: %s held an incomplete replica (killed while it was "
+                    "rewritten from the peer); its files are in %s; starting empty",
+                    data_dir, got.incomplete)
+    if isinstance(server, PairServer):
+        server.recovered(got.term, got.history)
+    log.info("recovered %d keys at sequence %d from %s (snapshot %s, %d updates from %d "
+             "segments; generation %s, term %d)", len(got.store), got.store.seq, data_dir,
+             got.snapshot_seq, got.records, got.segments, server.generation, got.term)
+    writer.torn_bytes = got.torn_bytes
+    try:
+        writer.open(server.generation, got.store.seq)
+    except OSError as exc:
+        click.echo(f"shards: cannot write to {data_dir}: {exc}", err=True)
+        sys.exit(Exit.FAILED)
+    server.attach_persist(writer)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -255,19 +268,22 @@ def _recover(server: ShardServer, data_dir: str, fsync: str) -> None:
               show_default=True, help="Longest a pending update is kept.")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
               help="Persist every applied update in this directory and recover from it "
-                   "at start (standalone servers; default: memory only).")
+                   "at start (default: memory only).")
 @click.option("--fsync", type=click.Choice(["always", "everysec", "no"]),
               default="everysec", show_default=True,
               help="With --data-dir: fsync every batch before its KVPUBs go out (always: "
                    "an acknowledged write is on disk), at most once a second (everysec), "
                    "or leave it to the OS (no).")
+@click.option("--compact-min-bytes", type=click.IntRange(0), default=None,
+              help="With --data-dir: compact once the log since the last snapshot is "
+                   "larger than this and than the snapshot (default 64 MiB).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_props_bytes,
          max_subtree_bytes, snapshot_chunk, snapshot_stall_s, max_snapshots, collect_batch,
          pub_hwm, collect_hwm, snapshot_hwm, cpus, pair_role, peer, shard, control,
          parent_pid, shard_map, shard_index, pending_max, pending_age_s, data_dir, fsync,
-         log_level):
+         compact_min_bytes, log_level):
     """Run one 12/CHP shard server: standalone, or one server of a Binary Star pair."""
     if pair_role is not None and peer is None:
         raise click.UsageError(f"--{pair_role} needs --peer HOST:PORT (the other server)")
@@ -278,9 +294,6 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
     if shard_map is not None and shard_index >= shard_map.shards:
         raise click.BadParameter(f"{shard_index} is not a shard of --routing (0.."
                                  f"{shard_map.shards - 1})", param_hint="--shard-index")
-    if data_dir is not None and pair_role is not None:
-        raise click.UsageError("--data-dir is for standalone servers in this version (a "
-                               "Binary Star pair keeps its map in memory)")
     if port > 65532 and pair_role is not None:
         raise click.BadParameter("a pair server uses P..P+3: at most 65532", param_hint="--port")
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
@@ -307,7 +320,10 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
         server = PairServer(config, role=pair_role, peer=peer, shard=shard,
                             pending_max=pending_max, pending_age_s=pending_age_s)
     if data_dir is not None:
-        _recover(server, data_dir, fsync)
+        from shards.persist import writer as persist_writer
+
+        _recover(server, data_dir, fsync, persist_writer.COMPACT_MIN_BYTES
+                 if compact_min_bytes is None else compact_min_bytes)
     try:
         server.bind()
     except PortInUse as exc:

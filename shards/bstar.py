@@ -25,9 +25,9 @@ seconds, monotonic); nothing here reads a clock, touches a socket or logs. The I
 Rules (``TABLE``; rows are this server's state, columns the event)::
 
     state    PEER_PRIMARY    PEER_BACKUP     PEER_ACTIVE     PEER_PASSIVE    CLIENT_REQUEST
-    PRIMARY  fatal: dual     -> ACTIVE       -> PASSIVE      stay (1)        vote (3)
+    PRIMARY  fatal: dual     -> ACTIVE (7)   -> PASSIVE      stay (1)        vote (3)
              primary (5)
-    BACKUP   stay (2)        fatal: dual     -> PASSIVE      stay (2)        refuse
+    BACKUP   stay (7)        fatal: dual     -> PASSIVE      stay (2)        refuse
                              backup (5)
     ACTIVE   stay (4)        stay (4)        dual active (6) stay            accept
     PASSIVE  -> ACTIVE       -> ACTIVE       stay            dual passive(6) vote (3)
@@ -45,6 +45,12 @@ Rules (``TABLE``; rows are this server's state, columns the event)::
         passive the primary. Both sides compute the same answer from values that do not
         move in those states (an active's term is frozen; roles never change). With it
         off, both exit, as in the guide.
+    (7) both servers are starting: the one holding the later map goes ACTIVE, the other
+        stays and goes PASSIVE when it sees it active. Later means a higher (term,
+        sequence) of the map each recovered from disk (``later_state``; the state message
+        carries both), the primary winning a tie: with no data, or equal data, the
+        primary goes active as in the guide. Terms are not adopted in these two states,
+        so the comparison cannot flip while they talk.
     TICK in any state: PublishState when the heartbeat is due.
 
 Decisions the architecture leaves open:
@@ -55,7 +61,8 @@ Decisions the architecture leaves open:
   waits two heartbeats to hear an already-active backup before a vote can make it active
   (else a client's vote right after a restart would cause a needless dual active).
 * term: how many takeovers this server knows of. A server that becomes ACTIVE takes
-  max(known) + 1; while not active it adopts any higher term it hears. The side that took
+  max(known) + 1; a PASSIVE server (or one going passive) adopts any higher term it
+  hears. A durable server starts with the term it persisted (``shards.persist``). The side that took
   over most recently has the higher term, so after a freeze (SIGSTOP/SIGCONT) or a healed
   partition the stale active exits and the one the clients moved to keeps the data. Both
   exiting (the guide's rule) would restart both empty and lose the shard's data.
@@ -150,17 +157,28 @@ class Machine:
     peer_expiry: float
     next_publish_at: float
     term: int = 0
+    data_seq: int = 0                 # the sequence of the map recovered at start
     peer_state: State | None = None   # last state heard from the peer, for status
     fatal: str = ""                   # the reason once a Fatal was returned
 
 
 def new_machine(role: Role, now: float, heartbeat_s: float = HEARTBEAT_S, shard: str = "",
-                split_brain_survivor: bool = True) -> Machine:
-    """A server that has just started: PRIMARY or BACKUP, peer not yet heard."""
+                split_brain_survivor: bool = True, term: int = 0,
+                data_seq: int = 0) -> Machine:
+    """A server that has just started: PRIMARY or BACKUP, peer not yet heard. ``term``
+    and ``data_seq`` describe the map it recovered from disk (0 for none)."""
     config = Config(Role(role), heartbeat_s, shard, split_brain_survivor)
     state = State.PRIMARY if config.role is Role.PRIMARY else State.BACKUP
     return Machine(config, state, peer_expiry=now + PEER_EXPIRY_HEARTBEATS * heartbeat_s,
-                   next_publish_at=now)
+                   next_publish_at=now, term=term, data_seq=data_seq)
+
+
+def later_state(m: Machine, msg: StateMessage) -> bool:
+    """Both servers are starting (PRIMARY/BACKUP): whether this one holds the later map,
+    by (term, sequence), the primary winning a tie. Both sides compute the same answer:
+    neither value moves before one of them goes ACTIVE."""
+    mine, theirs = (m.term, m.data_seq), (msg.term, msg.sequence)
+    return mine >= theirs if m.config.role is Role.PRIMARY else mine > theirs
 
 
 def state_message(machine: Machine, sequence: int = 0) -> StateMessage:
@@ -299,6 +317,9 @@ def _client_request(m: Machine, now: float) -> tuple[Machine, list[Effect]]:
     return m, effects
 
 
+_START_UP = {(State.PRIMARY, Event.PEER_BACKUP), (State.BACKUP, Event.PEER_PRIMARY)}
+
+
 def _rank(term: int, role: Role) -> tuple[int, bool]:
     return term, role is Role.PRIMARY
 
@@ -321,7 +342,9 @@ def _peer(m: Machine, msg: StateMessage, kind: Event,
                                                      f"{peer_role.name.lower()}")]
     m = replace(m, peer_expiry=now + PEER_EXPIRY_HEARTBEATS * msg.heartbeat_s,
                 peer_state=peer_state)
-    if m.state is not State.ACTIVE and msg.term > m.term:
+    if (m.state, kind) in _START_UP:  # (7): the later map goes active
+        rule = Rule.TO_ACTIVE if later_state(m, msg) else Rule.STAY
+    if (m.state is State.PASSIVE or rule is Rule.TO_PASSIVE) and msg.term > m.term:
         m = replace(m, term=msg.term)
     if rule is Rule.STAY:
         return m, []

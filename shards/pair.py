@@ -59,6 +59,7 @@ from shards import bstar
 from shards.common import zio
 from shards.common.errors import ProtocolError
 from shards.pending import MAX_AGE_S, MAX_ENTRIES, PendingTable
+from shards.persist.recovery import fork_point
 from shards.common.proto import bstar as wire
 from shards.common.proto import bstar_ttl, chp
 from shards.replica import Follower
@@ -111,13 +112,16 @@ class TtlStream:
     a point-in-time copy of the expiry index (never mutated later, so an iterator over it
     can span loop turns), one chunk per turn."""
 
-    __slots__ = ("identity", "seq", "generation", "entries", "left", "frames", "counters")
+    __slots__ = ("identity", "seq", "generation", "history", "entries", "left", "frames",
+                 "counters")
 
     def __init__(self, identity: bytes, seq: int, expiries: dict[bytes, float],
-                 generation: str, counters: dict[str, int]):
+                 generation: str, counters: dict[str, int],
+                 history: tuple[tuple[int, int], ...] = ()):
         self.identity = identity
         self.seq = seq
         self.generation = generation
+        self.history = history
         self.entries = iter(expiries.items())
         self.left = len(expiries)
         self.frames: list[bytes] | None = None
@@ -129,7 +133,8 @@ class TtlStream:
             chunk = list(itertools.islice(self.entries, bstar_ttl.CHUNK_ENTRIES))
             self.left -= len(chunk)
             self.frames = bstar_ttl.encode_chunk(self.seq, chunk, last=self.left <= 0,
-                                                 generation=self.generation)
+                                                 generation=self.generation,
+                                                 history=self.history)
         try:
             zio.send_frames(sock, [self.identity, *self.frames])
         except zmq.Again:  # the peer's pipe is full: the pump retries, or abandons
@@ -175,6 +180,12 @@ class PairServer(ShardServer):
         self.ttl_streams: streams.StreamPump | None = None
         """BSTAR-TTL replies being streamed (made in start(), on the loop)."""
         self.ttl_counters = dict.fromkeys(("tables", "chunks"), 0)
+        self.history: list[tuple[int, int]] = []
+        """The term history of this server's map: ``(term, first sequence)`` for each
+        takeover its map went through, oldest first (``shards.persist.fork_point``)."""
+        self._recovered_term = 0
+        self._saved_term = 0
+        self.dropped_updates = 0
 
     @property
     def peer_text(self) -> str:
@@ -202,7 +213,8 @@ class PairServer(ShardServer):
         self.machine = bstar.new_machine(
             wire.Role.PRIMARY if self.role == "primary" else wire.Role.BACKUP, now,
             heartbeat_s=self.config.heartbeat_s, shard=self.shard,
-            split_brain_survivor=self.split_brain_survivor)
+            split_brain_survivor=self.split_brain_survivor, term=self._recovered_term,
+            data_seq=self.store.seq)
         self.ttl_streams = streams.StreamPump(
             self.loop, self._router_sock, self._router.kick,
             stall_s=self.config.snapshot_stall_s, max_active=TTL_STREAMS_MAX, evict=True,
@@ -224,6 +236,22 @@ class PairServer(ShardServer):
             self._state_sub = None
         super().close()  # destroys the context: closes the P+3 PUB and anything left
 
+    def recovered(self, term: int, history: list[tuple[int, int]]) -> None:
+        """Before ``start``: the Binary Star term and term history persisted with the map
+        just recovered (the start-up election compares (term, sequence))."""
+        self._recovered_term = self._saved_term = term
+        self.history = list(history)
+
+    def _save_terms(self) -> None:
+        if self.persist is None or self.machine is None:
+            return
+        self._saved_term = self.machine.term
+        try:
+            self.persist.save_terms(self.machine.term, self.history)
+        except OSError as exc:
+            log.error("shard %s: cannot save the term in %s: %s", self.shard,
+                      self.persist.path, exc)
+
     # ================================================================ machine
     def _step(self, event) -> list:
         now = self.loop.time()
@@ -231,6 +259,8 @@ class PairServer(ShardServer):
         accepted = False
         for effect in effects:
             accepted = self._perform(effect, now) or accepted
+        if self.machine.term != self._saved_term:
+            self._save_terms()
         self._arm_tick()
         return accepted
 
@@ -298,6 +328,9 @@ class PairServer(ShardServer):
         drained = self.follower.drain()  # what the old active published before it died
         self.follower.stop()
         self.takeovers += 1
+        # this term's updates start here (what a restarted peer compares its log with)
+        self.history.append((effect.term, self.store.seq + 1))
+        self._save_terms()
         self.set_active(True)
         pending = self.pending.drain(now)
         # An update the active heard too and had time to publish, but did not, is stale:
@@ -356,10 +389,29 @@ class PairServer(ShardServer):
         discarded = self.pending.drain()
         self.pending_discarded += len(discarded)
 
-    def replace_store(self, store: Store, generation: str = "") -> None:
+    def replace_store(self, store: Store, generation: str = "",
+                      history: tuple[tuple[int, int], ...] = ()) -> None:
         """The replica is complete: serve ``store``, whose map is the active's
-        ``generation`` (kept when the active sent none)."""
+        ``generation`` (kept when the active sent none) and term ``history``. A durable
+        server rewrites its data directory from it; updates of its own that the active's
+        map never had (``persist.fork_point``) are kept in a ``dropped-*`` file."""
+        old_seq = self.store.seq
         self.store = store
+        if self.persist is not None:
+            fork = fork_point(self.history, list(history)) if history else None
+            dropped_from = fork if fork is not None and fork <= old_seq else None
+            self._flush_log()
+            dropped = self.persist.replace(store, generation or self.generation,
+                                           dropped_from)
+            if dropped:
+                self.dropped_updates += dropped
+                log.warning("shard %s: %d updates of this server's map (sequence %d..%d, "
+                            "never in the active's map) were dropped; kept in %s/dropped-*",
+                            self.shard, dropped, dropped_from, old_seq, self.persist.path)
+            self.drive_compaction(self.persist.compaction)
+        if history:
+            self.history = list(history)
+            self._save_terms()
         if generation and generation != self.generation:
             log.info("shard %s: map generation %s (the active's; was %s)", self.shard,
                      generation, self.generation)
@@ -393,8 +445,10 @@ class PairServer(ShardServer):
             return
         self.ttl_counters["tables"] += 1
         seq, expiries = self.store.seq, self.store.expiries()
+        history = tuple(self.history)
         self.ttl_streams.add(identity, lambda: TtlStream(identity, seq, expiries,
-                                                         self.generation, self.ttl_counters))
+                                                         self.generation, self.ttl_counters,
+                                                         history))
 
     def on_collect(self, frames: list[bytes]) -> None:
         """Active: the CHP server's path. Otherwise: keep the KVSET pending by UUID."""
@@ -441,6 +495,8 @@ class PairServer(ShardServer):
             "peer_state": m.peer_state.name if m is not None and m.peer_state else None,
             "fatal": self.fatal,
             "takeovers": self.takeovers,
+            "term_history": [list(pair) for pair in self.history],
+            "dropped_updates": self.dropped_updates,
             "refused_votes": self.refused_votes,
             "split_brains_survived": self.split_brains_survived,
             "pending": len(self.pending),

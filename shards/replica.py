@@ -86,7 +86,13 @@ class ReplicaOwner(Protocol):
 
     def reset_pending(self) -> None: ...
 
-    def replace_store(self, store: Store, generation: str = "") -> None: ...
+    persist: object | None
+
+    def replace_store(self, store: Store, generation: str = "",
+                      history: tuple[tuple[int, int], ...] = ()) -> None: ...
+
+    def log_applied(self, seq: int, key: bytes, value: bytes,
+                    expiry_s: float | None) -> None: ...
 
 
 class Follower:
@@ -109,6 +115,8 @@ class Follower:
         self._ttl_table: dict[bytes, float] = {}
         self._generation = ""
         """The active's map generation, from its TTL table (taken over at the end)."""
+        self._history: tuple[tuple[int, int], ...] = ()
+        """The active's term history, from its TTL table (taken over at the end)."""
         self._last_reply = 0.0
         self._now = 0.0
         self.counters = dict.fromkeys(
@@ -185,6 +193,7 @@ class Follower:
         self._building = None
         self._ttl_table = {}
         self._generation = ""
+        self._history = ()
         self.owner.reset_pending()
         sock = self.owner.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -274,7 +283,10 @@ class Follower:
                         self.owner.shard, store.seq, msg.seq)
             self._dispatch(rm.Gap(store.seq, msg.seq, self._taking_over), now)
             return False
-        store.apply(msg.key, msg.value, expires_of(msg.props) if msg.value else None)
+        expiry_s = expires_of(msg.props) if msg.value else None
+        store.apply(msg.key, msg.value, expiry_s)
+        if self.owner.persist is not None:  # the active's stream, with its sequences
+            self.owner.log_applied(msg.seq, msg.key, msg.value, expiry_s)
         self.counters["applied"] += 1
         return True
 
@@ -292,6 +304,7 @@ class Follower:
                 if self.state.phase == rm.SYNCING and self.state.step != rm.RETRY:
                     self._ttl_table.update(chunk.table)
                     self._generation = chunk.generation or self._generation
+                    self._history = chunk.history or self._history
                     self.counters["ttl_chunks"] += 1
                 return
             reply = chp.decode_snapshot(frames, owner.config.limits)
@@ -322,7 +335,7 @@ class Follower:
         self._buffer = []
         self._building = None
         self._close_dealer()
-        self.owner.replace_store(store, self._generation)
+        self.owner.replace_store(store, self._generation, self._history)
         self.counters["syncs_done"] += 1
         log.info("shard %s: replica synchronised: %d keys at sequence %d (%d TTL keys)",
                  self.owner.shard, len(store), snap_seq, store.ttl_keys)

@@ -86,6 +86,8 @@ MAX_ACTIVE_SNAPSHOTS = 16
 MAX_WAITING_SNAPSHOTS = 1024
 COLLECT_BATCH = 512
 SUBSCRIPTION_CHECK_S = 0.05
+PERSIST_TICK_S = 0.25
+"""How often a persisting server checks its everysec fsync and whether to compact."""
 """How often the publisher is checked for new subscriptions besides its FD's edges."""
 PUB_SNDHWM = 100_000
 COLLECT_RCVHWM = 100_000
@@ -219,6 +221,7 @@ class ShardServer:
         self.persist = None
         """A ``shards.persist.LogWriter`` when the server persists (``--data-dir``)."""
         self._persist_flush: asyncio.Handle | None = None
+        self._persist_timer: asyncio.TimerHandle | None = None
         self._held: list[tuple] = []
         """``fsync: always``: KVPUBs applied and logged but not yet published; they go
         out in order right after the batch's fsync (group commit)."""
@@ -321,6 +324,7 @@ class ShardServer:
                                                  self._check_subscriptions)
         self._beat_at = self._clock_at = loop.time()
         self._beat_handle = loop.call_later(self._beat_s, self.on_heartbeat)
+        self._persist_timer = loop.call_later(PERSIST_TICK_S, self._persist_tick)
         if self.role == "standalone":
             self.set_active(True)
 
@@ -330,7 +334,7 @@ class ShardServer:
             self.persist.close()  # flush and fsync: a clean stop loses nothing
             self.persist = None
         for handle in (self._beat_handle, self._ttl_handle, self._welcome_handle,
-                       self._sub_check_handle, self._persist_flush):
+                       self._sub_check_handle, self._persist_flush, self._persist_timer):
             if handle is not None:
                 handle.cancel()
         self._beat_handle = self._ttl_handle = None
@@ -353,6 +357,9 @@ class ShardServer:
         log.info("%s server on port %d is now %s", self.role, self.config.port,
                  "active" if active else "not active")
         if active:
+            due = self.store.next_expiry()
+            if due is not None and due <= time.time():
+                self.on_ttl_tick()  # keys that expired while down go before any snapshot
             self._arm_ttl()
             # tell subscribers at once (a client holding on a server that said
             # serving=0 asks for its snapshot on this HUGZ), after this turn's work
@@ -424,22 +431,23 @@ class ShardServer:
 
     def _log_and_publish(self, seq: int, key: bytes, uuid: bytes, props: bytes, value: bytes,
                          expiry_s: float | None) -> None:
-        """Persist one applied update (the buffer is written once per loop turn) and
-        publish its KVPUB: at once, or with ``fsync: always`` held until that write's
-        fsync (``_flush_log``)."""
-        persist = self.persist
-        persist.append(seq, key, value, expiry_s)
+        """Persist one applied update and publish its KVPUB once the turn's batch is
+        written (and, with ``fsync: always``, fsynced): a KVPUB, and so an
+        acknowledgement, never goes out before its update reached the OS
+        (``_flush_log``, once per loop turn)."""
+        self.log_applied(seq, key, value, expiry_s)
+        self._held.append((key, _pack_seq(seq), uuid, props, value))
+
+    def log_applied(self, seq: int, key: bytes, value: bytes, expiry_s: float | None) -> None:
+        """Append one applied update to the data directory; the batch is written at the
+        end of the loop turn (``_flush_log``)."""
+        self.persist.append(seq, key, value, expiry_s)
         if self._persist_flush is None and self.loop is not None:
             self._persist_flush = self.loop.call_soon(self._flush_log)
-        frames = (key, _pack_seq(seq), uuid, props, value)
-        if persist.policy == "always":
-            self._held.append(frames)
-        else:
-            zio.send_frames5(self._pub, *frames)
 
     def _flush_log(self) -> None:
         """Write the turn's records (fsync with ``always``), then publish what was held
-        for that fsync, in sequence order."""
+        for that write, in sequence order."""
         if self._persist_flush is not None:
             self._persist_flush.cancel()
         self._persist_flush = None
@@ -450,6 +458,60 @@ class ShardServer:
             pub = self._pub
             for frames in held:
                 zio.send_frames5(pub, *frames)
+
+    # ================================================================ durability
+    def attach_persist(self, data_dir) -> None:
+        """Log every applied update in ``data_dir`` (a ``shards.persist.DataDir``, already
+        opened after the recovered sequence) from now on."""
+        self.persist = data_dir
+
+    def _persist_tick(self) -> None:
+        """Every ``PERSIST_TICK_S``: the everysec fsync, and a compaction when due."""
+        self._persist_timer = self.loop.call_later(PERSIST_TICK_S, self._persist_tick)
+        persist = self.persist
+        if persist is None:
+            return
+        persist.tick()
+        if persist.compaction_due():
+            self._flush_log()
+            self.drive_compaction(persist.start_compaction(self.store))
+
+    def drive_compaction(self, job) -> None:
+        """Write ``job``'s snapshot a chunk per loop turn, then fsync and rename it off
+        the loop thread, then delete what it covers."""
+        log.info("compaction: writing the snapshot at sequence %d (%d keys)", job.seq,
+                 len(self.store))
+        self.loop.call_soon(self._compact_step, job)
+
+    def _compact_step(self, job) -> None:
+        if self.persist is None or self.persist.compaction is not job:
+            return  # closed, or replaced by another
+        if not job.step():
+            self.loop.call_soon(self._compact_step, job)
+            return
+        job.finishing = True
+        fut = self.loop.run_in_executor(None, job.finish)
+        fut.add_done_callback(lambda f: self._compacted(job, f))
+
+    def _compacted(self, job, fut) -> None:
+        job.finishing = False
+        if fut.exception() is not None:
+            log.error("compaction: the snapshot at sequence %d failed: %s", job.seq,
+                      fut.exception())
+            if self.persist is not None and self.persist.compaction is job:
+                self.persist.abort_compaction()
+            return
+        if self.persist is None:
+            return
+        if self.persist.compaction is not job:
+            # replaced meanwhile (a passive installed its active's map): this snapshot
+            # belongs to the old map and must not outlive it
+            job.path.unlink(missing_ok=True)
+            return
+        removed = self.persist.compacted(job)
+        log.info("compaction: snapshot at sequence %d (%d keys, %d bytes) in %.2f s; %d "
+                 "older files removed", job.seq, job.keys, job.bytes,
+                 self.persist.last_compaction_s, len(removed))
 
     def owns(self, key: bytes) -> bool:
         """Whether this shard owns ``key``; if not, the drop is counted ``not_owner``."""
@@ -541,8 +603,6 @@ class ShardServer:
         loop = self.loop
         config = self.config
         self._beat_handle = loop.call_later(self._beat_s, self.on_heartbeat)
-        if self.persist is not None:
-            self.persist.tick()  # everysec: fsync what was written, once a second
         if not self.active:
             return
         now = loop.time()

@@ -141,6 +141,20 @@ class Store:
             data.pop(key, None)
         return seq
 
+    def load_entries(self, flat: list) -> None:
+        """Bulk-load ``[key, value, expires, key, value, expires, ...]`` (a snapshot
+        file's chunk: present keys, expires an absolute instant or None). Does not
+        touch the sequence; no cursor may be open."""
+        keys, values, expiries = flat[0::3], flat[1::3], flat[2::3]
+        self.data.update(zip(keys, values))
+        expiry = self._expiry
+        heap = self._heap
+        for key, expiry_s in zip(keys, expiries):
+            if expiry_s is not None:
+                expiry[key] = expiry_s
+                heap.append((expiry_s, key))
+        heapq.heapify(heap)
+
     def _record_undo(self, key: bytes) -> None:
         old = self.data.get(key)
         if old is None:
@@ -149,6 +163,8 @@ class Store:
             undo = cursor.undo
             if key not in undo and key.startswith(cursor.subtree):
                 undo[key] = old
+                if cursor.undo_expiry is not None:
+                    cursor.undo_expiry[key] = self._expiry.get(key)
 
     # ------------------------------------------------------------------ TTL
     def next_expiry(self) -> float | None:
@@ -184,8 +200,11 @@ class Store:
         heapq.heapify(self._heap)
 
     # ------------------------------------------------------------------ snapshots
-    def open_snapshot(self, subtree: bytes = b"") -> "SnapshotCursor":
-        cursor = SnapshotCursor(self, subtree)
+    def open_snapshot(self, subtree: bytes = b"", *,
+                      with_expiry: bool = False) -> "SnapshotCursor":
+        """A point-in-time cursor; ``with_expiry`` also keeps each changed key's old
+        expiry, for ``SnapshotCursor.next_entries``."""
+        cursor = SnapshotCursor(self, subtree, with_expiry)
         self._cursors.append(cursor)
         return cursor
 
@@ -215,13 +234,14 @@ class SnapshotCursor:
     also runs when the last chunk is taken), so the store stops recording undo entries.
     """
 
-    __slots__ = ("store", "subtree", "seq", "undo", "_keys", "_pos", "closed")
+    __slots__ = ("store", "subtree", "seq", "undo", "undo_expiry", "_keys", "_pos", "closed")
 
-    def __init__(self, store: Store, subtree: bytes):
+    def __init__(self, store: Store, subtree: bytes, with_expiry: bool = False):
         self.store = store
         self.subtree = subtree
         self.seq = store.seq
         self.undo: dict[bytes, bytes] = {}
+        self.undo_expiry: dict[bytes, float | None] | None = {} if with_expiry else None
         self._keys = list(store.data)
         self._pos = 0
         self.closed = False
@@ -256,9 +276,24 @@ class SnapshotCursor:
             self.close()
         return out
 
+    def next_entries(self, n: int) -> list:
+        """Like ``next_chunk`` but flat, with each key's absolute expiry as of ``seq``:
+        ``[key, value, expires, ...]`` (a cursor opened ``with_expiry``)."""
+        old_expiry = self.undo_expiry
+        expiry = self.store._expiry
+        out = []
+        for key, value in self.next_chunk(n):
+            if old_expiry is not None and key in old_expiry:
+                out += (key, value, old_expiry[key])
+            else:
+                out += (key, value, expiry.get(key))
+        return out
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
             self.store._close_cursor(self)
             self._keys = []
             self.undo = {}
+            if self.undo_expiry is not None:
+                self.undo_expiry = {}

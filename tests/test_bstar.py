@@ -611,3 +611,45 @@ def test_codec_never_crashes_on_garbage(frames):
 def test_codec_refuses_to_encode_bad_fields(msg):
     with pytest.raises(ProtocolError):
         wire.encode(msg)
+
+
+# ------------------------------------------------------------- durable start-up (7)
+
+def _start_up(p_data: tuple[int, int], b_data: tuple[int, int]) -> tuple[State, State]:
+    """Both servers of a pair start from disk with (term, sequence) each, exchange state
+    messages in either order until nothing changes: the states they settle in."""
+    now = 0.0
+    p = new_machine(Role.PRIMARY, now, term=p_data[0], data_seq=p_data[1])
+    b = new_machine(Role.BACKUP, now, term=b_data[0], data_seq=b_data[1])
+    for _ in range(4):
+        p_msg = state_message(p, p_data[1] if p.state is PRIMARY else p.data_seq)
+        b_msg = state_message(b, b_data[1] if b.state is BACKUP else b.data_seq)
+        p, _ = step(p, b_msg, now)
+        b, _ = step(b, p_msg, now)
+        now += DT
+    return p.state, b.state
+
+
+@pytest.mark.parametrize("p_data, b_data, expected", [
+    ((0, 0), (0, 0), (ACTIVE, PASSIVE)),        # no data: the primary, as in the guide
+    ((3, 100), (3, 100), (ACTIVE, PASSIVE)),    # a tie: the primary
+    ((1, 100), (2, 90), (PASSIVE, ACTIVE)),     # the backup took over later: a later term
+    ((2, 150), (2, 120), (ACTIVE, PASSIVE)),    # the same term: the longer map
+    ((2, 120), (2, 150), (PASSIVE, ACTIVE)),    # ... whichever role holds it
+    ((1, 150), (2, 120), (PASSIVE, ACTIVE)),    # the term first, then the sequence
+])
+def test_at_start_up_the_later_map_goes_active(p_data, b_data, expected):
+    assert _start_up(p_data, b_data) == expected
+
+
+def test_a_starting_server_does_not_adopt_its_peers_term_so_the_election_cannot_flip():
+    p = new_machine(Role.PRIMARY, 0.0, term=1, data_seq=150)
+    p, effects = step(p, StateMessage(BACKUP, Role.BACKUP, HB, term=2, sequence=120), 0.0)
+    assert p.state is PRIMARY and p.term == 1 and effects == []
+    # and the backup, hearing the primary's unchanged (1, 150), goes active
+    b = new_machine(Role.BACKUP, 0.0, term=2, data_seq=120)
+    b, effects = step(b, state_message(p, 150), 0.0)
+    assert b.state is ACTIVE and b.term == 3
+    # the primary then sees it active, goes passive and adopts its term
+    p, effects = step(p, state_message(b, 120), 0.1)
+    assert p.state is PASSIVE and p.term == 3

@@ -12,7 +12,7 @@ import pytest
 
 from client.api import AsyncClone
 from conftest import free_port_base
-from shards import persist
+from shards.persist import format as fmt
 from test_client_server import fetch_map
 
 pytestmark = pytest.mark.timeout(90)
@@ -104,9 +104,9 @@ def test_a_torn_last_record_is_truncated_and_counted(procs, tmp_path, zctx):
     server = start(procs, port, tmp_path)
     write(port, [("/w/a", b"1", None), ("/w/b", b"2", None)])
     server.stop()
-    log_path = tmp_path / persist.LOG_NAME
+    (log_path,) = sorted(tmp_path.glob("log-*.cml"))[-1:]
     with open(log_path, "ab") as f:
-        f.write(persist.encode_record(3, b"/w/c", b"3", None)[:-4])  # a crash mid-write
+        f.write(fmt.record([3, b"/w/c", b"3", None])[:-4])  # a crash mid-write
     server = start(procs, port, tmp_path)
     got, seq = fetch_map(zctx, port)
     assert got == {b"/w/a": b"1", b"/w/b": b"2"} and seq == 2
@@ -119,9 +119,10 @@ def test_a_corrupt_log_stops_the_server_with_the_file_and_offset(procs, tmp_path
     server = start(procs, port, tmp_path)
     write(port, [("/x/a", b"1", None), ("/x/b", b"2", None), ("/x/c", b"3", None)])
     server.stop()
-    log_path = tmp_path / persist.LOG_NAME
+    log_path = tmp_path / fmt.seq_name("log-", 1, ".cml")
     data = bytearray(log_path.read_bytes())
-    header = len(persist.encode_header("0" * 16))
+    header = len(fmt.header(fmt.LOG_MAGIC, "0" * 16))
+    assert len(data) > header + 40  # more than one record follows
     data[header + 12] ^= 0xFF  # inside the first record's payload
     log_path.write_bytes(bytes(data))
     proc = procs.python("-m", "shards", "--port", str(port), "--data-dir", str(tmp_path))

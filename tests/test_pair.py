@@ -387,12 +387,14 @@ def test_a_large_ttl_table_streams_in_chunks_and_the_backup_keeps_every_ttl(
     while not chunks or not chunks[-1].last:
         assert dealer.poll(DEADLINE_S * 1000), f"no chunk after {len(chunks)}"
         frames = dealer.recv_multipart()
-        assert len(frames) == 5 and frames[0] == b"BSTAR-TTL"
+        assert len(frames) == 6 and frames[0] == b"BSTAR-TTL"
         chunks.append(bstar_ttl.decode_chunk(frames))
     dealer.close(0)
     assert [c.last for c in chunks] == [False, False, True]
     generations = {c.generation for c in chunks}  # the active's map generation
     assert len(generations) == 1 and len(generations.pop()) == 16
+    # the term history: the primary took over once, its term 1 began at sequence 1
+    assert {c.history for c in chunks} == {((1, 1),)}
     assert [len(c.table) for c in chunks] == [bstar_ttl.CHUNK_ENTRIES] * 2 + [100]
     assert {c.seq for c in chunks} == {seq}
     table = {k: v for c in chunks for k, v in c.table.items()}

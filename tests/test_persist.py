@@ -1,40 +1,37 @@
-"""The server's log (``shards.persist``) with real files: what is written comes back; a
-crash at any byte offset recovers the state after a whole prefix of the records, never
-an error or a mixed state; corruption in the middle is a clear error naming the offset.
+"""A data directory (``shards.persist``) with real files and real fsyncs: what is written
+comes back; a crash at any byte offset recovers the state after a whole prefix of the
+operations (at least every fsynced batch), never an error or a mixed state, with or
+without a compaction on the way; corruption is a clear error naming the file and offset.
 """
 from __future__ import annotations
 
 import os
+import struct
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shards import persist
-from shards.persist import CorruptLog, LogWriter, recover
+from shards.persist import CorruptLog, DataDir, fork_point, recover
+from shards.persist import format as fmt
+from shards.store import Store
 
+GEN = "g0123456789abcdef"
 KEYS = [b"/a", b"/b", b"/c/d", b"/e"]
-ops = st.lists(st.tuples(st.sampled_from(KEYS),
-                         st.one_of(st.just(b""), st.binary(min_size=1, max_size=40)),
-                         st.one_of(st.none(), st.floats(1e9, 4e9, allow_nan=False))),
-               min_size=0, max_size=25)
+op = st.tuples(st.sampled_from(KEYS),
+               st.one_of(st.just(b""), st.binary(min_size=1, max_size=40)),
+               st.one_of(st.none(), st.floats(1e9, 4e9, allow_nan=False)))
 
 
-def write_log(tmp, history, policy="no") -> tuple[bytes, list[int]]:
-    """Log ``history`` with sequences 1..n; the file's bytes and each record's end."""
-    w = LogWriter(tmp, "g0123456789abcdef", fsync=policy)
-    ends = []
-    size = w.path.stat().st_size
-    for seq, (key, value, expires) in enumerate(history, start=1):
-        w.append(seq, key, value, expires)
-        size += len(persist.encode_record(seq, key, value, expires))
-        ends.append(size)
-    w.close()
-    return w.path.read_bytes(), ends
+def apply_all(store: Store, writer: DataDir, ops) -> None:
+    for key, value, expires in ops:
+        expires = expires if value else None
+        seq = store.apply(key, value, expires)
+        writer.append(seq, key, value, expires)
 
 
-def state_after(history) -> dict:
+def state_after(ops) -> dict:
     data = {}
-    for key, value, expires in history:
+    for key, value, expires in ops:
         if value:
             data[key] = (value, expires)
         else:
@@ -42,82 +39,275 @@ def state_after(history) -> dict:
     return data
 
 
-def state_of(store) -> dict:
+def state_of(store: Store) -> dict:
     return {k: (v, store.expiry_of(k)) for k, v in store.items()}
 
 
+def compact(writer: DataDir, store: Store, interleave=()) -> None:
+    """A whole compaction, with ``interleave`` applied between its chunks."""
+    job = writer.start_compaction(store)
+    pending = list(interleave)
+    while not job.step(keys=1):
+        if pending:
+            apply_all(store, writer, [pending.pop(0)])
+            writer.flush()
+    apply_all(store, writer, pending)
+    writer.flush()
+    job.finish()
+    writer.compacted(job)
+
+
 def test_what_is_written_comes_back_with_its_sequence_and_ttl_instants(tmp_path):
-    history = [(b"/a", b"1", None), (b"/b", b"2", 2e9), (b"/a", b"", None),
-               (b"/c", b"3", 3.5e9)]
-    write_log(tmp_path, history, policy="always")
+    ops = [(b"/a", b"1", None), (b"/b", b"2", 2e9), (b"/a", b"", None), (b"/c", b"3", 3.5e9)]
+    store, writer = Store(), DataDir(tmp_path, "always")
+    writer.open(GEN, 0)
+    apply_all(store, writer, ops)
+    writer.close()
     got = recover(tmp_path)
-    assert got.generation == "g0123456789abcdef" and got.records == 4 and got.torn_bytes == 0
-    assert state_of(got.store) == state_after(history) and got.store.seq == 4
+    assert got.generation == GEN and got.records == 4 and got.torn_bytes == 0
+    assert state_of(got.store) == state_after(ops) and got.store.seq == 4
     assert got.store.expiry_of(b"/b") == 2e9 and got.store.ttl_keys == 2
 
 
-def test_no_log_is_an_empty_map(tmp_path):
-    got = recover(tmp_path)
+def test_no_directory_is_an_empty_map(tmp_path):
+    got = recover(tmp_path / "none")
     assert got.records == 0 and len(got.store) == 0 and got.generation == ""
+    assert got.store.seq == 0 and got.term == 0 and got.history == []
 
 
-@settings(max_examples=120, deadline=None)
-@given(history=ops, cut=st.floats(0, 1))
-def test_a_crash_at_any_byte_recovers_exactly_the_whole_records(tmp_path_factory, history,
-                                                                 cut):
-    tmp = tmp_path_factory.mktemp("log")
-    data, ends = write_log(tmp, history)
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(op, max_size=30), batches=st.lists(st.integers(1, 4), min_size=30,
+                                                       max_size=30),
+       compact_at=st.one_of(st.none(), st.integers(0, 30)), cut=st.floats(0, 1))
+def test_a_crash_at_any_byte_recovers_a_whole_prefix(tmp_path_factory, ops, batches,
+                                                     compact_at, cut):
+    """Operations flushed in batches (one record each), a compaction somewhere, then the
+    newest segment cut at any byte: the state after some prefix of the operations, at
+    least everything before the cut batch, with its sequence."""
+    tmp = tmp_path_factory.mktemp("d")
+    store, writer = Store(), DataDir(tmp, "no")
+    writer.open(GEN, 0)
+    done = 0
+    flushed = []  # the operation count at the end of each record of the newest segment
+    sizes = []
+    compacted_at = 0
+    sizes_base = writer.segment.stat().st_size
+    for size in batches:
+        if compact_at is not None and compacted_at == 0 and done >= compact_at:
+            compact(writer, store)
+            compacted_at = done
+            flushed, sizes = [], []
+            sizes_base = writer.segment.stat().st_size
+        batch = ops[done:done + size]
+        if not batch:
+            break
+        apply_all(store, writer, batch)
+        writer.flush()
+        done += len(batch)
+        flushed.append(done)
+        sizes.append(writer.segment.stat().st_size)
+    segment = writer.segment
+    writer.close()
+    data = segment.read_bytes()
     offset = round(cut * len(data))
-    (tmp / persist.LOG_NAME).write_bytes(data[:offset])
+    segment.write_bytes(data[:offset])
     got = recover(tmp)
-    whole = sum(1 for e in ends if e <= offset)
-    assert state_of(got.store) == state_after(history[:whole])
-    assert got.store.seq == whole and got.records == whole
-    # the torn tail is gone from the file: appending goes on after the last whole record
-    header = len(persist.encode_header("g0123456789abcdef"))
-    expected_size = ends[whole - 1] if whole else (header if offset >= header else 0)
-    assert (tmp / persist.LOG_NAME).stat().st_size == expected_size
+    whole = [n for n, end in zip(flushed, sizes) if end <= offset]
+    expect = whole[-1] if whole else compacted_at
+    assert state_of(got.store) == state_after(ops[:expect])
+    assert got.store.seq == expect
+    assert got.torn_bytes == (offset - (sizes[len(whole) - 1] if whole else
+                                        (sizes_base if offset >= sizes_base else 0)))
+
+
+def test_a_compaction_during_writes_snapshots_the_map_as_it_was(tmp_path):
+    """Writes between the compaction's chunks (new keys, rewrites that change or drop a
+    TTL, deletes) land in the new segment; the snapshot holds each key as it was at its
+    sequence, so recovery from snapshot + segment is exactly the live map."""
+    store, writer = Store(), DataDir(tmp_path, "no")
+    writer.open(GEN, 0)
+    apply_all(store, writer, [(b"/k%d" % i, b"v%d" % i, 2e9 + i if i % 2 else None)
+                              for i in range(40)])
+    writer.flush()
+    during = [(b"/k1", b"new", None), (b"/k2", b"x", 3e9), (b"/k3", b"", None),
+              (b"/n", b"fresh", 2.5e9), (b"/k5", b"again", 2.2e9)]
+    compact(writer, store, during)
+    writer.close()
+    names = sorted(os.listdir(tmp_path))
+    assert names == [fmt.seq_name("log-", 41, ".cml"), fmt.seq_name("snap-", 40, ".cms")]
+    got = recover(tmp_path)
+    assert got.snapshot_seq == 40 and got.records == 5
+    assert state_of(got.store) == state_of(store) and got.store.seq == store.seq == 45
+
+
+def test_compaction_keeps_the_disk_within_three_times_the_live_data(tmp_path):
+    store, writer = Store(), DataDir(tmp_path, "no", compact_min_bytes=20_000)
+    writer.open(GEN, 0)
+    peak = 0
+    for round_ in range(60):  # the same 100 keys rewritten over and over
+        apply_all(store, writer, [(b"/k%03d" % i, os.urandom(50), None) for i in range(100)])
+        writer.flush()
+        if writer.compaction_due():
+            compact(writer, store)
+        peak = max(peak, sum(f.stat().st_size for f in tmp_path.iterdir()))
+    live = sum(len(k) + len(v) for k, v in store.items())
+    assert writer.counters["compactions"] >= 3
+    assert peak < 3 * live + 20_000
+    writer.close()
+    assert state_of(recover(tmp_path).store) == state_of(store)
 
 
 def test_a_corrupt_record_in_the_middle_names_the_file_and_offset(tmp_path):
-    history = [(b"/a", b"1", None), (b"/b", b"2", None), (b"/c", b"3", None)]
-    data, ends = write_log(tmp_path, history)
-    bad = bytearray(data)
+    store, writer = Store(), DataDir(tmp_path, "no")
+    writer.open(GEN, 0)
+    ends = []
+    for i in range(3):
+        apply_all(store, writer, [(b"/k%d" % i, b"v", None)])
+        writer.flush()
+        ends.append(writer.segment.stat().st_size)
+    segment = writer.segment
+    writer.close()
+    bad = bytearray(segment.read_bytes())
     bad[ends[0] + 10] ^= 0xFF  # inside the second record's payload
-    (tmp_path / persist.LOG_NAME).write_bytes(bytes(bad))
+    segment.write_bytes(bytes(bad))
     with pytest.raises(CorruptLog) as info:
         recover(tmp_path)
-    assert info.value.offset == ends[0] and str(tmp_path) in str(info.value)
+    assert info.value.offset == ends[0] and str(segment) in str(info.value)
     assert "checksum" in str(info.value)
 
 
-def test_a_file_that_is_not_a_log_is_refused(tmp_path):
-    (tmp_path / persist.LOG_NAME).write_bytes(b"hello, this is not a clonemap log at all")
+def test_a_file_that_is_not_a_segment_or_another_version_is_refused(tmp_path):
+    name = fmt.seq_name("log-", 1, ".cml")
+    (tmp_path / name).write_bytes(b"hello, this is not a clonemap log at all")
     with pytest.raises(CorruptLog, match="bad header"):
+        recover(tmp_path)
+    (tmp_path / name).write_bytes(fmt.LOG_MAGIC + struct.pack(">HB", 2, 0))
+    with pytest.raises(CorruptLog, match="format version 2; this server reads version 1"):
+        recover(tmp_path)
+
+
+def test_missing_updates_between_files_are_an_error_not_a_mixed_map(tmp_path):
+    store, writer = Store(), DataDir(tmp_path, "no")
+    writer.open(GEN, 0)
+    apply_all(store, writer, [(b"/a", b"1", None), (b"/b", b"2", None)])
+    writer.close()
+    later = DataDir(tmp_path, "no")
+    later.open(GEN, 5)  # as if updates 3..5 had been lost
+    later.append(6, b"/c", b"3", None)
+    later.close()
+    with pytest.raises(CorruptLog, match="updates 3..5 are missing"):
+        recover(tmp_path)
+
+
+def test_a_snapshot_cut_short_is_refused_and_a_temporary_one_ignored(tmp_path):
+    store, writer = Store(), DataDir(tmp_path, "no")
+    writer.open(GEN, 0)
+    apply_all(store, writer, [(b"/k%d" % i, b"v", None) for i in range(10)])
+    job = writer.start_compaction(store)
+    while not job.step(keys=3):
+        pass
+    writer.close()  # killed before the rename: the .tmp is ignored (and removed)
+    got = recover(tmp_path)
+    assert len(got.store) == 10 and got.snapshot_seq is None
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    writer = DataDir(tmp_path, "no")
+    writer.open(GEN, 10)
+    compact(writer, got.store)
+    writer.close()
+    snap = next(tmp_path.glob("snap-*"))
+    snap.write_bytes(snap.read_bytes()[:-7])
+    with pytest.raises(CorruptLog, match=snap.name):
         recover(tmp_path)
 
 
 def test_everysec_fsyncs_at_most_once_a_second_and_always_every_flush(tmp_path):
     now = [0.0]
-    w = LogWriter(tmp_path / "e", "g", fsync="everysec", clock=lambda: now[0])
-    base = w.fsyncs  # the header
+    w = DataDir(tmp_path / "e", "everysec", clock=lambda: now[0])
+    w.open(GEN, 0)
+    base = w.counters["fsyncs"]  # the header
     w.append(1, b"/a", b"1", None)
     w.flush()
     w.tick()
-    assert w.fsyncs == base  # not a second yet
+    assert w.counters["fsyncs"] == base  # not a second yet
     now[0] = 1.0
     w.tick()
-    assert w.fsyncs == base + 1
+    assert w.counters["fsyncs"] == base + 1
     w.tick()
-    assert w.fsyncs == base + 1  # nothing new written
+    assert w.counters["fsyncs"] == base + 1  # nothing new written
     w.close()
-    a = LogWriter(tmp_path / "a", "g", fsync="always")
-    base = a.fsyncs
+    a = DataDir(tmp_path / "a", "always")
+    a.open(GEN, 0)
+    base = a.counters["fsyncs"]
     for i in range(3):
         a.append(i + 1, b"/k", b"v", None)
+        a.append(i + 1 + 100, b"/k", b"v", None)  # not consecutive: its own record
         a.flush()
-    assert a.fsyncs == base + 3
+    assert a.counters["fsyncs"] == base + 3 and a.counters["records"] == 6
     a.close()
     with pytest.raises(ValueError):
-        LogWriter(tmp_path / "x", "g", fsync="sometimes")
-    assert os.path.exists(tmp_path / "a" / persist.LOG_NAME)
+        DataDir(tmp_path / "x", "sometimes")
+
+
+@pytest.mark.parametrize("mine, theirs, expected", [
+    ([(1, 1)], [(1, 1)], None),                       # the same lineage: merely behind
+    ([], [(1, 1)], None),                             # nothing of its own
+    ([(1, 1)], [(1, 1), (2, 98)], 98),                # the peer took over at 98
+    ([(1, 1), (3, 50)], [(1, 1)], 50),                # a term the peer never followed
+    ([(1, 1), (2, 40)], [(1, 1), (3, 60)], 40),       # both took over: the earlier split
+])
+def test_fork_point(mine, theirs, expected):
+    assert fork_point(mine, theirs) == expected
+
+
+def test_replacing_the_map_keeps_updates_the_new_map_never_had(tmp_path):
+    """A passive installs its active's map: its own updates from the fork on go to a
+    ``dropped-*`` file (readable, in the segment format), the rest is the new map."""
+    store, writer = Store(), DataDir(tmp_path, "no")
+    writer.open(GEN, 0)
+    apply_all(store, writer, [(b"/k%d" % i, b"mine", None) for i in range(10)])
+    peer = Store()
+    for i in range(12):
+        peer.apply(b"/p%d" % i, b"theirs")
+    dropped = writer.replace(peer, "gpeer", dropped_from=8)
+    assert dropped == 3  # 8, 9, 10
+    job = writer.compaction
+    while not job.step():
+        pass
+    job.finish()
+    writer.compacted(job)
+    writer.close()
+    got = recover(tmp_path)
+    assert state_of(got.store) == state_of(peer) and got.generation == "gpeer"
+    (kept,) = tmp_path.glob("dropped-*.cml")
+    from shards.persist.recovery import replay_records
+    assert [(s, k) for s, k, _, _ in replay_records(kept)] == [
+        (8, b"/k7"), (9, b"/k8"), (10, b"/k9")]
+
+
+def test_an_incomplete_replica_starts_empty_and_keeps_its_files_aside(tmp_path):
+    """Killed after a replace and before its first snapshot was renamed: the segment does
+    not start at 1 and there is no snapshot. Never a partial map."""
+    peer = Store()
+    for i in range(5):
+        peer.apply(b"/p%d" % i, b"v")
+    writer = DataDir(tmp_path, "no")
+    writer.open(GEN, 0)
+    writer.replace(peer, "gpeer", None)
+    writer.append(6, b"/p9", b"v", None)
+    writer.close()
+    got = recover(tmp_path)
+    assert got.incomplete and len(got.store) == 0 and got.store.seq == 0
+    assert any(p.name.startswith("log-") for p in (tmp_path / os.path.basename(
+        got.incomplete)).iterdir())
+
+
+def test_terms_are_saved_atomically_and_read_back(tmp_path):
+    writer = DataDir(tmp_path, "no")
+    writer.open(GEN, 0)
+    writer.save_terms(3, [(1, 1), (3, 77)])
+    writer.close()
+    got = recover(tmp_path)
+    assert got.term == 3 and got.history == [(1, 1), (3, 77)]
+    (tmp_path / "terms").write_text("{not json")
+    with pytest.raises(CorruptLog, match="terms"):
+        recover(tmp_path)

@@ -15,7 +15,10 @@ Frames (DEALER <-> ROUTER; the ROUTER's identity frame is not shown)::
              f1 sequence T, 8 bytes, network order (the same in every chunk of a table)
              f2 entries: (expiry_s f64, key_len u16, key) repeated, network order
              f3 1 byte: 0x00 more chunks follow, 0x01 the last chunk
-             f4 the active's map generation (ASCII token, 1..64 bytes; optional)
+             f4 the active's map generation (ASCII token, 0..64 bytes; optional)
+             f5 the active's term history (optional, needs f4): (term u64,
+                first_seq u64) repeated, oldest first: where each term's updates
+                began (``shards.persist.fork_point``)
 
 A table with no TTL key is one chunk with an empty f2 and f3 = 0x01. The generation
 (``shards.server.new_generation``) tells the passive which map its replica now copies:
@@ -41,6 +44,7 @@ CHUNK_ENTRIES = 4096
 
 _ENTRY = struct.Struct(">dH")
 _SEQ = struct.Struct(">Q")
+_TERM = struct.Struct(">QQ")
 
 
 MAX_GENERATION = 64
@@ -51,6 +55,7 @@ class Chunk(NamedTuple):
     table: dict[bytes, float]
     last: bool
     generation: str = ""
+    history: tuple[tuple[int, int], ...] = ()
 
 
 def request() -> list[bytes]:
@@ -58,15 +63,18 @@ def request() -> list[bytes]:
 
 
 def encode_chunk(seq: int, entries: Iterable[tuple[bytes, float]], last: bool,
-                 generation: str = "") -> list[bytes]:
+                 generation: str = "", history: Iterable[tuple[int, int]] = ()) -> list[bytes]:
     """One reply chunk for ``entries``: (key, absolute expiry in epoch seconds) pairs."""
     parts = []
     for key, expiry_s in entries:
         parts.append(_ENTRY.pack(expiry_s, len(key)))
         parts.append(key)
     frames = [REPLY, _SEQ.pack(seq), b"".join(parts), LAST if last else MORE]
-    if generation:
+    history = list(history)
+    if generation or history:
         frames.append(generation.encode("ascii"))
+    if history:
+        frames.append(b"".join(_TERM.pack(term, first) for term, first in history))
     return frames
 
 
@@ -76,15 +84,23 @@ def _fail(message: str) -> ProtocolError:
 
 
 def decode_chunk(frames: list[bytes]) -> Chunk:
-    if len(frames) not in (4, 5):
-        raise _fail(f"expected 4 or 5 frames, got {len(frames)}")
+    if len(frames) not in (4, 5, 6):
+        raise _fail(f"expected 4 to 6 frames, got {len(frames)}")
     generation = ""
-    if len(frames) == 5:
+    history: tuple[tuple[int, int], ...] = ()
+    if len(frames) >= 5:
         raw = bytes(frames[4])
-        if not 0 < len(raw) <= MAX_GENERATION or not (raw.isascii() and raw.isalnum()):
-            raise _fail(f"generation {raw[:16]!r} is not 1..{MAX_GENERATION} ASCII "
+        least = 1 if len(frames) == 5 else 0
+        if not least <= len(raw) <= MAX_GENERATION or (raw and not (raw.isascii()
+                                                                     and raw.isalnum())):
+            raise _fail(f"generation {raw[:16]!r} is not {least}..{MAX_GENERATION} ASCII "
                         "letters and digits")
         generation = raw.decode("ascii")
+    if len(frames) == 6:
+        raw = bytes(frames[5])
+        if len(raw) % _TERM.size:
+            raise _fail(f"term history of {len(raw)} bytes is not whole 16-byte entries")
+        history = tuple(_TERM.iter_unpack(raw))
     if frames[0] != REPLY:
         raise _fail(f"header {bytes(frames[0][:16])!r} is not {REPLY!r}")
     if len(frames[1]) != 8:
@@ -104,4 +120,4 @@ def decode_chunk(frames: list[bytes]) -> Chunk:
             raise _fail("truncated key")
         table[body[pos:pos + key_len]] = expiry_s
         pos += key_len
-    return Chunk(_SEQ.unpack(frames[1])[0], table, frames[3] == LAST, generation)
+    return Chunk(_SEQ.unpack(frames[1])[0], table, frames[3] == LAST, generation, history)

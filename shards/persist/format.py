@@ -1,0 +1,174 @@
+"""The on-disk format, format version 1: file names, headers and checksummed records.
+
+A server's data directory holds (all integers network order)::
+
+    log-<F>.cml      a log segment: every update with sequence >= F, in order
+                     (F is 20 decimal digits, so names sort by sequence)
+    snap-<S>.cms     a snapshot: the whole map at sequence S, with each key's absolute
+                     expiry; written as snap-<S>.cms.tmp, fsynced, then renamed, so a
+                     snapshot that exists is whole
+    terms            JSON {"version": 1, "term": t, "history": [[term, first_seq], ...]}
+                     (replaced atomically; Binary Star servers only)
+    dropped-<utc>.cml  updates a server had to drop when it synchronised from a peer
+                     holding a later state (the segment format; see ``shards.persist``)
+
+Every file starts with a header::
+
+    magic     13 bytes   "CLONEMAP-LOG\\n" (segment) or "CLONEMAP-SNP\\n" (snapshot)
+    version   u16        1
+    gen_len   u8
+    gen       gen_len    the map's generation token (ASCII)
+
+then records::
+
+    length    u32        of the payload
+    crc32     u32        of the payload (zlib.crc32)
+    payload   msgpack    an array, see below
+
+Segment record: ``[first_seq, key, value, expires, key, value, expires, ...]``: the
+updates ``first_seq``, ``first_seq + 1``, ... (one record per flush: a batch; a torn
+batch is dropped whole). ``value`` b"" is a delete; ``expires`` is the key's absolute
+expiry in epoch seconds, or nil.
+
+Snapshot records: first ``{"seq": S}``, then chunks ``[key, value, expires, ...]`` (a
+multiple of 3 items), last ``{"keys": n}`` (the count, checked on load).
+"""
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+import msgpack
+
+from shards.common.errors import ClonemapError
+
+VERSION = 1
+LOG_MAGIC = b"CLONEMAP-LOG\n"
+SNAP_MAGIC = b"CLONEMAP-SNP\n"
+LOG_PREFIX, LOG_SUFFIX = "log-", ".cml"
+SNAP_PREFIX, SNAP_SUFFIX = "snap-", ".cms"
+TMP_SUFFIX = ".tmp"
+TERMS_NAME = "terms"
+DROPPED_PREFIX = "dropped-"
+_HEAD = struct.Struct(">HB")
+_REC = struct.Struct(">II")
+HEADER_MIN = len(LOG_MAGIC) + _HEAD.size
+
+
+class CorruptLog(ClonemapError):
+    """A data file that cannot be read: ``path`` and ``offset`` say where."""
+
+    def __init__(self, message: str, *, path: str, offset: int):
+        super().__init__(f"{path}: offset {offset}: {message}")
+        self.path = path
+        self.offset = offset
+
+
+def seq_name(prefix: str, seq: int, suffix: str) -> str:
+    return f"{prefix}{seq:020d}{suffix}"
+
+
+def seq_of(name: str, prefix: str, suffix: str) -> int | None:
+    """The sequence in a file name made by ``seq_name``, or None if it is not one."""
+    if not (name.startswith(prefix) and name.endswith(suffix)):
+        return None
+    digits = name[len(prefix):len(name) - len(suffix)]
+    return int(digits) if len(digits) == 20 and digits.isdigit() else None
+
+
+def header(magic: bytes, generation: str) -> bytes:
+    gen = generation.encode("ascii")
+    return magic + _HEAD.pack(VERSION, len(gen)) + gen
+
+
+def record(items: list) -> bytes:
+    payload = msgpack.packb(items, use_bin_type=True)
+    return _REC.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+class Scan:
+    """One file read back: its generation, then ``records()`` yields ``(offset, payload
+    object)`` for each whole record; afterwards ``end`` is the offset after the last whole
+    record and ``torn`` the bytes after it (a torn tail), if ``allow_torn``."""
+
+    def __init__(self, path: Path, magic: bytes, *, allow_torn: bool):
+        self.path = path
+        self.where = str(path)
+        self.allow_torn = allow_torn
+        self.data = data = path.read_bytes()
+        self.size = len(data)
+        self.torn = 0
+        self.generation = ""
+        if len(data) < HEADER_MIN or not data.startswith(magic):
+            if allow_torn and len(data) < HEADER_MIN and magic.startswith(data[:len(magic)]):
+                self.end = 0  # torn while the header was written: nothing in it
+                self.torn = len(data)
+                self.header_end = len(data)
+                return
+            raise CorruptLog(f"not a clonemap {'segment' if magic == LOG_MAGIC else 'snapshot'}"
+                             " (bad header)", path=self.where, offset=0)
+        version, gen_len = _HEAD.unpack_from(data, len(magic))
+        if version != VERSION:
+            raise CorruptLog(f"format version {version}; this server reads version "
+                             f"{VERSION}", path=self.where, offset=len(magic))
+        self.header_end = HEADER_MIN + gen_len
+        if self.header_end > len(data):
+            if not allow_torn:
+                raise CorruptLog("header cut short", path=self.where, offset=0)
+            self.end = 0
+            self.torn = len(data)
+            return
+        self.generation = data[HEADER_MIN:self.header_end].decode("ascii", "replace")
+        self.end = self.header_end
+
+    def records(self) -> Iterator[tuple[int, object]]:
+        data, where = self.data, self.where
+        if self.end == 0 and self.torn:
+            return
+        pos, end = self.header_end, len(data)
+        unpack_rec, rec_size, crc32, unpackb = _REC.unpack_from, _REC.size, zlib.crc32, \
+            msgpack.unpackb
+        while pos < end:
+            if pos + rec_size > end:
+                break  # a partial record header
+            length, crc = unpack_rec(data, pos)
+            start = pos + rec_size
+            stop = start + length
+            if stop > end:
+                break  # the payload runs past the end
+            payload = data[start:stop]
+            if crc32(payload) != crc:
+                if stop == end:
+                    break  # the last record, torn in place
+                raise CorruptLog("record checksum mismatch with more records after it",
+                                 path=where, offset=pos)
+            try:
+                obj = unpackb(payload, raw=False)
+            except Exception as exc:  # the checksum held: a writer bug, not a torn write
+                raise CorruptLog(f"record does not decode ({exc})", path=where,
+                                 offset=pos) from None
+            yield pos, obj
+            pos = self.end = stop
+        if pos < end:
+            if not self.allow_torn:
+                raise CorruptLog(f"{end - pos} bytes of a partial record at the end",
+                                 path=where, offset=pos)
+            self.torn = end - pos
+
+
+def truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

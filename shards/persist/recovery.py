@@ -1,0 +1,218 @@
+"""Loading a data directory back into a ``Store``: the newest whole snapshot, then every
+segment update after it, in sequence order.
+
+Outcomes:
+
+* the same map, sequence and TTL instants as when the last whole record was written (a
+  key whose instant passed while the server was down is due at once: the server expires
+  it, and logs that delete, before it serves);
+* a torn tail on the newest segment (a crash in the middle of a write) is truncated at
+  the last whole record, and reported (``torn_bytes``);
+* a record that fails its checksum with more data after it, a snapshot that does not
+  load, or updates missing between two files is ``CorruptLog`` naming the file and the
+  offset: never a silent empty map;
+* a directory whose files do not start at sequence 1 or at a snapshot is an *incomplete
+  replica*: a passive server was killed while it rewrote its directory from its active
+  peer (``DataDir.replace``). Its files are moved to ``incomplete-<utc>/`` and the server
+  starts empty with sequence 0, so its peer, which holds the map, wins the start-up
+  election (``shards.bstar``) and it synchronises again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shards.persist import format as fmt
+from shards.persist.format import CorruptLog
+from shards.store import Store
+
+
+@dataclass
+class Files:
+    snapshots: list[tuple[int, Path]] = field(default_factory=list)
+    segments: list[tuple[int, Path]] = field(default_factory=list)
+    temporary: list[Path] = field(default_factory=list)
+
+
+def list_files(data_dir: Path) -> Files:
+    """The data files in ``data_dir``, each list sorted by sequence."""
+    out = Files()
+    if not data_dir.is_dir():
+        return out
+    for entry in os.scandir(data_dir):
+        name = entry.name
+        if name.endswith(fmt.TMP_SUFFIX):
+            out.temporary.append(Path(entry.path))
+        elif (seq := fmt.seq_of(name, fmt.SNAP_PREFIX, fmt.SNAP_SUFFIX)) is not None:
+            out.snapshots.append((seq, Path(entry.path)))
+        elif (seq := fmt.seq_of(name, fmt.LOG_PREFIX, fmt.LOG_SUFFIX)) is not None:
+            out.segments.append((seq, Path(entry.path)))
+    out.snapshots.sort()
+    out.segments.sort()
+    return out
+
+
+@dataclass
+class Recovered:
+    store: Store
+    generation: str
+    term: int = 0
+    history: list[tuple[int, int]] = field(default_factory=list)
+    snapshot_seq: int | None = None
+    records: int = 0
+    """Updates replayed from segments."""
+    torn_bytes: int = 0
+    """Bytes of a torn last record that were truncated (0: none)."""
+    incomplete: str = ""
+    """Where an incomplete replica's files were moved ("" normally)."""
+    segments: int = 0
+
+
+def load_snapshot(path: Path) -> tuple[Store, str, int]:
+    """``(store, generation, entries)`` from a snapshot file; ``CorruptLog`` if not whole."""
+    scan = fmt.Scan(path, fmt.SNAP_MAGIC, allow_torn=False)
+    store = Store()
+    seq = None
+    count = None
+    loaded = 0
+    for offset, obj in scan.records():
+        if count is not None:
+            raise CorruptLog("a record after the snapshot's end", path=scan.where,
+                             offset=offset)
+        if isinstance(obj, dict):
+            if seq is None and "seq" in obj:
+                seq = int(obj["seq"])
+            elif seq is not None and "keys" in obj:
+                count = int(obj["keys"])
+            else:
+                raise CorruptLog(f"unexpected snapshot record {sorted(obj)}",
+                                 path=scan.where, offset=offset)
+        elif isinstance(obj, list) and seq is not None and len(obj) % 3 == 0:
+            store.load_entries(obj)
+            loaded += len(obj) // 3
+        else:
+            raise CorruptLog("not a snapshot record", path=scan.where, offset=offset)
+    if seq is None or count is None:
+        raise CorruptLog("the snapshot has no " + ("start" if seq is None else "end"),
+                         path=scan.where, offset=scan.end)
+    if count != loaded or count != len(store):
+        raise CorruptLog(f"the snapshot says {count} keys, holds {loaded}",
+                         path=scan.where, offset=scan.end)
+    store.seq = seq
+    return store, scan.generation, loaded
+
+
+def replay_segment(store: Store, path: Path, *, last: bool) -> tuple[int, int, str]:
+    """Apply the segment's updates after ``store.seq``; ``(applied, torn_bytes,
+    generation)``. Truncates a torn tail when ``last``; raises ``CorruptLog`` on a gap."""
+    scan = fmt.Scan(path, fmt.LOG_MAGIC, allow_torn=last)
+    applied = 0
+    apply = store.apply
+    for offset, rec in scan.records():
+        if not isinstance(rec, list) or len(rec) % 3 != 1 or not isinstance(rec[0], int):
+            raise CorruptLog("not a segment record", path=scan.where, offset=offset)
+        first = rec[0]
+        if first > store.seq + 1:
+            raise CorruptLog(f"updates {store.seq + 1}..{first - 1} are missing",
+                             path=scan.where, offset=offset)
+        skip = store.seq + 1 - first  # already covered by the snapshot or an older file
+        for i in range(1 + 3 * skip, len(rec), 3):
+            value = rec[i + 1]
+            apply(rec[i], value, rec[i + 2] if value else None)
+            applied += 1
+    if scan.torn:
+        fmt.truncate(path, scan.end)
+    return applied, scan.torn, scan.generation
+
+
+def read_terms(data_dir: Path) -> tuple[int, list[tuple[int, int]]]:
+    path = data_dir / fmt.TERMS_NAME
+    try:
+        doc = json.loads(path.read_text())
+        term = int(doc["term"])
+        history = [(int(t), int(s)) for t, s in doc.get("history", [])]
+    except FileNotFoundError:
+        return 0, []
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptLog(f"terms file does not parse ({exc})", path=str(path),
+                         offset=0) from None
+    return term, history
+
+
+def recover(data_dir: str | os.PathLike) -> Recovered:
+    """Load ``data_dir`` (see the module doc). An absent or empty directory gives an empty
+    store with sequence 0."""
+    path = Path(data_dir)
+    files = list_files(path)
+    term, history = read_terms(path)
+    for tmp in files.temporary:  # a snapshot or terms file cut short: never renamed
+        tmp.unlink()
+    store, generation, snap_seq = Store(), "", None
+    if files.snapshots:
+        snap_seq, snap_path = files.snapshots[-1]
+        store, generation, _ = load_snapshot(snap_path)
+        if store.seq != snap_seq:
+            raise CorruptLog(f"the snapshot's sequence is {store.seq}, its name says "
+                             f"{snap_seq}", path=str(snap_path), offset=0)
+    segments = files.segments
+    base = store.seq
+    # the segment holding base+1 and every later one (older ones are covered)
+    start = 0
+    for i, (first, _) in enumerate(segments):
+        if first <= base + 1:
+            start = i
+    segments = segments[start:]
+    if segments and segments[0][0] > base + 1 and snap_seq is None:
+        moved = _move_aside(path, files)
+        return Recovered(Store(), "", term, history, None, incomplete=moved)
+    out = Recovered(store, generation, term, history, snap_seq, segments=len(segments))
+    for i, (_, seg_path) in enumerate(segments):
+        applied, torn, gen = replay_segment(store, seg_path, last=i == len(segments) - 1)
+        out.records += applied
+        out.torn_bytes += torn
+        if gen and not out.generation:
+            out.generation = gen
+    return out
+
+
+def _move_aside(path: Path, files: Files) -> str:
+    dest = path / time.strftime("incomplete-%Y%m%dT%H%M%SZ", time.gmtime())
+    dest.mkdir(exist_ok=True)
+    for _, src in files.snapshots + files.segments:
+        src.rename(dest / src.name)
+    fmt.fsync_dir(path)
+    return str(dest)
+
+
+def replay_records(path: Path):
+    """Every update in one segment, as ``(seq, key, value, expires)`` (a torn tail is
+    ignored, not truncated): for tools and for keeping dropped updates."""
+    scan = fmt.Scan(path, fmt.LOG_MAGIC, allow_torn=True)
+    for offset, rec in scan.records():
+        if not isinstance(rec, list) or len(rec) % 3 != 1:
+            raise CorruptLog("not a segment record", path=scan.where, offset=offset)
+        seq = rec[0]
+        for i in range(1, len(rec), 3):
+            yield seq, rec[i], rec[i + 1], rec[i + 2]
+            seq += 1
+
+
+def fork_point(mine: list[tuple[int, int]], theirs: list[tuple[int, int]]) -> int | None:
+    """The first sequence from which this server's updates may not be in its peer's map,
+    from the two term histories (``[(term, first sequence of that term), ...]``, oldest
+    first), or None when the histories agree (this server is merely behind).
+
+    Where the histories first differ, the earlier of the two terms' first sequences is
+    where the lineages split: an update this server logged at or after it was sequenced
+    by a term its peer never followed (the peer took over without it)."""
+    for a, b in zip(mine, theirs):
+        if a != b:
+            return min(a[1], b[1])
+    if len(mine) > len(theirs):
+        return mine[len(theirs)][1]
+    if len(theirs) > len(mine) and mine:
+        return theirs[len(mine)][1]
+    return None

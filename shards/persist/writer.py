@@ -1,0 +1,342 @@
+"""Writing a data directory: the log segment, fsync policies, compaction and replacement.
+
+``DataDir`` is owned by one server's reactor; nothing here starts a thread. The calls the
+server makes, and when:
+
+* ``append(seq, key, value, expires)`` for each applied update (a set, a delete, a TTL
+  expiry); updates are batched in memory and ``flush()`` (once per loop turn, before the
+  turn's KVPUBs go out) writes them as one record; with ``always`` it fsyncs too: one
+  fsync per batch (group commit).
+* ``tick()`` at least once a second: with ``everysec``, fsync what was written since the
+  last fsync.
+* Compaction (``compaction_due``, ``start_compaction``, ``Compaction.step``,
+  ``Compaction.finish``, ``compacted``): the log is rotated (a new segment starts at the
+  next sequence), the map is written as a snapshot from a point-in-time cursor a chunk per
+  loop turn, then fsynced and renamed (``finish``: blocking, the server runs it off the
+  loop thread), and the files it covers are deleted. Disk use stays below about
+  ``1 + compact_ratio`` times the snapshot (plus ``compact_min_bytes``), and below three
+  times while a compaction runs.
+* ``replace(store, generation, dropped_from)`` when a passive installs a whole new map
+  from its active: the old files go (updates at or after ``dropped_from`` are first
+  copied to ``dropped-<utc>.cml``), a new segment starts after the new map's sequence, and
+  a compaction writes the new map as its first snapshot.
+* ``save_terms(term, history)`` when the Binary Star term changes (rare).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from shards.persist import format as fmt
+from shards.persist.recovery import list_files
+from shards.store import SnapshotCursor, Store
+
+log = logging.getLogger("shards.persist")
+
+FSYNC_POLICIES = ("always", "everysec", "no")
+EVERYSEC_S = 1.0
+COMPACT_RATIO = 1.0
+"""Compact when the segments since the last snapshot exceed this times its size."""
+COMPACT_MIN_BYTES = 64 << 20
+"""... and exceed this many bytes (a small map is not rewritten over and over)."""
+SNAPSHOT_CHUNK_KEYS = 2048
+"""Keys written per loop turn by a compaction (a few milliseconds)."""
+
+
+class Compaction:
+    """One snapshot being written from a cursor (see the module doc)."""
+
+    def __init__(self, dir_: "DataDir", cursor: SnapshotCursor, generation: str):
+        self.dir = dir_
+        self.cursor = cursor
+        self.seq = cursor.seq
+        self.path = dir_.path / fmt.seq_name(fmt.SNAP_PREFIX, self.seq, fmt.SNAP_SUFFIX)
+        self.tmp = self.path.with_name(self.path.name + fmt.TMP_SUFFIX)
+        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(self._fd, fmt.header(fmt.SNAP_MAGIC, generation) +
+                 fmt.record({"seq": self.seq}))
+        self.keys = 0
+        self.bytes = 0
+        self.started = time.monotonic()
+        self.written = False
+        self.finishing = False
+        """``finish`` is running on another thread: ``abort`` leaves the file to it."""
+
+    def step(self, keys: int = SNAPSHOT_CHUNK_KEYS) -> bool:
+        """Write the next chunk; True once the snapshot is all written (not yet synced)."""
+        if self.written:
+            return True
+        entries = self.cursor.next_entries(keys)
+        if entries:
+            data = fmt.record(entries)
+            os.write(self._fd, data)
+            self.keys += len(entries) // 3
+            self.bytes += len(data)
+        if self.cursor.done:
+            os.write(self._fd, fmt.record({"keys": self.keys}))
+            self.written = True
+        return self.written
+
+    def finish(self) -> None:
+        """Blocking (run it off the loop): fsync the snapshot, rename it into place."""
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        os.rename(self.tmp, self.path)
+        fmt.fsync_dir(self.dir.path)
+
+    def abort(self) -> None:
+        self.cursor.close()
+        if self.finishing:
+            return  # the snapshot is whole; finish() renames it, and recovery may use it
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        try:
+            self.tmp.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class DataDir:
+    """A server's data directory, open for writing (see the module doc)."""
+
+    def __init__(self, path: str | os.PathLike, fsync: str = "everysec", *,
+                 clock=time.monotonic, compact_ratio: float = COMPACT_RATIO,
+                 compact_min_bytes: int = COMPACT_MIN_BYTES):
+        if fsync not in FSYNC_POLICIES:
+            raise ValueError(f"fsync is one of {', '.join(FSYNC_POLICIES)}, got {fsync!r}")
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.policy = fsync
+        self.clock = clock
+        self.compact_ratio = compact_ratio
+        self.compact_min_bytes = compact_min_bytes
+        self.generation = ""
+        self._fd = -1
+        self.segment: Path | None = None
+        self._items: list = []
+        self._next = 0
+        """The sequence the next appended update must have."""
+        self._unsynced = False
+        self._synced_at = clock()
+        self.snapshot_bytes = 0
+        self.log_bytes = 0
+        """Bytes in the segments written since the newest snapshot."""
+        self.compaction: Compaction | None = None
+        self.counters = dict.fromkeys(
+            ("records", "updates", "fsyncs", "compactions", "compactions_aborted",
+             "snapshot_keys_written", "replaced", "dropped_updates"), 0)
+        self.fsync_s_total = 0.0
+        self.torn_bytes = 0
+        self.last_compaction_s = 0.0
+
+    # ------------------------------------------------------------------ opening
+    def open(self, generation: str, seq: int) -> None:
+        """Start writing after ``seq`` (the recovered store's sequence): a new segment
+        ``log-<seq+1>``, replacing one of that name (it can only hold a torn tail)."""
+        self.generation = generation
+        files = list_files(self.path)
+        if files.snapshots:
+            self.snapshot_bytes = files.snapshots[-1][1].stat().st_size
+            newest = files.snapshots[-1][0]
+            self.log_bytes = sum(p.stat().st_size for first, p in files.segments
+                                 if first > newest)
+        else:
+            self.log_bytes = sum(p.stat().st_size for _, p in files.segments)
+        self._open_segment(seq + 1)
+
+    def _open_segment(self, first: int) -> None:
+        self.segment = self.path / fmt.seq_name(fmt.LOG_PREFIX, first, fmt.LOG_SUFFIX)
+        self._fd = os.open(self.segment, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
+                           0o644)
+        head = fmt.header(fmt.LOG_MAGIC, self.generation)
+        os.write(self._fd, head)
+        self.log_bytes += len(head)
+        self._fsync()
+        fmt.fsync_dir(self.path)
+        self._next = first
+
+    def _close_segment(self) -> None:
+        if self._fd >= 0:
+            self.flush()
+            if self._unsynced:
+                self._fsync()
+            os.close(self._fd)
+            self._fd = -1
+
+    # ------------------------------------------------------------------ the log
+    def append(self, seq: int, key: bytes, value: bytes, expires: float | None) -> None:
+        items = self._items
+        if not items:
+            items.append(seq)
+        elif seq != self._next:  # not consecutive (never in practice): a new record
+            self._write()
+            items = self._items
+            items.append(seq)
+        items += (key, value, expires)
+        self._next = seq + 1
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._items)
+
+    def flush(self) -> None:
+        """Write what is buffered as one record; fsync at once with ``always``."""
+        self._write()
+        if self.policy == "always" and self._unsynced:
+            self._fsync()
+
+    def _write(self) -> None:
+        items = self._items
+        if items:
+            data = fmt.record(items)
+            os.write(self._fd, data)
+            self.log_bytes += len(data)
+            self.counters["records"] += 1
+            self.counters["updates"] += len(items) // 3
+            self._items = []
+            self._unsynced = True
+
+    def tick(self) -> None:
+        """``everysec``: fsync what was written, at most once a second."""
+        if (self.policy == "everysec" and self._unsynced
+                and self.clock() - self._synced_at >= EVERYSEC_S):
+            self._fsync()
+
+    def _fsync(self) -> None:
+        t0 = time.perf_counter()
+        os.fsync(self._fd)
+        self.fsync_s_total += time.perf_counter() - t0
+        self.counters["fsyncs"] += 1
+        self._unsynced = False
+        self._synced_at = self.clock()
+
+    def close(self) -> None:
+        """Flush and fsync whatever the policy (a clean stop loses nothing), abandon a
+        compaction in progress (its temporary file is removed), close."""
+        if self.compaction is not None:
+            self.compaction.abort()
+            self.compaction = None
+        self._close_segment()
+
+    # ------------------------------------------------------------------ terms
+    def save_terms(self, term: int, history: list[tuple[int, int]]) -> None:
+        path = self.path / fmt.TERMS_NAME
+        tmp = path.with_name(path.name + fmt.TMP_SUFFIX)
+        doc = {"version": fmt.VERSION, "term": term,
+               "history": [list(pair) for pair in history]}
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+        fmt.fsync_dir(self.path)
+
+    # ------------------------------------------------------------------ compaction
+    def compaction_due(self) -> bool:
+        return (self.compaction is None and self.log_bytes > self.compact_min_bytes
+                and self.log_bytes > self.compact_ratio * self.snapshot_bytes)
+
+    def start_compaction(self, store: Store) -> Compaction:
+        """Rotate the log and start writing ``store``'s snapshot at its sequence."""
+        self._close_segment()
+        self.log_bytes = 0
+        self._open_segment(store.seq + 1)
+        self.compaction = Compaction(self, store.open_snapshot(with_expiry=True),
+                                     self.generation)
+        return self.compaction
+
+    def compacted(self, job: Compaction) -> list[Path]:
+        """``job.finish()`` has run: delete the files the new snapshot covers."""
+        if self.compaction is not job:
+            return []
+        self.compaction = None
+        removed = []
+        files = list_files(self.path)
+        for seq, path in files.snapshots:
+            if seq < job.seq:
+                removed.append(path)
+        for first, path in files.segments:
+            if first <= job.seq:
+                removed.append(path)
+        for path in removed:
+            path.unlink()
+        fmt.fsync_dir(self.path)
+        self.snapshot_bytes = job.path.stat().st_size
+        self.counters["compactions"] += 1
+        self.counters["snapshot_keys_written"] += job.keys
+        self.last_compaction_s = time.monotonic() - job.started
+        return removed
+
+    def abort_compaction(self) -> None:
+        if self.compaction is not None:
+            self.compaction.abort()
+            self.compaction = None
+            self.counters["compactions_aborted"] += 1
+
+    # ------------------------------------------------------------------ replacement
+    def replace(self, store: Store, generation: str, dropped_from: int | None) -> int:
+        """A passive installs ``store`` (its active's map): keep the updates from
+        ``dropped_from`` on (if any) in a ``dropped-<utc>.cml`` file, delete the old
+        files, start a new segment after ``store.seq`` and a compaction that writes
+        ``store`` as the first snapshot. Returns the number of updates dropped."""
+        self.abort_compaction()
+        self._close_segment()
+        files = list_files(self.path)
+        dropped = 0
+        if dropped_from is not None:
+            dropped = self._keep_dropped(files, dropped_from)
+        for _, path in files.snapshots + files.segments:
+            path.unlink()
+        fmt.fsync_dir(self.path)
+        self.generation = generation
+        self.snapshot_bytes = 0
+        self.log_bytes = 0
+        self._items = []
+        self._open_segment(store.seq + 1)
+        self.compaction = Compaction(self, store.open_snapshot(with_expiry=True), generation)
+        self.counters["replaced"] += 1
+        self.counters["dropped_updates"] += dropped
+        return dropped
+
+    def _keep_dropped(self, files, dropped_from: int) -> int:
+        """Copy every logged update with sequence >= ``dropped_from`` to a new
+        ``dropped-<utc>.cml`` (fsynced); how many. A snapshot taken after that point
+        is kept whole beside it (its single updates are gone)."""
+        from shards.persist.recovery import replay_records
+
+        name = time.strftime(f"{fmt.DROPPED_PREFIX}%Y%m%dT%H%M%SZ", time.gmtime())
+        out = self.path / (name + fmt.LOG_SUFFIX)
+        updates = []
+        for _, path in files.segments:
+            for seq, key, value, expires in replay_records(path):
+                if seq >= dropped_from:
+                    if not updates:
+                        updates.append(seq)
+                    updates += (key, value, expires)
+        kept_snapshot = [p for seq, p in files.snapshots if seq >= dropped_from]
+        for path in kept_snapshot:
+            path.rename(self.path / (name + fmt.SNAP_SUFFIX))
+            files.snapshots = [(s, p) for s, p in files.snapshots if p != path]
+        if not updates:
+            return 0
+        with open(out, "wb") as f:
+            f.write(fmt.header(fmt.LOG_MAGIC, self.generation) + fmt.record(updates))
+            f.flush()
+            os.fsync(f.fileno())
+        fmt.fsync_dir(self.path)
+        return len(updates) // 3
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        job = self.compaction
+        return {"path": str(self.path), "fsync": self.policy, **self.counters,
+                "fsync_s_total": round(self.fsync_s_total, 6),
+                "torn_bytes_recovered": self.torn_bytes,
+                "log_bytes": self.log_bytes, "snapshot_bytes": self.snapshot_bytes,
+                "compacting": None if job is None else {"seq": job.seq, "keys": job.keys},
+                "last_compaction_s": round(self.last_compaction_s, 3)}
