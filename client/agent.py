@@ -366,10 +366,16 @@ class ShardAgent:
             self.hub.installed(self.name, old, new, eff.seq)
         log.info("shard %s: snapshot of %d keys at sequence %d from %s%s", self.name,
                  len(new), eff.seq, self.server, " (resync: replaced)" if eff.resync else "")
-        if self._failover_from is not None:
+        outage = self._failover_from is not None
+        if outage:
             self._resumed(old, new)
         if self.echoes:
             self.echoes.confirm_in(new, self.last_seq)
+            if outage:
+                # writes made while no server took them (a KVSET to a dead collector is
+                # gone): sent again, same UUID, now that the shard serves
+                for frames in self.echoes.unconfirmed():
+                    self.send_kvset(frames)
         if reset is not None:
             self._report_reset(reset)
         self._replay(self._gen)
@@ -655,11 +661,12 @@ class ShardAgent:
         for i, collector in enumerate(collectors):
             collector.send(frames, i == current)
 
-    def expect(self, uuid: bytes, key: bytes, value: bytes) -> asyncio.Future:
+    def expect(self, uuid: bytes, key: bytes, value: bytes,
+               frames: list[bytes] | None = None) -> asyncio.Future:
         """A future resolved when this shard publishes the update ``uuid`` back (its
         KVPUB applied here), or a snapshot installed here holds ``key`` = ``value``
         (the KVPUB itself was folded into a resync). The caller cancels it on timeout."""
-        return self.echoes.expect(self.loop, uuid, key, value)
+        return self.echoes.expect(self.loop, uuid, key, value, frames)
 
     # ------------------------------------------------------------------ figures
     def stats(self) -> dict:
@@ -681,5 +688,6 @@ class ShardAgent:
             "kvsets_sent": sum(c.sent for c in self._collectors),
             "kvsets_queued": sum(len(c.queue) for c in self._collectors),
             "kvsets_dropped": sum(c.dropped for c in self._collectors),
+            "kvsets_resent": self.echoes.resent,
             "drops": dict(self.drops.counts),
         }

@@ -488,7 +488,7 @@ class AsyncClone:
             agent.send_kvset(frames)
             return uuid
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        echo = agent.expect(uuid, frames[0], frames[4])
+        echo = agent.expect(uuid, frames[0], frames[4], frames)
         agent.send_kvset(frames)
         try:
             async with asyncio.timeout(timeout_s):

@@ -10,6 +10,9 @@ import asyncio
 class Echoes:
     def __init__(self):
         self.waiters: dict[bytes, tuple[bytes, bytes, asyncio.Future]] = {}
+        self.frames: dict[bytes, list[bytes]] = {}
+        """The KVSET of each waiting write, to send again after an outage."""
+        self.resent = 0
 
     def __bool__(self) -> bool:
         return bool(self.waiters)
@@ -18,11 +21,13 @@ class Echoes:
         return len(self.waiters)
 
     def expect(self, loop: asyncio.AbstractEventLoop, uuid: bytes, key: bytes,
-               value: bytes) -> asyncio.Future:
+               value: bytes, frames: list[bytes] | None = None) -> asyncio.Future:
         """A future for the echo of ``uuid`` (``key`` = ``value``); the caller cancels it
         on its timeout, and it is forgotten then."""
         fut = loop.create_future()
         self.waiters[uuid] = (key, value, fut)
+        if frames is not None:
+            self.frames[uuid] = frames
         fut.add_done_callback(lambda _f, u=uuid: self._forget(u, _f))
         return fut
 
@@ -30,6 +35,7 @@ class Echoes:
         entry = self.waiters.get(uuid)
         if entry is not None and entry[2] is fut:
             del self.waiters[uuid]
+            self.frames.pop(uuid, None)
 
     def confirm(self, uuid: bytes, seq: int) -> None:
         """The KVPUB with ``uuid`` was applied (or was already in the snapshot)."""
@@ -43,6 +49,13 @@ class Echoes:
             if not fut.done() and data.get(key, b"") == value:
                 fut.set_result(seq)
 
+    def unconfirmed(self) -> list[list[bytes]]:
+        """The KVSETs of the writes still waiting, in the order they were made."""
+        out = [self.frames[u] for u, (_, _, fut) in self.waiters.items()
+               if not fut.done() and u in self.frames]
+        self.resent += len(out)
+        return out
+
     def fail_all(self, exc: BaseException) -> None:
         for _, _, fut in list(self.waiters.values()):
             if not fut.done():
@@ -53,3 +66,4 @@ class Echoes:
             if not fut.done():
                 fut.cancel()
         self.waiters.clear()
+        self.frames.clear()

@@ -119,7 +119,16 @@ class Runner:
                 path = self.log_dir / f"{server.shard}-{server.role}.log"
                 argv = server_argv(server, peer, args) + routing_argv(plan.routing,
                                                                       server.index)
+                data = self.data_dir(server)
+                if data is not None:
+                    argv += ["--data-dir", str(data), "--fsync", plan.fsync]
                 self.servers[server.name] = ServerProcess(server, argv, path)
+
+    def data_dir(self, server: ServerPlan) -> Path | None:
+        """``<run-dir>/<data_dir>/<shard>-<role>``, or None for a memory-only cluster."""
+        if self.plan.data_dir is None:
+            return None
+        return self.run_dir / self.plan.data_dir / f"{server.shard}-{server.role}"
 
     # ----------------------------------------------------------------- events
     def _event(self, proc: ServerProcess, text: str) -> None:

@@ -7,8 +7,10 @@ What is asserted is behaviour, not time (the times are the failover benchmark's
 to the active backup, never to the passive primary (whose refused-vote counter stays at
 0), because the primary's welcome HUGZ says ``serving=0``; a writer with ``wait=True``
 across the kill never times out and never waits on a refused snapshot; ``chp get``
-answers with its default timeout. And the data-loss event: both servers of s1 killed
-together come back with an empty map, and a connected client hears it once.
+answers with its default timeout. And the data-loss event of a memory-only cluster
+(``data_dir: null``): both servers of s1 killed together come back with an empty map,
+and a connected client hears it once (a durable cluster loses nothing:
+``test_durable_cluster``).
 """
 from __future__ import annotations
 
@@ -120,10 +122,10 @@ def test_supervised_kill_restart_clients_find_the_active_at_once(procs, tmp_path
     assert refused(control, "s0/primary") == 0
 
 
-def test_both_servers_of_a_shard_lost_is_one_data_loss_event(procs, tmp_path):
+def test_both_servers_of_a_memory_only_shard_lost_is_one_data_loss_event(procs, tmp_path):
     from client.api import AsyncClone
 
-    config, control = write_config(tmp_path, "4shard.yaml")
+    config, control = write_config(tmp_path, "4shard.yaml", data_dir=None)
     start(procs, config, tmp_path, "--backoff-initial-s", "0.2")
     wait_status(control, lambda r: all(
         {r[f"s{i}/primary"]["bstar"], r[f"s{i}/backup"]["bstar"]} == {"ACTIVE", "PASSIVE"}

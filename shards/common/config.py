@@ -19,6 +19,11 @@ IPv4 address is bound) and a core set (``cores``: ``[2, 3]``, ``"2-3,6"``, ``5``
     shards[i].name      "s<i>"                           unique
     shards[i].prefixes  []                               pinned key prefixes, each on one shard
     shards[i].primary / .backup: host | nic, port, cores (each falls back as above)
+    data_dir            "data"                           where servers persist: each in
+                                                          <data_dir>/<shard>-<role>/;
+                                                          relative to the run directory;
+                                                          null: memory only
+    fsync               everysec                         always | everysec | no
 
 Every model forbids unknown fields. ``load_config`` turns YAML and pydantic errors into
 one ``ConfigError`` whose lines read ``FIELD: given VALUE: PROBLEM; EXPECTED``, with
@@ -51,6 +56,7 @@ BACKUP_PORT_OFFSET = 10
 PORTS_PER_SERVER = 4
 MAX_PORT_BASE = 65535 - (PORTS_PER_SERVER - 1)
 DEFAULT_HOST = "127.0.0.1"
+DEFAULT_DATA_DIR = "data"
 ROLES = ("primary", "backup")
 
 CoreSet = tuple[int, ...]
@@ -319,7 +325,16 @@ class ClusterConfig(_Model):
     silence_timeout_s: OptSeconds = None
     port_base: Annotated[int, PlainValidator(parse_port)] = DEFAULT_PORT_BASE
     defaults: Defaults = Field(default_factory=Defaults)
+    data_dir: str | None = DEFAULT_DATA_DIR
+    fsync: Literal["always", "everysec", "no"] = "everysec"
     shards: list[ShardConfig]
+
+    @field_validator("data_dir")
+    @classmethod
+    def _data_dir(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("expected a directory path, or null for memory only")
+        return value
 
     @field_validator("shards", mode="before")
     @classmethod

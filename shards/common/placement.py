@@ -114,6 +114,9 @@ class Plan:
     routing: RoutingParams
     host: HostFacts
     notes: tuple[str, ...] = ()
+    data_dir: str | None = None
+    """Where servers persist (relative: to the run directory); None: memory only."""
+    fsync: str = "everysec"
 
     @property
     def servers(self) -> list[ServerPlan]:
@@ -130,6 +133,7 @@ class Plan:
         return {"cluster": self.cluster, "control": self.control,
                 "heartbeat_s": self.heartbeat_s, "silence_timeout_s": self.silence_timeout_s,
                 "routing": self.routing.to_dict(),
+                "data_dir": self.data_dir, "fsync": self.fsync,
                 "shards": [{"index": sh.index, "name": sh.name,
                             "prefixes": list(sh.prefixes),
                             "primary": sh.primary.to_dict(),
@@ -286,7 +290,8 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
     return Plan(cluster=config.cluster, control=config.control,
                 control_address=config.control_address, control_port=config.control_port,
                 heartbeat_s=config.heartbeat_s, silence_timeout_s=config.silence_timeout_s,
-                shards=tuple(shard_plans), routing=routing, host=facts, notes=tuple(notes))
+                shards=tuple(shard_plans), routing=routing, host=facts, notes=tuple(notes),
+                data_dir=config.data_dir, fsync=config.fsync)
 
 
 # ---------------------------------------------------------------- the OS check
