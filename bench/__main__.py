@@ -67,13 +67,18 @@ SCENARIOS = {
     "handoff": Scenario("bench.handoff", "handoff",
                         "watch callbacks run inline vs handed off to a thread",
                         {"smoke": "~5 s", "quick": "~15 s", "full": "~20 s"}),
+    "durability": Scenario("bench.durability", "durability",
+                           "persisting vs memory only: updates/s and CPU per update per fsync "
+                           "policy, p99 under compaction, recovery of 1M keys, disk bytes "
+                           "per key", {"smoke": "~25 s", "quick": "~2 min", "full": "~5 min"}),
     "report": Scenario("bench.report", None,
                        "Markdown report + PNG plots from the latest records",
                        {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),
 }
 ALIASES = {"chp_throughput": "single"}
-ALL_DURATION = {"smoke": "~1.5 min", "quick": "~5.5 min", "full": "~20 min"}
-ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failover", "handoff"]
+ALL_DURATION = {"smoke": "~2 min", "quick": "~7.5 min", "full": "~25 min"}
+ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failover", "handoff",
+         "durability"]
 """What ``all`` runs, in this order, then ``report`` (``failover_supervised`` runs alone:
 it starts a whole 8-server cluster)."""
 
@@ -96,6 +101,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "failover_supervised": ["--kills", "1"],
         "handoff": ["--modes", "inline,thread", "--work", "cpu", "--rate", "300",
                     "--seconds", "0.5"],
+        "durability": ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "1", "--keys",
+                       "2000", "--rate", "1000", "--recovery-keys", "5000"],
         "report": [],
     },
     "quick": {
@@ -112,6 +119,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "failover": ["--kills", "3", "--rate", "500", "--steady-s", "1", "--ceiling-s", "1"],
         "failover_supervised": ["--kills", "3"],
         "handoff": ["--rate", "40000", "--seconds", "2"],
+        "durability": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2",
+                       "--recovery-keys", "200000"],
         "report": [],
     },
     "full": {
@@ -130,6 +139,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "failover": ["--kills", "10", "--rate", "500", "--steady-s", "2", "--ceiling-s", "3"],
         "failover_supervised": ["--kills", "5"],
         "handoff": ["--rate", "40000", "--seconds", "3"],
+        "durability": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],
         "report": [],
     },
 }

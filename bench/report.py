@@ -37,6 +37,8 @@ SCENARIOS = [
      "python -m bench failover_supervised"),
     ("load", "Load generator", "python -m bench load"),
     ("handoff", "Callback hand-off", "python -m bench handoff"),
+    ("durability", "Durability: fsync policies, compaction, recovery, storage choice",
+     "python -m bench durability"),
 ]
 FORWARDER_TARGET = 0.70   # one shard / bare forwarding loop
 

@@ -173,14 +173,16 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
     return code
 
 
-def _recover(server: ShardServer, data_dir: str, fsync: str, compact_min_bytes: int) -> None:
+def _recover(server: ShardServer, data_dir: str, fsync: str, compact_min_bytes: int,
+             compact_ratio: float) -> None:
     """Load the persisted map before binding (the same map, sequence, TTL instants,
     generation and, for a pair server, Binary Star term), then log every update."""
     from shards import persist
 
     try:
         got = persist.recover(data_dir)
-        writer = persist.DataDir(data_dir, fsync, compact_min_bytes=compact_min_bytes)
+        writer = persist.DataDir(data_dir, fsync, compact_min_bytes=compact_min_bytes,
+                                 compact_ratio=compact_ratio)
     except (persist.CorruptLog, OSError) as exc:
         click.echo(f"shards: cannot recover the map from {data_dir}: {exc}", err=True)
         sys.exit(Exit.FAILED)
@@ -277,13 +279,16 @@ def _recover(server: ShardServer, data_dir: str, fsync: str, compact_min_bytes: 
 @click.option("--compact-min-bytes", type=click.IntRange(0), default=None,
               help="With --data-dir: compact once the log since the last snapshot is "
                    "larger than this and than the snapshot (default 64 MiB).")
+@click.option("--compact-ratio", type=click.FloatRange(0.01), default=None,
+              help="With --data-dir: ... and larger than this times the snapshot "
+                   "(default 1.0).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_props_bytes,
          max_subtree_bytes, snapshot_chunk, snapshot_stall_s, max_snapshots, collect_batch,
          pub_hwm, collect_hwm, snapshot_hwm, cpus, pair_role, peer, shard, control,
          parent_pid, shard_map, shard_index, pending_max, pending_age_s, data_dir, fsync,
-         compact_min_bytes, log_level):
+         compact_min_bytes, compact_ratio, log_level):
     """Run one 12/CHP shard server: standalone, or one server of a Binary Star pair."""
     if pair_role is not None and peer is None:
         raise click.UsageError(f"--{pair_role} needs --peer HOST:PORT (the other server)")
@@ -323,7 +328,8 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
         from shards.persist import writer as persist_writer
 
         _recover(server, data_dir, fsync, persist_writer.COMPACT_MIN_BYTES
-                 if compact_min_bytes is None else compact_min_bytes)
+                 if compact_min_bytes is None else compact_min_bytes,
+                 persist_writer.COMPACT_RATIO if compact_ratio is None else compact_ratio)
     try:
         server.bind()
     except PortInUse as exc:

@@ -12,7 +12,7 @@ import pytest
 from conftest import bench_record, run_bench
 
 RECORDS = ["chp_throughput", "scaleout", "latency", "load", "snapshot", "fanout", "failover",
-           "handoff"]
+           "handoff", "durability"]
 """What ``python -m bench all`` saves (the report reads these)."""
 
 
@@ -136,6 +136,23 @@ def test_failover_scenario_loses_no_write(procs, tmp_path):
     check_failover(bench_record(tmp_path, "failover"), kills=1)
 
 
+def check_durability(data: dict, keys: int) -> None:
+    runs = data["runs"]
+    policies = [r["policy"] for r in runs if r["part"] == "throughput"]
+    assert policies == ["memory", "everysec", "always", "no"]
+    for r in runs:
+        if r["part"] in ("throughput", "compaction"):  # nothing lost on the way
+            assert r["loss_window"] == 0 and r["received_per_s"] > 0, r
+    assert [r["mode"] for r in runs if r["part"] == "compaction"] == ["off", "on"]
+    recovery = {r["form"]: r for r in runs if r["part"] == "recovery"}
+    assert set(recovery) == {"log", "snapshot"}
+    assert all(r["keys"] == keys and r["bytes_per_key"] > 100 for r in recovery.values())
+    stores = {r["store"] for r in runs if r["part"] == "storage"}
+    assert stores == {"log", "sqlite-wal"}
+    names = {t["name"] for t in data["targets"]}
+    assert any("everysec" in n for n in names) and any("compaction" in n for n in names)
+
+
 def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
     stdout = run_bench(procs, tmp_path, "bench", "all", "--smoke")
     records = {name: bench_record(tmp_path, name) for name in RECORDS}
@@ -148,6 +165,7 @@ def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
     check_points(records["scaleout"], {"shards", "target", "received_per_s", "efficiency"})
     check_points(records["latency"], {"offered_per_s", "target", "latency_ms"})
     assert records["load"]["runs"] and records["load"]["summary"]
+    check_durability(records["durability"], keys=5000)
     assert (tmp_path / "REPORT.md").exists() and list((tmp_path / "plots").glob("*.png"))
     table = "\n".join(stdout)
     assert "python -m bench all (smoke)" in table and "FAILED" not in table
