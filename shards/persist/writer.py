@@ -42,15 +42,20 @@ COMPACT_RATIO = 1.0
 """Compact when the segments since the last snapshot exceed this times its size."""
 COMPACT_MIN_BYTES = 64 << 20
 """... and exceed this many bytes (a small map is not rewritten over and over)."""
-SNAPSHOT_CHUNK_KEYS = 2048
-"""Keys written per loop turn by a compaction (a few milliseconds)."""
+SNAPSHOT_CHUNK_KEYS = 256
+"""Keys written per loop turn by a compaction: ~0.3 ms here, so a KVSET arriving during
+a compaction waits at most that long for the reactor."""
 
 
 class Compaction:
     """One snapshot being written from a cursor (see the module doc)."""
 
-    def __init__(self, dir_: "DataDir", cursor: SnapshotCursor, generation: str):
+    def __init__(self, dir_: "DataDir", cursor: SnapshotCursor, generation: str,
+                 retired_fd: int = -1):
         self.dir = dir_
+        self.retired_fd = retired_fd
+        """The segment the rotation closed: fsynced and closed by ``finish``, off the
+        reactor (and at once by ``abort``)."""
         self.cursor = cursor
         self.seq = cursor.seq
         self.path = dir_.path / fmt.seq_name(fmt.SNAP_PREFIX, self.seq, fmt.SNAP_SUFFIX)
@@ -64,6 +69,7 @@ class Compaction:
         self.written = False
         self.finishing = False
         """``finish`` is running on another thread: ``abort`` leaves the file to it."""
+        self.removed: list[Path] = []
 
     def step(self, keys: int = SNAPSHOT_CHUNK_KEYS) -> bool:
         """Write the next chunk; True once the snapshot is all written (not yet synced)."""
@@ -81,17 +87,39 @@ class Compaction:
         return self.written
 
     def finish(self) -> None:
-        """Blocking (run it off the loop): fsync the snapshot, rename it into place."""
+        """Blocking (run it off the loop): fsync the segment the rotation retired and the
+        snapshot, rename the snapshot into place, fsync the directory."""
+        self._retire()
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1
         os.rename(self.tmp, self.path)
         fmt.fsync_dir(self.dir.path)
+        self.removed = self._remove_covered()
+
+    def _remove_covered(self) -> list[Path]:
+        """Delete the older snapshots and the segments this snapshot covers (those that
+        start at or before its sequence: the rotation started a new one after it). Safe
+        off the reactor: the reactor only ever creates later segments meanwhile."""
+        files = list_files(self.dir.path)
+        removed = [path for seq, path in files.snapshots if seq < self.seq]
+        removed += [path for first, path in files.segments if first <= self.seq]
+        for path in removed:
+            path.unlink()
+        fmt.fsync_dir(self.dir.path)
+        return removed
+
+    def _retire(self) -> None:
+        fd, self.retired_fd = self.retired_fd, -1
+        if fd >= 0:
+            os.fsync(fd)
+            os.close(fd)
 
     def abort(self) -> None:
         self.cursor.close()
         if self.finishing:
             return  # the snapshot is whole; finish() renames it, and recovery may use it
+        self._retire()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -149,16 +177,22 @@ class DataDir:
             self.log_bytes = sum(p.stat().st_size for _, p in files.segments)
         self._open_segment(seq + 1)
 
-    def _open_segment(self, first: int) -> None:
+    def _open_segment(self, first: int, sync: bool = True) -> None:
+        """A new segment. ``sync`` False (a rotation under everysec or no): its header and
+        directory entry are fsynced by the next everysec tick and the compaction's
+        ``finish``, not on the reactor."""
         self.segment = self.path / fmt.seq_name(fmt.LOG_PREFIX, first, fmt.LOG_SUFFIX)
         self._fd = os.open(self.segment, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
                            0o644)
         head = fmt.header(fmt.LOG_MAGIC, self.generation)
         os.write(self._fd, head)
         self.log_bytes += len(head)
-        self._fsync()
-        fmt.fsync_dir(self.path)
         self._next = first
+        if sync:
+            self._fsync()
+            fmt.fsync_dir(self.path)
+        else:
+            self._unsynced = True
 
     def _close_segment(self) -> None:
         if self._fd >= 0:
@@ -242,30 +276,23 @@ class DataDir:
                 and self.log_bytes > self.compact_ratio * self.snapshot_bytes)
 
     def start_compaction(self, store: Store) -> Compaction:
-        """Rotate the log and start writing ``store``'s snapshot at its sequence."""
-        self._close_segment()
+        """Rotate the log and start writing ``store``'s snapshot at its sequence. The
+        retired segment is written now and fsynced by the compaction, off the reactor."""
+        self.flush()
+        retired, self._fd = self._fd, -1
         self.log_bytes = 0
-        self._open_segment(store.seq + 1)
+        self._open_segment(store.seq + 1, sync=self.policy == "always")
         self.compaction = Compaction(self, store.open_snapshot(with_expiry=True),
-                                     self.generation)
+                                     self.generation, retired_fd=retired)
         return self.compaction
 
     def compacted(self, job: Compaction) -> list[Path]:
-        """``job.finish()`` has run: delete the files the new snapshot covers."""
+        """``job.finish()`` has run (and deleted the files the snapshot covers): count
+        it; the files removed."""
         if self.compaction is not job:
             return []
         self.compaction = None
-        removed = []
-        files = list_files(self.path)
-        for seq, path in files.snapshots:
-            if seq < job.seq:
-                removed.append(path)
-        for first, path in files.segments:
-            if first <= job.seq:
-                removed.append(path)
-        for path in removed:
-            path.unlink()
-        fmt.fsync_dir(self.path)
+        removed = job.removed
         self.snapshot_bytes = job.path.stat().st_size
         self.counters["compactions"] += 1
         self.counters["snapshot_keys_written"] += job.keys
