@@ -23,8 +23,10 @@ PYTHON = sys.executable
 # ------------------------------------------------------------------ kinds of test
 UNIT = {"test_broker_core", "test_bstar", "test_bstar_ttl", "test_chp_codec",
         "test_client_machine", "test_drops", "test_mdp_codec", "test_pending", "test_policy",
-        "test_lag_meter", "test_replica_machine", "test_routing", "test_store"}
-"""Pure: no sockets, no processes, no zmq (``make test-unit``)."""
+        "test_lag_meter", "test_replica_machine", "test_routing", "test_store",
+        "test_echoes", "test_persist"}
+"""No sockets, no processes, no zmq; real files in a temporary directory at most
+(``make test-unit``)."""
 BENCH = {"test_bench_load", "test_bench_report", "test_bench_scale", "test_bench_scenarios",
          "test_bench_smoke", "test_handoff", "test_mdp_bench_smoke"}
 """Smoke runs of the benchmarks. Every other test module is ``integration``: real

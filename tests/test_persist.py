@@ -6,6 +6,7 @@ without a compaction on the way; corruption is a clear error naming the file and
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 
 import pytest
@@ -203,13 +204,18 @@ def test_a_snapshot_cut_short_is_refused_and_a_temporary_one_ignored(tmp_path):
     store, writer = Store(), DataDir(tmp_path, "no")
     writer.open(GEN, 0)
     apply_all(store, writer, [(b"/k%d" % i, b"v", None) for i in range(10)])
+    writer.flush()
     job = writer.start_compaction(store)
     while not job.step(keys=3):
         pass
-    writer.close()  # killed before the rename: the .tmp is ignored (and removed)
-    got = recover(tmp_path)
+    killed = tmp_path.parent / (tmp_path.name + "-killed")
+    shutil.copytree(tmp_path, killed)  # the files as a kill before the rename leaves them
+    got = recover(killed)  # the .tmp is ignored (and removed)
     assert len(got.store) == 10 and got.snapshot_seq is None
-    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    assert not any(p.name.endswith(".tmp") for p in killed.iterdir())
+    writer.close()  # a clean stop finishes the compaction
+    assert recover(tmp_path).snapshot_seq == 10
     writer = DataDir(tmp_path, "no")
     writer.open(GEN, 10)
     compact(writer, got.store)
@@ -294,11 +300,16 @@ def test_an_incomplete_replica_starts_empty_and_keeps_its_files_aside(tmp_path):
     writer.open(GEN, 0)
     writer.replace(peer, "gpeer", None)
     writer.append(6, b"/p9", b"v", None)
-    writer.close()
-    got = recover(tmp_path)
+    writer.flush()
+    killed = tmp_path.parent / (tmp_path.name + "-killed")
+    shutil.copytree(tmp_path, killed)  # the files as a kill at this point leaves them
+    got = recover(killed)
     assert got.incomplete and len(got.store) == 0 and got.store.seq == 0
-    assert any(p.name.startswith("log-") for p in (tmp_path / os.path.basename(
+    assert any(p.name.startswith("log-") for p in (killed / os.path.basename(
         got.incomplete)).iterdir())
+    writer.close()  # a clean stop instead finishes the new map's first snapshot
+    clean = recover(tmp_path)
+    assert not clean.incomplete and clean.snapshot_seq == 5 and clean.store.seq == 6
 
 
 def test_terms_are_saved_atomically_and_read_back(tmp_path):

@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 _recv = _BackendSocket.recv
 _send = _BackendSocket.send
-NOBLOCK = zmq.NOBLOCK
-SNDMORE = zmq.SNDMORE
+NOBLOCK = int(zmq.NOBLOCK)  # plain ints: an enum's | costs ~0.7 us per call here
+SNDMORE = int(zmq.SNDMORE)
 POLLIN = zmq.POLLIN
 POLLOUT = zmq.POLLOUT
 

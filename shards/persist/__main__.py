@@ -26,7 +26,7 @@ import click
 from shards.common.errors import Exit
 from shards.persist import format as fmt
 from shards.persist.format import CorruptLog
-from shards.persist.recovery import list_files, recover, replay_records
+from shards.persist.recovery import list_files, needed, recover, replay_records
 
 BACKUP_ATTEMPTS = 5
 
@@ -56,14 +56,8 @@ def verify_dir(path: Path) -> dict:
 
 def copy_consistent(src: Path, dest: Path) -> None:
     for _ in range(BACKUP_ATTEMPTS):
-        files = list_files(src)
-        base = files.snapshots[-1][0] if files.snapshots else 0
-        wanted = [p for s, p in files.snapshots[-1:]]
-        start = 0
-        for i, (first, _) in enumerate(files.segments):
-            if first <= base + 1:
-                start = i
-        wanted += [p for _, p in files.segments[start:]]
+        snapshot, segments = needed(list_files(src))
+        wanted = ([snapshot[1]] if snapshot else []) + [p for _, p in segments]
         if dest.exists():
             shutil.rmtree(dest)
         dest.mkdir(parents=True)

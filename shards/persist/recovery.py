@@ -55,6 +55,18 @@ def list_files(data_dir: Path) -> Files:
     return out
 
 
+def needed(files: Files) -> tuple[tuple[int, Path] | None, list[tuple[int, Path]]]:
+    """What a recovery reads: the newest snapshot (or None) and the segments from the
+    one holding the update after it (older segments are covered by the snapshot)."""
+    snapshot = files.snapshots[-1] if files.snapshots else None
+    base = snapshot[0] if snapshot else 0
+    start = 0
+    for i, (first, _) in enumerate(files.segments):
+        if first <= base + 1:
+            start = i
+    return snapshot, files.segments[start:]
+
+
 @dataclass
 class Recovered:
     store: Store
@@ -151,21 +163,14 @@ def recover(data_dir: str | os.PathLike) -> Recovered:
     for tmp in files.temporary:  # a snapshot or terms file cut short: never renamed
         tmp.unlink()
     store, generation, snap_seq = Store(), "", None
-    if files.snapshots:
-        snap_seq, snap_path = files.snapshots[-1]
+    snapshot, segments = needed(files)
+    if snapshot is not None:
+        snap_seq, snap_path = snapshot
         store, generation, _ = load_snapshot(snap_path)
         if store.seq != snap_seq:
             raise CorruptLog(f"the snapshot's sequence is {store.seq}, its name says "
                              f"{snap_seq}", path=str(snap_path), offset=0)
-    segments = files.segments
-    base = store.seq
-    # the segment holding base+1 and every later one (older ones are covered)
-    start = 0
-    for i, (first, _) in enumerate(segments):
-        if first <= base + 1:
-            start = i
-    segments = segments[start:]
-    if segments and segments[0][0] > base + 1 and snap_seq is None:
+    if segments and segments[0][0] > store.seq + 1 and snap_seq is None:
         moved = _move_aside(path, files)
         return Recovered(Store(), "", term, history, None, incomplete=moved)
     out = Recovered(store, generation, term, history, snap_seq, segments=len(segments))

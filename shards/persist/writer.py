@@ -250,10 +250,18 @@ class DataDir:
         self._synced_at = self.clock()
 
     def close(self) -> None:
-        """Flush and fsync whatever the policy (a clean stop loses nothing), abandon a
-        compaction in progress (its temporary file is removed), close."""
-        if self.compaction is not None:
-            self.compaction.abort()
+        """A clean stop: flush and fsync whatever the policy, and finish a compaction in
+        progress here (a passive's first snapshot of a new map must exist, or its
+        directory would restart as an incomplete replica); close."""
+        job = self.compaction
+        if job is not None and not job.finishing:
+            while not job.step(SNAPSHOT_CHUNK_KEYS * 64):
+                pass
+            self._close_segment()
+            job.finish()
+            self.compacted(job)
+        elif job is not None:
+            job.abort()  # finish() runs on another thread: it renames the snapshot
             self.compaction = None
         self._close_segment()
 
