@@ -190,6 +190,9 @@ class ShardAgent:
         self.last_failover: FailoverInfo | None = None
         self._failover_from: tuple[int, float, str, float] | None = None
         """(old server, last heard from it, reason, silent_s) until the shard resumes."""
+        self._resend_after_sync = False
+        """A reconnection (the server may have restarted): after the next snapshot,
+        writes still waiting for their echo are sent again."""
         self.phase_log: deque[tuple[float, str]] = deque(maxlen=PHASE_LOG_MAX)
         """(time, phase) at start and at each phase change, newest last (bounded)."""
         # internals
@@ -366,14 +369,17 @@ class ShardAgent:
             self.hub.installed(self.name, old, new, eff.seq)
         log.info("shard %s: snapshot of %d keys at sequence %d from %s%s", self.name,
                  len(new), eff.seq, self.server, " (resync: replaced)" if eff.resync else "")
-        outage = self._failover_from is not None
-        if outage:
+        outage = self._failover_from is not None or self._resend_after_sync
+        self._resend_after_sync = False
+        if self._failover_from is not None:
             self._resumed(old, new)
         if self.echoes:
             self.echoes.confirm_in(new, self.last_seq)
             if outage:
-                # writes made while no server took them (a KVSET to a dead collector is
-                # gone): sent again, same UUID, now that the shard serves
+                # writes made while no server took them (a KVSET sent into a connection
+                # that was already dead is gone): sent again, same UUID, now that the
+                # shard serves again (after a failover, or a reconnection to a server
+                # that restarted)
                 for frames in self.echoes.unconfirmed():
                     self.send_kvset(frames)
         if reset is not None:
@@ -441,6 +447,8 @@ class ShardAgent:
     def _on_live(self, event) -> None:
         """The link's live event (SubscriberLive, Reconnected, or NotServing instead)."""
         if not self._closed:
+            if isinstance(event, sm.Reconnected):
+                self._resend_after_sync = True  # the server may have restarted
             self._dispatch(event)
 
     def _peek_hugz(self, frames: list[bytes]) -> bool:

@@ -284,8 +284,7 @@ def test_backup_of_a_live_cluster_restores_into_a_new_one(procs, tmp_path):
             keys = shard_keys(clone, "s0", 30) + shard_keys(clone, "s1", 30)
             for key in keys:
                 await clone.set(key, b"before", wait=True)
-            during = asyncio.create_task(asyncio.gather(
-                *(clone.set(key, b"during", wait=True) for key in keys)))
+            during = asyncio.gather(*(clone.set(key, b"during", wait=True) for key in keys))
             out = await asyncio.to_thread(subprocess.run, [
                 PYTHON, "-m", "shards.persist", "backup", str(tmp_path / "run" / "data"),
                 str(dest)], capture_output=True, text=True, timeout=60)
