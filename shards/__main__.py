@@ -31,6 +31,7 @@ import click
 import uvloop
 
 from shards.common.errors import ConfigError, Exit, PortInUse
+from shards import streams
 from shards.pair import PairServer, parse_peer
 from shards.pending import MAX_AGE_S, MAX_ENTRIES
 from shards.common.proto import chp
@@ -233,6 +234,10 @@ def _recover(server: ShardServer, data_dir: str, fsync: str, compact_min_bytes: 
               show_default=True, help="KVSYNCs per requester per loop turn.")
 @click.option("--snapshot-stall-s", type=click.FloatRange(0.01), default=SNAPSHOT_STALL_S,
               show_default=True, help="Abandon a snapshot peer that accepts nothing this long.")
+@click.option("--snapshot-yield-s", type=click.FloatRange(0.01), default=streams.YIELD_S,
+              show_default=True,
+              help="A requester that accepted nothing this long yields its slot to those "
+                   "waiting (it stays open, and resumes when it reads).")
 @click.option("--max-snapshots", type=click.IntRange(1), default=MAX_ACTIVE_SNAPSHOTS,
               show_default=True, help="Snapshots streamed at once; more requests wait.")
 @click.option("--collect-batch", type=click.IntRange(1), default=COLLECT_BATCH,
@@ -285,7 +290,7 @@ def _recover(server: ShardServer, data_dir: str, fsync: str, compact_min_bytes: 
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_props_bytes,
-         max_subtree_bytes, snapshot_chunk, snapshot_stall_s, max_snapshots, collect_batch,
+         max_subtree_bytes, snapshot_chunk, snapshot_stall_s, snapshot_yield_s, max_snapshots, collect_batch,
          pub_hwm, collect_hwm, snapshot_hwm, cpus, pair_role, peer, shard, control,
          parent_pid, shard_map, shard_index, pending_max, pending_age_s, data_dir, fsync,
          compact_min_bytes, compact_ratio, log_level):
@@ -316,6 +321,7 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
         limits=chp.Limits(max_key=max_key_bytes, max_value=max_value_bytes,
                           max_props=max_props_bytes, max_subtree=max_subtree_bytes),
         snapshot_chunk=snapshot_chunk, snapshot_stall_s=snapshot_stall_s,
+        snapshot_yield_s=snapshot_yield_s,
         max_active_snapshots=max_snapshots, collect_batch=collect_batch,
         pub_sndhwm=pub_hwm, collect_rcvhwm=collect_hwm, snapshot_sndhwm=snapshot_hwm,
         shard_map=shard_map, shard_index=shard_index or 0)

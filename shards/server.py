@@ -119,6 +119,8 @@ class ServerConfig:
     limits: chp.Limits = field(default_factory=chp.Limits)
     snapshot_chunk: int = SNAPSHOT_CHUNK
     snapshot_stall_s: float = SNAPSHOT_STALL_S
+    snapshot_yield_s: float = streams.YIELD_S
+    """A requester that accepted nothing this long while others wait yields its slot."""
     max_active_snapshots: int = MAX_ACTIVE_SNAPSHOTS
     max_waiting_snapshots: int = MAX_WAITING_SNAPSHOTS
     collect_batch: int = COLLECT_BATCH
@@ -318,6 +320,7 @@ class ShardServer:
         self.snapshots = streams.StreamPump(
             loop, self._router_sock, self._router.kick, stall_s=cfg.snapshot_stall_s,
             max_active=cfg.max_active_snapshots, max_waiting=cfg.max_waiting_snapshots,
+            yield_s=cfg.snapshot_yield_s,
             name="snapshot")
         self._collector = zio.AsyncSocket(self._collector_sock, self.on_collect,
                                           batch=self.config.collect_batch, loop=loop,
@@ -670,6 +673,8 @@ class ShardServer:
             "snapshots_waiting": len(pump.waiting) if pump is not None else 0,
             "snapshots_abandoned": pump.counters["abandoned"] if pump is not None else 0,
             "snapshots_unreachable": pump.counters["unreachable"] if pump is not None else 0,
+            "snapshots_yielded": pump.counters["yielded"] if pump is not None else 0,
+            "snapshots_stalled": pump.stalled if pump is not None else 0,
             "snapshots_refused": self.snapshots_refused,
             "kvsync_sent": self.kvsync_sent,
             "hugz_sent": self.hugz_sent,

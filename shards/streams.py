@@ -13,7 +13,13 @@ server's loop and owns the rules they share:
 * unreachable peers: a peer that disconnected (``EHOSTUNREACH``) is dropped, counted
   ``unreachable``;
 * a bound on streams at once (``max_active``); past it, new ones wait in a bounded queue
-  (``max_waiting``; beyond that they are refused) or replace the oldest (``evict=True``).
+  (``max_waiting``; beyond that they are refused) or replace the oldest (``evict=True``);
+* stalled peers yield: a stream whose peer accepted nothing for ``yield_s`` while others
+  wait gives up its slot (counted ``yielded``). It stays open, retried every
+  ``STALLED_RETRY_S``, and takes a normal pace again as soon as its peer reads; at most
+  ``max_stalled`` such streams are kept (beyond, the oldest is abandoned). So peers that
+  ask for a snapshot and never read cannot hold every slot for ``stall_s``: a client
+  joining behind them starts within about ``yield_s``.
 
 A stream implements ``send_some(sock) -> str``: ``PROGRESS`` (sent something, more to
 come), ``DONE`` (sent its last message) or ``BLOCKED`` (nothing accepted: the pipe was
@@ -35,6 +41,10 @@ log = logging.getLogger("shards.streams")
 PROGRESS, DONE, BLOCKED = "progress", "done", "blocked"
 PAUSE_S = 0.001
 """Retry delay for a stream whose peer's pipe is full."""
+STALLED_RETRY_S = 0.05
+"""Retry delay for a stream that yielded its slot."""
+YIELD_S = 0.5
+MAX_STALLED = 256
 
 
 class Stream(Protocol):
@@ -46,12 +56,13 @@ class Stream(Protocol):
 
 
 class _Entry:
-    __slots__ = ("stream", "progress_s", "retry_at_s")
+    __slots__ = ("stream", "progress_s", "retry_at_s", "stalled")
 
     def __init__(self, stream: Stream, now: float):
         self.stream = stream
         self.progress_s = now
         self.retry_at_s = 0.0
+        self.stalled = False
 
 
 class StreamPump:
@@ -59,7 +70,8 @@ class StreamPump:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: zmq.Socket,
                  kick: Callable[[], None], *, stall_s: float, max_active: int,
-                 max_waiting: int = 0, evict: bool = False, name: str = "stream"):
+                 max_waiting: int = 0, evict: bool = False, name: str = "stream",
+                 yield_s: float = YIELD_S, max_stalled: int = MAX_STALLED):
         self.loop = loop
         self.sock = sock
         self.kick = kick
@@ -69,11 +81,16 @@ class StreamPump:
         self.max_waiting = max_waiting
         self.evict = evict
         self.name = name
+        self.yield_s = yield_s
+        self.max_stalled = max_stalled
+        self.stalled = 0
+        """Streams in ``active`` that yielded their slot (not counted against it)."""
         self.active: dict[bytes, _Entry] = {}
         self.waiting: collections.deque[tuple[bytes, Callable[[], Stream]]] = \
             collections.deque()
         self._handle: asyncio.Handle | None = None
-        self.counters = dict.fromkeys(("done", "abandoned", "unreachable", "refused"), 0)
+        self.counters = dict.fromkeys(("done", "abandoned", "unreachable", "refused",
+                                       "yielded", "resumed"), 0)
 
     def __len__(self) -> int:
         return len(self.active)
@@ -84,12 +101,10 @@ class StreamPump:
         With ``evict``, a peer's new stream replaces its old one, and a full pump drops
         its oldest stream."""
         if self.evict:
-            old = self.active.pop(identity, None)
-            if old is not None:
-                old.stream.close()
+            if identity in self.active:
+                self._remove(identity)
             while len(self.active) >= self.max_active:
-                oldest = next(iter(self.active))
-                self.active.pop(oldest).stream.close()
+                self._remove(next(iter(self.active)))
                 self.counters["abandoned"] += 1
             self.active[identity] = _Entry(make(), self.loop.time())
             self._schedule(0.0)
@@ -105,6 +120,7 @@ class StreamPump:
         for entry in self.active.values():
             entry.stream.close()
         self.active.clear()
+        self.stalled = 0
         self.waiting.clear()
         if self._handle is not None:
             self._handle.cancel()
@@ -113,18 +129,28 @@ class StreamPump:
     def _admit(self) -> None:
         """Start waiting streams, in order, while there is room; a peer's second stream
         waits until its first is done."""
-        if not self.waiting or len(self.active) >= self.max_active:
+        if not self.waiting or self._busy() >= self.max_active:
             return
         now = self.loop.time()
         kept: collections.deque = collections.deque()
         while self.waiting:
             identity, make = self.waiting.popleft()
-            if identity in self.active or len(self.active) >= self.max_active:
+            if identity in self.active or self._busy() >= self.max_active:
                 kept.append((identity, make))
                 continue
             self.active[identity] = _Entry(make(), now)
         self.waiting = kept
         self._schedule(0.0)
+
+    def _busy(self) -> int:
+        """Slots taken: active streams that have not yielded."""
+        return len(self.active) - self.stalled
+
+    def _remove(self, identity: bytes) -> None:
+        entry = self.active.pop(identity)
+        if entry.stalled:
+            self.stalled -= 1
+        entry.stream.close()
 
     def _schedule(self, delay_s: float) -> None:
         if self._handle is not None:
@@ -161,19 +187,33 @@ class StreamPump:
             elif outcome == PROGRESS:
                 entry.progress_s = now
                 progressed = True
+                if entry.stalled:  # its peer reads again
+                    entry.stalled = False
+                    self.stalled -= 1
+                    self.counters["resumed"] += 1
             elif now - entry.progress_s > self.stall_s:
                 self.counters["abandoned"] += 1
                 log.warning("%s to %r abandoned: nothing accepted for %.1f s", self.name,
                             identity, self.stall_s)
                 finished.append(identity)
             else:
-                entry.retry_at_s = now + PAUSE_S
+                if (not entry.stalled and self.waiting
+                        and now - entry.progress_s > self.yield_s):
+                    entry.stalled = True  # give the slot to a peer that waits
+                    self.stalled += 1
+                    self.counters["yielded"] += 1
+                entry.retry_at_s = now + (STALLED_RETRY_S if entry.stalled else PAUSE_S)
                 next_retry = entry.retry_at_s if next_retry is None else min(
                     next_retry, entry.retry_at_s)
         self.kick()
         for identity in finished:
-            self.active.pop(identity).stream.close()
-        if finished:
+            self._remove(identity)
+        if self.stalled > self.max_stalled:  # the longest silent go first
+            excess = sorted((e.progress_s, i) for i, e in self.active.items() if e.stalled)
+            for _, identity in excess[:self.stalled - self.max_stalled]:
+                self.counters["abandoned"] += 1
+                self._remove(identity)
+        if finished or self.stalled:
             self._admit()
         if progressed:
             self._schedule(0.0)

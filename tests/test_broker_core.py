@@ -414,3 +414,56 @@ def _state(core):
     queues = {n: ([(r.client, r.body, r.expires_at) for r in svc.requests], list(svc.idle),
                   svc.workers) for n, svc in core.services.items()}
     return workers, queues, core.counters
+
+
+# ------------------------------------------------------------------ byte budgets
+
+BUDGET = BrokerConfig(heartbeat_s=HB, liveness=3, request_expiry_s=5.0, max_queued=1000,
+                      max_held_bytes=10_000, max_held_bytes_per_client=4_000)
+
+
+def test_held_request_bytes_are_bounded_per_client_and_in_all():
+    """Requests for a service with no idle worker are held: in bytes, one client may hold
+    ``max_held_bytes_per_client`` and all together ``max_held_bytes``; beyond, dropped and
+    counted. Room comes back as requests leave the queue (dispatched or expired)."""
+    h = Harness(BUDGET)
+    big = b"x" * 3000
+    assert drops(h.request(C1, b"slow", big)) == []
+    assert drops(h.request(C1, b"slow", big)) == ["client_held_bytes"]
+    for client in (C2, b"\x00c4"):
+        assert drops(h.request(client, b"slow", big)) == []
+    assert drops(h.request(b"\x00c5", b"slow", big)) == ["held_bytes"]
+    core = h.core
+    assert core.held_bytes == 3 * (3000 + len(C1) + len(b"slow"))
+    h.ready(W1, b"slow")  # takes the first: C1's bytes are released
+    assert core.held_by_client.get(C1) is None and core.held_bytes == 2 * 3007
+    assert drops(h.request(C1, b"slow", big)) == []
+    h.tick(BUDGET.worker_expiry_s + 1)
+    # the silent worker is gone: its request was accepted once, so it is held again
+    # (over the budget) for another worker, and the expiry clock starts now
+    assert core.held_bytes == 4 * 3007
+    h.tick(BUDGET.request_expiry_s + 1)
+    assert core.held_bytes == 0 and core.held_by_client == {}
+    assert core.snapshot()["held_bytes"] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([C1, C2, C3]), st.integers(0, 2500),
+                          st.sampled_from(["request", "ready", "tick", "final"])),
+                max_size=40))
+def test_held_bytes_always_equal_the_queued_requests(ops):
+    h = Harness(BUDGET)
+    for client, size, op in ops:
+        if op == "request":
+            h.request(client, b"svc", b"y" * size)
+        elif op == "ready":
+            h.ready(W1 + client, b"svc")
+        elif op == "tick":
+            h.tick(2.0)
+        core = h.core
+        queued = [r for svc in core.services.values() for r in svc.requests]
+        assert core.held_bytes == sum(r.size for r in queued) <= BUDGET.max_held_bytes
+        per = {}
+        for r in queued:
+            per[r.client] = per.get(r.client, 0) + r.size
+        assert core.held_by_client == per

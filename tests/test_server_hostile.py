@@ -201,3 +201,41 @@ def test_final_stats_are_logged_on_stop(server, port_base, zctx):
     stats = json.loads(line.split("final stats ", 1)[1])
     assert stats["drops"] == {"bad_sequence": 1, "bad_subtree": 1}
     assert stats["keys"] == 1 and stats["snapshots_served"] == 1
+
+
+def test_requesters_that_never_read_do_not_keep_a_reader_from_its_snapshot(procs, zctx):
+    """100 peers ask for a snapshot of 60,000 keys and never read: their pipes fill and
+    they hold every streaming slot. Each yields its slot once it has accepted nothing for
+    ``--snapshot-yield-s``, so a client that then asks gets its whole snapshot long
+    before the stalled ones would be abandoned (``--snapshot-stall-s 120``)."""
+    import asyncio
+
+    from client.api import AsyncClone
+    from conftest import free_port_base
+    from test_client_server import fetch_map
+
+    port = free_port_base(4)
+    server = start_server(procs, port, "--snapshot-stall-s", "120")
+    keys = 60_000
+
+    async def fill():
+        async with AsyncClone(f"tcp://127.0.0.1:{port}") as clone:
+            for i in range(keys - 1):
+                await clone.set(f"/fill/{i:06d}", b"v" * 100)
+            await clone.set("/fill/last", b"v" * 100, wait=True, timeout_s=60)
+    asyncio.run(fill())
+    stalled = []
+    for _ in range(100):
+        dealer = zctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.rcvhwm = 100
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send_multipart([b"ICANHAZ?", b""])
+        stalled.append(dealer)
+    before = stats_now(server)
+    assert before["snapshots_active"] == 16 and before["snapshots_waiting"] == 84
+    got, seq = fetch_map(zctx, port, timeout_s=60)
+    assert len(got) == keys and seq == keys
+    after = stats_now(server)
+    assert after["snapshots_yielded"] >= 16 and after["snapshots_abandoned"] == 0
+    assert after["snapshots_stalled"] >= 16

@@ -98,6 +98,11 @@ class BrokerConfig:
     """Queued requests per service."""
     max_services: int = 1000
     max_workers: int = 10000
+    max_held_bytes: int = 64 << 20
+    """Bytes of request bodies queued for all services together; beyond: dropped
+    ``held_bytes``."""
+    max_held_bytes_per_client: int = 8 << 20
+    """... for one client; beyond: dropped ``client_held_bytes``."""
     limits: mdp.Limits = field(default_factory=mdp.Limits)
 
     def __post_init__(self):
@@ -105,6 +110,8 @@ class BrokerConfig:
             raise ValueError("heartbeat_s and request_expiry_s must be > 0")
         if self.liveness < 1 or self.max_queued < 0:
             raise ValueError("liveness must be >= 1 and max_queued >= 0")
+        if self.max_held_bytes < 0 or self.max_held_bytes_per_client < 0:
+            raise ValueError("byte budgets must be >= 0")
 
     @property
     def worker_expiry_s(self) -> float:
@@ -130,13 +137,14 @@ class Note(NamedTuple):
 
 
 class Request:
-    __slots__ = ("client", "service", "body", "expires_at")
+    __slots__ = ("client", "service", "body", "expires_at", "size")
 
     def __init__(self, client: bytes, service: bytes, body: list[bytes], expires_at: float):
         self.client = client
         self.service = service
         self.body = body
         self.expires_at = expires_at
+        self.size = sum(map(len, body)) + len(client) + len(service)
 
 
 class Service:
@@ -185,6 +193,9 @@ class BrokerCore:
              "workers_disconnected", "workers_invalid", "heartbeats_sent",
              "disconnects_sent", "dropped_on_stop"), 0)
         self._expiry_s = self.config.worker_expiry_s
+        self.held_bytes = 0
+        """Bytes of the requests queued now (``Request.size``), all services."""
+        self.held_by_client: dict[bytes, int] = {}
 
     # ----------------------------------------------------------------- internal services
     def add_internal(self, service: bytes) -> None:
@@ -290,9 +301,37 @@ class BrokerCore:
         if len(svc.requests) >= self.config.max_queued:
             return [Drop("queue_full", f"request for {service!r} from {peer(client)}: "
                                        f"{len(svc.requests)} queued")]
-        svc.requests.append(Request(client, service, body, now + self.config.request_expiry_s))
+        request = Request(client, service, body, now + self.config.request_expiry_s)
+        config = self.config
+        mine = self.held_by_client.get(client, 0)
+        if mine + request.size > config.max_held_bytes_per_client:
+            return [Drop("client_held_bytes",
+                         f"request for {service!r} from {peer(client)}: {request.size} bytes "
+                         f"would hold {mine + request.size} for this client (budget "
+                         f"{config.max_held_bytes_per_client})")]
+        if self.held_bytes + request.size > config.max_held_bytes:
+            return [Drop("held_bytes",
+                         f"request for {service!r} from {peer(client)}: {request.size} bytes "
+                         f"would hold {self.held_bytes + request.size} in all (budget "
+                         f"{config.max_held_bytes})")]
+        self._hold(request)
+        svc.requests.append(request)
         self.counters["queued"] += 1
         return []
+
+    def _hold(self, request: Request) -> None:
+        self.held_bytes += request.size
+        self.held_by_client[request.client] = (self.held_by_client.get(request.client, 0)
+                                               + request.size)
+
+    def _release(self, request: Request) -> Request:
+        self.held_bytes -= request.size
+        left = self.held_by_client.get(request.client, 0) - request.size
+        if left > 0:
+            self.held_by_client[request.client] = left
+        else:
+            self.held_by_client.pop(request.client, None)
+        return request
 
     def _on_worker(self, frames: Sequence[bytes], now: float) -> list:
         identity = frames[0]
@@ -420,7 +459,7 @@ class BrokerCore:
         """The worker can take a request: the next queued one, or join the idle list."""
         svc = worker.service
         if svc.requests:
-            effects.append(self._dispatch(worker, svc.requests.popleft(), now))
+            effects.append(self._dispatch(worker, self._release(svc.requests.popleft()), now))
         else:
             svc.idle[worker.identity] = worker
 
@@ -443,7 +482,8 @@ class BrokerCore:
         if svc.idle:
             other = svc.idle.pop(next(iter(svc.idle)))
             effects.append(self._dispatch(other, request, now))
-        else:
+        else:  # accepted once: held again whatever the budget
+            self._hold(request)
             svc.requests.appendleft(request)
 
     def _invalid_worker(self, worker: Worker, now: float, effects: list) -> None:
@@ -471,6 +511,8 @@ class BrokerCore:
             svc.idle.clear()
             svc.requests.clear()
             svc.workers = 0
+        self.held_bytes = 0
+        self.held_by_client.clear()
         return effects
 
     def _disconnect(self, identity: bytes, reason: str, detail: str) -> list:
@@ -484,7 +526,7 @@ class BrokerCore:
         live = deque()
         for request in svc.requests:
             if request.expires_at <= now:
-                self._expired(request, effects)
+                self._expired(self._release(request), effects)
             else:
                 live.append(request)
         svc.requests = live
@@ -516,5 +558,6 @@ class BrokerCore:
             services[name.decode("utf-8", "replace")] = {
                 "workers": svc.workers, "idle": len(svc.idle), "queued": len(svc.requests)}
         return {"counters": dict(self.counters), "workers": len(self.workers),
-                "queued": self.queued(), "services": services,
+                "queued": self.queued(), "held_bytes": self.held_bytes,
+                "held_clients": len(self.held_by_client), "services": services,
                 "internal": sorted(s.decode("utf-8", "replace") for s in self.internal)}
