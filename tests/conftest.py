@@ -6,6 +6,8 @@ Readiness is awaited on the process's own stdout line (an event), never by sleep
 """
 from __future__ import annotations
 
+import collections
+
 import json
 import os
 import subprocess
@@ -48,7 +50,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
 
 
-_used_ranges: list[tuple[int, int]] = []
+_used_ranges: collections.deque[tuple[int, int]] = collections.deque(maxlen=80)
+"""The ranges handed out most recently: a new range keeps clear of them. Older ones may
+be handed out again (their tests ended their processes by PID long ago); keeping every
+range of a run fragments 20000-32760 until an 80-port range cannot be found."""
 RANGE_GAP = 20
 """Ports kept free between two ranges handed out in this run."""
 
@@ -59,7 +64,8 @@ def free_port_base(count: int = 4, host: str = "127.0.0.1") -> int:
     Bases come from 20000-32760: below Linux's default ephemeral range (32768-60999),
     so an outgoing connection cannot take a port between this check and the bind, and
     above the benchmarks' 10000-19990. Ranges handed out in this run never overlap (a
-    whole 80-port cluster range included) and stay ``RANGE_GAP`` apart."""
+    whole 80-port cluster range included) and stay ``RANGE_GAP`` apart (among the last
+    80 handed out)."""
     for _ in range(500):
         base = _free_port_base(20000, 32760, count, host)
         end = base + count
