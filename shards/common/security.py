@@ -1,0 +1,159 @@
+"""CURVE authentication and encryption for every socket, set up in one place.
+
+A cluster has two key pairs, ZeroMQ certificate files in ``keys_dir`` (the format
+``zmq.auth.create_certificates`` writes; secret files mode 0600):
+
+    server.key, server.key_secret    servers, the supervisor's broker and its services
+    client.key, client.key_secret    clients, ``chp``, the supervisor's control commands
+
+Every socket that binds (a server's snapshot ROUTER, publisher, collector and Binary
+Star state PUB; the MDP broker's ROUTER) is a CURVE server with the server key pair and
+the ZAP domain ``clonemap``. Every socket that connects is a CURVE client that knows the
+server's public key and presents a key pair of its own: the server pair for servers
+(the peer of a pair, MDP workers), the client pair otherwise. The ZAP handler
+(``Authenticator``: pyzmq's ``zmq.auth`` thread) admits a peer only if its public key is
+one of the ``*.key`` files in ``keys_dir``, and names it by role: the User-Id of its
+messages is ``server`` or ``client`` (the broker lets only ``server`` register
+``shard.*`` services).
+
+``Security`` is what the owners of sockets get; ``Security.off()`` (the default) leaves
+sockets as plain TCP.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from shards.common.errors import ConfigError
+
+ZAP_DOMAIN = "clonemap"
+ROLES = ("server", "client")
+SERVER, CLIENT = ROLES
+
+
+def key_paths(keys_dir: Path, role: str) -> tuple[Path, Path]:
+    return keys_dir / f"{role}.key", keys_dir / f"{role}.key_secret"
+
+
+def create_keys(keys_dir: str | os.PathLike, *, force: bool = False) -> list[Path]:
+    """Create the server and client key pairs in ``keys_dir``; refuse to overwrite an
+    existing key unless ``force``. Returns the files written."""
+    import zmq.auth
+
+    path = Path(keys_dir)
+    existing = [p for role in ROLES for p in key_paths(path, role) if p.exists()]
+    if existing and not force:
+        raise ConfigError(f"{existing[0]} exists; keys are never overwritten without "
+                          "--force", field="security.keys_dir")
+    path.mkdir(parents=True, exist_ok=True)
+    written = []
+    for role in ROLES:
+        public, secret = zmq.auth.create_certificates(str(path), role)
+        os.chmod(secret, stat.S_IRUSR | stat.S_IWUSR)
+        os.chmod(public, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IROTH)
+        written += [Path(public), Path(secret)]
+    return written
+
+
+def _load(keys_dir: Path, role: str, need_secret: bool) -> tuple[bytes, bytes | None]:
+    import zmq.auth
+
+    public_path, secret_path = key_paths(keys_dir, role)
+    path = secret_path if need_secret else public_path
+    if not path.exists():
+        raise ConfigError(f"{path} is missing: create the cluster's keys with "
+                          "`supervisor keygen CONFIG`", field="security.keys_dir")
+    try:
+        public, secret = zmq.auth.load_certificate(str(path))
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"{path}: not a ZeroMQ certificate ({exc})",
+                          field="security.keys_dir") from None
+    return public, secret
+
+
+@dataclass(frozen=True)
+class Security:
+    """What a process needs to set CURVE on its sockets (or nothing: ``off``)."""
+
+    curve: bool = False
+    keys_dir: Path | None = None
+    role: str = CLIENT
+    """Which pair this process presents when it connects: ``server`` or ``client``."""
+    server_public: bytes = b""
+    server_secret: bytes | None = None
+    public: bytes = b""
+    secret: bytes | None = None
+    allowed: frozenset[bytes] = field(default_factory=frozenset)
+
+    @classmethod
+    def off(cls) -> "Security":
+        return cls()
+
+    @classmethod
+    def load(cls, keys_dir: str | os.PathLike, role: str) -> "Security":
+        """The keys a ``role`` process needs: servers bind and so need the server's
+        secret; clients need the server's public key and their own pair."""
+        if role not in ROLES:
+            raise ValueError(f"role is one of {ROLES}, not {role!r}")
+        path = Path(keys_dir)
+        server_public, server_secret = _load(path, SERVER, need_secret=role == SERVER)
+        public, secret = (server_public, server_secret) if role == SERVER else \
+            _load(path, CLIENT, need_secret=True)
+        allowed = frozenset(_load(path, r, need_secret=False)[0] for r in ROLES)
+        return cls(True, path, role, server_public, server_secret, public, secret, allowed)
+
+    def bind_side(self, sock: zmq.Socket) -> None:
+        """A socket that binds: a CURVE server (needs the server's secret key)."""
+        if not self.curve:
+            return
+        if self.server_secret is None:
+            raise ConfigError("only a server holds the server's secret key",
+                              field="security.keys_dir")
+        sock.curve_secretkey = self.server_secret
+        sock.curve_publickey = self.server_public
+        sock.curve_server = True
+        sock.zap_domain = ZAP_DOMAIN.encode()
+
+    def connect_side(self, sock: zmq.Socket) -> None:
+        """A socket that connects: a CURVE client presenting this process's pair."""
+        if not self.curve:
+            return
+        sock.curve_serverkey = self.server_public
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret
+
+    def role_of(self, public_key: bytes) -> str | None:
+        """``server`` or ``client`` for an admitted public key (Z85), else None."""
+        if public_key == self.server_public:
+            return SERVER
+        return CLIENT if public_key in self.allowed else None
+
+
+class Authenticator:
+    """The ZAP handler of one process (one per context that binds): pyzmq's
+    ``ThreadAuthenticator`` admitting the public keys of ``keys_dir``, with the User-Id
+    set to the key's role. A no-op when CURVE is off."""
+
+    def __init__(self, ctx: zmq.Context, security: Security):
+        self.security = security
+        self._auth = None
+        if not security.curve:
+            return
+        from zmq.auth.thread import ThreadAuthenticator
+
+        class _Auth(ThreadAuthenticator):
+            def curve_user_id(self, client_public_key: bytes) -> str:
+                return security.role_of(client_public_key) or "unknown"
+
+        self._auth = _Auth(ctx, log=None)
+        self._auth.start()
+        self._auth.configure_curve(domain=ZAP_DOMAIN, location=str(security.keys_dir))
+
+    def stop(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
