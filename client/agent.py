@@ -62,6 +62,7 @@ from shards.common.drops import DropCounter
 from shards.common.errors import ProtocolError
 from shards.common.proto import chp
 from client import shard_machine as sm
+from shards.common.security import Security
 from client.collector import Collector, ServerAddress, parse_server
 from client.echoes import Echoes
 from client.events import ACCEPT, KEEP, KEPT, RESET_POLICIES, FailoverInfo, ResetInfo
@@ -115,11 +116,12 @@ class ShardAgent:
                  max_lag_s: float | None = None,
                  on_lag: "Callable[[ShardAgent, float], bool] | None" = None,
                  on_reset: Callable[[ResetInfo], None] | None = None,
-                 reset_policy: str = ACCEPT):
+                 reset_policy: str = ACCEPT, security: Security | None = None):
         if not servers:
             raise ValueError(f"shard {name}: no servers")
         chp.check_subtree(subtree)
         self.ctx = ctx
+        self.security = security or Security.off()
         self.servers = tuple(parse_server(s) for s in servers)
         self.name = name
         self.subtree = subtree
@@ -227,13 +229,14 @@ class ShardAgent:
                          affinity=self.affinity, sub_rcvhwm=self.sub_rcvhwm,
                          on_update=self._on_update, on_snapshot=self._on_snapshot,
                          on_live=self._on_live, initial=lambda: self.state.phase == sm.INITIAL,
-                         pair=len(self.servers) > 1)
+                         pair=len(self.servers) > 1, security=self.security)
         self._synced_event = asyncio.Event()
         self._collector_event = asyncio.Event()
         for address in self.servers:
             self._collectors.append(Collector(self.ctx, address, self.loop, self.drops,
                                                self.kvset_queue_max,
-                                               self._on_collector_change, self.affinity))
+                                               self._on_collector_change, self.affinity,
+                                               self.security))
         self._dispatch(sm.Start())
         self._tick_handle = self.loop.call_later(TICK_S, self._tick)
 

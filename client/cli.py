@@ -44,6 +44,7 @@ from shards.common.proto import chp
 from shards.common.zio import AsyncSocket
 from client.api import AsyncClone
 from client.router import Cluster, fetch_cluster
+from shards.common.security import Security
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -113,7 +114,7 @@ class Target:
     """Where the cluster is, as the global options said."""
 
     def __init__(self, control: str | None, config: str | None, servers: tuple[str, ...],
-                 timeout_s: float):
+                 timeout_s: float, keys: str | None = None):
         given = [n for n, v in (("--control", control), ("--config", config),
                                 ("--servers", servers)) if v]
         if len(given) > 1:
@@ -124,6 +125,17 @@ class Target:
         self.config = config
         self.servers = servers
         self.timeout_s = timeout_s
+        self.keys = keys or os.environ.get("CLONEMAP_KEYS") or None
+        """CURVE: the cluster's keys directory (a config with ``security.curve`` gives
+        its own)."""
+
+    def security(self, cluster: Cluster | None = None) -> Security | None:
+        """The keys to present, if any: ``--keys``, else the cluster's (config)."""
+        if self.keys:
+            return Security.load(self.keys, "client")
+        if cluster is not None and cluster.curve and cluster.keys_dir:
+            return Security.load(cluster.keys_dir, "client")
+        return None
 
     def describe(self) -> str:
         if self.config:
@@ -136,7 +148,7 @@ class Target:
         return [[s for s in entry.split(",") if s.strip()] for entry in self.servers]
 
     def clone(self, subtree: str = "") -> AsyncClone:
-        kw = dict(subtree=subtree, timeout_s=self.timeout_s)
+        kw = dict(subtree=subtree, timeout_s=self.timeout_s, keys=self.keys)
         if self.config:
             return AsyncClone(config=self.config, **kw)
         if self.servers:
@@ -148,7 +160,8 @@ class Target:
             return Cluster.from_config(self.config)
         if self.servers:
             return Cluster.from_pairs(self._pairs())
-        return await fetch_cluster(self.control, ctx=ctx, timeout_s=self.timeout_s / 2)
+        return await fetch_cluster(self.control, ctx=ctx, timeout_s=self.timeout_s / 2,
+                                   security=self.security())
 
 
 def run(target: Target, coro_fn, *args) -> None:
@@ -290,6 +303,7 @@ async def do_trace(target: Target, shard: str, count: int | None) -> int:
     socks: list[AsyncSocket] = []
     try:
         cluster = await target.cluster(ctx)
+        security = target.security(cluster) or Security.off()
         try:
             spec = cluster.shard(shard)
         except KeyError:
@@ -301,6 +315,7 @@ async def do_trace(target: Target, shard: str, count: int | None) -> int:
             sock = ctx.socket(zmq.SUB)
             sock.linger = 0
             sock.subscribe(b"")
+            security.connect_side(sock)
             sock.connect(server.publisher)
 
             def on_message(frames, server=server):
@@ -356,10 +371,13 @@ def _value_of(value: str | None, hex_value: bool, path: str | None) -> bytes:
               help="One shard per use: a server, or a comma-separated pair (primary,backup).")
 @click.option("--timeout-s", type=click.FloatRange(min=0.05), default=DEFAULT_TIMEOUT_S,
               show_default=True, help="How long to wait for the cluster (and for an echo).")
+@click.option("--keys", metavar="DIR", default=None,
+              help="CURVE: the cluster's keys directory (client.key, client.key_secret, "
+                   "server.key) [default: $CLONEMAP_KEYS, or the config's].")
 @click.pass_context
-def main(ctx: click.Context, control, config, servers, timeout_s) -> None:
+def main(ctx: click.Context, control, config, servers, timeout_s, keys) -> None:
     """Read, write, dump, watch and trace a clonemap cluster."""
-    ctx.obj = Target(control, config, servers, timeout_s)
+    ctx.obj = Target(control, config, servers, timeout_s, keys)
 
 
 @main.command("get")

@@ -50,6 +50,7 @@ through the codec (``client.codec``): bytes by default, or ``codec="msgpack"``.
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import math
 import uuid as _uuid
@@ -57,7 +58,8 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
-from shards.common.errors import Timeout
+from shards.common.errors import ConfigError, Timeout
+from shards.common.security import Security
 from shards.common.proto import chp
 from shards.common import timing
 from shards.common.timing import HEARTBEAT_S
@@ -146,7 +148,7 @@ class AsyncClone:
                  sub_rcvhwm: int = SUB_RCVHWM,
                  max_lag_s: float | None = MAX_LAG_S,
                  on_reset: Callable[[ResetInfo], None] | None = None,
-                 reset_policy: str = ACCEPT):
+                 reset_policy: str = ACCEPT, keys: "str | os.PathLike | None" = None):
         if not isinstance(subtree, str):
             raise TypeError("subtree is a str such as '/orders/' (or '')")
         given = [name for name, v in (("servers", servers), ("shards", shards),
@@ -157,6 +159,9 @@ class AsyncClone:
                              f"(got {', '.join(given) or 'none'})")
         self.subtree = subtree
         self._subtree_b = chp.check_subtree(subtree.encode("utf-8"))
+        self.keys = keys
+        """The cluster's keys directory (CURVE); a config's ``security`` gives it too."""
+        self.security = Security.off()
         self.servers = _parse_servers(servers) if servers is not None else ()
         self.control = control
         self.control_timeout_s = control_timeout_s
@@ -228,6 +233,13 @@ class AsyncClone:
                 silence = timing.silence_timeout_s(heartbeat_s)
         self.silence_timeout_s = silence
         self.cluster = cluster
+        if self.keys is not None or cluster.curve:
+            keys_dir = self.keys if self.keys is not None else cluster.keys_dir
+            if keys_dir is None:
+                raise ConfigError(f"{cluster.source}: the cluster uses CURVE; give "
+                                  "keys=DIR (the directory `supervisor keygen` wrote)",
+                                  field="keys")
+            self.security = Security.load(keys_dir, "client")
         specs = cluster.shards_for(self._subtree_b)
         threads = 0
         if self.io_threads is not None:
@@ -241,7 +253,7 @@ class AsyncClone:
                                subtree=self._subtree_b, hub=self._hub,
                                silence_timeout_s=silence,
                                affinity=1 << (position % threads) if threads else 0,
-                               **self._agent_kw)
+                               security=self.security, **self._agent_kw)
             self._agents.append(agent)
             self._by_index[spec.index] = agent
 
@@ -255,8 +267,10 @@ class AsyncClone:
             # a context of its own: io_threads must be set before self._ctx's first socket
             mdp_ctx = zmq.Context()
             try:
-                cluster = await fetch_cluster(self.control, ctx=mdp_ctx,
-                                              timeout_s=min(self.control_timeout_s, timeout_s))
+                cluster = await fetch_cluster(
+                    self.control, ctx=mdp_ctx,
+                    timeout_s=min(self.control_timeout_s, timeout_s),
+                    security=Security.load(self.keys, "client") if self.keys else None)
             finally:
                 mdp_ctx.destroy(linger=0)
             if self.cluster is None:
@@ -275,6 +289,7 @@ class AsyncClone:
                 f"shard {a.name} at {a.server}: {a.phase}"
                 f"{', synced' if a.synced else ''}"
                 f"{', collector listening' if a.collector_ready else ', collector silent'}"
+                f"{'; ' + a.link.handshake_failure if a.link and a.link.handshake_failure else ''}"
                 for a in self._agents)
             raise Timeout(f"clone not ready within {timeout_s} s ({states})",
                           what="snapshot", deadline_s=timeout_s) from None

@@ -30,6 +30,7 @@ from typing import Callable
 import zmq
 
 from shards.common.drops import DropCounter
+from shards.common.security import Security
 from shards.common.zio import AsyncSocket
 
 XPUB_SNDHWM = 100_000
@@ -81,7 +82,8 @@ class Collector:
     """One XPUB to one server's collector (P+2), with a bounded queue."""
 
     def __init__(self, ctx: zmq.Context, address: ServerAddress, loop, drops: DropCounter,
-                 queue_max: int, on_ready_change: Callable[[], None], affinity: int = 0):
+                 queue_max: int, on_ready_change: Callable[[], None], affinity: int = 0,
+                 security: Security | None = None):
         sock = ctx.socket(zmq.XPUB)
         sock.linger = 0
         sock.affinity = affinity
@@ -92,6 +94,7 @@ class Collector:
         # for it (a connecting socket otherwise keeps its pipe, and its subscriptions,
         # across reconnects, and would replay a stale backlog to a restarted server)
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        (security or Security.off()).connect_side(sock)
         sock.connect(address.collector)
         self.address = address
         self.io = AsyncSocket(sock, self._on_subscription, loop=loop,

@@ -27,6 +27,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from shards.common.proto import chp
+from shards.common.security import Security
 from shards.common.zio import AsyncSocket
 from client import shard_machine as sm
 from client.collector import ServerAddress
@@ -39,14 +40,31 @@ subscription as live anyway (for servers that send no welcome HUGZ)."""
 DEALER_RCVHWM = 100_000
 
 
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def _handshake_failure(event: int, curve: bool) -> str:
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "authentication failed: the server does not admit this client's key"
+    if curve:
+        return ("the server refused the CURVE handshake (is CURVE on at the server? are "
+                "these the cluster's keys?)")
+    return "no answer to a plain handshake: is CURVE on at the server? (give keys=)"
+
+
 class Link:
     def __init__(self, ctx: zmq.Context, name: str, subtree: bytes, *,
                  loop: asyncio.AbstractEventLoop, affinity: int, sub_rcvhwm: int,
                  on_update: Callable[[list[bytes]], None],
                  on_snapshot: Callable[[list[bytes]], None],
                  on_live: Callable[[object], None], initial: Callable[[], bool],
-                 pair: bool = False):
+                 pair: bool = False, security: Security | None = None):
         self.ctx, self.name, self.subtree, self.loop = ctx, name, subtree, loop
+        self.security = security or Security.off()
+        self.handshake_failure = ""
+        """Why the last handshake with this server failed ("" if none did): with CURVE,
+        a key it does not admit, or one side without CURVE."""
         self.affinity, self.sub_rcvhwm = affinity, sub_rcvhwm
         self.on_update, self.on_snapshot, self.on_live = on_update, on_snapshot, on_live
         self.initial = initial
@@ -82,7 +100,8 @@ class Link:
         if self.subtree:
             sub.subscribe(chp.HUGZ)
         monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
-                                         | zmq.EVENT_DISCONNECTED)
+                                         | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+        self.security.connect_side(sub)
         sub.connect(address.publisher)
         self.lost = False
         self.generation = ""
@@ -103,6 +122,7 @@ class Link:
         dealer.linger = 0
         dealer.affinity = self.affinity
         dealer.rcvhwm = DEALER_RCVHWM
+        self.security.connect_side(dealer)
         dealer.connect(address.snapshot)
         self.dealer = AsyncSocket(dealer, self.on_snapshot, loop=self.loop,
                                   name=f"{self.name} DEALER {address.snapshot}")
@@ -144,12 +164,20 @@ class Link:
             return
         if self.monitor is None:
             return
+        if event & _HANDSHAKE_FAILED:
+            why = _handshake_failure(event, self.security.curve)
+            if why != self.handshake_failure:
+                log.warning("shard %s: handshake with %s failed: %s", self.name,
+                            self.address.publisher if self.address else "?", why)
+            self.handshake_failure = why
+            return
         if event == zmq.EVENT_DISCONNECTED:
             self.lost = True
             self.disconnects += 1
             log.info("shard %s: SUB lost its connection to %s", self.name,
                      self.address.publisher if self.address else "?")
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.handshake_failure = ""
             if self.initial():
                 self.await_live(sm.SubscriberLive())
             elif self.lost:

@@ -51,6 +51,10 @@ class Cluster:
     heartbeat_s: float | None = None
     silence_timeout_s: float | None = None
     source: str = ""
+    curve: bool = False
+    """The servers use CURVE (``security.curve`` in the config)."""
+    keys_dir: str | None = None
+    """Where the config keeps the cluster's keys (a path on the supervisor's host)."""
 
     def __post_init__(self):
         if len(self.shards) != self.shard_map.shards:
@@ -124,8 +128,11 @@ class Cluster:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ConfigError(f"{source}: not a cluster map ({type(exc).__name__}: {exc})",
                               field="cluster map") from None
+        security = doc.get("security") if isinstance(doc.get("security"), Mapping) else {}
         return cls(shard_map, tuple(specs), heartbeat_s=_seconds(doc.get("heartbeat_s")),
-                   silence_timeout_s=_seconds(doc.get("silence_timeout_s")), source=source)
+                   silence_timeout_s=_seconds(doc.get("silence_timeout_s")), source=source,
+                   curve=bool(security.get("curve")),
+                   keys_dir=security.get("keys_dir") or None)
 
     @classmethod
     def from_config(cls, path) -> "Cluster":
@@ -162,13 +169,15 @@ def parse_map_reply(frames: list[bytes], endpoint: str) -> dict:
 
 
 async def fetch_cluster(endpoint: str, *, ctx: zmq.Context | None = None,
-                        timeout_s: float = CONTROL_TIMEOUT_S, retries: int = 1) -> Cluster:
+                        timeout_s: float = CONTROL_TIMEOUT_S, retries: int = 1,
+                        security=None) -> Cluster:
     """Ask the supervisor at ``endpoint`` for ``cluster.map`` (MDP/0.2). Raises
     ``shards.common.errors.Timeout`` when nobody answers within the deadline (per attempt)."""
     from shards.common.mdp.client import MdpClient
 
     endpoint = endpoint.replace("tcp://*:", "tcp://127.0.0.1:")
-    async with MdpClient(endpoint, ctx=ctx, timeout_s=timeout_s, retries=retries) as mdp:
+    async with MdpClient(endpoint, ctx=ctx, timeout_s=timeout_s, retries=retries,
+                         security=security) as mdp:
         frames = await mdp.request(CLUSTER_MAP_SERVICE)
     return Cluster.from_map(parse_map_reply(frames, endpoint), host=control_host(endpoint),
                             source=endpoint)

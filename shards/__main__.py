@@ -36,6 +36,7 @@ from shards.pair import PairServer, parse_peer
 from shards.pending import MAX_AGE_S, MAX_ENTRIES
 from shards.common.proto import chp
 from shards.common.routing import ShardMap
+from shards.common.security import Security
 from shards.server import (CLOCK_S, COLLECT_BATCH, COLLECT_RCVHWM, HEARTBEAT_S, MAX_ACTIVE_SNAPSHOTS,
                            PUB_SNDHWM, SNAPSHOT_CHUNK, SNAPSHOT_SNDHWM, SNAPSHOT_STALL_S,
                            ServerConfig, ShardServer)
@@ -135,7 +136,7 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
         service = f"shard.{shard}.{server.role}"
         worker = MdpWorker(control, service,
                            lambda request: json.dumps(control_stats(server, shard)),
-                           ctx=server.ctx)
+                           ctx=server.ctx, security=server.security)
         await worker.start()
         log.info("control: MDP worker for %r at %s", service, control)
     parent_handle = None
@@ -287,13 +288,17 @@ def _recover(server: ShardServer, data_dir: str, fsync: str, compact_min_bytes: 
 @click.option("--compact-ratio", type=click.FloatRange(0.01), default=None,
               help="With --data-dir: ... and larger than this times the snapshot "
                    "(default 1.0).")
+@click.option("--keys-dir", type=click.Path(file_okay=False), default=None,
+              help="CURVE on every socket with the cluster's keys in this directory "
+                   "(server.key_secret, and the public keys of the admitted peers; see "
+                   "`supervisor keygen`). Default: plain TCP.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_props_bytes,
          max_subtree_bytes, snapshot_chunk, snapshot_stall_s, snapshot_yield_s, max_snapshots, collect_batch,
          pub_hwm, collect_hwm, snapshot_hwm, cpus, pair_role, peer, shard, control,
          parent_pid, shard_map, shard_index, pending_max, pending_age_s, data_dir, fsync,
-         compact_min_bytes, compact_ratio, log_level):
+         compact_min_bytes, compact_ratio, keys_dir, log_level):
     """Run one 12/CHP shard server: standalone, or one server of a Binary Star pair."""
     if pair_role is not None and peer is None:
         raise click.UsageError(f"--{pair_role} needs --peer HOST:PORT (the other server)")
@@ -330,6 +335,12 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
     else:
         server = PairServer(config, role=pair_role, peer=peer, shard=shard,
                             pending_max=pending_max, pending_age_s=pending_age_s)
+    if keys_dir is not None:
+        try:
+            server.security = Security.load(keys_dir, "server")
+        except ConfigError as exc:
+            click.echo(f"shards: {exc}", err=True)
+            sys.exit(Exit.USAGE)
     if data_dir is not None:
         from shards.persist import writer as persist_writer
 

@@ -201,6 +201,7 @@ class PairServer(ShardServer):
             self._state_pub = pub
             sub = self._socket(zmq.SUB)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self.security.connect_side(sub)
             sub.connect(f"tcp://{self.peer[0]}:{self.peer[1] + STATE_OFFSET}")
             self._state_sub_sock = sub
         except BaseException:

@@ -49,6 +49,7 @@ from shards.common.errors import ProtocolError
 from shards import replica_machine as rm
 from shards.common.proto import bstar_ttl, chp
 from shards.pending import PendingTable
+from shards.common.security import Security
 from shards.server import ServerConfig
 from shards.store import Store
 
@@ -87,6 +88,7 @@ class ReplicaOwner(Protocol):
     def reset_pending(self) -> None: ...
 
     persist: object | None
+    security: Security
 
     def replace_store(self, store: Store, generation: str = "",
                       history: tuple[tuple[int, int], ...] = ()) -> None: ...
@@ -138,6 +140,7 @@ class Follower:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.owner.config.collect_rcvhwm)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.owner.security.connect_side(sock)
         sock.connect(self.updates_endpoint)
         self._sub = zio.AsyncSocket(sock, self.on_update, batch=self.owner.config.collect_batch,
                                     loop=self.owner.loop, name="peer updates")
@@ -197,6 +200,7 @@ class Follower:
         self.owner.reset_pending()
         sock = self.owner.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        self.owner.security.connect_side(sock)
         sock.connect(self.snapshot_endpoint)
         self._dealer = zio.AsyncSocket(sock, self.on_snapshot_reply, batch=1024,
                                        loop=self.owner.loop, name="peer snapshot")

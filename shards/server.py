@@ -70,6 +70,7 @@ from shards.common.drops import DropCounter
 from shards.common.errors import PortInUse, ProtocolError
 from shards.common.proto import chp
 from shards.common.routing import OwnerCache, ShardMap
+from shards.common.security import Authenticator, Security
 from shards.store import Store, ttl_props
 from shards.common.timing import HEARTBEAT_S
 
@@ -224,6 +225,9 @@ class ShardServer:
         """The map's generation token, announced in every clock HUGZ (``gen=``): a map
         born empty gets a new one; a Binary Star replica takes its active's."""
         self.drops = DropCounter(log)
+        self.security = Security.off()
+        """CURVE keys (``--keys-dir``): set before ``bind``."""
+        self._auth: Authenticator | None = None
         self.persist = None
         """A ``shards.persist.LogWriter`` when the server persists (``--data-dir``)."""
         self._persist_flush: asyncio.Handle | None = None
@@ -275,6 +279,7 @@ class ShardServer:
         endpoint that is taken (everything opened so far is closed first)."""
         cfg = self.config
         self.ctx = zmq.Context()
+        self._auth = Authenticator(self.ctx, self.security)
         try:
             router = self._socket(zmq.ROUTER)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -292,6 +297,7 @@ class ShardServer:
             self._bind(collector, cfg.endpoint(2))
             self._collector_sock = collector
         except BaseException:
+            self._auth.stop()
             self.ctx.destroy(linger=0)
             self.ctx = None
             raise
@@ -301,8 +307,8 @@ class ShardServer:
         sock.setsockopt(zmq.LINGER, 0)
         return sock
 
-    @staticmethod
-    def _bind(sock: zmq.Socket, endpoint: str) -> None:
+    def _bind(self, sock: zmq.Socket, endpoint: str) -> None:
+        self.security.bind_side(sock)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -351,6 +357,9 @@ class ShardServer:
         for asock in (self._router, self._collector, self._pub_reader):
             if asock is not None:
                 asock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self.ctx is not None:
             self.ctx.destroy(linger=0)
             self.ctx = None

@@ -12,6 +12,7 @@ from typing import Callable
 from shards.common.errors import ClonemapError, ConfigError, Exit
 from shards.common.mdp.client import SyncMdpClient
 from shards.common.config import DEFAULT_CONTROL, load_config
+from shards.common.security import Security
 from supervisor.protocol import check_target
 
 CONTROL_TIMEOUT_S = 3.0
@@ -19,16 +20,35 @@ EXIT_NOT_FOUND = Exit.NOT_FOUND
 EXIT_USAGE = Exit.USAGE
 
 
-def resolve_control(control: str | None, config: str | None) -> str:
+class Control(str):
+    """A control endpoint, with the CURVE keys to reach it (``security``)."""
+
+    security: Security
+
+    def __new__(cls, endpoint: str, security: Security | None = None):
+        out = super().__new__(cls, endpoint)
+        out.security = security or Security.off()
+        return out
+
+
+def resolve_control(control: str | None, config: str | None) -> Control:
     """The control endpoint: ``--control``, else the CONFIG's ``control``, else
-    $CLONEMAP_CONTROL, else the default. A wildcard bind is reached on 127.0.0.1."""
+    $CLONEMAP_CONTROL, else the default. A wildcard bind is reached on 127.0.0.1.
+    CURVE keys: the CONFIG's (``security.curve``), else ``$CLONEMAP_KEYS`` (a keys
+    directory), else none."""
+    cluster = load_config(config) if config else None
     if control:
         endpoint = control
-    elif config:
-        endpoint = load_config(config).control
+    elif cluster is not None:
+        endpoint = cluster.control
     else:
         endpoint = os.environ.get("CLONEMAP_CONTROL", DEFAULT_CONTROL)
-    return endpoint.replace("tcp://*:", "tcp://127.0.0.1:")
+    security = None
+    if cluster is not None and cluster.security.curve:
+        security = Security.load(cluster.keys_dir, "client")
+    elif os.environ.get("CLONEMAP_KEYS"):
+        security = Security.load(os.environ["CLONEMAP_KEYS"], "client")
+    return Control(endpoint.replace("tcp://*:", "tcp://127.0.0.1:"), security)
 
 
 class ReplyError(ClonemapError):
@@ -46,7 +66,8 @@ def call(endpoint: str, service: str, *body: bytes, timeout_s: float = CONTROL_T
     """One control request; returns the FINAL payload after the 200 status. Raises
     ``shards.common.errors.Timeout`` when no supervisor answers, ``ReplyError`` otherwise.
     Commands that act (kill, restart, stop) pass ``retries=0``: never sent twice."""
-    with SyncMdpClient(endpoint, timeout_s=timeout_s, retries=retries) as client:
+    with SyncMdpClient(endpoint, timeout_s=timeout_s, retries=retries,
+                       security=getattr(endpoint, "security", None)) as client:
         with client.stream(service, *body) as stream:
             for partial in stream:
                 if on_partial is not None:
@@ -62,7 +83,8 @@ def call(endpoint: str, service: str, *body: bytes, timeout_s: float = CONTROL_T
 def ping(endpoint: str, service: str, timeout_s: float = CONTROL_TIMEOUT_S) -> None:
     """Check that a supervisor answers and hosts ``service`` (MMI ``mmi.service``);
     ``Timeout`` if nobody answers, ``ReplyError`` 404 if it lacks the service."""
-    with SyncMdpClient(endpoint, timeout_s=timeout_s, retries=1) as client:
+    with SyncMdpClient(endpoint, timeout_s=timeout_s, retries=1,
+                       security=getattr(endpoint, "security", None)) as client:
         reply = client.request("mmi.service", service.encode())
     if reply[:1] != [b"200"]:
         raise ReplyError("404", f"the supervisor at {endpoint} has no service {service!r}")

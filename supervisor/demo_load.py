@@ -34,7 +34,8 @@ def demo_keys(shard_map: ShardMap, count: int = DEMO_KEYS) -> list[tuple[int, by
 
 
 class DemoLoad:
-    def __init__(self, plan: Plan, ctx: zmq.Context, rate_per_s: int = DEMO_RATE_PER_S):
+    def __init__(self, plan: Plan, ctx: zmq.Context, rate_per_s: int = DEMO_RATE_PER_S,
+                 security=None):
         pins = {i: list(sh.prefixes) for i, sh in enumerate(plan.shards) if sh.prefixes}
         self.keys = demo_keys(ShardMap(len(plan.shards), pins))
         self.per_tick = max(1, round(rate_per_s * TICK_S))
@@ -44,6 +45,8 @@ class DemoLoad:
             sock = ctx.socket(zmq.PUB)
             sock.linger = 0
             sock.sndhwm = 1000
+            if security is not None:
+                security.connect_side(sock)
             for server in shard.servers:
                 sock.connect(server.endpoint("collector"))
             self.socks.append(sock)

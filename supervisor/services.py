@@ -165,12 +165,12 @@ class StatsPoller:
     interval, concurrently, one MDP client per server; answers land in the Runner."""
 
     def __init__(self, runner: Runner, endpoint: str, ctx: zmq.Context,
-                 interval_s: float = STATS_INTERVAL_S):
+                 interval_s: float = STATS_INTERVAL_S, security=None):
         self.runner = runner
         self.endpoint = endpoint
         self.interval_s = interval_s
         self.clients = {name: MdpClient(endpoint, ctx=ctx, timeout_s=interval_s * 0.9,
-                                        retries=0)
+                                        retries=0, security=security)
                         for name in runner.servers}
         self.errors = 0
 

@@ -25,6 +25,7 @@ def cluster_map(plan: Plan) -> dict:
     return {"cluster": plan.cluster, "control": plan.control,
             "heartbeat_s": plan.heartbeat_s, "silence_timeout_s": plan.silence_timeout_s,
             "routing": shard_map.describe(),
+            "security": {"curve": plan.curve, "keys_dir": plan.keys_dir or None},
             "shards": [{"index": sh.index, "name": sh.name, "prefixes": list(sh.prefixes),
                         "primary": server(sh.primary), "backup": server(sh.backup)}
                        for sh in plan.shards]}

@@ -24,6 +24,8 @@ IPv4 address is bound) and a core set (``cores``: ``[2, 3]``, ``"2-3,6"``, ``5``
                                                           relative to the run directory;
                                                           null: memory only
     fsync               everysec                         always | everysec | no
+    security.curve      false                            CURVE on every socket
+    security.keys_dir   "keys" beside the config file    the cluster's key pairs
 
 Every model forbids unknown fields. ``load_config`` turns YAML and pydantic errors into
 one ``ConfigError`` whose lines read ``FIELD: given VALUE: PROBLEM; EXPECTED``, with
@@ -316,6 +318,14 @@ class ShardConfig(_Model):
         return getattr(self, role)
 
 
+class SecurityConfig(_Model):
+    """CURVE on every socket (``shards.common.security``)."""
+
+    curve: bool = False
+    keys_dir: str | None = None
+    """Relative to the config file's directory; default ``keys`` there."""
+
+
 class ClusterConfig(_Model):
     """A whole cluster. Validation fills every default (see the module docstring)."""
 
@@ -327,7 +337,16 @@ class ClusterConfig(_Model):
     defaults: Defaults = Field(default_factory=Defaults)
     data_dir: str | None = DEFAULT_DATA_DIR
     fsync: Literal["always", "everysec", "no"] = "everysec"
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
     shards: list[ShardConfig]
+    _source_dir: Path | None = PrivateAttr(default=None)
+
+    @property
+    def keys_dir(self) -> Path:
+        """Where the cluster's keys are: ``security.keys_dir`` (relative to the config
+        file's directory), default ``keys/`` there."""
+        base = self._source_dir or Path(".")
+        return (base / (self.security.keys_dir or "keys")).resolve()
 
     @field_validator("data_dir")
     @classmethod
@@ -554,4 +573,6 @@ def parse_config(data: Any, source: str = "") -> ClusterConfig:
 
 def load_config(path: str | Path) -> ClusterConfig:
     """Read and validate a cluster config file; errors are one ConfigError."""
-    return parse_config(read_yaml(path), source=str(path))
+    config = parse_config(read_yaml(path), source=str(path))
+    config._source_dir = Path(path).resolve().parent
+    return config

@@ -117,6 +117,8 @@ class Plan:
     data_dir: str | None = None
     """Where servers persist (relative: to the run directory); None: memory only."""
     fsync: str = "everysec"
+    curve: bool = False
+    keys_dir: str = ""
 
     @property
     def servers(self) -> list[ServerPlan]:
@@ -134,6 +136,7 @@ class Plan:
                 "heartbeat_s": self.heartbeat_s, "silence_timeout_s": self.silence_timeout_s,
                 "routing": self.routing.to_dict(),
                 "data_dir": self.data_dir, "fsync": self.fsync,
+                "security": {"curve": self.curve, "keys_dir": self.keys_dir},
                 "shards": [{"index": sh.index, "name": sh.name,
                             "prefixes": list(sh.prefixes),
                             "primary": sh.primary.to_dict(),
@@ -291,7 +294,8 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
                 control_address=config.control_address, control_port=config.control_port,
                 heartbeat_s=config.heartbeat_s, silence_timeout_s=config.silence_timeout_s,
                 shards=tuple(shard_plans), routing=routing, host=facts, notes=tuple(notes),
-                data_dir=config.data_dir, fsync=config.fsync)
+                data_dir=config.data_dir, fsync=config.fsync,
+                curve=config.security.curve, keys_dir=str(config.keys_dir))
 
 
 # ---------------------------------------------------------------- the OS check

@@ -54,6 +54,25 @@ def recv_frames(sock: zmq.Socket, flags: int = NOBLOCK) -> list[bytes]:
     return frames
 
 
+class Frames(list):
+    """A received message's frames, with the User-Id the ZAP handler gave the sender's
+    connection (``shards.common.security``), or None."""
+
+    __slots__ = ("user_id",)
+
+
+def recv_frames_with_user(sock: zmq.Socket) -> Frames:
+    """``recv_frames`` that also reads the message's User-Id (non-copying receive: a
+    little slower; used where a peer's role matters, such as the MDP broker with CURVE)."""
+    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+    out = Frames(part.bytes for part in parts)
+    try:
+        out.user_id = parts[-1].get("User-Id")
+    except zmq.ZMQError:
+        out.user_id = None
+    return out
+
+
 def send_frames(sock: zmq.Socket, frames: list[bytes], flags: int = NOBLOCK) -> None:
     """Send a multipart message. ``zmq.Again`` can only come from the first frame
     (ZeroMQ checks the high-water mark when a message starts)."""
@@ -87,9 +106,10 @@ class AsyncSocket:
     def __init__(self, sock: zmq.Socket,
                  on_message: Callable[[list[bytes]], None] | None = None, *,
                  batch: int = DEFAULT_BATCH, loop: asyncio.AbstractEventLoop | None = None,
-                 name: str = ""):
+                 name: str = "", recv: Callable[[zmq.Socket], list[bytes]] | None = None):
         self.sock = sock
         self.on_message = on_message
+        self._recv = recv or recv_frames
         self.batch = batch
         self.name = name or repr(sock)
         self.loop = loop or asyncio.get_running_loop()
@@ -117,9 +137,10 @@ class AsyncSocket:
         n = 0
         if handler is not None:
             batch = self.batch
+            recv = self._recv
             while n < batch:
                 try:
-                    frames = recv_frames(sock)
+                    frames = recv(sock)
                 except zmq.Again:
                     break
                 except zmq.ZMQError as exc:

@@ -29,6 +29,7 @@ import click
 
 from shards.common.errors import ConfigError, PortInUse
 from shards.common.config import load_config
+from shards.common.security import Security
 from shards.common.hostfacts import local_host_facts
 from shards.common.placement import Plan, check_ports_free, plan
 from supervisor.policy import (BACKOFF_CAP_S, BACKOFF_INITIAL_S, CRASH_LIMIT, CRASH_WINDOW_S,
@@ -127,10 +128,14 @@ class Supervisor:
         the_plan = self.plan
         control = _connect_endpoint(the_plan.control)
         ctx = zmq.Context()
-        broker = Broker([the_plan.control], BrokerConfig(), ctx=ctx)
+        security = (Security.load(the_plan.keys_dir, "server") if the_plan.curve
+                    else Security.off())
+        broker = Broker([the_plan.control], BrokerConfig(), ctx=ctx, security=security)
         runner = Runner(the_plan, self.run_dir,
                         ServerArgs(control=control, heartbeat_s=the_plan.heartbeat_s,
-                                   parent_pid=os.getpid()),
+                                   parent_pid=os.getpid(),
+                                   extra=("--keys-dir", the_plan.keys_dir)
+                                   if the_plan.curve else ()),
                         policy=self.policy, on_event=self.on_event,
                         log_max_bytes=self.log_max_bytes)
         ControlServices(the_plan, runner, self.stop).register(broker)
@@ -164,12 +169,13 @@ class Supervisor:
                   f"run_dir={self.run_dir}", flush=True)
             if self.detached:  # from now on stdout goes to the log as well
                 os.dup2(2, 1)
-            poller = StatsPoller(runner, control, ctx)
+            poller = StatsPoller(runner, control, ctx, security=security)
             tasks.append(loop.create_task(poller.run()))
             if self.demo_load:
                 from supervisor.demo_load import DemoLoad
 
-                tasks.append(loop.create_task(DemoLoad(the_plan, ctx).run()))
+                tasks.append(loop.create_task(DemoLoad(the_plan, ctx,
+                                                       security=security).run()))
             if self.table:
                 tasks.append(loop.create_task(self._live(runner)))
             await self.stop.wait()
@@ -259,6 +265,8 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
         cluster = load_config(config)
         the_plan = plan(cluster, local_host_facts(), source=config)
         check_ports_free(the_plan, source=config)
+        if the_plan.curve:  # the keys must be there before anything starts
+            Security.load(the_plan.keys_dir, "server")
     except ConfigError as exc:
         _fail(exc, exc.exit_code)
     run_path = Path(run_dir or Path("run") / the_plan.cluster).resolve()

@@ -48,7 +48,8 @@ from shards.common import mdp as mdplib
 from shards.common.drops import DropCounter, RateLimiter
 from shards.common.errors import ConfigError, PortInUse
 from shards.common.mdp.codec import C_FINAL, C_PARTIAL, MDPC, check_service
-from shards.common.zio import DEFAULT_BATCH, AsyncSocket, send_frames
+from shards.common.security import Authenticator, Security
+from shards.common.zio import DEFAULT_BATCH, AsyncSocket, recv_frames_with_user, send_frames
 from shards.common.mdp.broker_core import BrokerConfig, BrokerCore, Drop, InternalCall, Note
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,11 @@ class _Notes:
 class Broker:
     def __init__(self, bind: str | Sequence[str], config: BrokerConfig | None = None, *,
                  ctx: zmq.Context | None = None, batch: int = DEFAULT_BATCH,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 security: Security | None = None):
         self.binds = [bind] if isinstance(bind, str) else list(bind)
+        self.security = security or Security.off()
+        self._auth: Authenticator | None = None
         self.config = config or BrokerConfig()
         self.core = BrokerCore(self.config)
         self.batch = batch
@@ -114,10 +118,12 @@ class Broker:
         """Bind every endpoint (``PortInUse`` / ``ConfigError`` on failure) and serve."""
         if self.ctx is None:
             self.ctx = zmq.Context()
+        self._auth = Authenticator(self.ctx, self.security)
         sock = self.ctx.socket(zmq.ROUTER)
         sock.linger = 0
         sock.router_mandatory = 1
         sock.maxmsgsize = self.config.limits.max_body_bytes
+        self.security.bind_side(sock)
         try:
             for endpoint in self.binds:
                 try:
@@ -131,12 +137,15 @@ class Broker:
                 self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         except Exception:
             sock.close(0)
+            self._auth.stop()
+            self._auth = None
             if self._own_ctx:
                 self.ctx.term()
                 self.ctx = None
             raise
         self._sock = sock
-        self._asock = AsyncSocket(sock, self._on_message, batch=self.batch, name="broker")
+        self._asock = AsyncSocket(sock, self._on_message, batch=self.batch, name="broker",
+                                  recv=recv_frames_with_user if self.security.curve else None)
         self._started_at = self.clock()
         self._tick_task = asyncio.get_running_loop().create_task(self._ticker())
         log.info("MDP/0.2 broker bound to %s (heartbeat %g s, liveness %d, expiry %g s)",
@@ -157,6 +166,9 @@ class Broker:
             self._asock.close(linger=STOP_LINGER_MS)
             self._asock = None
             self._sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._own_ctx and self.ctx is not None:
             self.ctx.term()
             self.ctx = None

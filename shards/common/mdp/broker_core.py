@@ -103,6 +103,10 @@ class BrokerConfig:
     ``held_bytes``."""
     max_held_bytes_per_client: int = 8 << 20
     """... for one client; beyond: dropped ``client_held_bytes``."""
+    server_only: tuple[bytes, ...] = (b"shard.",)
+    """Service prefixes only a peer authenticated as ``server`` may register (with CURVE
+    on: the User-Id the ZAP handler gave its connection; frames carry it as
+    ``frames.user_id``, see ``shards.common.zio.Frames``)."""
     limits: mdp.Limits = field(default_factory=mdp.Limits)
 
     def __post_init__(self):
@@ -346,7 +350,8 @@ class BrokerCore:
         command = msg.command
         if worker is None:
             if command == W_READY:
-                return self._register(identity, msg.service, now)
+                return self._register(identity, msg.service, now,
+                                      getattr(frames, "user_id", None))
             if command == W_DISCONNECT:
                 return []
             if command == W_REQUEST:
@@ -426,10 +431,16 @@ class BrokerCore:
         svc = self.services[name] = Service(name)
         return svc
 
-    def _register(self, identity: bytes, service: bytes, now: float) -> list:
+    def _register(self, identity: bytes, service: bytes, now: float,
+                  user_id: str | None = None) -> list:
         if service in self.internal or service.startswith(MMI_PREFIX):
             return self._disconnect(identity, "reserved_service",
                                     f"READY for {service!r}, a service the broker hosts")
+        if (user_id is not None and user_id != "server"
+                and service.startswith(self.config.server_only)):
+            return self._disconnect(identity, "not_a_server",
+                                    f"READY for {service!r} from a peer authenticated as "
+                                    f"{user_id!r}: only servers may offer it")
         if len(self.workers) >= self.config.max_workers:
             return self._disconnect(identity, "too_many_workers",
                                     f"READY for {service!r}: {len(self.workers)} workers")

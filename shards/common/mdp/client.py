@@ -41,6 +41,7 @@ from collections import deque
 
 import zmq
 
+from shards.common.security import Security
 from shards.common.drops import DropCounter
 from shards.common.errors import ProtocolError, SlowConsumer, Timeout
 from shards.common.mdp import codec as mdp
@@ -102,8 +103,10 @@ class _Silence(Exception):
 
 class MdpClient:
     def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None,
-                 timeout_s: float = 2.5, retries: int = 2, max_pending: int = MAX_PENDING):
+                 timeout_s: float = 2.5, retries: int = 2, max_pending: int = MAX_PENDING,
+                 security: Security | None = None):
         self.endpoint = endpoint
+        self.security = security or Security.off()
         self.ctx = ctx or zmq.Context.instance()
         self.timeout_s = timeout_s
         self.retries = retries
@@ -182,6 +185,7 @@ class MdpClient:
         if self._asock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.linger = 0
+            self.security.connect_side(sock)
             sock.connect(self.endpoint)
             self._asock = AsyncSocket(sock, self._on_message, name=f"mdp-client {self.endpoint}")
             self.counters["sockets"] += 1
@@ -304,8 +308,9 @@ class SyncMdpClient:
     """The same dialogue over a blocking socket (``zmq.Socket.poll`` for deadlines)."""
 
     def __init__(self, endpoint: str, *, ctx: zmq.Context | None = None,
-                 timeout_s: float = 2.5, retries: int = 2):
+                 timeout_s: float = 2.5, retries: int = 2, security: Security | None = None):
         self.endpoint = endpoint
+        self.security = security or Security.off()
         self.ctx = ctx or zmq.Context.instance()
         self.timeout_s = timeout_s
         self.retries = retries
@@ -346,6 +351,7 @@ class SyncMdpClient:
         if self._sock is None:
             self._sock = self.ctx.socket(zmq.DEALER)
             self._sock.linger = 0
+            self.security.connect_side(self._sock)
             self._sock.connect(self.endpoint)
             self.counters["sockets"] += 1
         self.counters["attempts"] += 1

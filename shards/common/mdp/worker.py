@@ -34,6 +34,7 @@ from typing import Callable
 
 import zmq
 
+from shards.common.security import Security
 from shards.common.drops import DropCounter
 from shards.common.errors import ProtocolError
 from shards.common.mdp import Handler, Request, as_body, error_body, run_handler
@@ -54,8 +55,10 @@ class MdpWorker:
                  ctx: zmq.Context | None = None, heartbeat_s: float = MDP_HEARTBEAT_S,
                  liveness: int = MDP_LIVENESS,
                  reconnect_s: float = 0.25, reconnect_max_s: float = 5.0,
-                 batch: int = DEFAULT_BATCH, clock: Callable[[], float] = time.monotonic):
+                 batch: int = DEFAULT_BATCH, clock: Callable[[], float] = time.monotonic,
+                 security: Security | None = None):
         self.endpoint = endpoint
+        self.security = security or Security.off()
         self.service = service.encode() if isinstance(service, str) else service
         mdp.check_service(self.service, "READY")
         if heartbeat_s <= 0 or liveness < 1:
@@ -127,6 +130,7 @@ class MdpWorker:
             return
         sock = self.ctx.socket(zmq.DEALER)
         sock.linger = 0
+        self.security.connect_side(sock)
         sock.connect(self.endpoint)
         self._gen += 1
         self._asock = AsyncSocket(sock, self._on_message, batch=self.batch,
