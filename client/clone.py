@@ -159,7 +159,7 @@ class AsyncClone:
                              f"(got {', '.join(given) or 'none'})")
         self.subtree = subtree
         self._subtree_b = chp.check_subtree(subtree.encode("utf-8"))
-        self.keys = keys
+        self.keys_dir = keys
         """The cluster's keys directory (CURVE); a config's ``security`` gives it too."""
         self.security = Security.off()
         self.servers = _parse_servers(servers) if servers is not None else ()
@@ -233,8 +233,8 @@ class AsyncClone:
                 silence = timing.silence_timeout_s(heartbeat_s)
         self.silence_timeout_s = silence
         self.cluster = cluster
-        if self.keys is not None or cluster.curve:
-            keys_dir = self.keys if self.keys is not None else cluster.keys_dir
+        if self.keys_dir is not None or cluster.curve:
+            keys_dir = self.keys_dir if self.keys_dir is not None else cluster.keys_dir
             if keys_dir is None:
                 raise ConfigError(f"{cluster.source}: the cluster uses CURVE; give "
                                   "keys=DIR (the directory `supervisor keygen` wrote)",
@@ -270,7 +270,8 @@ class AsyncClone:
                 cluster = await fetch_cluster(
                     self.control, ctx=mdp_ctx,
                     timeout_s=min(self.control_timeout_s, timeout_s),
-                    security=Security.load(self.keys, "client") if self.keys else None)
+                    security=Security.load(self.keys_dir, "client") if self.keys_dir
+                    else None)
             finally:
                 mdp_ctx.destroy(linger=0)
             if self.cluster is None:

@@ -212,3 +212,13 @@ def run_bench(procs, results_dir, *args: str) -> list[str]:
         shown = (err[first:first + 40] + ["..."] if first is not None else []) + err[-30:]
         raise AssertionError(f"exit {rc}:\n" + "\n".join(shown + proc.stdout[-20:]))
     return proc.stdout
+
+
+@pytest.fixture(scope="session")
+def cluster_keys(tmp_path_factory) -> Path:
+    """A keys directory made as ``supervisor keygen`` makes it (server and client pairs)."""
+    from shards.common.security import create_keys
+
+    path = tmp_path_factory.mktemp("keys")
+    create_keys(path)
+    return path

@@ -62,17 +62,23 @@ class Peer:
     """A strict CHP client of raw sockets. ``subscribe`` lists the SUB's prefixes;
     probes (for ``sync``) use keys under ``probe_prefix``, which must be subscribed."""
 
-    def __init__(self, zctx, port: int, subscribe=(b"",), probe_prefix: bytes = b"/probe/"):
+    def __init__(self, zctx, port: int, subscribe=(b"",), probe_prefix: bytes = b"/probe/",
+                 security=None):
+        """``security``: a ``shards.common.security.Security`` for a CURVE server."""
+        secure = security.connect_side if security is not None else (lambda sock: None)
         self.port = port
         self.dealer = zctx.socket(zmq.DEALER)
+        secure(self.dealer)
         self.dealer.connect(f"tcp://127.0.0.1:{port}")
         self.sub = zctx.socket(zmq.SUB)
         self.sub.rcvhwm = 0
         for prefix in subscribe:
             self.sub.setsockopt(zmq.SUBSCRIBE, prefix)
+        secure(self.sub)
         self.sub.connect(f"tcp://127.0.0.1:{port + 1}")
         self.pub = zctx.socket(zmq.PUB)
         self.pub.sndhwm = 0  # never drop what a test sends
+        secure(self.pub)
         self.pub.connect(f"tcp://127.0.0.1:{port + 2}")
         self.probe_prefix = probe_prefix
         self._probes = 0

@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from shards.common.proto import chp
+from shards.common.security import Security
 from test_server_conformance import DEADLINE_S, SEQ, Peer, start_server
 
 MAX_VALUE = 4096
@@ -93,14 +94,23 @@ def stats_now(proc) -> dict:
     return json.loads(line.split(" stats ", 1)[1])
 
 
-@pytest.fixture
-def server(procs, port_base):
-    return start_server(procs, port_base, "--max-value-bytes", str(MAX_VALUE))
+@pytest.fixture(params=["plain", "curve"])
+def server(request, procs, port_base, cluster_keys):
+    """Each test runs twice: plain TCP, and CURVE on every socket (``--keys-dir``), with
+    the test's raw peers presenting the cluster's client key."""
+    if request.param == "curve":
+        proc = start_server(procs, port_base, "--max-value-bytes", str(MAX_VALUE),
+                            "--keys-dir", str(cluster_keys))
+        proc.security = Security.load(cluster_keys, "client")
+    else:
+        proc = start_server(procs, port_base, "--max-value-bytes", str(MAX_VALUE))
+        proc.security = None
+    return proc
 
 
 def test_malformed_messages_are_dropped_counted_by_reason_and_harm_no_one(
         server, port_base, zctx):
-    peer = Peer(zctx, port_base)
+    peer = Peer(zctx, port_base, security=server.security)
     peer.sync()  # the collector is live: nothing written from now on is lost
     data = {b"/h/%d" % i: b"v%d" % i for i in range(20)}
     for key, value in data.items():
@@ -133,7 +143,7 @@ def test_malformed_messages_are_dropped_counted_by_reason_and_harm_no_one(
 
 
 def test_the_next_valid_client_gets_a_correct_service(server, port_base, zctx):
-    first = Peer(zctx, port_base)
+    first = Peer(zctx, port_base, security=server.security)
     first.sync()
     first.kvset(b"/n/a", b"1")
     base = first.sync()
@@ -147,7 +157,7 @@ def test_the_next_valid_client_gets_a_correct_service(server, port_base, zctx):
     assert first.snapshot(b"/n/")[0] == {b"/n/a": b"1"}
     for sock in (first.dealer, first.sub, first.pub):
         sock.close(0)
-    nxt = Peer(zctx, port_base)
+    nxt = Peer(zctx, port_base, security=server.security)
     fence = nxt.sync()
     assert fence > base  # its own probes only: garbage was never sequenced
     nxt.kvset(b"/n/b", b"2")
@@ -160,7 +170,7 @@ def test_the_next_valid_client_gets_a_correct_service(server, port_base, zctx):
 
 def test_a_requester_that_vanishes_mid_snapshot_does_not_stall_others(server, port_base,
                                                                       zctx):
-    peer = Peer(zctx, port_base)
+    peer = Peer(zctx, port_base, security=server.security)
     value = bytes(200)
     peer.sync()
     for i in range(20_000):
@@ -168,6 +178,8 @@ def test_a_requester_that_vanishes_mid_snapshot_does_not_stall_others(server, po
     base = peer.sync()
     for _ in range(5):  # ask, read one message, disconnect
         gone = zctx.socket(zmq.DEALER)
+        if server.security is not None:
+            server.security.connect_side(gone)
         gone.rcvhwm = 10
         gone.connect(f"tcp://127.0.0.1:{port_base}")
         gone.send_multipart(chp.icanhaz(b""))
@@ -187,7 +199,7 @@ def test_a_requester_that_vanishes_mid_snapshot_does_not_stall_others(server, po
 
 
 def test_final_stats_are_logged_on_stop(server, port_base, zctx):
-    peer = Peer(zctx, port_base)
+    peer = Peer(zctx, port_base, security=server.security)
     peer.sync()
     peer.send_raw([b"/k", b"short", b"", b"", b"v"])
     peer.dealer.send_multipart([b"ICANHAZ?", b"nope"])

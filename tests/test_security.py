@@ -1,0 +1,232 @@
+"""CURVE on every socket, as users run it: ``supervisor keygen``, then ``supervisor start``
+of a config with ``security: {curve: true}``. Peers that are not us, made of raw pyzmq
+sockets, and what each one gets:
+
+* a plain (non-CURVE) SUB, DEALER, PUB and MDP client: nothing (their handshake fails,
+  which the test awaits; then a real client's write goes through and they still have
+  nothing, and the plain KVSET was never applied);
+* a client presenting a key pair that is not the cluster's: its handshake is refused
+  (ZAP), nothing else;
+* ``Clone(config=...)`` and ``chp --config`` with the cluster's keys: work;
+* an MDP worker with the client key offering ``shard.s0.primary``: disconnected; the
+  status still comes from the real server;
+* the bytes on loopback during a secure write do not contain the value (a raw AF_PACKET
+  capture, checked against a plain server where the same capture does see it).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import stat
+import subprocess
+import threading
+
+import pytest
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from client.api import AsyncClone
+from conftest import PYTHON, ROOT, free_port_base
+from shards.common.mdp import codec as mdp
+from shards.common.proto import chp
+from shards.common.security import Security, create_keys
+from test_server_conformance import start_server
+from supervisor.control import Control
+from test_supervisor_cli import cli, start, status, wait_status, write_config
+
+pytestmark = pytest.mark.timeout(120)
+FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def settled(rows: dict) -> bool:
+    return all(r["bstar"] in ("ACTIVE", "PASSIVE") for r in rows.values())
+
+
+@pytest.fixture
+def cluster(procs, tmp_path):
+    config, control = write_config(tmp_path, "1shard.yaml", security={"curve": True})
+    out = cli("keygen", str(config))
+    assert out.returncode == 0, out.stderr
+    sup = start(procs, config, tmp_path)
+    secure = Control(control, Security.load(config.parent / "keys", "client"))
+    rows = wait_status(secure, settled)
+    active = next(r for r in rows.values() if r["bstar"] == "ACTIVE")
+    yield config, secure, active["port"]
+    assert cli("stop", "--config", str(config)).returncode == 0
+    sup.wait(30)
+
+
+def try_send(sock: zmq.Socket, frames: list[bytes]) -> None:
+    """Send if ZeroMQ takes it: a socket whose handshake failed may have no pipe at all
+    (then there is nothing to deliver, which is the point)."""
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+
+
+def test_keygen_writes_two_pairs_with_private_secrets_and_never_overwrites(tmp_path):
+    config, _ = write_config(tmp_path, "1shard.yaml", security={"curve": True,
+                                                                "keys_dir": "k"})
+    out = cli("keygen", str(config))
+    assert out.returncode == 0, out.stderr
+    keys = tmp_path / "k"
+    names = sorted(p.name for p in keys.iterdir())
+    assert names == ["client.key", "client.key_secret", "server.key", "server.key_secret"]
+    for name in ("client.key_secret", "server.key_secret"):
+        assert stat.S_IMODE((keys / name).stat().st_mode) == 0o600
+    before = (keys / "server.key").read_bytes()
+    again = cli("keygen", str(config))
+    assert again.returncode == 2 and "--force" in again.stderr
+    assert (keys / "server.key").read_bytes() == before
+    forced = cli("keygen", str(config), "--force")
+    assert forced.returncode == 0 and (keys / "server.key").read_bytes() != before
+
+
+def test_plain_peers_get_nothing_and_write_nothing(cluster, zctx):
+    config, control, port = cluster
+    sub = zctx.socket(zmq.SUB)
+    sub.linger = 0
+    sub.subscribe(b"")
+    dealer = zctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    pub = zctx.socket(zmq.PUB)
+    pub.linger = 0
+    for sock, offset in ((sub, 1), (dealer, 0), (pub, 2)):
+        monitor = sock.get_monitor_socket(FAILED)
+        sock.connect(f"tcp://127.0.0.1:{port + offset}")
+        assert monitor.poll(10_000), f"no failed handshake on P+{offset}"
+        sock.disable_monitor()
+        monitor.close(0)
+    try_send(dealer, chp.icanhaz(b""))
+    try_send(pub, chp.kvset(b"/plain/forged", b"x"))
+
+    async def secure():
+        async with AsyncClone(config=str(config)) as clone:
+            await clone.set("/secure/k", b"v", wait=True)
+            return dict(clone.items())
+
+    got = asyncio.run(secure())
+    assert got.get("/secure/k") == b"v" and "/plain/forged" not in got
+    assert not sub.poll(0) and not dealer.poll(0)
+    # an MDP client without keys: no control reply
+    mdp_client = zctx.socket(zmq.DEALER)
+    mdp_client.linger = 0
+    monitor = mdp_client.get_monitor_socket(FAILED)
+    mdp_client.connect(str(control))
+    assert monitor.poll(10_000), "no failed handshake at the broker"
+    monitor.close(0)
+    try_send(mdp_client, mdp.client_request(b"cluster.status"))
+    assert not mdp_client.poll(500)
+    plain_status = cli("status", "--control", str(control), "--timeout-s", "0.5")
+    assert plain_status.returncode == 4  # nobody answered a client without keys
+
+
+def test_a_key_that_is_not_the_clusters_is_refused(cluster, zctx, tmp_path):
+    config, control, port = cluster
+    stranger_dir = tmp_path / "stranger"
+    create_keys(stranger_dir)
+    theirs = Security.load(stranger_dir, "client")
+    ours = Security.load(config.parent / "keys", "client")
+    # the right server key, a client key the cluster never admitted
+    forged = Security(True, None, "client", ours.server_public, None, theirs.public,
+                      theirs.secret)
+    dealer = zctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    forged.connect_side(dealer)
+    monitor = dealer.get_monitor_socket(FAILED)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    assert monitor.poll(10_000)
+    event = parse_monitor_message(monitor.recv_multipart())["event"]
+    assert event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    monitor.close(0)
+    try_send(dealer, chp.icanhaz(b""))
+    assert not dealer.poll(500)
+
+
+def test_clients_with_the_keys_work_chp_too(cluster):
+    config, control, port = cluster
+    put = subprocess.run([PYTHON, "-m", "client.cli", "--config", str(config), "set",
+                          "/cli/k", "hello"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert put.returncode == 0, put.stderr
+    got = subprocess.run([PYTHON, "-m", "client.cli", "--config", str(config), "get",
+                          "/cli/k"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0 and got.stdout.strip() == "hello", got.stderr
+    keys = config.parent / "keys"
+    by_control = subprocess.run([PYTHON, "-m", "client.cli", "--control", str(control), "--keys",
+                                 str(keys), "get", "/cli/k"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=60)
+    assert by_control.returncode == 0 and by_control.stdout.strip() == "hello"
+    by_config = cli("status", "--config", str(config))
+    assert by_config.returncode == 0, by_config.stderr  # the control commands: the config's keys
+
+
+def test_a_stats_worker_with_the_client_key_is_refused(cluster, zctx):
+    config, control, port = cluster
+    client_keys = Security.load(config.parent / "keys", "client")
+    worker = zctx.socket(zmq.DEALER)
+    worker.linger = 0
+    client_keys.connect_side(worker)
+    worker.connect(str(control))
+    worker.send_multipart(mdp.ready(b"shard.s0.primary"))
+    assert worker.poll(10_000), "no answer to the forged READY"
+    assert worker.recv_multipart() == [mdp.MDPW, mdp.W_DISCONNECT]
+    rows = status(control)
+    assert rows["s0/primary"]["stats"]["pid"] == rows["s0/primary"]["pid"]
+
+
+class Capture:
+    """Every byte on the loopback interface while it runs (AF_PACKET, as root)."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003))
+        self.sock.bind(("lo", 0))
+        self.sock.settimeout(0.05)
+        self.data = bytearray()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            try:
+                self.data += self.sock.recv(65535)
+            except socket.timeout:
+                continue
+
+    def close(self) -> bytes:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+        return bytes(self.data)
+
+
+def _write_and_capture(address: str, value: bytes, keys=None) -> bytes:
+    capture = Capture()
+    try:
+        async def write():
+            async with AsyncClone(address, keys=keys) as clone:
+                await clone.set("/secret/k", value, wait=True)
+                assert clone.get("/secret/k") == value
+        asyncio.run(write())
+    finally:
+        data = capture.close()
+    return data
+
+
+def test_values_do_not_travel_in_clear_text(procs, cluster_keys):
+    try:
+        socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003)).close()
+    except PermissionError:
+        pytest.fail("capturing loopback needs root (AF_PACKET)")
+    value = b"clear-text-canary-" + os.urandom(8).hex().encode()
+    plain_port, curve_port = free_port_base(4), free_port_base(4)
+    start_server(procs, plain_port)
+    start_server(procs, curve_port, "--keys-dir", str(cluster_keys))
+    seen = _write_and_capture(f"tcp://127.0.0.1:{plain_port}", value)
+    assert value in seen  # the capture works: plain TCP shows the value
+    hidden = _write_and_capture(f"tcp://127.0.0.1:{curve_port}", value, keys=cluster_keys)
+    assert len(hidden) > 1000 and value not in hidden
