@@ -71,14 +71,18 @@ SCENARIOS = {
                            "persisting vs memory only: updates/s and CPU per update per fsync "
                            "policy, p99 under compaction, recovery of 1M keys, disk bytes "
                            "per key", {"smoke": "~25 s", "quick": "~2 min", "full": "~5 min"}),
+    "curve": Scenario("bench.curve", "curve",
+                      "CURVE on every socket vs plain TCP, same run: single-shard updates/s, "
+                      "CPU per update, snapshot time", {"smoke": "~15 s", "quick": "~1 min",
+                                                        "full": "~2 min"}),
     "report": Scenario("bench.report", None,
                        "Markdown report + PNG plots from the latest records",
                        {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),
 }
 ALIASES = {"chp_throughput": "single"}
-ALL_DURATION = {"smoke": "~2 min", "quick": "~7.5 min", "full": "~25 min"}
+ALL_DURATION = {"smoke": "~2.5 min", "quick": "~8.5 min", "full": "~27 min"}
 ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failover", "handoff",
-         "durability"]
+         "durability", "curve"]
 """What ``all`` runs, in this order, then ``report`` (``failover_supervised`` runs alone:
 it starts a whole 8-server cluster)."""
 
@@ -103,6 +107,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
                     "--seconds", "0.5"],
         "durability": ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "1", "--keys",
                        "2000", "--rate", "1000", "--recovery-keys", "5000"],
+        "curve": ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "1", "--keys", "2000",
+                  "--snapshot-keys", "2000"],
         "report": [],
     },
     "quick": {
@@ -121,6 +127,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "handoff": ["--rate", "40000", "--seconds", "2"],
         "durability": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2",
                        "--recovery-keys", "200000"],
+        "curve": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
         "report": [],
     },
     "full": {
@@ -140,6 +147,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "failover_supervised": ["--kills", "5"],
         "handoff": ["--rate", "40000", "--seconds", "3"],
         "durability": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],
+        "curve": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],
         "report": [],
     },
 }

@@ -39,6 +39,8 @@ SCENARIOS = [
     ("handoff", "Callback hand-off", "python -m bench handoff"),
     ("durability", "Durability: fsync policies, compaction, recovery, storage choice",
      "python -m bench durability"),
+    ("curve", "CURVE cost: encryption and authentication on every socket",
+     "python -m bench curve"),
 ]
 FORWARDER_TARGET = 0.70   # one shard / bare forwarding loop
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import bench_record, run_bench
 
 RECORDS = ["chp_throughput", "scaleout", "latency", "load", "snapshot", "fanout", "failover",
-           "handoff", "durability"]
+           "handoff", "durability", "curve"]
 """What ``python -m bench all`` saves (the report reads these)."""
 
 
@@ -153,6 +153,15 @@ def check_durability(data: dict, keys: int) -> None:
     assert any("everysec" in n for n in names) and any("compaction" in n for n in names)
 
 
+def check_curve(data: dict) -> None:
+    runs = data["runs"]
+    assert [r["mode"] for r in runs] == ["plain", "curve"]
+    for r in runs:  # both carried the load and served a whole snapshot
+        assert r["received_per_s"] > 0 and r["loss_window"] == 0, r
+        assert r["snapshot_keys"] > 0 and r["snapshot_s"] > 0
+    assert data["summary"]["updates_ratio_curve_to_plain_per_round"]
+
+
 def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
     stdout = run_bench(procs, tmp_path, "bench", "all", "--smoke")
     records = {name: bench_record(tmp_path, name) for name in RECORDS}
@@ -166,6 +175,7 @@ def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
     check_points(records["latency"], {"offered_per_s", "target", "latency_ms"})
     assert records["load"]["runs"] and records["load"]["summary"]
     check_durability(records["durability"], keys=5000)
+    check_curve(records["curve"])
     assert (tmp_path / "REPORT.md").exists() and list((tmp_path / "plots").glob("*.png"))
     table = "\n".join(stdout)
     assert "python -m bench all (smoke)" in table and "FAILED" not in table

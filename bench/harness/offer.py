@@ -39,6 +39,7 @@ class Offer:
     drain_s: float = 2.0           # subscriber: read at most this long after the window
     flush_s: float = 1.0           # writer: flush its queue at most this long at exit
     tick_s: float = RATE_TICK_S    # fixed rate: a writer's shortest sleep between bursts
+    keys_dir: str = ""             # CURVE: writers and subscribers present the client key
 
     @property
     def writer_mode(self) -> str:
@@ -204,11 +205,11 @@ class Targets:
                 distribution=o.distribution, mode=o.writer_mode, rate_per_s=o.rate_per_s,
                 ttl_fraction=o.ttl_fraction, ttl_s=o.ttl_s, seed=seed + i, writer_id=i,
                 core=cores[i], seq_stamp=self.kind == "pubsub", bind=self.kind == "pubsub",
-                flush_s=o.flush_s, tick_s=o.tick_s))
+                flush_s=o.flush_s, tick_s=o.tick_s, keys_dir=o.keys_dir))
         pubs = tuple(self.publishers())
         subs = [SubscriberConfig(endpoint=pubs[0], endpoints=pubs if len(pubs) > 1 else (),
                                  latency_every=o.latency_every, drain_s=o.drain_s,
-                                 core=cores[o.writers + j])
+                                 core=cores[o.writers + j], keys_dir=o.keys_dir)
                 for j in range(1 if self.kind == "pubsub" else o.subscribers)]
         return writers, subs
 

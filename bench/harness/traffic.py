@@ -140,6 +140,7 @@ class WriterConfig:
     tick_s: float = RATE_TICK_S    # mode "rate": shortest sleep between bursts
     bind: bool = False             # bind the collector endpoints (bare PUB->SUB: the subscriber
                                    # connects, as to a server's publisher)
+    keys_dir: str = ""             # CURVE: connect with the cluster's client key
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -158,10 +159,19 @@ class SubscriberConfig:
     endpoints: tuple[str, ...] = ()  # several publishers (shards): overrides endpoint
     bind: bool = False             # bind the endpoints (bare PUB->SUB: writers connect)
     progress_s: float = 0.5        # send running totals to the parent this often (0: never)
+    keys_dir: str = ""             # CURVE: connect with the cluster's client key
 
     @property
     def sources(self) -> tuple[str, ...]:
         return self.endpoints or (self.endpoint,)
+
+
+def _secure(sock: zmq.Socket, keys_dir: str) -> None:
+    """CURVE client with the cluster's client key when ``keys_dir`` is set."""
+    if keys_dir:
+        from shards.common.security import Security
+
+        Security.load(keys_dir, "client").connect_side(sock)
 
 
 @dataclass(frozen=True)
@@ -260,6 +270,7 @@ def writer_main(cfg: WriterConfig, conn) -> None:
             if cfg.bind:
                 sock.bind(endpoint)
             else:
+                _secure(sock, cfg.keys_dir)
                 sock.connect(endpoint)
         schedule = routed_schedule(cfg)
         deadline = time.monotonic() + READY_DEADLINE_S
@@ -451,6 +462,7 @@ def subscriber_main(cfg: SubscriberConfig, conn) -> None:
             if cfg.bind:
                 sock.bind(endpoint)
             else:
+                _secure(sock, cfg.keys_dir)
                 sock.connect(endpoint)
         conn.send({"ready": True})
         if not conn.poll(GO_DEADLINE_S):
