@@ -166,7 +166,7 @@ class SubscriberConfig:
         return self.endpoints or (self.endpoint,)
 
 
-def _secure(sock: zmq.Socket, keys_dir: str) -> None:
+def _secure(sock, keys_dir: str) -> None:
     """CURVE client with the cluster's client key when ``keys_dir`` is set."""
     if keys_dir:
         from shards.common.security import Security
