@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import ROOT, free_port_base
 from shards.common.errors import ConfigError
@@ -537,3 +538,28 @@ def test_cli_plans_for_another_host(procs):
                                    '"tcp://10.1.0.5:5555": no NIC of this host holds address '
                                    '10.1.0.5; its IPv4 addresses: '
                                    + local_host_facts().describe_nics(ipv4_only=True))
+
+
+def test_validate_warns_when_a_non_loopback_bind_has_curve_off(tmp_path):
+    facts = load_host_facts(FACTS_16)
+    exposed = plan(load_config(ROOT / "configs" / "16core-2nic.yaml"), facts)
+    warnings = [n for n in exposed.notes if "security.curve off" in n]
+    assert len(warnings) == 1 and "10.0.0.5" in warnings[0] and "10.1.0.5" in warnings[0]
+    data = yaml.safe_load((ROOT / "configs" / "16core-2nic.yaml").read_text())
+    data["security"] = {"curve": True}
+    path = tmp_path / "secure.yaml"
+    path.write_text(yaml.safe_dump(data))
+    secure = plan(load_config(path), facts)
+    assert not [n for n in secure.notes if "curve" in n]
+    assert secure.curve and secure.keys_dir == str(tmp_path / "keys")
+    local = plan(load_config(ROOT / "configs" / "4shard.yaml"), facts)
+    assert not [n for n in local.notes if "curve" in n]  # loopback only
+
+
+def test_security_and_limits_fields_are_checked():
+    with pytest.raises(ConfigError, match="security.curvy"):
+        parse_config({"shards": 1, "security": {"curvy": True}})
+    with pytest.raises(ConfigError, match="limits.control_message_bytes"):
+        parse_config({"shards": 1, "limits": {"control_message_bytes": 10}})
+    cfg = parse_config({"shards": 1, "limits": {"control_held_bytes": 1 << 20}})
+    assert cfg.limits.control_held_bytes == 1 << 20 and cfg.limits.control_message_bytes == 1 << 20

@@ -26,6 +26,9 @@ IPv4 address is bound) and a core set (``cores``: ``[2, 3]``, ``"2-3,6"``, ``5``
     fsync               everysec                         always | everysec | no
     security.curve      false                            CURVE on every socket
     security.keys_dir   "keys" beside the config file    the cluster's key pairs
+    limits.control_message_bytes      1 MiB    the broker's largest frame and message
+    limits.control_held_bytes         64 MiB   request bytes the broker holds, in all
+    limits.control_client_held_bytes  8 MiB    ... for one client
 
 Every model forbids unknown fields. ``load_config`` turns YAML and pydantic errors into
 one ``ConfigError`` whose lines read ``FIELD: given VALUE: PROBLEM; EXPECTED``, with
@@ -318,6 +321,14 @@ class ShardConfig(_Model):
         return getattr(self, role)
 
 
+class LimitsConfig(_Model):
+    """Byte budgets of the control plane (``shards.common.mdp.broker_core``)."""
+
+    control_message_bytes: int = Field(default=1 << 20, ge=1024)
+    control_held_bytes: int = Field(default=64 << 20, ge=0)
+    control_client_held_bytes: int = Field(default=8 << 20, ge=0)
+
+
 class SecurityConfig(_Model):
     """CURVE on every socket (``shards.common.security``)."""
 
@@ -338,6 +349,7 @@ class ClusterConfig(_Model):
     data_dir: str | None = DEFAULT_DATA_DIR
     fsync: Literal["always", "everysec", "no"] = "everysec"
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
     shards: list[ShardConfig]
     _source_dir: Path | None = PrivateAttr(default=None)
 

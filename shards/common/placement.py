@@ -119,6 +119,8 @@ class Plan:
     fsync: str = "everysec"
     curve: bool = False
     keys_dir: str = ""
+    control_limits: tuple[int, int, int] = (1 << 20, 64 << 20, 8 << 20)
+    """The broker's (message, held, per-client held) byte budgets."""
 
     @property
     def servers(self) -> list[ServerPlan]:
@@ -251,6 +253,10 @@ def _check_ports(config: ClusterConfig, servers: list[ServerPlan], problems: Pro
                          "or the control endpoint", raw_given=True)
 
 
+def _loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("localhost", "::1")
+
+
 def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
     """Resolve ``config`` on the host ``facts`` describes; ConfigError lists every misfit.
 
@@ -288,6 +294,15 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
                                      primary=pair["primary"], backup=pair["backup"]))
     _check_ports(config, servers, problems)
     problems.raise_if_any()
+    if not config.security.curve:
+        exposed = sorted({s.address for s in servers if not _loopback(s.address)}
+                         | ({config.control_address}
+                            if not _loopback(config.control_address) else set()))
+        if exposed:
+            notes.append(f"warning: servers or the control plane bind {', '.join(exposed)} "
+                         "(not loopback) with security.curve off: anyone who can reach "
+                         "them can read and write the map and use the control commands; "
+                         "set security: {curve: true} (see the README's Security)")
     routing = RoutingParams(shard_count=len(shard_plans),
                             prefixes=tuple(sh.prefixes for sh in shard_plans))
     return Plan(cluster=config.cluster, control=config.control,
@@ -295,7 +310,10 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
                 heartbeat_s=config.heartbeat_s, silence_timeout_s=config.silence_timeout_s,
                 shards=tuple(shard_plans), routing=routing, host=facts, notes=tuple(notes),
                 data_dir=config.data_dir, fsync=config.fsync,
-                curve=config.security.curve, keys_dir=str(config.keys_dir))
+                curve=config.security.curve, keys_dir=str(config.keys_dir),
+                control_limits=(config.limits.control_message_bytes,
+                                config.limits.control_held_bytes,
+                                config.limits.control_client_held_bytes))
 
 
 # ---------------------------------------------------------------- the OS check

@@ -118,7 +118,7 @@ class Supervisor:
         import zmq
 
         from shards.common.mdp.broker import Broker
-        from shards.common.mdp.broker_core import BrokerConfig
+        from shards.common.mdp.broker_core import budget_config
         from supervisor.services import ControlServices, StatsPoller
         from supervisor.runner import Runner, ServerArgs
 
@@ -130,7 +130,8 @@ class Supervisor:
         ctx = zmq.Context()
         security = (Security.load(the_plan.keys_dir, "server") if the_plan.curve
                     else Security.off())
-        broker = Broker([the_plan.control], BrokerConfig(), ctx=ctx, security=security)
+        broker = Broker([the_plan.control], budget_config(*the_plan.control_limits), ctx=ctx,
+                        security=security)
         runner = Runner(the_plan, self.run_dir,
                         ServerArgs(control=control, heartbeat_s=the_plan.heartbeat_s,
                                    parent_pid=os.getpid(),

@@ -89,6 +89,14 @@ from shards.common.mdp.codec import (C_FINAL, C_PARTIAL, C_REQUEST, MDPC, MDPW, 
 MMI_PREFIX = b"mmi."
 
 
+def budget_config(message_bytes: int, held_bytes: int, client_held_bytes: int,
+                  **kw) -> "BrokerConfig":
+    """A ``BrokerConfig`` whose frames, messages and held requests are bounded in bytes
+    (``limits.control_*`` in a cluster config)."""
+    return BrokerConfig(max_held_bytes=held_bytes, max_held_bytes_per_client=client_held_bytes,
+                        limits=mdp.Limits(max_body_bytes=message_bytes), **kw)
+
+
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
     heartbeat_s: float = MDP_HEARTBEAT_S
