@@ -229,7 +229,7 @@ class ShardServer:
         """CURVE keys (``--keys-dir``): set before ``bind``."""
         self._auth: Authenticator | None = None
         self.persist = None
-        """A ``shards.persist.LogWriter`` when the server persists (``--data-dir``)."""
+        """A ``shards.persist.DataDir`` when the server persists (``--data-dir``)."""
         self._persist_flush: asyncio.Handle | None = None
         self._persist_timer: asyncio.TimerHandle | None = None
         self._held: list[tuple] = []
