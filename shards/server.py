@@ -87,13 +87,13 @@ MAX_ACTIVE_SNAPSHOTS = 16
 MAX_WAITING_SNAPSHOTS = 1024
 COLLECT_BATCH = 512
 SUBSCRIPTION_CHECK_S = 0.05
+"""How often the publisher is checked for new subscriptions besides its FD's edges."""
 PERSIST_TICK_S = 0.25
 """How often a persisting server checks its everysec fsync and whether to compact."""
 COMPACT_PACE_S = 0.001
 """Pause between two chunks of a compaction: the snapshot takes at most about a quarter
 of the reactor's time (256 keys, ~0.3 ms, per 1.3 ms), so a compaction under full load
 costs clients little latency (``python -m bench durability``)."""
-"""How often the publisher is checked for new subscriptions besides its FD's edges."""
 PUB_SNDHWM = 100_000
 COLLECT_RCVHWM = 100_000
 SNAPSHOT_SNDHWM = 10_000
@@ -233,8 +233,9 @@ class ShardServer:
         self._persist_flush: asyncio.Handle | None = None
         self._persist_timer: asyncio.TimerHandle | None = None
         self._held: list[tuple] = []
-        """``fsync: always``: KVPUBs applied and logged but not yet published; they go
-        out in order right after the batch's fsync (group commit)."""
+        """A persisting server's KVPUBs applied and logged but not yet published: they go
+        out in order right after the turn's write (and, with ``fsync: always``, its
+        fsync: group commit)."""
         self.active = False
         self.ctx: zmq.Context | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
