@@ -136,7 +136,7 @@ class Store:
                 self._expiry[key] = expiry_s
                 heapq.heappush(self._heap, (expiry_s, key))
                 if len(self._heap) > 2 * len(self._expiry) + 1024:
-                    self._compact_heap()
+                    self.rebuild_ttl_index()
         else:
             data.pop(key, None)
         return seq
@@ -144,16 +144,14 @@ class Store:
     def load_entries(self, flat: list) -> None:
         """Bulk-load ``[key, value, expires, key, value, expires, ...]`` (a snapshot
         file's chunk: present keys, expires an absolute instant or None). Does not
-        touch the sequence; no cursor may be open."""
+        touch the sequence; no cursor may be open. Call ``rebuild_ttl_index`` once after
+        the last chunk (one heapify for the whole load, not one per chunk)."""
         keys, values, expiries = flat[0::3], flat[1::3], flat[2::3]
         self.data.update(zip(keys, values))
         expiry = self._expiry
-        heap = self._heap
         for key, expiry_s in zip(keys, expiries):
             if expiry_s is not None:
                 expiry[key] = expiry_s
-                heap.append((expiry_s, key))
-        heapq.heapify(heap)
 
     def _record_undo(self, key: bytes) -> None:
         old = self.data.get(key)
@@ -195,7 +193,9 @@ class Store:
     def ttl_heap_size(self) -> int:
         return len(self._heap)
 
-    def _compact_heap(self) -> None:
+    def rebuild_ttl_index(self) -> None:
+        """The TTL heap from ``_expiry`` alone: drops stale entries (and indexes a bulk
+        load)."""
         self._heap = [(e, k) for k, e in self._expiry.items()]
         heapq.heapify(self._heap)
 

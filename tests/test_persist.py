@@ -139,6 +139,11 @@ def test_a_compaction_during_writes_snapshots_the_map_as_it_was(tmp_path):
     got = recover(tmp_path)
     assert got.snapshot_seq == 40 and got.records == 5
     assert state_of(got.store) == state_of(store) and got.store.seq == store.seq == 45
+    # the TTL index is whole after a bulk load: every key expires at its instant
+    assert got.store.ttl_keys == store.ttl_keys
+    assert got.store.next_expiry() == min(store.expiries().values())
+    due = sorted(store.expiries().items(), key=lambda kv: kv[1])
+    assert [k for k, _ in got.store.pop_expired(due[-1][1])] == [k for k, _ in due]
 
 
 def test_compaction_keeps_the_disk_within_three_times_the_live_data(tmp_path):

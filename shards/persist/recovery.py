@@ -113,6 +113,7 @@ def load_snapshot(path: Path) -> tuple[Store, str, int]:
     if count != loaded or count != len(store):
         raise CorruptLog(f"the snapshot says {count} keys, holds {loaded}",
                          path=scan.where, offset=scan.end)
+    store.rebuild_ttl_index()
     store.seq = seq
     return store, scan.generation, loaded
 
