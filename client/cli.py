@@ -44,7 +44,7 @@ from shards.common.proto import chp
 from shards.common.zio import AsyncSocket
 from client.api import AsyncClone
 from client.router import Cluster, fetch_cluster
-from shards.common.security import Security
+from shards.common.security import Security, client_keys
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -129,13 +129,12 @@ class Target:
         """CURVE: the cluster's keys directory (a config with ``security.curve`` gives
         its own)."""
 
-    def security(self, cluster: Cluster | None = None) -> Security | None:
-        """The keys to present, if any: ``--keys``, else the cluster's (config)."""
-        if self.keys:
-            return Security.load(self.keys, "client")
-        if cluster is not None and cluster.curve and cluster.keys_dir:
-            return Security.load(cluster.keys_dir, "client")
-        return None
+    def security(self, cluster: Cluster | None = None) -> Security:
+        """The keys to present: ``--keys``, else the cluster's (config), else none."""
+        if cluster is None:
+            return client_keys(self.keys)
+        return client_keys(self.keys, curve=cluster.curve, cluster_keys_dir=cluster.keys_dir,
+                           source=cluster.source)
 
     def describe(self) -> str:
         if self.config:
@@ -303,7 +302,7 @@ async def do_trace(target: Target, shard: str, count: int | None) -> int:
     socks: list[AsyncSocket] = []
     try:
         cluster = await target.cluster(ctx)
-        security = target.security(cluster) or Security.off()
+        security = target.security(cluster)
         try:
             spec = cluster.shard(shard)
         except KeyError:

@@ -58,8 +58,8 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
-from shards.common.errors import ConfigError, Timeout
-from shards.common.security import Security
+from shards.common.errors import Timeout
+from shards.common.security import Security, client_keys
 from shards.common.proto import chp
 from shards.common import timing
 from shards.common.timing import HEARTBEAT_S
@@ -233,13 +233,8 @@ class AsyncClone:
                 silence = timing.silence_timeout_s(heartbeat_s)
         self.silence_timeout_s = silence
         self.cluster = cluster
-        if self.keys_dir is not None or cluster.curve:
-            keys_dir = self.keys_dir if self.keys_dir is not None else cluster.keys_dir
-            if keys_dir is None:
-                raise ConfigError(f"{cluster.source}: the cluster uses CURVE; give "
-                                  "keys=DIR (the directory `supervisor keygen` wrote)",
-                                  field="keys")
-            self.security = Security.load(keys_dir, "client")
+        self.security = client_keys(self.keys_dir, curve=cluster.curve,
+                                    cluster_keys_dir=cluster.keys_dir, source=cluster.source)
         specs = cluster.shards_for(self._subtree_b)
         threads = 0
         if self.io_threads is not None:
@@ -270,8 +265,7 @@ class AsyncClone:
                 cluster = await fetch_cluster(
                     self.control, ctx=mdp_ctx,
                     timeout_s=min(self.control_timeout_s, timeout_s),
-                    security=Security.load(self.keys_dir, "client") if self.keys_dir
-                    else None)
+                    security=client_keys(self.keys_dir))
             finally:
                 mdp_ctx.destroy(linger=0)
             if self.cluster is None:

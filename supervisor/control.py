@@ -12,7 +12,7 @@ from typing import Callable
 from shards.common.errors import ClonemapError, ConfigError, Exit
 from shards.common.mdp.client import SyncMdpClient
 from shards.common.config import DEFAULT_CONTROL, load_config
-from shards.common.security import Security
+from shards.common.security import Security, client_keys
 from supervisor.protocol import check_target
 
 CONTROL_TIMEOUT_S = 3.0
@@ -34,8 +34,8 @@ class Control(str):
 def resolve_control(control: str | None, config: str | None) -> Control:
     """The control endpoint: ``--control``, else the CONFIG's ``control``, else
     $CLONEMAP_CONTROL, else the default. A wildcard bind is reached on 127.0.0.1.
-    CURVE keys: the CONFIG's (``security.curve``), else ``$CLONEMAP_KEYS`` (a keys
-    directory), else none."""
+    CURVE keys: ``$CLONEMAP_KEYS`` (a keys directory), else the CONFIG's (with
+    ``security.curve``), else none (``shards.common.security.client_keys``)."""
     cluster = load_config(config) if config else None
     if control:
         endpoint = control
@@ -43,11 +43,10 @@ def resolve_control(control: str | None, config: str | None) -> Control:
         endpoint = cluster.control
     else:
         endpoint = os.environ.get("CLONEMAP_CONTROL", DEFAULT_CONTROL)
-    security = None
-    if cluster is not None and cluster.security.curve:
-        security = Security.load(cluster.keys_dir, "client")
-    elif os.environ.get("CLONEMAP_KEYS"):
-        security = Security.load(os.environ["CLONEMAP_KEYS"], "client")
+    security = client_keys(os.environ.get("CLONEMAP_KEYS") or None,
+                           curve=cluster is not None and cluster.security.curve,
+                           cluster_keys_dir=cluster.keys_dir if cluster is not None else None,
+                           source=str(config))
     return Control(endpoint.replace("tcp://*:", "tcp://127.0.0.1:"), security)
 
 

@@ -138,6 +138,24 @@ class Security:
         return CLIENT if public_key in self.allowed else None
 
 
+def client_keys(keys_dir: str | os.PathLike | None = None, *, curve: bool = False,
+                cluster_keys_dir: str | os.PathLike | None = None,
+                source: str = "cluster") -> Security:
+    """The key pair a client presents (the client, ``chp``, the control commands):
+    ``keys_dir`` when given, else the cluster's keys directory when the cluster uses
+    CURVE, else none (plain TCP). A CURVE cluster whose keys directory is unknown is a
+    ``ConfigError`` naming what to give."""
+    if keys_dir is not None:
+        return Security.load(keys_dir, CLIENT)
+    if not curve:
+        return Security.off()
+    if cluster_keys_dir is None:
+        raise ConfigError(f"{source}: the cluster uses CURVE; give the keys directory "
+                          "(keys=DIR, --keys DIR or $CLONEMAP_KEYS: what `supervisor "
+                          "keygen` wrote)", field="keys")
+    return Security.load(cluster_keys_dir, CLIENT)
+
+
 class Authenticator:
     """The ZAP handler of one process (one per context that binds): pyzmq's
     ``ThreadAuthenticator`` admitting the public keys of ``keys_dir``, with the User-Id
