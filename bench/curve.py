@@ -134,13 +134,7 @@ def run(args: argparse.Namespace) -> rec.Record:
 
 
 def _per_round(runs: list[dict], key: str) -> list[float]:
-    out = []
-    for r in sorted({x["round"] for x in runs}):
-        row = {x["mode"]: x for x in runs if x["round"] == r}
-        plain, curve = row.get("plain"), row.get("curve")
-        if plain and curve and plain.get(key) and curve.get(key):
-            out.append(round(curve[key] / plain[key], 3))
-    return out
+    return rec.ratios_per_round(runs, lambda run: run.get(key), "curve", "plain", "mode")
 
 
 def summarize(record: rec.Record) -> None:

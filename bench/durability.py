@@ -267,13 +267,7 @@ def run(args: argparse.Namespace) -> rec.Record:
 
 
 def _ratios(runs, part, key, num, den, by="policy"):
-    out = []
-    for r in sorted({x["round"] for x in runs if x["part"] == part}):
-        row = {x[by]: x for x in runs if x["part"] == part and x["round"] == r}
-        a, b = row.get(num), row.get(den)
-        if a and b and key(a) and key(b):
-            out.append(round(key(a) / key(b), 3))
-    return out
+    return rec.ratios_per_round([x for x in runs if x["part"] == part], key, num, den, by)
 
 
 def summarize(record: rec.Record) -> None:

@@ -197,6 +197,19 @@ def spread(values: list[float], digits: int = 1) -> dict:
             "spread_pct": round(100 * (max(values) - min(values)) / med, 1) if med else None}
 
 
+def ratios_per_round(runs: list[dict], value, num: str, den: str, by: str) -> list[float]:
+    """For each round, ``value(run)`` of the run whose ``by`` is ``num`` over the one
+    whose ``by`` is ``den`` (rounded to 3 decimals); rounds missing either are skipped.
+    Ratios in the same round share the host's conditions (see the report's method)."""
+    out = []
+    for r in sorted({x["round"] for x in runs}):
+        row = {x[by]: x for x in runs if x["round"] == r}
+        a, b = row.get(num), row.get(den)
+        if a and b and value(a) and value(b):
+            out.append(round(value(a) / value(b), 3))
+    return out
+
+
 # ------------------------------------------------------------------------------ tables
 
 def print_table(title: str, columns: list[str], rows: list[list], caption: str = "") -> None:

@@ -26,7 +26,7 @@ import click
 from shards.common.errors import Exit
 from shards.persist import format as fmt
 from shards.persist.format import CorruptLog
-from shards.persist.recovery import list_files, needed, recover, replay_records
+from shards.persist.recovery import Recovered, list_files, needed, recover, replay_records
 
 BACKUP_ATTEMPTS = 5
 
@@ -41,12 +41,17 @@ def server_dirs(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and holds(p)) if root.is_dir() else []
 
 
-def verify_dir(path: Path) -> dict:
-    """Load a copy of ``path`` (recovery may truncate a torn tail: never the original)."""
+def recover_copy(path: Path) -> Recovered:
+    """Load a scratch copy of ``path`` (recovery may truncate a torn tail or move an
+    incomplete replica aside: never in the original)."""
     with tempfile.TemporaryDirectory() as scratch:
         copy = Path(scratch) / "d"
         shutil.copytree(path, copy)
-        got = recover(copy)
+        return recover(copy)
+
+
+def verify_dir(path: Path) -> dict:
+    got = recover_copy(path)
     return {"dir": str(path), "keys": len(got.store), "seq": got.store.seq,
             "generation": got.generation, "term": got.term,
             "ttl_keys": got.store.ttl_keys, "snapshot_seq": got.snapshot_seq,
@@ -104,9 +109,7 @@ def dump(target: Path):
         return raw.decode("utf-8", "backslashreplace")
     try:
         if target.is_dir():
-            with tempfile.TemporaryDirectory() as scratch:
-                shutil.copytree(target, Path(scratch) / "d")
-                store = recover(Path(scratch) / "d").store
+            store = recover_copy(target).store
             for key, value in sorted(store.items()):
                 click.echo(json.dumps({"key": text(key), "value": text(value),
                                        "expires": store.expiry_of(key)}))
