@@ -118,15 +118,22 @@ def load_snapshot(path: Path) -> tuple[Store, str, int]:
     return store, scan.generation, loaded
 
 
+def segment_records(scan: fmt.Scan):
+    """``(offset, [first_seq, key, value, expires, ...])`` for each record of a
+    segment; ``CorruptLog`` for a record of another shape."""
+    for offset, rec in scan.records():
+        if not isinstance(rec, list) or len(rec) % 3 != 1 or not isinstance(rec[0], int):
+            raise CorruptLog("not a segment record", path=scan.where, offset=offset)
+        yield offset, rec
+
+
 def replay_segment(store: Store, path: Path, *, last: bool) -> tuple[int, int, str]:
     """Apply the segment's updates after ``store.seq``; ``(applied, torn_bytes,
     generation)``. Truncates a torn tail when ``last``; raises ``CorruptLog`` on a gap."""
     scan = fmt.Scan(path, fmt.LOG_MAGIC, allow_torn=last)
     applied = 0
     apply = store.apply
-    for offset, rec in scan.records():
-        if not isinstance(rec, list) or len(rec) % 3 != 1 or not isinstance(rec[0], int):
-            raise CorruptLog("not a segment record", path=scan.where, offset=offset)
+    for offset, rec in segment_records(scan):
         first = rec[0]
         if first > store.seq + 1:
             raise CorruptLog(f"updates {store.seq + 1}..{first - 1} are missing",
@@ -197,9 +204,7 @@ def replay_records(path: Path):
     """Every update in one segment, as ``(seq, key, value, expires)`` (a torn tail is
     ignored, not truncated): for tools and for keeping dropped updates."""
     scan = fmt.Scan(path, fmt.LOG_MAGIC, allow_torn=True)
-    for offset, rec in scan.records():
-        if not isinstance(rec, list) or len(rec) % 3 != 1:
-            raise CorruptLog("not a segment record", path=scan.where, offset=offset)
+    for _, rec in segment_records(scan):
         seq = rec[0]
         for i in range(1, len(rec), 3):
             yield seq, rec[i], rec[i + 1], rec[i + 2]
