@@ -75,6 +75,11 @@ SCENARIOS = {
                       "CURVE on every socket vs plain TCP, same run: single-shard updates/s, "
                       "CPU per update, snapshot time", {"smoke": "~15 s", "quick": "~1 min",
                                                         "full": "~2 min"}),
+    "slow_subscriber": Scenario(
+        "bench.slow_subscriber", "slow_subscriber",
+        "one never-reading subscriber and 8 KB values: server RSS and the other "
+        "subscribers' delivery time, byte budgets on and off",
+        {"smoke": "~10 s", "quick": "~30 s", "full": "~1 min"}),
     "report": Scenario("bench.report", None,
                        "Markdown report + PNG plots from the latest records",
                        {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),
@@ -82,7 +87,7 @@ SCENARIOS = {
 ALIASES = {"chp_throughput": "single"}
 ALL_DURATION = {"smoke": "~2.5 min", "quick": "~8.5 min", "full": "~27 min"}
 ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failover", "handoff",
-         "durability", "curve"]
+         "durability", "curve", "slow_subscriber"]
 """What ``all`` runs, in this order, then ``report`` (``failover_supervised`` runs alone:
 it starts a whole 8-server cluster)."""
 
@@ -109,6 +114,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
                        "2000", "--rate", "1000", "--recovery-keys", "5000"],
         "curve": ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "1", "--keys", "2000",
                   "--snapshot-keys", "2000"],
+        "slow_subscriber": ["--writes", "3000", "--rounds", "1"],
         "report": [],
     },
     "quick": {
@@ -128,6 +134,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "durability": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2",
                        "--recovery-keys", "200000"],
         "curve": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
+        "slow_subscriber": ["--writes", "20000", "--rounds", "2"],
         "report": [],
     },
     "full": {
@@ -148,6 +155,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "handoff": ["--rate", "40000", "--seconds", "3"],
         "durability": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],
         "curve": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],
+        "slow_subscriber": ["--writes", "40000", "--rounds", "3"],
         "report": [],
     },
 }

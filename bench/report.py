@@ -41,6 +41,8 @@ SCENARIOS = [
      "python -m bench durability"),
     ("curve", "CURVE cost: encryption and authentication on every socket",
      "python -m bench curve"),
+    ("slow_subscriber", "A never-reading subscriber: what it pins, budgets on and off",
+     "python -m bench slow_subscriber"),
 ]
 FORWARDER_TARGET = 0.70   # one shard / bare forwarding loop
 

@@ -33,10 +33,11 @@ import uvloop
 from shards.common.errors import ConfigError, Exit, PortInUse
 from shards import streams
 from shards.pair import PairServer, parse_peer
-from shards.pending import MAX_AGE_S, MAX_ENTRIES
+from shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES
 from shards.common.proto import chp
 from shards.common.routing import ShardMap
 from shards.common.security import Security
+from shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES
 from shards.server import (CLOCK_S, COLLECT_BATCH, COLLECT_RCVHWM, HEARTBEAT_S, MAX_ACTIVE_SNAPSHOTS,
                            PUB_SNDHWM, SNAPSHOT_CHUNK, SNAPSHOT_SNDHWM, SNAPSHOT_STALL_S,
                            ServerConfig, ShardServer)
@@ -243,7 +244,17 @@ def _recover(server: ShardServer, data_dir: str, fsync: str, compact_min_bytes: 
               show_default=True, help="Snapshots streamed at once; more requests wait.")
 @click.option("--collect-batch", type=click.IntRange(1), default=COLLECT_BATCH,
               show_default=True, help="KVSETs handled per loop turn.")
-@click.option("--pub-hwm", type=click.IntRange(0), default=PUB_SNDHWM, show_default=True)
+@click.option("--pub-hwm", type=click.IntRange(0), default=PUB_SNDHWM, show_default=True,
+              help="The publisher's largest mark in messages (0: no count limit).")
+@click.option("--subscriber-held-bytes", type=click.IntRange(0),
+              default=SUBSCRIBER_HELD_BYTES, show_default=True,
+              help="Bytes one subscriber that reads nothing may pin in this server: the "
+                   "publisher's mark is derived from it and the largest update so far "
+                   "(0: only --pub-hwm).")
+@click.option("--writer-held-bytes", type=click.IntRange(0),
+              default=WRITER_HELD_BYTES, show_default=True,
+              help="Bytes one writer's queued KVSETs may pin in the collector, the same "
+                   "way (0: only --collect-hwm).")
 @click.option("--collect-hwm", type=click.IntRange(0), default=COLLECT_RCVHWM,
               show_default=True)
 @click.option("--snapshot-hwm", type=click.IntRange(1), default=SNAPSHOT_SNDHWM,
@@ -272,6 +283,10 @@ def _recover(server: ShardServer, data_dir: str, fsync: str, compact_min_bytes: 
               help="This server's shard index in --routing (required with it).")
 @click.option("--pending-max", type=click.IntRange(1), default=MAX_ENTRIES,
               show_default=True, help="Pending-table entries (passive server).")
+@click.option("--pending-max-bytes", type=click.IntRange(1), default=MAX_BYTES,
+              show_default=True,
+              help="Key, properties and value bytes the pending table holds (passive); "
+                   "the oldest go first, counted evicted_bytes.")
 @click.option("--pending-age-s", type=click.FloatRange(0.001), default=MAX_AGE_S,
               show_default=True, help="Longest a pending update is kept.")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
@@ -296,8 +311,8 @@ def _recover(server: ShardServer, data_dir: str, fsync: str, compact_min_bytes: 
               default="info", show_default=True)
 def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_props_bytes,
          max_subtree_bytes, snapshot_chunk, snapshot_stall_s, snapshot_yield_s, max_snapshots, collect_batch,
-         pub_hwm, collect_hwm, snapshot_hwm, cpus, pair_role, peer, shard, control,
-         parent_pid, shard_map, shard_index, pending_max, pending_age_s, data_dir, fsync,
+         pub_hwm, subscriber_held_bytes, writer_held_bytes, collect_hwm, snapshot_hwm, cpus, pair_role, peer, shard, control,
+         parent_pid, shard_map, shard_index, pending_max, pending_max_bytes, pending_age_s, data_dir, fsync,
          compact_min_bytes, compact_ratio, keys_dir, log_level):
     """Run one 12/CHP shard server: standalone, or one server of a Binary Star pair."""
     if pair_role is not None and peer is None:
@@ -328,13 +343,16 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
         snapshot_chunk=snapshot_chunk, snapshot_stall_s=snapshot_stall_s,
         snapshot_yield_s=snapshot_yield_s,
         max_active_snapshots=max_snapshots, collect_batch=collect_batch,
-        pub_sndhwm=pub_hwm, collect_rcvhwm=collect_hwm, snapshot_sndhwm=snapshot_hwm,
+        pub_sndhwm=pub_hwm, subscriber_held_bytes=subscriber_held_bytes,
+        writer_held_bytes=writer_held_bytes,
+        collect_rcvhwm=collect_hwm, snapshot_sndhwm=snapshot_hwm,
         shard_map=shard_map, shard_index=shard_index or 0)
     if pair_role is None:
         server = ShardServer(config)
     else:
         server = PairServer(config, role=pair_role, peer=peer, shard=shard,
-                            pending_max=pending_max, pending_age_s=pending_age_s)
+                            pending_max=pending_max, pending_age_s=pending_age_s,
+                            pending_max_bytes=pending_max_bytes)
     if keys_dir is not None:
         try:
             server.security = Security.load(keys_dir, "server")

@@ -58,7 +58,7 @@ from shards import bstar
 
 from shards.common import zio
 from shards.common.errors import ProtocolError
-from shards.pending import MAX_AGE_S, MAX_ENTRIES, PendingTable
+from shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES, PendingTable
 from shards.persist.recovery import fork_point
 from shards.common.proto import bstar as wire
 from shards.common.proto import bstar_ttl, chp
@@ -152,14 +152,15 @@ class PairServer(ShardServer):
 
     def __init__(self, config: ServerConfig, *, role: str, peer: tuple[str, int],
                  shard: str = "0", pending_max: int = MAX_ENTRIES,
-                 pending_age_s: float = MAX_AGE_S, split_brain_survivor: bool = True,
+                 pending_age_s: float = MAX_AGE_S, pending_max_bytes: int = MAX_BYTES,
+                 split_brain_survivor: bool = True,
                  sync_timeout_s: float | None = None):
         if role not in ("primary", "backup"):
             raise ValueError(f"role must be primary or backup, not {role!r}")
         super().__init__(config, role=role)
         self.shard = shard
         self.peer = peer
-        self.pending = PendingTable(pending_max, pending_age_s)
+        self.pending = PendingTable(pending_max, pending_age_s, pending_max_bytes)
         self.split_brain_survivor = split_brain_survivor
         self.machine: bstar.Machine | None = None
         self.fatal = ""
@@ -456,6 +457,9 @@ class PairServer(ShardServer):
         if self.active:
             ShardServer.on_collect(self, frames)
             return
+        size = sum(map(len, frames))
+        if size > self._fast_limit:  # the collector's mark holds for a passive too
+            self._lower_mark(self.marks.received(size))
         self.hold_pending(frames)
 
     def hold_pending(self, frames: list[bytes]) -> None:
@@ -475,7 +479,8 @@ class PairServer(ShardServer):
         if not self.owns(kvset.key):  # the active drops it too: never confirmed
             return
         update = [kvset.key, chp.SEQ_ZERO, kvset.uuid, props, kvset.value]
-        self.pending.add(kvset.uuid, update, self.loop.time())
+        self.pending.add(kvset.uuid, update, self.loop.time(),
+                         len(kvset.key) + len(props) + len(kvset.value))
 
     def _ttl_stats(self) -> dict:
         pump = self.ttl_streams
@@ -501,6 +506,7 @@ class PairServer(ShardServer):
             "refused_votes": self.refused_votes,
             "split_brains_survived": self.split_brains_survived,
             "pending": len(self.pending),
+            "pending_bytes": self.pending.bytes,
             "pending_early": self.pending.early_count,
             "pending_applied": self.pending_applied,
             "pending_discarded": self.pending_discarded,

@@ -16,6 +16,7 @@ passive server applies exactly the updates the old active never published::
                                             return False
     confirm(empty uuid)                     nothing, return False        -
     more than max_entries pending           drop the oldest              evicted
+    more than max_bytes pending             drop the oldest              evicted_bytes
     pending longer than max_age_s           drop it (expire/add/confirm) expired
     drain(now)                              expire, then return and      drained
                                             clear all, arrival order
@@ -27,7 +28,9 @@ that a client KVSET arriving after its KVPUB is not kept forever or re-applied l
 Costs: every operation is O(1) amortised: two insertion-ordered dicts; since ``now``
 never goes backwards (a later ``now`` smaller than an earlier one is treated as the
 earlier one), the oldest entry is always first, so expiry and eviction pop from the
-front. Memory is bounded by ``2 * max_entries`` entries whatever the traffic.
+front. Memory is bounded by ``2 * max_entries`` entries whatever the traffic, and the
+pending updates by ``max_bytes`` of key, properties and value (each entry's ``size``, as
+the caller counts it; the largest update allowed is always kept).
 
 Empty UUIDs: 12/CHP makes the UUID optional. An update without one cannot be matched, so
 it is not tracked (counted as ``untracked``); the shell applies it as the active would
@@ -46,28 +49,35 @@ from typing import Any, NamedTuple
 
 MAX_ENTRIES = 100_000
 MAX_AGE_S = 30.0
+MAX_BYTES = 64 << 20
 
 
 class Pending(NamedTuple):
     uuid: bytes
     update: Any
     added_at: float
+    size: int = 0
 
 
 COUNTER_NAMES = ("added", "duplicates", "untracked", "confirmed", "early", "early_matched",
-                 "evicted", "expired", "early_evicted", "early_expired", "drained")
+                 "evicted", "evicted_bytes", "expired", "early_evicted", "early_expired",
+                 "drained")
 
 
 class PendingTable:
     """Updates heard from clients, by UUID, until the active publishes them."""
 
-    def __init__(self, max_entries: int = MAX_ENTRIES, max_age_s: float = MAX_AGE_S):
+    def __init__(self, max_entries: int = MAX_ENTRIES, max_age_s: float = MAX_AGE_S,
+                 max_bytes: int = MAX_BYTES):
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         if not max_age_s > 0:
             raise ValueError(f"max_age_s must be > 0, got {max_age_s}")
         self.max_entries = max_entries
         self.max_age_s = max_age_s
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        """The sizes of the pending updates, summed."""
         self._pending: OrderedDict[bytes, Pending] = OrderedDict()
         self._early: OrderedDict[bytes, float] = OrderedDict()
         self._now = float("-inf")
@@ -89,8 +99,8 @@ class PendingTable:
             self._now = now
         return self._now
 
-    def add(self, uuid: bytes, update: Any, now: float) -> bool:
-        """Record a client update; True if it is now pending."""
+    def add(self, uuid: bytes, update: Any, now: float, size: int = 0) -> bool:
+        """Record a client update of ``size`` bytes; True if it is now pending."""
         now = self._clock(now)
         self._expire(now)
         counters = self.counters
@@ -104,11 +114,16 @@ class PendingTable:
         if uuid in self._pending:
             counters["duplicates"] += 1
             return False
-        self._pending[uuid] = Pending(uuid, update, now)
+        pending = self._pending
+        pending[uuid] = Pending(uuid, update, now, size)
+        self.bytes += size
         counters["added"] += 1
-        if len(self._pending) > self.max_entries:
-            self._pending.popitem(last=False)
+        if len(pending) > self.max_entries:
+            self.bytes -= pending.popitem(last=False)[1].size
             counters["evicted"] += 1
+        while self.bytes > self.max_bytes and len(pending) > 1:
+            self.bytes -= pending.popitem(last=False)[1].size
+            counters["evicted_bytes"] += 1
         return True
 
     def confirm(self, uuid: bytes, now: float | None = None) -> bool:
@@ -117,7 +132,8 @@ class PendingTable:
             self._expire(self._clock(now))
         if not uuid:
             return False
-        if self._pending.pop(uuid, None) is not None:
+        if (entry := self._pending.pop(uuid, None)) is not None:
+            self.bytes -= entry.size
             self.counters["confirmed"] += 1
             return True
         if uuid not in self._early:
@@ -141,6 +157,7 @@ class PendingTable:
             if first.added_at >= cutoff:
                 break
             pending.popitem(last=False)
+            self.bytes -= first.size
             gone += 1
         early = self._early
         early_gone = 0
@@ -160,6 +177,7 @@ class PendingTable:
             self._expire(self._clock(now))
         out = list(self._pending.values())
         self._pending.clear()
+        self.bytes = 0
         self._early.clear()
         self.counters["drained"] += len(out)
         return out

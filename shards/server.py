@@ -65,6 +65,7 @@ import zmq
 from zmq.backend import Socket as _BackendSocket
 
 from shards import streams
+from shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES, ByteMarks
 from shards.common import zio
 from shards.common.drops import DropCounter
 from shards.common.errors import PortInUse, ProtocolError
@@ -105,6 +106,12 @@ _pack_seq = chp.pack_seq
 _RESERVED = chp.RESERVED_KEYS
 
 
+def collector_frame_limit(limits: chp.Limits) -> int:
+    """The collector's ``ZMQ_MAXMSGSIZE`` (libzmq checks it per frame): twice the largest
+    frame the limits allow, plus 64 KiB."""
+    return 2 * max(limits.max_key, limits.max_value, limits.max_props) + (64 << 10)
+
+
 def new_generation() -> str:
     """A fresh generation token: 16 hex digits, random (a restart draws a new one)."""
     return os.urandom(8).hex()
@@ -126,6 +133,11 @@ class ServerConfig:
     max_waiting_snapshots: int = MAX_WAITING_SNAPSHOTS
     collect_batch: int = COLLECT_BATCH
     pub_sndhwm: int = PUB_SNDHWM
+    subscriber_held_bytes: int = SUBSCRIBER_HELD_BYTES
+    """Bytes one never-reading subscriber may pin: the publisher's mark in messages is
+    derived from it and the largest message so far (``shards.byte_marks``); 0: off."""
+    writer_held_bytes: int = WRITER_HELD_BYTES
+    """The same for what one writer's queued KVSETs may pin in the collector."""
     collect_rcvhwm: int = COLLECT_RCVHWM
     snapshot_sndhwm: int = SNAPSHOT_SNDHWM
     shard_map: ShardMap | None = None
@@ -251,6 +263,12 @@ class ShardServer:
         self._limits = limits
         self._max_key = limits.max_key
         self._max_value = limits.max_value
+        self.marks = ByteMarks(
+            largest_allowed=limits.max_key + limits.max_props + limits.max_value,
+            max_value=limits.max_value,
+            pub_budget=config.subscriber_held_bytes, pub_cap=config.pub_sndhwm,
+            collect_budget=config.writer_held_bytes, collect_cap=config.collect_rcvhwm)
+        self._fast_limit = self.marks.fast_limit
         owner_map = config.shard_map
         self.owner_cache: OwnerCache | None = None
         if owner_map is not None and (owner_map.shards > 1 or config.shard_index != 0):
@@ -288,12 +306,15 @@ class ShardServer:
             self._bind(router, cfg.endpoint(0))
             self._router_sock = router
             pub = self._socket(zmq.XPUB)
-            pub.setsockopt(zmq.SNDHWM, cfg.pub_sndhwm)
+            pub.setsockopt(zmq.SNDHWM, self.marks.pub_hwm)
             pub.setsockopt(zmq.XPUB_VERBOSE, 1)
             self._bind(pub, cfg.endpoint(1))
             self._pub = pub
             collector = self._socket(zmq.SUB)
-            collector.setsockopt(zmq.RCVHWM, cfg.collect_rcvhwm)
+            collector.setsockopt(zmq.RCVHWM, self.marks.collect_hwm)
+            # a frame far beyond every limit disconnects its peer before it is buffered;
+            # one moderately over a limit is read and dropped, counted (oversize_*)
+            collector.setsockopt(zmq.MAXMSGSIZE, collector_frame_limit(cfg.limits))
             collector.setsockopt(zmq.SUBSCRIBE, b"")
             self._bind(collector, cfg.endpoint(2))
             self._collector_sock = collector
@@ -403,7 +424,8 @@ class ShardServer:
             # Fast path: a subset of what chp.decode_kvset accepts (ASCII key, no
             # properties); anything else takes the full check below.
             if (not props and len(seq_frame) == 8 and (not uuid or len(uuid) == 16)
-                    and 0 < len(key) <= self._max_key and len(value) <= self._max_value
+                    and 0 < (size := len(key)) <= self._max_key
+                    and size + len(value) <= self._fast_limit
                     and key.isascii() and key not in _RESERVED):
                 owned = self._owned_slots
                 if (owned is not None and key not in self.store.data and owned.get(
@@ -424,6 +446,9 @@ class ShardServer:
         self._collect_checked(frames)
 
     def _collect_checked(self, frames: list[bytes]) -> None:
+        size = sum(map(len, frames))
+        if size > self._fast_limit:
+            self._lower_mark(self.marks.received(size))
         try:
             kvset = chp.decode_kvset(frames, self._limits)
             key, value, props = kvset.key, kvset.value, kvset.props
@@ -438,6 +463,9 @@ class ShardServer:
             return
         if not self.owns(key):
             return
+        size = len(key) + len(props) + len(value)
+        if size > self._fast_limit:
+            self._lower_mark(self.marks.published(size))
         seq = self.store.apply(key, value, expiry_s)
         if self.persist is not None:
             self._log_and_publish(seq, key, kvset.uuid, props, value, expiry_s)
@@ -445,6 +473,17 @@ class ShardServer:
             zio.send_frames5(self._pub, key, _pack_seq(seq), kvset.uuid, props, value)
         if expiry_s is not None:
             self._arm_ttl()
+
+    def _lower_mark(self, which: str | None) -> None:
+        """A message larger than any so far was read or is about to be published: the
+        marks fell (``shards.byte_marks``), so that a subscriber that reads nothing, or
+        a writer, pins at most its byte budget. ``which``: the socket to tell, or None."""
+        marks = self.marks
+        self._fast_limit = marks.fast_limit
+        if which == "pub" and self._pub is not None:
+            self._pub.setsockopt(zmq.SNDHWM, marks.pub_hwm)
+        elif which == "collect" and self._collector_sock is not None:
+            self._collector_sock.setsockopt(zmq.RCVHWM, marks.collect_hwm)
 
     def _log_and_publish(self, seq: int, key: bytes, uuid: bytes, props: bytes, value: bytes,
                          expiry_s: float | None) -> None:
@@ -565,6 +604,8 @@ class ShardServer:
             return
         pub = self._pub
         for key, seq in self.store.pop_expired(time.time()):
+            if len(key) > self._fast_limit:  # a key recovered from disk, never published
+                self._lower_mark(self.marks.published(len(key)))
             if self.persist is not None:
                 self._log_and_publish(seq, key, b"", b"", b"", None)
             else:
@@ -689,6 +730,10 @@ class ShardServer:
             "kvsync_sent": self.kvsync_sent,
             "hugz_sent": self.hugz_sent,
             "hugz_welcome": self.hugz_welcome,
+            "pub_hwm": self.marks.pub_hwm,
+            "collect_hwm": self.marks.collect_hwm,
+            "largest_published_bytes": self.marks.pub_mark,
+            "largest_received_bytes": self.marks.collect_mark,
             "routing": (None if self.config.shard_map is None else
                         {"shard_index": self.config.shard_index,
                          "shards": self.config.shard_map.shards,

@@ -119,6 +119,9 @@ class Runner:
                 path = self.log_dir / f"{server.shard}-{server.role}.log"
                 argv = server_argv(server, peer, args) + routing_argv(plan.routing,
                                                                       server.index)
+                argv += ["--subscriber-held-bytes", str(plan.subscriber_held_bytes),
+                         "--writer-held-bytes", str(plan.writer_held_bytes),
+                         "--pending-max-bytes", str(max(1 << 20, plan.writer_held_bytes))]
                 data = self.data_dir(server)
                 if data is not None:
                     argv += ["--data-dir", str(data), "--fsync", plan.fsync]

@@ -12,7 +12,7 @@ import pytest
 from conftest import bench_record, run_bench
 
 RECORDS = ["chp_throughput", "scaleout", "latency", "load", "snapshot", "fanout", "failover",
-           "handoff", "durability", "curve"]
+           "handoff", "durability", "curve", "slow_subscriber"]
 """What ``python -m bench all`` saves (the report reads these)."""
 
 
@@ -162,6 +162,15 @@ def check_curve(data: dict) -> None:
     assert data["summary"]["updates_ratio_curve_to_plain_per_round"]
 
 
+def check_slow_subscriber(data: dict) -> None:
+    runs = data["runs"]
+    assert [r["mode"] for r in runs] == ["baseline", "snail", "snail_off"]
+    for r in runs:  # the healthy reader got the whole flood every time
+        assert r["reader_received"] >= 3000 and r["reader_seconds"] > 0, r
+    assert len(data["summary"]["snail_pinned_mib_per_round"]) == 1
+    assert any("never-reading" in t["name"] for t in data["targets"])
+
+
 def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
     stdout = run_bench(procs, tmp_path, "bench", "all", "--smoke")
     records = {name: bench_record(tmp_path, name) for name in RECORDS}
@@ -176,6 +185,7 @@ def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
     assert records["load"]["runs"] and records["load"]["summary"]
     check_durability(records["durability"], keys=5000)
     check_curve(records["curve"])
+    check_slow_subscriber(records["slow_subscriber"])
     assert (tmp_path / "REPORT.md").exists() and list((tmp_path / "plots").glob("*.png"))
     table = "\n".join(stdout)
     assert "python -m bench all (smoke)" in table and "FAILED" not in table

@@ -71,6 +71,23 @@ def test_count_bound_evicts_the_oldest():
     assert t.counters["evicted"] == 2
 
 
+def test_byte_bound_evicts_the_oldest_and_keeps_the_sum_exact():
+    t = PendingTable(max_entries=100, max_age_s=10.0, max_bytes=10_000)
+    for i in range(5):
+        t.add(u(i), i, now=0.0, size=3_000)
+    assert t.bytes == 9_000 and t.counters["evicted_bytes"] == 2
+    assert [p.update for p in t.drain()][:1] == [2] and t.bytes == 0
+    t.add(u(10), 10, now=0.0, size=50_000)  # larger than the budget: kept alone
+    assert len(t) == 1 and t.bytes == 50_000
+    t.add(u(11), 11, now=1.0, size=100)
+    assert [p.update for p in t.drain()] == [11]
+    t.add(u(12), 12, now=2.0, size=700)
+    t.add(u(13), 13, now=5.0, size=800)
+    assert t.confirm(u(12), now=5.0) and t.bytes == 800
+    t.expire(100.0)
+    assert len(t) == 0 and t.bytes == 0
+
+
 def test_early_confirmations_are_bounded_too():
     t = PendingTable(max_entries=3, max_age_s=100.0)
     for i in range(10):

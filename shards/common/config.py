@@ -29,6 +29,10 @@ IPv4 address is bound) and a core set (``cores``: ``[2, 3]``, ``"2-3,6"``, ``5``
     limits.control_message_bytes      1 MiB    the broker's largest frame and message
     limits.control_held_bytes         64 MiB   request bytes the broker holds, in all
     limits.control_client_held_bytes  8 MiB    ... for one client
+    limits.subscriber_held_bytes      64 MiB   what one never-reading subscriber may
+                                               pin in a server (0: count messages only)
+    limits.writer_held_bytes          64 MiB   ... one writer's queued KVSETs, and a
+                                               passive's pending table
 
 Every model forbids unknown fields. ``load_config`` turns YAML and pydantic errors into
 one ``ConfigError`` whose lines read ``FIELD: given VALUE: PROBLEM; EXPECTED``, with
@@ -322,11 +326,17 @@ class ShardConfig(_Model):
 
 
 class LimitsConfig(_Model):
-    """Byte budgets of the control plane (``shards.common.mdp.broker_core``)."""
+    """Byte budgets: the control plane's (``shards.common.mdp.broker_core``) and a
+    server publisher's per subscriber (``shards.pub_budget``)."""
 
     control_message_bytes: int = Field(default=1 << 20, ge=1024)
     control_held_bytes: int = Field(default=64 << 20, ge=0)
     control_client_held_bytes: int = Field(default=8 << 20, ge=0)
+    subscriber_held_bytes: int = Field(default=64 << 20, ge=0)
+    """Bytes one subscriber that reads nothing may pin in a server (``shards.byte_marks``)."""
+    writer_held_bytes: int = Field(default=64 << 20, ge=0)
+    """Bytes one writer's queued KVSETs may pin in a server's collector; also the
+    passive's pending-table budget (at least 1 MiB there)."""
 
 
 class SecurityConfig(_Model):

@@ -121,6 +121,10 @@ class Plan:
     keys_dir: str = ""
     control_limits: tuple[int, int, int] = (1 << 20, 64 << 20, 8 << 20)
     """The broker's (message, held, per-client held) byte budgets."""
+    subscriber_held_bytes: int = 64 << 20
+    """What one never-reading subscriber may pin in a server (``--subscriber-held-bytes``)."""
+    writer_held_bytes: int = 64 << 20
+    """... one writer's queue, and a passive's pending table (``--writer-held-bytes``)."""
 
     @property
     def servers(self) -> list[ServerPlan]:
@@ -313,7 +317,9 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
                 curve=config.security.curve, keys_dir=str(config.keys_dir),
                 control_limits=(config.limits.control_message_bytes,
                                 config.limits.control_held_bytes,
-                                config.limits.control_client_held_bytes))
+                                config.limits.control_client_held_bytes),
+                subscriber_held_bytes=config.limits.subscriber_held_bytes,
+                writer_held_bytes=config.limits.writer_held_bytes)
 
 
 # ---------------------------------------------------------------- the OS check
