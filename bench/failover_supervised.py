@@ -58,6 +58,7 @@ def _config(tmp: Path) -> tuple[Path, str, dict]:
         port = int(control.rsplit(":", 1)[1])
         if not base <= port < base + 80:
             break
+    data["metrics"] = "off"  # not measured here; 9464 may be another cluster's
     for i, shard in enumerate(data["shards"]):
         shard["primary"]["port"] = base + 20 * i
         shard["backup"]["port"] = base + 20 * i + 10

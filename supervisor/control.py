@@ -9,7 +9,7 @@ import json
 import os
 from typing import Callable
 
-from shards.common.errors import ClonemapError, ConfigError, Exit
+from shards.common.errors import ClonemapError, ConfigError, Exit, Timeout
 from shards.common.mdp.client import SyncMdpClient
 from shards.common.config import DEFAULT_CONTROL, load_config
 from shards.common.security import Security, client_keys
@@ -60,11 +60,34 @@ class ReplyError(ClonemapError):
         self.exit_code = {"404": EXIT_NOT_FOUND, "400": EXIT_USAGE}.get(status, Exit.FAILED)
 
 
+LISTEN_CHECK_S = 0.5
+
+
+def ensure_listening(endpoint: str) -> None:
+    """Fail at once, ``Timeout`` (exit 4), when nothing listens on the control port: a
+    refused TCP connection needs no MDP deadline. Anything else (a listener, a slow
+    host) is left to the MDP request and its own deadline."""
+    import socket
+
+    from shards.common.config import endpoint_parts
+
+    host, port = endpoint_parts(str(endpoint))
+    try:
+        with socket.create_connection((host, port), timeout=LISTEN_CHECK_S):
+            return
+    except ConnectionRefusedError:
+        raise Timeout(f"no supervisor at {endpoint}: nothing listens on port {port}",
+                      what="supervisor") from None
+    except OSError:
+        return
+
+
 def call(endpoint: str, service: str, *body: bytes, timeout_s: float = CONTROL_TIMEOUT_S,
          retries: int = 1, on_partial: Callable[[bytes], None] | None = None) -> bytes:
     """One control request; returns the FINAL payload after the 200 status. Raises
     ``shards.common.errors.Timeout`` when no supervisor answers, ``ReplyError`` otherwise.
     Commands that act (kill, restart, stop) pass ``retries=0``: never sent twice."""
+    ensure_listening(endpoint)
     with SyncMdpClient(endpoint, timeout_s=timeout_s, retries=retries,
                        security=getattr(endpoint, "security", None)) as client:
         with client.stream(service, *body) as stream:
@@ -82,6 +105,7 @@ def call(endpoint: str, service: str, *body: bytes, timeout_s: float = CONTROL_T
 def ping(endpoint: str, service: str, timeout_s: float = CONTROL_TIMEOUT_S) -> None:
     """Check that a supervisor answers and hosts ``service`` (MMI ``mmi.service``);
     ``Timeout`` if nobody answers, ``ReplyError`` 404 if it lacks the service."""
+    ensure_listening(endpoint)
     with SyncMdpClient(endpoint, timeout_s=timeout_s, retries=1,
                        security=getattr(endpoint, "security", None)) as client:
         reply = client.request("mmi.service", service.encode())

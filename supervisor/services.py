@@ -35,11 +35,14 @@ from shards.common.cluster import cluster_map
 from shards.common.placement import Plan
 from supervisor.protocol import (BAD_REQUEST, CONFLICT, DEFAULT_LOG_LINES, MAX_LOG_LINES,
                                  NOT_FOUND, OK, check_target, stats_service)
+from supervisor.health import ClusterHealth, shards_without_active
 from supervisor.runner import RUNNING, Runner
 
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 1.0
+REFRESH_S = 0.5
+"""The longest a status answer waits for its fresh stats round."""
 
 
 def tail_lines(path: str | os.PathLike, lines: int) -> bytes:
@@ -61,10 +64,14 @@ def tail_lines(path: str | os.PathLike, lines: int) -> bytes:
 class ControlServices:
     """The handlers, over one Runner. ``stop_requested`` is set by ``cluster.stop``."""
 
-    def __init__(self, plan: Plan, runner: Runner, stop_requested: asyncio.Event):
+    def __init__(self, plan: Plan, runner: Runner, stop_requested: asyncio.Event,
+                 poller: "StatsPoller | None" = None, health: ClusterHealth | None = None):
         self.plan = plan
         self.runner = runner
         self.stop_requested = stop_requested
+        self.poller = poller
+        """Asked for one fresh round before a status answer (None: the last figures)."""
+        self.health = health
         self.map_body = json.dumps(cluster_map(plan), sort_keys=True).encode()
 
     def handlers(self) -> dict[str, Callable]:
@@ -97,13 +104,23 @@ class ControlServices:
     async def on_status(self, request: Request) -> list[bytes]:
         """cluster.status: no body -> one PARTIAL per server (JSON: shard, role, state,
         pid, cores, address, port, bstar, seq, keys, updates_per_s, restarts, last_exit,
-        reason, stats...), then FINAL 200, JSON {cluster, control, pid, servers, states}."""
-        for row in self.runner.describe():
+        reason, stats...), then FINAL 200, JSON {cluster, control, pid, servers, states,
+        without_active: [shard...], failovers: {shard: n}, events: [{at, text}]}. The
+        figures are fresh: one stats round is asked first (at most ``REFRESH_S``)."""
+        if self.poller is not None:
+            try:
+                await asyncio.wait_for(self.poller.poll_round(), REFRESH_S)
+            except asyncio.TimeoutError:
+                pass  # a server that does not answer keeps its last figures
+        rows = self.runner.describe()
+        for row in rows:
             await request.partial(json.dumps(row, sort_keys=True).encode())
         summary = {"cluster": self.plan.cluster, "control": self.plan.control,
                    "pid": os.getpid(), "servers": len(self.runner.servers),
                    "states": self.runner.counts(), "run_dir": str(self.runner.run_dir),
-                   "stopping": self.runner.stopping}
+                   "stopping": self.runner.stopping,
+                   "without_active": shards_without_active(rows),
+                   **(self.health.summary() if self.health is not None else {})}
         return [OK, json.dumps(summary, sort_keys=True).encode()]
 
     def on_stop(self, request: Request) -> list[bytes]:
@@ -162,11 +179,16 @@ class ControlServices:
 
 class StatsPoller:
     """Asks every RUNNING server for its stats (MDP ``shard.<SHARD>.<ROLE>``) once per
-    interval, concurrently, one MDP client per server; answers land in the Runner."""
+    interval, concurrently, one MDP client per server; answers land in the Runner, and
+    the health tracker sees every round. ``poll_round()`` joins the round in progress or
+    starts one (a status answer asks for fresh figures that way)."""
 
     def __init__(self, runner: Runner, endpoint: str, ctx: zmq.Context,
-                 interval_s: float = STATS_INTERVAL_S, security=None):
+                 interval_s: float = STATS_INTERVAL_S, security=None,
+                 health: ClusterHealth | None = None):
         self.runner = runner
+        self.health = health
+        self._round: asyncio.Task | None = None
         self.endpoint = endpoint
         self.interval_s = interval_s
         self.clients = {name: MdpClient(endpoint, ctx=ctx, timeout_s=interval_s * 0.9,
@@ -176,15 +198,28 @@ class StatsPoller:
 
     async def run(self) -> None:
         while True:
-            await asyncio.gather(*(self._ask(name) for name, proc in self.runner.servers.items()
-                                   if proc.state == RUNNING))
+            await self.poll_round()
             await asyncio.sleep(self.interval_s)
+
+    async def poll_round(self) -> None:
+        if self._round is None or self._round.done():
+            self._round = asyncio.get_running_loop().create_task(self._one_round())
+        await asyncio.shield(self._round)
+
+    async def _one_round(self) -> None:
+        await asyncio.gather(*(self._ask(name) for name, proc in self.runner.servers.items()
+                               if proc.state == RUNNING))
+        if self.health is not None:
+            self.health.observe(self.runner.describe())
 
     async def _ask(self, name: str) -> None:
         proc = self.runner.servers[name]
         service = stats_service(proc.plan.shard, proc.plan.role)
         try:
-            body = await self.clients[name].request(service)
+            client = self.clients.get(name)
+            if client is None:  # closed
+                return
+            body = await client.request(service)
             stats = json.loads(body[-1])
             if not isinstance(stats, dict):
                 raise ValueError("not a JSON object")
@@ -195,5 +230,10 @@ class StatsPoller:
         proc.set_stats(stats, self.runner.clock())
 
     async def close(self) -> None:
-        for client in self.clients.values():
+        """Idempotent."""
+        if self._round is not None:
+            self._round.cancel()
+            await asyncio.gather(self._round, return_exceptions=True)
+        clients, self.clients = self.clients, {}
+        for client in clients.values():
             await client.close()

@@ -5,7 +5,8 @@
     shard      the shard's name
     role       primary / backup (the configured role; Binary Star decides who serves)
     bstar      the server's Binary Star state: ACTIVE serves clients, PASSIVE replicates,
-               PRIMARY/BACKUP still looking for its peer
+               PRIMARY/BACKUP still looking for its peer; ``-``: no stats from this run
+               of the server yet (it is starting, restarting, or does not answer)
     pid        the process id of the current run
     cores      the cores it is pinned to
     address    the address and port base P it binds (P..P+3); only ``port`` when every
@@ -18,6 +19,8 @@
                FAILED (crashed too often: not restarted), STOPPING, STOPPED
 """
 from __future__ import annotations
+
+import time
 
 from rich import box
 from rich.table import Table
@@ -77,6 +80,30 @@ def status_table(rows: list[dict], title: str | None = None) -> Table:
     for row in rows:
         table.add_row(*row_cells(row, with_address=shared is None))
     return table
+
+
+def status_notes(rows: list[dict], summary: dict) -> list[str]:
+    """Lines under the table: shards without an ACTIVE server (in words), what ``-``
+    means when it shows, and recent takeovers."""
+    from supervisor.health import shards_without_active
+
+    lines = []
+    without = summary.get("without_active")
+    if not isinstance(without, list):
+        without = shards_without_active(rows)
+    for shard in without:
+        states = ", ".join(f"{r['role']} {r.get('state')}"
+                           + (f" ({r['bstar']})" if r.get("bstar") else "")
+                           for r in rows if r.get("shard") == shard)
+        lines.append(f"[bold red]{shard} has no ACTIVE server[/]: its clients cannot read "
+                     f"a snapshot or write now ({states})")
+    if any(row.get("bstar") is None for row in rows):
+        lines.append("[dim]bstar -: no stats from that run of the server yet (starting, "
+                     "restarting, or not answering)[/]")
+    for event in (summary.get("events") or [])[-5:]:
+        at = time.strftime("%H:%M:%S", time.localtime(event.get("at", 0)))
+        lines.append(f"{at} {event.get('text')}")
+    return lines
 
 
 def summary_line(rows: list[dict]) -> str:

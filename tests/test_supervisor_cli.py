@@ -32,6 +32,7 @@ def write_config(tmp_path: Path, source: str, **overrides) -> tuple[Path, str]:
     data = yaml.safe_load((ROOT / "configs" / source).read_text())
     control = f"tcp://127.0.0.1:{free_port_base(1)}"
     data["control"] = control
+    data["metrics"] = f"127.0.0.1:{free_port_base(1)}"
     shards = data["shards"]
     count = shards if isinstance(shards, int) else len(shards)
     base = free_port_base(20 * count)

@@ -95,6 +95,7 @@ def test_servers_bind_the_ipv4_address_of_their_nic(netns, procs, tmp_path):
     config = tmp_path / "nic.yaml"
     config.write_text(yaml.safe_dump({
         "cluster": "nic", "control": control, "port_base": base, "shards": 1,
+        "metrics": "off",
         "defaults": {"nic": nic, "cores": "auto"}}))
 
     out = subprocess.run(in_ns(ns, "validate", str(config), "--json"), cwd=ROOT,

@@ -9,6 +9,7 @@ IPv4 address is bound) and a core set (``cores``: ``[2, 3]``, ``"2-3,6"``, ``5``
     field               default                          notes
     cluster             "clonemap"                       letters, digits, _ . -
     control             "tcp://127.0.0.1:5555"           tcp://IPV4:PORT or tcp://*:PORT
+    metrics             "127.0.0.1:9464"                 Prometheus /metrics; off: none
     heartbeat_s         1.0                              > 0
     silence_timeout_s   3 x heartbeat_s                  > heartbeat_s
     port_base           6000                             shard i: primary port_base+20*i,
@@ -236,6 +237,34 @@ def parse_endpoint(value: Any) -> str:
     return f"tcp://{host}:{port}"
 
 
+DEFAULT_METRICS = "127.0.0.1:9464"
+
+
+def parse_metrics(value: Any) -> str | None:
+    """``HOST:PORT`` where the supervisor serves Prometheus metrics; ``off`` (YAML reads
+    a bare off as false) or null: none."""
+    expected = ("expected HOST:PORT such as 127.0.0.1:9464 (0.0.0.0:PORT for every "
+                "interface), or off")
+    if value is None or value is False or (isinstance(value, str)
+                                           and value.strip().lower() == "off"):
+        return None
+    if not isinstance(value, str):
+        raise ValueError(expected)
+    m = re.fullmatch(r"([^:/\s]+):(\d+)", value.strip())
+    if not m:
+        raise ValueError(expected)
+    host, port = m.group(1), int(m.group(2))
+    if host == "*":
+        host = WILDCARD
+    try:
+        host = str(ipaddress.IPv4Address(host))
+    except ValueError:
+        raise ValueError(f"{host!r} is not an IPv4 address; {expected}") from None
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range; expected 1..65535")
+    return f"{host}:{port}"
+
+
 def endpoint_parts(endpoint: str) -> tuple[str, int]:
     """``tcp://127.0.0.1:5555`` -> ``("127.0.0.1", 5555)``; ``*`` becomes 0.0.0.0."""
     host, _, port = endpoint[len("tcp://"):].rpartition(":")
@@ -266,6 +295,7 @@ Prefix = Annotated[str, PlainValidator(parse_prefix)]
 Seconds = Annotated[float, PlainValidator(parse_seconds)]
 OptSeconds = Annotated[Union[float, None], PlainValidator(parse_seconds)]
 Endpoint = Annotated[str, PlainValidator(parse_endpoint)]
+Metrics = Annotated[Union[str, None], PlainValidator(parse_metrics)]
 
 
 # ---------------------------------------------------------------- models
@@ -352,6 +382,7 @@ class ClusterConfig(_Model):
 
     cluster: Annotated[str, PlainValidator(parse_name)] = DEFAULT_CLUSTER
     control: Endpoint = DEFAULT_CONTROL
+    metrics: Metrics = DEFAULT_METRICS
     heartbeat_s: Seconds = DEFAULT_HEARTBEAT_S
     silence_timeout_s: OptSeconds = None
     port_base: Annotated[int, PlainValidator(parse_port)] = DEFAULT_PORT_BASE
@@ -456,6 +487,14 @@ class ClusterConfig(_Model):
     @property
     def control_port(self) -> int:
         return endpoint_parts(self.control)[1]
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """``(host, port)`` of the metrics endpoint, or None when it is off."""
+        if self.metrics is None:
+            return None
+        host, _, port = self.metrics.rpartition(":")
+        return host, int(port)
 
     @property
     def shard_count(self) -> int:

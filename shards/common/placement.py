@@ -124,6 +124,8 @@ class Plan:
     subscriber_held_bytes: int = 64 << 20
     """What one never-reading subscriber may pin in a server (``--subscriber-held-bytes``)."""
     writer_held_bytes: int = 64 << 20
+    metrics: tuple[str, int] | None = None
+    """Where the supervisor serves Prometheus metrics (host, port), or None."""
     """... one writer's queue, and a passive's pending table (``--writer-held-bytes``)."""
 
     @property
@@ -142,6 +144,7 @@ class Plan:
                 "heartbeat_s": self.heartbeat_s, "silence_timeout_s": self.silence_timeout_s,
                 "routing": self.routing.to_dict(),
                 "data_dir": self.data_dir, "fsync": self.fsync,
+                "metrics": None if self.metrics is None else "%s:%d" % self.metrics,
                 "security": {"curve": self.curve, "keys_dir": self.keys_dir},
                 "shards": [{"index": sh.index, "name": sh.name,
                             "prefixes": list(sh.prefixes),
@@ -319,7 +322,8 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
                                 config.limits.control_held_bytes,
                                 config.limits.control_client_held_bytes),
                 subscriber_held_bytes=config.limits.subscriber_held_bytes,
-                writer_held_bytes=config.limits.writer_held_bytes)
+                writer_held_bytes=config.limits.writer_held_bytes,
+                metrics=config.metrics_address)
 
 
 # ---------------------------------------------------------------- the OS check
@@ -334,6 +338,13 @@ def check_ports_free(the_plan: Plan, *, source: str = "",
         problems.add("control", the_plan.control,
                      f"control port {the_plan.control_port} cannot be bound on "
                      f"{the_plan.control_address}: {reason}")
+    if the_plan.metrics is not None:
+        host, port = the_plan.metrics
+        reason = probe(host, port)
+        if reason:
+            problems.add("metrics", f"{host}:{port}",
+                         f"metrics port {port} cannot be bound on {host}: {reason}; pick "
+                         "another (metrics: HOST:PORT) or turn it off (metrics: off)")
     for s in the_plan.servers:
         for port, what in zip(s.ports, PORT_NAMES):
             reason = probe(s.address, port)

@@ -24,6 +24,7 @@ server makes, and when:
 """
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -38,6 +39,8 @@ log = logging.getLogger("shards.persist")
 
 FSYNC_POLICIES = ("always", "everysec", "no")
 EVERYSEC_S = 1.0
+FSYNC_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+"""Upper bounds of the log fsync duration histogram (``clonemap_persist_fsync_seconds``)."""
 COMPACT_RATIO = 1.0
 """Compact when the segments since the last snapshot exceed this times its size."""
 COMPACT_MIN_BYTES = 64 << 20
@@ -159,6 +162,8 @@ class DataDir:
             ("records", "updates", "fsyncs", "compactions", "compactions_aborted",
              "snapshot_keys_written", "replaced", "dropped_updates"), 0)
         self.fsync_s_total = 0.0
+        self.fsync_counts = [0] * (len(FSYNC_BUCKETS_S) + 1)
+        """Log fsyncs per duration bucket (``FSYNC_BUCKETS_S``, the last: beyond)."""
         self.torn_bytes = 0
         self.last_compaction_s = 0.0
 
@@ -244,7 +249,9 @@ class DataDir:
     def _fsync(self) -> None:
         t0 = time.perf_counter()
         os.fsync(self._fd)
-        self.fsync_s_total += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.fsync_s_total += took
+        self.fsync_counts[bisect.bisect_left(FSYNC_BUCKETS_S, took)] += 1
         self.counters["fsyncs"] += 1
         self._unsynced = False
         self._synced_at = self.clock()
@@ -371,6 +378,8 @@ class DataDir:
         job = self.compaction
         return {"path": str(self.path), "fsync": self.policy, **self.counters,
                 "fsync_s_total": round(self.fsync_s_total, 6),
+                "fsync_buckets": {"le": list(FSYNC_BUCKETS_S),
+                                  "counts": list(self.fsync_counts)},
                 "torn_bytes_recovered": self.torn_bytes,
                 "log_bytes": self.log_bytes, "snapshot_bytes": self.snapshot_bytes,
                 "compacting": None if job is None else {"seq": job.seq, "keys": job.keys},

@@ -11,7 +11,8 @@ prints it too, then returns). The run directory (default ``./run/<cluster>``) ho
 ``supervisor.pid``, ``supervisor.log`` and ``logs/<shard>-<role>.log``.
 
 Exit codes: 0 after a clean stop, 2 a config that does not fit (or a port taken at the
-check), 3 the control port in use, 1 anything else.
+check), 3 the control or metrics port in use, or this cluster already running (one
+line: "cluster C is already running (pid N, control EP)"), 1 anything else.
 """
 from __future__ import annotations
 
@@ -32,12 +33,15 @@ from shards.common.config import load_config
 from shards.common.security import Security
 from shards.common.hostfacts import local_host_facts
 from shards.common.placement import Plan, check_ports_free, plan
+from supervisor.running import running_cluster
 from supervisor.policy import (BACKOFF_CAP_S, BACKOFF_INITIAL_S, CRASH_LIMIT, CRASH_WINDOW_S,
                                PolicyConfig)
 
 log = logging.getLogger("supervisor")
 
 DETACH_READY_TIMEOUT_S = 60.0
+ACTIVE_POLL_S = 0.1
+"""How often READY's wait for an ACTIVE server per shard asks the servers again."""
 _LOG_FORMAT = "%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s"
 
 
@@ -119,6 +123,8 @@ class Supervisor:
 
         from shards.common.mdp.broker import Broker
         from shards.common.mdp.broker_core import budget_config
+        from supervisor.health import ClusterHealth
+        from supervisor.metrics import MetricsServer
         from supervisor.services import ControlServices, StatsPoller
         from supervisor.runner import Runner, ServerArgs
 
@@ -139,7 +145,14 @@ class Supervisor:
                                    if the_plan.curve else ()),
                         policy=self.policy, on_event=self.on_event,
                         log_max_bytes=self.log_max_bytes)
-        ControlServices(the_plan, runner, self.stop).register(broker)
+        health = ClusterHealth([sh.name for sh in the_plan.shards], on_event=self.on_event)
+        poller = StatsPoller(runner, control, ctx, security=security, health=health)
+        ControlServices(the_plan, runner, self.stop, poller=poller,
+                        health=health).register(broker)
+        metrics = None
+        if the_plan.metrics is not None:
+            metrics = MetricsServer(the_plan.metrics, loop,
+                                    self._metrics_snapshot(runner, health, broker))
         tasks: list[asyncio.Task] = []
         pid_file = self.run_dir / "supervisor.pid"
         try:
@@ -148,7 +161,17 @@ class Supervisor:
             except PortInUse as exc:
                 click.echo(f"error: control endpoint: {exc}", err=True)
                 return exc.exit_code
+            if metrics is not None:
+                try:
+                    metrics.start()
+                except OSError as exc:
+                    click.echo(f"error: metrics {metrics.url}: {exc.strerror or exc}; pick "
+                               "another port (metrics: HOST:PORT) or turn it off "
+                               "(metrics: off)", err=True)
+                    return PortInUse.exit_code
+                log.info("metrics on %s", metrics.url)
             pid_file.write_text(f"{os.getpid()}\n")
+            tasks.append(loop.create_task(poller.run()))
             starting = loop.create_task(runner.start_all(self.ready_timeout_s))
             stopping = loop.create_task(self.stop.wait())
             await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -165,13 +188,17 @@ class Supervisor:
             if missing:
                 log.warning("not running after %g s: %s", self.ready_timeout_s,
                             ", ".join(missing))
+            without = await self._wait_for_actives(runner, poller)
+            if without:
+                log.warning("no ACTIVE server after %g s in: %s", self.ready_timeout_s,
+                            ", ".join(without))
             print(f"READY supervisor cluster={the_plan.cluster} control={the_plan.control} "
                   f"pid={os.getpid()} servers={len(runner.servers)} running={running} "
-                  f"run_dir={self.run_dir}", flush=True)
+                  f"active_shards={len(the_plan.shards) - len(without)}/"
+                  f"{len(the_plan.shards)} run_dir={self.run_dir}"
+                  + (f" metrics={metrics.url}" if metrics is not None else ""), flush=True)
             if self.detached:  # from now on stdout goes to the log as well
                 os.dup2(2, 1)
-            poller = StatsPoller(runner, control, ctx, security=security)
-            tasks.append(loop.create_task(poller.run()))
             if self.demo_load:
                 from supervisor.demo_load import DemoLoad
 
@@ -193,11 +220,34 @@ class Supervisor:
         finally:
             for task in tasks:
                 task.cancel()
+            await poller.close()
+            if metrics is not None:
+                metrics.stop()
             runner.kill_all_now()  # only if something above failed midway
             await broker.stop()
             ctx.destroy(linger=0)
             if pid_file.exists() and pid_file.read_text().strip() == str(os.getpid()):
                 pid_file.unlink()
+
+    async def _wait_for_actives(self, runner, poller) -> list[str]:
+        """Until every shard has an ACTIVE server (fresh stats rounds), at most the ready
+        timeout; returns the shards still without one."""
+        from supervisor.health import shards_without_active
+
+        deadline = asyncio.get_running_loop().time() + self.ready_timeout_s
+        while True:
+            await poller.poll_round()
+            without = shards_without_active(runner.describe())
+            if not without or asyncio.get_running_loop().time() > deadline:
+                return without
+            await asyncio.sleep(ACTIVE_POLL_S)
+
+    @staticmethod
+    def _metrics_snapshot(runner, health, broker):
+        async def gather() -> dict:
+            return {"cluster": runner.plan.cluster, "rows": runner.describe(),
+                    "failovers": dict(health.failovers), "broker": broker.stats()}
+        return gather
 
     async def _live(self, runner) -> None:
         from rich.console import Console, Group
@@ -265,12 +315,20 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
     try:
         cluster = load_config(config)
         the_plan = plan(cluster, local_host_facts(), source=config)
+    except ConfigError as exc:
+        _fail(exc, exc.exit_code)
+    run_path = Path(run_dir or Path("run") / the_plan.cluster).resolve()
+    if not detached_child:
+        running = running_cluster(the_plan.cluster, config, run_path)
+        if running is not None:
+            click.echo(f"error: {running.line()}", err=True)
+            raise SystemExit(PortInUse.exit_code)
+    try:
         check_ports_free(the_plan, source=config)
         if the_plan.curve:  # the keys must be there before anything starts
             Security.load(the_plan.keys_dir, "server")
     except ConfigError as exc:
         _fail(exc, exc.exit_code)
-    run_path = Path(run_dir or Path("run") / the_plan.cluster).resolve()
     run_path.mkdir(parents=True, exist_ok=True)
     if detach and not detached_child:
         argv = ["start", str(Path(config).resolve()), "--run-dir", str(run_path),

@@ -17,6 +17,7 @@ from shards.common.errors import ConfigError
 from shards.common.config import format_cores, load_config
 from shards.common.hostfacts import load_host_facts, local_host_facts
 from shards.common.placement import Plan, check_ports_free, plan
+from supervisor.running import running_cluster
 
 
 def _plural(count: int, word: str) -> str:
@@ -69,7 +70,15 @@ def command(config: str, host_facts: str | None, as_json: bool, no_port_check: b
         the_plan = plan(cluster, facts, source=config)
         probed = facts.local and not no_port_check
         if probed:
-            check_ports_free(the_plan, source=config)
+            try:
+                check_ports_free(the_plan, source=config)
+            except ConfigError:
+                running = running_cluster(the_plan.cluster, config, None)
+                if running is None:
+                    raise
+                click.echo(f"error: {config}: {running.line()}: its ports are in use by "
+                           "it; validate a running cluster with --no-port-check", err=True)
+                raise SystemExit(ConfigError.exit_code) from None
     except ConfigError as exc:
         for line in str(exc).splitlines():
             click.echo(f"error: {line}", err=True)
