@@ -116,9 +116,15 @@ class ShardAgent:
                  max_lag_s: float | None = None,
                  on_lag: "Callable[[ShardAgent, float], bool] | None" = None,
                  on_reset: Callable[[ResetInfo], None] | None = None,
-                 reset_policy: str = ACCEPT, security: Security | None = None):
+                 reset_policy: str = ACCEPT, security: Security | None = None,
+                 route: str = "",
+                 on_wrong_route: "Callable[[ShardAgent, str], None] | None" = None):
         if not servers:
             raise ValueError(f"shard {name}: no servers")
+        self.route = route
+        """``I/N/DIGEST`` this client's routing expects of the shard's servers ("" : no
+        check); a HUGZ naming another is a wrong config: ``on_wrong_route(agent, theirs)``."""
+        self.on_wrong_route = on_wrong_route
         chp.check_subtree(subtree)
         self.ctx = ctx
         self.security = security or Security.off()
@@ -465,7 +471,14 @@ class ShardAgent:
             return False  # counted when applied
         if msg.__class__ is not _Hugz:
             return False
-        return self.link.note_hugz(chp.hugz_info(msg))
+        info = chp.hugz_info(msg)
+        self._check_route(info)
+        return self.link.note_hugz(info)
+
+    def _check_route(self, info: chp.HugzInfo) -> None:
+        if (info.route and self.route and info.route != self.route
+                and self.on_wrong_route is not None):
+            self.on_wrong_route(self, info.route)
 
     def _on_update(self, frames: list[bytes]) -> None:
         """A message on the SUB: KVPUB or HUGZ (hot path)."""
@@ -568,6 +581,8 @@ class ShardAgent:
         the gap) is seen here. A HUGZ sequence without a clock (the reference C
         server's) is only a liveness sign: our gap rule is not its contract."""
         info = chp.hugz_info(msg)
+        if info.route:
+            self._check_route(info)
         if self.link.note_hugz(info):
             self._dispatch(sm.NotServing())
             return

@@ -43,6 +43,7 @@ from shards.common.errors import ClonemapError, ConfigError, Exit, SlowConsumer
 from shards.common.proto import chp
 from shards.common.zio import AsyncSocket
 from client.api import AsyncClone
+from client.clone import check_write
 from client.router import Cluster, fetch_cluster
 from shards.common.security import Security, client_keys
 
@@ -97,7 +98,7 @@ def json_value(value: bytes):
 def _exit_code(exc: BaseException) -> int:
     if isinstance(exc, NotFound):
         return EXIT_NOT_FOUND
-    if isinstance(exc, (ConfigError, click.UsageError)):
+    if isinstance(exc, (ConfigError, click.UsageError, BadUsage)):
         return EXIT_USAGE
     if isinstance(exc, TimeoutError):
         return EXIT_TIMEOUT
@@ -106,6 +107,22 @@ def _exit_code(exc: BaseException) -> int:
     if isinstance(exc, (ValueError, TypeError)):
         return EXIT_USAGE  # a bad key, subtree or value
     return EXIT_FAILED
+
+
+def checked_endpoint(text: str, where: str) -> str:
+    """``tcp://IPV4:PORT`` or a usage error naming the option (exit 2, one line)."""
+    from shards.common.config import parse_endpoint
+
+    try:
+        return parse_endpoint(text).replace("tcp://*:", "tcp://127.0.0.1:")
+    except ValueError as exc:
+        raise BadUsage(f"{where} {text!r}: {exc}") from None
+
+
+class BadUsage(ClonemapError):
+    """A malformed option: one line, exit 2."""
+
+    exit_code = Exit.USAGE
 
 
 # ------------------------------------------------------------------ running a command
@@ -122,6 +139,13 @@ class Target:
                                    f"(got {' and '.join(given)})")
         self.control = control if (control or config or servers) else \
             os.environ.get("CLONEMAP_CONTROL", DEFAULT_CONTROL)
+        if self.control:
+            self.control = checked_endpoint(
+                self.control, "--control" if control else "$CLONEMAP_CONTROL")
+        for entry in servers:
+            for address in entry.split(","):
+                if address.strip():
+                    checked_endpoint(address.strip(), "--servers")
         self.config = config
         self.servers = servers
         self.timeout_s = timeout_s
@@ -146,8 +170,9 @@ class Target:
     def _pairs(self) -> list[list[str]]:
         return [[s for s in entry.split(",") if s.strip()] for entry in self.servers]
 
-    def clone(self, subtree: str = "") -> AsyncClone:
-        kw = dict(subtree=subtree, timeout_s=self.timeout_s, keys=self.keys)
+    def clone(self, subtree: str = "", only_key: str | None = None) -> AsyncClone:
+        kw = dict(subtree=subtree, timeout_s=self.timeout_s, keys=self.keys,
+                  only_key=only_key)
         if self.config:
             return AsyncClone(config=self.config, **kw)
         if self.servers:
@@ -175,10 +200,30 @@ def run(target: Target, coro_fn, *args) -> None:
     except (ClonemapError, ValueError, TypeError, OSError, zmq.ZMQError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if isinstance(exc, TimeoutError) and not isinstance(exc, NotFound):
-            message += f" (is the cluster up? tried {target.describe()})"
+            message += hint_for(exc, target)
         click.echo(f"chp: error: {message}", err=True)
         raise SystemExit(_exit_code(exc)) from None
     raise SystemExit(code or EXIT_OK)
+
+
+def hint_for(exc: TimeoutError, target: Target) -> str:
+    """The likely cause of a timeout, in words, from what the client saw."""
+    what = getattr(exc, "what", "")
+    text = str(exc)
+    if what == "echo":
+        return (" (the shard took the write but did not publish it: it has no ACTIVE "
+                "server now, or it dropped the write; `supervisor status` shows both, and "
+                "a dropped write is counted in its server's drops)")
+    if what == "snapshot":
+        if "authentication" in text or "handshake" in text:
+            return ""  # the link's own words say it
+        if "refused" in text or "PASSIVE" in text or "vote" in text:
+            return (" (a server refused to serve: the pair has no ACTIVE server now; see "
+                    "`supervisor status`)")
+        return f" (no snapshot from the servers: is the cluster up? tried {target.describe()})"
+    if what.startswith("mdp service"):
+        return f" (no cluster map: is the supervisor up? tried {target.describe()})"
+    return f" (is the cluster up? tried {target.describe()})"
 
 
 async def _with_signals(coro):
@@ -206,6 +251,10 @@ async def _with_signals(coro):
             loop.remove_signal_handler(signum)
 
 
+def check_key_text(key: str) -> None:
+    chp.check_key(key.encode("utf-8"))
+
+
 def _out(data: bytes) -> None:
     sys.stdout.buffer.write(data)
     sys.stdout.buffer.flush()
@@ -214,7 +263,8 @@ def _out(data: bytes) -> None:
 # ------------------------------------------------------------------ commands
 
 async def do_get(target: Target, key: str, mode: str) -> int:
-    async with target.clone(subtree_of(key)) as clone:
+    check_key_text(key)
+    async with target.clone(subtree_of(key), only_key=key) as clone:
         value = clone.get(key)
     if value is None:
         raise NotFound(f"key not found: {key}")
@@ -229,7 +279,8 @@ async def do_get(target: Target, key: str, mode: str) -> int:
 
 async def do_set(target: Target, key: str, value: bytes | None, ttl: float | None,
                  wait: bool) -> int:
-    async with target.clone(subtree_of(key)) as clone:
+    check_write(key, value or b"", ttl)  # what a server would drop: refused before connecting
+    async with target.clone(subtree_of(key), only_key=key) as clone:
         if value is None:
             if key not in clone:
                 raise NotFound(f"key not found: {key}")
@@ -376,7 +427,11 @@ def _value_of(value: str | None, hex_value: bool, path: str | None) -> bytes:
 @click.pass_context
 def main(ctx: click.Context, control, config, servers, timeout_s, keys) -> None:
     """Read, write, dump, watch and trace a clonemap cluster."""
-    ctx.obj = Target(control, config, servers, timeout_s, keys)
+    try:
+        ctx.obj = Target(control, config, servers, timeout_s, keys)
+    except BadUsage as exc:
+        click.echo(f"chp: error: {exc}", err=True)
+        ctx.exit(EXIT_USAGE)
 
 
 @main.command("get")

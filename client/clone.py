@@ -58,7 +58,7 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
-from shards.common.errors import Timeout
+from shards.common.errors import ClonemapError, ConfigError, Timeout
 from shards.common.security import Security, client_keys
 from shards.common.proto import chp
 from shards.common import timing
@@ -99,10 +99,32 @@ def _parse_servers(servers: "str | ServerAddress | Sequence[str | ServerAddress]
 def _ttl_text(ttl: float) -> str:
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
         raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
-    if not math.isfinite(ttl) or ttl < 0:
-        raise ValueError(f"ttl must be a finite number of seconds >= 0 (0: none), "
-                         f"got {ttl!r}")
+    if not math.isfinite(ttl) or not 0 <= ttl <= chp.MAX_TTL_S:
+        raise ValueError(f"ttl must be a number of seconds in 0..{chp.MAX_TTL_S:.0f} "
+                         f"(ten years; 0: none), got {ttl!r}: a server drops anything else")
     return str(int(ttl)) if float(ttl).is_integer() else repr(float(ttl))
+
+
+async def _cancelled(task: asyncio.Future) -> None:
+    """Cancel ``task`` and wait for it, so that nothing is left unretrieved."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def check_write(key: str, blob: bytes, ttl: float | None,
+                limits: chp.Limits = chp.DEFAULT_LIMITS) -> bytes:
+    """What a server would refuse, refused here at once (``ValueError``/``TypeError``):
+    the key (empty, not UTF-8, a reserved word, too long), the value's size, the ttl's
+    range. Returns the encoded key. ``chp set/del`` run it before connecting."""
+    if not isinstance(key, str):
+        raise TypeError(f"keys are str, not {type(key).__name__}")
+    key_b = key.encode("utf-8")
+    chp.check_key(key_b, "", limits)
+    if len(blob) > limits.max_value:
+        raise ValueError(f"value for {key!r} is {len(blob)} bytes, limit {limits.max_value}")
+    if ttl is not None:
+        _ttl_text(ttl)
+    return key_b
 
 
 class AsyncClone:
@@ -148,7 +170,8 @@ class AsyncClone:
                  sub_rcvhwm: int = SUB_RCVHWM,
                  max_lag_s: float | None = MAX_LAG_S,
                  on_reset: Callable[[ResetInfo], None] | None = None,
-                 reset_policy: str = ACCEPT, keys: "str | os.PathLike | None" = None):
+                 reset_policy: str = ACCEPT, keys: "str | os.PathLike | None" = None,
+                 only_key: str | None = None):
         if not isinstance(subtree, str):
             raise TypeError("subtree is a str such as '/orders/' (or '')")
         given = [name for name, v in (("servers", servers), ("shards", shards),
@@ -159,6 +182,11 @@ class AsyncClone:
                              f"(got {', '.join(given) or 'none'})")
         self.subtree = subtree
         self._subtree_b = chp.check_subtree(subtree.encode("utf-8"))
+        self.only_key = only_key
+        """Follow only the shard that owns this key (``chp get/set/del``): one snapshot,
+        one shard's sockets; other keys under the subtree are then out of reach."""
+        if only_key is not None and not only_key.encode("utf-8").startswith(self._subtree_b):
+            raise ValueError(f"only_key {only_key!r} is outside the subtree {subtree!r}")
         self.keys_dir = keys
         """The cluster's keys directory (CURVE); a config's ``security`` gives it too."""
         self.security = Security.off()
@@ -199,7 +227,10 @@ class AsyncClone:
                              f"got {slow_policy!r}")
         self.slow_policy = slow_policy
         self.on_slow = on_slow
-        self.failed: SlowSubscriber | None = None
+        self.failed: ClonemapError | None = None
+        """Why this client is dead (``SlowSubscriber`` with slow_policy "die", or a
+        ``ConfigError`` for a wrong cluster map); every call raises it."""
+        self._failed_future: asyncio.Future | None = None
         self.fell_behind = 0
         """How many times a shard's stream had a gap (this client fell behind)."""
         self._own_ctx = context is None
@@ -235,7 +266,10 @@ class AsyncClone:
         self.cluster = cluster
         self.security = client_keys(self.keys_dir, curve=cluster.curve,
                                     cluster_keys_dir=cluster.keys_dir, source=cluster.source)
-        specs = cluster.shards_for(self._subtree_b)
+        if self.only_key is not None:
+            specs = [cluster.shards[cluster.shard_map.owner(self.only_key.encode("utf-8"))]]
+        else:
+            specs = cluster.shards_for(self._subtree_b)
         threads = 0
         if self.io_threads is not None:
             # the Black Box pattern: the shards' sockets spread over the context's I/O
@@ -248,7 +282,9 @@ class AsyncClone:
                                subtree=self._subtree_b, hub=self._hub,
                                silence_timeout_s=silence,
                                affinity=1 << (position % threads) if threads else 0,
-                               security=self.security, **self._agent_kw)
+                               security=self.security,
+                               route=cluster.shard_map.route_of(spec.index),
+                               on_wrong_route=self._on_wrong_route, **self._agent_kw)
             self._agents.append(agent)
             self._by_index[spec.index] = agent
 
@@ -274,12 +310,22 @@ class AsyncClone:
             self._started = True
             for agent in self._agents:
                 agent.start()
+        if self.failed is not None:
+            raise self.failed
+        self._failed_future = asyncio.get_running_loop().create_future()
+        ready = asyncio.ensure_future(asyncio.gather(*(a.wait_ready() for a in self._agents)))
         try:
             # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
             # that lands just as the agents become ready
             async with asyncio.timeout(timeout_s):
-                await asyncio.gather(*(a.wait_ready() for a in self._agents))
+                await asyncio.wait({ready, self._failed_future},
+                                   return_when=asyncio.FIRST_COMPLETED)
+            if self.failed is not None:
+                await _cancelled(ready)
+                raise self.failed
+            await ready
         except TimeoutError:
+            await _cancelled(ready)
             states = "; ".join(
                 f"shard {a.name} at {a.server}: {a.phase}"
                 f"{', synced' if a.synced else ''}"
@@ -334,6 +380,33 @@ class AsyncClone:
             f"(max_lag_s {self.max_lag_s}); slow_policy='die'",
             shard=agent.name, lag_s=lag_s))
 
+    def _on_wrong_route(self, agent: ShardAgent, theirs: str) -> None:
+        """A server of ``agent``'s shard routes keys with another map than this client:
+        the client was planned from another config. It fails at once (every call, every
+        watch, a start in progress), rather than timing out on the keys it misroutes."""
+        if self.failed is not None:
+            return
+        index, count, _ = (theirs.split("/") + ["?", "?"])[:3]
+        mine = self.cluster.shard_map.shards if self.cluster is not None else "?"
+        exc = ConfigError(
+            f"wrong cluster map: this client routes keys over {mine} shards "
+            f"({self.cluster.source if self.cluster is not None else '?'}), but "
+            f"{agent.server} is shard {index} of {count} with another routing; use the "
+            "running cluster's own config, or control= to fetch its map",
+            field="routing")
+        self._fail_now(exc)
+        agent.loop.call_soon(self._close_agents)  # inside the agent's SUB batch now
+
+    def _fail_now(self, exc: ClonemapError) -> None:
+        self.failed = exc
+        log.error("%s", exc)
+        for core in list(self._hub.watches):
+            core.failed = exc
+            core.wake()
+        self._hub.watches.clear()
+        if self._failed_future is not None and not self._failed_future.done():
+            self._failed_future.set_result(exc)
+
     def _fell_behind(self, agent: ShardAgent, make_exc: Callable[[], SlowSubscriber]) -> bool:
         """True: handled here (die); False: the agent resyncs the shard."""
         if self.failed is not None:
@@ -341,13 +414,7 @@ class AsyncClone:
         self.fell_behind += 1
         if self.slow_policy == RESYNC:
             return False
-        exc = make_exc()
-        self.failed = exc
-        log.error("%s", exc)
-        for core in list(self._hub.watches):
-            core.failed = exc
-            core.wake()
-        self._hub.watches.clear()
+        self._fail_now(make_exc())
         # closed on the next loop turn: this runs inside an agent's SUB batch
         agent.loop.call_soon(self._close_agents)
         if self.on_slow is not None:
@@ -381,6 +448,9 @@ class AsyncClone:
             return self._by_index[index]
         except KeyError:
             # cannot happen for a key under the subtree (owners_of_subtree covers it)
+            if self.only_key is not None:
+                raise ValueError(f"key {key_b[:60]!r} is owned by shard {index}; this client "
+                                 f"follows only the owner of {self.only_key!r}") from None
             raise RuntimeError(f"routing: key {key_b[:60]!r} is owned by shard {index}, "
                                f"which subtree {self.subtree!r} does not fan out to") from None
 
@@ -458,9 +528,7 @@ class AsyncClone:
         (frames[0] is the key and frames[4] the encoded value)."""
         key_b = self._key(key)
         blob = b"" if value is None else self.codec.encode(value)
-        if len(blob) > self.limits.max_value:
-            raise ValueError(f"value for {key!r} is {len(blob)} bytes, limit "
-                             f"{self.limits.max_value}")
+        check_write(key, blob, ttl, self.limits)
         props = b"" if not ttl else chp.format_props({"ttl": _ttl_text(ttl)})
         agent = self._agent_for(key_b)
         if agent.kept is not None:

@@ -274,6 +274,10 @@ class ShardServer:
         if owner_map is not None and (owner_map.shards > 1 or config.shard_index != 0):
             self.owner_cache = OwnerCache(owner_map, config.shard_index)
         self._owned_slots = self.owner_cache.slots if self.owner_cache else None
+        self.route = (owner_map.route_of(config.shard_index) if owner_map is not None
+                      else "")
+        """Said in every HUGZ (``route=I/N/DIGEST``): a client routing with another map
+        (a wrong config) is told at once instead of timing out on some keys."""
         # snapshots: streamed by a StreamPump (made in start(), on the loop)
         self.snapshots: streams.StreamPump | None = None
         # timers
@@ -640,8 +644,8 @@ class ShardServer:
         serving = self.serving()
         if self.config.clock_s > 0:
             return chp.hugz(time.time(), self.store.seq - len(self._held), serving=serving,
-                            generation=self.generation)
-        return chp.hugz(serving=serving)
+                            generation=self.generation, route=self.route)
+        return chp.hugz(serving=serving, route=self.route)
 
     @property
     def _beat_s(self) -> float:

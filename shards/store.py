@@ -27,8 +27,7 @@ from typing import Iterator
 
 from shards.common.errors import ProtocolError
 
-MAX_TTL_S = 10 * 365 * 86400.0
-"""Longest accepted ``ttl`` (and furthest ``expires``): ten years."""
+from shards.common.proto.chp import MAX_TTL_S  # re-exported: the store checks it
 
 _TTL = b"ttl"
 _EXPIRES = b"expires"

@@ -8,11 +8,23 @@ import pkgutil
 import click
 
 from supervisor import commands as _commands
+from supervisor.control import common_options
+
+
+def _group_options(fn):
+    for decorate in reversed(common_options()):
+        fn = decorate(fn)
+    return fn
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def main() -> None:
-    """Run and control a clonemap cluster (not supervisord)."""
+@_group_options
+def main(control: str | None, config: str | None, timeout_s: float | None) -> None:
+    """Run and control a clonemap cluster (not supervisord).
+
+    The control commands (status, stop, kill, restart, logs) take the cluster the same
+    way, before or after the command: a CONFIG argument or --config, --control, else
+    $CLONEMAP_CONTROL; and --timeout-s."""
 
 
 for _info in sorted(pkgutil.iter_modules(_commands.__path__), key=lambda i: i.name):

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 from shards.common.errors import ClonemapError, ConfigError, Exit, Timeout
 from shards.common.mdp.client import SyncMdpClient
-from shards.common.config import DEFAULT_CONTROL, load_config
+from shards.common.config import DEFAULT_CONTROL, load_config, parse_endpoint
 from shards.common.security import Security, client_keys
 from supervisor.protocol import check_target
 
@@ -38,16 +39,24 @@ def resolve_control(control: str | None, config: str | None) -> Control:
     ``security.curve``), else none (``shards.common.security.client_keys``)."""
     cluster = load_config(config) if config else None
     if control:
-        endpoint = control
+        endpoint = _checked(control, "--control")
     elif cluster is not None:
         endpoint = cluster.control
     else:
-        endpoint = os.environ.get("CLONEMAP_CONTROL", DEFAULT_CONTROL)
+        endpoint = _checked(os.environ.get("CLONEMAP_CONTROL", DEFAULT_CONTROL),
+                            "$CLONEMAP_CONTROL")
     security = client_keys(os.environ.get("CLONEMAP_KEYS") or None,
                            curve=cluster is not None and cluster.security.curve,
                            cluster_keys_dir=cluster.keys_dir if cluster is not None else None,
                            source=str(config))
     return Control(endpoint.replace("tcp://*:", "tcp://127.0.0.1:"), security)
+
+
+def _checked(endpoint: str, where: str) -> str:
+    try:
+        return parse_endpoint(endpoint)
+    except ValueError as exc:
+        raise ConfigError(f"{where} {endpoint!r}: {exc}", field=where) from None
 
 
 class ReplyError(ClonemapError):
@@ -113,16 +122,16 @@ def ping(endpoint: str, service: str, timeout_s: float = CONTROL_TIMEOUT_S) -> N
         raise ReplyError("404", f"the supervisor at {endpoint} has no service {service!r}")
 
 
-def act(service: str, target: str, control: str | None, config: str | None,
-        timeout_s: float, reply_timeout_s: float | None = None) -> dict:
+def act(service: str, target: str, sel: "Selection",
+        reply_timeout_s: float | None = None) -> dict:
     """A command that acts on one server (``cluster.kill``, ``cluster.restart``): check
     the target, check a supervisor answers, then send the request once (never retried:
     it must not act twice) and return its JSON reply."""
     name = checked_target(target)
-    endpoint = resolve_control(control, config)
-    ping(endpoint, service, timeout_s)
+    endpoint = sel.endpoint()
+    ping(endpoint, service, sel.timeout_s)
     return json.loads(call(endpoint, service, name.encode(),
-                           timeout_s=reply_timeout_s or timeout_s, retries=0))
+                           timeout_s=reply_timeout_s or sel.timeout_s, retries=0))
 
 
 def status_rows(endpoint: str, timeout_s: float = CONTROL_TIMEOUT_S) -> tuple[list[dict], dict]:
@@ -155,19 +164,62 @@ def run_command(fn: Callable[[], int | None]) -> None:
     raise SystemExit(code or 0)
 
 
+@dataclass(frozen=True)
+class Selection:
+    """Which cluster a control command talks to, and how long it waits: from its own
+    ``[CONFIG]``, ``--config``, ``--control`` and ``--timeout-s``, else the same options
+    given before the command (``supervisor --control EP status``), else
+    ``$CLONEMAP_CONTROL``, else the default endpoint."""
+
+    control: str | None
+    config: str | None
+    timeout_s: float
+
+    def endpoint(self) -> Control:
+        return resolve_control(self.control, self.config)
+
+
 def control_options(fn):
-    """``--control EP``, ``--config CONFIG`` and ``--timeout-s`` for a control command."""
+    """``[CONFIG]``, ``--control EP``, ``--config CONFIG`` and ``--timeout-s`` for a
+    control command; the command receives them as one ``sel: Selection``."""
+    import functools
+
     import click
 
-    fn = click.option("--timeout-s", type=click.FloatRange(min=0.05),
-                      default=CONTROL_TIMEOUT_S, show_default=True,
-                      help="How long to wait for the supervisor (per attempt, 2 attempts).")(fn)
-    fn = click.option("--config", "-c", "config", metavar="CONFIG", default=None,
-                      help="Take the control endpoint from this config.")(fn)
-    fn = click.option("--control", metavar="ENDPOINT", default=None,
-                      help="The supervisor's control endpoint [default: $CLONEMAP_CONTROL "
-                           f"or {DEFAULT_CONTROL}].")(fn)
-    return fn
+    @functools.wraps(fn)
+    def wrapper(*args, config_arg=None, control=None, config=None, timeout_s=None, **kw):
+        root = click.get_current_context().find_root().params
+        if config_arg and config and config_arg != config:
+            raise click.UsageError(f"two configs: {config_arg} and --config {config}")
+        sel = Selection(control or root.get("control"),
+                        config or config_arg or root.get("config"),
+                        timeout_s or root.get("timeout_s") or CONTROL_TIMEOUT_S)
+        return fn(*args, sel=sel, **kw)
+
+    for decorate in reversed(common_options(positional=True)):
+        wrapper = decorate(wrapper)
+    return wrapper
+
+
+def common_options(positional: bool = False) -> list:
+    """The cluster-selection options, for the group (before a command) and each command
+    (after it); defaults are None so that either place can give them."""
+    import click
+
+    out = []
+    if positional:
+        out.append(click.argument("config_arg", metavar="[CONFIG]", required=False))
+    out += [
+        click.option("--control", metavar="ENDPOINT", default=None,
+                     help="The supervisor's control endpoint [default: the CONFIG's, else "
+                          f"$CLONEMAP_CONTROL, else {DEFAULT_CONTROL}]."),
+        click.option("--config", "-c", "config", metavar="CONFIG", default=None,
+                     help="Take the control endpoint (and CURVE keys) from this config."),
+        click.option("--timeout-s", type=click.FloatRange(min=0.05), default=None,
+                     help=f"How long to wait for the supervisor [default: "
+                          f"{CONTROL_TIMEOUT_S:g}; per attempt, 2 attempts]."),
+    ]
+    return out
 
 
 def target_argument(fn):

@@ -103,7 +103,14 @@ def test_usage_errors_exit_2_and_no_cluster_exits_4(two_shards, tmp_path):
     out = chp("--servers", f"tcp://127.0.0.1:{free}", "--timeout-s", "0.5", "get", "/a/b")
     one_error_line(out, 4, "not ready within 0.5 s")
     out = chp("--control", f"tcp://127.0.0.1:{free}", "--timeout-s", "0.5", "get", "/a/b")
-    one_error_line(out, 4, "is the cluster up?")
+    one_error_line(out, 4, "no cluster map: is the supervisor up?")
+    # malformed endpoints and what a server would drop: one line, exit 2, at once
+    one_error_line(chp("--control", "foo", "get", "/a"), 2, "--control 'foo'")
+    one_error_line(chp("--servers", "tcp://1.2.3:4", "get", "/a"), 2, "--servers")
+    one_error_line(chp("--control", f"tcp://127.0.0.1:{free}", "set", "/a/b", "x", "--ttl",
+                       "1e12"), 2, "ttl must be a number of seconds in 0..315360000")
+    one_error_line(chp("--control", f"tcp://127.0.0.1:{free}", "set", "/a/" + "k" * 2000,
+                       "x"), 2, "limit 1024")
     env = {**os.environ, "CLONEMAP_CONTROL": f"tcp://127.0.0.1:{free}"}
     out = subprocess.run([PYTHON, "-m", "client.cli", "--timeout-s", "0.4", "dump"], cwd=ROOT,
                          capture_output=True, timeout=30, env=env)

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+import zmq
 
 from conftest import PYTHON, ROOT, free_port_base
 from shards.common.proto import chp
@@ -165,13 +166,22 @@ def test_targets_log_tails_and_the_cluster_map_agree_with_routing(tmp_path):
 
 # ------------------------------------------------------------------ tests
 
-def test_control_commands_without_a_supervisor_exit_4(free_control):
+def test_control_commands_without_a_supervisor_exit_4(free_control, zctx):
+    """Nothing listens: the answer is at once (a refused connection), not after the
+    30 s deadline given (``cli`` itself gives up after 10 s). Something listens that is
+    not a supervisor: the MDP deadline, then the same exit code."""
     for args in (["status"], ["stop"], ["kill", "s0/primary"], ["restart", "s0/backup"],
                  ["logs", "s0/primary"]):
-        out = cli(*args, "--control", free_control, "--timeout-s", "0.3")
+        out = cli(*args, "--control", free_control, "--timeout-s", "30", timeout_s=10)
         assert out.returncode == 4, (args, out.stderr)
-        assert "no reply within 0.3 s" in out.stderr and "is the supervisor running" in \
+        assert "nothing listens on port" in out.stderr and "is the supervisor running" in \
             out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1
+    mute = zctx.socket(zmq.ROUTER)  # listens, never answers
+    mute.bind(free_control)
+    out = cli("status", "--control", free_control, "--timeout-s", "0.3")
+    assert out.returncode == 4 and "no reply within 0.3 s" in out.stderr, out.stderr
+    mute.close(0)
     out = cli("kill", "s0", "--control", free_control)
     assert out.returncode == 2 and "is not SHARD/ROLE" in out.stderr
 

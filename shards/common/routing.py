@@ -192,6 +192,18 @@ class ShardMap:
             "pins": [[prefix, shard] for prefix, shard in self.pins.items()],
         }
 
+    def digest(self) -> str:
+        """8 hex digits naming this routing (version, shard count, pins, sorted): equal
+        maps, equal digests. Servers announce it with their shard index in HUGZ
+        (``route=I/N/DIGEST``) so a client planned from another config is told at once."""
+        pins = sorted(self.pins.items())
+        text = f"{ROUTING_VERSION}|{self.shards}|" + "|".join(f"{p}={s}" for p, s in pins)
+        return hashlib.blake2b(text.encode("utf-8"), digest_size=4).hexdigest()
+
+    def route_of(self, index: int) -> str:
+        """``I/N/DIGEST``: what shard ``index``'s servers say in their HUGZ."""
+        return f"{index}/{self.shards}/{self.digest()}"
+
     @classmethod
     def from_description(cls, description: Mapping) -> "ShardMap":
         """Rebuild a map from ``describe()`` output; refuses an unknown routing version."""

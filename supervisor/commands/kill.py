@@ -1,4 +1,4 @@
-"""``supervisor kill SHARD/ROLE``: SIGKILL one server now, for failure drills (MDP
+"""``supervisor kill SHARD/ROLE [CONFIG]``: SIGKILL one server now, for failure drills (MDP
 ``cluster.kill``). The restart policy then restarts it with back-off; a killed primary
 comes back as passive while its backup serves. Exit 6 for an unknown server, 2 for a
 malformed SHARD/ROLE, 1 if it has no process now, 4 when no supervisor answers.
@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import click
 
-from supervisor.control import act, control_options, run_command, target_argument
+from supervisor.control import Selection, act, control_options, run_command, target_argument
 
 
 @click.command("kill")
 @target_argument
 @control_options
-def command(target: str, control: str | None, config: str | None, timeout_s: float) -> None:
+def command(target: str, sel: Selection) -> None:
     """SIGKILL one server (a failure drill), e.g. s0/primary."""
 
     def body() -> int:
-        reply = act("cluster.kill", target, control, config, timeout_s)
+        reply = act("cluster.kill", target, sel)
         click.echo(f"killed {reply['server']}: pid {reply['pid']} (SIGKILL)")
         return 0
 

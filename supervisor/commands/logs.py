@@ -1,4 +1,4 @@
-"""``supervisor logs SHARD/ROLE [-n N]``: the last N lines (default 50) of one server's
+"""``supervisor logs SHARD/ROLE [CONFIG] [-n N]``: the last N lines (default 50) of one server's
 log, RUN_DIR/logs/SHARD-ROLE.log, served by the supervisor (MDP ``cluster.logs``).
 Exit 6 for an unknown server, 2 for a malformed SHARD/ROLE, 4 when no supervisor
 answers.
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from supervisor.control import (call, checked_target, control_options, resolve_control,
+from supervisor.control import (Selection, call, checked_target, control_options,
                                 run_command, target_argument)
 from supervisor.protocol import DEFAULT_LOG_LINES, MAX_LOG_LINES
 
@@ -17,14 +17,13 @@ from supervisor.protocol import DEFAULT_LOG_LINES, MAX_LOG_LINES
 @click.option("-n", "--lines", type=click.IntRange(1, MAX_LOG_LINES),
               default=DEFAULT_LOG_LINES, show_default=True, help="How many lines.")
 @control_options
-def command(target: str, lines: int, control: str | None, config: str | None,
-            timeout_s: float) -> None:
+def command(target: str, lines: int, sel: Selection) -> None:
     """Print the end of one server's log, e.g. s0/backup."""
 
     def body() -> int:
         name = checked_target(target)
-        text = call(resolve_control(control, config), "cluster.logs", name.encode(),
-                    str(lines).encode(), timeout_s=timeout_s)
+        text = call(sel.endpoint(), "cluster.logs", name.encode(),
+                    str(lines).encode(), timeout_s=sel.timeout_s)
         click.echo(text.decode("utf-8", "replace"), nl=False)
         return 0
 

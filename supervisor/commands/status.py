@@ -12,7 +12,7 @@ import json
 
 import click
 
-from supervisor.control import control_options, resolve_control, run_command, status_rows
+from supervisor.control import Selection, control_options, run_command, status_rows
 from supervisor.health import shards_without_active
 
 
@@ -23,16 +23,14 @@ def without_active(rows: list[dict], summary: dict) -> list[str]:
 
 
 @click.command("status")
-@click.argument("config_arg", metavar="[CONFIG]", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @control_options
-def command(config_arg: str | None, as_json: bool, control: str | None, config: str | None,
-            timeout_s: float) -> None:
+def command(as_json: bool, sel: Selection) -> None:
     """Show every server of the running cluster."""
 
     def body() -> int:
-        endpoint = resolve_control(control, config or config_arg)
-        rows, summary = status_rows(endpoint, timeout_s)
+        endpoint = sel.endpoint()
+        rows, summary = status_rows(endpoint, sel.timeout_s)
         if as_json:
             click.echo(json.dumps({"summary": summary, "servers": rows}, indent=2,
                                   sort_keys=True))

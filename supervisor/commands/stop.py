@@ -1,4 +1,4 @@
-"""``supervisor stop [--control EP | --config CONFIG]``: ask the running supervisor to stop
+"""``supervisor stop [CONFIG] [--control EP | --config CONFIG]``: ask the running supervisor to stop
 every server and exit (MDP ``cluster.stop``). With ``--wait`` (the default) it returns
 once the supervisor no longer answers. Exit 4 when no supervisor answers.
 """
@@ -9,7 +9,7 @@ import time
 import click
 
 from shards.common.errors import Timeout
-from supervisor.control import call, control_options, ping, resolve_control, run_command
+from supervisor.control import Selection, call, control_options, ping, run_command
 
 STOP_WAIT_S = 30.0
 
@@ -18,13 +18,13 @@ STOP_WAIT_S = 30.0
 @click.option("--wait/--no-wait", default=True, show_default=True,
               help="Wait until the supervisor has stopped.")
 @control_options
-def command(wait: bool, control: str | None, config: str | None, timeout_s: float) -> None:
+def command(wait: bool, sel: Selection) -> None:
     """Stop every server and the supervisor."""
 
     def body() -> int:
-        endpoint = resolve_control(control, config)
-        ping(endpoint, "cluster.stop", timeout_s)
-        call(endpoint, "cluster.stop", timeout_s=timeout_s, retries=0)
+        endpoint = sel.endpoint()
+        ping(endpoint, "cluster.stop", sel.timeout_s)
+        call(endpoint, "cluster.stop", timeout_s=sel.timeout_s, retries=0)
         if wait:
             deadline = time.monotonic() + STOP_WAIT_S
             while time.monotonic() < deadline:

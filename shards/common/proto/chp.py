@@ -140,6 +140,9 @@ class HugzInfo(NamedTuple):
     """False: the server says it will not answer an ICANHAZ now (``serving=0``)."""
     generation: str
     """The map's generation token ("" if not given)."""
+    route: str = ""
+    """``I/N/DIGEST``: the server is shard I of N under the routing DIGEST ("" if not
+    given: a standalone or foreign server)."""
 
 
 _PLAIN_HUGZ_INFO = HugzInfo(None, -1, True, "")
@@ -161,6 +164,11 @@ def _seq(frame: bytes, command: str) -> int:
     if len(frame) != 8:
         raise _fail(f"sequence must be 8 bytes, got {len(frame)}", command, "bad_sequence")
     return _unpack_seq(frame)[0]
+
+
+MAX_TTL_S = 10 * 365 * 86400.0
+"""Longest ``ttl`` our servers accept (and furthest ``expires``): ten years. Beyond it a
+KVSET is dropped, counted ``bad_ttl``; clients check it before sending."""
 
 
 def check_key(key: bytes, command: str = "", limits: Limits = DEFAULT_LIMITS) -> bytes:
@@ -322,7 +330,7 @@ def kvset(key: bytes, value: bytes, uuid: bytes = b"", props: bytes = b"") -> li
 
 
 def hugz(ts: float | None = None, seq: int = 0, *, serving: bool = True,
-         generation: str = "") -> list[bytes]:
+         generation: str = "", route: str = "") -> list[bytes]:
     """A HUGZ: plain (``ts`` None, serving: frames 2-4 empty, as 12/CHP has it), or
     carrying in frame 3 the server clock ``ts=<epoch s, 6 decimals>\nseq=<current
     sequence>\n`` and the map's ``gen=<token>\n`` (with ``ts``), and ``serving=0\n``
@@ -334,6 +342,8 @@ def hugz(ts: float | None = None, seq: int = 0, *, serving: bool = True,
             props += b"gen=%s\n" % generation.encode("ascii")
     if not serving:
         props += b"serving=0\n"
+    if route:
+        props += b"route=%s\n" % route.encode("ascii")
     return [HUGZ, SEQ_ZERO, b"", props, b""]
 
 
@@ -346,7 +356,8 @@ def hugz_info(msg: Hugz) -> HugzInfo:
     fields = parse_props(props)
     clock = _clock_of(fields)
     ts, seq = clock if clock is not None else (None, msg.seq or -1)
-    return HugzInfo(ts, seq, fields.get("serving", "1") != "0", fields.get("gen", ""))
+    return HugzInfo(ts, seq, fields.get("serving", "1") != "0", fields.get("gen", ""),
+                    fields.get("route", ""))
 
 
 def hugz_clock(msg: Hugz) -> tuple[float, int] | None:
