@@ -92,11 +92,17 @@ def status_notes(rows: list[dict], summary: dict) -> list[str]:
     if not isinstance(without, list):
         without = shards_without_active(rows)
     for shard in without:
+        mine = [r for r in rows if r.get("shard") == shard]
         states = ", ".join(f"{r['role']} {r.get('state')}"
-                           + (f" ({r['bstar']})" if r.get("bstar") else "")
-                           for r in rows if r.get("shard") == shard)
-        lines.append(f"[bold red]{shard} has no ACTIVE server[/]: its clients cannot read "
-                     f"a snapshot or write now ({states})")
+                           + (f" ({r['bstar']})" if r.get("bstar") else "") for r in mine)
+        waiting = [r["role"] for r in mine
+                   if r.get("state") == "RUNNING" and r.get("bstar") == "PASSIVE"]
+        if waiting and len(waiting) < len(mine):
+            effect = (f"the {waiting[0]} is PASSIVE and takes over at the next client "
+                      "request (a Binary Star vote)")
+        else:
+            effect = "its clients cannot read a snapshot or write now"
+        lines.append(f"[bold red]{shard} has no ACTIVE server[/]: {effect} ({states})")
     if any(row.get("bstar") is None for row in rows):
         lines.append("[dim]bstar -: no stats from that run of the server yet (starting, "
                      "restarting, or not answering)[/]")
