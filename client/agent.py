@@ -117,10 +117,14 @@ class ShardAgent:
                  on_lag: "Callable[[ShardAgent, float], bool] | None" = None,
                  on_reset: Callable[[ResetInfo], None] | None = None,
                  reset_policy: str = ACCEPT, security: Security | None = None,
-                 route: str = "",
+                 route: str = "", resume: bool = True,
                  on_wrong_route: "Callable[[ShardAgent, str], None] | None" = None):
         if not servers:
             raise ValueError(f"shard {name}: no servers")
+        self.resume = resume
+        """Ask our servers for a resume (the updates after ours) instead of a snapshot."""
+        self._resuming = False
+        self.resumes = self.resume_updates = self.resumes_refused = 0
         self.route = route
         """``I/N/DIGEST`` this client's routing expects of the shard's servers ("" : no
         check); a HUGZ naming another is a wrong config: ``on_wrong_route(agent, theirs)``."""
@@ -340,7 +344,14 @@ class ShardAgent:
 
     def _request_snapshot(self, eff: sm.RequestSnapshot) -> None:
         address = self.servers[eff.server]
-        self.link.request_snapshot(address)
+        # a map installed from one of our servers (it named its generation): ask for a
+        # resume, only the updates after ours; the server decides (resume=1 or a full
+        # snapshot, resume=0). A foreign server never sees the extension.
+        self._resuming = bool(self.resume and self.snapshots and self.generation
+                              and self.kept is None)
+        since = self.last_seq if self._resuming else None
+        self.link.request_snapshot(address, since, self.generation if since is not None
+                                   else "")
         self._gen += 1
         self._incoming = {}
         self._incoming_props = {}
@@ -348,8 +359,9 @@ class ShardAgent:
         self._first_sync_error = ""
         self._buffer.clear()
         self._buffering = True
-        log.info("shard %s: ICANHAZ %r to %s (%s)", self.name, self.subtree,
-                 address.snapshot, eff.reason)
+        log.info("shard %s: ICANHAZ %r to %s (%s%s)", self.name, self.subtree,
+                 address.snapshot, eff.reason,
+                 f"; resume after {since}" if since is not None else "")
 
     def _install_snapshot(self, eff: sm.InstallSnapshot) -> None:
         old, new = self.map, self._incoming if self._incoming is not None else {}
@@ -649,7 +661,7 @@ class ShardAgent:
             if not key.startswith(self.subtree):
                 self._sync_dropped += 1
                 self.drops.drop("outside_subtree", f"shard {self.name}: KVSYNC {key[:60]!r}")
-            elif msg.value:
+            elif msg.value or self._resuming:  # a resume's empty value is a delete
                 incoming[key] = msg.value
                 if msg.props:
                     self._incoming_props[key] = msg.props
@@ -669,7 +681,36 @@ class ShardAgent:
             self.link.close_dealer()
             self._dispatch(sm.SnapshotRejected(reason))
             return
+        if self._resuming:
+            self._merge_resume(msg.props == chp.RESUMED, arrived)
         self._dispatch(sm.SnapshotDone(msg.seq))
+
+    def _merge_resume(self, resumed: bool, arrived: int) -> None:
+        """At the KTHXBAI of a resume request: the updates after our sequence applied on
+        a copy of the installed map (``resume=1``), or, when the server could not resume
+        (``resume=0``), the full snapshot it sent instead (its deletes dropped)."""
+        incoming, props_in = self._incoming, self._incoming_props
+        if not resumed:
+            self._incoming = {k: v for k, v in incoming.items() if v}
+            self._incoming_props = {k: p for k, p in props_in.items() if incoming.get(k)}
+            self.resumes_refused += 1
+            return
+        merged, props = dict(self.map), dict(self.props)
+        for key, value in incoming.items():
+            if value:
+                merged[key] = value
+                if key in props_in:
+                    props[key] = props_in[key]
+                else:
+                    props.pop(key, None)
+            else:
+                merged.pop(key, None)
+                props.pop(key, None)
+        self._incoming, self._incoming_props = merged, props
+        self.resumes += 1
+        self.resume_updates += arrived
+        log.info("shard %s: resumed with %d updates after sequence %d", self.name, arrived,
+                 self.last_seq)
 
     # ------------------------------------------------------------------ updates out
     @property
@@ -710,6 +751,8 @@ class ShardAgent:
             "last_reset": self.last_reset._asdict() | {"server": str(self.last_reset.server)}
             if self.last_reset is not None else None,
             "snapshots_rejected": self.snapshots_rejected,
+            "resumes": self.resumes, "resume_updates": self.resume_updates,
+            "resumes_refused": self.resumes_refused,
             "buffered": len(self._buffer),
             "kvsets_sent": sum(c.sent for c in self._collectors),
             "kvsets_queued": sum(len(c.queue) for c in self._collectors),

@@ -113,10 +113,12 @@ class Link:
         log.info("shard %s: subscribing to %s (subtree %r)", self.name, address.publisher,
                  self.subtree)
 
-    def request_snapshot(self, address: ServerAddress) -> None:
+    def request_snapshot(self, address: ServerAddress, since: int | None = None,
+                         generation: str = "") -> None:
         """A fresh DEALER to ``address``'s snapshot port, and ICANHAZ on it (an abandoned
         snapshot still streaming to the old identity is dropped by the server's ROUTER,
-        so two KTHXBAIs can never be confused)."""
+        so two KTHXBAIs can never be confused). ``since``: ask for a resume (only the
+        updates after it, of map ``generation``; see ``chp.icanhaz``)."""
         self.close_dealer()
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.linger = 0
@@ -126,7 +128,7 @@ class Link:
         dealer.connect(address.snapshot)
         self.dealer = AsyncSocket(dealer, self.on_snapshot, loop=self.loop,
                                   name=f"{self.name} DEALER {address.snapshot}")
-        self.dealer.send(chp.icanhaz(self.subtree))
+        self.dealer.send(chp.icanhaz(self.subtree, since, generation))
 
     def close_dealer(self) -> None:
         if self.dealer is not None:

@@ -38,6 +38,7 @@ from shards.common.proto import chp
 from shards.common.routing import ShardMap
 from shards.common.security import Security
 from shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES
+from shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES
 from shards.server import (CLOCK_S, COLLECT_BATCH, COLLECT_RCVHWM, HEARTBEAT_S, MAX_ACTIVE_SNAPSHOTS,
                            PUB_SNDHWM, SNAPSHOT_CHUNK, SNAPSHOT_SNDHWM, SNAPSHOT_STALL_S,
                            ServerConfig, ShardServer)
@@ -255,6 +256,12 @@ def _recover(server: ShardServer, data_dir: str, fsync: str, compact_min_bytes: 
               default=WRITER_HELD_BYTES, show_default=True,
               help="Bytes one writer's queued KVSETs may pin in the collector, the same "
                    "way (0: only --collect-hwm).")
+@click.option("--history-updates", type=click.IntRange(0), default=HISTORY_UPDATES,
+              show_default=True,
+              help="Recent updates kept so that a client that was away briefly resumes "
+                   "with what it missed instead of a full snapshot (0: none).")
+@click.option("--history-bytes", type=click.IntRange(0), default=HISTORY_BYTES,
+              show_default=True, help="... and at most this many bytes of them.")
 @click.option("--collect-hwm", type=click.IntRange(0), default=COLLECT_RCVHWM,
               show_default=True)
 @click.option("--snapshot-hwm", type=click.IntRange(1), default=SNAPSHOT_SNDHWM,
@@ -311,7 +318,8 @@ def _recover(server: ShardServer, data_dir: str, fsync: str, compact_min_bytes: 
               default="info", show_default=True)
 def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_props_bytes,
          max_subtree_bytes, snapshot_chunk, snapshot_stall_s, snapshot_yield_s, max_snapshots, collect_batch,
-         pub_hwm, subscriber_held_bytes, writer_held_bytes, collect_hwm, snapshot_hwm, cpus, pair_role, peer, shard, control,
+         pub_hwm, subscriber_held_bytes, writer_held_bytes, history_updates, history_bytes,
+         collect_hwm, snapshot_hwm, cpus, pair_role, peer, shard, control,
          parent_pid, shard_map, shard_index, pending_max, pending_max_bytes, pending_age_s, data_dir, fsync,
          compact_min_bytes, compact_ratio, keys_dir, log_level):
     """Run one 12/CHP shard server: standalone, or one server of a Binary Star pair."""
@@ -344,7 +352,8 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
         snapshot_yield_s=snapshot_yield_s,
         max_active_snapshots=max_snapshots, collect_batch=collect_batch,
         pub_sndhwm=pub_hwm, subscriber_held_bytes=subscriber_held_bytes,
-        writer_held_bytes=writer_held_bytes,
+        writer_held_bytes=writer_held_bytes, history_updates=history_updates,
+        history_bytes=history_bytes,
         collect_rcvhwm=collect_hwm, snapshot_sndhwm=snapshot_hwm,
         shard_map=shard_map, shard_index=shard_index or 0)
     if pair_role is None:

@@ -399,6 +399,7 @@ class PairServer(ShardServer):
         map never had (``persist.fork_point``) are kept in a ``dropped-*`` file."""
         old_seq = self.store.seq
         self.store = store
+        self.recent.reset(store.seq)  # resumes from this map only
         if self.persist is not None:
             fork = fork_point(self.history, list(history)) if history else None
             dropped_from = fork if fork is not None and fork <= old_seq else None
@@ -418,6 +419,12 @@ class PairServer(ShardServer):
             log.info("shard %s: map generation %s (the active's; was %s)", self.shard,
                      generation, self.generation)
             self.generation = generation
+
+    def replicated(self, msg: chp.Kvpub) -> None:
+        """The active's update, applied here with its sequence: kept for resumes, so a
+        client that fails over to this server resumes instead of taking a snapshot."""
+        if self._remember is not None:
+            self._remember(msg.seq, msg.key, msg.uuid, msg.props, msg.value)
 
     # ================================================================ ShardServer hooks
     def serving(self) -> bool:

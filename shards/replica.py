@@ -96,6 +96,9 @@ class ReplicaOwner(Protocol):
     def log_applied(self, seq: int, key: bytes, value: bytes,
                     expiry_s: float | None) -> None: ...
 
+    def replicated(self, msg: chp.Kvpub) -> None:
+        """An update of the active's stream was applied (history, a relay's publisher)."""
+
 
 class Follower:
     """Keeps ``owner.store`` a replica of the active peer's map: the I/O shell around
@@ -291,6 +294,7 @@ class Follower:
         store.apply(msg.key, msg.value, expiry_s)
         if self.owner.persist is not None:  # the active's stream, with its sequences
             self.owner.log_applied(msg.seq, msg.key, msg.value, expiry_s)
+        self.owner.replicated(msg)
         self.counters["applied"] += 1
         return True
 

@@ -65,6 +65,8 @@ import zmq
 from zmq.backend import Socket as _BackendSocket
 
 from shards import streams
+from shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES, History
+from shards.resume import ResumeStream
 from shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES, ByteMarks
 from shards.common import zio
 from shards.common.drops import DropCounter
@@ -136,6 +138,9 @@ class ServerConfig:
     subscriber_held_bytes: int = SUBSCRIBER_HELD_BYTES
     """Bytes one never-reading subscriber may pin: the publisher's mark in messages is
     derived from it and the largest message so far (``shards.byte_marks``); 0: off."""
+    history_updates: int = HISTORY_UPDATES
+    """Recent updates kept for resumes (``shards.history``); 0: none."""
+    history_bytes: int = HISTORY_BYTES
     writer_held_bytes: int = WRITER_HELD_BYTES
     """The same for what one writer's queued KVSETs may pin in the collector."""
     collect_rcvhwm: int = COLLECT_RCVHWM
@@ -158,9 +163,12 @@ class SnapshotStream:
     KVSYNCs from a point-in-time cursor, ``chunk`` per turn, then KTHXBAI."""
 
     __slots__ = ("identity", "subtree", "cursor", "seq_frame", "pending", "pos", "chunk",
-                 "sent", "server")
+                 "sent", "server", "kthxbai_props")
 
-    def __init__(self, server: "ShardServer", identity: bytes, subtree: bytes):
+    def __init__(self, server: "ShardServer", identity: bytes, subtree: bytes,
+                 kthxbai_props: bytes = b""):
+        self.kthxbai_props = kthxbai_props
+        """Empty (12/CHP); ``resume=0`` when a resume was asked and not possible."""
         self.server = server
         self.identity = identity
         self.subtree = subtree
@@ -188,8 +196,8 @@ class SnapshotStream:
                 if pos >= len(pending):
                     if cursor.done:
                         _send(sock, identity, _MORE)
-                        zio.send_frames5(sock, chp.KTHXBAI, seq_frame, b"", b"",
-                                         self.subtree)
+                        zio.send_frames5(sock, chp.KTHXBAI, seq_frame, b"",
+                                         self.kthxbai_props, self.subtree)
                         outcome = streams.DONE
                         break
                     if fetched >= 8:  # a sparse subtree: examined enough keys this turn
@@ -269,6 +277,9 @@ class ShardServer:
             pub_budget=config.subscriber_held_bytes, pub_cap=config.pub_sndhwm,
             collect_budget=config.writer_held_bytes, collect_cap=config.collect_rcvhwm)
         self._fast_limit = self.marks.fast_limit
+        self.recent = History(config.history_updates, config.history_bytes)
+        """Recent updates, for resumes (reset to the store's sequence at start)."""
+        self._remember = self.recent.append if config.history_updates > 0 else None
         owner_map = config.shard_map
         self.owner_cache: OwnerCache | None = None
         if owner_map is not None and (owner_map.shards > 1 or config.shard_index != 0):
@@ -346,6 +357,7 @@ class ShardServer:
         """Attach to the running loop; a standalone server becomes active at once."""
         self.loop = loop = asyncio.get_running_loop()
         self.started_s = time.monotonic()
+        self.recent.reset(self.store.seq)  # a recovered map: resumes start from here
         self._router = zio.AsyncSocket(self._router_sock, self.on_snapshot_request,
                                        batch=256, loop=loop, name="snapshot")
         cfg = self.config
@@ -440,6 +452,8 @@ class ShardServer:
                 if self.persist is not None:
                     self._log_and_publish(seq, key, uuid, b"", value, None)
                     return
+                if self._remember is not None:
+                    self._remember(seq, key, uuid, b"", value)
                 pub = self._pub
                 _send(pub, key, _MORE)
                 _send(pub, _pack_seq(seq), _MORE)
@@ -474,6 +488,8 @@ class ShardServer:
         if self.persist is not None:
             self._log_and_publish(seq, key, kvset.uuid, props, value, expiry_s)
         else:
+            if self._remember is not None:
+                self._remember(seq, key, kvset.uuid, props, value)
             zio.send_frames5(self._pub, key, _pack_seq(seq), kvset.uuid, props, value)
         if expiry_s is not None:
             self._arm_ttl()
@@ -497,6 +513,8 @@ class ShardServer:
         (``_flush_log``, once per loop turn)."""
         self.log_applied(seq, key, value, expiry_s)
         self._held.append((key, _pack_seq(seq), uuid, props, value))
+        if self._remember is not None:
+            self._remember(seq, key, uuid, props, value)
 
     def log_applied(self, seq: int, key: bytes, value: bytes, expiry_s: float | None) -> None:
         """Append one applied update to the data directory; the batch is written at the
@@ -613,6 +631,8 @@ class ShardServer:
             if self.persist is not None:
                 self._log_and_publish(seq, key, b"", b"", b"", None)
             else:
+                if self._remember is not None:
+                    self._remember(seq, key, b"", b"", b"")
                 zio.send_frames5(pub, key, _pack_seq(seq), b"", b"", b"")
             self.ttl_expired += 1
         self._arm_ttl()
@@ -700,10 +720,25 @@ class ShardServer:
         if not self.admit_snapshot_request():
             self.snapshots_refused += 1
             return
-        if not self.snapshots.add(identity, lambda: SnapshotStream(self, identity,
-                                                                  request.subtree)):
+        make = lambda: SnapshotStream(self, identity, request.subtree)  # noqa: E731
+        if request.since is not None:
+            make = self._resume_or_snapshot(identity, request)
+        if not self.snapshots.add(identity, make):
             self.drops.drop("snapshot_queue_full", f"{len(self.snapshots.waiting)} "
                                                    "requests wait")
+
+    def _resume_or_snapshot(self, identity: bytes, request: chp.Icanhaz):
+        """A resume request (``since``): the updates after it when this server's history
+        covers them for the client's map generation, else a full snapshot that says
+        ``resume=0``. Decided when the request is taken, at the current sequence."""
+        entries = None
+        if not request.generation or request.generation == self.generation:
+            entries = self.recent.since(request.since, request.subtree)
+        if entries is None:
+            return lambda: SnapshotStream(self, identity, request.subtree,
+                                          chp.FULL_AFTER_RESUME)
+        seq = self.store.seq
+        return lambda: ResumeStream(self, identity, request.subtree, entries, seq)
 
     # ================================================================ stats
     def stats(self) -> dict:
@@ -734,6 +769,7 @@ class ShardServer:
             "kvsync_sent": self.kvsync_sent,
             "hugz_sent": self.hugz_sent,
             "hugz_welcome": self.hugz_welcome,
+            "recent": self.recent.stats(),
             "pub_hwm": self.marks.pub_hwm,
             "collect_hwm": self.marks.collect_hwm,
             "largest_published_bytes": self.marks.pub_mark,

@@ -89,6 +89,10 @@ DEFAULT_LIMITS = Limits()
 
 class Icanhaz(NamedTuple):
     subtree: bytes
+    since: int | None = None
+    """Our resume extension: the client holds the map up to this sequence."""
+    generation: str = ""
+    """... of this generation (a resume is only served against the same map)."""
 
 
 class Kvsync(NamedTuple):
@@ -103,6 +107,8 @@ class Kvsync(NamedTuple):
 class Kthxbai(NamedTuple):
     seq: int
     subtree: bytes
+    props: bytes = b""
+    """Empty (12/CHP); ``resume=1``/``resume=0`` in reply to a resume request."""
 
 
 class Kvpub(NamedTuple):
@@ -247,6 +253,16 @@ def decode_icanhaz(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Ican
     if not frames or frames[0] != ICANHAZ:
         head = frames[0][:16] if frames else b""
         raise _fail(f"unknown command {head!r} on the snapshot port", "", "unknown_command")
+    if len(frames) == 3 and frames[2]:  # our resume extension (see ``icanhaz``)
+        subtree = check_subtree(frames[1], "ICANHAZ", limits)
+        fields = parse_props(check_props(frames[2], "ICANHAZ", limits))
+        try:
+            since = int(fields["since"])
+        except (KeyError, ValueError):
+            raise _fail("a resume needs since=<sequence>", "ICANHAZ", "bad_resume") from None
+        if since < 0:
+            raise _fail(f"since={since} is negative", "ICANHAZ", "bad_resume")
+        return Icanhaz(subtree, since, fields.get("gen", ""))
     _check_count(frames, 2, "ICANHAZ")
     return Icanhaz(check_subtree(frames[1], "ICANHAZ", limits))
 
@@ -260,8 +276,11 @@ def decode_snapshot(frames: list[bytes], limits: Limits = DEFAULT_LIMITS, *,
         _check_count(frames, 5, "KTHXBAI")
         seq = _seq(frames[1], "KTHXBAI")
         _empty(frames[2], 2, "KTHXBAI")
-        _empty(frames[3], 3, "KTHXBAI")
-        return Kthxbai(seq, check_subtree(frames[4], "KTHXBAI", limits))
+        if strict:
+            _empty(frames[3], 3, "KTHXBAI")
+            return Kthxbai(seq, check_subtree(frames[4], "KTHXBAI", limits))
+        return Kthxbai(seq, check_subtree(frames[4], "KTHXBAI", limits),
+                       check_props(frames[3], "KTHXBAI", limits))
     _check_count(frames, 5, "KVSYNC")
     key = check_key(frames[0], "KVSYNC", limits)
     seq = _seq(frames[1], "KVSYNC")
@@ -271,6 +290,10 @@ def decode_snapshot(frames: list[bytes], limits: Limits = DEFAULT_LIMITS, *,
         return Kvsync(key, seq, _value(frames[4], "KVSYNC", limits))
     return Kvsync(key, seq, _value(frames[4], "KVSYNC", limits), _uuid(frames[2], "KVSYNC"),
                   check_props(frames[3], "KVSYNC", limits))
+
+
+RESUMED = b"resume=1\n"
+FULL_AFTER_RESUME = b"resume=0\n"
 
 
 def decode_snapshot_liberal(frames: list[bytes],
@@ -309,16 +332,27 @@ def decode_kvset(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Kvset:
 
 # ---------------------------------------------------------------------------- builders
 
-def icanhaz(subtree: bytes = b"") -> list[bytes]:
-    return [ICANHAZ, subtree]
+def icanhaz(subtree: bytes = b"", since: int | None = None,
+            generation: str = "") -> list[bytes]:
+    """``ICANHAZ?``; with ``since``, our resume extension: a third frame of properties
+    ``since=<S>\n`` (and ``gen=<generation>\n``). A server that holds every update after
+    S of that map sends only those (KVSYNCs with their own sequences, UUIDs and
+    properties; an empty value deletes), then KTHXBAI with ``resume=1``; otherwise a full
+    snapshot whose KTHXBAI says ``resume=0``."""
+    if since is None:
+        return [ICANHAZ, subtree]
+    props = b"since=%d\n" % since
+    if generation:
+        props += b"gen=%s\n" % generation.encode("ascii")
+    return [ICANHAZ, subtree, props]
 
 
 def kvsync(key: bytes, value: bytes, seq: int = 0) -> list[bytes]:
     return [key, pack_seq(seq), b"", b"", value]
 
 
-def kthxbai(seq: int, subtree: bytes = b"") -> list[bytes]:
-    return [KTHXBAI, pack_seq(seq), b"", b"", subtree]
+def kthxbai(seq: int, subtree: bytes = b"", props: bytes = b"") -> list[bytes]:
+    return [KTHXBAI, pack_seq(seq), b"", props, subtree]
 
 
 def kvpub(key: bytes, seq: int, value: bytes, uuid: bytes = b"", props: bytes = b"") -> list[bytes]:

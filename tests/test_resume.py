@@ -1,0 +1,137 @@
+"""Resume from a sequence (our extension of ICANHAZ?): a client that was away briefly gets
+only the updates it missed; past the server's history, a full snapshot that says so.
+
+Frame level first (a raw DEALER playing the client against a real server), then the
+client across a real Binary Star failover: the backup applied the active's stream with
+its sequences, so it serves the resume of a client that moves to it.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from client.api import Clone
+from shards.common.proto import chp
+from test_pair import start_pair, two_bases
+from test_server_conformance import DEADLINE_S, Peer, start_server
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def generation_of(peer: Peer) -> str:
+    """The server's map generation, from a clock HUGZ."""
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        frames = peer.sub.recv_multipart() if peer.sub.poll(200) else None
+        if frames and frames[0] == chp.HUGZ and frames[3]:
+            gen = chp.parse_props(frames[3]).get("gen")
+            if gen:
+                return gen
+    raise AssertionError("no HUGZ with a generation")
+
+
+def ask(zctx, port: int, *frames: bytes) -> list[list[bytes]]:
+    dealer = zctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    dealer.send_multipart(list(frames))
+    out = []
+    while True:
+        assert dealer.poll(DEADLINE_S * 1000), "no reply"
+        msg = dealer.recv_multipart()
+        out.append(msg)
+        if msg[0] == chp.KTHXBAI:
+            dealer.close(0)
+            return out
+
+
+def test_a_covered_resume_sends_only_the_updates_after_it(procs, port_base, zctx):
+    start_server(procs, port_base, "--history-updates", "50")
+    peer = Peer(zctx, port_base)
+    gen = generation_of(peer)
+    base = peer.sync()  # the fence's sequence: the writes below follow it
+    for i in range(30):
+        peer.kvset(b"/r/%d" % (i % 10), b"v%d" % i, uuid=bytes([i + 1]) * 16)
+    peer.kvset(b"/r/3", b"")  # a delete
+    peer.kvset(b"/other/x", b"o")
+    last = peer.sync()
+    reply = ask(zctx, port_base, *chp.icanhaz(b"/r/", base + 25, gen))
+    kth = chp.decode_snapshot(reply[-1], strict=False)
+    assert kth.props == chp.RESUMED and kth.subtree == b"/r/" and kth.seq == last
+    updates = [chp.decode_snapshot(m, strict=False) for m in reply[:-1]]
+    # writes 26..30, then the delete (31); /other/ and the probes are outside /r/
+    assert [u.seq - base for u in updates] == list(range(26, 32))
+    assert updates[0].key == b"/r/5" and updates[0].value == b"v25"
+    assert updates[0].uuid == bytes([26]) * 16
+    assert updates[-1].key == b"/r/3" and updates[-1].value == b"" 
+    # nothing missed: an empty resume
+    reply = ask(zctx, port_base, *chp.icanhaz(b"", kth.seq, gen))
+    assert len(reply) == 1 and chp.decode_snapshot(reply[0], strict=False).props == chp.RESUMED
+
+
+def test_past_the_history_or_another_generation_a_full_snapshot_says_resume_0(
+        procs, port_base, zctx):
+    start_server(procs, port_base, "--history-updates", "5")
+    peer = Peer(zctx, port_base)
+    gen = generation_of(peer)
+    base = peer.sync()
+    for i in range(20):
+        peer.kvset(b"/r/%d" % i, b"v")
+    last = peer.sync()
+    for frames in (chp.icanhaz(b"/r/", base + 3, gen), chp.icanhaz(b"/r/", last, "0" * 16)):
+        reply = ask(zctx, port_base, *frames)
+        kth = chp.decode_snapshot(reply[-1], strict=False)
+        assert kth.props == chp.FULL_AFTER_RESUME
+        assert sorted(chp.decode_snapshot(m).key for m in reply[:-1]) == sorted(
+            b"/r/%d" % i for i in range(20))
+    # a plain 12/CHP ICANHAZ still gets a plain KTHXBAI (frame 3 empty)
+    reply = ask(zctx, port_base, *chp.icanhaz(b"/r/"))
+    assert chp.decode_snapshot(reply[-1]).subtree == b"/r/"
+
+
+def client_stats(clone: Clone) -> dict:
+    return clone.stats()["shards"][0]
+
+
+def wait_for(predicate, what: str):
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no {what} within {DEADLINE_S} s")
+
+
+@pytest.mark.parametrize("history, resumed", [("100000", True), ("3", False)])
+def test_a_client_that_fails_over_resumes_from_the_backup(procs, zctx, port_base, history,
+                                                          resumed):
+    primary_port, backup_port = two_bases(port_base)
+    primary, backup, _ = start_pair(procs, zctx, primary_port, backup_port,
+                                    "--history-updates", history)
+    pair = [f"tcp://127.0.0.1:{primary_port}", f"tcp://127.0.0.1:{backup_port}"]
+    # the reader notices the silence after 4.5 s, the writer after 0.6 s: every update
+    # below is written while the reader is away, and reaches it only by its resync
+    with Clone(pair, heartbeat_s=1.5, timeout_s=15) as reader, \
+            Clone(pair, heartbeat_s=0.2, timeout_s=15) as writer:
+        for i in range(200):
+            writer.set(f"/k/{i}", b"before", wait=(i == 199))
+        wait_for(lambda: reader.get("/k/199") == b"before", "the reader's copy")
+        assert client_stats(reader)["snapshots"] == 1
+        primary.popen.kill()  # SIGKILL of the active: the writer moves and votes
+        for i in range(20):
+            writer.set(f"/k/{i}", b"after", wait=True)
+        writer.delete("/k/150", wait=True)
+        assert client_stats(reader)["failovers"] == 0  # still away: nothing heard yet
+        wait_for(lambda: reader.get("/k/19") == b"after" and "/k/150" not in reader,
+                 "the missed updates at the reader")
+        stats = client_stats(reader)
+        assert stats["failovers"] == 1
+        if resumed:
+            assert (stats["resumes"], stats["resumes_refused"]) == (1, 0), stats
+            assert stats["resume_updates"] == 21, stats  # the 21 missed, nothing else
+            assert stats["snapshots"] == 2  # the resume is installed as a sync
+        else:
+            assert (stats["resumes"], stats["resumes_refused"]) == (0, 1), stats
+        assert dict(reader.items()) == dict(writer.items())
+        assert len(reader) == 199
