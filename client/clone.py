@@ -414,7 +414,8 @@ class AsyncClone:
         self.fell_behind += 1
         if self.slow_policy == RESYNC:
             return False
-        self._fail_now(make_exc())
+        exc = make_exc()
+        self._fail_now(exc)
         # closed on the next loop turn: this runs inside an agent's SUB batch
         agent.loop.call_soon(self._close_agents)
         if self.on_slow is not None:
