@@ -117,10 +117,13 @@ class ShardAgent:
                  on_lag: "Callable[[ShardAgent, float], bool] | None" = None,
                  on_reset: Callable[[ResetInfo], None] | None = None,
                  reset_policy: str = ACCEPT, security: Security | None = None,
-                 route: str = "", resume: bool = True,
+                 route: str = "", resume: bool = True, relays: bool = False,
                  on_wrong_route: "Callable[[ShardAgent, str], None] | None" = None):
         if not servers:
             raise ValueError(f"shard {name}: no servers")
+        self.relays = relays
+        """The servers are relays of the shard (each forwards a KVSET to both servers of
+        the pair): a KVSET goes to the followed relay only, never twice upstream."""
         self.resume = resume
         """Ask our servers for a resume (the updates after ours) instead of a snapshot."""
         self._resuming = False
@@ -725,6 +728,9 @@ class ShardAgent:
             collectors[0].send(frames)
             return
         current = self.state.server
+        if self.relays:  # each relay forwards to the whole pair: one copy, to ours
+            collectors[current].send(frames, True)
+            return
         for i, collector in enumerate(collectors):
             collector.send(frames, i == current)
 

@@ -50,6 +50,7 @@ through the codec (``client.codec``): bytes by default, or ``codec="msgpack"``.
 from __future__ import annotations
 
 import asyncio
+import random
 import os
 import logging
 import math
@@ -171,7 +172,7 @@ class AsyncClone:
                  max_lag_s: float | None = MAX_LAG_S,
                  on_reset: Callable[[ResetInfo], None] | None = None,
                  reset_policy: str = ACCEPT, keys: "str | os.PathLike | None" = None,
-                 only_key: str | None = None):
+                 only_key: str | None = None, via: str = "servers"):
         if not isinstance(subtree, str):
             raise TypeError("subtree is a str such as '/orders/' (or '')")
         given = [name for name, v in (("servers", servers), ("shards", shards),
@@ -182,6 +183,12 @@ class AsyncClone:
                              f"(got {', '.join(given) or 'none'})")
         self.subtree = subtree
         self._subtree_b = chp.check_subtree(subtree.encode("utf-8"))
+        if via not in ("servers", "relays"):
+            raise ValueError(f"via is 'servers' or 'relays', got {via!r}")
+        self.via = via
+        """``"relays"``: follow each shard through its relays (the cluster map lists
+        them; or ``servers=`` lists relays), spread at random over them and failing over
+        between them; a write goes to the followed relay only."""
         self.only_key = only_key
         """Follow only the shard that owns this key (``chp get/set/del``): one snapshot,
         one shard's sockets; other keys under the subtree are then out of reach."""
@@ -278,7 +285,10 @@ class AsyncClone:
                 else self.io_threads
             self._ctx.io_threads = threads
         for position, spec in enumerate(specs):
-            agent = ShardAgent(self._ctx, spec.servers, name=spec.name,
+            servers = spec.servers
+            if self.via == "relays":
+                servers = self._relays_of(spec)
+            agent = ShardAgent(self._ctx, servers, name=spec.name, relays=self.via == "relays",
                                subtree=self._subtree_b, hub=self._hub,
                                silence_timeout_s=silence,
                                affinity=1 << (position % threads) if threads else 0,
@@ -287,6 +297,16 @@ class AsyncClone:
                                on_wrong_route=self._on_wrong_route, **self._agent_kw)
             self._agents.append(agent)
             self._by_index[spec.index] = agent
+
+    def _relays_of(self, spec) -> tuple:
+        """The shard's relays in this client's order: rotated at random, so that clients
+        spread over them (the rest of the list is the failover order)."""
+        relays = spec.relays if spec.relays else (spec.servers if self.servers else ())
+        if not relays:
+            raise ConfigError(f"shard {spec.name} has no relays (relays.per_shard in the "
+                              "config); use via='servers'", field="relays")
+        start = random.randrange(len(relays))
+        return tuple(relays[start:]) + tuple(relays[:start])
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, timeout_s: float | None = None) -> "AsyncClone":

@@ -42,6 +42,8 @@ class ShardSpec:
     index: int
     name: str
     servers: tuple[ServerAddress, ...]
+    relays: tuple[ServerAddress, ...] = ()
+    """The shard's relays (``shards.relay``), if the cluster runs any."""
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,10 @@ class Cluster:
                         continue
                     address = reachable(str(server["address"]), host)
                     servers.append(ServerAddress(address, int(server["port"])))
+                relays = tuple(ServerAddress(reachable(str(r["address"]), host),
+                                             int(r["port"])) for r in sh.get("relays") or ())
                 specs.append(ShardSpec(int(sh.get("index", i)), str(sh["name"]),
-                                       tuple(servers)))
+                                       tuple(servers), relays))
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -152,6 +152,11 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
             parent_handle = loop.call_later(PARENT_POLL_S, check_parent)
         check_parent()
     cfg = server.config
+    first_copy = getattr(server, "first_copy", None)
+    if first_copy is not None:  # a relay is ready once it holds the shard's map
+        copied = asyncio.ensure_future(first_copy.wait())
+        await asyncio.wait([copied, asyncio.ensure_future(stop.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
     print(f"READY shard host={cfg.host} port={cfg.port} pid={os.getpid()} role={server.role}",
           flush=True)
     waits = [asyncio.ensure_future(stop.wait())]

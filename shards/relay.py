@@ -184,6 +184,8 @@ class RelayServer(ShardServer):
         self._followed_at = 0.0
         self._tick_handle: asyncio.TimerHandle | None = None
         self._forward: list[zmq.Socket] = []
+        self.first_copy = asyncio.Event()
+        """Set once the first copy of the shard's map is installed (READY then)."""
         self.relay_counters = {"upstream_switches": 0, "full_syncs": 0, "forwarded": 0,
                                "forward_dropped": 0}
 
@@ -311,6 +313,7 @@ class RelayServer(ShardServer):
             self.generation = generation
         if not self.active:
             self.set_active(True)
+            self.first_copy.set()
         elif store.seq != old_seq:
             log.info("shard %s: relay map replaced at %d (was %d)", self.shard, store.seq,
                      old_seq)

@@ -243,4 +243,6 @@ def _bstar_state(stats: dict) -> str | None:
             return value.upper()
     if "active" in stats and stats.get("role") == "standalone":
         return "ACTIVE" if stats["active"] else "INACTIVE"
+    if str(stats.get("role", "")).startswith("relay"):
+        return "RELAY" if stats.get("active") else "SYNCING"
     return None

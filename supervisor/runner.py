@@ -82,6 +82,19 @@ def server_argv(server: ServerPlan, peer: ServerPlan, args: ServerArgs) -> list[
             *args.extra]
 
 
+def relay_argv(relay: ServerPlan, primary: ServerPlan, backup: ServerPlan,
+               args: ServerArgs) -> list[str]:
+    """``python -m shards.relay``: one relay of a shard (``shards.relay``)."""
+    extra = [a for a in args.extra]  # --keys-dir DIR (CURVE) applies to relays too
+    return [args.python, "-m", "shards.relay",
+            "--port", str(relay.port), "--host", relay.address,
+            "--cpus", ",".join(map(str, relay.cores)),
+            "--upstream", f"{primary.address}:{primary.port},{backup.address}:{backup.port}",
+            "--heartbeat-s", f"{args.heartbeat_s:g}",
+            "--shard", relay.shard, "--name", relay.role,
+            "--control", args.control, "--parent-pid", str(args.parent_pid), *extra]
+
+
 def routing_argv(routing: RoutingParams, shard_index: int) -> list[str]:
     """``--routing JSON --shard-index I``: what a server needs to drop keys it does not own."""
     pins = {i: list(ps) for i, ps in enumerate(routing.prefixes) if ps}
@@ -126,6 +139,12 @@ class Runner:
                 if data is not None:
                     argv += ["--data-dir", str(data), "--fsync", plan.fsync]
                 self.servers[server.name] = ServerProcess(server, argv, path)
+        for relay in plan.relays:
+            shard = plan.shards[relay.index]
+            path = self.log_dir / f"{relay.shard}-{relay.role}.log"
+            argv = relay_argv(relay, shard.primary, shard.backup, args) + routing_argv(
+                plan.routing, relay.index)
+            self.servers[relay.name] = ServerProcess(relay, argv, path)
 
     def data_dir(self, server: ServerPlan) -> Path | None:
         """``<run-dir>/<data_dir>/<shard>-<role>``, or None for a memory-only cluster."""

@@ -27,5 +27,7 @@ def cluster_map(plan: Plan) -> dict:
             "routing": shard_map.describe(),
             "security": {"curve": plan.curve, "keys_dir": plan.keys_dir or None},
             "shards": [{"index": sh.index, "name": sh.name, "prefixes": list(sh.prefixes),
-                        "primary": server(sh.primary), "backup": server(sh.backup)}
+                        "primary": server(sh.primary), "backup": server(sh.backup),
+                        "relays": [dict(server(r), name=r.role) for r in plan.relays
+                                   if r.index == sh.index]}
                        for sh in plan.shards]}

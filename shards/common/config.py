@@ -25,6 +25,9 @@ IPv4 address is bound) and a core set (``cores``: ``[2, 3]``, ``"2-3,6"``, ``5``
                                                           relative to the run directory;
                                                           null: memory only
     fsync               everysec                         always | everysec | no
+    relays.per_shard    0                                relays per shard (shards.relay)
+    relays.port_base    port_base + 1000                 relay j of shard i: +4*(i*N+j)
+    relays.host/cores   the primary's address / every core
     security.curve      false                            CURVE on every socket
     security.keys_dir   "keys" beside the config file    the cluster's key pairs
     limits.control_message_bytes      1 MiB    the broker's largest frame and message
@@ -369,6 +372,20 @@ class LimitsConfig(_Model):
     passive's pending-table budget (at least 1 MiB there)."""
 
 
+class RelaysConfig(_Model):
+    """Relays (``shards.relay``): last-value caches that fan each shard out to clients."""
+
+    per_shard: int = Field(default=0, ge=0, le=16)
+    """Relays for each shard (0: none)."""
+    port_base: Annotated[Union[int, None], PlainValidator(parse_port)] = None
+    """Relay j of shard i binds port_base + 4 * (i * per_shard + j); default: the
+    cluster's port_base + 1000."""
+    host: Host = None
+    """The relays' address; default the shard's primary's."""
+    cores: Cores = None
+    """Cores the relays may use; default every core (not pinned)."""
+
+
 class SecurityConfig(_Model):
     """CURVE on every socket (``shards.common.security``)."""
 
@@ -390,6 +407,7 @@ class ClusterConfig(_Model):
     data_dir: str | None = DEFAULT_DATA_DIR
     fsync: Literal["always", "everysec", "no"] = "everysec"
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+    relays: RelaysConfig = Field(default_factory=RelaysConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     shards: list[ShardConfig]
     _source_dir: Path | None = PrivateAttr(default=None)

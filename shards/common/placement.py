@@ -126,6 +126,8 @@ class Plan:
     writer_held_bytes: int = 64 << 20
     metrics: tuple[str, int] | None = None
     """Where the supervisor serves Prometheus metrics (host, port), or None."""
+    relays: tuple["ServerPlan", ...] = ()
+    """Relays (role ``relay<j>``), shard by shard."""
     """... one writer's queue, and a passive's pending table (``--writer-held-bytes``)."""
 
     @property
@@ -145,6 +147,7 @@ class Plan:
                 "routing": self.routing.to_dict(),
                 "data_dir": self.data_dir, "fsync": self.fsync,
                 "metrics": None if self.metrics is None else "%s:%d" % self.metrics,
+                "relays": [r.to_dict() for r in self.relays],
                 "security": {"curve": self.curve, "keys_dir": self.keys_dir},
                 "shards": [{"index": sh.index, "name": sh.name,
                             "prefixes": list(sh.prefixes),
@@ -160,6 +163,8 @@ def _host_label(facts: HostFacts) -> str:
 
 
 def _given_port(config: ClusterConfig, index: int, role: str) -> str:
+    if role.startswith("relay"):
+        return f"(relays.port_base {relay_port_base(config)})"
     server = config.shards[index].server(role)
     if server.port_from_base:
         return f"{server.port} (from port_base {config.port_base})"
@@ -264,6 +269,38 @@ def _loopback(address: str) -> bool:
     return address.startswith("127.") or address in ("localhost", "::1")
 
 
+RELAY_PORT_STRIDE = 4
+RELAY_PORT_OFFSET = 1000
+
+
+def relay_port_base(config: ClusterConfig) -> int:
+    return config.relays.port_base or config.port_base + RELAY_PORT_OFFSET
+
+
+def _relay_plans(config: ClusterConfig, shard_plans: list, facts: HostFacts,
+                 problems: Problems) -> list[ServerPlan]:
+    """Relay j of shard i: ``relays.port_base + 4 * (i * per_shard + j)``, on
+    ``relays.host`` (default the shard's primary's address), role ``relay<j>``."""
+    relays = config.relays
+    out = []
+    if relays.cores is not None:
+        _check_cores("relays.cores", relays.cores, facts, problems)
+    cores = tuple(relays.cores) if relays.cores is not None else tuple(facts.cores)
+    base = relay_port_base(config)
+    for sh in shard_plans:
+        for j in range(relays.per_shard):
+            port = base + RELAY_PORT_STRIDE * (sh.index * relays.per_shard + j)
+            if port > 65532:
+                problems.add("relays.port_base", base, f"relay {j} of {sh.name} would bind "
+                             f"port {port}: out of range; lower relays.port_base")
+                continue
+            out.append(ServerPlan(shard=sh.name, index=sh.index, role=f"relay{j}",
+                                  cores=cores, cores_auto=relays.cores is None,
+                                  nic=sh.primary.nic, address=relays.host or sh.primary.address,
+                                  port=port))
+    return out
+
+
 def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
     """Resolve ``config`` on the host ``facts`` describes; ConfigError lists every misfit.
 
@@ -299,7 +336,8 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
                          f"{format_cores(tuple(sorted(shared)))}")
         shard_plans.append(ShardPlan(index=i, name=shard.name, prefixes=tuple(shard.prefixes),
                                      primary=pair["primary"], backup=pair["backup"]))
-    _check_ports(config, servers, problems)
+    relay_plans = _relay_plans(config, shard_plans, facts, problems)
+    _check_ports(config, servers + relay_plans, problems)
     problems.raise_if_any()
     if not config.security.curve:
         exposed = sorted({s.address for s in servers if not _loopback(s.address)}
@@ -323,7 +361,7 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
                                 config.limits.control_client_held_bytes),
                 subscriber_held_bytes=config.limits.subscriber_held_bytes,
                 writer_held_bytes=config.limits.writer_held_bytes,
-                metrics=config.metrics_address)
+                metrics=config.metrics_address, relays=tuple(relay_plans))
 
 
 # ---------------------------------------------------------------- the OS check
@@ -345,7 +383,7 @@ def check_ports_free(the_plan: Plan, *, source: str = "",
             problems.add("metrics", f"{host}:{port}",
                          f"metrics port {port} cannot be bound on {host}: {reason}; pick "
                          "another (metrics: HOST:PORT) or turn it off (metrics: off)")
-    for s in the_plan.servers:
+    for s in list(the_plan.servers) + list(the_plan.relays):
         for port, what in zip(s.ports, PORT_NAMES):
             reason = probe(s.address, port)
             if reason:
