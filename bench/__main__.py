@@ -80,6 +80,11 @@ SCENARIOS = {
         "one never-reading subscriber and 8 KB values: server RSS and the other "
         "subscribers' delivery time, byte budgets on and off",
         {"smoke": "~10 s", "quick": "~30 s", "full": "~1 min"}),
+    "relays": Scenario(
+        "bench.relays", "relays",
+        "relays and resume: fan-out latency per relay hop, failover cost direct vs "
+        "resume vs relays, memory per relay", {"smoke": "~30 s", "quick": "~1.5 min",
+                                               "full": "~3 min"}),
     "report": Scenario("bench.report", None,
                        "Markdown report + PNG plots from the latest records",
                        {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),
@@ -87,7 +92,7 @@ SCENARIOS = {
 ALIASES = {"chp_throughput": "single"}
 ALL_DURATION = {"smoke": "~2.5 min", "quick": "~8.5 min", "full": "~27 min"}
 ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failover", "handoff",
-         "durability", "curve", "slow_subscriber"]
+         "durability", "curve", "slow_subscriber", "relays"]
 """What ``all`` runs, in this order, then ``report`` (``failover_supervised`` runs alone:
 it starts a whole 8-server cluster)."""
 
@@ -115,6 +120,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "curve": ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "1", "--keys", "2000",
                   "--snapshot-keys", "2000"],
         "slow_subscriber": ["--writes", "3000", "--rounds", "1"],
+        "relays": ["--subscribers", "20", "--clients", "10", "--keys", "2000", "--rounds",
+                   "1", "--seconds", "0.5", "--warmup", "0.2"],
         "report": [],
     },
     "quick": {
@@ -135,6 +142,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
                        "--recovery-keys", "200000"],
         "curve": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
         "slow_subscriber": ["--writes", "20000", "--rounds", "2"],
+        "relays": ["--subscribers", "100", "--clients", "50", "--keys", "10000",
+                   "--rounds", "1"],
         "report": [],
     },
     "full": {
@@ -156,6 +165,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "durability": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],
         "curve": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],
         "slow_subscriber": ["--writes", "40000", "--rounds", "3"],
+        "relays": ["--subscribers", "200", "--clients", "100", "--keys", "20000",
+                   "--rounds", "2"],
         "report": [],
     },
 }

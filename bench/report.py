@@ -43,6 +43,8 @@ SCENARIOS = [
      "python -m bench curve"),
     ("slow_subscriber", "A never-reading subscriber: what it pins, budgets on and off",
      "python -m bench slow_subscriber"),
+    ("relays", "Relays and resume: fan-out per relay hop, failover cost, memory",
+     "python -m bench relays"),
 ]
 FORWARDER_TARGET = 0.70   # one shard / bare forwarding loop
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 
-PLOTS = ("scaleout", "latency", "snapshot", "fanout")
+PLOTS = ("scaleout", "latency", "snapshot", "fanout", "relays")
 P99_TARGET_MS = 5.0       # p99 at half the single-shard max
 DPI = 100
 

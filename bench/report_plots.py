@@ -11,6 +11,7 @@ stale file of that name is removed so the report never links an old picture.
 from __future__ import annotations
 
 import re
+import statistics
 from pathlib import Path
 
 from bench.report_data import DPI, P99_TARGET_MS, PLOTS, errbar, get, median, points_of
@@ -205,7 +206,48 @@ def _save(plt, fig, path: Path) -> bool:
     return True
 
 
-DRAW = {"scaleout": scaleout, "latency": latency, "snapshot": snapshot, "fanout": fanout}
+def relays(plt, data: dict, path: Path) -> bool:
+    """Bytes served by the shard and by the relays for one failover, per mode (log)."""
+    runs = [r for r in data.get("runs") or [] if r.get("part") == "failover"]
+    if not runs:
+        return False
+    modes = ["direct_no_resume", "direct_resume", "relays"]
+    labels = ["direct,\nno resume", "direct,\nresume", "through\nrelays"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=DPI)
+    for side, color, dx in (("shard", "C0", -0.2), ("relay", "C1", 0.2)):
+        ys = []
+        for m in modes:
+            mine = [r for r in runs if r.get("mode") == m]
+            per = [(r.get(f"{side}_kvsync", 0) + r.get(f"{side}_resume", 0)) for r in mine]
+            ys.append(statistics.median(per) if per else 0)
+        ax1.bar([i + dx for i in range(len(modes))], ys, width=0.4, color=color,
+                label=f"served by the {side}")
+    ax1.set_yscale("log")
+    ax1.set_ylim(bottom=0.5)  # a mode with none served shows no bar
+    ax1.set_xticks(range(len(modes)), labels)
+    ax1.set_ylabel("KVSYNCs and resumed updates (median over rounds)")
+    cfg = data.get("config") or {}
+    ax1.set_title(_title(f"one failover, {cfg.get('clients')} clients, "
+                         f"{cfg.get('keys'):,} keys", data))
+    ax1.legend()
+    fan = [r for r in data.get("runs") or [] if r.get("part") == "fanout"]
+    for i, (m, color) in enumerate((("direct", "C0"), ("relays", "C1"))):
+        mine = [r for r in fan if r.get("mode") == m]
+        for j, q in enumerate(("p50_ms", "p99_ms")):
+            vals = [r[q] for r in mine if isinstance(r.get(q), (int, float))]
+            if vals:
+                ax2.bar(j * 3 + i, statistics.median(vals), color=color,
+                        label=m if j == 0 else None)
+    ax2.set_xticks([0.5, 3.5], ["p50", "p99"])
+    ax2.set_ylabel("ms from the intended send time")
+    ax2.set_title(_title(f"fan-out to {cfg.get('subscribers')} subscribers, direct vs "
+                         "through relays", data))
+    ax2.legend()
+    return _save(plt, fig, path)
+
+
+DRAW = {"scaleout": scaleout, "latency": latency, "snapshot": snapshot, "fanout": fanout,
+        "relays": relays}
 
 
 def draw_all(records: dict[str, dict], plots_dir: Path) -> dict[str, Path]:

@@ -172,7 +172,7 @@ class AsyncClone:
                  max_lag_s: float | None = MAX_LAG_S,
                  on_reset: Callable[[ResetInfo], None] | None = None,
                  reset_policy: str = ACCEPT, keys: "str | os.PathLike | None" = None,
-                 only_key: str | None = None, via: str = "servers"):
+                 only_key: str | None = None, via: str = "servers", resume: bool = True):
         if not isinstance(subtree, str):
             raise TypeError("subtree is a str such as '/orders/' (or '')")
         given = [name for name, v in (("servers", servers), ("shards", shards),
@@ -219,7 +219,7 @@ class AsyncClone:
                               sync_buffer_max=sync_buffer_max,
                               kvset_queue_max=kvset_queue_max, limits=limits,
                               on_failover=on_failover, on_reset=on_reset,
-                              reset_policy=reset_policy)
+                              reset_policy=reset_policy, resume=resume)
         if io_threads is not None and context is not None:
             raise ValueError("io_threads applies to the client's own context: give "
                              "io_threads or context, not both")

@@ -51,11 +51,13 @@ class ResumeStream:
                     _send(sock, frame, _MORE)
                 _send(sock, self.subtree, _LAST)
                 self.sent += i - self.pos
+                self.server.resume_sent += i - self.pos
                 self.pos = i
                 return streams.DONE
         except zmq.Again:
             pass
         progressed = i > self.pos
         self.sent += i - self.pos
+        self.server.resume_sent += i - self.pos
         self.pos = i
         return streams.PROGRESS if progressed else streams.BLOCKED

@@ -302,6 +302,8 @@ class ShardServer:
         self.started_s = time.monotonic()
         self.snapshots_refused = 0
         self.kvsync_sent = 0
+        self.resume_sent = 0
+        """Updates sent in resume replies (``shards.resume``), besides ``kvsync_sent``."""
         self.ttl_expired = 0
         self.hugz_sent = 0
         self.hugz_welcome = 0
@@ -767,6 +769,7 @@ class ShardServer:
             "snapshots_stalled": pump.stalled if pump is not None else 0,
             "snapshots_refused": self.snapshots_refused,
             "kvsync_sent": self.kvsync_sent,
+            "resume_sent": self.resume_sent,
             "hugz_sent": self.hugz_sent,
             "hugz_welcome": self.hugz_welcome,
             "recent": self.recent.stats(),

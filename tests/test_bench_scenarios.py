@@ -12,7 +12,7 @@ import pytest
 from conftest import bench_record, run_bench
 
 RECORDS = ["chp_throughput", "scaleout", "latency", "load", "snapshot", "fanout", "failover",
-           "handoff", "durability", "curve", "slow_subscriber"]
+           "handoff", "durability", "curve", "slow_subscriber", "relays"]
 """What ``python -m bench all`` saves (the report reads these)."""
 
 
@@ -171,6 +171,21 @@ def check_slow_subscriber(data: dict) -> None:
     assert any("never-reading" in t["name"] for t in data["targets"])
 
 
+def check_relays(data: dict) -> None:
+    runs = data["runs"]
+    assert [r["mode"] for r in runs] == ["direct", "relays", "direct_no_resume",
+                                         "direct_resume", "relays"]
+    for r in runs:
+        if r["part"] == "fanout":
+            assert r["every_update"] and r["p50_ms"] is not None, r
+        else:
+            assert r["all_clients_have_it"], r
+    by = {r["mode"]: r for r in runs if r["part"] == "failover"}
+    assert by["direct_no_resume"]["shard_kvsync"] >= 10 * 2000  # every client, whole map
+    assert by["direct_resume"]["shard_kvsync"] == 0 and by["direct_resume"]["client_resumes"]
+    assert by["relays"]["client_snapshots"] == 0
+
+
 def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
     stdout = run_bench(procs, tmp_path, "bench", "all", "--smoke")
     records = {name: bench_record(tmp_path, name) for name in RECORDS}
@@ -186,6 +201,7 @@ def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
     check_durability(records["durability"], keys=5000)
     check_curve(records["curve"])
     check_slow_subscriber(records["slow_subscriber"])
+    check_relays(records["relays"])
     assert (tmp_path / "REPORT.md").exists() and list((tmp_path / "plots").glob("*.png"))
     table = "\n".join(stdout)
     assert "python -m bench all (smoke)" in table and "FAILED" not in table

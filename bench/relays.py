@@ -1,0 +1,434 @@
+"""Relays and resume: what they cost and what they save (``python -m bench relays``).
+
+Every run starts a fresh memory-only Binary Star pair (``--heartbeat-s 0.5``) and, where
+the mode says, relays of it (``python -m shards.relay``). Three parts:
+
+1. **Fan-out** (per round, mode ``direct`` then ``relays``): ``--subscribers`` raw SUB
+   sockets in one subscriber process, all on the active's P+1 (direct) or spread over
+   the relays; one writer sends ``--rate`` stamped updates per second, open loop, for
+   ``--warmup`` + ``--seconds``. Per update and subscriber: the latency from the
+   update's intended send time. Reported: whether every subscriber got every update, and
+   p50/p99. The relay hop's added latency is relays minus direct, in the same round.
+2. **Failover cost** (per round, mode ``direct, no resume``, ``direct, resume``,
+   ``relays``): ``--clients`` clients (``AsyncClone``s on one loop in a child process)
+   hold a ``--keys``-key map, directly or through the relays. The active is SIGKILLed,
+   and ``--failover-writes`` updates are written meanwhile. Then every client has them.
+   Counted where they are served (each server's and relay's own stats, SIGUSR1): snapshot
+   KVSYNCs and resume updates, and their bytes (key + value + the 8-byte sequence), by
+   the shard and by the relays.
+3. **Memory per relay**: each relay's RSS and the active server's, holding the same map,
+   from the ``relays`` failover runs.
+
+On this 2-core host every process shares two cores: the subscriber process, the relays
+and the servers compete, so the relay hop's latency includes that contention (a relay
+on its own core would add less), and the fan-out is limited to what one subscriber
+process can read.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import struct
+import sys
+import time
+
+import psutil
+import zmq
+
+from bench.harness import record as rec
+from bench.harness.procs import Target, bench_main, free_port_base
+
+NAME = "relays"
+STAMP = struct.Struct(">Q")
+TARGET_SAVING = 10.0
+"""The issue's target: failover transfers at least 10x less with resume or relays."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=f"python -m bench.{NAME}",
+                                 description="Relays and resume: fan-out latency per relay "
+                                             "hop, failover cost direct vs resume vs "
+                                             "relays, memory per relay. Duration: smoke "
+                                             "~30 s, full ~3 min")
+    ap.add_argument("--subscribers", type=int, default=200)
+    ap.add_argument("--relays", type=int, default=2)
+    ap.add_argument("--rate", type=float, default=100.0)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--warmup", type=float, default=1.0)
+    ap.add_argument("--clients", type=int, default=100)
+    ap.add_argument("--keys", type=int, default=20_000)
+    ap.add_argument("--value-bytes", type=int, default=100)
+    ap.add_argument("--failover-writes", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
+    ap.add_argument("--child", choices=("subscribe", "clients"), help=argparse.SUPPRESS)
+    ap.add_argument("--endpoints", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--expect", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--via", default="servers", help=argparse.SUPPRESS)
+    ap.add_argument("--resume", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if not args.child and (args.subscribers < 1 or args.relays < 1 or args.clients < 1):
+        ap.error("--subscribers, --relays and --clients must be >= 1")
+    return args
+
+
+# ===================================================================== processes
+
+class Cluster:
+    """A memory-only pair, and relays of it."""
+
+    def __init__(self, relays: int):
+        self.targets: list[Target] = []
+        self.primary = free_port_base(4)
+        self.backup = free_port_base(4)
+        py = [sys.executable, "-m", "shards", "--heartbeat-s", "0.5", "--log-level", "info"]
+        self.p = self._start("primary", py + ["--port", str(self.primary), "--primary",
+                                              "--peer", f"127.0.0.1:{self.backup}"])
+        self.b = self._start("backup", py + ["--port", str(self.backup), "--backup",
+                                             "--peer", f"127.0.0.1:{self.primary}"])
+        self.relays = []
+        self.relay_ports = []
+        for j in range(relays):
+            port = free_port_base(4)
+            self.relay_ports.append(port)
+            self.relays.append(self._start(f"relay{j}", [
+                sys.executable, "-m", "shards.relay", "--port", str(port), "--heartbeat-s",
+                "0.5", "--name", f"relay{j}",
+                "--upstream", f"127.0.0.1:{self.primary},127.0.0.1:{self.backup}"]))
+
+    def _start(self, name: str, argv: list[str]) -> Target:
+        target = Target(name, argv)
+        self.targets.append(target)
+        return target
+
+    def endpoints(self, via: str) -> list[str]:
+        if via == "relays":
+            return [f"tcp://127.0.0.1:{p}" for p in self.relay_ports]
+        return [f"tcp://127.0.0.1:{self.primary}", f"tcp://127.0.0.1:{self.backup}"]
+
+    def close(self) -> None:
+        for t in reversed(self.targets):
+            t.stop()
+
+
+def stats_of(target: Target, timeout_s: float = 10.0) -> dict:
+    """SIGUSR1: the process logs ``stats {json}`` on stderr (its temp file)."""
+    f = target._stderr
+    f.seek(0, os.SEEK_END)
+    start = f.tell()
+    os.kill(target.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        f.seek(start)
+        for line in f.read().decode("utf-8", "replace").splitlines():
+            if " stats {" in line:
+                return json.loads(line.split(" stats ", 1)[1])
+        time.sleep(0.05)
+    raise RuntimeError(f"{target.name}: no stats line")
+
+
+class Writer:
+    """A raw PUB to both collectors (as a client sends), checked live through a SUB."""
+
+    def __init__(self, ctx: zmq.Context, cluster: Cluster):
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.sndhwm = 0
+        for port in (cluster.primary, cluster.backup):
+            self.pub.connect(f"tcp://127.0.0.1:{port + 2}")
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.subscribe(b"/probe")
+        self.sub.connect(f"tcp://127.0.0.1:{cluster.primary + 1}")
+        deadline = time.monotonic() + 15
+        while True:
+            self.pub.send_multipart([b"/probe", bytes(8), b"", b"", b"p"])
+            if self.sub.poll(100):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the writer never reached the active")
+
+    def send(self, key: bytes, value: bytes) -> None:
+        self.pub.send_multipart([key, bytes(8), os.urandom(16), b"", value])
+
+
+# ===================================================================== children
+
+def child_subscribe(args) -> None:
+    """``--subscribers`` SUBs round-robin over ``--endpoints``; READY once each heard its
+    welcome HUGZ; then every ``/fan/`` update's latency until each has ``--expect``."""
+    endpoints = args.endpoints.split(",")
+    ctx = zmq.Context()
+    socks = []
+    for i in range(args.subscribers):
+        s = ctx.socket(zmq.SUB)
+        s.rcvhwm = 0
+        s.subscribe(b"/fan/")
+        s.subscribe(b"HUGZ")
+        s.connect(endpoints[i % len(endpoints)])
+        socks.append(s)
+    poller = zmq.Poller()
+    for s in socks:
+        poller.register(s, zmq.POLLIN)
+    live = set()
+    counts = [0] * len(socks)
+    lat: list[int] = []
+    index = {s: i for i, s in enumerate(socks)}
+    deadline = time.monotonic() + 60
+    ready = False
+    while time.monotonic() < deadline:
+        for s, _ in poller.poll(200):
+            while True:
+                try:
+                    frames = s.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                i = index[s]
+                if frames[0] == b"HUGZ":
+                    live.add(i)
+                    continue
+                counts[i] += 1
+                lat.append(time.monotonic_ns() - STAMP.unpack_from(frames[4])[0])
+        if not ready and len(live) == len(socks):
+            ready = True
+            print("READY", flush=True)
+        if ready and min(counts) >= args.expect:
+            break
+    print(json.dumps({"counts": [min(counts), max(counts)], "latencies": lat}), flush=True)
+
+
+def child_clients(args) -> None:
+    """``--clients`` AsyncClones on one loop; READY once all hold their snapshot; on
+    SIGUSR1 a JSON line of their summed stats and how many hold ``/m/done``; SIGTERM
+    ends it."""
+    import uvloop
+
+    from client.api import AsyncClone
+
+    async def main() -> None:
+        servers = args.endpoints.split(",")
+        ctx = zmq.Context()
+        clones = [AsyncClone(servers, via=args.via, heartbeat_s=0.5, timeout_s=60,
+                             resume=bool(args.resume), context=ctx)
+                  for _ in range(args.clients)]
+        for c in clones:
+            await c.start()
+        print("READY", flush=True)
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+
+        def report() -> None:
+            total: dict[str, int] = {}
+            for c in clones:
+                for name, value in c.stats()["shards"][0].items():
+                    if isinstance(value, int) and not isinstance(value, bool):
+                        total[name] = total.get(name, 0) + value
+            total["have_key"] = sum(1 for c in clones if c.get("/m/done") is not None)
+            print(json.dumps(total), flush=True)
+
+        loop.add_signal_handler(signal.SIGUSR1, report)
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        for c in clones:
+            await c.close()
+        ctx.destroy(linger=0)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
+
+
+# ===================================================================== parts
+
+def fanout(mode: str, args) -> dict:
+    cluster = Cluster(args.relays if mode == "relays" else 0)
+    ctx = zmq.Context()
+    try:
+        endpoints = (cluster.endpoints("relays") if mode == "relays"
+                     else [f"tcp://127.0.0.1:{cluster.primary + 1}"])
+        if mode == "relays":
+            endpoints = [f"tcp://127.0.0.1:{p + 1}" for p in cluster.relay_ports]
+        total = int(args.rate * (args.warmup + args.seconds))
+        warm = int(args.rate * args.warmup)
+        sub = Target("subscribers", [sys.executable, "-m", "bench.relays", "--child",
+                                     "subscribe", "--subscribers", str(args.subscribers),
+                                     "--endpoints", ",".join(endpoints), "--expect",
+                                     str(total)], timeout_s=60)
+        cluster.targets.append(sub)
+        writer = Writer(ctx, cluster)
+        pad = b"x" * max(0, args.value_bytes - 8)
+        t0 = time.monotonic()
+        for i in range(total):
+            due = t0 + i / args.rate
+            while (now := time.monotonic()) < due:
+                time.sleep(min(0.002, due - now))
+            writer.send(b"/fan/%d" % i, STAMP.pack(int(due * 1e9)) + pad)
+        line = sub._stdout.wait_for(lambda text: text.startswith("{"), 90)
+        result = json.loads(line)
+        lat = sorted(result["latencies"][warm * args.subscribers:])
+        q = lambda p: round(lat[min(len(lat) - 1, int(p * len(lat)))] / 1e6, 3) if lat else None  # noqa: E731
+        return {"part": "fanout", "mode": mode, "subscribers": args.subscribers,
+                "updates": total, "min_received": result["counts"][0],
+                "every_update": result["counts"][0] >= total,
+                "p50_ms": q(0.50), "p99_ms": q(0.99), "max_ms": q(1.0) if lat else None}
+    finally:
+        ctx.destroy(linger=0)
+        cluster.close()
+
+
+def failover(mode: str, args) -> dict:
+    via = "relays" if mode == "relays" else "servers"
+    cluster = Cluster(args.relays if mode == "relays" else 0)
+    ctx = zmq.Context()
+    try:
+        writer = Writer(ctx, cluster)
+        value = b"v" * args.value_bytes
+        for i in range(args.keys):
+            writer.send(b"/m/%07d" % i, value)
+        writer.send(b"/m/loaded", b"1")
+        sub = writer.sub
+        sub.subscribe(b"/m/loaded")
+        while sub.recv_multipart()[0] != b"/m/loaded":
+            pass
+        entry = len(b"/m/0000000") + args.value_bytes + 8
+        clients = Target("clients", [sys.executable, "-m", "bench.relays", "--child",
+                                     "clients", "--clients", str(args.clients), "--endpoints",
+                                     ",".join(cluster.endpoints(via)), "--via", via,
+                                     "--resume", "0" if mode == "direct_no_resume" else "1"],
+                         timeout_s=300)
+        cluster.targets.append(clients)
+        served = lambda: {t.name: stats_of(t) for t in [cluster.b] + cluster.relays}  # noqa: E731
+        before = served()
+        rss = {"server": psutil.Process(cluster.p.pid).memory_info().rss,
+               **{t.name: psutil.Process(t.pid).memory_info().rss for t in cluster.relays}}
+        os.kill(cluster.p.pid, signal.SIGKILL)
+        for i in range(args.failover_writes):
+            writer.send(b"/m/%07d" % i, b"after")
+        writer.send(b"/m/done", b"1")
+        return {"part": "failover", "mode": mode, "clients": args.clients, "keys": args.keys,
+                **_after_failover(cluster, clients, before, served, entry, args),
+                "rss_mib": {k: round(v / (1 << 20), 1) for k, v in rss.items()}}
+    finally:
+        ctx.destroy(linger=0)
+        cluster.close()
+
+
+def _after_failover(cluster, clients, before, served, entry: int, args) -> dict:
+    """Wait until every client holds ``/m/done``, then count what was served."""
+    deadline = time.monotonic() + 120
+    totals = {}
+    while time.monotonic() < deadline:
+        os.kill(clients.pid, signal.SIGUSR1)
+        line = clients._stdout.wait_for(lambda text: text.startswith("{"), 30)
+        totals = json.loads(line)
+        if totals.get("have_key") == args.clients:
+            break
+        time.sleep(0.2)
+    after = served()
+    out = {"shard_kvsync": 0, "shard_resume": 0, "relay_kvsync": 0, "relay_resume": 0}
+    for name, stats in after.items():
+        side = "relay" if name.startswith("relay") else "shard"
+        out[f"{side}_kvsync"] += stats["kvsync_sent"] - before[name]["kvsync_sent"]
+        out[f"{side}_resume"] += stats["resume_sent"] - before[name]["resume_sent"]
+    out["bytes"] = entry * sum(out.values())
+    out["client_snapshots"] = totals.get("snapshots", 0) - args.clients
+    out["client_resumes"] = totals.get("resumes", 0)
+    out["all_clients_have_it"] = totals.get("have_key") == args.clients
+    return out
+
+
+# ===================================================================== run
+
+def run(args: argparse.Namespace) -> rec.Record:
+    config = {k: v for k, v in vars(args).items()
+              if k not in ("results_dir", "child", "endpoints", "expect", "via", "resume")}
+    record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", config), config)
+    modes = ("direct_no_resume", "direct_resume", "relays")
+    with rec.Progress(NAME, total=args.rounds * 5) as progress:
+        for r in range(args.rounds):
+            for mode in ("direct", "relays"):
+                progress.step(f"round {r + 1}: fan-out {mode}")
+                run_ = {"round": r + 1, **fanout(mode, args)}
+                progress.note(f"fan-out {mode}: p50 {run_['p50_ms']} ms, p99 "
+                              f"{run_['p99_ms']} ms, every update {run_['every_update']}")
+                record.add_run(run_)
+            for mode in modes:
+                progress.step(f"round {r + 1}: failover {mode}")
+                run_ = {"round": r + 1, **failover(mode, args)}
+                progress.note(f"failover {mode}: {run_['bytes'] / 1e6:.2f} MB served")
+                record.add_run(run_)
+        progress.finish_step()
+    summarize(record)
+    record.finish()
+    return record
+
+
+def summarize(record: rec.Record) -> None:
+    runs = record.data["runs"]
+    fan = {m: [r for r in runs if r["part"] == "fanout" and r["mode"] == m]
+           for m in ("direct", "relays")}
+    added = [round(b["p50_ms"] - a["p50_ms"], 3) for a, b in zip(fan["direct"], fan["relays"])]
+    added99 = [round(b["p99_ms"] - a["p99_ms"], 3) for a, b in zip(fan["direct"], fan["relays"])]
+    fo = {m: [r for r in runs if r["part"] == "failover" and r["mode"] == m]
+          for m in ("direct_no_resume", "direct_resume", "relays")}
+    bytes_ = {m: [r["bytes"] for r in rs] for m, rs in fo.items()}
+    saving = {}
+    for m in ("direct_resume", "relays"):
+        ratios = [round(a / max(1, b), 1) for a, b in zip(bytes_["direct_no_resume"],
+                                                          bytes_[m])]
+        saving[m] = ratios
+    summary = {
+        "fanout_every_update": all(r["every_update"] for rs in fan.values() for r in rs),
+        "fanout_p50_ms": {m: [r["p50_ms"] for r in rs] for m, rs in fan.items()},
+        "fanout_p99_ms": {m: [r["p99_ms"] for r in rs] for m, rs in fan.items()},
+        "relay_hop_added_p50_ms_per_round": added,
+        "relay_hop_added_p99_ms_per_round": added99,
+        "failover_bytes": bytes_,
+        "failover_saving_vs_direct_no_resume": saving,
+        "rss_mib": [r["rss_mib"] for r in fo["relays"]],
+    }
+    record.data["summary"] = summary
+    for m, label in (("direct_resume", "resume"), ("relays", "relays")):
+        if saving[m]:
+            record.target(f"failover bytes: direct without resume / with {label} (worst round)",
+                          min(saving[m]), TARGET_SAVING, "x")
+    record.target("fan-out: every update reached every subscriber",
+                  1.0 if summary["fanout_every_update"] else 0.0, 1.0, "yes")
+
+
+def report(record: rec.Record) -> None:
+    runs = record.data["runs"]
+    rec.table(record, f"{NAME}: fan-out, {record.data['config']['subscribers']} subscribers",
+              ["round", "mode", "updates", "min received", "p50 ms", "p99 ms", "max ms"],
+              [[r["round"], r["mode"], r["updates"], r["min_received"], r["p50_ms"],
+                r["p99_ms"], r["max_ms"]] for r in runs if r["part"] == "fanout"],
+              caption="relay hop added (relays - direct), per round: p50 "
+                      f"{record.data['summary']['relay_hop_added_p50_ms_per_round']} ms, p99 "
+                      f"{record.data['summary']['relay_hop_added_p99_ms_per_round']} ms")
+    rec.table(record, f"{NAME}: one failover, {record.data['config']['clients']} clients, "
+                      f"{record.data['config']['keys']:,} keys",
+              ["round", "mode", "shard KVSYNC", "shard resume", "relay KVSYNC",
+               "relay resume", "MB served", "client snapshots", "client resumes"],
+              [[r["round"], r["mode"], r["shard_kvsync"], r["shard_resume"],
+                r["relay_kvsync"], r["relay_resume"], round(r["bytes"] / 1e6, 3),
+                r["client_snapshots"], r["client_resumes"]]
+               for r in runs if r["part"] == "failover"],
+              caption="RSS MiB (server, relays) with the map: "
+                      f"{record.data['summary']['rss_mib']}")
+    rec.print_targets(record)
+
+
+def main(argv: list[str] | None = None) -> rec.Record | None:
+    args = parse_args(argv if argv is not None else sys.argv[1:])
+    if args.child == "subscribe":
+        child_subscribe(args)
+        return None
+    if args.child == "clients":
+        child_clients(args)
+        return None
+    return bench_main(NAME, parse_args, run, report, argv)
+
+
+if __name__ == "__main__":
+    main()
