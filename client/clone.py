@@ -188,7 +188,8 @@ class AsyncClone:
         self.via = via
         """``"relays"``: follow each shard through its relays (the cluster map lists
         them; or ``servers=`` lists relays), spread at random over them and failing over
-        between them; a write goes to the followed relay only."""
+        between them; a write goes to the followed relay only. A shard without relays
+        is followed through its servers."""
         self.only_key = only_key
         """Follow only the shard that owns this key (``chp get/set/del``): one snapshot,
         one shard's sockets; other keys under the subtree are then out of reach."""
@@ -286,9 +287,10 @@ class AsyncClone:
             self._ctx.io_threads = threads
         for position, spec in enumerate(specs):
             servers = spec.servers
-            if self.via == "relays":
+            through = self.via == "relays" and bool(spec.relays or self.servers)
+            if through:
                 servers = self._relays_of(spec)
-            agent = ShardAgent(self._ctx, servers, name=spec.name, relays=self.via == "relays",
+            agent = ShardAgent(self._ctx, servers, name=spec.name, relays=through,
                                subtree=self._subtree_b, hub=self._hub,
                                silence_timeout_s=silence,
                                affinity=1 << (position % threads) if threads else 0,
@@ -301,10 +303,7 @@ class AsyncClone:
     def _relays_of(self, spec) -> tuple:
         """The shard's relays in this client's order: rotated at random, so that clients
         spread over them (the rest of the list is the failover order)."""
-        relays = spec.relays if spec.relays else (spec.servers if self.servers else ())
-        if not relays:
-            raise ConfigError(f"shard {spec.name} has no relays (relays.per_shard in the "
-                              "config); use via='servers'", field="relays")
+        relays = spec.relays if spec.relays else spec.servers
         start = random.randrange(len(relays))
         return tuple(relays[start:]) + tuple(relays[:start])
 

@@ -563,3 +563,20 @@ def test_security_and_limits_fields_are_checked():
         parse_config({"shards": 1, "limits": {"control_message_bytes": 10}})
     cfg = parse_config({"shards": 1, "limits": {"control_held_bytes": 1 << 20}})
     assert cfg.limits.control_held_bytes == 1 << 20 and cfg.limits.control_message_bytes == 1 << 20
+
+
+def test_relays_are_placed_per_shard_after_the_port_base_and_checked():
+    h = host()
+    p = plan(parse_config({"shards": 2, "port_base": 6000, "relays": {"per_shard": 2}}), h)
+    assert [(r.name, r.port) for r in p.relays] == [
+        ("s0/relay0", 7000), ("s0/relay1", 7004), ("s1/relay0", 7008), ("s1/relay1", 7012)]
+    assert p.to_dict()["relays"][0]["address"] == "127.0.0.1"
+    only = plan(parse_config({"shards": 2, "relays": {"per_shard": 1, "shards": ["s1"],
+                                                      "port_base": 9000}}), h)
+    assert [(r.name, r.port) for r in only.relays] == [("s1/relay0", 9004)]
+    with pytest.raises(ConfigError, match="relays.shards.*no shard 's7'"):
+        plan(parse_config({"shards": 2, "relays": {"per_shard": 1, "shards": ["s7"]}}), h)
+    with pytest.raises(ConfigError, match="overlap"):  # relays on the servers' ports
+        plan(parse_config({"shards": 1, "port_base": 6000,
+                           "relays": {"per_shard": 1, "port_base": 6010}}), h)
+    assert plan(parse_config({"shards": 1}), h).relays == ()

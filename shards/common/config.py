@@ -28,6 +28,7 @@ IPv4 address is bound) and a core set (``cores``: ``[2, 3]``, ``"2-3,6"``, ``5``
     relays.per_shard    0                                relays per shard (shards.relay)
     relays.port_base    port_base + 1000                 relay j of shard i: +4*(i*N+j)
     relays.host/cores   the primary's address / every core
+    relays.shards       every shard                      names of the shards with relays
     security.curve      false                            CURVE on every socket
     security.keys_dir   "keys" beside the config file    the cluster's key pairs
     limits.control_message_bytes      1 MiB    the broker's largest frame and message
@@ -384,6 +385,8 @@ class RelaysConfig(_Model):
     """The relays' address; default the shard's primary's."""
     cores: Cores = None
     """Cores the relays may use; default every core (not pinned)."""
+    shards: list[str] | None = None
+    """The shards (by name) that get relays; default every shard."""
 
 
 class SecurityConfig(_Model):

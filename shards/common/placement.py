@@ -287,7 +287,14 @@ def _relay_plans(config: ClusterConfig, shard_plans: list, facts: HostFacts,
         _check_cores("relays.cores", relays.cores, facts, problems)
     cores = tuple(relays.cores) if relays.cores is not None else tuple(facts.cores)
     base = relay_port_base(config)
+    names = [sh.name for sh in shard_plans]
+    for name in relays.shards or ():
+        if name not in names:
+            problems.add("relays.shards", name, f"no shard {name!r}; shards: "
+                         f"{', '.join(names)}")
     for sh in shard_plans:
+        if relays.shards is not None and sh.name not in relays.shards:
+            continue
         for j in range(relays.per_shard):
             port = base + RELAY_PORT_STRIDE * (sh.index * relays.per_shard + j)
             if port > 65532:
