@@ -379,10 +379,17 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
         _recover(server, data_dir, fsync, persist_writer.COMPACT_MIN_BYTES
                  if compact_min_bytes is None else compact_min_bytes,
                  persist_writer.COMPACT_RATIO if compact_ratio is None else compact_ratio)
+    bind_and_serve(server, shard, control, parent_pid, "shards")
+
+
+def bind_and_serve(server: ShardServer, shard: str, control: str | None,
+                   parent_pid: int | None, program: str) -> None:
+    """Bind (a taken port exits 3, naming it), serve until a signal, exit with the code
+    (a server's and a relay's common end)."""
     try:
         server.bind()
     except PortInUse as exc:
-        click.echo(f"shards: cannot bind: {exc}", err=True)
+        click.echo(f"{program}: cannot bind: {exc}", err=True)
         sys.exit(exc.exit_code)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(_serve(server, shard, control, parent_pid))

@@ -33,7 +33,6 @@ import logging
 import sys
 
 import click
-import uvloop
 import zmq
 
 from shards import replica_machine as rm
@@ -44,9 +43,9 @@ from shards.pending import PendingTable
 from shards.replica import Follower, expires_of
 from shards.server import ServerConfig, ShardServer
 from shards.store import Store
-from shards.__main__ import _parse_cpus, _routing_arg, _serve
+from shards.__main__ import _parse_cpus, _routing_arg, bind_and_serve
 from shards.common import timing
-from shards.common.errors import ConfigError, Exit, PortInUse
+from shards.common.errors import ConfigError, Exit
 from shards.common.security import Security
 from shards.common.timing import HEARTBEAT_S
 from shards.history import MAX_UPDATES as HISTORY_UPDATES
@@ -393,14 +392,7 @@ def main(port, host, upstream, shard, name, shard_map, shard_index, heartbeat_s,
         except ConfigError as exc:
             click.echo(f"relay: {exc}", err=True)
             sys.exit(Exit.USAGE)
-    try:
-        relay.bind()
-    except PortInUse as exc:
-        click.echo(f"relay: cannot bind: {exc}", err=True)
-        sys.exit(exc.exit_code)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        code = runner.run(_serve(relay, shard, control, parent_pid))
-    sys.exit(code)
+    bind_and_serve(relay, shard, control, parent_pid, "relay")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -222,3 +223,15 @@ def cluster_keys(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("keys")
     create_keys(path)
     return path
+
+
+def wait_until(predicate, what: str, timeout_s: float = 30.0, every_s: float = 0.05):
+    """Poll ``predicate`` until it returns something true (returned), for a state that
+    has no event to await; AssertionError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"no {what} within {timeout_s} s")

@@ -20,6 +20,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from conftest import wait_until as wait_for
 from client.api import Clone
 from shards.common.proto import chp
 from shards.byte_marks import MESSAGE_OVERHEAD, ByteMarks, derive, worst_case
@@ -173,14 +174,6 @@ def never_reading_subscriber(zctx, publisher: str) -> zmq.Socket:
     return sub
 
 
-def wait_for(predicate, what: str, timeout_s: float = DEADLINE_S):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"no {what} within {timeout_s} s")
 
 
 def test_a_never_reading_subscriber_pins_at_most_the_budget_under_the_supervisor(

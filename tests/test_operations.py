@@ -18,15 +18,14 @@ import json
 import os
 import signal
 import subprocess
-import time
 import urllib.request
 
-import psutil
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import wait_until
 from client.api import Clone
 from client.metrics import CLIENT_METRIC_NAMES, CloneCollector
 from shards.common.errors import ConfigError
@@ -57,14 +56,6 @@ def sample(families: dict, name: str, **labels) -> float | None:
     return None
 
 
-def wait_until(predicate, what: str, timeout_s: float = DEADLINE_S):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"no {what} within {timeout_s} s")
 
 
 def metrics_url(config) -> str:

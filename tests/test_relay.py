@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
 import pytest
 import yaml
 
+from conftest import wait_until as wait_for
 from client.api import Clone
 from conftest import free_port_base
 from shards.common.mdp.client import SyncMdpClient
@@ -26,14 +26,6 @@ DEADLINE_S = 30.0
 CLIENTS = 12
 
 
-def wait_for(predicate, what: str, timeout_s: float = DEADLINE_S):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"no {what} within {timeout_s} s")
 
 
 def stats_of(proc) -> dict:

@@ -12,6 +12,7 @@ import time
 import pytest
 import zmq
 
+from conftest import wait_until as wait_for
 from client.api import Clone
 from shards.common.proto import chp
 from test_pair import start_pair, two_bases
@@ -94,13 +95,6 @@ def client_stats(clone: Clone) -> dict:
     return clone.stats()["shards"][0]
 
 
-def wait_for(predicate, what: str):
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no {what} within {DEADLINE_S} s")
 
 
 @pytest.mark.parametrize("history, resumed", [("100000", True), ("3", False)])
