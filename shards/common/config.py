@@ -225,20 +225,27 @@ def parse_endpoint(value: Any) -> str:
     expected = "expected tcp://IPV4:PORT such as tcp://127.0.0.1:5555 (or tcp://*:PORT)"
     if not isinstance(value, str):
         raise ValueError(expected)
-    m = re.fullmatch(r"tcp://([^:/]+):(\d+)", value.strip())
+    host, port = _host_port(value.strip(), r"tcp://([^:/]+):(\d+)", expected)
+    host = "*" if host == WILDCARD else host
+    return f"tcp://{host}:{port}"
+
+
+def _host_port(text: str, pattern: str, expected: str) -> tuple[str, int]:
+    """An IPv4 address (``*`` and 0.0.0.0: every interface, as 0.0.0.0) and a port
+    1..65535 from ``text`` matching ``pattern`` (two groups); ValueError naming
+    ``expected`` otherwise."""
+    m = re.fullmatch(pattern, text)
     if not m:
         raise ValueError(expected)
     host, port = m.group(1), int(m.group(2))
-    if host in ("*", WILDCARD):
-        host = "*"
-    else:
-        try:
-            host = str(ipaddress.IPv4Address(host))
-        except ValueError:
-            raise ValueError(f"{host!r} is not an IPv4 address; {expected}") from None
+    host = WILDCARD if host == "*" else host
+    try:
+        host = str(ipaddress.IPv4Address(host))
+    except ValueError:
+        raise ValueError(f"{host!r} is not an IPv4 address; {expected}") from None
     if not 1 <= port <= 65535:
         raise ValueError(f"port {port} is out of range; expected 1..65535")
-    return f"tcp://{host}:{port}"
+    return host, port
 
 
 DEFAULT_METRICS = "127.0.0.1:9464"
@@ -254,18 +261,7 @@ def parse_metrics(value: Any) -> str | None:
         return None
     if not isinstance(value, str):
         raise ValueError(expected)
-    m = re.fullmatch(r"([^:/\s]+):(\d+)", value.strip())
-    if not m:
-        raise ValueError(expected)
-    host, port = m.group(1), int(m.group(2))
-    if host == "*":
-        host = WILDCARD
-    try:
-        host = str(ipaddress.IPv4Address(host))
-    except ValueError:
-        raise ValueError(f"{host!r} is not an IPv4 address; {expected}") from None
-    if not 1 <= port <= 65535:
-        raise ValueError(f"port {port} is out of range; expected 1..65535")
+    host, port = _host_port(value.strip(), r"([^:/\s]+):(\d+)", expected)
     return f"{host}:{port}"
 
 
