@@ -84,7 +84,7 @@ SCENARIOS = {
         "bench.relays", "relays",
         "relays and resume: fan-out latency per relay hop, failover cost direct vs "
         "resume vs relays, memory per relay", {"smoke": "~30 s", "quick": "~1.5 min",
-                                               "full": "~3 min"}),
+                                               "full": "~5.5 min"}),
     "report": Scenario("bench.report", None,
                        "Markdown report + PNG plots from the latest records",
                        {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),
@@ -165,8 +165,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "durability": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],
         "curve": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],
         "slow_subscriber": ["--writes", "40000", "--rounds", "3"],
-        "relays": ["--subscribers", "200", "--clients", "100", "--keys", "20000",
-                   "--rounds", "2"],
+        "relays": ["--subscribers", "200", "--clients", "100", "--keys", "100000",
+                   "--rounds", "1"],
         "report": [],
     },
 }
