@@ -464,9 +464,7 @@ class PairServer(ShardServer):
         if self.active:
             ShardServer.on_collect(self, frames)
             return
-        size = sum(map(len, frames))
-        if size > self._fast_limit:  # the collector's mark holds for a passive too
-            self._lower_mark(self.marks.received(size))
+        self._note_received(frames)  # the collector's mark holds for a passive too
         self.hold_pending(frames)
 
     def hold_pending(self, frames: list[bytes]) -> None:

@@ -138,11 +138,11 @@ class ServerConfig:
     subscriber_held_bytes: int = SUBSCRIBER_HELD_BYTES
     """Bytes one never-reading subscriber may pin: the publisher's mark in messages is
     derived from it and the largest message so far (``shards.byte_marks``); 0: off."""
+    writer_held_bytes: int = WRITER_HELD_BYTES
+    """The same for what one writer's queued KVSETs may pin in the collector."""
     history_updates: int = HISTORY_UPDATES
     """Recent updates kept for resumes (``shards.history``); 0: none."""
     history_bytes: int = HISTORY_BYTES
-    writer_held_bytes: int = WRITER_HELD_BYTES
-    """The same for what one writer's queued KVSETs may pin in the collector."""
     collect_rcvhwm: int = COLLECT_RCVHWM
     snapshot_sndhwm: int = SNAPSHOT_SNDHWM
     shard_map: ShardMap | None = None
@@ -465,10 +465,15 @@ class ShardServer:
                 return
         self._collect_checked(frames)
 
-    def _collect_checked(self, frames: list[bytes]) -> None:
+    def _note_received(self, frames: list[bytes]) -> None:
+        """A message off the fast path: a larger one than any so far lowers the
+        collector's mark (``shards.byte_marks``), valid or not, active or passive."""
         size = sum(map(len, frames))
         if size > self._fast_limit:
             self._lower_mark(self.marks.received(size))
+
+    def _collect_checked(self, frames: list[bytes]) -> None:
+        self._note_received(frames)
         try:
             kvset = chp.decode_kvset(frames, self._limits)
             key, value, props = kvset.key, kvset.value, kvset.props
