@@ -31,7 +31,6 @@ import asyncio
 import json
 import os
 import signal
-import statistics
 import struct
 import sys
 import time
