@@ -596,8 +596,7 @@ class ShardAgent:
         the gap) is seen here. A HUGZ sequence without a clock (the reference C
         server's) is only a liveness sign: our gap rule is not its contract."""
         info = chp.hugz_info(msg)
-        if info.route:
-            self._check_route(info)
+        self._check_route(info)
         if self.link.note_hugz(info):
             self._dispatch(sm.NotServing())
             return
