@@ -31,6 +31,7 @@ import click
 import uvloop
 
 from shards.common.errors import ConfigError, Exit, PortInUse
+from shards.common.memory import return_large_frees
 from shards import streams
 from shards.pair import PairServer, parse_peer
 from shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES
@@ -341,6 +342,7 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
         raise click.BadParameter("a pair server uses P..P+3: at most 65532", param_hint="--port")
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    return_large_frees()  # what a departed slow subscriber pinned goes back to the OS
     if cpus is not None:
         import psutil  # pin before the zmq context starts its I/O thread
 

@@ -44,6 +44,7 @@ from shards.replica import Follower, expires_of
 from shards.server import ServerConfig, ShardServer
 from shards.store import Store
 from shards.__main__ import _parse_cpus, _routing_arg, bind_and_serve
+from shards.common.memory import return_large_frees
 from shards.common import timing
 from shards.common.errors import ConfigError, Exit
 from shards.common.security import Security
@@ -376,6 +377,7 @@ def main(port, host, upstream, shard, name, shard_map, shard_index, heartbeat_s,
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
     if (shard_map is None) != (shard_index is None):
         raise click.UsageError("--routing and --shard-index go together")
+    return_large_frees()
     if cpus is not None:
         import psutil  # pin before the zmq context starts its I/O thread
 

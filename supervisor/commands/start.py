@@ -32,6 +32,7 @@ from shards.common.errors import ConfigError, PortInUse
 from shards.common.config import load_config
 from shards.common.security import Security
 from shards.common.hostfacts import local_host_facts
+from shards.common.memory import return_large_frees
 from shards.common.placement import Plan, check_ports_free, plan
 from supervisor.running import running_cluster
 from supervisor.policy import (BACKOFF_CAP_S, BACKOFF_INITIAL_S, CRASH_LIMIT, CRASH_WINDOW_S,
@@ -306,6 +307,7 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
             backoff_cap_s: float, crash_limit: int, log_level: str, log_max_mb: float,
             detached_child: bool) -> None:
     """Start the cluster in CONFIG and keep it running (Ctrl-C stops it)."""
+    return_large_frees()  # dropped request bodies go back to the OS, not to the heap
     try:
         policy = PolicyConfig(backoff_initial_s=backoff_initial_s,
                               backoff_cap_s=max(backoff_cap_s, backoff_initial_s),

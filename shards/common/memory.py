@@ -1,0 +1,43 @@
+"""Give freed large buffers back to the OS.
+
+glibc's malloc serves an allocation above its mmap threshold (128 KiB at start) with its
+own mapping, which ``free`` unmaps. But the threshold is dynamic: each time such a block
+is freed, glibc raises the threshold to that block's size (up to 32 MiB). After the first
+large message is freed, later ones of the same size come from the heap arenas, and a
+freed arena block is kept by the process. A flood of 900 KB requests that the broker
+drops then leaves 10-70 MiB more resident than the bytes it still holds, a different
+amount each run, and a server keeps what a departed slow subscriber pinned.
+
+``return_large_frees()`` fixes the threshold (``mallopt(M_MMAP_THRESHOLD, ...)``), which
+turns the dynamic adjustment off: every block above it is mapped and unmapped on its
+own, so a process's RSS follows the bytes it really holds. Small allocations (keys,
+values, frames of ordinary updates) are untouched, so the hot path does not change. Call
+it once at process start, before the zmq Context's threads allocate. On a C library
+other than glibc it does nothing and says so.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger(__name__)
+
+M_MMAP_THRESHOLD = -3
+"""glibc's mallopt parameter number (malloc.h)."""
+LARGE_BYTES = 128 * 1024
+"""glibc's own starting threshold: blocks above it get their own mapping."""
+
+
+def return_large_frees(threshold: int = LARGE_BYTES) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` bytes. True if it was applied."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        log.debug("no mallopt in this C library: large frees stay with the allocator")
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, threshold) == 1
