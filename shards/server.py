@@ -327,6 +327,8 @@ class ShardServer:
             pub.setsockopt(zmq.XPUB_VERBOSE, 1)
             self._bind(pub, cfg.endpoint(1))
             self._pub = pub
+            self._publish = zio.publisher(pub)
+            """``publish((key, seq, uuid, props, value))``: the hot path's KVPUB."""
             collector = self._socket(zmq.SUB)
             collector.setsockopt(zmq.RCVHWM, self.marks.collect_hwm)
             # a frame far beyond every limit disconnects its peer before it is buffered;
@@ -456,12 +458,7 @@ class ShardServer:
                     return
                 if self._remember is not None:
                     self._remember(seq, key, uuid, b"", value)
-                pub = self._pub
-                _send(pub, key, _MORE)
-                _send(pub, _pack_seq(seq), _MORE)
-                _send(pub, uuid, _MORE)
-                _send(pub, b"", _MORE)
-                _send(pub, value, _NOBLOCK)
+                self._publish((key, _pack_seq(seq), uuid, b"", value))
                 return
         self._collect_checked(frames)
 
@@ -540,13 +537,9 @@ class ShardServer:
             self.persist.flush()
         if self._held:
             held, self._held = self._held, []
-            pub = self._pub
-            for key, seq_frame, uuid, props, value in held:
-                _send(pub, key, _MORE)
-                _send(pub, seq_frame, _MORE)
-                _send(pub, uuid, _MORE)
-                _send(pub, props, _MORE)
-                _send(pub, value, _NOBLOCK)
+            publish = self._publish
+            for frames in held:  # (key, seq, uuid, props, value)
+                publish(frames)
 
     # ================================================================ durability
     def attach_persist(self, data_dir) -> None:
@@ -794,4 +787,5 @@ class ShardServer:
                                   if a is not None),
             "rss_bytes": self._process.memory_info().rss,
             "uptime_s": round(time.monotonic() - self.started_s, 3),
+            "frame_path": zio.FRAME_PATH,
         }

@@ -235,3 +235,23 @@ def wait_until(predicate, what: str, timeout_s: float = 30.0, every_s: float = 0
             return value
         time.sleep(every_s)
     raise AssertionError(f"no {what} within {timeout_s} s")
+
+
+FRAME_PATHS = ["pure"] + (["compiled"] if __import__("shards.common.zio", fromlist=["zio"])
+                          .COMPILED else [])
+"""The frame paths this machine has (``shards.common.zio``): the compiled one when the
+extension is built here (it is wherever a C compiler is), and always the pure one."""
+
+
+@pytest.fixture(params=FRAME_PATHS)
+def frame_path(request, monkeypatch):
+    """Run a test on each frame path of ``shards.common.zio`` in this process (the module
+    functions and ``AsyncSocket``'s drain are switched for the test's duration)."""
+    from shards.common import zio
+
+    if request.param == "pure":
+        monkeypatch.setattr(zio, "COMPILED", False)
+        monkeypatch.setattr(zio, "recv_frames", zio._recv_frames_pure)
+        monkeypatch.setattr(zio, "send_frames", zio._send_frames_pure)
+        monkeypatch.setattr(zio, "send_frames5", zio._send_frames5_pure)
+    return request.param

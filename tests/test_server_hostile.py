@@ -15,6 +15,7 @@ import time
 import pytest
 import zmq
 
+from shards.common import zio
 from shards.common.proto import chp
 from shards.common.security import Security
 from test_server_conformance import DEADLINE_S, SEQ, Peer, start_server
@@ -94,17 +95,24 @@ def stats_now(proc) -> dict:
     return json.loads(line.split(" stats ", 1)[1])
 
 
-@pytest.fixture(params=["plain", "curve"])
+@pytest.fixture(params=["plain", "curve", "pure"])
 def server(request, procs, port_base, cluster_keys):
-    """Each test runs twice: plain TCP, and CURVE on every socket (``--keys-dir``), with
-    the test's raw peers presenting the cluster's client key."""
+    """Each test runs three times: plain TCP, CURVE on every socket (``--keys-dir``, the
+    test's raw peers presenting the cluster's client key), and plain TCP on the pure-Python
+    frame path (``CLONEMAP_PURE=1``; the first two use the compiled one when it is built)."""
     if request.param == "curve":
         proc = start_server(procs, port_base, "--max-value-bytes", str(MAX_VALUE),
                             "--keys-dir", str(cluster_keys))
         proc.security = Security.load(cluster_keys, "client")
+    elif request.param == "pure":
+        proc = procs.python("-m", "shards", "--port", str(port_base), "--heartbeat-s", "0.2",
+                            "--log-level", "info", "--max-value-bytes", str(MAX_VALUE),
+                            ready="READY", env={"CLONEMAP_PURE": "1"})
+        proc.security = None
     else:
         proc = start_server(procs, port_base, "--max-value-bytes", str(MAX_VALUE))
         proc.security = None
+    proc.frame_path = request.param
     return proc
 
 
@@ -137,6 +145,9 @@ def test_malformed_messages_are_dropped_counted_by_reason_and_harm_no_one(
     assert stats["drops_total"] == sum(want.values())
     assert stats["handler_errors"] == 0
     assert stats["seq"] == base + 1 and stats["keys"] == len(data)
+    compiled = zio.COMPILED and server.frame_path != "pure"
+    assert stats["frame_path"] == "compiled" if compiled else stats["frame_path"].startswith(
+        "pure")
     # A log line names each reason (rate-limited: at most one per reason per interval).
     for reason in want:
         assert any(f"dropped ({reason})" in line for line in server.stderr), reason

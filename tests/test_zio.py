@@ -1,10 +1,16 @@
-"""shards.common.zio over real sockets: whole messages, capped batches, timers not starved."""
+"""shards.common.zio over real sockets: whole messages, capped batches, timers not starved.
+Every test runs on each frame path (``frame_path``: pure, and compiled where built)."""
 import asyncio
 
 import pytest
 import zmq
 
 from shards.common import zio
+
+
+@pytest.fixture(autouse=True)
+def _each_path(frame_path):
+    return frame_path
 
 
 def run(coro):

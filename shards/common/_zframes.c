@@ -1,0 +1,279 @@
+/* shards.common._zframes: whole ZeroMQ messages in one C call, for the hot path.
+ *
+ * pyzmq's per-frame calls cost ~0.6 us each once the MORE flag is checked from Python
+ * (a Frame object per frame, or a getsockopt per frame). Here a message is read frame
+ * by frame with zmq_msg_recv and zmq_msg_more, so every message boundary is seen and a
+ * short, long or many-frame message can never be merged with the next one.
+ *
+ * The module does not link against libzmq: bind() is given the path of the libzmq that
+ * pyzmq has already loaded in this process, and resolves the few functions it needs
+ * from it (dlopen with RTLD_NOLOAD first). So the extension needs no zmq.h and always
+ * talks to pyzmq's own libzmq. zmq_msg_t is 64 opaque bytes in every libzmq 4.x.
+ *
+ * Socket handles are the integers pyzmq gives as Socket.underlying. The caller
+ * guarantees that the socket is open: drain() checks its owner's `_closed` after every
+ * handler call, because a handler may close its own socket.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <string.h>
+
+typedef struct { unsigned char bytes[64]; } __attribute__((aligned(8))) zmsg_t;
+
+static int (*z_msg_init)(zmsg_t *);
+static int (*z_msg_recv)(zmsg_t *, void *, int);
+static void *(*z_msg_data)(zmsg_t *);
+static size_t (*z_msg_size)(const zmsg_t *);
+static int (*z_msg_more)(const zmsg_t *);
+static int (*z_msg_close)(zmsg_t *);
+static int (*z_send)(void *, const void *, size_t, int);
+static int (*z_errno)(void);
+static PyObject *error_class = NULL; /* zmq.ZMQError, given to bind() */
+static int bound = 0;
+static PyObject *closed_name = NULL; /* "_closed", interned */
+
+#define Z_NOBLOCK 1
+#define Z_SNDMORE 2
+
+static PyObject *raise_zmq(int err) {
+    PyObject *exc = PyObject_CallFunction(error_class, "i", err);
+    if (exc != NULL) {
+        PyErr_SetObject(error_class, exc);
+        Py_DECREF(exc);
+    }
+    return NULL;
+}
+
+static PyObject *zf_bind(PyObject *self, PyObject *args) {
+    const char *path;
+    PyObject *cls;
+    if (!PyArg_ParseTuple(args, "sO", &path, &cls))
+        return NULL;
+    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (lib == NULL)
+        lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (lib == NULL) {
+        PyErr_Format(PyExc_ImportError, "cannot open %s: %s", path, dlerror());
+        return NULL;
+    }
+#define RESOLVE(var, name)                                                          \
+    *(void **)(&var) = dlsym(lib, name);                                            \
+    if (var == NULL) {                                                              \
+        PyErr_Format(PyExc_ImportError, "%s has no %s", path, name);                \
+        return NULL;                                                                \
+    }
+    RESOLVE(z_msg_init, "zmq_msg_init");
+    RESOLVE(z_msg_recv, "zmq_msg_recv");
+    RESOLVE(z_msg_data, "zmq_msg_data");
+    RESOLVE(z_msg_size, "zmq_msg_size");
+    RESOLVE(z_msg_more, "zmq_msg_more");
+    RESOLVE(z_msg_close, "zmq_msg_close");
+    RESOLVE(z_send, "zmq_send");
+    RESOLVE(z_errno, "zmq_errno");
+#undef RESOLVE
+    Py_XDECREF(error_class);
+    Py_INCREF(cls);
+    error_class = cls;
+    bound = 1;
+    Py_RETURN_NONE;
+}
+
+/* One frame into a new bytes object; NULL with *err set (0 with a Python error). */
+static PyObject *recv_frame(void *sock, int flags, int *more, int *err) {
+    zmsg_t msg;
+    z_msg_init(&msg);
+    for (;;) {
+        if (z_msg_recv(&msg, sock, flags) >= 0)
+            break;
+        int e = z_errno();
+        if (e == EINTR)
+            continue;
+        z_msg_close(&msg);
+        *err = e;
+        return NULL;
+    }
+    PyObject *frame = PyBytes_FromStringAndSize((const char *)z_msg_data(&msg),
+                                                (Py_ssize_t)z_msg_size(&msg));
+    *more = z_msg_more(&msg);
+    z_msg_close(&msg);
+    if (frame == NULL)
+        *err = 0;
+    return frame;
+}
+
+/* One whole message: a list of at most max_frames + 1 frames (the rest are read and
+ * discarded), NULL with *err = EAGAIN when none is waiting. */
+static PyObject *recv_message(void *sock, int flags, Py_ssize_t max_frames, int *err) {
+    int more = 0;
+    PyObject *frame = recv_frame(sock, flags, &more, err);
+    if (frame == NULL)
+        return NULL;
+    PyObject *frames = PyList_New(1);
+    if (frames == NULL) {
+        Py_DECREF(frame);
+        *err = 0;
+        return NULL;
+    }
+    PyList_SET_ITEM(frames, 0, frame);
+    while (more) {
+        /* the rest of a message is always there once its first frame was read */
+        frame = recv_frame(sock, flags & ~Z_NOBLOCK, &more, err);
+        if (frame == NULL) {
+            Py_DECREF(frames);
+            return NULL;
+        }
+        if (PyList_GET_SIZE(frames) <= max_frames) {
+            if (PyList_Append(frames, frame) < 0) {
+                Py_DECREF(frame);
+                Py_DECREF(frames);
+                *err = 0;
+                return NULL;
+            }
+        }
+        Py_DECREF(frame);
+    }
+    return frames;
+}
+
+static int check_bound(void) {
+    if (!bound) {
+        PyErr_SetString(PyExc_RuntimeError, "_zframes.bind() was not called");
+        return 0;
+    }
+    return 1;
+}
+
+/* recv(handle, flags, max_frames) -> list[bytes] | None (None: nothing waiting) */
+static PyObject *zf_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "recv(handle, flags, max_frames)");
+        return NULL;
+    }
+    if (!check_bound())
+        return NULL;
+    void *sock = PyLong_AsVoidPtr(args[0]);
+    int flags = (int)PyLong_AsLong(args[1]);
+    Py_ssize_t max_frames = PyLong_AsSsize_t(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    int err = 0;
+    PyObject *frames = recv_message(sock, flags, max_frames, &err);
+    if (frames != NULL)
+        return frames;
+    if (err == EAGAIN)
+        Py_RETURN_NONE;
+    return err ? raise_zmq(err) : NULL;
+}
+
+/* drain(handle, owner, limit, max_frames, handler) -> (n, exc, frames)
+ * Read up to `limit` messages and call handler(frames) for each. Stops at EAGAIN, when
+ * `owner._closed` turns true (the owner closed the socket), or when the handler raises: then exc is the exception and
+ * frames the message it failed on (n counts it). */
+static PyObject *zf_drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "drain(handle, owner, limit, max_frames, handler)");
+        return NULL;
+    }
+    if (!check_bound())
+        return NULL;
+    void *handle = PyLong_AsVoidPtr(args[0]);
+    PyObject *owner = args[1];
+    Py_ssize_t limit = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t max_frames = PyLong_AsSsize_t(args[3]);
+    PyObject *handler = args[4];
+    if (PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = 0;
+    while (n < limit) {
+        int err = 0;
+        PyObject *frames = recv_message(handle, Z_NOBLOCK, max_frames, &err);
+        if (frames == NULL) {
+            if (err == EAGAIN)
+                break;
+            return err ? raise_zmq(err) : NULL;
+        }
+        n++;
+        PyObject *res = PyObject_CallOneArg(handler, frames);
+        if (res == NULL) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_NormalizeException(&type, &value, &tb);
+            if (tb != NULL && value != NULL)
+                PyException_SetTraceback(value, tb);
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+            PyObject *out = Py_BuildValue("(nNN)", n, value ? value : Py_NewRef(Py_None),
+                                          frames);
+            return out;
+        }
+        Py_DECREF(res);
+        Py_DECREF(frames);
+        PyObject *closed = PyObject_GetAttr(owner, closed_name);
+        if (closed == NULL)
+            return NULL;
+        int is_closed = PyObject_IsTrue(closed);
+        Py_DECREF(closed);
+        if (is_closed)
+            break;
+    }
+    return Py_BuildValue("(nOO)", n, Py_None, Py_None);
+}
+
+/* send(handle, frames, flags=NOBLOCK): a multipart message from a sequence of bytes */
+static PyObject *zf_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "send(handle, frames, flags=NOBLOCK)");
+        return NULL;
+    }
+    if (!check_bound())
+        return NULL;
+    void *sock = PyLong_AsVoidPtr(args[0]);
+    int flags = nargs == 3 ? (int)PyLong_AsLong(args[2]) : Z_NOBLOCK;
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "frames must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        char *data;
+        Py_ssize_t size;
+        if (PyBytes_AsStringAndSize(items[i], &data, &size) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        int f = i + 1 < count ? (flags | Z_SNDMORE) : flags;
+        while (z_send(sock, data, (size_t)size, f) < 0) {
+            int e = z_errno();
+            if (e == EINTR)
+                continue;
+            Py_DECREF(seq);
+            return raise_zmq(e);
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"bind", zf_bind, METH_VARARGS, "bind(libzmq_path, ZMQError): resolve libzmq's calls"},
+    {"recv", (PyCFunction)(void (*)(void))zf_recv, METH_FASTCALL,
+     "recv(handle, flags, max_frames) -> list[bytes] | None"},
+    {"drain", (PyCFunction)(void (*)(void))zf_drain, METH_FASTCALL,
+     "drain(handle, owner, limit, max_frames, handler) -> (n, exc, frames)"},
+    {"send", (PyCFunction)(void (*)(void))zf_send, METH_FASTCALL,
+     "send(handle, frames, flags=NOBLOCK)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_zframes", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__zframes(void) {
+    closed_name = PyUnicode_InternFromString("_closed");
+    if (closed_name == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,174 @@
+"""The two frame paths of ``shards.common.zio`` (compiled and pure) keep every message
+boundary: a short message, a long one, and one of 64+ frames between valid ones cost no
+valid message, on a socket and in a real server's collector; and the pure path takes over
+when the extension is disabled or missing.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import zmq
+
+from shards.common import zio
+from shards.common.proto import chp
+from conftest import FRAME_PATHS, ROOT
+from test_server_conformance import SEQ, Peer
+from test_server_hostile import stats_now
+
+VALID = [b"/ok/1", b"\0" * 8, b"", b"", b"v1"]
+SHORT = [b"/short", b"\0" * 8]
+LONG = [b"/long", b"\0" * 8, b"", b"", b"v", b"extra"]
+MANY = [b"m"] * 70
+
+
+def valid(i: int) -> list[bytes]:
+    return [b"/ok/%d" % i, b"\0" * 8, b"", b"", b"v%d" % i]
+
+
+def burst() -> list[list[bytes]]:
+    """Valid messages with each kind of misfit between two of them."""
+    return [valid(0), SHORT, valid(1), LONG, valid(2), MANY, valid(3), [b""], valid(4)]
+
+
+def expected(sent: list[list[bytes]]) -> list[list[bytes]]:
+    return [frames[:zio.MAX_FRAMES + 1] for frames in sent]
+
+
+def pair(zctx):
+    pull = zctx.socket(zmq.PULL)
+    pull.rcvhwm = 0
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = zctx.socket(zmq.PUSH)
+    push.sndhwm = 0
+    push.connect(f"tcp://127.0.0.1:{port}")
+    return push, pull
+
+
+def test_recv_frames_keeps_every_boundary(zctx, frame_path):
+    push, pull = pair(zctx)
+    sent = burst() * 3
+    for frames in sent:
+        zio.send_frames(push, frames, 0)
+    got = []
+    while len(got) < len(sent):
+        assert pull.poll(5000)
+        got.append(zio.recv_frames(pull))
+    assert got == expected(sent)
+    with pytest.raises(zmq.Again):
+        zio.recv_frames(pull)
+
+
+def test_async_socket_drains_every_message_whole(zctx, frame_path):
+    push, pull = pair(zctx)
+    sent = burst() * 200
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        got, done = [], loop.create_future()
+
+        def on_message(frames):
+            got.append(frames)
+            if frames == [b"boom"]:
+                raise RuntimeError("a handler bug")
+            if len(got) == len(sent) + 1 and not done.done():
+                done.set_result(None)
+
+        reader = zio.AsyncSocket(pull, on_message, batch=64)
+        assert (reader._drain is not None) == (frame_path == "compiled")
+        for frames in sent[:len(sent) // 2]:
+            zio.send_frames(push, frames, 0)
+        zio.send_frames(push, [b"boom"], 0)  # the handler raises: counted, the drain goes on
+        for frames in sent[len(sent) // 2:]:
+            zio.send_frames(push, frames, 0)
+        await asyncio.wait_for(done, 10)
+        reader.close()
+        return got, reader
+
+    got, reader = asyncio.run(main())
+    want = expected(sent)
+    assert got == want[:len(sent) // 2] + [[b"boom"]] + want[len(sent) // 2:]
+    assert reader.errors == 1 and reader.received == len(sent) + 1
+
+
+def test_a_handler_that_closes_its_socket_ends_the_drain(zctx, frame_path):
+    push, pull = pair(zctx)
+    for i in range(50):
+        zio.send_frames(push, valid(i), 0)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        got, done = [], loop.create_future()
+        reader = None
+
+        def on_message(frames):
+            got.append(frames)
+            if len(got) == 3:
+                reader.close()
+                loop.call_soon(done.set_result, None)
+
+        assert pull.poll(5000)
+        reader = zio.AsyncSocket(pull, on_message, batch=256)
+        await asyncio.wait_for(done, 10)
+        return got
+
+    got = asyncio.run(main())
+    assert got == [valid(0), valid(1), valid(2)] and pull.closed
+
+
+@pytest.mark.parametrize("path", FRAME_PATHS)
+def test_a_server_loses_no_valid_update_around_misfit_messages(procs, port_base, zctx, path):
+    """Through a real server's collector: each misfit is dropped and counted
+    ``frame_count``; every valid KVSET is published, in order, with consecutive
+    sequences."""
+    env = {"CLONEMAP_PURE": "1"} if path == "pure" else {"CLONEMAP_PURE": "0"}
+    server = procs.python("-m", "shards", "--port", str(port_base), "--heartbeat-s", "0.2",
+                          ready="READY", env=env)
+    peer = Peer(zctx, port_base, subscribe=(b"/ok/", b"/probe/"))
+    base = peer.sync()
+    rounds = 50
+    for _ in range(rounds):
+        for frames in burst():
+            peer.send_raw(frames)
+    got = []
+    for _ in range(rounds * 5):
+        got.append(peer.recv_update())
+    want = [[b"/ok/%d" % (i % 5), SEQ.pack(base + 1 + i), b"", b"", b"v%d" % (i % 5)]
+            for i in range(rounds * 5)]
+    assert got == want
+    stats = stats_now(server)
+    assert stats["drops"] == {"frame_count": rounds * 4}
+    assert stats["frame_path"] == ("compiled" if path == "compiled" else
+                                   "pure (CLONEMAP_PURE is set)")
+
+
+PROBE = "from shards.common import zio; print(zio.FRAME_PATH)"
+
+
+def frame_path_of(code: str, **env: str) -> str:
+    full = {k: v for k, v in os.environ.items() if k != "CLONEMAP_PURE"}
+    full.update(env)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full, check=True,
+                         capture_output=True, text=True, timeout=60)
+    return out.stdout.strip()
+
+
+def test_the_pure_path_takes_over_when_the_extension_is_missing():
+    """As on a machine without a compiler: the import of ``_zframes`` fails."""
+    blocked = "import sys; sys.modules['shards.common._zframes'] = None\n" + PROBE
+    assert frame_path_of(blocked).startswith("pure (the compiled extension is not built")
+    assert frame_path_of(PROBE, CLONEMAP_PURE="1") == "pure (CLONEMAP_PURE is set)"
+
+
+def test_the_extension_is_built_where_a_compiler_is():
+    """``make venv`` builds it (pyproject's optional ext-module): a silent build failure
+    on a machine with a compiler would leave every server on the slower path."""
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        assert frame_path_of(PROBE).startswith("pure")
+    else:
+        assert frame_path_of(PROBE) == "compiled"
