@@ -347,6 +347,7 @@ class PairServer(ShardServer):
                 stale += 1
                 continue
             ShardServer.on_collect(self, entry.update)
+        self._flush_log()  # publish them now: this is not a collector batch
         self.pending_applied += len(pending) - stale
         self.pending_stale += stale
         log.warning("shard %s: %s is ACTIVE (%s, was %s, term %d): %d late updates from the "

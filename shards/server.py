@@ -253,9 +253,9 @@ class ShardServer:
         self._persist_flush: asyncio.Handle | None = None
         self._persist_timer: asyncio.TimerHandle | None = None
         self._held: list[tuple] = []
-        """A persisting server's KVPUBs applied and logged but not yet published: they go
-        out in order right after the turn's write (and, with ``fsync: always``, its
-        fsync: group commit)."""
+        """KVPUBs applied (and, when persisting, logged) but not yet published: they go out
+        in order after the collector's batch (``_flush_log``), right after the batch's
+        write (and, with ``fsync: always``, its fsync: group commit)."""
         self.active = False
         self.ctx: zmq.Context | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -372,7 +372,7 @@ class ShardServer:
             name="snapshot")
         self._collector = zio.AsyncSocket(self._collector_sock, self.on_collect,
                                           batch=self.config.collect_batch, loop=loop,
-                                          name="collector")
+                                          name="collector", after_batch=self._flush_log)
         self._pub_reader = zio.AsyncSocket(self._pub, self.on_subscription, batch=256,
                                            loop=loop, name="publisher")
         self._sub_check_handle = loop.call_later(SUBSCRIPTION_CHECK_S,
@@ -453,12 +453,12 @@ class ShardServer:
                         and not self.owns(key)):
                     return  # counted not_owner
                 seq = self.store.apply(key, value)
-                if self.persist is not None:
-                    self._log_and_publish(seq, key, uuid, b"", value, None)
-                    return
-                if self._remember is not None:
-                    self._remember(seq, key, uuid, b"", value)
-                self._publish((key, _pack_seq(seq), uuid, b"", value))
+                if (persist := self.persist) is not None:
+                    persist.append(seq, key, value, None)  # written after the batch
+                # published (and kept in the resume history) after the batch (_flush_log, after the batch's write): one
+                # burst wakes libzmq's I/O thread once, where a send per update woke it
+                # per update
+                self._held.append((key, _pack_seq(seq), uuid, b"", value))
                 return
         self._collect_checked(frames)
 
@@ -492,9 +492,7 @@ class ShardServer:
         if self.persist is not None:
             self._log_and_publish(seq, key, kvset.uuid, props, value, expiry_s)
         else:
-            if self._remember is not None:
-                self._remember(seq, key, kvset.uuid, props, value)
-            zio.send_frames5(self._pub, key, _pack_seq(seq), kvset.uuid, props, value)
+            self._held.append((key, _pack_seq(seq), kvset.uuid, props, value))  # in order
         if expiry_s is not None:
             self._arm_ttl()
 
@@ -517,8 +515,6 @@ class ShardServer:
         (``_flush_log``, once per loop turn)."""
         self.log_applied(seq, key, value, expiry_s)
         self._held.append((key, _pack_seq(seq), uuid, props, value))
-        if self._remember is not None:
-            self._remember(seq, key, uuid, props, value)
 
     def log_applied(self, seq: int, key: bytes, value: bytes, expiry_s: float | None) -> None:
         """Append one applied update to the data directory; the batch is written at the
@@ -528,8 +524,9 @@ class ShardServer:
             self._persist_flush = self.loop.call_soon(self._flush_log)
 
     def _flush_log(self) -> None:
-        """Write the turn's records (fsync with ``always``), then publish what was held
-        for that write, in sequence order."""
+        """Write the batch's records (fsync with ``always``), then publish what was held
+        for that write, in sequence order. Runs after every collector batch, and at the
+        end of a loop turn that logged outside one."""
         if self._persist_flush is not None:
             self._persist_flush.cancel()
         self._persist_flush = None
@@ -540,6 +537,8 @@ class ShardServer:
             publish = self._publish
             for frames in held:  # (key, seq, uuid, props, value)
                 publish(frames)
+            if self._remember is not None:
+                self.recent.extend(held)  # the list itself: no copy
 
     # ================================================================ durability
     def attach_persist(self, data_dir) -> None:

@@ -12,7 +12,7 @@ import pytest
 from conftest import bench_record, run_bench
 
 RECORDS = ["chp_throughput", "scaleout", "latency", "load", "snapshot", "fanout", "failover",
-           "handoff", "durability", "curve", "slow_subscriber", "relays"]
+           "handoff", "durability", "curve", "slow_subscriber", "relays", "hot_path"]
 """What ``python -m bench all`` saves (the report reads these)."""
 
 
@@ -186,6 +186,19 @@ def check_relays(data: dict) -> None:
     assert by["relays"]["client_snapshots"] == 0
 
 
+def check_hot_path(data: dict) -> None:
+    runs = data["runs"]
+    assert [(r["phase"], r["kind"]) for r in runs] == [
+        ("flat", "plain"), ("flat", "forwarder"), ("flat", "server"), ("rate", "plain"),
+        ("rate", "server"), ("half", "server"), ("half_pinned", "server")]
+    for r in runs:  # every target carried the load, nothing lost
+        assert r["received_per_s"] > 0 and r["loss_window"] == 0, r
+    s = data["summary"]
+    assert len(s["ratio_server_to_plain_per_round"]) == 1
+    assert len(s["cpu_ratio_server_to_plain_per_round"]) == 1
+    assert any("plain loop" in t["name"] for t in data["targets"])
+
+
 def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
     stdout = run_bench(procs, tmp_path, "bench", "all", "--smoke")
     records = {name: bench_record(tmp_path, name) for name in RECORDS}
@@ -202,6 +215,7 @@ def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
     check_curve(records["curve"])
     check_slow_subscriber(records["slow_subscriber"])
     check_relays(records["relays"])
+    check_hot_path(records["hot_path"])
     assert (tmp_path / "REPORT.md").exists() and list((tmp_path / "plots").glob("*.png"))
     table = "\n".join(stdout)
     assert "python -m bench all (smoke)" in table and "FAILED" not in table

@@ -30,7 +30,7 @@ static int (*z_msg_more)(const zmsg_t *);
 static int (*z_msg_close)(zmsg_t *);
 static int (*z_send)(void *, const void *, size_t, int);
 static int (*z_errno)(void);
-static PyObject *error_class = NULL; /* zmq.ZMQError, given to bind() */
+static PyObject *error_factory = NULL; /* errno -> zmq.ZMQError (or zmq.Again), from bind() */
 static int bound = 0;
 static PyObject *closed_name = NULL; /* "_closed", interned */
 
@@ -38,9 +38,9 @@ static PyObject *closed_name = NULL; /* "_closed", interned */
 #define Z_SNDMORE 2
 
 static PyObject *raise_zmq(int err) {
-    PyObject *exc = PyObject_CallFunction(error_class, "i", err);
+    PyObject *exc = PyObject_CallFunction(error_factory, "i", err);
     if (exc != NULL) {
-        PyErr_SetObject(error_class, exc);
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
         Py_DECREF(exc);
     }
     return NULL;
@@ -48,8 +48,8 @@ static PyObject *raise_zmq(int err) {
 
 static PyObject *zf_bind(PyObject *self, PyObject *args) {
     const char *path;
-    PyObject *cls;
-    if (!PyArg_ParseTuple(args, "sO", &path, &cls))
+    PyObject *factory;
+    if (!PyArg_ParseTuple(args, "sO", &path, &factory))
         return NULL;
     void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
     if (lib == NULL)
@@ -73,9 +73,9 @@ static PyObject *zf_bind(PyObject *self, PyObject *args) {
     RESOLVE(z_send, "zmq_send");
     RESOLVE(z_errno, "zmq_errno");
 #undef RESOLVE
-    Py_XDECREF(error_class);
-    Py_INCREF(cls);
-    error_class = cls;
+    Py_XDECREF(error_factory);
+    Py_INCREF(factory);
+    error_factory = factory;
     bound = 1;
     Py_RETURN_NONE;
 }
@@ -85,13 +85,21 @@ static PyObject *recv_frame(void *sock, int flags, int *more, int *err) {
     zmsg_t msg;
     z_msg_init(&msg);
     for (;;) {
-        if (z_msg_recv(&msg, sock, flags) >= 0)
+        int rc;
+        if (flags & Z_NOBLOCK) {
+            rc = z_msg_recv(&msg, sock, flags);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            rc = z_msg_recv(&msg, sock, flags);
+            Py_END_ALLOW_THREADS
+        }
+        if (rc >= 0)
             break;
         int e = z_errno();
-        if (e == EINTR)
+        if (e == EINTR && PyErr_CheckSignals() == 0)
             continue;
         z_msg_close(&msg);
-        *err = e;
+        *err = e == EINTR ? 0 : e; /* EINTR here: a signal handler raised */
         return NULL;
     }
     PyObject *frame = PyBytes_FromStringAndSize((const char *)z_msg_data(&msg),
@@ -118,8 +126,11 @@ static PyObject *recv_message(void *sock, int flags, Py_ssize_t max_frames, int 
     }
     PyList_SET_ITEM(frames, 0, frame);
     while (more) {
-        /* the rest of a message is always there once its first frame was read */
-        frame = recv_frame(sock, flags & ~Z_NOBLOCK, &more, err);
+        /* the rest of a message is there once its first frame was read (libzmq delivers
+         * messages whole); should it ever not be, wait for it rather than misalign */
+        frame = recv_frame(sock, flags | Z_NOBLOCK, &more, err);
+        if (frame == NULL && *err == EAGAIN)
+            frame = recv_frame(sock, flags & ~Z_NOBLOCK, &more, err);
         if (frame == NULL) {
             Py_DECREF(frames);
             return NULL;
@@ -246,12 +257,22 @@ static PyObject *zf_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             return NULL;
         }
         int f = i + 1 < count ? (flags | Z_SNDMORE) : flags;
-        while (z_send(sock, data, (size_t)size, f) < 0) {
+        for (;;) {
+            int rc;
+            if (flags & Z_NOBLOCK) {
+                rc = z_send(sock, data, (size_t)size, f);
+            } else { /* a blocking send lets other threads run meanwhile */
+                Py_BEGIN_ALLOW_THREADS
+                rc = z_send(sock, data, (size_t)size, f);
+                Py_END_ALLOW_THREADS
+            }
+            if (rc >= 0)
+                break;
             int e = z_errno();
-            if (e == EINTR)
+            if (e == EINTR && PyErr_CheckSignals() == 0)
                 continue;
             Py_DECREF(seq);
-            return raise_zmq(e);
+            return e == EINTR ? NULL : raise_zmq(e);
         }
     }
     Py_DECREF(seq);
@@ -259,7 +280,8 @@ static PyObject *zf_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 static PyMethodDef methods[] = {
-    {"bind", zf_bind, METH_VARARGS, "bind(libzmq_path, ZMQError): resolve libzmq's calls"},
+    {"bind", zf_bind, METH_VARARGS,
+     "bind(libzmq_path, error_of_errno): resolve libzmq's calls"},
     {"recv", (PyCFunction)(void (*)(void))zf_recv, METH_FASTCALL,
      "recv(handle, flags, max_frames) -> list[bytes] | None"},
     {"drain", (PyCFunction)(void (*)(void))zf_drain, METH_FASTCALL,

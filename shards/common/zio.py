@@ -71,6 +71,11 @@ def _libzmq_path() -> str | None:
     return None
 
 
+def _error_of(errno: int) -> zmq.ZMQError:
+    """The exception pyzmq raises for ``errno`` (``zmq.Again`` for EAGAIN)."""
+    return zmq.Again(errno) if errno == zmq.EAGAIN else zmq.ZMQError(errno)
+
+
 def _load_compiled():
     """The bound ``_zframes`` module and why, or None and why not."""
     if os.environ.get("CLONEMAP_PURE", "") not in ("", "0"):
@@ -83,7 +88,7 @@ def _load_compiled():
     if path is None:
         return None, "pure (pyzmq's libzmq was not found in this process's maps)"
     try:
-        _zframes.bind(path, zmq.ZMQError)
+        _zframes.bind(path, _error_of)
     except ImportError as exc:
         return None, f"pure ({exc})"
     return _zframes, "compiled"
@@ -195,9 +200,13 @@ class AsyncSocket:
     def __init__(self, sock: zmq.Socket,
                  on_message: Callable[[list[bytes]], None] | None = None, *,
                  batch: int = DEFAULT_BATCH, loop: asyncio.AbstractEventLoop | None = None,
-                 name: str = "", recv: Callable[[zmq.Socket], list[bytes]] | None = None):
+                 name: str = "", recv: Callable[[zmq.Socket], list[bytes]] | None = None,
+                 after_batch: Callable[[], None] | None = None):
+        """``after_batch()``: called once after every batch that read a message (a server
+        publishes what the batch produced there, one burst per batch)."""
         self.sock = sock
         self.on_message = on_message
+        self.after_batch = after_batch
         self._recv = recv or recv_frames
         self.batch = batch
         self.name = name or repr(sock)
@@ -230,6 +239,12 @@ class AsyncSocket:
             n = self._drain_compiled(handler)
             if self._closed:
                 return
+            if n and self.after_batch is not None:
+                try:
+                    self.after_batch()
+                except Exception:
+                    self.errors += 1
+                    log.exception("%s: after_batch failed", self.name)
         elif handler is not None:
             batch = self.batch
             recv = self._recv
@@ -252,6 +267,12 @@ class AsyncSocket:
                 if self._closed:
                     return
             self.received += n
+        if n and self.after_batch is not None:
+            try:
+                self.after_batch()
+            except Exception:
+                self.errors += 1
+                log.exception("%s: after_batch failed", self.name)
         try:
             events = sock.EVENTS
         except zmq.ZMQError:

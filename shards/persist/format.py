@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import zlib
 from pathlib import Path
 from typing import Iterator
@@ -84,8 +85,16 @@ def header(magic: bytes, generation: str) -> bytes:
     return magic + _HEAD.pack(VERSION, len(gen)) + gen
 
 
+_packers = threading.local()
+
+
 def record(items: list) -> bytes:
-    payload = msgpack.packb(items, use_bin_type=True)
+    # One Packer per thread, kept: ``msgpack.packb`` makes a new one per call, whose 256 KiB
+    # buffer is a fresh mmap and munmap (and its page faults) on every loop turn's write.
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    payload = packer.pack(items)
     return _REC.pack(len(payload), zlib.crc32(payload)) + payload
 
 
