@@ -241,9 +241,11 @@ def test_everysec_fsyncs_at_most_once_a_second_and_always_every_flush(tmp_path):
     w.tick()
     assert w.counters["fsyncs"] == base  # not a second yet
     now[0] = 1.0
-    w.tick()
+    w.tick()  # on a background thread, off the event loop
+    assert w.wait_fsync(10)
     assert w.counters["fsyncs"] == base + 1
     w.tick()
+    assert w.wait_fsync(10)
     assert w.counters["fsyncs"] == base + 1  # nothing new written
     w.close()
     a = DataDir(tmp_path / "a", "always")
