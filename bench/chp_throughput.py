@@ -25,10 +25,12 @@ pubsub. Targets: >= 100,000 updates/s, >= 85% of the ceiling, and >= 70% of
 the ceiling (the forwarding-loop target). ``summary["ceilings"]`` holds both ceilings in the shape
 ``bench.harness.ceilings.measure_ceilings`` returns (medians over rounds).
 
-The ceiling reads whole messages exactly as the server must (``zio.recv_frames``, MORE
-checked on every frame). ``--blind-ceiling`` adds, in each round, a forwarder that reads
-five frames blindly (``bench.harness.forwarder --blind``): unsafe for a server, reported for
-information only (``ratio_server_to_blind_ceiling``), never a target.
+Two ceilings run in every round. The project's ceiling reads whole messages exactly as
+the server must (``zio.recv_frames``, MORE checked on every frame). The plain
+five-receive loop (``ceiling_blind``: ``bench.harness.forwarder --blind``) reads five
+frames without looking at MORE: unsafe for a server, but the least Python can do per
+update, so ``ratio_server_to_plain_loop`` (target >= 0.8, issue 18) says what everything
+else costs.
 """
 from __future__ import annotations
 
@@ -80,8 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "to fall to --max-others-pct (0: do not wait)")
     ap.add_argument("--only", choices=TARGETS, default=None, help="run one target only")
     ap.add_argument("--blind-ceiling", action="store_true",
-                    help="also run a forwarder that reads 5 frames without MORE checks "
-                         "(information only)")
+                    help="(kept for old command lines: the plain five-receive loop now "
+                         "runs in every round)")
     ap.add_argument("--pin", action="store_true",
                     help="pin the target to core 0 and the writers and subscriber to the "
                          "other cores (all to core 0 on a 1-core host)")
@@ -129,7 +131,7 @@ def run_one(kind: str, args: argparse.Namespace, progress: rec.Progress) -> dict
 
 def run(args: argparse.Namespace) -> rec.Record:
     kinds = [args.only] if args.only else list(TARGETS)
-    if args.blind_ceiling and not args.only:
+    if not args.only:  # the plain five-receive loop: the second ceiling, every round
         kinds.insert(kinds.index("ceiling") + 1, "ceiling_blind")
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
     config["writer"] = config_dict(WriterConfig(collector="tcp://127.0.0.1:P+2", keys=args.keys,
@@ -202,6 +204,9 @@ def summarize(record: rec.Record, kinds: list[str]) -> None:
     if "ceiling_blind" in summary and "server" in summary:
         blind = summary["ceiling_blind"]["received_per_s"]["median"]
         summary["ratio_server_to_blind_ceiling"] = round(server / blind, 3) if blind else 0.0
+        summary["ratio_server_to_plain_loop"] = summary["ratio_server_to_blind_ceiling"]
+        record.target("server / plain five-receive loop (medians)",
+                      summary["ratio_server_to_plain_loop"], 0.8, "ratio")
     if "ceiling" in summary and "server" in summary:
         ceiling = summary["ceiling"]["received_per_s"]["median"]
         ratio = server / ceiling if ceiling else 0.0
@@ -270,7 +275,7 @@ def report(record: rec.Record) -> None:
     if "ratio_server_to_pubsub" in summary:
         caption += f"; server / pubsub = {summary['ratio_server_to_pubsub']}"
     if "ratio_server_to_blind_ceiling" in summary:
-        caption += (f"; server / blind ceiling (information only) = "
+        caption += (f"; server / plain five-receive loop = "
                     f"{summary['ratio_server_to_blind_ceiling']}")
     rec.table(record, f"{NAME}: received updates/s over rounds",
               ["target", "median", "min", "max", "spread %", "cpu% (median)"], rows,

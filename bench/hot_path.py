@@ -18,8 +18,9 @@ Per round, in this order:
    server's ratio to each ceiling in that round.
 2. **Fixed rate** (``--rate``, default 50,000/s offered): the target process's CPU per
    update (CPU seconds / updates sequenced) for ``plain`` and ``server``.
-3. **Latency at half load**: the server offered half of this round's flat-out server
-   rate, unpinned and ``--pin`` (server alone on core 0): p50 / p99 end to end.
+3. **Latency at half load**: the plain loop and the server offered half of this round's
+   flat-out server rate, unpinned and ``--pin`` (the target alone on core 0): p50 / p99
+   end to end. The plain loop at the same rate says how much of the tail is the host's.
 
 Targets (issue 18, medians over rounds of the per-round ratios): server / plain >= 0.8
 flat out; server CPU per update <= 1.2 x plain at 50k/s; p99 < 5 ms at half load, pinned
@@ -48,8 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  description="one shard vs the plain five-receive loop and "
                                              "the project's forwarder, same run: flat out, "
                                              "CPU per update at a fixed rate, p99 at half "
-                                             "load. Duration: smoke ~30 s, full (3 rounds "
-                                             "of 3 s) ~3 min")
+                                             "load. Duration: smoke ~45 s, full (3 rounds "
+                                             "of 3 s) ~4.5 min")
     ap.add_argument("--seconds", type=float, default=3.0, help="measured window per run")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
@@ -59,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="offered updates/s of the CPU-per-update runs")
     ap.add_argument("--fsync", choices=("everysec", "always", "no", "off"), default="everysec",
                     help="the server's durability (off: memory only)")
+    ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for the server (repeat: --server-arg "
+                         "--collect-batch --server-arg 64)")
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
     args = ap.parse_args(argv)
     if args.seconds <= 0 or args.rounds < 1 or args.rate <= 0:
@@ -70,10 +74,10 @@ def one_run(kind: str, args, progress, *, rate: float = 0.0, pin: bool = False) 
     offer = Offer(keys=args.keys, value_bytes=args.value_bytes, rate_per_s=rate, pin=pin)
     data_dir = None
     if kind == "server":
-        target, extra = "server", ()
+        target, extra = "server", tuple(args.server_arg)
         if args.fsync != "off":
             data_dir = tempfile.mkdtemp(prefix="clonemap-hotpath-")
-            extra = ("--data-dir", data_dir, "--fsync", args.fsync)
+            extra += ("--data-dir", data_dir, "--fsync", args.fsync)
     else:
         target, extra = "forwarder", (("--blind",) if kind == "plain" else ())
     try:
@@ -97,7 +101,7 @@ def one_run(kind: str, args, progress, *, rate: float = 0.0, pin: bool = False) 
 def run(args: argparse.Namespace) -> rec.Record:
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
     record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", config), config)
-    steps = args.rounds * (len(KINDS) + 2 + 2)
+    steps = args.rounds * (len(KINDS) + 2 + 4)
     with rec.Progress(NAME, total=steps) as progress:
         for r in range(args.rounds):
             flat = {}
@@ -118,12 +122,13 @@ def run(args: argparse.Namespace) -> rec.Record:
                 record.add_run(run_)
             half = flat["server"] / 2
             for pin in (False, True):
-                progress.step(f"round {r + 1}/{args.rounds}: server at half load "
-                              f"({half:,.0f}/s){' pinned' if pin else ''}")
-                run_ = one_run("server", args, progress, rate=half, pin=pin)
-                run_.update(round=r + 1, phase="half_pinned" if pin else "half")
-                progress.note(f"p50 {run_['p50_ms']} ms, p99 {run_['p99_ms']} ms")
-                record.add_run(run_)
+                for kind in ("plain", "server"):
+                    progress.step(f"round {r + 1}/{args.rounds}: {kind} at half load "
+                                  f"({half:,.0f}/s){' pinned' if pin else ''}")
+                    run_ = one_run(kind, args, progress, rate=half, pin=pin)
+                    run_.update(round=r + 1, phase="half_pinned" if pin else "half")
+                    progress.note(f"{kind}: p50 {run_['p50_ms']} ms, p99 {run_['p99_ms']} ms")
+                    record.add_run(run_)
         progress.finish_step()
     summarize(record)
     record.finish()
@@ -170,8 +175,16 @@ def summarize(record: rec.Record) -> None:
         "cpu_ratio_server_to_plain_per_round": _ratios(runs, "rate", "cpu_us_per_update",
                                                        "server", "plain"),
         "p99_ms_half_load": {p: rec.spread([r["p99_ms"] for r in runs if r["phase"] == p
+                                            and r["kind"] == "server"
                                             and r["p99_ms"] is not None], 3)
                              for p in ("half", "half_pinned")},
+        "plain_p99_ms_half_load": {p: rec.spread([r["p99_ms"] for r in runs
+                                                  if r["phase"] == p and r["kind"] == "plain"
+                                                  and r["p99_ms"] is not None], 3)
+                                   for p in ("half", "half_pinned")},
+        "p99_ms_at_rate": {k: rec.spread([r["p99_ms"] for r in runs if r["phase"] == "rate"
+                                          and r["kind"] == k and r["p99_ms"] is not None], 3)
+                           for k in ("plain", "server")},
     }
     for key in list(summary):
         if key.endswith("_per_round"):

@@ -45,6 +45,8 @@ SCENARIOS = [
      "python -m bench slow_subscriber"),
     ("relays", "Relays and resume: fan-out per relay hop, failover cost, memory",
      "python -m bench relays"),
+    ("hot_path", "The hot path: one shard against the plain five-receive loop",
+     "python -m bench hot_path"),
 ]
 FORWARDER_TARGET = 0.70   # one shard / bare forwarding loop
 
@@ -229,7 +231,8 @@ LABELS = {"received_per_s": "received/s", "cpu_cores": "cores busy",
           "delivered_to_pubsub": "delivered / pubsub", "p50_to_pubsub": "p50 / pubsub",
           "p99_to_pubsub": "p99 / pubsub", "targets_cpu_pct": "targets cpu %",
           "harness_cpu_pct": "harness cpu %", "others_cpu_pct": "others cpu %",
-          "ratio_to_forwarder": "/ forwarder", "ratio_to_pubsub": "/ pubsub"}
+          "ratio_to_forwarder": "/ forwarder", "ratio_to_pubsub": "/ pubsub",
+          "ratio_to_plain_loop": "/ plain loop (x shards)"}
 NOTES = {"scaleout": "received/s: the aggregate over all shards; efficiency: aggregate / "
                      "(shards x the 1-shard median of the same target).",
          "latency": "Latency in ms from each update's intended send time (open loop)."}

@@ -113,11 +113,12 @@ def run(args: argparse.Namespace) -> rec.Record:
                        for n in args.shard_counts for k in args.target_kinds]
     record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", opts), config)
     extra = ("--pub-hwm", str(args.pub_hwm), "--collect-hwm", str(args.hwm))
-    steps = 1 + len(config["order"])
+    steps = 2 + len(config["order"])
     with rec.Progress(NAME, total=steps) as progress:
         ceilings = measure_ceilings(seconds=args.seconds, warmup=args.warmup, keys=args.keys,
                                     value_bytes=args.value_bytes, writers=args.writers,
-                                    pin=args.pin, kinds=("pubsub",), progress=progress)
+                                    pin=args.pin, kinds=("pubsub", "plain"),
+                                    progress=progress)
         for r in range(args.rounds):
             for n in args.shard_counts:
                 for kind in args.target_kinds:
@@ -171,15 +172,18 @@ def summarize(record: rec.Record, ceilings: dict) -> None:
     fwd1 = _median_run([r for r in runs if r["target"] == "forwarder" and r["shards"] == 1])
     if fwd1 is not None:
         ceilings["forwarder"] = {k: fwd1.get(k) for k in FIGURE_KEYS}
-        ceilings["config"]["kinds"] = ["pubsub", "forwarder"]
+        ceilings["config"]["kinds"] = ["pubsub", "plain", "forwarder"]
         ceilings["forwarder_from"] = "the 1-shard forwarder point (median round)"
     pubsub = ceilings.get("pubsub", {}).get("received_per_s")
+    plain = ceilings.get("plain", {}).get("received_per_s")
     by = {(p["target"], p["shards"]): p for p in points}
     for p in points:
         med = p["received_per_s"]["median"]
         fwd = by.get(("forwarder", p["shards"]))
         if p["target"] == "server" and fwd:
             p["ratio_to_forwarder"] = round(med / fwd["received_per_s"]["median"], 3)
+        if p["target"] == "server" and plain:  # the second ceiling: n plain loops' worth
+            p["ratio_to_plain_loop"] = round(med / (p["shards"] * plain), 3)
         if pubsub:
             p["ratio_to_pubsub"] = round(med / pubsub, 3)
     summary = {"points": points, "ceilings": ceilings,
@@ -290,7 +294,8 @@ def report(record: rec.Record) -> None:
         rows.append([f"{p['shards']} x {p['target']}", p["received_per_s"]["median"],
                      p["received_per_s"]["spread_pct"], p["cpu_cores"]["median"],
                      p["per_core_per_s"]["median"], p["efficiency"],
-                     p.get("ratio_to_forwarder", "-"), p.get("ratio_to_pubsub", "-"),
+                     p.get("ratio_to_forwarder", "-"), p.get("ratio_to_plain_loop", "-"),
+                     p.get("ratio_to_pubsub", "-"),
                      p["target_us_per_update"]["median"], p["loss"],
                      p["others_cpu_pct"]["median"],
                      f"{p['steady_runs']}/{p['received_per_s']['n']}"])
@@ -298,7 +303,7 @@ def report(record: rec.Record) -> None:
     rec.table(record, f"{NAME}: aggregate received updates/s (medians over "
                       f"{record.data['config']['rounds']} rounds)",
               ["point", "received/s", "spread %", "cpu cores", "per core/s", "efficiency",
-               "/ forwarder", "/ pubsub", "target us/update", "lost", "others cpu%",
+               "/ forwarder", "/ plain loop", "/ pubsub", "target us/update", "lost", "others cpu%",
                "steady runs"], rows,
               caption=f"efficiency = aggregate / (N x 1-shard median of the same target); "
                       f"bare PUB->SUB ceiling {pubsub.get('received_per_s', 0):,.0f}/s with "

@@ -1,9 +1,8 @@
-"""Smoke runs of the single-shard, scale-out and latency scenarios: each runs for a second
-or two with tiny sizes and saves a record whose figures and summary schema (the keys the
-report plots) are asserted - never timings."""
+"""What the records of the single-shard, scale-out and latency scenarios must hold: their
+figures and summary schema (the keys the report plots), never timings. The records come
+from the one smoke run of every scenario (``test_bench_scenarios``'s ``bench all
+--smoke``), so these scenarios are not run a second time here."""
 from __future__ import annotations
-
-from conftest import bench_record, run_bench
 
 SPREAD_KEYS = {"n", "median", "min", "max", "spread_pct"}
 FIG_KEYS = {"received_per_s", "sent_per_s", "loss_window", "latency_ms", "cpu_pct"}
@@ -16,11 +15,10 @@ def _check_ceilings(ceilings: dict, kinds=("pubsub", "forwarder")) -> None:
         assert ceilings[kind]["received_per_s"] > 0
 
 
-def test_single_shard_runs_pubsub_beside_the_forwarding_loop(procs, tmp_path):
-    run_bench(procs, tmp_path, "bench.chp_throughput", "--seconds", "0.5", "--warmup", "0.2",
-              "--rounds", "1", "--keys", "2000", "--retries", "0")
-    data = bench_record(tmp_path, "chp_throughput")
-    assert [r["target"] for r in data["runs"]] == ["pubsub", "ceiling", "server"]
+def check_single_record(data: dict) -> None:
+    """One round: pubsub, the project's ceiling, the plain loop, the server."""
+    assert [r["target"] for r in data["runs"]] == ["pubsub", "ceiling", "ceiling_blind",
+                                                   "server"]
     for run in data["runs"]:
         assert run["received_per_s"] > 0 and run["loss_window"] == 0
         assert run["subscribers"][0]["malformed"] == 0
@@ -28,14 +26,12 @@ def test_single_shard_runs_pubsub_beside_the_forwarding_loop(procs, tmp_path):
     assert s["ratio_server_to_ceiling"] > 0 and s["ratio_server_to_pubsub"] > 0
     _check_ceilings(s["ceilings"])
     names = {t["name"] for t in data["targets"]}
-    assert {"server / ceiling (medians)",
-            "server / forwarding loop (medians)"} <= names
+    assert {"server / ceiling (medians)", "server / forwarding loop (medians)",
+            "server / plain five-receive loop (medians)"} <= names
 
 
-def test_scaleout_measures_every_shard_count_for_servers_and_forwarders(procs, tmp_path):
-    run_bench(procs, tmp_path, "bench.scaleout", "--shards", "1,2", "--seconds", "0.5",
-              "--warmup", "0.2", "--rounds", "1", "--keys", "2000")
-    data = bench_record(tmp_path, "scaleout")
+def check_scaleout_record(data: dict) -> None:
+    """Shards 1 and 2, servers and forwarders, and the pubsub and plain-loop ceilings."""
     s = data["summary"]
     assert {(p["shards"], p["target"]) for p in s["points"]} == {
         (1, "server"), (2, "server"), (1, "forwarder"), (2, "forwarder")}
@@ -50,7 +46,8 @@ def test_scaleout_measures_every_shard_count_for_servers_and_forwarders(procs, t
             assert [x["received_window"] > 0 for x in run["per_source"]] == [True, True]
             if run["target"] == "server":
                 assert [x["gaps_window"] for x in run["per_source"]] == [0, 0]
-    _check_ceilings(s["ceilings"])
+    _check_ceilings(s["ceilings"], ("pubsub", "plain", "forwarder"))
+    assert all(p["ratio_to_plain_loop"] > 0 for p in s["points"] if p["target"] == "server")
     assert isinstance(s["contention"], str) and "cores" in s["contention"]
     est = s["estimate_16core"]
     assert est["aggregate_per_s"] > 0 and est["formula"]
@@ -58,10 +55,8 @@ def test_scaleout_measures_every_shard_count_for_servers_and_forwarders(procs, t
     assert est["host"]["shards"] == 6
 
 
-def test_latency_runs_open_loop_at_fractions_of_the_same_run_max(procs, tmp_path):
-    run_bench(procs, tmp_path, "bench.latency", "--fractions", "0.5", "--seconds", "0.5",
-              "--warmup", "0.2", "--max-seconds", "0.5", "--keys", "2000")
-    data = bench_record(tmp_path, "latency")
+def check_latency_record(data: dict) -> None:
+    """Half of the same run's max, for the server, the forwarder and pubsub."""
     s = data["summary"]
     top = s["single_shard_max_per_s"]
     assert top > 0 and data["max_run"]["received_per_s"] == top

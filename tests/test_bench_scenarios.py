@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from test_bench_scale import check_latency_record, check_scaleout_record, check_single_record
 from conftest import bench_record, run_bench
 
 RECORDS = ["chp_throughput", "scaleout", "latency", "load", "snapshot", "fanout", "failover",
@@ -88,7 +89,7 @@ def check_failover(data: dict, kills: int) -> None:
 
 def check_single(data: dict) -> None:
     runs = data["runs"]
-    assert [r["target"] for r in runs] == ["pubsub", "ceiling", "server"]
+    assert [r["target"] for r in runs] == ["pubsub", "ceiling", "ceiling_blind", "server"]
     for run in runs:
         assert run["received_per_s"] > 0 and run["sequenced_per_s"] > 0, run["target"]
         assert run["sent_per_s"] > 0 and run["sent_total"] > 0
@@ -99,6 +100,7 @@ def check_single(data: dict) -> None:
         assert run["subscribers"][0]["malformed"] == 0 and run["cpu_pct"]["target"] > 0
     s = data["summary"]
     assert s["ratio_server_to_ceiling"] > 0 and s["ratio_server_to_pubsub"] > 0
+    assert s["ratio_server_to_plain_loop"] > 0  # both ceilings, every record
     assert {"server updates/s (received, median)", "server / ceiling (medians)"} <= {
         t["name"] for t in data["targets"]}
 
@@ -190,7 +192,8 @@ def check_hot_path(data: dict) -> None:
     runs = data["runs"]
     assert [(r["phase"], r["kind"]) for r in runs] == [
         ("flat", "plain"), ("flat", "forwarder"), ("flat", "server"), ("rate", "plain"),
-        ("rate", "server"), ("half", "server"), ("half_pinned", "server")]
+        ("rate", "server"), ("half", "plain"), ("half", "server"), ("half_pinned", "plain"),
+        ("half_pinned", "server")]
     for r in runs:  # every target carried the load, nothing lost
         assert r["received_per_s"] > 0 and r["loss_window"] == 0, r
     s = data["summary"]
@@ -199,6 +202,7 @@ def check_hot_path(data: dict) -> None:
     assert any("plain loop" in t["name"] for t in data["targets"])
 
 
+@pytest.mark.timeout(300)
 def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
     stdout = run_bench(procs, tmp_path, "bench", "all", "--smoke")
     records = {name: bench_record(tmp_path, name) for name in RECORDS}
@@ -208,8 +212,11 @@ def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
     check_fanout(records["fanout"], [(1, 1), (1, 4), (2, 1), (2, 4)], rounds=1, updates=100)
     check_failover(records["failover"], kills=1)
     check_single(records["chp_throughput"])
+    check_single_record(records["chp_throughput"])
     check_points(records["scaleout"], {"shards", "target", "received_per_s", "efficiency"})
+    check_scaleout_record(records["scaleout"])
     check_points(records["latency"], {"offered_per_s", "target", "latency_ms"})
+    check_latency_record(records["latency"])
     assert records["load"]["runs"] and records["load"]["summary"]
     check_durability(records["durability"], keys=5000)
     check_curve(records["curve"])

@@ -24,6 +24,8 @@ from bench.harness import record as rec
 from bench.harness.offer import Offer, Targets, brief, run_offer
 
 KINDS = ("pubsub", "forwarder")
+OPTIONAL_KINDS = ("plain",)
+"""``plain``: the plain five-receive loop (``forwarder --blind``): asked for by name."""
 FIGURE_KEYS = ("received_per_s", "sent_per_s", "sequenced_per_s", "loss_window",
                "writer_drops", "latency_ms", "cpu_pct", "cpu_cores", "window_s")
 
@@ -42,9 +44,10 @@ def measure_ceilings(*, seconds: float = 2.0, warmup: float = 0.5, keys: int = 1
     "window_s"}``. ``rate_per_s`` = 0: flat out (flow); > 0: open loop at that total
     rate. With ``progress``, each kind is one step of it (count them in its total).
     """
-    unknown = set(kinds) - set(KINDS)
+    unknown = set(kinds) - set(KINDS) - set(OPTIONAL_KINDS)
     if unknown:
-        raise ValueError(f"unknown ceiling kinds {sorted(unknown)}; known: {KINDS}")
+        raise ValueError(f"unknown ceiling kinds {sorted(unknown)}; known: "
+                         f"{KINDS + OPTIONAL_KINDS}")
     offer = Offer(writers=writers, subscribers=1, keys=keys, value_bytes=value_bytes,
                   rate_per_s=rate_per_s / writers if rate_per_s else 0.0, pin=pin,
                   latency_every=latency_every)
@@ -56,7 +59,8 @@ def measure_ceilings(*, seconds: float = 2.0, warmup: float = 0.5, keys: int = 1
         if progress is not None:
             progress.step(f"ceiling {kind}" + (f" at {rate_per_s:,.0f}/s" if rate_per_s
                                                else " flat out"))
-        with Targets(kind, 1, offer=offer) as targets:
+        target, extra = ("forwarder", ("--blind",)) if kind == "plain" else (kind, ())
+        with Targets(target, 1, offer=offer, extra=extra) as targets:
             fig = run_offer(targets, warmup=warmup, seconds=seconds, progress=progress)
         out[kind] = {k: fig[k] for k in FIGURE_KEYS}
         if progress is not None:
