@@ -327,8 +327,8 @@ class ShardServer:
             pub.setsockopt(zmq.XPUB_VERBOSE, 1)
             self._bind(pub, cfg.endpoint(1))
             self._pub = pub
-            self._publish = zio.publisher(pub)
-            """``publish((key, seq, uuid, props, value))``: the hot path's KVPUB."""
+            self._publish_many = zio.publisher_many(pub)
+            """``publish_many([...])``: a batch's KVPUBs in one call."""
             collector = self._socket(zmq.SUB)
             collector.setsockopt(zmq.RCVHWM, self.marks.collect_hwm)
             # a frame far beyond every limit disconnects its peer before it is buffered;
@@ -534,9 +534,7 @@ class ShardServer:
             self.persist.flush()
         if self._held:
             held, self._held = self._held, []
-            publish = self._publish
-            for frames in held:  # (key, seq, uuid, props, value)
-                publish(frames)
+            self._publish_many(held)  # (key, seq, uuid, props, value) each, in order
             if self._remember is not None:
                 self.recent.extend(held)  # the list itself: no copy
 

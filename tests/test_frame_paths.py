@@ -172,3 +172,18 @@ def test_the_extension_is_built_where_a_compiler_is():
         assert frame_path_of(PROBE).startswith("pure")
     else:
         assert frame_path_of(PROBE) == "compiled"
+
+
+def test_publisher_many_sends_a_burst_whole_and_in_order(zctx, frame_path):
+    push, pull = pair(zctx)
+    burst_ = [valid(i) for i in range(300)] + [SHORT, MANY[:3]]
+    zio.publisher_many(push)(burst_)
+    got = []
+    while len(got) < len(burst_):
+        assert pull.poll(5000)
+        got.append(zio.recv_frames(pull))
+    assert got == burst_
+    with pytest.raises(TypeError):  # a frame that is not bytes: an error, not a crash
+        zio.publisher_many(push)([[b"ok", 42]])
+    zio.publisher_many(push)([valid(7)])  # and no half message went out before it
+    assert pull.poll(5000) and zio.recv_frames(pull) == valid(7)

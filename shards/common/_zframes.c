@@ -232,7 +232,51 @@ static PyObject *zf_drain(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return Py_BuildValue("(nOO)", n, Py_None, Py_None);
 }
 
-/* send(handle, frames, flags=NOBLOCK): a multipart message from a sequence of bytes */
+/* One message from a sequence of bytes frames; 0, or -1 with a Python error set. */
+static int send_message(void *sock, PyObject *frames, int flags) {
+    PyObject *seq = PySequence_Fast(frames, "a message must be a sequence of frames");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < count; i++) { /* all or nothing: never half a message */
+        if (!PyBytes_Check(items[i])) {
+            PyErr_Format(PyExc_TypeError, "frame %zd is %.100s, not bytes", i,
+                         Py_TYPE(items[i])->tp_name);
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        char *data = PyBytes_AS_STRING(items[i]);
+        Py_ssize_t size = PyBytes_GET_SIZE(items[i]);
+        int f = i + 1 < count ? (flags | Z_SNDMORE) : flags;
+        for (;;) {
+            int rc;
+            if (flags & Z_NOBLOCK) {
+                rc = z_send(sock, data, (size_t)size, f);
+            } else {
+                Py_BEGIN_ALLOW_THREADS
+                rc = z_send(sock, data, (size_t)size, f);
+                Py_END_ALLOW_THREADS
+            }
+            if (rc >= 0)
+                break;
+            int e = z_errno();
+            if (e == EINTR && PyErr_CheckSignals() == 0)
+                continue;
+            Py_DECREF(seq);
+            if (e != EINTR)
+                raise_zmq(e);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
+/* send(handle, frames, flags=NOBLOCK): a multipart message from a sequence of bytes;
+ * a blocking send lets other threads run meanwhile */
 static PyObject *zf_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 && nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "send(handle, frames, flags=NOBLOCK)");
@@ -244,42 +288,41 @@ static PyObject *zf_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     int flags = nargs == 3 ? (int)PyLong_AsLong(args[2]) : Z_NOBLOCK;
     if (PyErr_Occurred())
         return NULL;
-    PyObject *seq = PySequence_Fast(args[1], "frames must be a sequence");
+    if (send_message(sock, args[1], flags) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* send_many(handle, messages) -> sent: each message non-blocking, in order; stops at the
+ * first that fails (EAGAIN at a high-water mark: the rest are not sent) and raises. */
+static PyObject *zf_send_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "send_many(handle, messages)");
+        return NULL;
+    }
+    if (!check_bound())
+        return NULL;
+    void *sock = PyLong_AsVoidPtr(args[0]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "messages must be a sequence");
     if (seq == NULL)
         return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < count; i++) {
-        char *data;
-        Py_ssize_t size;
-        if (PyBytes_AsStringAndSize(items[i], &data, &size) < 0) {
+        if (send_message(sock, items[i], Z_NOBLOCK) < 0) {
             Py_DECREF(seq);
             return NULL;
         }
-        int f = i + 1 < count ? (flags | Z_SNDMORE) : flags;
-        for (;;) {
-            int rc;
-            if (flags & Z_NOBLOCK) {
-                rc = z_send(sock, data, (size_t)size, f);
-            } else { /* a blocking send lets other threads run meanwhile */
-                Py_BEGIN_ALLOW_THREADS
-                rc = z_send(sock, data, (size_t)size, f);
-                Py_END_ALLOW_THREADS
-            }
-            if (rc >= 0)
-                break;
-            int e = z_errno();
-            if (e == EINTR && PyErr_CheckSignals() == 0)
-                continue;
-            Py_DECREF(seq);
-            return e == EINTR ? NULL : raise_zmq(e);
-        }
     }
     Py_DECREF(seq);
-    Py_RETURN_NONE;
+    return PyLong_FromSsize_t(count);
 }
 
 static PyMethodDef methods[] = {
+    {"send_many", (PyCFunction)(void (*)(void))zf_send_many, METH_FASTCALL,
+     "send_many(handle, messages) -> sent"},
     {"bind", zf_bind, METH_VARARGS,
      "bind(libzmq_path, error_of_errno): resolve libzmq's calls"},
     {"recv", (PyCFunction)(void (*)(void))zf_recv, METH_FASTCALL,

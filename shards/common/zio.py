@@ -174,13 +174,20 @@ def send_frames5(sock: zmq.Socket, f0: bytes, f1: bytes, f2: bytes, f3: bytes, f
     _c_send(sock.underlying, (f0, f1, f2, f3, f4), flags)
 
 
-def publisher(sock: zmq.Socket) -> Callable[[tuple[bytes, ...]], None]:
-    """``send(frames)`` (non-blocking) for one socket's hot path: the compiled send bound
-    to the socket's handle, or the pure one. The caller keeps the socket open while it
-    uses it."""
+def publisher_many(sock: zmq.Socket) -> Callable[[list], None]:
+    """``send_many(messages)`` (each non-blocking, in order) for one socket's hot path:
+    one call for a whole burst on the compiled path. The caller keeps the socket open while
+    it uses it. A PUB/XPUB never refuses (it drops at its high-water mark); on another
+    socket, ``zmq.Again`` leaves the rest of the burst unsent."""
     if COMPILED:
-        return functools.partial(_c_send, sock.underlying)
-    return functools.partial(_send_frames_pure, sock)
+        return functools.partial(_compiled.send_many, sock.underlying)
+
+    def send_many(messages: list) -> None:
+        for frames in messages:
+            if not all(type(frame) is bytes for frame in frames):  # never half a message
+                raise TypeError("every frame must be bytes")
+            _send_frames_pure(sock, frames)
+    return send_many
 
 
 if not COMPILED:
