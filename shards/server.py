@@ -455,9 +455,9 @@ class ShardServer:
                 seq = self.store.apply(key, value)
                 if (persist := self.persist) is not None:
                     persist.append(seq, key, value, None)  # written after the batch
-                # published (and kept in the resume history) after the batch (_flush_log, after the batch's write): one
-                # burst wakes libzmq's I/O thread once, where a send per update woke it
-                # per update
+                # published, and kept in the resume history, after the batch and its
+                # log write (_flush_log): one burst wakes libzmq's I/O thread once,
+                # where a send per update woke it per update
                 self._held.append((key, _pack_seq(seq), uuid, b"", value))
                 return
         self._collect_checked(frames)

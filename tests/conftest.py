@@ -203,10 +203,14 @@ def bench_record(results_dir, name: str) -> dict:
     return data
 
 
-def run_bench(procs, results_dir, *args: str) -> list[str]:
+def run_bench(procs, results_dir, *args: str, timeout_s: float | None = None) -> list[str]:
     """``python -m ARGS --results-dir DIR`` to completion (exit 0); its stdout lines."""
     proc = procs.python("-m", *args, "--results-dir", str(results_dir))
-    rc = proc.wait(BENCH_TIMEOUT_S)
+    try:
+        rc = proc.wait(timeout_s or BENCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # say how far it got, not only that it was late
+        raise AssertionError("still running after the deadline; its last lines:\n"
+                             + "\n".join(list(proc.stderr)[-15:] + proc.stdout[-10:])) from None
     if rc != 0:  # a failed scenario's traceback may lie far above the last lines
         err = list(proc.stderr)
         first = next((i for i, line in enumerate(err) if line.startswith("Traceback")), None)

@@ -132,12 +132,6 @@ def test_fanout_scenario_delivers_every_update_to_every_subscriber(procs, tmp_pa
     check_fanout(data, [(2, 1), (2, 3)], rounds=1, updates=100)
 
 
-def test_failover_scenario_loses_no_write(procs, tmp_path):
-    run_bench(procs, tmp_path, "bench", "failover", "--kills", "1", "--rate", "200",
-              "--steady-s", "0.3", "--ceiling-s", "0.5")
-    check_failover(bench_record(tmp_path, "failover"), kills=1)
-
-
 def check_durability(data: dict, keys: int) -> None:
     runs = data["runs"]
     policies = [r["policy"] for r in runs if r["part"] == "throughput"]
@@ -202,9 +196,11 @@ def check_hot_path(data: dict) -> None:
     assert any("plain loop" in t["name"] for t in data["targets"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
-    stdout = run_bench(procs, tmp_path, "bench", "all", "--smoke")
+    """Every scenario's smoke profile, once (~105 s on a quiet host; the deadline allows a
+    shared, noisy one)."""
+    stdout = run_bench(procs, tmp_path, "bench", "all", "--smoke", timeout_s=420)
     records = {name: bench_record(tmp_path, name) for name in RECORDS}
     for data in records.values():
         assert data["invoked_as"].startswith("python -m bench all --smoke")
