@@ -116,3 +116,33 @@ def test_wait_writable_times_out_with_clonemap_timeout(zctx):
             sock.close()
 
     run(main())
+
+
+def test_after_batch_runs_once_per_batch_that_read_something(zctx):
+    a, b = pair(zctx)
+    a.sndhwm = b.rcvhwm = 0
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        got, calls, done = [], [], loop.create_future()
+
+        def on_message(frames):
+            got.append(frames)
+
+        def after():
+            calls.append(len(got))
+            if len(got) == 250 and not done.done():
+                done.set_result(None)
+
+        for i in range(250):
+            zio.send_frames(a, [b"m%d" % i], 0)
+        assert b.poll(5000)
+        reader = zio.AsyncSocket(b, on_message, batch=100, after_batch=after)
+        await asyncio.wait_for(done, 10)
+        reader.close()
+        return calls
+
+    calls = run(main())
+    # each call follows a batch that read at least one message, and sees it whole
+    assert calls == sorted(set(calls)) and calls[-1] == 250 and calls[0] > 0
+    assert all(b - a <= 100 for a, b in zip([0] + calls, calls))

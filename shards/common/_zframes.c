@@ -180,8 +180,8 @@ static PyObject *zf_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 /* drain(handle, owner, limit, max_frames, handler) -> (n, exc, frames)
  * Read up to `limit` messages and call handler(frames) for each. Stops at EAGAIN, when
- * `owner._closed` turns true (the owner closed the socket), or when the handler raises: then exc is the exception and
- * frames the message it failed on (n counts it). */
+ * `owner._closed` turns true (the owner closed the socket), or when the handler raises:
+ * then exc is the exception and frames the message it failed on (n counts it). */
 static PyObject *zf_drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "drain(handle, owner, limit, max_frames, handler)");

@@ -246,12 +246,6 @@ class AsyncSocket:
             n = self._drain_compiled(handler)
             if self._closed:
                 return
-            if n and self.after_batch is not None:
-                try:
-                    self.after_batch()
-                except Exception:
-                    self.errors += 1
-                    log.exception("%s: after_batch failed", self.name)
         elif handler is not None:
             batch = self.batch
             recv = self._recv
