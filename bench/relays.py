@@ -140,6 +140,9 @@ class Writer:
             self.pub.connect(f"tcp://127.0.0.1:{port + 2}")
         self.sub = ctx.socket(zmq.SUB)
         self.sub.subscribe(b"/probe")
+        # before the probe: once a probe comes back, this subscription is in place too
+        # (subscribing after the load raced the server publishing /m/loaded: a hang)
+        self.sub.subscribe(b"/m/loaded")
         self.sub.connect(f"tcp://127.0.0.1:{cluster.primary + 1}")
         deadline = time.monotonic() + 15
         while True:
@@ -214,7 +217,6 @@ def child_clients(args) -> None:
                   for _ in range(args.clients)]
         for c in clones:
             await c.start()
-        print("READY", flush=True)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
 
@@ -229,6 +231,9 @@ def child_clients(args) -> None:
 
         loop.add_signal_handler(signal.SIGUSR1, report)
         loop.add_signal_handler(signal.SIGTERM, stop.set)
+        # READY only now: a SIGUSR1 before its handler is installed ends the process
+        # (the default action), which made a failover round wait for clients gone
+        print("READY", flush=True)
         await stop.wait()
         for c in clones:
             await c.close()
@@ -287,9 +292,12 @@ def failover(mode: str, args) -> dict:
             writer.send(b"/m/%07d" % i, value)
         writer.send(b"/m/loaded", b"1")
         sub = writer.sub
-        sub.subscribe(b"/m/loaded")
-        while sub.recv_multipart()[0] != b"/m/loaded":
-            pass
+        deadline = time.monotonic() + 60
+        while True:
+            if not sub.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                raise RuntimeError("the map was not loaded within 60 s")
+            if sub.recv_multipart()[0] == b"/m/loaded":
+                break
         entry = len(b"/m/0000000") + args.value_bytes + 8
         clients = Target("clients", [sys.executable, "-m", "bench.relays", "--child",
                                      "clients", "--clients", str(args.clients), "--endpoints",
@@ -320,6 +328,8 @@ def _after_failover(cluster, clients, before, served, entry: int, args) -> dict:
     while time.monotonic() < deadline:
         os.kill(clients.pid, signal.SIGUSR1)
         line = clients._stdout.wait_for(lambda text: text.startswith("{"), 30)
+        if line is None:
+            raise RuntimeError(f"the clients process exited: {clients.stderr_tail()}")
         totals = json.loads(line)
         if totals.get("have_key") == args.clients:
             break

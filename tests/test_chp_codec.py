@@ -17,7 +17,7 @@ from shards.common.proto import chp
 
 REASONS = {"frame_count", "bad_sequence", "bad_key", "oversize_key", "bad_subtree",
            "bad_uuid", "bad_props", "oversize_props", "oversize_value", "nonempty_frame",
-           "unknown_command"}
+           "unknown_command", "bad_resume"}
 DECODERS = (chp.decode_icanhaz, chp.decode_snapshot, chp.decode_update, chp.decode_kvset)
 
 # ------------------------------------------------------------------ strategies
