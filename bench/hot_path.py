@@ -34,6 +34,7 @@ import statistics
 import tempfile
 
 from bench.harness import record as rec
+from bench.harness.ceilings import ceiling_target
 from bench.harness.offer import Offer, Targets, run_offer
 from bench.harness.procs import bench_main
 
@@ -79,7 +80,7 @@ def one_run(kind: str, args, progress, *, rate: float = 0.0, pin: bool = False) 
             data_dir = tempfile.mkdtemp(prefix="clonemap-hotpath-")
             extra += ("--data-dir", data_dir, "--fsync", args.fsync)
     else:
-        target, extra = "forwarder", (("--blind",) if kind == "plain" else ())
+        target, extra = ceiling_target(kind)
     try:
         with Targets(target, offer=offer, extra=extra) as targets:
             figures = run_offer(targets, warmup=args.warmup, seconds=args.seconds,

@@ -489,10 +489,7 @@ class ShardServer:
         if size > self._fast_limit:
             self._lower_mark(self.marks.published(size))
         seq = self.store.apply(key, value, expiry_s)
-        if self.persist is not None:
-            self._log_and_publish(seq, key, kvset.uuid, props, value, expiry_s)
-        else:
-            self._held.append((key, _pack_seq(seq), kvset.uuid, props, value))  # in order
+        self._log_and_publish(seq, key, kvset.uuid, props, value, expiry_s)
         if expiry_s is not None:
             self._arm_ttl()
 
@@ -509,11 +506,12 @@ class ShardServer:
 
     def _log_and_publish(self, seq: int, key: bytes, uuid: bytes, props: bytes, value: bytes,
                          expiry_s: float | None) -> None:
-        """Persist one applied update and publish its KVPUB once the turn's batch is
-        written (and, with ``fsync: always``, fsynced): a KVPUB, and so an
-        acknowledgement, never goes out before its update reached the OS
-        (``_flush_log``, once per loop turn)."""
-        self.log_applied(seq, key, value, expiry_s)
+        """Hold one applied update's KVPUB for ``_flush_log`` (after the collector's batch,
+        or at the end of the caller's work), logging it first when the server persists:
+        a KVPUB, and so an acknowledgement, never goes out before its update reached the
+        OS, and every KVPUB goes out in sequence order through the one burst."""
+        if self.persist is not None:
+            self.log_applied(seq, key, value, expiry_s)
         self._held.append((key, _pack_seq(seq), uuid, props, value))
 
     def log_applied(self, seq: int, key: bytes, value: bytes, expiry_s: float | None) -> None:
@@ -621,17 +619,12 @@ class ShardServer:
         self._ttl_when = None
         if not self.active:
             return
-        pub = self._pub
         for key, seq in self.store.pop_expired(time.time()):
             if len(key) > self._fast_limit:  # a key recovered from disk, never published
                 self._lower_mark(self.marks.published(len(key)))
-            if self.persist is not None:
-                self._log_and_publish(seq, key, b"", b"", b"", None)
-            else:
-                if self._remember is not None:
-                    self._remember(seq, key, b"", b"", b"")
-                zio.send_frames5(pub, key, _pack_seq(seq), b"", b"", b"")
+            self._log_and_publish(seq, key, b"", b"", b"", None)
             self.ttl_expired += 1
+        self._flush_log()  # the deletes go out now, in one burst
         self._arm_ttl()
 
     # ================================================================ heartbeat

@@ -26,6 +26,12 @@ from bench.harness.offer import Offer, Targets, brief, run_offer
 KINDS = ("pubsub", "forwarder")
 OPTIONAL_KINDS = ("plain",)
 """``plain``: the plain five-receive loop (``forwarder --blind``): asked for by name."""
+
+
+def ceiling_target(kind: str) -> tuple[str, tuple[str, ...]]:
+    """The ``Targets`` kind and extra arguments of a ceiling: ``plain`` is the forwarding
+    loop reading five frames blindly; the others are themselves."""
+    return ("forwarder", ("--blind",)) if kind == "plain" else (kind, ())
 FIGURE_KEYS = ("received_per_s", "sent_per_s", "sequenced_per_s", "loss_window",
                "writer_drops", "latency_ms", "cpu_pct", "cpu_cores", "window_s")
 
@@ -59,7 +65,7 @@ def measure_ceilings(*, seconds: float = 2.0, warmup: float = 0.5, keys: int = 1
         if progress is not None:
             progress.step(f"ceiling {kind}" + (f" at {rate_per_s:,.0f}/s" if rate_per_s
                                                else " flat out"))
-        target, extra = ("forwarder", ("--blind",)) if kind == "plain" else (kind, ())
+        target, extra = ceiling_target(kind)
         with Targets(target, 1, offer=offer, extra=extra) as targets:
             fig = run_offer(targets, warmup=warmup, seconds=seconds, progress=progress)
         out[kind] = {k: fig[k] for k in FIGURE_KEYS}
