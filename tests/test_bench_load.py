@@ -9,7 +9,9 @@ import struct
 import pytest
 
 from bench.harness.offer import core_plan, parse_core_list
-from bench.harness.traffic import SourceState, WriterConfig, drain, key_index, routed_schedule
+from bench.harness.traffic import (SourceState, WriterConfig, drain, drain_whole, key_index,
+                                   routed_schedule)
+from shards.common import zio
 from conftest import bench_record, run_bench
 from shards.common.routing import ShardMap
 
@@ -121,6 +123,38 @@ def test_latency_is_sampled_from_the_value_stamp():
     samples: list[int] = []
     drain(sock, st, 100, 2, samples, FakeSocket.recv, FakeSocket.more, Again, lambda: 3_500)
     assert samples == [2_500, 2_500]                   # every 2nd update: now - stamp
+
+
+@pytest.mark.skipif(not zio.COMPILED, reason="the subscriber reads whole messages only on "
+                    "the compiled frame path (test_frame_paths checks it is built here)")
+def test_whole_message_drain_counts_over_a_real_socket(zctx):
+    """The subscriber's compiled-path drain, over inproc PUSH->PULL: every message's frame
+    count is checked, a short or long one costs no valid one, and gaps, HUGZ, backwards
+    steps and stamps are counted as ``drain`` counts them."""
+    import time
+
+    import zmq
+
+    push, pull = zctx.socket(zmq.PUSH), zctx.socket(zmq.PULL)
+    pull.bind("inproc://drain-whole")
+    push.connect("inproc://drain-whole")
+    stamp = struct.pack(">Q", 1_000)
+    for msg in ([kvpub(1, stamp)], [kvpub(2, stamp)[:4]], [kvpub(3, stamp) + [b"x"] * 3],
+                [kvpub(4, stamp)], [kvpub(0)], [kvpub(2, stamp)],
+                [[b"/k", b"\x00\x01", b"u", b"", b"v"]], [kvpub(7, stamp)]):
+        push.send_multipart(msg[0])
+    assert pull.poll(5000)
+    st, samples = SourceState(), []
+    recv_message = zio.compiled_recv()
+    n = drain_whole(pull.underlying, st, 3, 2, samples, recv_message, lambda: 3_500)
+    assert n == 3 and (st.received, st.malformed) == (1, 2)     # a capped batch
+    n = drain_whole(pull.underlying, st, 100, 2, samples, recv_message, lambda: 3_500)
+    assert n == 5
+    assert (st.received, st.malformed, st.hugz, st.backwards) == (4, 3, 1, 1)
+    assert (st.max_seq, st.gaps, st.first_seq, st.last_seq) == (7, 4, 1, 7)
+    assert samples == [2_500, 2_500]                   # every 2nd update: now - stamp
+    assert drain_whole(pull.underlying, st, 100, 2, samples, recv_message,
+                       time.monotonic_ns) == 0         # nothing waiting: no block
 
 
 # ------------------------------------------------------------------ smoke runs

@@ -20,8 +20,16 @@ def check_single_record(data: dict) -> None:
     assert [r["target"] for r in data["runs"]] == ["pubsub", "ceiling", "ceiling_blind",
                                                    "server"]
     for run in data["runs"]:
-        assert run["received_per_s"] > 0 and run["loss_window"] == 0
-        assert run["subscribers"][0]["malformed"] == 0
+        sub = run["subscribers"][0]
+        assert run["received_per_s"] > 0
+        assert sub["malformed"] == 0 and sub["backwards_total"] == 0
+        # every update sequenced in the window was either received or counted as lost
+        assert sub["received_window"] + sub["gaps_window"] == sub["sequenced_window"]
+        if run["target"] in ("pubsub", "server"):  # XPUB_NODROP; the server runs slower than the subscriber
+            assert run["loss_window"] == 0
+        # A bare loop's PUB drops at its high-water mark when the subscriber falls behind,
+        # which three busy processes on two cores can make it do flat out (CI once saw
+        # 13,967 of ~240,000 dropped by the project's loop): the record counts it.
     s = data["summary"]
     assert s["ratio_server_to_ceiling"] > 0 and s["ratio_server_to_pubsub"] > 0
     _check_ceilings(s["ceilings"])

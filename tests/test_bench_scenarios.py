@@ -182,14 +182,18 @@ def check_relays(data: dict) -> None:
     assert by["relays"]["client_snapshots"] == 0
 
 
+LOSSY_FLAT_OUT = {("flat", "plain"), ("flat", "forwarder")}
+
+
 def check_hot_path(data: dict) -> None:
     runs = data["runs"]
     assert [(r["phase"], r["kind"]) for r in runs] == [
         ("flat", "plain"), ("flat", "forwarder"), ("flat", "server"), ("rate", "plain"),
         ("rate", "server"), ("half", "plain"), ("half", "server"), ("half_pinned", "plain"),
         ("half_pinned", "server")]
-    for r in runs:  # every target carried the load, nothing lost
-        assert r["received_per_s"] > 0 and r["loss_window"] == 0, r
+    for r in runs:  # every target carried the load, nothing lost (flat out, a bare loop's
+        assert r["received_per_s"] > 0, r  # PUB may drop when the subscriber falls behind)
+        assert r["loss_window"] == 0 or (r["phase"], r["kind"]) in LOSSY_FLAT_OUT, r
     s = data["summary"]
     assert len(s["ratio_server_to_plain_per_round"]) == 1
     assert len(s["cpu_ratio_server_to_plain_per_round"]) == 1

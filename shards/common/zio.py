@@ -174,6 +174,16 @@ def send_frames5(sock: zmq.Socket, f0: bytes, f1: bytes, f2: bytes, f3: bytes, f
     _c_send(sock.underlying, (f0, f1, f2, f3, f4), flags)
 
 
+def compiled_recv() -> Callable[[int, int, int], list[bytes] | None]:
+    """The compiled path's ``recv(handle, flags, max_frames)`` for a loop of one's own
+    (``handle``: ``sock.underlying``): one whole message as at most ``max_frames + 1``
+    frames (the rest read and discarded), or None when none is waiting. Only when
+    ``COMPILED``; the benchmark subscriber uses it to outrun what it measures."""
+    if not COMPILED:
+        raise RuntimeError(f"no compiled frame path: {FRAME_PATH}")
+    return _compiled.recv
+
+
 def publisher_many(sock: zmq.Socket) -> Callable[[list], None]:
     """``send_many(messages)`` (each non-blocking, in order) for one socket's hot path:
     one call for a whole burst on the compiled path. The caller keeps the socket open while
