@@ -66,6 +66,7 @@ from zmq.backend import Socket as _BackendSocket
 
 from shards import streams
 from shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES, History
+from shards.history import WIDTH as KVPUB_FRAMES
 from shards.resume import ResumeStream
 from shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES, ByteMarks
 from shards.common import zio
@@ -252,10 +253,12 @@ class ShardServer:
         """A ``shards.persist.DataDir`` when the server persists (``--data-dir``)."""
         self._persist_flush: asyncio.Handle | None = None
         self._persist_timer: asyncio.TimerHandle | None = None
-        self._held: list[tuple] = []
-        """KVPUBs applied (and, when persisting, logged) but not yet published: they go out
-        in order after the collector's batch (``_flush_log``), right after the batch's
-        write (and, with ``fsync: always``, its fsync: group commit)."""
+        self._held: list[bytes] = []
+        """KVPUBs applied (and, when persisting, logged) but not yet published, as one flat
+        list of frames (``KVPUB_FRAMES`` to a message: no tuple per update, see
+        ``shards.history``): they go out in order after the collector's batch
+        (``_flush_log``), right after the batch's write (and, with ``fsync: always``, its
+        fsync: group commit)."""
         self.active = False
         self.ctx: zmq.Context | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -327,7 +330,7 @@ class ShardServer:
             pub.setsockopt(zmq.XPUB_VERBOSE, 1)
             self._bind(pub, cfg.endpoint(1))
             self._pub = pub
-            self._publish_many = zio.publisher_many(pub)
+            self._publish_many = zio.publisher_many(pub, KVPUB_FRAMES)
             """``publish_many([...])``: a batch's KVPUBs in one call."""
             collector = self._socket(zmq.SUB)
             collector.setsockopt(zmq.RCVHWM, self.marks.collect_hwm)
@@ -458,7 +461,7 @@ class ShardServer:
                 # published, and kept in the resume history, after the batch and its
                 # log write (_flush_log): one burst wakes libzmq's I/O thread once,
                 # where a send per update woke it per update
-                self._held.append((key, _pack_seq(seq), uuid, b"", value))
+                self._held += key, _pack_seq(seq), uuid, b"", value
                 return
         self._collect_checked(frames)
 
@@ -512,7 +515,7 @@ class ShardServer:
         OS, and every KVPUB goes out in sequence order through the one burst."""
         if self.persist is not None:
             self.log_applied(seq, key, value, expiry_s)
-        self._held.append((key, _pack_seq(seq), uuid, props, value))
+        self._held += key, _pack_seq(seq), uuid, props, value
 
     def log_applied(self, seq: int, key: bytes, value: bytes, expiry_s: float | None) -> None:
         """Append one applied update to the data directory; the batch is written at the
@@ -532,7 +535,7 @@ class ShardServer:
             self.persist.flush()
         if self._held:
             held, self._held = self._held, []
-            self._publish_many(held)  # (key, seq, uuid, props, value) each, in order
+            self._publish_many(held)  # key, seq, uuid, props, value, key, ...: in order
             if self._remember is not None:
                 self.recent.extend(held)  # the list itself: no copy
 
@@ -653,7 +656,7 @@ class ShardServer:
         are not announced before they go out)."""
         serving = self.serving()
         if self.config.clock_s > 0:
-            return chp.hugz(time.time(), self.store.seq - len(self._held), serving=serving,
+            return chp.hugz(time.time(), self.store.seq - len(self._held) // KVPUB_FRAMES, serving=serving,
                             generation=self.generation, route=self.route)
         return chp.hugz(serving=serving, route=self.route)
 

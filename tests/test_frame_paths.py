@@ -187,3 +187,23 @@ def test_publisher_many_sends_a_burst_whole_and_in_order(zctx, frame_path):
         zio.publisher_many(push)([[b"ok", 42]])
     zio.publisher_many(push)([valid(7)])  # and no half message went out before it
     assert pull.poll(5000) and zio.recv_frames(pull) == valid(7)
+
+
+def test_publisher_many_sends_a_flat_burst_width_frames_to_a_message(zctx, frame_path):
+    """The server's held KVPUBs and its resume history are one flat list of frames; a
+    burst of them goes out as whole messages, and a malformed burst as none of it."""
+    push, pull = pair(zctx)
+    send_flat = zio.publisher_many(push, 5)
+    messages = [valid(i) for i in range(300)]
+    send_flat([frame for message in messages for frame in message])
+    got = []
+    while len(got) < len(messages):
+        assert pull.poll(5000)
+        got.append(zio.recv_frames(pull))
+    assert got == messages
+    with pytest.raises(ValueError):  # 7 frames are not whole messages of 5
+        send_flat(valid(1) + [b"x", b"y"])
+    with pytest.raises(TypeError):   # a frame that is not bytes: refused before it goes
+        send_flat(valid(2)[:4] + [42])
+    send_flat(valid(3))
+    assert pull.poll(5000) and zio.recv_frames(pull) == valid(3)  # nothing went before

@@ -233,23 +233,36 @@ static PyObject *zf_drain(PyObject *self, PyObject *const *args, Py_ssize_t narg
 }
 
 /* One message from a sequence of bytes frames; 0, or -1 with a Python error set. */
-static int send_message(void *sock, PyObject *frames, int flags) {
-    PyObject *seq = PySequence_Fast(frames, "a message must be a sequence of frames");
-    if (seq == NULL)
-        return -1;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < count; i++) { /* all or nothing: never half a message */
+/* Send `count` frames from `items` as one message: every frame is checked to be bytes
+ * before the first goes out (all or nothing: never half a message). The frames are held
+ * (a reference each, their pointers copied) while sending, because a blocking send lets
+ * other threads run and a signal handler may run on EINTR: either could change the
+ * sequence the pointers came from. */
+static int send_frames_at(void *sock, PyObject *const *items, Py_ssize_t count, int flags) {
+    for (Py_ssize_t i = 0; i < count; i++) {
         if (!PyBytes_Check(items[i])) {
             PyErr_Format(PyExc_TypeError, "frame %zd is %.100s, not bytes", i,
                          Py_TYPE(items[i])->tp_name);
-            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    PyObject *stack[16];
+    PyObject **held = stack;
+    if (count > 16) {
+        held = PyMem_Malloc((size_t)count * sizeof(PyObject *));
+        if (held == NULL) {
+            PyErr_NoMemory();
             return -1;
         }
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        char *data = PyBytes_AS_STRING(items[i]);
-        Py_ssize_t size = PyBytes_GET_SIZE(items[i]);
+        held[i] = items[i];
+        Py_INCREF(held[i]);
+    }
+    int result = 0;
+    for (Py_ssize_t i = 0; i < count && result == 0; i++) {
+        char *data = PyBytes_AS_STRING(held[i]);
+        Py_ssize_t size = PyBytes_GET_SIZE(held[i]);
         int f = i + 1 < count ? (flags | Z_SNDMORE) : flags;
         for (;;) {
             int rc;
@@ -265,14 +278,27 @@ static int send_message(void *sock, PyObject *frames, int flags) {
             int e = z_errno();
             if (e == EINTR && PyErr_CheckSignals() == 0)
                 continue;
-            Py_DECREF(seq);
             if (e != EINTR)
                 raise_zmq(e);
-            return -1;
+            result = -1;
+            break;
         }
     }
+    for (Py_ssize_t i = 0; i < count; i++)
+        Py_DECREF(held[i]);
+    if (held != stack)
+        PyMem_Free(held);
+    return result;
+}
+
+static int send_message(void *sock, PyObject *frames, int flags) {
+    PyObject *seq = PySequence_Fast(frames, "a message must be a sequence of frames");
+    if (seq == NULL)
+        return -1;
+    int rc = send_frames_at(sock, PySequence_Fast_ITEMS(seq), PySequence_Fast_GET_SIZE(seq),
+                            flags);
     Py_DECREF(seq);
-    return 0;
+    return rc;
 }
 
 /* send(handle, frames, flags=NOBLOCK): a multipart message from a sequence of bytes;
@@ -293,36 +319,81 @@ static PyObject *zf_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
-/* send_many(handle, messages) -> sent: each message non-blocking, in order; stops at the
- * first that fails (EAGAIN at a high-water mark: the rest are not sent) and raises. */
+/* A signal handler run on EINTR may have changed the sequence being sent: re-read its
+ * items, and refuse to go on if its length changed. */
+static int still_whole(PyObject *seq, Py_ssize_t count, PyObject ***items) {
+    if (PySequence_Fast_GET_SIZE(seq) != count) {
+        PyErr_SetString(PyExc_RuntimeError, "the messages changed while being sent");
+        return 0;
+    }
+    *items = PySequence_Fast_ITEMS(seq);
+    return 1;
+}
+
+/* send_many(handle, messages, width=0) -> sent: each message non-blocking, in order;
+ * stops at the first that fails (EAGAIN at a high-water mark: the rest are not sent) and
+ * raises. With width > 0, `messages` is one flat sequence of frames, `width` frames to a
+ * message (a ring of recent updates kept that way holds no object per update for the
+ * cyclic garbage collector to walk); a trailing partial message is refused unsent. */
 static PyObject *zf_send_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "send_many(handle, messages)");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "send_many(handle, messages, width=0)");
         return NULL;
     }
     if (!check_bound())
         return NULL;
     void *sock = PyLong_AsVoidPtr(args[0]);
+    Py_ssize_t width = nargs == 3 ? PyLong_AsSsize_t(args[2]) : 0;
     if (PyErr_Occurred())
         return NULL;
+    if (width < 0) {
+        PyErr_SetString(PyExc_ValueError, "width must be >= 0");
+        return NULL;
+    }
     PyObject *seq = PySequence_Fast(args[1], "messages must be a sequence");
     if (seq == NULL)
         return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (send_message(sock, items[i], Z_NOBLOCK) < 0) {
+    if (width == 0) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (!still_whole(seq, count, &items)) {
+                Py_DECREF(seq);
+                return NULL;
+            }
+            if (send_message(sock, items[i], Z_NOBLOCK) < 0) {
+                Py_DECREF(seq);
+                return NULL;
+            }
+        }
+        Py_DECREF(seq);
+        return PyLong_FromSsize_t(count);
+    }
+    if (count % width) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "%zd frames are not whole messages of %zd", count,
+                     width);
+        return NULL;
+    }
+    Py_ssize_t sent = 0;
+    for (Py_ssize_t i = 0; i < count; i += width) {
+        if (!still_whole(seq, count, &items)) {
             Py_DECREF(seq);
             return NULL;
         }
+        if (send_frames_at(sock, items + i, width, Z_NOBLOCK) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        sent++;
     }
     Py_DECREF(seq);
-    return PyLong_FromSsize_t(count);
+    return PyLong_FromSsize_t(sent);
 }
 
 static PyMethodDef methods[] = {
     {"send_many", (PyCFunction)(void (*)(void))zf_send_many, METH_FASTCALL,
-     "send_many(handle, messages) -> sent"},
+     "send_many(handle, messages, width=0) -> sent"},
     {"bind", zf_bind, METH_VARARGS,
      "bind(libzmq_path, error_of_errno): resolve libzmq's calls"},
     {"recv", (PyCFunction)(void (*)(void))zf_recv, METH_FASTCALL,

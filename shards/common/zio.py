@@ -184,20 +184,35 @@ def compiled_recv() -> Callable[[int, int, int], list[bytes] | None]:
     return _compiled.recv
 
 
-def publisher_many(sock: zmq.Socket) -> Callable[[list], None]:
+def publisher_many(sock: zmq.Socket, width: int = 0) -> Callable[[list], None]:
     """``send_many(messages)`` (each non-blocking, in order) for one socket's hot path:
-    one call for a whole burst on the compiled path. The caller keeps the socket open while
-    it uses it. A PUB/XPUB never refuses (it drops at its high-water mark); on another
-    socket, ``zmq.Again`` leaves the rest of the burst unsent."""
+    one call for a whole burst on the compiled path. With ``width``, ``messages`` is one
+    flat list of frames, ``width`` to a message (what a server's resume history keeps: no
+    tuple per update for the garbage collector to walk). The caller keeps the socket open
+    while it uses it. A PUB/XPUB never refuses (it drops at its high-water mark); on
+    another socket, ``zmq.Again`` leaves the rest of the burst unsent. A message with a
+    frame that is not bytes is refused before any of its frames goes out."""
     if COMPILED:
-        return functools.partial(_compiled.send_many, sock.underlying)
+        if not width:
+            return functools.partial(_compiled.send_many, sock.underlying)
+        send, handle = _compiled.send_many, sock.underlying
+
+        def send_flat(frames: list) -> None:  # one Python call per burst
+            send(handle, frames, width)
+        return send_flat
 
     def send_many(messages: list) -> None:
         for frames in messages:
             if not all(type(frame) is bytes for frame in frames):  # never half a message
                 raise TypeError("every frame must be bytes")
             _send_frames_pure(sock, frames)
-    return send_many
+
+    def send_many_flat(frames: list) -> None:
+        if len(frames) % width:
+            raise ValueError(f"{len(frames)} frames are not whole messages of {width}")
+        for i in range(0, len(frames), width):
+            send_many((frames[i:i + width],))
+    return send_many_flat if width else send_many
 
 
 if not COMPILED:
