@@ -656,7 +656,8 @@ class ShardServer:
         are not announced before they go out)."""
         serving = self.serving()
         if self.config.clock_s > 0:
-            return chp.hugz(time.time(), self.store.seq - len(self._held) // KVPUB_FRAMES, serving=serving,
+            published = self.store.seq - len(self._held) // KVPUB_FRAMES
+            return chp.hugz(time.time(), published, serving=serving,
                             generation=self.generation, route=self.route)
         return chp.hugz(serving=serving, route=self.route)
 

@@ -92,3 +92,36 @@ def test_the_history_holds_no_tracked_object_per_update():
         gc.enable()
     assert h.count == 50_000
     assert grown < 1_000, grown             # ~200 block lists, not 50,000 entries
+
+
+def test_block_lists_are_off_the_collectors_lists_on_the_compiled_path():
+    """Tracked, a full history's ~500,000 frames were walked by every older-generation
+    collection (4-7 ms each): a new block, an appended one and a cut one are all off."""
+    import weakref
+
+    from shards.common import zio
+
+    h = History(max_updates=100)
+    h.extend(burst(1, 300))                  # one block over the bounds: cut to 201..300
+    h.append(301, b"/k", UUID, b"", b"v")    # into that block, which is cut again
+    h.extend(burst(302, 60))                 # a new block; the cut one is dropped whole
+    assert (h.count, h.base, len(h.blocks)) == (60, 301, 1)
+    h.append(362, b"/k", UUID, b"", b"v")
+    tracked = [gc.is_tracked(frames) for _, frames, _ in h.blocks]
+    assert tracked == [not zio.COMPILED]
+    assert h.since(h.base)[0][0] == 302
+
+
+def test_untrack_refuses_anything_but_a_list_of_bytes():
+    from shards.common import zio
+
+    if not zio.COMPILED:
+        frames = [b"a", []]
+        assert zio.untrack_frames(frames) is frames  # the pure path leaves it as it is
+        return
+    for bad in ([b"a", []], (b"a",), [b"a", "str"]):
+        try:
+            zio.untrack_frames(bad)
+        except TypeError:
+            continue
+        raise AssertionError(f"untracked {bad!r}")

@@ -184,6 +184,18 @@ def compiled_recv() -> Callable[[int, int, int], list[bytes] | None]:
     return _compiled.recv
 
 
+def _keep_tracked(frames: list) -> list:
+    return frames
+
+
+untrack_frames: Callable[[list], list] = _compiled.untrack if COMPILED else _keep_tracked
+"""``untrack_frames(frames) -> frames``: take a list that holds only bytes, and will only
+ever hold bytes, off the cyclic garbage collector's lists (``TypeError`` for anything
+else). Such a list cannot be in a cycle; its reference count still frees it. For a long-
+lived ring of frames (``shards.history``), whose lists every older-generation collection
+would otherwise walk. On the pure path it leaves the list as it is."""
+
+
 def publisher_many(sock: zmq.Socket, width: int = 0) -> Callable[[list], None]:
     """``send_many(messages)`` (each non-blocking, in order) for one socket's hot path:
     one call for a whole burst on the compiled path. With ``width``, ``messages`` is one
