@@ -375,7 +375,8 @@ class ShardServer:
             name="snapshot")
         self._collector = zio.AsyncSocket(self._collector_sock, self.on_collect,
                                           batch=self.config.collect_batch, loop=loop,
-                                          name="collector", after_batch=self._flush_log)
+                                          name="collector", after_batch=self._flush_log,
+                                          recv_only=True)
         self._pub_reader = zio.AsyncSocket(self._pub, self.on_subscription, batch=256,
                                            loop=loop, name="publisher")
         self._sub_check_handle = loop.call_later(SUBSCRIPTION_CHECK_S,

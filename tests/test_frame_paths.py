@@ -17,7 +17,7 @@ import zmq
 
 from shards.common import zio
 from shards.common.proto import chp
-from conftest import FRAME_PATHS, ROOT
+from conftest import FRAME_PATHS, ROOT, free_port_base
 from test_server_conformance import SEQ, Peer
 from test_server_hostile import stats_now
 
@@ -43,7 +43,8 @@ def expected(sent: list[list[bytes]]) -> list[list[bytes]]:
 def pair(zctx):
     pull = zctx.socket(zmq.PULL)
     pull.rcvhwm = 0
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    port = free_port_base(1)
+    pull.bind(f"tcp://127.0.0.1:{port}")
     push = zctx.socket(zmq.PUSH)
     push.sndhwm = 0
     push.connect(f"tcp://127.0.0.1:{port}")

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 import zmq
 
+from conftest import free_port_base
 from shards.common import zio
 
 
@@ -20,7 +21,8 @@ def run(coro):
 
 def pair(zctx, kind_a=zmq.PUSH, kind_b=zmq.PULL):
     b = zctx.socket(kind_b)
-    port = b.bind_to_random_port("tcp://127.0.0.1")
+    port = free_port_base(1)  # below the ephemeral range
+    b.bind(f"tcp://127.0.0.1:{port}")
     a = zctx.socket(kind_a)
     a.connect(f"tcp://127.0.0.1:{port}")
     return a, b
@@ -146,3 +148,39 @@ def test_after_batch_runs_once_per_batch_that_read_something(zctx):
     # each call follows a batch that read at least one message, and sees it whole
     assert calls == sorted(set(calls)) and calls[-1] == 250 and calls[0] > 0
     assert all(b - a <= 100 for a, b in zip([0] + calls, calls))
+
+
+def test_a_recv_only_reader_wakes_for_every_message_after_draining(zctx):
+    """``recv_only`` skips the EVENTS query after a batch read until Again: the FD must
+    still fire for a message that arrives afterwards. Each message is sent only once the
+    one before it was handled (the reader idle, its socket drained), 300 times, with no
+    kick and no timer to rescue a missed wake-up."""
+    a, b = pair(zctx)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        got: list = []
+        arrived = asyncio.Event()
+
+        def on_message(frames):
+            got.append(frames)
+            arrived.set()
+
+        reader = zio.AsyncSocket(b, on_message, batch=64, recv_only=True)
+        try:
+            for i in range(300):
+                arrived.clear()
+                await loop.run_in_executor(None, zio.send_frames, a, [b"m%d" % i], 0)
+                await asyncio.wait_for(arrived.wait(), 5)
+                assert got[-1] == [b"m%d" % i]
+            for i in range(1000):  # and bursts larger than a batch are all read
+                zio.send_frames(a, [b"n%d" % i], 0)
+            while len(got) < 1300:
+                arrived.clear()
+                await asyncio.wait_for(arrived.wait(), 5)
+        finally:
+            reader.close()
+        return got
+
+    got = run(main())
+    assert len(got) == 1300 and got[-1] == [b"n999"]

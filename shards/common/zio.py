@@ -245,9 +245,15 @@ class AsyncSocket:
                  on_message: Callable[[list[bytes]], None] | None = None, *,
                  batch: int = DEFAULT_BATCH, loop: asyncio.AbstractEventLoop | None = None,
                  name: str = "", recv: Callable[[zmq.Socket], list[bytes]] | None = None,
-                 after_batch: Callable[[], None] | None = None):
+                 after_batch: Callable[[], None] | None = None, recv_only: bool = False):
         """``after_batch()``: called once after every batch that read a message (a server
-        publishes what the batch produced there, one burst per batch)."""
+        publishes what the batch produced there, one burst per batch).
+
+        ``recv_only``: nothing ever sends on this socket (a collector). Then a batch that
+        read until ``zmq.Again`` skips the ``EVENTS`` query after it: a receive that finds
+        nothing has just processed libzmq's pending commands, as that query would (a
+        getpid and a zero-timeout poll each), so the FD fires for the next message. A
+        send on the socket could consume that edge; hence only where none happens."""
         self.sock = sock
         self.on_message = on_message
         self.after_batch = after_batch
@@ -263,6 +269,7 @@ class AsyncSocket:
         self._fd = sock.FD
         self._handle = sock.underlying
         self._drain = _c_drain if COMPILED and recv is None else None
+        self._recv_only = recv_only
         self.loop.add_reader(self._fd, self._on_fd)
         self._schedule()
 
@@ -311,6 +318,9 @@ class AsyncSocket:
             except Exception:
                 self.errors += 1
                 log.exception("%s: after_batch failed", self.name)
+        if (self._recv_only and handler is not None and n < self.batch
+                and not self._writable_waiters and not self._closed):
+            return  # read until Again: libzmq's commands were processed there
         try:
             events = sock.EVENTS
         except zmq.ZMQError:
