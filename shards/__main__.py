@@ -31,7 +31,7 @@ import click
 import uvloop
 
 from shards.common.errors import ConfigError, Exit, PortInUse
-from shards.common.memory import return_large_frees
+from shards.common.memory import freeze_startup_objects, return_large_frees
 from shards import streams
 from shards.pair import PairServer, parse_peer
 from shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES
@@ -158,6 +158,8 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
         copied = asyncio.ensure_future(first_copy.wait())
         await asyncio.wait([copied, asyncio.ensure_future(stop.wait())],
                            return_when=asyncio.FIRST_COMPLETED)
+    frozen = freeze_startup_objects()  # out of the hot path's collections
+    log.debug("%d start-up objects frozen out of the garbage collector's walks", frozen)
     print(f"READY shard host={cfg.host} port={cfg.port} pid={os.getpid()} role={server.role}",
           flush=True)
     waits = [asyncio.ensure_future(stop.wait())]

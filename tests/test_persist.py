@@ -261,6 +261,48 @@ def test_everysec_fsyncs_at_most_once_a_second_and_always_every_flush(tmp_path):
         DataDir(tmp_path / "x", "sometimes")
 
 
+def test_everysec_starts_writeback_between_fsyncs_once_a_mebibyte_was_written(tmp_path):
+    """A tick between fsyncs has the kernel start writing back what was written
+    (sync_file_range, not waited for) once WRITEBACK_BYTES are new since the last start or
+    fsync; the fsync stays once a second, and a tick that is due fsyncs instead."""
+    from shards.persist import writer
+
+    now = [0.0]
+    w = DataDir(tmp_path / "w", "everysec", clock=lambda: now[0])
+    w.open(GEN, 0)
+    fsyncs = w.counters["fsyncs"]
+    value = b"v" * 1000
+
+    def write(n):
+        for _ in range(n):
+            w.append(w_seq[0], b"/k", value, None)
+            w_seq[0] += 1
+        w.flush()
+
+    w_seq = [1]
+    write(10)                                  # ~10 KB: too little to start anything
+    now[0] = 0.25
+    w.tick()
+    assert w.wait_fsync(10) and w.counters.get("writebacks", 0) == 0
+    write(writer.WRITEBACK_BYTES // 1000 + 10)  # past a mebibyte
+    now[0] = 0.5
+    w.tick()
+    assert w.wait_fsync(10) and w.counters["writebacks"] == 1
+    now[0] = 0.75
+    w.tick()                                   # nothing new since that start
+    assert w.wait_fsync(10) and w.counters["writebacks"] == 1
+    assert w.counters["fsyncs"] == fsyncs      # and no fsync before its second
+    write(writer.WRITEBACK_BYTES // 1000 + 10)
+    now[0] = 1.0
+    w.tick()                                   # due: the fsync, not a writeback start
+    assert w.wait_fsync(10)
+    assert w.counters["fsyncs"] == fsyncs + 1 and w.counters["writebacks"] == 1
+    assert w.counters.get("writeback_errors", 0) == 0
+    w.close()
+    got = recover(tmp_path / "w")                # every write is back, in order
+    assert got.store.seq == w_seq[0] - 1 and state_of(got.store) == {b"/k": (value, None)}
+
+
 @pytest.mark.parametrize("mine, theirs, expected", [
     ([(1, 1)], [(1, 1)], None),                       # the same lineage: merely behind
     ([], [(1, 1)], None),                             # nothing of its own

@@ -41,3 +41,17 @@ def return_large_frees(threshold: int = LARGE_BYTES) -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return mallopt(M_MMAP_THRESHOLD, threshold) == 1
+
+
+def freeze_startup_objects() -> int:
+    """Collect once, then move every object alive now (modules, classes, functions, the
+    server's sockets and handlers: ~30,000 in a shard server) to the garbage collector's
+    permanent generation (``gc.freeze``). A collection of the older generations walked them
+    all, for nothing (they live as long as the process): 1-1.6 ms pauses in the middle of
+    the hot path. Call it once a process is set up, just before it serves. Returns how
+    many objects were frozen."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
