@@ -59,7 +59,10 @@ def check_fanout(data: dict, combos: list[tuple[int, int]], rounds: int, updates
         lat = r["latency_ms"]
         assert lat["samples"] == updates * r["subscribers"]
         assert 0 <= lat["p50"] <= lat["p99"] <= lat["p99.9"] <= lat["max"]
-        assert r["delivered_per_s_min"] > 0 and r["cpu_pct"]["subscribers"] > 0
+        assert r["delivered_per_s_min"] > 0
+        # CPU is read in 10 ms clock ticks: 100 updates can cost a subscriber none of them
+        assert set(r["cpu_pct"]) >= {"servers", "subscribers", "writer", "host", "others"}
+        assert all(v >= 0 for v in r["cpu_pct"].values()), r["cpu_pct"]
     summary = data["summary"]
     assert summary["all_complete"] is True and data["targets"][0]["met"] is True
     check_ceilings(summary["ceilings"], data["config"]["rate"])
