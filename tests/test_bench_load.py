@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from bench.harness.offer import core_plan, parse_core_list
-from bench.harness.traffic import (SourceState, WriterConfig, drain, drain_whole, key_index,
+from bench.harness.traffic import (SourceState, WriterConfig, blind_reader, drain, key_index,
                                    routed_schedule)
 from shards.common import zio
 from conftest import bench_record, run_bench
@@ -88,8 +88,8 @@ def kvpub(seq: int, value: bytes = b"v" * 8) -> list[bytes]:
 
 def drain_all(sock, st, budget=1000, every=1_000_000):
     samples: list[int] = []
-    n = drain(sock, st, budget, every, samples, FakeSocket.recv, FakeSocket.more, Again,
-              lambda: 0)
+    read = blind_reader(FakeSocket.recv, FakeSocket.more, Again, every)
+    n = drain(read, sock, st, budget, every, samples, lambda: 0)
     return n, samples
 
 
@@ -121,7 +121,8 @@ def test_latency_is_sampled_from_the_value_stamp():
     sock = FakeSocket([kvpub(q, stamp + b"pad") for q in (1, 2, 3, 4)])
     st = SourceState()
     samples: list[int] = []
-    drain(sock, st, 100, 2, samples, FakeSocket.recv, FakeSocket.more, Again, lambda: 3_500)
+    read = blind_reader(FakeSocket.recv, FakeSocket.more, Again, 2)
+    drain(read, sock, st, 100, 2, samples, lambda: 3_500)
     assert samples == [2_500, 2_500]                   # every 2nd update: now - stamp
 
 
@@ -146,15 +147,15 @@ def test_whole_message_drain_counts_over_a_real_socket(zctx):
     assert pull.poll(5000)
     st, samples = SourceState(), []
     recv_message = zio.compiled_recv()
-    n = drain_whole(pull.underlying, st, 3, 2, samples, recv_message, lambda: 3_500)
+    n = drain(recv_message, pull.underlying, st, 3, 2, samples, lambda: 3_500)
     assert n == 3 and (st.received, st.malformed) == (1, 2)     # a capped batch
-    n = drain_whole(pull.underlying, st, 100, 2, samples, recv_message, lambda: 3_500)
+    n = drain(recv_message, pull.underlying, st, 100, 2, samples, lambda: 3_500)
     assert n == 5
     assert (st.received, st.malformed, st.hugz, st.backwards) == (4, 3, 1, 1)
     assert (st.max_seq, st.gaps, st.first_seq, st.last_seq) == (7, 4, 1, 7)
     assert samples == [2_500, 2_500]                   # every 2nd update: now - stamp
-    assert drain_whole(pull.underlying, st, 100, 2, samples, recv_message,
-                       time.monotonic_ns) == 0         # nothing waiting: no block
+    assert drain(recv_message, pull.underlying, st, 100, 2, samples,
+                 time.monotonic_ns) == 0        # nothing waiting: no block
 
 
 # ------------------------------------------------------------------ smoke runs
