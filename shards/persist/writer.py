@@ -181,10 +181,11 @@ class DataDir:
         self._unsynced = False
         self._synced_at = clock()
         self._bg_fsync: threading.Event | None = None
+        """Set when the last background (everysec) fsync has finished."""
         self._bg_writeback: threading.Event | None = None
+        """Set when the last background writeback start has returned."""
         self._written = 0          # bytes written to the log by this process
         self._written_kicked = 0   # ... when the last fsync or writeback start began
-        """Set when the last background (everysec) fsync has finished."""
         self.snapshot_bytes = 0
         self.log_bytes = 0
         """Bytes in the segments written since the newest snapshot."""
@@ -289,10 +290,7 @@ class DataDir:
         self._written_kicked = self._written
         self._unsynced = False
         self._synced_at = self.clock()
-        done = self._bg_fsync = threading.Event()
-        fd = os.dup(self._fd)
-        threading.Thread(target=self._fsync_in_background, args=(fd, done),
-                         name="everysec-fsync", daemon=True).start()
+        self._bg_fsync = self._on_a_thread("everysec-fsync", self._fsync_in_background)
 
     def _start_writeback(self) -> None:
         """Between ``everysec`` fsyncs: once ``WRITEBACK_BYTES`` were written since the
@@ -302,23 +300,31 @@ class DataDir:
                 or (self._bg_writeback is not None and not self._bg_writeback.is_set())):
             return
         self._written_kicked = self._written
-        done = self._bg_writeback = threading.Event()
+        self._bg_writeback = self._on_a_thread("everysec-writeback",
+                                               self._writeback_in_background)
+
+    def _on_a_thread(self, name: str, work) -> threading.Event:
+        """Run ``work(fd)`` on a background thread, on a duplicate of the log's descriptor
+        (a segment closed meanwhile stays valid for it); the event is set when it ends."""
+        done = threading.Event()
         fd = os.dup(self._fd)
-        threading.Thread(target=self._writeback_in_background, args=(fd, done),
-                         name="everysec-writeback", daemon=True).start()
 
-    def _writeback_in_background(self, fd: int, done: threading.Event) -> None:
-        try:
-            if _sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE) == 0:
-                self.counters["writebacks"] = self.counters.get("writebacks", 0) + 1
-            else:  # the fsync still writes everything back: counted, nothing more
-                self.counters["writeback_errors"] = self.counters.get("writeback_errors",
-                                                                      0) + 1
-        finally:
-            os.close(fd)
-            done.set()
+        def run() -> None:
+            try:
+                work(fd)
+            finally:
+                os.close(fd)
+                done.set()
+        threading.Thread(target=run, name=name, daemon=True).start()
+        return done
 
-    def _fsync_in_background(self, fd: int, done: threading.Event) -> None:
+    def _writeback_in_background(self, fd: int) -> None:
+        if _sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE) == 0:
+            self.counters["writebacks"] = self.counters.get("writebacks", 0) + 1
+        else:  # the fsync still writes everything back: counted, nothing more
+            self.counters["writeback_errors"] = self.counters.get("writeback_errors", 0) + 1
+
+    def _fsync_in_background(self, fd: int) -> None:
         try:
             t0 = time.perf_counter()
             os.fsync(fd)
@@ -327,9 +333,6 @@ class DataDir:
             self.counters["fsync_errors"] = self.counters.get("fsync_errors", 0) + 1
             self._unsynced = True  # the next tick tries again
             log.error("everysec fsync of %s failed: %s", self.path, exc)
-        finally:
-            os.close(fd)
-            done.set()
 
     def wait_fsync(self, timeout_s: float | None = None) -> bool:
         """Wait for a background fsync (and writeback start) in progress; True when none
