@@ -73,15 +73,15 @@ class History:
         """One update (an empty value is a delete)."""
         if seq != self.last + 1:  # a hole: nothing before it can be resumed any more
             self.reset(seq - 1)
-        seq_frame = _SEQ.pack(seq)
-        size = len(key) + len(uuid) + len(props) + len(value) + 8 + ENTRY_OVERHEAD
+        entry = (key, _SEQ.pack(seq), uuid, props, value)
+        size = sum(map(len, entry)) + ENTRY_OVERHEAD  # as extend and _trim count it
         blocks = self.blocks
         if blocks and len(blocks[-1][1]) < 256 * WIDTH:
             first, frames, nbytes = blocks.pop()
-            frames += key, seq_frame, uuid, props, value
+            frames += entry
             blocks.append((first, frames, nbytes + size))
         else:
-            blocks.append((seq, untrack_frames([key, seq_frame, uuid, props, value]), size))
+            blocks.append((seq, untrack_frames(list(entry)), size))
         self.last = seq
         self.count += 1
         self.bytes += size

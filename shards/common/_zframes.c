@@ -232,7 +232,6 @@ static PyObject *zf_drain(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return Py_BuildValue("(nOO)", n, Py_None, Py_None);
 }
 
-/* One message from a sequence of bytes frames; 0, or -1 with a Python error set. */
 /* Send `count` frames from `items` as one message: every frame is checked to be bytes
  * before the first goes out (all or nothing: never half a message). The frames are held
  * (a reference each, their pointers copied) while sending, because a blocking send lets
@@ -291,6 +290,7 @@ static int send_frames_at(void *sock, PyObject *const *items, Py_ssize_t count, 
     return result;
 }
 
+/* One message from a sequence of bytes frames; 0, or -1 with a Python error set. */
 static int send_message(void *sock, PyObject *frames, int flags) {
     PyObject *seq = PySequence_Fast(frames, "a message must be a sequence of frames");
     if (seq == NULL)
