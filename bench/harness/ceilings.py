@@ -32,6 +32,8 @@ def ceiling_target(kind: str) -> tuple[str, tuple[str, ...]]:
     """The ``Targets`` kind and extra arguments of a ceiling: ``plain`` is the forwarding
     loop reading five frames blindly; the others are themselves."""
     return ("forwarder", ("--blind",)) if kind == "plain" else (kind, ())
+
+
 FIGURE_KEYS = ("received_per_s", "sent_per_s", "sequenced_per_s", "loss_window",
                "writer_drops", "latency_ms", "cpu_pct", "cpu_cores", "window_s")
 
