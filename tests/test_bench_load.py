@@ -126,6 +126,50 @@ def test_latency_is_sampled_from_the_value_stamp():
     assert samples == [2_500, 2_500]                   # every 2nd update: now - stamp
 
 
+def test_latency_is_sampled_only_inside_the_window(zctx):
+    """The subscriber's latency figures are those of the updates its window counts. Over
+    a real XPUB->SUB: updates drained before the window starts and after it ends carry a
+    stamp of 0 (a latency of the host's uptime); had either been sampled, the maximum
+    would show it."""
+    import threading
+    import time
+
+    import zmq
+
+    from bench.harness.traffic import SubscriberConfig, Window, _subscribe
+
+    pub = zctx.socket(zmq.XPUB)
+    pub.bind("inproc://window")
+    sub = zctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect("inproc://window")
+    assert pub.recv() == b"\x01"                          # the subscription has arrived
+    stale = struct.pack(">Q", 0)
+
+    def send(seqs, stamp):
+        for q in seqs:
+            pub.send_multipart(kvpub(q, (stamp() if stamp else stale) + b"pad"))
+
+    t0 = time.monotonic()
+    window = Window(t_start=t0 + 1.0, t_end=t0 + 1.5)
+    send(range(1, 5), None)                               # before the window
+    cfg = SubscriberConfig(endpoint="inproc://window", latency_every=1, quiet_s=0.5,
+                           drain_s=5.0, progress_s=0)
+    out: dict = {}
+    reader = threading.Thread(target=lambda: out.update(_subscribe([sub], cfg, window,
+                                                                    None, zmq)))
+    reader.start()
+    time.sleep(window.t_start + 0.05 - time.monotonic())  # the window is a time
+    send(range(5, 9), lambda: struct.pack(">Q", time.monotonic_ns()))
+    time.sleep(window.t_end + 0.05 - time.monotonic())
+    send(range(9, 13), None)                              # after it
+    reader.join(10)
+    assert not reader.is_alive()
+    assert out["received_total"] == 12 and out["seq_at_window_start"] == 4
+    assert out["received_window"] == 4 and out["latency_samples"] == 4
+    assert out["latency_ms"]["max"] < 1_000              # a stale stamp reads ~uptime
+
+
 @pytest.mark.skipif(not zio.COMPILED, reason="the subscriber reads whole messages only on "
                     "the compiled frame path (test_frame_paths checks it is built here)")
 def test_whole_message_drain_counts_over_a_real_socket(zctx):
