@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                              "the project's forwarder, same run: flat out, "
                                              "CPU per update at a fixed rate, p99 at half "
                                              "load. Duration: smoke ~45 s, full (3 rounds "
-                                             "of 3 s) ~4.5 min")
+                                             "of 3 s) ~2.5 min")
     ap.add_argument("--seconds", type=float, default=3.0, help="measured window per run")
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
