@@ -26,6 +26,7 @@ import heapq
 from typing import Iterator
 
 from shards.common.errors import ProtocolError
+from shards.common.zio import untrack_frames
 
 from shards.common.proto.chp import MAX_TTL_S  # re-exported: the store checks it
 
@@ -88,6 +89,17 @@ def ttl_props(props: bytes, now_wall_s: float) -> tuple[float | None, bytes]:
             raise _bad(f"expires {expires[:40]!r} is out of range", "bad_expires")
         return expiry_s, props
     return None, props
+
+
+def _off_the_collector(keys: list) -> list:
+    """A cursor's copy of the key list, off the cyclic garbage collector's lists when it
+    holds only bytes (keys from the wire and from the log always are). Tracked, the list
+    of a 100,000-key map was walked by the next collection of each generation, ~0.4 ms
+    each, right after every compaction and snapshot started."""
+    try:
+        return untrack_frames(keys)
+    except TypeError:
+        return keys
 
 
 class Store:
@@ -241,7 +253,7 @@ class SnapshotCursor:
         self.seq = store.seq
         self.undo: dict[bytes, bytes] = {}
         self.undo_expiry: dict[bytes, float | None] | None = {} if with_expiry else None
-        self._keys = list(store.data)
+        self._keys = _off_the_collector(list(store.data))
         self._pos = 0
         self.closed = False
 

@@ -208,6 +208,31 @@ def test_closed_cursor_stops_recording_and_two_cursors_are_independent():
     assert c1.undo == {} and s.open_cursors == 0
 
 
+def test_a_cursors_key_list_is_off_the_collectors_lists_on_the_compiled_path():
+    """Tracked, a cursor's copy of a 100,000-key map's keys was walked by the next
+    collection of each generation after every compaction and snapshot began (~0.4 ms
+    each). A key that is not exact bytes (never from the wire or the log) keeps the list
+    tracked, and the cursor still works."""
+    import gc
+
+    from shards.common import zio
+
+    s = Store()
+    for i in range(100):
+        s.apply(b"/k%d" % i, b"v")
+    cursor = s.open_snapshot()
+    assert gc.is_tracked(cursor._keys) is (not zio.COMPILED)
+    assert len(drain(cursor)) == 100
+
+    class Key(bytes):
+        pass
+
+    s.apply(Key(b"/odd"), b"v")
+    odd = s.open_snapshot()
+    assert gc.is_tracked(odd._keys)
+    assert len(drain(odd)) == 101
+
+
 def test_undo_is_only_recorded_for_keys_under_the_cursor_subtree():
     s = Store()
     s.apply(b"/x/1", b"a")
