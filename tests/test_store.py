@@ -260,3 +260,33 @@ def test_snapshot_equals_the_map_at_open_under_random_interleaving(data):
             s.apply(rng.choice(keys), rng.choice([b"", b"w%d" % rng.randrange(100)]))
         got.update(cur.next_chunk(rng.randrange(1, 5)))
     assert got == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_entries_with_expiry_are_the_map_and_its_ttls_at_open(data):
+    """A compaction's cursor (``with_expiry``): every ``[key, value, expires]`` it gives
+    is the map and each key's absolute expiry as they were when it opened, however the
+    keys and their TTLs change between chunks (rewritten with or without a TTL, deleted,
+    new), with no TTL anywhere or some."""
+    rng = random.Random(data.draw(st.integers(0, 2**32)))
+    ttls = data.draw(st.booleans())
+    s = Store()
+    keys = [b"/k/%d" % i for i in range(30)]
+
+    def write(value: bytes) -> None:
+        expiry = 1_000.0 + rng.randrange(100) if ttls and rng.random() < 0.5 else None
+        s.apply(rng.choice(keys), value, expiry)
+
+    for _ in range(data.draw(st.integers(0, 60))):
+        write(rng.choice([b"", b"v%d" % rng.randrange(100)]))
+    expected = {k: (v, s.expiries().get(k)) for k, v in s.data.items()}
+    cur = s.open_snapshot(with_expiry=True)
+    got = {}
+    while not cur.done:
+        for _ in range(rng.randrange(4)):
+            write(rng.choice([b"", b"w%d" % rng.randrange(100)]))
+        flat = cur.next_entries(rng.randrange(1, 5))
+        assert len(flat) % 3 == 0
+        got.update((k, (v, e)) for k, v, e in zip(flat[0::3], flat[1::3], flat[2::3]))
+    assert got == expected
