@@ -89,13 +89,13 @@ SCENARIOS = {
         "bench.hot_path", "hot_path",
         "one shard (fsync everysec) vs the plain five-receive loop and the project's "
         "forwarder, same run: flat out, CPU per update at 50k/s, p99 at half load "
-        "pinned and not", {"smoke": "~45 s", "quick": "~2 min", "full": "~4.5 min"}),
+        "pinned and not", {"smoke": "~45 s", "quick": "~2 min", "full": "~2.5 min"}),
     "report": Scenario("bench.report", None,
                        "Markdown report + PNG plots from the latest records",
                        {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),
 }
 ALIASES = {"chp_throughput": "single"}
-ALL_DURATION = {"smoke": "~2.5 min", "quick": "~8.5 min", "full": "~27 min"}
+ALL_DURATION = {"smoke": "~2.5 min", "quick": "~8.5 min", "full": "~25 min"}
 ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failover", "handoff",
          "durability", "curve", "slow_subscriber", "relays", "hot_path"]
 """What ``all`` runs, in this order, then ``report`` (``failover_supervised`` runs alone:
