@@ -6,7 +6,6 @@ when the extension is disabled or missing.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import subprocess
@@ -16,7 +15,6 @@ import pytest
 import zmq
 
 from shards.common import zio
-from shards.common.proto import chp
 from conftest import FRAME_PATHS, ROOT, free_port_base
 from test_server_conformance import SEQ, Peer
 from test_server_hostile import stats_now

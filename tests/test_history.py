@@ -97,8 +97,6 @@ def test_the_history_holds_no_tracked_object_per_update():
 def test_block_lists_are_off_the_collectors_lists_on_the_compiled_path():
     """Tracked, a full history's ~500,000 frames were walked by every older-generation
     collection (4-7 ms each): a new block, an appended one and a cut one are all off."""
-    import weakref
-
     from shards.common import zio
 
     h = History(max_updates=100)
