@@ -153,7 +153,10 @@ def test_latency_is_sampled_only_inside_the_window(zctx):
     t0 = time.monotonic()
     window = Window(t_start=t0 + 1.0, t_end=t0 + 1.5)
     send(range(1, 5), None)                               # before the window
-    cfg = SubscriberConfig(endpoint="inproc://window", latency_every=1, quiet_s=0.5,
+    # quiet_s well over the 0.5 s between the window's updates and the late ones: after
+    # the window the subscriber stops once nothing came for quiet_s, and must not stop
+    # before the late updates arrive
+    cfg = SubscriberConfig(endpoint="inproc://window", latency_every=1, quiet_s=2.0,
                            drain_s=5.0, progress_s=0)
     out: dict = {}
     reader = threading.Thread(target=lambda: out.update(_subscribe([sub], cfg, window,
