@@ -533,7 +533,10 @@ class ShardServer:
             self._persist_flush.cancel()
         self._persist_flush = None
         if self.persist is not None:
-            self.persist.flush()
+            try:
+                self.persist.flush()
+            except OSError:  # counted and logged by the data directory
+                return  # nothing held is published: the next flush writes it again
         if self._held:
             held, self._held = self._held, []
             self._publish_many(held)  # key, seq, uuid, props, value, key, ...: in order
@@ -555,7 +558,11 @@ class ShardServer:
         persist.tick()
         if persist.compaction_due():
             self._flush_log()
-            self.drive_compaction(persist.start_compaction(self.store))
+            try:
+                job = persist.start_compaction(self.store)
+            except OSError:
+                return  # counted and logged by the data directory; it tries again later
+            self.drive_compaction(job)
 
     def drive_compaction(self, job) -> None:
         """Write ``job``'s snapshot a chunk at a time (``COMPACT_PACE_S`` apart), then
@@ -567,7 +574,13 @@ class ShardServer:
     def _compact_step(self, job) -> None:
         if self.persist is None or self.persist.compaction is not job:
             return  # closed, or replaced by another
-        if not job.step():
+        try:
+            written = job.step()
+        except OSError as exc:  # a full disk: the partial snapshot goes, the log stays
+            self.persist.abort_compaction()
+            self.persist.compaction_failed(exc)
+            return
+        if not written:
             self.loop.call_later(COMPACT_PACE_S, self._compact_step, job)
             return
         job.finishing = True
@@ -581,6 +594,7 @@ class ShardServer:
                       fut.exception())
             if self.persist is not None and self.persist.compaction is job:
                 self.persist.abort_compaction()
+                self.persist.compaction_failed(fut.exception())
             return
         if self.persist is None:
             return

@@ -35,6 +35,7 @@ multiple of 3 items), last ``{"keys": n}`` (the count, checked on load).
 """
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import threading
@@ -166,6 +167,18 @@ class Scan:
                 raise CorruptLog(f"{end - pos} bytes of a partial record at the end",
                                  path=where, offset=pos)
             self.torn = end - pos
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` at ``fd``'s offset, looping over short writes (a nearly full
+    filesystem returns them); raise the ``OSError`` that stops it (ENOSPC, EIO, ...).
+    ``os.write`` alone may write part of a record and say so only in its return value."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:  # not seen on Linux for a regular file; never loop on it
+            raise OSError(errno.EIO, f"write returned {n} with {len(view)} bytes left")
+        view = view[n:]
 
 
 def truncate(path: Path, size: int) -> None:

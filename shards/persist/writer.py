@@ -26,6 +26,7 @@ run off the reactor by the server. The calls the server makes, and when:
 from __future__ import annotations
 
 import bisect
+import errno
 import json
 import logging
 import os
@@ -73,6 +74,8 @@ COMPACT_RATIO = 1.0
 """Compact when the segments since the last snapshot exceed this times its size."""
 COMPACT_MIN_BYTES = 64 << 20
 """... and exceed this many bytes (a small map is not rewritten over and over)."""
+COMPACT_RETRY_S = 5.0
+"""After a compaction failed (a full disk), the next one waits this long."""
 SNAPSHOT_CHUNK_KEYS = 256
 """Keys written per loop turn by a compaction: ~0.3 ms here, so a KVSET arriving during
 a compaction waits at most that long for the reactor."""
@@ -92,8 +95,14 @@ class Compaction:
         self.path = dir_.path / fmt.seq_name(fmt.SNAP_PREFIX, self.seq, fmt.SNAP_SUFFIX)
         self.tmp = self.path.with_name(self.path.name + fmt.TMP_SUFFIX)
         self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.write(self._fd, fmt.header(fmt.SNAP_MAGIC, generation) +
-                 fmt.record({"seq": self.seq}))
+        try:
+            fmt.write_all(self._fd, fmt.header(fmt.SNAP_MAGIC, generation) +
+                          fmt.record({"seq": self.seq}))
+        except OSError:
+            os.close(self._fd)
+            self._fd = -1
+            self.tmp.unlink(missing_ok=True)
+            raise
         self.keys = 0
         self.bytes = 0
         self.started = time.monotonic()
@@ -109,11 +118,11 @@ class Compaction:
         entries = self.cursor.next_entries(keys)
         if entries:
             data = fmt.record(entries)
-            os.write(self._fd, data)
+            fmt.write_all(self._fd, data)
             self.keys += len(entries) // 3
             self.bytes += len(data)
         if self.cursor.done:
-            os.write(self._fd, fmt.record({"keys": self.keys}))
+            fmt.write_all(self._fd, fmt.record({"keys": self.keys}))
             self.written = True
         return self.written
 
@@ -196,7 +205,13 @@ class DataDir:
         self.compaction: Compaction | None = None
         self.counters = dict.fromkeys(
             ("records", "updates", "fsyncs", "compactions", "compactions_aborted",
-             "snapshot_keys_written", "replaced", "dropped_updates"), 0)
+             "snapshot_keys_written", "replaced", "dropped_updates", "write_errors",
+             "compactions_failed"), 0)
+        self._compact_retry_at = 0.0
+        self.disk_error = ""
+        """The last failed log write's errno and text, until a record is written again."""
+        self._segment_bytes = 0
+        """Bytes of whole records (and the header) in the open segment."""
         self.fsync_s_total = 0.0
         self.fsync_counts = [0] * (len(FSYNC_BUCKETS_S) + 1)
         """Log fsyncs per duration bucket (``FSYNC_BUCKETS_S``, the last: beyond)."""
@@ -225,10 +240,18 @@ class DataDir:
         directory entry are fsynced by the next everysec tick and the compaction's
         ``finish``, not on the reactor."""
         self.segment = self.path / fmt.seq_name(fmt.LOG_PREFIX, first, fmt.LOG_SUFFIX)
-        self._fd = os.open(self.segment, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
-                           0o644)
+        fd = os.open(self.segment, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
+                     0o644)
         head = fmt.header(fmt.LOG_MAGIC, self.generation)
-        os.write(self._fd, head)
+        try:
+            fmt.write_all(fd, head)
+        except OSError as exc:
+            os.close(fd)
+            self.segment.unlink(missing_ok=True)
+            self._disk_error("the new segment's header", exc)
+            raise
+        self._fd = fd
+        self._segment_bytes = len(head)
         self.log_bytes += len(head)
         self._next = first
         if sync:
@@ -268,16 +291,50 @@ class DataDir:
             self._fsync()
 
     def _write(self) -> None:
+        """Write the buffered updates as one record, all of it or none: a write that
+        fails part-way (ENOSPC on a nearly full disk writes short first) is cut back to
+        the last whole record and the updates stay buffered, so the caller holds their
+        KVPUBs and the next flush writes the record again, whole."""
         items = self._items
         if items:
             data = fmt.record(items)
-            os.write(self._fd, data)
+            try:
+                fmt.write_all(self._fd, data)
+            except OSError as exc:
+                self._cut_back(exc)
+                raise
+            self._segment_bytes += len(data)
+            if self.disk_error:
+                log.warning("%s: log writes succeed again after %s", self.path,
+                            self.disk_error)
+                self.disk_error = ""
             self.log_bytes += len(data)
             self._written += len(data)
             self.counters["records"] += 1
             self.counters["updates"] += len(items) // 3
             self._items = []
             self._unsynced = True
+
+    def _cut_back(self, exc: OSError) -> None:
+        """A record write failed: truncate the segment to its last whole record (freeing
+        the partial one's blocks), count and say it."""
+        self._disk_error("a log record", exc)
+        try:
+            os.ftruncate(self._fd, self._segment_bytes)
+        except OSError as cut:  # recovery truncates a torn tail anyway
+            log.error("could not cut %s back to %d bytes: %s", self.segment,
+                      self._segment_bytes, cut)
+
+    def _disk_error(self, what: str, exc: OSError) -> None:
+        """Count a failed write; log the first of a run (each batch retries while the
+        disk stays full) and every 1,000th after it."""
+        self.counters["write_errors"] += 1
+        first = not self.disk_error
+        self.disk_error = f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror}"
+        if first or self.counters["write_errors"] % 1000 == 0:
+            log.error("writing %s in %s failed (%d failed writes so far): %s; the updates "
+                      "stay unacknowledged and are written again", what, self.path,
+                      self.counters["write_errors"], exc)
 
     def tick(self) -> None:
         """``everysec``: fsync what was written, at most once a second, on a background
@@ -410,6 +467,7 @@ class DataDir:
     # ------------------------------------------------------------------ compaction
     def compaction_due(self) -> bool:
         return (self.compaction is None and self.log_bytes > self.compact_min_bytes
+                and self.clock() >= self._compact_retry_at
                 and self.log_bytes > self.compact_ratio * self.snapshot_bytes)
 
     def start_compaction(self, store: Store) -> Compaction:
@@ -417,11 +475,32 @@ class DataDir:
         retired segment is written now and fsynced by the compaction, off the reactor."""
         self.flush()
         retired, self._fd = self._fd, -1
+        segment, size, log_bytes = self.segment, self._segment_bytes, self.log_bytes
         self.log_bytes = 0
-        self._open_segment(store.seq + 1, sync=self.policy == "always")
-        self.compaction = Compaction(self, store.open_snapshot(with_expiry=True),
-                                     self.generation, retired_fd=retired)
+        try:
+            self._open_segment(store.seq + 1, sync=self.policy == "always")
+        except OSError:  # no rotation: go on in the segment we had
+            self._fd, self.segment, self._segment_bytes = retired, segment, size
+            self.log_bytes = log_bytes
+            raise
+        cursor = store.open_snapshot(with_expiry=True)
+        try:
+            self.compaction = Compaction(self, cursor, self.generation, retired_fd=retired)
+        except OSError as exc:
+            cursor.close()
+            os.fsync(retired)  # what the compaction would have done, off the reactor
+            os.close(retired)
+            self.compaction_failed(exc)
+            raise
         return self.compaction
+
+    def compaction_failed(self, exc: BaseException) -> None:
+        """A compaction could not write its snapshot (the server aborted it): no new one
+        for ``COMPACT_RETRY_S``; the log goes on as before."""
+        self.counters["compactions_failed"] += 1
+        self._compact_retry_at = self.clock() + COMPACT_RETRY_S
+        log.error("compaction in %s failed: %s; next try in %.0f s", self.path, exc,
+                  COMPACT_RETRY_S)
 
     def compacted(self, job: Compaction) -> list[Path]:
         """``job.finish()`` has run (and deleted the files the snapshot covers): count
@@ -503,6 +582,7 @@ class DataDir:
                 "fsync_buckets": {"le": list(FSYNC_BUCKETS_S),
                                   "counts": list(self.fsync_counts)},
                 "torn_bytes_recovered": self.torn_bytes,
+                "disk_error": self.disk_error,
                 "log_bytes": self.log_bytes, "snapshot_bytes": self.snapshot_bytes,
                 "compacting": None if job is None else {"seq": job.seq, "keys": job.keys},
                 "last_compaction_s": round(self.last_compaction_s, 3)}
