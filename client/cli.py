@@ -4,10 +4,10 @@
 
     chp [--control EP | --config FILE | --servers tcp://H:P[,tcp://H:P2] ...] COMMAND
 
-    chp get KEY [--hex | --raw]          the value (text + newline, hex, or exact bytes)
+    chp [-v] get KEY [--hex | --raw]     the value (text + newline, hex, or exact bytes)
     chp set KEY VALUE [--ttl S]          VALUE as text; --hex VALUE, or --file PATH (- stdin)
         [--wait/--no-wait]               wait (default) until the owning shard published it
-    chp del KEY                          delete (exit 1 if the key is not there)
+    chp del KEY                          delete (exit 6 if the key is not there)
     chp dump [SUBTREE] [--json] [--hex]  every key under SUBTREE, sorted
     chp watch [SUBTREE] [--json]         the items, a "synced" line, then live changes
     chp trace SHARD                      every command on the shard's publisher (P+1)
@@ -20,15 +20,23 @@ comma-separated Binary Star pair; N given = N hashed shards). None given:
 A command follows only the shards it needs: ``get /users/42/name`` asks for the subtree
 "/users/42/" (one shard); ``dump`` and ``watch`` of "" ask every shard.
 
-Exit codes (decided here, in ``_exit_code``): 0 ok; 1 key not found (get, del); 2 usage
-or a bad config; 3 other failure; 4 timeout (no cluster reachable, no echo); 5 a watch
-that fell behind (slow consumer); 130 interrupted (Ctrl-C). Errors: one line on stderr.
+Exit codes (``shards.common.errors.Exit``, mapped here in ``_exit_code``): 0 ok; 1 other
+failure (a server refused this client's CURVE handshake: the line says why); 2 usage or
+a bad config; 4 timeout (no cluster reachable, no echo); 5 a watch that fell behind (slow
+consumer); 6 key not found (get, del); 130 interrupted (Ctrl-C). Errors: one line on
+stderr.
+
+Quiet by default: a one-shot command (get, set, del, dump) prints nothing on stderr
+unless it fails (a failover it rode through is not a failure); ``watch`` and ``trace``
+also print warnings (a failover, a reset) as ``chp: ...`` lines; ``-v``/``--verbose``
+prints the client's whole log (failovers, resumes, reconnections) for any command.
 """
 from __future__ import annotations
 
 import asyncio
 import binascii
 import json
+import logging
 import os
 import signal
 import sys
@@ -39,7 +47,8 @@ import uvloop
 import zmq
 
 from shards.common.endpoints import DEFAULT_CONTROL
-from shards.common.errors import ClonemapError, ConfigError, Exit, SlowConsumer
+from shards.common.endpoints import NOT_LISTENING, ensure_listening
+from shards.common.errors import ClonemapError, ConfigError, Exit, HandshakeRefused, SlowConsumer
 from shards.common.proto import chp
 from shards.common.zio import AsyncSocket
 from client.api import AsyncClone
@@ -93,6 +102,28 @@ def json_value(value: bytes):
         return value.decode("utf-8")
     except UnicodeDecodeError:
         return {"hex": value.hex()}
+
+
+def error_line(exc: BaseException, target: "Target") -> str:
+    """The one line ``chp: error: ...`` says for ``exc`` (the command line's words, not
+    the library's: ``--keys``, not ``keys=``)."""
+    if isinstance(exc, HandshakeRefused):
+        return f"{exc.endpoint}: " + CLI_HANDSHAKE_WORDS[exc.cause]
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, TimeoutError) and not isinstance(exc, NotFound):
+        message += hint_for(exc, target)
+    return message
+
+
+CLI_HANDSHAKE_WORDS = {
+    "curve_required": "the cluster requires CURVE: pass --keys DIR or --config CONFIG",
+    "key_refused": "the server refused this client's key: --keys must name the cluster's "
+                   "keys directory (what `supervisor keygen` wrote)",
+    "wrong_server_key": "the CURVE handshake failed: the keys given are not this "
+                        "cluster's (its server.key differs)",
+    "curve_off": "the cluster does not use CURVE: drop --keys (and $CLONEMAP_KEYS)",
+}
+"""``errors.HANDSHAKE_CAUSES`` in the command line's words."""
 
 
 def _exit_code(exc: BaseException) -> int:
@@ -171,6 +202,7 @@ class Target:
         return [[s for s in entry.split(",") if s.strip()] for entry in self.servers]
 
     def clone(self, subtree: str = "", only_key: str | None = None) -> AsyncClone:
+        self.check_listening()
         kw = dict(subtree=subtree, timeout_s=self.timeout_s, keys=self.keys,
                   only_key=only_key)
         if self.config:
@@ -179,7 +211,14 @@ class Target:
             return AsyncClone(shards=self._pairs(), **kw)
         return AsyncClone(control=self.control, control_timeout_s=self.timeout_s / 2, **kw)
 
+    def check_listening(self) -> None:
+        """With ``--control``: a down cluster fails now (exit 4), not after two MDP tries;
+        called once a command's own checks passed, just before it connects."""
+        if self.control and not self.config and not self.servers:
+            ensure_listening(self.control)
+
     async def cluster(self, ctx: zmq.Context) -> Cluster:
+        self.check_listening()
         if self.config:
             return Cluster.from_config(self.config)
         if self.servers:
@@ -198,10 +237,7 @@ def run(target: Target, coro_fn, *args) -> None:
     except click.UsageError:
         raise
     except (ClonemapError, ValueError, TypeError, OSError, zmq.ZMQError) as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if isinstance(exc, TimeoutError) and not isinstance(exc, NotFound):
-            message += hint_for(exc, target)
-        click.echo(f"chp: error: {message}", err=True)
+        click.echo(f"chp: error: {error_line(exc, target)}", err=True)
         raise SystemExit(_exit_code(exc)) from None
     raise SystemExit(code or EXIT_OK)
 
@@ -221,7 +257,7 @@ def hint_for(exc: TimeoutError, target: Target) -> str:
             return (" (a server refused to serve: the pair has no ACTIVE server now; see "
                     "`supervisor status`)")
         return f" (no snapshot from the servers: is the cluster up? tried {target.describe()})"
-    if what.startswith("mdp service"):
+    if what.startswith("mdp service") or what == NOT_LISTENING:
         return f" (no cluster map: is the supervisor up? tried {target.describe()})"
     return f" (is the cluster up? tried {target.describe()})"
 
@@ -280,6 +316,8 @@ async def do_get(target: Target, key: str, mode: str) -> int:
 async def do_set(target: Target, key: str, value: bytes | None, ttl: float | None,
                  wait: bool) -> int:
     check_write(key, value or b"", ttl)  # what a server would drop: refused before connecting
+    if value == b"":
+        raise BadUsage("an empty value means delete in 12/CHP: use `chp del KEY`")
     async with target.clone(subtree_of(key), only_key=key) as clone:
         if value is None:
             if key not in clone:
@@ -389,6 +427,22 @@ async def do_trace(target: Target, shard: str, count: int | None) -> int:
 
 # ------------------------------------------------------------------ the command line
 
+LONG_RUNNING = frozenset({"watch", "trace"})
+"""Commands that run until stopped: their warnings (a failover, a reset) are shown."""
+
+
+def quiet_logging(verbose: bool, long_running: bool) -> None:
+    """stderr gets ``chp: <message>`` lines: every INFO and above with ``--verbose``,
+    warnings and errors for a long-running command, nothing for a one-shot command (its
+    failure is the one ``chp: error:`` line)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("chp: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if verbose else
+                  logging.WARNING if long_running else logging.CRITICAL + 1)
+
+
 def _value_of(value: str | None, hex_value: bool, path: str | None) -> bytes:
     if path is not None:
         if value is not None:
@@ -424,9 +478,12 @@ def _value_of(value: str | None, hex_value: bool, path: str | None) -> bytes:
 @click.option("--keys", metavar="DIR", default=None,
               help="CURVE: the cluster's keys directory (client.key, client.key_secret, "
                    "server.key) [default: $CLONEMAP_KEYS, or the config's].")
+@click.option("--verbose", "-v", is_flag=True,
+              help="Print the client's log on stderr (failovers, resumes, reconnections).")
 @click.pass_context
-def main(ctx: click.Context, control, config, servers, timeout_s, keys) -> None:
+def main(ctx: click.Context, control, config, servers, timeout_s, keys, verbose) -> None:
     """Read, write, dump, watch and trace a clonemap cluster."""
+    quiet_logging(verbose, ctx.invoked_subcommand in LONG_RUNNING)
     try:
         ctx.obj = Target(control, config, servers, timeout_s, keys)
     except BadUsage as exc:
@@ -440,7 +497,7 @@ def main(ctx: click.Context, control, config, servers, timeout_s, keys) -> None:
 @click.option("--raw", "mode", flag_value="raw", help="Print exactly the value's bytes.")
 @click.pass_obj
 def get_command(target: Target, key: str, mode: str | None) -> None:
-    """Print KEY's value (exit 1 if it is not there)."""
+    """Print KEY's value (exit 6 if it is not there)."""
     run(target, do_get, key, mode or "text")
 
 
@@ -466,7 +523,7 @@ def set_command(target: Target, key: str, value, ttl, hex_value, path, wait) -> 
               help="Wait until the owning shard has published the delete back.")
 @click.pass_obj
 def del_command(target: Target, key: str, wait: bool) -> None:
-    """Delete KEY (exit 1 if it is not there)."""
+    """Delete KEY (exit 6 if it is not there)."""
     run(target, do_set, key, None, None, wait)
 
 

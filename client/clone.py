@@ -59,7 +59,7 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
-from shards.common.errors import ClonemapError, ConfigError, Timeout
+from shards.common.errors import ClonemapError, ConfigError, HandshakeRefused, Timeout
 from shards.common.security import Security, client_keys
 from shards.common.proto import chp
 from shards.common import timing
@@ -345,11 +345,14 @@ class AsyncClone:
             await ready
         except TimeoutError:
             await _cancelled(ready)
+            for a in self._agents:  # a refused handshake is the cause, not the wait
+                if a.link is not None and a.link.handshake_failure:
+                    raise HandshakeRefused(a.server.publisher,
+                                           a.link.handshake_failure) from None
             states = "; ".join(
                 f"shard {a.name} at {a.server}: {a.phase}"
                 f"{', synced' if a.synced else ''}"
                 f"{', collector listening' if a.collector_ready else ', collector silent'}"
-                f"{'; ' + a.link.handshake_failure if a.link and a.link.handshake_failure else ''}"
                 for a in self._agents)
             raise Timeout(f"clone not ready within {timeout_s} s ({states})",
                           what="snapshot", deadline_s=timeout_s) from None
@@ -408,7 +411,8 @@ class AsyncClone:
         index, count, _ = (theirs.split("/") + ["?", "?"])[:3]
         mine = self.cluster.shard_map.shards if self.cluster is not None else "?"
         exc = ConfigError(
-            f"wrong cluster map: this client routes keys over {mine} shards "
+            f"wrong cluster map: this client routes keys over "
+            f"{mine} shard{'' if mine == 1 else 's'} "
             f"({self.cluster.source if self.cluster is not None else '?'}), but "
             f"{agent.server} is shard {index} of {count} with another routing; use the "
             "running cluster's own config, or control= to fetch its map",
@@ -417,8 +421,11 @@ class AsyncClone:
         agent.loop.call_soon(self._close_agents)  # inside the agent's SUB batch now
 
     def _fail_now(self, exc: ClonemapError) -> None:
+        """Fail every call, every watch and a start in progress with ``exc`` (each of them
+        raises it, so it is logged at INFO only: an application that logs its errors
+        would otherwise see it twice, and ``chp`` printed it twice)."""
         self.failed = exc
-        log.error("%s", exc)
+        log.info("the clone failed: %s", exc)
         for core in list(self._hub.watches):
             core.failed = exc
             core.wake()

@@ -27,6 +27,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from shards.common.proto import chp
+from shards.common.errors import HANDSHAKE_CAUSES
+from shards.common.handshake import FAILED_EVENTS, cause_of
 from shards.common.security import Security
 from shards.common.zio import AsyncSocket
 from client import shard_machine as sm
@@ -40,17 +42,7 @@ subscription as live anyway (for servers that send no welcome HUGZ)."""
 DEALER_RCVHWM = 100_000
 
 
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-
-
-def _handshake_failure(event: int, curve: bool) -> str:
-    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return "authentication failed: the server does not admit this client's key"
-    if curve:
-        return ("the server refused the CURVE handshake (is CURVE on at the server? are "
-                "these the cluster's keys?)")
-    return "no answer to a plain handshake: is CURVE on at the server? (give keys=)"
+_HANDSHAKE_FAILED = FAILED_EVENTS
 
 
 class Link:
@@ -63,8 +55,8 @@ class Link:
         self.ctx, self.name, self.subtree, self.loop = ctx, name, subtree, loop
         self.security = security or Security.off()
         self.handshake_failure = ""
-        """Why the last handshake with this server failed ("" if none did): with CURVE,
-        a key it does not admit, or one side without CURVE."""
+        """Why the last handshake with this server failed ("" if none did): a key of
+        ``errors.HANDSHAKE_CAUSES`` (CURVE required, a key it does not admit, ...)."""
         self.affinity, self.sub_rcvhwm = affinity, sub_rcvhwm
         self.on_update, self.on_snapshot, self.on_live = on_update, on_snapshot, on_live
         self.initial = initial
@@ -161,16 +153,18 @@ class Link:
 
     def _on_monitor(self, frames: list[bytes]) -> None:
         try:
-            event = parse_monitor_message(frames)["event"]
+            parsed = parse_monitor_message(frames)
+            event, value = int(parsed["event"]), int(parsed["value"])
         except Exception:
             return
         if self.monitor is None:
             return
         if event & _HANDSHAKE_FAILED:
-            why = _handshake_failure(event, self.security.curve)
+            why = cause_of(event, value, self.security.curve) or "wrong_server_key"
             if why != self.handshake_failure:
                 log.warning("shard %s: handshake with %s failed: %s", self.name,
-                            self.address.publisher if self.address else "?", why)
+                            self.address.publisher if self.address else "?",
+                            HANDSHAKE_CAUSES[why])
             self.handshake_failure = why
             return
         if event == zmq.EVENT_DISCONNECTED:

@@ -49,7 +49,7 @@ from shards.common import timing
 from shards.common.errors import ConfigError, Exit
 from shards.common.security import Security
 from shards.common.timing import HEARTBEAT_S
-from shards.history import MAX_UPDATES as HISTORY_UPDATES
+from shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES
 
 log = logging.getLogger("shards.relay")
 
@@ -362,6 +362,9 @@ def _upstream_arg(ctx, param, value: str) -> list[tuple[str, int]]:
                    "[default: 3 x heartbeat].")
 @click.option("--history-updates", type=click.IntRange(0), default=HISTORY_UPDATES,
               show_default=True, help="Recent updates kept for our clients' resumes.")
+@click.option("--history-bytes", type=click.IntRange(0), default=HISTORY_BYTES,
+              show_default=True,
+              help="... and at most this many bytes of them (0: no history).")
 @click.option("--cpus", callback=_parse_cpus, default=None)
 @click.option("--control", default=None, help="Register stats at this MDP broker.")
 @click.option("--parent-pid", type=int, default=None)
@@ -370,8 +373,8 @@ def _upstream_arg(ctx, param, value: str) -> list[tuple[str, int]]:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def main(port, host, upstream, shard, name, shard_map, shard_index, heartbeat_s,
-         silence_timeout_s, history_updates, cpus, control, parent_pid, keys_dir,
-         log_level) -> None:
+         silence_timeout_s, history_updates, history_bytes, cpus, control, parent_pid,
+         keys_dir, log_level) -> None:
     """Run a relay: a CHP server whose map follows one shard (see shards.relay)."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
@@ -383,7 +386,8 @@ def main(port, host, upstream, shard, name, shard_map, shard_index, heartbeat_s,
 
         psutil.Process().cpu_affinity(cpus)
     config = ServerConfig(port=port, host=host, heartbeat_s=heartbeat_s,
-                          history_updates=history_updates, shard_map=shard_map,
+                          history_updates=history_updates, history_bytes=history_bytes,
+                          shard_map=shard_map,
                           shard_index=shard_index or 0)
     relay = RelayServer(config, upstream=upstream, shard=shard, name=name,
                         silence_timeout_s=silence_timeout_s or timing.silence_timeout_s(

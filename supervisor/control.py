@@ -10,7 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from shards.common.errors import ClonemapError, ConfigError, Exit, Timeout
+from shards.common.errors import ClonemapError, ConfigError, Exit, HandshakeRefused, Timeout
+from shards.common.endpoints import ensure_listening
 from shards.common.mdp.client import SyncMdpClient
 from shards.common.config import DEFAULT_CONTROL, load_config, parse_endpoint
 from shards.common.security import Security, client_keys
@@ -67,28 +68,6 @@ class ReplyError(ClonemapError):
         self.status = status
         self.text = text
         self.exit_code = {"404": EXIT_NOT_FOUND, "400": EXIT_USAGE}.get(status, Exit.FAILED)
-
-
-LISTEN_CHECK_S = 0.5
-
-
-def ensure_listening(endpoint: str) -> None:
-    """Fail at once, ``Timeout`` (exit 4), when nothing listens on the control port: a
-    refused TCP connection needs no MDP deadline. Anything else (a listener, a slow
-    host) is left to the MDP request and its own deadline."""
-    import socket
-
-    from shards.common.config import endpoint_parts
-
-    host, port = endpoint_parts(str(endpoint))
-    try:
-        with socket.create_connection((host, port), timeout=LISTEN_CHECK_S):
-            return
-    except ConnectionRefusedError:
-        raise Timeout(f"no supervisor at {endpoint}: nothing listens on port {port}",
-                      what="supervisor") from None
-    except OSError:
-        return
 
 
 def call(endpoint: str, service: str, *body: bytes, timeout_s: float = CONTROL_TIMEOUT_S,
@@ -156,12 +135,29 @@ def run_command(fn: Callable[[], int | None]) -> None:
         for line in str(exc).splitlines():
             click.echo(f"error: {line}", err=True)
         raise SystemExit(exc.exit_code) from None
+    except HandshakeRefused as exc:
+        words = CONTROL_HANDSHAKE_WORDS[exc.cause].replace(
+            "COMMAND", click.get_current_context().info_name or "COMMAND")
+        click.echo(f"error: {exc.endpoint}: {words}", err=True)
+        raise SystemExit(exc.exit_code) from None
     except ClonemapError as exc:
         hint = (" (is the supervisor running? start it with: supervisor start CONFIG)"
                 if isinstance(exc, TimeoutError) else "")
         click.echo(f"error: {exc}{hint}", err=True)
         raise SystemExit(exc.exit_code) from None
     raise SystemExit(code or 0)
+
+
+CONTROL_HANDSHAKE_WORDS = {
+    "curve_required": "the cluster requires CURVE: give its CONFIG (supervisor COMMAND "
+                      "CONFIG) or set $CLONEMAP_KEYS to its keys directory",
+    "key_refused": "the supervisor refused this client's key: $CLONEMAP_KEYS must name "
+                   "the cluster's keys directory (what `supervisor keygen` wrote)",
+    "wrong_server_key": "the CURVE handshake failed: the keys given are not this "
+                        "cluster's (its server.key differs)",
+    "curve_off": "the cluster does not use CURVE: unset $CLONEMAP_KEYS",
+}
+"""``errors.HANDSHAKE_CAUSES`` in the control commands' words."""
 
 
 @dataclass(frozen=True)

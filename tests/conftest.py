@@ -138,8 +138,8 @@ class Procs:
         self.started: list[Proc] = []
 
     def spawn(self, args: list[str], ready: str | None = None, timeout_s: float = 15.0,
-              env: dict | None = None) -> Proc:
-        proc = Proc(args, env=env)
+              env: dict | None = None, cwd: Path = ROOT) -> Proc:
+        proc = Proc(args, env=env, cwd=cwd)
         self.started.append(proc)
         if ready is not None:
             proc.wait_line(ready, timeout_s)

@@ -15,3 +15,35 @@ def reachable(host: str, fallback: str = LOOPBACK) -> str:
     """The host to connect to for a server bound to ``host``: ``fallback`` (the host the
     address came from; loopback by default) when ``host`` is a wildcard."""
     return fallback if host in WILDCARDS else host
+
+
+LISTEN_CHECK_S = 0.5
+"""How long a look for a listener on a control port may take (``ensure_listening``)."""
+NOT_LISTENING = "not listening"
+"""The ``Timeout.what`` of a control port where nothing listens (a down cluster)."""
+
+
+def _refused(endpoint: str, port: int):
+    from shards.common.errors import Timeout
+
+    return Timeout(f"no supervisor at {endpoint}: nothing listens on port {port}",
+                   what=NOT_LISTENING)
+
+
+def ensure_listening(endpoint: str) -> None:
+    """Fail at once, ``Timeout`` with ``what=NOT_LISTENING`` (exit 4), when nothing
+    listens on a control port: a refused TCP connection needs no MDP deadline (two 2.5 s
+    tries). Anything else (a listener, a slow host) is left to the MDP request and its
+    own deadline."""
+    import socket
+
+    from shards.common.config import endpoint_parts
+
+    host, port = endpoint_parts(str(endpoint))
+    try:
+        with socket.create_connection((host, port), timeout=LISTEN_CHECK_S):
+            return
+    except ConnectionRefusedError:
+        raise _refused(endpoint, port) from None
+    except OSError:
+        return

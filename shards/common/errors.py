@@ -92,3 +92,28 @@ class SlowConsumer(ClonemapError):
         self.dropped = dropped
         self.shard = shard
 
+
+
+class HandshakeRefused(ClonemapError, PermissionError):
+    """A peer refused this process's ZeroMQ security handshake: waiting longer would not
+    help. ``cause`` is one of ``HANDSHAKE_CAUSES``; ``endpoint`` the peer. The text says
+    what a Python caller passes; the command lines say their own options (``chp``:
+    ``--keys``/``--config``; ``supervisor``: a CONFIG or ``$CLONEMAP_KEYS``)."""
+
+    def __init__(self, endpoint: str, cause: str):
+        super().__init__(f"{endpoint}: {HANDSHAKE_CAUSES[cause]}")
+        self.endpoint = endpoint
+        self.cause = cause
+
+
+HANDSHAKE_CAUSES = {
+    "curve_required": "the cluster requires CURVE and this client has no keys (pass "
+                      "keys=DIR or config=CONFIG)",
+    "key_refused": "the server refused this client's key (it is not one of the "
+                   "cluster's: use the keys `supervisor keygen` wrote for it)",
+    "wrong_server_key": "the CURVE handshake failed: these keys are not this cluster's "
+                        "(its server.key differs)",
+    "curve_off": "the server does not use CURVE but this client offered it (drop the keys)",
+}
+"""Why a handshake failed, in words (``HandshakeRefused``); decided by
+``shards.common.handshake.cause_of``."""

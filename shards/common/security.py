@@ -39,6 +39,20 @@ def key_paths(keys_dir: Path, role: str) -> tuple[Path, Path]:
     return keys_dir / f"{role}.key", keys_dir / f"{role}.key_secret"
 
 
+def check_keys_present(keys_dir: str | os.PathLike, config: str) -> None:
+    """``ConfigError`` (exit 2), one line naming the keygen command for ``config``, when
+    any of the four key files a CURVE cluster needs is missing from ``keys_dir``."""
+    path = Path(keys_dir)
+    missing = [p.name for role in ROLES for p in key_paths(path, role) if not p.exists()]
+    if missing:
+        import shlex
+
+        raise ConfigError(f"{config}: security.keys_dir: the cluster's CURVE keys are "
+                          f"missing ({', '.join(missing)} in {path}): create them with: "
+                          f"supervisor keygen {shlex.quote(config)}",
+                          field="security.keys_dir")
+
+
 def create_keys(keys_dir: str | os.PathLike, *, force: bool = False) -> list[Path]:
     """Create the server and client key pairs in ``keys_dir``; refuse to overwrite an
     existing key unless ``force``. Returns the files written."""

@@ -5,10 +5,13 @@ stop everything on Ctrl-C / SIGTERM / ``supervisor stop``.
     supervisor start CONFIG [--detach] [--run-dir DIR] [--demo-load] [--table/--no-table]
 
 Foreground: a live status table when stdout is a terminal (``--no-table``: one line per
-event instead). Once every server is up it prints
-``READY supervisor cluster=C control=EP pid=N servers=8 running=8`` (a detached start
-prints it too, then returns). The run directory (default ``./run/<cluster>``) holds
-``supervisor.pid``, ``supervisor.log`` and ``logs/<shard>-<role>.log``.
+event instead). Once every shard has an ACTIVE server it prints
+``READY supervisor cluster=C control=EP pid=N servers=8 running=8 active_shards=4/4 ...``
+(a detached start prints it too, then returns); above the live table it prints a short
+``READY C: 8/8 servers running, 4/4 shards active; run dir D`` instead (the long line goes
+to the log). The run directory (default ``./run/<cluster>``; ``./run/<cluster>-demo`` with
+``--demo-load``) holds ``supervisor.pid``, ``supervisor.log`` and
+``logs/<shard>-<role>.log``.
 
 Exit codes: 0 after a clean stop, 2 a config that does not fit (or a port taken at the
 check), 3 the control or metrics port in use, or this cluster already running (one
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -30,7 +34,7 @@ import click
 
 from shards.common.errors import ConfigError, PortInUse
 from shards.common.config import load_config
-from shards.common.security import Security
+from shards.common.security import Security, check_keys_present
 from shards.common.hostfacts import local_host_facts
 from shards.common.memory import return_large_frees
 from shards.common.placement import Plan, check_ports_free, plan
@@ -41,7 +45,15 @@ from supervisor.policy import (BACKOFF_CAP_S, BACKOFF_INITIAL_S, CRASH_LIMIT, CR
 log = logging.getLogger("supervisor")
 
 DETACH_READY_TIMEOUT_S = 60.0
+DEMO_SUFFIX = "-demo"
+"""``--demo-load`` without ``--run-dir`` runs in ``run/<cluster>-demo``: the demo's keys
+(``/demo-N/k``) and their data stay out of the cluster a user starts later."""
 ACTIVE_POLL_S = 0.1
+EVENTS_KEPT = 50
+"""Recent events the live view keeps; it shows as many as fit the terminal."""
+LIVE_FIXED_LINES = 3
+"""Lines of the live view besides the table and the events: the READY line above it, the
+hint below it, and one spare line (a view as tall as the terminal scrolls it)."""
 """How often READY's wait for an ACTIVE server per shard asks the servers again."""
 _LOG_FORMAT = "%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s"
 
@@ -52,13 +64,28 @@ def _fail(exc: Exception, code: int) -> None:
     raise SystemExit(code)
 
 
+def _short_path(path: Path) -> str:
+    """``path`` relative to the working directory when it is below it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def _connect_endpoint(control: str) -> str:
     return control.replace("tcp://*:", "tcp://127.0.0.1:")
 
 
 # ===================================================================== detach
 
-def _detach(argv: list[str], run_dir: Path, control: str) -> int:
+def control_hint(config: str) -> str:
+    """How to name this cluster in a control command, as the user named its config: a
+    CONFIG finds the control endpoint and, for a CURVE cluster, its keys (``--control``
+    alone would not)."""
+    return shlex.quote(config)
+
+
+def _detach(argv: list[str], run_dir: Path, config: str) -> int:
     """Re-run this command in a new session with stdout on a pipe until READY, stderr
     (then stdout too) on RUN_DIR/supervisor.log. Returns an exit code."""
     log_path = run_dir / "supervisor.log"
@@ -73,8 +100,7 @@ def _detach(argv: list[str], run_dir: Path, control: str) -> int:
         if line.startswith("READY "):
             click.echo(line)
             click.echo(f"supervisor running in the background: pid {child.pid}; logs in "
-                       f"{run_dir}; stop it with: supervisor stop --control "
-                       f"{_connect_endpoint(control)}")
+                       f"{run_dir}; stop it with: supervisor stop {control_hint(config)}")
             child.stdout.close()
             return 0
         if time.monotonic() > deadline:
@@ -101,8 +127,9 @@ def _detach(argv: list[str], run_dir: Path, control: str) -> int:
 class Supervisor:
     def __init__(self, the_plan: Plan, run_dir: Path, *, table: bool, demo_load: bool,
                  detached: bool, ready_timeout_s: float, policy: PolicyConfig,
-                 log_max_bytes: int):
+                 log_max_bytes: int, config_path: str = "CONFIG"):
         self.plan = the_plan
+        self.config_path = config_path
         self.log_max_bytes = log_max_bytes
         self.policy = policy
         self.run_dir = run_dir
@@ -110,7 +137,7 @@ class Supervisor:
         self.demo_load = demo_load
         self.detached = detached
         self.ready_timeout_s = ready_timeout_s
-        self.events: deque[str] = deque(maxlen=6)
+        self.events: deque[str] = deque(maxlen=EVENTS_KEPT)
         self.stop = asyncio.Event()
 
     def on_event(self, text: str) -> None:
@@ -193,11 +220,18 @@ class Supervisor:
             if without:
                 log.warning("no ACTIVE server after %g s in: %s", self.ready_timeout_s,
                             ", ".join(without))
-            print(f"READY supervisor cluster={the_plan.cluster} control={the_plan.control} "
-                  f"pid={os.getpid()} servers={len(runner.servers)} running={running} "
-                  f"active_shards={len(the_plan.shards) - len(without)}/"
-                  f"{len(the_plan.shards)} run_dir={self.run_dir}"
-                  + (f" metrics={metrics.url}" if metrics is not None else ""), flush=True)
+            active = len(the_plan.shards) - len(without)
+            ready = (f"READY supervisor cluster={the_plan.cluster} control={the_plan.control} "
+                     f"pid={os.getpid()} servers={len(runner.servers)} running={running} "
+                     f"active_shards={active}/{len(the_plan.shards)} run_dir={self.run_dir}"
+                     + (f" metrics={metrics.url}" if metrics is not None else ""))
+            if self.table:  # the full line to the log; one that fits 80 columns on screen
+                log.info("%s", ready)
+                print(f"READY {the_plan.cluster}: {running}/{len(runner.servers)} servers "
+                      f"running, {active}/{len(the_plan.shards)} shards active; run dir "
+                      f"{_short_path(self.run_dir)}", flush=True)
+            else:
+                print(ready, flush=True)
             if self.detached:  # from now on stdout goes to the log as well
                 os.dup2(2, 1)
             if self.demo_load:
@@ -205,6 +239,8 @@ class Supervisor:
 
                 tasks.append(loop.create_task(DemoLoad(the_plan, ctx,
                                                        security=security).run()))
+                self.on_event(f"demo load: writing /demo-N/k keys; its data stays in "
+                              f"{_short_path(self.run_dir)}")
             if self.table:
                 tasks.append(loop.create_task(self._live(runner)))
             await self.stop.wait()
@@ -263,11 +299,16 @@ class Supervisor:
             rows = runner.describe()
             title = (f"cluster {self.plan.cluster}  control {self.plan.control}  "
                      f"supervisor pid {os.getpid()}  {summary_line(rows)}")
-            return Group(status_table(rows, title=title),
-                         Text("\n".join(self.events), style="dim"),
-                         Text(f"Ctrl-C stops everything; drills: supervisor kill s0/primary "
-                              f"--control {_connect_endpoint(self.plan.control)}",
-                              style="italic"))
+            table = status_table(rows, title=title)
+            # the events that fit the terminal as it is now (it may have been resized):
+            # below the READY line, the table and the hint, with a line to spare
+            used = len(console.render_lines(table, console.options.update(height=None)))
+            room = console.size.height - used - LIVE_FIXED_LINES
+            shown = list(self.events)[-room:] if room > 0 else []
+            return Group(table,
+                         Text("\n".join(shown), style="dim"),
+                         Text(f"Ctrl-C stops all; drill: supervisor kill s0/primary "
+                              f"{control_hint(self.config_path)}", style="italic"))
 
         with Live(render(), console=console, refresh_per_second=4,
                   transient=False) as live:
@@ -317,9 +358,12 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
     try:
         cluster = load_config(config)
         the_plan = plan(cluster, local_host_facts(), source=config)
+        if the_plan.curve:  # the keys must be there before anything starts
+            check_keys_present(the_plan.keys_dir, config)
     except ConfigError as exc:
         _fail(exc, exc.exit_code)
-    run_path = Path(run_dir or Path("run") / the_plan.cluster).resolve()
+    run_path = Path(run_dir or Path("run") / (the_plan.cluster + (DEMO_SUFFIX if demo_load
+                                                                  else ""))).resolve()
     if not detached_child:
         running = running_cluster(the_plan.cluster, config, run_path)
         if running is not None:
@@ -327,7 +371,7 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
             raise SystemExit(PortInUse.exit_code)
     try:
         check_ports_free(the_plan, source=config)
-        if the_plan.curve:  # the keys must be there before anything starts
+        if the_plan.curve:  # readable certificates, not only files
             Security.load(the_plan.keys_dir, "server")
     except ConfigError as exc:
         _fail(exc, exc.exit_code)
@@ -338,7 +382,7 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
                 "--log-level", log_level, "--backoff-initial-s", str(backoff_initial_s),
                 "--backoff-cap-s", str(backoff_cap_s), "--crash-limit", str(crash_limit),
                 "--log-max-mb", str(log_max_mb)] + (["--demo-load"] if demo_load else [])
-        raise SystemExit(_detach(argv, run_path, the_plan.control))
+        raise SystemExit(_detach(argv, run_path, config))
     if table is None:
         table = sys.stdout.isatty() and not detached_child
     handler: logging.Handler
@@ -352,7 +396,8 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
 
     supervisor = Supervisor(the_plan, run_path, table=table, demo_load=demo_load,
                             detached=detached_child, ready_timeout_s=ready_timeout_s,
-                            policy=policy, log_max_bytes=int(log_max_mb * 1024 * 1024))
+                            policy=policy, log_max_bytes=int(log_max_mb * 1024 * 1024),
+                            config_path=config)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(supervisor.run())
     raise SystemExit(code)

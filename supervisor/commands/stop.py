@@ -1,6 +1,8 @@
 """``supervisor stop [CONFIG] [--control EP | --config CONFIG]``: ask the running supervisor to stop
 every server and exit (MDP ``cluster.stop``). With ``--wait`` (the default) it returns
-once the supervisor no longer answers. Exit 4 when no supervisor answers.
+once the supervisor no longer answers. A cluster that is not running (nothing listens on its
+control port) is not an error: "not running", exit 0. Exit 4 when something listens but
+no supervisor answers.
 """
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import time
 
 import click
 
+from shards.common.endpoints import NOT_LISTENING
 from shards.common.errors import Timeout
 from supervisor.control import Selection, call, control_options, ping, run_command
 
@@ -23,7 +26,13 @@ def command(wait: bool, sel: Selection) -> None:
 
     def body() -> int:
         endpoint = sel.endpoint()
-        ping(endpoint, "cluster.stop", sel.timeout_s)
+        try:
+            ping(endpoint, "cluster.stop", sel.timeout_s)
+        except Timeout as exc:
+            if exc.what != NOT_LISTENING:
+                raise
+            click.echo(f"not running (nothing listens on {endpoint})")
+            return 0
         call(endpoint, "cluster.stop", timeout_s=sel.timeout_s, retries=0)
         if wait:
             deadline = time.monotonic() + STOP_WAIT_S

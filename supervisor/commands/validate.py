@@ -17,6 +17,7 @@ from shards.common.errors import ConfigError
 from shards.common.config import format_cores, load_config
 from shards.common.hostfacts import load_host_facts, local_host_facts
 from shards.common.placement import Plan, check_ports_free, plan
+from shards.common.security import check_keys_present
 from supervisor.running import running_cluster
 
 
@@ -30,7 +31,8 @@ def _render(the_plan: Plan, ports_note: str) -> None:
     servers = the_plan.servers
     for line in (
             f"cluster [bold]{the_plan.cluster}[/]: {_plural(len(the_plan.shards), 'shard')}, "
-            f"{_plural(len(servers), 'server')}",
+            f"{_plural(len(servers), 'server')}"
+            + (f", {_plural(len(the_plan.relays), 'relay')}" if the_plan.relays else ""),
             f"control {the_plan.control}   heartbeat {the_plan.heartbeat_s:g} s   "
             f"silence timeout {the_plan.silence_timeout_s:g} s",
             f"host: {facts.source}; cores {facts.describe_cores()}",
@@ -42,13 +44,17 @@ def _render(the_plan: Plan, ports_note: str) -> None:
     for column in columns + (["prefixes"] if with_prefixes else []):
         table.add_column(column, no_wrap=column != "prefixes")
     for shard in the_plan.shards:
-        for s in shard.servers:
+        relays = [r for r in the_plan.relays if r.shard == shard.name]
+        for s in (*shard.servers, *relays):
             row = [s.shard, s.role, format_cores(s.cores) + (" (auto)" if s.cores_auto else ""),
                    s.nic, s.address, f"{s.port}-{s.ports[-1]}"]
             if with_prefixes:
                 row.append(", ".join(shard.prefixes) if s.role == "primary" else "")
             table.add_row(*row)
     console.print(table)
+    if the_plan.metrics is not None:
+        console.print(f"metrics http://{the_plan.metrics[0]}:{the_plan.metrics[1]}/metrics",
+                      soft_wrap=True)
     for note in the_plan.notes:
         console.print(f"note: {note}", soft_wrap=True)
     console.print(f"[green]valid[/]: {ports_note}", soft_wrap=True)
@@ -69,6 +75,8 @@ def command(config: str, host_facts: str | None, as_json: bool, no_port_check: b
         facts = load_host_facts(host_facts) if host_facts else local_host_facts()
         the_plan = plan(cluster, facts, source=config)
         probed = facts.local and not no_port_check
+        if the_plan.curve and facts.local:
+            check_keys_present(the_plan.keys_dir, config)
         if probed:
             try:
                 check_ports_free(the_plan, source=config)

@@ -43,7 +43,8 @@ import zmq
 
 from shards.common.security import Security
 from shards.common.drops import DropCounter
-from shards.common.errors import ProtocolError, SlowConsumer, Timeout
+from shards.common.errors import HandshakeRefused, ProtocolError, SlowConsumer, Timeout
+from shards.common.handshake import FAILED_EVENTS, cause_of
 from shards.common.mdp import codec as mdp
 from shards.common.mdp.codec import C_FINAL, C_PARTIAL, C_REQUEST
 from shards.common.zio import AsyncSocket, recv_frames, send_frames
@@ -115,6 +116,10 @@ class MdpClient:
         self.counters = dict.fromkeys(("requests", "attempts", "sockets", "partials",
                                        "finals", "timeouts"), 0)
         self._asock: AsyncSocket | None = None
+        self._monitor: AsyncSocket | None = None
+        self._refused = ""
+        """Why the broker refused the security handshake (``errors.HANDSHAKE_CAUSES``):
+        the request fails at once with ``HandshakeRefused`` instead of timing out."""
         self._lock = asyncio.Lock()
         self._service: bytes | None = None  # the service of the request in flight
         self._inbox: deque[tuple[bytes, list[bytes]]] = deque()
@@ -188,6 +193,9 @@ class MdpClient:
             self.security.connect_side(sock)
             sock.connect(self.endpoint)
             self._asock = AsyncSocket(sock, self._on_message, name=f"mdp-client {self.endpoint}")
+            self._monitor = AsyncSocket(sock.get_monitor_socket(FAILED_EVENTS),
+                                        self._on_monitor,
+                                        name=f"mdp-client monitor {self.endpoint}")
             self.counters["sockets"] += 1
         self._service = name
         self._inbox.clear()
@@ -210,7 +218,19 @@ class MdpClient:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _on_monitor(self, frames: list[bytes]) -> None:
+        event = _monitor_event(frames)
+        cause = cause_of(*event, self.security.curve) if event else None
+        if cause is None:
+            return
+        self._refused = cause
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     async def _next(self, timeout_s: float) -> tuple[bytes, list[bytes]]:
+        if self._refused:
+            raise HandshakeRefused(self.endpoint, self._refused)
         if self._overflow:
             raise SlowConsumer(f"MDP client {self.endpoint}: {self._overflow} PARTIAL(s) "
                                "dropped, the consumer is too slow", dropped=self._overflow)
@@ -224,14 +244,30 @@ class MdpClient:
         finally:
             handle.cancel()
             self._waiter = None
-        if not self._inbox:
+        if not self._inbox and not self._refused:
             raise _Silence()
         return await self._next(timeout_s)
 
     def _reset(self) -> None:
+        self._refused = ""
         if self._asock is not None:
+            if self._monitor is not None:
+                self._asock.sock.disable_monitor()
+                self._monitor.close(linger=0)
+                self._monitor = None
             self._asock.close(linger=0)
             self._asock = None
+
+
+def _monitor_event(frames: list[bytes]) -> tuple[int, int] | None:
+    """(event, value) of a monitor message, or None if it is not one."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    try:
+        parsed = parse_monitor_message(frames)
+    except Exception:  # not a monitor message: nothing to tell
+        return None
+    return int(parsed["event"]), int(parsed["value"])
 
 
 def _expire(waiter: asyncio.Future) -> None:
@@ -318,6 +354,7 @@ class SyncMdpClient:
         self.counters = dict.fromkeys(("requests", "attempts", "sockets", "partials",
                                        "finals", "timeouts"), 0)
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
 
     def request(self, service: str | bytes, *body: bytes, timeout_s: float | None = None,
                 retries: int | None = None) -> list[bytes]:
@@ -338,6 +375,10 @@ class SyncMdpClient:
 
     def close(self) -> None:
         if self._sock is not None:
+            if self._monitor is not None:
+                self._sock.disable_monitor()
+                self._monitor.close(linger=0)
+                self._monitor = None
             self._sock.close(linger=0)
             self._sock = None
 
@@ -352,6 +393,7 @@ class SyncMdpClient:
             self._sock = self.ctx.socket(zmq.DEALER)
             self._sock.linger = 0
             self.security.connect_side(self._sock)
+            self._monitor = self._sock.get_monitor_socket(FAILED_EVENTS)
             self._sock.connect(self.endpoint)
             self.counters["sockets"] += 1
         self.counters["attempts"] += 1
@@ -362,10 +404,20 @@ class SyncMdpClient:
 
     def _next(self, service: bytes, timeout_s: float) -> tuple[bytes, list[bytes]]:
         deadline = time.monotonic() + timeout_s
-        sock = self._sock
+        sock, monitor = self._sock, self._monitor
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while True:
             remaining_ms = (deadline - time.monotonic()) * 1000
-            if remaining_ms <= 0 or not sock.poll(max(1, int(remaining_ms) + 1), zmq.POLLIN):
+            ready = dict(poller.poll(max(1, int(remaining_ms) + 1))) if remaining_ms > 0 \
+                else {}
+            if monitor in ready:
+                event = _monitor_event(monitor.recv_multipart())
+                cause = cause_of(*event, self.security.curve) if event else None
+                if cause is not None:
+                    raise HandshakeRefused(self.endpoint, cause)
+            if sock not in ready:
                 if time.monotonic() >= deadline:
                     raise _Silence()
                 continue
