@@ -14,16 +14,20 @@ cluster map's ``routing`` document, ``ShardMap.describe()``, as JSON text or ``@
 with ``--shard-index``: KVSETs for keys this shard does not own are dropped and counted
 ``not_owner``; without it the server owns every key.
 Exit codes: 0 after SIGINT/SIGTERM or when the parent is gone, 1 on a fatal Binary Star
-error (dual active/passive/primary/backup: one line on stderr, logged "FATAL"), 3 if a
-port is taken (one line on stderr naming the endpoint), 2 on bad arguments (click).
+error (dual active/passive/primary/backup: one line on stderr, logged "FATAL") or a
+standalone server's unreadable data directory, 3 if a port is taken (one line on stderr
+naming the endpoint), 2 on bad arguments (click), 7 (``Exit.DISK``) on a disk error
+(``DISK_ERROR ...`` on stdout for the supervisor, one line on stderr).
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 
@@ -131,6 +135,7 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1,
                             lambda: log.info("stats %s", json.dumps(server.stats())))
+    _arm_fault_injection(server)
     server.start()
     worker = None
     if control:
@@ -162,13 +167,16 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
     log.debug("%d start-up objects frozen out of the garbage collector's walks", frozen)
     print(f"READY shard host={cfg.host} port={cfg.port} pid={os.getpid()} role={server.role}",
           flush=True)
-    waits = [asyncio.ensure_future(stop.wait())]
+    waits = [asyncio.ensure_future(stop.wait()),
+             asyncio.ensure_future(server.disk_failed.wait())]
     if isinstance(server, PairServer):
         waits.append(asyncio.ensure_future(server.done.wait()))
     code = 0
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        if isinstance(server, PairServer) and server.fatal:
+        if server.disk_error:
+            code = _disk_exit(shard, server.role, cfg.port, server.disk_error)
+        elif isinstance(server, PairServer) and server.fatal:
             click.echo(f"shards: fatal Binary Star error on shard {shard} ({server.role}, port "
                        f"{cfg.port}): {server.fatal}", err=True)
             code = FATAL_EXIT
@@ -185,41 +193,108 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
     return code
 
 
-def _recover(server: ShardServer, data_dir: str, fsync: str, compact_min_bytes: int,
-             compact_ratio: float) -> None:
-    """Load the persisted map before binding (the same map, sequence, TTL instants,
-    generation and, for a pair server, Binary Star term), then log every update."""
-    from shards import persist
+def _disk_exit(shard: str, role: str, port: int, why: str) -> int:
+    """Say why on stdout (``DISK_ERROR ...``, for the supervisor) and stderr; the code."""
+    print(f"DISK_ERROR shard={shard} role={role} port={port} {why}", flush=True)
+    click.echo(f"shards: disk error on shard {shard} ({role}, port {port}): {why}; "
+               "stopped so that its peer serves (restart it once the disk works)", err=True)
+    return Exit.DISK
 
+
+def _arm_fault_injection(server: ShardServer) -> None:
+    """Tests only: ``$CLONEMAP_INJECT_DISK_FAULT`` (``write:EIO`` or ``fsync:EIO``) makes
+    SIGUSR2 arm that fault for the log's next write or fsync (``DataDir.inject_fault``):
+    EIO and a failed fsync cannot be made on a real filesystem here."""
+    spec = os.environ.get("CLONEMAP_INJECT_DISK_FAULT")
+    if not spec or server.persist is None:
+        return
+    kind, _, name = spec.partition(":")
+    code = getattr(errno, name or "EIO")
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGUSR2, lambda: server.persist is not None
+        and server.persist.inject_fault(kind, code))
+    log.warning("fault injection armed: SIGUSR2 fails the log's next %s with %s", kind,
+                name or "EIO")
+
+
+def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str,
+             compact_min_bytes: int, compact_ratio: float, min_free_bytes: int) -> None:
+    """Load the persisted map before binding (the same map, sequence, TTL instants,
+    generation and, for a pair server, Binary Star term), then log every update.
+
+    A disk error (reading, truncating a torn tail, opening the new segment) exits with
+    ``Exit.DISK`` like one while serving. A directory that cannot be read
+    (``CorruptLog``): a standalone server exits 1 naming the file and offset (nothing
+    else holds its map); a Binary Star server moves the files aside and starts empty,
+    serving only after it has copied its peer's map (``persist.quarantine``), so one
+    bad disk never keeps a shard down while its peer holds the map."""
+    from shards import persist
+    from shards.persist import recovery
+
+    where = (shard, server.role, server.config.port)
     try:
-        got = persist.recover(data_dir)
+        try:
+            got = persist.recover(data_dir)
+        except persist.CorruptLog as exc:
+            if not isinstance(server, PairServer):
+                click.echo(f"shards: cannot recover the map from {data_dir}: {exc}",
+                           err=True)
+                sys.exit(Exit.FAILED)
+            moved = recovery.quarantine(data_dir, str(exc))
+            log.critical("recovery: %s cannot be read (%s); its files were moved to %s; "
+                         "this server starts empty and serves only once it has copied "
+                         "its peer's map", data_dir, exc, moved)
+            print(f"UNREADABLE shard={shard} role={server.role} moved_to={moved} {exc}",
+                  flush=True)
+            got = persist.recover(data_dir)
         writer = persist.DataDir(data_dir, fsync, compact_min_bytes=compact_min_bytes,
                                  compact_ratio=compact_ratio)
-    except (persist.CorruptLog, OSError) as exc:
-        click.echo(f"shards: cannot recover the map from {data_dir}: {exc}", err=True)
-        sys.exit(Exit.FAILED)
+        free = shutil.disk_usage(data_dir).free
+        if free < min_free_bytes:  # it would stop again at its first writes
+            raise OSError(errno.ENOSPC, f"{free} bytes free, fewer than the "
+                                        f"{min_free_bytes} a server starts with")
+    except OSError as exc:
+        sys.exit(_disk_exit(*where, _errno_text(exc, f"recovering {data_dir}")))
     server.store = got.store
     if got.generation:
         server.generation = got.generation
     if got.torn_bytes:
-        log.warning("recovery: a torn last record (%d bytes) was truncated in %s",
-                    got.torn_bytes, data_dir)
+        _report_torn(got, data_dir)
     if got.incomplete:
         log.warning("recovery: %s held an incomplete replica (killed while it was "
                     "rewritten from the peer); its files are in %s; starting empty",
                     data_dir, got.incomplete)
     if isinstance(server, PairServer):
-        server.recovered(got.term, got.history)
+        server.recovered(got.term, got.history, needs_peer=recovery.needs_peer(data_dir))
     log.info("recovered %d keys at sequence %d from %s (snapshot %s, %d updates from %d "
              "segments; generation %s, term %d)", len(got.store), got.store.seq, data_dir,
              got.snapshot_seq, got.records, got.segments, server.generation, got.term)
     writer.torn_bytes = got.torn_bytes
+    writer.torn_updates, writer.torn_first_seq = got.torn_updates, got.torn_first_seq
     try:
         writer.open(server.generation, got.store.seq)
     except OSError as exc:
-        click.echo(f"shards: cannot write to {data_dir}: {exc}", err=True)
-        sys.exit(Exit.FAILED)
+        sys.exit(_disk_exit(*where, _errno_text(exc, f"opening a segment in {data_dir}")))
     server.attach_persist(writer)
+
+
+def _errno_text(exc: OSError, what: str) -> str:
+    return f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or exc} ({what})"
+
+
+def _report_torn(got, data_dir: str) -> None:
+    """A torn last record, in updates: a record is published only once written whole, so
+    these were never acknowledged, unless the host itself went down (power, kernel) under
+    ``fsync: everysec`` or ``no``, which acknowledge before the disk has the record."""
+    if got.torn_updates:
+        last = got.torn_first_seq + got.torn_updates - 1
+        log.warning("recovery: a torn last record was truncated in %s: %d update(s), "
+                    "sequence %d..%d (%d bytes); never acknowledged unless this host "
+                    "crashed under fsync everysec/no", data_dir, got.torn_updates,
+                    got.torn_first_seq, last, got.torn_bytes)
+    else:
+        log.warning("recovery: a torn last record was truncated in %s (%d bytes; too little "
+                    "of it was written to say which updates)", data_dir, got.torn_bytes)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -318,6 +393,9 @@ def _recover(server: ShardServer, data_dir: str, fsync: str, compact_min_bytes: 
 @click.option("--compact-ratio", type=click.FloatRange(0.01), default=None,
               help="With --data-dir: ... and larger than this times the snapshot "
                    "(default 1.0).")
+@click.option("--min-free-bytes", type=click.IntRange(0), default=None,
+              help="With --data-dir: start only with this much free on its filesystem, "
+                   "else exit 7 (a disk error) and be restarted later (default 4 MiB).")
 @click.option("--keys-dir", type=click.Path(file_okay=False), default=None,
               help="CURVE on every socket with the cluster's keys in this directory "
                    "(server.key_secret, and the public keys of the admitted peers; see "
@@ -329,7 +407,7 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
          pub_hwm, subscriber_held_bytes, writer_held_bytes, history_updates, history_bytes,
          collect_hwm, snapshot_hwm, cpus, pair_role, peer, shard, control,
          parent_pid, shard_map, shard_index, pending_max, pending_max_bytes, pending_age_s, data_dir, fsync,
-         compact_min_bytes, compact_ratio, keys_dir, log_level):
+         compact_min_bytes, compact_ratio, min_free_bytes, keys_dir, log_level):
     """Run one 12/CHP shard server: standalone, or one server of a Binary Star pair."""
     if pair_role is not None and peer is None:
         raise click.UsageError(f"--{pair_role} needs --peer HOST:PORT (the other server)")
@@ -380,9 +458,10 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
     if data_dir is not None:
         from shards.persist import writer as persist_writer
 
-        _recover(server, data_dir, fsync, persist_writer.COMPACT_MIN_BYTES
+        _recover(server, shard, data_dir, fsync, persist_writer.COMPACT_MIN_BYTES
                  if compact_min_bytes is None else compact_min_bytes,
-                 persist_writer.COMPACT_RATIO if compact_ratio is None else compact_ratio)
+                 persist_writer.COMPACT_RATIO if compact_ratio is None else compact_ratio,
+                 persist_writer.MIN_FREE_BYTES if min_free_bytes is None else min_free_bytes)
     bind_and_serve(server, shard, control, parent_pid, "shards")
 
 

@@ -51,6 +51,13 @@ Rules (``TABLE``; rows are this server's state, columns the event)::
         carries both), the primary winning a tie: with no data, or equal data, the
         primary goes active as in the guide. Terms are not adopted in these two states,
         so the comparison cannot flip while they talk.
+    (8) ``needs_peer`` (this server's data directory could not be read and was moved
+        aside; it started empty with term 0): it never wins a vote, and at start-up it
+        goes ACTIVE only if the peer holds nothing either ((term, sequence) = (0, 0)).
+        A PASSIVE one whose peer restarted before the copy was complete goes back to
+        PRIMARY/BACKUP, so that the start-up rule (7) makes the peer, which holds the
+        data, ACTIVE. ``peer_copied`` ends it once the peer's map is installed and on
+        disk.
     TICK in any state: PublishState when the heartbeat is due.
 
 Decisions the architecture leaves open:
@@ -160,17 +167,32 @@ class Machine:
     data_seq: int = 0                 # the sequence of the map recovered at start
     peer_state: State | None = None   # last state heard from the peer, for status
     fatal: str = ""                   # the reason once a Fatal was returned
+    needs_peer: bool = False
+    """This server lost its map (an unreadable data directory, moved aside) and holds
+    nothing valid until it has copied its peer's: see ``NEEDS_PEER``."""
 
 
 def new_machine(role: Role, now: float, heartbeat_s: float = HEARTBEAT_S, shard: str = "",
                 split_brain_survivor: bool = True, term: int = 0,
-                data_seq: int = 0) -> Machine:
+                data_seq: int = 0, needs_peer: bool = False) -> Machine:
     """A server that has just started: PRIMARY or BACKUP, peer not yet heard. ``term``
-    and ``data_seq`` describe the map it recovered from disk (0 for none)."""
+    and ``data_seq`` describe the map it recovered from disk (0 for none); ``needs_peer``:
+    it recovered none it can trust (see ``NEEDS_PEER``)."""
     config = Config(Role(role), heartbeat_s, shard, split_brain_survivor)
-    state = State.PRIMARY if config.role is Role.PRIMARY else State.BACKUP
+    state = _start_state(config)
     return Machine(config, state, peer_expiry=now + PEER_EXPIRY_HEARTBEATS * heartbeat_s,
-                   next_publish_at=now, term=term, data_seq=data_seq)
+                   next_publish_at=now, term=0 if needs_peer else term,
+                   data_seq=0 if needs_peer else data_seq, needs_peer=needs_peer)
+
+
+def _start_state(config: Config) -> State:
+    return State.PRIMARY if config.role is Role.PRIMARY else State.BACKUP
+
+
+def peer_copied(machine: Machine) -> Machine:
+    """The shell has installed (and persisted) the active peer's whole map: this server
+    holds a valid copy again and the ``NEEDS_PEER`` rules end."""
+    return replace(machine, needs_peer=False)
 
 
 def later_state(m: Machine, msg: StateMessage) -> bool:
@@ -197,7 +219,8 @@ def would_accept(machine: Machine, now: float) -> bool:
     if machine.fatal:
         return False
     rule = TABLE[(machine.state, Event.CLIENT_REQUEST)]
-    return rule is Rule.ACCEPT or (rule is Rule.VOTE and now >= machine.peer_expiry)
+    return rule is Rule.ACCEPT or (rule is Rule.VOTE and now >= machine.peer_expiry
+                                   and not machine.needs_peer)
 
 
 def next_wakeup(machine: Machine) -> float:
@@ -308,6 +331,9 @@ def _client_request(m: Machine, now: float) -> tuple[Machine, list[Effect]]:
     if rule is Rule.REFUSE:
         return m, [RefuseRequest("backup: waiting for the primary")]
     # Rule.VOTE
+    if m.needs_peer:
+        return m, [RefuseRequest("this server lost its map: it serves only after copying "
+                                 "its peer's")]
     if now < m.peer_expiry:
         return m, [RefuseRequest(f"peer may be alive for {m.peer_expiry - now:.3f} s more")]
     why = "failover: peer silent, client vote" if m.state is State.PASSIVE else \
@@ -344,6 +370,12 @@ def _peer(m: Machine, msg: StateMessage, kind: Event,
                 peer_state=peer_state)
     if (m.state, kind) in _START_UP:  # (7): the later map goes active
         rule = Rule.TO_ACTIVE if later_state(m, msg) else Rule.STAY
+        if m.needs_peer and (msg.term, msg.sequence) != (0, 0):
+            rule = Rule.STAY  # (8): the peer holds data, this server holds none it trusts
+    elif m.needs_peer and rule is Rule.TO_ACTIVE:  # (8): a passive without a copy yet
+        start = _start_state(c)
+        return replace(m, state=start, next_publish_at=now + c.heartbeat_s), [
+            PublishState(start, m.term)]
     if (m.state is State.PASSIVE or rule is Rule.TO_PASSIVE) and msg.term > m.term:
         m = replace(m, term=msg.term)
     if rule is Rule.STAY:

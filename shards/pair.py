@@ -187,6 +187,11 @@ class PairServer(ShardServer):
         self._recovered_term = 0
         self._saved_term = 0
         self.dropped_updates = 0
+        self.needs_peer = False
+        """This server's map was unreadable (moved aside): it serves only after it has
+        installed and written its peer's (``bstar`` rule 8)."""
+        self._install_job = None
+        """The compaction writing the map installed from the active (``replace_store``)."""
 
     @property
     def peer_text(self) -> str:
@@ -216,7 +221,7 @@ class PairServer(ShardServer):
             wire.Role.PRIMARY if self.role == "primary" else wire.Role.BACKUP, now,
             heartbeat_s=self.config.heartbeat_s, shard=self.shard,
             split_brain_survivor=self.split_brain_survivor, term=self._recovered_term,
-            data_seq=self.store.seq)
+            data_seq=self.store.seq, needs_peer=self.needs_peer)
         self.ttl_streams = streams.StreamPump(
             self.loop, self._router_sock, self._router.kick,
             stall_s=self.config.snapshot_stall_s, max_active=TTL_STREAMS_MAX, evict=True,
@@ -238,11 +243,14 @@ class PairServer(ShardServer):
             self._state_sub = None
         super().close()  # destroys the context: closes the P+3 PUB and anything left
 
-    def recovered(self, term: int, history: list[tuple[int, int]]) -> None:
+    def recovered(self, term: int, history: list[tuple[int, int]],
+                  needs_peer: bool = False) -> None:
         """Before ``start``: the Binary Star term and term history persisted with the map
-        just recovered (the start-up election compares (term, sequence))."""
+        just recovered (the start-up election compares (term, sequence)); ``needs_peer``:
+        the directory's map was unreadable and moved aside (``bstar`` rule 8)."""
         self._recovered_term = self._saved_term = term
         self.history = list(history)
+        self.needs_peer = needs_peer
 
     def _save_terms(self) -> None:
         if self.persist is None or self.machine is None:
@@ -405,8 +413,13 @@ class PairServer(ShardServer):
             fork = fork_point(self.history, list(history)) if history else None
             dropped_from = fork if fork is not None and fork <= old_seq else None
             self._flush_log()
-            dropped = self.persist.replace(store, generation or self.generation,
-                                           dropped_from)
+            try:
+                dropped = self.persist.replace(store, generation or self.generation,
+                                               dropped_from)
+            except OSError as exc:
+                self.on_disk_error("installing the active's map", exc)
+                return
+            self._install_job = self.persist.compaction
             if dropped:
                 self.dropped_updates += dropped
                 log.warning("shard %s: %d updates of this server's map (sequence %d..%d, "
@@ -420,6 +433,23 @@ class PairServer(ShardServer):
             log.info("shard %s: map generation %s (the active's; was %s)", self.shard,
                      generation, self.generation)
             self.generation = generation
+
+    def on_compacted(self, job) -> None:
+        """A snapshot is whole on disk. The one that wrote the map installed from the
+        active ends the ``needs-peer`` rule: this server holds a valid copy again."""
+        if job is not self._install_job:
+            return
+        self._install_job = None
+        if self.needs_peer and self.persist is not None:
+            from shards.persist.recovery import peer_copy_written
+
+            peer_copy_written(self.persist.path)
+            self.needs_peer = False
+            if self.machine is not None:
+                self.machine = bstar.peer_copied(self.machine)
+            log.warning("shard %s: the peer's map (%d keys, sequence %d) is written here: "
+                        "this server holds a valid copy again", self.shard, len(self.store),
+                        self.store.seq)
 
     def replicated(self, msg: chp.Kvpub) -> None:
         """The active's update, applied here with its sequence: kept for resumes, so a
@@ -506,6 +536,7 @@ class PairServer(ShardServer):
             "term": m.term if m is not None else 0,
             "peer_state": m.peer_state.name if m is not None and m.peer_state else None,
             "fatal": self.fatal,
+            "needs_peer": self.needs_peer,
             "takeovers": self.takeovers,
             "term_history": [list(pair) for pair in self.history],
             "dropped_updates": self.dropped_updates,

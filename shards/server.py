@@ -55,6 +55,7 @@ the client's vote, and ``serving`` what its HUGZ say about it (``serving=0``).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import time
@@ -251,6 +252,10 @@ class ShardServer:
         self._auth: Authenticator | None = None
         self.persist = None
         """A ``shards.persist.DataDir`` when the server persists (``--data-dir``)."""
+        self.disk_error = ""
+        """Why the log could not be written (``on_disk_error``); "" while it can."""
+        self.disk_failed = asyncio.Event()
+        """Set on a disk error: the process stops (``Exit.DISK``)."""
         self._persist_flush: asyncio.Handle | None = None
         self._persist_timer: asyncio.TimerHandle | None = None
         self._held: list[bytes] = []
@@ -413,7 +418,7 @@ class ShardServer:
     # ================================================================ role
     def set_active(self, active: bool) -> None:
         """The one place that decides whether this server publishes and serves snapshots."""
-        if active == self.active:
+        if active == self.active or (active and self.disk_error):
             return
         self.active = active
         log.info("%s server on port %d is now %s", self.role, self.config.port,
@@ -535,8 +540,9 @@ class ShardServer:
         if self.persist is not None:
             try:
                 self.persist.flush()
-            except OSError:  # counted and logged by the data directory
-                return  # nothing held is published: the next flush writes it again
+            except OSError as exc:  # nothing held is published: never acknowledged
+                self.on_disk_error("writing the log", exc)
+                return
         if self._held:
             held, self._held = self._held, []
             self._publish_many(held)  # key, seq, uuid, props, value, key, ...: in order
@@ -549,13 +555,36 @@ class ShardServer:
         opened after the recovered sequence) from now on."""
         self.persist = data_dir
 
+    def on_disk_error(self, what: str, exc: OSError) -> None:
+        """The log could not be written or fsynced: a state, not a log line. The server
+        stops at once: it acknowledges nothing more (what it holds was never published),
+        answers no snapshot (its map may hold updates that are not on disk), and sets
+        ``disk_failed``: ``python -m shards`` then exits with ``Exit.DISK``, its peer
+        serves, and the supervisor restarts it, recovering from what is on disk, until
+        the disk works again."""
+        if self.disk_error:
+            return
+        code = errno.errorcode.get(exc.errno, str(exc.errno))
+        where = self.persist.path if self.persist is not None else "?"
+        self.disk_error = f"{code}: {exc.strerror or exc} ({what} in {where})"
+        self.active = False  # directly: no snapshot, no KVPUB, no TTL from now on
+        if self.snapshots is not None:
+            self.snapshots.clear()
+        log.critical("disk error: %s; this server stops so that its peer serves",
+                     self.disk_error)
+        self.disk_failed.set()
+
     def _persist_tick(self) -> None:
         """Every ``PERSIST_TICK_S``: the everysec fsync, and a compaction when due."""
         self._persist_timer = self.loop.call_later(PERSIST_TICK_S, self._persist_tick)
         persist = self.persist
-        if persist is None:
+        if persist is None or self.disk_error:
             return
-        persist.tick()
+        try:
+            persist.tick()
+        except OSError as exc:  # a failed fsync (here or on the background thread)
+            self.on_disk_error("fsync of the log", exc)
+            return
         if persist.compaction_due():
             self._flush_log()
             try:
@@ -578,7 +607,7 @@ class ShardServer:
             written = job.step()
         except OSError as exc:  # a full disk: the partial snapshot goes, the log stays
             self.persist.abort_compaction()
-            self.persist.compaction_failed(exc)
+            self._compaction_failed(job, exc)
             return
         if not written:
             self.loop.call_later(COMPACT_PACE_S, self._compact_step, job)
@@ -594,7 +623,7 @@ class ShardServer:
                       fut.exception())
             if self.persist is not None and self.persist.compaction is job:
                 self.persist.abort_compaction()
-                self.persist.compaction_failed(fut.exception())
+                self._compaction_failed(job, fut.exception())
             return
         if self.persist is None:
             return
@@ -604,9 +633,22 @@ class ShardServer:
             job.path.unlink(missing_ok=True)
             return
         removed = self.persist.compacted(job)
+        self.on_compacted(job)
         log.info("compaction: snapshot at sequence %d (%d keys, %d bytes) in %.2f s; %d "
                  "older files removed", job.seq, job.keys, job.bytes,
                  self.persist.last_compaction_s, len(removed))
+
+    def _compaction_failed(self, job, exc: BaseException) -> None:
+        """A snapshot could not be written. Its log still holds the map: try again later.
+        But the snapshot of a map installed from the peer is its only copy here: a disk
+        error (``on_disk_error``)."""
+        if job.only_copy and isinstance(exc, OSError):
+            self.on_disk_error("writing the installed map's snapshot", exc)
+        elif self.persist is not None:
+            self.persist.compaction_failed(exc)
+
+    def on_compacted(self, job) -> None:
+        """A compaction's snapshot is whole on disk (a role's hook)."""
 
     def owns(self, key: bytes) -> bool:
         """Whether this shard owns ``key``; if not, the drop is counted ``not_owner``."""
@@ -726,7 +768,7 @@ class ShardServer:
         except ProtocolError as err:
             self.drops.drop(err.reason, str(err))
             return
-        if not self.admit_snapshot_request():
+        if self.disk_error or not self.admit_snapshot_request():
             self.snapshots_refused += 1
             return
         make = lambda: SnapshotStream(self, identity, request.subtree)  # noqa: E731
@@ -792,6 +834,7 @@ class ShardServer:
             "drops": drops,
             "drops_total": sum(drops.values()),
             "persist": self.persist.stats() if self.persist is not None else None,
+            "disk_error": self.disk_error,
             "handler_errors": sum(a.errors for a in (self._router, self._collector)
                                   if a is not None),
             "rss_bytes": self._process.memory_info().rss,

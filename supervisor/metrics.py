@@ -28,6 +28,9 @@ every query names one of them:
     clonemap_pending_updates           a passive's updates heard from clients, unconfirmed
     clonemap_replica_lag_updates       how many updates a passive is behind its active
     clonemap_persist_fsync_seconds     log fsync durations (histogram)
+    clonemap_server_disk_ok            0 while a server is down on a disk error
+    clonemap_server_disk_errors_total  runs that stopped on a disk error
+    clonemap_recovery_torn_updates     updates in a torn last record truncated at recovery
     clonemap_broker_events_total{event}   the control broker's counters
     clonemap_broker_drops_total{reason}   its counted drops
     clonemap_broker_held_bytes         request bytes it holds
@@ -61,7 +64,9 @@ METRIC_NAMES = (
     "clonemap_server_cpu_seconds_total", "clonemap_failovers_total",
     "clonemap_pending_updates", "clonemap_replica_lag_updates",
     "clonemap_persist_fsync_seconds", "clonemap_broker_events_total",
-    "clonemap_broker_drops_total", "clonemap_broker_held_bytes", "clonemap_broker_workers")
+    "clonemap_broker_drops_total", "clonemap_broker_held_bytes", "clonemap_broker_workers",
+    "clonemap_server_disk_ok", "clonemap_server_disk_errors_total",
+    "clonemap_recovery_torn_updates")
 
 
 def _number(value: Any) -> float | None:
@@ -123,6 +128,15 @@ def server_families(snap: dict):
                             "its active", labels=SERVER)
     fsync = HistogramMetricFamily("clonemap_persist_fsync_seconds", "Log fsync durations",
                                   labels=SERVER)
+    disk_ok = GaugeMetricFamily("clonemap_server_disk_ok", "0 while the server's last run "
+                                "stopped on a disk error and no later run is ready",
+                                labels=SERVER)
+    disk_errors = CounterMetricFamily("clonemap_server_disk_errors", "Runs of the server "
+                                      "that stopped on a disk error (ENOSPC, EIO, EROFS, a "
+                                      "failed fsync)", labels=SERVER)
+    torn = GaugeMetricFamily("clonemap_recovery_torn_updates", "Updates in the torn last "
+                             "record truncated when the server's current run recovered",
+                             labels=SERVER)
     by_shard: dict[str, list[dict]] = {}
     for row in rows:
         by_shard.setdefault(row["shard"], []).append(row)
@@ -144,6 +158,8 @@ def server_families(snap: dict):
             up.add_metric(labels, 1 if running else 0)
             active.add_metric(labels, 1 if running and row.get("bstar") == "ACTIVE" else 0)
             restarts.add_metric(labels, row.get("restarts", 0))
+            disk_ok.add_metric(labels, 0 if row.get("disk_error") else 1)
+            disk_errors.add_metric(labels, row.get("disk_errors", 0))
             _process_figures(row.get("pid") if row.get("state") != "STOPPED" else None,
                              labels, rss, cpu)
             if not running:
@@ -157,6 +173,9 @@ def server_families(snap: dict):
                 drops.add_metric(labels + (reason,), count)
             if _number(stats.get("pending")) is not None:
                 pending.add_metric(labels, stats["pending"])
+            torn_updates = (stats.get("persist") or {}).get("torn_updates_recovered")
+            if _number(torn_updates) is not None:
+                torn.add_metric(labels, torn_updates)
             if (row.get("bstar") != "ACTIVE" and active_seq is not None
                     and _number(stats.get("seq")) is not None):
                 lag.add_metric(labels, max(0, active_seq - stats["seq"]))
@@ -169,7 +188,8 @@ def server_families(snap: dict):
                 fsync.add_metric(labels, cumulative,
                                  sum_value=stats["persist"].get("fsync_s_total", 0.0))
     yield from (up, active, has_active, sequence, keys, updates, drops, served, streaming,
-                restarts, rss, cpu, failovers, pending, lag, fsync)
+                restarts, rss, cpu, failovers, pending, lag, fsync, disk_ok, disk_errors,
+                torn)
 
 
 def _process_figures(pid: int | None, labels: tuple, rss, cpu) -> None:

@@ -11,6 +11,9 @@ answer only depends on its arguments, so asking twice is harmless)::
     exited after a stop was requested                  Leave            (stopped on purpose)
     exited with a code in cfg.give_up_exit_codes       GiveUp           (bad config or
       (2 = usage or ConfigError: a restart cannot fix them)              arguments)
+    exited with Exit.DISK (7: a disk error)            Restart(delay_s) never GiveUp:
+                                                       retried until the disk works, the
+                                                       delay capped at disk_retry_cap_s
     the crash_limit-th crash within crash_window_s     GiveUp           "crashed 5 times in
       (counted back from the last exit)                                  60 s": FAILED
     any other exit (any code, 0 included, or a signal) Restart(delay_s)
@@ -31,6 +34,10 @@ Decisions:
   fresh count: runs before the latest manual start are ignored.
 * exit code 3 (PortInUse) is retried with back-off: the port may be freed; if not, the
   crash limit ends it.
+* exit code 7 (``Exit.DISK``: a full, read-only or failing disk, or a failed fsync) is not
+  a crash: the server stopped on purpose so that its peer serves, and it must come back
+  by itself once space returns (no operator restart), so it is retried for as long as it
+  takes, every ``disk_retry_cap_s`` at most, and never counts towards FAILED.
 """
 from __future__ import annotations
 
@@ -46,6 +53,7 @@ BACKOFF_CAP_S = 30.0
 CRASH_LIMIT = 5
 CRASH_WINDOW_S = 60.0
 STABLE_AFTER_S = 10.0
+DISK_RETRY_CAP_S = 5.0
 GIVE_UP_EXIT_CODES = frozenset({Exit.USAGE})
 _EXIT_MEANING = {Exit.USAGE: "usage or configuration error"}
 
@@ -70,6 +78,7 @@ class PolicyConfig:
     crash_window_s: float = CRASH_WINDOW_S
     stable_after_s: float = STABLE_AFTER_S
     give_up_exit_codes: frozenset[int] = GIVE_UP_EXIT_CODES
+    disk_retry_cap_s: float = DISK_RETRY_CAP_S
 
     def __post_init__(self):
         problems = []
@@ -165,9 +174,18 @@ def decide(history: Sequence[Run], now: float, cfg: PolicyConfig = DEFAULT_POLIC
             first = i
             break
     runs = history[first:]
+    if last.exit_code == Exit.DISK:
+        streak = 0
+        for run in reversed(runs):
+            if run.exit_code != Exit.DISK:
+                break
+            streak += 1
+        delay = min(backoff_s(streak, cfg), cfg.disk_retry_cap_s)
+        return Restart(max(0.0, delay - max(0.0, now - last.exited_at)), streak,
+                       f"disk error; retried until the disk works (try {streak})")
     window_start = last.exited_at - cfg.crash_window_s
     crashes = sum(1 for r in runs if r.exited_at is not None and not r.stop_requested
-                  and r.exited_at >= window_start)
+                  and r.exited_at >= window_start and r.exit_code != Exit.DISK)
     if crashes >= cfg.crash_limit:
         return GiveUp(f"crashed {crashes} times in {cfg.crash_window_s:g} s "
                       f"(last: {describe_exit(last)})")

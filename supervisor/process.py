@@ -57,6 +57,13 @@ class ServerProcess:
         self.stats: dict = {}
         self.stats_at: float | None = None
         self.updates_per_s: float | None = None
+        self.disk_error = ""
+        """Why its last run stopped on a disk error (its ``DISK_ERROR`` line), until a
+        later run is READY."""
+        self.disk_errors = 0
+        """Runs that stopped on a disk error, since the supervisor started."""
+        self.unreadable = ""
+        """Its data directory could not be read at a start (its ``UNREADABLE`` line)."""
         self._restart_handle: asyncio.TimerHandle | None = None
         self.lock = asyncio.Lock()  # one operator command at a time per server
         self._pidfd: int | None = None
@@ -210,6 +217,8 @@ class ServerProcess:
                "reason": self.reason, "pid": self.pid, "cores": list(p.cores),
                "cores_text": format_cores(p.cores), "nic": p.nic, "address": p.address,
                "port": p.port, "restarts": self.restarts, "last_exit": self.last_exit,
+               "disk_error": self.disk_error, "disk_errors": self.disk_errors,
+               "unreadable": self.unreadable,
                "log": str(self.log_path),
                "restart_in_s": (round(max(0.0, self.restart_at - now), 3)
                                 if self.restart_at is not None else None),

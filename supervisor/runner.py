@@ -71,6 +71,14 @@ class ServerArgs:
     extra: tuple[str, ...] = ()
 
 
+def _after_fields(text: str) -> str:
+    """``WORD key=value key=value free text`` -> ``free text``."""
+    words = text.split(" ")[1:]
+    while words and "=" in words[0] and not words[0].endswith(":"):
+        words.pop(0)
+    return " ".join(words)
+
+
 def server_argv(server: ServerPlan, peer: ServerPlan, args: ServerArgs) -> list[str]:
     return [args.python, "-m", "shards",
             "--port", str(server.port), "--host", server.address,
@@ -231,11 +239,23 @@ class Runner:
                     + (f" (restart {proc.restarts})" if proc.restarts else ""))
 
     def _on_line(self, proc: ServerProcess, text: str) -> None:
-        """A line the current run printed: ``READY`` makes it RUNNING."""
+        """A line the current run printed: ``READY`` makes it RUNNING; ``DISK_ERROR``
+        (the server stopped on a disk error) and ``UNREADABLE`` (its data directory was
+        moved aside) are kept for status and metrics and said as events."""
         if text.startswith("READY ") and proc.state == STARTING:
+            proc.disk_error = ""
             self._set_state(proc, RUNNING, "ready")
             proc.ready.set()
             self.on_event(f"{proc.name} ready (pid {proc.pid})")
+        elif text.startswith("DISK_ERROR "):
+            proc.disk_error = _after_fields(text)
+            proc.disk_errors += 1
+            self.on_event(f"{proc.name} DISK ERROR: {proc.disk_error}; it stopped so that "
+                          "its peer serves")
+        elif text.startswith("UNREADABLE "):
+            proc.unreadable = _after_fields(text)
+            self.on_event(f"{proc.name} could not read its data directory: "
+                          f"{proc.unreadable}; it copies its peer's map")
 
     # ----------------------------------------------------------------- exits
     def _on_exit(self, proc: ServerProcess, popen: subprocess.Popen, code: int) -> None:

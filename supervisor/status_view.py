@@ -103,6 +103,17 @@ def status_notes(rows: list[dict], summary: dict) -> list[str]:
         else:
             effect = "its clients cannot read a snapshot or write now"
         lines.append(f"[bold red]{shard} has no ACTIVE server[/]: {effect} ({states})")
+    for row in rows:
+        name = row.get("name") or f"{row.get('shard')}/{row.get('role')}"
+        if row.get("disk_error"):
+            lines.append(f"[bold red]{name}: disk error[/]: {row['disk_error']}; it stopped "
+                         "so that its peer serves, and is restarted until its disk works "
+                         "(free space, or fix the device)")
+        stats = row.get("stats") or {}
+        if stats.get("needs_peer"):
+            lines.append(f"[yellow]{name}: its data directory could not be read[/] "
+                         f"({row.get('unreadable') or 'moved aside'}); it serves only "
+                         "after copying its peer's map")
     if any(row.get("bstar") is None for row in rows):
         lines.append("[dim]bstar -: no stats from that run of the server yet (starting, "
                      "restarting, or not answering)[/]")

@@ -27,6 +27,10 @@ class Exit(enum.IntEnum):
     """A watch fell behind (a slow consumer)."""
     NOT_FOUND = 6
     """No such key, no such server."""
+    DISK = 7
+    """A shard server stopped on a disk error (ENOSPC, EIO, EROFS, a failed fsync): it
+    acknowledges nothing more, its peer serves, and the supervisor restarts it (without
+    counting it as a crash) until its disk works again."""
     INTERRUPTED = 130
 
 

@@ -55,6 +55,11 @@ SNAP_PREFIX, SNAP_SUFFIX = "snap-", ".cms"
 TMP_SUFFIX = ".tmp"
 TERMS_NAME = "terms"
 DROPPED_PREFIX = "dropped-"
+NEEDS_PEER_NAME = "needs-peer"
+"""Present while a Binary Star server's directory holds no map it can trust: its files
+could not be read and were moved to ``unreadable-<utc>/``, and it has not yet written a
+whole copy of its peer's map (``recovery.quarantine``)."""
+UNREADABLE_PREFIX = "unreadable-"
 _HEAD = struct.Struct(">HB")
 _REC = struct.Struct(">II")
 HEADER_MIN = len(LOG_MAGIC) + _HEAD.size
@@ -99,6 +104,24 @@ def record(items: list) -> bytes:
     return _REC.pack(len(payload), zlib.crc32(payload)) + payload
 
 
+def partial_batch(data: bytes) -> tuple[int, int] | None:
+    """A torn segment record's ``(updates, first_seq)``, read from what was written of it:
+    the payload's msgpack array header gives its length (``1 + 3 * updates``) and its first
+    item the first sequence. None when too little of it was written to tell."""
+    if len(data) <= _REC.size:
+        return None
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(data[_REC.size:])
+    try:
+        items = unpacker.read_array_header()
+        first = unpacker.unpack()
+    except (msgpack.OutOfData, ValueError, TypeError, msgpack.ExtraData):
+        return None
+    if not isinstance(first, int) or items < 4 or items % 3 != 1:
+        return None
+    return (items - 1) // 3, first
+
+
 class Scan:
     """One file read back: its generation, then ``records()`` yields ``(offset, payload
     object)`` for each whole record; afterwards ``end`` is the offset after the last whole
@@ -111,6 +134,8 @@ class Scan:
         self.data = data = path.read_bytes()
         self.size = len(data)
         self.torn = 0
+        self.torn_batch: tuple[int, int] | None = None
+        """(updates, first sequence) of a torn last record, when its start says so."""
         self.generation = ""
         if len(data) < HEADER_MIN or not data.startswith(magic):
             if allow_torn and len(data) < HEADER_MIN and magic.startswith(data[:len(magic)]):
@@ -167,6 +192,8 @@ class Scan:
                 raise CorruptLog(f"{end - pos} bytes of a partial record at the end",
                                  path=where, offset=pos)
             self.torn = end - pos
+            self.torn_batch = partial_batch(data[pos:])
+
 
 
 def write_all(fd: int, data: bytes) -> None:

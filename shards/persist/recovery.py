@@ -78,6 +78,10 @@ class Recovered:
     """Updates replayed from segments."""
     torn_bytes: int = 0
     """Bytes of a torn last record that were truncated (0: none)."""
+    torn_updates: int = 0
+    """Updates in that record, when what was written of it says (0: none or unknown)."""
+    torn_first_seq: int = 0
+    """The first of their sequences (``torn_first_seq .. + torn_updates - 1``)."""
     incomplete: str = ""
     """Where an incomplete replica's files were moved ("" normally)."""
     segments: int = 0
@@ -127,9 +131,11 @@ def segment_records(scan: fmt.Scan):
         yield offset, rec
 
 
-def replay_segment(store: Store, path: Path, *, last: bool) -> tuple[int, int, str]:
+def replay_segment(store: Store, path: Path, *, last: bool,
+                   torn_batch: list | None = None) -> tuple[int, int, str]:
     """Apply the segment's updates after ``store.seq``; ``(applied, torn_bytes,
-    generation)``. Truncates a torn tail when ``last``; raises ``CorruptLog`` on a gap."""
+    generation)``. Truncates a torn tail when ``last`` (its ``(updates, first_seq)``, when
+    known, is appended to ``torn_batch``); raises ``CorruptLog`` on a gap."""
     scan = fmt.Scan(path, fmt.LOG_MAGIC, allow_torn=last)
     applied = 0
     apply = store.apply
@@ -145,6 +151,8 @@ def replay_segment(store: Store, path: Path, *, last: bool) -> tuple[int, int, s
             applied += 1
     if scan.torn:
         fmt.truncate(path, scan.end)
+        if torn_batch is not None and scan.torn_batch is not None:
+            torn_batch.append(scan.torn_batch)
     return applied, scan.torn, scan.generation
 
 
@@ -182,13 +190,50 @@ def recover(data_dir: str | os.PathLike) -> Recovered:
         moved = _move_aside(path, files)
         return Recovered(Store(), "", term, history, None, incomplete=moved)
     out = Recovered(store, generation, term, history, snap_seq, segments=len(segments))
+    torn_batch: list[tuple[int, int]] = []
     for i, (_, seg_path) in enumerate(segments):
-        applied, torn, gen = replay_segment(store, seg_path, last=i == len(segments) - 1)
+        applied, torn, gen = replay_segment(store, seg_path, last=i == len(segments) - 1,
+                                            torn_batch=torn_batch)
         out.records += applied
         out.torn_bytes += torn
         if gen and not out.generation:
             out.generation = gen
+    if torn_batch:
+        out.torn_updates, out.torn_first_seq = torn_batch[0]
     return out
+
+
+def quarantine(data_dir: str | os.PathLike, why: str) -> str:
+    """A Binary Star server whose directory cannot be read (``CorruptLog``, say): move
+    every data file (snapshots, segments, terms, dropped-*) to ``unreadable-<utc>/``
+    (kept for the operator, never deleted), and leave the ``needs-peer`` marker saying
+    why, so that the server starts empty and serves only after copying its peer's map
+    (``shards.bstar`` rule 8). Returns where the files went."""
+    path = Path(data_dir)
+    dest = path / time.strftime(f"{fmt.UNREADABLE_PREFIX}%Y%m%dT%H%M%SZ", time.gmtime())
+    dest.mkdir(exist_ok=True)
+    for entry in os.scandir(path):
+        if entry.is_file() and entry.name != fmt.NEEDS_PEER_NAME:
+            os.rename(entry.path, dest / entry.name)
+    marker = path / fmt.NEEDS_PEER_NAME
+    with open(marker, "w") as f:
+        json.dump({"why": why, "moved_to": str(dest), "at": time.time()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fmt.fsync_dir(path)
+    return str(dest)
+
+
+def needs_peer(data_dir: str | os.PathLike) -> bool:
+    """Whether ``data_dir`` holds the ``needs-peer`` marker (``quarantine``)."""
+    return (Path(data_dir) / fmt.NEEDS_PEER_NAME).exists()
+
+
+def peer_copy_written(data_dir: str | os.PathLike) -> None:
+    """The peer's whole map is on disk here: the marker goes (fsynced)."""
+    path = Path(data_dir)
+    (path / fmt.NEEDS_PEER_NAME).unlink(missing_ok=True)
+    fmt.fsync_dir(path)
 
 
 def _move_aside(path: Path, files: Files) -> str:

@@ -74,6 +74,10 @@ COMPACT_RATIO = 1.0
 """Compact when the segments since the last snapshot exceed this times its size."""
 COMPACT_MIN_BYTES = 64 << 20
 """... and exceed this many bytes (a small map is not rewritten over and over)."""
+MIN_FREE_BYTES = 4 << 20
+"""A server starts only with this much free on its data directory's filesystem: with
+less, it would stop again on its first writes (a disk error), so it exits at once and
+the supervisor tries again later (``python -m shards --min-free-bytes``)."""
 COMPACT_RETRY_S = 5.0
 """After a compaction failed (a full disk), the next one waits this long."""
 SNAPSHOT_CHUNK_KEYS = 256
@@ -110,6 +114,10 @@ class Compaction:
         self.finishing = False
         """``finish`` is running on another thread: ``abort`` leaves the file to it."""
         self.removed: list[Path] = []
+        self.only_copy = False
+        """The snapshot of a map installed from the peer (``DataDir.replace``): the old
+        files are gone, so until it is whole the map is on no disk here, and failing to
+        write it is a disk error, not a compaction to try again later."""
 
     def step(self, keys: int = SNAPSHOT_CHUNK_KEYS) -> bool:
         """Write the next chunk; True once the snapshot is all written (not yet synced)."""
@@ -210,12 +218,22 @@ class DataDir:
         self._compact_retry_at = 0.0
         self.disk_error = ""
         """The last failed log write's errno and text, until a record is written again."""
+        self.fsync_failed: OSError | None = None
+        """A failed log fsync. Never retried as if nothing happened: the kernel may have
+        dropped the dirty pages it could not write, so a later fsync that succeeds proves
+        nothing (PostgreSQL's "fsyncgate"). Every later flush and tick raises it; the
+        server stops and recovers from what is on disk."""
+        self._injected: tuple[str, int] | None = None
+        """A fault armed by ``inject_fault`` (tests): (``write`` | ``fsync``, errno)."""
         self._segment_bytes = 0
         """Bytes of whole records (and the header) in the open segment."""
         self.fsync_s_total = 0.0
         self.fsync_counts = [0] * (len(FSYNC_BUCKETS_S) + 1)
         """Log fsyncs per duration bucket (``FSYNC_BUCKETS_S``, the last: beyond)."""
         self.torn_bytes = 0
+        self.torn_updates = 0
+        self.torn_first_seq = 0
+        """A torn last record truncated at recovery: its updates and first sequence."""
         self.last_compaction_s = 0.0
 
     # ------------------------------------------------------------------ opening
@@ -297,8 +315,12 @@ class DataDir:
         KVPUBs and the next flush writes the record again, whole."""
         items = self._items
         if items:
+            if self.fsync_failed is not None:
+                raise self.fsync_failed
             data = fmt.record(items)
             try:
+                if self._injected is not None:
+                    self._raise_injected("write")
                 fmt.write_all(self._fd, data)
             except OSError as exc:
                 self._cut_back(exc)
@@ -336,13 +358,29 @@ class DataDir:
                       "stay unacknowledged and are written again", what, self.path,
                       self.counters["write_errors"], exc)
 
+    def inject_fault(self, kind: str, errno_: int) -> None:
+        """Tests: the next log write (``kind`` "write") or fsync ("fsync") fails with
+        ``errno_``, as a failing disk would (``python -m shards`` arms it on SIGUSR2 when
+        ``$CLONEMAP_INJECT_DISK_FAULT`` says ``write:EIO`` or ``fsync:EIO``)."""
+        if kind not in ("write", "fsync"):
+            raise ValueError(f"kind is write or fsync, not {kind!r}")
+        self._injected = (kind, errno_)
+
+    def _raise_injected(self, kind: str) -> None:
+        armed = self._injected
+        if armed is not None and armed[0] == kind:
+            self._injected = None
+            raise OSError(armed[1], f"{os.strerror(armed[1])} (injected)")
+
     def tick(self) -> None:
         """``everysec``: fsync what was written, at most once a second, on a background
         thread: an fsync of a second of writes takes milliseconds, and on the event loop
         it stalled every update behind it (the p99 at half load). The thread fsyncs a
         duplicate of the descriptor, so a segment closed meanwhile stays valid for it.
         Between fsyncs, a tick starts the writeback of what was written
-        (``WRITEBACK_BYTES``)."""
+        (``WRITEBACK_BYTES``). Raises the ``OSError`` of a failed fsync (any policy)."""
+        if self.fsync_failed is not None:
+            raise self.fsync_failed
         if self.policy != "everysec" or not self._unsynced:
             return
         if self.clock() - self._synced_at < EVERYSEC_S:
@@ -406,12 +444,12 @@ class DataDir:
     def _fsync_in_background(self, fd: int) -> None:
         try:
             t0 = time.perf_counter()
+            if self._injected is not None:
+                self._raise_injected("fsync")
             os.fsync(fd)
             self._count_fsync(time.perf_counter() - t0)
         except OSError as exc:
-            self.counters["fsync_errors"] = self.counters.get("fsync_errors", 0) + 1
-            self._unsynced = True  # the next tick tries again
-            log.error("everysec fsync of %s failed: %s", self.path, exc)
+            self._fsync_failure(exc)
 
     def wait_fsync(self, timeout_s: float | None = None) -> bool:
         """Wait for a background fsync (and writeback start) in progress; True when none
@@ -424,9 +462,28 @@ class DataDir:
         self.fsync_counts[bisect.bisect_left(FSYNC_BUCKETS_S, took)] += 1
         self.counters["fsyncs"] += 1
 
+    def _fsync_failure(self, exc: OSError) -> None:
+        """Never retried (see ``fsync_failed``): counted, logged once, kept."""
+        self.counters["fsync_errors"] = self.counters.get("fsync_errors", 0) + 1
+        if self.fsync_failed is None:
+            self.fsync_failed = exc
+            self.disk_error = (f"{errno.errorcode.get(exc.errno, exc.errno)}: "
+                               f"{exc.strerror} (fsync)")
+            log.critical("fsync of the log in %s failed: %s; what was written since the "
+                         "last good fsync may not be on disk, and is never fsynced again "
+                         "as if nothing happened", self.path, exc)
+
     def _fsync(self) -> None:
+        if self.fsync_failed is not None:
+            raise self.fsync_failed
         t0 = time.perf_counter()
-        os.fsync(self._fd)
+        try:
+            if self._injected is not None:
+                self._raise_injected("fsync")
+            os.fsync(self._fd)
+        except OSError as exc:
+            self._fsync_failure(exc)
+            raise
         self._count_fsync(time.perf_counter() - t0)
         self._unsynced = False
         self._synced_at = self.clock()
@@ -434,7 +491,11 @@ class DataDir:
     def close(self) -> None:
         """A clean stop: flush and fsync whatever the policy, and finish a compaction in
         progress here (a passive's first snapshot of a new map must exist, or its
-        directory would restart as an incomplete replica); close."""
+        directory would restart as an incomplete replica); close. After a disk error it
+        writes nothing more (``abandon``)."""
+        if self.fsync_failed is not None or self.disk_error:
+            self.abandon()
+            return
         job = self.compaction
         if job is not None and not job.finishing:
             while not job.step(SNAPSHOT_CHUNK_KEYS * 64):
@@ -449,6 +510,22 @@ class DataDir:
         self.wait_fsync()
         if self._jobs is not None:
             self._jobs.put(None)  # the background thread ends after what it was given
+            self._jobs = None
+
+    def abandon(self) -> None:
+        """Close everything without writing: the disk failed, and what is not on it was
+        never acknowledged (a record is published only once written). Recovery reads what
+        is there."""
+        self._items = []
+        if self.compaction is not None:
+            job, self.compaction = self.compaction, None
+            if not job.finishing:
+                job.abort()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._jobs is not None:
+            self._jobs.put(None)
             self._jobs = None
 
     # ------------------------------------------------------------------ terms
@@ -542,6 +619,7 @@ class DataDir:
         self._items = []
         self._open_segment(store.seq + 1)
         self.compaction = Compaction(self, store.open_snapshot(with_expiry=True), generation)
+        self.compaction.only_copy = True
         self.counters["replaced"] += 1
         self.counters["dropped_updates"] += dropped
         return dropped
@@ -582,6 +660,8 @@ class DataDir:
                 "fsync_buckets": {"le": list(FSYNC_BUCKETS_S),
                                   "counts": list(self.fsync_counts)},
                 "torn_bytes_recovered": self.torn_bytes,
+                "torn_updates_recovered": self.torn_updates,
+                "torn_first_seq": self.torn_first_seq,
                 "disk_error": self.disk_error,
                 "log_bytes": self.log_bytes, "snapshot_bytes": self.snapshot_bytes,
                 "compacting": None if job is None else {"seq": job.seq, "keys": job.keys},

@@ -5,7 +5,10 @@ stop everything on Ctrl-C / SIGTERM / ``supervisor stop``.
     supervisor start CONFIG [--detach] [--run-dir DIR] [--demo-load] [--table/--no-table]
 
 Foreground: a live status table when stdout is a terminal (``--no-table``: one line per
-event instead). Once every shard has an ACTIVE server it prints
+event instead). A shard with no ACTIVE server after ``--ready-timeout-s`` is named in an
+``UNSERVED <shard>: ...`` line (its servers' states, and why), followed by
+``NOT_READY supervisor ...`` instead of READY (the supervisor runs on; a detached start
+then exits 1 with those lines on stderr). Once every shard has an ACTIVE server it prints
 ``READY supervisor cluster=C control=EP pid=N servers=8 running=8 active_shards=4/4 ...``
 (a detached start prints it too, then returns); above the live table it prints a short
 ``READY C: 8/8 servers running, 4/4 shards active; run dir D`` instead (the long line goes
@@ -78,6 +81,21 @@ def _connect_endpoint(control: str) -> str:
 
 # ===================================================================== detach
 
+def unserved_lines(rows: list[dict], shards: list[str]) -> list[str]:
+    """For each shard with no ACTIVE server: its servers' states, and why (a disk error,
+    FAILED's reason, a Binary Star state waiting for its peer)."""
+    out = []
+    for shard in shards:
+        parts = []
+        for row in (r for r in rows if r.get("shard") == shard):
+            why = row.get("disk_error") and f"disk error: {row['disk_error']}" or \
+                (row.get("state") != "RUNNING" and row.get("reason")) or \
+                (row.get("bstar") and f"Binary Star {row['bstar']}") or "no stats yet"
+            parts.append(f"{row.get('role')} {row.get('state')} ({why})")
+        out.append(f"{shard}: no ACTIVE server: " + "; ".join(parts))
+    return out
+
+
 def control_hint(config: str) -> str:
     """How to name this cluster in a control command, as the user named its config: a
     CONFIG finds the control endpoint and, for a CURVE cluster, its keys (``--control``
@@ -95,8 +113,22 @@ def _detach(argv: list[str], run_dir: Path, config: str) -> int:
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_file,
             start_new_session=True, close_fds=True)
     deadline = time.monotonic() + DETACH_READY_TIMEOUT_S
+    unserved: list[str] = []
     for raw in iter(child.stdout.readline, b""):
         line = raw.decode("utf-8", "replace").rstrip("\n")
+        if line.startswith("UNSERVED "):
+            unserved.append(line.removeprefix("UNSERVED "))
+            continue
+        if line.startswith("NOT_READY "):
+            click.echo(line)
+            for why in unserved:
+                click.echo(f"error: not served: {why}", err=True)
+            click.echo(f"error: the supervisor runs on in the background (pid {child.pid}; "
+                       f"logs in {run_dir}) and keeps restarting what failed; see "
+                       f"`supervisor status {control_hint(config)}`, or stop it with: "
+                       f"supervisor stop {control_hint(config)}", err=True)
+            child.stdout.close()
+            return 1
         if line.startswith("READY "):
             click.echo(line)
             click.echo(f"supervisor running in the background: pid {child.pid}; logs in "
@@ -221,13 +253,18 @@ class Supervisor:
                 log.warning("no ACTIVE server after %g s in: %s", self.ready_timeout_s,
                             ", ".join(without))
             active = len(the_plan.shards) - len(without)
-            ready = (f"READY supervisor cluster={the_plan.cluster} control={the_plan.control} "
+            word = "NOT_READY" if without else "READY"
+            ready = (f"{word} supervisor cluster={the_plan.cluster} control={the_plan.control} "
                      f"pid={os.getpid()} servers={len(runner.servers)} running={running} "
                      f"active_shards={active}/{len(the_plan.shards)} run_dir={self.run_dir}"
                      + (f" metrics={metrics.url}" if metrics is not None else ""))
+            if without:  # which shard is not served, and why, one line each
+                for line in unserved_lines(runner.describe(), without):
+                    print(f"UNSERVED {line}", flush=True)
+                    log.warning("not served after %g s: %s", self.ready_timeout_s, line)
             if self.table:  # the full line to the log; one that fits 80 columns on screen
                 log.info("%s", ready)
-                print(f"READY {the_plan.cluster}: {running}/{len(runner.servers)} servers "
+                print(f"{word} {the_plan.cluster}: {running}/{len(runner.servers)} servers "
                       f"running, {active}/{len(the_plan.shards)} shards active; run dir "
                       f"{_short_path(self.run_dir)}", flush=True)
             else:

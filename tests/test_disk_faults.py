@@ -1,0 +1,315 @@
+"""Disk faults under ``supervisor start``, with real small filesystems and a ledger.
+
+Each server's data directory (``<run>/data/s0-<role>``) is a tmpfs the test mounts
+(CI runs as root), so ENOSPC is a real full disk and EROFS a real read-only remount. EIO
+on a write and a failed fsync cannot be made on a real filesystem here (no
+device-mapper in this kernel), so they are injected at the OS-call boundary: with
+``$CLONEMAP_INJECT_DISK_FAULT`` set, SIGUSR2 makes the server's next log write or fsync
+fail (``DataDir.inject_fault``).
+
+A writer thread sets ``/ledger/<n>`` (8 KB values) with ``wait=True`` and the client's
+default timeouts, and keeps the ledger of what was acknowledged. After every fault has
+healed, a fresh client reads every acknowledged key back, and again after a stop and a
+start of the whole cluster. Checked each time: zero acknowledged writes lost, the disk
+error in ``supervisor status`` and the metrics within a second of the server stopping,
+the healthy peer serving, the failed server back without an operator.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import PYTHON, ROOT
+from test_supervisor_cli import cli, status, wait_status, write_config
+
+pytestmark = pytest.mark.timeout(240)
+
+VALUE_BYTES = 8000
+DISK_BYTES = 32 << 20
+
+
+def value_of(n: int, size: int = VALUE_BYTES) -> bytes:
+    return (f"{n:08d}".encode() * (size // 8 + 1))[:size]
+
+
+class Ledger:
+    """A writer thread and the writes it saw acknowledged."""
+
+    def __init__(self, config: Path, value_bytes: int = VALUE_BYTES, per_s: float = 0):
+        self.config = config
+        self.value_bytes = value_bytes
+        self.pace_s = 1.0 / per_s if per_s else 0.0
+        """At most ``per_s`` writes a second (0: one after the other): the map must fit
+        a server's small disk when it copies it back."""
+        self.acked: list[int] = []
+        self.failed = 0
+        self.mark = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from client.api import Clone
+        from shards.common.errors import ClonemapError
+
+        with Clone(config=str(self.config)) as clone:
+            n = 0
+            while not self.stop.wait(self.pace_s):
+                n += 1
+                try:
+                    clone.set(f"/ledger/{n}", value_of(n, self.value_bytes), wait=True)
+                except (ClonemapError, TimeoutError):
+                    self.failed += 1  # not acknowledged: may or may not be applied
+                    continue
+                self.acked.append(n)
+
+    def __enter__(self) -> "Ledger":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(60)
+
+    def wait_acked(self, count: int, timeout_s: float = 60.0) -> None:
+        """Until ``count`` writes were acknowledged since the last call (the writer
+        goes on until ``max_writes``, so size that for every wait)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.acked) < self.mark + count:
+            assert time.monotonic() < deadline, (len(self.acked), self.mark, self.failed)
+            assert self.thread.is_alive(), ("the writer stopped", len(self.acked))
+            time.sleep(0.05)
+        self.mark = len(self.acked)
+
+    def check(self, config: Path) -> None:
+        """A fresh client holds every acknowledged write, with its value."""
+        from client.api import Clone
+
+        assert self.acked, "nothing was acknowledged"
+        with Clone(config=str(config)) as clone:
+            lost = [n for n in self.acked
+                    if clone.get(f"/ledger/{n}") != value_of(n, self.value_bytes)]
+        assert not lost, f"{len(lost)} of {len(self.acked)} acknowledged writes lost: {lost[:10]}"
+
+
+def mount(path: Path, size: int = DISK_BYTES) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "clonemap-test", str(path)],
+                   check=True)
+
+
+def ext4(path: Path, image: Path, size: int = DISK_BYTES) -> None:
+    """An ext4 filesystem on a loop device at ``path`` (replacing what is mounted
+    there), mounted ``errors=remount-ro``: ext4's ``trigger_fs_error`` then makes it
+    read-only under its open files, as a real media error would (EROFS)."""
+    subprocess.run(["umount", "-l", str(path)], check=False)
+    subprocess.run(["truncate", "-s", str(size), str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    subprocess.run(["mount", "-o", "loop,errors=remount-ro", str(image), str(path)],
+                   check=True)
+
+
+def ext4_error(path: Path) -> None:
+    """ext4's own error path (``/sys/fs/ext4/<dev>/trigger_fs_error``): the filesystem
+    at ``path`` goes read-only at once."""
+    source = subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(path)], check=True,
+                            capture_output=True, text=True).stdout.strip()
+    Path(f"/sys/fs/ext4/{Path(source).name}/trigger_fs_error").write_text("clonemap test")
+
+
+def ext4_repair(path: Path, image: Path, control: str, name: str) -> None:
+    """Unmount (once the server, stopped on its error, has no run holding a file open),
+    check and mount again."""
+    for _ in range(20):
+        wait_status(control, lambda r: r[name]["pid"] is None)  # between two runs
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode == 0:
+            break
+    else:
+        raise AssertionError(f"{path} stayed busy")
+    subprocess.run(["e2fsck", "-f", "-y", str(image)], capture_output=True)
+    subprocess.run(["mount", "-o", "loop,errors=remount-ro", str(image), str(path)],
+                   check=True)
+
+
+def fill(disk: Path, leave: int) -> Path:
+    """A filler file that leaves about ``leave`` bytes free on ``disk``."""
+    st = os.statvfs(disk)
+    free = st.f_bavail * st.f_frsize
+    filler = disk / "filler"
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(0, free - leave))
+    return filler
+
+
+@pytest.fixture
+def cluster(procs, tmp_path):
+    """A one-shard cluster (``fsync: everysec``) whose servers' data directories are
+    tmpfs mounts; ``start()`` starts (or starts again) its supervisor."""
+    config, control = write_config(tmp_path, "1shard.yaml")
+    data = yaml.safe_load(config.read_text())
+    run = tmp_path / "run"
+    disks = {role: run / "data" / f"s0-{role}" for role in ("primary", "backup")}
+    for disk in disks.values():
+        mount(disk)
+
+    class Cluster:
+        def __init__(self):
+            self.config, self.control, self.disks = config, control, disks
+            self.metrics = f"http://{data['metrics']}/metrics"
+            self.sup = None
+            self.ledger: Ledger | None = None
+
+        def start(self):
+            self.sup = procs.python(
+                "-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
+                str(run), ready="READY supervisor", timeout_s=60,
+                env={"CLONEMAP_INJECT_DISK_FAULT": os.environ.get("FAULT", "write:EIO")})
+            return self.sup
+
+        def stop(self):
+            assert cli("stop", str(config)).returncode == 0
+            self.sup.wait(30)
+
+        def row(self, role: str) -> dict:
+            return status(control)[f"s0/{role}"]
+
+        def metric(self, name: str, role: str) -> float | None:
+            body = urllib.request.urlopen(self.metrics, timeout=5).read().decode()
+            for line in body.splitlines():
+                if line.startswith(name + "{") and f'role="{role}"' in line:
+                    return float(line.rsplit(" ", 1)[1])
+            return None
+
+        def active(self) -> str:
+            rows = wait_status(control, lambda r: any(x["bstar"] == "ACTIVE"
+                                                      for x in r.values()), timeout_s=30)
+            return next(r["role"] for r in rows.values() if r["bstar"] == "ACTIVE")
+
+        def wait_disk_error(self, role: str) -> None:
+            """The server stops on its disk error; within a second of the supervisor
+            seeing it, status and metrics say so."""
+            self.sup.wait_line(f"EVENT s0/{role} DISK ERROR", timeout_s=60)
+            seen = time.monotonic()  # its first restart is 0.5 s away
+            row = status(control)[f"s0/{role}"]
+            metric = self.metric("clonemap_server_disk_ok", role)
+            errors = self.metric("clonemap_server_disk_errors_total", role)
+            took = time.monotonic() - seen
+            assert row["disk_error"] and row["state"] != "RUNNING", row
+            assert metric == 0 and errors >= 1, (metric, errors)
+            assert took < 1.0, took
+            if self.ledger is not None:  # acknowledgements count from here
+                self.ledger.mark = len(self.ledger.acked)
+
+        def wait_back(self, role: str, timeout_s: float = 60.0) -> None:
+            """The server rejoined by itself: RUNNING and PASSIVE or ACTIVE."""
+            wait_status(control, lambda r: r[f"s0/{role}"]["state"] == "RUNNING"
+                        and r[f"s0/{role}"]["bstar"] in ("PASSIVE", "ACTIVE")
+                        and not r[f"s0/{role}"]["disk_error"], timeout_s=timeout_s)
+
+    c = Cluster()
+    try:
+        yield c
+    finally:
+        if c.sup is not None and c.sup.alive():
+            cli("stop", str(config))
+            c.sup.wait(30)
+        for disk in disks.values():
+            subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def restart_all_and_check(cluster, ledger: Ledger) -> None:
+    cluster.stop()
+    cluster.start()
+    ledger.check(cluster.config)
+
+
+def test_a_full_disk_on_the_active_fails_over_and_it_rejoins_when_space_returns(cluster):
+    cluster.start()
+    assert cluster.active() == "primary"
+    filler = fill(cluster.disks["primary"], leave=512 << 10)
+    with Ledger(cluster.config) as ledger:
+        cluster.ledger = ledger
+        cluster.wait_disk_error("primary")
+        out = cli("status", str(cluster.config))  # still full: it cannot come back yet
+        assert out.returncode == 1 and "s0/primary: disk error" in out.stdout, out.stdout
+        assert cluster.active() == "backup"
+        ledger.wait_acked(50)  # the backup acknowledges writes again
+        ledger.stop.set()  # the map must fit the primary's disk when it copies it
+        ledger.thread.join(30)
+        filler.unlink()  # space returns: no operator action beyond that
+        cluster.wait_back("primary")
+    assert cluster.row("primary")["restarts"] >= 1
+    ledger.check(cluster.config)
+    restart_all_and_check(cluster, ledger)
+
+
+def test_a_full_disk_on_the_passive_then_on_both(cluster):
+    cluster.start()
+    fill(cluster.disks["backup"], leave=1 << 20)
+    with Ledger(cluster.config, per_s=200) as ledger:
+        cluster.ledger = ledger
+        cluster.wait_disk_error("backup")
+        ledger.wait_acked(50)  # the active goes on alone
+        assert cluster.active() == "primary"
+        primary_filler = fill(cluster.disks["primary"], leave=256 << 10)
+        cluster.wait_disk_error("primary")  # both full: the shard stops acknowledging
+        out = cli("status", str(cluster.config))
+        assert out.returncode == 1 and "disk error" in out.stdout, out.stdout
+        primary_filler.unlink()
+        (cluster.disks["backup"] / "filler").unlink()
+        cluster.wait_back("primary")
+        cluster.wait_back("backup")
+        ledger.wait_acked(20)
+    ledger.check(cluster.config)
+    restart_all_and_check(cluster, ledger)
+
+
+def test_read_only_disk_eio_and_a_failed_fsync_each_fail_over(cluster, monkeypatch):
+    monkeypatch.setenv("FAULT", "write:EIO")
+    image = cluster.config.parent / "primary.ext4"
+    ext4(cluster.disks["primary"], image)
+    cluster.start()
+    with Ledger(cluster.config, value_bytes=1000, per_s=200) as ledger:
+        cluster.ledger = ledger
+        ledger.wait_acked(20)
+        # EROFS: the active's ext4 goes read-only under its open log (a media error)
+        ext4_error(cluster.disks["primary"])
+        cluster.wait_disk_error("primary")
+        assert "EROFS" in cluster.row("primary")["disk_error"]
+        assert cluster.active() == "backup"
+        ledger.wait_acked(20)
+        ext4_repair(cluster.disks["primary"], image, cluster.control, "s0/primary")
+        cluster.wait_back("primary")
+        # EIO on the next log write of the (new) active, injected
+        os.kill(cluster.row("backup")["pid"], signal.SIGUSR2)
+        cluster.wait_disk_error("backup")
+        assert cluster.active() == "primary"
+        ledger.wait_acked(20)
+        cluster.wait_back("backup")
+    ledger.check(cluster.config)
+    restart_all_and_check(cluster, ledger)
+
+
+def test_a_failed_fsync_is_never_retried_the_server_stops(cluster, monkeypatch):
+    monkeypatch.setenv("FAULT", "fsync:EIO")
+    cluster.start()
+    with Ledger(cluster.config, value_bytes=1000, per_s=200) as ledger:
+        cluster.ledger = ledger
+        ledger.wait_acked(20)
+        pid = cluster.row("primary")["pid"]
+        os.kill(pid, signal.SIGUSR2)  # the next everysec fsync fails
+        cluster.wait_disk_error("primary")
+        log = (cluster.config.parent / "run" / "logs" / "s0-primary.log").read_text()
+        assert "fsync of the log" in log and "never fsynced again" in log
+        assert cluster.active() == "backup"
+        ledger.wait_acked(20)
+        cluster.wait_back("primary")
+    ledger.check(cluster.config)
+    restart_all_and_check(cluster, ledger)
