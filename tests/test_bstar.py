@@ -653,3 +653,48 @@ def test_a_starting_server_does_not_adopt_its_peers_term_so_the_election_cannot_
     # the primary then sees it active, goes passive and adopts its term
     p, effects = step(p, state_message(b, 120), 0.1)
     assert p.state is PASSIVE and p.term == 3
+
+
+# --------------------------------------------------------------------- rule 8: needs_peer
+
+def _msg(state: State, role: Role, term: int = 0, seq: int = 0) -> StateMessage:
+    return StateMessage(state, role, HB, term, seq, "s0")
+
+
+def test_a_server_that_lost_its_map_lets_the_peer_holding_data_serve():
+    now = 0.0
+    lost = new_machine(Role.PRIMARY, now, heartbeat_s=HB, shard="s0", term=7, data_seq=900,
+                       needs_peer=True)
+    assert (lost.term, lost.data_seq) == (0, 0), "its recovered term and sequence are void"
+    # start-up: the backup holds data, so the primary stays, whatever the tie rule says
+    lost, effects = step(lost, _msg(BACKUP, Role.BACKUP, term=1, seq=400), now)
+    assert lost.state is PRIMARY and not any(isinstance(e, BecameActive) for e in effects)
+    backup = new_machine(Role.BACKUP, now, heartbeat_s=HB, shard="s0", term=1, data_seq=400)
+    backup, effects = step(backup, _msg(PRIMARY, Role.PRIMARY), now)
+    assert backup.state is ACTIVE
+    # it never wins a vote, not even once the peer is silent
+    later = now + 100 * HB
+    _, effects = step(lost, Event.CLIENT_REQUEST, later)
+    assert refused(effects) and not bstar.would_accept(lost, later)
+
+
+def test_a_server_that_lost_its_map_serves_when_the_peer_holds_nothing_either():
+    lost = new_machine(Role.BACKUP, 0.0, heartbeat_s=HB, shard="s0", needs_peer=True)
+    lost, effects = step(lost, _msg(PRIMARY, Role.PRIMARY, 0, 0), 0.0)
+    assert lost.state is BACKUP  # the primary wins the (0, 0) tie and goes active
+    primary = new_machine(Role.PRIMARY, 0.0, heartbeat_s=HB, shard="s0", needs_peer=True)
+    primary, effects = step(primary, _msg(BACKUP, Role.BACKUP, 0, 0), 0.0)
+    assert primary.state is ACTIVE  # nothing is at stake on either side
+
+
+def test_a_passive_without_its_copy_yet_goes_back_to_start_when_the_peer_restarts():
+    m = new_machine(Role.BACKUP, 0.0, heartbeat_s=HB, shard="s0", needs_peer=True)
+    m, _ = step(m, _msg(ACTIVE, Role.PRIMARY, 3, 50), 0.0)
+    assert m.state is PASSIVE
+    m, effects = step(m, _msg(PRIMARY, Role.PRIMARY, 3, 50), 1.0)  # the active restarted
+    assert m.state is BACKUP and any(isinstance(e, PublishState) for e in effects)
+    m = bstar.peer_copied(m)
+    m, _ = step(m, _msg(ACTIVE, Role.PRIMARY, 3, 50), 2.0)
+    assert m.state is PASSIVE and not m.needs_peer
+    m, effects = step(m, _msg(PRIMARY, Role.PRIMARY, 3, 50), 3.0)
+    assert m.state is ACTIVE  # with its copy, the usual rule: the passive takes over

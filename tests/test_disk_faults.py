@@ -313,3 +313,96 @@ def test_a_failed_fsync_is_never_retried_the_server_stops(cluster, monkeypatch):
         cluster.wait_back("primary")
     ledger.check(cluster.config)
     restart_all_and_check(cluster, ledger)
+
+
+# ------------------------------------------------------------------ recovery
+
+def _write_ledger(config: Path, count: int) -> Ledger:
+    ledger = Ledger(config, value_bytes=100)
+    ledger.stop.set()  # no thread: write ``count`` here, each acknowledged
+    from client.api import Clone
+
+    with Clone(config=str(config)) as clone:
+        for n in range(1, count + 1):
+            clone.set(f"/ledger/{n}", value_of(n, 100), wait=True)
+            ledger.acked.append(n)
+    return ledger
+
+
+def test_one_unreadable_log_the_healthy_peer_serves_and_it_copies_back(procs, tmp_path):
+    config, control = write_config(tmp_path, "1shard.yaml")
+    run = tmp_path / "run"
+    sup = procs.python("-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
+                       str(run), ready="READY supervisor", timeout_s=60)
+    ledger = _write_ledger(config, 400)
+    assert cli("stop", str(config)).returncode == 0
+    sup.wait(30)
+    # a byte flipped in the middle of the primary's log: not a torn tail, a bad disk
+    primary_dir = run / "data" / "s0-primary"
+    segment = max(primary_dir.glob("log-*.cml"), key=lambda p: p.stat().st_size)
+    raw = bytearray(segment.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    segment.write_bytes(bytes(raw))
+    sup = procs.python("-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
+                       str(run), ready="READY supervisor", timeout_s=60)
+    ready = next(line for line in sup.stdout if line.startswith("READY supervisor"))
+    assert "active_shards=1/1" in ready
+    assert any("EVENT s0/primary could not read its data directory" in line
+               for line in sup.stdout), sup.stdout  # said before READY
+    rows = wait_status(control, lambda r: r["s0/backup"]["bstar"] == "ACTIVE"
+                       and r["s0/primary"]["bstar"] == "PASSIVE"
+                       and not r["s0/primary"]["stats"].get("needs_peer"))
+    assert rows["s0/backup"]["keys"] == 400
+    moved = list(primary_dir.glob("unreadable-*"))
+    assert len(moved) == 1 and (moved[0] / segment.name).exists(), "kept, never deleted"
+    assert not (primary_dir / "needs-peer").exists()
+    log = (run / "logs" / "s0-primary.log").read_text()
+    assert "checksum mismatch" in log and "holds a valid copy again" in log
+    ledger.check(config)
+    # the copy is whole: with the backup gone, the primary serves every write
+    assert cli("kill", "s0/backup", str(config)).returncode == 0
+    ledger.check(config)
+
+
+def test_detach_is_not_ready_while_a_shard_has_no_active_server(tmp_path):
+    config, control = write_config(tmp_path, "1shard.yaml")
+    run = tmp_path / "run"
+    for role in ("primary", "backup"):
+        mount(run / "data" / f"s0-{role}", size=1 << 20)  # under --min-free-bytes
+    try:
+        out = cli("start", str(config), "--detach", "--run-dir", str(run),
+                  "--ready-timeout-s", "3", timeout_s=60)
+        assert out.returncode == 1, (out.stdout, out.stderr)
+        assert out.stdout.startswith("NOT_READY supervisor") and "active_shards=0/1" in out.stdout
+        err = out.stderr
+        assert "not served: s0: no ACTIVE server" in err and "disk error: ENOSPC" in err, err
+        assert f"supervisor stop {config}" in err
+    finally:
+        cli("stop", str(config))
+        for role in ("primary", "backup"):
+            subprocess.run(["umount", "-l", str(run / "data" / f"s0-{role}")], check=False)
+
+
+def test_a_torn_tail_is_reported_in_updates_in_the_log_and_the_metrics(procs, tmp_path):
+    from shards.persist import format as fmt
+
+    config, control = write_config(tmp_path, "1shard.yaml")
+    run = tmp_path / "run"
+    sup = procs.python("-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
+                       str(run), ready="READY supervisor", timeout_s=60)
+    _write_ledger(config, 10)
+    assert cli("stop", str(config)).returncode == 0
+    sup.wait(30)
+    segment = max((run / "data" / "s0-primary").glob("log-*.cml"))
+    torn = fmt.record([11, b"/t/1", b"x", None, b"/t/2", b"y", None])
+    with open(segment, "ab") as f:
+        f.write(torn[:-3])
+    sup = procs.python("-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
+                       str(run), ready="READY supervisor", timeout_s=60)
+    log = (run / "logs" / "s0-primary.log").read_text()
+    assert "2 update(s), sequence 11..12" in log, log[-2000:]
+    data = yaml.safe_load(config.read_text())
+    body = urllib.request.urlopen(f"http://{data['metrics']}/metrics", timeout=5).read()
+    line = next(x for x in body.decode().splitlines()
+                if x.startswith("clonemap_recovery_torn_updates{") and 'role="primary"' in x)
+    assert line.endswith(" 2.0"), line

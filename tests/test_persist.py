@@ -407,3 +407,21 @@ def test_terms_are_saved_atomically_and_read_back(tmp_path):
     (tmp_path / "terms").write_text("{not json")
     with pytest.raises(CorruptLog, match="terms"):
         recover(tmp_path)
+
+
+def test_a_torn_tail_is_reported_in_updates_and_sequences(tmp_path):
+    store, writer = Store(), DataDir(tmp_path, "always")
+    writer.open(GEN, 0)
+    apply_all(store, writer, [(b"/a", b"1", None), (b"/b", b"2", None)])
+    writer.close()
+    segment = next(p for p in tmp_path.iterdir() if p.name.startswith(fmt.LOG_PREFIX))
+    torn = fmt.record([3, b"/c", b"3", None, b"/d", b"4", None, b"/e", b"5", None])
+    with open(segment, "ab") as f:
+        f.write(torn[:len(torn) - 4])  # a crash in the middle of the write
+    got = recover(tmp_path)
+    assert got.store.seq == 2 and got.torn_bytes == len(torn) - 4
+    assert (got.torn_updates, got.torn_first_seq) == (3, 3)
+    with open(segment, "ab") as f:
+        f.write(torn[:5])  # too little written to tell
+    got = recover(tmp_path)
+    assert got.torn_bytes == 5 and got.torn_updates == 0
