@@ -45,7 +45,8 @@ from shards.common.security import Security
 from shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES
 from shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES
 from shards.server import (CLOCK_S, COLLECT_BATCH, COLLECT_RCVHWM, HEARTBEAT_S, MAX_ACTIVE_SNAPSHOTS,
-                           PUB_SNDHWM, SNAPSHOT_CHUNK, SNAPSHOT_SNDHWM, SNAPSHOT_STALL_S,
+                           PUB_SNDHWM, SNAPSHOT_CHUNK, SNAPSHOT_HELD_BYTES, SNAPSHOT_SNDHWM,
+                           SNAPSHOT_STALL_S,
                            ServerConfig, ShardServer)
 
 log = logging.getLogger("shards")
@@ -348,7 +349,11 @@ def _report_torn(got, data_dir: str) -> None:
 @click.option("--collect-hwm", type=click.IntRange(0), default=COLLECT_RCVHWM,
               show_default=True)
 @click.option("--snapshot-hwm", type=click.IntRange(1), default=SNAPSHOT_SNDHWM,
-              show_default=True)
+              show_default=True, help="At most this many messages queued per requester.")
+@click.option("--snapshot-held-bytes", type=click.IntRange(0), default=SNAPSHOT_HELD_BYTES,
+              show_default=True,
+              help="Bytes all snapshot streams together may queue (an equal share each of "
+                   "--max-snapshots); 0: only --snapshot-hwm.")
 @click.option("--cpus", callback=_parse_cpus, default=None,
               help="Pin the process to these CPUs (e.g. 0,1) before any thread starts.")
 @click.option("--primary", "pair_role", flag_value="primary", default=None,
@@ -405,7 +410,7 @@ def _report_torn(got, data_dir: str) -> None:
 def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_props_bytes,
          max_subtree_bytes, snapshot_chunk, snapshot_stall_s, snapshot_yield_s, max_snapshots, collect_batch,
          pub_hwm, subscriber_held_bytes, writer_held_bytes, history_updates, history_bytes,
-         collect_hwm, snapshot_hwm, cpus, pair_role, peer, shard, control,
+         collect_hwm, snapshot_hwm, snapshot_held_bytes, cpus, pair_role, peer, shard, control,
          parent_pid, shard_map, shard_index, pending_max, pending_max_bytes, pending_age_s, data_dir, fsync,
          compact_min_bytes, compact_ratio, min_free_bytes, keys_dir, log_level):
     """Run one 12/CHP shard server: standalone, or one server of a Binary Star pair."""
@@ -442,6 +447,7 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
         writer_held_bytes=writer_held_bytes, history_updates=history_updates,
         history_bytes=history_bytes,
         collect_rcvhwm=collect_hwm, snapshot_sndhwm=snapshot_hwm,
+        snapshot_held_bytes=snapshot_held_bytes,
         shard_map=shard_map, shard_index=shard_index or 0)
     if pair_role is None:
         server = ShardServer(config)

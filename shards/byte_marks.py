@@ -25,7 +25,14 @@ a larger message. libzmq may already have queued up to the old mark behind it, s
 bound holds from then on. ``ZMQ_MAXMSGSIZE`` on the collector bounds any one frame.
 
 libzmq applies a changed mark to the pipes that already exist (checked in
-``tests/test_byte_marks.py``), so one ``setsockopt`` bounds every peer at once.
+``tests/test_byte_marks.py``), so one ``setsockopt`` bounds every peer connected then.
+But a peer that connects later to a *bound* socket gets the mark the socket had when it
+was bound (the listener keeps a copy of the options from ``bind``): a subscriber that
+came after a lowered mark could queue ``bind-time mark x (largest message)`` bytes
+(measured: 1,747 messages of 64 KiB instead of 15). So the server sets the lowered mark
+again once new peers are there (``ShardServer.reapply_marks``): the publisher's when it
+welcomes a new subscription, the snapshot ROUTER's when an ICANHAZ arrives, the
+collector's every heartbeat.
 
 The check costs nothing on the hot path. The collector's fast path admits only messages
 no larger than ``fast_limit``; a larger one takes the checked path, which calls

@@ -64,12 +64,15 @@ from shards.common.proto import bstar as wire
 from shards.common.proto import bstar_ttl, chp
 from shards.replica import Follower
 from shards import streams
-from shards.server import ServerConfig, ShardServer
+from shards.server import ServerConfig, ShardServer, largest_entry
 from shards.store import Store, ttl_props
 
 log = logging.getLogger("shards.pair")
 
 STATE_OFFSET = 3
+STATE_SUBSCRIPTION_MAX = 256
+"""``ZMQ_MAXMSGSIZE`` of the state PUB on P+3: its one honest peer subscribes to
+everything (a 1-byte frame); a larger frame disconnects whoever sent it."""
 """The state PUB is on P+3."""
 PENDING_GRACE_HEARTBEATS = 2
 PENDING_GRACE_MIN_S = 1.0
@@ -203,6 +206,7 @@ class PairServer(ShardServer):
         super().bind()
         try:
             pub = self._socket(zmq.PUB)
+            pub.setsockopt(zmq.MAXMSGSIZE, STATE_SUBSCRIPTION_MAX)  # the peer subscribes to ""
             self._bind(pub, self.config.endpoint(STATE_OFFSET))
             self._state_pub = pub
             sub = self._socket(zmq.SUB)
@@ -408,6 +412,7 @@ class PairServer(ShardServer):
         map never had (``persist.fork_point``) are kept in a ``dropped-*`` file."""
         old_seq = self.store.seq
         self.store = store
+        self.snapshot_entries(largest_entry(store))
         self.recent.reset(store.seq)  # resumes from this map only
         if self.persist is not None:
             fork = fork_point(self.history, list(history)) if history else None

@@ -47,6 +47,7 @@ from shards.common import zio
 from shards.common.drops import DropCounter
 from shards.common.errors import ProtocolError
 from shards import replica_machine as rm
+from shards.byte_marks import INITIAL_MARK, MESSAGE_OVERHEAD, derive
 from shards.common.proto import bstar_ttl, chp
 from shards.pending import PendingTable
 from shards.common.security import Security
@@ -111,6 +112,14 @@ class Follower:
         self.updates_endpoint = f"tcp://{peer_host}:{peer_port + 1}"
         self.sync_timeout_s = sync_timeout_s
         self.buffer_max = buffer_max
+        self.held_bytes = owner.config.writer_held_bytes
+        """Byte budget of the active's stream here: the SUB's queue (its mark in messages
+        derived from it and the largest update heard, as ``shards.byte_marks`` does for
+        the collector) and, separately, the updates buffered during a sync. Counted in
+        messages only, a flat-out writer of 8 KB values once took a passive to 1.2 GiB
+        (100,000 queued messages) with no subscriber stalled."""
+        self._largest = INITIAL_MARK
+        self._buffer_bytes = 0
         self.state = rm.State(rm.Config(sync_timeout_s=sync_timeout_s,
                                         retry_s=owner.config.heartbeat_s))
         self._sub: zio.AsyncSocket | None = None
@@ -141,7 +150,7 @@ class Follower:
         """Connect the SUB to the active's P+1 (once, at start)."""
         sock = self.owner.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, self.owner.config.collect_rcvhwm)
+        sock.setsockopt(zmq.RCVHWM, self._mark())
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.owner.security.connect_side(sock)
         sock.connect(self.updates_endpoint)
@@ -187,15 +196,20 @@ class Follower:
                 case _:
                     raise TypeError(f"not a replica effect: {effect!r}")
 
+    def _mark(self) -> int:
+        return derive(self.held_bytes, self.owner.config.collect_rcvhwm, self._largest)
+
     def _drop_sync(self) -> None:
         self._close_dealer()
         self._buffer = []
+        self._buffer_bytes = 0
         self._building = None
 
     def _open_sync(self) -> None:
         self._close_dealer()
         self.counters["syncs_started"] += 1
         self._buffer = []
+        self._buffer_bytes = 0
         self._building = None
         self._ttl_table = {}
         self._generation = ""
@@ -268,9 +282,16 @@ class Follower:
             self.last_heard = now
             return
         self.last_heard = now
+        size = len(msg.key) + len(msg.value) + len(msg.props)
+        if size > self._largest:  # the queue's mark falls before it can hold more bytes
+            self._largest = size
+            if self._sub is not None:
+                self._sub.sock.setsockopt(zmq.RCVHWM, self._mark())
         owner.pending.confirm(msg.uuid, now)
         if rm.buffering(state):
-            if len(self._buffer) >= self.buffer_max:
+            self._buffer_bytes += size + MESSAGE_OVERHEAD
+            if (len(self._buffer) >= self.buffer_max
+                    or (self.held_bytes and self._buffer_bytes > self.held_bytes)):
                 self._dispatch(rm.BufferOverflow(self.buffer_max), now)
                 return
             self._buffer.append(msg)
@@ -341,6 +362,7 @@ class Follower:
         store.seq = snap_seq
         later = [m for m in self._buffer if m.seq > snap_seq]
         self._buffer = []
+        self._buffer_bytes = 0
         self._building = None
         self._close_dealer()
         self.owner.replace_store(store, self._generation, self._history)
@@ -352,4 +374,6 @@ class Follower:
                 return
 
     def stats(self) -> dict:
-        return {"phase": self.phase, "buffered": len(self._buffer), **self.counters}
+        return {"phase": self.phase, "buffered": len(self._buffer),
+                "buffered_bytes": self._buffer_bytes, "rcvhwm": self._mark(),
+                **self.counters}

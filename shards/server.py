@@ -69,9 +69,10 @@ from shards import streams
 from shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES, History
 from shards.history import WIDTH as KVPUB_FRAMES
 from shards.resume import ResumeStream
-from shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES, ByteMarks
+from shards.byte_marks import INITIAL_MARK, SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES, ByteMarks
 from shards.common import zio
 from shards.common.drops import DropCounter
+from shards.common.memory import give_back
 from shards.common.errors import PortInUse, ProtocolError
 from shards.common.proto import chp
 from shards.common.routing import OwnerCache, ShardMap
@@ -102,12 +103,36 @@ costs clients little latency (``python -m bench durability``)."""
 PUB_SNDHWM = 100_000
 COLLECT_RCVHWM = 100_000
 SNAPSHOT_SNDHWM = 10_000
+SNAPSHOT_HELD_BYTES = 64 << 20
+"""Default of ``ServerConfig.snapshot_held_bytes``: 2 MiB per requester at 16 + 16
+streams."""
 
 _send = _BackendSocket.send
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _pack_seq = chp.pack_seq
+
+
+def _entry_size(item: tuple[bytes, bytes]) -> int:
+    return len(item[0]) + len(item[1])
+
+
+def largest_entry(store: Store) -> int:
+    """The largest key + value in ``store`` (one pass: ~5 ms per 100,000 keys)."""
+    data = store.data
+    if not data:
+        return 0
+    return max(map(len, data)) + max(map(len, data.values()))
 _RESERVED = chp.RESERVED_KEYS
+
+
+def request_frame_limit(limits: chp.Limits) -> int:
+    """``ZMQ_MAXMSGSIZE`` of the sockets whose peers only ask (the snapshot ROUTER's
+    ICANHAZ and BSTAR-TTL?, the publisher's subscriptions): the largest subtree or
+    properties frame the limits allow, plus 1 KiB. A larger frame disconnects its peer
+    before libzmq buffers it (four 64 MiB subscription frames once took a server to
+    3 GiB)."""
+    return max(limits.max_subtree, limits.max_props) + 1024
 
 
 def collector_frame_limit(limits: chp.Limits) -> int:
@@ -147,6 +172,11 @@ class ServerConfig:
     history_bytes: int = HISTORY_BYTES
     collect_rcvhwm: int = COLLECT_RCVHWM
     snapshot_sndhwm: int = SNAPSHOT_SNDHWM
+    snapshot_held_bytes: int = SNAPSHOT_HELD_BYTES
+    """Bytes all snapshot streams together may queue in libzmq; each of the streams that
+    may be open at once (``max_active_snapshots`` + ``streams.MAX_STALLED``) gets an
+    equal share: its ROUTER pipe's mark in messages is derived from it and the largest
+    entry streamed so far; 0: off."""
     shard_map: ShardMap | None = None
     """The cluster's routing; None: this server owns every key (standalone use)."""
     shard_index: int = 0
@@ -206,6 +236,10 @@ class SnapshotStream:
                         outcome = streams.PROGRESS
                         break
                     pending = cursor.next_chunk(budget * 4)
+                    if pending:  # before any of them is queued: the byte bound holds
+                        self.server.snapshot_entries(max(map(_entry_size, pending)))
+                        if not self.sent:  # this peer's pipe may have the bind-time mark
+                            self.server.reapply_marks("router", every_time=True)
                     pos = i = 0
                     fetched += 1
                     continue
@@ -285,6 +319,14 @@ class ShardServer:
             pub_budget=config.subscriber_held_bytes, pub_cap=config.pub_sndhwm,
             collect_budget=config.writer_held_bytes, collect_cap=config.collect_rcvhwm)
         self._fast_limit = self.marks.fast_limit
+        self._snapshots_busy = False
+        self._bind_marks: dict[str, int] = {}
+        """Each bound socket's mark at ``bind`` (what libzmq gives new peers' pipes)."""
+        self._reapplied: set[str] = set()
+        self.heap_trims = 0
+        self.snapshot_largest = 0
+        """The largest key + value streamed in a snapshot so far (it only grows)."""
+        self.snapshot_hwm = self._snapshot_mark()
         self.recent = History(config.history_updates, config.history_bytes)
         """Recent updates, for resumes (reset to the store's sequence at start)."""
         self._remember = self.recent.append if config.history_updates > 0 else None
@@ -324,15 +366,18 @@ class ShardServer:
         cfg = self.config
         self.ctx = zmq.Context()
         self._auth = Authenticator(self.ctx, self.security)
+        self.snapshot_entries(largest_entry(self.store))  # a recovered map's
         try:
             router = self._socket(zmq.ROUTER)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            router.setsockopt(zmq.SNDHWM, cfg.snapshot_sndhwm)
+            router.setsockopt(zmq.SNDHWM, self.snapshot_hwm)
+            router.setsockopt(zmq.MAXMSGSIZE, request_frame_limit(cfg.limits))
             self._bind(router, cfg.endpoint(0))
             self._router_sock = router
             pub = self._socket(zmq.XPUB)
             pub.setsockopt(zmq.SNDHWM, self.marks.pub_hwm)
             pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+            pub.setsockopt(zmq.MAXMSGSIZE, request_frame_limit(cfg.limits))
             self._bind(pub, cfg.endpoint(1))
             self._pub = pub
             self._publish_many = zio.publisher_many(pub, KVPUB_FRAMES)
@@ -345,6 +390,8 @@ class ShardServer:
             collector.setsockopt(zmq.SUBSCRIBE, b"")
             self._bind(collector, cfg.endpoint(2))
             self._collector_sock = collector
+            self._bind_marks = {"router": self.snapshot_hwm, "pub": self.marks.pub_hwm,
+                                "collect": self.marks.collect_hwm}
         except BaseException:
             self._auth.stop()
             self.ctx.destroy(linger=0)
@@ -502,12 +549,75 @@ class ShardServer:
         if expiry_s is not None:
             self._arm_ttl()
 
+    def _snapshot_mark(self) -> int:
+        """The snapshot ROUTER's mark in messages: a requester's share of
+        ``snapshot_held_bytes`` over the largest entry streamed so far."""
+        from shards.byte_marks import derive
+
+        cfg = self.config
+        share = cfg.snapshot_held_bytes // (cfg.max_active_snapshots + streams.MAX_STALLED)
+        return derive(share, cfg.snapshot_sndhwm,
+                      max(self.snapshot_largest, INITIAL_MARK))
+
+    def snapshot_entries(self, biggest: int) -> None:
+        """Entries of up to ``biggest`` bytes may be streamed from now on (a recovered or
+        installed map, a larger update about to be published, a snapshot's next chunk):
+        lower the ROUTER's mark if they are the largest yet, so that each requester's
+        queue stays within its share. The mark is right for every pipe made after it
+        (a requester connects after the map it asks for holds the entry); libzmq also
+        applies it to the pipes that exist, but not reliably after a large drop (seen
+        here: a mark lowered from 1,747 to 15 left some pipes taking 1,000 messages)."""
+        if biggest <= self.snapshot_largest:
+            return
+        self.snapshot_largest = biggest
+        hwm = self._snapshot_mark()
+        if hwm != self.snapshot_hwm:
+            self.snapshot_hwm = hwm
+            if self._router_sock is not None:
+                self._router_sock.setsockopt(zmq.SNDHWM, hwm)
+
+    def reapply_marks(self, which: str, every_time: bool = False) -> None:
+        """Set a lowered mark again, so that it reaches the pipes of peers that connected
+        since it was lowered (they got the bind-time mark: ``shards.byte_marks``). A no-op
+        while the mark is still the bind-time one; otherwise one ``setsockopt`` (libzmq
+        walks the socket's pipes): at most once per loop turn per socket, or, with
+        ``every_time`` (a snapshot stream about to send its first entry: its peer's pipe
+        may have attached after this turn's first call), each time."""
+        current = {"pub": self.marks.pub_hwm, "collect": self.marks.collect_hwm,
+                   "router": self.snapshot_hwm}[which]
+        if current == self._bind_marks.get(which) or (
+                which in self._reapplied and not every_time):
+            return
+        sock = {"pub": self._pub, "collect": self._collector_sock,
+                "router": self._router_sock}[which]
+        if sock is None:
+            return
+        sock.setsockopt(zmq.RCVHWM if which == "collect" else zmq.SNDHWM, current)
+        self._reapplied.add(which)
+        if self.loop is not None and len(self._reapplied) == 1:
+            self.loop.call_soon(self._reapplied.clear)
+
+    def _give_back_after_snapshots(self) -> None:
+        """Once the last snapshot stream has ended, give the heap's free pages back to
+        the OS (``memory.give_back``): the frames of a flood of never-reading requesters
+        (or of many joins) are freed small blocks that the process would keep."""
+        pump = self.snapshots
+        if pump is None:
+            return
+        busy = bool(pump.active or pump.waiting)
+        if self._snapshots_busy and not busy:
+            give_back()
+            self.heap_trims += 1
+        self._snapshots_busy = busy
+
     def _lower_mark(self, which: str | None) -> None:
         """A message larger than any so far was read or is about to be published: the
         marks fell (``shards.byte_marks``), so that a subscriber that reads nothing, or
         a writer, pins at most its byte budget. ``which``: the socket to tell, or None."""
         marks = self.marks
         self._fast_limit = marks.fast_limit
+        if marks.pub_mark > self.snapshot_largest:  # before any pipe can queue it
+            self.snapshot_entries(marks.pub_mark)
         if which == "pub" and self._pub is not None:
             self._pub.setsockopt(zmq.SNDHWM, marks.pub_hwm)
         elif which == "collect" and self._collector_sock is not None:
@@ -726,6 +836,7 @@ class ShardServer:
 
     def _send_welcome(self) -> None:
         self._welcome_handle = None
+        self.reapply_marks("pub")  # the new subscriber's pipe has the bind-time mark
         try:
             zio.send_frames5(self._pub, *self._hugz())
         except zmq.ZMQError as exc:
@@ -740,6 +851,8 @@ class ShardServer:
         loop = self.loop
         config = self.config
         self._beat_handle = loop.call_later(self._beat_s, self.on_heartbeat)
+        self._give_back_after_snapshots()
+        self.reapply_marks("collect")  # writers that connected since
         if not self.active:
             return
         now = loop.time()
@@ -823,6 +936,8 @@ class ShardServer:
             "hugz_welcome": self.hugz_welcome,
             "recent": self.recent.stats(),
             "pub_hwm": self.marks.pub_hwm,
+            "snapshot_hwm": self.snapshot_hwm,
+            "heap_trims": self.heap_trims,
             "collect_hwm": self.marks.collect_hwm,
             "largest_published_bytes": self.marks.pub_mark,
             "largest_received_bytes": self.marks.collect_mark,

@@ -16,10 +16,15 @@ server's loop and owns the rules they share:
   (``max_waiting``; beyond that they are refused) or replace the oldest (``evict=True``);
 * stalled peers yield: a stream whose peer accepted nothing for ``yield_s`` while others
   wait gives up its slot (counted ``yielded``). It stays open, retried every
-  ``STALLED_RETRY_S``, and takes a normal pace again as soon as its peer reads; at most
-  ``max_stalled`` such streams are kept (beyond, the oldest is abandoned). So peers that
-  ask for a snapshot and never read cannot hold every slot for ``stall_s``: a client
-  joining behind them starts within about ``yield_s``.
+  ``STALLED_RETRY_S``, and takes a normal pace again as soon as its peer reads. At most
+  ``max_stalled`` streams are stalled at once: a stalled stream still has its queue of
+  messages in libzmq (libzmq cannot drop one peer's queue, and a peer that does not read
+  does not answer heartbeats either), so with ``max_active + max_stalled`` streams open,
+  a new one waits until one ends (done, or its peer gone). So peers that ask for a
+  snapshot and never read cannot hold every slot for ``stall_s`` while they are fewer than
+  ``max_stalled``, and the bytes queued for all streams together stay within
+  ``(max_active + max_stalled)`` x one peer's queue (``ShardServer`` derives the ROUTER's
+  mark from a byte budget for that).
 
 A stream implements ``send_some(sock) -> str``: ``PROGRESS`` (sent something, more to
 come), ``DONE`` (sent its last message) or ``BLOCKED`` (nothing accepted: the pipe was
@@ -44,7 +49,7 @@ PAUSE_S = 0.001
 STALLED_RETRY_S = 0.05
 """Retry delay for a stream that yielded its slot."""
 YIELD_S = 0.5
-MAX_STALLED = 256
+MAX_STALLED = 16
 
 
 class Stream(Protocol):
@@ -129,13 +134,15 @@ class StreamPump:
     def _admit(self) -> None:
         """Start waiting streams, in order, while there is room; a peer's second stream
         waits until its first is done."""
-        if not self.waiting or self._busy() >= self.max_active:
+        if (not self.waiting or self._busy() >= self.max_active
+                or len(self.active) >= self.max_active + self.max_stalled):
             return
         now = self.loop.time()
         kept: collections.deque = collections.deque()
         while self.waiting:
             identity, make = self.waiting.popleft()
-            if identity in self.active or self._busy() >= self.max_active:
+            if (identity in self.active or self._busy() >= self.max_active
+                    or len(self.active) >= self.max_active + self.max_stalled):
                 kept.append((identity, make))
                 continue
             self.active[identity] = _Entry(make(), now)
@@ -197,7 +204,7 @@ class StreamPump:
                             identity, self.stall_s)
                 finished.append(identity)
             else:
-                if (not entry.stalled and self.waiting
+                if (not entry.stalled and self.waiting and self.stalled < self.max_stalled
                         and now - entry.progress_s > self.yield_s):
                     entry.stalled = True  # give the slot to a peer that waits
                     self.stalled += 1
@@ -208,11 +215,6 @@ class StreamPump:
         self.kick()
         for identity in finished:
             self._remove(identity)
-        if self.stalled > self.max_stalled:  # the longest silent go first
-            excess = sorted((e.progress_s, i) for i, e in self.active.items() if e.stalled)
-            for _, identity in excess[:self.stalled - self.max_stalled]:
-                self.counters["abandoned"] += 1
-                self._remove(identity)
         if finished or self.stalled:
             self._admit()
         if progressed:

@@ -240,10 +240,13 @@ def test_final_stats_are_logged_on_stop(streaming_server, port_base, zctx):
 
 
 def test_requesters_that_never_read_do_not_keep_a_reader_from_its_snapshot(procs, zctx):
-    """100 peers ask for a snapshot of 60,000 keys and never read: their pipes fill and
-    they hold every streaming slot. Each yields its slot once it has accepted nothing for
-    ``--snapshot-yield-s``, so a client that then asks gets its whole snapshot long
-    before the stalled ones would be abandoned (``--snapshot-stall-s 120``)."""
+    """16 peers (as many as ``streams.MAX_STALLED``) ask for a snapshot of 60,000 keys
+    and never read: their pipes fill and they hold every streaming slot. Each yields its
+    slot once it has accepted nothing for ``--snapshot-yield-s``, so a client that then
+    asks gets its whole snapshot long before the stalled ones would be abandoned
+    (``--snapshot-stall-s 120``). (More never-reading peers than that wait for a slot:
+    each stalled one keeps its queue in libzmq, and the bytes of all the queues together
+    are bounded; see ``test_memory_bounds``.)"""
     import asyncio
 
     from client.api import AsyncClone
@@ -260,8 +263,10 @@ def test_requesters_that_never_read_do_not_keep_a_reader_from_its_snapshot(procs
                 await clone.set(f"/fill/{i:06d}", b"v" * 100)
             await clone.set("/fill/last", b"v" * 100, wait=True, timeout_s=60)
     asyncio.run(fill())
+    from shards.streams import MAX_STALLED
+
     stalled = []
-    for _ in range(100):
+    for _ in range(MAX_STALLED):
         dealer = zctx.socket(zmq.DEALER)
         dealer.linger = 0
         dealer.rcvhwm = 100
@@ -271,12 +276,12 @@ def test_requesters_that_never_read_do_not_keep_a_reader_from_its_snapshot(procs
     deadline = time.monotonic() + DEADLINE_S
     while True:  # until the server has read all 100 requests
         before = stats_now(server)
-        if before["snapshots_active"] + before["snapshots_waiting"] == 100:
+        if before["snapshots_active"] + before["snapshots_waiting"] == MAX_STALLED:
             break
         assert time.monotonic() < deadline, before
     assert before["snapshots_active"] == 16  # every slot is taken
     got, seq = fetch_map(zctx, port, timeout_s=60)
     assert len(got) == keys and seq == keys
     after = stats_now(server)
-    assert after["snapshots_yielded"] >= 16 and after["snapshots_abandoned"] == 0
-    assert after["snapshots_stalled"] >= 16
+    assert after["snapshots_yielded"] >= 1 and after["snapshots_abandoned"] == 0
+    assert after["snapshots_stalled"] >= 1  # at least one gave its slot to the reader

@@ -55,3 +55,27 @@ def freeze_startup_objects() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def _bind_malloc_trim():
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = (ctypes.c_size_t,)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_malloc_trim = _bind_malloc_trim()
+
+
+def give_back() -> bool:
+    """Return the heap's free pages to the OS (glibc ``malloc_trim(0)``, which since glibc
+    2.8 releases free pages anywhere in the heap, not only at its top). Small blocks that
+    a flood left free (the frames of a few million queued KVSYNCs, say) are otherwise
+    kept by the process for good. A few milliseconds on a large heap: call it after a
+    flood, not per message. False where the C library has no ``malloc_trim``."""
+    if _malloc_trim is None:
+        return False
+    return _malloc_trim(0) == 1
