@@ -78,3 +78,39 @@ def test_a_restarted_peers_welcome_hugz_is_not_the_actives_last_word():
         assert follower.counters["hugz_not_serving"] == 1
     finally:
         loop.close()
+
+
+def test_a_vote_after_a_stall_hears_the_peers_queued_state_first(zctx):
+    """3. The vote: a passive whose loop stalled past its peer's expiry has the active's
+    state messages queued, unread, when a client's ICANHAZ is handled. It must read them
+    before it decides, or it wins a vote against a live active (two actives). Forced:
+    the peer's expiry is put in the past, a fresh state message is queued on the
+    server's real SUB, then the vote is handled."""
+    from shards import bstar
+    from shards.common.proto import bstar as wire
+
+    port, peer = free_port_base(4), free_port_base(4)
+    server = PairServer(ServerConfig(port=port, heartbeat_s=0.2), role="backup",
+                        peer=("127.0.0.1", peer))
+    loop = asyncio.new_event_loop()
+    active_peer = zctx.socket(zmq.PUB)
+    active_peer.linger = 0
+    active_peer.bind(f"tcp://127.0.0.1:{peer + 3}")
+    try:
+        server.bind()
+        server.loop = loop
+        now = loop.time()
+        server.machine = replace(bstar.new_machine(wire.Role.BACKUP, now, heartbeat_s=0.2,
+                                                   shard="0"),
+                                 state=wire.State.PASSIVE, peer_expiry=now - 1.0)
+        alive = wire.encode(wire.StateMessage(wire.State.ACTIVE, wire.Role.PRIMARY, 0.2,
+                                              1, 5, "0"))
+        while not server._state_sub_sock.poll(100):  # the SUB joins: resend until queued
+            active_peer.send_multipart(alive)
+        assert not server.admit_snapshot_request(), "won a vote against a live active"
+        assert server.machine.state is wire.State.PASSIVE
+        assert server.machine.peer_expiry > loop.time()  # it heard the peer
+    finally:
+        active_peer.close(0)
+        server.close()
+        loop.close()
