@@ -70,9 +70,11 @@ from shards.store import Store, ttl_props
 log = logging.getLogger("shards.pair")
 
 STATE_OFFSET = 3
-STATE_SUBSCRIPTION_MAX = 256
+STATE_SUBSCRIPTION_MAX = 64 << 10
 """``ZMQ_MAXMSGSIZE`` of the state PUB on P+3: its one honest peer subscribes to
-everything (a 1-byte frame); a larger frame disconnects whoever sent it."""
+everything (a 1-byte frame), but libzmq applies the limit to the security handshake's
+commands too (CURVE's INITIATE carries metadata: 256 B cut every CURVE pair off), so
+the limit is 64 KiB, far below the 64 MiB frames it is there for."""
 """The state PUB is on P+3."""
 PENDING_GRACE_HEARTBEATS = 2
 PENDING_GRACE_MIN_S = 1.0

@@ -852,7 +852,6 @@ class ShardServer:
         config = self.config
         self._beat_handle = loop.call_later(self._beat_s, self.on_heartbeat)
         self._give_back_after_snapshots()
-        self.reapply_marks("collect")  # writers that connected since
         if not self.active:
             return
         now = loop.time()
