@@ -40,6 +40,7 @@ from shards import streams
 from shards.pair import PairServer, parse_peer
 from shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES
 from shards.common.proto import chp
+from shards.common.proto.bstar import PEER_DOWN
 from shards.common.routing import ShardMap
 from shards.common.security import Security
 from shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES
@@ -143,9 +144,14 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
         from shards.common.mdp.worker import MdpWorker
 
         service = f"shard.{shard}.{server.role}"
-        worker = MdpWorker(control, service,
-                           lambda request: json.dumps(control_stats(server, shard)),
-                           ctx=server.ctx, security=server.security)
+        def answer(request) -> str:
+            """Stats; a body ``peer-down`` first says the peer cannot serve by itself."""
+            if request.body[:1] == [PEER_DOWN] and isinstance(server, PairServer):
+                server.peer_reported_down("the supervisor says so")
+            return json.dumps(control_stats(server, shard))
+
+        worker = MdpWorker(control, service, answer, ctx=server.ctx,
+                           security=server.security)
         await worker.start()
         log.info("control: MDP worker for %r at %s", service, control)
     parent_handle = None

@@ -58,6 +58,13 @@ Rules (``TABLE``; rows are this server's state, columns the event)::
         PRIMARY/BACKUP, so that the start-up rule (7) makes the peer, which holds the
         data, ACTIVE. ``peer_copied`` ends it once the peer's map is installed and on
         disk.
+    (9) ``peer_down``: the supervisor reports that the peer stopped on a disk error or is
+        FAILED (it cannot recover by itself). A BACKUP that never heard its primary
+        then takes a client's vote like a PASSIVE (after the peer's expiry) instead of
+        refusing it, so one broken disk never leaves a shard down while its peer holds
+        the map. The copy that serves is the backup's; if the primary held later
+        updates, it keeps them in ``dropped-*`` when it comes back and copies the
+        backup's map (the crossed-roles rule).
     TICK in any state: PublishState when the heartbeat is due.
 
 Decisions the architecture leaves open:
@@ -170,6 +177,10 @@ class Machine:
     needs_peer: bool = False
     """This server lost its map (an unreadable data directory, moved aside) and holds
     nothing valid until it has copied its peer's: see ``NEEDS_PEER``."""
+    peer_down: bool = False
+    """The supervisor reports the peer down and not coming back by itself (it stopped
+    on a disk error, or is FAILED): a BACKUP then takes a client's vote (rule 9). Any
+    message from the peer ends it."""
 
 
 def new_machine(role: Role, now: float, heartbeat_s: float = HEARTBEAT_S, shard: str = "",
@@ -187,6 +198,11 @@ def new_machine(role: Role, now: float, heartbeat_s: float = HEARTBEAT_S, shard:
 
 def _start_state(config: Config) -> State:
     return State.PRIMARY if config.role is Role.PRIMARY else State.BACKUP
+
+
+def peer_reported_down(machine: Machine) -> Machine:
+    """The supervisor says the peer cannot serve now (rule 9)."""
+    return replace(machine, peer_down=True)
 
 
 def peer_copied(machine: Machine) -> Machine:
@@ -219,7 +235,8 @@ def would_accept(machine: Machine, now: float) -> bool:
     if machine.fatal:
         return False
     rule = TABLE[(machine.state, Event.CLIENT_REQUEST)]
-    return rule is Rule.ACCEPT or (rule is Rule.VOTE and now >= machine.peer_expiry
+    votes = rule is Rule.VOTE or (rule is Rule.REFUSE and machine.peer_down)
+    return rule is Rule.ACCEPT or (votes and now >= machine.peer_expiry
                                    and not machine.needs_peer)
 
 
@@ -328,7 +345,7 @@ def _client_request(m: Machine, now: float) -> tuple[Machine, list[Effect]]:
     rule = TABLE[(m.state, Event.CLIENT_REQUEST)]
     if rule is Rule.ACCEPT:
         return m, [AcceptRequest()]
-    if rule is Rule.REFUSE:
+    if rule is Rule.REFUSE and not m.peer_down:
         return m, [RefuseRequest("backup: waiting for the primary")]
     # Rule.VOTE
     if m.needs_peer:
@@ -337,6 +354,7 @@ def _client_request(m: Machine, now: float) -> tuple[Machine, list[Effect]]:
     if now < m.peer_expiry:
         return m, [RefuseRequest(f"peer may be alive for {m.peer_expiry - now:.3f} s more")]
     why = "failover: peer silent, client vote" if m.state is State.PASSIVE else \
+        "client vote, the peer reported down" if m.state is State.BACKUP else \
         "client vote, no peer heard"
     m, effects = _to_active(m, now, why)
     effects.append(AcceptRequest())
@@ -367,7 +385,7 @@ def _peer(m: Machine, msg: StateMessage, kind: Event,
         return m, [IgnoredPeer("inconsistent state", f"{peer_state.name} from the "
                                                      f"{peer_role.name.lower()}")]
     m = replace(m, peer_expiry=now + PEER_EXPIRY_HEARTBEATS * msg.heartbeat_s,
-                peer_state=peer_state)
+                peer_state=peer_state, peer_down=False)
     if (m.state, kind) in _START_UP:  # (7): the later map goes active
         rule = Rule.TO_ACTIVE if later_state(m, msg) else Rule.STAY
         if m.needs_peer and (msg.term, msg.sequence) != (0, 0):

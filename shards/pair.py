@@ -485,6 +485,16 @@ class PairServer(ShardServer):
             self.hear_peer_now()
         return self._step(bstar.Event.CLIENT_REQUEST)
 
+    def peer_reported_down(self, why: str = "") -> None:
+        """The supervisor says the peer cannot serve by itself (a disk error, FAILED):
+        a BACKUP that never heard it may take a client's vote (``bstar`` rule 9)."""
+        if self.machine is None or self.machine.peer_down:
+            return
+        self.machine = bstar.peer_reported_down(self.machine)
+        log.warning("shard %s: the supervisor reports the peer down%s; a client's vote "
+                    "makes this %s serve with its own copy (sequence %d)", self.shard,
+                    f" ({why})" if why else "", self.role, self.store.seq)
+
     def hear_peer_now(self) -> int:
         """Step the machine with every state message waiting on the peer SUB (without
         waiting for the loop to get to it); how many."""
@@ -569,6 +579,7 @@ class PairServer(ShardServer):
             "peer_state": m.peer_state.name if m is not None and m.peer_state else None,
             "fatal": self.fatal,
             "needs_peer": self.needs_peer,
+            "peer_reported_down": bool(m is not None and m.peer_down),
             "takeovers": self.takeovers,
             "term_history": [list(pair) for pair in self.history],
             "dropped_updates": self.dropped_updates,

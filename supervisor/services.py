@@ -36,7 +36,8 @@ from shards.common.placement import Plan
 from supervisor.protocol import (BAD_REQUEST, CONFLICT, DEFAULT_LOG_LINES, MAX_LOG_LINES,
                                  NOT_FOUND, OK, check_target, stats_service)
 from supervisor.health import ClusterHealth, shards_without_active
-from supervisor.runner import RUNNING, Runner
+from shards.common.proto.bstar import PEER_DOWN
+from supervisor.runner import FAILED, RUNNING, Runner
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +220,7 @@ class StatsPoller:
             client = self.clients.get(name)
             if client is None:  # closed
                 return
-            body = await client.request(service)
+            body = await client.request(service, *self._notice(proc))
             stats = json.loads(body[-1])
             if not isinstance(stats, dict):
                 raise ValueError("not a JSON object")
@@ -228,6 +229,16 @@ class StatsPoller:
             log.debug("stats of %s: %s", name, exc)
             return
         proc.set_stats(stats, self.runner.clock())
+
+    def _notice(self, proc) -> tuple[bytes, ...]:
+        """``peer-down`` when the server's peer is not running and will not come back by
+        itself: it stopped on a disk error, or it is FAILED (``bstar`` rule 9)."""
+        for other in self.runner.servers.values():
+            if other is proc or other.plan.shard != proc.plan.shard:
+                continue
+            if other.state == FAILED or (other.state != RUNNING and other.disk_error):
+                return (PEER_DOWN,)
+        return ()
 
     async def close(self) -> None:
         """Idempotent."""

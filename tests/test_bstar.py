@@ -698,3 +698,19 @@ def test_a_passive_without_its_copy_yet_goes_back_to_start_when_the_peer_restart
     assert m.state is PASSIVE and not m.needs_peer
     m, effects = step(m, _msg(PRIMARY, Role.PRIMARY, 3, 50), 3.0)
     assert m.state is ACTIVE  # with its copy, the usual rule: the passive takes over
+
+
+def test_a_backup_told_its_primary_is_down_takes_a_vote():
+    """Rule 9: a BACKUP that never heard its primary refuses votes (it may be slow to
+    start), unless the supervisor reports the primary down on a disk error or FAILED."""
+    b = new_machine(Role.BACKUP, 0.0, heartbeat_s=HB, shard="s0", term=1, data_seq=40)
+    later = 10 * HB
+    _, effects = step(b, Event.CLIENT_REQUEST, later)
+    assert refused(effects) and not bstar.would_accept(b, later)
+    b = bstar.peer_reported_down(b)
+    assert bstar.would_accept(b, later) and not bstar.would_accept(b, 0.0)  # after expiry
+    b2, effects = step(b, Event.CLIENT_REQUEST, later)
+    assert accepted(effects) and b2.state is ACTIVE
+    # any word from the primary ends the report
+    b3, _ = step(b, _msg(PRIMARY, Role.PRIMARY, 0, 0), later)
+    assert not b3.peer_down

@@ -406,3 +406,34 @@ def test_a_torn_tail_is_reported_in_updates_in_the_log_and_the_metrics(procs, tm
     line = next(x for x in body.decode().splitlines()
                 if x.startswith("clonemap_recovery_torn_updates{") and 'role="primary"' in x)
     assert line.endswith(" 2.0"), line
+
+
+def test_a_primary_whose_disk_fails_at_start_leaves_the_backup_to_serve(procs, tmp_path):
+    """The "no disk" case of one server of a pair: the primary cannot start (its disk is
+    under --min-free-bytes), so the backup never hears it and would refuse every vote.
+    The supervisor reports the primary down, the backup serves on a client's vote, and
+    the primary copies its map back once its disk has room."""
+    config, control = write_config(tmp_path, "1shard.yaml")
+    run = tmp_path / "run"
+    sup = procs.python("-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
+                       str(run), ready="READY supervisor", timeout_s=60)
+    ledger = _write_ledger(config, 50)
+    assert cli("stop", str(config)).returncode == 0
+    sup.wait(30)
+    primary_disk = run / "data" / "s0-primary"
+    mount(primary_disk, size=1 << 20)  # the primary's directory: a tiny, empty disk
+    try:
+        sup = procs.python("-m", "supervisor", "start", str(config), "--no-table",
+                           "--run-dir", str(run), "--ready-timeout-s", "3",
+                           ready="READY supervisor", timeout_s=60)
+        assert any("DISK ERROR" in line for line in sup.stdout), sup.stdout
+        ledger.check(config)  # the client's vote: the backup serves its copy
+        rows = status(control)
+        assert rows["s0/backup"]["bstar"] == "ACTIVE"
+        assert rows["s0/backup"]["stats"]["peer_reported_down"] is True
+    finally:
+        subprocess.run(["umount", "-l", str(primary_disk)], check=False)
+    # its disk is back (the directory as it was): it rejoins as passive and copies
+    wait_status(control, lambda r: r["s0/primary"]["state"] == "RUNNING"
+                and r["s0/primary"]["bstar"] == "PASSIVE", timeout_s=60)
+    ledger.check(config)

@@ -125,3 +125,9 @@ def _check_state_role(state: State, role: Role) -> None:
     if (state is State.PRIMARY and role is not Role.PRIMARY) or (
             state is State.BACKUP and role is not Role.BACKUP):
         raise _fail(f"state {state.name} cannot come from a {role.name.lower()}", "bad_state")
+
+
+PEER_DOWN = b"peer-down"
+"""The body of a supervisor's stats request (MDP ``shard.<SHARD>.<ROLE>``) telling a server
+that its peer is not running and will not come back by itself (it stopped on a disk
+error, or is FAILED): ``shards.bstar`` rule 9."""
