@@ -239,8 +239,9 @@ def _tty_output(args: list[str], cwd: Path, until: str, timeout_s: float = 60.0,
                 break
             text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r", "",
                           raw.decode("utf-8", "replace"))
-            if until in text:
-                break
+            tail = text.rfind("cluster four")
+            if until in text and tail >= 0 and text.find("drill:", tail) > 0:
+                break  # a whole frame of the live view since ``until`` appeared
     os.close(master)
     return proc, text
 
