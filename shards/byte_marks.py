@@ -25,7 +25,7 @@ a larger message. libzmq may already have queued up to the old mark behind it, s
 bound holds from then on. ``ZMQ_MAXMSGSIZE`` on the collector bounds any one frame.
 
 libzmq applies a changed mark to the pipes that already exist (checked in
-``tests/test_byte_marks.py``), so one ``setsockopt`` bounds every peer connected then.
+``tests/integration/test_byte_marks.py``), so one ``setsockopt`` bounds every peer connected then.
 But a peer that connects later to a *bound* socket gets the mark the socket had when it
 was bound (the listener keeps a copy of the options from ``bind``): a subscriber that
 came after a lowered mark could queue ``bind-time mark x (largest message)`` bytes

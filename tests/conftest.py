@@ -24,31 +24,26 @@ ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
 # ------------------------------------------------------------------ kinds of test
-UNIT = {"test_broker_core", "test_bstar", "test_bstar_ttl", "test_chp_codec",
-        "test_client_machine", "test_drops", "test_mdp_codec", "test_pending", "test_policy",
-        "test_lag_meter", "test_replica_machine", "test_routing", "test_store",
-        "test_echoes", "test_persist"}
-"""No sockets, no processes, no zmq; real files in a temporary directory at most
-(``make test-unit``)."""
-BENCH = {"test_bench_load", "test_bench_report", "test_bench_scale", "test_bench_scenarios",
-         "test_bench_smoke", "test_handoff", "test_mdp_bench_smoke"}
-"""Smoke runs of the benchmarks. Every other test module is ``integration``: real
-sockets, real processes."""
+KINDS = {"unit": "unit", "integration": "integration", "bench": "bench"}
+"""The directory a test module sits in is its kind, and its marker:
+
+* ``tests/unit/``: pure tests: no sockets, no processes, no zmq; real files in a temporary
+  directory at most (``make test-unit``);
+* ``tests/integration/``: real sockets and real processes;
+* ``tests/bench/``: smoke runs of the benchmarks."""
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark every test ``unit``, ``bench`` or ``integration`` by its module (one table,
-    above); a unit module that imports zmq is refused."""
+    """Mark every test ``unit``, ``integration`` or ``bench`` by its directory; a unit
+    module that imports zmq, or a test outside the three directories, is refused."""
     for item in items:
-        name = item.module.__name__.rpartition(".")[2]
-        if name in UNIT:
-            if "zmq" in vars(item.module):
-                raise pytest.UsageError(f"{name} is listed as a unit test but imports zmq")
-            item.add_marker(pytest.mark.unit)
-        elif name in BENCH:
-            item.add_marker(pytest.mark.bench)
-        else:
-            item.add_marker(pytest.mark.integration)
+        kind = KINDS.get(item.path.parent.name)
+        if kind is None:
+            raise pytest.UsageError(f"{item.path}: a test lives in tests/unit, "
+                                    "tests/integration or tests/bench")
+        if kind == "unit" and "zmq" in vars(item.module):
+            raise pytest.UsageError(f"{item.path.name} is a unit test but imports zmq")
+        item.add_marker(getattr(pytest.mark, kind))
 
 
 _used_ranges: collections.deque[tuple[int, int]] = collections.deque(maxlen=80)

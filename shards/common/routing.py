@@ -39,7 +39,7 @@ terms: only under the empty subtree).
 
 ``describe()`` is the routing function's parameters as plain data, served in the cluster
 map over MDP; ``ShardMap.from_description`` rebuilds the map on the client side and
-refuses a version it does not know. The fixed vectors in tests/test_routing.py pin the
+refuses a version it does not know. The fixed vectors in tests/unit/test_routing.py pin the
 function: changing it silently would split keys between old and new clients.
 """
 from __future__ import annotations

@@ -137,13 +137,11 @@ def test_routing_from_a_file_and_a_whole_cluster_map(procs, port_base, zctx, tmp
 
 
 def test_the_supervisor_passes_each_server_the_plan_routing_and_its_index(tmp_path):
-    from pathlib import Path
-
     from shards.common.hostfacts import load_host_facts
     from shards.common.placement import load_plan
     from supervisor.runner import Runner, ServerArgs
+    from conftest import ROOT as root
 
-    root = Path(__file__).resolve().parent.parent
     plan = load_plan(root / "configs" / "16core-2nic.yaml",
                      load_host_facts(root / "configs" / "hosts" / "16core-2nic.yaml"))
     runner = Runner(plan, tmp_path, ServerArgs(control="tcp://127.0.0.1:5555",

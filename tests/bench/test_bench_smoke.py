@@ -1,6 +1,6 @@
 """The pieces the benchmarks rest on: the load generator's key schedule (pure) and the bare
 forwarding loop's wire behaviour. The scenarios themselves run for a second or two each in
-tests/test_bench_scenarios.py (``python -m bench all --smoke`` and three alone)."""
+tests/bench/test_bench_scenarios.py (``python -m bench all --smoke`` and three alone)."""
 from __future__ import annotations
 
 import struct
