@@ -28,8 +28,9 @@ Each subscriber records, per update, the end-to-end latency (its ``time.monotoni
 when the watch yields the change minus the intended send time; one host, one clock: a
 late writer shows as latency, as in the ceilings), and
 counts updates received, missing and duplicated. Reported per run: the offered and sent
-rates, updates/s delivered to each subscriber (received / (its last arrival - the first
-send)), the lowest of those and the sum over subscribers, whether every subscriber got
+rates, updates/s delivered to each subscriber (timed updates received / (its last
+arrival - the scheduled send of the first timed update: ``delivered_rate``), the lowest
+of those and the sum over subscribers, whether every subscriber got
 every update, and latency percentiles p50, p99, p99.9 and max over all deliveries.
 The first ``rate x --warmup`` updates are a warm-up: they must arrive too, but are not
 timed. Per (S, N): median and spread over the rounds, and ratios to the ceilings: lowest
@@ -125,6 +126,19 @@ def percentile(sorted_values: list[float], pct: float) -> float:
 
 
 # ================================================================ the subscriber process
+
+def delivered_rate(received: int, last_ns: int, first_send_ns: int, warm: int,
+                   rate: float) -> float:
+    """Timed updates one subscriber received per second of the timed span: from the
+    scheduled send of the first timed update (the open-loop writer sends update ``i`` at
+    ``first_send_ns + i / rate``; the first ``warm`` are the warm-up) to its last arrival.
+    The span once began at the warm-up's first send while ``received`` counts timed
+    updates only, which read 0.75 of the offered rate after a 1 s warm-up of 3 s."""
+    if not last_ns:
+        return 0.0
+    span_s = (last_ns - first_send_ns) / 1e9 - warm / rate
+    return round(received / span_s, 1) if span_s > 0 else 0.0
+
 
 async def _consume(watch, count: int, warm: int, result: dict) -> None:
     """Take ``count`` puts from the watch; the first ``warm`` indices are not timed."""
@@ -264,8 +278,8 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace,
     per_sub_rate = []
     lat_ms: list[float] = []
     for c in clients:
-        span_s = (c["last_ns"] - first_ns) / 1e9 if c["last_ns"] else 0.0
-        per_sub_rate.append(round(c["received"] / span_s, 1) if span_s > 0 else 0.0)
+        per_sub_rate.append(delivered_rate(c["received"], c["last_ns"], first_ns, warm,
+                                           args.rate))
         lat_ms.extend(us / 1000 for us in c.pop("lat_us"))
     lat_ms.sort()
     return {

@@ -202,3 +202,16 @@ def test_odd_or_partial_records_give_dashes_not_errors(tmp_path):
     drawn = report_plots.draw_all(odd, tmp_path / "plots")
     assert set(drawn) == {"fanout", "scaleout"}
     check_png(drawn["fanout"])
+
+
+def test_the_fanout_rate_counts_the_timed_span_only():
+    """3 s of timed updates at 2,000/s after a 1 s warm-up, the last one arriving 2 ms
+    after it was sent: 2,000/s delivered, not 6,000 / 4 s = 1,500/s (0.75 of the rate)."""
+    from bench.fanout import delivered_rate
+
+    first_send = 10 * 10**9
+    warm, timed, rate = 2000, 6000, 2000.0
+    last_arrival = first_send + int((warm + timed - 1) / rate * 1e9) + 2_000_000
+    got = delivered_rate(timed, last_arrival, first_send, warm, rate)
+    assert 1995 <= got <= 2001, got
+    assert delivered_rate(0, 0, first_send, warm, rate) == 0.0
