@@ -9,6 +9,8 @@
         [--wait/--no-wait]               wait (default) until the owning shard published it
     chp del KEY                          delete (exit 6 if the key is not there)
     chp dump [SUBTREE] [--json] [--hex]  every key under SUBTREE, sorted
+    chp keys [PREFIX]                    the keys under PREFIX only, sorted, one a line
+    chp which KEY [--json]               the shard that owns KEY, its servers, its active
     chp watch [SUBTREE] [--json]         the items, a "synced" line, then live changes
     chp trace SHARD                      every command on the shard's publisher (P+1)
 
@@ -342,6 +344,33 @@ async def do_dump(target: Target, subtree: str, as_json: bool, hex_all: bool) ->
     return EXIT_OK
 
 
+async def do_keys(target: Target, prefix: str) -> int:
+    async with target.clone(subtree_of(prefix)) as clone:
+        keys = sorted(k for k in clone.keys(prefix))
+    _out(b"".join(f"{k}\n".encode("utf-8") for k in keys))
+    return EXIT_OK
+
+
+async def do_which(target: Target, key: str, as_json: bool) -> int:
+    """The owning shard by the routing function, its servers in failover order, and the
+    one that serves now (the one its snapshot came from)."""
+    check_key_text(key)
+    async with target.clone(subtree_of(key), only_key=key) as clone:
+        cluster = clone.cluster
+        spec = cluster.shards[cluster.shard_map.owner(key)]
+        agent = clone.agent_of(key)
+        active = agent.server.snapshot if agent is not None else None
+    doc = {"key": key, "shard": spec.name, "index": spec.index,
+           "servers": [s.snapshot for s in spec.servers],
+           "relays": [r.snapshot for r in spec.relays], "active": active}
+    if as_json:
+        _out(json.dumps(doc).encode("utf-8") + b"\n")
+    else:
+        servers = ", ".join(f"{s} (active)" if s == active else s for s in doc["servers"])
+        _out(f"{key}: shard {spec.name} (index {spec.index}): {servers}\n".encode("utf-8"))
+    return EXIT_OK
+
+
 async def do_watch(target: Target, subtree: str, as_json: bool, count: int | None) -> int:
     seen = 0
     async with target.clone(subtree_of(subtree)) as clone:
@@ -535,6 +564,23 @@ def del_command(target: Target, key: str, wait: bool) -> None:
 def dump_command(target: Target, subtree: str, as_json: bool, hex_all: bool) -> None:
     """Print every key under SUBTREE (a key prefix; default all), sorted."""
     run(target, do_dump, subtree, as_json, hex_all)
+
+
+@main.command("keys")
+@click.argument("prefix", default="")
+@click.pass_obj
+def keys_command(target: Target, prefix: str) -> None:
+    """Print the keys under PREFIX (default all), sorted, one a line; no values."""
+    run(target, do_keys, prefix)
+
+
+@main.command("which")
+@click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+@click.pass_obj
+def which_command(target: Target, key: str, as_json: bool) -> None:
+    """Print the shard that owns KEY, its servers (primary, backup) and which serves."""
+    run(target, do_which, key, as_json)
 
 
 @main.command("watch")

@@ -481,6 +481,14 @@ class AsyncClone:
             raise RuntimeError(f"routing: key {key_b[:60]!r} is owned by shard {index}, "
                                f"which subtree {self.subtree!r} does not fan out to") from None
 
+    def agent_of(self, key: str):
+        """The shard agent that follows ``key``'s shard (None if this client does not
+        follow it)."""
+        try:
+            return self._agent_for(self._key(key))
+        except (KeyError, ValueError, RuntimeError, ClonemapError):
+            return None
+
     @property
     def shard_names(self) -> list[str]:
         """The shards this client follows (its subtree's fan-out), in index order."""

@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import PYTHON, ROOT, free_port_base
 from test_client_failover import start_standalone
@@ -171,6 +172,16 @@ def test_control_and_config_against_a_real_supervisor(procs, tmp_path):
     assert ok(out).count(b"\n") == 1 and (b"HUGZ" in out.stdout or b"KVPUB" in out.stdout)
     ok(chp(*via_config, "del", "/orders/1"))
     one_error_line(chp(*via_control, "get", "/orders/1"), 6, "not found")
+    # keys only, and which shard owns a key (by the routing function) and who serves it
+    ok(chp(*via_control, "set", "/users/8", "x"))
+    assert ok(chp(*via_control, "keys", "/users/")) == b"/users/7\n/users/8\n"
+    data = yaml.safe_load(config.read_text())
+    owner = ShardMap(2).owner("/users/7")
+    which = json.loads(ok(chp(*via_config, "which", "/users/7", "--json")))
+    primary = data["shards"][owner]["primary"]["port"]
+    assert which["shard"] == f"s{owner}" and which["index"] == owner
+    assert which["servers"][0] == f"tcp://127.0.0.1:{primary}"
+    assert which["active"] in which["servers"]
 
 
 def test_the_chp_entry_point_is_installed():
