@@ -164,7 +164,7 @@ class Target:
     """Where the cluster is, as the global options said."""
 
     def __init__(self, control: str | None, config: str | None, servers: tuple[str, ...],
-                 timeout_s: float, keys: str | None = None):
+                 timeout_s: float, keys: str | None = None, via: str = "servers"):
         given = [n for n, v in (("--control", control), ("--config", config),
                                 ("--servers", servers)) if v]
         if len(given) > 1:
@@ -182,6 +182,8 @@ class Target:
         self.config = config
         self.servers = servers
         self.timeout_s = timeout_s
+        self.via = via
+        """``relays``: read each shard through its relays (its servers if it has none)."""
         self.keys = keys or os.environ.get("CLONEMAP_KEYS") or None
         """CURVE: the cluster's keys directory (a config with ``security.curve`` gives
         its own)."""
@@ -206,7 +208,7 @@ class Target:
     def clone(self, subtree: str = "", only_key: str | None = None) -> AsyncClone:
         self.check_listening()
         kw = dict(subtree=subtree, timeout_s=self.timeout_s, keys=self.keys,
-                  only_key=only_key)
+                  only_key=only_key, via=self.via)
         if self.config:
             return AsyncClone(config=self.config, **kw)
         if self.servers:
@@ -507,14 +509,18 @@ def _value_of(value: str | None, hex_value: bool, path: str | None) -> bytes:
 @click.option("--keys", metavar="DIR", default=None,
               help="CURVE: the cluster's keys directory (client.key, client.key_secret, "
                    "server.key) [default: $CLONEMAP_KEYS, or the config's].")
+@click.option("--via", type=click.Choice(["servers", "relays"]), default="servers",
+              show_default=True,
+              help="Read each shard through its relays (a shard without any: its servers).")
 @click.option("--verbose", "-v", is_flag=True,
               help="Print the client's log on stderr (failovers, resumes, reconnections).")
 @click.pass_context
-def main(ctx: click.Context, control, config, servers, timeout_s, keys, verbose) -> None:
+def main(ctx: click.Context, control, config, servers, timeout_s, keys, via,
+         verbose) -> None:
     """Read, write, dump, watch and trace a clonemap cluster."""
     quiet_logging(verbose, ctx.invoked_subcommand in LONG_RUNNING)
     try:
-        ctx.obj = Target(control, config, servers, timeout_s, keys)
+        ctx.obj = Target(control, config, servers, timeout_s, keys, via)
     except BadUsage as exc:
         click.echo(f"chp: error: {exc}", err=True)
         ctx.exit(EXIT_USAGE)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 
 import pytest
 import yaml
 
 from conftest import wait_until as wait_for
 from client.api import Clone
-from conftest import free_port_base
+from conftest import PYTHON, ROOT, free_port_base
 from shards.common.mdp.client import SyncMdpClient
 from test_pair import ACTIVE, PASSIVE, Watcher
 from test_pair import start_server as start_pair_server
@@ -144,5 +145,15 @@ def test_relays_under_the_supervisor_are_in_the_map_and_used_via_relays(procs, t
         assert {int(s["server"].rsplit(":", 1)[1]) for s in via.stats()["shards"]} <= \
             relay_ports
         wait_for(lambda: len(direct) == 40, "the writes at a direct client")
+    # chp --via relays: the same map, read through the relays (which names the server)
+    out = subprocess.run([PYTHON, "-m", "client.cli", "--control", control, "--via",
+                          "relays", "which", "/s7/k", "--json"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert int(json.loads(out.stdout)["active"].rsplit(":", 1)[1]) in relay_ports
+    out = subprocess.run([PYTHON, "-m", "client.cli", "--control", control, "--via",
+                          "relays", "keys"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0 and len(out.stdout.splitlines()) == 40, out
     rows = status(control)
     assert all(rows[f"s{i}/relay{j}"]["keys"] is not None for i in range(2) for j in range(2))
