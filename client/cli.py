@@ -8,6 +8,7 @@
     chp set KEY VALUE [--ttl S]          VALUE as text; --hex VALUE, or --file PATH (- stdin)
         [--wait/--no-wait]               wait (default) until the owning shard published it
     chp del KEY                          delete (exit 6 if the key is not there)
+    chp del --prefix P [--yes]           delete every key under P (without --yes: the count)
     chp dump [SUBTREE] [--json] [--hex]  every key under SUBTREE, sorted
     chp keys [PREFIX]                    the keys under PREFIX only, sorted, one a line
     chp which KEY [--json]               the shard that owns KEY, its servers, its active
@@ -335,6 +336,35 @@ async def do_set(target: Target, key: str, value: bytes | None, ttl: float | Non
     return EXIT_OK
 
 
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+async def do_del_prefix(target: Target, prefix: str, yes: bool) -> int:
+    """Delete every key under ``prefix``: the deletes of each shard go out in a row and
+    the last of each is awaited (a shard publishes in order, so the others are in by
+    then). Without ``yes`` it only says how many it would delete (exit 2)."""
+    if not prefix:
+        raise BadUsage("--prefix needs a non-empty prefix (delete everything by naming "
+                       "each top-level prefix)")
+    async with target.clone(subtree_of(prefix)) as clone:
+        keys = sorted(clone.keys(prefix))
+        if not yes:
+            raise BadUsage(f"would delete {_count(len(keys), 'key')} under {prefix!r}: "
+                           "add --yes")
+        last_of: dict[str, str] = {}
+        for key in keys:
+            agent = clone.agent_of(key)
+            last_of[agent.name if agent is not None else ""] = key
+        tails = set(last_of.values())
+        for key in keys:
+            if key not in tails:
+                await clone.delete(key)
+        await asyncio.gather(*(clone.delete(k, wait=True) for k in tails))
+    _out(f"deleted {_count(len(keys), 'key')} under {prefix}\n".encode("utf-8"))
+    return EXIT_OK
+
+
 async def do_dump(target: Target, subtree: str, as_json: bool, hex_all: bool) -> int:
     async with target.clone(subtree_of(subtree)) as clone:
         items = sorted(clone.items(subtree))
@@ -556,10 +586,18 @@ def set_command(target: Target, key: str, value, ttl, hex_value, path, wait) -> 
 @click.argument("key")
 @click.option("--wait/--no-wait", default=True, show_default=True,
               help="Wait until the owning shard has published the delete back.")
+@click.option("--prefix", "prefix", is_flag=True,
+              help="KEY is a prefix: delete every key under it (needs --yes).")
+@click.option("--yes", is_flag=True, help="With --prefix: really delete them.")
 @click.pass_obj
-def del_command(target: Target, key: str, wait: bool) -> None:
-    """Delete KEY (exit 6 if it is not there)."""
-    run(target, do_set, key, None, None, wait)
+def del_command(target: Target, key: str, wait: bool, prefix: bool, yes: bool) -> None:
+    """Delete KEY (exit 6 if it is not there), or with --prefix every key under it."""
+    if prefix:
+        run(target, do_del_prefix, key, yes)
+    elif yes:
+        raise click.UsageError("--yes goes with --prefix")
+    else:
+        run(target, do_set, key, None, None, wait)
 
 
 @main.command("dump")

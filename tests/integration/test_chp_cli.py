@@ -182,6 +182,14 @@ def test_control_and_config_against_a_real_supervisor(procs, tmp_path):
     assert which["shard"] == f"s{owner}" and which["index"] == owner
     assert which["servers"][0] == f"tcp://127.0.0.1:{primary}"
     assert which["active"] in which["servers"]
+    # del --prefix: the count first, then every key under it, over both shards
+    for i in range(6):
+        ok(chp(*via_control, "set", f"/bulk{i}/k", "v"))
+    one_error_line(chp(*via_control, "del", "--prefix", "/bulk"), 2,
+                   "would delete 6 keys under '/bulk': add --yes")
+    assert ok(chp(*via_config, "del", "--prefix", "/bulk", "--yes")) == \
+        b"deleted 6 keys under /bulk\n"
+    assert ok(chp(*via_control, "keys")) == b"/users/7\n/users/8\n"
 
 
 def test_the_chp_entry_point_is_installed():
