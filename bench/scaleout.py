@@ -217,22 +217,45 @@ def contention(points: list[dict], host: dict) -> str:
         return "no 1-shard server point was measured"
     most = max((p for p in points if p["target"] == "server"), key=lambda p: p["shards"])
     busy = one["cpu_cores"]["median"]
+    server_cores = one["targets_cpu_pct"]["median"] / 100
+    harness_cores = one["harness_cpu_pct"]["median"] / 100
+    fits = shards_that_fit(cores, server_cores, harness_cores)
     text = (f"On this {cores}-core host one shard server plus the harness (writers and "
-            f"subscriber) already keeps {busy:.2f} cores busy (server "
+            f"subscriber) keeps {busy:.2f} cores busy (server "
             f"{one['targets_cpu_pct']['median']:.0f}%, harness "
             f"{one['harness_cpu_pct']['median']:.0f}% of a core, other processes "
             f"{one['others_cpu_pct']['median']:.0f}%), so ")
     if busy >= 0.8 * cores:
         text += "contention starts at the first shard: "
-    else:
+    elif fits < 2:
         text += "contention starts as soon as a second shard needs a core of its own: "
+    else:
+        text += (f"about {fits} shards fit on its cores before servers share them (the "
+                 "harness scaling with them): ")
     text += (f"{most['shards']} shards gave {most['received_per_s']['median']:,.0f} "
              f"updates/s against {one['received_per_s']['median']:,.0f} for one "
              f"(efficiency {most['efficiency']}), with {most['cpu_cores']['median']:.2f} "
-             f"cores busy - more shards add processes, not cores; the servers' CPU per "
-             f"update went from {one['target_us_per_update']['median']:.1f} to "
-             f"{most['target_us_per_update']['median']:.1f} us as they shared the cores.")
+             "cores busy")
+    if most["shards"] > max(1, fits):
+        text += (f" - past {max(1, fits)}, more shards add processes, not cores; the "
+                 f"servers' CPU per update went from "
+                 f"{one['target_us_per_update']['median']:.1f} to "
+                 f"{most['target_us_per_update']['median']:.1f} us as they shared the "
+                 "cores.")
+    else:
+        text += "."
     return text
+
+
+def shards_that_fit(cores: float, server_cores: float, harness_cores: float) -> int:
+    """How many shards run without sharing cores on a host of ``cores``, when one
+    server keeps ``server_cores`` busy and the harness ``harness_cores`` per shard (it
+    scales with them): the host's real core count, not the 2 of the machine the prose
+    was first written on."""
+    per_shard = server_cores + harness_cores
+    if per_shard <= 0:
+        return int(cores)
+    return max(0, int(cores // per_shard))
 
 
 def estimate_16core(runs: list[dict], ceilings: dict) -> dict:

@@ -215,3 +215,24 @@ def test_the_fanout_rate_counts_the_timed_span_only():
     got = delivered_rate(timed, last_arrival, first_send, warm, rate)
     assert 1995 <= got <= 2001, got
     assert delivered_rate(0, 0, first_send, warm, rate) == 0.0
+
+
+def test_the_scaleout_prose_follows_the_hosts_cores():
+    """On 2 cores one shard and its harness fill the host; on 16 the same figures leave
+    room for several shards, and the sentence says so instead of the 2-core one."""
+    from bench.scaleout import contention, shards_that_fit
+
+    def point(shards, received, busy, server_pct, harness_pct, us):
+        med = lambda v: {"median": v}  # noqa: E731
+        return {"target": "server", "shards": shards, "received_per_s": med(received),
+                "cpu_cores": med(busy), "targets_cpu_pct": med(server_pct),
+                "harness_cpu_pct": med(harness_pct), "others_cpu_pct": med(0),
+                "target_us_per_update": med(us), "efficiency": 1.0}
+
+    points = [point(1, 200_000, 2.0, 100, 100, 5.0), point(4, 700_000, 8.0, 400, 400, 5.2)]
+    two = contention(points, {"cores_usable": 2})
+    sixteen = contention(points, {"cores_usable": 16})
+    assert "contention starts at the first shard" in two
+    assert "about 8 shards fit on its cores" in sixteen and "2-core" not in sixteen
+    assert "add processes, not cores" not in sixteen  # 4 shards are within the 8 that fit
+    assert shards_that_fit(16, 1.0, 1.0) == 8 and shards_that_fit(2, 1.0, 1.0) == 1
