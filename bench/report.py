@@ -272,7 +272,7 @@ def targets_table(data: dict) -> list[str]:
             continue
         op = ">= " if t.get("higher_is_better", True) else "< "
         rows.append([t.get("name", "?"), t.get("value"), op + num(t.get("target")),
-                     t.get("unit", ""), "yes" if t.get("met") else "NO"])
+                     t.get("unit", ""), rec.met_word(t)])
     return md_table(["target", "value", "goal", "unit", "met"], rows) if rows else []
 
 
@@ -350,7 +350,8 @@ def glance_rows(records: dict) -> list[list[str]]:
             if isinstance(t, dict):
                 op = ">= " if t.get("higher_is_better", True) else "< "
                 rows.append([name, t.get("name", "?"), f"{num(t.get('value'))} {t.get('unit', '')}",
-                             op + num(t.get("target")), "met" if t.get("met") else "NOT met"])
+                             op + num(t.get("target")), "met" if t.get("met") else
+                             "harness-bound" if t.get("harness_bound") else "NOT met"])
     return rows
 
 

@@ -168,7 +168,10 @@ def summarize(record: rec.Record, ceilings: dict) -> None:
                 "harness_cpu_pct": rec.spread([r["cpu_pct"]["writers"]
                                                + r["cpu_pct"]["subscribers"] for r in mine]),
                 "others_cpu_pct": rec.spread([r["cpu_pct"]["others"] for r in mine]),
+                "subscriber_cpu_pct": rec.spread([r["cpu_pct"]["subscribers"]
+                                                  for r in mine]),
             })
+            points[-1]["harness_bound"] = harness_bound(points[-1])
     fwd1 = _median_run([r for r in runs if r["target"] == "forwarder" and r["shards"] == 1])
     if fwd1 is not None:
         ceilings["forwarder"] = {k: fwd1.get(k) for k in FIGURE_KEYS}
@@ -192,14 +195,16 @@ def summarize(record: rec.Record, ceilings: dict) -> None:
     record.data["summary"] = summary
     top = max((p for p in points if p["target"] == "server"), key=lambda p: p["shards"],
               default=None)
+    bound = "; ".join(f"{p['shards']} shards: {p['harness_bound']}" for p in points
+                      if p["target"] == "server" and p["harness_bound"])
     if top is not None and top["shards"] > 1:
         one = by[("server", 1)]["received_per_s"]["median"]
         record.target(f"server aggregate, {top['shards']} shards / 1 shard (medians)",
                       round(top["received_per_s"]["median"] / one, 3) if one else 0.0, 1.0,
-                      "ratio")
+                      "ratio", harness_bound=top["harness_bound"])
     record.target("updates lost (all server windows)",
                   sum(p["loss"] for p in points if p["target"] == "server"), 1, "updates",
-                  higher_is_better=False)
+                  higher_is_better=False, harness_bound=bound)
 
 
 def _median_run(runs: list[dict]) -> dict | None:
@@ -245,6 +250,16 @@ def contention(points: list[dict], host: dict) -> str:
     else:
         text += "."
     return text
+
+
+def harness_bound(point: dict) -> str:
+    """Why the harness set this point's figure, or "": its one subscriber process busier
+    than ``HARNESS_BOUND_PCT`` of a core reads no faster, and what the servers sent
+    beyond it is dropped at their publisher for the harness, not lost by the servers."""
+    pct = point["subscriber_cpu_pct"]["median"]
+    if pct > rec.HARNESS_BOUND_PCT:
+        return f"the subscriber process at {pct:.0f}% of a core"
+    return ""
 
 
 def shards_that_fit(cores: float, server_cores: float, harness_cores: float) -> int:

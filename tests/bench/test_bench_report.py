@@ -236,3 +236,20 @@ def test_the_scaleout_prose_follows_the_hosts_cores():
     assert "about 8 shards fit on its cores" in sixteen and "2-core" not in sixteen
     assert "add processes, not cores" not in sixteen  # 4 shards are within the 8 that fit
     assert shards_that_fit(16, 1.0, 1.0) == 8 and shards_that_fit(2, 1.0, 1.0) == 1
+
+
+def test_a_saturated_harness_reads_harness_bound_not_no():
+    """The 16-core run's scale-out record said "NO" (4.65M updates "lost") while its one
+    subscriber process sat at 100% of a core: the harness set the figure."""
+    from bench.harness import record as rec
+    from bench.scaleout import harness_bound
+
+    busy = {"subscriber_cpu_pct": {"median": 99.0}}
+    idle = {"subscriber_cpu_pct": {"median": 40.0}}
+    assert "subscriber process at 99%" in harness_bound(busy) and harness_bound(idle) == ""
+    record = rec.Record("scaleout", "python -m bench.scaleout", {})
+    record.target("updates lost", 4_650_000, 1, "updates", higher_is_better=False,
+                  harness_bound=harness_bound(busy))
+    record.target("aggregate", 0.5, 1.0, "ratio")
+    words = [rec.met_word(t) for t in record.data["targets"]]
+    assert words == ["harness-bound", "NO"]
