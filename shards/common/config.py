@@ -323,9 +323,11 @@ class Defaults(_Model):
         return _check_one_address(self)
 
 
-class ServerConfig(_Model):
-    """One CHP server. After ``ClusterConfig`` validation ``port`` and ``cores`` are set
-    and exactly one of ``host`` / ``nic`` is."""
+class ServerEntry(_Model):
+    """One CHP server's entry in a config file (``shards[i].primary`` / ``.backup``; the
+    running server's settings are ``shards.server.ServerConfig``). After
+    ``ClusterConfig`` validation ``port`` and ``cores`` are set and exactly one of
+    ``host`` / ``nic`` is."""
 
     host: Host = None
     nic: Nic = None
@@ -334,7 +336,7 @@ class ServerConfig(_Model):
     _port_from_base: bool = PrivateAttr(default=False)
 
     @model_validator(mode="after")
-    def _one_address(self) -> "ServerConfig":
+    def _one_address(self) -> "ServerEntry":
         return _check_one_address(self)
 
     @property
@@ -348,10 +350,10 @@ class ShardConfig(_Model):
 
     name: Name = None
     prefixes: list[Prefix] = Field(default_factory=list)
-    primary: ServerConfig = Field(default_factory=ServerConfig)
-    backup: ServerConfig = Field(default_factory=ServerConfig)
+    primary: ServerEntry = Field(default_factory=ServerEntry)
+    backup: ServerEntry = Field(default_factory=ServerEntry)
 
-    def server(self, role: str) -> ServerConfig:
+    def server(self, role: str) -> ServerEntry:
         return getattr(self, role)
 
 
@@ -476,7 +478,7 @@ class ClusterConfig(_Model):
         problems.raise_if_any()
         return self
 
-    def _resolve_server(self, index: int, role: str, server: ServerConfig,
+    def _resolve_server(self, index: int, role: str, server: ServerEntry,
                         problems: Problems) -> None:
         if server.host is None and server.nic is None:
             server.host, server.nic = self.defaults.host, self.defaults.nic
