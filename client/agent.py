@@ -9,7 +9,7 @@ socket), all driven from one asyncio loop through ``shards.common.zio.AsyncSocke
   subscription is proven live (``SubscriberLive``, or ``Reconnected`` after a
   disconnection) and remembers what the server's HUGZ said (generation, serving);
 * one XPUB per server of the shard, connected to its P+2 collector (a Binary Star pair
-  gets every KVSET at both servers): ``client.collector.Collector``, which sends a KVSET
+  gets every KVSET at both servers): ``client.collector.KvsetSender``, which sends a KVSET
   only once that collector has subscribed, queues (bounded) otherwise, and drops what a
   down standby server must not get later (see there).
 
@@ -63,7 +63,7 @@ from shards.common.errors import ProtocolError
 from shards.common.proto import chp
 from client import shard_machine as sm
 from shards.common.security import Security
-from client.collector import Collector, ServerAddress, parse_server
+from client.collector import KvsetSender, ServerAddress, parse_server
 from client.echoes import Echoes
 from client.events import ACCEPT, KEEP, KEPT, RESET_POLICIES, FailoverInfo, ResetInfo
 from client.lag import LagMeter
@@ -214,7 +214,7 @@ class ShardAgent:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._synced_event: asyncio.Event | None = None
         self._collector_event: asyncio.Event | None = None
-        self._collectors: list[Collector] = []
+        self._collectors: list[KvsetSender] = []
         self.link: Link | None = None
         """The SUB, its monitor and the DEALER to the current server (made in start())."""
         self._incoming: dict[bytes, bytes] | None = None
@@ -246,7 +246,7 @@ class ShardAgent:
         self._synced_event = asyncio.Event()
         self._collector_event = asyncio.Event()
         for address in self.servers:
-            self._collectors.append(Collector(self.ctx, address, self.loop, self.drops,
+            self._collectors.append(KvsetSender(self.ctx, address, self.loop, self.drops,
                                                self.kvset_queue_max,
                                                self._on_collector_change, self.affinity,
                                                self.security))

@@ -3,7 +3,8 @@
 ``ServerAddress`` is a server by host and base port P (snapshot P, publisher P+1,
 collector P+2); ``parse_server`` reads ``tcp://HOST:P`` or ``HOST:P``.
 
-``Collector`` is one XPUB connected to one server's P+2 collector; a shard agent has one
+``KvsetSender`` (the client's write socket, named for what it does; the server's end is
+the collector) is one XPUB connected to one server's P+2 collector; a shard agent has one
 per server of its shard (a Binary Star pair gets every KVSET at both servers). An XPUB
 is a PUB that also reports subscriptions: KVSETs are sent only once the collector's SUB
 has subscribed (before that a PUB drops them silently), and with ``XPUB_NODROP`` a full
@@ -78,8 +79,8 @@ def parse_server(text: "str | ServerAddress") -> ServerAddress:
     return ServerAddress(m.group(1), port)
 
 
-class Collector:
-    """One XPUB to one server's collector (P+2), with a bounded queue."""
+class KvsetSender:
+    """One XPUB that sends KVSETs to one server's collector (P+2), with a bounded queue."""
 
     def __init__(self, ctx: zmq.Context, address: ServerAddress, loop, drops: DropCounter,
                  queue_max: int, on_ready_change: Callable[[], None], affinity: int = 0,
