@@ -43,7 +43,7 @@ from shards.pending import PendingTable
 from shards.replica import Follower, expires_of
 from shards.server import ServerConfig, ShardServer
 from shards.store import Store
-from shards.__main__ import _parse_cpus, _routing_arg, bind_and_serve
+from shards.serve import bind_and_serve, parse_cpus, routing_arg
 from shards.common.memory import return_large_frees
 from shards.common import timing
 from shards.common.errors import ConfigError, Exit
@@ -352,7 +352,7 @@ def _upstream_arg(ctx, param, value: str) -> list[tuple[str, int]]:
 @click.option("--shard", default="0", show_default=True, help="The shard's name.")
 @click.option("--name", default="relay", show_default=True,
               help="This relay's name (its control service is shard.<SHARD>.<NAME>).")
-@click.option("--routing", "shard_map", default=None, callback=_routing_arg,
+@click.option("--routing", "shard_map", default=None, callback=routing_arg,
               help="The cluster's routing (JSON, as for a server): HUGZ name it.")
 @click.option("--shard-index", type=click.IntRange(0), default=None)
 @click.option("--heartbeat-s", type=click.FloatRange(0.01, 3600), default=HEARTBEAT_S,
@@ -365,7 +365,7 @@ def _upstream_arg(ctx, param, value: str) -> list[tuple[str, int]]:
 @click.option("--history-bytes", type=click.IntRange(0), default=HISTORY_BYTES,
               show_default=True,
               help="... and at most this many bytes of them (0: no history).")
-@click.option("--cpus", callback=_parse_cpus, default=None)
+@click.option("--cpus", callback=parse_cpus, default=None)
 @click.option("--control", default=None, help="Register stats at this MDP broker.")
 @click.option("--parent-pid", type=int, default=None)
 @click.option("--keys-dir", type=click.Path(file_okay=False), default=None,

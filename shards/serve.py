@@ -1,0 +1,213 @@
+"""Running one server process: the option parsers ``python -m shards`` and ``python -m
+shards.relay`` share, the serve loop (signals, the control-plane worker, the parent
+watch, READY), and how it ends (``bind_and_serve``: the exit codes of
+``shards.common.errors.Exit``, a ``DISK_ERROR`` line on a disk error). It was part of
+``shards.__main__``, from which the relay imported private helpers.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import os
+import re
+import signal
+import sys
+
+import click
+import uvloop
+
+from shards.common.errors import ConfigError, Exit, PortInUse
+from shards.common.memory import freeze_startup_objects
+from shards.common.proto.bstar import PEER_DOWN
+from shards.common.routing import ShardMap
+from shards.pair import PairServer, parse_peer
+from shards.server import ShardServer
+
+log = logging.getLogger("shards")
+
+PARENT_POLL_S = 0.5
+FATAL_EXIT = 1
+
+
+def parse_cpus(ctx, param, value: str | None) -> list[int] | None:
+    if not value:
+        return None
+    try:
+        cpus = sorted({int(part) for part in value.split(",") if part.strip()})
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of CPU numbers")
+    if not cpus:
+        raise click.BadParameter("no CPU given")
+    return cpus
+
+
+def peer_arg(ctx, param, value: str | None) -> tuple[str, int] | None:
+    if value is None:
+        return None
+    try:
+        return parse_peer(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc))
+
+
+_SHARD_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
+
+
+def shard_arg(ctx, param, value: str) -> str:
+    if not _SHARD_RE.match(value):
+        raise click.BadParameter(f"{value!r}: 1..64 characters from A-Z a-z 0-9 _ . -")
+    return value
+
+
+def routing_arg(ctx, param, value: str | None) -> ShardMap | None:
+    if value is None:
+        return None
+    text = value
+    if value.startswith("@"):
+        try:
+            with open(value[1:], encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {value[1:]!r}: {exc.strerror}")
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}")
+    if not isinstance(doc, dict):
+        raise click.BadParameter("must be a JSON object (ShardMap.describe())")
+    if isinstance(doc.get("routing"), dict):  # a whole cluster map: take its routing
+        doc = doc["routing"]
+    try:
+        return ShardMap.from_description(doc)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc))
+
+
+def control_stats(server: ShardServer, shard: str) -> dict:
+    """What the control service answers: the server's stats plus who it is."""
+    stats = server.stats()
+    if not isinstance(server, PairServer):
+        stats.update(shard=shard, role=server.role, bstar_state=None, peer=None,
+                     pid=os.getpid())
+    return stats
+
+
+def _parent_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # exists, owned by someone else
+        return False
+    return False
+
+
+async def _serve(server: ShardServer, shard: str, control: str | None,
+                 parent_pid: int | None) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1,
+                            lambda: log.info("stats %s", json.dumps(server.stats())))
+    _arm_fault_injection(server)
+    server.start()
+    worker = None
+    if control:
+        from shards.common.mdp.worker import MdpWorker
+
+        service = f"shard.{shard}.{server.role}"
+        def answer(request) -> str:
+            """Stats; a body ``peer-down`` first says the peer cannot serve by itself."""
+            if request.body[:1] == [PEER_DOWN] and isinstance(server, PairServer):
+                server.peer_reported_down("the supervisor says so")
+            return json.dumps(control_stats(server, shard))
+
+        worker = MdpWorker(control, service, answer, ctx=server.ctx,
+                           security=server.security)
+        await worker.start()
+        log.info("control: MDP worker for %r at %s", service, control)
+    parent_handle = None
+    if parent_pid is not None:
+        def check_parent() -> None:
+            nonlocal parent_handle
+            if _parent_gone(parent_pid):
+                log.info("parent process %d is gone: exiting", parent_pid)
+                stop.set()
+                return
+            parent_handle = loop.call_later(PARENT_POLL_S, check_parent)
+        check_parent()
+    cfg = server.config
+    first_copy = getattr(server, "first_copy", None)
+    if first_copy is not None:  # a relay is ready once it holds the shard's map
+        copied = asyncio.ensure_future(first_copy.wait())
+        await asyncio.wait([copied, asyncio.ensure_future(stop.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+    frozen = freeze_startup_objects()  # out of the hot path's collections
+    log.debug("%d start-up objects frozen out of the garbage collector's walks", frozen)
+    print(f"READY shard host={cfg.host} port={cfg.port} pid={os.getpid()} role={server.role}",
+          flush=True)
+    waits = [asyncio.ensure_future(stop.wait()),
+             asyncio.ensure_future(server.disk_failed.wait())]
+    if isinstance(server, PairServer):
+        waits.append(asyncio.ensure_future(server.done.wait()))
+    code = 0
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if server.disk_error:
+            code = disk_exit(shard, server.role, cfg.port, server.disk_error)
+        elif isinstance(server, PairServer) and server.fatal:
+            click.echo(f"shards: fatal Binary Star error on shard {shard} ({server.role}, port "
+                       f"{cfg.port}): {server.fatal}", err=True)
+            code = FATAL_EXIT
+    finally:
+        for fut in waits:
+            fut.cancel()
+        if parent_handle is not None:
+            parent_handle.cancel()
+        if worker is not None:
+            await worker.stop()
+        stats = server.stats()
+        server.close()
+        log.info("stopped; final stats %s", json.dumps(stats))
+    return code
+
+
+def disk_exit(shard: str, role: str, port: int, why: str) -> int:
+    """Say why on stdout (``DISK_ERROR ...``, for the supervisor) and stderr; the code."""
+    print(f"DISK_ERROR shard={shard} role={role} port={port} {why}", flush=True)
+    click.echo(f"shards: disk error on shard {shard} ({role}, port {port}): {why}; "
+               "stopped so that its peer serves (restart it once the disk works)", err=True)
+    return Exit.DISK
+
+
+def _arm_fault_injection(server: ShardServer) -> None:
+    """Tests only: ``$CLONEMAP_INJECT_DISK_FAULT`` (``write:EIO`` or ``fsync:EIO``) makes
+    SIGUSR2 arm that fault for the log's next write or fsync (``DataDir.inject_fault``):
+    EIO and a failed fsync cannot be made on a real filesystem here."""
+    spec = os.environ.get("CLONEMAP_INJECT_DISK_FAULT")
+    if not spec or server.persist is None:
+        return
+    kind, _, name = spec.partition(":")
+    code = getattr(errno, name or "EIO")
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGUSR2, lambda: server.persist is not None
+        and server.persist.inject_fault(kind, code))
+    log.warning("fault injection armed: SIGUSR2 fails the log's next %s with %s", kind,
+                name or "EIO")
+
+
+def bind_and_serve(server: ShardServer, shard: str, control: str | None,
+                   parent_pid: int | None, program: str) -> None:
+    """Bind (a taken port exits 3, naming it), serve until a signal, exit with the code
+    (a server's and a relay's common end)."""
+    try:
+        server.bind()
+    except PortInUse as exc:
+        click.echo(f"{program}: cannot bind: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        code = runner.run(_serve(server, shard, control, parent_pid))
+    sys.exit(code)
