@@ -51,7 +51,8 @@ import zmq
 
 from shards.common.endpoints import DEFAULT_CONTROL
 from shards.common.endpoints import NOT_LISTENING, ensure_listening
-from shards.common.errors import ClonemapError, ConfigError, Exit, HandshakeRefused, SlowConsumer
+from shards.common.errors import (ClonemapError, ConfigError, Exit, HandshakeRefused,
+                                  SlowConsumer, Timeout)
 from shards.common.proto import chp
 from shards.common.zio import AsyncSocket
 from client.api import AsyncClone
@@ -428,6 +429,118 @@ async def do_watch(target: Target, subtree: str, as_json: bool, count: int | Non
     return EXIT_OK
 
 
+async def do_watch_from(target: Target, subtree: str, as_json: bool, count: int | None,
+                        since: int) -> int:
+    """``watch --from-seq S``: the changes after sequence S of the one shard that owns
+    SUBTREE, from its active server's history (our resume extension of ICANHAZ), then
+    live. Sequences are per shard, so SUBTREE must belong to one. The live SUB is
+    subscribed before the resume is asked, and its updates are printed only past the
+    resume's end: nothing is missed, nothing printed twice. A history that no longer
+    holds S is an error, said in words (the server answers with a full snapshot)."""
+    sub_b = subtree_of(subtree).encode("utf-8")
+    async with target.clone(subtree_of(subtree)) as clone:
+        if len(clone.shard_names) != 1:
+            raise BadUsage(f"sequences are per shard, and {subtree!r} spans shards "
+                           f"{', '.join(clone.shard_names)}: give a subtree one shard owns")
+        agent = clone._agents[0]
+        server, name = agent.server, agent.name
+    ctx = zmq.Context()
+    security = target.security(clone.cluster)
+    live: list = []
+    seen = [0]
+    done = asyncio.get_running_loop().create_future()
+
+    def emit(kind: str, key: bytes, value: bytes | None, seq: int) -> bool:
+        """Print one change; True once ``count`` live changes were printed."""
+        k = key.decode("utf-8", "replace")
+        if as_json:
+            doc = {"kind": kind, "key": k, "seq": seq, "shard": name}
+            if value is not None:
+                doc["value"] = json_value(value)
+            line = json.dumps(doc, ensure_ascii=False)
+        elif kind == "put":
+            line = f"put {k} {show_value(value)}"
+        elif kind == "delete":
+            line = f"delete {k}"
+        else:
+            line = f"synced {k}".rstrip()
+        _out(line.encode("utf-8") + b"\n")
+        if kind != "synced" and end[0] is not None:  # a live change (not a resumed one)
+            seen[0] += 1
+        return count is not None and seen[0] >= count
+
+    end: list = [None]
+    sub = ctx.socket(zmq.SUB)
+    sub.linger = 0
+    sub.subscribe(sub_b)
+    if sub_b:
+        sub.subscribe(chp.HUGZ)  # the welcome: the subscription is live
+    security.connect_side(sub)
+    sub.connect(server.publisher)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    security.connect_side(dealer)
+    dealer.connect(server.snapshot)
+    subscribed = asyncio.get_running_loop().create_future()
+    replies: asyncio.Queue = asyncio.Queue()
+
+    def on_update(frames):
+        if not subscribed.done():
+            subscribed.set_result(None)
+        try:
+            msg = chp.decode_update(frames)
+        except ValueError:
+            return
+        if not isinstance(msg, chp.Kvpub) or not msg.key.startswith(sub_b):
+            return
+        if end[0] is None:
+            live.append(msg)
+        elif msg.seq > end[0] and not done.done():
+            if emit("put" if msg.value else "delete", msg.key, msg.value or None, msg.seq):
+                done.set_result(None)
+            end[0] = msg.seq
+
+    reader = AsyncSocket(sub, on_update, name=f"watch {server.publisher}")
+    answers = AsyncSocket(dealer, replies.put_nowait, name=f"resume {server.snapshot}")
+    try:
+        async with asyncio.timeout(target.timeout_s):
+            await subscribed  # the server's welcome HUGZ: nothing published is missed
+            dealer.send_multipart(chp.icanhaz(sub_b, since=since))
+            while True:
+                msg = chp.decode_snapshot_liberal(await replies.get())
+                if isinstance(msg, chp.Kthxbai):
+                    break
+                if msg.seq > since:
+                    emit("put" if msg.value else "delete", msg.key, msg.value or None,
+                         msg.seq)
+        if msg.props == chp.FULL_AFTER_RESUME:
+            raise NotCovered(f"shard {name}'s history no longer holds sequence {since} "
+                             f"(it answered with a full snapshot at {msg.seq}): watch "
+                             "without --from-seq")
+        emit("synced", sub_b, None, msg.seq)
+        end[0] = msg.seq
+        for m in live:
+            if m.seq > end[0] and not done.done():
+                if emit("put" if m.value else "delete", m.key, m.value or None, m.seq):
+                    return EXIT_OK
+                end[0] = m.seq
+        if count is not None and seen[0] >= count:
+            return EXIT_OK
+        await done
+    except TimeoutError:
+        raise Timeout(f"no resume from {server.snapshot} within {target.timeout_s} s",
+                      what="snapshot") from None
+    finally:
+        reader.close()
+        answers.close()
+        ctx.destroy(linger=0)
+    return EXIT_OK
+
+
+class NotCovered(ClonemapError):
+    """A resume asked for a sequence the server's history no longer holds."""
+
+
 def trace_line(server: str, frames: list[bytes]) -> str:
     """One decoded line per message on a publisher (KVPUB, HUGZ, or what is wrong)."""
     stamp = time.strftime("%H:%M:%S", time.localtime()) + f".{int(time.time() * 1000) % 1000:03d}"
@@ -632,10 +745,16 @@ def which_command(target: Target, key: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--count", type=click.IntRange(min=1), default=None,
               help="Stop after this many live changes (default: until Ctrl-C).")
+@click.option("--from-seq", "since", type=click.IntRange(min=0), default=None, metavar="S",
+              help="Print the changes after sequence S of the shard owning SUBTREE (from "
+                   "its history), then live; instead of the items.")
 @click.pass_obj
-def watch_command(target: Target, subtree: str, as_json: bool, count) -> None:
+def watch_command(target: Target, subtree: str, as_json: bool, count, since) -> None:
     """Print the items under SUBTREE, "synced", then every change, live."""
-    run(target, do_watch, subtree, as_json, count)
+    if since is not None:
+        run(target, do_watch_from, subtree, as_json, count, since)
+    else:
+        run(target, do_watch, subtree, as_json, count)
 
 
 @main.command("trace")

@@ -197,3 +197,29 @@ def test_the_chp_entry_point_is_installed():
     assert script.exists(), "pip install -e . (make venv) installs the chp script"
     out = subprocess.run([str(script), "--help"], capture_output=True, timeout=30)
     assert out.returncode == 0 and b"get" in out.stdout and b"trace" in out.stdout
+
+
+def test_watch_from_a_past_sequence_resumes_then_follows_live(procs, tmp_path):
+    """``chp watch --from-seq S``: the changes after S from the server's history, then
+    "synced", then live ones, none missed or doubled; a history that no longer holds S,
+    and a subtree over two shards, are told in words."""
+    port = free_port_base(4)
+    start_standalone(procs, port)
+    srv = ["--servers", f"tcp://127.0.0.1:{port}"]
+    for i in range(1, 6):
+        ok(chp(*srv, "set", f"/w/{i}", f"v{i}"))
+    watch = procs.python("-m", "client.cli", *srv, "watch", "/w/", "--from-seq", "2",
+                         "--count", "1", ready="synced")
+    ok(chp(*srv, "set", "/w/9", "live"))
+    assert watch.wait(30) == 0
+    assert watch.stdout == ["put /w/3 v3", "put /w/4 v4", "put /w/5 v5", "synced /w/",
+                            "put /w/9 live"], watch.stdout
+    short = free_port_base(4)
+    procs.python("-m", "shards", "--port", str(short), "--history-updates", "2",
+                 ready="READY")
+    for i in range(1, 6):
+        ok(chp("--servers", f"tcp://127.0.0.1:{short}", "set", f"/h/{i}", "v"))
+    one_error_line(chp("--servers", f"tcp://127.0.0.1:{short}", "watch", "/h/",
+                       "--from-seq", "1"), 1, "history no longer holds sequence 1")
+    two = ["--servers", f"tcp://127.0.0.1:{port}", "--servers", f"tcp://127.0.0.1:{short}"]
+    one_error_line(chp(*two, "watch", "", "--from-seq", "1"), 2, "sequences are per shard")
