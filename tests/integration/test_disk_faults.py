@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import PYTHON, ROOT
 from test_supervisor_cli import cli, status, wait_status, write_config
 
 pytestmark = pytest.mark.timeout(240)
@@ -332,22 +331,31 @@ def _write_ledger(config: Path, count: int) -> Ledger:
     return ledger
 
 
+def _supervise(procs, config: Path, run: Path, *extra: str):
+    return procs.python("-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
+                        str(run), *extra, ready="READY supervisor", timeout_s=60)
+
+
+def _written_then_stopped(procs, config: Path, run: Path, count: int) -> Ledger:
+    """A cluster started, ``count`` acknowledged writes, the cluster stopped cleanly."""
+    sup = _supervise(procs, config, run)
+    ledger = _write_ledger(config, count)
+    assert cli("stop", str(config)).returncode == 0
+    sup.wait(30)
+    return ledger
+
+
 def test_one_unreadable_log_the_healthy_peer_serves_and_it_copies_back(procs, tmp_path):
     config, control = write_config(tmp_path, "1shard.yaml")
     run = tmp_path / "run"
-    sup = procs.python("-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
-                       str(run), ready="READY supervisor", timeout_s=60)
-    ledger = _write_ledger(config, 400)
-    assert cli("stop", str(config)).returncode == 0
-    sup.wait(30)
+    ledger = _written_then_stopped(procs, config, run, 400)
     # a byte flipped in the middle of the primary's log: not a torn tail, a bad disk
     primary_dir = run / "data" / "s0-primary"
     segment = max(primary_dir.glob("log-*.cml"), key=lambda p: p.stat().st_size)
     raw = bytearray(segment.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     segment.write_bytes(bytes(raw))
-    sup = procs.python("-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
-                       str(run), ready="READY supervisor", timeout_s=60)
+    sup = _supervise(procs, config, run)
     ready = next(line for line in sup.stdout if line.startswith("READY supervisor"))
     assert "active_shards=1/1" in ready
     assert any("EVENT s0/primary could not read its data directory" in line
@@ -391,17 +399,12 @@ def test_a_torn_tail_is_reported_in_updates_in_the_log_and_the_metrics(procs, tm
 
     config, control = write_config(tmp_path, "1shard.yaml")
     run = tmp_path / "run"
-    sup = procs.python("-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
-                       str(run), ready="READY supervisor", timeout_s=60)
-    _write_ledger(config, 10)
-    assert cli("stop", str(config)).returncode == 0
-    sup.wait(30)
+    _written_then_stopped(procs, config, run, 10)
     segment = max((run / "data" / "s0-primary").glob("log-*.cml"))
     torn = fmt.record([11, b"/t/1", b"x", None, b"/t/2", b"y", None])
     with open(segment, "ab") as f:
         f.write(torn[:-3])
-    sup = procs.python("-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
-                       str(run), ready="READY supervisor", timeout_s=60)
+    _supervise(procs, config, run)
     log = (run / "logs" / "s0-primary.log").read_text()
     assert "2 update(s), sequence 11..12" in log, log[-2000:]
     data = yaml.safe_load(config.read_text())
@@ -418,17 +421,11 @@ def test_a_primary_whose_disk_fails_at_start_leaves_the_backup_to_serve(procs, t
     the primary copies its map back once its disk has room."""
     config, control = write_config(tmp_path, "1shard.yaml")
     run = tmp_path / "run"
-    sup = procs.python("-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
-                       str(run), ready="READY supervisor", timeout_s=60)
-    ledger = _write_ledger(config, 50)
-    assert cli("stop", str(config)).returncode == 0
-    sup.wait(30)
+    ledger = _written_then_stopped(procs, config, run, 50)
     primary_disk = run / "data" / "s0-primary"
     mount(primary_disk, size=1 << 20)  # the primary's directory: a tiny, empty disk
     try:
-        sup = procs.python("-m", "supervisor", "start", str(config), "--no-table",
-                           "--run-dir", str(run), "--ready-timeout-s", "3",
-                           ready="READY supervisor", timeout_s=60)
+        sup = _supervise(procs, config, run, "--ready-timeout-s", "3")
         assert any("DISK ERROR" in line for line in sup.stdout), sup.stdout
         ledger.check(config)  # the client's vote: the backup serves its copy
         rows = status(control)
