@@ -379,7 +379,7 @@ async def do_dump(target: Target, subtree: str, as_json: bool, hex_all: bool) ->
 
 async def do_keys(target: Target, prefix: str) -> int:
     async with target.clone(subtree_of(prefix)) as clone:
-        keys = sorted(k for k in clone.keys(prefix))
+        keys = sorted(clone.keys(prefix))
     _out(b"".join(f"{k}\n".encode("utf-8") for k in keys))
     return EXIT_OK
 
@@ -404,23 +404,29 @@ async def do_which(target: Target, key: str, as_json: bool) -> int:
     return EXIT_OK
 
 
+def change_line(kind: str, key: str, value: bytes | None, seq: int, shard: str,
+                as_json: bool) -> str:
+    """One line of ``watch``: ``put KEY VALUE``, ``delete KEY``, ``synced SUBTREE``, or
+    the same as one JSON object."""
+    if as_json:
+        doc = {"kind": kind, "key": key, "seq": seq, "shard": shard}
+        if value is not None:
+            doc["value"] = json_value(value)
+        return json.dumps(doc, ensure_ascii=False)
+    if kind == "put":
+        return f"put {key} {show_value(value)}"
+    if kind == "delete":
+        return f"delete {key}"
+    return f"synced {key}".rstrip()
+
+
 async def do_watch(target: Target, subtree: str, as_json: bool, count: int | None) -> int:
     seen = 0
     async with target.clone(subtree_of(subtree)) as clone:
         async with clone.watch(subtree) as watch:
             async for change in watch:
-                if as_json:
-                    doc = {"kind": change.kind, "key": change.key, "seq": change.seq,
-                           "shard": change.shard}
-                    if change.value is not None:
-                        doc["value"] = json_value(change.value)
-                    line = json.dumps(doc, ensure_ascii=False)
-                elif change.kind == "put":
-                    line = f"put {change.key} {show_value(change.value)}"
-                elif change.kind == "delete":
-                    line = f"delete {change.key}"
-                else:
-                    line = f"synced {change.key}".rstrip()
+                line = change_line(change.kind, change.key, change.value, change.seq,
+                                   change.shard, as_json)
                 _out(line.encode("utf-8") + b"\n")
                 if change.kind != "synced" and watch.synced:
                     seen += 1  # a live change (the snapshot's items do not count)
@@ -452,22 +458,15 @@ async def do_watch_from(target: Target, subtree: str, as_json: bool, count: int 
 
     def emit(kind: str, key: bytes, value: bytes | None, seq: int) -> bool:
         """Print one change; True once ``count`` live changes were printed."""
-        k = key.decode("utf-8", "replace")
-        if as_json:
-            doc = {"kind": kind, "key": k, "seq": seq, "shard": name}
-            if value is not None:
-                doc["value"] = json_value(value)
-            line = json.dumps(doc, ensure_ascii=False)
-        elif kind == "put":
-            line = f"put {k} {show_value(value)}"
-        elif kind == "delete":
-            line = f"delete {k}"
-        else:
-            line = f"synced {k}".rstrip()
+        line = change_line(kind, key.decode("utf-8", "replace"), value, seq, name, as_json)
         _out(line.encode("utf-8") + b"\n")
         if kind != "synced" and end[0] is not None:  # a live change (not a resumed one)
             seen[0] += 1
         return count is not None and seen[0] >= count
+
+    def emit_update(msg) -> bool:
+        """A KVPUB or a resumed KVSYNC: an empty value is a delete."""
+        return emit("put" if msg.value else "delete", msg.key, msg.value or None, msg.seq)
 
     end: list = [None]
     sub = ctx.socket(zmq.SUB)
@@ -496,7 +495,7 @@ async def do_watch_from(target: Target, subtree: str, as_json: bool, count: int 
         if end[0] is None:
             live.append(msg)
         elif msg.seq > end[0] and not done.done():
-            if emit("put" if msg.value else "delete", msg.key, msg.value or None, msg.seq):
+            if emit_update(msg):
                 done.set_result(None)
             end[0] = msg.seq
 
@@ -511,8 +510,7 @@ async def do_watch_from(target: Target, subtree: str, as_json: bool, count: int 
                 if isinstance(msg, chp.Kthxbai):
                     break
                 if msg.seq > since:
-                    emit("put" if msg.value else "delete", msg.key, msg.value or None,
-                         msg.seq)
+                    emit_update(msg)
         if msg.props == chp.FULL_AFTER_RESUME:
             raise NotCovered(f"shard {name}'s history no longer holds sequence {since} "
                              f"(it answered with a full snapshot at {msg.seq}): watch "
@@ -521,7 +519,7 @@ async def do_watch_from(target: Target, subtree: str, as_json: bool, count: int 
         end[0] = msg.seq
         for m in live:
             if m.seq > end[0] and not done.done():
-                if emit("put" if m.value else "delete", m.key, m.value or None, m.seq):
+                if emit_update(m):
                     return EXIT_OK
                 end[0] = m.seq
         if count is not None and seen[0] >= count:

@@ -24,11 +24,10 @@ import logging
 from typing import Callable
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from shards.common.proto import chp
 from shards.common.errors import HANDSHAKE_CAUSES
-from shards.common.handshake import FAILED_EVENTS, cause_of
+from shards.common.handshake import FAILED_EVENTS, cause_of, monitor_event
 from shards.common.security import Security
 from shards.common.zio import AsyncSocket
 from client import shard_machine as sm
@@ -40,9 +39,6 @@ LIVE_GRACE_S = 0.25
 """After the SUB's handshake, how long to wait for its first message before treating the
 subscription as live anyway (for servers that send no welcome HUGZ)."""
 DEALER_RCVHWM = 100_000
-
-
-_HANDSHAKE_FAILED = FAILED_EVENTS
 
 
 class Link:
@@ -92,7 +88,7 @@ class Link:
         if self.subtree:
             sub.subscribe(chp.HUGZ)
         monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
-                                         | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+                                         | zmq.EVENT_DISCONNECTED | FAILED_EVENTS)
         self.security.connect_side(sub)
         sub.connect(address.publisher)
         self.lost = False
@@ -152,15 +148,12 @@ class Link:
         return self.not_serving
 
     def _on_monitor(self, frames: list[bytes]) -> None:
-        try:
-            parsed = parse_monitor_message(frames)
-            event, value = int(parsed["event"]), int(parsed["value"])
-        except Exception:
+        got = monitor_event(frames)
+        if got is None or self.monitor is None:
             return
-        if self.monitor is None:
-            return
-        if event & _HANDSHAKE_FAILED:
-            why = cause_of(event, value, self.security.curve) or "wrong_server_key"
+        event, value = got
+        why = cause_of(event, value, self.security.curve)
+        if why is not None:
             if why != self.handshake_failure:
                 log.warning("shard %s: handshake with %s failed: %s", self.name,
                             self.address.publisher if self.address else "?",

@@ -18,6 +18,24 @@ FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PR
 _MECHANISM_MISMATCH = getattr(zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", 0x11000002)
 
 
+def monitor_event(frames: list[bytes]) -> tuple[int, int] | None:
+    """(event, value) of a socket monitor's message, or None if it is not one."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    try:
+        parsed = parse_monitor_message(frames)
+    except Exception:  # not a monitor message: nothing to tell
+        return None
+    return int(parsed["event"]), int(parsed["value"])
+
+
+def refused(frames: list[bytes], curve: bool) -> str | None:
+    """The cause a monitor message says a handshake failed for (``cause_of``), or None:
+    what a client that only watches for refusals needs."""
+    event = monitor_event(frames)
+    return cause_of(*event, curve) if event is not None else None
+
+
 def cause_of(event: int, value: int, curve: bool) -> str | None:
     """The cause (a key of ``HANDSHAKE_CAUSES``) of a handshake-failure monitor event,
     seen by a client that offered CURVE (``curve``) or not; None for other events."""

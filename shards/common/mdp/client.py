@@ -44,7 +44,7 @@ import zmq
 from shards.common.security import Security
 from shards.common.drops import DropCounter
 from shards.common.errors import HandshakeRefused, ProtocolError, SlowConsumer, Timeout
-from shards.common.handshake import FAILED_EVENTS, cause_of
+from shards.common.handshake import FAILED_EVENTS, refused
 from shards.common.mdp import codec as mdp
 from shards.common.mdp.codec import C_FINAL, C_PARTIAL, C_REQUEST
 from shards.common.zio import AsyncSocket, recv_frames, send_frames
@@ -219,8 +219,7 @@ class MdpClient:
             waiter.set_result(None)
 
     def _on_monitor(self, frames: list[bytes]) -> None:
-        event = _monitor_event(frames)
-        cause = cause_of(*event, self.security.curve) if event else None
+        cause = refused(frames, self.security.curve)
         if cause is None:
             return
         self._refused = cause
@@ -257,17 +256,6 @@ class MdpClient:
                 self._monitor = None
             self._asock.close(linger=0)
             self._asock = None
-
-
-def _monitor_event(frames: list[bytes]) -> tuple[int, int] | None:
-    """(event, value) of a monitor message, or None if it is not one."""
-    from zmq.utils.monitor import parse_monitor_message
-
-    try:
-        parsed = parse_monitor_message(frames)
-    except Exception:  # not a monitor message: nothing to tell
-        return None
-    return int(parsed["event"]), int(parsed["value"])
 
 
 def _expire(waiter: asyncio.Future) -> None:
@@ -413,8 +401,7 @@ class SyncMdpClient:
             ready = dict(poller.poll(max(1, int(remaining_ms) + 1))) if remaining_ms > 0 \
                 else {}
             if monitor in ready:
-                event = _monitor_event(monitor.recv_multipart())
-                cause = cause_of(*event, self.security.curve) if event else None
+                cause = refused(monitor.recv_multipart(), self.security.curve)
                 if cause is not None:
                     raise HandshakeRefused(self.endpoint, cause)
             if sock not in ready:
