@@ -28,7 +28,7 @@ import sys
 
 import click
 
-from shards.common.errors import ConfigError, Exit
+from shards.common.errors import ConfigError, Exit, os_error_text
 from shards.common.memory import return_large_frees
 from shards import streams
 from shards.pair import PairServer
@@ -83,7 +83,7 @@ def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str,
             raise OSError(errno.ENOSPC, f"{free} bytes free, fewer than the "
                                         f"{min_free_bytes} a server starts with")
     except OSError as exc:
-        sys.exit(disk_exit(*where, _errno_text(exc, f"recovering {data_dir}")))
+        sys.exit(disk_exit(*where, f"{os_error_text(exc)} (recovering {data_dir})"))
     server.store = got.store
     if got.generation:
         server.generation = got.generation
@@ -103,12 +103,9 @@ def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str,
     try:
         writer.open(server.generation, got.store.seq)
     except OSError as exc:
-        sys.exit(disk_exit(*where, _errno_text(exc, f"opening a segment in {data_dir}")))
+        sys.exit(disk_exit(*where, f"{os_error_text(exc)} (opening a segment in "
+                                   f"{data_dir})"))
     server.attach_persist(writer)
-
-
-def _errno_text(exc: OSError, what: str) -> str:
-    return f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or exc} ({what})"
 
 
 def _report_torn(got, data_dir: str) -> None:

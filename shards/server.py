@@ -55,7 +55,6 @@ the client's vote, and ``serving`` what its HUGZ say about it (``serving=0``).
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import time
@@ -69,11 +68,12 @@ from shards import streams
 from shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES, History
 from shards.history import WIDTH as KVPUB_FRAMES
 from shards.resume import ResumeStream
-from shards.byte_marks import INITIAL_MARK, SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES, ByteMarks
+from shards.byte_marks import (INITIAL_MARK, SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES,
+                               ByteMarks, derive)
 from shards.common import zio
 from shards.common.drops import DropCounter
 from shards.common.memory import give_back
-from shards.common.errors import PortInUse, ProtocolError
+from shards.common.errors import PortInUse, ProtocolError, os_error_text
 from shards.common.proto import chp
 from shards.common.routing import OwnerCache, ShardMap
 from shards.common.security import Authenticator, Security
@@ -111,6 +111,7 @@ _send = _BackendSocket.send
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _pack_seq = chp.pack_seq
+_RESERVED = chp.RESERVED_KEYS
 
 
 def _entry_size(item: tuple[bytes, bytes]) -> int:
@@ -123,7 +124,6 @@ def largest_entry(store: Store) -> int:
     if not data:
         return 0
     return max(map(len, data)) + max(map(len, data.values()))
-_RESERVED = chp.RESERVED_KEYS
 
 
 def request_frame_limit(limits: chp.Limits) -> int:
@@ -239,7 +239,7 @@ class SnapshotStream:
                     if pending:  # before any of them is queued: the byte bound holds
                         self.server.snapshot_entries(max(map(_entry_size, pending)))
                         if not self.sent:  # this peer's pipe may have the bind-time mark
-                            self.server.reapply_marks("router", every_time=True)
+                            self.server.reapply_marks("router")
                     pos = i = 0
                     fetched += 1
                     continue
@@ -322,7 +322,6 @@ class ShardServer:
         self._snapshots_busy = False
         self._bind_marks: dict[str, int] = {}
         """Each bound socket's mark at ``bind`` (what libzmq gives new peers' pipes)."""
-        self._reapplied: set[str] = set()
         self.heap_trims = 0
         self.snapshot_largest = 0
         """The largest key + value streamed in a snapshot so far (it only grows)."""
@@ -390,8 +389,7 @@ class ShardServer:
             collector.setsockopt(zmq.SUBSCRIBE, b"")
             self._bind(collector, cfg.endpoint(2))
             self._collector_sock = collector
-            self._bind_marks = {"router": self.snapshot_hwm, "pub": self.marks.pub_hwm,
-                                "collect": self.marks.collect_hwm}
+            self._bind_marks = {"router": self.snapshot_hwm, "pub": self.marks.pub_hwm}
         except BaseException:
             self._auth.stop()
             self.ctx.destroy(linger=0)
@@ -552,8 +550,6 @@ class ShardServer:
     def _snapshot_mark(self) -> int:
         """The snapshot ROUTER's mark in messages: a requester's share of
         ``snapshot_held_bytes`` over the largest entry streamed so far."""
-        from shards.byte_marks import derive
-
         cfg = self.config
         share = cfg.snapshot_held_bytes // (cfg.max_active_snapshots + streams.MAX_STALLED)
         return derive(share, cfg.snapshot_sndhwm,
@@ -563,10 +559,9 @@ class ShardServer:
         """Entries of up to ``biggest`` bytes may be streamed from now on (a recovered or
         installed map, a snapshot's next chunk before it is queued):
         lower the ROUTER's mark if they are the largest yet, so that each requester's
-        queue stays within its share. The mark is right for every pipe made after it
-        (a requester connects after the map it asks for holds the entry); libzmq also
-        applies it to the pipes that exist, but not reliably after a large drop (seen
-        here: a mark lowered from 1,747 to 15 left some pipes taking 1,000 messages)."""
+        queue stays within its share. libzmq applies it to the pipes that exist; a pipe
+        made later gets the bind-time mark (``shards.byte_marks``), so each stream sets
+        it again before its first entry (``reapply_marks``)."""
         if biggest <= self.snapshot_largest:
             return
         self.snapshot_largest = biggest
@@ -576,26 +571,19 @@ class ShardServer:
             if self._router_sock is not None:
                 self._router_sock.setsockopt(zmq.SNDHWM, hwm)
 
-    def reapply_marks(self, which: str, every_time: bool = False) -> None:
-        """Set a lowered mark again, so that it reaches the pipes of peers that connected
-        since it was lowered (they got the bind-time mark: ``shards.byte_marks``). A no-op
-        while the mark is still the bind-time one; otherwise one ``setsockopt`` (libzmq
-        walks the socket's pipes): at most once per loop turn per socket, or, with
-        ``every_time`` (a snapshot stream about to send its first entry: its peer's pipe
-        may have attached after this turn's first call), each time."""
-        current = {"pub": self.marks.pub_hwm, "collect": self.marks.collect_hwm,
-                   "router": self.snapshot_hwm}[which]
-        if current == self._bind_marks.get(which) or (
-                which in self._reapplied and not every_time):
-            return
-        sock = {"pub": self._pub, "collect": self._collector_sock,
-                "router": self._router_sock}[which]
-        if sock is None:
-            return
-        sock.setsockopt(zmq.RCVHWM if which == "collect" else zmq.SNDHWM, current)
-        self._reapplied.add(which)
-        if self.loop is not None and len(self._reapplied) == 1:
-            self.loop.call_soon(self._reapplied.clear)
+    def reapply_marks(self, which: str) -> None:
+        """Set a lowered ``SNDHWM`` again (``which``: "pub" or "router"), so that it
+        reaches the pipes of peers that connected since it was lowered (they got the
+        bind-time mark: ``shards.byte_marks``). A no-op while the mark is still the
+        bind-time one; otherwise one ``setsockopt`` (libzmq walks the socket's pipes).
+        Called when the publisher welcomes new subscriptions (once a loop turn) and when
+        a snapshot stream is about to send its first entry."""
+        if which == "pub":
+            sock, current = self._pub, self.marks.pub_hwm
+        else:
+            sock, current = self._router_sock, self.snapshot_hwm
+        if sock is not None and current != self._bind_marks.get(which):
+            sock.setsockopt(zmq.SNDHWM, current)
 
     def _give_back_after_snapshots(self) -> None:
         """Once the last snapshot stream has ended, give the heap's free pages back to
@@ -676,9 +664,8 @@ class ShardServer:
         the disk works again."""
         if self.disk_error:
             return
-        code = errno.errorcode.get(exc.errno, str(exc.errno))
         where = self.persist.path if self.persist is not None else "?"
-        self.disk_error = f"{code}: {exc.strerror or exc} ({what} in {where})"
+        self.disk_error = f"{os_error_text(exc)} ({what} in {where})"
         self.active = False  # directly: no snapshot, no KVPUB, no TTL from now on
         if self.snapshots is not None:
             self.snapshots.clear()

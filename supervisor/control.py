@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from shards.common.errors import ClonemapError, ConfigError, Exit, HandshakeRefused, Timeout
+from shards.common.errors import ClonemapError, ConfigError, Exit, HandshakeRefused
 from shards.common.endpoints import ensure_listening
 from shards.common.mdp.client import SyncMdpClient
 from shards.common.config import DEFAULT_CONTROL, load_config, parse_endpoint

@@ -121,3 +121,11 @@ HANDSHAKE_CAUSES = {
 }
 """Why a handshake failed, in words (``HandshakeRefused``); decided by
 ``shards.common.handshake.cause_of``."""
+
+
+def os_error_text(exc: OSError) -> str:
+    """An OS error as an operator reads it: ``ENOSPC: No space left on device`` (the
+    errno's name, then its text)."""
+    import errno
+
+    return f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or exc}"

@@ -26,7 +26,6 @@ run off the reactor by the server. The calls the server makes, and when:
 from __future__ import annotations
 
 import bisect
-import errno
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ import threading
 import time
 from pathlib import Path
 
+from shards.common.errors import os_error_text
 from shards.persist import format as fmt
 from shards.persist.recovery import list_files
 from shards.store import SnapshotCursor, Store
@@ -352,7 +352,7 @@ class DataDir:
         disk stays full) and every 1,000th after it."""
         self.counters["write_errors"] += 1
         first = not self.disk_error
-        self.disk_error = f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror}"
+        self.disk_error = os_error_text(exc)
         if first or self.counters["write_errors"] % 1000 == 0:
             log.error("writing %s in %s failed (%d failed writes so far): %s; the updates "
                       "stay unacknowledged and are written again", what, self.path,
@@ -467,8 +467,7 @@ class DataDir:
         self.counters["fsync_errors"] = self.counters.get("fsync_errors", 0) + 1
         if self.fsync_failed is None:
             self.fsync_failed = exc
-            self.disk_error = (f"{errno.errorcode.get(exc.errno, exc.errno)}: "
-                               f"{exc.strerror} (fsync)")
+            self.disk_error = f"{os_error_text(exc)} (fsync)"
             log.critical("fsync of the log in %s failed: %s; what was written since the "
                          "last good fsync may not be on disk, and is never fsynced again "
                          "as if nothing happened", self.path, exc)
