@@ -17,10 +17,11 @@ server's loop and owns the rules they share:
 * stalled peers yield: a stream whose peer accepted nothing for ``yield_s`` while others
   wait gives up its slot (counted ``yielded``). It stays open, retried every
   ``STALLED_RETRY_S``, and takes a normal pace again as soon as its peer reads. At most
-  ``max_stalled`` streams are stalled at once: a stalled stream still has its queue of
+  ``max_stalled`` streams yield at once: a stalled stream still has its queue of
   messages in libzmq (libzmq cannot drop one peer's queue, and a peer that does not read
-  does not answer heartbeats either), so with ``max_active + max_stalled`` streams open,
-  a new one waits until one ends (done, or its peer gone). So peers that ask for a
+  does not answer heartbeats either), so past that an active stream keeps its slot and
+  at most ``max_active + max_stalled`` streams are ever open; a new one waits until one
+  ends (done, or its peer gone). So peers that ask for a
   snapshot and never read cannot hold every slot for ``stall_s`` while they are fewer than
   ``max_stalled``, and the bytes queued for all streams together stay within
   ``(max_active + max_stalled)`` x one peer's queue (``ShardServer`` derives the ROUTER's
@@ -134,15 +135,13 @@ class StreamPump:
     def _admit(self) -> None:
         """Start waiting streams, in order, while there is room; a peer's second stream
         waits until its first is done."""
-        if (not self.waiting or self._busy() >= self.max_active
-                or len(self.active) >= self.max_active + self.max_stalled):
+        if not self.waiting or self._busy() >= self.max_active:
             return
         now = self.loop.time()
         kept: collections.deque = collections.deque()
         while self.waiting:
             identity, make = self.waiting.popleft()
-            if (identity in self.active or self._busy() >= self.max_active
-                    or len(self.active) >= self.max_active + self.max_stalled):
+            if identity in self.active or self._busy() >= self.max_active:
                 kept.append((identity, make))
                 continue
             self.active[identity] = _Entry(make(), now)

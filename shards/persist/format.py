@@ -195,7 +195,6 @@ class Scan:
             self.torn_batch = partial_batch(data[pos:])
 
 
-
 def write_all(fd: int, data: bytes) -> None:
     """Write all of ``data`` at ``fd``'s offset, looping over short writes (a nearly full
     filesystem returns them); raise the ``OSError`` that stops it (ENOSPC, EIO, ...).

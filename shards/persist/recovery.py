@@ -131,11 +131,11 @@ def segment_records(scan: fmt.Scan):
         yield offset, rec
 
 
-def replay_segment(store: Store, path: Path, *, last: bool,
-                   torn_batch: list | None = None) -> tuple[int, int, str]:
+def replay_segment(store: Store, path: Path, *, last: bool
+                   ) -> tuple[int, int, str, tuple[int, int] | None]:
     """Apply the segment's updates after ``store.seq``; ``(applied, torn_bytes,
-    generation)``. Truncates a torn tail when ``last`` (its ``(updates, first_seq)``, when
-    known, is appended to ``torn_batch``); raises ``CorruptLog`` on a gap."""
+    generation, torn_batch)``, the last the torn tail's ``(updates, first_seq)`` when
+    known. Truncates a torn tail when ``last``; raises ``CorruptLog`` on a gap."""
     scan = fmt.Scan(path, fmt.LOG_MAGIC, allow_torn=last)
     applied = 0
     apply = store.apply
@@ -151,9 +151,7 @@ def replay_segment(store: Store, path: Path, *, last: bool,
             applied += 1
     if scan.torn:
         fmt.truncate(path, scan.end)
-        if torn_batch is not None and scan.torn_batch is not None:
-            torn_batch.append(scan.torn_batch)
-    return applied, scan.torn, scan.generation
+    return applied, scan.torn, scan.generation, scan.torn_batch
 
 
 def read_terms(data_dir: Path) -> tuple[int, list[tuple[int, int]]]:
@@ -190,16 +188,15 @@ def recover(data_dir: str | os.PathLike) -> Recovered:
         moved = _move_aside(path, files)
         return Recovered(Store(), "", term, history, None, incomplete=moved)
     out = Recovered(store, generation, term, history, snap_seq, segments=len(segments))
-    torn_batch: list[tuple[int, int]] = []
     for i, (_, seg_path) in enumerate(segments):
-        applied, torn, gen = replay_segment(store, seg_path, last=i == len(segments) - 1,
-                                            torn_batch=torn_batch)
+        applied, torn, gen, batch = replay_segment(store, seg_path,
+                                                   last=i == len(segments) - 1)
+        if batch is not None:
+            out.torn_updates, out.torn_first_seq = batch
         out.records += applied
         out.torn_bytes += torn
         if gen and not out.generation:
             out.generation = gen
-    if torn_batch:
-        out.torn_updates, out.torn_first_seq = torn_batch[0]
     return out
 
 
