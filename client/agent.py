@@ -65,6 +65,7 @@ from client import shard_machine as sm
 from shards.common.security import Security
 from client.collector import KvsetSender, ServerAddress, parse_server
 from client.echoes import Echoes
+from client.replies import Replies
 from client.events import ACCEPT, KEEP, KEPT, RESET_POLICIES, FailoverInfo, ResetInfo
 from client.lag import LagMeter
 from client.link import Link
@@ -79,6 +80,9 @@ REPLAY_BATCH = 4096
 KVSET_QUEUE_MAX = 100_000
 SUB_RCVHWM = 100_000
 PHASE_LOG_MAX = 64
+REPLY_CONNECT_S = 2.0
+"""After an outage, how long resent writes that ask for a reply wait for the replies
+DEALER's connection before they go anyway."""
 
 _Hugz = chp.Hugz
 _Kvsync = chp.Kvsync
@@ -168,6 +172,10 @@ class ShardAgent:
         self.props: dict[bytes, bytes] = {}
         """Properties that came with a key (KVPUB or KVSYNC), only for keys that had any."""
         self._incoming_props: dict[bytes, bytes] = {}
+        self.seqs: dict[bytes, int] = {}
+        """key -> the sequence that last changed it (a KVPUB's, or its KVSYNC's from our
+        servers, which send each key's own; the guide's C server sends its own too)."""
+        self._incoming_seqs: dict[bytes, int] = {}
         self._sync_base = 0
         """``snapshot_messages`` when the current request went out."""
         self._sync_dropped = 0
@@ -225,6 +233,9 @@ class ShardAgent:
         self._closed = False
         self.echoes = Echoes()
         """Writes awaiting their echo (``wait=True``): ``client.echoes``."""
+        self.replies: Replies | None = None
+        """Writes awaiting their KVREPLY (conditional writes, resends): made in start(),
+        its DEALER connected on first use (``client.replies``)."""
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -250,6 +261,8 @@ class ShardAgent:
                                                self.kvset_queue_max,
                                                self._on_collector_change, self.affinity,
                                                self.security))
+        self.replies = Replies(self.ctx, self.name, self.loop, affinity=self.affinity,
+                               security=self.security, on_reply=self._on_reply)
         self._dispatch(sm.Start())
         self._tick_handle = self.loop.call_later(TICK_S, self._tick)
 
@@ -263,6 +276,8 @@ class ShardAgent:
             self.link.close()
         self._buffer.clear()
         self.echoes.fail_all(self._kept_error())
+        if self.replies is not None:
+            self.replies.fail_all(self._kept_error())
         if not self._synced_event.is_set():
             self._synced_event.set()
 
@@ -301,6 +316,8 @@ class ShardAgent:
         for c in self._collectors:
             c.close(linger_ms)
         self.echoes.cancel_all()
+        if self.replies is not None:
+            self.replies.cancel_all()
 
     # ------------------------------------------------------------------ machine
     def _dispatch(self, event) -> None:
@@ -340,6 +357,8 @@ class ShardAgent:
 
     def _connect(self, eff: sm.Connect) -> None:
         self.link.connect(self.servers[eff.server])
+        if self.replies.address is not None:  # in use: follow the shard to its server
+            self.replies.connect(self.servers[eff.server])
         self._gen += 1
         self._buffer.clear()
         self._buffering = True
@@ -354,10 +373,11 @@ class ShardAgent:
                               and self.kept is None)
         since = self.last_seq if self._resuming else None
         self.link.request_snapshot(address, since, self.generation if since is not None
-                                   else "")
+                                   else "", meta=self.link.cas)
         self._gen += 1
         self._incoming = {}
         self._incoming_props = {}
+        self._incoming_seqs = {}
         self._sync_base, self._sync_dropped = self.snapshot_messages, 0
         self._first_sync_error = ""
         self._buffer.clear()
@@ -384,6 +404,8 @@ class ShardAgent:
         self.map = new
         self.props = self._incoming_props
         self._incoming_props = {}
+        self.seqs = self._incoming_seqs
+        self._incoming_seqs = {}
         self.generation = self.link.generation
         self.last_seq = self.snapshot_seq = eff.seq
         self.snapshots += 1
@@ -397,18 +419,69 @@ class ShardAgent:
         self._resend_after_sync = False
         if self._failover_from is not None:
             self._resumed(old, new)
-        if self.echoes:
+        if outage and (self.echoes or self.replies.waiting):
+            # writes made while no server took them (a KVSET sent into a connection that
+            # was already dead is gone): sent again, same UUID, now that the shard
+            # serves again (after a failover, or a reconnection to a server that
+            # restarted). A server that keeps applied UUIDs (``cas=1``) applies each
+            # once and answers on the replies DEALER (applied, or duplicate: it was
+            # applied before the outage); otherwise a snapshot that holds the written
+            # value confirms the write first (at-least-once).
+            self._resend(self.echoes.unconfirmed() if self.link.cas else None)
+        elif self.echoes:
             self.echoes.confirm_in(new, self.last_seq)
-            if outage:
-                # writes made while no server took them (a KVSET sent into a connection
-                # that was already dead is gone): sent again, same UUID, now that the
-                # shard serves again (after a failover, or a reconnection to a server
-                # that restarted)
-                for frames in self.echoes.unconfirmed():
-                    self.send_kvset(frames)
         if reset is not None:
             self._report_reset(reset)
         self._replay(self._gen)
+
+    def _resend(self, echoed: list[list[bytes]] | None) -> None:
+        if echoed is None:
+            self.echoes.confirm_in(self.map, self.last_seq)
+            for frames in self.echoes.unconfirmed():
+                self.send_kvset(frames)
+            return
+        self.replies.connect(self.server)
+        ident = chp.write_props(reply_to=self.replies.identity)
+        again = [[f[0], f[1], f[2], f[3] if b"reply=" in f[3] else f[3] + ident, f[4]]
+                 for f in echoed]
+        again += self.replies.unanswered()
+        self.loop.create_task(self._send_when_ready(again, self._gen))
+
+    async def _send_when_ready(self, frames_list: list[list[bytes]], gen: int) -> None:
+        """Send once the replies DEALER is connected (so no answer is lost), or after
+        ``REPLY_CONNECT_S`` anyway."""
+        try:
+            async with asyncio.timeout(REPLY_CONNECT_S):
+                await self.replies.ready.wait()
+        except TimeoutError:
+            pass
+        if self._closed or gen != self._gen:
+            return  # moved on: the next outage sends them again
+        for frames in frames_list:
+            self.send_kvset(frames)
+
+    def _on_reply(self, reply: chp.Kvreply) -> None:
+        """A KVREPLY: a write awaiting its echo that it answers (applied now, or before
+        an outage) is confirmed once this client's map is at its sequence (a later one
+        is confirmed by its KVPUB, still on the way)."""
+        if (self.echoes and reply.outcome in (chp.APPLIED, chp.DUPLICATE)
+                and reply.seq <= self.last_seq):
+            self.echoes.confirm(reply.uuid, self.last_seq)
+
+    def conditional(self, frames: list[bytes]) -> asyncio.Future:
+        """Send a KVSET that asks for a reply (``frames[3]`` already says ``reply=``
+        this agent's id, see ``reply_props``); the future of its KVREPLY."""
+        fut = self.replies.expect(frames[2], frames)
+        self.send_kvset(frames)
+        return fut
+
+    def reply_props(self) -> bytes:
+        return chp.write_props(reply_to=self.replies.identity)
+
+    async def replies_ready(self) -> None:
+        """The replies DEALER connected to the current server (made on first use)."""
+        self.replies.connect(self.server)
+        await self.replies.ready.wait()
 
     def _data_loss(self, old: dict[bytes, bytes], new: dict[bytes, bytes],
                    seq: int) -> ResetInfo | None:
@@ -563,8 +636,10 @@ class ShardAgent:
         value = msg.value
         if value:
             self.map[key] = value
+            self.seqs[key] = seq
         else:
             self.map.pop(key, None)
+            self.seqs.pop(key, None)
         props = msg.props
         if props and value:
             self.props[key] = props
@@ -665,6 +740,7 @@ class ShardAgent:
                 self.drops.drop("outside_subtree", f"shard {self.name}: KVSYNC {key[:60]!r}")
             elif msg.value or self._resuming:  # a resume's empty value is a delete
                 incoming[key] = msg.value
+                self._incoming_seqs[key] = msg.seq
                 if msg.props:
                     self._incoming_props[key] = msg.props
             return
@@ -691,16 +767,18 @@ class ShardAgent:
         """At the KTHXBAI of a resume request: the updates after our sequence applied on
         a copy of the installed map (``resume=1``), or, when the server could not resume
         (``resume=0``), the full snapshot it sent instead (its deletes dropped)."""
-        incoming, props_in = self._incoming, self._incoming_props
+        incoming, props_in, seqs_in = self._incoming, self._incoming_props, self._incoming_seqs
         if not resumed:
             self._incoming = {k: v for k, v in incoming.items() if v}
             self._incoming_props = {k: p for k, p in props_in.items() if incoming.get(k)}
+            self._incoming_seqs = {k: s for k, s in seqs_in.items() if incoming.get(k)}
             self.resumes_refused += 1
             return
-        merged, props = dict(self.map), dict(self.props)
+        merged, props, seqs = dict(self.map), dict(self.props), dict(self.seqs)
         for key, value in incoming.items():
             if value:
                 merged[key] = value
+                seqs[key] = seqs_in[key]
                 if key in props_in:
                     props[key] = props_in[key]
                 else:
@@ -708,7 +786,8 @@ class ShardAgent:
             else:
                 merged.pop(key, None)
                 props.pop(key, None)
-        self._incoming, self._incoming_props = merged, props
+                seqs.pop(key, None)
+        self._incoming, self._incoming_props, self._incoming_seqs = merged, props, seqs
         self.resumes += 1
         self.resume_updates += arrived
         log.info("shard %s: resumed with %d updates after sequence %d", self.name, arrived,
@@ -763,5 +842,6 @@ class ShardAgent:
             "kvsets_queued": sum(len(c.queue) for c in self._collectors),
             "kvsets_dropped": sum(c.dropped for c in self._collectors),
             "kvsets_resent": self.echoes.resent,
+            "replies": self.replies.received if self.replies is not None else 0,
             "drops": dict(self.drops.counts),
         }

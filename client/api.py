@@ -15,12 +15,13 @@ works; this module defines nothing.
 from __future__ import annotations
 
 from shards.common.errors import ClonemapError, SlowConsumer, Timeout
-from client.events import FailoverInfo, ResetInfo
+from client.events import FailoverInfo, KeyMeta, ResetInfo
 from client.clone import DEFAULT_TIMEOUT_S, AsyncClone
-from client.errors import NotRunning, ShardReset, SlowSubscriber
+from client.errors import (Conflict, NotRunning, NotSupported, ShardReset, SlowSubscriber,
+                           WriteRefused)
 from client.sync import Clone
 from client.watch import Change
 
-__all__ = ["AsyncClone", "Change", "ClonemapError", "Clone", "DEFAULT_TIMEOUT_S",
-           "FailoverInfo", "NotRunning", "ResetInfo", "ShardReset", "SlowConsumer",
-           "SlowSubscriber", "Timeout"]
+__all__ = ["AsyncClone", "Change", "ClonemapError", "Clone", "Conflict", "DEFAULT_TIMEOUT_S",
+           "FailoverInfo", "KeyMeta", "NotRunning", "NotSupported", "ResetInfo", "ShardReset",
+           "SlowConsumer", "SlowSubscriber", "Timeout", "WriteRefused"]

@@ -55,7 +55,7 @@ from shards.common.errors import (ClonemapError, ConfigError, Exit, HandshakeRef
                                   SlowConsumer, Timeout)
 from shards.common.proto import chp
 from shards.common.zio import AsyncSocket
-from client.api import AsyncClone
+from client.api import AsyncClone, Conflict
 from client.clone import check_write
 from client.router import Cluster, fetch_cluster
 from shards.common.security import Security, client_keys
@@ -65,6 +65,7 @@ DEFAULT_TIMEOUT_S = 5.0
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_FAILED, EXIT_TIMEOUT, EXIT_SLOW = (
     Exit.OK, Exit.NOT_FOUND, Exit.USAGE, Exit.FAILED, Exit.TIMEOUT, Exit.SLOW)
 EXIT_INTERRUPTED = Exit.INTERRUPTED
+EXIT_CONFLICT = Exit.CONFLICT
 
 
 class NotFound(ClonemapError):
@@ -133,6 +134,8 @@ CLI_HANDSHAKE_WORDS = {
 def _exit_code(exc: BaseException) -> int:
     if isinstance(exc, NotFound):
         return EXIT_NOT_FOUND
+    if isinstance(exc, Conflict):
+        return EXIT_CONFLICT
     if isinstance(exc, (ConfigError, click.UsageError, BadUsage)):
         return EXIT_USAGE
     if isinstance(exc, TimeoutError):
@@ -308,9 +311,14 @@ async def do_get(target: Target, key: str, mode: str) -> int:
     check_key_text(key)
     async with target.clone(subtree_of(key), only_key=key) as clone:
         value = clone.get(key)
+        meta = clone.meta(key)
     if value is None:
         raise NotFound(f"key not found: {key}")
-    if mode == "hex":
+    if mode == "json":
+        _out(json.dumps({"key": key, "value": json_value(value), "seq": meta.seq,
+                         "expires": meta.expires, "props": meta.props,
+                         "shard": meta.shard}, ensure_ascii=False).encode() + b"\n")
+    elif mode == "hex":
         _out(value.hex().encode() + b"\n")
     elif mode == "raw":
         _out(value)
@@ -320,17 +328,22 @@ async def do_get(target: Target, key: str, mode: str) -> int:
 
 
 async def do_set(target: Target, key: str, value: bytes | None, ttl: float | None,
-                 wait: bool) -> int:
+                 wait: bool, if_seq: int | None = None, create: bool = False) -> int:
     check_write(key, value or b"", ttl)  # what a server would drop: refused before connecting
     if value == b"":
         raise BadUsage("an empty value means delete in 12/CHP: use `chp del KEY`")
+    conditional = create or if_seq is not None
+    if conditional and not wait:
+        raise BadUsage("--if-seq/--create wait for the outcome: drop --no-wait")
     async with target.clone(subtree_of(key), only_key=key) as clone:
         if value is None:
-            if key not in clone:
+            if key not in clone and if_seq is None:
                 raise NotFound(f"key not found: {key}")
-            await clone.delete(key, wait=wait)
+            seq = await clone.delete(key, wait=wait, if_seq=if_seq)
         else:
-            await clone.set(key, value, ttl, wait=wait)
+            seq = await clone.set(key, value, ttl, wait=wait, if_seq=if_seq, create=create)
+        if conditional:
+            _out(b"%d\n" % seq)  # the write's sequence: the next --if-seq
         if not wait:
             await clone.flush()
             await clone.close(linger_s=1.0)
@@ -671,10 +684,15 @@ def main(ctx: click.Context, control, config, servers, timeout_s, keys, via,
 @click.argument("key")
 @click.option("--hex", "mode", flag_value="hex", help="Print the value as hex digits.")
 @click.option("--raw", "mode", flag_value="raw", help="Print exactly the value's bytes.")
+@click.option("--json", "mode", flag_value="json",
+              help="One JSON object: the value and its metadata (seq: the sequence that "
+                   "last changed it, for --if-seq; expires; props; shard).")
+@click.option("--output", "-o", "output", type=click.Choice(["text", "hex", "raw", "json"]),
+              default=None, help="The same as --hex, --raw, --json (etcdctl's -w).")
 @click.pass_obj
-def get_command(target: Target, key: str, mode: str | None) -> None:
+def get_command(target: Target, key: str, mode: str | None, output: str | None) -> None:
     """Print KEY's value (exit 6 if it is not there)."""
-    run(target, do_get, key, mode or "text")
+    run(target, do_get, key, output or mode or "text")
 
 
 @main.command("set")
@@ -687,10 +705,18 @@ def get_command(target: Target, key: str, mode: str | None) -> None:
               help="Take the value from a file ('-': stdin).")
 @click.option("--wait/--no-wait", default=True, show_default=True,
               help="Wait until the owning shard has published the update back.")
+@click.option("--if-seq", "if_seq", type=click.IntRange(min=0), default=None, metavar="S",
+              help="Only if KEY was last changed at sequence S (`chp get -o json` says "
+                   "it); prints the new sequence; exit 8 on a conflict.")
+@click.option("--create", is_flag=True,
+              help="Only if KEY is absent; prints the new sequence; exit 8 if it exists.")
 @click.pass_obj
-def set_command(target: Target, key: str, value, ttl, hex_value, path, wait) -> None:
+def set_command(target: Target, key: str, value, ttl, hex_value, path, wait, if_seq,
+                create) -> None:
     """Set KEY to VALUE."""
-    run(target, do_set, key, _value_of(value, hex_value, path), ttl, wait)
+    if create and if_seq is not None:
+        raise click.UsageError("--create is --if-seq 0: give one or the other")
+    run(target, do_set, key, _value_of(value, hex_value, path), ttl, wait, if_seq, create)
 
 
 @main.command("del")
@@ -700,15 +726,20 @@ def set_command(target: Target, key: str, value, ttl, hex_value, path, wait) -> 
 @click.option("--prefix", "prefix", is_flag=True,
               help="KEY is a prefix: delete every key under it (needs --yes).")
 @click.option("--yes", is_flag=True, help="With --prefix: really delete them.")
+@click.option("--if-seq", "if_seq", type=click.IntRange(min=1), default=None, metavar="S",
+              help="Only if KEY was last changed at sequence S; exit 8 on a conflict.")
 @click.pass_obj
-def del_command(target: Target, key: str, wait: bool, prefix: bool, yes: bool) -> None:
+def del_command(target: Target, key: str, wait: bool, prefix: bool, yes: bool,
+                if_seq: int | None) -> None:
     """Delete KEY (exit 6 if it is not there), or with --prefix every key under it."""
     if prefix:
+        if if_seq is not None:
+            raise click.UsageError("--if-seq goes with one KEY, not --prefix")
         run(target, do_del_prefix, key, yes)
     elif yes:
         raise click.UsageError("--yes goes with --prefix")
     else:
-        run(target, do_set, key, None, None, wait)
+        run(target, do_set, key, None, None, wait, if_seq)
 
 
 @main.command("dump")

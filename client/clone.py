@@ -66,10 +66,10 @@ from shards.common import timing
 from shards.common.timing import HEARTBEAT_S
 from client import shard_machine as sm
 from client.agent import KVSET_QUEUE_MAX, SUB_RCVHWM, SYNC_BUFFER_MAX, ShardAgent
-from client.events import ACCEPT, FailoverInfo, ResetInfo
+from client.events import ACCEPT, FailoverInfo, KeyMeta, ResetInfo
 from client.collector import ServerAddress, parse_server
 from client.codec import Codec, get_codec
-from client.errors import NotRunning, SlowSubscriber
+from client.errors import Conflict, NotRunning, NotSupported, SlowSubscriber, WriteRefused
 from client.router import CONTROL_TIMEOUT_S, Cluster, fetch_cluster
 from client.watch import WATCH_CAPACITY, Watch, WatchCore, WatchHub
 
@@ -523,6 +523,22 @@ class AsyncClone:
         raw = self._agent_for(key_b).props.get(key_b)
         return chp.parse_props(raw) if raw else {}
 
+    def meta(self, key: str) -> KeyMeta | None:
+        """``key``'s metadata as this client holds it: the sequence that last changed it
+        (for ``set(..., if_seq=)``), its absolute expiry and properties; None if the key
+        is absent. A local read, like ``get``."""
+        key_b = self._key(key)
+        agent = self._agent_for(key_b)
+        if key_b not in agent.map:
+            return None
+        raw = agent.props.get(key_b)
+        props = chp.parse_props(raw) if raw else {}
+        try:
+            expires = float(props["expires"]) if "expires" in props else None
+        except ValueError:
+            expires = None
+        return KeyMeta(key, agent.seqs.get(key_b, 0), expires, props, agent.name)
+
     def items(self, prefix: str = "") -> list[tuple[str, Any]]:
         """(key, value) pairs under ``prefix``, in no particular order (a copy)."""
         prefix_b = self._prefix(prefix)
@@ -577,23 +593,79 @@ class AsyncClone:
                              else "this client is closed")
 
     async def set(self, key: str, value: Any, ttl: float | None = None, *,
-                  wait: bool = False, timeout_s: float | None = None) -> bytes:
+                  wait: bool = False, timeout_s: float | None = None,
+                  if_seq: int | None = None, create: bool = False) -> Any:
         """Send a KVSET; returns its 16-byte UUID. ``ttl`` in seconds. Fire-and-forget,
         or with ``wait=True`` once the owning shard has published it back and it is in
-        the local map (``Timeout`` after ``timeout_s``, default the client's)."""
+        the local map (``Timeout`` after ``timeout_s``, default the client's).
+
+        Conditional (``if_seq=S``: only if the key was last changed by sequence S, see
+        ``meta``; ``create=True``: only if the key is absent): the shard's active
+        decides; returns the write's sequence once it is in the local map, or raises
+        ``Conflict`` (with the key's current sequence: nothing was applied or
+        published). ``Timeout``: the outcome is unknown (sent again with the same UUID
+        after an outage, so it is applied at most once)."""
         self._check_running()
         if value is None:
             raise ValueError("value is None: use delete() to delete a key")
+        if create and if_seq not in (None, 0):
+            raise ValueError("create=True is if_seq=0: give one or the other")
         agent, frames, uuid = self._prepare(key, value, ttl)
+        if create or if_seq is not None:
+            return await self._send_if(agent, key, frames, 0 if create else if_seq,
+                                       timeout_s)
         return await self._send(agent, frames, uuid, wait, timeout_s)
 
     async def delete(self, key: str, *, wait: bool = False,
-                     timeout_s: float | None = None) -> bytes:
+                     timeout_s: float | None = None, if_seq: int | None = None) -> Any:
         """Send a KVSET with an empty value (delete); returns its UUID. ``wait`` as
-        for ``set``."""
+        for ``set``. ``if_seq=S``: only if the key was last changed by sequence S
+        (returns the delete's sequence, or raises ``Conflict``, as ``set``)."""
         self._check_running()
         agent, frames, uuid = self._prepare(key, None, None)
+        if if_seq is not None:
+            return await self._send_if(agent, key, frames, if_seq, timeout_s)
         return await self._send(agent, frames, uuid, wait, timeout_s)
+
+    async def _send_if(self, agent: ShardAgent, key: str, frames: list[bytes],
+                       if_seq: int, timeout_s: float | None) -> int:
+        if not isinstance(if_seq, int) or isinstance(if_seq, bool) or if_seq < 0:
+            raise ValueError(f"if_seq is a sequence (an int >= 0), got {if_seq!r}")
+        if agent.relays or not agent.link.cas:
+            raise NotSupported(f"shard {agent.name} ({agent.server}) does not decide "
+                               "conditional writes (a relay, or a server that does not "
+                               "say cas=1): it would apply this one unconditionally")
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        uuid = frames[2]
+        reply = echo = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                await agent.replies_ready()
+                frames[3] += chp.write_props(if_seq) + agent.reply_props()
+                echo = agent.expect(uuid, frames[0], frames[4])
+                reply = await agent.conditional(frames)
+                if reply.outcome in (chp.APPLIED, chp.DUPLICATE):
+                    await echo  # in the local map, as wait=True
+        except TimeoutError:
+            if reply is not None:
+                raise Timeout(f"shard {agent.name} applied the write of {key!r} at "
+                              f"sequence {reply.seq} but did not publish it back here "
+                              f"within {timeout_s} s", what="echo",
+                              deadline_s=timeout_s) from None
+            raise Timeout(f"shard {agent.name} ({agent.server}) did not answer the "
+                          f"conditional write of {key!r} within {timeout_s} s: its "
+                          "outcome is unknown", what="reply", deadline_s=timeout_s) from None
+        finally:
+            if echo is not None:
+                echo.cancel()
+        if reply.outcome == chp.CONFLICT:
+            raise Conflict(f"conflict: {key!r} was last changed at sequence {reply.seq}"
+                           if reply.seq else f"conflict: {key!r} is absent",
+                           key=key, expected=if_seq, current_seq=reply.seq)
+        if reply.outcome == chp.REFUSED:
+            raise WriteRefused(f"shard {agent.name} refused the write of {key!r}: "
+                               f"{reply.detail}", reason=reply.detail)
+        return reply.seq
 
     async def _send(self, agent: ShardAgent, frames: list[bytes], uuid: bytes, wait: bool,
                     timeout_s: float | None) -> bytes:

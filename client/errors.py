@@ -30,3 +30,31 @@ class ShardReset(ClonemapError, RuntimeError):
         super().__init__(message)
         self.shard = shard
         self.info = info
+
+
+class Conflict(ClonemapError):
+    """A conditional write was not applied: the key's last-modified sequence is
+    ``current_seq`` (0: the key is absent), not the ``expected`` one (0: ``create``).
+    Never a timeout: the owning shard's active decided it, and nothing was published."""
+
+    def __init__(self, message: str, *, key: str = "", expected: int = 0,
+                 current_seq: int = 0):
+        super().__init__(message)
+        self.key = key
+        self.expected = expected
+        self.current_seq = current_seq
+
+
+class WriteRefused(ClonemapError, RuntimeError):
+    """The shard's server answered a write that asked for a reply with a refusal
+    (``reason``: it is not active, it does not own the key)."""
+
+    def __init__(self, message: str, *, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
+
+
+class NotSupported(ClonemapError, RuntimeError):
+    """A conditional write to a server that does not decide them (a relay, a server that
+    does not say ``cas=1``: the guide's, or an older clonemap): refused here, because such
+    a server would apply it unconditionally."""

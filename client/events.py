@@ -5,6 +5,7 @@ the policies for a loss (``reset_policy``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from client.collector import ServerAddress
@@ -65,3 +66,16 @@ class FailoverInfo(NamedTuple):
     gap_s: float | None = None
     removed: int = 0
     changed: int = 0
+
+
+@dataclass(frozen=True)
+class KeyMeta:
+    """A key's metadata as this client holds it (``AsyncClone.meta``)."""
+    key: str
+    seq: int
+    """The sequence of the write that last changed it (what ``if_seq`` compares)."""
+    expires: float | None
+    """Its absolute expiry (epoch seconds), None if it has no TTL."""
+    props: dict[str, str]
+    """The properties its value came with."""
+    shard: str

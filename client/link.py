@@ -74,6 +74,9 @@ class Link:
         """The latest map generation this server's HUGZ named."""
         self.not_serving = False
         """This server said ``serving=0`` (and has not said otherwise since)."""
+        self.cas = False
+        """This server said ``cas=1``: it decides conditional writes, keeps applied UUIDs
+        and answers ``reply=``; it is asked for ``meta=1`` snapshots."""
 
     # ------------------------------------------------------------------ sockets
     def connect(self, address: ServerAddress) -> None:
@@ -94,6 +97,7 @@ class Link:
         self.lost = False
         self.generation = ""
         self.not_serving = False
+        self.cas = False
         self.sub = AsyncSocket(sub, self.on_update, loop=self.loop,
                                name=f"{self.name} SUB {address.publisher}")
         self.monitor = AsyncSocket(monitor, self._on_monitor, loop=self.loop,
@@ -102,7 +106,7 @@ class Link:
                  self.subtree)
 
     def request_snapshot(self, address: ServerAddress, since: int | None = None,
-                         generation: str = "") -> None:
+                         generation: str = "", meta: bool = False) -> None:
         """A fresh DEALER to ``address``'s snapshot port, and ICANHAZ on it (an abandoned
         snapshot still streaming to the old identity is dropped by the server's ROUTER,
         so two KTHXBAIs can never be confused). ``since``: ask for a resume (only the
@@ -116,7 +120,7 @@ class Link:
         dealer.connect(address.snapshot)
         self.dealer = AsyncSocket(dealer, self.on_snapshot, loop=self.loop,
                                   name=f"{self.name} DEALER {address.snapshot}")
-        self.dealer.send(chp.icanhaz(self.subtree, since, generation))
+        self.dealer.send(chp.icanhaz(self.subtree, since, generation, meta))
 
     def close_dealer(self) -> None:
         if self.dealer is not None:
@@ -144,6 +148,7 @@ class Link:
         another server to ask)."""
         if info.generation:
             self.generation = info.generation
+        self.cas = info.cas
         self.not_serving = not info.serving and self.pair
         return self.not_serving
 

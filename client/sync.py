@@ -166,6 +166,11 @@ class Clone:
     def properties(self, key: str) -> dict[str, str]:
         return self._async.properties(key)
 
+    def meta(self, key: str):
+        """``AsyncClone.meta``: the sequence that last changed ``key``, its expiry and
+        properties (a ``KeyMeta``), or None."""
+        return self._async.meta(key)
+
     def items(self, prefix: str = "") -> list[tuple[str, Any]]:
         return self._call(_run_sync(self._async.items, prefix))
 
@@ -185,22 +190,27 @@ class Clone:
 
     # ------------------------------------------------------------------ writes
     def set(self, key: str, value: Any, ttl: float | None = None, *, wait: bool = False,
-            timeout_s: float | None = None) -> bytes:
+            timeout_s: float | None = None, if_seq: int | None = None,
+            create: bool = False) -> Any:
         """Queue a KVSET (fire-and-forget); returns its 16-byte UUID. ``wait=True``:
-        block until the owning shard published it back (``Timeout`` otherwise)."""
+        block until the owning shard published it back (``Timeout`` otherwise).
+        ``if_seq`` / ``create``: a conditional write, as ``AsyncClone.set`` (returns its
+        sequence, or raises ``Conflict``)."""
         if value is None:
             raise ValueError("value is None: use delete() to delete a key")
-        if wait:
+        if wait or create or if_seq is not None:
             return self._wait_call(self._async.set(key, value, ttl, wait=True,
-                                                   timeout_s=timeout_s), timeout_s)
+                                                   timeout_s=timeout_s, if_seq=if_seq,
+                                                   create=create), timeout_s)
         agent, frames, uuid = self._async._prepare(key, value, ttl)
         self._post(agent.send_kvset, frames)
         return uuid
 
-    def delete(self, key: str, *, wait: bool = False, timeout_s: float | None = None) -> bytes:
-        if wait:
-            return self._wait_call(self._async.delete(key, wait=True, timeout_s=timeout_s),
-                                   timeout_s)
+    def delete(self, key: str, *, wait: bool = False, timeout_s: float | None = None,
+               if_seq: int | None = None) -> Any:
+        if wait or if_seq is not None:
+            return self._wait_call(self._async.delete(key, wait=True, timeout_s=timeout_s,
+                                                      if_seq=if_seq), timeout_s)
         agent, frames, uuid = self._async._prepare(key, None, None)
         self._post(agent.send_kvset, frames)
         return uuid

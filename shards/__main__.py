@@ -85,6 +85,7 @@ def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str,
     except OSError as exc:
         sys.exit(disk_exit(*where, f"{os_error_text(exc)} (recovering {data_dir})"))
     server.store = got.store
+    server.applied.load(got.uuids)
     if got.generation:
         server.generation = got.generation
     if got.torn_bytes:

@@ -118,11 +118,12 @@ class TtlStream:
     can span loop turns), one chunk per turn."""
 
     __slots__ = ("identity", "seq", "generation", "history", "entries", "left", "frames",
-                 "counters")
+                 "counters", "uuids")
 
     def __init__(self, identity: bytes, seq: int, expiries: dict[bytes, float],
                  generation: str, counters: dict[str, int],
-                 history: tuple[tuple[int, int], ...] = ()):
+                 history: tuple[tuple[int, int], ...] = (), uuids: list = ()):
+        self.uuids = uuids
         self.identity = identity
         self.seq = seq
         self.generation = generation
@@ -139,7 +140,7 @@ class TtlStream:
             self.left -= len(chunk)
             self.frames = bstar_ttl.encode_chunk(self.seq, chunk, last=self.left <= 0,
                                                  generation=self.generation,
-                                                 history=self.history)
+                                                 history=self.history, uuids=self.uuids)
         try:
             zio.send_frames(sock, [self.identity, *self.frames])
         except zmq.Again:  # the peer's pipe is full: the pump retries, or abandons
@@ -407,22 +408,26 @@ class PairServer(ShardServer):
         self.pending_discarded += len(discarded)
 
     def replace_store(self, store: Store, generation: str = "",
-                      history: tuple[tuple[int, int], ...] = ()) -> None:
+                      history: tuple[tuple[int, int], ...] = (), uuids: list = ()) -> None:
         """The replica is complete: serve ``store``, whose map is the active's
-        ``generation`` (kept when the active sent none) and term ``history``. A durable
+        ``generation`` (kept when the active sent none), term ``history`` and applied
+        ``uuids`` (``[uuid, seq, ...]``, as of ``store.seq``). A durable
         server rewrites its data directory from it; updates of its own that the active's
         map never had (``persist.fork_point``) are kept in a ``dropped-*`` file."""
         old_seq = self.store.seq
         self.store = store
         self.snapshot_entries(largest_entry(store))
         self.recent.reset(store.seq)  # resumes from this map only
+        self.applied.clear(time.monotonic())
+        self.applied.load(uuids)
         if self.persist is not None:
             fork = fork_point(self.history, list(history)) if history else None
             dropped_from = fork if fork is not None and fork <= old_seq else None
             self._flush_log()
             try:
                 dropped = self.persist.replace(store, generation or self.generation,
-                                               dropped_from)
+                                               dropped_from,
+                                               self.applied.items_upto(store.seq))
             except OSError as exc:
                 self.on_disk_error("installing the active's map", exc)
                 return
@@ -463,6 +468,8 @@ class PairServer(ShardServer):
         client that fails over to this server resumes instead of taking a snapshot."""
         if self._remember is not None:
             self._remember(msg.seq, msg.key, msg.uuid, msg.props, msg.value)
+        if msg.uuid:
+            self.applied.add(msg.uuid, msg.seq)
 
     # ================================================================ ShardServer hooks
     def serving(self) -> bool:
@@ -528,9 +535,10 @@ class PairServer(ShardServer):
         self.ttl_counters["tables"] += 1
         seq, expiries = self.store.seq, self.store.expiries()
         history = tuple(self.history)
+        uuids = self.applied.items_upto(seq)
         self.ttl_streams.add(identity, lambda: TtlStream(identity, seq, expiries,
                                                          self.generation, self.ttl_counters,
-                                                         history))
+                                                         history, uuids))
 
     def on_collect(self, frames: list[bytes]) -> None:
         """Active: the CHP server's path. Otherwise: keep the KVSET pending by UUID."""
@@ -555,6 +563,12 @@ class PairServer(ShardServer):
             self.drops.drop("fatal", "KVSET after a fatal Binary Star error")
             return
         if not self.owns(kvset.key):  # the active drops it too: never confirmed
+            return
+        if b"if-seq=" in props:
+            # A conditional write is decided by the active alone: held here, it could be
+            # applied at a takeover after the active refused it (a conflict the writer
+            # was told). Its writer sends it again to the new active (same UUID).
+            self.drops.drop("conditional_not_held", "a conditional KVSET while passive")
             return
         update = [kvset.key, chp.SEQ_ZERO, kvset.uuid, props, kvset.value]
         self.pending.add(kvset.uuid, update, self.loop.time(),

@@ -168,6 +168,10 @@ class RelayFollower(Follower):
 class RelayServer(ShardServer):
     """The relay (see the module doc): a ``ShardServer`` whose map follows a shard."""
 
+    DECIDES_WRITES = False
+    """It forwards KVSETs; the shard's active decides (and answers) conditional writes,
+    so a relay does not say ``cas=1``."""
+
     def __init__(self, config: ServerConfig, *, upstream: list[tuple[str, int]],
                  shard: str = "0", name: str = "relay", silence_timeout_s: float = 3.0,
                  sync_timeout_s: float = SYNC_TIMEOUT_S):
@@ -301,7 +305,7 @@ class RelayServer(ShardServer):
         self.replicated(msg)
 
     def replace_store(self, store: Store, generation: str = "",
-                      history: tuple[tuple[int, int], ...] = ()) -> None:
+                      history: tuple[tuple[int, int], ...] = (), uuids: list = ()) -> None:
         """A full copy from upstream. The first one makes the relay serve; a later one
         (a resume was not possible, or a gap) replaces the map: our clients see the
         sequence jump and take a snapshot from us (or a reset, for a new generation)."""

@@ -92,10 +92,11 @@ class ReplicaOwner(Protocol):
     security: Security
 
     def replace_store(self, store: Store, generation: str = "",
-                      history: tuple[tuple[int, int], ...] = ()) -> None: ...
+                      history: tuple[tuple[int, int], ...] = (),
+                      uuids: list = ()) -> None: ...
 
     def log_applied(self, seq: int, key: bytes, value: bytes,
-                    expiry_s: float | None) -> None: ...
+                    expiry_s: float | None, uuid: bytes = b"") -> None: ...
 
     def replicated(self, msg: chp.Kvpub) -> None:
         """An update of the active's stream was applied (history, a relay's publisher)."""
@@ -126,6 +127,8 @@ class Follower:
         self._dealer: zio.AsyncSocket | None = None
         self._buffer: list[chp.Kvpub] = []
         self._building: Store | None = None
+        self._uuids: list = []
+        """The active's applied UUIDs (BSTAR-TTL), for the installed map."""
         self._ttl_table: dict[bytes, float] = {}
         self._generation = ""
         """The active's map generation, from its TTL table (taken over at the end)."""
@@ -214,6 +217,7 @@ class Follower:
         self._ttl_table = {}
         self._generation = ""
         self._history = ()
+        self._uuids = []
         self.owner.reset_pending()
         sock = self.owner.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -314,7 +318,7 @@ class Follower:
         expiry_s = expires_of(msg.props) if msg.value else None
         store.apply(msg.key, msg.value, expiry_s)
         if self.owner.persist is not None:  # the active's stream, with its sequences
-            self.owner.log_applied(msg.seq, msg.key, msg.value, expiry_s)
+            self.owner.log_applied(msg.seq, msg.key, msg.value, expiry_s, msg.uuid)
         self.owner.replicated(msg)
         self.counters["applied"] += 1
         return True
@@ -334,6 +338,7 @@ class Follower:
                     self._ttl_table.update(chunk.table)
                     self._generation = chunk.generation or self._generation
                     self._history = chunk.history or self._history
+                    self._uuids += chunk.uuids
                     self.counters["ttl_chunks"] += 1
                 return
             reply = chp.decode_snapshot(frames, owner.config.limits)
@@ -346,26 +351,33 @@ class Follower:
                 self._dispatch(rm.SnapshotItem(), now)
                 return
             self.counters["kvsync"] += 1
-            self._building.apply(reply.key, reply.value, self._ttl_table.get(reply.key))
+            self._building.put(reply.key, reply.value, self._ttl_table.get(reply.key),
+                               reply.seq)
             return
         self._dispatch(rm.SnapshotDone(reply.seq, [m.seq for m in self._buffer]), now)
 
     def _install(self, ttl_seq: int, snap_seq: int) -> None:
         """``Install(T, S)``: the snapshot is whole and T+1..S were all heard."""
         store = self._building
+        uuids = self._uuids
         # keys rewritten between the TTL table (T) and the snapshot (S)
         for m in self._buffer:
             if ttl_seq < m.seq <= snap_seq:
+                if m.uuid:
+                    uuids += (m.uuid, m.seq)
                 value = store.get(m.key)
                 if value is not None:
-                    store.apply(m.key, value, expires_of(m.props) if m.value else None)
+                    store.put(m.key, value, expires_of(m.props) if m.value else None,
+                              store.mod[m.key])
+        store.rebuild_ttl_index()
         store.seq = snap_seq
         later = [m for m in self._buffer if m.seq > snap_seq]
         self._buffer = []
         self._buffer_bytes = 0
         self._building = None
         self._close_dealer()
-        self.owner.replace_store(store, self._generation, self._history)
+        self._uuids = []
+        self.owner.replace_store(store, self._generation, self._history, uuids)
         self.counters["syncs_done"] += 1
         log.info("shard %s: replica synchronised: %d keys at sequence %d (%d TTL keys)",
                  self.owner.shard, len(store), snap_seq, store.ttl_keys)

@@ -65,6 +65,7 @@ import zmq
 from zmq.backend import Socket as _BackendSocket
 
 from shards import streams
+from shards.applied import AppliedUuids
 from shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES, History
 from shards.history import WIDTH as KVPUB_FRAMES
 from shards.resume import ResumeStream
@@ -114,7 +115,7 @@ _pack_seq = chp.pack_seq
 _RESERVED = chp.RESERVED_KEYS
 
 
-def _entry_size(item: tuple[bytes, bytes]) -> int:
+def _entry_size(item: tuple) -> int:
     return len(item[0]) + len(item[1])
 
 
@@ -144,6 +145,10 @@ def collector_frame_limit(limits: chp.Limits) -> int:
 def new_generation() -> str:
     """A fresh generation token: 16 hex digits, random (a restart draws a new one)."""
     return os.urandom(8).hex()
+
+
+DEDUP_BYTES = 16 << 20
+DEDUP_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,10 @@ class ServerConfig:
     shard_map: ShardMap | None = None
     """The cluster's routing; None: this server owns every key (standalone use)."""
     shard_index: int = 0
+    dedup_bytes: int = DEDUP_BYTES
+    """The table of applied UUIDs (``shards.applied``): its size in bytes ..."""
+    dedup_s: float = DEDUP_S
+    """... and its age: a resend is recognised for at least half of each."""
 
     def __post_init__(self) -> None:
         if self.shard_map is not None and not 0 <= self.shard_index < self.shard_map.shards:
@@ -195,16 +204,18 @@ class SnapshotStream:
     KVSYNCs from a point-in-time cursor, ``chunk`` per turn, then KTHXBAI."""
 
     __slots__ = ("identity", "subtree", "cursor", "seq_frame", "pending", "pos", "chunk",
-                 "sent", "server", "kthxbai_props")
+                 "sent", "server", "kthxbai_props", "meta")
 
     def __init__(self, server: "ShardServer", identity: bytes, subtree: bytes,
-                 kthxbai_props: bytes = b""):
+                 kthxbai_props: bytes = b"", meta: bool = False):
         self.kthxbai_props = kthxbai_props
         """Empty (12/CHP); ``resume=0`` when a resume was asked and not possible."""
         self.server = server
         self.identity = identity
         self.subtree = subtree
-        self.cursor = server.store.open_snapshot(subtree)
+        self.meta = meta
+        """The requester asked ``meta=1``: a TTL key's KVSYNC says ``expires=``."""
+        self.cursor = server.store.open_snapshot(subtree, with_expiry=meta)
         self.seq_frame = _pack_seq(self.cursor.seq)
         self.pending: list[tuple[bytes, bytes]] = []
         self.pos = 0
@@ -235,7 +246,7 @@ class SnapshotStream:
                     if fetched >= 8:  # a sparse subtree: examined enough keys this turn
                         outcome = streams.PROGRESS
                         break
-                    pending = cursor.next_chunk(budget * 4)
+                    pending = cursor.next_synced(budget * 4)
                     if pending:  # before any of them is queued: the byte bound holds
                         self.server.snapshot_entries(max(map(_entry_size, pending)))
                         if not self.sent:  # this peer's pipe may have the bind-time mark
@@ -244,13 +255,15 @@ class SnapshotStream:
                     fetched += 1
                     continue
                 stop = min(len(pending), pos + budget - sent)
+                meta = self.meta
                 while i < stop:  # the hot loop: one KVSYNC per turn, nothing else
-                    key, value = pending[i]
+                    key, value, mod, expiry_s = pending[i]
                     send(sock, identity, more)  # Again / EHOSTUNREACH come only from here
                     send(sock, key, more)
-                    send(sock, seq_frame, more)
+                    send(sock, _pack_seq(mod), more)  # the key's own (12/CHP: any)
                     send(sock, empty, more)
-                    send(sock, empty, more)
+                    send(sock, b"expires=%.3f\n" % expiry_s
+                         if meta and expiry_s is not None else empty, more)
                     send(sock, value, last)
                     i += 1
                 sent += i - pos
@@ -272,6 +285,9 @@ class SnapshotStream:
 class ShardServer:
     """One CHP server. ``bind()`` (sync, may raise ``PortInUse``), then ``start()`` inside
     a running loop, then ``close()``."""
+
+    DECIDES_WRITES = True
+    """Says ``cas=1`` in its HUGZ: decides conditional writes and answers ``reply=``."""
 
     def __init__(self, config: ServerConfig, *, role: str = "standalone"):
         self.config = config
@@ -326,6 +342,13 @@ class ShardServer:
         self.snapshot_largest = 0
         """The largest key + value streamed in a snapshot so far (it only grows)."""
         self.snapshot_hwm = self._snapshot_mark()
+        self.applied = AppliedUuids(config.dedup_bytes, config.dedup_s, time.monotonic())
+        """UUIDs applied lately: a write sent again is applied once (``shards.applied``)."""
+        self._replies: list[list[bytes]] = []
+        """KVREPLYs (identity first) decided in this batch: sent after its KVPUBs."""
+        self.writes = {"applied": 0, "duplicate": 0, "conflict": 0, "refused": 0,
+                       "replies_unsent": 0}
+        """Outcomes of writes that asked for a reply or a condition (and duplicates)."""
         self.recent = History(config.history_updates, config.history_bytes)
         """Recent updates, for resumes (reset to the store's sequence at start)."""
         self._remember = self.recent.append if config.history_updates > 0 else None
@@ -506,9 +529,19 @@ class ShardServer:
                         key if (end := key.find(b"/", 1)) < 0 else key[:end + 1]) is not True
                         and not self.owns(key)):
                     return  # counted not_owner
-                seq = self.store.apply(key, value)
+                if uuid:
+                    applied = self.applied
+                    if uuid in applied.current or uuid in applied.previous:
+                        self.writes["duplicate"] += 1  # sent again: applied once
+                        return
+                    seq = self.store.apply(key, value)
+                    applied.current[uuid] = seq
+                    if len(applied.current) >= applied.half:
+                        applied.rotate()
+                else:
+                    seq = self.store.apply(key, value)
                 if (persist := self.persist) is not None:
-                    persist.append(seq, key, value, None)  # written after the batch
+                    persist.append(seq, key, value, None, uuid)  # written after the batch
                 # published, and kept in the resume history, after the batch and its
                 # log write (_flush_log): one burst wakes libzmq's I/O thread once,
                 # where a send per update woke it per update
@@ -527,25 +560,70 @@ class ShardServer:
         self._note_received(frames)
         try:
             kvset = chp.decode_kvset(frames, self._limits)
-            key, value, props = kvset.key, kvset.value, kvset.props
+            key, value, props, uuid = kvset.key, kvset.value, kvset.props, kvset.uuid
+            terms = chp.write_terms(props)
             expiry_s = None
             if value and props:
                 expiry_s, props = ttl_props(props, time.time())
         except ProtocolError as err:
             self.drops.drop(err.reason, str(err))
             return
+        reply_to = terms.reply_to
         if not self.active:
             self.drops.drop("not_active", "KVSET while not active")
+            if reply_to:
+                self._reply(reply_to, uuid, chp.REFUSED, 0, "not active")
             return
         if not self.owns(key):
+            if reply_to:
+                self._reply(reply_to, uuid, chp.REFUSED, 0, "this shard does not own the key")
             return
+        if uuid and (first := self.applied.get(uuid)) is not None:
+            self.writes["duplicate"] += 1  # sent again: applied once, at ``first``
+            if reply_to:
+                self._reply(reply_to, uuid, chp.DUPLICATE, first)
+            return
+        if terms.if_seq is not None:
+            current = self.store.mod.get(key, 0)
+            if current != terms.if_seq or (not value and not current):
+                self.writes["conflict"] += 1  # not applied, not published
+                if reply_to:
+                    self._reply(reply_to, uuid, chp.CONFLICT, current)
+                return
+        if reply_to or terms.if_seq is not None:
+            props = chp.strip_write_terms(props)
         size = len(key) + len(props) + len(value)
         if size > self._fast_limit:
             self._lower_mark(self.marks.published(size))
         seq = self.store.apply(key, value, expiry_s)
-        self._log_and_publish(seq, key, kvset.uuid, props, value, expiry_s)
+        if uuid:
+            self.applied.add(uuid, seq)
+        self._log_and_publish(seq, key, uuid, props, value, expiry_s)
+        if reply_to:
+            self.writes["applied"] += 1
+            self._reply(reply_to, uuid, chp.APPLIED, seq)
         if expiry_s is not None:
             self._arm_ttl()
+
+    def _reply(self, identity: bytes, uuid: bytes, outcome: bytes, seq: int,
+               detail: str = "") -> None:
+        """Queue a KVREPLY for the writer's DEALER: sent by ``_flush_log``, after the
+        batch's write (and fsync) and its KVPUBs, so an applied reply is never ahead of
+        the update it reports."""
+        if outcome == chp.REFUSED:
+            self.writes["refused"] += 1
+        self._replies.append([identity, *chp.kvreply(uuid, outcome, seq, detail)])
+        if self._persist_flush is None and self.loop is not None:
+            self._persist_flush = self.loop.call_soon(self._flush_log)
+
+    def _send_replies(self) -> None:
+        replies, self._replies = self._replies, []
+        sock = self._router_sock
+        for frames in replies:
+            try:
+                zio.send_frames(sock, frames)
+            except zmq.ZMQError:  # the writer's DEALER is not (or no longer) connected
+                self.writes["replies_unsent"] += 1
 
     def _snapshot_mark(self) -> int:
         """The snapshot ROUTER's mark in messages: a requester's share of
@@ -620,13 +698,14 @@ class ShardServer:
         a KVPUB, and so an acknowledgement, never goes out before its update reached the
         OS, and every KVPUB goes out in sequence order through the one burst."""
         if self.persist is not None:
-            self.log_applied(seq, key, value, expiry_s)
+            self.log_applied(seq, key, value, expiry_s, uuid)
         self._held += key, _pack_seq(seq), uuid, props, value
 
-    def log_applied(self, seq: int, key: bytes, value: bytes, expiry_s: float | None) -> None:
+    def log_applied(self, seq: int, key: bytes, value: bytes, expiry_s: float | None,
+                    uuid: bytes = b"") -> None:
         """Append one applied update to the data directory; the batch is written at the
         end of the loop turn (``_flush_log``)."""
-        self.persist.append(seq, key, value, expiry_s)
+        self.persist.append(seq, key, value, expiry_s, uuid)
         if self._persist_flush is None and self.loop is not None:
             self._persist_flush = self.loop.call_soon(self._flush_log)
 
@@ -641,6 +720,7 @@ class ShardServer:
             try:
                 self.persist.flush()
             except OSError as exc:  # nothing held is published: never acknowledged
+                self._replies = []
                 self.on_disk_error("writing the log", exc)
                 return
         if self._held:
@@ -648,6 +728,8 @@ class ShardServer:
             self._publish_many(held)  # key, seq, uuid, props, value, key, ...: in order
             if self._remember is not None:
                 self.recent.extend(held)  # the list itself: no copy
+        if self._replies:
+            self._send_replies()
 
     # ================================================================ durability
     def attach_persist(self, data_dir) -> None:
@@ -687,7 +769,8 @@ class ShardServer:
         if persist.compaction_due():
             self._flush_log()
             try:
-                job = persist.start_compaction(self.store)
+                job = persist.start_compaction(self.store,
+                                               self.applied.items_upto(self.store.seq))
             except OSError:
                 return  # counted and logged by the data directory; it tries again later
             self.drive_compaction(job)
@@ -814,8 +897,9 @@ class ShardServer:
         if self.config.clock_s > 0:
             published = self.store.seq - len(self._held) // KVPUB_FRAMES
             return chp.hugz(time.time(), published, serving=serving,
-                            generation=self.generation, route=self.route)
-        return chp.hugz(serving=serving, route=self.route)
+                            generation=self.generation, route=self.route,
+                            cas=self.DECIDES_WRITES)
+        return chp.hugz(serving=serving, route=self.route, cas=self.DECIDES_WRITES)
 
     @property
     def _beat_s(self) -> float:
@@ -841,6 +925,7 @@ class ShardServer:
         config = self.config
         self._beat_handle = loop.call_later(self._beat_s, self.on_heartbeat)
         self._give_back_after_snapshots()
+        self.applied.tick(time.monotonic())
         if not self.active:
             return
         now = loop.time()
@@ -872,7 +957,8 @@ class ShardServer:
         if self.disk_error or not self.admit_snapshot_request():
             self.snapshots_refused += 1
             return
-        make = lambda: SnapshotStream(self, identity, request.subtree)  # noqa: E731
+        make = lambda: SnapshotStream(self, identity, request.subtree,  # noqa: E731
+                                      meta=request.meta)
         if request.since is not None:
             make = self._resume_or_snapshot(identity, request)
         if not self.snapshots.add(identity, make):
@@ -888,7 +974,7 @@ class ShardServer:
             entries = self.recent.since(request.since, request.subtree)
         if entries is None:
             return lambda: SnapshotStream(self, identity, request.subtree,
-                                          chp.FULL_AFTER_RESUME)
+                                          chp.FULL_AFTER_RESUME, request.meta)
         seq = self.store.seq
         return lambda: ResumeStream(self, identity, request.subtree, entries, seq)
 

@@ -5,6 +5,8 @@ Pure: no sockets, no clock reads (time is passed in, wall-clock float seconds).
 Memory layout (per key, beyond the key and value ``bytes`` themselves):
 
 * ``data``: one ``dict`` slot, the value stored directly (no entry object, no tuple);
+* ``mod``: one ``dict`` slot and one ``int``, the sequence that last changed the key
+  (what a conditional write compares, and what a KVSYNC carries);
 * keys with a TTL only: one float in ``_expiry`` and one ``(expiry, key)`` entry in the
   heap. Properties and UUIDs are not kept: a KVSYNC carries neither (12/CHP).
 
@@ -17,7 +19,7 @@ it stays O(live TTL keys) and every operation is O(log n) amortised.
 Snapshots: ``open_snapshot`` copies the key list (``list(data)``: ~25 ms per million keys
 here) and registers the cursor; until it is closed, the first change to a key it may
 still have to send records that key's old value in the cursor's ``undo`` dict
-(copy-on-write). A cursor therefore yields exactly the map as it was at ``cursor.seq``:
+(copy-on-write), with its old sequence in ``undo_seq``. A cursor therefore yields exactly the map as it was at ``cursor.seq``:
 keys created later are not in its list, keys changed or deleted later come from ``undo``.
 """
 from __future__ import annotations
@@ -105,10 +107,12 @@ def _off_the_collector(keys: list) -> list:
 class Store:
     """key (bytes) -> value (bytes), sequenced. Not thread-safe: one owner (the reactor)."""
 
-    __slots__ = ("data", "seq", "_expiry", "_heap", "_cursors")
+    __slots__ = ("data", "mod", "seq", "_expiry", "_heap", "_cursors")
 
     def __init__(self, seq: int = 0):
         self.data: dict[bytes, bytes] = {}
+        self.mod: dict[bytes, int] = {}
+        """key -> the sequence that last changed it (present keys only)."""
         self.seq = seq
         self._expiry: dict[bytes, float] = {}
         self._heap: list[tuple[float, bytes]] = []
@@ -119,6 +123,10 @@ class Store:
 
     def get(self, key: bytes) -> bytes | None:
         return self.data.get(key)
+
+    def mod_seq(self, key: bytes) -> int:
+        """The sequence that last changed ``key``; 0 when it is absent."""
+        return self.mod.get(key, 0)
 
     def expiry_of(self, key: bytes) -> float | None:
         return self._expiry.get(key)
@@ -143,6 +151,7 @@ class Store:
             self._expiry.pop(key, None)
         if value:
             data[key] = value
+            self.mod[key] = seq
             if expiry_s is not None:
                 self._expiry[key] = expiry_s
                 heapq.heappush(self._heap, (expiry_s, key))
@@ -150,15 +159,35 @@ class Store:
                     self.rebuild_ttl_index()
         else:
             data.pop(key, None)
+            self.mod.pop(key, None)
         return seq
 
-    def load_entries(self, flat: list) -> None:
-        """Bulk-load ``[key, value, expires, key, value, expires, ...]`` (a snapshot
-        file's chunk: present keys, expires an absolute instant or None). Does not
-        touch the sequence; no cursor may be open. Call ``rebuild_ttl_index`` once after
+    def put(self, key: bytes, value: bytes, expiry_s: float | None, seq: int) -> None:
+        """Install one entry of a copied map (a peer's KVSYNC, a snapshot file) with the
+        sequence that last changed it; the store's own sequence is not touched, and no
+        cursor may be open. ``value`` is never empty. Call ``rebuild_ttl_index`` after
+        the last entry."""
+        self.data[key] = value
+        self.mod[key] = seq
+        if expiry_s is not None:
+            self._expiry[key] = expiry_s
+        else:
+            self._expiry.pop(key, None)
+
+    def load_entries(self, flat: list, width: int = 4, seq: int = 0) -> None:
+        """Bulk-load ``[key, value, expires, mod_seq, ...]`` (a snapshot file's chunk:
+        present keys, expires an absolute instant or None, mod_seq the sequence that
+        last changed the key). ``width`` 3: a format-1 chunk, without ``mod_seq``: every
+        key gets ``seq`` (the snapshot's: an upper bound no later write reuses, so a
+        conditional write can only conflict, never pass wrongly). Does not touch the
+        store's sequence; no cursor may be open. Call ``rebuild_ttl_index`` once after
         the last chunk (one heapify for the whole load, not one per chunk)."""
-        keys, values, expiries = flat[0::3], flat[1::3], flat[2::3]
+        keys, values, expiries = flat[0::width], flat[1::width], flat[2::width]
         self.data.update(zip(keys, values))
+        if width == 4:
+            self.mod.update(zip(keys, flat[3::4]))
+        else:
+            self.mod.update(dict.fromkeys(keys, seq))
         expiry = self._expiry
         for key, expiry_s in zip(keys, expiries):
             if expiry_s is not None:
@@ -172,6 +201,7 @@ class Store:
             undo = cursor.undo
             if key not in undo and key.startswith(cursor.subtree):
                 undo[key] = old
+                cursor.undo_seq[key] = self.mod.get(key, 0)
                 if cursor.undo_expiry is not None:
                     cursor.undo_expiry[key] = self._expiry.get(key)
 
@@ -245,13 +275,15 @@ class SnapshotCursor:
     also runs when the last chunk is taken), so the store stops recording undo entries.
     """
 
-    __slots__ = ("store", "subtree", "seq", "undo", "undo_expiry", "_keys", "_pos", "closed")
+    __slots__ = ("store", "subtree", "seq", "undo", "undo_seq", "undo_expiry", "_keys", "_pos",
+                 "closed")
 
     def __init__(self, store: Store, subtree: bytes, with_expiry: bool = False):
         self.store = store
         self.subtree = subtree
         self.seq = store.seq
         self.undo: dict[bytes, bytes] = {}
+        self.undo_seq: dict[bytes, int] = {}
         self.undo_expiry: dict[bytes, float | None] | None = {} if with_expiry else None
         self._keys = _off_the_collector(list(store.data))
         self._pos = 0
@@ -288,16 +320,39 @@ class SnapshotCursor:
         return out
 
     def next_entries(self, n: int) -> list:
-        """Like ``next_chunk`` but flat, with each key's absolute expiry as of ``seq``:
-        ``[key, value, expires, ...]`` (a cursor opened ``with_expiry``)."""
+        """Like ``next_chunk`` but flat, with each key's absolute expiry and the sequence
+        that last changed it, as of ``seq``: ``[key, value, expires, mod_seq, ...]`` (a
+        cursor opened ``with_expiry``)."""
         old_expiry = self.undo_expiry
+        old_seq = self.undo_seq
         expiry = self.store._expiry
+        mod = self.store.mod
         out = []
         for key, value in self.next_chunk(n):
-            if old_expiry is not None and key in old_expiry:
-                out += (key, value, old_expiry[key])
+            if key in old_seq:
+                out += (key, value, old_expiry[key] if old_expiry is not None else None,
+                        old_seq[key])
             else:
-                out += (key, value, expiry.get(key))
+                out += (key, value, expiry.get(key), mod[key])
+        return out
+
+    def next_synced(self, n: int) -> list[tuple[bytes, bytes, int, float | None]]:
+        """Like ``next_chunk`` with each key's last-modified sequence and expiry (None
+        when it has none, or the cursor was not opened ``with_expiry``), as of ``seq``:
+        what a KVSYNC carries."""
+        old_seq = self.undo_seq  # before the last chunk closes the cursor
+        old_expiry = self.undo_expiry if self.undo_expiry is not None else {}
+        chunk = self.next_chunk(n)
+        mod = self.store.mod
+        expiry = self.store._expiry
+        if not old_seq and not expiry:
+            return [(key, value, mod[key], None) for key, value in chunk]
+        out = []
+        for key, value in chunk:
+            if key in old_seq:
+                out.append((key, value, old_seq[key], old_expiry.get(key)))
+            else:
+                out.append((key, value, mod[key], expiry.get(key)))
         return out
 
     def close(self) -> None:
@@ -306,5 +361,6 @@ class SnapshotCursor:
             self.store._close_cursor(self)
             self._keys = []
             self.undo = {}
+            self.undo_seq = {}
             if self.undo_expiry is not None:
                 self.undo_expiry = {}

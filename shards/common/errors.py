@@ -31,6 +31,9 @@ class Exit(enum.IntEnum):
     """A shard server stopped on a disk error (ENOSPC, EIO, EROFS, a failed fsync): it
     acknowledges nothing more, its peer serves, and the supervisor restarts it (without
     counting it as a crash) until its disk works again."""
+    CONFLICT = 8
+    """A conditional write was not applied: the key's sequence is not the one asked
+    (``chp set --if-seq``/``--create``, ``chp del --if-seq``)."""
     INTERRUPTED = 130
 
 

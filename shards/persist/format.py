@@ -1,4 +1,4 @@
-"""The on-disk format, format version 1: file names, headers and checksummed records.
+"""The on-disk format, format version 2: file names, headers and checksummed records.
 
 A server's data directory holds (all integers network order)::
 
@@ -15,7 +15,7 @@ A server's data directory holds (all integers network order)::
 Every file starts with a header::
 
     magic     13 bytes   "CLONEMAP-LOG\\n" (segment) or "CLONEMAP-SNP\\n" (snapshot)
-    version   u16        1
+    version   u16        2 (version 1 files are read too; see below)
     gen_len   u8
     gen       gen_len    the map's generation token (ASCII)
 
@@ -25,13 +25,21 @@ then records::
     crc32     u32        of the payload (zlib.crc32)
     payload   msgpack    an array, see below
 
-Segment record: ``[first_seq, key, value, expires, key, value, expires, ...]``: the
-updates ``first_seq``, ``first_seq + 1``, ... (one record per flush: a batch; a torn
-batch is dropped whole). ``value`` b"" is a delete; ``expires`` is the key's absolute
-expiry in epoch seconds, or nil.
+Segment record: ``[first_seq, key, value, expires, uuid, key, value, expires, uuid,
+...]``: the updates ``first_seq``, ``first_seq + 1``, ... (one record per flush: a batch;
+a torn batch is dropped whole). ``value`` b"" is a delete; ``expires`` is the key's
+absolute expiry in epoch seconds, or nil; ``uuid`` the KVSET's UUID (b"" if it had none),
+from which a restarted server rebuilds its table of applied UUIDs (``shards.applied``).
 
-Snapshot records: first ``{"seq": S}``, then chunks ``[key, value, expires, ...]`` (a
-multiple of 3 items), last ``{"keys": n}`` (the count, checked on load).
+Snapshot records: first ``{"seq": S}``, then chunks ``[key, value, expires, mod_seq,
+...]`` (a multiple of 4 items; ``mod_seq`` the sequence that last changed the key), then
+``{"uuids": [uuid, seq, ...]}`` (the applied UUIDs as of S), last ``{"keys": n}`` (the
+count, checked on load).
+
+Version 1 (written before conditional writes) had no UUIDs: segment records of 3 items
+per update, snapshot chunks of 3 (no ``mod_seq``: its keys are loaded with the
+snapshot's sequence, an upper bound no later write reuses) and no ``uuids`` record. A
+server reads both and writes version 2.
 """
 from __future__ import annotations
 
@@ -47,7 +55,15 @@ import msgpack
 
 from shards.common.errors import ClonemapError
 
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)
+
+
+def width(version: int) -> int:
+    """Items per update in a segment record (after ``first_seq``), and per key in a
+    snapshot chunk, for a file of ``version``."""
+    return 3 if version == 1 else 4
+
 LOG_MAGIC = b"CLONEMAP-LOG\n"
 SNAP_MAGIC = b"CLONEMAP-SNP\n"
 LOG_PREFIX, LOG_SUFFIX = "log-", ".cml"
@@ -104,10 +120,10 @@ def record(items: list) -> bytes:
     return _REC.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def partial_batch(data: bytes) -> tuple[int, int] | None:
+def partial_batch(data: bytes, per: int = 4) -> tuple[int, int] | None:
     """A torn segment record's ``(updates, first_seq)``, read from what was written of it:
-    the payload's msgpack array header gives its length (``1 + 3 * updates``) and its first
-    item the first sequence. None when too little of it was written to tell."""
+    the payload's msgpack array header gives its length (``1 + per * updates``) and its
+    first item the first sequence. None when too little of it was written to tell."""
     if len(data) <= _REC.size:
         return None
     unpacker = msgpack.Unpacker(raw=False)
@@ -117,9 +133,9 @@ def partial_batch(data: bytes) -> tuple[int, int] | None:
         first = unpacker.unpack()
     except (msgpack.OutOfData, ValueError, TypeError, msgpack.ExtraData):
         return None
-    if not isinstance(first, int) or items < 4 or items % 3 != 1:
+    if not isinstance(first, int) or items < 1 + per or items % per != 1:
         return None
-    return (items - 1) // 3, first
+    return (items - 1) // per, first
 
 
 class Scan:
@@ -137,6 +153,7 @@ class Scan:
         self.torn_batch: tuple[int, int] | None = None
         """(updates, first sequence) of a torn last record, when its start says so."""
         self.generation = ""
+        self.version = VERSION
         if len(data) < HEADER_MIN or not data.startswith(magic):
             if allow_torn and len(data) < HEADER_MIN and magic.startswith(data[:len(magic)]):
                 self.end = 0  # torn while the header was written: nothing in it
@@ -146,9 +163,11 @@ class Scan:
             raise CorruptLog(f"not a clonemap {'segment' if magic == LOG_MAGIC else 'snapshot'}"
                              " (bad header)", path=self.where, offset=0)
         version, gen_len = _HEAD.unpack_from(data, len(magic))
-        if version != VERSION:
-            raise CorruptLog(f"format version {version}; this server reads version "
-                             f"{VERSION}", path=self.where, offset=len(magic))
+        if version not in READABLE:
+            raise CorruptLog(f"format version {version}; this server reads versions "
+                             f"{', '.join(map(str, READABLE))}", path=self.where,
+                             offset=len(magic))
+        self.version = version
         self.header_end = HEADER_MIN + gen_len
         if self.header_end > len(data):
             if not allow_torn:
@@ -192,7 +211,7 @@ class Scan:
                 raise CorruptLog(f"{end - pos} bytes of a partial record at the end",
                                  path=where, offset=pos)
             self.torn = end - pos
-            self.torn_batch = partial_batch(data[pos:])
+            self.torn_batch = partial_batch(data[pos:], width(self.version))
 
 
 def write_all(fd: int, data: bytes) -> None:

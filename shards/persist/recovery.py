@@ -85,11 +85,16 @@ class Recovered:
     incomplete: str = ""
     """Where an incomplete replica's files were moved ("" normally)."""
     segments: int = 0
+    uuids: list = field(default_factory=list)
+    """``[uuid, seq, ...]``, oldest first: the applied UUIDs the snapshot file and the
+    segments hold (for ``shards.applied``)."""
 
 
-def load_snapshot(path: Path) -> tuple[Store, str, int]:
-    """``(store, generation, entries)`` from a snapshot file; ``CorruptLog`` if not whole."""
+def load_snapshot(path: Path, uuids: list | None = None) -> tuple[Store, str, int]:
+    """``(store, generation, entries)`` from a snapshot file; ``CorruptLog`` if not whole.
+    Its applied UUIDs are added to ``uuids`` (``[uuid, seq, ...]``)."""
     scan = fmt.Scan(path, fmt.SNAP_MAGIC, allow_torn=False)
+    per = fmt.width(scan.version)
     store = Store()
     seq = None
     count = None
@@ -103,12 +108,15 @@ def load_snapshot(path: Path) -> tuple[Store, str, int]:
                 seq = int(obj["seq"])
             elif seq is not None and "keys" in obj:
                 count = int(obj["keys"])
+            elif seq is not None and isinstance(obj.get("uuids"), list):
+                if uuids is not None:
+                    uuids += obj["uuids"]
             else:
                 raise CorruptLog(f"unexpected snapshot record {sorted(obj)}",
                                  path=scan.where, offset=offset)
-        elif isinstance(obj, list) and seq is not None and len(obj) % 3 == 0:
-            store.load_entries(obj)
-            loaded += len(obj) // 3
+        elif isinstance(obj, list) and seq is not None and len(obj) % per == 0:
+            store.load_entries(obj, per, seq)
+            loaded += len(obj) // per
         else:
             raise CorruptLog("not a snapshot record", path=scan.where, offset=offset)
     if seq is None or count is None:
@@ -123,20 +131,24 @@ def load_snapshot(path: Path) -> tuple[Store, str, int]:
 
 
 def segment_records(scan: fmt.Scan):
-    """``(offset, [first_seq, key, value, expires, ...])`` for each record of a
-    segment; ``CorruptLog`` for a record of another shape."""
+    """``(offset, [first_seq, key, value, expires, uuid, ...])`` for each record of a
+    segment (``fmt.width(scan.version)`` items per update); ``CorruptLog`` for a record
+    of another shape."""
+    per = fmt.width(scan.version)
     for offset, rec in scan.records():
-        if not isinstance(rec, list) or len(rec) % 3 != 1 or not isinstance(rec[0], int):
+        if not isinstance(rec, list) or len(rec) % per != 1 or not isinstance(rec[0], int):
             raise CorruptLog("not a segment record", path=scan.where, offset=offset)
         yield offset, rec
 
 
-def replay_segment(store: Store, path: Path, *, last: bool
+def replay_segment(store: Store, path: Path, *, last: bool, uuids: list | None = None
                    ) -> tuple[int, int, str, tuple[int, int] | None]:
     """Apply the segment's updates after ``store.seq``; ``(applied, torn_bytes,
     generation, torn_batch)``, the last the torn tail's ``(updates, first_seq)`` when
-    known. Truncates a torn tail when ``last``; raises ``CorruptLog`` on a gap."""
+    known. Truncates a torn tail when ``last``; raises ``CorruptLog`` on a gap. The
+    applied updates' UUIDs are added to ``uuids``."""
     scan = fmt.Scan(path, fmt.LOG_MAGIC, allow_torn=last)
+    per = fmt.width(scan.version)
     applied = 0
     apply = store.apply
     for offset, rec in segment_records(scan):
@@ -145,9 +157,11 @@ def replay_segment(store: Store, path: Path, *, last: bool
             raise CorruptLog(f"updates {store.seq + 1}..{first - 1} are missing",
                              path=scan.where, offset=offset)
         skip = store.seq + 1 - first  # already covered by the snapshot or an older file
-        for i in range(1 + 3 * skip, len(rec), 3):
+        for i in range(1 + per * skip, len(rec), per):
             value = rec[i + 1]
-            apply(rec[i], value, rec[i + 2] if value else None)
+            seq = apply(rec[i], value, rec[i + 2] if value else None)
+            if per == 4 and uuids is not None and rec[i + 3]:
+                uuids += (rec[i + 3], seq)
             applied += 1
     if scan.torn:
         fmt.truncate(path, scan.end)
@@ -177,20 +191,22 @@ def recover(data_dir: str | os.PathLike) -> Recovered:
     for tmp in files.temporary:  # a snapshot or terms file cut short: never renamed
         tmp.unlink()
     store, generation, snap_seq = Store(), "", None
+    uuids: list = []
     snapshot, segments = needed(files)
     if snapshot is not None:
         snap_seq, snap_path = snapshot
-        store, generation, _ = load_snapshot(snap_path)
+        store, generation, _ = load_snapshot(snap_path, uuids)
         if store.seq != snap_seq:
             raise CorruptLog(f"the snapshot's sequence is {store.seq}, its name says "
                              f"{snap_seq}", path=str(snap_path), offset=0)
     if segments and segments[0][0] > store.seq + 1 and snap_seq is None:
         moved = _move_aside(path, files)
         return Recovered(Store(), "", term, history, None, incomplete=moved)
-    out = Recovered(store, generation, term, history, snap_seq, segments=len(segments))
+    out = Recovered(store, generation, term, history, snap_seq, segments=len(segments),
+                    uuids=uuids)
     for i, (_, seg_path) in enumerate(segments):
         applied, torn, gen, batch = replay_segment(store, seg_path,
-                                                   last=i == len(segments) - 1)
+                                                   last=i == len(segments) - 1, uuids=uuids)
         if batch is not None:
             out.torn_updates, out.torn_first_seq = batch
         out.records += applied
@@ -246,9 +262,10 @@ def replay_records(path: Path):
     """Every update in one segment, as ``(seq, key, value, expires)`` (a torn tail is
     ignored, not truncated): for tools and for keeping dropped updates."""
     scan = fmt.Scan(path, fmt.LOG_MAGIC, allow_torn=True)
+    per = fmt.width(scan.version)
     for _, rec in segment_records(scan):
         seq = rec[0]
-        for i in range(1, len(rec), 3):
+        for i in range(1, len(rec), per):
             yield seq, rec[i], rec[i + 1], rec[i + 2]
             seq += 1
 

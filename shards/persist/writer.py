@@ -115,6 +115,9 @@ class Compaction:
         """``finish`` is running on another thread: ``abort`` leaves the file to it."""
         self.removed: list[Path] = []
         self.only_copy = False
+        self.uuids: list = []
+        """``[uuid, seq, ...]``: the applied UUIDs as of the snapshot's sequence, written
+        after its entries (``shards.applied``)."""
         """The snapshot of a map installed from the peer (``DataDir.replace``): the old
         files are gone, so until it is whole the map is on no disk here, and failing to
         write it is a disk error, not a compaction to try again later."""
@@ -127,9 +130,11 @@ class Compaction:
         if entries:
             data = fmt.record(entries)
             fmt.write_all(self._fd, data)
-            self.keys += len(entries) // 3
+            self.keys += len(entries) // 4
             self.bytes += len(data)
         if self.cursor.done:
+            if self.uuids:
+                fmt.write_all(self._fd, fmt.record({"uuids": self.uuids}))
             fmt.write_all(self._fd, fmt.record({"keys": self.keys}))
             self.written = True
         return self.written
@@ -287,7 +292,8 @@ class DataDir:
             self._fd = -1
 
     # ------------------------------------------------------------------ the log
-    def append(self, seq: int, key: bytes, value: bytes, expires: float | None) -> None:
+    def append(self, seq: int, key: bytes, value: bytes, expires: float | None,
+               uuid: bytes = b"") -> None:
         items = self._items
         if not items:
             items.append(seq)
@@ -295,7 +301,7 @@ class DataDir:
             self._write()
             items = self._items
             items.append(seq)
-        items += (key, value, expires)
+        items += (key, value, expires, uuid)
         self._next = seq + 1
 
     @property
@@ -546,9 +552,10 @@ class DataDir:
                 and self.clock() >= self._compact_retry_at
                 and self.log_bytes > self.compact_ratio * self.snapshot_bytes)
 
-    def start_compaction(self, store: Store) -> Compaction:
-        """Rotate the log and start writing ``store``'s snapshot at its sequence. The
-        retired segment is written now and fsynced by the compaction, off the reactor."""
+    def start_compaction(self, store: Store, uuids: list | None = None) -> Compaction:
+        """Rotate the log and start writing ``store``'s snapshot at its sequence, with
+        ``uuids`` (the applied UUIDs as of it). The retired segment is written now and
+        fsynced by the compaction, off the reactor."""
         self.flush()
         retired, self._fd = self._fd, -1
         segment, size, log_bytes = self.segment, self._segment_bytes, self.log_bytes
@@ -562,6 +569,7 @@ class DataDir:
         cursor = store.open_snapshot(with_expiry=True)
         try:
             self.compaction = Compaction(self, cursor, self.generation, retired_fd=retired)
+            self.compaction.uuids = uuids or []
         except OSError as exc:
             cursor.close()
             os.fsync(retired)  # what the compaction would have done, off the reactor
@@ -598,7 +606,8 @@ class DataDir:
             self.counters["compactions_aborted"] += 1
 
     # ------------------------------------------------------------------ replacement
-    def replace(self, store: Store, generation: str, dropped_from: int | None) -> int:
+    def replace(self, store: Store, generation: str, dropped_from: int | None,
+                uuids: list | None = None) -> int:
         """A passive installs ``store`` (its active's map): keep the updates from
         ``dropped_from`` on (if any) in a ``dropped-<utc>.cml`` file, delete the old
         files, start a new segment after ``store.seq`` and a compaction that writes
@@ -619,6 +628,7 @@ class DataDir:
         self._open_segment(store.seq + 1)
         self.compaction = Compaction(self, store.open_snapshot(with_expiry=True), generation)
         self.compaction.only_copy = True
+        self.compaction.uuids = uuids or []
         self.counters["replaced"] += 1
         self.counters["dropped_updates"] += dropped
         return dropped
@@ -637,7 +647,7 @@ class DataDir:
                 if seq >= dropped_from:
                     if not updates:
                         updates.append(seq)
-                    updates += (key, value, expires)
+                    updates += (key, value, expires, b"")
         kept_snapshot = [p for seq, p in files.snapshots if seq >= dropped_from]
         for path in kept_snapshot:
             path.rename(self.path / (name + fmt.SNAP_SUFFIX))
@@ -649,7 +659,7 @@ class DataDir:
             f.flush()
             os.fsync(f.fileno())
         fmt.fsync_dir(self.path)
-        return len(updates) // 3
+        return len(updates) // 4
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:

@@ -18,7 +18,7 @@ def test_a_chunk_round_trips(table, seq, last):
     frames = bstar_ttl.encode_chunk(seq, table.items(), last)
     assert frames[0] == b"BSTAR-TTL" and len(frames[1]) == 8
     assert frames[3] == (b"\x01" if last else b"\x00")
-    assert bstar_ttl.decode_chunk(frames) == (seq, table, last, "", ())
+    assert bstar_ttl.decode_chunk(frames) == (seq, table, last, "", (), [])
 
 
 def test_the_request_is_one_frame():
@@ -28,7 +28,7 @@ def test_the_request_is_one_frame():
 def test_an_empty_table_is_one_empty_last_chunk():
     frames = bstar_ttl.encode_chunk(7, [], last=True)
     assert frames == [b"BSTAR-TTL", struct.pack(">Q", 7), b"", b"\x01"]
-    assert bstar_ttl.decode_chunk(frames) == (7, {}, True, "", ())
+    assert bstar_ttl.decode_chunk(frames) == (7, {}, True, "", (), [])
 
 
 GOOD = bstar_ttl.encode_chunk(3, [(b"/a", 1.5)], last=False)
@@ -37,7 +37,8 @@ GOOD = bstar_ttl.encode_chunk(3, [(b"/a", 1.5)], last=False)
 def test_a_chunk_carries_the_map_generation_when_given():
     frames = bstar_ttl.encode_chunk(9, [(b"/k", 12.5)], last=True, generation="a1b2c3d4e5f60718")
     assert frames[4] == b"a1b2c3d4e5f60718"
-    assert bstar_ttl.decode_chunk(frames) == (9, {b"/k": 12.5}, True, "a1b2c3d4e5f60718", ())
+    assert bstar_ttl.decode_chunk(frames) == (9, {b"/k": 12.5}, True, "a1b2c3d4e5f60718", (),
+                                               [])
 
 
 @given(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
@@ -49,8 +50,9 @@ def test_a_chunk_carries_the_term_history_when_given(history):
 
 
 @pytest.mark.parametrize("frames, fault", [
-    (GOOD[:3], "expected 4 to 6 frames"),
-    (GOOD + [b"gen", b"", b""], "expected 4 to 6 frames"),
+    (GOOD[:3], "expected 4 to 7 frames"),
+    (GOOD + [b"gen", b"", b"", b""], "expected 4 to 7 frames"),
+    (GOOD + [b"gen", b"", b"x" * 23], "UUID table of 23 bytes"),
     (GOOD + [b"gen", b"\x00" * 15], "term history of 15 bytes"),
     (GOOD + [b"g\xff", b""], "generation"),
     (GOOD + [b""], "generation"),
@@ -75,3 +77,11 @@ def test_garbage_raises_nothing_but_protocol_error(frames):
         bstar_ttl.decode_chunk(frames)
     except ProtocolError:
         pass
+
+
+def test_the_last_chunk_carries_the_applied_uuids():
+    uuids = [b"U" * 16, 5, b"V" * 16, 9]
+    frames = bstar_ttl.encode_chunk(9, [], last=True, uuids=uuids)
+    assert len(frames) == 7 and len(frames[6]) == 2 * 24
+    assert bstar_ttl.decode_chunk(frames).uuids == uuids
+    assert len(bstar_ttl.encode_chunk(9, [], last=False, uuids=uuids)) == 4

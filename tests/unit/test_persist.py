@@ -187,8 +187,8 @@ def test_a_file_that_is_not_a_segment_or_another_version_is_refused(tmp_path):
     (tmp_path / name).write_bytes(b"hello, this is not a clonemap log at all")
     with pytest.raises(CorruptLog, match="bad header"):
         recover(tmp_path)
-    (tmp_path / name).write_bytes(fmt.LOG_MAGIC + struct.pack(">HB", 2, 0))
-    with pytest.raises(CorruptLog, match="format version 2; this server reads version 1"):
+    (tmp_path / name).write_bytes(fmt.LOG_MAGIC + struct.pack(">HB", 3, 0))
+    with pytest.raises(CorruptLog, match="format version 3; this server reads versions 1, 2"):
         recover(tmp_path)
 
 
@@ -415,7 +415,8 @@ def test_a_torn_tail_is_reported_in_updates_and_sequences(tmp_path):
     apply_all(store, writer, [(b"/a", b"1", None), (b"/b", b"2", None)])
     writer.close()
     segment = next(p for p in tmp_path.iterdir() if p.name.startswith(fmt.LOG_PREFIX))
-    torn = fmt.record([3, b"/c", b"3", None, b"/d", b"4", None, b"/e", b"5", None])
+    torn = fmt.record([3, b"/c", b"3", None, b"", b"/d", b"4", None, b"", b"/e", b"5", None,
+                       b""])
     with open(segment, "ab") as f:
         f.write(torn[:len(torn) - 4])  # a crash in the middle of the write
     got = recover(tmp_path)

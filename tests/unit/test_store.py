@@ -265,8 +265,9 @@ def test_snapshot_equals_the_map_at_open_under_random_interleaving(data):
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_entries_with_expiry_are_the_map_and_its_ttls_at_open(data):
-    """A compaction's cursor (``with_expiry``): every ``[key, value, expires]`` it gives
-    is the map and each key's absolute expiry as they were when it opened, however the
+    """A compaction's cursor (``with_expiry``): every ``[key, value, expires, mod_seq]``
+    it gives is the map, each key's absolute expiry and the sequence that last changed it
+    as they were when it opened, however the
     keys and their TTLs change between chunks (rewritten with or without a TTL, deleted,
     new), with no TTL anywhere or some."""
     rng = random.Random(data.draw(st.integers(0, 2**32)))
@@ -280,13 +281,19 @@ def test_entries_with_expiry_are_the_map_and_its_ttls_at_open(data):
 
     for _ in range(data.draw(st.integers(0, 60))):
         write(rng.choice([b"", b"v%d" % rng.randrange(100)]))
-    expected = {k: (v, s.expiries().get(k)) for k, v in s.data.items()}
+    expected = {k: (v, s.expiries().get(k), s.mod_seq(k)) for k, v in s.data.items()}
     cur = s.open_snapshot(with_expiry=True)
     got = {}
-    while not cur.done:
+    synced = {}
+    synced_cur = s.open_snapshot(with_expiry=True)
+    while not cur.done or not synced_cur.done:
         for _ in range(rng.randrange(4)):
             write(rng.choice([b"", b"w%d" % rng.randrange(100)]))
         flat = cur.next_entries(rng.randrange(1, 5))
-        assert len(flat) % 3 == 0
-        got.update((k, (v, e)) for k, v, e in zip(flat[0::3], flat[1::3], flat[2::3]))
+        assert len(flat) % 4 == 0
+        got.update((k, (v, e, m)) for k, v, e, m in zip(flat[0::4], flat[1::4], flat[2::4],
+                                                         flat[3::4]))
+        synced.update((k, (v, e, m)) for k, v, m, e in synced_cur.next_synced(
+            rng.randrange(1, 5)))
     assert got == expected
+    assert synced == expected

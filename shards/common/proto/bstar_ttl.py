@@ -19,6 +19,10 @@ Frames (DEALER <-> ROUTER; the ROUTER's identity frame is not shown)::
              f5 the active's term history (optional, needs f4): (term u64,
                 first_seq u64) repeated, oldest first: where each term's updates
                 began (``shards.persist.fork_point``)
+             f6 the active's applied UUIDs as of T (optional, needs f5, last chunk
+                only): (UUID 16 bytes, sequence u64) repeated, oldest first
+                (``shards.applied``: so a write sent again is applied once after a
+                failover to this passive too)
 
 A table with no TTL key is one chunk with an empty f2 and f3 = 0x01. The generation
 (``shards.server.new_generation``) tells the passive which map its replica now copies:
@@ -45,6 +49,7 @@ CHUNK_ENTRIES = 4096
 _ENTRY = struct.Struct(">dH")
 _SEQ = struct.Struct(">Q")
 _TERM = struct.Struct(">QQ")
+_UUID_ENTRY = struct.Struct(">16sQ")
 
 
 MAX_GENERATION = 64
@@ -56,6 +61,8 @@ class Chunk(NamedTuple):
     last: bool
     generation: str = ""
     history: tuple[tuple[int, int], ...] = ()
+    uuids: list = []
+    """``[uuid, seq, ...]`` (f6), oldest first."""
 
 
 def request() -> list[bytes]:
@@ -63,18 +70,24 @@ def request() -> list[bytes]:
 
 
 def encode_chunk(seq: int, entries: Iterable[tuple[bytes, float]], last: bool,
-                 generation: str = "", history: Iterable[tuple[int, int]] = ()) -> list[bytes]:
-    """One reply chunk for ``entries``: (key, absolute expiry in epoch seconds) pairs."""
+                 generation: str = "", history: Iterable[tuple[int, int]] = (),
+                 uuids: list = ()) -> list[bytes]:
+    """One reply chunk for ``entries``: (key, absolute expiry in epoch seconds) pairs;
+    ``uuids`` (``[uuid, seq, ...]``) go in the last one."""
     parts = []
     for key, expiry_s in entries:
         parts.append(_ENTRY.pack(expiry_s, len(key)))
         parts.append(key)
     frames = [REPLY, _SEQ.pack(seq), b"".join(parts), LAST if last else MORE]
     history = list(history)
-    if generation or history:
+    if generation or history or (uuids and last):
         frames.append(generation.encode("ascii"))
-    if history:
+    if history or (uuids and last):
         frames.append(b"".join(_TERM.pack(term, first) for term, first in history))
+    if uuids and last:
+        pack = _UUID_ENTRY.pack
+        frames.append(b"".join(pack(uuids[i], uuids[i + 1])
+                               for i in range(0, len(uuids) - 1, 2) if len(uuids[i]) == 16))
     return frames
 
 
@@ -84,8 +97,8 @@ def _fail(message: str) -> ProtocolError:
 
 
 def decode_chunk(frames: list[bytes]) -> Chunk:
-    if len(frames) not in (4, 5, 6):
-        raise _fail(f"expected 4 to 6 frames, got {len(frames)}")
+    if len(frames) not in (4, 5, 6, 7):
+        raise _fail(f"expected 4 to 7 frames, got {len(frames)}")
     generation = ""
     history: tuple[tuple[int, int], ...] = ()
     if len(frames) >= 5:
@@ -96,7 +109,14 @@ def decode_chunk(frames: list[bytes]) -> Chunk:
             raise _fail(f"generation {raw[:16]!r} is not {least}..{MAX_GENERATION} ASCII "
                         "letters and digits")
         generation = raw.decode("ascii")
-    if len(frames) == 6:
+    uuids: list = []
+    if len(frames) == 7:
+        raw = bytes(frames[6])
+        if len(raw) % _UUID_ENTRY.size:
+            raise _fail(f"UUID table of {len(raw)} bytes is not whole 24-byte entries")
+        for uuid, at in _UUID_ENTRY.iter_unpack(raw):
+            uuids += (uuid, at)
+    if len(frames) >= 6:
         raw = bytes(frames[5])
         if len(raw) % _TERM.size:
             raise _fail(f"term history of {len(raw)} bytes is not whole 16-byte entries")
@@ -120,4 +140,5 @@ def decode_chunk(frames: list[bytes]) -> Chunk:
             raise _fail("truncated key")
         table[body[pos:pos + key_len]] = expiry_s
         pos += key_len
-    return Chunk(_SEQ.unpack(frames[1])[0], table, frames[3] == LAST, generation, history)
+    return Chunk(_SEQ.unpack(frames[1])[0], table, frames[3] == LAST, generation, history,
+                 uuids)

@@ -93,6 +93,9 @@ class Icanhaz(NamedTuple):
     """Our resume extension: the client holds the map up to this sequence."""
     generation: str = ""
     """... of this generation (a resume is only served against the same map)."""
+    meta: bool = False
+    """``meta=1``: each KVSYNC of a key with a TTL carries ``expires=<epoch s>`` in frame 3
+    (asked only of servers that announce ``cas=1``)."""
 
 
 class Kvsync(NamedTuple):
@@ -149,6 +152,9 @@ class HugzInfo(NamedTuple):
     route: str = ""
     """``I/N/DIGEST``: the server is shard I of N under the routing DIGEST ("" if not
     given: a standalone or foreign server)."""
+    cas: bool = False
+    """``cas=1``: the server decides conditional writes and answers ``reply=`` (see
+    ``write_props``)."""
 
 
 _PLAIN_HUGZ_INFO = HugzInfo(None, -1, True, "")
@@ -253,16 +259,19 @@ def decode_icanhaz(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Ican
     if not frames or frames[0] != ICANHAZ:
         head = frames[0][:16] if frames else b""
         raise _fail(f"unknown command {head!r} on the snapshot port", "", "unknown_command")
-    if len(frames) == 3 and frames[2]:  # our resume extension (see ``icanhaz``)
+    if len(frames) == 3 and frames[2]:  # our extensions (see ``icanhaz``)
         subtree = check_subtree(frames[1], "ICANHAZ", limits)
         fields = parse_props(check_props(frames[2], "ICANHAZ", limits))
+        meta = fields.get("meta") == "1"
+        if "since" not in fields and meta:
+            return Icanhaz(subtree, meta=True)
         try:
             since = int(fields["since"])
         except (KeyError, ValueError):
             raise _fail("a resume needs since=<sequence>", "ICANHAZ", "bad_resume") from None
         if since < 0:
             raise _fail(f"since={since} is negative", "ICANHAZ", "bad_resume")
-        return Icanhaz(subtree, since, fields.get("gen", ""))
+        return Icanhaz(subtree, since, fields.get("gen", ""), meta)
     _check_count(frames, 2, "ICANHAZ")
     return Icanhaz(check_subtree(frames[1], "ICANHAZ", limits))
 
@@ -333,17 +342,20 @@ def decode_kvset(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Kvset:
 # ---------------------------------------------------------------------------- builders
 
 def icanhaz(subtree: bytes = b"", since: int | None = None,
-            generation: str = "") -> list[bytes]:
+            generation: str = "", meta: bool = False) -> list[bytes]:
     """``ICANHAZ?``; with ``since``, our resume extension: a third frame of properties
     ``since=<S>\n`` (and ``gen=<generation>\n``). A server that holds every update after
     S of that map sends only those (KVSYNCs with their own sequences, UUIDs and
     properties; an empty value deletes), then KTHXBAI with ``resume=1``; otherwise a full
-    snapshot whose KTHXBAI says ``resume=0``."""
-    if since is None:
+    snapshot whose KTHXBAI says ``resume=0``. ``meta``: ``meta=1\n`` (see
+    ``Icanhaz.meta``)."""
+    if since is None and not meta:
         return [ICANHAZ, subtree]
-    props = b"since=%d\n" % since
-    if generation:
+    props = b"" if since is None else b"since=%d\n" % since
+    if generation and since is not None:
         props += b"gen=%s\n" % generation.encode("ascii")
+    if meta:
+        props += b"meta=1\n"
     return [ICANHAZ, subtree, props]
 
 
@@ -364,7 +376,7 @@ def kvset(key: bytes, value: bytes, uuid: bytes = b"", props: bytes = b"") -> li
 
 
 def hugz(ts: float | None = None, seq: int = 0, *, serving: bool = True,
-         generation: str = "", route: str = "") -> list[bytes]:
+         generation: str = "", route: str = "", cas: bool = False) -> list[bytes]:
     """A HUGZ: plain (``ts`` None, serving: frames 2-4 empty, as 12/CHP has it), or
     carrying in frame 3 the server clock ``ts=<epoch s, 6 decimals>\nseq=<current
     sequence>\n`` and the map's ``gen=<token>\n`` (with ``ts``), and ``serving=0\n``
@@ -378,6 +390,8 @@ def hugz(ts: float | None = None, seq: int = 0, *, serving: bool = True,
         props += b"serving=0\n"
     if route:
         props += b"route=%s\n" % route.encode("ascii")
+    if cas:
+        props += b"cas=1\n"
     return [HUGZ, SEQ_ZERO, b"", props, b""]
 
 
@@ -391,7 +405,7 @@ def hugz_info(msg: Hugz) -> HugzInfo:
     clock = _clock_of(fields)
     ts, seq = clock if clock is not None else (None, msg.seq or -1)
     return HugzInfo(ts, seq, fields.get("serving", "1") != "0", fields.get("gen", ""),
-                    fields.get("route", ""))
+                    fields.get("route", ""), fields.get("cas") == "1")
 
 
 def hugz_clock(msg: Hugz) -> tuple[float, int] | None:
@@ -447,3 +461,100 @@ def format_props(props: dict[str, str] | None) -> bytes:
 def in_subtree(key: bytes, subtree: bytes) -> bool:
     """Whether ``key`` lies under ``subtree`` (the empty subtree holds every key)."""
     return key.startswith(subtree)
+
+
+# ------------------------------------------------------------------- conditional writes
+#
+# Our extension of KVSET (see shards/README.md, Protocol decisions): two properties.
+#   if-seq=<S>   apply only if the key's last-modified sequence is S (0: only if the key
+#                is absent); otherwise the write is not applied and not published
+#   reply=<hex>  the routing id (1..32 bytes, hex) of the writer's DEALER connected to
+#                the server's snapshot port: the server answers there with a KVREPLY
+#                once the outcome is decided (and, when applied, logged and published)
+#
+# KVREPLY (server ROUTER -> client DEALER; identity frame not shown):
+#   f0 "KVREPLY"   f1 UUID (16 B)   f2 outcome   f3 sequence (8 B)   f4 detail
+# outcome: "applied" (f3: the update's sequence), "duplicate" (this UUID was already
+# applied, at f3; nothing was applied now), "conflict" (f3: the key's last-modified
+# sequence, 0 if absent), "refused" (f3 0; f4 says why).
+
+IF_SEQ = "if-seq"
+REPLY_TO = "reply"
+KVREPLY = b"KVREPLY"
+APPLIED, DUPLICATE, CONFLICT, REFUSED = b"applied", b"duplicate", b"conflict", b"refused"
+OUTCOMES = (APPLIED, DUPLICATE, CONFLICT, REFUSED)
+MAX_REPLY_ID = 32
+
+
+class WriteTerms(NamedTuple):
+    """What a KVSET's properties ask beyond a plain write."""
+    if_seq: int | None
+    reply_to: bytes | None
+
+
+_NO_TERMS = WriteTerms(None, None)
+
+
+def write_terms(props: bytes) -> WriteTerms:
+    """The ``if-seq`` and ``reply`` of validated KVSET properties; ``ProtocolError``
+    (reason ``bad_condition``) when either is malformed."""
+    if not props or (b"if-seq=" not in props and b"reply=" not in props):
+        return _NO_TERMS
+    fields = parse_props(props)
+    if_seq = reply_to = None
+    if IF_SEQ in fields:
+        text = fields[IF_SEQ]
+        if not text.isdigit() or len(text) > 20:
+            raise _fail(f"if-seq {text[:24]!r} is not a sequence", "KVSET", "bad_condition")
+        if_seq = int(text)
+    if REPLY_TO in fields:
+        try:
+            reply_to = bytes.fromhex(fields[REPLY_TO])
+        except ValueError:
+            reply_to = b""
+        if not 0 < len(reply_to) <= MAX_REPLY_ID:
+            raise _fail(f"reply {fields[REPLY_TO][:24]!r} is not 1..{MAX_REPLY_ID} bytes of "
+                        "hex", "KVSET", "bad_condition")
+    return WriteTerms(if_seq, reply_to)
+
+
+def write_props(if_seq: int | None = None, reply_to: bytes | None = None) -> bytes:
+    out = b""
+    if if_seq is not None:
+        out += b"if-seq=%d\n" % if_seq
+    if reply_to:
+        out += b"reply=%s\n" % reply_to.hex().encode("ascii")
+    return out
+
+
+def strip_write_terms(props: bytes) -> bytes:
+    """``props`` without ``if-seq`` and ``reply`` (what the KVPUB of an applied
+    conditional write carries: the condition is the writer's business)."""
+    if b"if-seq=" not in props and b"reply=" not in props:
+        return props
+    kept = [line for line in props.split(b"\n")[:-1]
+            if not line.startswith((b"if-seq=", b"reply="))]
+    return b"".join(line + b"\n" for line in kept)
+
+
+class Kvreply(NamedTuple):
+    uuid: bytes
+    outcome: bytes
+    seq: int
+    detail: str
+
+
+def kvreply(uuid: bytes, outcome: bytes, seq: int, detail: str = "") -> list[bytes]:
+    return [KVREPLY, uuid, outcome, pack_seq(seq), detail.encode("utf-8", "replace")[:512]]
+
+
+def decode_kvreply(frames: list[bytes]) -> Kvreply:
+    _check_count(frames, 5, "KVREPLY")
+    if frames[0] != KVREPLY:
+        raise _fail(f"header {bytes(frames[0][:16])!r} is not KVREPLY", "KVREPLY",
+                    "unknown_command")
+    if frames[2] not in OUTCOMES:
+        raise _fail(f"outcome {bytes(frames[2][:16])!r}", "KVREPLY", "bad_outcome")
+    return Kvreply(_uuid(frames[1], "KVREPLY"), bytes(frames[2]),
+                   _seq(frames[3], "KVREPLY"),
+                   bytes(frames[4][:512]).decode("utf-8", "replace"))

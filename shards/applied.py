@@ -1,0 +1,87 @@
+"""Recently applied UUIDs: what makes a resent write apply once. Pure: the clock is
+passed in.
+
+Every update a server applies with a UUID is recorded as ``uuid -> sequence``. A write
+sent again (a client's resend after an outage, a conditional write retried on the new
+active) whose UUID is still recorded is not applied again: the server answers with the
+sequence of the first application (``shards.requests``) or drops it, counted
+``duplicate`` (a plain KVSET on the collector).
+
+Bounded in entries (from bytes) and in age, with two generations of plain dicts: new
+entries go to ``current``; when it holds ``half`` entries, or is ``max_age_s / 2`` old,
+it becomes ``previous`` and the old ``previous`` is dropped whole. So an entry is kept
+for at least ``half`` later writes and ``max_age_s / 2`` seconds (the documented
+window), and at most twice that. Recording costs one dict store per update (no per-entry
+timestamps, no eviction walk).
+
+Where it lives: the active records what it applies; the log records each update's UUID,
+a snapshot file the table as of its sequence, so a restarted server recovers it; a
+passive records the UUIDs of the KVPUBs it replicates, and copies the table with the
+BSTAR-TTL table when it synchronises (``shards.common.proto.bstar_ttl``).
+"""
+from __future__ import annotations
+
+ENTRY_BYTES = 128
+"""What one entry costs, measured: a 16-byte ``bytes`` (49 B), an ``int`` (32 B) and its
+share of a dict's table (~45 B)."""
+
+
+class AppliedUuids:
+    __slots__ = ("current", "previous", "half", "max_age_s", "_since", "rotations")
+
+    def __init__(self, max_bytes: int = 16 << 20, max_age_s: float = 120.0,
+                 now: float = 0.0):
+        self.half = max(1, max_bytes // ENTRY_BYTES // 2)
+        self.max_age_s = max_age_s
+        self.current: dict[bytes, int] = {}
+        self.previous: dict[bytes, int] = {}
+        self._since = now
+        self.rotations = 0
+
+    def __len__(self) -> int:
+        return len(self.current) + len(self.previous)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_age_s > 0
+
+    def add(self, uuid: bytes, seq: int) -> None:
+        cur = self.current
+        cur[uuid] = seq
+        if len(cur) >= self.half:
+            self.rotate()
+
+    def get(self, uuid: bytes) -> int | None:
+        """The sequence ``uuid`` was applied at, while it is remembered."""
+        seq = self.current.get(uuid)
+        return seq if seq is not None else self.previous.get(uuid)
+
+    def tick(self, now: float) -> None:
+        """Age the table (call it about once a second)."""
+        if now - self._since >= self.max_age_s / 2:
+            self.rotate()
+            self._since = now
+
+    def rotate(self) -> None:
+        self.previous, self.current = self.current, {}
+        self.rotations += 1
+
+    def clear(self, now: float = 0.0) -> None:
+        self.current, self.previous = {}, {}
+        self._since = now
+
+    def items_upto(self, seq: int) -> list:
+        """``[uuid, seq, uuid, seq, ...]`` of the entries applied at or before ``seq``,
+        oldest first (for a snapshot file or a peer)."""
+        out: list = []
+        for table in (self.previous, self.current):
+            for uuid, at in table.items():
+                if at <= seq:
+                    out += (uuid, at)
+        return out
+
+    def load(self, flat: list) -> None:
+        """Add ``[uuid, seq, ...]`` (oldest first) as if just applied."""
+        add = self.add
+        for i in range(0, len(flat) - 1, 2):
+            add(flat[i], flat[i + 1])
