@@ -90,6 +90,11 @@ SCENARIOS = {
         "one shard (fsync everysec) vs the plain five-receive loop and the project's "
         "forwarder, same run: flat out, CPU per update at 50k/s, p99 at half load "
         "pinned and not", {"smoke": "~45 s", "quick": "~2 min", "full": "~2.5 min"}),
+    "conditional": Scenario(
+        "bench.conditional", "conditional",
+        "compare-and-set writes vs plain wait=True writes, same run: writes/s, p50/p99 "
+        "ack latency, and one contended counter", {"smoke": "~15 s", "quick": "~40 s",
+                                                    "full": "~1.5 min"}),
     "report": Scenario("bench.report", None,
                        "Markdown report + PNG plots from the latest records",
                        {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),
@@ -99,7 +104,7 @@ ALL_DURATION = {"smoke": "~2.5 min", "quick": "~8.5 min", "full": "~25 min"}
 ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failover", "handoff",
          "durability", "curve", "slow_subscriber", "relays", "hot_path"]
 """What ``all`` runs, in this order, then ``report`` (``failover_supervised`` runs alone:
-it starts a whole 8-server cluster)."""
+it starts a whole 8-server cluster; ``conditional`` too: it measures the client API)."""
 
 ONLY_ORDER = [*ORDER, *(n for n in SCENARIOS if n not in ORDER and n != "report"),
               "report"]
@@ -122,6 +127,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "failover": ["--kills", "1", "--rate", "200", "--steady-s", "0.3",
                      "--ceiling-s", "0.3"],
         "failover_supervised": ["--kills", "1"],
+        "conditional": ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "1",
+                        "--writers", "2"],
         "handoff": ["--modes", "inline,thread", "--work", "cpu", "--rate", "300",
                     "--seconds", "0.5"],
         "durability": ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "1", "--keys",
@@ -148,6 +155,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
                    "--seconds", "3", "--warmup", "0.5", "--ceiling-s", "1"],
         "failover": ["--kills", "3", "--rate", "500", "--steady-s", "1", "--ceiling-s", "1"],
         "failover_supervised": ["--kills", "3"],
+        "conditional": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
         "handoff": ["--rate", "40000", "--seconds", "2"],
         "durability": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2",
                        "--recovery-keys", "200000"],
@@ -173,6 +181,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
                    "--seconds", "5", "--warmup", "1", "--rounds", "2", "--ceiling-s", "3"],
         "failover": ["--kills", "10", "--rate", "500", "--steady-s", "2", "--ceiling-s", "3"],
         "failover_supervised": ["--kills", "5"],
+        "conditional": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],
         "handoff": ["--rate", "40000", "--seconds", "3"],
         "durability": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],
         "curve": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],

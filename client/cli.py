@@ -333,6 +333,8 @@ async def do_set(target: Target, key: str, value: bytes | None, ttl: float | Non
     if value == b"":
         raise BadUsage("an empty value means delete in 12/CHP: use `chp del KEY`")
     conditional = create or if_seq is not None
+    if create and if_seq is not None:
+        raise BadUsage("--create is --if-seq 0: give one or the other")
     if conditional and not wait:
         raise BadUsage("--if-seq/--create wait for the outcome: drop --no-wait")
     async with target.clone(subtree_of(key), only_key=key) as clone:
@@ -714,8 +716,6 @@ def get_command(target: Target, key: str, mode: str | None, output: str | None) 
 def set_command(target: Target, key: str, value, ttl, hex_value, path, wait, if_seq,
                 create) -> None:
     """Set KEY to VALUE."""
-    if create and if_seq is not None:
-        raise click.UsageError("--create is --if-seq 0: give one or the other")
     run(target, do_set, key, _value_of(value, hex_value, path), ttl, wait, if_seq, create)
 
 

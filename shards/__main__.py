@@ -39,7 +39,8 @@ from shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES
 from shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES
 from shards.serve import (bind_and_serve, disk_exit, parse_cpus, peer_arg, routing_arg,
                           shard_arg)
-from shards.server import (CLOCK_S, COLLECT_BATCH, COLLECT_RCVHWM, HEARTBEAT_S, MAX_ACTIVE_SNAPSHOTS,
+from shards.server import (CLOCK_S, COLLECT_BATCH, COLLECT_RCVHWM, DEDUP_BYTES, DEDUP_S,
+                           HEARTBEAT_S, MAX_ACTIVE_SNAPSHOTS,
                            PUB_SNDHWM, SNAPSHOT_CHUNK, SNAPSHOT_HELD_BYTES, SNAPSHOT_SNDHWM,
                            SNAPSHOT_STALL_S,
                            ServerConfig, ShardServer)
@@ -172,6 +173,13 @@ def _report_torn(got, data_dir: str) -> None:
                    "with what it missed instead of a full snapshot (0: none).")
 @click.option("--history-bytes", type=click.IntRange(0), default=HISTORY_BYTES,
               show_default=True, help="... and at most this many bytes of them.")
+@click.option("--dedup-bytes", type=click.IntRange(0), default=DEDUP_BYTES,
+              show_default=True,
+              help="Bytes of the table of applied UUIDs, so a write sent again is applied "
+                   "once: a resend is recognised for at least half of this "
+                   "(/ 128 bytes an entry) later writes ...")
+@click.option("--dedup-s", type=click.FloatRange(min=0), default=DEDUP_S,
+              show_default=True, help="... and at least half of this many seconds.")
 @click.option("--collect-hwm", type=click.IntRange(0), default=COLLECT_RCVHWM,
               show_default=True)
 @click.option("--snapshot-hwm", type=click.IntRange(1), default=SNAPSHOT_SNDHWM,
@@ -236,7 +244,7 @@ def _report_torn(got, data_dir: str) -> None:
 def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_props_bytes,
          max_subtree_bytes, snapshot_chunk, snapshot_stall_s, snapshot_yield_s, max_snapshots, collect_batch,
          pub_hwm, subscriber_held_bytes, writer_held_bytes, history_updates, history_bytes,
-         collect_hwm, snapshot_hwm, snapshot_held_bytes, cpus, pair_role, peer, shard, control,
+         dedup_bytes, dedup_s, collect_hwm, snapshot_hwm, snapshot_held_bytes, cpus, pair_role, peer, shard, control,
          parent_pid, shard_map, shard_index, pending_max, pending_max_bytes, pending_age_s, data_dir, fsync,
          compact_min_bytes, compact_ratio, min_free_bytes, keys_dir, log_level):
     """Run one 12/CHP shard server: standalone, or one server of a Binary Star pair."""
@@ -271,7 +279,7 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
         max_active_snapshots=max_snapshots, collect_batch=collect_batch,
         pub_sndhwm=pub_hwm, subscriber_held_bytes=subscriber_held_bytes,
         writer_held_bytes=writer_held_bytes, history_updates=history_updates,
-        history_bytes=history_bytes,
+        history_bytes=history_bytes, dedup_bytes=dedup_bytes, dedup_s=dedup_s,
         collect_rcvhwm=collect_hwm, snapshot_sndhwm=snapshot_hwm,
         snapshot_held_bytes=snapshot_held_bytes,
         shard_map=shard_map, shard_index=shard_index or 0)

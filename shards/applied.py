@@ -85,3 +85,24 @@ class AppliedUuids:
         add = self.add
         for i in range(0, len(flat) - 1, 2):
             add(flat[i], flat[i + 1])
+
+
+APPLY, DUPLICATE, CONFLICT = "apply", "duplicate", "conflict"
+
+
+def decide(mod_seq: int, applied_at: int | None, if_seq: int | None,
+           deletes: bool) -> tuple[str, int]:
+    """What the active does with one write, and the sequence its reply names:
+
+    * its UUID was applied before (at ``applied_at``): ``(DUPLICATE, applied_at)``,
+      whatever its condition says now (a resend is answered as the first send was);
+    * a condition (``if_seq``; 0 = the key must be absent) that the key's last-modified
+      sequence ``mod_seq`` (0: absent) does not meet, or a conditional delete of an
+      absent key: ``(CONFLICT, mod_seq)``: not applied, not published;
+    * otherwise ``(APPLY, 0)``: applied with the next sequence.
+    """
+    if applied_at is not None:
+        return DUPLICATE, applied_at
+    if if_seq is not None and (mod_seq != if_seq or (deletes and not mod_seq)):
+        return CONFLICT, mod_seq
+    return APPLY, 0

@@ -65,7 +65,7 @@ import zmq
 from zmq.backend import Socket as _BackendSocket
 
 from shards import streams
-from shards.applied import AppliedUuids
+from shards.applied import APPLY, DUPLICATE, AppliedUuids, decide
 from shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES, History
 from shards.history import WIDTH as KVPUB_FRAMES
 from shards.resume import ResumeStream
@@ -287,7 +287,8 @@ class ShardServer:
     a running loop, then ``close()``."""
 
     DECIDES_WRITES = True
-    """Says ``cas=1`` in its HUGZ: decides conditional writes and answers ``reply=``."""
+    """Says ``cas=1`` in its clock HUGZ: decides conditional writes and answers
+    ``reply=`` (``--clock-s 0`` keeps every HUGZ plain 12/CHP, and so says nothing)."""
 
     def __init__(self, config: ServerConfig, *, role: str = "standalone"):
         self.config = config
@@ -578,18 +579,15 @@ class ShardServer:
             if reply_to:
                 self._reply(reply_to, uuid, chp.REFUSED, 0, "this shard does not own the key")
             return
-        if uuid and (first := self.applied.get(uuid)) is not None:
-            self.writes["duplicate"] += 1  # sent again: applied once, at ``first``
+        verdict, at = decide(self.store.mod.get(key, 0),
+                             self.applied.get(uuid) if uuid else None, terms.if_seq,
+                             not value)
+        if verdict != APPLY:  # sent again (applied once, at ``at``), or a conflict
+            self.writes[verdict] += 1
             if reply_to:
-                self._reply(reply_to, uuid, chp.DUPLICATE, first)
+                self._reply(reply_to, uuid, chp.DUPLICATE if verdict == DUPLICATE
+                            else chp.CONFLICT, at)
             return
-        if terms.if_seq is not None:
-            current = self.store.mod.get(key, 0)
-            if current != terms.if_seq or (not value and not current):
-                self.writes["conflict"] += 1  # not applied, not published
-                if reply_to:
-                    self._reply(reply_to, uuid, chp.CONFLICT, current)
-                return
         if reply_to or terms.if_seq is not None:
             props = chp.strip_write_terms(props)
         size = len(key) + len(props) + len(value)
@@ -899,7 +897,7 @@ class ShardServer:
             return chp.hugz(time.time(), published, serving=serving,
                             generation=self.generation, route=self.route,
                             cas=self.DECIDES_WRITES)
-        return chp.hugz(serving=serving, route=self.route, cas=self.DECIDES_WRITES)
+        return chp.hugz(serving=serving, route=self.route)
 
     @property
     def _beat_s(self) -> float:
@@ -996,6 +994,8 @@ class ShardServer:
             "updates": store.seq - self.ttl_expired,
             "ttl_keys": store.ttl_keys,
             "ttl_expired": self.ttl_expired,
+            "writes": dict(self.writes),
+            "applied_uuids": len(self.applied),
             "snapshots_served": pump.counters["done"] if pump is not None else 0,
             "snapshots_active": len(pump.active) if pump is not None else 0,
             "snapshots_waiting": len(pump.waiting) if pump is not None else 0,

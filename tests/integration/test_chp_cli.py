@@ -10,6 +10,7 @@ on stderr.
 from __future__ import annotations
 
 import json
+import time
 import os
 import signal
 import subprocess
@@ -86,6 +87,31 @@ def test_values_round_trip_as_text_hex_raw_and_files(two_shards, tmp_path):
     ok(chp(*srv, "del", "/bin/a"))
     one_error_line(chp(*srv, "get", "/bin/a"), 6, "key not found: /bin/a")
     one_error_line(chp(*srv, "del", "/bin/a"), 6, "key not found")
+
+
+def test_conditional_writes_and_metadata_from_the_command_line(two_shards):
+    """``set --create``/``--if-seq`` print the new sequence, a conflict is one line and
+    exit 8 (never 4, a timeout), ``get -o json`` gives the sequence to pass next and the
+    expiry; ``del --if-seq`` deletes only at that sequence."""
+    srv, _ = two_shards
+    first = int(ok(chp(*srv, "set", "/locks/job", "me", "--create", "--ttl", "60")))
+    one_error_line(chp(*srv, "set", "/locks/job", "you", "--create"), 8,
+                   f"conflict: '/locks/job' was last changed at sequence {first}")
+    doc = json.loads(ok(chp(*srv, "get", "/locks/job", "-o", "json")))
+    assert doc["value"] == "me" and doc["seq"] == first
+    assert doc["expires"] is not None and doc["expires"] > time.time() + 50
+    assert json.loads(ok(chp(*srv, "get", "/locks/job", "--json"))) == doc
+    second = int(ok(chp(*srv, "set", "/locks/job", "me2", "--if-seq", str(first))))
+    assert second > first
+    one_error_line(chp(*srv, "set", "/locks/job", "late", "--if-seq", str(first)), 8,
+                   f"last changed at sequence {second}")
+    one_error_line(chp(*srv, "del", "/locks/job", "--if-seq", str(first)), 8, "conflict")
+    one_error_line(chp(*srv, "set", "/locks/job", "x", "--create", "--if-seq", "3"), 2,
+                   "--create is --if-seq 0")
+    one_error_line(chp(*srv, "set", "/locks/job", "x", "--create", "--no-wait"), 2,
+                   "drop --no-wait")
+    ok(chp(*srv, "del", "/locks/job", "--if-seq", str(second)))
+    one_error_line(chp(*srv, "get", "/locks/job"), 6, "key not found")
 
 
 def test_usage_errors_exit_2_and_no_cluster_exits_4(two_shards, tmp_path):

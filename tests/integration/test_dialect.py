@@ -190,3 +190,29 @@ def test_chp_gets_sets_and_dumps_against_the_dialect_server(procs, zctx):
     out = chp_run("dump", "/c/")
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["/c/1\tone", "/c/2\ttwo", "/c/3\tthree"]
+
+
+def test_a_conditional_write_is_refused_before_it_reaches_a_strict_server(procs, zctx):
+    """The guide's dialect ignores ``if-seq`` (it stores properties as they come) and
+    would apply the write unconditionally: shown by sending one raw. So our client
+    refuses a conditional write to a server that does not say ``cas=1``, at once
+    (``NotSupported``), and nothing reaches the server; plain writes go on working."""
+    from client.errors import NotSupported
+
+    port = free_port_base(4)
+    start_peer(procs, port)
+    seeder = Seeder(zctx, port)
+    seeder.write({b"/c/k": b"first"})
+    seeder.write({b"/c/k": b"raw"}, props=chp.write_props(if_seq=999))  # applied anyway
+
+    async def main():
+        async with AsyncClone(f"tcp://127.0.0.1:{port}", timeout_s=10) as clone:
+            assert clone.get("/c/k") == b"raw"
+            assert clone.meta("/c/k").seq > 0  # the dialect's KVSYNC sequence
+            with pytest.raises(NotSupported, match="cas=1"):
+                await clone.set("/c/k", b"mine", if_seq=clone.meta("/c/k").seq)
+            with pytest.raises(NotSupported):
+                await clone.set("/c/new", b"x", create=True)
+            await clone.set("/c/k", b"plain", wait=True)
+            assert clone.get("/c/k") == b"plain"
+    run(main())

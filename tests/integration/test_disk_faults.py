@@ -401,7 +401,7 @@ def test_a_torn_tail_is_reported_in_updates_in_the_log_and_the_metrics(procs, tm
     run = tmp_path / "run"
     _written_then_stopped(procs, config, run, 10)
     segment = max((run / "data" / "s0-primary").glob("log-*.cml"))
-    torn = fmt.record([11, b"/t/1", b"x", None, b"/t/2", b"y", None])
+    torn = fmt.record([11, b"/t/1", b"x", None, b"", b"/t/2", b"y", None, b""])
     with open(segment, "ab") as f:
         f.write(torn[:-3])
     _supervise(procs, config, run)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
-import uuid
 from pathlib import Path
 
 import pytest

@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from conftest import PYTHON, ROOT, free_port_base
-from test_supervisor_cli import cli, start, status, wait_status, write_config
+from test_supervisor_cli import cli, start, wait_status, write_config
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -387,8 +387,10 @@ def test_a_large_ttl_table_streams_in_chunks_and_the_backup_keeps_every_ttl(
     while not chunks or not chunks[-1].last:
         assert dealer.poll(DEADLINE_S * 1000), f"no chunk after {len(chunks)}"
         frames = dealer.recv_multipart()
-        assert len(frames) == 6 and frames[0] == b"BSTAR-TTL"
+        assert frames[0] == b"BSTAR-TTL"
         chunks.append(bstar_ttl.decode_chunk(frames))
+        # 6 frames; the last chunk 7, with the applied UUIDs
+        assert len(frames) == (7 if chunks[-1].last else 6)
     dealer.close(0)
     assert [c.last for c in chunks] == [False, False, True]
     generations = {c.generation for c in chunks}  # the active's map generation
@@ -397,6 +399,7 @@ def test_a_large_ttl_table_streams_in_chunks_and_the_backup_keeps_every_ttl(
     assert {c.history for c in chunks} == {((1, 1),)}
     assert [len(c.table) for c in chunks] == [bstar_ttl.CHUNK_ENTRIES] * 2 + [100]
     assert {c.seq for c in chunks} == {seq}
+    assert len(chunks[-1].uuids) == 2 * seq  # every update so far had a UUID
     table = {k: v for c in chunks for k, v in c.table.items()}
     assert set(table) == {b"/ttl/%06d" % i for i in range(n)}
     assert all(written_at + 590 < expiry <= written_at + 601 for expiry in table.values())

@@ -35,7 +35,7 @@ def seq_of(frame: bytes) -> int:
     return SEQ.unpack(frame)[0]
 
 
-CLOCK_PROPS_RE = re.compile(rb"ts=(\d+\.\d{6})\nseq=(\d+)\ngen=[0-9a-f]{16}\n\Z")
+CLOCK_PROPS_RE = re.compile(rb"ts=(\d+\.\d{6})\nseq=(\d+)\ngen=[0-9a-f]{16}\n(?:cas=1\n)?\Z")
 
 
 def check_hugz(frames: list[bytes]) -> tuple[float, int] | None:
@@ -244,9 +244,15 @@ def test_snapshot_of_the_whole_map(server, port_base, zctx):
     items, seq, kvsync_seqs = peer.snapshot()
     assert items == data
     assert seq == last, "KTHXBAI carries the highest sequence"
-    # Our choice: every KVSYNC carries the snapshot's sequence, so KTHXBAI's is exactly
-    # "the highest sequence of the KVSYNCs sent" (12/CHP gives KVSYNC's no meaning).
-    assert set(kvsync_seqs) == {last}
+    # Our choice: every KVSYNC carries the sequence that last changed its key (12/CHP
+    # gives KVSYNC's no meaning; a conditional write compares it), KTHXBAI the snapshot's.
+    base = last - (30 * 5 + 2)
+    order = [k for i in range(30)
+             for k in (b"/a/%d" % i, b"/a/x/%d" % i, b"/ab/%d" % i, b"/b/%d" % i, b"plain%d" % i)]
+    expected = {key: base + 1 + j for j, key in enumerate(order)}
+    expected[b"/a/0"] = last - 1
+    del expected[b"/b/0"]
+    assert dict(zip(items, kvsync_seqs)) == expected
 
 
 @pytest.mark.parametrize("subtree", [b"/a/", b"/a/x/", b"/b/", b"/none/"])
@@ -417,8 +423,11 @@ def test_hugz_when_idle_carries_the_server_clock(server, port_base, zctx):
     peer = Peer(zctx, port_base, subscribe=(b"HUGZ",))
     stamps = []
     for _ in range(3):
-        clock = check_hugz(peer.recv_update(skip_hugz=False))
+        frames = peer.recv_update(skip_hugz=False)
+        clock = check_hugz(frames)
         assert clock is not None, "the default server sends its clock"
+        # a shard server decides conditional writes; a relay does not (it forwards them)
+        assert frames[3].endswith(b"cas=1\n") == ("shards.relay" not in server.args)
         ts, seq = clock
         assert abs(ts - time.time()) < 60 and seq == 0  # same host; nothing published
         stamps.append(ts)
