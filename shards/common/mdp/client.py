@@ -44,7 +44,7 @@ import zmq
 from shards.common.security import Security
 from shards.common.drops import DropCounter
 from shards.common.errors import HandshakeRefused, ProtocolError, SlowConsumer, Timeout
-from shards.common.handshake import FAILED_EVENTS, refused
+from shards.common.handshake import FAILED_EVENTS, Refusals
 from shards.common.mdp import codec as mdp
 from shards.common.mdp.codec import C_FINAL, C_PARTIAL, C_REQUEST
 from shards.common.zio import AsyncSocket, recv_frames, send_frames
@@ -196,6 +196,7 @@ class MdpClient:
             self._monitor = AsyncSocket(sock.get_monitor_socket(FAILED_EVENTS),
                                         self._on_monitor,
                                         name=f"mdp-client monitor {self.endpoint}")
+            self._refusals = Refusals(self.security.curve)
             self.counters["sockets"] += 1
         self._service = name
         self._inbox.clear()
@@ -219,7 +220,7 @@ class MdpClient:
             waiter.set_result(None)
 
     def _on_monitor(self, frames: list[bytes]) -> None:
-        cause = refused(frames, self.security.curve)
+        cause = self._refusals.cause(frames)
         if cause is None:
             return
         self._refused = cause
@@ -382,6 +383,7 @@ class SyncMdpClient:
             self._sock.linger = 0
             self.security.connect_side(self._sock)
             self._monitor = self._sock.get_monitor_socket(FAILED_EVENTS)
+            self._refusals = Refusals(self.security.curve)
             self._sock.connect(self.endpoint)
             self.counters["sockets"] += 1
         self.counters["attempts"] += 1
@@ -401,7 +403,7 @@ class SyncMdpClient:
             ready = dict(poller.poll(max(1, int(remaining_ms) + 1))) if remaining_ms > 0 \
                 else {}
             if monitor in ready:
-                cause = refused(monitor.recv_multipart(), self.security.curve)
+                cause = self._refusals.cause(monitor.recv_multipart())
                 if cause is not None:
                     raise HandshakeRefused(self.endpoint, cause)
             if sock not in ready:
