@@ -39,8 +39,8 @@ WRITER = textwrap.dedent("""
     from client.api import AsyncClone, Conflict
 
     async def main(servers, me, mode, seconds, warmup):
-        async with AsyncClone(servers, timeout_s=10) as c:
-            lat, conflicts, seqs = [], 0, {{}}
+        async with AsyncClone(servers.split(","), timeout_s=10) as c:
+            lat, conflicts, seqs, errors = [], 0, {{}}, []
             keys = [f"/bench/{{me}}/{{i}}" for i in range(16)]
             for k in keys:
                 seqs[k] = await c.set(k, b"0", create=True) if c.meta(k) is None \\
@@ -67,10 +67,13 @@ WRITER = textwrap.dedent("""
                 except Conflict:
                     conflicts += 1
                     continue
+                except Exception as exc:  # reported in the record, never hidden
+                    errors.append(repr(exc)[:300])
+                    continue
                 if now >= start:
                     lat.append(time.perf_counter() - t)
-            print(json.dumps({{"n": len(lat), "lat": lat, "conflicts": conflicts}}),
-                  flush=True)
+            print(json.dumps({{"n": len(lat), "lat": lat, "conflicts": conflicts,
+                              "errors": errors}}), flush=True)
 
     asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]),
                      float(sys.argv[5])))
@@ -121,6 +124,10 @@ def run(args: argparse.Namespace) -> rec.Record:
                 "--data-dir", str(Path(tmp) / role)]))
         servers = f"tcp://127.0.0.1:{primary},tcp://127.0.0.1:{backup}"
         try:
+            from client.api import Clone
+
+            with Clone(servers.split(","), timeout_s=30) as first:  # its vote: an active
+                first.set("/bench/ready", b"1", wait=True)
             server = psutil.Process(targets[0].pid)
             for rnd in range(args.rounds):
                 for mode in MODES:
@@ -129,9 +136,14 @@ def run(args: argparse.Namespace) -> rec.Record:
                     procs = [subprocess.Popen(
                         [sys.executable, str(script), servers, f"w{i}", mode,
                          str(args.seconds), str(args.warmup)], stdout=subprocess.PIPE,
-                        text=True) for i in range(args.writers)]
-                    outs = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1])
-                            for p in procs]
+                        stderr=subprocess.PIPE, text=True) for i in range(args.writers)]
+                    outs = []
+                    for p in procs:
+                        out, err = p.communicate(timeout=120)
+                        if p.returncode != 0 or not out.strip():
+                            raise RuntimeError(f"a {mode} writer failed ({p.returncode}): "
+                                               + "\n".join(err.splitlines()[-3:]))
+                        outs.append(json.loads(out.strip().splitlines()[-1]))
                     cpu = sum(server.cpu_times()[:2]) - cpu0
                     wall = time.monotonic() - t0
                     lat = [x for o in outs for x in o["lat"]]
@@ -142,6 +154,7 @@ def run(args: argparse.Namespace) -> rec.Record:
                         "p50_ms": round(1000 * _percentile(lat, 0.5), 3),
                         "p99_ms": round(1000 * _percentile(lat, 0.99), 3),
                         "conflicts": sum(o["conflicts"] for o in outs),
+                        "errors": [e for o in outs for e in o["errors"]],
                         "server_cpu_s": round(cpu, 3), "wall_s": round(wall, 2)})
         finally:
             for target in reversed(targets):
@@ -163,13 +176,16 @@ def run(args: argparse.Namespace) -> rec.Record:
 
 def report(record: rec.Record) -> None:
     rows = [[r["round"], r["mode"], r["writes_per_s"], r["p50_ms"], r["p99_ms"],
-             r["conflicts"]] for r in record.data["runs"]]
+             r["conflicts"], len(r["errors"])] for r in record.data["runs"]]
     rec.table(record, f"{NAME}: closed-loop writers, one Binary Star pair",
-              ["round", "mode", "writes/s", "p50 ms", "p99 ms", "conflicts"], rows,
+              ["round", "mode", "writes/s", "p50 ms", "p99 ms", "conflicts", "errors"], rows,
               "plain: set(wait=True); cas: set(if_seq=S), no contention; contended: one "
               "counter, read-modify-write, retried on Conflict (writes/s = successes)")
     s = record.data["summary"]
     rec.log(f"{NAME}: cas / plain writes/s = {s['cas_over_plain_writes_per_s']}")
+    for r in record.data["runs"]:
+        for error in r["errors"][:3]:
+            rec.log(f"{NAME}: round {r['round']} {r['mode']}: {error}")
 
 
 def main(argv: list[str] | None = None) -> rec.Record:

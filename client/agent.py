@@ -430,6 +430,8 @@ class ShardAgent:
             self._resend(self.echoes.unconfirmed() if self.link.cas else None)
         elif self.echoes:
             self.echoes.confirm_in(new, self.last_seq)
+        if self.echoes:
+            self.echoes.confirm_upto(self.last_seq)
         if reset is not None:
             self._report_reset(reset)
         self._replay(self._gen)
@@ -464,9 +466,11 @@ class ShardAgent:
         """A KVREPLY: a write awaiting its echo that it answers (applied now, or before
         an outage) is confirmed once this client's map is at its sequence (a later one
         is confirmed by its KVPUB, still on the way)."""
-        if (self.echoes and reply.outcome in (chp.APPLIED, chp.DUPLICATE)
-                and reply.seq <= self.last_seq):
-            self.echoes.confirm(reply.uuid, self.last_seq)
+        if self.echoes and reply.outcome in (chp.APPLIED, chp.DUPLICATE):
+            if reply.seq <= self.last_seq:
+                self.echoes.confirm(reply.uuid, self.last_seq)
+            else:  # its KVPUB is on the way, or will be folded into a snapshot
+                self.echoes.applied(reply.uuid, reply.seq)
 
     def conditional(self, frames: list[bytes]) -> asyncio.Future:
         """Send a KVSET that asks for a reply (``frames[3]`` already says ``reply=``

@@ -573,10 +573,12 @@ class AsyncClone:
                 "failed": str(self.failed) if self.failed is not None else None}
 
     # ------------------------------------------------------------------ writes
-    def _prepare(self, key: str, value: Any, ttl: float | None
+    def _prepare(self, key: str, value: Any, ttl: float | None, resendable: bool = False
                  ) -> tuple[ShardAgent, list[bytes], bytes]:
         """Validate and encode a KVSET (any thread): the owning agent, frames, UUID
-        (frames[0] is the key and frames[4] the encoded value)."""
+        (frames[0] is the key and frames[4] the encoded value). ``resendable``: a write
+        that may be sent again after an outage (``wait=True``, conditional): its UUID
+        says so (``chp.resendable_uuid``), and our servers apply it once."""
         key_b = self._key(key)
         blob = b"" if value is None else self.codec.encode(value)
         check_write(key, blob, ttl, self.limits)
@@ -584,7 +586,7 @@ class AsyncClone:
         agent = self._agent_for(key_b)
         if agent.kept is not None:
             raise agent._kept_error()
-        uuid = _uuid.uuid4().bytes
+        uuid = chp.resendable_uuid() if resendable else _uuid.uuid4().bytes
         return agent, chp.kvset(key_b, blob, uuid, props), uuid
 
     def _check_running(self) -> None:
@@ -610,7 +612,8 @@ class AsyncClone:
             raise ValueError("value is None: use delete() to delete a key")
         if create and if_seq not in (None, 0):
             raise ValueError("create=True is if_seq=0: give one or the other")
-        agent, frames, uuid = self._prepare(key, value, ttl)
+        agent, frames, uuid = self._prepare(key, value, ttl,
+                                            wait or create or if_seq is not None)
         if create or if_seq is not None:
             return await self._send_if(agent, key, frames, 0 if create else if_seq,
                                        timeout_s)
@@ -622,7 +625,7 @@ class AsyncClone:
         for ``set``. ``if_seq=S``: only if the key was last changed by sequence S
         (returns the delete's sequence, or raises ``Conflict``, as ``set``)."""
         self._check_running()
-        agent, frames, uuid = self._prepare(key, None, None)
+        agent, frames, uuid = self._prepare(key, None, None, wait or if_seq is not None)
         if if_seq is not None:
             return await self._send_if(agent, key, frames, if_seq, timeout_s)
         return await self._send(agent, frames, uuid, wait, timeout_s)

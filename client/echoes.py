@@ -13,6 +13,9 @@ class Echoes:
         self.frames: dict[bytes, list[bytes]] = {}
         """The KVSET of each waiting write, to send again after an outage."""
         self.resent = 0
+        self.applied_at: dict[bytes, int] = {}
+        """UUID -> the sequence its shard said it was applied at (a KVREPLY), for writes
+        whose KVPUB is still on the way: a snapshot at or past it confirms them."""
 
     def __bool__(self) -> bool:
         return bool(self.waiters)
@@ -36,6 +39,19 @@ class Echoes:
         if entry is not None and entry[2] is fut:
             del self.waiters[uuid]
             self.frames.pop(uuid, None)
+            self.applied_at.pop(uuid, None)
+
+    def applied(self, uuid: bytes, seq: int) -> None:
+        """The shard applied ``uuid`` at ``seq`` (its KVREPLY said so)."""
+        if uuid in self.waiters:
+            self.applied_at[uuid] = seq
+
+    def confirm_upto(self, seq: int) -> None:
+        """A map at ``seq`` was installed: every write known to be applied at or before
+        it is in it (however its value was overwritten since)."""
+        for uuid, at in list(self.applied_at.items()):
+            if at <= seq:
+                self.confirm(uuid, seq)
 
     def confirm(self, uuid: bytes, seq: int) -> None:
         """The KVPUB with ``uuid`` was applied (or was already in the snapshot)."""

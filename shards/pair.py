@@ -468,7 +468,7 @@ class PairServer(ShardServer):
         client that fails over to this server resumes instead of taking a snapshot."""
         if self._remember is not None:
             self._remember(msg.seq, msg.key, msg.uuid, msg.props, msg.value)
-        if msg.uuid:
+        if chp.is_resendable(msg.uuid):
             self.applied.add(msg.uuid, msg.seq)
 
     # ================================================================ ShardServer hooks

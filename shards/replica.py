@@ -318,7 +318,8 @@ class Follower:
         expiry_s = expires_of(msg.props) if msg.value else None
         store.apply(msg.key, msg.value, expiry_s)
         if self.owner.persist is not None:  # the active's stream, with its sequences
-            self.owner.log_applied(msg.seq, msg.key, msg.value, expiry_s, msg.uuid)
+            self.owner.log_applied(msg.seq, msg.key, msg.value, expiry_s,
+                                   msg.uuid if chp.is_resendable(msg.uuid) else b"")
         self.owner.replicated(msg)
         self.counters["applied"] += 1
         return True
@@ -363,7 +364,7 @@ class Follower:
         # keys rewritten between the TTL table (T) and the snapshot (S)
         for m in self._buffer:
             if ttl_seq < m.seq <= snap_seq:
-                if m.uuid:
+                if chp.is_resendable(m.uuid):
                     uuids += (m.uuid, m.seq)
                 value = store.get(m.key)
                 if value is not None:

@@ -59,6 +59,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import psutil
 import zmq
@@ -228,6 +229,7 @@ class SnapshotStream:
     def send_some(self, sock: zmq.Socket) -> str:
         """Up to ``chunk`` KVSYNCs (then KTHXBAI); EHOSTUNREACH goes to the pump."""
         identity, seq_frame, cursor = self.identity, self.seq_frame, self.cursor
+        meta = self.meta
         budget = self.chunk
         pending, pos = self.pending, self.pos
         sent = fetched = 0
@@ -246,7 +248,10 @@ class SnapshotStream:
                     if fetched >= 8:  # a sparse subtree: examined enough keys this turn
                         outcome = streams.PROGRESS
                         break
-                    pending = cursor.next_synced(budget * 4)
+                    keys, values, mods, expiries = cursor.next_columns(budget * 4, meta)
+                    props = repeat(b"") if expiries is None else [
+                        b"" if e is None else b"expires=%.3f\n" % e for e in expiries]
+                    pending = list(zip(keys, values, map(_pack_seq, mods), props))
                     if pending:  # before any of them is queued: the byte bound holds
                         self.server.snapshot_entries(max(map(_entry_size, pending)))
                         if not self.sent:  # this peer's pipe may have the bind-time mark
@@ -255,15 +260,13 @@ class SnapshotStream:
                     fetched += 1
                     continue
                 stop = min(len(pending), pos + budget - sent)
-                meta = self.meta
                 while i < stop:  # the hot loop: one KVSYNC per turn, nothing else
-                    key, value, mod, expiry_s = pending[i]
+                    key, value, seq, props = pending[i]  # seq: the key's own
                     send(sock, identity, more)  # Again / EHOSTUNREACH come only from here
                     send(sock, key, more)
-                    send(sock, _pack_seq(mod), more)  # the key's own (12/CHP: any)
+                    send(sock, seq, more)
                     send(sock, empty, more)
-                    send(sock, b"expires=%.3f\n" % expiry_s
-                         if meta and expiry_s is not None else empty, more)
+                    send(sock, props, more)
                     send(sock, value, last)
                     i += 1
                 sent += i - pos
@@ -530,19 +533,19 @@ class ShardServer:
                         key if (end := key.find(b"/", 1)) < 0 else key[:end + 1]) is not True
                         and not self.owns(key)):
                     return  # counted not_owner
-                if uuid:
+                if uuid and uuid[6] & 0xF0 == 0x80:  # chp.is_resendable: may come again
                     applied = self.applied
                     if uuid in applied.current or uuid in applied.previous:
                         self.writes["duplicate"] += 1  # sent again: applied once
                         return
                     seq = self.store.apply(key, value)
-                    applied.current[uuid] = seq
-                    if len(applied.current) >= applied.half:
-                        applied.rotate()
-                else:
+                    applied.add(uuid, seq)
+                    if (persist := self.persist) is not None:
+                        persist.append(seq, key, value, None, uuid)  # after the batch
+                else:  # fire-and-forget: never sent twice, not remembered
                     seq = self.store.apply(key, value)
-                if (persist := self.persist) is not None:
-                    persist.append(seq, key, value, None, uuid)  # written after the batch
+                    if (persist := self.persist) is not None:
+                        persist.append(seq, key, value, None)  # written after the batch
                 # published, and kept in the resume history, after the batch and its
                 # log write (_flush_log): one burst wakes libzmq's I/O thread once,
                 # where a send per update woke it per update
@@ -594,7 +597,7 @@ class ShardServer:
         if size > self._fast_limit:
             self._lower_mark(self.marks.published(size))
         seq = self.store.apply(key, value, expiry_s)
-        if uuid:
+        if chp.is_resendable(uuid):
             self.applied.add(uuid, seq)
         self._log_and_publish(seq, key, uuid, props, value, expiry_s)
         if reply_to:
@@ -696,7 +699,8 @@ class ShardServer:
         a KVPUB, and so an acknowledgement, never goes out before its update reached the
         OS, and every KVPUB goes out in sequence order through the one burst."""
         if self.persist is not None:
-            self.log_applied(seq, key, value, expiry_s, uuid)
+            self.log_applied(seq, key, value, expiry_s,
+                             uuid if chp.is_resendable(uuid) else b"")
         self._held += key, _pack_seq(seq), uuid, props, value
 
     def log_applied(self, seq: int, key: bytes, value: bytes, expiry_s: float | None,

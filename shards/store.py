@@ -297,63 +297,71 @@ class SnapshotCursor:
     def remaining(self) -> int:
         return len(self._keys) - self._pos
 
-    def next_chunk(self, n: int) -> list[tuple[bytes, bytes]]:
+    def _next_keys(self, n: int) -> list[bytes]:
+        """The next ``n`` listed keys that lie under the subtree (closes the cursor after
+        the last: read ``undo`` before calling it)."""
         keys = self._keys
         start = self._pos
         end = min(start + n, len(keys))
         self._pos = end
-        data = self.store.data
-        undo = self.undo
-        subtree = self.subtree
         chunk = keys[start:end]
-        if subtree:
+        if self.subtree:
+            subtree = self.subtree
             chunk = [key for key in chunk if key.startswith(subtree)]
+        if end >= len(keys):
+            self.close()
+        return chunk
+
+    def next_chunk(self, n: int) -> list[tuple[bytes, bytes]]:
+        undo = self.undo  # before the last chunk closes the cursor
+        chunk = self._next_keys(n)
+        data = self.store.data
         # A listed key absent from ``undo`` has not changed since the cursor opened, so
         # it is still in ``data``; stored values are never empty, so ``or`` is safe.
         if undo:
             get = undo.get
-            out = [(key, get(key) or data[key]) for key in chunk]
-        else:
-            out = list(zip(chunk, map(data.__getitem__, chunk)))
-        if end >= len(keys):
-            self.close()
-        return out
+            return [(key, get(key) or data[key]) for key in chunk]
+        return list(zip(chunk, map(data.__getitem__, chunk)))
 
     def next_entries(self, n: int) -> list:
         """Like ``next_chunk`` but flat, with each key's absolute expiry and the sequence
         that last changed it, as of ``seq``: ``[key, value, expires, mod_seq, ...]`` (a
-        cursor opened ``with_expiry``)."""
-        old_expiry = self.undo_expiry
-        old_seq = self.undo_seq
-        expiry = self.store._expiry
-        mod = self.store.mod
-        out = []
-        for key, value in self.next_chunk(n):
-            if key in old_seq:
-                out += (key, value, old_expiry[key] if old_expiry is not None else None,
-                        old_seq[key])
-            else:
-                out += (key, value, expiry.get(key), mod[key])
+        cursor opened ``with_expiry``; built from ``next_columns`` by slice assignment)."""
+        keys, values, mods, expiries = self.next_columns(n, True)
+        out = [None] * (4 * len(keys))
+        out[0::4], out[1::4], out[2::4], out[3::4] = keys, values, expiries, mods
         return out
 
-    def next_synced(self, n: int) -> list[tuple[bytes, bytes, int, float | None]]:
-        """Like ``next_chunk`` with each key's last-modified sequence and expiry (None
-        when it has none, or the cursor was not opened ``with_expiry``), as of ``seq``:
-        what a KVSYNC carries."""
-        old_seq = self.undo_seq  # before the last chunk closes the cursor
-        old_expiry = self.undo_expiry if self.undo_expiry is not None else {}
-        chunk = self.next_chunk(n)
-        mod = self.store.mod
-        expiry = self.store._expiry
-        if not old_seq and not expiry:
-            return [(key, value, mod[key], None) for key, value in chunk]
-        out = []
-        for key, value in chunk:
-            if key in old_seq:
-                out.append((key, value, old_seq[key], old_expiry.get(key)))
+    def next_columns(self, n: int, with_expiry: bool = False
+                     ) -> tuple[list, list, list, list | None]:
+        """What a KVSYNC carries for the next keys, as of ``seq``, in columns (built by
+        C-level maps: the snapshot stream's hot path): ``(keys, values, mod_seqs,
+        expiries)``, ``expiries`` None unless ``with_expiry`` (then each key's absolute
+        expiry or None; the cursor must be opened ``with_expiry``)."""
+        undo, old_seq = self.undo, self.undo_seq  # before the last chunk closes the cursor
+        old_expiry = self.undo_expiry
+        keys = self._next_keys(n)
+        store = self.store
+        if undo and any(key in undo for key in keys):
+            get_old = undo.get
+            data = store.data
+            values = [get_old(key) or data[key] for key in keys]
+            mod = store.mod
+            mods = [old_seq[key] if key in old_seq else mod[key] for key in keys]
+        else:
+            values = list(map(store.data.__getitem__, keys))
+            mods = list(map(store.mod.__getitem__, keys))
+        expiries = None
+        if with_expiry:
+            expiry = store._expiry
+            if old_expiry and any(key in old_seq for key in keys):
+                expiries = [old_expiry[key] if key in old_seq else expiry.get(key)
+                            for key in keys]
+            elif expiry:
+                expiries = list(map(expiry.get, keys))
             else:
-                out.append((key, value, mod[key], expiry.get(key)))
-        return out
+                expiries = [None] * len(keys)
+        return keys, values, mods, expiries
 
     def close(self) -> None:
         if not self.closed:

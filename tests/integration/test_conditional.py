@@ -21,7 +21,7 @@ from test_supervisor_cli import cli, start, wait_status, write_config
 pytestmark = pytest.mark.timeout(180)
 
 WRITERS = 3
-INCREMENTS = 40
+INCREMENTS = 150
 
 WRITER = textwrap.dedent("""
     import json, sys, time
@@ -29,7 +29,7 @@ WRITER = textwrap.dedent("""
     from client.api import Clone, Conflict
     config, key, me, count, go = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), \
         sys.argv[5]
-    wrote, conflicts = [], 0
+    wrote, conflicts, PACE_S = [], 0, 0.01
     with Clone(config=config, timeout_s=15) as c:
         print("READY", flush=True)
         open(go).read()  # a FIFO: every writer starts when the test opens it
@@ -43,6 +43,7 @@ WRITER = textwrap.dedent("""
                     c.set(key, json.dumps({{"n": n + 1, "by": me}}).encode(),
                           if_seq=meta.seq)
                 wrote.append(n + 1)
+                time.sleep(PACE_S)  # a paced writer: the kill lands while they run
             except Conflict:
                 conflicts += 1
     print(json.dumps({{"wrote": wrote, "conflicts": conflicts}}), flush=True)
@@ -71,16 +72,16 @@ def test_compare_and_set_counter_across_a_kill_of_the_active(procs, tmp_path):
     writers = [procs.spawn([PYTHON, str(script), str(config), key, f"w{i}",
                             str(INCREMENTS), str(go)], ready="READY", timeout_s=30)
                for i in range(WRITERS)]
-    with open(go, "w"):
-        pass  # all at once: they contend
     with Clone(config=str(config)) as watcher:
         reached = threading.Event()
 
         def on_change(change):
-            if change.kind == "put" and json.loads(change.value)["n"] >= 30:
+            if change.kind == "put" and json.loads(change.value)["n"] >= 60:
                 reached.set()
 
         with watcher.watch(key, on_change):
+            with open(go, "w"):
+                pass  # all at once: they contend
             assert reached.wait(60), "the writers made no progress"
         active = "s0/primary" if rows["s0/primary"]["bstar"] == "ACTIVE" else "s0/backup"
         at_kill = json.loads(watcher.get(key))["n"]
@@ -139,7 +140,7 @@ def test_a_resend_after_the_active_died_is_applied_once(procs, tmp_path, zctx):
     start(procs, config, tmp_path, "--backoff-initial-s", "0.2")
     rows = wait_status(control, lambda r: r["s0/primary"]["bstar"] == "ACTIVE"
                        and r["s0/backup"]["bstar"] == "PASSIVE")
-    uuid, identity = b"U" * 16, b"writer-1"
+    uuid, identity = chp.resendable_uuid(), b"writer-1"  # as a wait=True write's
     frames = chp.kvset(b"/once", b"v1", uuid)
     pub, dealer = _raw_pair_sockets(zctx, rows["s0/primary"]["port"], identity)
     pub.send_multipart(frames)  # the first send: a plain KVSET, no reply asked
@@ -203,10 +204,18 @@ def test_conditional_writes_at_the_frame_level(procs, zctx):
     pub.send_multipart(chp.kvset(b"/c", b"x", b"E" * 16, b"if-seq=seven\n" + reply_to))
     pub.send_multipart(chp.kvset(b"/c", b"", b"F" * 16, chp.write_props(2) + reply_to))
     assert _kvreply(dealer)[1:3] == (chp.APPLIED, 3)  # the malformed one was dropped
+    # a write that may be sent again (its UUID says so: wait=True) is applied once; a
+    # fire-and-forget one, never resent by our client, is not remembered
+    again, plain = chp.resendable_uuid(), b"P" * 16
+    for uuid in (again, again, plain, plain):
+        pub.send_multipart(chp.kvset(b"/c", b"r", uuid))
+    pub.send_multipart(chp.kvset(b"/c", b"end", b"G" * 16, reply_to))
+    assert _kvreply(dealer)[1:3] == (chp.APPLIED, 7)
     seen = []
-    while sub.poll(1000) and len(seen) < 3:
+    while sub.poll(1000) and len(seen) < 7:
         msg = chp.decode_update(sub.recv_multipart())
         if isinstance(msg, chp.Kvpub):
             seen.append((msg.seq, msg.uuid, msg.props, msg.value))
     assert seen == [(1, b"A" * 16, b"", b"1"), (2, b"C" * 16, b"", b"3"),
-                    (3, b"F" * 16, b"", b"")]
+                    (3, b"F" * 16, b"", b""), (4, again, b"", b"r"), (5, plain, b"", b"r"),
+                    (6, plain, b"", b"r"), (7, b"G" * 16, b"", b"end")]

@@ -293,7 +293,7 @@ def test_entries_with_expiry_are_the_map_and_its_ttls_at_open(data):
         assert len(flat) % 4 == 0
         got.update((k, (v, e, m)) for k, v, e, m in zip(flat[0::4], flat[1::4], flat[2::4],
                                                          flat[3::4]))
-        synced.update((k, (v, e, m)) for k, v, m, e in synced_cur.next_synced(
-            rng.randrange(1, 5)))
+        ks, values, mods, expiries = synced_cur.next_columns(rng.randrange(1, 5), True)
+        synced.update((k, (v, e, m)) for k, v, m, e in zip(ks, values, mods, expiries))
     assert got == expected
     assert synced == expected

@@ -51,6 +51,7 @@ Properties stay as raw bytes in the message tuples (cheap on the hot path); use
 """
 from __future__ import annotations
 
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -484,6 +485,22 @@ KVREPLY = b"KVREPLY"
 APPLIED, DUPLICATE, CONFLICT, REFUSED = b"applied", b"duplicate", b"conflict", b"refused"
 OUTCOMES = (APPLIED, DUPLICATE, CONFLICT, REFUSED)
 MAX_REPLY_ID = 32
+
+
+def resendable_uuid() -> bytes:
+    """A KVSET UUID that marks a write its client may send again (``wait=True``, a
+    conditional write): an RFC 9562 version-8 UUID (the version for application-defined
+    layouts), 122 random bits. Servers keep only these in their table of applied UUIDs
+    (``shards.applied``): fire-and-forget writes, never sent twice, cost nothing there.
+    To any other peer a UUID is opaque 16 bytes."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x80  # version 8
+    raw[8] = (raw[8] & 0x3F) | 0x80  # the RFC variant
+    return bytes(raw)
+
+
+def is_resendable(uuid: bytes) -> bool:
+    return len(uuid) == UUID_SIZE and uuid[6] & 0xF0 == 0x80
 
 
 class WriteTerms(NamedTuple):
