@@ -48,10 +48,6 @@ class AppliedUuids:
     def __len__(self) -> int:
         return len(self.current) + len(self.previous)
 
-    @property
-    def enabled(self) -> bool:
-        return self.max_age_s > 0
-
     def add(self, uuid: bytes, seq: int) -> None:
         cur = self.current
         cur[uuid] = seq

@@ -582,7 +582,7 @@ class ShardServer:
             if reply_to:
                 self._reply(reply_to, uuid, chp.REFUSED, 0, "this shard does not own the key")
             return
-        verdict, at = decide(self.store.mod.get(key, 0),
+        verdict, at = decide(self.store.mod_seq(key),
                              self.applied.get(uuid) if uuid else None, terms.if_seq,
                              not value)
         if verdict != APPLY:  # sent again (applied once, at ``at``), or a conflict

@@ -77,6 +77,8 @@ def check_fanout(data: dict, combos: list[tuple[int, int]], rounds: int, updates
 def check_failover(data: dict, kills: int) -> None:
     runs = data["runs"]
     assert [r["kill"] for r in runs] == list(range(1, kills + 1))
+    # the active is killed each time: the primary first, then the backup that took over
+    assert [r["killed"] for r in runs] == ["primary", "backup"][:kills]
     for r in runs:  # the new active published, the client switched and resumed
         assert r["first_kvpub_s"] > 0 and r["client_resume_s"] > 0
         assert r["client_resumed_s"] is not None
@@ -213,7 +215,7 @@ def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
         assert data["invoked_as"].startswith("python -m bench all --smoke")
     check_snapshot(records["snapshot"], keys=2000, timed=1, warm=0)
     check_fanout(records["fanout"], [(1, 1), (1, 4), (2, 1), (2, 4)], rounds=1, updates=100)
-    check_failover(records["failover"], kills=1)
+    check_failover(records["failover"], kills=2)
     check_single(records["chp_throughput"])
     check_single_record(records["chp_throughput"])
     check_points(records["scaleout"], {"shards", "target", "received_per_s", "efficiency"})

@@ -253,18 +253,6 @@ def test_a_pending_update_the_active_had_time_to_publish_is_not_replayed(procs, 
     assert pending_applied(backup, watch[b]) == (1, 1)
 
 
-def test_failover_benchmark_smoke(procs, tmp_path):
-    proc = procs.python("-m", "bench.failover", "--kills", "2", "--steady-s", "0.3",
-                        "--results-dir", str(tmp_path))
-    assert proc.wait(90) == 0, "\n".join(proc.stderr[-20:])
-    data = json.loads((tmp_path / "latest" / "failover.json").read_text())
-    assert data["benchmark"] == "failover" and len(data["runs"]) == 2
-    assert [r["killed"] for r in data["runs"]] == ["primary", "backup"]
-    assert all(r["client_resume_s"] > 0 and r["first_kvpub_s"] > 0 for r in data["runs"])
-    assert data["summary"]["lost"] == 0 and data["summary"]["reader_converged"] is True
-    assert data["command"].startswith("python -m bench.failover ")
-
-
 def test_a_server_rejoining_under_writes_gets_an_exact_replica(procs, zctx, port_base):
     p, b = two_bases(port_base)
     primary = start_server(procs, p, "primary", b)
