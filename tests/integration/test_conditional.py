@@ -219,3 +219,33 @@ def test_conditional_writes_at_the_frame_level(procs, zctx):
     assert seen == [(1, b"A" * 16, b"", b"1"), (2, b"C" * 16, b"", b"3"),
                     (3, b"F" * 16, b"", b""), (4, again, b"", b"r"), (5, plain, b"", b"r"),
                     (6, plain, b"", b"r"), (7, b"G" * 16, b"", b"end")]
+
+
+def test_replies_to_nobody_are_counted_and_dropped(procs, zctx):
+    """A hostile writer asks for a reply to each of 30,000 writes, naming a routing id
+    no DEALER holds: the server sends nothing anywhere (each reply is refused at once by
+    the ROUTER, counted ``replies_unsent``), applies the writes, and an honest writer's
+    conditional write beside the flood is answered. (A DEALER that holds the id and
+    never reads holds at most the snapshot ROUTER's mark for its pipe, plus the kernel's
+    socket buffers.)"""
+    from shards.common.proto import chp
+    from conftest import free_port_base
+    from test_relay import stats_of
+
+    port = free_port_base(4)
+    server = procs.python("-m", "shards", "--port", str(port), ready="READY shard")
+    pub, honest = _raw_pair_sockets(zctx, port, b"honest")
+    pub.sndhwm = 0  # every one of them reaches the server (a PUB drops past its mark)
+    props = chp.write_props(reply_to=b"nobody")
+    sent = 30_000
+    for i in range(sent):
+        pub.send_multipart(chp.kvset(b"/h/%d" % (i % 100), b"v", chp.resendable_uuid(),
+                                     props))
+    # the flood's last write answers the honest DEALER: after it, all were decided
+    pub.send_multipart(chp.kvset(b"/h/end", b"1", chp.resendable_uuid(),
+                                 chp.write_props(0, b"honest")))
+    reply = _kvreply(honest)
+    assert (reply.outcome, reply.seq) == (chp.APPLIED, sent + 1)
+    stats = stats_of(server)
+    assert stats["writes"]["applied"] == sent + 1 and stats["applied_uuids"] == sent + 1
+    assert stats["writes"]["replies_unsent"] == sent
