@@ -1000,6 +1000,7 @@ class ShardServer:
             "ttl_expired": self.ttl_expired,
             "writes": dict(self.writes),
             "applied_uuids": len(self.applied),
+            "applied_uuids_window": [self.applied.half, self.applied.max_age_s / 2],
             "snapshots_served": pump.counters["done"] if pump is not None else 0,
             "snapshots_active": len(pump.active) if pump is not None else 0,
             "snapshots_waiting": len(pump.waiting) if pump is not None else 0,

@@ -142,7 +142,9 @@ class Runner:
                                                                       server.index)
                 argv += ["--subscriber-held-bytes", str(plan.subscriber_held_bytes),
                          "--writer-held-bytes", str(plan.writer_held_bytes),
-                         "--pending-max-bytes", str(max(1 << 20, plan.writer_held_bytes))]
+                         "--pending-max-bytes", str(max(1 << 20, plan.writer_held_bytes)),
+                         "--dedup-bytes", str(plan.applied_uuids[0]),
+                         "--dedup-s", str(plan.applied_uuids[1])]
                 data = self.data_dir(server)
                 if data is not None:
                     argv += ["--data-dir", str(data), "--fsync", plan.fsync]

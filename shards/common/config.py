@@ -38,6 +38,8 @@ IPv4 address is bound) and a core set (``cores``: ``[2, 3]``, ``"2-3,6"``, ``5``
                                                pin in a server (0: count messages only)
     limits.writer_held_bytes          64 MiB   ... one writer's queued KVSETs, and a
                                                passive's pending table
+    limits.applied_uuid_bytes         16 MiB   each server's table of applied UUIDs
+    limits.applied_uuid_s             120      ... and its age (exactly-once resends)
 
 Every model forbids unknown fields. ``load_config`` turns YAML and pydantic errors into
 one ``ConfigError`` whose lines read ``FIELD: given VALUE: PROBLEM; EXPECTED``, with
@@ -369,6 +371,11 @@ class LimitsConfig(_Model):
     writer_held_bytes: int = Field(default=64 << 20, ge=0)
     """Bytes one writer's queued KVSETs may pin in a server's collector; also the
     passive's pending-table budget (at least 1 MiB there)."""
+    applied_uuid_bytes: int = Field(default=16 << 20, ge=0)
+    """Each server's table of applied UUIDs (``shards.applied``): a resent write is
+    recognised for at least half of this (/ 128 B an entry) later writes ..."""
+    applied_uuid_s: float = Field(default=120.0, ge=0)
+    """... and at least half of this many seconds."""
 
 
 class RelaysConfig(_Model):

@@ -124,6 +124,8 @@ class Plan:
     subscriber_held_bytes: int = 64 << 20
     """What one never-reading subscriber may pin in a server (``--subscriber-held-bytes``)."""
     writer_held_bytes: int = 64 << 20
+    applied_uuids: tuple[int, float] = (16 << 20, 120.0)
+    """Each server's table of applied UUIDs: bytes and seconds (``--dedup-bytes/-s``)."""
     metrics: tuple[str, int] | None = None
     """Where the supervisor serves Prometheus metrics (host, port), or None."""
     relays: tuple["ServerPlan", ...] = ()
@@ -368,6 +370,8 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
                                 config.limits.control_client_held_bytes),
                 subscriber_held_bytes=config.limits.subscriber_held_bytes,
                 writer_held_bytes=config.limits.writer_held_bytes,
+                applied_uuids=(config.limits.applied_uuid_bytes,
+                               config.limits.applied_uuid_s),
                 metrics=config.metrics_address, relays=tuple(relay_plans))
 
 

@@ -136,10 +136,13 @@ def test_a_resend_after_the_active_died_is_applied_once(procs, tmp_path, zctx):
     from client.api import Clone
     from shards.common.proto import chp
 
-    config, control = write_config(tmp_path, "1shard.yaml")
+    config, control = write_config(tmp_path, "1shard.yaml", limits={
+        "applied_uuid_bytes": 1 << 20, "applied_uuid_s": 90})
     start(procs, config, tmp_path, "--backoff-initial-s", "0.2")
     rows = wait_status(control, lambda r: r["s0/primary"]["bstar"] == "ACTIVE"
                        and r["s0/backup"]["bstar"] == "PASSIVE")
+    # the config's table reached both servers: 4,096 writes and 45 s are remembered
+    assert {tuple(rows[s]["stats"]["applied_uuids_window"]) for s in rows} == {(4096, 45.0)}
     uuid, identity = chp.resendable_uuid(), b"writer-1"  # as a wait=True write's
     frames = chp.kvset(b"/once", b"v1", uuid)
     pub, dealer = _raw_pair_sockets(zctx, rows["s0/primary"]["port"], identity)
