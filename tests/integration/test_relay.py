@@ -157,3 +157,25 @@ def test_relays_under_the_supervisor_are_in_the_map_and_used_via_relays(procs, t
     assert out.returncode == 0 and len(out.stdout.splitlines()) == 40, out
     rows = status(control)
     assert all(rows[f"s{i}/relay{j}"]["keys"] is not None for i in range(2) for j in range(2))
+
+
+def test_metadata_through_a_relay_and_conditional_writes_refused_there(procs, pair):
+    """A relay re-serves each key's own sequence (its KVSYNCs and KVPUBs carry the
+    shard's), so ``meta`` through it equals ``meta`` direct; a conditional write through
+    it is refused before it leaves (a relay does not decide writes: no ``cas=1``)."""
+    from client.errors import NotSupported
+
+    (_, _), servers = pair
+    relay = start_relay(procs, servers)
+    with Clone(servers, heartbeat_s=0.2, codec="bytes") as direct:
+        first = direct.set("/m/a", b"1", create=True)
+        for i in range(20):
+            direct.set(f"/m/{i}", b"x", wait=(i == 19))
+        second = direct.set("/m/a", b"2", if_seq=first)
+        with Clone(relay.address, via="relays", heartbeat_s=0.2, codec="bytes") as via:
+            wait_for(lambda: via.get("/m/a") == b"2", "the relay's copy")
+            assert via.meta("/m/a").seq == second == direct.meta("/m/a").seq
+            assert via.meta("/m/7").seq == direct.meta("/m/7").seq
+            with pytest.raises(NotSupported, match="cas=1"):
+                via.set("/m/a", b"3", if_seq=second)
+            assert direct.get("/m/a") == b"2"
