@@ -29,6 +29,7 @@ import psutil
 
 from bench.harness import record as rec
 from bench.harness.procs import bench_main
+from bench.harness.traffic import percentiles_ms
 
 NAME = "conditional"
 MODES = ("plain", "cas", "contended")
@@ -93,13 +94,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 def run(args: argparse.Namespace) -> rec.Record:
     import subprocess
     import tempfile
@@ -146,13 +140,13 @@ def run(args: argparse.Namespace) -> rec.Record:
                         outs.append(json.loads(out.strip().splitlines()[-1]))
                     cpu = sum(server.cpu_times()[:2]) - cpu0
                     wall = time.monotonic() - t0
-                    lat = [x for o in outs for x in o["lat"]]
+                    lat = percentiles_ms(sorted(int(x * 1e9) for o in outs
+                                                for x in o["lat"]), (50, 99))
                     n = sum(o["n"] for o in outs)
                     record.add_run({
                         "round": rnd, "mode": mode, "writes": n,
                         "writes_per_s": round(n / args.seconds, 1),
-                        "p50_ms": round(1000 * _percentile(lat, 0.5), 3),
-                        "p99_ms": round(1000 * _percentile(lat, 0.99), 3),
+                        "p50_ms": lat.get("p50", 0.0), "p99_ms": lat.get("p99", 0.0),
                         "conflicts": sum(o["conflicts"] for o in outs),
                         "errors": [e for o in outs for e in o["errors"]],
                         "server_cpu_s": round(cpu, 3), "wall_s": round(wall, 2)})

@@ -443,7 +443,7 @@ class ShardAgent:
                 self.send_kvset(frames)
             return
         self.replies.connect(self.server)
-        ident = chp.write_props(reply_to=self.replies.identity)
+        ident = self.reply_props()
         again = [[f[0], f[1], f[2], f[3] if b"reply=" in f[3] else f[3] + ident, f[4]]
                  for f in echoed]
         again += self.replies.unanswered()

@@ -29,7 +29,7 @@ from shards.common.proto import chp
 from shards.common.errors import HANDSHAKE_CAUSES
 from shards.common.handshake import FAILED_EVENTS, cause_of, monitor_event
 from shards.common.security import Security
-from shards.common.zio import AsyncSocket
+from shards.common.zio import AsyncSocket, close_monitored
 from client import shard_machine as sm
 from client.collector import ServerAddress
 
@@ -132,15 +132,9 @@ class Link:
             self._timer.cancel()
             self._timer = None
         self.live_pending = None
-        for io in (self.monitor, self.dealer, self.sub):
-            if io is not None:
-                if io is self.sub:
-                    try:
-                        io.sock.disable_monitor()
-                    except zmq.ZMQError:
-                        pass
-                io.close()
-        self.monitor = self.dealer = self.sub = None
+        close_monitored(self.sub, self.monitor)
+        self.close_dealer()
+        self.monitor = self.sub = None
 
     # ------------------------------------------------------------------ liveness
     def note_hugz(self, info: chp.HugzInfo) -> bool:

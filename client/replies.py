@@ -23,7 +23,7 @@ from shards.common.errors import ProtocolError
 from shards.common.handshake import monitor_event
 from shards.common.proto import chp
 from shards.common.security import Security
-from shards.common.zio import AsyncSocket
+from shards.common.zio import AsyncSocket, close_monitored
 from client.collector import ServerAddress
 
 log = logging.getLogger("client.agent")
@@ -113,14 +113,7 @@ class Replies:
                 fut.set_exception(exc)
 
     def close(self) -> None:
-        for io in (self.monitor, self.dealer):
-            if io is not None:
-                if io is self.dealer:
-                    try:
-                        io.sock.disable_monitor()
-                    except zmq.ZMQError:
-                        pass
-                io.close()
+        close_monitored(self.dealer, self.monitor)
         self.monitor = self.dealer = None
         self.address = None
         self.ready.clear()

@@ -106,12 +106,6 @@ def parse_peer(text: str) -> tuple[str, int]:
     return host, port_n
 
 
-def _strip_ttl(props: bytes) -> bytes:
-    """``ttl_props`` output minus its ``ttl`` line: the absolute ``expires`` alone."""
-    lines = [line for line in props.split(b"\n") if line and not line.startswith(b"ttl=")]
-    return b"".join(line + b"\n" for line in lines)
-
-
 class TtlStream:
     """One BSTAR-TTL table streamed to one passive peer (a ``shards.streams`` stream):
     a point-in-time copy of the expiry index (never mutated later, so an iterator over it
@@ -555,7 +549,7 @@ class PairServer(ShardServer):
             if kvset.value and props and b"ttl=" in props:
                 expiry_s, props = ttl_props(props, time.time())
                 if expiry_s is not None:
-                    props = _strip_ttl(props)
+                    props = chp.drop_props(props, (b"ttl",))  # the absolute expires
         except ProtocolError as err:
             self.drops.drop(err.reason, str(err))
             return

@@ -597,8 +597,6 @@ class ShardServer:
         if size > self._fast_limit:
             self._lower_mark(self.marks.published(size))
         seq = self.store.apply(key, value, expiry_s)
-        if chp.is_resendable(uuid):
-            self.applied.add(uuid, seq)
         self._log_and_publish(seq, key, uuid, props, value, expiry_s)
         if reply_to:
             self.writes["applied"] += 1
@@ -697,10 +695,13 @@ class ShardServer:
         """Hold one applied update's KVPUB for ``_flush_log`` (after the collector's batch,
         or at the end of the caller's work), logging it first when the server persists:
         a KVPUB, and so an acknowledgement, never goes out before its update reached the
-        OS, and every KVPUB goes out in sequence order through the one burst."""
+        OS, and every KVPUB goes out in sequence order through the one burst. A UUID
+        that marks a write its client may send again is remembered and logged."""
+        kept = uuid if chp.is_resendable(uuid) else b""
+        if kept:
+            self.applied.add(kept, seq)
         if self.persist is not None:
-            self.log_applied(seq, key, value, expiry_s,
-                             uuid if chp.is_resendable(uuid) else b"")
+            self.log_applied(seq, key, value, expiry_s, kept)
         self._held += key, _pack_seq(seq), uuid, props, value
 
     def log_applied(self, seq: int, key: bytes, value: bytes, expiry_s: float | None,

@@ -396,3 +396,16 @@ class AsyncSocket:
                 fut.cancel()
         self._writable_waiters.clear()
         self.sock.close(linger=linger)
+
+
+def close_monitored(io: "AsyncSocket | None", monitor: "AsyncSocket | None") -> None:
+    """Close ``io`` and ``monitor``, the socket monitor made for it: the monitor is
+    stopped first, so libzmq never writes to a closed PAIR."""
+    if io is not None and monitor is not None:
+        try:
+            io.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+    for each in (monitor, io):
+        if each is not None:
+            each.close()

@@ -47,7 +47,7 @@ from shards.common.errors import HandshakeRefused, ProtocolError, SlowConsumer, 
 from shards.common.handshake import FAILED_EVENTS, Refusals
 from shards.common.mdp import codec as mdp
 from shards.common.mdp.codec import C_FINAL, C_PARTIAL, C_REQUEST
-from shards.common.zio import AsyncSocket, recv_frames, send_frames
+from shards.common.zio import AsyncSocket, close_monitored, recv_frames, send_frames
 
 log = logging.getLogger(__name__)
 
@@ -250,13 +250,8 @@ class MdpClient:
 
     def _reset(self) -> None:
         self._refused = ""
-        if self._asock is not None:
-            if self._monitor is not None:
-                self._asock.sock.disable_monitor()
-                self._monitor.close(linger=0)
-                self._monitor = None
-            self._asock.close(linger=0)
-            self._asock = None
+        close_monitored(self._asock, self._monitor)
+        self._asock = self._monitor = None
 
 
 def _expire(waiter: asyncio.Future) -> None:

@@ -544,14 +544,19 @@ def write_props(if_seq: int | None = None, reply_to: bytes | None = None) -> byt
     return out
 
 
+def drop_props(props: bytes, names: tuple[bytes, ...]) -> bytes:
+    """Validated ``props`` (``name=value\\n`` lines) without the lines named ``names``."""
+    starts = tuple(name + b"=" for name in names)
+    if not any(start in props for start in starts):
+        return props
+    return b"".join(line + b"\n" for line in props.split(b"\n")[:-1]
+                    if not line.startswith(starts))
+
+
 def strip_write_terms(props: bytes) -> bytes:
     """``props`` without ``if-seq`` and ``reply`` (what the KVPUB of an applied
     conditional write carries: the condition is the writer's business)."""
-    if b"if-seq=" not in props and b"reply=" not in props:
-        return props
-    kept = [line for line in props.split(b"\n")[:-1]
-            if not line.startswith((b"if-seq=", b"reply="))]
-    return b"".join(line + b"\n" for line in kept)
+    return drop_props(props, (b"if-seq", b"reply"))
 
 
 class Kvreply(NamedTuple):
