@@ -95,6 +95,11 @@ SCENARIOS = {
         "compare-and-set writes vs plain wait=True writes, same run: writes/s, p50/p99 "
         "ack latency, and one contended counter", {"smoke": "~15 s", "quick": "~40 s",
                                                     "full": "~1.5 min"}),
+    "cluster": Scenario(
+        "bench.cluster", "cluster",
+        "supervisor start of a durable, replicated config, then load with a harness sized "
+        "from the cores the servers leave: flat out and at 25% of that",
+        {"smoke": "~15 s", "quick": "~25 s", "full": "~1 min"}),
     "report": Scenario("bench.report", None,
                        "Markdown report + PNG plots from the latest records",
                        {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),
@@ -104,7 +109,8 @@ ALL_DURATION = {"smoke": "~2.5 min", "quick": "~8.5 min", "full": "~25 min"}
 ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failover", "handoff",
          "durability", "curve", "slow_subscriber", "relays", "hot_path"]
 """What ``all`` runs, in this order, then ``report`` (``failover_supervised`` runs alone:
-it starts a whole 8-server cluster; ``conditional`` too: it measures the client API)."""
+it starts a whole 8-server cluster; ``conditional`` too: it measures the client API;
+``cluster`` belongs to the 16core profile, sized for a many-core host)."""
 
 ONLY_ORDER = [*ORDER, *(n for n in SCENARIOS if n not in ORDER and n != "report"),
               "report"]
@@ -114,7 +120,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
     "smoke": {
         "single": ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "1", "--keys", "2000",
                    "--retries", "0"],
-        "scaleout": ["--shards", "1,2", "--seconds", "0.3", "--warmup", "0.1", "--rounds", "1"],
+        "scaleout": ["--shards", "1,2", "--seconds", "0.3", "--warmup", "0.1", "--rounds", "1",
+                     "--harness", "auto"],
         "latency": ["--fractions", "0.5", "--seconds", "0.3", "--warmup", "0.1",
                     "--max-seconds", "0.5", "--rounds", "1"],
         "load": ["--start-shards", "2", "--writers", "2", "--rate", "1000",
@@ -127,17 +134,19 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "failover": ["--kills", "2", "--rate", "200", "--steady-s", "0.3",
                      "--ceiling-s", "0.3"],
         "failover_supervised": ["--kills", "1"],
+        "cluster": ["--config", "configs/2shard.yaml", "--seconds", "0.5", "--warmup",
+                    "0.2", "--rounds", "1"],
         "conditional": ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "1",
                         "--writers", "2"],
-        "handoff": ["--modes", "inline,thread", "--work", "cpu", "--rate", "300",
-                    "--seconds", "0.5"],
+        "handoff": ["--modes", "inline,thread,workers", "--workers", "1,2", "--work", "cpu",
+                    "--rate", "300", "--seconds", "0.5"],
         "durability": ["--seconds", "0.3", "--warmup", "0.1", "--rounds", "1", "--keys",
                        "2000", "--rate", "1000", "--recovery-keys", "5000"],
         "curve": ["--seconds", "0.3", "--warmup", "0.1", "--rounds", "1", "--keys", "2000",
                   "--snapshot-keys", "2000"],
         "slow_subscriber": ["--writes", "3000", "--rounds", "1"],
         "relays": ["--subscribers", "20", "--clients", "10", "--keys", "2000", "--rounds",
-                   "1", "--seconds", "0.3", "--warmup", "0.1"],
+                   "1", "--seconds", "0.3", "--warmup", "0.1", "--processes", "2"],
         "hot_path": ["--seconds", "0.3", "--warmup", "0.1", "--rounds", "1", "--keys", "2000",
                      "--rate", "5000"],
         "report": [],
@@ -155,6 +164,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
                    "--seconds", "3", "--warmup", "0.5", "--ceiling-s", "1"],
         "failover": ["--kills", "3", "--rate", "500", "--steady-s", "1", "--ceiling-s", "1"],
         "failover_supervised": ["--kills", "3"],
+        "cluster": ["--config", "configs/2shard.yaml", "--seconds", "2", "--warmup", "0.5",
+                    "--rounds", "2"],
         "conditional": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
         "handoff": ["--rate", "40000", "--seconds", "2"],
         "durability": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2",
@@ -181,6 +192,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
                    "--seconds", "5", "--warmup", "1", "--rounds", "2", "--ceiling-s", "3"],
         "failover": ["--kills", "10", "--rate", "500", "--steady-s", "2", "--ceiling-s", "3"],
         "failover_supervised": ["--kills", "5"],
+        "cluster": ["--config", "configs/2shard.yaml", "--seconds", "4", "--warmup", "1",
+                    "--rounds", "3"],
         "conditional": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],
         "handoff": ["--rate", "40000", "--seconds", "3"],
         "durability": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],
@@ -191,7 +204,24 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "hot_path": ["--seconds", "3", "--warmup", "1", "--rounds", "3"],
         "report": [],
     },
+    # A many-core host (16 cores): python -m bench all --profile 16core. Every scenario
+    # sizes its harness from the cores (plans printed first); ~6 min in all.
+    "16core": {
+        "scaleout": ["--shards", "1,2,4,6", "--seconds", "3", "--warmup", "1", "--rounds",
+                     "1", "--pin", "--harness", "auto"],
+        "cluster": ["--config", "configs/16core-cluster.yaml", "--seconds", "3", "--warmup",
+                    "1", "--rounds", "2", "--rates-of-max", "0.25,0.5"],
+        "relays": ["--parts", "fanout", "--subscribers", "1000", "--relays", "4", "--rate",
+                   "1000", "--seconds", "3", "--warmup", "1", "--rounds", "1"],
+        "failover": ["--kills", "3", "--rate", "500", "--steady-s", "1", "--ceiling-s", "1"],
+        "handoff": ["--modes", "inline,thread,workers", "--work", "cpu", "--work-us", "50",
+                    "--workers", "1,2,4,8", "--rate", "100000", "--seconds", "1"],
+        "report": [],
+    },
 }
+PROFILE_ORDER = {"16core": ["scaleout", "cluster", "relays", "failover", "handoff",
+                            "report"]}
+"""Profiles that run their own list (the others run ``ORDER``)."""
 
 
 def _epilog() -> str:
@@ -230,6 +260,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     size.add_argument("--full", action="store_true",
                       help="the full sizes: the figures the committed report quotes")
     size.add_argument("--smoke", action="store_true", help="tiny sizes (seconds each)")
+    size.add_argument("--profile", choices=sorted(PROFILES),
+                      help="a named profile: smoke, quick (the default), full, or 16core "
+                           "(a many-core host: scale-out to 6 shards, the supervised "
+                           "cluster flat out and at 25%%/50%%, 1,000 subscribers direct and "
+                           "through relays, failover, worker hand-off; ~6 min)")
     ap.add_argument("--only", action="append", metavar="NAME",
                     choices=[*SCENARIOS, *ALIASES],
                     help=f"run only this scenario (repeatable): {', '.join(ONLY_ORDER)} "
@@ -250,11 +285,19 @@ def _status(result) -> int:
 
 def parse_all(argv: list[str], prog: str) -> argparse.Namespace:
     args = build_parser(prog).parse_args(argv)
-    args.profile = "full" if args.full else "smoke" if args.smoke else "quick"
+    if args.full:
+        args.profile = "full"
+    elif args.smoke:
+        args.profile = "smoke"
+    args.profile = args.profile or "quick"
     if args.results_dir is None:
-        args.results_dir = str(rec.SCRATCH_DIR if args.smoke else rec.RESULTS_DIR)
+        args.results_dir = str(rec.SCRATCH_DIR if args.profile == "smoke"
+                               else rec.PROFILE_DIRS.get(args.profile, rec.RESULTS_DIR))
     args.names = ([ALIASES.get(n, n) for n in args.only] if args.only
-                  else [*ORDER, "report"])
+                  else PROFILE_ORDER.get(args.profile, [*ORDER, "report"]))
+    missing = [n for n in args.names if n not in PROFILES[args.profile]]
+    if missing:
+        build_parser(prog).error(f"profile {args.profile} has no sizes for {missing}")
     return args
 
 
@@ -286,7 +329,7 @@ def run_all(args: argparse.Namespace) -> int:
             rec.log(f"bench all: {name} {status}")
         failed += status != "ok"
         rows.append([name, SCENARIOS[name].module, status, round(time.monotonic() - t0, 1),
-                     SCENARIOS[name].duration[args.profile]])
+                     SCENARIOS[name].duration.get(args.profile, "-")])
     rec.print_table(f"python -m bench all ({args.profile}): "
                     f"{time.monotonic() - t_all:.0f} s in all",
                     ["scenario", "module", "status", "seconds", "expected"], rows,

@@ -27,11 +27,13 @@ The harness it runs on (``Offer``, ``Targets``, ``run_offer``) is ``bench.harnes
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
+import statistics
+from dataclasses import asdict, replace
 
 from bench.harness import record as rec
-from bench.harness.offer import (Offer, Targets, add_offer_args, brief, check_offer_args,
-                                 offer_from, run_offer)
+from bench.harness.offer import (HarnessPlan, Offer, Targets, add_offer_args, brief,
+                                 check_offer_args, harness_plan, offer_from, run_offer,
+                                 usable_cores)
 from bench.harness.procs import bench_main
 
 NAME = "load"
@@ -60,9 +62,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="open loop: updates/s offered PER WRITER (0: flat out)")
     ap.add_argument("--mode", choices=("flow", "drop"), default="flow",
                     help="flat out: flow (a full pipe blocks the writer) or drop (counts)")
+    ap.add_argument("--split", action="store_true",
+                    help="the subscribers split the shards between them (shard i to "
+                         "subscriber i mod N) instead of each reading every shard")
+    ap.add_argument("--harness", choices=("fixed", "auto"), default="fixed",
+                    help="auto: writers and subscribers sized from the harness cores "
+                         "(--cores, or the usable cores no server of --config is pinned "
+                         "to), subscribers split the shards; the plan is printed first")
+    ap.add_argument("--rates-of-max", default="",
+                    help="after the flat-out rounds, one round at each of these fractions "
+                         "of their median received rate (open loop, spread over the "
+                         "writers), e.g. 0.25,0.5")
     add_offer_args(ap)
     args = ap.parse_args(argv)
     check_offer_args(ap, args)
+    try:
+        args.fractions = [float(x) for x in args.rates_of_max.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--rates-of-max: comma-separated fractions, got {args.rates_of_max!r}")
+    if any(not 0 < f <= 1 for f in args.fractions):
+        ap.error("--rates-of-max: each fraction in (0, 1]")
+    if args.fractions and args.rate:
+        ap.error("--rates-of-max measures the maximum flat out first: leave --rate out")
     if args.subscribers < 1 or args.rate < 0:
         ap.error("--subscribers must be >= 1 and --rate >= 0")
     if args.start_shards is not None and not 1 <= args.start_shards <= 64:
@@ -86,6 +107,9 @@ def _cluster_from(ap: argparse.ArgumentParser, path: str) -> dict:
     try:
         plan = load_plan(path)
         return {"hosts": [sh.primary.address for sh in plan.shards],
+                "server_cores": sorted({c for sh in plan.shards
+                                        for srv in (sh.primary, sh.backup)
+                                        for c in srv.cores}),
                 "ports": [sh.primary.port for sh in plan.shards],
                 "pins": sorted(plan.routing.pins().items()),
                 "shards": [sh.name for sh in plan.shards], "planned_here": True}
@@ -104,27 +128,58 @@ def _cluster_from(ap: argparse.ArgumentParser, path: str) -> dict:
             "shards": [sh.name for sh in cfg.shards], "planned_here": False}
 
 
-def _targets(args: argparse.Namespace, offer: Offer) -> Targets:
+def _targets(args: argparse.Namespace, offer: Offer, server_pids=()) -> Targets:
     if args.start_shards:
         return Targets("server", args.start_shards, offer=offer)
     if args.cluster:
         c = args.cluster
         return Targets("external", offer=offer, ports=c["ports"], hosts=c["hosts"],
-                       pins=tuple(tuple(p) for p in c["pins"]))
-    return Targets("external", offer=offer, ports=[args.port], hosts=[args.host])
+                       pins=tuple(tuple(p) for p in c["pins"]), pids=server_pids)
+    return Targets("external", offer=offer, ports=[args.port], hosts=[args.host],
+                   pids=server_pids)
 
 
-def run(args: argparse.Namespace) -> rec.Record:
+def auto_plan(args: argparse.Namespace) -> HarnessPlan:
+    """The harness for ``--harness auto``: servers started here get cores first; a
+    running cluster's servers keep theirs, and the harness takes ``--cores`` or every
+    usable core that no server of the config is pinned to."""
+    if args.start_shards:
+        return harness_plan(args.start_shards, harness_cores=args.core_list)
+    shards = len(args.cluster["ports"]) if args.cluster else 1
+    spare = list(args.core_list)
+    if not spare:
+        taken = set((args.cluster or {}).get("server_cores", ()))
+        spare = [c for c in usable_cores() if c not in taken] or usable_cores()
+    return harness_plan(shards, harness_cores=spare)
+
+
+def run(args: argparse.Namespace, name: str = NAME, server_pids=()) -> rec.Record:
+    """``name``: the record's (``bench cluster`` saves its own); ``server_pids``: running
+    servers whose CPU the record counts as the targets'."""
     offer = offer_from(args, subscribers=args.subscribers, rate_per_s=args.rate,
-                       mode=args.mode)
+                       mode=args.mode, split=args.split)
+    plan = None
+    if args.harness == "auto":
+        plan = auto_plan(args)
+        offer = replace(offer, writers=plan.writers, subscribers=plan.subscribers,
+                        split=True, cores=tuple(plan.harness_cores))
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
     config["offer"] = asdict(offer)
     config["rate_meaning"] = "updates/s per writer (0: flat out)"
     command = rec.command_line(f"bench.{NAME}", {
-        k: v for k, v in vars(args).items() if k not in ("results_dir", "cluster", "core_list")})
-    record = rec.Record(NAME, command, config)
-    with rec.Progress(NAME, total=args.rounds) as progress, _targets(args, offer) as targets:
+        k: v for k, v in vars(args).items()
+        if k not in ("results_dir", "cluster", "core_list", "fractions")})
+    record = rec.Record(name, command, config)
+    if plan is not None:
+        config["plan"] = {"writers": plan.writers, "subscribers": plan.subscribers,
+                          "harness_cores": plan.harness_cores, "why": plan.why}
+    total = args.rounds + len(args.fractions)
+    with (rec.Progress(name, total=total) as progress,
+          _targets(args, offer, server_pids) as targets):
         config["targets"] = targets.describe()
+        if plan is not None:
+            for line in plan.lines("shard" if not args.start_shards else "server"):
+                progress.note(line)
         for r in range(args.rounds):
             progress.step(f"round {r + 1}/{args.rounds}: {targets.shards} shard(s), "
                           f"{offer.writers} writer(s) "
@@ -133,6 +188,19 @@ def run(args: argparse.Namespace) -> rec.Record:
             fig = run_offer(targets, warmup=args.warmup, seconds=args.seconds,
                             progress=progress, seed=1 + 100 * r)
             fig["round"] = r + 1
+            fig["phase"] = "rate" if offer.rate_per_s else "flat"
+            progress.note(brief(fig))
+            record.add_run(fig)
+        flat = [r["received_per_s"] for r in record.data["runs"]]
+        for j, frac in enumerate(args.fractions):
+            per_writer = round(frac * statistics.median(flat) / offer.writers, 1)
+            fixed = replace(offer, rate_per_s=per_writer)
+            progress.step(f"{frac:.0%} of the flat-out median: {per_writer:,.0f}/s x "
+                          f"{offer.writers} writer(s)")
+            fig = run_offer(targets, warmup=args.warmup, seconds=args.seconds,
+                            offer=fixed, progress=progress, seed=1000 + j)
+            fig.update(round=args.rounds + j + 1, phase="rate", fraction_of_max=frac,
+                       offered_per_s=round(per_writer * offer.writers, 1))
             progress.note(brief(fig))
             record.add_run(fig)
         progress.finish_step()
@@ -142,7 +210,8 @@ def run(args: argparse.Namespace) -> rec.Record:
 
 
 def summarize(record: rec.Record) -> None:
-    runs = record.data["runs"]
+    every = record.data["runs"]
+    runs = [r for r in every if "fraction_of_max" not in r]
     offer = record.data["config"]["offer"]
     lat = lambda p: rec.spread([r["latency_ms"][p] for r in runs if r["latency_ms"]], 3)  # noqa
     summary = {
@@ -157,9 +226,24 @@ def summarize(record: rec.Record) -> None:
             round(s["received_window"] / (r["window_s"] or 1e-9), 1)
             for r in runs[-1:] for s in r["per_source"]],
     }
+    summary["loss_targets"] = sum(r.get("loss_targets", r["loss_window"]) for r in every)
+    summary["loss_harness"] = sum(r.get("loss_harness", 0) for r in every)
+    summary["harness_max_pct"] = max((r.get("harness_max_pct", 0.0) for r in every),
+                                     default=0.0)
+    summary["at_fractions"] = [
+        {"fraction_of_max": r["fraction_of_max"], "offered_per_s": r["offered_per_s"],
+         "received_per_s": r["received_per_s"], "loss": r["loss_window"],
+         "latency_ms": r["latency_ms"], "harness_bound": r.get("harness_bound", "")}
+        for r in every if "fraction_of_max" in r]
     record.data["summary"] = summary
-    record.target("updates lost (all windows)", summary["loss_window"], 1, "updates",
-                  higher_is_better=False)
+    hot = "; ".join(r["harness_bound"] for r in every if r.get("harness_bound"))
+    record.target("updates lost by the servers (all windows)", summary["loss_targets"], 1,
+                  "updates", higher_is_better=False, harness_bound=hot)
+    for point in summary["at_fractions"]:
+        if point["fraction_of_max"] == 0.25 and point["latency_ms"]:
+            record.target("p99 at 25% of the flat-out rate", point["latency_ms"]["p99"],
+                          1.0, "ms", higher_is_better=False,
+                          harness_bound=point["harness_bound"])
     if offer["rate_per_s"]:
         offered = offer["rate_per_s"] * offer["writers"]
         summary["offered_per_s"] = offered
@@ -171,21 +255,28 @@ def report(record: rec.Record) -> None:
     rows = []
     for r in record.data["runs"]:
         lat = r["latency_ms"]
-        rows.append([r["round"], r["sent_per_s"], r["received_per_s"], r["loss_window"],
+        rows.append([r["round"] if "fraction_of_max" not in r
+                     else f"{r['fraction_of_max']:.0%} of max", r["sent_per_s"],
+                     r["received_per_s"], f"{r.get('loss_targets', r['loss_window'])} / "
+                     f"{r.get('loss_harness', 0)}",
                      r["writer_drops"], lat.get("p50", "-"), lat.get("p99", "-"),
                      lat.get("p99.9", "-"), lat.get("max", "-"), r["cpu_pct"]["targets"],
                      r["cpu_pct"]["writers"], r["cpu_pct"]["subscribers"],
                      r["cpu_pct"]["others"]])
     cfg = record.data["config"]
-    rec.table(record, f"{NAME}: {cfg['targets']['shards']} shard(s), {cfg['seconds']:g} s "
-                      f"windows", ["round", "sent/s", "received/s", "lost", "writer drops",
+    rec.table(record, f"{record.data['benchmark']}: {cfg['targets']['shards']} shard(s), {cfg['seconds']:g} s "
+                      f"windows", ["round", "sent/s", "received/s", "lost: servers / harness",
+                                   "writer drops",
                                    "p50 ms", "p99 ms", "p99.9 ms", "max ms", "targets cpu%",
                                    "writers cpu%", "subs cpu%", "others cpu%"], rows,
-              caption="received/s: per subscriber (the first); cpu%: of one core over the "
-                      "window; targets cpu% is 0 for servers this command did not start")
+              caption="received/s: per subscriber (the first), or the sum when the "
+                      "subscribers split the shards; lost: charged to the servers, or to "
+                      "the harness when the subscriber that missed updates was over 90% of "
+                      "a core; cpu%: of one core over the window; targets cpu% is 0 for "
+                      "servers this command did not start")
     per_shard = record.data["summary"]["per_shard_received_per_s"]
     if per_shard:
-        rec.table(record, f"{NAME}: received/s per shard (last round)",
+        rec.table(record, f"{record.data['benchmark']}: received/s per shard (last round)",
                   ["shard", "received/s"], [[i, v] for i, v in enumerate(per_shard)])
     rec.print_targets(record)
 

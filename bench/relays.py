@@ -39,12 +39,15 @@ import psutil
 import zmq
 
 from bench.harness import record as rec
-from bench.harness.procs import Target, bench_main, free_port_base
+from bench.harness.procs import Target, bench_main, cpu_seconds, free_port_base
 
 NAME = "relays"
 STAMP = struct.Struct(">Q")
 TARGET_SAVING = 10.0
 """The issue's target: failover transfers at least 10x less with resume or relays."""
+FANOUT_P99_MS = 20.0
+"""The 16-core target: 1,000 subscribers at 1,000 updates/s each, p99 under 20 ms
+directly and through relays."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,6 +66,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--value-bytes", type=int, default=100)
     ap.add_argument("--failover-writes", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--parts", default="fanout,failover",
+                    help="fanout and/or failover, comma-separated (memory per relay comes "
+                         "with failover)")
+    ap.add_argument("--processes", type=int, default=0,
+                    help="subscriber processes the fan-out's SUB sockets are spread over "
+                         "(0: one per core the servers, relays and writer leave, at most "
+                         "one per 10 subscribers), so the figure is the relay hop's, not "
+                         "one subscriber process's")
+    ap.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--warm", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
     ap.add_argument("--child", choices=("subscribe", "clients"), help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", default="", help=argparse.SUPPRESS)
@@ -72,7 +85,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if not args.child and (args.subscribers < 1 or args.relays < 1 or args.clients < 1):
         ap.error("--subscribers, --relays and --clients must be >= 1")
+    args.part_list = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not args.part_list or set(args.part_list) - {"fanout", "failover"}:
+        ap.error("--parts: fanout and/or failover")
+    if args.processes < 0:
+        ap.error("--processes must be >= 0")
     return args
+
+
+def subscriber_processes(subscribers: int, relays: int, requested: int = 0,
+                         cores: int | None = None) -> list[int]:
+    """How many SUB sockets each fan-out subscriber process holds: ``requested``
+    processes, or (0) one per core left after the pair, the relays and the writer, at
+    most one per 10 sockets and at least one; the sockets split as evenly as they go."""
+    if requested:
+        n = requested
+    else:
+        cores = cores or len(os.sched_getaffinity(0))
+        n = max(1, min(cores - (2 + relays + 1), subscribers // 10))
+    n = max(1, min(n, subscribers))
+    return [subscribers // n + (1 if i < subscribers % n else 0) for i in range(n)]
+
+
+def weighted_percentiles(parts: list[dict], points=(0.50, 0.99)) -> dict:
+    """Percentiles over every process's deliveries from each one's strided sample of its
+    sorted latencies (``sample_ns``) and its count: each sample stands for count/len
+    deliveries. ``max`` is exact (each process's own)."""
+    pairs = sorted((v, p["count"] / len(p["sample_ns"]))
+                   for p in parts if p["sample_ns"] for v in p["sample_ns"])
+    total = sum(w for _, w in pairs)
+    out: dict = {}
+    if not pairs:
+        return {f"p{round(q * 100)}_ms": None for q in points} | {"max_ms": None}
+    for q in points:
+        acc, goal = 0.0, q * total
+        for v, w in pairs:
+            acc += w
+            if acc >= goal:
+                break
+        out[f"p{round(q * 100)}_ms"] = round(v / 1e6, 3)
+    out["max_ms"] = round(max(p["max_ns"] for p in parts if p["sample_ns"]) / 1e6, 3)
+    return out
+
+
+SAMPLE = 20_000
+"""A fan-out subscriber process returns at most about this many of its latencies (an
+even stride through the sorted list) with their count, not millions of them."""
 
 
 # ===================================================================== processes
@@ -169,7 +227,7 @@ def child_subscribe(args) -> None:
         s.rcvhwm = 0
         s.subscribe(b"/fan/")
         s.subscribe(b"HUGZ")
-        s.connect(endpoints[i % len(endpoints)])
+        s.connect(endpoints[(args.first + i) % len(endpoints)])
         socks.append(s)
     poller = zmq.Poller()
     for s in socks:
@@ -191,14 +249,18 @@ def child_subscribe(args) -> None:
                 if frames[0] == b"HUGZ":
                     live.add(i)
                     continue
+                if counts[i] >= args.warm:    # this socket's warm-up is not timed
+                    lat.append(time.monotonic_ns() - STAMP.unpack_from(frames[4])[0])
                 counts[i] += 1
-                lat.append(time.monotonic_ns() - STAMP.unpack_from(frames[4])[0])
         if not ready and len(live) == len(socks):
             ready = True
             print("READY", flush=True)
         if ready and min(counts) >= args.expect:
             break
-    print(json.dumps({"counts": [min(counts), max(counts)], "latencies": lat}), flush=True)
+    lat.sort()
+    print(json.dumps({"counts": [min(counts), max(counts)], "count": len(lat),
+                      "sample_ns": lat[::max(1, len(lat) // SAMPLE)],
+                      "max_ns": lat[-1] if lat else 0}), flush=True)
 
 
 def child_clients(args) -> None:
@@ -255,27 +317,55 @@ def fanout(mode: str, args) -> dict:
             endpoints = [f"tcp://127.0.0.1:{p + 1}" for p in cluster.relay_ports]
         total = int(args.rate * (args.warmup + args.seconds))
         warm = int(args.rate * args.warmup)
-        sub = Target("subscribers", [sys.executable, "-m", "bench.relays", "--child",
-                                     "subscribe", "--subscribers", str(args.subscribers),
-                                     "--endpoints", ",".join(endpoints), "--expect",
-                                     str(total)], timeout_s=60)
-        cluster.targets.append(sub)
+        shares = subscriber_processes(args.subscribers, args.relays, args.processes)
+        firsts = [sum(shares[:j]) for j in range(len(shares))]
+        from concurrent.futures import ThreadPoolExecutor
+
+        def start(j: int) -> Target:
+            return Target(f"subscribers{j}", [
+                sys.executable, "-m", "bench.relays", "--child", "subscribe",
+                "--subscribers", str(shares[j]), "--first", str(firsts[j]),
+                "--endpoints", ",".join(endpoints), "--expect", str(total),
+                "--warm", str(warm)], timeout_s=60)
+
+        with ThreadPoolExecutor(len(shares)) as pool:
+            futures = [pool.submit(start, j) for j in range(len(shares))]
+        subs = []
+        for f in futures:       # every one is kept (and ended) even if another failed
+            if f.exception() is None:
+                subs.append(f.result())
+                cluster.targets.append(subs[-1])
+        for f in futures:
+            if f.exception() is not None:
+                raise f.exception()
         writer = Writer(ctx, cluster)
         pad = b"x" * max(0, args.value_bytes - 8)
+        who = {"server": [cluster.p.pid], "relays": [r.pid for r in cluster.relays],
+               "subscribers": [s.pid for s in subs]}
+        cpu0 = cpu_seconds([p for pids in who.values() for p in pids])
         t0 = time.monotonic()
         for i in range(total):
             due = t0 + i / args.rate
             while (now := time.monotonic()) < due:
                 time.sleep(min(0.002, due - now))
             writer.send(b"/fan/%d" % i, STAMP.pack(int(due * 1e9)) + pad)
-        line = sub._stdout.wait_for(lambda text: text.startswith("{"), 90)
-        result = json.loads(line)
-        lat = sorted(result["latencies"][warm * args.subscribers:])
-        q = lambda p: round(lat[min(len(lat) - 1, int(p * len(lat)))] / 1e6, 3) if lat else None  # noqa: E731
+        parts = [json.loads(sub._stdout.wait_for(lambda text: text.startswith("{"), 90))
+                 for sub in subs]
+        took = time.monotonic() - t0
+        cpu1 = cpu_seconds([p for pids in who.values() for p in pids])
+        least = min(p["counts"][0] for p in parts)
+        pct = {role: [round(100 * (cpu1.get(p, 0.0) - cpu0.get(p, 0.0)) / took, 1)
+                      for p in pids] for role, pids in who.items()}
+        pct["server_threads"] = sorted(
+            (round(100 * (t1 - cpu0["threads"].get(tid, 0.0)) / took, 1)
+             for tid, t1 in cpu1["threads"].items()), reverse=True)[:3]
+        hot = [f"subscriber process {i} at {v:.0f}% of a core"
+               for i, v in enumerate(pct["subscribers"]) if v > rec.HARNESS_BOUND_PCT]
         return {"part": "fanout", "mode": mode, "subscribers": args.subscribers,
-                "updates": total, "min_received": result["counts"][0],
-                "every_update": result["counts"][0] >= total,
-                "p50_ms": q(0.50), "p99_ms": q(0.99), "max_ms": q(1.0) if lat else None}
+                "rate": args.rate, "processes": len(shares), "updates": total,
+                "min_received": least, "every_update": least >= total,
+                **weighted_percentiles(parts), "cpu_pct": pct,
+                "harness_bound": "; ".join(hot)}
     finally:
         ctx.destroy(linger=0)
         cluster.close()
@@ -351,18 +441,27 @@ def _after_failover(cluster, clients, before, served, entry: int, args) -> dict:
 
 def run(args: argparse.Namespace) -> rec.Record:
     config = {k: v for k, v in vars(args).items()
-              if k not in ("results_dir", "child", "endpoints", "expect", "via", "resume")}
+              if k not in ("results_dir", "child", "endpoints", "expect", "via", "resume",
+                           "first", "warm", "part_list")}
     record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", config), config)
     modes = ("direct_no_resume", "direct_resume", "relays")
-    with rec.Progress(NAME, total=args.rounds * 5) as progress:
+    steps = args.rounds * (2 * ("fanout" in args.part_list)
+                           + 3 * ("failover" in args.part_list))
+    with rec.Progress(NAME, total=steps) as progress:
+        if "fanout" in args.part_list:
+            shares = subscriber_processes(args.subscribers, args.relays, args.processes)
+            progress.note(f"plan: {args.subscribers} SUB sockets over {len(shares)} "
+                          f"subscriber process(es) of {min(shares)}-{max(shares)}, on "
+                          f"{len(os.sched_getaffinity(0))} usable cores; the pair, "
+                          f"{args.relays} relays (relays mode) and the writer beside them")
         for r in range(args.rounds):
-            for mode in ("direct", "relays"):
+            for mode in ("direct", "relays") if "fanout" in args.part_list else ():
                 progress.step(f"round {r + 1}: fan-out {mode}")
                 run_ = {"round": r + 1, **fanout(mode, args)}
                 progress.note(f"fan-out {mode}: p50 {run_['p50_ms']} ms, p99 "
                               f"{run_['p99_ms']} ms, every update {run_['every_update']}")
                 record.add_run(run_)
-            for mode in modes:
+            for mode in modes if "failover" in args.part_list else ():
                 progress.step(f"round {r + 1}: failover {mode}")
                 run_ = {"round": r + 1, **failover(mode, args)}
                 progress.note(f"failover {mode}: {run_['bytes'] / 1e6:.2f} MB served")
@@ -402,19 +501,33 @@ def summarize(record: rec.Record) -> None:
         if saving[m]:
             record.target(f"failover bytes: direct without resume / with {label} (worst round)",
                           min(saving[m]), TARGET_SAVING, "x")
-    record.target("fan-out: every update reached every subscriber",
-                  1.0 if summary["fanout_every_update"] else 0.0, 1.0, "yes")
+    if fan["direct"] or fan["relays"]:
+        record.target("fan-out: every update reached every subscriber",
+                      1.0 if summary["fanout_every_update"] else 0.0, 1.0, "yes")
+    for m, rs in fan.items():
+        if rs and all(r["p99_ms"] is not None for r in rs):
+            record.target(f"fan-out p99, {m} (worst round)", max(r["p99_ms"] for r in rs),
+                          FANOUT_P99_MS, "ms", higher_is_better=False,
+                          harness_bound="; ".join(r["harness_bound"] for r in rs
+                                                  if r.get("harness_bound")))
 
 
 def report(record: rec.Record) -> None:
     runs = record.data["runs"]
-    rec.table(record, f"{NAME}: fan-out, {record.data['config']['subscribers']} subscribers",
-              ["round", "mode", "updates", "min received", "p50 ms", "p99 ms", "max ms"],
+    busiest = lambda r, role: max(r.get("cpu_pct", {}).get(role) or [0])  # noqa: E731
+    rec.table(record, f"{NAME}: fan-out, {record.data['config']['subscribers']} subscribers "
+                      f"at {record.data['config']['rate']:g} updates/s",
+              ["round", "mode", "updates", "min received", "p50 ms", "p99 ms", "max ms",
+               "server cpu%", "busiest relay cpu%", "busiest subscriber process cpu%"],
               [[r["round"], r["mode"], r["updates"], r["min_received"], r["p50_ms"],
-                r["p99_ms"], r["max_ms"]] for r in runs if r["part"] == "fanout"],
+                r["p99_ms"], r["max_ms"], busiest(r, "server"), busiest(r, "relays"),
+                busiest(r, "subscribers")] for r in runs if r["part"] == "fanout"],
               caption="relay hop added (relays - direct), per round: p50 "
                       f"{record.data['summary']['relay_hop_added_p50_ms_per_round']} ms, p99 "
                       f"{record.data['summary']['relay_hop_added_p99_ms_per_round']} ms")
+    if not any(r["part"] == "failover" for r in runs):
+        rec.print_targets(record)
+        return
     rec.table(record, f"{NAME}: one failover, {record.data['config']['clients']} clients, "
                       f"{record.data['config']['keys']:,} keys",
               ["round", "mode", "shard KVSYNC", "shard resume", "relay KVSYNC",

@@ -36,6 +36,8 @@ SCENARIOS = [
     ("failover_supervised", "Failover under the supervisor (restart as passive)",
      "python -m bench failover_supervised"),
     ("load", "Load generator", "python -m bench load"),
+    ("cluster", "The supervised cluster flat out and at fixed shares of it",
+     "python -m bench cluster"),
     ("handoff", "Callback hand-off", "python -m bench handoff"),
     ("durability", "Durability: fsync policies, compaction, recovery, storage choice",
      "python -m bench durability"),
@@ -462,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         except Unreadable as exc:
             rec.log(f"report: warning: {exc}")
             records[name] = exc
+    sizes = sorted(results_dir.glob("relays-*x*.json"))   # fan-out at other sizes
+    if sizes and isinstance(records.get("relays"), dict):
+        import json
+
+        records["relays"] = dict(records["relays"], _sizes=[
+            json.loads(p.read_text()) for p in sizes])
     from bench import report_plots
 
     plots = report_plots.draw_all({k: v for k, v in records.items() if isinstance(v, dict)},

@@ -74,6 +74,18 @@ def scaleout(plt, data: dict, path: Path) -> bool:
     pubsub = median(get(data, "summary", "ceilings", "pubsub", "received_per_s"))
     if pubsub:
         ax1.axhline(pubsub, color="grey", ls="--", label="bare PUB->SUB ceiling")
+    # the host's cores: past cores/2 shards, servers and harness share cores
+    cores = get(data, "host", "cores_usable", default=None) or get(
+        data, "host", "cores_logical", default=None)
+    if isinstance(cores, int) and counts:
+        fit = cores / 2
+        if fit <= counts[-1]:
+            ax1.axvline(fit, color="red", ls="-.", lw=1,
+                        label=f"{cores} cores: a core per server and one per shard of harness")
+        else:
+            ax1.text(0.98, 0.03, f"host: {cores} cores\n(a core per server and per "
+                     f"shard of harness\nup to {fit:g} shards)", transform=ax1.transAxes,
+                     fontsize=8, va="bottom", ha="right")
     ax1.set(xlabel="shards", ylabel="aggregate updates/s", xticks=counts or [1, 2, 4],
             title="aggregate throughput")
     ax2.set(xlabel="shards", ylabel="updates/s per busy core", xticks=counts or [1, 2, 4],
@@ -209,7 +221,8 @@ def _save(plt, fig, path: Path) -> bool:
 def relays(plt, data: dict, path: Path) -> bool:
     """Bytes served by the shard and by the relays for one failover, per mode (log)."""
     runs = [r for r in data.get("runs") or [] if r.get("part") == "failover"]
-    if not runs:
+    fan = [r for r in data.get("runs") or [] if r.get("part") == "fanout"]
+    if not runs and not fan:
         return False
     modes = ["direct_no_resume", "direct_resume", "relays"]
     labels = ["direct,\nno resume", "direct,\nresume", "through\nrelays"]
@@ -222,15 +235,19 @@ def relays(plt, data: dict, path: Path) -> bool:
             ys.append(statistics.median(per) if per else 0)
         ax1.bar([i + dx for i in range(len(modes))], ys, width=0.4, color=color,
                 label=f"served by the {side}")
-    ax1.set_yscale("log")
-    ax1.set_ylim(bottom=0.5)  # a mode with none served shows no bar
+    if runs:
+        ax1.set_yscale("log")
+        ax1.set_ylim(bottom=0.5)  # a mode with none served shows no bar
     ax1.set_xticks(range(len(modes)), labels)
     ax1.set_ylabel("KVSYNCs and resumed updates (median over rounds)")
     cfg = data.get("config") or {}
     ax1.set_title(_title(f"one failover, {cfg.get('clients')} clients, "
                          f"{cfg.get('keys'):,} keys", data))
     ax1.legend()
-    fan = [r for r in data.get("runs") or [] if r.get("part") == "fanout"]
+    if not runs and data.get("_sizes"):   # fan-out only, at several sizes: latency by size
+        fanout_sizes(ax1, [data, *data["_sizes"]], data)
+    elif not runs:   # a fan-out-only run (--parts fanout)
+        ax1.set_visible(False)
     for i, (m, color) in enumerate((("direct", "C0"), ("relays", "C1"))):
         mine = [r for r in fan if r.get("mode") == m]
         for j, q in enumerate(("p50_ms", "p99_ms")):
@@ -244,6 +261,32 @@ def relays(plt, data: dict, path: Path) -> bool:
                          "through relays", data))
     ax2.legend()
     return _save(plt, fig, path)
+
+
+def fanout_sizes(ax, records: list[dict], data: dict) -> None:
+    """p50 and p99 of the fan-out against deliveries per second (subscribers x rate),
+    direct and through relays, one point per record; the 20 ms target marked."""
+    ax.clear()
+    for mode, color in (("direct", "C0"), ("relays", "C1")):
+        pts = sorted((r["subscribers"] * r.get("rate", get(rec, "config", "rate")), r, rec)
+                     for rec in records for r in rec.get("runs") or []
+                     if r.get("part") == "fanout" and r.get("mode") == mode)
+        if not pts:
+            continue
+        xs = [x for x, _, _ in pts]
+        for q, style in (("p50_ms", "--"), ("p99_ms", "-")):
+            ax.plot(xs, [r[q] for _, r, _ in pts], style, marker="o", color=color,
+                    label=f"{mode} {q[:3]}")
+        for x, r, rec in pts:
+            if mode == "relays":
+                ax.annotate(f"{r['subscribers']} x {r.get('rate', 0):g}/s", (x, r["p99_ms"]),
+                            textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.axhline(20.0, color="red", ls=":", label="target p99 20 ms")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set(xlabel="deliveries/s (subscribers x updates/s)", ylabel="ms from the intended "
+           "send time", title=_title("fan-out latency by size", data))
+    ax.legend(fontsize=7)
 
 
 DRAW = {"scaleout": scaleout, "latency": latency, "snapshot": snapshot, "fanout": fanout,

@@ -12,8 +12,8 @@ import multiprocessing as mp
 import time
 from dataclasses import asdict, dataclass, field
 
-from bench.harness.traffic import (FLUSH_S, READY_DEADLINE_S, SubscriberConfig, Window, WriterConfig,
-                           subscriber_main, writer_main)
+from bench.harness.traffic import (FLUSH_S, READY_DEADLINE_S, SubscriberConfig, Window,
+                                   WriterConfig, percentiles_ms, subscriber_main, writer_main)
 
 
 @dataclass
@@ -21,12 +21,14 @@ class LoadResult:
     writers: list[dict] = field(default_factory=list)
     subscribers: list[dict] = field(default_factory=list)
 
-    def figures(self) -> dict:
+    def figures(self, split: bool = False) -> dict:
         """Totals and per-second rates over the measured window: the first subscriber's
-        figures, and every subscriber's received rate in ``received_per_s_each``."""
+        figures (``split``: the subscribers read disjoint shards, so their sum, and the
+        latency percentiles of all their samples together), and every subscriber's
+        received rate in ``received_per_s_each``."""
         w_window = sum(w["window_s"] for w in self.writers) / max(1, len(self.writers))
         sent_w = sum(w["sent_window"] for w in self.writers)
-        sub = self.subscribers[0]
+        sub = merged(self.subscribers) if split else self.subscribers[0]
         win = sub["window_s"] or 1e-9
         return {
             "window_s": round(win, 4),
@@ -49,6 +51,28 @@ class LoadResult:
                                                "sequenced_window", "gaps_window")}
                            for x in sub["per_source"]],
         }
+
+
+def merged(subscribers: list[dict]) -> dict:
+    """One subscriber's figures from several that read disjoint shards: counts summed,
+    the window their mean, latency from all samples, every shard in ``per_source``."""
+    if len(subscribers) == 1:
+        return subscribers[0]
+    out = dict(subscribers[0])
+    for name in ("received_total", "gaps_total", "received_window", "sequenced_window",
+                 "gaps_window", "sequenced_total", "malformed", "latency_samples"):
+        out[name] = sum(s.get(name, 0) for s in subscribers)
+    out["window_s"] = sum(s["window_s"] for s in subscribers) / len(subscribers)
+    samples = sorted(x for s in subscribers for x in s.get("latency_ns", ()))
+    out["latency_ms"] = percentiles_ms(samples)
+    out["per_source"] = [src for s in subscribers
+                         for src in (s["per_source"] or [_one_source(s)])]
+    return out
+
+
+def _one_source(sub: dict) -> dict:
+    return {"endpoint": (sub.get("endpoints") or [""])[0], "received_window": sub["received_window"],
+            "sequenced_window": sub["sequenced_window"], "gaps_window": sub["gaps_window"]}
 
 
 class LoadRun:

@@ -40,6 +40,8 @@ class Offer:
     flush_s: float = 1.0           # writer: flush its queue at most this long at exit
     tick_s: float = RATE_TICK_S    # fixed rate: a writer's shortest sleep between bursts
     keys_dir: str = ""             # CURVE: writers and subscribers present the client key
+    split: bool = False            # subscribers split the shards (each reads its own share)
+                                   # instead of each reading every shard
 
     @property
     def writer_mode(self) -> str:
@@ -65,6 +67,87 @@ def core_plan(targets: int, harness: int, cores: list[int] | None = None,
     target_cores = [cores[i % len(cores)] for i in range(targets)]
     rest = [c for c in cores if c not in target_cores] or cores
     return target_cores, [rest[i % len(rest)] for i in range(harness)]
+
+
+def subscriber_shares(publishers: list[str], subscribers: int, split: bool
+                      ) -> list[tuple[str, ...]]:
+    """The publishers each subscriber process reads. Not split: every one reads all of
+    them (a fan-out). Split: shard i goes to subscriber i mod n, as an application's
+    processes each follow their own subtree; n is capped at the shard count (a subscriber
+    with nothing to read would only idle)."""
+    pubs = tuple(publishers)
+    if not split:
+        return [pubs] * subscribers
+    n = max(1, min(subscribers, len(pubs)))
+    return [pubs[j::n] for j in range(n)]
+
+
+@dataclass(frozen=True)
+class HarnessPlan:
+    """How many load processes a run gets and where every process runs."""
+
+    writers: int
+    subscribers: int
+    target_cores: list[int]
+    harness_cores: list[int]
+    why: str
+
+    def lines(self, kind: str = "server") -> list[str]:
+        """The plan as it is printed before a run: which process on which core."""
+        out = [f"plan: {len(self.target_cores)} {kind} process(es), {self.writers} "
+               f"writer(s), {self.subscribers} subscriber(s): {self.why}"]
+        for i, c in enumerate(self.target_cores):
+            out.append(f"  {kind}-{i:<3} core {c}")
+        for i in range(self.writers):
+            out.append(f"  writer-{i:<3} core {self.harness_cores[i]}")
+        for j in range(self.subscribers):
+            out.append(f"  subscr-{j:<3} core {self.harness_cores[self.writers + j]}")
+        return out
+
+
+WRITER_PER_SUBSCRIBER = 1.5
+"""Cores of writers per core of subscribers when the harness cores are shared between
+them: a flat-out writer process sends about 0.3M updates/s (traffic.py's batches), one
+subscriber process reads about 0.9M/s (one core, measured on a 16-core host), so a
+harness that keeps up needs more writers than subscribers."""
+
+
+def harness_plan(targets: int, cores: list[int] | None = None, *,
+                 harness_cores: list[int] | tuple[int, ...] = (), writers: int = 0,
+                 subscribers: int = 0, split: bool = True) -> HarnessPlan:
+    """Size the load to the cores at hand: ``targets`` processes get a core each first
+    (round robin if there are fewer), the harness the cores left (or ``harness_cores``).
+    ``writers``/``subscribers`` 0 mean "as many as fit": writers scale with the targets
+    (at most one per target), subscribers with the shards they split (at most one per
+    target when ``split``), and never more harness processes than harness cores, so no
+    two load processes share a core where the host has enough of them."""
+    cores = list(cores or usable_cores())
+    if harness_cores:
+        spare = list(harness_cores)
+        rest = [c for c in cores if c not in spare] or cores
+        tcores = [rest[i % len(rest)] for i in range(targets)]
+    else:
+        tcores = [cores[i % len(cores)] for i in range(targets)]
+        spare = [c for c in cores if c not in tcores]
+    why = f"{len(cores)} usable cores, {targets} target(s)"
+    if not spare:   # a small host: the harness shares the targets' cores
+        spare = cores
+        why += ", no core left for the harness (it shares theirs)"
+    else:
+        why += f", {len(spare)} harness core(s)"
+    cap = max(1, targets)
+    w, s = writers, subscribers
+    if not w and not s:
+        s = max(1, min(cap if split else 1, round(len(spare) / (1 + WRITER_PER_SUBSCRIBER))))
+        w = max(1, min(cap, len(spare) - s))
+    elif not w:
+        w = max(1, min(cap, len(spare) - s))
+    elif not s:
+        s = max(1, min(cap if split else 1, len(spare) - w))
+    if w + s > len(spare) and spare is not cores:
+        why += f" (the {w + s} load processes share them)"
+    hcores = [spare[i % len(spare)] for i in range(w + s)]
+    return HarnessPlan(w, s, tcores, hcores, why)
 
 
 def parse_core_list(text: str) -> tuple[int, ...]:
@@ -94,11 +177,12 @@ class Targets:
 
     def __init__(self, kind: str, shards: int = 1, *, offer: Offer, host: str = "127.0.0.1",
                  ports: list[int] | None = None, hosts: list[str] | None = None,
-                 pins: tuple = (), extra: tuple = ()):
+                 pins: tuple = (), extra: tuple = (), pids: tuple = ()):
         if kind not in (*KINDS, "external"):
             raise ValueError(f"unknown target kind {kind!r}")
         self.kind, self.shards, self.offer, self.host = kind, shards, offer, host
         self.pins = tuple(pins)
+        self.external_pids = list(pids)    # running servers whose CPU counts as ours
         self.procs: list[Target] = []
         self.extra = tuple(extra)
         self.ports = list(ports or [])
@@ -169,7 +253,7 @@ class Targets:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        return [p.pid for p in self.procs] + self.external_pids
 
     def check_alive(self) -> None:
         for proc in self.procs:
@@ -206,11 +290,13 @@ class Targets:
                 ttl_fraction=o.ttl_fraction, ttl_s=o.ttl_s, seed=seed + i, writer_id=i,
                 core=cores[i], seq_stamp=self.kind == "pubsub", bind=self.kind == "pubsub",
                 flush_s=o.flush_s, tick_s=o.tick_s, keys_dir=o.keys_dir))
-        pubs = tuple(self.publishers())
-        subs = [SubscriberConfig(endpoint=pubs[0], endpoints=pubs if len(pubs) > 1 else (),
-                                 latency_every=o.latency_every, drain_s=o.drain_s,
-                                 core=cores[o.writers + j], keys_dir=o.keys_dir)
-                for j in range(1 if self.kind == "pubsub" else o.subscribers)]
+        n_subs = 1 if self.kind == "pubsub" else o.subscribers
+        subs = []
+        for j, mine in enumerate(subscriber_shares(self.publishers(), n_subs, o.split)):
+            subs.append(SubscriberConfig(endpoint=mine[0], endpoints=mine if len(mine) > 1
+                                         else (), latency_every=o.latency_every,
+                                         drain_s=o.drain_s, core=cores[o.writers + j],
+                                         keys_dir=o.keys_dir))
         return writers, subs
 
     def describe(self) -> dict:
@@ -240,8 +326,10 @@ def run_offer(targets: Targets, *, warmup: float, seconds: float, offer: Offer |
         cpu1 = cpu_seconds(all_pids)
         result = load.collect(window)
         targets.check_alive()
-    figures = result.figures()
+    figures = result.figures(split=(offer or targets.offer).split)
     figures["cpu_pct"] = cpu_pct_by_group(groups, cpu0, cpu1, window.seconds)
+    figures.update(charge(groups, cpu0, cpu1, window.seconds,
+                          [s["gaps_window"] for s in result.subscribers]))
     figures["cpu_cores"] = round(figures["cpu_pct"]["ours"] / 100, 3)
     figures["writer_drops"] = sum(w["dropped_window"] for w in result.writers)
     figures["target"] = targets.kind
@@ -249,6 +337,28 @@ def run_offer(targets: Targets, *, warmup: float, seconds: float, offer: Offer |
     figures["writers"] = result.writers
     figures["subscribers"] = result.subscribers
     return figures
+
+
+def charge(groups: dict[str, list[int]], before: dict, after: dict, seconds: float,
+           gaps_each: list[int]) -> dict:
+    """Each harness process's CPU (percent of one core), the ones over
+    ``HARNESS_BOUND_PCT`` (``harness_bound``: why the harness, not the targets, set the
+    figure), and each subscriber's lost updates charged to whoever lost them: a
+    subscriber process that was saturated read too slowly, so the publisher dropped for
+    it (``loss_harness``); one with CPU to spare saw what the targets failed to send
+    (``loss_targets``)."""
+    pct = lambda pid: round(100 * (after.get(pid, 0.0) - before.get(pid, 0.0))  # noqa: E731
+                            / (seconds or 1e-9), 1)
+    each = {role: [pct(pid) for pid in groups.get(role, [])]
+            for role in ("writers", "subscribers")}
+    hot = [f"{role[:-1]} {i} at {v:.0f}% of a core" for role, vals in each.items()
+           for i, v in enumerate(vals) if v > rec.HARNESS_BOUND_PCT]
+    loss_h = sum(g for g, v in zip(gaps_each, each["subscribers"])
+                 if v > rec.HARNESS_BOUND_PCT)
+    return {"harness_pct_each": each,
+            "harness_max_pct": max([v for vals in each.values() for v in vals], default=0.0),
+            "harness_bound": "; ".join(hot),
+            "loss_harness": loss_h, "loss_targets": sum(gaps_each) - loss_h}
 
 
 def _sleep_until(t: float, status=None) -> None:

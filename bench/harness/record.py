@@ -36,6 +36,8 @@ RESULTS_DIR = ROOT / "bench" / "results"
 """Committed: ``latest/`` (one record per benchmark), the report and its plots. The
 timestamped copies a save also writes there are the local history (not committed)."""
 SCRATCH_DIR = RESULTS_DIR / "scratch"
+PROFILE_DIRS = {"16core": RESULTS_DIR / "16core"}
+"""Where a host profile's records go by default: beside the 2-core ones, never over them."""
 """Where smoke runs go (not committed): never over the committed figures."""
 SCHEMA = 1
 

@@ -596,8 +596,17 @@ def _subscribe(socks, cfg: SubscriberConfig, window: Window, conn, zmq) -> dict:
                                if x["max_seq"]),
         "latency_samples": len(samples),
         "latency_ms": percentiles_ms(samples),
+        # for a merge over subscribers that split the shards (fleet.LoadResult)
+        "latency_ns": samples[::max(1, len(samples) // MERGE_SAMPLES)],
         "per_source": per_source if len(per_source) > 1 else [],
+        "endpoints": list(cfg.sources),
     }
+
+
+MERGE_SAMPLES = 100_000
+"""At most about this many latency samples go back to the parent (evenly strided from
+the sorted list) for a merge across subscribers; a run's sampling (one update in
+``latency_every``) rarely collects more."""
 
 
 def percentiles_ms(sorted_ns: list[int], points=(50, 90, 99, 99.9)) -> dict[str, float]:

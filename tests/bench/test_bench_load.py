@@ -218,9 +218,26 @@ def _load_figures(data, shards):
 
 
 def test_load_starts_its_own_shards_and_routes_over_them(procs, tmp_path):
-    run_bench(procs, tmp_path, "bench.load", "--start-shards", "2", *SMOKE, "--ttl-fraction",
-              "0.2", "--distribution", "zipf")
+    """--harness auto: the plan printed first, two subscribers splitting the two shards
+    (their figures summed), then one window at half the flat-out median."""
+    proc = procs.python("-m", "bench.load", "--start-shards", "2", *SMOKE, "--ttl-fraction",
+                        "0.2", "--distribution", "zipf", "--harness", "auto",
+                        "--rates-of-max", "0.5", "--results-dir", str(tmp_path))
+    assert proc.wait(120) == 0, list(proc.stderr)[-20:]
     data = bench_record(tmp_path, "load")
+    text = "\n".join(proc.stderr)    # the progress notes: the plan before the first round
+    assert text.index("plan: 2 server process(es), 1 writer(s), 1 subscriber(s)") < \
+        text.index("round 1/1")
+    assert "server-1   core 1" in text
+    assert data["config"]["plan"]["why"].startswith("2 usable cores")
+    flat, half = data["runs"]
+    assert half["fraction_of_max"] == 0.5 and half["phase"] == "rate"
+    assert half["offered_per_s"] == round(0.5 * flat["received_per_s"], 1)
+    assert half["loss_targets"] == 0 and half["received_per_s"] > 0
+    for r in (flat, half):   # every harness process's own CPU, and no loss to charge
+        assert set(r["harness_pct_each"]) == {"writers", "subscribers"}
+        assert r["loss_harness"] == 0 and r["loss_targets"] == 0
+    data["runs"] = [flat]
     run = _load_figures(data, 2)
     assert [s["gaps_window"] for s in run["per_source"]] == [0, 0]
     assert all(s["received_window"] > 0 for s in run["per_source"])  # both shards served
@@ -237,8 +254,34 @@ def test_load_against_a_running_server_at_a_fixed_rate(procs, tmp_path, port_bas
     run = _load_figures(data, 1)
     assert run["writer_drops"] == 0 and len(run["received_per_s_each"]) == 2
     assert data["summary"]["offered_per_s"] == 2000
-    assert {t["name"] for t in data["targets"]} == {"updates lost (all windows)",
-                                                    "received / offered (median)"}
+    assert {t["name"] for t in data["targets"]} == {
+        "updates lost by the servers (all windows)", "received / offered (median)"}
+
+
+def test_the_cluster_as_users_run_it_under_supervisor_start(procs, tmp_path):
+    """bench cluster: supervisor start of configs/2shard.yaml (moved to free ports and a
+    temporary data directory), load with the harness sized from the cores, flat out and
+    at 25%; the servers' CPU from the supervisor's PIDs; nothing left running."""
+    import psutil
+
+    run_bench(procs, tmp_path, "bench.cluster", "--config", "configs/2shard.yaml",
+              "--seconds", "0.5", "--warmup", "0.2", "--rounds", "1")
+    data = bench_record(tmp_path, "cluster")
+    assert data["config"]["cluster_config"] == "configs/2shard.yaml"
+    assert data["config"]["servers"] == 4
+    flat, quarter = data["runs"]
+    assert quarter["fraction_of_max"] == 0.25
+    for r in (flat, quarter):
+        assert r["received_per_s"] > 0 and r["loss_targets"] == 0
+        assert r["cpu_pct"]["targets"] > 0          # the supervised servers' own CPU
+        assert len(r["per_source"]) == 2 and all(s["gaps_window"] == 0
+                                                 for s in r["per_source"])
+    names = {t["name"] for t in data["targets"]}
+    assert {"updates lost by the servers (all windows)",
+            "p99 at 25% of the flat-out rate"} <= names
+    mine = [p for p in psutil.process_iter(["cmdline"])
+            if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert not mine
 
 
 @pytest.mark.parametrize("bad", [["--start-shards", "0"], ["--port", "1", "--rate", "-1"],

@@ -1,0 +1,138 @@
+"""The cluster as users run it, flat out and at a fixed share of that (``python -m bench cluster``).
+
+``supervisor start`` of a config (default ``configs/16core-cluster.yaml``; ports, control
+endpoint and data directory moved to free ones and a temporary directory, so it never
+meets a running cluster: durable, ``fsync: everysec`` unless the config says otherwise,
+replicated) and, once every pair is ACTIVE/PASSIVE, ``bench load`` against its primaries
+with ``--harness auto``: writers and subscribers sized from the cores no server of the
+config is pinned to (or ``--cores``), subscribers splitting the shards, the plan printed
+first. ``--rounds`` flat-out windows, then one window at each ``--rates-of-max`` fraction
+of their median (open loop: latency from each update's intended send time). The servers'
+CPU comes from their PIDs in the supervisor's status. Lost updates are charged to the
+servers, or to the harness when the subscriber that missed them was over 90% of a core.
+
+On a host with fewer cores than the config names, pass a config that fits (the smoke
+profile uses ``configs/2shard.yaml``). Duration: start ~5 s, then (rounds + fractions) x
+(warmup + seconds + ~1 s); smoke ~15 s, the 16-core profile ~30 s.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from bench import load
+from bench.harness import record as rec
+from bench.harness.procs import ROOT, Target, bench_main, free_port_base
+
+NAME = "cluster"
+DEADLINE_S = 60.0
+PORTS_PER_SHARD = 20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog=f"python -m bench {NAME}",
+        description="supervisor start of a config, then bench load against its primaries "
+                    "with a harness sized from the cores the servers leave: flat out, then "
+                    "at fractions of that. Duration: smoke (configs/2shard.yaml, 1 s "
+                    "windows) ~15 s; 16core (6 shards, 3 s windows) ~30 s; full ~1 min")
+    ap.add_argument("--config", default="configs/16core-cluster.yaml")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--warmup", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rates-of-max", default="0.25")
+    ap.add_argument("--cores", default="", help="the harness's cores (default: every usable "
+                                                "core no server of the config is pinned to)")
+    ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
+    args = ap.parse_args(argv)
+    if args.seconds <= 0 or args.warmup < 0 or args.rounds < 1:
+        ap.error("--seconds and --rounds must be positive, --warmup >= 0")
+    return args
+
+
+def relocated(config: Path, tmp: Path) -> tuple[Path, str, int]:
+    """The config with a free control endpoint, free ports, its data in ``tmp`` and no
+    metrics endpoint; (path, control endpoint, shards)."""
+    data = yaml.safe_load(config.read_text())
+    shards = len(data["shards"])
+    control_port = free_port_base(1)
+    while True:
+        base = free_port_base(PORTS_PER_SHARD * shards)
+        if not base <= control_port < base + PORTS_PER_SHARD * shards:
+            break
+    data["control"] = f"tcp://127.0.0.1:{control_port}"
+    data["metrics"] = "off"
+    data["data_dir"] = str(tmp / "data")
+    data.pop("port_base", None)
+    for i, shard in enumerate(data["shards"]):
+        shard.setdefault("primary", {})["port"] = base + PORTS_PER_SHARD * i
+        shard.setdefault("backup", {})["port"] = base + PORTS_PER_SHARD * i + 10
+    path = tmp / config.name
+    path.write_text(yaml.safe_dump(data))
+    return path, data["control"], shards
+
+
+def settled_pids(control: str, shards: int) -> list[int]:
+    """Wait until every pair is ACTIVE/PASSIVE; the servers' PIDs."""
+    from supervisor.control import status_rows
+
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            rows, _ = status_rows(control, timeout_s=5.0)
+            servers = [r for r in rows if r.get("role") in ("primary", "backup")
+                       or "/" in r.get("name", "")]
+            states = {}
+            for r in servers:
+                states.setdefault(r["name"].split("/")[0], set()).add(r.get("bstar"))
+            if len(states) == shards and all(s == {"ACTIVE", "PASSIVE"}
+                                             for s in states.values()):
+                return [r["pid"] for r in servers if r.get("pid")]
+        except Exception:  # noqa: BLE001 - the control plane may be starting: ask again
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every pair ACTIVE/PASSIVE within {DEADLINE_S} s")
+        time.sleep(0.1)
+
+
+def run(args: argparse.Namespace) -> rec.Record:
+    source = Path(args.config)
+    if not source.is_absolute():
+        source = ROOT / source
+    with tempfile.TemporaryDirectory(prefix="clonemap-bench-cluster-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        config, control, shards = relocated(source, tmp)
+        sup = Target("supervisor", [sys.executable, "-m", "supervisor", "start", str(config),
+                                    "--no-table", "--run-dir", str(tmp / "run")],
+                     ready="READY supervisor", timeout_s=DEADLINE_S)
+        try:
+            pids = settled_pids(control, shards)
+            argv = ["--config", str(config), "--harness", "auto", "--seconds",
+                    str(args.seconds), "--warmup", str(args.warmup), "--rounds",
+                    str(args.rounds), "--results-dir", args.results_dir]
+            if args.rates_of_max:
+                argv += ["--rates-of-max", args.rates_of_max]
+            if args.cores:
+                argv += ["--cores", args.cores]
+            largs = load.parse_args(argv)
+            record = load.run(largs, name=NAME, server_pids=pids)
+        finally:
+            sup.stop(grace_s=15)
+    record.data["config"]["cluster_config"] = args.config
+    record.data["config"]["servers"] = len(pids)
+    record.data["command"] = rec.command_line(f"bench.{NAME}", {
+        k: v for k, v in vars(args).items() if k != "results_dir"})
+    return record
+
+
+def main(argv: list[str] | None = None) -> rec.Record:
+    return bench_main(NAME, parse_args, run, load.report, argv)
+
+
+if __name__ == "__main__":
+    main()
