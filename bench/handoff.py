@@ -40,7 +40,7 @@ from bench.harness.fleet import timed_writer
 from bench.harness.procs import Target, bench_main, cpu_seconds, server_argv, start_on_free_ports
 
 NAME = "handoff"
-MODES = ("inline", "thread")
+MODES = ("inline", "thread", "workers")
 WORKS = ("cpu", "nogil")
 IDLE_S = 5.0
 """A subscriber that has heard nothing for this long after its first update stops."""
@@ -61,9 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=f"python -m bench.{NAME}",
                                  description="updates/s a subscriber with a costly "
                                              "callback sustains, inline vs handed off")
-    ap.add_argument("--modes", type=_list(MODES), default=list(MODES))
+    ap.add_argument("--modes", type=_list(MODES), default=["inline", "thread"])
+    ap.add_argument("--workers", default="1,2,4,8",
+                    help="mode workers: worker process counts (client.workers), e.g. 1,2,4,8")
     ap.add_argument("--work", type=_list(WORKS), default=list(WORKS))
-    ap.add_argument("--cost-us", type=float, default=20.0,
+    ap.add_argument("--cost-us", "--work-us", type=float, default=20.0,
                     help="work per update in the callback (microseconds)")
     ap.add_argument("--rate", type=float, default=40000.0,
                     help="offered updates/s (open loop; above what the callback sustains)")
@@ -72,12 +74,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.rate <= 0 or args.seconds <= 0 or args.cost_us < 0:
         ap.error("--rate and --seconds must be > 0, --cost-us >= 0")
+    try:
+        args.worker_counts = [int(x) for x in args.workers.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--workers: comma-separated counts, got {args.workers!r}")
+    if not args.worker_counts or min(args.worker_counts) < 1:
+        ap.error("--workers: counts >= 1")
     return args
 
 
 def canonical_command(args: argparse.Namespace) -> str:
     opts = {k: (",".join(map(str, v)) if isinstance(v, list) else v)
-            for k, v in vars(args).items() if k != "results_dir"}
+            for k, v in vars(args).items() if k not in ("results_dir", "worker_counts")}
     return rec.command_line(f"bench.{NAME}", opts)
 
 
@@ -113,6 +121,16 @@ def make_work(kind: str, cost_us: float):
     return lambda: sha(buf).digest()
 
 
+def worker_setup(work: str, cost_us: float):
+    """Mode workers: what each worker process runs per change (client.workers)."""
+    burn = make_work(work, cost_us)
+
+    def handle(change) -> None:
+        if change.kind == "put":
+            burn()
+    return handle
+
+
 # ================================================================ the subscriber process
 
 def subscriber_main(argv: list[str]) -> None:
@@ -124,7 +142,10 @@ def subscriber_main(argv: list[str]) -> None:
     ap.add_argument("--work", choices=WORKS, required=True)
     ap.add_argument("--cost-us", type=float, required=True)
     ap.add_argument("--count", type=int, required=True)
+    ap.add_argument("--workers", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.deliver == "workers":
+        return workers_subscriber(args)
     work = make_work(args.work, args.cost_us)
     t0 = time.perf_counter_ns()
     for _ in range(200):
@@ -173,9 +194,49 @@ def subscriber_main(argv: list[str]) -> None:
         "watch_error": str(watch.error) if watch.error else None}), flush=True)
 
 
+def workers_subscriber(args: argparse.Namespace) -> None:
+    """Mode workers: a ``Clone`` whose watch feeds ``--workers`` processes
+    (``client.workers.Workers``), each burning ``--cost-us`` per update."""
+    from client.api import Clone
+    from client.workers import Workers
+
+    work = make_work(args.work, args.cost_us)
+    t0 = time.perf_counter_ns()
+    for _ in range(200):
+        work()
+    work_us = (time.perf_counter_ns() - t0) / 200 / 1000
+    capacity = max(10_000, 2 * args.count)
+    with Clone(f"tcp://127.0.0.1:{args.port}", timeout_s=START_TIMEOUT_S, max_lag_s=None,
+               watch_capacity=capacity) as clone:
+        with Workers(clone, "", f"bench.{NAME}:worker_setup", workers=args.workers,
+                     args=(args.work, args.cost_us), capacity=capacity) as pool:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not pool._watch.synced:   # the empty map's synced marker
+                if time.monotonic() > deadline:
+                    raise SystemExit("handoff subscriber: the watch never synced")
+                time.sleep(0.01)
+            print("READY subscriber", flush=True)
+            heard, last_change = -1, time.monotonic()
+            while sum(pool.handled) < args.count and pool.error is None:
+                pool.wait_idle(0.2)
+                done = sum(pool.handled)
+                if done != heard:
+                    heard, last_change = done, time.monotonic()
+                elif time.monotonic() - last_change > (IDLE_S if done else START_TIMEOUT_S):
+                    break
+            stats = pool.stats()
+        shard = clone.stats()["shards"][0]
+    print("RESULT " + json.dumps({
+        "received": sum(stats["handled"]), "first_ns": 0,
+        "last_ns": max(stats["last_ns"]), "work_us": round(work_us, 2),
+        "max_lag_seen_s": shard["max_lag_seen_s"], "applied": shard["applied"],
+        "watch_error": stats["error"], "per_worker": stats["handled"],
+        "worker_pids": stats["pids"]}), flush=True)
+
+
 # ================================================================ the benchmark
 
-def run_one(mode: str, work: str, args: argparse.Namespace) -> dict:
+def run_one(mode: str, work: str, args: argparse.Namespace, workers: int = 0) -> dict:
     count = max(1, round(args.rate * args.seconds))
     me = [sys.executable, "-m", f"bench.{NAME}"]
     with contextlib.ExitStack() as stack:
@@ -184,8 +245,8 @@ def run_one(mode: str, work: str, args: argparse.Namespace) -> dict:
         stack.enter_context(server)
         sub = stack.enter_context(Target("subscriber", [
             *me, "_subscriber", "--port", str(port), "--deliver", mode, "--work", work,
-            "--cost-us", f"{args.cost_us:g}", "--count", str(count)],
-            timeout_s=START_TIMEOUT_S))
+            "--cost-us", f"{args.cost_us:g}", "--count", str(count), "--workers",
+            str(workers)], timeout_s=START_TIMEOUT_S))
         writer = stack.enter_context(timed_writer([port], rate=args.rate, count=count))
         t0, cpu0 = time.monotonic(), cpu_seconds([sub.pid, server.pid])
         window = writer.start(0.0, count / args.rate + 1.0)
@@ -199,7 +260,8 @@ def run_one(mode: str, work: str, args: argparse.Namespace) -> dict:
                   if wrote["elapsed_s"] else None)
     span_s = (got["last_ns"] - first_send_ns) / 1e9 if got["last_ns"] else 0.0
     return {
-        "mode": mode, "work": work, "cost_us": args.cost_us, "work_us": got["work_us"],
+        "mode": mode, "workers": workers or None, "per_worker": got.get("per_worker"),
+        "work": work, "cost_us": args.cost_us, "work_us": got["work_us"],
         "offered_per_s": args.rate, "updates": count, "sent_per_s": sent_per_s,
         "received": got["received"], "complete": got["received"] == count,
         "delivered_per_s": round(got["received"] / span_s, 1) if span_s > 0 else 0.0,
@@ -218,12 +280,14 @@ def run(args: argparse.Namespace) -> rec.Record:
     record = rec.Record(NAME, canonical_command(args), config)
     for work in args.work:
         for mode in args.modes:
-            rec.log(f"{NAME}: deliver={mode}, {work} work {args.cost_us:g} us/update, "
-                    f"{args.rate:g} updates/s for {args.seconds:g} s")
-            r = run_one(mode, work, args)
-            rec.log(f"  delivered {r['delivered_per_s']:,.0f}/s, complete {r['complete']}, "
-                    f"loop lag max {r['max_lag_seen_s']} s")
-            record.add_run(r)
+            for n in args.worker_counts if mode == "workers" else [0]:
+                what = f"{n} worker process(es)" if n else f"deliver={mode}"
+                rec.log(f"{NAME}: {what}, {work} work {args.cost_us:g} us/update, "
+                        f"{args.rate:g} updates/s for {args.seconds:g} s")
+                r = run_one(mode, work, args, n)
+                rec.log(f"  delivered {r['delivered_per_s']:,.0f}/s, complete "
+                        f"{r['complete']}, loop lag max {r['max_lag_seen_s']} s")
+                record.add_run(r)
     runs = record.data["runs"]
     by = {(r["work"], r["mode"]): r for r in runs}
     ratios = {}
@@ -232,19 +296,33 @@ def run(args: argparse.Namespace) -> rec.Record:
             base = by[(work, "inline")]["delivered_per_s"]
             ratios[work] = round(by[(work, "thread")]["delivered_per_s"] / base, 2) \
                 if base else None
+    label = lambda r: f"{r['work']}/{r['mode']}" + (  # noqa: E731
+        f"/{r['workers']}" if r.get("workers") else "")
+    scaling = {}
+    for work in args.work:
+        pool = {r["workers"]: r["delivered_per_s"] for r in runs
+                if r["work"] == work and r.get("workers")}
+        if 1 in pool and pool[1]:
+            scaling[work] = {n: round(v / pool[1], 2) for n, v in sorted(pool.items())}
     record.data["summary"] = {
-        "delivered_per_s": {f"{r['work']}/{r['mode']}": r["delivered_per_s"] for r in runs},
+        "delivered_per_s": {label(r): r["delivered_per_s"] for r in runs},
         "thread_over_inline": ratios,
+        "workers_over_one": scaling,
         "all_complete": all(r["complete"] for r in runs),
     }
     record.target("runs where the callback got every update",
                   sum(r["complete"] for r in runs), len(runs), "runs")
+    for work, by_n in scaling.items():
+        if 4 in by_n:
+            record.target(f"worker hand-off ({work}, {args.cost_us:g} us): 4 workers / 1",
+                          by_n[4], 3.0, "x")
     record.finish()
     return record
 
 
 def report(record: rec.Record) -> None:
-    rows = [[r["work"], r["mode"], r["work_us"], r["offered_per_s"], r["sent_per_s"],
+    rows = [[r["work"], r["mode"] + (f" x{r['workers']}" if r.get("workers") else ""),
+             r["work_us"], r["offered_per_s"], r["sent_per_s"],
              r["delivered_per_s"], "yes" if r["complete"] else f"NO ({r['received']})",
              r["max_lag_seen_s"], r["done_after_last_send_s"], r["subscriber_cpu_pct"],
              r["server_cpu_pct"]] for r in record.data["runs"]]
@@ -257,6 +335,11 @@ def report(record: rec.Record) -> None:
               caption="delivered/s: callbacks run / (last callback - first send). loop lag: "
                       "how far the client's loop read behind the publisher (server clock in "
                       "HUGZ, max_lag_seen_s). cpu%: of one core over the run.")
+    scaling = record.data["summary"].get("workers_over_one") or {}
+    if scaling:
+        rec.table(record, f"{NAME}: worker processes, delivered/s over 1 worker",
+                  ["work", *[f"{n} workers" for n in next(iter(scaling.values()))]],
+                  [[w, *by_n.values()] for w, by_n in scaling.items()])
     ratios = record.data["summary"]["thread_over_inline"]
     if ratios:
         rec.table(record, f"{NAME}: thread / inline, delivered/s",

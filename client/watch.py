@@ -136,6 +136,36 @@ class WatchCore:
             raise self.failed
         return None
 
+    def pop_raw(self, limit: int) -> list:
+        """Up to ``limit`` queued entries as raw tuples ``(kind, key: bytes, value: bytes,
+        seq, shard)`` (chunks flattened), not decoded: for a consumer that hands them to
+        other processes (``client.workers``). Raises ``SlowConsumer`` like ``pop``."""
+        if self.failed is not None:
+            self._chunk = []
+            raise self.failed
+        out: list = []
+        queue = self._queue
+        while len(out) < limit:
+            if self._chunk_pos < len(self._chunk):
+                take = self._chunk[self._chunk_pos:self._chunk_pos + limit - len(out)]
+                self._chunk_pos += len(take)
+                out.extend(take)
+                continue
+            try:
+                entry = queue.popleft()
+            except IndexError:  # empty, or cleared by a concurrent failure
+                break
+            if type(entry) is list:
+                self._chunk, self._chunk_pos = entry, 0
+            else:
+                out.append(entry)
+        if not out and self.failed is not None:
+            raise self.failed
+        self.delivered += len(out)
+        if any(raw[0] == SYNCED for raw in out):
+            self.synced = True
+        return out
+
     def has_pending(self) -> bool:
         """Something to pop (or a failure to raise)."""
         return (self.failed is not None or self._chunk_pos < len(self._chunk)
@@ -415,6 +445,18 @@ class SyncWatch:
                     self._cond.wait(remaining)
             if core.closed and not core.has_pending():
                 return None
+
+    def get_raw(self, limit: int, timeout_s: float) -> list:
+        """Up to ``limit`` raw, undecoded entries (``WatchCore.pop_raw``), waiting at most
+        ``timeout_s`` for the first; [] if none came or the watch is closed."""
+        core = self._core
+        out = core.pop_raw(limit)
+        if out:
+            return out
+        with self._cond:
+            if not core.has_pending() and not core.closed:
+                self._cond.wait(timeout_s)
+        return core.pop_raw(limit)
 
     def __iter__(self):
         return self

@@ -60,11 +60,15 @@ def test_handoff_smoke_record(procs, tmp_path):
     out = tmp_path / "results"
     run_bench(procs, out, "bench", "--smoke", "--only", "handoff")
     record = bench_record(out, "handoff")
-    assert record["command"].startswith("python -m bench.handoff --modes inline,thread ")
+    assert record["command"].startswith(
+        "python -m bench.handoff --modes inline,thread,workers --workers 1,2 ")
     assert record["invoked_as"].startswith("python -m bench --smoke")
     assert "| work | deliver |" in (out / "latest" / "handoff.md").read_text()
     runs = record["runs"]
-    assert [(r["work"], r["mode"]) for r in runs] == [("cpu", "inline"), ("cpu", "thread")]
+    assert [(r["work"], r["mode"], r["workers"]) for r in runs] == [
+        ("cpu", "inline", None), ("cpu", "thread", None), ("cpu", "workers", 1),
+        ("cpu", "workers", 2)]
+    assert sum(runs[3]["per_worker"]) == 150 and all(runs[3]["per_worker"])
     for r in runs:
         assert r["updates"] == 150
         assert r["received"] == 150 and r["complete"], r
@@ -73,6 +77,8 @@ def test_handoff_smoke_record(procs, tmp_path):
         assert r["subscriber_cpu_pct"] > 0
     summary = record["summary"]
     assert summary["all_complete"] is True
-    assert set(summary["delivered_per_s"]) == {"cpu/inline", "cpu/thread"}
+    assert set(summary["delivered_per_s"]) == {"cpu/inline", "cpu/thread", "cpu/workers/1",
+                                               "cpu/workers/2"}
+    assert summary["workers_over_one"]["cpu"]["1"] == 1.0
     assert summary["thread_over_inline"]["cpu"] > 0
     assert record["targets"][0]["met"] is True

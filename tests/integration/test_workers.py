@@ -1,0 +1,126 @@
+"""client.workers: a watch handed to worker processes, routed by key, against a real
+shard server. What is checked: every change of a key reaches one worker, in the order the
+client applied them; markers reach every worker; a worker that cannot keep up fails the
+watch by its rules (SlowConsumer, counted), never silently; a handler that raises is
+counted and its worker goes on; a bad setup is a clear error; every worker process is
+ended by PID.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from client.api import Clone
+from client.workers import Workers
+from shards.common.errors import SlowConsumer
+
+HEARTBEAT_S = 0.2
+DEADLINE_S = 30.0
+
+
+@pytest.fixture
+def server(procs, port_base):
+    procs.python("-m", "shards", "--port", str(port_base), "--heartbeat-s", str(HEARTBEAT_S),
+                 "--log-level", "warning", ready="READY")
+    return f"tcp://127.0.0.1:{port_base}"
+
+
+def gone(pids: list[int]) -> bool:
+    return not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                   for p in pids)
+
+
+def test_each_key_goes_to_one_worker_in_order_and_markers_to_all(server, tmp_path):
+    with Clone(server, silence_timeout_s=3 * HEARTBEAT_S) as clone:
+        for i in range(50):                 # in the map before the watch: a snapshot chunk
+            clone.set(f"/w/k{i:03d}", b"0")
+        clone.set("/w/k000", b"0", wait=True)
+        with Workers(clone, "/w/", "workers_handlers:record", workers=3,
+                     args=(str(tmp_path),)) as pool:
+            for n in range(1, 21):          # 20 rounds over 50 keys, values counting up
+                for i in range(50):
+                    clone.set(f"/w/k{i:03d}", str(n).encode())
+            clone.set("/w/k049", b"20", wait=True)   # once more: the last write is known
+            total = 50 * 21 + 1
+            deadline = time.monotonic() + DEADLINE_S
+            while sum(pool.handled) < total and time.monotonic() < deadline:
+                pool.wait_idle(0.5)
+            stats = pool.stats()
+            pids = pool.pids
+        assert gone(pids), "close() ends every worker process"
+    assert sum(stats["handled"]) == total and stats["errors"] == [0, 0, 0]
+    assert stats["handed"] == stats["handled"] and all(stats["handled"])
+    logs = {p.stem: p.read_text().splitlines() for p in Path(tmp_path).glob("*.log")}
+    assert len(logs) == 3
+    owner: dict[str, str] = {}
+    for pid, lines in logs.items():
+        assert lines.count("synced /w/ ") == 1, (pid, lines[:3])   # every worker, once
+        seen: dict[str, list[int]] = {}
+        for line in lines:
+            kind, key, value = line.split(" ")
+            if kind != "put":
+                continue
+            assert owner.setdefault(key, pid) == pid, f"{key} reached two workers"
+            seen.setdefault(key, []).append(int(value))
+        for key, values in seen.items():   # a key's changes in the order they were made
+            assert values == sorted(values) and values[-1] == 20, (key, values)
+    assert len(owner) == 50
+    index = {str(pid): i for i, pid in enumerate(pids)}
+    assert all(pool.worker_of(k.encode()) == index[pid] for k, pid in owner.items())
+
+
+def test_a_worker_that_cannot_keep_up_fails_the_watch_with_the_counts(server):
+    errors: list[BaseException] = []
+    with Clone(server, silence_timeout_s=3 * HEARTBEAT_S) as clone:
+        pool = Workers(clone, "/s/", "workers_handlers:slow", workers=1, args=(0.02,),
+                       batch=4, queue_batches=1, capacity=20, on_error=errors.append,
+                       stop_timeout_s=2.0)
+        try:
+            for i in range(3000):
+                clone.set(f"/s/{i}", b"x")
+            deadline = time.monotonic() + DEADLINE_S
+            while pool.error is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with pytest.raises(SlowConsumer):
+                pool.wait_idle(1.0)
+            assert errors and errors[0] is pool.error
+            assert "fell behind" in str(pool.error) and pool.error.dropped > 0
+            # bounded: what the workers hold is at most two batches of 4 per worker pipe
+            # end plus the one being handled; the rest was dropped and counted
+            assert sum(pool.handed) <= 3000 - pool.error.dropped
+            pids = pool.pids
+        finally:
+            pool.close()
+        assert gone(pids)
+
+
+def test_a_handler_that_raises_is_counted_and_its_worker_goes_on(server):
+    with Clone(server, silence_timeout_s=3 * HEARTBEAT_S) as clone:
+        with Workers(clone, "/f/", "workers_handlers:flaky", workers=2) as pool:
+            for i in range(100):
+                clone.set(f"/f/{i}", b"v")
+            clone.set("/f/99", b"w", wait=True)   # a second change of /f/99: 101 in all
+            deadline = time.monotonic() + DEADLINE_S
+            while sum(pool.handled) < 101 and time.monotonic() < deadline:
+                pool.wait_idle(0.5)
+            assert sum(pool.handled) == 101 and sum(pool.errors) == 10
+            assert pool.error is None
+
+
+def test_a_bad_setup_is_a_clear_error_and_leaves_no_process(server):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with Clone(server, silence_timeout_s=3 * HEARTBEAT_S) as clone:
+        with pytest.raises(ValueError, match="module-level function"):
+            Workers(clone, "", lambda: print, workers=1)
+        with pytest.raises(ModuleNotFoundError):
+            Workers(clone, "", "no_such_module:setup", workers=1)
+        with pytest.raises(ValueError, match="module:function"):
+            Workers(clone, "", "workers_handlers", workers=1)
+        with pytest.raises(RuntimeError, match="cannot open the database"):
+            Workers(clone, "", "workers_handlers:broken", workers=2)
+    after = {p.pid for p in psutil.Process().children(recursive=True)
+             if p.status() != "zombie"}
+    assert after <= before
