@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         except Unreadable as exc:
             rec.log(f"report: warning: {exc}")
             records[name] = exc
-    sizes = sorted(results_dir.glob("relays-*x*.json"))   # fan-out at other sizes
+    sizes = sorted(results_dir.glob("relays-sizes-*.json"))   # fan-out at other sizes
     if sizes and isinstance(records.get("relays"), dict):
         import json
 

@@ -83,13 +83,20 @@ class Site:
         env = dict(os.environ)
         env["PATH"] = f"{Path(PYTHON).parent}{os.pathsep}{env['PATH']}"
         env["CLONEMAP_CONTROL"] = self.control
-        env["PYTHONPATH"] = str(ROOT)
+        env["PYTHONPATH"] = python_path()
         env.pop("CLONEMAP_KEYS", None)
         return env
 
     def run(self, args: list[str], **kw) -> subprocess.CompletedProcess:
         return subprocess.run(args, cwd=self.root, env=self.env(), capture_output=True,
                               text=True, timeout=EXAMPLE_TIMEOUT_S, **kw)
+
+
+def python_path() -> str:
+    """The repository first, then whatever PYTHONPATH the suite runs with (a machine where
+    the dependencies are on PYTHONPATH, not installed, lost them: on the 16-core host the
+    cluster these examples use could not import zmq)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +109,7 @@ def make_run_cluster(tmp_path_factory):
     try:
         procs.spawn([PYTHON, "-m", "supervisor", "start", "configs/4shard.yaml",
                      "--no-table", "--run-dir", str(site.root / "run" / "four")],
-                    ready="READY supervisor", timeout_s=60, env={"PYTHONPATH": str(ROOT)},
+                    ready="READY supervisor", timeout_s=60, env={"PYTHONPATH": python_path()},
                     cwd=site.root)
         yield site
     finally:
