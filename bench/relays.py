@@ -216,6 +216,27 @@ class Writer:
 
 # ===================================================================== children
 
+def whole_message_reader():
+    """``recv(sock)``: one whole message without blocking, or None. On the compiled frame
+    path one C call per message (``zio.compiled_recv``), else ``recv_multipart``: the
+    readers must outrun the fan-out they measure."""
+    from shards.common import zio
+
+    if zio.COMPILED:
+        read = zio.compiled_recv()
+
+        def recv(sock):
+            return read(sock.underlying, 1, 5)   # 1 = NOBLOCK
+        return recv
+
+    def recv_pure(sock):
+        try:
+            return sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+    return recv_pure
+
+
 def child_subscribe(args) -> None:
     """``--subscribers`` SUBs round-robin over ``--endpoints``; READY once each heard its
     welcome HUGZ; then every ``/fan/`` update's latency until each has ``--expect``."""
@@ -236,26 +257,29 @@ def child_subscribe(args) -> None:
     counts = [0] * len(socks)
     lat: list[int] = []
     index = {s: i for i, s in enumerate(socks)}
+    recv = whole_message_reader()
+    stamp, now_ns, warm, expect = STAMP.unpack_from, time.monotonic_ns, args.warm, args.expect
+    short = len(socks)          # sockets that have not yet had --expect updates
     deadline = time.monotonic() + 60
     ready = False
     while time.monotonic() < deadline:
         for s, _ in poller.poll(200):
-            while True:
-                try:
-                    frames = s.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                i = index[s]
+            i = index[s]
+            n = counts[i]
+            while (frames := recv(s)) is not None:
                 if frames[0] == b"HUGZ":
                     live.add(i)
                     continue
-                if counts[i] >= args.warm:    # this socket's warm-up is not timed
-                    lat.append(time.monotonic_ns() - STAMP.unpack_from(frames[4])[0])
-                counts[i] += 1
+                if n >= warm:    # this socket's warm-up is not timed
+                    lat.append(now_ns() - stamp(frames[4])[0])
+                n += 1
+                if n == expect:
+                    short -= 1
+            counts[i] = n
         if not ready and len(live) == len(socks):
             ready = True
             print("READY", flush=True)
-        if ready and min(counts) >= args.expect:
+        if ready and short <= 0:
             break
     lat.sort()
     print(json.dumps({"counts": [min(counts), max(counts)], "count": len(lat),
