@@ -97,13 +97,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ceiling-s", type=float, default=2.0,
                     help="measured window of each same-run ceiling (PUB->SUB, forwarder)")
     ap.add_argument("--value-bytes", type=int, default=100)
-    ap.add_argument("--clients-per-process", type=int, default=4)
+    ap.add_argument("--clients-per-process", default="4",
+                    help="subscribing clients per subprocess, or auto: spread them over "
+                         "the cores the servers and the writer leave (one process per "
+                         "spare core)")
     ap.add_argument("--drain-s", type=float, default=30.0,
                     help="longest wait for the subscribers after the writer is done")
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
     args = ap.parse_args(argv)
-    if args.rate <= 0 or args.seconds <= 0 or args.clients_per_process < 1:
-        ap.error("--rate, --seconds and --clients-per-process must be > 0")
+    if args.clients_per_process != "auto":
+        try:
+            args.clients_per_process = int(args.clients_per_process)
+        except ValueError:
+            ap.error("--clients-per-process: a count or auto")
+        if args.clients_per_process < 1:
+            ap.error("--clients-per-process must be > 0")
+    if args.rate <= 0 or args.seconds <= 0:
+        ap.error("--rate and --seconds must be > 0")
     if args.warmup < 0 or args.rounds < 1 or args.ceiling_s <= 0:
         ap.error("--warmup >= 0, --rounds >= 1, --ceiling-s > 0")
     if args.value_bytes < STAMP_BYTES:
@@ -221,6 +231,19 @@ def _result_line(target: Target, timeout_s: float) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def clients_per_process(setting, subscribers: int, shards: int,
+                        cores: int | None = None) -> int:
+    """``setting`` clients per subprocess, or (``"auto"``) as few as spread the
+    subscribers over one process per core left beside the servers and the writer."""
+    if setting != "auto":
+        return int(setting)
+    import os
+
+    cores = cores or len(os.sched_getaffinity(0))
+    spare = max(1, cores - shards - 1)
+    return max(1, math.ceil(subscribers / spare))
+
+
 def run_one(shards: int, subscribers: int, args: argparse.Namespace,
             progress: rec.Progress) -> dict:
     """One fresh cluster, ``subscribers`` clients, one writer; returns the run's figures."""
@@ -242,8 +265,9 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace,
         port_list = ",".join(map(str, ports))
         subs = []
         left = subscribers
+        per = clients_per_process(args.clients_per_process, subscribers, shards)
         while left:
-            k = min(left, args.clients_per_process)
+            k = min(left, per)
             left -= k
             subs.append((stack.enter_context(Target(
                 f"subscribers {len(subs)}",

@@ -140,3 +140,12 @@ def test_the_16core_profile_is_named_and_complete(bad):
     assert set(PROFILE_ORDER["16core"]) <= set(PROFILES["16core"])
     with pytest.raises(SystemExit):
         parse_all([bad] if bad == "--profile" else ["--profile", bad], "python -m bench")
+
+
+def test_fanout_clients_spread_over_the_spare_cores_when_asked():
+    from bench.fanout import clients_per_process
+
+    assert clients_per_process(4, 16, 1, cores=16) == 4          # a count is kept
+    assert clients_per_process("auto", 256, 4, cores=16) == 24    # 11 spare cores
+    assert clients_per_process("auto", 16, 1, cores=2) == 16      # none spare: one process
+    assert clients_per_process("auto", 3, 1, cores=16) == 1
