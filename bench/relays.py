@@ -74,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(0: one per core the servers, relays and writer leave, at most "
                          "one per 10 subscribers), so the figure is the relay hop's, not "
                          "one subscriber process's")
+    ap.add_argument("--sizes", default="",
+                    help="fan-out at several sizes, SUBSCRIBERSxRATE comma-separated (e.g. "
+                         "250x1000,1000x200,1000x1000); overrides --subscribers and --rate "
+                         "for the fan-out part")
     ap.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--warm", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
@@ -90,6 +94,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--parts: fanout and/or failover")
     if args.processes < 0:
         ap.error("--processes must be >= 0")
+    try:
+        args.size_list = [(int(n), float(r)) for n, _, r in
+                          (x.strip().partition("x") for x in args.sizes.split(",")
+                           if x.strip())]
+    except ValueError:
+        ap.error(f"--sizes: SUBSCRIBERSxRATE, comma-separated, got {args.sizes!r}")
+    if any(n < 1 or r <= 0 for n, r in args.size_list):
+        ap.error("--sizes: subscribers >= 1 and rate > 0")
+    args.size_list = args.size_list or [(args.subscribers, args.rate)]
     return args
 
 
@@ -466,25 +479,28 @@ def _after_failover(cluster, clients, before, served, entry: int, args) -> dict:
 def run(args: argparse.Namespace) -> rec.Record:
     config = {k: v for k, v in vars(args).items()
               if k not in ("results_dir", "child", "endpoints", "expect", "via", "resume",
-                           "first", "warm", "part_list")}
+                           "first", "warm", "part_list", "size_list")}
     record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", config), config)
+    sizes = args.size_list if "fanout" in args.part_list else []
     modes = ("direct_no_resume", "direct_resume", "relays")
-    steps = args.rounds * (2 * ("fanout" in args.part_list)
-                           + 3 * ("failover" in args.part_list))
+    steps = args.rounds * (2 * len(sizes) + 3 * ("failover" in args.part_list))
     with rec.Progress(NAME, total=steps) as progress:
-        if "fanout" in args.part_list:
-            shares = subscriber_processes(args.subscribers, args.relays, args.processes)
-            progress.note(f"plan: {args.subscribers} SUB sockets over {len(shares)} "
-                          f"subscriber process(es) of {min(shares)}-{max(shares)}, on "
+        for n, _ in sizes:
+            shares = subscriber_processes(n, args.relays, args.processes)
+            progress.note(f"plan: {n} SUB sockets over {len(shares)} subscriber "
+                          f"process(es) of {min(shares)}-{max(shares)}, on "
                           f"{len(os.sched_getaffinity(0))} usable cores; the pair, "
                           f"{args.relays} relays (relays mode) and the writer beside them")
         for r in range(args.rounds):
-            for mode in ("direct", "relays") if "fanout" in args.part_list else ():
-                progress.step(f"round {r + 1}: fan-out {mode}")
-                run_ = {"round": r + 1, **fanout(mode, args)}
-                progress.note(f"fan-out {mode}: p50 {run_['p50_ms']} ms, p99 "
-                              f"{run_['p99_ms']} ms, every update {run_['every_update']}")
-                record.add_run(run_)
+            for n, rate in sizes:
+                sized = argparse.Namespace(**{**vars(args), "subscribers": n, "rate": rate})
+                for mode in ("direct", "relays"):
+                    progress.step(f"round {r + 1}: fan-out {mode}, {n} x {rate:g}/s")
+                    run_ = {"round": r + 1, **fanout(mode, sized)}
+                    progress.note(f"fan-out {mode} {n} x {rate:g}/s: p50 {run_['p50_ms']} "
+                                  f"ms, p99 {run_['p99_ms']} ms, every update "
+                                  f"{run_['every_update']}")
+                    record.add_run(run_)
             for mode in modes if "failover" in args.part_list else ():
                 progress.step(f"round {r + 1}: failover {mode}")
                 run_ = {"round": r + 1, **failover(mode, args)}
@@ -529,21 +545,28 @@ def summarize(record: rec.Record) -> None:
         record.target("fan-out: every update reached every subscriber",
                       1.0 if summary["fanout_every_update"] else 0.0, 1.0, "yes")
     for m, rs in fan.items():
-        if rs and all(r["p99_ms"] is not None for r in rs):
-            record.target(f"fan-out p99, {m} (worst round)", max(r["p99_ms"] for r in rs),
-                          FANOUT_P99_MS, "ms", higher_is_better=False,
-                          harness_bound="; ".join(r["harness_bound"] for r in rs
+        for n, rate in sorted({(r["subscribers"], r.get("rate")) for r in rs},
+                              key=lambda x: (x[0], x[1] or 0)):
+            mine = [r for r in rs if (r["subscribers"], r.get("rate")) == (n, rate)]
+            if not all(r["p99_ms"] is not None for r in mine):
+                continue
+            size = f"{n} x {rate:g}/s" if rate else f"{n} subscribers"
+            record.target(f"fan-out p99, {m}, {size} (worst round)",
+                          max(r["p99_ms"] for r in mine), FANOUT_P99_MS, "ms",
+                          higher_is_better=False,
+                          harness_bound="; ".join(r["harness_bound"] for r in mine
                                                   if r.get("harness_bound")))
 
 
 def report(record: rec.Record) -> None:
     runs = record.data["runs"]
     busiest = lambda r, role: max(r.get("cpu_pct", {}).get(role) or [0])  # noqa: E731
-    rec.table(record, f"{NAME}: fan-out, {record.data['config']['subscribers']} subscribers "
-                      f"at {record.data['config']['rate']:g} updates/s",
-              ["round", "mode", "updates", "min received", "p50 ms", "p99 ms", "max ms",
-               "server cpu%", "busiest relay cpu%", "busiest subscriber process cpu%"],
-              [[r["round"], r["mode"], r["updates"], r["min_received"], r["p50_ms"],
+    rec.table(record, f"{NAME}: fan-out",
+              ["round", "mode", "subscribers x rate", "updates", "min received", "p50 ms",
+               "p99 ms", "max ms", "server cpu%", "busiest relay cpu%",
+               "busiest subscriber process cpu%"],
+              [[r["round"], r["mode"], f"{r['subscribers']} x {r.get('rate', 0):g}/s",
+                r["updates"], r["min_received"], r["p50_ms"],
                 r["p99_ms"], r["max_ms"], busiest(r, "server"), busiest(r, "relays"),
                 busiest(r, "subscribers")] for r in runs if r["part"] == "fanout"],
               caption="relay hop added (relays - direct), per round: p50 "

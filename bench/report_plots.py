@@ -244,8 +244,11 @@ def relays(plt, data: dict, path: Path) -> bool:
     ax1.set_title(_title(f"one failover, {cfg.get('clients')} clients, "
                          f"{cfg.get('keys'):,} keys", data))
     ax1.legend()
-    if not runs and data.get("_sizes"):   # fan-out only, at several sizes: latency by size
-        fanout_sizes(ax1, [data, *data["_sizes"]], data)
+    every = [data, *data.get("_sizes", [])]
+    sizes = {(r.get("subscribers"), r.get("rate")) for d in every for r in d.get("runs") or []
+             if r.get("part") == "fanout"}
+    if not runs and len(sizes) > 1:   # fan-out only, at several sizes: latency by size
+        fanout_sizes(ax1, every, data)
     elif not runs:   # a fan-out-only run (--parts fanout)
         ax1.set_visible(False)
     for i, (m, color) in enumerate((("direct", "C0"), ("relays", "C1"))):
@@ -268,9 +271,10 @@ def fanout_sizes(ax, records: list[dict], data: dict) -> None:
     direct and through relays, one point per record; the 20 ms target marked."""
     ax.clear()
     for mode, color in (("direct", "C0"), ("relays", "C1")):
-        pts = sorted((r["subscribers"] * r.get("rate", get(rec, "config", "rate")), r, rec)
-                     for rec in records for r in rec.get("runs") or []
-                     if r.get("part") == "fanout" and r.get("mode") == mode)
+        pts = sorted(((r["subscribers"] * r.get("rate", get(rec, "config", "rate")), r, rec)
+                      for rec in records for r in rec.get("runs") or []
+                      if r.get("part") == "fanout" and r.get("mode") == mode),
+                     key=lambda p: p[0])
         if not pts:
             continue
         xs = [x for x, _, _ in pts]

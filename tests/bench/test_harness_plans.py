@@ -149,3 +149,14 @@ def test_fanout_clients_spread_over_the_spare_cores_when_asked():
     assert clients_per_process("auto", 256, 4, cores=16) == 24    # 11 spare cores
     assert clients_per_process("auto", 16, 1, cores=2) == 16      # none spare: one process
     assert clients_per_process("auto", 3, 1, cores=16) == 1
+
+
+def test_fanout_sizes_parse_and_default_to_the_single_size():
+    from bench.relays import parse_args
+
+    assert parse_args(["--sizes", "250x1000, 1000x200"]).size_list == [(250, 1000.0),
+                                                                        (1000, 200.0)]
+    assert parse_args(["--subscribers", "40", "--rate", "50"]).size_list == [(40, 50.0)]
+    for bad in ("1000", "0x100", "10xfast"):
+        with pytest.raises(SystemExit):
+            parse_args(["--sizes", bad])
