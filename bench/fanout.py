@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -237,8 +238,6 @@ def clients_per_process(setting, subscribers: int, shards: int,
     subscribers over one process per core left beside the servers and the writer."""
     if setting != "auto":
         return int(setting)
-    import os
-
     cores = cores or len(os.sched_getaffinity(0))
     spare = max(1, cores - shards - 1)
     return max(1, math.ceil(subscribers / spare))
@@ -266,6 +265,9 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace,
         subs = []
         left = subscribers
         per = clients_per_process(args.clients_per_process, subscribers, shards)
+        progress.note(f"plan: {shards} server(s), {subscribers} client(s) in "
+                      f"{math.ceil(subscribers / per)} process(es) of up to {per}, one "
+                      f"writer; {len(os.sched_getaffinity(0))} usable cores")
         while left:
             k = min(left, per)
             left -= k
@@ -296,6 +298,9 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace,
                "host": round(100 * (cpu1["host_busy"] - cpu0["host_busy"]) / window_s, 1)}
     cpu_pct["others"] = round(max(0.0, cpu_pct["host"] - cpu_pct["servers"]
                                   - cpu_pct["subscribers"] - cpu_pct["writer"]), 1)
+    each = [pct([p], cpu1) for p in groups["subscribers"]]
+    hot = [f"subscriber process {i} at {v:.0f}% of a core" for i, v in enumerate(each)
+           if v > rec.HARNESS_BOUND_PCT]
     first_ns = wrote["first_send_ns"]
     sent_per_s = (round(wrote["sent_total"] / wrote["elapsed_s"], 1)
                   if wrote["elapsed_s"] else None)
@@ -324,6 +329,7 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace,
                        "p99.9": round(percentile(lat_ms, 99.9), 3),
                        "max": round(lat_ms[-1], 3) if lat_ms else None},
         "window_s": round(window_s, 3), "cpu_pct": cpu_pct,
+        "subscriber_process_cpu_pct": each, "harness_bound": "; ".join(hot),
     }
 
 
@@ -383,7 +389,10 @@ def run(args: argparse.Namespace) -> rec.Record:
         "points": points, "ceilings": ceilings,
     }
     record.target("runs where every subscriber got every update",
-                  sum(r["complete"] for r in runs), len(runs), "runs")
+                  sum(r["complete"] for r in runs), len(runs), "runs",
+                  harness_bound="; ".join(f"{r['shards']} shard(s), {r['subscribers']} "
+                                          f"clients: {r['harness_bound']}" for r in runs
+                                          if r.get("harness_bound") and not r["complete"]))
     record.finish()
     return record
 
