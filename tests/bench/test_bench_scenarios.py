@@ -177,14 +177,42 @@ def check_relays(data: dict) -> None:
     assert [r["mode"] for r in runs] == ["direct", "relays", "direct_no_resume",
                                          "direct_resume", "relays"]
     for r in runs:
-        if r["part"] == "fanout":
+        if r["part"] == "fanout":   # 20 sockets over the smoke profile's 2 processes
             assert r["every_update"] and r["p50_ms"] is not None, r
+            assert r["processes"] == 2 and len(r["cpu_pct"]["subscribers"]) == 2, r
+            assert len(r["cpu_pct"]["server"]) == 1 and "harness_bound" in r
         else:
             assert r["all_clients_have_it"], r
     by = {r["mode"]: r for r in runs if r["part"] == "failover"}
     assert by["direct_no_resume"]["shard_kvsync"] >= 10 * 2000  # every client, whole map
     assert by["direct_resume"]["shard_kvsync"] == 0 and by["direct_resume"]["client_resumes"]
     assert by["relays"]["client_snapshots"] == 0
+
+
+def check_handoff(record: dict, results_dir) -> None:
+    """Every mode of the smoke profile, worker processes included: each callback got
+    every update, the record's shape."""
+    assert record["command"].startswith(
+        "python -m bench.handoff --modes inline,thread,workers --workers 1,2 ")
+    assert "| work | deliver |" in (results_dir / "latest" / "handoff.md").read_text()
+    runs = record["runs"]
+    assert [(r["work"], r["mode"], r["workers"]) for r in runs] == [
+        ("cpu", "inline", None), ("cpu", "thread", None), ("cpu", "workers", 1),
+        ("cpu", "workers", 2)]
+    assert sum(runs[3]["per_worker"]) == 150 and all(runs[3]["per_worker"])
+    for r in runs:
+        assert r["updates"] == 150
+        assert r["received"] == 150 and r["complete"], r
+        assert r["delivered_per_s"] > 0 and r["work_us"] > 0
+        assert isinstance(r["max_lag_seen_s"], float) and r["watch_error"] is None
+        assert r["subscriber_cpu_pct"] > 0
+    summary = record["summary"]
+    assert summary["all_complete"] is True
+    assert set(summary["delivered_per_s"]) == {"cpu/inline", "cpu/thread", "cpu/workers/1",
+                                               "cpu/workers/2"}
+    assert summary["workers_over_one"]["cpu"]["1"] == 1.0
+    assert summary["thread_over_inline"]["cpu"] > 0
+    assert record["targets"][0]["met"] is True
 
 
 LOSSY_FLAT_OUT = {("flat", "plain"), ("flat", "forwarder")}
@@ -220,6 +248,10 @@ def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
     check_single_record(records["chp_throughput"])
     check_points(records["scaleout"], {"shards", "target", "received_per_s", "efficiency"})
     check_scaleout_record(records["scaleout"])
+    for run in records["scaleout"]["runs"]:   # the smoke profile's --harness auto
+        assert run["plan"]["writers"] >= 1 and run["plan"]["subscribers"] >= 1, run["plan"]
+        assert set(run["harness_pct_each"]) == {"writers", "subscribers"}
+        assert run["loss_targets"] + run["loss_harness"] == run["loss_window"]
     check_points(records["latency"], {"offered_per_s", "target", "latency_ms"})
     check_latency_record(records["latency"])
     assert records["load"]["runs"] and records["load"]["summary"]
@@ -228,6 +260,7 @@ def test_bench_all_smoke_runs_every_scenario_and_the_report(procs, tmp_path):
     check_slow_subscriber(records["slow_subscriber"])
     check_relays(records["relays"])
     check_hot_path(records["hot_path"])
+    check_handoff(records["handoff"], tmp_path)
     assert (tmp_path / "REPORT.md").exists() and list((tmp_path / "plots").glob("*.png"))
     table = "\n".join(stdout)
     assert "python -m bench all (smoke)" in table and "FAILED" not in table

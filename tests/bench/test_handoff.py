@@ -2,9 +2,8 @@
 
 ``deliver="inline"``: on the client's loop thread, values decoded; ``"thread"`` (the
 default): on the watch's own dispatcher thread. Both against a real server, both see the
-items, the ``synced`` marker and live changes in order. Then ``python -m bench --smoke
---only handoff`` (so the profile is registered too) for a couple of seconds: the record's
-shape, and the callback got every update in both modes.
+items, the ``synced`` marker and live changes in order. The smoke run's record (every
+mode, workers included) is checked with ``bench all --smoke`` in test_bench_scenarios.py.
 """
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import threading
 import pytest
 
 from client.api import Clone
-from conftest import bench_record, run_bench
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -54,31 +52,3 @@ def test_deliver_is_checked(server):
     with Clone(server) as clone:
         with pytest.raises(ValueError, match="needs a callback"):
             clone.watch("", deliver="inline")
-
-
-def test_handoff_smoke_record(procs, tmp_path):
-    out = tmp_path / "results"
-    run_bench(procs, out, "bench", "--smoke", "--only", "handoff")
-    record = bench_record(out, "handoff")
-    assert record["command"].startswith(
-        "python -m bench.handoff --modes inline,thread,workers --workers 1,2 ")
-    assert record["invoked_as"].startswith("python -m bench --smoke")
-    assert "| work | deliver |" in (out / "latest" / "handoff.md").read_text()
-    runs = record["runs"]
-    assert [(r["work"], r["mode"], r["workers"]) for r in runs] == [
-        ("cpu", "inline", None), ("cpu", "thread", None), ("cpu", "workers", 1),
-        ("cpu", "workers", 2)]
-    assert sum(runs[3]["per_worker"]) == 150 and all(runs[3]["per_worker"])
-    for r in runs:
-        assert r["updates"] == 150
-        assert r["received"] == 150 and r["complete"], r
-        assert r["delivered_per_s"] > 0 and r["work_us"] > 0
-        assert isinstance(r["max_lag_seen_s"], float) and r["watch_error"] is None
-        assert r["subscriber_cpu_pct"] > 0
-    summary = record["summary"]
-    assert summary["all_complete"] is True
-    assert set(summary["delivered_per_s"]) == {"cpu/inline", "cpu/thread", "cpu/workers/1",
-                                               "cpu/workers/2"}
-    assert summary["workers_over_one"]["cpu"]["1"] == 1.0
-    assert summary["thread_over_inline"]["cpu"] > 0
-    assert record["targets"][0]["met"] is True
