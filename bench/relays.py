@@ -3,12 +3,16 @@
 Every run starts a fresh memory-only Binary Star pair (``--heartbeat-s 0.5``) and, where
 the mode says, relays of it (``python -m shards.relay``). Three parts:
 
-1. **Fan-out** (per round, mode ``direct`` then ``relays``): ``--subscribers`` raw SUB
-   sockets in one subscriber process, all on the active's P+1 (direct) or spread over
-   the relays; one writer sends ``--rate`` stamped updates per second, open loop, for
-   ``--warmup`` + ``--seconds``. Per update and subscriber: the latency from the
-   update's intended send time. Reported: whether every subscriber got every update, and
-   p50/p99. The relay hop's added latency is relays minus direct, in the same round.
+1. **Fan-out** (per round and size, mode ``direct`` then ``relays``): ``--subscribers``
+   raw SUB sockets spread over reader processes (``bench.harness.readers``: one per core
+   the pair, the relays and the writer leave, or ``--processes``), all on the active's
+   P+1 (direct) or spread over the relays; one writer sends ``--rate`` stamped updates
+   per second, open loop, for ``--warmup`` + ``--seconds`` (``--sizes`` runs several
+   subscriber x rate sizes). Per update and subscriber: the latency from the update's
+   intended send time. Reported: whether every subscriber got every update, p50/p99
+   weighted over the readers, and the CPU of the server, each relay and each reader (a
+   reader over 90% of a core makes the run harness-bound). The relay hop's added
+   latency is relays minus direct, in the same round.
 2. **Failover cost** (per round, mode ``direct, no resume``, ``direct, resume``,
    ``relays``): ``--clients`` clients (``AsyncClone``s on one loop in a child process)
    hold a ``--keys``-key map, directly or through the relays. The active is SIGKILLed,
@@ -19,10 +23,9 @@ the mode says, relays of it (``python -m shards.relay``). Three parts:
 3. **Memory per relay**: each relay's RSS and the active server's, holding the same map,
    from the ``relays`` failover runs.
 
-On this 2-core host every process shares two cores: the subscriber process, the relays
-and the servers compete, so the relay hop's latency includes that contention (a relay
-on its own core would add less), and the fan-out is limited to what one subscriber
-process can read.
+On this 2-core host every process shares two cores: the readers, the relays and the
+servers compete, so the relay hop's latency includes that contention (a relay on its
+own core would add less).
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ import zmq
 
 from bench.harness import record as rec
 from bench.harness.procs import Target, bench_main, cpu_seconds, free_port_base
+from bench.harness.readers import subscriber_processes, weighted_percentiles
 
 NAME = "relays"
 STAMP = struct.Struct(">Q")
@@ -78,10 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="fan-out at several sizes, SUBSCRIBERSxRATE comma-separated (e.g. "
                          "250x1000,1000x200,1000x1000); overrides --subscribers and --rate "
                          "for the fan-out part")
-    ap.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--warm", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
-    ap.add_argument("--child", choices=("subscribe", "clients"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("clients",), help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", default="", help=argparse.SUPPRESS)
     ap.add_argument("--expect", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--via", default="servers", help=argparse.SUPPRESS)
@@ -104,46 +106,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--sizes: subscribers >= 1 and rate > 0")
     args.size_list = args.size_list or [(args.subscribers, args.rate)]
     return args
-
-
-def subscriber_processes(subscribers: int, relays: int, requested: int = 0,
-                         cores: int | None = None) -> list[int]:
-    """How many SUB sockets each fan-out subscriber process holds: ``requested``
-    processes, or (0) one per core left after the pair, the relays and the writer, at
-    most one per 10 sockets and at least one; the sockets split as evenly as they go."""
-    if requested:
-        n = requested
-    else:
-        cores = cores or len(os.sched_getaffinity(0))
-        n = max(1, min(cores - (2 + relays + 1), subscribers // 10))
-    n = max(1, min(n, subscribers))
-    return [subscribers // n + (1 if i < subscribers % n else 0) for i in range(n)]
-
-
-def weighted_percentiles(parts: list[dict], points=(0.50, 0.99)) -> dict:
-    """Percentiles over every process's deliveries from each one's strided sample of its
-    sorted latencies (``sample_ns``) and its count: each sample stands for count/len
-    deliveries. ``max`` is exact (each process's own)."""
-    pairs = sorted((v, p["count"] / len(p["sample_ns"]))
-                   for p in parts if p["sample_ns"] for v in p["sample_ns"])
-    total = sum(w for _, w in pairs)
-    out: dict = {}
-    if not pairs:
-        return {f"p{round(q * 100)}_ms": None for q in points} | {"max_ms": None}
-    for q in points:
-        acc, goal = 0.0, q * total
-        for v, w in pairs:
-            acc += w
-            if acc >= goal:
-                break
-        out[f"p{round(q * 100)}_ms"] = round(v / 1e6, 3)
-    out["max_ms"] = round(max(p["max_ns"] for p in parts if p["sample_ns"]) / 1e6, 3)
-    return out
-
-
-SAMPLE = 20_000
-"""A fan-out subscriber process returns at most about this many of its latencies (an
-even stride through the sorted list) with their count, not millions of them."""
 
 
 # ===================================================================== processes
@@ -229,77 +191,6 @@ class Writer:
 
 # ===================================================================== children
 
-def whole_message_reader():
-    """``recv(sock)``: one whole message without blocking, or None. On the compiled frame
-    path one C call per message (``zio.compiled_recv``), else ``recv_multipart``: the
-    readers must outrun the fan-out they measure."""
-    from shards.common import zio
-
-    if zio.COMPILED:
-        read = zio.compiled_recv()
-
-        def recv(sock):
-            return read(sock.underlying, 1, 5)   # 1 = NOBLOCK
-        return recv
-
-    def recv_pure(sock):
-        try:
-            return sock.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return None
-    return recv_pure
-
-
-def child_subscribe(args) -> None:
-    """``--subscribers`` SUBs round-robin over ``--endpoints``; READY once each heard its
-    welcome HUGZ; then every ``/fan/`` update's latency until each has ``--expect``."""
-    endpoints = args.endpoints.split(",")
-    ctx = zmq.Context()
-    socks = []
-    for i in range(args.subscribers):
-        s = ctx.socket(zmq.SUB)
-        s.rcvhwm = 0
-        s.subscribe(b"/fan/")
-        s.subscribe(b"HUGZ")
-        s.connect(endpoints[(args.first + i) % len(endpoints)])
-        socks.append(s)
-    poller = zmq.Poller()
-    for s in socks:
-        poller.register(s, zmq.POLLIN)
-    live = set()
-    counts = [0] * len(socks)
-    lat: list[int] = []
-    index = {s: i for i, s in enumerate(socks)}
-    recv = whole_message_reader()
-    stamp, now_ns, warm, expect = STAMP.unpack_from, time.monotonic_ns, args.warm, args.expect
-    short = len(socks)          # sockets that have not yet had --expect updates
-    deadline = time.monotonic() + 60
-    ready = False
-    while time.monotonic() < deadline:
-        for s, _ in poller.poll(200):
-            i = index[s]
-            n = counts[i]
-            while (frames := recv(s)) is not None:
-                if frames[0] == b"HUGZ":
-                    live.add(i)
-                    continue
-                if n >= warm:    # this socket's warm-up is not timed
-                    lat.append(now_ns() - stamp(frames[4])[0])
-                n += 1
-                if n == expect:
-                    short -= 1
-            counts[i] = n
-        if not ready and len(live) == len(socks):
-            ready = True
-            print("READY", flush=True)
-        if ready and short <= 0:
-            break
-    lat.sort()
-    print(json.dumps({"counts": [min(counts), max(counts)], "count": len(lat),
-                      "sample_ns": lat[::max(1, len(lat) // SAMPLE)],
-                      "max_ns": lat[-1] if lat else 0}), flush=True)
-
-
 def child_clients(args) -> None:
     """``--clients`` AsyncClones on one loop; READY once all hold their snapshot; on
     SIGUSR1 a JSON line of their summed stats and how many hold ``/m/done``; SIGTERM
@@ -360,7 +251,7 @@ def fanout(mode: str, args) -> dict:
 
         def start(j: int) -> Target:
             return Target(f"subscribers{j}", [
-                sys.executable, "-m", "bench.relays", "--child", "subscribe",
+                sys.executable, "-m", "bench.harness.readers",
                 "--subscribers", str(shares[j]), "--first", str(firsts[j]),
                 "--endpoints", ",".join(endpoints), "--expect", str(total),
                 "--warm", str(warm)], timeout_s=60)
@@ -479,7 +370,7 @@ def _after_failover(cluster, clients, before, served, entry: int, args) -> dict:
 def run(args: argparse.Namespace) -> rec.Record:
     config = {k: v for k, v in vars(args).items()
               if k not in ("results_dir", "child", "endpoints", "expect", "via", "resume",
-                           "first", "warm", "part_list", "size_list")}
+                           "part_list", "size_list")}
     record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", config), config)
     sizes = args.size_list if "fanout" in args.part_list else []
     modes = ("direct_no_resume", "direct_resume", "relays")
@@ -590,9 +481,6 @@ def report(record: rec.Record) -> None:
 
 def main(argv: list[str] | None = None) -> rec.Record | None:
     args = parse_args(argv if argv is not None else sys.argv[1:])
-    if args.child == "subscribe":
-        child_subscribe(args)
-        return None
     if args.child == "clients":
         child_clients(args)
         return None

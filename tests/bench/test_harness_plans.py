@@ -11,7 +11,7 @@ import pytest
 from bench.harness import record as rec
 from bench.harness.fleet import LoadResult, merged
 from bench.harness.offer import charge, harness_plan, subscriber_shares
-from bench.relays import subscriber_processes, weighted_percentiles
+from bench.harness.readers import subscriber_processes, weighted_percentiles
 
 SIXTEEN = list(range(16))
 
