@@ -23,15 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from bench import load
 from bench.harness import record as rec
-from bench.harness.procs import ROOT, Target, bench_main, free_port_base
+from bench.harness.procs import ROOT, Target, bench_main, relocated_config
 
 NAME = "cluster"
 DEADLINE_S = 60.0
-PORTS_PER_SHARD = 20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,28 +50,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.seconds <= 0 or args.warmup < 0 or args.rounds < 1:
         ap.error("--seconds and --rounds must be positive, --warmup >= 0")
     return args
-
-
-def relocated(config: Path, tmp: Path) -> tuple[Path, str, int]:
-    """The config with a free control endpoint, free ports, its data in ``tmp`` and no
-    metrics endpoint; (path, control endpoint, shards)."""
-    data = yaml.safe_load(config.read_text())
-    shards = len(data["shards"])
-    control_port = free_port_base(1)
-    while True:
-        base = free_port_base(PORTS_PER_SHARD * shards)
-        if not base <= control_port < base + PORTS_PER_SHARD * shards:
-            break
-    data["control"] = f"tcp://127.0.0.1:{control_port}"
-    data["metrics"] = "off"
-    data["data_dir"] = str(tmp / "data")
-    data.pop("port_base", None)
-    for i, shard in enumerate(data["shards"]):
-        shard.setdefault("primary", {})["port"] = base + PORTS_PER_SHARD * i
-        shard.setdefault("backup", {})["port"] = base + PORTS_PER_SHARD * i + 10
-    path = tmp / config.name
-    path.write_text(yaml.safe_dump(data))
-    return path, data["control"], shards
 
 
 def settled_pids(control: str, shards: int) -> list[int]:
@@ -106,7 +81,8 @@ def run(args: argparse.Namespace) -> rec.Record:
         source = ROOT / source
     with tempfile.TemporaryDirectory(prefix="clonemap-bench-cluster-") as tmp_dir:
         tmp = Path(tmp_dir)
-        config, control, shards = relocated(source, tmp)
+        config, control, data = relocated_config(source, tmp, data_dir=tmp / "data")
+        shards = len(data["shards"])
         sup = Target("supervisor", [sys.executable, "-m", "supervisor", "start", str(config),
                                     "--no-table", "--run-dir", str(tmp / "run")],
                      ready="READY supervisor", timeout_s=DEADLINE_S)

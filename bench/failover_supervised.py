@@ -34,10 +34,8 @@ import threading
 import time
 from pathlib import Path
 
-import yaml
-
 from bench.harness import record as rec
-from bench.harness.procs import ROOT, Target, free_port_base
+from bench.harness.procs import ROOT, Target, relocated_config
 
 NAME = "failover_supervised"
 DURATION = "Duration (2 cores): smoke (--kills 1) ~20 s; quick (--kills 3) ~45 s."
@@ -46,25 +44,6 @@ DEADLINE_S = 60.0
 TARGET_CHP_S = 1.0
 TARGET_CLONE_S = 1.0
 STALL_SLACK_S = 1.0
-
-
-def _config(tmp: Path) -> tuple[Path, str, dict]:
-    """configs/4shard.yaml with free ports (control and the four pairs)."""
-    data = yaml.safe_load(CONFIG.read_text())
-    control = f"tcp://127.0.0.1:{free_port_base(1)}"
-    data["control"] = control
-    while True:
-        base = free_port_base(80)
-        port = int(control.rsplit(":", 1)[1])
-        if not base <= port < base + 80:
-            break
-    data["metrics"] = "off"  # not measured here; 9464 may be another cluster's
-    for i, shard in enumerate(data["shards"]):
-        shard["primary"]["port"] = base + 20 * i
-        shard["backup"]["port"] = base + 20 * i + 10
-    path = tmp / "4shard.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path, control, data
 
 
 def _rows(control: str) -> dict[str, dict]:
@@ -127,7 +106,7 @@ def run_supervised(args, record: rec.Record, progress: rec.Progress) -> None:
     python = sys.executable
     with tempfile.TemporaryDirectory(prefix="clonemap-failover-") as tmp_dir:
         tmp = Path(tmp_dir)
-        config, control, data = _config(tmp)
+        config, control, data = relocated_config(CONFIG, tmp)
         silence_s = float(data["silence_timeout_s"])
         record.data["config"].update({"cluster_config": "configs/4shard.yaml (free ports)",
                                       "heartbeat_s": data["heartbeat_s"],

@@ -56,7 +56,8 @@ from struct import error as struct_error
 
 from bench.harness import record as rec
 from bench.harness.fleet import timed_writer
-from bench.harness.procs import Target, bench_main, cpu_seconds, server_argv, start_on_free_ports
+from bench.harness.procs import (Target, bench_main, cpu_pct_each, cpu_seconds, server_argv,
+                                 start_on_free_ports)
 from bench.harness.traffic import STAMP_BYTES, key_index, stamp_of
 
 NAME = "fanout"
@@ -298,9 +299,8 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace,
                "host": round(100 * (cpu1["host_busy"] - cpu0["host_busy"]) / window_s, 1)}
     cpu_pct["others"] = round(max(0.0, cpu_pct["host"] - cpu_pct["servers"]
                                   - cpu_pct["subscribers"] - cpu_pct["writer"]), 1)
-    each = [pct([p], cpu1) for p in groups["subscribers"]]
-    hot = [f"subscriber process {i} at {v:.0f}% of a core" for i, v in enumerate(each)
-           if v > rec.HARNESS_BOUND_PCT]
+    each = cpu_pct_each(groups["subscribers"], cpu0, cpu1, window_s)
+    hot = rec.saturated("subscriber process", each)
     first_ns = wrote["first_send_ns"]
     sent_per_s = (round(wrote["sent_total"] / wrote["elapsed_s"], 1)
                   if wrote["elapsed_s"] else None)

@@ -121,6 +121,15 @@ def make_work(kind: str, cost_us: float):
     return lambda: sha(buf).digest()
 
 
+def calibrated(kind: str, cost_us: float):
+    """(the work, what it measured per call in us, over 200 calls)."""
+    work = make_work(kind, cost_us)
+    t0 = time.perf_counter_ns()
+    for _ in range(200):
+        work()
+    return work, (time.perf_counter_ns() - t0) / 200 / 1000
+
+
 def worker_setup(work: str, cost_us: float):
     """Mode workers: what each worker process runs per change (client.workers)."""
     burn = make_work(work, cost_us)
@@ -146,11 +155,7 @@ def subscriber_main(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     if args.deliver == "workers":
         return workers_subscriber(args)
-    work = make_work(args.work, args.cost_us)
-    t0 = time.perf_counter_ns()
-    for _ in range(200):
-        work()
-    work_us = (time.perf_counter_ns() - t0) / 200 / 1000
+    work, work_us = calibrated(args.work, args.cost_us)
     state = {"received": 0, "first_ns": 0, "last_ns": 0, "synced": False}
     done = threading.Event()
     synced = threading.Event()
@@ -200,18 +205,14 @@ def workers_subscriber(args: argparse.Namespace) -> None:
     from client.api import Clone
     from client.workers import Workers
 
-    work = make_work(args.work, args.cost_us)
-    t0 = time.perf_counter_ns()
-    for _ in range(200):
-        work()
-    work_us = (time.perf_counter_ns() - t0) / 200 / 1000
+    _, work_us = calibrated(args.work, args.cost_us)
     capacity = max(10_000, 2 * args.count)
     with Clone(f"tcp://127.0.0.1:{args.port}", timeout_s=START_TIMEOUT_S, max_lag_s=None,
                watch_capacity=capacity) as clone:
         with Workers(clone, "", f"bench.{NAME}:worker_setup", workers=args.workers,
                      args=(args.work, args.cost_us), capacity=capacity) as pool:
             deadline = time.monotonic() + START_TIMEOUT_S
-            while not pool._watch.synced:   # the empty map's synced marker
+            while not pool.synced:   # the empty map's synced marker
                 if time.monotonic() > deadline:
                     raise SystemExit("handoff subscriber: the watch never synced")
                 time.sleep(0.01)

@@ -42,7 +42,7 @@ import psutil
 import zmq
 
 from bench.harness import record as rec
-from bench.harness.procs import Target, bench_main, cpu_seconds, free_port_base
+from bench.harness.procs import Target, bench_main, cpu_pct_each, cpu_seconds, free_port_base
 from bench.harness.readers import subscriber_processes, weighted_percentiles
 
 NAME = "relays"
@@ -85,7 +85,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
     ap.add_argument("--child", choices=("clients",), help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--expect", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--via", default="servers", help=argparse.SUPPRESS)
     ap.add_argument("--resume", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -282,13 +281,11 @@ def fanout(mode: str, args) -> dict:
         took = time.monotonic() - t0
         cpu1 = cpu_seconds([p for pids in who.values() for p in pids])
         least = min(p["counts"][0] for p in parts)
-        pct = {role: [round(100 * (cpu1.get(p, 0.0) - cpu0.get(p, 0.0)) / took, 1)
-                      for p in pids] for role, pids in who.items()}
-        pct["server_threads"] = sorted(
-            (round(100 * (t1 - cpu0["threads"].get(tid, 0.0)) / took, 1)
-             for tid, t1 in cpu1["threads"].items()), reverse=True)[:3]
-        hot = [f"subscriber process {i} at {v:.0f}% of a core"
-               for i, v in enumerate(pct["subscribers"]) if v > rec.HARNESS_BOUND_PCT]
+        pct = {role: cpu_pct_each(pids, cpu0, cpu1, took) for role, pids in who.items()}
+        threads = cpu1["threads"]   # the first pid's: the server's
+        pct["server_threads"] = sorted(cpu_pct_each(list(threads), cpu0["threads"], threads,
+                                                    took), reverse=True)[:3]
+        hot = rec.saturated("subscriber process", pct["subscribers"])
         return {"part": "fanout", "mode": mode, "subscribers": args.subscribers,
                 "rate": args.rate, "processes": len(shares), "updates": total,
                 "min_received": least, "every_update": least >= total,
@@ -369,7 +366,7 @@ def _after_failover(cluster, clients, before, served, entry: int, args) -> dict:
 
 def run(args: argparse.Namespace) -> rec.Record:
     config = {k: v for k, v in vars(args).items()
-              if k not in ("results_dir", "child", "endpoints", "expect", "via", "resume",
+              if k not in ("results_dir", "child", "endpoints", "via", "resume",
                            "part_list", "size_list")}
     record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", config), config)
     sizes = args.size_list if "fanout" in args.part_list else []

@@ -240,6 +240,7 @@ class Workers:
 
     def _run(self) -> None:
         n = self.n
+        worker_of = self.worker_of
         try:
             while not self._stopping.is_set():
                 raws = self._watch.get_raw(self.batch * n, POLL_S)
@@ -255,7 +256,7 @@ class Workers:
                         for i in range(n):
                             per[i].append((kind, key.decode(), None, seq, shard))
                         continue
-                    i = zlib.crc32(key) % n
+                    i = worker_of(key)
                     per[i].append((kind, key.decode(), value, seq, shard))
                     sizes[i] += len(key) + len(value) + 16
                     self.handed[i] += 1
@@ -323,6 +324,11 @@ class Workers:
                 "error": str(self.error) if self.error else None}
 
     @property
+    def synced(self) -> bool:
+        """The watch has delivered its ``synced`` marker (the map as it was, then live)."""
+        return self._watch.synced
+
+    @property
     def pids(self) -> list[int]:
         return [proc.pid for proc in self._procs]
 
@@ -336,9 +342,8 @@ class Workers:
                     raise self.error
                 # the watch counts an entry as delivered when the hand-off takes it, so
                 # one taken but not yet routed keeps delivered ahead of _routed
-                core = self._watch._core
-                if (self.handled == self.handed and core.delivered == self._routed
-                        and not core.has_pending()):
+                if (self.handled == self.handed and self._watch.delivered == self._routed
+                        and not self._watch._core.has_pending()):
                     return True
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

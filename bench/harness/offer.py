@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from bench.harness import record as rec
 from bench.harness.fleet import LoadRun
-from bench.harness.procs import (Target, cpu_pct_by_group, cpu_seconds, forwarder_argv,
-                                 free_port_base, server_argv, start_on_free_ports)
+from bench.harness.procs import (Target, cpu_pct_by_group, cpu_pct_each, cpu_seconds,
+                                 forwarder_argv, free_port_base, server_argv,
+                                 start_on_free_ports)
 from bench.harness.traffic import RATE_TICK_S, SubscriberConfig, WriterConfig
 
 KINDS = ("server", "forwarder", "pubsub")
@@ -60,13 +61,21 @@ def core_plan(targets: int, harness: int, cores: list[int] | None = None,
     robin, if none is left). Given ``harness_cores``, the harness takes those (round
     robin) and the targets the other cores."""
     cores = cores or usable_cores()
+    target_cores, spare = _split_cores(targets, cores, harness_cores)
+    spare = spare or cores
+    return target_cores, [spare[i % len(spare)] for i in range(harness)]
+
+
+def _split_cores(targets: int, cores: list[int], harness_cores=()
+                 ) -> tuple[list[int], list[int]]:
+    """(a core for each of ``targets``, round robin; the harness's cores): given
+    ``harness_cores``, those, and the targets on the others; else the cores the targets
+    left (empty on a host with no core to spare)."""
     if harness_cores:
         rest = [c for c in cores if c not in harness_cores] or cores
-        return ([rest[i % len(rest)] for i in range(targets)],
-                [harness_cores[i % len(harness_cores)] for i in range(harness)])
+        return [rest[i % len(rest)] for i in range(targets)], list(harness_cores)
     target_cores = [cores[i % len(cores)] for i in range(targets)]
-    rest = [c for c in cores if c not in target_cores] or cores
-    return target_cores, [rest[i % len(rest)] for i in range(harness)]
+    return target_cores, [c for c in cores if c not in target_cores]
 
 
 def subscriber_shares(publishers: list[str], subscribers: int, split: bool
@@ -122,13 +131,7 @@ def harness_plan(targets: int, cores: list[int] | None = None, *,
     target when ``split``), and never more harness processes than harness cores, so no
     two load processes share a core where the host has enough of them."""
     cores = list(cores or usable_cores())
-    if harness_cores:
-        spare = list(harness_cores)
-        rest = [c for c in cores if c not in spare] or cores
-        tcores = [rest[i % len(rest)] for i in range(targets)]
-    else:
-        tcores = [cores[i % len(cores)] for i in range(targets)]
-        spare = [c for c in cores if c not in tcores]
+    tcores, spare = _split_cores(targets, cores, harness_cores)
     why = f"{len(cores)} usable cores, {targets} target(s)"
     if not spare:   # a small host: the harness shares the targets' cores
         spare = cores
@@ -347,12 +350,9 @@ def charge(groups: dict[str, list[int]], before: dict, after: dict, seconds: flo
     subscriber process that was saturated read too slowly, so the publisher dropped for
     it (``loss_harness``); one with CPU to spare saw what the targets failed to send
     (``loss_targets``)."""
-    pct = lambda pid: round(100 * (after.get(pid, 0.0) - before.get(pid, 0.0))  # noqa: E731
-                            / (seconds or 1e-9), 1)
-    each = {role: [pct(pid) for pid in groups.get(role, [])]
+    each = {role: cpu_pct_each(groups.get(role, []), before, after, seconds)
             for role in ("writers", "subscribers")}
-    hot = [f"{role[:-1]} {i} at {v:.0f}% of a core" for role, vals in each.items()
-           for i, v in enumerate(vals) if v > rec.HARNESS_BOUND_PCT]
+    hot = [line for role, vals in each.items() for line in rec.saturated(role[:-1], vals)]
     loss_h = sum(g for g, v in zip(gaps_each, each["subscribers"])
                  if v > rec.HARNESS_BOUND_PCT)
     return {"harness_pct_each": each,

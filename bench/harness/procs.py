@@ -42,6 +42,38 @@ def free_port_base(count: int = 4, host: str = "127.0.0.1") -> int:
     return ports.free_port_base(PORT_RANGE[0], PORT_RANGE[1], count, host)
 
 
+PORTS_PER_SHARD = 20
+"""A cluster config's ports per shard: primary P..P+3, backup P+10..P+13."""
+
+
+def relocated_config(config: Path, tmp: Path, data_dir: Path | None = None
+                     ) -> tuple[Path, str, dict]:
+    """A copy of the cluster ``config`` in ``tmp`` that meets no running cluster: a free
+    control endpoint, free server ports, no metrics endpoint (9464 may be another
+    cluster's) and, given ``data_dir``, its data there; (path, control endpoint, the
+    config as written)."""
+    import yaml
+
+    data = yaml.safe_load(config.read_text())
+    span = PORTS_PER_SHARD * len(data["shards"])
+    control_port = free_port_base(1)
+    while True:
+        base = free_port_base(span)
+        if not base <= control_port < base + span:
+            break
+    data["control"] = f"tcp://127.0.0.1:{control_port}"
+    data["metrics"] = "off"
+    if data_dir is not None:
+        data["data_dir"] = str(data_dir)
+    data.pop("port_base", None)
+    for i, shard in enumerate(data["shards"]):
+        shard.setdefault("primary", {})["port"] = base + PORTS_PER_SHARD * i
+        shard.setdefault("backup", {})["port"] = base + PORTS_PER_SHARD * i + 10
+    path = tmp / config.name
+    path.write_text(yaml.safe_dump(data))
+    return path, data["control"], data
+
+
 class Target:
     def __init__(self, name: str, argv: list[str], ready: str = "READY",
                  timeout_s: float = READY_TIMEOUT_S):
@@ -168,6 +200,12 @@ def bench_main(name: str, parse_args, run, report, argv: list[str] | None = None
     path = record.save(Path(args.results_dir))
     rec.log(f"{name}: saved {path}")
     return record
+
+
+def cpu_pct_each(pids: list[int], before: dict, after: dict, seconds: float) -> list[float]:
+    """Percent of one core for each pid between two ``cpu_seconds`` samples."""
+    return [round(100 * (after.get(p, 0.0) - before.get(p, 0.0)) / (seconds or 1e-9), 1)
+            for p in pids]
 
 
 def cpu_pct_by_group(groups: dict[str, list[int]], before: dict, after: dict,

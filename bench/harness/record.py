@@ -36,9 +36,9 @@ RESULTS_DIR = ROOT / "bench" / "results"
 """Committed: ``latest/`` (one record per benchmark), the report and its plots. The
 timestamped copies a save also writes there are the local history (not committed)."""
 SCRATCH_DIR = RESULTS_DIR / "scratch"
+"""Where smoke runs go (not committed): never over the committed figures."""
 PROFILE_DIRS = {"16core": RESULTS_DIR / "16core"}
 """Where a host profile's records go by default: beside the 2-core ones, never over them."""
-"""Where smoke runs go (not committed): never over the committed figures."""
 SCHEMA = 1
 
 
@@ -239,6 +239,12 @@ def table(record: Record, title: str, columns: list[str], rows: list[list],
 HARNESS_BOUND_PCT = 90.0
 """A harness process (writer, subscriber) busier than this share of a core sets the
 figure itself: the target line then says so instead of blaming the servers."""
+
+
+def saturated(label: str, pcts: list[float]) -> list[str]:
+    """"<label> i at N% of a core" for each process busier than ``HARNESS_BOUND_PCT``."""
+    return [f"{label} {i} at {v:.0f}% of a core" for i, v in enumerate(pcts)
+            if v > HARNESS_BOUND_PCT]
 
 
 def met_word(t: dict) -> str:
