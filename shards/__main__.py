@@ -30,7 +30,7 @@ import click
 
 from shards.common.errors import ConfigError, Exit, os_error_text
 from shards.common.memory import return_large_frees
-from shards import streams
+from shards import coord, streams
 from shards.pair import PairServer
 from shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES
 from shards.common.proto import chp
@@ -123,6 +123,15 @@ def _report_torn(got, data_dir: str) -> None:
     else:
         log.warning("recovery: a torn last record was truncated in %s (%d bytes; too little "
                     "of it was written to say which updates)", data_dir, got.torn_bytes)
+
+
+def coordination_arg(ctx, param, value: str | None) -> list[tuple[str, int]] | None:
+    if value is None:
+        return None
+    try:
+        return coord.parse_url(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -239,6 +248,19 @@ def _report_torn(got, data_dir: str) -> None:
               help="CURVE on every socket with the cluster's keys in this directory "
                    "(server.key_secret, and the public keys of the admitted peers; see "
                    "`supervisor keygen`). Default: plain TCP.")
+@click.option("--coordination", callback=coordination_arg, default=None,
+              metavar="etcd://HOST:PORT[,HOST:PORT...]",
+              help="A pair across hosts: the server may be ACTIVE only while it holds the "
+                   "pair's lease in this etcd cluster (see shards/README.md, Across "
+                   "hosts). Default: none (Binary Star alone, for a pair on one host).")
+@click.option("--lease-s", type=click.FloatRange(coord.MIN_LEASE_S, 3600),
+              default=coord.LEASE_S, show_default=True,
+              help="With --coordination: the lease's TTL; a dead active's shard waits this "
+                   "long (plus half a second at most) before its peer serves.")
+@click.option("--lease-name", default=None, metavar="NAME",
+              help="With --coordination: the lease's name in etcd (key "
+                   "clonemap/NAME/active), the same on both servers of the pair and "
+                   "unique in that etcd. Default: shard-SHARD.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_props_bytes,
@@ -246,7 +268,8 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
          pub_hwm, subscriber_held_bytes, writer_held_bytes, history_updates, history_bytes,
          dedup_bytes, dedup_s, collect_hwm, snapshot_hwm, snapshot_held_bytes, cpus, pair_role, peer, shard, control,
          parent_pid, shard_map, shard_index, pending_max, pending_max_bytes, pending_age_s, data_dir, fsync,
-         compact_min_bytes, compact_ratio, min_free_bytes, keys_dir, log_level):
+         compact_min_bytes, compact_ratio, min_free_bytes, keys_dir, coordination, lease_s,
+         lease_name, log_level):
     """Run one 12/CHP shard server: standalone, or one server of a Binary Star pair."""
     if pair_role is not None and peer is None:
         raise click.UsageError(f"--{pair_role} needs --peer HOST:PORT (the other server)")
@@ -257,6 +280,9 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
     if shard_map is not None and shard_index >= shard_map.shards:
         raise click.BadParameter(f"{shard_index} is not a shard of --routing (0.."
                                  f"{shard_map.shards - 1})", param_hint="--shard-index")
+    if coordination is not None and pair_role is None:
+        raise click.UsageError("--coordination is for a pair: add --primary/--backup and "
+                               "--peer")
     if port > 65532 and pair_role is not None:
         raise click.BadParameter("a pair server uses P..P+3: at most 65532", param_hint="--port")
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
@@ -288,7 +314,9 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
     else:
         server = PairServer(config, role=pair_role, peer=peer, shard=shard,
                             pending_max=pending_max, pending_age_s=pending_age_s,
-                            pending_max_bytes=pending_max_bytes)
+                            pending_max_bytes=pending_max_bytes,
+                            coordination=coordination, lease_s=lease_s,
+                            lease_name=lease_name)
     if keys_dir is not None:
         try:
             server.security = Security.load(keys_dir, "server")

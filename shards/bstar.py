@@ -67,6 +67,21 @@ Rules (``TABLE``; rows are this server's state, columns the event)::
         backup's map (the crossed-roles rule).
     TICK in any state: PublishState when the heartbeat is due.
 
+Leased mode (``Config.leased``: the pair is coordinated by a lease in etcd, ``shards.coord``;
+used where the two servers are on different hosts)::
+
+    (L1) every rule above that would make this server ACTIVE instead sets ``wants_lease``
+         and leaves the state as it is (a vote is refused: "acquiring the pair's lease");
+         the shell acquires while ``lease_wanted``; LEASE_ACQUIRED then makes it ACTIVE.
+         A server is ACTIVE only while it holds the lease.
+    (L2) LEASE_LOST while ACTIVE -> PASSIVE: the shell fences (it stops acknowledging at
+         the lease's deadline, before etcd can hand the lease on) and resynchronises.
+    (L3) the lease, not a term, settles dual active: the holder carries on, the other
+         goes PASSIVE; nobody exits. Hearing the peer ACTIVE withdraws ``wants_lease``.
+    (L4) dual passive (both fenced, e.g. after etcd was unreachable): the server with
+         the later map (``later_state`` on the live sequence, ``with_sequence``) wants
+         the lease; nobody exits.
+
 Decisions the architecture leaves open:
 
 * peer_expiry = now + 2 x the heartbeat the *peer* advertises in its message (it is the
@@ -106,6 +121,8 @@ class Event(enum.Enum):
     PEER_PASSIVE = "PEER_PASSIVE"
     CLIENT_REQUEST = "CLIENT_REQUEST"
     TICK = "TICK"
+    LEASE_ACQUIRED = "LEASE_ACQUIRED"
+    LEASE_LOST = "LEASE_LOST"
 
 
 PEER_EVENT = {State.PRIMARY: Event.PEER_PRIMARY, State.BACKUP: Event.PEER_BACKUP,
@@ -158,6 +175,8 @@ class Config:
     heartbeat_s: float = HEARTBEAT_S
     shard: str = ""
     split_brain_survivor: bool = True
+    leased: bool = False
+    """The pair is coordinated through a lease (``shards.coord``): see *Leased mode*."""
 
     def __post_init__(self):
         if not self.heartbeat_s > 0:
@@ -181,15 +200,22 @@ class Machine:
     """The supervisor reports the peer down and not coming back by itself (it stopped
     on a disk error, or is FAILED): a BACKUP then takes a client's vote (rule 9). Any
     message from the peer ends it."""
+    lease_held: bool = False
+    """Leased mode: the shell reports that this server holds the pair's lease."""
+    wants_lease: bool = False
+    """Leased mode: a rule would make this server ACTIVE; it becomes so only once the
+    lease is acquired (the shell tries while this is set, or while ACTIVE)."""
+    wants_because: str = ""
 
 
 def new_machine(role: Role, now: float, heartbeat_s: float = HEARTBEAT_S, shard: str = "",
                 split_brain_survivor: bool = True, term: int = 0,
-                data_seq: int = 0, needs_peer: bool = False) -> Machine:
+                data_seq: int = 0, needs_peer: bool = False,
+                leased: bool = False) -> Machine:
     """A server that has just started: PRIMARY or BACKUP, peer not yet heard. ``term``
     and ``data_seq`` describe the map it recovered from disk (0 for none); ``needs_peer``:
     it recovered none it can trust (see ``NEEDS_PEER``)."""
-    config = Config(Role(role), heartbeat_s, shard, split_brain_survivor)
+    config = Config(Role(role), heartbeat_s, shard, split_brain_survivor, leased)
     state = _start_state(config)
     return Machine(config, state, peer_expiry=now + PEER_EXPIRY_HEARTBEATS * heartbeat_s,
                    next_publish_at=now, term=0 if needs_peer else term,
@@ -209,6 +235,17 @@ def peer_copied(machine: Machine) -> Machine:
     """The shell has installed (and persisted) the active peer's whole map: this server
     holds a valid copy again and the ``NEEDS_PEER`` rules end."""
     return replace(machine, needs_peer=False)
+
+
+def lease_wanted(machine: Machine) -> bool:
+    """Leased mode: whether the shell must hold (or try to acquire) the lease now."""
+    return machine.config.leased and not machine.fatal and (
+        machine.state is State.ACTIVE or machine.wants_lease)
+
+
+def with_sequence(machine: Machine, seq: int) -> Machine:
+    """Leased mode: the shell's current sequence, for the dual-passive rule (L4)."""
+    return machine if machine.data_seq == seq else replace(machine, data_seq=seq)
 
 
 def later_state(m: Machine, msg: StateMessage) -> bool:
@@ -234,6 +271,9 @@ def would_accept(machine: Machine, now: float) -> bool:
     ACTIVE, or a vote that would win because the peer has been silent past its expiry."""
     if machine.fatal:
         return False
+    if machine.config.leased and machine.state is not State.ACTIVE \
+            and not machine.lease_held:
+        return False  # a vote only starts the acquire (L1)
     rule = TABLE[(machine.state, Event.CLIENT_REQUEST)]
     votes = rule is Rule.VOTE or (rule is Rule.REFUSE and machine.peer_down)
     return rule is Rule.ACCEPT or (votes and now >= machine.peer_expiry
@@ -318,6 +358,8 @@ def step(machine: Machine, event: EventLike, now: float) -> tuple[Machine, list[
                          if kind is Event.CLIENT_REQUEST else [])
     if kind is Event.CLIENT_REQUEST:
         return _client_request(machine, now)
+    if kind is Event.LEASE_ACQUIRED or kind is Event.LEASE_LOST:
+        return _lease(machine, kind, now)
     return _peer(machine, event, kind, now)
 
 
@@ -329,6 +371,8 @@ def _tick(m: Machine, now: float) -> tuple[Machine, list[Effect]]:
 
 
 def _to_active(m: Machine, now: float, reason: str) -> tuple[Machine, list[Effect]]:
+    if m.config.leased and not m.lease_held:  # (L1): only through the lease
+        return replace(m, wants_lease=True, wants_because=reason), []
     previous = m.state
     m = replace(m, state=State.ACTIVE, term=m.term + 1,
                 next_publish_at=now + m.config.heartbeat_s)
@@ -337,7 +381,8 @@ def _to_active(m: Machine, now: float, reason: str) -> tuple[Machine, list[Effec
 
 def _to_passive(m: Machine, now: float, reason: str) -> tuple[Machine, list[Effect]]:
     previous = m.state
-    m = replace(m, state=State.PASSIVE, next_publish_at=now + m.config.heartbeat_s)
+    m = replace(m, state=State.PASSIVE, next_publish_at=now + m.config.heartbeat_s,
+                wants_lease=False, wants_because="")
     return m, [BecamePassive(previous, reason), PublishState(m.state, m.term)]
 
 
@@ -357,8 +402,22 @@ def _client_request(m: Machine, now: float) -> tuple[Machine, list[Effect]]:
         "client vote, the peer reported down" if m.state is State.BACKUP else \
         "client vote, no peer heard"
     m, effects = _to_active(m, now, why)
+    if m.state is not State.ACTIVE:  # (L1): acquiring the lease first
+        return m, [RefuseRequest("acquiring the pair's lease")]
     effects.append(AcceptRequest())
     return m, effects
+
+
+def _lease(m: Machine, kind: Event, now: float) -> tuple[Machine, list[Effect]]:
+    if kind is Event.LEASE_LOST:
+        m = replace(m, lease_held=False)
+        if m.state is State.ACTIVE:  # (L2): fenced
+            return _to_passive(m, now, "lease lost: it may pass to the peer")
+        return m, []
+    m = replace(m, lease_held=True)
+    if m.wants_lease and m.state is not State.ACTIVE:
+        return _to_active(m, now, f"lease acquired ({m.wants_because})")
+    return m, []
 
 
 _START_UP = {(State.PRIMARY, Event.PEER_BACKUP), (State.BACKUP, Event.PEER_PRIMARY)}
@@ -386,6 +445,19 @@ def _peer(m: Machine, msg: StateMessage, kind: Event,
                                                      f"{peer_role.name.lower()}")]
     m = replace(m, peer_expiry=now + PEER_EXPIRY_HEARTBEATS * msg.heartbeat_s,
                 peer_state=peer_state, peer_down=False)
+    if c.leased:
+        if peer_state is State.ACTIVE and m.wants_lease and m.state is not State.ACTIVE:
+            m = replace(m, wants_lease=False, wants_because="")  # (L3): it serves
+        if rule is Rule.DUAL_ACTIVE:  # (L3): the lease decides, nobody exits
+            if m.lease_held:
+                return m, [SplitBrainSurvived("dual active", "this server holds the lease")]
+            return _to_passive(m, now, "peer is active and this server holds no lease")
+        if rule is Rule.DUAL_PASSIVE:  # (L4): nobody serves; the later map asks
+            if msg.term > m.term:
+                m = replace(m, term=msg.term)
+            if later_state(m, msg) and not m.needs_peer:
+                return _to_active(m, now, "both passive: this server holds the later map")
+            return m, []
     if (m.state, kind) in _START_UP:  # (7): the later map goes active
         rule = Rule.TO_ACTIVE if later_state(m, msg) else Rule.STAY
         if m.needs_peer and (msg.term, msg.sequence) != (0, 0):

@@ -54,7 +54,7 @@ import time
 
 import zmq
 
-from shards import bstar
+from shards import bstar, coord
 
 from shards.common import zio
 from shards.common.errors import ProtocolError
@@ -64,7 +64,7 @@ from shards.common.proto import bstar as wire
 from shards.common.proto import bstar_ttl, chp
 from shards.replica import Follower
 from shards import streams
-from shards.server import ServerConfig, ShardServer, largest_entry
+from shards.server import KVPUB_FRAMES, ServerConfig, ShardServer, largest_entry
 from shards.store import Store, ttl_props
 
 log = logging.getLogger("shards.pair")
@@ -154,7 +154,9 @@ class PairServer(ShardServer):
                  shard: str = "0", pending_max: int = MAX_ENTRIES,
                  pending_age_s: float = MAX_AGE_S, pending_max_bytes: int = MAX_BYTES,
                  split_brain_survivor: bool = True,
-                 sync_timeout_s: float | None = None):
+                 sync_timeout_s: float | None = None,
+                 coordination: list[tuple[str, int]] | None = None,
+                 lease_s: float = coord.LEASE_S, lease_name: str | None = None):
         if role not in ("primary", "backup"):
             raise ValueError(f"role must be primary or backup, not {role!r}")
         super().__init__(config, role=role)
@@ -192,6 +194,20 @@ class PairServer(ShardServer):
         installed and written its peer's (``bstar`` rule 8)."""
         self._install_job = None
         """The compaction writing the map installed from the active (``replace_store``)."""
+        self.lease: coord.Lease | None = None
+        """Leased mode (``--coordination``): this pair's lease in etcd (``shards.coord``);
+        the machine's rules L1-L4 and the fence in ``fenced``."""
+        if coordination:
+            me = f"{role}@{config.host}:{config.port}"
+            self.lease = coord.Lease(coord.Etcd(coordination, timeout_s=min(1.0, lease_s / 4)),
+                                     lease_name or f"shard-{shard}", me, lease_s=lease_s,
+                                     on_change=self._lease_changed)
+        self._fence_handle: asyncio.TimerHandle | None = None
+        self._lease_closed = False
+        self.unacknowledged_dropped = 0
+        """Updates applied while the lease was running out and never published (so never
+        acknowledged): dropped when the server went passive."""
+        self.fenced_batches = 0
 
     @property
     def peer_text(self) -> str:
@@ -222,7 +238,10 @@ class PairServer(ShardServer):
             wire.Role.PRIMARY if self.role == "primary" else wire.Role.BACKUP, now,
             heartbeat_s=self.config.heartbeat_s, shard=self.shard,
             split_brain_survivor=self.split_brain_survivor, term=self._recovered_term,
-            data_seq=self.store.seq, needs_peer=self.needs_peer)
+            data_seq=self.store.seq, needs_peer=self.needs_peer,
+            leased=self.lease is not None)
+        if self.lease is not None:
+            self.lease.start()
         self.ttl_streams = streams.StreamPump(
             self.loop, self._router_sock, self._router.kick,
             stall_s=self.config.snapshot_stall_s, max_active=TTL_STREAMS_MAX, evict=True,
@@ -236,6 +255,13 @@ class PairServer(ShardServer):
         if self._tick_handle is not None:
             self._tick_handle.cancel()
             self._tick_handle = None
+        if self._fence_handle is not None:
+            self._fence_handle.cancel()
+            self._fence_handle = None
+        if self.lease is not None:
+            self._lease_closed = True
+            self.set_active(False)  # nothing more is acknowledged, then the lease goes
+            self.lease.close()
         self.follower.close()
         if self.ttl_streams is not None:
             self.ttl_streams.clear()
@@ -266,14 +292,61 @@ class PairServer(ShardServer):
     # ================================================================ machine
     def _step(self, event) -> list:
         now = self.loop.time()
+        if self.lease is not None:
+            self.machine = bstar.with_sequence(self.machine, self.store.seq)
         self.machine, effects = bstar.step(self.machine, event, now)
         accepted = False
         for effect in effects:
             accepted = self._perform(effect, now) or accepted
         if self.machine.term != self._saved_term:
             self._save_terms()
+        if self.lease is not None:
+            self.lease.want(bstar.lease_wanted(self.machine))
         self._arm_tick()
         return accepted
+
+    # ================================================================ the lease
+    def _lease_changed(self, view: coord.LeaseView) -> None:
+        """From the lease's thread: hand the change to the loop."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._check_lease)
+            except RuntimeError:  # the loop closed in between
+                pass
+
+    def _check_lease(self) -> None:
+        """On the loop: step LEASE_ACQUIRED / LEASE_LOST as the lease's view says, and keep
+        a timer at the fencing deadline."""
+        if self.machine is None or self.fatal or self.lease is None or self._lease_closed:
+            return
+        now = time.monotonic()
+        valid = self.lease.valid(now)
+        if valid and not self.machine.lease_held:
+            self._step(bstar.Event.LEASE_ACQUIRED)
+        elif not valid and self.machine.lease_held:
+            log.warning("shard %s: %s fenced: its lease is not renewed (%s); it stops "
+                        "acknowledging", self.shard, self.role,
+                        self.lease.view.error or "expired")
+            self._step(bstar.Event.LEASE_LOST)
+        if self._fence_handle is not None:
+            self._fence_handle.cancel()
+            self._fence_handle = None
+        if self.machine.lease_held:
+            # the loop's clock is time.monotonic, as the lease's
+            self._fence_handle = self.loop.call_at(
+                max(self.lease.view.valid_until, now + 0.001), self._check_lease)
+
+    def fenced(self) -> bool:
+        """``ShardServer._flush_log`` asks before publishing (acknowledging) anything: past
+        the lease's deadline nothing goes out; the machine hears LEASE_LOST at once."""
+        lease = self.lease
+        if lease is None or lease.valid(time.monotonic()):
+            return False
+        self.fenced_batches += 1
+        if self.loop is not None:
+            self.loop.call_soon(self._check_lease)
+        return True
 
     def _perform(self, effect, now: float) -> bool:
         """Perform one of the machine's effects; True for AcceptRequest (answer it)."""
@@ -366,6 +439,9 @@ class PairServer(ShardServer):
 
     def on_become_passive(self, effect: bstar.BecamePassive, now: float) -> None:
         self.set_active(False)
+        if self._held or self._replies:  # fenced: applied here, never acknowledged
+            self.unacknowledged_dropped += len(self._held) // KVPUB_FRAMES
+            self._held, self._replies = [], []
         self.ttl_streams.clear()
         log.info("shard %s: %s is PASSIVE (%s, was %s)", self.shard, self.role,
                  effect.reason, effect.previous.name)
@@ -603,4 +679,7 @@ class PairServer(ShardServer):
             "replica": self.follower.stats(),
             "ttl_streams": self._ttl_stats(),
         })
+        if self.lease is not None:
+            out["lease"] = {**self.lease.stats(), "fenced_batches": self.fenced_batches,
+                            "unacknowledged_dropped": self.unacknowledged_dropped}
         return out

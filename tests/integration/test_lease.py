@@ -1,0 +1,94 @@
+"""``shards.coord.Lease`` against a real etcd: one holder at a time, a released lease
+passes at once, a holder that cannot renew loses it at its own deadline (before etcd lets
+it go), and the other claimant acquires it only after that."""
+from __future__ import annotations
+
+import threading
+import time
+import uuid as uuidlib
+
+import pytest
+
+from conftest import EtcdServer
+from shards import coord
+
+pytestmark = pytest.mark.timeout(60)
+LEASE_S = 2.0
+
+
+class Claimant:
+    """A Lease whose changes are kept, each with the monotonic time it was seen."""
+
+    def __init__(self, etcd, name: str, me: str):
+        self.changes: list[tuple[float, coord.LeaseView]] = []
+        self.changed = threading.Condition()
+        self.lease = coord.Lease(coord.Etcd([(etcd.host, etcd.port)], timeout_s=0.5), name,
+                                 me, lease_s=LEASE_S, on_change=self._on_change)
+        self.lease.start()
+
+    def _on_change(self, view: coord.LeaseView) -> None:
+        with self.changed:
+            self.changes.append((time.monotonic(), view))
+            self.changed.notify_all()
+
+    def wait(self, pred, what: str, timeout_s: float = 15.0, since: float = 0.0
+             ) -> tuple[float, coord.LeaseView]:
+        """The first change seen at or after ``since`` that ``pred`` accepts."""
+        def first():
+            return next((c for c in self.changes if c[0] >= since and pred(c[1])), None)
+        with self.changed:
+            found = self.changed.wait_for(first, timeout_s)
+            assert found, f"{self.lease.me}: no {what} within {timeout_s} s: {self.changes}"
+            return found
+
+
+@pytest.fixture
+def claimants():
+    made = []
+
+    def make(etcd, name, me):
+        made.append(Claimant(etcd, name, me))
+        return made[-1]
+    yield make
+    for claimant in made:
+        claimant.lease.close()
+
+
+def test_one_holder_at_a_time_and_a_release_passes_it_at_once(etcd_server, claimants):
+    name = f"l-{uuidlib.uuid4().hex[:8]}"
+    a, b = claimants(etcd_server, name, "a"), claimants(etcd_server, name, "b")
+    a.lease.want(True)
+    a.wait(lambda v: v.held, "acquire")
+    b.lease.want(True)
+    b.wait(lambda v: v.holder == "a" and not v.held, "refusal naming the holder")
+    assert a.lease.valid(time.monotonic()) and not b.lease.valid(time.monotonic())
+    released = time.monotonic()
+    a.lease.want(False)
+    at, _ = b.wait(lambda v: v.held, "acquire after the release", since=released)
+    assert at - released < LEASE_S  # did not wait the lease out
+    assert a.lease.counters["released"] == 1 and b.lease.counters["refused"] >= 1
+    assert coord.Etcd([(etcd_server.host, etcd_server.port)]).get(
+        coord.lease_key(name)) == b"b"
+
+
+def test_a_holder_cut_from_etcd_is_fenced_at_its_own_deadline(tmp_path, claimants):
+    etcd = EtcdServer(tmp_path / "etcd")
+    try:
+        name = f"l-{uuidlib.uuid4().hex[:8]}"
+        a = claimants(etcd, name, "a")
+        a.lease.want(True)
+        a.wait(lambda v: v.held, "acquire")
+        port = etcd.port
+        etcd.stop()
+        cut = time.monotonic()
+        deadline = a.lease.view.valid_until
+        at, view = a.wait(lambda v: not v.held and v.holder == "", "loss", since=cut)
+        assert at >= deadline and deadline - cut <= LEASE_S  # fenced, within one lease
+        assert not a.lease.valid(at) and a.lease.view.error
+        # etcd returns: the fenced holder wants it still and gets it back
+        back = time.monotonic()
+        etcd = EtcdServer(tmp_path / "etcd", port=port)
+        a.wait(lambda v: v.held and not v.error, "acquire after etcd returned", 30, back)
+        assert a.lease.counters["lost"] == 1 and a.lease.counters["errors"] >= 1
+    finally:
+        etcd.stop()

@@ -1,0 +1,129 @@
+"""A Binary Star pair coordinated by a lease in a real etcd (``--coordination``): the
+server that serves holds the lease, a frozen active is fenced before its lease can pass,
+the passive takes over only by acquiring it, and a lost etcd stops every acknowledgement.
+
+Raw pyzmq peers as in test_pair.py (state SUBs, ICANHAZ votes, an XPUB writing to both
+collectors, SUBs on both P+1); etcd is a real one (``etcd_server``, or one of the test's
+own where the test stops it). Freezes are SIGSTOP/SIGCONT: the order of events is forced,
+not waited for.
+"""
+from __future__ import annotations
+
+import signal
+import time
+import uuid as uuidlib
+
+import pytest
+
+from conftest import EtcdServer
+from shards import coord
+from test_pair import (ACTIVE, DEADLINE_S, PASSIVE, Updates, Writer, settle, snapshot,
+                       start_pair, stderr_text, two_bases, vote)
+
+LEASE_S = 2.0
+pytestmark = pytest.mark.timeout(120)
+
+
+def leased(etcd, name: str) -> tuple[str, ...]:
+    return ("--coordination", etcd.url, "--lease-s", str(LEASE_S), "--lease-name", name)
+
+
+def holder(etcd, name: str) -> bytes | None:
+    return coord.Etcd([(etcd.host, etcd.port)]).get(coord.lease_key(name))
+
+
+def test_the_active_holds_the_lease_and_a_stopped_one_hands_it_over(procs, zctx, port_base,
+                                                                   etcd_server):
+    name = f"t-{uuidlib.uuid4().hex[:8]}"
+    p, b = two_bases(port_base)
+    primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd_server, name))
+    assert holder(etcd_server, name) == f"primary@127.0.0.1:{p}".encode()
+    assert snapshot(zctx, b, timeout_s=3 * 0.2) is None  # the passive refuses votes
+    # a clean stop revokes the lease: the backup serves without waiting it out
+    stopped_at = time.monotonic()
+    assert primary.stop() == 0
+    vote(zctx, b)
+    assert time.monotonic() - stopped_at < LEASE_S
+    assert holder(etcd_server, name) == f"backup@127.0.0.1:{b}".encode()
+    assert "released by primary" in stderr_text(primary)
+    assert backup.alive()
+
+
+def test_a_frozen_active_is_fenced_and_acknowledges_nothing_after_its_lease(
+        procs, zctx, port_base, etcd_server):
+    name = f"t-{uuidlib.uuid4().hex[:8]}"
+    p, b = two_bases(port_base)
+    primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd_server, name))
+    writer = Writer(zctx, [p, b])
+    at_p, at_b = Updates(zctx, p), Updates(zctx, b)
+    settle(writer, at_p, watch[b])
+    acked = {m.key: m.value for m in at_p.got}
+    for i in range(20):
+        uuid = writer.kvset(f"/before/{i}".encode(), b"v")
+        acked[f"/before/{i}".encode()] = at_p.wait(lambda m, u=uuid: m.uuid == u).value
+    published_by_p = len(at_p.got)
+
+    frozen_at = time.monotonic()
+    primary.signal(signal.SIGSTOP)
+    # writes while the primary is frozen: its socket buffers keep them for its wake-up
+    late = [writer.kvset(f"/frozen/{i}".encode(), b"f") for i in range(10)]
+    vote(zctx, b, timeout_s=LEASE_S + DEADLINE_S)  # the clients' vote on the backup
+    took_over_s = time.monotonic() - frozen_at
+    # the lease outlived the freeze's start by at least what was left of it
+    assert took_over_s >= LEASE_S * 2 / 3 - 0.1, took_over_s
+    assert holder(etcd_server, name) == f"backup@127.0.0.1:{b}".encode()
+    for uuid in late:  # held pending by the backup, applied at its takeover
+        at_b.wait(lambda m, u=uuid: m.uuid == u)
+    for m in at_b.got:
+        acked[m.key] = m.value
+
+    primary.signal(signal.SIGCONT)
+    # awake past its deadline: fenced, it goes passive (no "dual active" exit) and copies
+    # the backup's map; the writes queued in its sockets are never acknowledged by it
+    watch[p].wait_state(PASSIVE)
+    watch[b].wait_state(ACTIVE)
+    uuid = writer.kvset(b"/after", b"a")
+    acked[b"/after"] = at_b.wait(lambda m: m.uuid == uuid).value
+    watch[p].wait_seq(at_b.got[-1].seq)  # the old active now replicates the new one
+    at_p.pump(0.05)
+    assert len(at_p.got) == published_by_p, at_p.got[published_by_p:]
+    assert primary.alive() and "dual active" not in stderr_text(primary)
+    assert "fenced" in stderr_text(primary)
+    # the ledger: every acknowledged write, read back by a fresh reader
+    snap, _ = snapshot(zctx, b)
+    assert {k: snap.get(k) for k in acked} == acked
+
+
+def test_without_etcd_nobody_acknowledges_and_the_later_map_serves_when_it_returns(
+        procs, zctx, port_base, tmp_path):
+    name = f"t-{uuidlib.uuid4().hex[:8]}"
+    etcd = EtcdServer(tmp_path / "etcd")
+    try:
+        p, b = two_bases(port_base)
+        primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd, name))
+        writer = Writer(zctx, [p, b])
+        at_p, at_b = Updates(zctx, p), Updates(zctx, b)
+        settle(writer, at_p, watch[b])
+        published = len(at_p.got)
+        etcd_port, data_dir = etcd.port, tmp_path / "etcd"
+        etcd.stop()
+        # the active cannot renew: it is fenced within its lease and goes passive; the
+        # backup cannot acquire: the shard has no acknowledging server
+        watch[p].wait_state(PASSIVE, timeout_s=LEASE_S + DEADLINE_S)
+        unacked = writer.kvset(b"/no-etcd", b"x")
+        assert snapshot(zctx, p, timeout_s=0.5) is None
+        assert snapshot(zctx, b, timeout_s=0.5) is None
+        at_p.pump(0.2)
+        at_b.pump(0.0)
+        assert len(at_p.got) == published and not at_b.got
+        # etcd back (same member, same port): the server with the later map serves
+        etcd = EtcdServer(data_dir, port=etcd_port)
+        vote(zctx, p, timeout_s=LEASE_S + DEADLINE_S)
+        watch[b].wait_state(PASSIVE)
+        uuid = writer.kvset(b"/etcd-back", b"y")
+        assert at_p.wait(lambda m: m.uuid == uuid).key == b"/etcd-back"
+        snap, _ = snapshot(zctx, p)
+        assert snap[b"/probe/"] == b"probe"
+        assert all(m.uuid != unacked for m in at_p.got[:published])
+    finally:
+        etcd.stop()
