@@ -261,6 +261,12 @@ def coordination_arg(ctx, param, value: str | None) -> list[tuple[str, int]] | N
               help="With --coordination: the lease's name in etcd (key "
                    "clonemap/NAME/active), the same on both servers of the pair and "
                    "unique in that etcd. Default: shard-SHARD.")
+@click.option("--replication", type=click.Choice(["sync", "async"]), default="sync",
+              show_default=True,
+              help="With --coordination: sync acknowledges a write only once the passive "
+                   "holds it too (an active that loses its passive goes on alone only after "
+                   "recording that in etcd); async acknowledges on the active alone, as a "
+                   "pair without --coordination does.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_props_bytes,
@@ -269,7 +275,7 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
          dedup_bytes, dedup_s, collect_hwm, snapshot_hwm, snapshot_held_bytes, cpus, pair_role, peer, shard, control,
          parent_pid, shard_map, shard_index, pending_max, pending_max_bytes, pending_age_s, data_dir, fsync,
          compact_min_bytes, compact_ratio, min_free_bytes, keys_dir, coordination, lease_s,
-         lease_name, log_level):
+         lease_name, replication, log_level):
     """Run one 12/CHP shard server: standalone, or one server of a Binary Star pair."""
     if pair_role is not None and peer is None:
         raise click.UsageError(f"--{pair_role} needs --peer HOST:PORT (the other server)")
@@ -316,7 +322,7 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
                             pending_max=pending_max, pending_age_s=pending_age_s,
                             pending_max_bytes=pending_max_bytes,
                             coordination=coordination, lease_s=lease_s,
-                            lease_name=lease_name)
+                            lease_name=lease_name, replication=replication)
     if keys_dir is not None:
         try:
             server.security = Security.load(keys_dir, "server")

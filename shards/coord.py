@@ -79,6 +79,12 @@ def lease_key(name: str) -> bytes:
     return f"clonemap/{name}/active".encode()
 
 
+def alone_key(name: str) -> bytes:
+    """Set (with no lease: it outlives its writer) by an active that went on without its
+    passive: no other server may take the lease while it names someone else."""
+    return f"clonemap/{name}/alone".encode()
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -133,11 +139,22 @@ class Etcd:
     def revoke(self, lease: int) -> None:
         self.call("/v3/lease/revoke", {"ID": str(lease)})
 
-    def put_if_absent(self, key: bytes, value: bytes, lease: int) -> tuple[bool, bytes]:
-        """(True, value) when ``key`` was created under ``lease``; else (False, holder)."""
+    def put_if_absent(self, key: bytes, value: bytes, lease: int, unless: bytes = b""
+                      ) -> tuple[bool, bytes]:
+        """(True, value) when ``key`` was created under ``lease``; else (False, holder).
+        ``unless``: a key that must not exist, or must hold ``value``, for the put."""
+        compare = [{"key": _b64(key), "result": "EQUAL", "target": "CREATE",
+                    "create_revision": "0"}]
+        if unless:
+            other = self.get(unless)
+            if other is not None and other != value:
+                return False, b"(went on alone) " + other
+            compare.append({"key": _b64(unless), "result": "EQUAL", "target": "VALUE",
+                            "value": _b64(value)} if other is not None else
+                           {"key": _b64(unless), "result": "EQUAL", "target": "CREATE",
+                            "create_revision": "0"})
         got = self.call("/v3/kv/txn", {
-            "compare": [{"key": _b64(key), "result": "EQUAL", "target": "CREATE",
-                         "create_revision": "0"}],
+            "compare": compare,
             "success": [{"request_put": {"key": _b64(key), "value": _b64(value),
                                          "lease": str(lease)}}],
             "failure": [{"request_range": {"key": _b64(key)}}]})
@@ -147,6 +164,12 @@ class Etcd:
             for kv in response.get("response_range", {}).get("kvs", []):
                 return False, base64.b64decode(kv.get("value", ""))
         return False, b""  # deleted in between: the next try takes it
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self.call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)})
+
+    def delete(self, key: bytes) -> None:
+        self.call("/v3/kv/deleterange", {"key": _b64(key)})
 
     def get(self, key: bytes) -> bytes | None:
         got = self.call("/v3/kv/range", {"key": _b64(key)})
@@ -180,6 +203,7 @@ class Lease:
             raise ValueError(f"lease_s must be at least {MIN_LEASE_S:g} s, got {lease_s:g}")
         self.etcd = etcd
         self.key = lease_key(name)
+        self.alone_key = alone_key(name)
         self.me = me
         self.lease_s = lease_s
         self.drift = drift
@@ -275,7 +299,8 @@ class Lease:
         sent = self.clock()
         if not self._lease:
             self._lease = self.etcd.grant(self.lease_s)
-        ok, holder = self.etcd.put_if_absent(self.key, self.me.encode(), self._lease)
+        ok, holder = self.etcd.put_if_absent(self.key, self.me.encode(), self._lease,
+                                             unless=self.alone_key)
         holder_text = holder.decode(errors="replace")
         if not ok:  # the peer holds it: this grant is not kept alive, give it back
             self.counters["refused"] += 1
@@ -314,6 +339,20 @@ class Lease:
         except CoordinationError as exc:  # it expires by itself
             log.warning("lease %s: revoke failed (it expires in %g s): %s",
                         self.key.decode(), self.lease_s, exc)
+
+    # ------------------------------------------------------------ alone (blocking calls)
+    def record_alone(self) -> None:
+        """Say in etcd that this server acknowledges without its passive (before it
+        does): the passive, whose copy may now fall behind, can no longer acquire the
+        lease. Blocking: run it off the loop. Raises CoordinationError."""
+        self.etcd.put(self.alone_key, self.me.encode())
+
+    def clear_alone(self) -> None:
+        """The passive holds everything again: it may take over once more."""
+        self.etcd.call("/v3/kv/txn", {
+            "compare": [{"key": _b64(self.alone_key), "result": "EQUAL", "target": "VALUE",
+                         "value": _b64(self.me.encode())}],
+            "success": [{"request_delete_range": {"key": _b64(self.alone_key)}}]})
 
     def stats(self) -> dict:
         view = self.view

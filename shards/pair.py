@@ -7,6 +7,14 @@ Sockets beyond the CHP server's P, P+1, P+2 (all on the server's context and loo
     peer P+3 SUB     the peer's state -> bstar.step -> effects
     peer P+1 SUB     the active's updates  } owned by shards.replica.Follower, used while
     peer P   DEALER  the active's snapshot } passive
+    peer P   DEALER  the link (BSTAR-FOLLOW/BSTAR-UPD/BSTAR-HAVE): synchronous replication
+
+With ``--coordination`` (a pair across hosts) the pair also holds a lease in etcd
+(``shards.coord``; the machine's leased rules L1-L4): ``fenced`` stops every publish past
+the lease's deadline, and with synchronous replication (``park_for_peer``) a batch's
+KVPUBs and replies wait until the passive confirms it holds the batch, or until this
+server has recorded in etcd that it goes on alone (shards/README.md, *Pairs across
+hosts*).
 
 The shell performs the machine's effects:
 
@@ -47,6 +55,7 @@ it), and a server that stops being active drops its streams.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
@@ -62,7 +71,7 @@ from shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES, PendingTable
 from shards.persist.recovery import fork_point
 from shards.common.proto import bstar as wire
 from shards.common.proto import bstar_ttl, chp
-from shards.replica import Follower
+from shards.replica import FOLLOW, HAVE, UPDATES, Follower
 from shards import streams
 from shards.server import KVPUB_FRAMES, ServerConfig, ShardServer, largest_entry
 from shards.store import Store, ttl_props
@@ -156,7 +165,8 @@ class PairServer(ShardServer):
                  split_brain_survivor: bool = True,
                  sync_timeout_s: float | None = None,
                  coordination: list[tuple[str, int]] | None = None,
-                 lease_s: float = coord.LEASE_S, lease_name: str | None = None):
+                 lease_s: float = coord.LEASE_S, lease_name: str | None = None,
+                 replication: str = "sync"):
         if role not in ("primary", "backup"):
             raise ValueError(f"role must be primary or backup, not {role!r}")
         super().__init__(config, role=role)
@@ -203,6 +213,25 @@ class PairServer(ShardServer):
                                      lease_name or f"shard-{shard}", me, lease_s=lease_s,
                                      on_change=self._lease_changed)
         self._fence_handle: asyncio.TimerHandle | None = None
+        if replication not in ("sync", "async"):
+            raise ValueError(f"replication must be sync or async, not {replication!r}")
+        self.sync = self.lease is not None and replication == "sync"
+        """Synchronous replication (a leased pair, by default): a KVPUB, and so an
+        acknowledgement, goes out only once the passive holds its update (see the module
+        doc); without a lease, Binary Star's asynchronous replica as before."""
+        self.sync_timeout_s = max(1.0, 2 * config.heartbeat_s)
+        self.sync_peer: bytes | None = None
+        """The passive's link identity on P (its ``BSTAR-FOLLOW``)."""
+        self.peer_has = 0
+        self._awaiting: collections.deque = collections.deque()
+        """Batches parked for the passive: (last sequence, held frames, replies, since)."""
+        self._sync_timer: asyncio.TimerHandle | None = None
+        self.alone = False
+        """This active recorded in etcd that it acknowledges without its passive."""
+        self._alone_busy = False
+        self._clear_alone_at: int | None = None
+        self.sync_counters = dict.fromkeys(("batches", "released", "went_alone",
+                                            "alone_cleared", "alone_failed", "unsent"), 0)
         self._lease_closed = False
         self.unacknowledged_dropped = 0
         """Updates applied while the lease was running out and never published (so never
@@ -442,6 +471,7 @@ class PairServer(ShardServer):
         if self._held or self._replies:  # fenced: applied here, never acknowledged
             self.unacknowledged_dropped += len(self._held) // KVPUB_FRAMES
             self._held, self._replies = [], []
+        self._drop_parked()
         self.ttl_streams.clear()
         log.info("shard %s: %s is PASSIVE (%s, was %s)", self.shard, self.role,
                  effect.reason, effect.previous.name)
@@ -594,7 +624,155 @@ class PairServer(ShardServer):
         if len(frames) == 2 and frames[1] == bstar_ttl.REQUEST:
             self.on_ttl_request(frames[0])
             return
+        if len(frames) == 3 and frames[1] in (FOLLOW, HAVE):
+            self.on_replica_link(frames[0], frames[1], frames[2])
+            return
         super().on_snapshot_request(frames)
+
+    # ================================================================ synchronous replication
+    def on_replica_link(self, identity: bytes, command: bytes, seq_frame: bytes) -> None:
+        """The passive's ``BSTAR-FOLLOW seq`` (it holds the map up to seq, send it every
+        batch from now on) or ``BSTAR-HAVE seq`` (it holds up to seq)."""
+        if len(seq_frame) != 8:
+            self.drops.drop("peer_bad_sequence", f"{command!r} with a {len(seq_frame)}-byte "
+                                                 "sequence")
+            return
+        seq = int.from_bytes(seq_frame, "big")
+        if command == FOLLOW:
+            if not (self.sync and self.active):
+                self.drops.drop("peer_follow_unexpected", "BSTAR-FOLLOW while not a "
+                                                          "synchronous active")
+                return
+            self.sync_peer = identity
+            self.peer_has = seq
+            if self.alone:
+                self._clear_alone_at = max(self._clear_alone_at or 0, self.store.seq)
+            log.info("shard %s: the passive follows synchronously from sequence %d", self.shard,
+                     seq)
+            for last, held, _, _ in self._awaiting:  # parked while it was away
+                if last > seq and held:
+                    self._send_to_peer(held)
+        elif identity != self.sync_peer:
+            return  # an old link's late confirmation
+        else:
+            self.peer_has = max(self.peer_has, seq)
+        self._release(self.peer_has)
+        if (self.alone and self._clear_alone_at is not None
+                and self.peer_has >= self._clear_alone_at):
+            self._set_alone(False)
+
+    def park_for_peer(self) -> bool:
+        """Synchronous replication: this batch waits until the passive holds it."""
+        if not self.sync or not self.active:
+            return False
+        if self.alone and not self._awaiting:
+            # recorded in etcd: acknowledged by this server alone; a passive still
+            # attached gets the batch too, and catching up ends the alone record
+            if self.sync_peer is not None and self._held:
+                self._send_to_peer(self._held)
+            return False
+        held, replies = self._held, self._replies
+        self._held, self._replies = [], []
+        self._awaiting.append((self.store.seq, held, replies, self.loop.time()))
+        self.parked += len(held) // KVPUB_FRAMES
+        self.sync_counters["batches"] += 1
+        if self.sync_peer is not None and held:
+            self._send_to_peer(held)
+        self._release(self.peer_has if self.sync_peer is not None else -1)
+        if self._awaiting and self._sync_timer is None:
+            self._sync_timer = self.loop.call_later(self.sync_timeout_s, self._sync_check)
+        return True
+
+    def _send_to_peer(self, held: list[bytes]) -> None:
+        try:
+            self._router_sock.send_multipart([self.sync_peer, UPDATES, *held], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # its pipe is full or gone: it will not confirm
+            self.sync_counters["unsent"] += 1
+            log.debug("shard %s: a batch for the passive not sent: %s", self.shard, exc)
+
+    def _release(self, seq: int) -> None:
+        """Publish, in order, every parked batch the passive now holds."""
+        awaiting = self._awaiting
+        while awaiting and awaiting[0][0] <= seq:
+            _, held, replies, _ = awaiting.popleft()
+            self.sync_counters["released"] += 1
+            if held:
+                self.parked -= len(held) // KVPUB_FRAMES
+                self._publish_many(held)
+                if self._remember is not None:
+                    self.recent.extend(held)
+            if replies:
+                self._replies = replies
+                self._send_replies()
+        if not awaiting and self._sync_timer is not None:
+            self._sync_timer.cancel()
+            self._sync_timer = None
+
+    def _sync_check(self) -> None:
+        """The oldest parked batch waited ``sync_timeout_s``: the passive is lost. Go on
+        alone, once that is recorded in etcd (so the passive cannot take over)."""
+        self._sync_timer = None
+        if not self._awaiting or not self.active:
+            return
+        waited = self.loop.time() - self._awaiting[0][3]
+        if waited < self.sync_timeout_s:
+            self._sync_timer = self.loop.call_later(self.sync_timeout_s - waited,
+                                                    self._sync_check)
+            return
+        self._set_alone(True)
+        self._sync_timer = self.loop.call_later(self.sync_timeout_s, self._sync_check)
+
+    def _set_alone(self, alone: bool) -> None:
+        if self._alone_busy or self.lease is None:
+            return
+        self._alone_busy = True
+        call = self.lease.record_alone if alone else self.lease.clear_alone
+        future = self.loop.run_in_executor(None, call)
+        future.add_done_callback(lambda f: self._alone_done(alone, f))
+
+    def _alone_done(self, alone: bool, future) -> None:
+        self._alone_busy = False
+        if self._lease_closed:
+            return
+        exc = future.exception()
+        if exc is not None:
+            self.sync_counters["alone_failed"] += 1
+            log.warning("shard %s: cannot %s in etcd: %s", self.shard,
+                        "record going on alone" if alone else "clear the alone record", exc)
+            return
+        if alone:
+            self.alone = True
+            self._clear_alone_at = self.store.seq  # what the passive must confirm first
+            self.sync_counters["went_alone"] += 1
+            log.warning("shard %s: the passive confirmed nothing for %.1f s: recorded in "
+                        "etcd, this %s acknowledges alone (the passive may not take over "
+                        "until it has copied this map again)", self.shard,
+                        self.sync_timeout_s, self.role)
+            if self.active and not self.fenced():
+                self._release(self.store.seq)
+        else:
+            self.alone = False
+            self._clear_alone_at = None
+            self.sync_counters["alone_cleared"] += 1
+            log.info("shard %s: the passive holds everything again: alone record cleared",
+                     self.shard)
+
+    def _drop_parked(self) -> None:
+        """Not active any more: parked batches were never acknowledged."""
+        for _, held, _, _ in self._awaiting:
+            self.unacknowledged_dropped += len(held) // KVPUB_FRAMES
+        self._awaiting.clear()
+        self.parked = 0
+        self.sync_peer = None
+        if self._sync_timer is not None:
+            self._sync_timer.cancel()
+            self._sync_timer = None
+
+    def replica_confirmation(self) -> int:
+        """Passive: write what the active's batch brought (the log, fsync under always),
+        then say how far this replica goes."""
+        self._flush_log()
+        return self.store.seq
 
     def on_ttl_request(self, identity: bytes) -> None:
         """A passive peer's BSTAR-TTL?: the absolute expiry times at this sequence,
@@ -679,6 +857,11 @@ class PairServer(ShardServer):
             "replica": self.follower.stats(),
             "ttl_streams": self._ttl_stats(),
         })
+        if self.sync:
+            out["sync_replication"] = {
+                **self.sync_counters, "peer_attached": self.sync_peer is not None,
+                "peer_has": self.peer_has, "parked": self.parked,
+                "awaiting_batches": len(self._awaiting), "alone": self.alone}
         if self.lease is not None:
             out["lease"] = {**self.lease.stats(), "fenced_batches": self.fenced_batches,
                             "unacknowledged_dropped": self.unacknowledged_dropped}

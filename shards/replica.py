@@ -75,6 +75,15 @@ def expires_of(props: bytes) -> float | None:
     return found
 
 
+FOLLOW = b"BSTAR-FOLLOW"
+"""Passive -> active on P (its link DEALER), with its sequence: send me every batch
+before publishing it (synchronous replication, ``shards.pair``)."""
+HAVE = b"BSTAR-HAVE"
+"""Passive -> active on P: this replica holds every update up to the sequence."""
+UPDATES = b"BSTAR-UPD"
+"""Active -> passive on P: one batch of KVPUBs (5 frames each) not yet published."""
+
+
 class ReplicaOwner(Protocol):
     """What a ``Follower`` uses of the server it belongs to (``shards.pair.PairServer``)."""
 
@@ -143,6 +152,10 @@ class Follower:
             0)
         self.last_heard = 0.0
         self._taking_over = False
+        self._link: zio.AsyncSocket | None = None
+        """Synchronous replication: the DEALER on the active's P that receives each batch
+        before it is published, and confirms it (``FOLLOW``, ``UPDATES``, ``HAVE``)."""
+        self.link_counters = dict.fromkeys(("links", "batches", "confirmed", "malformed"), 0)
 
     @property
     def phase(self) -> str:
@@ -162,6 +175,7 @@ class Follower:
 
     def close(self) -> None:
         self._close_dealer()
+        self._close_link()
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None
@@ -170,6 +184,40 @@ class Follower:
         if self._dealer is not None:
             self._dealer.close(linger=0)
             self._dealer = None
+
+    def _close_link(self) -> None:
+        if self._link is not None:
+            self._link.close(linger=0)
+            self._link = None
+
+    def _open_link(self) -> None:
+        """The replica is complete: ask the active for every batch before it publishes."""
+        self._close_link()
+        sock = self.owner.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        self.owner.security.connect_side(sock)
+        sock.connect(self.snapshot_endpoint)
+        self._link = zio.AsyncSocket(sock, self.on_link, batch=256, loop=self.owner.loop,
+                                     name="peer link")
+        self.link_counters["links"] += 1
+        self._link.send([FOLLOW, self.owner.store.seq.to_bytes(8, "big")])
+
+    def on_link(self, frames: list[bytes]) -> None:
+        """A batch from the active (``UPDATES``): apply it as its P+1 stream would be,
+        write it, then confirm (``HAVE`` and this replica's sequence)."""
+        if not frames or frames[0] != UPDATES or (len(frames) - 1) % 5:
+            self.link_counters["malformed"] += 1
+            self.owner.drops.drop("peer_link_malformed", f"{len(frames)} frames on the link")
+            return
+        self.link_counters["batches"] += 1
+        link = self._link
+        for i in range(1, len(frames), 5):
+            self.on_update(frames[i:i + 5])
+            if self._link is not link or self.state.phase != rm.LIVE:
+                return  # a gap restarted the sync: nothing to confirm on this link
+        seq = self.owner.replica_confirmation()
+        self._link.send([HAVE, seq.to_bytes(8, "big")])
+        self.link_counters["confirmed"] += 1
 
     # ------------------------------------------------------------------ machine
     def _dispatch(self, event, now: float) -> None:
@@ -204,12 +252,14 @@ class Follower:
 
     def _drop_sync(self) -> None:
         self._close_dealer()
+        self._close_link()
         self._buffer = []
         self._buffer_bytes = 0
         self._building = None
 
     def _open_sync(self) -> None:
         self._close_dealer()
+        self._close_link()
         self.counters["syncs_started"] += 1
         self._buffer = []
         self._buffer_bytes = 0
@@ -385,8 +435,10 @@ class Follower:
         for m in later:
             if not self._apply(m, self._now):
                 return
+        if getattr(self.owner, "sync", False):
+            self._open_link()
 
     def stats(self) -> dict:
         return {"phase": self.phase, "buffered": len(self._buffer),
                 "buffered_bytes": self._buffer_bytes, "rcvhwm": self._mark(),
-                **self.counters}
+                **self.counters, "link": dict(self.link_counters)}

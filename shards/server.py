@@ -313,6 +313,8 @@ class ShardServer:
         self._persist_flush: asyncio.Handle | None = None
         self._persist_timer: asyncio.TimerHandle | None = None
         self._held: list[bytes] = []
+        self.parked = 0
+        """Updates applied and logged whose KVPUBs wait for the passive (``park_for_peer``)."""
         """KVPUBs applied (and, when persisting, logged) but not yet published, as one flat
         list of frames (``KVPUB_FRAMES`` to a message: no tuple per update, see
         ``shards.history``): they go out in order after the collector's batch
@@ -506,6 +508,11 @@ class ShardServer:
                 self._welcome_handle = self.loop.call_soon(self._send_welcome)
         elif self.snapshots is not None:
             self.snapshots.clear()
+
+    def park_for_peer(self) -> bool:
+        """Whether this batch's KVPUBs and replies wait for the passive's confirmation
+        (``shards.pair``, synchronous replication); it then owns them."""
+        return False
 
     def fenced(self) -> bool:
         """Whether acknowledging is forbidden now (a pair whose lease ran out, see
@@ -733,6 +740,8 @@ class ShardServer:
                 return
         if (self._held or self._replies) and self.fenced():
             return  # held: out if the lease is renewed in time, dropped if it passes
+        if (self._held or self._replies) and self.park_for_peer():
+            return  # out once the passive holds it (a pair across hosts, shards.pair)
         if self._held:
             held, self._held = self._held, []
             self._publish_many(held)  # key, seq, uuid, props, value, key, ...: in order
@@ -905,7 +914,7 @@ class ShardServer:
         are not announced before they go out)."""
         serving = self.serving()
         if self.config.clock_s > 0:
-            published = self.store.seq - len(self._held) // KVPUB_FRAMES
+            published = self.store.seq - len(self._held) // KVPUB_FRAMES - self.parked
             return chp.hugz(time.time(), published, serving=serving,
                             generation=self.generation, route=self.route,
                             cas=self.DECIDES_WRITES)

@@ -127,3 +127,72 @@ def test_without_etcd_nobody_acknowledges_and_the_later_map_serves_when_it_retur
         assert all(m.uuid != unacked for m in at_p.got[:published])
     finally:
         etcd.stop()
+
+
+def alone(etcd, name: str) -> bytes | None:
+    return coord.Etcd([(etcd.host, etcd.port)]).get(coord.alone_key(name))
+
+
+def test_an_acknowledgement_means_the_passive_holds_the_write_too(procs, zctx, port_base,
+                                                                  etcd_server):
+    """A frozen passive holds up every acknowledgement until the active has recorded in
+    etcd that it goes on alone; once the passive has caught up the record is cleared,
+    and after the active dies every write it acknowledged is served by the passive."""
+    name = f"t-{uuidlib.uuid4().hex[:8]}"
+    p, b = two_bases(port_base)
+    primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd_server, name))
+    writer = Writer(zctx, [p, b])
+    at_p = Updates(zctx, p)
+    settle(writer, at_p, watch[b])
+    acked = {m.key: m.value for m in at_p.got}
+    uuid = writer.kvset(b"/sync/0", b"0")
+    acked[b"/sync/0"] = at_p.wait(lambda m: m.uuid == uuid).value
+    assert alone(etcd_server, name) is None  # the passive confirmed it
+
+    backup.signal(signal.SIGSTOP)
+    uuid = writer.kvset(b"/sync/1", b"1")
+    msg = at_p.wait(lambda m: m.uuid == uuid, timeout_s=DEADLINE_S)
+    # by the time the write is acknowledged, etcd says the primary went on alone
+    assert alone(etcd_server, name) == f"primary@127.0.0.1:{p}".encode()
+    acked[msg.key] = msg.value
+    for i in range(2, 12):  # alone: acknowledged at once
+        uuid = writer.kvset(f"/sync/{i}".encode(), b"x")
+        acked[f"/sync/{i}".encode()] = at_p.wait(lambda m, u=uuid: m.uuid == u).value
+
+    backup.signal(signal.SIGCONT)  # it catches up, and the record goes
+    deadline = time.monotonic() + DEADLINE_S
+    while alone(etcd_server, name) is not None:
+        assert time.monotonic() < deadline, "the alone record was never cleared"
+        watch[b].next()  # one heartbeat of the passive: an event, not a sleep
+    uuid = writer.kvset(b"/sync/last", b"L")
+    acked[b"/sync/last"] = at_p.wait(lambda m: m.uuid == uuid).value
+
+    primary.signal(signal.SIGKILL)  # no release: the backup waits the lease out
+    snap, _ = vote(zctx, b, timeout_s=LEASE_S + DEADLINE_S)
+    assert {k: snap.get(k) for k in acked} == acked
+
+
+def test_a_passive_left_behind_cannot_take_over(procs, zctx, port_base, etcd_server):
+    """The active went on alone (its passive frozen) and then died: the passive, which
+    may lack acknowledged writes, never takes the lease; the shard waits for the server
+    that holds them."""
+    name = f"t-{uuidlib.uuid4().hex[:8]}"
+    p, b = two_bases(port_base)
+    primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd_server, name))
+    writer = Writer(zctx, [p, b])
+    at_p = Updates(zctx, p)
+    settle(writer, at_p, watch[b])
+    backup.signal(signal.SIGSTOP)
+    uuid = writer.kvset(b"/only/on/primary", b"1")
+    at_p.wait(lambda m: m.uuid == uuid)
+    assert alone(etcd_server, name) == f"primary@127.0.0.1:{p}".encode()
+    primary.signal(signal.SIGKILL)
+    primary.wait(DEADLINE_S)
+    backup.signal(signal.SIGCONT)
+    # votes for longer than the lease and its retries: never answered
+    deadline = time.monotonic() + LEASE_S + 2.0
+    while time.monotonic() < deadline:
+        assert snapshot(zctx, b, timeout_s=0.2) is None
+    assert holder(etcd_server, name) is None  # the dead primary's lease expired
+    assert alone(etcd_server, name) == f"primary@127.0.0.1:{p}".encode()
+    assert watch[b].next().state is PASSIVE and backup.alive()
