@@ -268,12 +268,11 @@ def peer_alive(machine: Machine, now: float) -> bool:
 
 def would_accept(machine: Machine, now: float) -> bool:
     """Whether a CLIENT_REQUEST at ``now`` would be accepted (answered), without stepping:
-    ACTIVE, or a vote that would win because the peer has been silent past its expiry."""
+    ACTIVE, or a vote that would win because the peer has been silent past its expiry.
+    In leased mode such a vote starts the acquire (L1) and is answered once the lease is
+    held: the HUGZ still say ``serving=1`` so that clients keep voting here."""
     if machine.fatal:
         return False
-    if machine.config.leased and machine.state is not State.ACTIVE \
-            and not machine.lease_held:
-        return False  # a vote only starts the acquire (L1)
     rule = TABLE[(machine.state, Event.CLIENT_REQUEST)]
     votes = rule is Rule.VOTE or (rule is Rule.REFUSE and machine.peer_down)
     return rule is Rule.ACCEPT or (votes and now >= machine.peer_expiry

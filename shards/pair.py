@@ -79,6 +79,11 @@ from shards.store import Store, ttl_props
 log = logging.getLogger("shards.pair")
 
 STATE_OFFSET = 3
+DEFERRED_MAX = 256
+"""Votes kept while the lease is being acquired (one per requester, the latest)."""
+DEFERRED_AGE_S = 2.5
+"""A deferred vote older than this is not answered: its client (snapshot timeout 3 s)
+has asked again, or moved on."""
 STATE_SUBSCRIPTION_MAX = 64 << 10
 """``ZMQ_MAXMSGSIZE`` of the state PUB on P+3: its one honest peer subscribes to
 everything (a 1-byte frame), but libzmq applies the limit to the security handshake's
@@ -233,6 +238,8 @@ class PairServer(ShardServer):
         self.sync_counters = dict.fromkeys(("batches", "released", "went_alone",
                                             "alone_cleared", "alone_failed", "unsent"), 0)
         self._lease_closed = False
+        self._deferred: dict[bytes, tuple[list[bytes], float]] = {}
+        """Leased mode: ICANHAZ votes that wait for the lease, by requester (``DEFERRED_MAX``)."""
         self.unacknowledged_dropped = 0
         """Updates applied while the lease was running out and never published (so never
         acknowledged): dropped when the server went passive."""
@@ -461,6 +468,8 @@ class PairServer(ShardServer):
         self._flush_log()  # publish them now: this is not a collector batch
         self.pending_applied += len(pending) - stale
         self.pending_stale += stale
+        if self._deferred:  # after this step's effects: a vote is a step of its own
+            self.loop.call_soon(self._answer_deferred)
         log.warning("shard %s: %s is ACTIVE (%s, was %s, term %d): %d late updates from the "
                     "old active, %d pending updates applied (%d stale dropped), sequence now "
                     "%d", self.shard, self.role, effect.reason, effect.previous.name,
@@ -468,6 +477,7 @@ class PairServer(ShardServer):
 
     def on_become_passive(self, effect: bstar.BecamePassive, now: float) -> None:
         self.set_active(False)
+        self._deferred.clear()
         if self._held or self._replies:  # fenced: applied here, never acknowledged
             self.unacknowledged_dropped += len(self._held) // KVPUB_FRAMES
             self._held, self._replies = [], []
@@ -628,6 +638,23 @@ class PairServer(ShardServer):
             self.on_replica_link(frames[0], frames[1], frames[2])
             return
         super().on_snapshot_request(frames)
+        if not self.active and self.machine is not None and self.machine.wants_lease:
+            # a vote that started (or waits on) the acquire: answered at the takeover,
+            # so the client is served then instead of after its own snapshot timeout
+            self._deferred[frames[0]] = (frames, self.loop.time())
+            while len(self._deferred) > DEFERRED_MAX:
+                self._deferred.pop(next(iter(self._deferred)))
+
+    def _answer_deferred(self) -> None:
+        """Just became ACTIVE through the lease: answer the votes that waited for it (those
+        younger than ``DEFERRED_AGE_S``: their clients still wait for this reply)."""
+        deferred, self._deferred = self._deferred, {}
+        if not self.active:
+            return
+        oldest = self.loop.time() - DEFERRED_AGE_S
+        for frames, at in deferred.values():
+            if at >= oldest:
+                super().on_snapshot_request(frames)
 
     # ================================================================ synchronous replication
     def on_replica_link(self, identity: bytes, command: bytes, seq_frame: bytes) -> None:
@@ -689,6 +716,9 @@ class PairServer(ShardServer):
         except zmq.ZMQError as exc:  # its pipe is full or gone: it will not confirm
             self.sync_counters["unsent"] += 1
             log.debug("shard %s: a batch for the passive not sent: %s", self.shard, exc)
+        # a send on the raw socket can take the edge of its FD: the ROUTER's reader must
+        # look again, or the passive's BSTAR-HAVE waits there for the next request
+        self._router.kick()
 
     def _release(self, seq: int) -> None:
         """Publish, in order, every parked batch the passive now holds."""

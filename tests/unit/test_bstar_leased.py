@@ -48,7 +48,7 @@ def test_l1_the_start_up_winner_goes_active_only_once_it_holds_the_lease():
 
 def test_l1_a_vote_after_the_peers_expiry_starts_the_acquire_and_is_refused():
     m = leased()
-    assert not bstar.would_accept(m, T0 + 10)  # HUGZ say serving=0 until it holds the lease
+    assert bstar.would_accept(m, T0 + 10)  # HUGZ say serving=1: clients keep voting here
     m, effects = step(m, Event.CLIENT_REQUEST, T0 + 10)
     assert kinds(effects) == [RefuseRequest] and "lease" in effects[0].reason
     assert m.state is State.PRIMARY and m.wants_lease

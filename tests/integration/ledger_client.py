@@ -1,0 +1,45 @@
+"""A real client for the partition tests, run as a process inside a network namespace.
+
+    python ledger_client.py write SERVERS PREFIX   writes PREFIX0, PREFIX1, ... with
+        wait=True, one at a time, until SIGTERM; prints ``ACK KEY`` for each acknowledged
+        write and ``FAIL KEY ERROR`` for each that was not (the ledger)
+    python ledger_client.py read SERVERS           a fresh client: prints ``KEY VALUE`` for
+        every key of its complete copy, then ``END N``
+
+SERVERS: ``tcp://A:P,tcp://B:P`` (one shard's pair). Prints ``READY`` once started.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+
+from client.api import ClonemapError, Clone
+
+
+def main() -> int:
+    mode, servers = sys.argv[1], sys.argv[2].split(",")
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    with Clone(servers, timeout_s=30, silence_timeout_s=0.6, heartbeat_s=0.2) as clone:
+        print("READY", flush=True)
+        if mode == "read":
+            keys = clone.keys()
+            for key in keys:
+                print(key, clone.get(key).decode(), flush=True)
+            print("END", len(keys), flush=True)
+            return 0
+        prefix = sys.argv[3]
+        i = 0
+        while not stop:
+            key = f"{prefix}{i}"
+            try:
+                clone.set(key, str(i).encode(), wait=True, timeout_s=2.0)
+                print("ACK", key, flush=True)
+            except ClonemapError as exc:
+                print("FAIL", key, type(exc).__name__, flush=True)
+            i += 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
