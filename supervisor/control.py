@@ -33,14 +33,23 @@ class Control(str):
         return out
 
 
-def resolve_control(control: str | None, config: str | None) -> Control:
-    """The control endpoint: ``--control``, else the CONFIG's ``control``, else
-    $CLONEMAP_CONTROL, else the default. A wildcard bind is reached on 127.0.0.1.
-    CURVE keys: ``$CLONEMAP_KEYS`` (a keys directory), else the CONFIG's (with
-    ``security.curve``), else none (``shards.common.security.client_keys``)."""
+def resolve_control(control: str | None, config: str | None, host: str | None = None
+                    ) -> Control:
+    """The control endpoint: ``--control``, else the CONFIG's ``control`` (for a config
+    with ``hosts``: that of ``--host NAME``), else $CLONEMAP_CONTROL, else the default. A
+    wildcard bind is reached on 127.0.0.1. CURVE keys: ``$CLONEMAP_KEYS`` (a keys
+    directory), else the CONFIG's (with ``security.curve``), else none
+    (``shards.common.security.client_keys``)."""
     cluster = load_config(config) if config else None
     if control:
         endpoint = _checked(control, "--control")
+    elif cluster is not None and cluster.hosts is not None:
+        if host is None or host not in cluster.hosts:
+            raise ConfigError(
+                f"{config}: this cluster runs on hosts {', '.join(sorted(cluster.hosts))}: "
+                + ("say which host's supervisor with --host NAME" if host is None
+                   else f"{host!r} is not one of them"), field="--host")
+        endpoint = cluster.hosts[host].control
     elif cluster is not None:
         endpoint = cluster.control
     else:
@@ -170,9 +179,20 @@ class Selection:
     control: str | None
     config: str | None
     timeout_s: float
+    host: str | None = None
 
     def endpoint(self) -> Control:
-        return resolve_control(self.control, self.config)
+        return resolve_control(self.control, self.config, self.host)
+
+    def hosts(self) -> list[str]:
+        """The host names of a config over several hosts (none for one host or none)."""
+        if self.control or not self.config:
+            return []
+        cluster = load_config(self.config)
+        return sorted(cluster.hosts) if cluster.hosts else []
+
+    def on_host(self, host: str) -> "Selection":
+        return Selection(self.control, self.config, self.timeout_s, host)
 
 
 def control_options(fn):
@@ -183,13 +203,15 @@ def control_options(fn):
     import click
 
     @functools.wraps(fn)
-    def wrapper(*args, config_arg=None, control=None, config=None, timeout_s=None, **kw):
+    def wrapper(*args, config_arg=None, control=None, config=None, timeout_s=None,
+                host=None, **kw):
         root = click.get_current_context().find_root().params
         if config_arg and config and config_arg != config:
             raise click.UsageError(f"two configs: {config_arg} and --config {config}")
         sel = Selection(control or root.get("control"),
                         config or config_arg or root.get("config"),
-                        timeout_s or root.get("timeout_s") or CONTROL_TIMEOUT_S)
+                        timeout_s or root.get("timeout_s") or CONTROL_TIMEOUT_S,
+                        host or root.get("host"))
         return fn(*args, sel=sel, **kw)
 
     for decorate in reversed(common_options(positional=True)):
@@ -211,6 +233,9 @@ def common_options(positional: bool = False) -> list:
                           f"$CLONEMAP_CONTROL, else {DEFAULT_CONTROL}]."),
         click.option("--config", "-c", "config", metavar="CONFIG", default=None,
                      help="Take the control endpoint (and CURVE keys) from this config."),
+        click.option("--host", metavar="NAME", default=None,
+                     help="A config over several hosts: talk to this host's supervisor "
+                          "(status asks every host when none is named)."),
         click.option("--timeout-s", type=click.FloatRange(min=0.05), default=None,
                      help=f"How long to wait for the supervisor [default: "
                           f"{CONTROL_TIMEOUT_S:g}; per attempt, 2 attempts]."),

@@ -27,9 +27,16 @@ def active_roles(rows: Iterable[dict]) -> dict[str, list[str]]:
     return out
 
 
-def shards_without_active(rows: Iterable[dict]) -> list[str]:
-    """The shards none of whose servers is RUNNING and ACTIVE, in row order."""
-    return [shard for shard, roles in active_roles(rows).items() if not roles]
+def shards_without_active(rows: Iterable[dict], across: Iterable[str] = ()) -> list[str]:
+    """The shards none of whose servers is RUNNING and ACTIVE, in row order. ``across``:
+    shards whose other server runs on another host (this supervisor sees one of the
+    two): a RUNNING PASSIVE server there follows an active one, so the shard counts."""
+    rows = list(rows)
+    across = set(across)
+    following = {row["shard"] for row in rows if row["shard"] in across
+                 and row.get("state") == "RUNNING" and row.get("bstar") == "PASSIVE"}
+    return [shard for shard, roles in active_roles(rows).items()
+            if not roles and shard not in following]
 
 
 class ClusterHealth:

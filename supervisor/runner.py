@@ -111,6 +111,16 @@ def routing_argv(routing: RoutingParams, shard_index: int) -> list[str]:
             "--shard-index", str(shard_index)]
 
 
+def coordination_argv(plan: Plan, shard_index: int) -> list[str]:
+    """A pair whose servers are on two hosts: its lease in etcd (``shards.coord``),
+    named after the cluster and the shard; nothing for a pair on one host."""
+    if plan.coordination is None or shard_index not in plan.across:
+        return []
+    url, lease_s, replication = plan.coordination
+    return ["--coordination", url, "--lease-s", f"{lease_s:g}", "--replication", replication,
+            "--lease-name", f"{plan.cluster}-{plan.shards[shard_index].name}"]
+
+
 class Runner:
     """Starts, watches, restarts and stops every server of a plan. Lives on one asyncio
     loop; every method is called from that loop."""
@@ -137,6 +147,8 @@ class Runner:
         self._changed = asyncio.Event()
         for shard in plan.shards:
             for server, peer in ((shard.primary, shard.backup), (shard.backup, shard.primary)):
+                if not plan.is_local(server):
+                    continue  # another host's supervisor runs it
                 path = self.log_dir / f"{server.shard}-{server.role}.log"
                 argv = server_argv(server, peer, args) + routing_argv(plan.routing,
                                                                       server.index)
@@ -148,8 +160,11 @@ class Runner:
                 data = self.data_dir(server)
                 if data is not None:
                     argv += ["--data-dir", str(data), "--fsync", plan.fsync]
+                argv += coordination_argv(plan, shard.index)
                 self.servers[server.name] = ServerProcess(server, argv, path)
         for relay in plan.relays:
+            if not plan.is_local(relay):
+                continue
             shard = plan.shards[relay.index]
             path = self.log_dir / f"{relay.shard}-{relay.role}.log"
             argv = relay_argv(relay, shard.primary, shard.backup, args) + routing_argv(

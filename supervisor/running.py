@@ -48,12 +48,14 @@ def _pid_from_file(run_dir: Path | None) -> int | None:
     return None
 
 
-def running_cluster(cluster: str, config_path: str, run_dir: Path | None) -> Running | None:
-    """The supervisor of ``cluster`` if one runs (pid file in ``run_dir``, or the
-    control endpoint named in the config answering with this cluster's name)."""
+def running_cluster(cluster: str, config_path: str, run_dir: Path | None,
+                    host: str | None = None) -> Running | None:
+    """The supervisor of ``cluster`` (of its ``host`` for a config over several) if one
+    runs (pid file in ``run_dir``, or the control endpoint named in the config answering
+    with this cluster's name)."""
     from supervisor.control import resolve_control, status_rows
 
-    endpoint = resolve_control(None, config_path)
+    endpoint = resolve_control(None, config_path, host)
     pid = _pid_from_file(run_dir)
     try:
         _, summary = status_rows(endpoint, timeout_s=ASK_TIMEOUT_S)

@@ -120,7 +120,9 @@ class ControlServices:
                    "pid": os.getpid(), "servers": len(self.runner.servers),
                    "states": self.runner.counts(), "run_dir": str(self.runner.run_dir),
                    "stopping": self.runner.stopping,
-                   "without_active": shards_without_active(rows),
+                   "without_active": shards_without_active(
+                       rows, [self.plan.shards[i].name for i in self.plan.across]),
+                   "host": self.plan.host_name,
                    **(self.health.summary() if self.health is not None else {})}
         return [OK, json.dumps(summary, sort_keys=True).encode()]
 

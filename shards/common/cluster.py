@@ -26,6 +26,7 @@ def cluster_map(plan: Plan) -> dict:
             "heartbeat_s": plan.heartbeat_s, "silence_timeout_s": plan.silence_timeout_s,
             "routing": shard_map.describe(),
             "security": {"curve": plan.curve, "keys_dir": plan.keys_dir or None},
+            "hosts": {name: control for name, control in plan.hosts},
             "shards": [{"index": sh.index, "name": sh.name, "prefixes": list(sh.prefixes),
                         "primary": server(sh.primary), "backup": server(sh.backup),
                         "relays": [dict(server(r), name=r.role) for r in plan.relays

@@ -335,6 +335,8 @@ class ServerEntry(_Model):
     nic: Nic = None
     port: Port = None
     cores: Cores = None
+    at: Name = None
+    """The host (a name under ``hosts:``) whose supervisor runs this server."""
     _port_from_base: bool = PrivateAttr(default=False)
 
     @model_validator(mode="after")
@@ -402,6 +404,44 @@ class SecurityConfig(_Model):
     """Relative to the config file's directory; default ``keys`` there."""
 
 
+class HostEntry(_Model):
+    """One host of a cluster over several (``hosts:``): its supervisor's control
+    endpoint (the broker clients and the other supervisors reach) and metrics."""
+
+    control: Endpoint
+    metrics: Metrics = None
+
+
+def parse_etcd_endpoint(value: Any) -> str:
+    expected = "expected HOST:PORT of an etcd member such as 10.0.0.5:2379"
+    if not isinstance(value, str):
+        raise ValueError(expected)
+    host, _, port = value.strip().rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(expected)
+    return f"{host}:{int(port)}"
+
+
+class CoordinationConfig(_Model):
+    """The coordination service of pairs whose servers are on different hosts
+    (``shards.coord``): etcd's members, the lease, and what an acknowledgement means."""
+
+    etcd: list[Annotated[str, PlainValidator(parse_etcd_endpoint)]]
+    lease_s: float = Field(default=5.0, ge=2.0, le=3600.0)
+    replication: Literal["sync", "async"] = "sync"
+
+    @field_validator("etcd")
+    @classmethod
+    def _members(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("expected at least one etcd member HOST:PORT")
+        return value
+
+    @property
+    def url(self) -> str:
+        return "etcd://" + ",".join(self.etcd)
+
+
 class ClusterConfig(_Model):
     """A whole cluster. Validation fills every default (see the module docstring)."""
 
@@ -417,6 +457,10 @@ class ClusterConfig(_Model):
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     relays: RelaysConfig = Field(default_factory=RelaysConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    hosts: dict[Annotated[str, PlainValidator(parse_name)], HostEntry] | None = None
+    """A cluster over several hosts: each host's name and its supervisor's control
+    endpoint; every server then says ``at:`` which host runs it."""
+    coordination: CoordinationConfig | None = None
     shards: list[ShardConfig]
     _source_dir: Path | None = PrivateAttr(default=None)
 
@@ -482,8 +526,48 @@ class ClusterConfig(_Model):
                     pinned[prefix] = (i, j)
             for role in ROLES:
                 self._resolve_server(i, role, shard.server(role), problems)
+            self._check_hosts(i, shard, problems)
+        if self.hosts is not None and not self.hosts:
+            problems.add("hosts", {}, "no hosts named; list each host's name and its "
+                                      "supervisor's control endpoint, or leave hosts out")
         problems.raise_if_any()
         return self
+
+    def _check_hosts(self, index: int, shard: ShardConfig, problems: Problems) -> None:
+        """Where each server runs: ``at`` a named host when the config has ``hosts``
+        (with a ``host`` address: the other hosts and the clients must know it), never
+        otherwise; a pair across two hosts needs ``coordination``."""
+        for role in ROLES:
+            server = shard.server(role)
+            field = f"shards[{index}].{role}"
+            if self.hosts is None:
+                if server.at is not None:
+                    problems.add(f"{field}.at", server.at,
+                                 "this config names no hosts; add hosts: {NAME: {control: "
+                                 "tcp://ADDRESS:PORT}} for each host, or leave at out")
+                continue
+            if server.at is None:
+                problems.add(f"{field}.at", None,
+                             f"a config with hosts must say where each server runs; "
+                             f"expected one of: {', '.join(sorted(self.hosts))}")
+            elif server.at not in self.hosts:
+                problems.add(f"{field}.at", server.at,
+                             f"not a host of this config; expected one of: "
+                             f"{', '.join(sorted(self.hosts))}")
+            if server.nic is not None:
+                problems.add(f"{field}.nic", server.nic,
+                             "a config with hosts needs each server's address (host: IPV4): "
+                             "the other hosts and the clients connect to it")
+        if (self.hosts is not None and shard.primary.at != shard.backup.at
+                and self.coordination is None):
+            problems.add(f"shards[{index}]", f"{shard.primary.at}/{shard.backup.at}",
+                         "a pair across two hosts needs a tie-breaker that a partition "
+                         "cannot split: add coordination: {etcd: [HOST:PORT, ...]} (see "
+                         "shards/README.md, Pairs across hosts)", raw_given=True)
+
+    def pair_across_hosts(self, index: int) -> bool:
+        shard = self.shards[index]
+        return self.hosts is not None and shard.primary.at != shard.backup.at
 
     def _resolve_server(self, index: int, role: str, server: ServerEntry,
                         problems: Problems) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from shards.common.errors import ConfigError
 from shards.common.config import (PORTS_PER_SERVER, ROLES, WILDCARD, ClusterConfig, Problems,
-                               format_cores, load_config)
+                               endpoint_parts, format_cores, load_config)
 from shards.common.hostfacts import HostFacts, local_host_facts, probe_port
 
 # What each of a server's ports P..P+3 carries.
@@ -130,6 +130,22 @@ class Plan:
     """Where the supervisor serves Prometheus metrics (host, port), or None."""
     relays: tuple["ServerPlan", ...] = ()
     """Relays (role ``relay<j>``), shard by shard."""
+    host_name: str | None = None
+    """A cluster over several hosts: the host this plan is for (``--host NAME``)."""
+    hosts: tuple[tuple[str, str], ...] = ()
+    """Every host of such a cluster and its supervisor's control endpoint."""
+    remote: frozenset[str] = frozenset()
+    """Servers (``shard/role``) that another host's supervisor runs."""
+    coordination: tuple[str, float, str] | None = None
+    """(etcd URL, lease_s, replication) for the pairs across hosts."""
+    across: frozenset[int] = frozenset()
+    """Indexes of the shards whose two servers are on different hosts."""
+
+    def is_local(self, server: "ServerPlan") -> bool:
+        """Whether this host's supervisor runs ``server`` (a relay: where its primary runs)."""
+        if server.role.startswith("relay"):
+            return f"{server.shard}/primary" not in self.remote
+        return server.name not in self.remote
     """... one writer's queue, and a passive's pending table (``--writer-held-bytes``)."""
 
     @property
@@ -155,7 +171,12 @@ class Plan:
                             "prefixes": list(sh.prefixes),
                             "primary": sh.primary.to_dict(),
                             "backup": sh.backup.to_dict()} for sh in self.shards],
-                "host": self.host.to_dict(), "notes": list(self.notes)}
+                "host": self.host.to_dict(), "notes": list(self.notes),
+                "host_name": self.host_name, "hosts": dict(self.hosts),
+                "remote": sorted(self.remote),
+                "coordination": None if self.coordination is None else dict(
+                    zip(("url", "lease_s", "replication"), self.coordination)),
+                "across": sorted(self.shards[i].name for i in self.across)}
 
 
 # ---------------------------------------------------------------- plan
@@ -310,16 +331,41 @@ def _relay_plans(config: ClusterConfig, shard_plans: list, facts: HostFacts,
     return out
 
 
-def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
+def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "",
+         host: str | None = None) -> Plan:
     """Resolve ``config`` on the host ``facts`` describes; ConfigError lists every misfit.
 
-    ``source`` (the config's path) prefixes each error line."""
+    ``source`` (the config's path) prefixes each error line. A config with ``hosts``
+    needs ``host``, the name of the host this plan is for: only its servers are checked
+    against ``facts`` (the others are checked by their own host's supervisor) and its
+    control endpoint is the plan's."""
     problems = Problems(prefix=f"{source}: " if source else "")
     label = _host_label(facts)
-    if config.control_address != WILDCARD and facts.nic_with(config.control_address) is None:
-        problems.add("control", config.control,
-                     f"no NIC of {label} holds address {config.control_address}; its IPv4 "
-                     f"addresses: {facts.describe_nics(ipv4_only=True)}")
+    control = config.control
+    metrics = config.metrics_address
+    if config.hosts is not None:
+        if host is None or host not in config.hosts:
+            raise ConfigError(
+                f"{source + ': ' if source else ''}hosts: this config runs on "
+                f"{len(config.hosts)} hosts ({', '.join(sorted(config.hosts))}): "
+                + ("say which one this is with --host NAME" if host is None else
+                   f"{host!r} is not one of them"), field="hosts")
+        entry = config.hosts[host]
+        control = entry.control
+        metrics = None
+        if entry.metrics is not None:
+            m_host, _, m_port = entry.metrics.rpartition(":")
+            metrics = (m_host, int(m_port))
+    elif host is not None:
+        raise ConfigError(f"{source + ': ' if source else ''}--host {host}: this config "
+                          "names no hosts (add hosts: to run it on several)", field="hosts")
+    control_address = endpoint_parts(control)[0]
+    if control_address != WILDCARD and facts.nic_with(control_address) is None:
+        problems.add("control" if config.hosts is None else f"hosts.{host}.control",
+                     control, f"no NIC of {label} holds address {control_address}; its "
+                              f"IPv4 addresses: {facts.describe_nics(ipv4_only=True)}")
+    remote = frozenset(f"{shard.name}/{role}" for shard in config.shards for role in ROLES
+                       if config.hosts is not None and shard.server(role).at != host)
     auto = _auto_cores(config, facts.cores)
     servers: list[ServerPlan] = []
     shard_plans: list[ShardPlan] = []
@@ -328,6 +374,12 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
         pair: dict[str, ServerPlan] = {}
         for role in ROLES:
             server = shard.server(role)
+            if f"{shard.name}/{role}" in remote:  # its own host's supervisor checks it
+                cores = () if server.cores == "auto" else server.cores
+                pair[role] = ServerPlan(shard=shard.name, index=i, role=role, cores=cores,
+                                        cores_auto=server.cores == "auto", nic="",
+                                        address=server.host, port=server.port)
+                continue
             if server.cores != "auto":
                 _check_cores(f"shards[{i}].{role}", server.cores, facts, problems)
             resolved = _resolve_address(f"shards[{i}].{role}", server, facts, problems)
@@ -345,13 +397,14 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
                          f"{format_cores(tuple(sorted(shared)))}")
         shard_plans.append(ShardPlan(index=i, name=shard.name, prefixes=tuple(shard.prefixes),
                                      primary=pair["primary"], backup=pair["backup"]))
-    relay_plans = _relay_plans(config, shard_plans, facts, problems)
+    relay_plans = [r for r in _relay_plans(config, shard_plans, facts, problems)
+                   if f"{r.shard}/primary" not in remote]
     _check_ports(config, servers + relay_plans, problems)
     problems.raise_if_any()
     if not config.security.curve:
         exposed = sorted({s.address for s in servers if not _loopback(s.address)}
-                         | ({config.control_address}
-                            if not _loopback(config.control_address) else set()))
+                         | ({control_address}
+                            if not _loopback(control_address) else set()))
         if exposed:
             notes.append(f"warning: servers or the control plane bind {', '.join(exposed)} "
                          "(not loopback) with security.curve off: anyone who can reach "
@@ -359,8 +412,12 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
                          "set security: {curve: true} (see the README's Security)")
     routing = RoutingParams(shard_count=len(shard_plans),
                             prefixes=tuple(sh.prefixes for sh in shard_plans))
-    return Plan(cluster=config.cluster, control=config.control,
-                control_address=config.control_address, control_port=config.control_port,
+    coordination = None
+    if config.coordination is not None:
+        c = config.coordination
+        coordination = (c.url, c.lease_s, c.replication)
+    return Plan(cluster=config.cluster, control=control,
+                control_address=control_address, control_port=endpoint_parts(control)[1],
                 heartbeat_s=config.heartbeat_s, silence_timeout_s=config.silence_timeout_s,
                 shards=tuple(shard_plans), routing=routing, host=facts, notes=tuple(notes),
                 data_dir=config.data_dir, fsync=config.fsync,
@@ -372,7 +429,11 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "") -> Plan:
                 writer_held_bytes=config.limits.writer_held_bytes,
                 applied_uuids=(config.limits.applied_uuid_bytes,
                                config.limits.applied_uuid_s),
-                metrics=config.metrics_address, relays=tuple(relay_plans))
+                metrics=metrics, relays=tuple(relay_plans), host_name=host,
+                hosts=tuple((name, h.control) for name, h in (config.hosts or {}).items()),
+                remote=remote, coordination=coordination,
+                across=frozenset(i for i in range(len(config.shards))
+                                 if config.pair_across_hosts(i)))
 
 
 # ---------------------------------------------------------------- the OS check
@@ -395,6 +456,8 @@ def check_ports_free(the_plan: Plan, *, source: str = "",
                          f"metrics port {port} cannot be bound on {host}: {reason}; pick "
                          "another (metrics: HOST:PORT) or turn it off (metrics: off)")
     for s in list(the_plan.servers) + list(the_plan.relays):
+        if not the_plan.is_local(s):
+            continue
         for port, what in zip(s.ports, PORT_NAMES):
             reason = probe(s.address, port)
             if reason:
@@ -405,10 +468,12 @@ def check_ports_free(the_plan: Plan, *, source: str = "",
     problems.raise_if_any()
 
 
-def load_plan(path: str | Path, facts: HostFacts | None = None) -> Plan:
-    """Load a config file and plan it on ``facts`` (this host when None); no port probe."""
+def load_plan(path: str | Path, facts: HostFacts | None = None, host: str | None = None
+              ) -> Plan:
+    """Load a config file and plan it on ``facts`` (this host when None) for ``host`` (a
+    config with ``hosts``); no port probe."""
     return plan(load_config(path), facts if facts is not None else local_host_facts(),
-                source=str(path))
+                source=str(path), host=host)
 
 
 __all__ = ["PORT_NAMES", "ServerPlan", "ShardPlan", "RoutingParams", "Plan", "plan",

@@ -311,7 +311,8 @@ class Supervisor:
         deadline = asyncio.get_running_loop().time() + self.ready_timeout_s
         while True:
             await poller.poll_round()
-            without = shards_without_active(runner.describe())
+            without = shards_without_active(
+                runner.describe(), [self.plan.shards[i].name for i in self.plan.across])
             if not without or asyncio.get_running_loop().time() > deadline:
                 return without
             await asyncio.sleep(ACTIVE_POLL_S)
@@ -379,11 +380,14 @@ class Supervisor:
 @click.option("--log-max-mb", type=click.FloatRange(min=0, min_open=True), default=16.0,
               show_default=True,
               help="Rotate a server's log at this size (3 copies kept: <log>.1 .. .3).")
+@click.option("--host", "host_name", metavar="NAME", default=None,
+              help="A config over several hosts (hosts:): start this host's servers only, "
+                   "and its control endpoint.")
 @click.option("--detached-child", is_flag=True, hidden=True)
 def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
             table: bool | None, ready_timeout_s: float, backoff_initial_s: float,
             backoff_cap_s: float, crash_limit: int, log_level: str, log_max_mb: float,
-            detached_child: bool) -> None:
+            host_name: str | None, detached_child: bool) -> None:
     """Start the cluster in CONFIG and keep it running (Ctrl-C stops it)."""
     return_large_frees()  # dropped request bodies go back to the OS, not to the heap
     try:
@@ -394,15 +398,16 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
         raise click.BadParameter(str(exc)) from None
     try:
         cluster = load_config(config)
-        the_plan = plan(cluster, local_host_facts(), source=config)
+        the_plan = plan(cluster, local_host_facts(), source=config, host=host_name)
         if the_plan.curve:  # the keys must be there before anything starts
             check_keys_present(the_plan.keys_dir, config)
     except ConfigError as exc:
         _fail(exc, exc.exit_code)
-    run_path = Path(run_dir or Path("run") / (the_plan.cluster + (DEMO_SUFFIX if demo_load
-                                                                  else ""))).resolve()
+    name = the_plan.cluster + (f"-{host_name}" if host_name else "")
+    run_path = Path(run_dir or Path("run") / (name + (DEMO_SUFFIX if demo_load
+                                                      else ""))).resolve()
     if not detached_child:
-        running = running_cluster(the_plan.cluster, config, run_path)
+        running = running_cluster(the_plan.cluster, config, run_path, host=host_name)
         if running is not None:
             click.echo(f"error: {running.line()}", err=True)
             raise SystemExit(PortInUse.exit_code)
@@ -418,7 +423,8 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
                 "--no-table", "--ready-timeout-s", str(ready_timeout_s),
                 "--log-level", log_level, "--backoff-initial-s", str(backoff_initial_s),
                 "--backoff-cap-s", str(backoff_cap_s), "--crash-limit", str(crash_limit),
-                "--log-max-mb", str(log_max_mb)] + (["--demo-load"] if demo_load else [])
+                "--log-max-mb", str(log_max_mb)] + (["--demo-load"] if demo_load else []) \
+            + (["--host", host_name] if host_name else [])
         raise SystemExit(_detach(argv, run_path, config))
     if table is None:
         table = sys.stdout.isatty() and not detached_child

@@ -29,6 +29,9 @@ def command(as_json: bool, sel: Selection) -> None:
     """Show every server of the running cluster."""
 
     def body() -> int:
+        hosts = sel.hosts() if sel.host is None else []
+        if hosts:
+            return _across_hosts(sel, hosts, as_json)
         endpoint = sel.endpoint()
         rows, summary = status_rows(endpoint, sel.timeout_s)
         if as_json:
@@ -52,3 +55,46 @@ def command(as_json: bool, sel: Selection) -> None:
         return 0 if healthy else 1
 
     run_command(body)
+
+
+def _across_hosts(sel: Selection, hosts: list[str], as_json: bool) -> int:
+    """A cluster over several hosts: every host's supervisor is asked; its servers'
+    rows say which host they run on, and a host that does not answer is named."""
+    from shards.common.errors import ClonemapError
+
+    rows: list[dict] = []
+    unreachable: dict[str, str] = {}
+    summaries: dict[str, dict] = {}
+    for host in hosts:
+        endpoint = sel.on_host(host).endpoint()
+        try:
+            host_rows, summary = status_rows(endpoint, sel.timeout_s)
+        except ClonemapError as exc:
+            unreachable[host] = f"{endpoint}: {exc}"
+            continue
+        summaries[host] = summary
+        rows += [{**row, "host": host, "role": f"{row.get('role')}@{host}"}
+                 for row in host_rows]
+    without = shards_without_active(rows)  # served: some host's server of it is ACTIVE
+    if as_json:
+        click.echo(json.dumps({"hosts": summaries, "unreachable": unreachable,
+                               "servers": rows, "without_active": without},
+                              indent=2, sort_keys=True))
+    else:
+        from rich.console import Console
+
+        from supervisor.status_view import status_table, summary_line
+
+        console = Console(highlight=False)
+        if not console.is_terminal:
+            console = Console(highlight=False, width=200)
+        title = (f"cluster {next(iter(summaries.values()), {}).get('cluster', '?')}  "
+                 f"hosts {', '.join(hosts)}  {summary_line(rows)}")
+        console.print(status_table(rows, title=title))
+        for host, why in unreachable.items():
+            console.print(f"host {host} unreachable: {why}")
+        for shard in without:
+            console.print(f"{shard}: no ACTIVE server on any host that answered")
+    healthy = (not unreachable and not without
+               and all(row.get("state") == "RUNNING" for row in rows))
+    return 0 if healthy else 1

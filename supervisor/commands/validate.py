@@ -35,7 +35,10 @@ def _render(the_plan: Plan, ports_note: str) -> None:
             + (f", {_plural(len(the_plan.relays), 'relay')}" if the_plan.relays else ""),
             f"control {the_plan.control}   heartbeat {the_plan.heartbeat_s:g} s   "
             f"silence timeout {the_plan.silence_timeout_s:g} s",
-            f"host: {facts.source}; cores {facts.describe_cores()}",
+            f"host: {facts.source}" + (f" (host {the_plan.host_name} of "
+                                       f"{', '.join(n for n, _ in the_plan.hosts)})"
+                                       if the_plan.host_name else "")
+            + f"; cores {facts.describe_cores()}",
             f"NICs: {facts.describe_nics()}"):
         console.print(line, soft_wrap=True)
     with_prefixes = any(shard.prefixes for shard in the_plan.shards)
@@ -46,7 +49,8 @@ def _render(the_plan: Plan, ports_note: str) -> None:
     for shard in the_plan.shards:
         relays = [r for r in the_plan.relays if r.shard == shard.name]
         for s in (*shard.servers, *relays):
-            row = [s.shard, s.role, format_cores(s.cores) + (" (auto)" if s.cores_auto else ""),
+            role = s.role if the_plan.is_local(s) else f"{s.role} (another host)"
+            row = [s.shard, role, format_cores(s.cores) + (" (auto)" if s.cores_auto else ""),
                    s.nic, s.address, f"{s.port}-{s.ports[-1]}"]
             if with_prefixes:
                 row.append(", ".join(shard.prefixes) if s.role == "primary" else "")
@@ -68,12 +72,15 @@ def _render(the_plan: Plan, ports_note: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--no-port-check", is_flag=True,
               help="Do not bind-test the ports (e.g. while the cluster is running).")
-def command(config: str, host_facts: str | None, as_json: bool, no_port_check: bool) -> None:
+@click.option("--host", "host_name", metavar="NAME", default=None,
+              help="A config over several hosts: check the part of this host.")
+def command(config: str, host_facts: str | None, as_json: bool, no_port_check: bool,
+            host_name: str | None) -> None:
     """Check CONFIG against this host and print the placement plan; start nothing."""
     try:
         cluster = load_config(config)
         facts = load_host_facts(host_facts) if host_facts else local_host_facts()
-        the_plan = plan(cluster, facts, source=config)
+        the_plan = plan(cluster, facts, source=config, host=host_name)
         probed = facts.local and not no_port_check
         if the_plan.curve and facts.local:
             check_keys_present(the_plan.keys_dir, config)
@@ -81,7 +88,7 @@ def command(config: str, host_facts: str | None, as_json: bool, no_port_check: b
             try:
                 check_ports_free(the_plan, source=config)
             except ConfigError:
-                running = running_cluster(the_plan.cluster, config, None)
+                running = running_cluster(the_plan.cluster, config, None, host=host_name)
                 if running is None:
                     raise
                 click.echo(f"error: {config}: {running.line()}: its ports are in use by "

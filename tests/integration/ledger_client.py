@@ -6,7 +6,8 @@
     python ledger_client.py read SERVERS           a fresh client: prints ``KEY VALUE`` for
         every key of its complete copy, then ``END N``
 
-SERVERS: ``tcp://A:P,tcp://B:P`` (one shard's pair). Prints ``READY`` once started.
+SERVERS: ``tcp://A:P,tcp://B:P`` (one shard's pair), or ``control=tcp://H:P[,...]`` (the
+whole cluster, through a supervisor's map). Prints ``READY`` once started.
 """
 from __future__ import annotations
 
@@ -17,10 +18,15 @@ from client.api import ClonemapError, Clone
 
 
 def main() -> int:
-    mode, servers = sys.argv[1], sys.argv[2].split(",")
+    mode, where = sys.argv[1], sys.argv[2]
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    with Clone(servers, timeout_s=30, silence_timeout_s=0.6, heartbeat_s=0.2) as clone:
+    if where.startswith("control="):
+        opened = Clone(control=where[len("control="):].split(",")[0], timeout_s=30)
+    else:
+        opened = Clone(where.split(","), timeout_s=30, silence_timeout_s=0.6,
+                       heartbeat_s=0.2)
+    with opened as clone:
         print("READY", flush=True)
         if mode == "read":
             keys = clone.keys()

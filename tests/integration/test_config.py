@@ -84,7 +84,7 @@ def test_unknown_field_is_named_with_the_allowed_ones():
     err = config_error({"shards": [{"name": "a", "primary": {"core": 3}}]})
     assert err.field == "shards[0].primary.core"
     assert str(err) == ('c.yaml: shards[0].primary.core: given 3: unknown field; expected one '
-                        'of: host, nic, port, cores (did you mean "cores"?)')
+                        'of: host, nic, port, cores, at (did you mean "cores"?)')
     err = config_error({"shards": 1, "heartbeat": 2})
     assert "heartbeat: given 2: unknown field" in str(err)
     assert 'did you mean "heartbeat_s"?' in str(err)
