@@ -211,6 +211,9 @@ class ShardAgent:
         self.snapshots = 0
         self.failovers = 0
         self.last_failover: FailoverInfo | None = None
+        self.left_because: dict[str, tuple[str, float]] = {}
+        """Server -> why this client last moved away from it, and when (a write that
+        times out says so: e.g. one server unreachable, the other passive)."""
         self._failover_from: tuple[int, float, str, float] | None = None
         """(old server, last heard from it, reason, silent_s) until the shard resumes."""
         self._resend_after_sync = False
@@ -539,10 +542,26 @@ class ShardAgent:
             self._failover_from = (eff.old, heard_s, eff.reason, eff.silent_s)
         log.warning("shard %s: %s after %.1f s; moving from %s to %s", self.name, eff.reason,
                     eff.silent_s, info.old, info.new)
+        self.left_because[info.old] = (f"{eff.reason} after {eff.silent_s:.1f} s",
+                                       self.clock())
         for i, collector in enumerate(self._collectors):
             if i != eff.new and not collector.ready:
                 collector.discard_queue()
         self._report(info)
+
+    def unavailable(self, within_s: float) -> str:
+        """Why no server of this shard served this client lately: each server it left
+        within the last ``within_s`` seconds, and why ("" when it left none)."""
+        since = self.clock() - within_s
+        recent = [f"{server}: {why}" for server, (why, at) in self.left_because.items()
+                  if at >= since]
+        if not recent:
+            return ""
+        text = "; ".join(recent)
+        if any("not serving" in why for why, at in self.left_because.values() if at >= since):
+            text += (" (a passive server says its peer serves: this client may be cut off "
+                     "from the active one)")
+        return text
 
     # ------------------------------------------------------------------ sockets
     def _on_live(self, event) -> None:

@@ -128,6 +128,10 @@ def check_write(key: str, blob: bytes, ttl: float | None,
     return key_b
 
 
+UNAVAILABLE_WINDOW_S = 10.0
+"""A write that times out names the servers its shard left this long ago at most."""
+
+
 class AsyncClone:
     """A live local copy of the map under ``subtree``, for asyncio code.
 
@@ -682,9 +686,12 @@ class AsyncClone:
             async with asyncio.timeout(timeout_s):
                 await echo
         except TimeoutError:
+            why = agent.unavailable(max(timeout_s, UNAVAILABLE_WINDOW_S))
             raise Timeout(f"shard {agent.name} ({agent.server}) did not publish the update "
                           f"of {frames[0][:60].decode('utf-8', 'replace')!r} back within "
-                          f"{timeout_s} s", what="echo", deadline_s=timeout_s) from None
+                          f"{timeout_s} s" + (f": no server of the shard served this "
+                                              f"client: {why}" if why else ""),
+                          what="echo", deadline_s=timeout_s) from None
         finally:
             echo.cancel()
         return uuid

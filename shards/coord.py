@@ -209,7 +209,7 @@ class Lease:
         self.drift = drift
         self.margin_s = min(0.5, lease_s / 10)
         self.renew_s = lease_s / 3
-        self.retry_s = min(0.5, lease_s / 4)
+        self.retry_s = min(0.2, lease_s / 10)
         self.on_change = on_change
         self.clock = clock
         self.view = LeaseView()

@@ -236,7 +236,8 @@ class PairServer(ShardServer):
         self._alone_busy = False
         self._clear_alone_at: int | None = None
         self.sync_counters = dict.fromkeys(("batches", "released", "went_alone",
-                                            "alone_cleared", "alone_failed", "unsent"), 0)
+                                            "alone_cleared", "alone_failed", "unsent",
+                                            "relinked"), 0)
         self._lease_closed = False
         self._deferred: dict[bytes, tuple[list[bytes], float]] = {}
         """Leased mode: ICANHAZ votes that wait for the lease, by requester (``DEFERRED_MAX``)."""
@@ -373,6 +374,13 @@ class PairServer(ShardServer):
             self._fence_handle = self.loop.call_at(
                 max(self.lease.view.valid_until, now + 0.001), self._check_lease)
 
+    def link_options(self, sock: zmq.Socket) -> None:
+        """A pair across hosts (leased): ZMTP heartbeats on every socket (the pair's state
+        link, the replica's links, the clients' connections), so that a link a partition
+        stalled is dropped and made again within about three heartbeats of the heal."""
+        if self.lease is not None:
+            zio.link_heartbeats(sock, self.config.heartbeat_s)
+
     def fenced(self) -> bool:
         """``ShardServer._flush_log`` asks before publishing (acknowledging) anything: past
         the lease's deadline nothing goes out; the machine hears LEASE_LOST at once."""
@@ -470,6 +478,10 @@ class PairServer(ShardServer):
         self.pending_stale += stale
         if self._deferred:  # after this step's effects: a vote is a step of its own
             self.loop.call_soon(self._answer_deferred)
+        if self.sync and not self.alone and self._peer_gone():
+            # took over from a silent peer: no passive will confirm anything; record
+            # going on alone now, before the first write has to wait for it
+            self._set_alone(True)
         log.warning("shard %s: %s is ACTIVE (%s, was %s, term %d): %d late updates from the "
                     "old active, %d pending updates applied (%d stale dropped), sequence now "
                     "%d", self.shard, self.role, effect.reason, effect.previous.name,
@@ -680,7 +692,17 @@ class PairServer(ShardServer):
                 if last > seq and held:
                     self._send_to_peer(held)
         elif identity != self.sync_peer:
-            return  # an old link's late confirmation
+            # the passive's link came back on a new connection (ZMTP heartbeats drop a
+            # stalled one; the ROUTER names each connection anew): what it says is still
+            # true of its replica, so this is the link now; what it missed goes again
+            if not (self.sync and self.active):
+                return
+            self.sync_peer = identity
+            self.peer_has = max(self.peer_has, seq)
+            self.sync_counters["relinked"] += 1
+            for last, held, _, _ in self._awaiting:
+                if last > seq and held:
+                    self._send_to_peer(held)
         else:
             self.peer_has = max(self.peer_has, seq)
         self._release(self.peer_has)
@@ -706,9 +728,16 @@ class PairServer(ShardServer):
         if self.sync_peer is not None and held:
             self._send_to_peer(held)
         self._release(self.peer_has if self.sync_peer is not None else -1)
+        if self._awaiting and self.sync_peer is None and self._peer_gone():
+            self._set_alone(True)  # no passive to wait for: say so in etcd, then go on
         if self._awaiting and self._sync_timer is None:
             self._sync_timer = self.loop.call_later(self.sync_timeout_s, self._sync_check)
         return True
+
+    def _peer_gone(self) -> bool:
+        """The peer has been silent past its expiry (this server took over from it)."""
+        return self.machine is not None and not bstar.peer_alive(self.machine,
+                                                                 self.loop.time())
 
     def _send_to_peer(self, held: list[bytes]) -> None:
         try:

@@ -107,6 +107,9 @@ class ReplicaOwner(Protocol):
     def log_applied(self, seq: int, key: bytes, value: bytes,
                     expiry_s: float | None, uuid: bytes = b"") -> None: ...
 
+    def link_options(self, sock: zmq.Socket) -> None:
+        """Options for every socket the follower makes (ZMTP heartbeats across hosts)."""
+
     def replicated(self, msg: chp.Kvpub) -> None:
         """An update of the active's stream was applied (history, a relay's publisher)."""
 
@@ -166,6 +169,7 @@ class Follower:
         """Connect the SUB to the active's P+1 (once, at start)."""
         sock = self.owner.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        self.owner.link_options(sock)
         sock.setsockopt(zmq.RCVHWM, self._mark())
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.owner.security.connect_side(sock)
@@ -195,6 +199,7 @@ class Follower:
         self._close_link()
         sock = self.owner.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        self.owner.link_options(sock)
         self.owner.security.connect_side(sock)
         sock.connect(self.snapshot_endpoint)
         self._link = zio.AsyncSocket(sock, self.on_link, batch=256, loop=self.owner.loop,
@@ -271,6 +276,7 @@ class Follower:
         self.owner.reset_pending()
         sock = self.owner.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        self.owner.link_options(sock)
         self.owner.security.connect_side(sock)
         sock.connect(self.snapshot_endpoint)
         self._dealer = zio.AsyncSocket(sock, self.on_snapshot_reply, batch=1024,
@@ -327,13 +333,24 @@ class Follower:
         now = owner.loop.time()
         if not isinstance(msg, chp.Kvpub):
             self.counters["hugz"] += 1
-            if msg.props and not chp.hugz_info(msg).serving:
+            info = chp.hugz_info(msg) if msg.props else None
+            if info is not None and not info.serving:
                 # not from an active: the peer restarted (its welcome HUGZ) and is not
                 # serving. It must not count as the active's last word, or KVSETs
                 # pending here would look stale at takeover and be dropped.
                 self.counters["hugz_not_serving"] += 1
                 return
             self.last_heard = now
+            if (info is not None and state.phase == rm.LIVE and not self._taking_over
+                    and info.seq > owner.store.seq):
+                # the active has published past this replica: updates were lost on the
+                # way (a connection dropped and made again): copy the map again rather
+                # than stay behind until the next update shows the gap
+                self.counters["gaps"] += 1
+                log.warning("shard %s: the active's HUGZ says sequence %d, this replica has "
+                            "%d: synchronising again", owner.shard, info.seq,
+                            owner.store.seq)
+                self._dispatch(rm.Gap(owner.store.seq, info.seq), now)
             return
         self.last_heard = now
         size = len(msg.key) + len(msg.value) + len(msg.props)

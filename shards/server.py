@@ -428,7 +428,12 @@ class ShardServer:
     def _socket(self, kind: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        self.link_options(sock)
         return sock
+
+    def link_options(self, sock: zmq.Socket) -> None:
+        """Options of every socket this server makes (a pair across hosts adds ZMTP
+        heartbeats: ``shards.pair``)."""
 
     def _bind(self, sock: zmq.Socket, endpoint: str) -> None:
         self.security.bind_side(sock)

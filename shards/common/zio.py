@@ -409,3 +409,22 @@ def close_monitored(io: "AsyncSocket | None", monitor: "AsyncSocket | None") -> 
     for each in (monitor, io):
         if each is not None:
             each.close()
+
+
+LINK_BEATS = 3
+"""ZMTP heartbeats (``link_heartbeats``) missed before a connection counts as dead."""
+
+
+def link_heartbeats(sock: zmq.Socket, interval_s: float) -> None:
+    """ZMTP 3.1 heartbeats on every connection of ``sock``: a PING every ``interval_s``;
+    a connection that answers nothing for ``LINK_BEATS`` intervals is closed (and a
+    connecting socket reconnects), a connect that does not complete in that time is
+    retried, and TCP gives up on unacknowledged data then too (``TCP_USER_TIMEOUT``).
+    Without them a connection stalled by a partition can take 10 s and more to recover
+    after the heal (TCP's retransmission backoff). A peer on ZMTP 3.0 is not pinged."""
+    ms = max(100, int(interval_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, ms)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, LINK_BEATS * ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, LINK_BEATS * ms)
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, LINK_BEATS * ms)
+    sock.setsockopt(zmq.TCP_MAXRT, LINK_BEATS * ms)

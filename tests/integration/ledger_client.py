@@ -42,7 +42,7 @@ def main() -> int:
                 clone.set(key, str(i).encode(), wait=True, timeout_s=2.0)
                 print("ACK", key, flush=True)
             except ClonemapError as exc:
-                print("FAIL", key, type(exc).__name__, flush=True)
+                print("FAIL", key, f"{type(exc).__name__}: {exc}", flush=True)
             i += 1
     return 0
 

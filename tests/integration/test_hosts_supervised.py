@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import PYTHON, ROOT, EtcdServer, Procs
-from netns_hosts import IP, Hosts
+from bench.harness.netns import IP, Hosts
 
 pytestmark = pytest.mark.timeout(240)
 LEDGER = str(Path(__file__).with_name("ledger_client.py"))
@@ -68,17 +68,6 @@ def run_on(hosts: Hosts, host: str, *args: str, timeout_s: float = 30
                           text=True, timeout=timeout_s, cwd=ROOT, env={**os.environ, **ENV})
 
 
-def kill_host(hosts: Hosts, host: str) -> None:
-    """SIGKILL every process of the host's namespace at once (a host that dies)."""
-    pids = subprocess.run([IP, "netns", "pids", hosts.ns(host)], capture_output=True,
-                          text=True, check=True).stdout.split()
-    for pid in pids:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def test_a_supervisor_per_host_runs_one_cluster_and_survives_a_host(hosts, tmp_path):
     procs = Procs()
     etcd = EtcdServer(tmp_path / "etcd", host=hosts.address["e"], prefix=hosts.prefix("e"))
@@ -111,7 +100,7 @@ def test_a_supervisor_per_host_runs_one_cluster_and_survives_a_host(hosts, tmp_p
                              ready="READY", timeout_s=60, env=ENV)
         writer._out.wait_for(lambda line: line.startswith("ACK /k/40"), 60)
 
-        kill_host(hosts, "a")  # supervisor a, s0's primary, s1's backup: all at once
+        hosts.kill("a")  # supervisor a, s0's primary, s1's backup: all at once
         writer._out.wait_for(lambda line: line.startswith("ACK ") and
                              int(line.split("/")[-1]) > 60, 60)
         writer.signal(signal.SIGTERM)

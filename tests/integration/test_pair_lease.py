@@ -162,7 +162,9 @@ def test_an_acknowledgement_means_the_passive_holds_the_write_too(procs, zctx, p
     backup.signal(signal.SIGCONT)  # it catches up, and the record goes
     deadline = time.monotonic() + DEADLINE_S
     while alone(etcd_server, name) is not None:
-        assert time.monotonic() < deadline, "the alone record was never cleared"
+        assert time.monotonic() < deadline, (
+            "the alone record was never cleared\n" + "\n".join(primary.stderr[-15:])
+            + "\n" + "\n".join(backup.stderr[-15:]))
         watch[b].next()  # one heartbeat of the passive: an event, not a sleep
     uuid = writer.kvset(b"/sync/last", b"L")
     acked[b"/sync/last"] = at_p.wait(lambda m: m.uuid == uuid).value

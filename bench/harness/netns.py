@@ -1,4 +1,5 @@
-"""Hosts made of network namespaces, joined by a bridge, for the partition tests.
+"""Hosts made of network namespaces, joined by a bridge: the partition tests' hosts and
+the ``bench hosts`` scenario's.
 
 ``Hosts(["a", "b", "c", "e"])`` makes one namespace per host, each with an ``eth0`` (one
 end of a veth pair) holding 10.214.X.N/24, and a bridge namespace whose ``br0`` joins
@@ -12,8 +13,8 @@ address in the test's own namespace). Faults, all with iproute2:
 * ``heal()``: every fault removed.
 
 ``close()`` deletes every namespace it made (their veths go with them) and checks that
-none is left. Needs root and ``ip``; the fixture skips, saying why, where the machine
-forbids namespaces.
+none is left. Needs root and ``ip`` (``available()`` says why not); the tests skip,
+saying so, where the machine forbids namespaces.
 """
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ import shutil
 import subprocess
 
 IP = shutil.which("ip")
+
+
+def available() -> str:
+    """"" when this process may make network namespaces, else why not."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if IP is None:
+        return "iproute2's ip command is not installed"
+    return ""
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -49,6 +59,22 @@ class Hosts:
 
     def ns(self, name: str) -> str:
         return f"cm{self.tag}{name}"
+
+    def pids(self, name: str) -> list[int]:
+        """Every process in host ``name``'s namespace."""
+        return [int(p) for p in ip("netns", "pids", self.ns(name)).stdout.split()]
+
+    def kill(self, name: str) -> int:
+        """SIGKILL every process of host ``name`` at once (a host that dies); how many."""
+        import signal
+
+        pids = self.pids(name)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return len(pids)
 
     def prefix(self, name: str) -> tuple[str, ...]:
         """Run a command on host ``name``: ``ip netns exec NS`` (it execs the command: the
