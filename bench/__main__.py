@@ -100,6 +100,12 @@ SCENARIOS = {
         "supervisor start of a durable, replicated config, then load with a harness sized "
         "from the cores the servers leave: flat out and at 25% of that",
         {"smoke": "~15 s", "quick": "~25 s", "full": "~1 min"}),
+    "hosts": Scenario(
+        "bench.hosts", "hosts",
+        "a pair across hosts (network namespaces, a real etcd): wait=True writes/s and "
+        "ack p50/p99 on one host, across hosts acknowledged by both and by the active "
+        "alone, and the takeover when the active's host dies (needs root)",
+        {"smoke": "~30 s", "quick": "~1.5 min", "full": "~4 min"}),
     "report": Scenario("bench.report", None,
                        "Markdown report + PNG plots from the latest records",
                        {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),
@@ -110,7 +116,8 @@ ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failove
          "durability", "curve", "slow_subscriber", "relays", "hot_path"]
 """What ``all`` runs, in this order, then ``report`` (``failover_supervised`` runs alone:
 it starts a whole 8-server cluster; ``conditional`` too: it measures the client API;
-``cluster`` belongs to the 16core profile, sized for a many-core host)."""
+``cluster`` belongs to the 16core profile, sized for a many-core host; ``hosts`` needs
+root, for its network namespaces)."""
 
 ONLY_ORDER = [*ORDER, *(n for n in SCENARIOS if n not in ORDER and n != "report"),
               "report"]
@@ -134,6 +141,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "failover": ["--kills", "2", "--rate", "200", "--steady-s", "0.3",
                      "--ceiling-s", "0.3"],
         "failover_supervised": ["--kills", "1"],
+        "hosts": ["--seconds", "0.5", "--rounds", "1", "--in-flight", "1", "--takeovers", "1"],
         "cluster": ["--config", "configs/2shard.yaml", "--seconds", "0.5", "--warmup",
                     "0.2", "--rounds", "1"],
         "conditional": ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "1",
@@ -164,6 +172,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
                    "--seconds", "3", "--warmup", "0.5", "--ceiling-s", "1"],
         "failover": ["--kills", "3", "--rate", "500", "--steady-s", "1", "--ceiling-s", "1"],
         "failover_supervised": ["--kills", "3"],
+        "hosts": [],
         "cluster": ["--config", "configs/2shard.yaml", "--seconds", "2", "--warmup", "0.5",
                     "--rounds", "2"],
         "conditional": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
@@ -192,6 +201,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
                    "--seconds", "5", "--warmup", "1", "--rounds", "2", "--ceiling-s", "3"],
         "failover": ["--kills", "10", "--rate", "500", "--steady-s", "2", "--ceiling-s", "3"],
         "failover_supervised": ["--kills", "5"],
+        "hosts": ["--seconds", "8", "--rounds", "3", "--takeovers", "3"],
         "cluster": ["--config", "configs/2shard.yaml", "--seconds", "4", "--warmup", "1",
                     "--rounds", "3"],
         "conditional": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],

@@ -20,7 +20,9 @@ Where the cluster is (exactly one of):
   Binary Star pair, in failover order);
 * ``shards=[[p0, b0], [p1, b1], ...]``: shard i served by entry i (hashed routing, no pins);
 * ``config="configs/4shard.yaml"``: the supervisor config, planned on this host;
-* ``control="tcp://host:5555"``: the supervisor's MDP ``cluster.map``, fetched in start().
+* ``control="tcp://host:5555"``: the supervisor's MDP ``cluster.map``, fetched in start();
+  a list (or a comma-separated string) of endpoints: the supervisors of a cluster over
+  several hosts, asked in turn until one answers (each serves the same map).
 
 The router (``client.router``): one ``ShardAgent`` per shard that can own a key under the
 subtree (``ShardMap.owners_of_subtree``), each with its own sockets, sequence (the
@@ -156,7 +158,8 @@ class AsyncClone:
     following it.
     """
 
-    def __init__(self, servers=None, *, shards=None, config=None, control: str | None = None,
+    def __init__(self, servers=None, *, shards=None, config=None,
+                 control: "str | list[str] | None" = None,
                  subtree: str = "", codec: "str | Codec" = "bytes",
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  control_timeout_s: float = CONTROL_TIMEOUT_S,
@@ -320,13 +323,27 @@ class AsyncClone:
             # control=: discover the cluster (Timeout if no supervisor answers)
             # a context of its own: io_threads must be set before self._ctx's first socket
             mdp_ctx = zmq.Context()
+            endpoints = ([e.strip() for e in self.control.split(",") if e.strip()]
+                         if isinstance(self.control, str) else list(self.control))
+            failures = []
+            cluster = None
             try:
-                cluster = await fetch_cluster(
-                    self.control, ctx=mdp_ctx,
-                    timeout_s=min(self.control_timeout_s, timeout_s),
-                    security=client_keys(self.keys_dir))
+                for endpoint in endpoints:  # one host's supervisor may be down: the next
+                    try:
+                        cluster = await fetch_cluster(
+                            endpoint, ctx=mdp_ctx,
+                            timeout_s=min(self.control_timeout_s, timeout_s),
+                            retries=0 if len(endpoints) > 1 else 1,
+                            security=client_keys(self.keys_dir))
+                        break
+                    except Timeout as exc:
+                        failures.append(f"{endpoint}: {exc}")
             finally:
                 mdp_ctx.destroy(linger=0)
+            if cluster is None:
+                raise Timeout("no supervisor answered with the cluster map: "
+                              + "; ".join(failures), what="cluster map",
+                              deadline_s=min(self.control_timeout_s, timeout_s))
             if self.cluster is None:
                 self._route(cluster)
         if not self._started:

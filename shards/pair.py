@@ -740,8 +740,12 @@ class PairServer(ShardServer):
                                                                  self.loop.time())
 
     def _send_to_peer(self, held: list[bytes]) -> None:
+        """Each update of the batch as one ``BSTAR-UPD`` message (a message has at most
+        ``zio.MAX_FRAMES`` frames: a whole batch in one would be cut)."""
+        peer, sock = self.sync_peer, self._router_sock
         try:
-            self._router_sock.send_multipart([self.sync_peer, UPDATES, *held], zmq.NOBLOCK)
+            for i in range(0, len(held), KVPUB_FRAMES):
+                sock.send_multipart([peer, UPDATES, *held[i:i + KVPUB_FRAMES]], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # its pipe is full or gone: it will not confirm
             self.sync_counters["unsent"] += 1
             log.debug("shard %s: a batch for the passive not sent: %s", self.shard, exc)

@@ -81,7 +81,7 @@ before publishing it (synchronous replication, ``shards.pair``)."""
 HAVE = b"BSTAR-HAVE"
 """Passive -> active on P: this replica holds every update up to the sequence."""
 UPDATES = b"BSTAR-UPD"
-"""Active -> passive on P: one batch of KVPUBs (5 frames each) not yet published."""
+"""Active -> passive on P: one KVPUB (its 5 frames follow) not yet published."""
 
 
 class ReplicaOwner(Protocol):
@@ -158,7 +158,8 @@ class Follower:
         self._link: zio.AsyncSocket | None = None
         """Synchronous replication: the DEALER on the active's P that receives each batch
         before it is published, and confirms it (``FOLLOW``, ``UPDATES``, ``HAVE``)."""
-        self.link_counters = dict.fromkeys(("links", "batches", "confirmed", "malformed"), 0)
+        self.link_counters = dict.fromkeys(("links", "updates", "confirmed", "malformed"), 0)
+        self._unconfirmed = False
 
     @property
     def phase(self) -> str:
@@ -203,25 +204,36 @@ class Follower:
         self.owner.security.connect_side(sock)
         sock.connect(self.snapshot_endpoint)
         self._link = zio.AsyncSocket(sock, self.on_link, batch=256, loop=self.owner.loop,
-                                     name="peer link")
+                                     name="peer link", after_batch=self._confirm)
+        self._unconfirmed = False
         self.link_counters["links"] += 1
         self._link.send([FOLLOW, self.owner.store.seq.to_bytes(8, "big")])
 
     def on_link(self, frames: list[bytes]) -> None:
-        """A batch from the active (``UPDATES``): apply it as its P+1 stream would be,
-        write it, then confirm (``HAVE`` and this replica's sequence)."""
-        if not frames or frames[0] != UPDATES or (len(frames) - 1) % 5:
+        """An update from the active (``UPDATES`` and its five KVPUB frames), sent before
+        it is published: applied as its P+1 stream would be; confirmed after the read
+        burst (``_confirm``)."""
+        if len(frames) != 6 or frames[0] != UPDATES:
             self.link_counters["malformed"] += 1
             self.owner.drops.drop("peer_link_malformed", f"{len(frames)} frames on the link")
             return
-        self.link_counters["batches"] += 1
+        self.link_counters["updates"] += 1
         link = self._link
-        for i in range(1, len(frames), 5):
-            self.on_update(frames[i:i + 5])
-            if self._link is not link or self.state.phase != rm.LIVE:
-                return  # a gap restarted the sync: nothing to confirm on this link
+        self.on_update(frames[1:])
+        if self._link is link and self.state.phase == rm.LIVE:
+            self._unconfirmed = True  # else a gap restarted the sync: nothing to confirm
+
+    def _confirm(self) -> None:
+        """After a read burst on the link: write what it brought (the log; fsync under
+        always), then say how far this replica goes (``HAVE``)."""
+        if not self._unconfirmed or self._link is None:
+            return
+        self._unconfirmed = False
         seq = self.owner.replica_confirmation()
-        self._link.send([HAVE, seq.to_bytes(8, "big")])
+        try:
+            self._link.send([HAVE, seq.to_bytes(8, "big")])
+        except zmq.Again:  # the active is gone: its successor asks again
+            return
         self.link_counters["confirmed"] += 1
 
     # ------------------------------------------------------------------ machine

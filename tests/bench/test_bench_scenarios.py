@@ -306,3 +306,22 @@ def test_supervised_failover_scenario_under_a_real_supervisor(procs, tmp_path):
     assert data["summary"]["writer_errors"] == []
     names = {t["name"] for t in data["targets"]}
     assert "wait=True stall across kill and restart (max)" in names
+
+
+def test_hosts_scenario_measures_one_host_and_across_hosts_and_a_takeover(procs, tmp_path):
+    """``python -m bench hosts`` at smoke size: network namespaces as hosts, a real etcd;
+    every mode acknowledged writes, the takeover after a host's processes were killed is
+    measured, and the record says what the cost is relative to one host."""
+    from bench.harness.netns import available
+
+    if available():
+        pytest.skip(f"bench hosts: {available()}")
+    run_bench(procs, tmp_path, "bench", "hosts", "--seconds", "0.5", "--rounds", "1",
+              "--in-flight", "1", "--takeovers", "1")
+    data = bench_record(tmp_path, "hosts")
+    assert {r["mode"] for r in data["runs"]} == {"one host", "across, sync",
+                                                 "across, async"}
+    assert all(r["acked"] > 0 and r["p99_ms"] > 0 for r in data["runs"])
+    (take,) = data["takeovers"]
+    assert take["killed"] >= 1 and take["takeover_s"] > 0 and take["acks_after"] > 0
+    assert data["summary"]["across, sync x1"]["throughput_vs_one_host"]["n"] == 1

@@ -22,7 +22,7 @@ def main() -> int:
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     if where.startswith("control="):
-        opened = Clone(control=where[len("control="):].split(",")[0], timeout_s=30)
+        opened = Clone(control=where[len("control="):].split(","), timeout_s=30)
     else:
         opened = Clone(where.split(","), timeout_s=30, silence_timeout_s=0.6,
                        heartbeat_s=0.2)

@@ -580,3 +580,64 @@ def test_relays_are_placed_per_shard_after_the_port_base_and_checked():
         plan(parse_config({"shards": 1, "port_base": 6000,
                            "relays": {"per_shard": 1, "port_base": 6010}}), h)
     assert plan(parse_config({"shards": 1}), h).relays == ()
+
+
+# ---------------------------------------------------------------- several hosts
+
+THREE = ROOT / "configs" / "3host.yaml"
+
+
+def test_a_three_host_config_plans_each_hosts_part():
+    config = load_config(THREE)
+    for name in ("a", "b", "c"):
+        the_plan = plan(config, load_host_facts(ROOT / "configs" / "hosts" /
+                                                f"3host-{name}.yaml"), host=name)
+        local = [s.name for s in the_plan.servers if the_plan.is_local(s)]
+        assert len(local) == 2 and len(the_plan.servers) == 6  # the map: every server
+        assert the_plan.control == dict(the_plan.hosts)[name]
+        assert the_plan.across == frozenset({0, 1, 2})
+        assert the_plan.coordination == ("etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379",
+                                         5.0, "sync")
+
+
+def test_a_config_with_hosts_needs_the_host_it_is_planned_for():
+    config = load_config(THREE)
+    facts = load_host_facts(ROOT / "configs" / "hosts" / "3host-a.yaml")
+    with pytest.raises(ConfigError, match="say which one this is with --host NAME"):
+        plan(config, facts)
+    with pytest.raises(ConfigError, match="'d' is not one of them"):
+        plan(config, facts, host="d")
+    with pytest.raises(ConfigError, match="names no hosts"):
+        plan(load_config(ROOT / "configs" / "4shard.yaml"), facts, host="a")
+    # host a's facts cannot run host b's part: its addresses are elsewhere
+    with pytest.raises(ConfigError, match="no NIC of host .* holds"):
+        plan(config, facts, host="b")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.pop("coordination"), "a pair across two hosts needs a tie-breaker"),
+    (lambda d: d["shards"][0]["primary"].pop("at"), "must say where each server runs"),
+    (lambda d: d["shards"][0]["primary"].update(at="z"), "not a host of this config"),
+    (lambda d: d.update(hosts={}), "no hosts named"),
+    (lambda d: d["coordination"].update(etcd=[]), "at least one etcd member"),
+    (lambda d: d["coordination"].update(lease_s=1), "greater than or equal to 2"),
+])
+def test_a_config_over_hosts_is_checked(change, message):
+    data = yaml.safe_load(THREE.read_text())
+    change(data)
+    assert message in str(config_error(data))
+
+
+def test_at_without_hosts_is_refused():
+    err = config_error({"shards": [{"primary": {"at": "a"}}]})
+    assert "this config names no hosts" in str(err)
+
+
+def test_validate_plans_one_hosts_part_and_marks_the_others(procs):
+    code, out, err = run_cli(procs, str(THREE), "--host", "b", "--host-facts",
+                             str(ROOT / "configs" / "hosts" / "3host-b.yaml"))
+    assert code == 0, err
+    assert "host b of a, b, c" in out and out.count("(another host)") == 4
+    code, out, err = run_cli(procs, str(THREE), "--host-facts",
+                             str(ROOT / "configs" / "hosts" / "3host-b.yaml"))
+    assert code == 2 and "--host NAME" in err

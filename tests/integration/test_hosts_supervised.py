@@ -106,8 +106,10 @@ def test_a_supervisor_per_host_runs_one_cluster_and_survives_a_host(hosts, tmp_p
         writer.signal(signal.SIGTERM)
         assert writer.wait(30) == 0
         acked = {line.split()[1] for line in writer.stdout if line.startswith("ACK ")}
+        # a fresh client given both hosts' control endpoints, the dead one first
         reader = procs.spawn([*hosts.prefix("c"), PYTHON, LEDGER, "read",
-                              f"control=tcp://{hosts.address['b']}:5555"], env=ENV)
+                              f"control=tcp://{hosts.address['a']}:5555,"
+                              f"tcp://{hosts.address['b']}:5555"], env=ENV)
         assert reader.wait(60) == 0, "\n".join(reader.stderr[-20:])
         got = dict(line.split(" ", 1) for line in reader.stdout[1:-1])
         missing = sorted(k for k in acked if got.get(k) != k.rsplit("/", 1)[-1])
@@ -120,6 +122,13 @@ def test_a_supervisor_per_host_runs_one_cluster_and_survives_a_host(hosts, tmp_p
         status = json.loads(done.stdout)
         assert list(status["unreachable"]) == ["a"]
         assert status["without_active"] == []  # b serves both shards now
+
+        # a control command needs the host when the config has several; stop b's
+        done = run_on(hosts, "c", "-m", "supervisor", "stop", str(config))
+        assert done.returncode == 2 and "--host NAME" in done.stderr
+        done = run_on(hosts, "c", "-m", "supervisor", "stop", str(config), "--host", "b")
+        assert done.returncode == 0, done.stderr
+        assert sup_b.wait(30) == 0
     finally:
         procs.stop_all()
         etcd.stop()

@@ -148,6 +148,11 @@ def test_an_acknowledgement_means_the_passive_holds_the_write_too(procs, zctx, p
     uuid = writer.kvset(b"/sync/0", b"0")
     acked[b"/sync/0"] = at_p.wait(lambda m: m.uuid == uuid).value
     assert alone(etcd_server, name) is None  # the passive confirmed it
+    burst = [writer.kvset(f"/burst/{i}".encode(), b"b") for i in range(300)]  # big batches
+    for uuid in burst:
+        msg = at_p.wait(lambda m, u=uuid: m.uuid == u)
+        acked[msg.key] = msg.value
+    assert alone(etcd_server, name) is None  # every batch confirmed, none waited it out
 
     backup.signal(signal.SIGSTOP)
     uuid = writer.kvset(b"/sync/1", b"1")

@@ -211,6 +211,10 @@ def test_a_cut_between_the_servers_with_writers_on_both_sides_loses_nothing(clus
     cluster.wait_alone(f"primary@{hosts.address['a']}:{PORT}")
     cluster.wait_acks("/wa/", 20, timeout_s=30)  # a serves its side, alone
     cluster.wait_fail("/wb/")  # b's side: refused, not acknowledged by b
+    b_acks = cluster.acks("/wb/")  # one write at a time: any ACK from now on is b's
+    cluster.wait_fail("/wb/")
+    cluster.wait_acks("/wa/", 20, timeout_s=30)
+    assert cluster.acks("/wb/") == b_acks, "b acknowledged writes while a did"
     hosts.heal()
     cluster.wait_acks("/wb/", 5, timeout_s=60)
     cluster.wait_acks("/wa/", 5)
@@ -304,5 +308,11 @@ def test_a_random_partition_schedule_loses_nothing(cluster, hosts):
         hosts.heal()
         cluster.wait_acks("/wc/", 5, timeout_s=60)
         cluster.wait_acks("/wa/", 5, timeout_s=60)
+        # the ledger so far, read back by a fresh client while the writers go on
+        so_far = {line.split()[1] for proc in cluster.writers.values()
+                  for line in list(proc.stdout) if line.startswith("ACK ")}
+        got = cluster.read()
+        lost = sorted(k for k in so_far if got.get(k) != k.rsplit("/", 1)[-1])
+        assert not lost, f"round {round_}: {len(lost)} of {len(so_far)} lost: {lost[:10]}"
     acked = check_ledger(cluster)
     print(f"{len(acked)} acknowledged writes, none lost")
