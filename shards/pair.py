@@ -460,6 +460,7 @@ class PairServer(ShardServer):
         self.history.append((effect.term, self.store.seq + 1))
         self._save_terms()
         self.set_active(True)
+        self._resume_parked()  # first: it holds lower sequences than anything below
         pending = self.pending.drain(now)
         # An update the active heard too and had time to publish, but did not, is stale:
         # typically a KVSET a client's socket queued while this server was down and
@@ -490,10 +491,7 @@ class PairServer(ShardServer):
     def on_become_passive(self, effect: bstar.BecamePassive, now: float) -> None:
         self.set_active(False)
         self._deferred.clear()
-        if self._held or self._replies:  # fenced: applied here, never acknowledged
-            self.unacknowledged_dropped += len(self._held) // KVPUB_FRAMES
-            self._held, self._replies = [], []
-        self._drop_parked()
+        self._park_unpublished(now)
         self.ttl_streams.clear()
         log.info("shard %s: %s is PASSIVE (%s, was %s)", self.shard, self.role,
                  effect.reason, effect.previous.name)
@@ -537,6 +535,7 @@ class PairServer(ShardServer):
         server rewrites its data directory from it; updates of its own that the active's
         map never had (``persist.fork_point``) are kept in a ``dropped-*`` file."""
         old_seq = self.store.seq
+        self._drop_parked()
         self.store = store
         self.snapshot_entries(largest_entry(store))
         self.recent.reset(store.seq)  # resumes from this map only
@@ -820,8 +819,33 @@ class PairServer(ShardServer):
             log.info("shard %s: the passive holds everything again: alone record cleared",
                      self.shard)
 
+    def _park_unpublished(self, now: float) -> None:
+        """Going passive (fenced): what was applied here and not published stays in the
+        store, never acknowledged. It stays parked with it: published if this server
+        serves this map again (once its passive holds it), dropped with the map if it
+        copies its peer's instead (``replace_store``)."""
+        if self._held or self._replies:
+            self._awaiting.append((self.store.seq, self._held, self._replies, now))
+            self.parked += len(self._held) // KVPUB_FRAMES
+            self._held, self._replies = [], []
+        self.sync_peer = None
+        if self._sync_timer is not None:
+            self._sync_timer.cancel()
+            self._sync_timer = None
+
+    def _resume_parked(self) -> None:
+        """Active again with its own map: what stayed parked goes out as a new batch
+        would (at once in async mode; in sync mode once the passive holds it, or once
+        going on alone is recorded)."""
+        if not self._awaiting:
+            return
+        if not self.sync:
+            self._release(self.store.seq)
+        elif self._sync_timer is None:
+            self._sync_timer = self.loop.call_later(self.sync_timeout_s, self._sync_check)
+
     def _drop_parked(self) -> None:
-        """Not active any more: parked batches were never acknowledged."""
+        """The map is replaced by the peer's: what was parked was never acknowledged."""
         for _, held, _, _ in self._awaiting:
             self.unacknowledged_dropped += len(held) // KVPUB_FRAMES
         self._awaiting.clear()

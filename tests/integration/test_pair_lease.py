@@ -203,3 +203,38 @@ def test_a_passive_left_behind_cannot_take_over(procs, zctx, port_base, etcd_ser
     assert holder(etcd_server, name) is None  # the dead primary's lease expired
     assert alone(etcd_server, name) == f"primary@127.0.0.1:{p}".encode()
     assert watch[b].next().state is PASSIVE and backup.alive()
+
+
+def test_a_write_waiting_for_the_passive_when_the_active_is_fenced_is_kept_not_published(
+        procs, zctx, port_base, tmp_path):
+    """The passive frozen, etcd gone: the active can neither get its write confirmed nor
+    record going on alone, so it acknowledges nothing, and its lease runs out. The write
+    stays in its map, unpublished; when etcd is back the server with the later map (this
+    one) serves again and the write goes out once, after going alone is recorded."""
+    name = f"t-{uuidlib.uuid4().hex[:8]}"
+    etcd = EtcdServer(tmp_path / "etcd")
+    try:
+        p, b = two_bases(port_base)
+        primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd, name))
+        writer = Writer(zctx, [p])  # this writer reaches the primary only
+        at_p = Updates(zctx, p)
+        settle(writer, at_p, watch[b])
+        backup.signal(signal.SIGSTOP)
+        etcd_port = etcd.port
+        etcd.stop()
+        uuid = writer.kvset(b"/parked", b"p")
+        watch[p].wait_state(PASSIVE, timeout_s=LEASE_S + DEADLINE_S)  # fenced
+        at_p.pump(0.2)
+        assert all(m.uuid != uuid for m in at_p.got)  # never acknowledged so far
+        etcd = EtcdServer(tmp_path / "etcd", port=etcd_port)
+        backup.signal(signal.SIGCONT)
+        watch[p].wait_state(ACTIVE, timeout_s=LEASE_S + DEADLINE_S)  # the later map
+        msg = at_p.wait(lambda m: m.uuid == uuid, timeout_s=DEADLINE_S)
+        assert msg.key == b"/parked"
+        assert alone(etcd, name) in (f"primary@127.0.0.1:{p}".encode(), None)
+        at_p.pump(0.2)
+        assert sum(1 for m in at_p.got if m.uuid == uuid) == 1  # published once
+        snap, _ = snapshot(zctx, p)
+        assert snap[b"/parked"] == b"p"
+    finally:
+        etcd.stop()
