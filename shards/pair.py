@@ -71,7 +71,8 @@ from shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES, PendingTable
 from shards.persist.recovery import fork_point
 from shards.common.proto import bstar as wire
 from shards.common.proto import bstar_ttl, chp
-from shards.replica import FOLLOW, HAVE, UPDATES, Follower
+from shards.common.proto.bstar import FOLLOW, HAVE, UPDATES
+from shards.replica import Follower
 from shards import streams
 from shards.server import KVPUB_FRAMES, ServerConfig, ShardServer, largest_entry
 from shards.store import Store, ttl_props
@@ -237,7 +238,7 @@ class PairServer(ShardServer):
         self._clear_alone_at: int | None = None
         self.sync_counters = dict.fromkeys(("batches", "released", "went_alone",
                                             "alone_cleared", "alone_failed", "unsent",
-                                            "relinked"), 0)
+                                            "links"), 0)
         self._lease_closed = False
         self._deferred: dict[bytes, tuple[list[bytes], float]] = {}
         """Leased mode: ICANHAZ votes that wait for the lease, by requester (``DEFERRED_MAX``)."""
@@ -443,7 +444,10 @@ class PairServer(ShardServer):
         self._step(bstar.Event.TICK)
 
     def on_peer_state(self, frames: list[bytes]) -> None:
-        """A state message from the peer's P+3."""
+        """A state message, or a replica's confirmation, from the peer's P+3."""
+        if wire.is_confirmation(frames):
+            self.on_confirmation(frames)
+            return
         try:
             msg = wire.decode(frames)
         except ProtocolError as err:
@@ -669,45 +673,59 @@ class PairServer(ShardServer):
 
     # ================================================================ synchronous replication
     def on_replica_link(self, identity: bytes, command: bytes, seq_frame: bytes) -> None:
-        """The passive's ``BSTAR-FOLLOW seq`` (it holds the map up to seq, send it every
-        batch from now on) or ``BSTAR-HAVE seq`` (it holds up to seq)."""
-        if len(seq_frame) != 8:
-            self.drops.drop("peer_bad_sequence", f"{command!r} with a {len(seq_frame)}-byte "
-                                                 "sequence")
+        """The passive's ``BSTAR-FOLLOW seq`` on P: send every batch to this link from now
+        on. It says where batches go, nothing more: anyone who reaches P could send it,
+        so only a ``BSTAR-HAVE`` from the peer's own P+3 confirms anything
+        (``on_confirmation``). A ``BSTAR-HAVE`` on P is dropped and counted."""
+        if command != FOLLOW:
+            self.drops.drop("peer_have_on_p", "BSTAR-HAVE on the snapshot port (it is only "
+                                              "taken from the peer's state port)")
             return
-        seq = int.from_bytes(seq_frame, "big")
-        if command == FOLLOW:
-            if not (self.sync and self.active):
-                self.drops.drop("peer_follow_unexpected", "BSTAR-FOLLOW while not a "
-                                                          "synchronous active")
-                return
-            self.sync_peer = identity
-            self.peer_has = seq
-            if self.alone:
-                self._clear_alone_at = max(self._clear_alone_at or 0, self.store.seq)
-            log.info("shard %s: the passive follows synchronously from sequence %d", self.shard,
-                     seq)
-            for last, held, _, _ in self._awaiting:  # parked while it was away
-                if last > seq and held:
-                    self._send_to_peer(held)
-        elif identity != self.sync_peer:
-            # the passive's link came back on a new connection (ZMTP heartbeats drop a
-            # stalled one; the ROUTER names each connection anew): what it says is still
-            # true of its replica, so this is the link now; what it missed goes again
-            if not (self.sync and self.active):
-                return
-            self.sync_peer = identity
-            self.peer_has = max(self.peer_has, seq)
-            self.sync_counters["relinked"] += 1
-            for last, held, _, _ in self._awaiting:
-                if last > seq and held:
-                    self._send_to_peer(held)
-        else:
-            self.peer_has = max(self.peer_has, seq)
+        if len(seq_frame) != 8 or not (self.sync and self.active):
+            self.drops.drop("peer_follow_unexpected", "BSTAR-FOLLOW while not a "
+                                                      "synchronous active, or malformed")
+            return
+        self._attach(identity, int.from_bytes(seq_frame, "big"))
+
+    def _attach(self, identity: bytes, seq: int) -> None:
+        """Batches go to ``identity`` from now on; what is parked beyond ``seq`` is sent
+        to it now."""
+        if identity == self.sync_peer:
+            return
+        self.sync_peer = identity
+        self.sync_counters["links"] += 1
+        if self.alone:
+            self._clear_alone_at = max(self._clear_alone_at or 0, self.store.seq)
+        log.info("shard %s: the passive follows synchronously from sequence %d", self.shard,
+                 seq)
+        for last, held, _, _ in self._awaiting:  # parked while it was away
+            if last > seq and held:
+                self._send_to_peer(held)
+
+    def on_confirmation(self, frames: list[bytes]) -> None:
+        """``BSTAR-HAVE LINK SEQ`` from the peer's P+3: its replica holds every update up
+        to SEQ, and its link is named LINK (adopted if new: the link came back on a new
+        connection, or someone else's FOLLOW redirected the batches)."""
+        if len(frames) != 3 or len(frames[2]) != 8 or not frames[1]:
+            self.drops.drop("peer_bad_confirmation", f"{len(frames)}-frame BSTAR-HAVE")
+            return
+        if not (self.sync and self.active):
+            return  # a passive's confirmations are for an active
+        link, seq = frames[1], int.from_bytes(frames[2], "big")
+        if link != self.sync_peer:
+            self._attach(link, seq)
+        self.peer_has = max(self.peer_has, seq)
         self._release(self.peer_has)
         if (self.alone and self._clear_alone_at is not None
                 and self.peer_has >= self._clear_alone_at):
             self._set_alone(False)
+
+    def confirm_replica(self, link_id: bytes, seq: int) -> None:
+        """Passive: ``BSTAR-HAVE`` on this server's state PUB (the follower's hook)."""
+        try:
+            zio.send_frames(self._state_pub, [HAVE, link_id, seq.to_bytes(8, "big")])
+        except zmq.Again:  # a PUB never blocks; a lost one is followed by the next
+            self.drops.drop("state_hwm", "BSTAR-HAVE not sent")
 
     def park_for_peer(self) -> bool:
         """Synchronous replication: this batch waits until the passive holds it."""

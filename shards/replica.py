@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Protocol
 
 import zmq
@@ -49,6 +50,7 @@ from shards.common.errors import ProtocolError
 from shards import replica_machine as rm
 from shards.byte_marks import INITIAL_MARK, MESSAGE_OVERHEAD, derive
 from shards.common.proto import bstar_ttl, chp
+from shards.common.proto.bstar import FOLLOW, HAVE, UPDATES
 from shards.pending import PendingTable
 from shards.common.security import Security
 from shards.server import ServerConfig
@@ -73,15 +75,6 @@ def expires_of(props: bytes) -> float | None:
             except ValueError:
                 found = None
     return found
-
-
-FOLLOW = b"BSTAR-FOLLOW"
-"""Passive -> active on P (its link DEALER), with its sequence: send me every batch
-before publishing it (synchronous replication, ``shards.pair``)."""
-HAVE = b"BSTAR-HAVE"
-"""Passive -> active on P: this replica holds every update up to the sequence."""
-UPDATES = b"BSTAR-UPD"
-"""Active -> passive on P: one KVPUB (its 5 frames follow) not yet published."""
 
 
 class ReplicaOwner(Protocol):
@@ -109,6 +102,9 @@ class ReplicaOwner(Protocol):
 
     def link_options(self, sock: zmq.Socket) -> None:
         """Options for every socket the follower makes (ZMTP heartbeats across hosts)."""
+
+    def confirm_replica(self, link_id: bytes, seq: int) -> None:
+        """Tell the active that the replica holds everything up to ``seq`` (``HAVE``)."""
 
     def replicated(self, msg: chp.Kvpub) -> None:
         """An update of the active's stream was applied (history, a relay's publisher)."""
@@ -156,6 +152,7 @@ class Follower:
         self.last_heard = 0.0
         self._taking_over = False
         self._link: zio.AsyncSocket | None = None
+        self.link_id = b""
         """Synchronous replication: the DEALER on the active's P that receives each batch
         before it is published, and confirms it (``FOLLOW``, ``UPDATES``, ``HAVE``)."""
         self.link_counters = dict.fromkeys(("links", "updates", "confirmed", "malformed"), 0)
@@ -200,6 +197,9 @@ class Follower:
         self._close_link()
         sock = self.owner.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # the active addresses the link by this name, the one its confirmations carry
+        self.link_id = b"L" + os.urandom(15)
+        sock.setsockopt(zmq.ROUTING_ID, self.link_id)
         self.owner.link_options(sock)
         self.owner.security.connect_side(sock)
         sock.connect(self.snapshot_endpoint)
@@ -207,7 +207,9 @@ class Follower:
                                      name="peer link", after_batch=self._confirm)
         self._unconfirmed = False
         self.link_counters["links"] += 1
-        self._link.send([FOLLOW, self.owner.store.seq.to_bytes(8, "big")])
+        seq = self.owner.store.seq
+        self._link.send([FOLLOW, seq.to_bytes(8, "big")])
+        self.owner.confirm_replica(self.link_id, seq)
 
     def on_link(self, frames: list[bytes]) -> None:
         """An update from the active (``UPDATES`` and its five KVPUB frames), sent before
@@ -225,15 +227,13 @@ class Follower:
 
     def _confirm(self) -> None:
         """After a read burst on the link: write what it brought (the log; fsync under
-        always), then say how far this replica goes (``HAVE``)."""
+        always), then say how far this replica goes (``HAVE``, on this server's state
+        PUB: the one channel the active reads from its configured peer only)."""
         if not self._unconfirmed or self._link is None:
             return
         self._unconfirmed = False
         seq = self.owner.replica_confirmation()
-        try:
-            self._link.send([HAVE, seq.to_bytes(8, "big")])
-        except zmq.Again:  # the active is gone: its successor asks again
-            return
+        self.owner.confirm_replica(self.link_id, seq)
         self.link_counters["confirmed"] += 1
 
     # ------------------------------------------------------------------ machine

@@ -63,10 +63,15 @@ class Watcher:
         self.last: wire.StateMessage | None = None
 
     def next(self, timeout_s: float = DEADLINE_S) -> wire.StateMessage:
-        if not self.sock.poll(int(timeout_s * 1000)):
-            raise AssertionError(f"no state message from port {self.port} in {timeout_s} s")
-        self.last = wire.decode(self.sock.recv_multipart())
-        return self.last
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.sock.poll(_ms(deadline)):
+                raise AssertionError(f"no state message from port {self.port} in "
+                                     f"{timeout_s} s")
+            frames = self.sock.recv_multipart()
+            if not wire.is_confirmation(frames):  # a passive's BSTAR-HAVE: not a state
+                self.last = wire.decode(frames)
+                return self.last
 
     def wait(self, pred, timeout_s: float = DEADLINE_S, what: str = "") -> wire.StateMessage:
         deadline = time.monotonic() + timeout_s
@@ -74,7 +79,10 @@ class Watcher:
             if not self.sock.poll(_ms(deadline)):
                 raise AssertionError(f"port {self.port}: no state message with {what} within "
                                      f"{timeout_s} s (last {self.last})")
-            self.last = msg = wire.decode(self.sock.recv_multipart())
+            frames = self.sock.recv_multipart()
+            if wire.is_confirmation(frames):
+                continue
+            self.last = msg = wire.decode(frames)
             if pred(msg):
                 return msg
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import EtcdServer
 from shards import coord
 from test_pair import (ACTIVE, DEADLINE_S, PASSIVE, Updates, Writer, settle, snapshot,
-                       start_pair, stderr_text, two_bases, vote)
+                       start_pair, stats_on_sigusr1, stderr_text, two_bases, vote)
 
 LEASE_S = 2.0
 pytestmark = pytest.mark.timeout(120)
@@ -238,3 +238,35 @@ def test_a_write_waiting_for_the_passive_when_the_active_is_fenced_is_kept_not_p
         assert snap[b"/parked"] == b"p"
     finally:
         etcd.stop()
+
+
+def test_a_hostile_peer_cannot_confirm_a_write_for_the_passive(procs, zctx, port_base,
+                                                               etcd_server):
+    """Someone who reaches the active's P sends BSTAR-FOLLOW and a BSTAR-HAVE with a huge
+    sequence while the passive is frozen: the active counts the forged confirmation as a
+    drop and acknowledges the write only once going alone is recorded in etcd."""
+    import zmq
+
+    name = f"t-{uuidlib.uuid4().hex[:8]}"
+    p, b = two_bases(port_base)
+    primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd_server, name))
+    writer = Writer(zctx, [p, b])
+    at_p = Updates(zctx, p)
+    settle(writer, at_p, watch[b])
+    backup.signal(signal.SIGSTOP)
+    hostile = zctx.socket(zmq.DEALER)
+    hostile.linger = 0
+    hostile.connect(f"tcp://127.0.0.1:{p}")
+    hostile.send_multipart([b"BSTAR-FOLLOW", (0).to_bytes(8, "big")])
+    hostile.send_multipart([b"BSTAR-HAVE", (10**12).to_bytes(8, "big")])
+    uuid = writer.kvset(b"/forged", b"f")
+    assert hostile.poll(5000), "the forged FOLLOW got no batch"  # batches went to it...
+    frames = hostile.recv_multipart()
+    assert frames[0] == b"BSTAR-UPD" and frames[1] == b"/forged"
+    hostile.send_multipart([b"BSTAR-HAVE", (10**12).to_bytes(8, "big")])
+    at_p.wait(lambda m: m.uuid == uuid)
+    # ...but nothing it said released the write: going alone was recorded first
+    assert alone(etcd_server, name) == f"primary@127.0.0.1:{p}".encode()
+    backup.signal(signal.SIGCONT)
+    stats = stats_on_sigusr1(primary, watch[p])
+    assert stats["drops"]["peer_have_on_p"] == 2

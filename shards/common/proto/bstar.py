@@ -27,6 +27,13 @@ agrees with the role (PRIMARY is only ever sent by the primary, BACKUP by the ba
 (``bad_state``, ``bad_role``); heartbeat_ms in range (``bad_heartbeat``); the shard name
 UTF-8 (``bad_shard``).
 
+A pair across hosts with synchronous replication (``shards.pair``) also publishes its
+passive's confirmations on P+3: 3 frames, ``BSTAR-HAVE``, the name of its link to the
+active (1..255 bytes) and the sequence its replica holds (8 bytes). A reader of P+3 tells
+them apart by the first frame (``is_confirmation``); the active's SUB reads them only
+from its configured peer. ``BSTAR-FOLLOW`` (on P, with the sequence) and ``BSTAR-UPD``
+(active -> passive on P, a KVPUB's 5 frames after it) complete that link.
+
 Why these fields: the heartbeat lets a peer compute the sender's expiry from the rate it
 actually publishes at (a pair with different heartbeats does not flap); the role catches
 two servers both configured primary (or backup), which would otherwise sit in PRIMARY
@@ -38,6 +45,21 @@ from __future__ import annotations
 import enum
 import struct
 from typing import NamedTuple
+
+FOLLOW = b"BSTAR-FOLLOW"
+"""Passive -> active on P (its link DEALER, named by ``ROUTING_ID``), with its sequence:
+send every batch here before publishing it. It says where batches go, nothing more."""
+HAVE = b"BSTAR-HAVE"
+"""Passive -> active on the passive's P+3, with the link's name and a sequence: the
+replica holds every update up to it. Never taken from P: anyone who reaches P could
+forge it."""
+UPDATES = b"BSTAR-UPD"
+"""Active -> passive on P: one KVPUB (its 5 frames follow) not yet published."""
+
+
+def is_confirmation(frames: list[bytes]) -> bool:
+    """Whether a P+3 message is a ``BSTAR-HAVE`` rather than a state message."""
+    return bool(frames) and frames[0] == HAVE
 
 from shards.common.errors import ProtocolError
 
