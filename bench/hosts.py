@@ -173,8 +173,8 @@ def takeover(setup: Setup, mode: str) -> dict:
     """Kill every process of host a (the active's) while the writer runs."""
     servers = setup.start(mode)
     try:
-        w = writer(setup, servers, 2.0 + setup.args.lease_s + 6.0, 1)
-        time.sleep(2.0)  # steady writes before the kill: the schedule, not a wait
+        w = writer(setup, servers, 1.0 + setup.args.lease_s + 3.0, 1)
+        time.sleep(1.0)  # steady writes before the kill: the schedule, not a wait
         killed_at = time.monotonic()
         killed = setup.hosts.kill("a")
         got = result_of(w, setup.args.lease_s + 60)

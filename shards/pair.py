@@ -3,18 +3,18 @@
 Sockets beyond the CHP server's P, P+1, P+2 (all on the server's context and loop)::
 
     P+3      PUB     this server's state (shards.common.proto.bstar), every heartbeat and at once
-                     on a change
-    peer P+3 SUB     the peer's state -> bstar.step -> effects
+                     on a change; a passive's BSTAR-HAVE confirmations (synchronous replication)
+    peer P+3 SUB     the peer's state -> bstar.step -> effects; its BSTAR-HAVE -> the link
     peer P+1 SUB     the active's updates  } owned by shards.replica.Follower, used while
     peer P   DEALER  the active's snapshot } passive
-    peer P   DEALER  the link (BSTAR-FOLLOW/BSTAR-UPD/BSTAR-HAVE): synchronous replication
+    peer P   DEALER  the link (BSTAR-FOLLOW out, BSTAR-UPD in): synchronous replication
 
 With ``--coordination`` (a pair across hosts) the pair also holds a lease in etcd
 (``shards.coord``; the machine's leased rules L1-L4): ``fenced`` stops every publish past
-the lease's deadline, and with synchronous replication (``park_for_peer``) a batch's
-KVPUBs and replies wait until the passive confirms it holds the batch, or until this
-server has recorded in etcd that it goes on alone (shards/README.md, *Pairs across
-hosts*).
+the lease's deadline, and with synchronous replication (``park_for_peer``, the active's
+side in ``shards.sync_link``) a batch's KVPUBs and replies wait until the passive confirms
+it holds the batch, or until this server has recorded in etcd that it goes on alone
+(shards/README.md, *Pairs across hosts*).
 
 The shell performs the machine's effects:
 
@@ -55,7 +55,6 @@ it), and a server that stops being active drops its streams.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 import logging
 import os
@@ -73,6 +72,7 @@ from shards.common.proto import bstar as wire
 from shards.common.proto import bstar_ttl, chp
 from shards.common.proto.bstar import FOLLOW, HAVE, UPDATES
 from shards.replica import Follower
+from shards.sync_link import SyncLink
 from shards import streams
 from shards.server import KVPUB_FRAMES, ServerConfig, ShardServer, largest_entry
 from shards.store import Store, ttl_props
@@ -225,21 +225,12 @@ class PairServer(ShardServer):
         """Synchronous replication (a leased pair, by default): a KVPUB, and so an
         acknowledgement, goes out only once the passive holds its update (see the module
         doc); without a lease, Binary Star's asynchronous replica as before."""
-        self.sync_timeout_s = max(1.0, 2 * config.heartbeat_s)
-        self.sync_peer: bytes | None = None
-        """The passive's link identity on P (its ``BSTAR-FOLLOW``)."""
-        self.peer_has = 0
-        self._awaiting: collections.deque = collections.deque()
-        """Batches parked for the passive: (last sequence, held frames, replies, since)."""
-        self._sync_timer: asyncio.TimerHandle | None = None
-        self.alone = False
-        """This active recorded in etcd that it acknowledges without its passive."""
-        self._alone_busy = False
-        self._clear_alone_at: int | None = None
-        self.sync_counters = dict.fromkeys(("batches", "released", "went_alone",
-                                            "alone_cleared", "alone_failed", "unsent",
-                                            "links"), 0)
-        self._lease_closed = False
+        self.link = SyncLink(self, timeout_s=max(1.0, 2 * config.heartbeat_s))
+        """The active's side of synchronous replication (``shards.sync_link``); what a
+        fenced server keeps unpublished waits there too, whatever the replication."""
+        self.lease_closed = False
+        self._snapshot_waiting: list[list[bytes]] = []
+        """ICANHAZ requests waiting for the passive to confirm what is parked."""
         self._deferred: dict[bytes, tuple[list[bytes], float]] = {}
         """Leased mode: ICANHAZ votes that wait for the lease, by requester (``DEFERRED_MAX``)."""
         self.unacknowledged_dropped = 0
@@ -297,7 +288,7 @@ class PairServer(ShardServer):
             self._fence_handle.cancel()
             self._fence_handle = None
         if self.lease is not None:
-            self._lease_closed = True
+            self.lease_closed = True
             self.set_active(False)  # nothing more is acknowledged, then the lease goes
             self.lease.close()
         self.follower.close()
@@ -356,7 +347,7 @@ class PairServer(ShardServer):
     def _check_lease(self) -> None:
         """On the loop: step LEASE_ACQUIRED / LEASE_LOST as the lease's view says, and keep
         a timer at the fencing deadline."""
-        if self.machine is None or self.fatal or self.lease is None or self._lease_closed:
+        if self.machine is None or self.fatal or self.lease is None or self.lease_closed:
             return
         now = time.monotonic()
         valid = self.lease.valid(now)
@@ -464,7 +455,7 @@ class PairServer(ShardServer):
         self.history.append((effect.term, self.store.seq + 1))
         self._save_terms()
         self.set_active(True)
-        self._resume_parked()  # first: it holds lower sequences than anything below
+        self.link.resume(self.sync)  # first: it holds lower sequences than anything below
         pending = self.pending.drain(now)
         # An update the active heard too and had time to publish, but did not, is stale:
         # typically a KVSET a client's socket queued while this server was down and
@@ -483,10 +474,8 @@ class PairServer(ShardServer):
         self.pending_stale += stale
         if self._deferred:  # after this step's effects: a vote is a step of its own
             self.loop.call_soon(self._answer_deferred)
-        if self.sync and not self.alone and self._peer_gone():
-            # took over from a silent peer: no passive will confirm anything; record
-            # going on alone now, before the first write has to wait for it
-            self._set_alone(True)
+        if self.sync:
+            self.link.go_alone_now()  # after taking over from a silent peer
         log.warning("shard %s: %s is ACTIVE (%s, was %s, term %d): %d late updates from the "
                     "old active, %d pending updates applied (%d stale dropped), sequence now "
                     "%d", self.shard, self.role, effect.reason, effect.previous.name,
@@ -495,7 +484,8 @@ class PairServer(ShardServer):
     def on_become_passive(self, effect: bstar.BecamePassive, now: float) -> None:
         self.set_active(False)
         self._deferred.clear()
-        self._park_unpublished(now)
+        self._snapshot_waiting.clear()  # their clients ask the new active
+        self.link.keep_unpublished(now)
         self.ttl_streams.clear()
         log.info("shard %s: %s is PASSIVE (%s, was %s)", self.shard, self.role,
                  effect.reason, effect.previous.name)
@@ -539,7 +529,7 @@ class PairServer(ShardServer):
         server rewrites its data directory from it; updates of its own that the active's
         map never had (``persist.fork_point``) are kept in a ``dropped-*`` file."""
         old_seq = self.store.seq
-        self._drop_parked()
+        self.unacknowledged_dropped += self.link.drop()
         self.store = store
         self.snapshot_entries(largest_entry(store))
         self.recent.reset(store.seq)  # resumes from this map only
@@ -652,6 +642,17 @@ class PairServer(ShardServer):
         if len(frames) == 3 and frames[1] in (FOLLOW, HAVE):
             self.on_replica_link(frames[0], frames[1], frames[2])
             return
+        if self.link.awaiting and self.active:
+            # the map holds writes the passive has not confirmed (never acknowledged):
+            # a snapshot waits until they go out (or are dropped), so that no reader
+            # ever sees a write that may yet be lost (milliseconds normally; at most
+            # until going alone is recorded)
+            self._snapshot_waiting.append(frames)
+            if len(self._snapshot_waiting) > DEFERRED_MAX:
+                self._snapshot_waiting.pop(0)
+                self.drops.drop("snapshot_waiting_full", "an ICANHAZ waited for the "
+                                                         "passive and was dropped")
+            return
         super().on_snapshot_request(frames)
         if not self.active and self.machine is not None and self.machine.wants_lease:
             # a vote that started (or waits on) the acquire: answered at the takeover,
@@ -659,6 +660,17 @@ class PairServer(ShardServer):
             self._deferred[frames[0]] = (frames, self.loop.time())
             while len(self._deferred) > DEFERRED_MAX:
                 self._deferred.pop(next(iter(self._deferred)))
+
+    def unparked(self) -> None:
+        """Nothing waits for the passive any more: answer the snapshot requests that
+        waited (on the next loop turn: this is called from the publish path)."""
+        if self._snapshot_waiting and self.loop is not None:
+            self.loop.call_soon(self._answer_waiting_snapshots)
+
+    def _answer_waiting_snapshots(self) -> None:
+        waiting, self._snapshot_waiting = self._snapshot_waiting, []
+        for frames in waiting:
+            self.on_snapshot_request(frames)
 
     def _answer_deferred(self) -> None:
         """Just became ACTIVE through the lease: answer the votes that waited for it (those
@@ -669,14 +681,14 @@ class PairServer(ShardServer):
         oldest = self.loop.time() - DEFERRED_AGE_S
         for frames, at in deferred.values():
             if at >= oldest:
-                super().on_snapshot_request(frames)
+                self.on_snapshot_request(frames)  # waits too while writes are parked
 
     # ================================================================ synchronous replication
     def on_replica_link(self, identity: bytes, command: bytes, seq_frame: bytes) -> None:
-        """The passive's ``BSTAR-FOLLOW seq`` on P: send every batch to this link from now
-        on. It says where batches go, nothing more: anyone who reaches P could send it,
-        so only a ``BSTAR-HAVE`` from the peer's own P+3 confirms anything
-        (``on_confirmation``). A ``BSTAR-HAVE`` on P is dropped and counted."""
+        """``BSTAR-FOLLOW seq`` on P: send every batch to this link from now on (it says
+        where batches go, nothing more: only a ``BSTAR-HAVE`` from the peer's own P+3
+        confirms anything). A ``BSTAR-HAVE`` on P is dropped and counted: anyone who
+        reaches P could forge it."""
         if command != FOLLOW:
             self.drops.drop("peer_have_on_p", "BSTAR-HAVE on the snapshot port (it is only "
                                               "taken from the peer's state port)")
@@ -685,40 +697,15 @@ class PairServer(ShardServer):
             self.drops.drop("peer_follow_unexpected", "BSTAR-FOLLOW while not a "
                                                       "synchronous active, or malformed")
             return
-        self._attach(identity, int.from_bytes(seq_frame, "big"))
-
-    def _attach(self, identity: bytes, seq: int) -> None:
-        """Batches go to ``identity`` from now on; what is parked beyond ``seq`` is sent
-        to it now."""
-        if identity == self.sync_peer:
-            return
-        self.sync_peer = identity
-        self.sync_counters["links"] += 1
-        if self.alone:
-            self._clear_alone_at = max(self._clear_alone_at or 0, self.store.seq)
-        log.info("shard %s: the passive follows synchronously from sequence %d", self.shard,
-                 seq)
-        for last, held, _, _ in self._awaiting:  # parked while it was away
-            if last > seq and held:
-                self._send_to_peer(held)
+        self.link.on_follow(identity, int.from_bytes(seq_frame, "big"))
 
     def on_confirmation(self, frames: list[bytes]) -> None:
-        """``BSTAR-HAVE LINK SEQ`` from the peer's P+3: its replica holds every update up
-        to SEQ, and its link is named LINK (adopted if new: the link came back on a new
-        connection, or someone else's FOLLOW redirected the batches)."""
+        """``BSTAR-HAVE LINK SEQ`` from the peer's P+3 (``shards.sync_link``)."""
         if len(frames) != 3 or len(frames[2]) != 8 or not frames[1]:
             self.drops.drop("peer_bad_confirmation", f"{len(frames)}-frame BSTAR-HAVE")
             return
-        if not (self.sync and self.active):
-            return  # a passive's confirmations are for an active
-        link, seq = frames[1], int.from_bytes(frames[2], "big")
-        if link != self.sync_peer:
-            self._attach(link, seq)
-        self.peer_has = max(self.peer_has, seq)
-        self._release(self.peer_has)
-        if (self.alone and self._clear_alone_at is not None
-                and self.peer_has >= self._clear_alone_at):
-            self._set_alone(False)
+        if self.sync and self.active:  # a passive's confirmations are for an active
+            self.link.on_confirmation(frames[1], int.from_bytes(frames[2], "big"))
 
     def confirm_replica(self, link_id: bytes, seq: int) -> None:
         """Passive: ``BSTAR-HAVE`` on this server's state PUB (the follower's hook)."""
@@ -729,149 +716,7 @@ class PairServer(ShardServer):
 
     def park_for_peer(self) -> bool:
         """Synchronous replication: this batch waits until the passive holds it."""
-        if not self.sync or not self.active:
-            return False
-        if self.alone and not self._awaiting:
-            # recorded in etcd: acknowledged by this server alone; a passive still
-            # attached gets the batch too, and catching up ends the alone record
-            if self.sync_peer is not None and self._held:
-                self._send_to_peer(self._held)
-            return False
-        held, replies = self._held, self._replies
-        self._held, self._replies = [], []
-        self._awaiting.append((self.store.seq, held, replies, self.loop.time()))
-        self.parked += len(held) // KVPUB_FRAMES
-        self.sync_counters["batches"] += 1
-        if self.sync_peer is not None and held:
-            self._send_to_peer(held)
-        self._release(self.peer_has if self.sync_peer is not None else -1)
-        if self._awaiting and self.sync_peer is None and self._peer_gone():
-            self._set_alone(True)  # no passive to wait for: say so in etcd, then go on
-        if self._awaiting and self._sync_timer is None:
-            self._sync_timer = self.loop.call_later(self.sync_timeout_s, self._sync_check)
-        return True
-
-    def _peer_gone(self) -> bool:
-        """The peer has been silent past its expiry (this server took over from it)."""
-        return self.machine is not None and not bstar.peer_alive(self.machine,
-                                                                 self.loop.time())
-
-    def _send_to_peer(self, held: list[bytes]) -> None:
-        """Each update of the batch as one ``BSTAR-UPD`` message (a message has at most
-        ``zio.MAX_FRAMES`` frames: a whole batch in one would be cut)."""
-        peer, sock = self.sync_peer, self._router_sock
-        try:
-            for i in range(0, len(held), KVPUB_FRAMES):
-                sock.send_multipart([peer, UPDATES, *held[i:i + KVPUB_FRAMES]], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # its pipe is full or gone: it will not confirm
-            self.sync_counters["unsent"] += 1
-            log.debug("shard %s: a batch for the passive not sent: %s", self.shard, exc)
-        # a send on the raw socket can take the edge of its FD: the ROUTER's reader must
-        # look again, or the passive's BSTAR-HAVE waits there for the next request
-        self._router.kick()
-
-    def _release(self, seq: int) -> None:
-        """Publish, in order, every parked batch the passive now holds."""
-        awaiting = self._awaiting
-        while awaiting and awaiting[0][0] <= seq:
-            _, held, replies, _ = awaiting.popleft()
-            self.sync_counters["released"] += 1
-            if held:
-                self.parked -= len(held) // KVPUB_FRAMES
-                self._publish_many(held)
-                if self._remember is not None:
-                    self.recent.extend(held)
-            if replies:
-                self._replies = replies
-                self._send_replies()
-        if not awaiting and self._sync_timer is not None:
-            self._sync_timer.cancel()
-            self._sync_timer = None
-
-    def _sync_check(self) -> None:
-        """The oldest parked batch waited ``sync_timeout_s``: the passive is lost. Go on
-        alone, once that is recorded in etcd (so the passive cannot take over)."""
-        self._sync_timer = None
-        if not self._awaiting or not self.active:
-            return
-        waited = self.loop.time() - self._awaiting[0][3]
-        if waited < self.sync_timeout_s:
-            self._sync_timer = self.loop.call_later(self.sync_timeout_s - waited,
-                                                    self._sync_check)
-            return
-        self._set_alone(True)
-        self._sync_timer = self.loop.call_later(self.sync_timeout_s, self._sync_check)
-
-    def _set_alone(self, alone: bool) -> None:
-        if self._alone_busy or self.lease is None:
-            return
-        self._alone_busy = True
-        call = self.lease.record_alone if alone else self.lease.clear_alone
-        future = self.loop.run_in_executor(None, call)
-        future.add_done_callback(lambda f: self._alone_done(alone, f))
-
-    def _alone_done(self, alone: bool, future) -> None:
-        self._alone_busy = False
-        if self._lease_closed:
-            return
-        exc = future.exception()
-        if exc is not None:
-            self.sync_counters["alone_failed"] += 1
-            log.warning("shard %s: cannot %s in etcd: %s", self.shard,
-                        "record going on alone" if alone else "clear the alone record", exc)
-            return
-        if alone:
-            self.alone = True
-            self._clear_alone_at = self.store.seq  # what the passive must confirm first
-            self.sync_counters["went_alone"] += 1
-            log.warning("shard %s: the passive confirmed nothing for %.1f s: recorded in "
-                        "etcd, this %s acknowledges alone (the passive may not take over "
-                        "until it has copied this map again)", self.shard,
-                        self.sync_timeout_s, self.role)
-            if self.active and not self.fenced():
-                self._release(self.store.seq)
-        else:
-            self.alone = False
-            self._clear_alone_at = None
-            self.sync_counters["alone_cleared"] += 1
-            log.info("shard %s: the passive holds everything again: alone record cleared",
-                     self.shard)
-
-    def _park_unpublished(self, now: float) -> None:
-        """Going passive (fenced): what was applied here and not published stays in the
-        store, never acknowledged. It stays parked with it: published if this server
-        serves this map again (once its passive holds it), dropped with the map if it
-        copies its peer's instead (``replace_store``)."""
-        if self._held or self._replies:
-            self._awaiting.append((self.store.seq, self._held, self._replies, now))
-            self.parked += len(self._held) // KVPUB_FRAMES
-            self._held, self._replies = [], []
-        self.sync_peer = None
-        if self._sync_timer is not None:
-            self._sync_timer.cancel()
-            self._sync_timer = None
-
-    def _resume_parked(self) -> None:
-        """Active again with its own map: what stayed parked goes out as a new batch
-        would (at once in async mode; in sync mode once the passive holds it, or once
-        going on alone is recorded)."""
-        if not self._awaiting:
-            return
-        if not self.sync:
-            self._release(self.store.seq)
-        elif self._sync_timer is None:
-            self._sync_timer = self.loop.call_later(self.sync_timeout_s, self._sync_check)
-
-    def _drop_parked(self) -> None:
-        """The map is replaced by the peer's: what was parked was never acknowledged."""
-        for _, held, _, _ in self._awaiting:
-            self.unacknowledged_dropped += len(held) // KVPUB_FRAMES
-        self._awaiting.clear()
-        self.parked = 0
-        self.sync_peer = None
-        if self._sync_timer is not None:
-            self._sync_timer.cancel()
-            self._sync_timer = None
+        return self.sync and self.active and self.link.park()
 
     def replica_confirmation(self) -> int:
         """Passive: write what the active's batch brought (the log, fsync under always),
@@ -963,10 +808,7 @@ class PairServer(ShardServer):
             "ttl_streams": self._ttl_stats(),
         })
         if self.sync:
-            out["sync_replication"] = {
-                **self.sync_counters, "peer_attached": self.sync_peer is not None,
-                "peer_has": self.peer_has, "parked": self.parked,
-                "awaiting_batches": len(self._awaiting), "alone": self.alone}
+            out["sync_replication"] = self.link.stats()
         if self.lease is not None:
             out["lease"] = {**self.lease.stats(), "fenced_batches": self.fenced_batches,
                             "unacknowledged_dropped": self.unacknowledged_dropped}

@@ -316,7 +316,7 @@ def test_hosts_scenario_measures_one_host_and_across_hosts_and_a_takeover(procs,
 
     if available():
         pytest.skip(f"bench hosts: {available()}")
-    run_bench(procs, tmp_path, "bench", "hosts", "--seconds", "0.5", "--rounds", "1",
+    run_bench(procs, tmp_path, "bench", "hosts", "--seconds", "0.3", "--rounds", "1",
               "--in-flight", "1", "--takeovers", "1")
     data = bench_record(tmp_path, "hosts")
     assert {r["mode"] for r in data["runs"]} == {"one host", "across, sync",

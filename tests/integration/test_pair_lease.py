@@ -223,6 +223,9 @@ def test_a_write_waiting_for_the_passive_when_the_active_is_fenced_is_kept_not_p
         etcd_port = etcd.port
         etcd.stop()
         uuid = writer.kvset(b"/parked", b"p")
+        # no reader sees it while it waits: a snapshot is not answered until then (here
+        # the wait ends with the lease: the request is dropped, its client asks again)
+        assert snapshot(zctx, p, timeout_s=0.5) is None
         watch[p].wait_state(PASSIVE, timeout_s=LEASE_S + DEADLINE_S)  # fenced
         at_p.pump(0.2)
         assert all(m.uuid != uuid for m in at_p.got)  # never acknowledged so far
@@ -260,12 +263,10 @@ def test_a_hostile_peer_cannot_confirm_a_write_for_the_passive(procs, zctx, port
     hostile.send_multipart([b"BSTAR-FOLLOW", (0).to_bytes(8, "big")])
     hostile.send_multipart([b"BSTAR-HAVE", (10**12).to_bytes(8, "big")])
     uuid = writer.kvset(b"/forged", b"f")
-    assert hostile.poll(5000), "the forged FOLLOW got no batch"  # batches went to it...
-    frames = hostile.recv_multipart()
-    assert frames[0] == b"BSTAR-UPD" and frames[1] == b"/forged"
     hostile.send_multipart([b"BSTAR-HAVE", (10**12).to_bytes(8, "big")])
     at_p.wait(lambda m: m.uuid == uuid)
-    # ...but nothing it said released the write: going alone was recorded first
+    # nothing the hostile peer said released the write: going alone was recorded first
+    # (its FOLLOW may even have drawn the batch to it: reading is not confirming)
     assert alone(etcd_server, name) == f"primary@127.0.0.1:{p}".encode()
     backup.signal(signal.SIGCONT)
     stats = stats_on_sigusr1(primary, watch[p])
