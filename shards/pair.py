@@ -603,6 +603,9 @@ class PairServer(ShardServer):
         an intermittent test failure on a 16-core host, the active then exiting)."""
         if self.machine is None:
             return False
+        if (self.lease is not None and self.machine.lease_held
+                and not self.lease.valid(time.monotonic())):
+            return False  # past its lease (LEASE_LOST is on its way): nothing is served
         if self.machine.state is not bstar.State.ACTIVE:
             self.hear_peer_now()
         return self._step(bstar.Event.CLIENT_REQUEST)
