@@ -1,9 +1,10 @@
 """A pair split over two hosts, coordinated by a real etcd, under network partitions:
 no acknowledged write is lost, whatever the fault.
 
-Hosts are network namespaces (``netns_hosts.Hosts``): the primary on host a, the backup
-on host b, etcd on host e, and real clients (``ledger_client.py``, ``wait=True`` writes)
-on a, b and c. Each test injects one fault of issue 26's list with iproute2, heals it,
+Hosts are network namespaces (``bench.harness.netns.Hosts``): a supervisor per host from
+one config (``supervisor start CONFIG --host NAME``) runs the primary on host a and the
+backup on host b, etcd runs on host e, and real clients (``ledger_client.py``,
+``wait=True`` writes) on a, b and c. Each test injects one fault of issue 26's list with iproute2, heals it,
 stops the writers and checks the ledger: every write a writer was told was acknowledged
 is in the map a fresh client reads afterwards, with its value.
 """
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import PYTHON, ROOT, EtcdServer, Procs
 from bench.harness.netns import IP, Hosts
@@ -23,6 +25,7 @@ pytestmark = pytest.mark.timeout(180)
 
 LEASE_S = 2.0
 HEARTBEAT_S = 0.2
+CLUSTER = "part"
 PORT = 6000
 LEDGER = str(Path(__file__).with_name("ledger_client.py"))
 
@@ -41,30 +44,33 @@ def hosts():
 
 
 class Cluster:
-    """etcd on e, the pair on a (primary) and b (backup), writers wherever asked."""
+    """etcd on e, the pair on a (primary) and b (backup) under a supervisor per host from
+    one config (``supervisor start CONFIG --host NAME``), writers wherever asked."""
 
     def __init__(self, hosts: Hosts, tmp: Path):
         self.hosts = hosts
         self.procs = Procs()
         self.etcd = EtcdServer(tmp / "etcd", host=hosts.address["e"], prefix=hosts.prefix("e"))
         self.tmp = tmp
-        self.servers = {}
         self.writers: dict[str, object] = {}
         self.endpoints = ",".join(f"tcp://{hosts.address[h]}:{PORT}" for h in ("a", "b"))
-        self.start_server("a", "primary", "b")
-        self.start_server("b", "backup", "a")
-
-    def start_server(self, host: str, role: str, peer: str):
-        h = self.hosts
-        proc = self.procs.spawn(
-            [*h.prefix(host), PYTHON, "-m", "shards", "--port", str(PORT),
-             "--host", h.address[host], f"--{role}", "--peer", f"{h.address[peer]}:{PORT}",
-             "--shard", "s0", "--heartbeat-s", str(HEARTBEAT_S),
-             "--coordination", self.etcd.url, "--lease-s", str(LEASE_S),
-             "--data-dir", str(self.tmp / f"data-{role}"), "--parent-pid", str(os.getpid())],
-            ready="READY", env={"PYTHONPATH": str(ROOT)})
-        self.servers[host] = proc
-        return proc
+        config = tmp / "part.yaml"
+        a, b = hosts.address["a"], hosts.address["b"]
+        config.write_text(yaml.safe_dump({
+            "cluster": CLUSTER, "heartbeat_s": HEARTBEAT_S,
+            "hosts": {"a": {"control": f"tcp://{a}:5555"}, "b": {"control": f"tcp://{b}:5555"}},
+            "coordination": {"etcd": [f"{self.etcd.host}:{self.etcd.port}"],
+                             "lease_s": LEASE_S},
+            "shards": [{"name": "s0", "primary": {"at": "a", "host": a, "port": PORT},
+                        "backup": {"at": "b", "host": b, "port": PORT}}]}))
+        self.supervisors = {
+            host: self.procs.spawn([*hosts.prefix(host), PYTHON, "-m", "supervisor", "start",
+                                    str(config), "--host", host, "--no-table", "--run-dir",
+                                    str(tmp / f"run-{host}")], env={"PYTHONPATH": str(ROOT)})
+            for host in ("a", "b")}
+        for host, sup in self.supervisors.items():  # each host's pair needs the other's
+            ready = sup.wait_line("READY supervisor", 60)
+            assert ready.startswith("READY"), f"host {host}: {ready}"
 
     def writer(self, host: str, prefix: str):
         proc = self.procs.spawn([*self.hosts.prefix(host), PYTHON, LEDGER, "write",
@@ -105,7 +111,7 @@ class Cluster:
             [*self.hosts.prefix("c"), PYTHON, "-c",
              "import sys; from shards import coord; "
              "print((coord.Etcd([(sys.argv[1], int(sys.argv[2]))]).get("
-             "coord.alone_key('shard-s0')) or b'').decode())",
+             f"coord.alone_key('{CLUSTER}-s0')) or b'').decode())",
              self.etcd.host, str(self.etcd.port)], env={"PYTHONPATH": str(ROOT)})
         assert proc.wait(30) == 0, "\n".join(proc.stderr[-10:])
         return proc.stdout[0] if proc.stdout else ""
@@ -256,7 +262,7 @@ def test_a_one_way_cut_between_the_servers_loses_nothing(cluster, hosts, dropper
     check_ledger(cluster)
 
 
-def test_the_active_host_killed_outright_the_backup_serves_within_the_lease(cluster,
+def test_the_active_host_killed_outright_loses_nothing(cluster,
                                                                            hosts):
     """Every process of host a killed at once (no release of the lease): b takes over
     once the lease has expired, with every write a acknowledged."""
@@ -266,12 +272,9 @@ def test_the_active_host_killed_outright_the_backup_serves_within_the_lease(clus
     cluster.wait_acks("/wc/", 20)
     assert cluster.alone() == ""  # both servers hold every write: no fault yet
     before = cluster.acks("/wc/")
-    killed = time.monotonic()
-    for proc in (cluster.servers["a"], cluster.writers["/wa/"]):
-        proc.signal(signal.SIGKILL)
-    cluster.wait_acks("/wc/", 1, timeout_s=LEASE_S + 30)
-    print(f"first acknowledgement through b {time.monotonic() - killed:.2f} s after the "
-          f"kill (lease {LEASE_S} s)")
+    assert hosts.kill("a") >= 3  # supervisor, server and writer of host a, all at once
+    cluster.wait_acks("/wc/", 20, timeout_s=LEASE_S + 30)  # b serves (the takeover's
+    # time is measured by `python -m bench hosts`, not asserted here)
     assert cluster.acks("/wc/") > before
     cluster.writers.pop("/wa/").stop()
     acked = {k: v for k, v in check_ledger(cluster).items()}
