@@ -262,8 +262,7 @@ def test_a_one_way_cut_between_the_servers_loses_nothing(cluster, hosts, dropper
     check_ledger(cluster)
 
 
-def test_the_active_host_killed_outright_loses_nothing(cluster,
-                                                                           hosts):
+def test_the_active_host_killed_outright_loses_nothing(cluster, hosts):
     """Every process of host a killed at once (no release of the lease): b takes over
     once the lease has expired, with every write a acknowledged."""
     cluster.writer("a", "/wa/")
