@@ -645,6 +645,8 @@ class PairServer(ShardServer):
         if len(frames) == 3 and frames[1] in (FOLLOW, HAVE):
             self.on_replica_link(frames[0], frames[1], frames[2])
             return
+        if self._held:  # applied this turn: parked (or published) before deciding
+            self._flush_log()
         if self.link.awaiting and self.active:
             # the map holds writes the passive has not confirmed (never acknowledged):
             # a snapshot waits until they go out (or are dropped), so that no reader

@@ -55,12 +55,14 @@ class SyncLink:
 
     # ------------------------------------------------------------------ the passive
     def on_follow(self, identity: bytes, seq: int) -> None:
-        """``BSTAR-FOLLOW seq`` on P: batches go to ``identity`` from now on."""
-        self._attach(identity, seq)
+        """``BSTAR-FOLLOW seq`` on P: batches go to ``identity`` from now on. Its arrival
+        proves the link's connection is there: what is parked goes (again) now, for a
+        send to a link named by an earlier ``BSTAR-HAVE`` can fail before it is."""
+        self._attach(identity, seq, again=True)
 
-    def _attach(self, identity: bytes, seq: int) -> None:
+    def _attach(self, identity: bytes, seq: int, again: bool = False) -> None:
         """Batches go to ``identity``; what is parked beyond ``seq`` is sent to it now."""
-        if identity == self.peer:
+        if identity == self.peer and not again:
             return
         self.peer = identity
         self.counters["links"] += 1

@@ -219,6 +219,7 @@ def test_a_write_waiting_for_the_passive_when_the_active_is_fenced_is_kept_not_p
         writer = Writer(zctx, [p])  # this writer reaches the primary only
         at_p = Updates(zctx, p)
         settle(writer, at_p, watch[b])
+        assert alone(etcd, name) is None  # the probe was confirmed, not waited out
         backup.signal(signal.SIGSTOP)
         etcd_port = etcd.port
         etcd.stop()
