@@ -51,6 +51,8 @@ from bench.harness.procs import Target, bench_main, cpu_seconds
 
 NAME = "hosts"
 MODES = ("one host", "across, sync", "across, async")
+REPLICATION = {"across, sync": "sync", "across, async": "async"}
+"""``--replication`` of the modes across hosts (a pair on one host has no lease)."""
 PORT = 6000
 ETCD_PORT = 12379
 DURATION = ("Duration (2 cores): smoke (--seconds 1 --rounds 1 --in-flight 1 --takeovers 1) "
@@ -103,9 +105,7 @@ class Setup:
         extra: list[str] = []
         if mode != "one host":
             extra = ["--coordination", self.etcd.url, "--lease-s", str(args.lease_s),
-                     "--lease-name", f"bench-{run}",
-                     "--replication", "sync" if mode.endswith("sync") and
-                     not mode.endswith("async") else "async"]
+                     "--lease-name", f"bench-{run}", "--replication", REPLICATION[mode]]
         self.servers = []
         for role, peer in (("primary", "backup"), ("backup", "primary")):
             argv = [*h.prefix(where[role]), sys.executable, "-m", "shards",

@@ -251,12 +251,12 @@ def coordination_arg(ctx, param, value: str | None) -> list[tuple[str, int]] | N
 @click.option("--coordination", callback=coordination_arg, default=None,
               metavar="etcd://HOST:PORT[,HOST:PORT...]",
               help="A pair across hosts: the server may be ACTIVE only while it holds the "
-                   "pair's lease in this etcd cluster (see shards/README.md, Across "
+                   "pair's lease in this etcd cluster (see shards/README.md, Pairs across "
                    "hosts). Default: none (Binary Star alone, for a pair on one host).")
 @click.option("--lease-s", type=click.FloatRange(coord.MIN_LEASE_S, 3600),
               default=coord.LEASE_S, show_default=True,
               help="With --coordination: the lease's TTL; a dead active's shard waits this "
-                   "long (plus half a second at most) before its peer serves.")
+                   "long (plus 0.7 s at most) before its peer serves.")
 @click.option("--lease-name", default=None, metavar="NAME",
               help="With --coordination: the lease's name in etcd (key "
                    "clonemap/NAME/active), the same on both servers of the pair and "

@@ -444,19 +444,6 @@ def _peer(m: Machine, msg: StateMessage, kind: Event,
                                                      f"{peer_role.name.lower()}")]
     m = replace(m, peer_expiry=now + PEER_EXPIRY_HEARTBEATS * msg.heartbeat_s,
                 peer_state=peer_state, peer_down=False)
-    if c.leased:
-        if peer_state is State.ACTIVE and m.wants_lease and m.state is not State.ACTIVE:
-            m = replace(m, wants_lease=False, wants_because="")  # (L3): it serves
-        if rule is Rule.DUAL_ACTIVE:  # (L3): the lease decides, nobody exits
-            if m.lease_held:
-                return m, [SplitBrainSurvived("dual active", "this server holds the lease")]
-            return _to_passive(m, now, "peer is active and this server holds no lease")
-        if rule is Rule.DUAL_PASSIVE:  # (L4): nobody serves; the later map asks
-            if msg.term > m.term:
-                m = replace(m, term=msg.term)
-            if later_state(m, msg) and not m.needs_peer:
-                return _to_active(m, now, "both passive: this server holds the later map")
-            return m, []
     if (m.state, kind) in _START_UP:  # (7): the later map goes active
         rule = Rule.TO_ACTIVE if later_state(m, msg) else Rule.STAY
         if m.needs_peer and (msg.term, msg.sequence) != (0, 0):
@@ -467,6 +454,17 @@ def _peer(m: Machine, msg: StateMessage, kind: Event,
             PublishState(start, m.term)]
     if (m.state is State.PASSIVE or rule is Rule.TO_PASSIVE) and msg.term > m.term:
         m = replace(m, term=msg.term)
+    if c.leased:
+        if peer_state is State.ACTIVE and m.wants_lease and m.state is not State.ACTIVE:
+            m = replace(m, wants_lease=False, wants_because="")  # (L3): it serves
+        if rule is Rule.DUAL_ACTIVE:  # (L3): the lease decides, nobody exits
+            if m.lease_held:
+                return m, [SplitBrainSurvived("dual active", "this server holds the lease")]
+            return _to_passive(m, now, "peer is active and this server holds no lease")
+        if rule is Rule.DUAL_PASSIVE:  # (L4): nobody serves; the later map asks
+            if later_state(m, msg) and not m.needs_peer:
+                return _to_active(m, now, "both passive: this server holds the later map")
+            return m, []
     if rule is Rule.STAY:
         return m, []
     if rule is Rule.TO_ACTIVE:

@@ -39,7 +39,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 from urllib.parse import urlsplit
 
@@ -168,9 +168,6 @@ class Etcd:
     def put(self, key: bytes, value: bytes) -> None:
         self.call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)})
 
-    def delete(self, key: bytes) -> None:
-        self.call("/v3/kv/deleterange", {"key": _b64(key)})
-
     def get(self, key: bytes) -> bytes | None:
         got = self.call("/v3/kv/range", {"key": _b64(key)})
         for kv in got.get("kvs", []):
@@ -244,9 +241,7 @@ class Lease:
     # ------------------------------------------------------------ the thread
     def _set(self, **changes) -> None:
         old = self.view
-        new = LeaseView(**{**{"held": old.held, "valid_until": old.valid_until,
-                              "holder": old.holder, "error": old.error}, **changes})
-        self.view = new
+        self.view = new = replace(old, **changes)
         if (new.held, new.holder, new.error) != (old.held, old.holder, old.error) \
                 and self.on_change is not None:
             self.on_change(new)

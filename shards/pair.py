@@ -70,11 +70,11 @@ from shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES, PendingTable
 from shards.persist.recovery import fork_point
 from shards.common.proto import bstar as wire
 from shards.common.proto import bstar_ttl, chp
-from shards.common.proto.bstar import FOLLOW, HAVE, UPDATES
+from shards.common.proto.bstar import FOLLOW, HAVE
 from shards.replica import Follower
 from shards.sync_link import SyncLink
 from shards import streams
-from shards.server import KVPUB_FRAMES, ServerConfig, ShardServer, largest_entry
+from shards.server import ServerConfig, ShardServer, largest_entry
 from shards.store import Store, ttl_props
 
 log = logging.getLogger("shards.pair")
@@ -234,8 +234,8 @@ class PairServer(ShardServer):
         self._deferred: dict[bytes, tuple[list[bytes], float]] = {}
         """Leased mode: ICANHAZ votes that wait for the lease, by requester (``DEFERRED_MAX``)."""
         self.unacknowledged_dropped = 0
-        """Updates applied while the lease was running out and never published (so never
-        acknowledged): dropped when the server went passive."""
+        """Updates applied and never published (so never acknowledged), dropped when this
+        server's map was replaced by its peer's (``SyncLink.drop``)."""
         self.fenced_batches = 0
 
     @property
@@ -373,11 +373,15 @@ class PairServer(ShardServer):
         if self.lease is not None:
             zio.link_heartbeats(sock, self.config.heartbeat_s)
 
+    def _lease_ran_out(self) -> bool:
+        """Holding the lease by the machine's account, but past its deadline now."""
+        return (self.lease is not None and self.machine is not None
+                and self.machine.lease_held and not self.lease.valid(time.monotonic()))
+
     def fenced(self) -> bool:
-        """``ShardServer._flush_log`` asks before publishing (acknowledging) anything: past
-        the lease's deadline nothing goes out; the machine hears LEASE_LOST at once."""
-        lease = self.lease
-        if lease is None or lease.valid(time.monotonic()):
+        """Asked before publishing (acknowledging) anything: past the lease's deadline
+        nothing goes out; the machine hears LEASE_LOST at once."""
+        if not self._lease_ran_out():
             return False
         self.fenced_batches += 1
         if self.loop is not None:
@@ -601,11 +605,8 @@ class PairServer(ShardServer):
         (two heartbeats), an ICANHAZ read before those messages would find the peer
         "silent" and win the vote against an active that is alive: two actives (seen as
         an intermittent test failure on a 16-core host, the active then exiting)."""
-        if self.machine is None:
+        if self.machine is None or self._lease_ran_out():  # LEASE_LOST is on its way
             return False
-        if (self.lease is not None and self.machine.lease_held
-                and not self.lease.valid(time.monotonic())):
-            return False  # past its lease (LEASE_LOST is on its way): nothing is served
         if self.machine.state is not bstar.State.ACTIVE:
             self.hear_peer_now()
         return self._step(bstar.Event.CLIENT_REQUEST)
@@ -709,7 +710,9 @@ class PairServer(ShardServer):
         if len(frames) != 3 or len(frames[2]) != 8 or not frames[1]:
             self.drops.drop("peer_bad_confirmation", f"{len(frames)}-frame BSTAR-HAVE")
             return
-        if self.sync and self.active:  # a passive's confirmations are for an active
+        # a passive's confirmations are for an active; one past its lease publishes
+        # nothing, whoever confirmed what
+        if self.sync and self.active and not self.fenced():
             self.link.on_confirmation(frames[1], int.from_bytes(frames[2], "big"))
 
     def confirm_replica(self, link_id: bytes, seq: int) -> None:

@@ -50,7 +50,7 @@ from shards.common.errors import ProtocolError
 from shards import replica_machine as rm
 from shards.byte_marks import INITIAL_MARK, MESSAGE_OVERHEAD, derive
 from shards.common.proto import bstar_ttl, chp
-from shards.common.proto.bstar import FOLLOW, HAVE, UPDATES
+from shards.common.proto.bstar import FOLLOW, UPDATES
 from shards.pending import PendingTable
 from shards.common.security import Security
 from shards.server import ServerConfig

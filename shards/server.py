@@ -744,7 +744,7 @@ class ShardServer:
                 self.on_disk_error("writing the log", exc)
                 return
         if (self._held or self._replies) and self.fenced():
-            return  # held: out if the lease is renewed in time, dropped if it passes
+            return  # held: out if the lease is renewed in time, else parked with the map
         if (self._held or self._replies) and self.park_for_peer():
             return  # out once the passive holds it (a pair across hosts, shards.pair)
         if self._held:

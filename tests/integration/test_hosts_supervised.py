@@ -19,24 +19,11 @@ import pytest
 import yaml
 
 from conftest import PYTHON, ROOT, EtcdServer, Procs
-from bench.harness.netns import IP, Hosts
+from bench.harness.netns import Hosts
 
 pytestmark = pytest.mark.timeout(240)
 LEDGER = str(Path(__file__).with_name("ledger_client.py"))
 ENV = {"PYTHONPATH": str(ROOT)}
-
-
-@pytest.fixture
-def hosts():
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if IP is None:
-        pytest.skip("iproute2's ip command is not installed")
-    made = Hosts(["a", "b", "c", "e"])
-    try:
-        yield made
-    finally:
-        made.close()
 
 
 def write_config(path: Path, hosts: Hosts, etcd: EtcdServer) -> Path:

@@ -76,13 +76,11 @@ class Watcher:
     def wait(self, pred, timeout_s: float = DEADLINE_S, what: str = "") -> wire.StateMessage:
         deadline = time.monotonic() + timeout_s
         while True:
-            if not self.sock.poll(_ms(deadline)):
+            try:
+                msg = self.next(max(0.0, deadline - time.monotonic()))
+            except AssertionError:
                 raise AssertionError(f"port {self.port}: no state message with {what} within "
-                                     f"{timeout_s} s (last {self.last})")
-            frames = self.sock.recv_multipart()
-            if wire.is_confirmation(frames):
-                continue
-            self.last = msg = wire.decode(frames)
+                                     f"{timeout_s} s (last {self.last})") from None
             if pred(msg):
                 return msg
 

@@ -28,15 +28,32 @@ def leased(etcd, name: str) -> tuple[str, ...]:
     return ("--coordination", etcd.url, "--lease-s", str(LEASE_S), "--lease-name", name)
 
 
+def leased_pair(procs, zctx, port_base: int, etcd):
+    """A pair under a fresh lease name: (name, primary port, backup port, primary,
+    backup, watchers), once the primary is ACTIVE and the backup PASSIVE."""
+    name = f"t-{uuidlib.uuid4().hex[:8]}"
+    p, b = two_bases(port_base)
+    primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd, name))
+    return name, p, b, primary, backup, watch
+
+
+def settled_writer(zctx, watch, p: int, b: int, primary_only: bool = False
+                   ) -> tuple[Writer, Updates]:
+    """An XPUB to both collectors (or the primary's only) and a SUB on the primary's
+    P+1, once a probe went through the primary and reached the backup's replica."""
+    writer = Writer(zctx, [p] if primary_only else [p, b])
+    at_p = Updates(zctx, p)
+    settle(writer, at_p, watch[b])
+    return writer, at_p
+
+
 def holder(etcd, name: str) -> bytes | None:
     return coord.Etcd([(etcd.host, etcd.port)]).get(coord.lease_key(name))
 
 
 def test_the_active_holds_the_lease_and_a_stopped_one_hands_it_over(procs, zctx, port_base,
                                                                    etcd_server):
-    name = f"t-{uuidlib.uuid4().hex[:8]}"
-    p, b = two_bases(port_base)
-    primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd_server, name))
+    name, p, b, primary, backup, watch = leased_pair(procs, zctx, port_base, etcd_server)
     assert holder(etcd_server, name) == f"primary@127.0.0.1:{p}".encode()
     assert snapshot(zctx, b, timeout_s=3 * 0.2) is None  # the passive refuses votes
     # a clean stop revokes the lease: the backup serves without waiting it out
@@ -51,12 +68,9 @@ def test_the_active_holds_the_lease_and_a_stopped_one_hands_it_over(procs, zctx,
 
 def test_a_frozen_active_is_fenced_and_acknowledges_nothing_after_its_lease(
         procs, zctx, port_base, etcd_server):
-    name = f"t-{uuidlib.uuid4().hex[:8]}"
-    p, b = two_bases(port_base)
-    primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd_server, name))
-    writer = Writer(zctx, [p, b])
-    at_p, at_b = Updates(zctx, p), Updates(zctx, b)
-    settle(writer, at_p, watch[b])
+    name, p, b, primary, backup, watch = leased_pair(procs, zctx, port_base, etcd_server)
+    writer, at_p = settled_writer(zctx, watch, p, b)
+    at_b = Updates(zctx, b)
     acked = {m.key: m.value for m in at_p.got}
     for i in range(20):
         uuid = writer.kvset(f"/before/{i}".encode(), b"v")
@@ -96,14 +110,11 @@ def test_a_frozen_active_is_fenced_and_acknowledges_nothing_after_its_lease(
 
 def test_without_etcd_nobody_acknowledges_and_the_later_map_serves_when_it_returns(
         procs, zctx, port_base, tmp_path):
-    name = f"t-{uuidlib.uuid4().hex[:8]}"
     etcd = EtcdServer(tmp_path / "etcd")
     try:
-        p, b = two_bases(port_base)
-        primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd, name))
-        writer = Writer(zctx, [p, b])
-        at_p, at_b = Updates(zctx, p), Updates(zctx, b)
-        settle(writer, at_p, watch[b])
+        name, p, b, primary, backup, watch = leased_pair(procs, zctx, port_base, etcd)
+        writer, at_p = settled_writer(zctx, watch, p, b)
+        at_b = Updates(zctx, b)
         published = len(at_p.got)
         etcd_port, data_dir = etcd.port, tmp_path / "etcd"
         etcd.stop()
@@ -138,12 +149,8 @@ def test_an_acknowledgement_means_the_passive_holds_the_write_too(procs, zctx, p
     """A frozen passive holds up every acknowledgement until the active has recorded in
     etcd that it goes on alone; once the passive has caught up the record is cleared,
     and after the active dies every write it acknowledged is served by the passive."""
-    name = f"t-{uuidlib.uuid4().hex[:8]}"
-    p, b = two_bases(port_base)
-    primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd_server, name))
-    writer = Writer(zctx, [p, b])
-    at_p = Updates(zctx, p)
-    settle(writer, at_p, watch[b])
+    name, p, b, primary, backup, watch = leased_pair(procs, zctx, port_base, etcd_server)
+    writer, at_p = settled_writer(zctx, watch, p, b)
     acked = {m.key: m.value for m in at_p.got}
     uuid = writer.kvset(b"/sync/0", b"0")
     acked[b"/sync/0"] = at_p.wait(lambda m: m.uuid == uuid).value
@@ -183,12 +190,8 @@ def test_a_passive_left_behind_cannot_take_over(procs, zctx, port_base, etcd_ser
     """The active went on alone (its passive frozen) and then died: the passive, which
     may lack acknowledged writes, never takes the lease; the shard waits for the server
     that holds them."""
-    name = f"t-{uuidlib.uuid4().hex[:8]}"
-    p, b = two_bases(port_base)
-    primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd_server, name))
-    writer = Writer(zctx, [p, b])
-    at_p = Updates(zctx, p)
-    settle(writer, at_p, watch[b])
+    name, p, b, primary, backup, watch = leased_pair(procs, zctx, port_base, etcd_server)
+    writer, at_p = settled_writer(zctx, watch, p, b)
     backup.signal(signal.SIGSTOP)
     uuid = writer.kvset(b"/only/on/primary", b"1")
     at_p.wait(lambda m: m.uuid == uuid)
@@ -211,14 +214,10 @@ def test_a_write_waiting_for_the_passive_when_the_active_is_fenced_is_kept_not_p
     record going on alone, so it acknowledges nothing, and its lease runs out. The write
     stays in its map, unpublished; when etcd is back the server with the later map (this
     one) serves again and the write goes out once, after going alone is recorded."""
-    name = f"t-{uuidlib.uuid4().hex[:8]}"
     etcd = EtcdServer(tmp_path / "etcd")
     try:
-        p, b = two_bases(port_base)
-        primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd, name))
-        writer = Writer(zctx, [p])  # this writer reaches the primary only
-        at_p = Updates(zctx, p)
-        settle(writer, at_p, watch[b])
+        name, p, b, primary, backup, watch = leased_pair(procs, zctx, port_base, etcd)
+        writer, at_p = settled_writer(zctx, watch, p, b, primary_only=True)
         assert alone(etcd, name) is None  # the probe was confirmed, not waited out
         backup.signal(signal.SIGSTOP)
         etcd_port = etcd.port
@@ -251,12 +250,8 @@ def test_a_hostile_peer_cannot_confirm_a_write_for_the_passive(procs, zctx, port
     drop and acknowledges the write only once going alone is recorded in etcd."""
     import zmq
 
-    name = f"t-{uuidlib.uuid4().hex[:8]}"
-    p, b = two_bases(port_base)
-    primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd_server, name))
-    writer = Writer(zctx, [p, b])
-    at_p = Updates(zctx, p)
-    settle(writer, at_p, watch[b])
+    name, p, b, primary, backup, watch = leased_pair(procs, zctx, port_base, etcd_server)
+    writer, at_p = settled_writer(zctx, watch, p, b)
     backup.signal(signal.SIGSTOP)
     hostile = zctx.socket(zmq.DEALER)
     hostile.linger = 0

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import PYTHON, ROOT, EtcdServer, Procs
-from bench.harness.netns import IP, Hosts
+from bench.harness.netns import Hosts
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,19 +28,6 @@ HEARTBEAT_S = 0.2
 CLUSTER = "part"
 PORT = 6000
 LEDGER = str(Path(__file__).with_name("ledger_client.py"))
-
-
-@pytest.fixture
-def hosts():
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    if IP is None:
-        pytest.skip("iproute2's ip command is not installed")
-    made = Hosts(["a", "b", "c", "e"])
-    try:
-        yield made
-    finally:
-        made.close()
 
 
 class Cluster:
