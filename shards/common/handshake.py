@@ -31,11 +31,14 @@ def monitor_event(frames: list[bytes]) -> tuple[int, int] | None:
 
 class Refusals:
     """``refused`` for one connecting socket, without the false alarm: a plain client
-    that connects to a CURVE server sees a handshake fail with no detail, but so does a
-    client whose connection dropped mid-handshake (measured: ``supervisor stop`` said
-    "the cluster requires CURVE" of a plain cluster busy restarting a server). A refused
-    plain client fails again at each reconnection (every 100 ms), so that ambiguous
-    failure names a cause only the second time in a row; every other cause at once."""
+    that connects to a CURVE server sees a handshake fail with no detail, and so does a
+    CURVE client given another cluster's server key, but so does any client whose
+    connection dropped mid-handshake (measured: ``supervisor stop`` said "the cluster
+    requires CURVE" of a plain cluster busy restarting a server, and "its server.key
+    differs" of a CURVE supervisor closing its broker while ``stop`` waited for it to
+    go). A refused client fails again at each reconnection (every 100 ms), so that
+    ambiguous failure names a cause only the second time in a row; every other cause at
+    once."""
 
     AMBIGUOUS_REPEATS = 2
 
@@ -47,7 +50,7 @@ class Refusals:
         event = monitor_event(frames)
         if event is None:
             return None
-        if event[0] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and not self.curve:
+        if event[0] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
             self.ambiguous += 1
             if self.ambiguous < self.AMBIGUOUS_REPEATS:
                 return None

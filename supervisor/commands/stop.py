@@ -11,7 +11,7 @@ import time
 import click
 
 from shards.common.endpoints import NOT_LISTENING
-from shards.common.errors import Timeout
+from shards.common.errors import HandshakeRefused, Timeout
 from supervisor.control import Selection, call, control_options, ping, run_command
 
 STOP_WAIT_S = 30.0
@@ -39,7 +39,7 @@ def command(wait: bool, sel: Selection) -> None:
             while time.monotonic() < deadline:
                 try:  # answers while it stops its servers; silence once it is gone
                     ping(endpoint, "cluster.stop", timeout_s=0.5)
-                except Timeout:
+                except (Timeout, HandshakeRefused):  # gone, or its broker closing
                     break
                 time.sleep(0.2)
             else:
