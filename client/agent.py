@@ -66,19 +66,16 @@ from shards.common.security import Security
 from client.collector import KvsetSender, ServerAddress, parse_server
 from client.echoes import Echoes
 from client.replies import Replies
-from client.events import ACCEPT, KEEP, KEPT, RESET_POLICIES, FailoverInfo, ResetInfo
+from client.events import KEPT, FailoverInfo, ResetInfo
 from client.lag import LagMeter
 from client.link import Link
+from client.options import KEEP, AgentHooks, AgentOptions
 from client.watch import WatchHub
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.1
-SYNC_BUFFER_MAX = 500_000
-"""Updates buffered while a snapshot streams (~400 B each with 100-byte values)."""
 REPLAY_BATCH = 4096
-KVSET_QUEUE_MAX = 100_000
-SUB_RCVHWM = 100_000
 PHASE_LOG_MAX = 64
 REPLY_CONNECT_S = 2.0
 """After an outage, how long resent writes that ask for a reply wait for the replies
@@ -105,37 +102,27 @@ class ShardAgent:
     ``last_seq`` is the last applied sequence (this shard's entry of the version vector).
     """
 
-    def __init__(self, ctx: zmq.Context, servers: Sequence[ServerAddress], *,
+    def __init__(self, ctx: zmq.Context, servers: Sequence[ServerAddress],
+                 options: AgentOptions | None = None, hooks: AgentHooks | None = None, *,
                  name: str = "s0", subtree: bytes = b"", hub: WatchHub | None = None,
-                 silence_timeout_s: float | None = sm.SILENCE_TIMEOUT_S,
-                 sync_timeout_s: float = sm.SYNC_TIMEOUT_S,
-                 connect_timeout_s: float = sm.CONNECT_TIMEOUT_S,
-                 sync_buffer_max: int = SYNC_BUFFER_MAX,
-                 kvset_queue_max: int = KVSET_QUEUE_MAX,
-                 limits: chp.Limits = chp.DEFAULT_LIMITS,
-                 on_failover: Callable[[FailoverInfo], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, affinity: int = 0,
-                 sub_rcvhwm: int = SUB_RCVHWM,
-                 on_behind: "Callable[[ShardAgent, int, int], bool] | None" = None,
-                 max_lag_s: float | None = None,
-                 on_lag: "Callable[[ShardAgent, float], bool] | None" = None,
-                 on_reset: Callable[[ResetInfo], None] | None = None,
-                 reset_policy: str = ACCEPT, security: Security | None = None,
-                 route: str = "", resume: bool = True, relays: bool = False,
-                 on_wrong_route: "Callable[[ShardAgent, str], None] | None" = None):
+                 security: Security | None = None, route: str = "", relays: bool = False):
+        options = options if options is not None else AgentOptions()
+        hooks = hooks if hooks is not None else AgentHooks()
+        self.options = options
+        """How this agent follows its shard (``client.options.AgentOptions``)."""
         if not servers:
             raise ValueError(f"shard {name}: no servers")
         self.relays = relays
         """The servers are relays of the shard (each forwards a KVSET to both servers of
         the pair): a KVSET goes to the followed relay only, never twice upstream."""
-        self.resume = resume
-        """Ask our servers for a resume (the updates after ours) instead of a snapshot."""
+        self.resume = options.resume
         self._resuming = False
         self.resumes = self.resume_updates = self.resumes_refused = 0
         self.route = route
         """``I/N/DIGEST`` this client's routing expects of the shard's servers ("" : no
         check); a HUGZ naming another is a wrong config: ``on_wrong_route(agent, theirs)``."""
-        self.on_wrong_route = on_wrong_route
+        self.on_wrong_route = hooks.on_wrong_route
         chp.check_subtree(subtree)
         self.ctx = ctx
         self.security = security or Security.off()
@@ -143,26 +130,20 @@ class ShardAgent:
         self.name = name
         self.subtree = subtree
         self.hub = hub if hub is not None else WatchHub()
-        self.limits = limits
-        self.sync_buffer_max = sync_buffer_max
-        self.kvset_queue_max = kvset_queue_max
-        self.on_failover = on_failover
+        self.limits = options.limits
+        self.sync_buffer_max = options.sync_buffer_max
+        self.kvset_queue_max = options.kvset_queue_max
+        self.on_failover = hooks.on_failover
         self.clock = clock
         self.affinity = affinity
-        self.sub_rcvhwm = sub_rcvhwm
-        self.on_behind = on_behind
-        """Called with (agent, expected seq, got seq) on a gap in an unfiltered stream:
-        updates were lost, i.e. this client fell behind the publisher (its high-water
-        marks overflowed). True: the client handled it (policy "die"), no resync."""
         """ZMQ_AFFINITY of every socket of this shard: a bit mask of the context's I/O
         threads (0: ZeroMQ chooses). The Black Box pattern: one I/O thread per shard."""
-        self.max_lag_s = max_lag_s
-        self.on_lag = on_lag
-        if reset_policy not in RESET_POLICIES:
-            raise ValueError(f"reset_policy is one of {', '.join(RESET_POLICIES)}, "
-                             f"got {reset_policy!r}")
-        self.on_reset = on_reset
-        self.reset_policy = reset_policy
+        self.sub_rcvhwm = options.sub_rcvhwm
+        self.on_behind = hooks.on_behind
+        self.max_lag_s = options.max_lag_s
+        self.on_lag = hooks.on_lag
+        self.on_reset = hooks.on_reset
+        self.reset_policy = options.reset_policy
         self.generation = ""
         """Generation of the map the installed snapshot came from ("" unknown)."""
         self.resets = 0
@@ -185,10 +166,7 @@ class ShardAgent:
         """How far behind the publisher this client reads (``client.lag``)."""
         self.lagged = 0
         self.contiguous = not subtree
-        self.state = sm.State(sm.Config(
-            servers=len(self.servers), contiguous=self.contiguous,
-            sync_timeout_s=sync_timeout_s, connect_timeout_s=connect_timeout_s,
-            silence_timeout_s=silence_timeout_s))
+        self.state = sm.State(options.machine(len(self.servers), self.contiguous))
         self.drops = DropCounter(log)
         self.map: dict[bytes, bytes] = {}
         self.last_seq = 0

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from shards.common.errors import ClonemapError, SlowConsumer, Timeout
 from client.events import FailoverInfo, KeyMeta, ResetInfo
-from client.clone import DEFAULT_TIMEOUT_S, AsyncClone
+from client.clone import AsyncClone
+from client.options import DEFAULT_TIMEOUT_S, ClientOptions
 from client.errors import (Conflict, NotRunning, NotSupported, ShardReset, SlowSubscriber,
                            WriteRefused)
 from client.sync import Clone
 from client.watch import Change
 
 __all__ = ["AsyncClone", "Change", "ClonemapError", "Clone", "Conflict", "DEFAULT_TIMEOUT_S",
-           "FailoverInfo", "KeyMeta", "NotRunning", "NotSupported", "ResetInfo", "ShardReset",
+           "ClientOptions", "FailoverInfo", "KeyMeta", "NotRunning", "NotSupported", "ResetInfo", "ShardReset",
            "SlowConsumer", "SlowSubscriber", "Timeout", "WriteRefused"]

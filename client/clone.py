@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import os
 import logging
 import math
 import uuid as _uuid
@@ -66,27 +65,17 @@ from shards.common.security import Security, client_keys
 from shards.common.proto import chp
 from shards.common import timing
 from shards.common.timing import HEARTBEAT_S
-from client import shard_machine as sm
-from client.agent import KVSET_QUEUE_MAX, SUB_RCVHWM, SYNC_BUFFER_MAX, ShardAgent
-from client.events import ACCEPT, FailoverInfo, KeyMeta, ResetInfo
+from client.agent import ShardAgent
+from client.events import KeyMeta
 from client.collector import ServerAddress, parse_server
-from client.codec import Codec, get_codec
+from client.codec import get_codec
 from client.errors import Conflict, NotRunning, NotSupported, SlowSubscriber, WriteRefused
-from client.router import CONTROL_TIMEOUT_S, Cluster, fetch_cluster
-from client.watch import WATCH_CAPACITY, Watch, WatchCore, WatchHub
+from client.options import AUTO, MAX_IO_THREADS, PER_SHARD, RESYNC, AgentHooks, ClientOptions
+from client.router import Cluster, fetch_cluster
+from client.watch import Watch, WatchCore, WatchHub
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 10.0
-RESYNC, DIE = "resync", "die"
-MAX_LAG_S = 1.0
-"""A shard read this much later than usual (by the server clock in HUGZ) is a slow
-subscriber."""
-SLOW_POLICIES = (RESYNC, DIE)
-PER_SHARD = "per_shard"
-"""``io_threads=PER_SHARD``: one ZeroMQ I/O thread per followed shard (Black Box)."""
-MAX_IO_THREADS = 64
-AUTO = "auto"
 
 
 def _parse_servers(servers: "str | ServerAddress | Sequence[str | ServerAddress]"
@@ -160,88 +149,42 @@ class AsyncClone:
 
     def __init__(self, servers=None, *, shards=None, config=None,
                  control: "str | list[str] | None" = None,
-                 subtree: str = "", codec: "str | Codec" = "bytes",
-                 timeout_s: float = DEFAULT_TIMEOUT_S,
-                 control_timeout_s: float = CONTROL_TIMEOUT_S,
-                 heartbeat_s: float | None = None,
-                 silence_timeout_s: "float | None | str" = AUTO,
-                 sync_timeout_s: float = sm.SYNC_TIMEOUT_S,
-                 connect_timeout_s: float = sm.CONNECT_TIMEOUT_S,
-                 sync_buffer_max: int = SYNC_BUFFER_MAX,
-                 kvset_queue_max: int = KVSET_QUEUE_MAX,
-                 watch_capacity: int = WATCH_CAPACITY,
-                 limits: chp.Limits = chp.DEFAULT_LIMITS,
-                 on_failover: Callable[[FailoverInfo], None] | None = None,
-                 context: zmq.Context | None = None, io_threads: "int | str | None" = None,
-                 slow_policy: str = RESYNC,
-                 on_slow: Callable[[SlowSubscriber], None] | None = None,
-                 sub_rcvhwm: int = SUB_RCVHWM,
-                 max_lag_s: float | None = MAX_LAG_S,
-                 on_reset: Callable[[ResetInfo], None] | None = None,
-                 reset_policy: str = ACCEPT, keys: "str | os.PathLike | None" = None,
-                 only_key: str | None = None, via: str = "servers", resume: bool = True):
-        if not isinstance(subtree, str):
-            raise TypeError("subtree is a str such as '/orders/' (or '')")
+                 context: zmq.Context | None = None, options: ClientOptions | None = None,
+                 **option_fields):
+        opts = ClientOptions.given(options, "AsyncClone()", **option_fields)
+        self.options = opts
+        """Every option this client was made with (``client.options.ClientOptions``)."""
         given = [name for name, v in (("servers", servers), ("shards", shards),
                                       ("config", config), ("control", control))
                  if v is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of servers=, shards=, config=, control= "
                              f"(got {', '.join(given) or 'none'})")
-        self.subtree = subtree
-        self._subtree_b = chp.check_subtree(subtree.encode("utf-8"))
-        if via not in ("servers", "relays"):
-            raise ValueError(f"via is 'servers' or 'relays', got {via!r}")
-        self.via = via
-        """``"relays"``: follow each shard through its relays (the cluster map lists
-        them; or ``servers=`` lists relays), spread at random over them and failing over
-        between them; a write goes to the followed relay only. A shard without relays
-        is followed through its servers."""
-        self.only_key = only_key
-        """Follow only the shard that owns this key (``chp get/set/del``): one snapshot,
-        one shard's sockets; other keys under the subtree are then out of reach."""
-        if only_key is not None and not only_key.encode("utf-8").startswith(self._subtree_b):
-            raise ValueError(f"only_key {only_key!r} is outside the subtree {subtree!r}")
-        self.keys_dir = keys
-        """The cluster's keys directory (CURVE); a config's ``security`` gives it too."""
+        self.subtree = opts.subtree
+        self._subtree_b = opts.subtree.encode("utf-8")
+        self.via = opts.via
+        self.only_key = opts.only_key
+        self.keys_dir = opts.keys
         self.security = Security.off()
         self.servers = _parse_servers(servers) if servers is not None else ()
         self.control = control
-        self.control_timeout_s = control_timeout_s
-        self.codec = get_codec(codec)
-        self.timeout_s = timeout_s
-        self.limits = limits
-        self.watch_capacity = watch_capacity
-        if heartbeat_s is not None and not heartbeat_s > 0:
-            raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s!r}")
-        self._heartbeat_s = heartbeat_s
-        self._silence_arg = silence_timeout_s
+        self.control_timeout_s = opts.control_timeout_s
+        self.codec = get_codec(opts.codec)
+        self.timeout_s = opts.timeout_s
+        self.limits = opts.limits
+        self.watch_capacity = opts.watch_capacity
         self.silence_timeout_s: float | None = None
-        if max_lag_s is not None and not max_lag_s > 0:
-            raise ValueError(f"max_lag_s must be > 0 or None, got {max_lag_s!r}")
-        self.max_lag_s = max_lag_s
-        self._agent_kw = dict(sync_timeout_s=sync_timeout_s, sub_rcvhwm=sub_rcvhwm,
-                              on_behind=self._on_behind, max_lag_s=max_lag_s,
-                              on_lag=self._on_lag,
-                              connect_timeout_s=connect_timeout_s,
-                              sync_buffer_max=sync_buffer_max,
-                              kvset_queue_max=kvset_queue_max, limits=limits,
-                              on_failover=on_failover, on_reset=on_reset,
-                              reset_policy=reset_policy, resume=resume)
-        if io_threads is not None and context is not None:
+        """The silence timeout settled on once the cluster is known (``"auto"``)."""
+        self.max_lag_s = opts.max_lag_s
+        self._hooks = AgentHooks(on_failover=opts.on_failover, on_reset=opts.on_reset,
+                                 on_behind=self._on_behind, on_lag=self._on_lag,
+                                 on_wrong_route=self._on_wrong_route)
+        if opts.io_threads is not None and context is not None:
             raise ValueError("io_threads applies to the client's own context: give "
                              "io_threads or context, not both")
-        if not (io_threads is None or io_threads == PER_SHARD
-                or (isinstance(io_threads, int) and not isinstance(io_threads, bool)
-                    and 1 <= io_threads <= MAX_IO_THREADS)):
-            raise ValueError(f"io_threads is None, {PER_SHARD!r} or 1..{MAX_IO_THREADS}, "
-                             f"got {io_threads!r}")
-        self.io_threads = io_threads
-        if slow_policy not in SLOW_POLICIES:
-            raise ValueError(f"slow_policy is one of {', '.join(SLOW_POLICIES)}, "
-                             f"got {slow_policy!r}")
-        self.slow_policy = slow_policy
-        self.on_slow = on_slow
+        self.io_threads = opts.io_threads
+        self.slow_policy = opts.slow_policy
+        self.on_slow = opts.on_slow
         self.failed: ClonemapError | None = None
         """Why this client is dead (``SlowSubscriber`` with slow_policy "die", or a
         ``ConfigError`` for a wrong cluster map); every call raises it."""
@@ -270,12 +213,13 @@ class AsyncClone:
 
     def _route(self, cluster: Cluster) -> None:
         """One agent per shard that can own a key under the subtree."""
-        silence = self._silence_arg
+        silence = self.options.silence_timeout_s
         if silence == AUTO:
-            if self._heartbeat_s is None and cluster.silence_timeout_s is not None:
+            given_s = self.options.heartbeat_s
+            if given_s is None and cluster.silence_timeout_s is not None:
                 silence = cluster.silence_timeout_s
             else:
-                heartbeat_s = self._heartbeat_s or cluster.heartbeat_s or HEARTBEAT_S
+                heartbeat_s = given_s or cluster.heartbeat_s or HEARTBEAT_S
                 silence = timing.silence_timeout_s(heartbeat_s)
         self.silence_timeout_s = silence
         self.cluster = cluster
@@ -285,6 +229,7 @@ class AsyncClone:
             specs = [cluster.shards[cluster.shard_map.owner(self.only_key.encode("utf-8"))]]
         else:
             specs = cluster.shards_for(self._subtree_b)
+        agent_options = self.options.agent(silence)
         threads = 0
         if self.io_threads is not None:
             # the Black Box pattern: the shards' sockets spread over the context's I/O
@@ -297,13 +242,11 @@ class AsyncClone:
             through = self.via == "relays" and bool(spec.relays or self.servers)
             if through:
                 servers = self._relays_of(spec)
-            agent = ShardAgent(self._ctx, servers, name=spec.name, relays=through,
-                               subtree=self._subtree_b, hub=self._hub,
-                               silence_timeout_s=silence,
+            agent = ShardAgent(self._ctx, servers, agent_options, self._hooks, name=spec.name,
+                               relays=through, subtree=self._subtree_b, hub=self._hub,
                                affinity=1 << (position % threads) if threads else 0,
                                security=self.security,
-                               route=cluster.shard_map.route_of(spec.index),
-                               on_wrong_route=self._on_wrong_route, **self._agent_kw)
+                               route=cluster.shard_map.route_of(spec.index))
             self._agents.append(agent)
             self._by_index[spec.index] = agent
 

@@ -10,8 +10,6 @@ from typing import NamedTuple
 
 from client.collector import ServerAddress
 
-ACCEPT, KEEP = "accept", "keep"
-RESET_POLICIES = (ACCEPT, KEEP)
 KEPT = "KEPT"
 """``phase`` of a shard whose data loss was answered by ``reset_policy="keep"``."""
 

@@ -29,9 +29,9 @@ from shards.common.endpoints import LOOPBACK, reachable
 from shards.common.errors import ConfigError, ProtocolError
 from shards.common.routing import ShardMap
 from client.collector import ServerAddress, parse_server
+from client.options import CONTROL_TIMEOUT_S
 
 CLUSTER_MAP_SERVICE = "cluster.map"
-CONTROL_TIMEOUT_S = 3.0
 _HOST_RE = re.compile(r"tcp://(\[[^\]]+\]|[^:/]+):\d+")
 
 

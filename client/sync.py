@@ -18,7 +18,7 @@ from typing import Any, Callable
 import uvloop
 
 from shards.common.errors import Timeout
-from client.clone import DEFAULT_TIMEOUT_S, AsyncClone
+from client.clone import AsyncClone
 from client.errors import NotRunning
 from client.router import Cluster
 from client.watch import DELIVER_MODES, DELIVER_THREAD, SyncWatch, WatchCore
@@ -31,15 +31,17 @@ class Clone:
     operation, atomic in CPython); ``set``/``delete`` queue the KVSET for the loop thread
     and return at once (fire-and-forget); ``items``/``keys`` copy on the loop thread."""
 
-    def __init__(self, servers=None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 deliver: str = DELIVER_THREAD, **kwargs):
+    def __init__(self, servers=None, *, deliver: str = DELIVER_THREAD, **kwargs):
+        """``servers``/``shards``/``config``/``control``, ``context`` and the options
+        (``client.options.ClientOptions``: its fields as keywords, or ``options=``) are
+        ``AsyncClone``'s."""
         if deliver not in DELIVER_MODES:
             raise ValueError(f"deliver is one of {', '.join(DELIVER_MODES)}, got {deliver!r}")
         self.deliver = deliver
         """Default for ``watch(callback=...)``: "thread" (a dispatcher thread per watch
         decodes and calls back) or "inline" (on the client's loop thread)."""
-        self.timeout_s = timeout_s
-        self._async = AsyncClone(servers, timeout_s=timeout_s, **kwargs)
+        self._async = AsyncClone(servers, **kwargs)
+        self.timeout_s = timeout_s = self._async.timeout_s
         self._outbox: deque = deque()
         self._wake_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None

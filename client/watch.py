@@ -35,6 +35,7 @@ from collections import deque
 from typing import Any, Callable, NamedTuple
 
 from shards.common.errors import SlowConsumer, Timeout
+from client.options import WATCH_CAPACITY
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,6 @@ PUT = "put"
 DELETE = "delete"
 SYNCED = "synced"
 RESET = "reset"
-
-WATCH_CAPACITY = 10_000
 
 
 class Change(NamedTuple):
