@@ -66,7 +66,7 @@ from shards.common.security import Security
 from client.collector import KvsetSender, ServerAddress, parse_server
 from client.echoes import Echoes
 from client.replies import Replies
-from client.events import KEPT, FailoverInfo, ResetInfo
+from client.events import FailoverInfo, ResetInfo
 from client.lag import LagMeter
 from client.link import Link
 from client.options import KEEP, AgentHooks, AgentOptions
@@ -116,8 +116,6 @@ class ShardAgent:
         self.relays = relays
         """The servers are relays of the shard (each forwards a KVSET to both servers of
         the pair): a KVSET goes to the followed relay only, never twice upstream."""
-        self.resume = options.resume
-        self._resuming = False
         self.resumes = self.resume_updates = self.resumes_refused = 0
         self.route = route
         """``I/N/DIGEST`` this client's routing expects of the shard's servers ("" : no
@@ -144,12 +142,9 @@ class ShardAgent:
         self.on_lag = hooks.on_lag
         self.on_reset = hooks.on_reset
         self.reset_policy = options.reset_policy
-        self.generation = ""
-        """Generation of the map the installed snapshot came from ("" unknown)."""
         self.resets = 0
         self.last_reset: ResetInfo | None = None
-        self.kept: ResetInfo | None = None
-        """Set when a data loss was answered by ``reset_policy="keep"``: frozen."""
+        """The last data loss; when the phase is ``KEPT``, the one this client keeps."""
         self.props: dict[bytes, bytes] = {}
         """Properties that came with a key (KVPUB or KVSYNC), only for keys that had any."""
         self._incoming_props: dict[bytes, bytes] = {}
@@ -192,11 +187,6 @@ class ShardAgent:
         self.left_because: dict[str, tuple[str, float]] = {}
         """Server -> why this client last moved away from it, and when (a write that
         times out says so: e.g. one server unreachable, the other passive)."""
-        self._failover_from: tuple[int, float, str, float] | None = None
-        """(old server, last heard from it, reason, silent_s) until the shard resumes."""
-        self._resend_after_sync = False
-        """A reconnection (the server may have restarted): after the next snapshot,
-        writes still waiting for their echo are sent again."""
         self.phase_log: deque[tuple[float, str]] = deque(maxlen=PHASE_LOG_MAX)
         """(time, phase) at start and at each phase change, newest last (bounded)."""
         # internals
@@ -207,9 +197,9 @@ class ShardAgent:
         self.link: Link | None = None
         """The SUB, its monitor and the DEALER to the current server (made in start())."""
         self._incoming: dict[bytes, bytes] | None = None
+        """The snapshot being received (None: none asked for, or it was rejected)."""
         self._buffer: deque[list[bytes]] = deque()
-        self._buffering = True
-        self._gen = 0
+        """SUB messages held while ``state.buffering`` (bounded: ``sync_buffer_max``)."""
         self._tick_handle: asyncio.TimerHandle | None = None
         self._closed = False
         self.echoes = Echoes()
@@ -225,7 +215,12 @@ class ShardAgent:
 
     @property
     def phase(self) -> str:
-        return KEPT if self.kept is not None else self.state.phase
+        return self.state.phase
+
+    @property
+    def generation(self) -> str:
+        """Generation of the map the installed snapshot came from ("" unknown)."""
+        return self.state.generation
 
     def start(self) -> None:
         """Open the collectors and start syncing (call from the agent's loop)."""
@@ -233,8 +228,7 @@ class ShardAgent:
         self.link = Link(self.ctx, self.name, self.subtree, loop=self.loop,
                          affinity=self.affinity, sub_rcvhwm=self.sub_rcvhwm,
                          on_update=self._on_update, on_snapshot=self._on_snapshot,
-                         on_live=self._on_live, initial=lambda: self.state.phase == sm.INITIAL,
-                         pair=len(self.servers) > 1, security=self.security)
+                         on_event=self._on_link_event, security=self.security)
         self._synced_event = asyncio.Event()
         self._collector_event = asyncio.Event()
         for address in self.servers:
@@ -249,7 +243,6 @@ class ShardAgent:
 
     def _freeze(self) -> None:
         """``reset_policy="keep"``: stop following the shard; the map stays as it was."""
-        self._gen += 1
         if self._tick_handle is not None:
             self._tick_handle.cancel()
             self._tick_handle = None
@@ -265,7 +258,7 @@ class ShardAgent:
     def _kept_error(self) -> Exception:
         from client.errors import ShardReset
 
-        info = self.kept
+        info = self.last_reset
         return ShardReset(f"shard {self.name} is read-only: its server lost the data this "
                           f"client keeps ({info.describe()})", shard=self.name, info=info)
 
@@ -289,7 +282,6 @@ class ShardAgent:
         if self._closed:
             return
         self._closed = True
-        self._gen += 1
         if self._tick_handle is not None:
             self._tick_handle.cancel()
         if self.link is not None:
@@ -302,7 +294,7 @@ class ShardAgent:
 
     # ------------------------------------------------------------------ machine
     def _dispatch(self, event) -> None:
-        if self._closed or self.kept is not None:
+        if self._closed:
             return
         now = self.clock()
         before = self.state
@@ -319,6 +311,10 @@ class ShardAgent:
                     self._install_snapshot(effect)
                 case sm.Failover():
                     self._failed_over(effect)
+                case sm.ArmGrace():
+                    self.link.arm_grace()
+                case sm.Freeze():
+                    self._freeze()
                 case _:
                     raise TypeError(f"not a shard machine effect: {effect!r}")
 
@@ -340,29 +336,23 @@ class ShardAgent:
         self.link.connect(self.servers[eff.server])
         if self.replies.address is not None:  # in use: follow the shard to its server
             self.replies.connect(self.servers[eff.server])
-        self._gen += 1
         self._buffer.clear()
-        self._buffering = True
         self.lag.reset()
 
     def _request_snapshot(self, eff: sm.RequestSnapshot) -> None:
         address = self.servers[eff.server]
-        # a map installed from one of our servers (it named its generation): ask for a
-        # resume, only the updates after ours; the server decides (resume=1 or a full
-        # snapshot, resume=0). A foreign server never sees the extension.
-        self._resuming = bool(self.resume and self.snapshots and self.generation
-                              and self.kept is None)
-        since = self.last_seq if self._resuming else None
+        # a map installed from one of our servers (it named its generation): the machine
+        # asks for a resume, only the updates after ours; the server decides (resume=1
+        # or a full snapshot, resume=0). A foreign server never sees the extension.
+        since = self.last_seq if eff.resume else None
         self.link.request_snapshot(address, since, self.generation if since is not None
                                    else "", meta=self.link.cas)
-        self._gen += 1
         self._incoming = {}
         self._incoming_props = {}
         self._incoming_seqs = {}
         self._sync_base, self._sync_dropped = self.snapshot_messages, 0
         self._first_sync_error = ""
         self._buffer.clear()
-        self._buffering = True
         log.info("shard %s: ICANHAZ %r to %s (%s%s)", self.name, self.subtree,
                  address.snapshot, eff.reason,
                  f"; resume after {since}" if since is not None else "")
@@ -371,23 +361,21 @@ class ShardAgent:
         old, new = self.map, self._incoming if self._incoming is not None else {}
         self._incoming = None
         self.link.close_dealer()
-        reset = self._data_loss(old, new, eff.seq) if self.snapshots else None
+        reset = self._data_loss(old, new, eff) if self.snapshots else None
         if reset is not None:
             self.resets += 1
             self.last_reset = reset
             log.warning("%s", reset.describe())
             if reset.policy == KEEP:
-                self.kept = reset
                 self.hub.reset(self.name, reset, None, eff.seq)
                 self._report_reset(reset)
-                self._freeze()
+                self._dispatch(sm.Keep(eff.old_generation))  # -> Freeze
                 return
         self.map = new
         self.props = self._incoming_props
         self._incoming_props = {}
         self.seqs = self._incoming_seqs
         self._incoming_seqs = {}
-        self.generation = self.link.generation
         self.last_seq = self.snapshot_seq = eff.seq
         self.snapshots += 1
         if reset is not None:
@@ -396,11 +384,9 @@ class ShardAgent:
             self.hub.installed(self.name, old, new, eff.seq)
         log.info("shard %s: snapshot of %d keys at sequence %d from %s%s", self.name,
                  len(new), eff.seq, self.server, " (resync: replaced)" if eff.resync else "")
-        outage = self._failover_from is not None or self._resend_after_sync
-        self._resend_after_sync = False
-        if self._failover_from is not None:
-            self._resumed(old, new)
-        if outage and (self.echoes or self.replies.waiting):
+        if eff.outage is not None:
+            self._resumed(eff.outage, old, new)
+        if eff.resend and (self.echoes or self.replies.waiting):
             # writes made while no server took them (a KVSET sent into a connection that
             # was already dead is gone): sent again, same UUID, now that the shard
             # serves again (after a failover, or a reconnection to a server that
@@ -415,7 +401,7 @@ class ShardAgent:
             self.echoes.confirm_upto(self.last_seq)
         if reset is not None:
             self._report_reset(reset)
-        self._replay(self._gen)
+        self._replay(self.state.epoch)
 
     def _resend(self, echoed: list[list[bytes]] | None) -> None:
         if echoed is None:
@@ -428,9 +414,9 @@ class ShardAgent:
         again = [[f[0], f[1], f[2], f[3] if b"reply=" in f[3] else f[3] + ident, f[4]]
                  for f in echoed]
         again += self.replies.unanswered()
-        self.loop.create_task(self._send_when_ready(again, self._gen))
+        self.loop.create_task(self._send_when_ready(again, self.state.epoch))
 
-    async def _send_when_ready(self, frames_list: list[list[bytes]], gen: int) -> None:
+    async def _send_when_ready(self, frames_list: list[list[bytes]], epoch: int) -> None:
         """Send once the replies DEALER is connected (so no answer is lost), or after
         ``REPLY_CONNECT_S`` anyway."""
         try:
@@ -438,7 +424,7 @@ class ShardAgent:
                 await self.replies.ready.wait()
         except TimeoutError:
             pass
-        if self._closed or gen != self._gen:
+        if self._closed or epoch != self.state.epoch:
             return  # moved on: the next outage sends them again
         for frames in frames_list:
             self.send_kvset(frames)
@@ -469,9 +455,9 @@ class ShardAgent:
         await self.replies.ready.wait()
 
     def _data_loss(self, old: dict[bytes, bytes], new: dict[bytes, bytes],
-                   seq: int) -> ResetInfo | None:
+                   eff: sm.InstallSnapshot) -> ResetInfo | None:
         """A snapshot about to replace an installed one: is it a different map?"""
-        old_gen, new_gen = self.generation, self.link.generation
+        old_gen, new_gen, seq = eff.old_generation, eff.generation, eff.seq
         if old_gen and new_gen and old_gen != new_gen:
             reason = "the server's map is a new generation"
         elif seq < self.last_seq:
@@ -493,9 +479,9 @@ class ShardAgent:
             except Exception:
                 log.exception("shard %s: %s callback failed", self.name, name)
 
-    def _resumed(self, old: dict[bytes, bytes], new: dict[bytes, bytes]) -> None:
-        first, heard_s, reason, silent_s = self._failover_from
-        self._failover_from = None
+    def _resumed(self, outage: sm.Outage, old: dict[bytes, bytes],
+                 new: dict[bytes, bytes]) -> None:
+        first, heard_s, reason, silent_s = outage
         removed, changed = diff_counts(old, new)
         info = FailoverInfo(self.name, self.servers[first], self.server, reason, silent_s,
                             resumed=True, gap_s=self.clock() - heard_s, removed=removed,
@@ -514,10 +500,6 @@ class ShardAgent:
                             eff.reason, eff.silent_s)
         self.failovers += 1
         self.last_failover = info
-        if self._failover_from is None:
-            # the gap starts at the last message heard (a snapshot message counts)
-            heard_s = max(self.last_heard_s, self.last_snapshot_s) or self.clock()
-            self._failover_from = (eff.old, heard_s, eff.reason, eff.silent_s)
         log.warning("shard %s: %s after %.1f s; moving from %s to %s", self.name, eff.reason,
                     eff.silent_s, info.old, info.new)
         self.left_because[info.old] = (f"{eff.reason} after {eff.silent_s:.1f} s",
@@ -542,16 +524,29 @@ class ShardAgent:
         return text
 
     # ------------------------------------------------------------------ sockets
-    def _on_live(self, event) -> None:
-        """The link's live event (SubscriberLive, Reconnected, or NotServing instead)."""
-        if not self._closed:
-            if isinstance(event, sm.Reconnected):
-                self._resend_after_sync = True  # the server may have restarted
-            self._dispatch(event)
+    def _on_link_event(self, event) -> None:
+        """What the link saw: its SUB's handshake or disconnection, or its grace timer's
+        end (``LiveProven``). The machine decides what it means."""
+        self._dispatch(event)
+
+    def _note_hugz(self, info: chp.HugzInfo) -> bool:
+        """What a HUGZ from the current server said: its generation and ``cas`` (kept by
+        the link), and whether it serves; True if it does not and there is another
+        server to ask (``NotServing``, dispatched here)."""
+        self._check_route(info)
+        link = self.link
+        if info.generation:
+            link.generation = info.generation
+        link.cas = info.cas
+        if not info.serving and len(self.servers) > 1:
+            self._dispatch(sm.NotServing())
+            return True
+        if self.state.not_serving:
+            self._dispatch(sm.Serving())
+        return False
 
     def _peek_hugz(self, frames: list[bytes]) -> bool:
-        """A HUGZ read before it is applied (not on the hot path): keep the generation
-        it names; True if it says the server is not serving (``serving=0``)."""
+        """A HUGZ read before it is applied (not on the hot path): ``_note_hugz``."""
         if len(frames) != 5 or frames[0] != _HUGZ_KEY:
             return False
         try:
@@ -560,9 +555,7 @@ class ShardAgent:
             return False  # counted when applied
         if msg.__class__ is not _Hugz:
             return False
-        info = chp.hugz_info(msg)
-        self._check_route(info)
-        return self.link.note_hugz(info)
+        return self._note_hugz(chp.hugz_info(msg))
 
     def _check_route(self, info: chp.HugzInfo) -> None:
         if (info.route and self.route and info.route != self.route
@@ -572,22 +565,20 @@ class ShardAgent:
     def _on_update(self, frames: list[bytes]) -> None:
         """A message on the SUB: KVPUB or HUGZ (hot path)."""
         self.heard += 1
-        link = self.link
-        if link.live_pending is not None:
+        state = self.state
+        if state.live:  # the first message since a handshake: the subscription is live
             if frames[0] == _HUGZ_KEY and self._peek_hugz(frames):
-                link.live_now(sm.NotServing())  # ask the other server, not this one
-                return
-            if self._buffering:
+                return  # NotServing: ask the other server, not this one
+            if state.buffering:
                 self._buffer.append(frames)
             else:
                 self._apply(frames, False)
-            link.live_now()
+            self._dispatch(sm.LiveProven())
             return
-        if not self._buffering:
+        if not state.buffering:
             self._apply(frames, False)
             return
         if frames[0] == _HUGZ_KEY and self._peek_hugz(frames):
-            self._dispatch(sm.NotServing())
             return
         buffer = self._buffer
         if len(buffer) >= self.sync_buffer_max:
@@ -672,18 +663,16 @@ class ShardAgent:
         the gap) is seen here. A HUGZ sequence without a clock (the reference C
         server's) is only a liveness sign: our gap rule is not its contract."""
         info = chp.hugz_info(msg)
-        self._check_route(info)
-        if self.link.note_hugz(info):
-            self._dispatch(sm.NotServing())
+        if self._note_hugz(info):
             return
         if (info.generation and self.generation and info.generation != self.generation
-                and self.state.phase == sm.ACTIVE and self.link.live_pending is None):
+                and self.state.phase == sm.ACTIVE and not self.state.live):
             self._dispatch(sm.NewGeneration(self.generation, info.generation))
             return
         if info.ts is None:
             return
         if (self.contiguous and info.seq > self.last_seq
-                and self.state.phase == sm.ACTIVE and self.link.live_pending is None):
+                and self.state.phase == sm.ACTIVE and not self.state.live):
             # (not the first message after a reconnect: that resyncs as Reconnected)
             self._gap(info.seq)
             return
@@ -698,10 +687,10 @@ class ShardAgent:
             return
         self._dispatch(sm.FellBehind(lag_s))
 
-    def _replay(self, gen: int) -> None:
+    def _replay(self, epoch: int) -> None:
         """Apply the buffered updates in order, a batch per loop turn; updates that arrive
         meanwhile are appended to the buffer, so order holds until it is empty."""
-        if gen != self._gen or self._closed:
+        if epoch != self.state.epoch or self._closed:
             return
         buffer = self._buffer
         apply = self._apply
@@ -709,12 +698,12 @@ class ShardAgent:
         while buffer and n < REPLAY_BATCH:
             apply(buffer.popleft(), True)
             n += 1
-            if gen != self._gen:
+            if epoch != self.state.epoch:
                 return  # a gap or overflow started a new sync
         if buffer:
-            self.loop.call_soon(self._replay, gen)
+            self.loop.call_soon(self._replay, epoch)
             return
-        self._buffering = False
+        self._dispatch(sm.Replayed())
         if not self.synced:
             self.synced = True
             self._synced_event.set()
@@ -739,7 +728,7 @@ class ShardAgent:
             if not key.startswith(self.subtree):
                 self._sync_dropped += 1
                 self.drops.drop("outside_subtree", f"shard {self.name}: KVSYNC {key[:60]!r}")
-            elif msg.value or self._resuming:  # a resume's empty value is a delete
+            elif msg.value or self.state.resuming:  # a resume's empty value is a delete
                 incoming[key] = msg.value
                 self._incoming_seqs[key] = msg.seq
                 if msg.props:
@@ -760,9 +749,9 @@ class ShardAgent:
             self.link.close_dealer()
             self._dispatch(sm.SnapshotRejected(reason))
             return
-        if self._resuming:
+        if self.state.resuming:
             self._merge_resume(msg.props == chp.RESUMED, arrived)
-        self._dispatch(sm.SnapshotDone(msg.seq))
+        self._dispatch(sm.SnapshotDone(msg.seq, self.link.generation))
 
     def _merge_resume(self, resumed: bool, arrived: int) -> None:
         """At the KTHXBAI of a resume request: the updates after our sequence applied on

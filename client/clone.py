@@ -66,7 +66,7 @@ from shards.common.proto import chp
 from shards.common import timing
 from shards.common.timing import HEARTBEAT_S
 from client.agent import ShardAgent
-from client.events import KeyMeta
+from client.events import KEPT, KeyMeta
 from client.collector import ServerAddress, parse_server
 from client.codec import get_codec
 from client.errors import Conflict, NotRunning, NotSupported, SlowSubscriber, WriteRefused
@@ -548,7 +548,7 @@ class AsyncClone:
         check_write(key, blob, ttl, self.limits)
         props = b"" if not ttl else chp.format_props({"ttl": _ttl_text(ttl)})
         agent = self._agent_for(key_b)
-        if agent.kept is not None:
+        if agent.phase == KEPT:
             raise agent._kept_error()
         uuid = chp.resendable_uuid() if resendable else _uuid.uuid4().bytes
         return agent, chp.kvset(key_b, blob, uuid, props), uuid

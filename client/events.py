@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from client.collector import ServerAddress
+from client.shard_machine import KEPT
 
-KEPT = "KEPT"
-"""``phase`` of a shard whose data loss was answered by ``reset_policy="keep"``."""
+__all__ = ["KEPT", "FailoverInfo", "KeyMeta", "ResetInfo"]
 
 
 class ResetInfo(NamedTuple):

@@ -1,21 +1,17 @@
 """One shard agent's link to its current server: the SUB on P+1 (with a ZeroMQ monitor)
-and, while a snapshot is asked for, a DEALER on P; and whether the subscription is
-proven live.
+and, while a snapshot is asked for, a DEALER on P.
 
-A handshake only says the subscription was *sent*: the server's publisher applies it a
-moment later, and a snapshot point taken in between would lose that moment's updates.
-So the subscription counts as live at the SUB's first message (our servers answer each
-new subscription with a HUGZ), or ``LIVE_GRACE_S`` after the handshake for servers that
-do not. A handshake after a disconnection means updates were missed meanwhile: the
-agent resyncs (``Reconnected``). The link also remembers what the current server's HUGZ
-said: its map generation, and whether it serves (``serving=0``); a server that said it
-does not serve gets no grace timer, so only a later message (it became active) leads to
-a snapshot request there.
+The link owns sockets and a timer, and decides nothing. It calls back into the agent
+with each SUB message (``on_update``), each DEALER message (``on_snapshot``), and what
+it saw as shard machine events (``on_event``): the SUB's handshake (``Handshake``), its
+lost connection (``Disconnected``), and the end of the grace timer the machine armed
+(``LiveProven``). Whether a handshake makes the subscription live, means a
+reconnection, or means nothing (the server said it does not serve) is the machine's
+rule (``client.shard_machine``). It also keeps what the current server's HUGZ said
+that the agent needs later: its map generation and whether it speaks ``cas=1``.
 
-The link owns its sockets (fresh ones for every server, and a fresh DEALER for every
-request, so nothing stale survives a move) and calls back into the agent: each SUB
-message (``on_update``), each DEALER message (``on_snapshot``), and the live event once
-it is due (``on_live``).
+Fresh sockets for every server, and a fresh DEALER for every request, so nothing stale
+survives a move.
 """
 from __future__ import annotations
 
@@ -46,34 +42,23 @@ class Link:
                  loop: asyncio.AbstractEventLoop, affinity: int, sub_rcvhwm: int,
                  on_update: Callable[[list[bytes]], None],
                  on_snapshot: Callable[[list[bytes]], None],
-                 on_live: Callable[[object], None], initial: Callable[[], bool],
-                 pair: bool = False, security: Security | None = None):
+                 on_event: Callable[[object], None], security: Security | None = None):
         self.ctx, self.name, self.subtree, self.loop = ctx, name, subtree, loop
         self.security = security or Security.off()
         self.handshake_failure = ""
         """Why the last handshake with this server failed ("" if none did): a key of
         ``errors.HANDSHAKE_CAUSES`` (CURVE required, a key it does not admit, ...)."""
         self.affinity, self.sub_rcvhwm = affinity, sub_rcvhwm
-        self.on_update, self.on_snapshot, self.on_live = on_update, on_snapshot, on_live
-        self.initial = initial
-        self.pair = pair
-        """There is another server to ask when this one says it does not serve."""
-        """Whether the agent's machine is INITIAL (a handshake then means SubscriberLive)."""
+        self.on_update, self.on_snapshot, self.on_event = on_update, on_snapshot, on_event
         self.address: ServerAddress | None = None
         self.sub: AsyncSocket | None = None
         self.monitor: AsyncSocket | None = None
         self.dealer: AsyncSocket | None = None
-        self.lost = False
-        """The SUB lost its connection (until its next handshake)."""
         self.disconnects = 0
-        self.live_pending: object | None = None
-        """The event (SubscriberLive or Reconnected) to dispatch once the SUB delivers its
-        first message after a handshake (or LIVE_GRACE_S after it)."""
         self._timer: asyncio.TimerHandle | None = None
+        """The grace timer (``arm_grace``)."""
         self.generation = ""
         """The latest map generation this server's HUGZ named."""
-        self.not_serving = False
-        """This server said ``serving=0`` (and has not said otherwise since)."""
         self.cas = False
         """This server said ``cas=1``: it decides conditional writes, keeps applied UUIDs
         and answers ``reply=``; it is asked for ``meta=1`` snapshots."""
@@ -94,9 +79,7 @@ class Link:
                                          | zmq.EVENT_DISCONNECTED | FAILED_EVENTS)
         self.security.connect_side(sub)
         sub.connect(address.publisher)
-        self.lost = False
         self.generation = ""
-        self.not_serving = False
         self.cas = False
         self.sub = AsyncSocket(sub, self.on_update, loop=self.loop,
                                name=f"{self.name} SUB {address.publisher}")
@@ -128,23 +111,25 @@ class Link:
             self.dealer = None
 
     def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self.live_pending = None
+        self._cancel_grace()
         close_monitored(self.sub, self.monitor)
         self.close_dealer()
         self.monitor = self.sub = None
 
-    # ------------------------------------------------------------------ liveness
-    def note_hugz(self, info: chp.HugzInfo) -> bool:
-        """What a HUGZ from this server said; True if it does not serve (and there is
-        another server to ask)."""
-        if info.generation:
-            self.generation = info.generation
-        self.cas = info.cas
-        self.not_serving = not info.serving and self.pair
-        return self.not_serving
+    # ------------------------------------------------------------------ events
+    def arm_grace(self) -> None:
+        """``LiveProven`` after ``LIVE_GRACE_S`` (an earlier timer is dropped)."""
+        self._cancel_grace()
+        self._timer = self.loop.call_later(LIVE_GRACE_S, self._grace_over)
+
+    def _cancel_grace(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _grace_over(self) -> None:
+        self._timer = None
+        self.on_event(sm.LiveProven())
 
     def _on_monitor(self, frames: list[bytes]) -> None:
         got = monitor_event(frames)
@@ -160,35 +145,10 @@ class Link:
             self.handshake_failure = why
             return
         if event == zmq.EVENT_DISCONNECTED:
-            self.lost = True
             self.disconnects += 1
             log.info("shard %s: SUB lost its connection to %s", self.name,
                      self.address.publisher if self.address else "?")
+            self.on_event(sm.Disconnected())
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.handshake_failure = ""
-            if self.initial():
-                self.await_live(sm.SubscriberLive())
-            elif self.lost:
-                self.lost = False
-                self.await_live(sm.Reconnected())
-
-    def await_live(self, event) -> None:
-        """Dispatch ``event`` once the subscription is proven live: the SUB's first
-        message, or LIVE_GRACE_S; never for a server that said it does not serve."""
-        if self.not_serving:
-            return
-        self.live_pending = event
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self.loop.call_later(LIVE_GRACE_S, self.live_now)
-
-    def live_now(self, instead=None) -> None:
-        """Dispatch the pending live event (or ``instead`` of it) through ``on_live``."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        event, self.live_pending = self.live_pending, None
-        if instead is not None:
-            event = instead
-        if event is not None:
-            self.on_live(event)
+            self.on_event(sm.Handshake())

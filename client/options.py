@@ -96,7 +96,7 @@ class AgentOptions:
         return sm.Config(servers=servers, contiguous=contiguous,
                          sync_timeout_s=self.sync_timeout_s,
                          connect_timeout_s=self.connect_timeout_s,
-                         silence_timeout_s=self.silence_timeout_s)
+                         silence_timeout_s=self.silence_timeout_s, resume=self.resume)
 
 
 @dataclass(frozen=True)

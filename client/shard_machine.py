@@ -2,7 +2,11 @@
 
 ``step(state, event, now) -> (state, effects)``. No sockets, no clock reads, no callbacks:
 time comes in as ``now`` (float seconds, monotonic), decisions go out as effects that the
-I/O shell (``client.agent.ShardAgent``) performs. Rules of this file:
+I/O shell (``client.agent.ShardAgent``) performs. The link (``client.link.Link``) owns the
+sockets and reports what it saw as events; the agent applies KVPUBs on its hot path with
+``check_seq`` and reports the exceptions. Everything that decides what a shard does next
+is here: its phase, which server, the liveness of its subscription, whether it buffers,
+whether it resumes, the outage it is in, whether it keeps a lost map read-only.
 
 Phases::
 
@@ -11,43 +15,100 @@ Phases::
        |   connect timeout (pair), |   | Gap / SequenceBackwards   |
        |   sync attempts used up   |   +---------------------------+
        +---------------------------+---- silence timeout ----------+
+    (any)  --Keep-->  KEPT  (read-only, not followed; every event ignored)
+
+What each event does, by phase (``req``: ``RequestSnapshot`` to the same server and
+SYNCING; ``move``: ``Failover`` + ``Connect`` to the next server and INITIAL; "-":
+ignored)::
+
+    event               INITIAL                  SYNCING                  ACTIVE
+    ------------------  -----------------------  -----------------------  ---------------------
+    Start               Connect (once)           -                        -
+    Handshake           live="start", ArmGrace   if sub_lost: live=       as SYNCING
+                        (not if not_serving)     "reconnect", ArmGrace
+                                                 (not if not_serving)
+    Disconnected        sub_lost                 sub_lost                 sub_lost
+    LiveProven          the pending live event:  as INITIAL               as INITIAL
+                        SubscriberLive or
+                        Reconnected
+    SubscriberLive      req ("start"/"reconnect") -                       -
+    Reconnected         resend after the next    resend; req              resend; req
+                        install
+    NotServing (pair)   move; every server in a  move                     move
+                        row: hold, then move
+    NotServing (lone)   req (its vote)           -                        -
+    Serving             not_serving cleared      as INITIAL               as INITIAL
+    Tick                hold/connect timeouts    sync timeout: req, then  silence: move
+                                                 move after max_attempts
+    SnapshotDone(S)     -                        ACTIVE, InstallSnapshot  -
+    SnapshotRejected    -                        paced like a timeout     -
+    BufferOverflow      -                        req (not counted)        req
+    Gap, FellBehind,    -                        -                        req
+    SequenceBackwards,
+    NewGeneration
+    Replayed            buffering ends           buffering ends           buffering ends
+    Keep                KEPT, Freeze             KEPT, Freeze             KEPT, Freeze
+
+When does a client resync (ask for a snapshot again)? At ``req`` in that table: a gap in an
+unfiltered stream, a sequence that went backwards, a new map generation, falling behind
+by time (``max_lag_s``), a buffer overflow, a reconnected SUB, a snapshot timeout. Every
+request after the first install of a map whose generation is known asks for a resume
+(``RequestSnapshot.resume``; the server may answer with a whole snapshot instead).
+
+The rules, at more length:
 
 * **INITIAL**: the shell has connected a SUB (subscribed to the subtree and "HUGZ") to the
-  current server. The snapshot is requested only once the subscription is live
-  (``SubscriberLive``: the SUB's handshake finished, or a message arrived), so updates
-  published after the snapshot point are not lost to ZeroMQ's slow-joiner window.
-  With more than one server (a Binary Star pair), no handshake within
-  ``connect_timeout_s`` moves to the next server.
+  current server. The snapshot is requested only once the subscription is live: a
+  handshake only says the subscription was *sent*, and the server's publisher applies it
+  a moment later, so a snapshot point taken in between would lose that moment's updates.
+  It counts as live at the SUB's first message (our servers answer each new
+  subscription with a HUGZ) or ``LIVE_GRACE_S`` after the handshake (``ArmGrace``, for
+  servers that send no welcome), both ``LiveProven``. With more than one server (a Binary
+  Star pair), no handshake within ``connect_timeout_s`` moves to the next server.
 * **SYNCING**: an ICANHAZ is out on a fresh DEALER; the SUB is drained into the shell's
-  bounded buffer. ``SnapshotDone(S)`` (KTHXBAI) installs the snapshot, REPLACING the
-  shard's part of the local map, then the buffered KVPUBs with sequence > S are applied.
-  No snapshot traffic for ``sync_timeout_s`` re-requests (a passive Binary Star server
-  does not answer); after ``max_attempts`` requests to one server in a row, the next
-  server (the same one, when there is only one). A buffer overflow (in SYNCING, or in
-  ACTIVE while the buffer is still being replayed) re-requests at once.
+  bounded buffer (``buffering``). ``SnapshotDone(S)`` (KTHXBAI) installs the snapshot,
+  REPLACING the shard's part of the local map, then the buffered KVPUBs with sequence > S
+  are applied; ``Replayed`` ends buffering. No snapshot traffic for ``sync_timeout_s``
+  re-requests (a passive Binary Star server does not answer); after ``max_attempts``
+  requests to one server in a row, the next server (the same one, when there is only
+  one). A buffer overflow (in SYNCING, or in ACTIVE while the buffer is still being
+  replayed) re-requests at once.
 * **ACTIVE**: KVPUBs are applied by the shell's hot path (``check_seq`` is its rule). A
   ``Gap`` (unfiltered subscriptions only) or ``SequenceBackwards`` (a restarted server)
   re-requests a snapshot from the same server, keeping the SUB live. So does
   ``Reconnected`` (in SYNCING too): the SUB's connection broke and ZeroMQ re-established
   it, so updates were missed meanwhile, and the server may have restarted with an empty
-  map and a new sequence that a subtree client could not tell apart from a jump. Silence (no KVPUB,
-  no HUGZ) for ``silence_timeout_s`` fails over to the next server (``Failover`` effect).
+  map and a new sequence that a subtree client could not tell apart from a jump; writes
+  still awaiting their echo are sent again after the next install (``resend``). Silence
+  (no KVPUB, no HUGZ) for ``silence_timeout_s`` fails over to the next server.
+* **Failover and outages**: the first move away from a server opens an ``Outage`` (the
+  server, when it was last heard, why, how long it was silent); further moves keep it;
+  the next install ends it (``InstallSnapshot.outage``: the shell reports the shard
+  resumed, with the gap) and resends writes awaiting their echo.
 * **SnapshotRejected** (SYNCING): nothing of a snapshot could be applied; treated like a
   snapshot that timed out, and paced like one (asked again after ``sync_timeout_s``,
-  then the next server), never a tight loop of requests. **NewGeneration** (ACTIVE): the server announced another map
-  generation; resync (the shell reports the data loss when it installs).
+  then the next server), never a tight loop of requests. **NewGeneration** (ACTIVE): the
+  server announced another map generation; resync (the shell reports the data loss when
+  it installs).
 * **NotServing**, in any phase: the current server said in a HUGZ that it would not
   answer an ICANHAZ now (``serving=0``: a Binary Star server that is passive, or just
   restarted, while its peer serves). With a pair, the shard moves to the next server at
   once instead of waiting for snapshot timeouts. If every server of the pair said so in
   a row (the pair is between states, e.g. both just started), the shard stays, holding
   its SUB, and moves on after ``standby_retry_s``; a HUGZ from the held server that no
-  longer says so (it became active) is ``SubscriberLive`` and the snapshot is requested
-  there. A lone server that says so is asked anyway (the ICANHAZ is its vote).
+  longer says so (``Serving``, then its message proves the subscription live) asks
+  there. A handshake with a server that said so arms no grace timer. A lone server
+  that says so is asked anyway (the ICANHAZ is its vote).
+* **Data loss** (at an install): a snapshot of another generation, or a sequence below
+  the last applied, is a loss the shell reports; with ``reset_policy="keep"`` it answers
+  ``Keep``, and the shard is KEPT: read-only, its map as it was, nothing followed.
+* **Epochs**: every ``Connect`` and ``RequestSnapshot`` starts a new ``epoch``; a replay
+  or a resend the shell scheduled in an older one is dropped when it runs.
 
 The hot path (one KVPUB) is not an event: stepping a frozen state per message would cost
 more than the message. The shell applies updates itself with ``check_seq`` and reports
-only the exceptions (``Gap``, ``SequenceBackwards``) and timestamps (in ``Tick``).
+only the exceptions (``Gap``, ``SequenceBackwards``) and timestamps (in ``Tick``); it
+reads ``state.live`` and ``state.buffering`` to know where a message goes.
 """
 from __future__ import annotations
 
@@ -59,6 +120,9 @@ from shards.common.timing import SILENCE_TIMEOUT_S
 INITIAL = "INITIAL"
 SYNCING = "SYNCING"
 ACTIVE = "ACTIVE"
+KEPT = "KEPT"
+"""A shard whose data loss was answered by ``reset_policy="keep"``: read-only, not
+followed; every event is ignored."""
 
 SYNC_TIMEOUT_S = 3.0
 CONNECT_TIMEOUT_S = 3.0
@@ -94,12 +158,25 @@ class Config:
     silence_timeout_s: float | None = SILENCE_TIMEOUT_S
     max_attempts: int = MAX_ATTEMPTS
     standby_retry_s: float = STANDBY_RETRY_S
+    resume: bool = True
+    """Ask for a resume (the updates after ours) when the installed map's generation is
+    known; the server decides whether it can."""
 
     def __post_init__(self):
         if self.servers < 1:
             raise ValueError("a shard needs at least one server")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+
+
+class Outage(NamedTuple):
+    """Where a failover began: the server left, when it was last heard (a snapshot
+    message counts), why, and how long it had been silent. Kept until the shard serves
+    again (``InstallSnapshot.outage``), so a run of moves reports one outage."""
+    old: int
+    heard_s: float
+    reason: str
+    silent_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +197,31 @@ class State:
     """Servers in a row that said ``serving=0`` since the last installed snapshot."""
     holding: bool = False
     """INITIAL on a server that said ``serving=0`` while every other one had too."""
+    # ---- what the shell's buffer, replay and resends belong to
+    epoch: int = 0
+    """Bumped by every ``Connect`` and ``RequestSnapshot`` (and by ``Keep``): a replay
+    or a resend scheduled in an older epoch is for a link or request that is gone."""
+    buffering: bool = True
+    """SUB messages go to the shell's buffer (from ``Connect``/``RequestSnapshot`` until
+    ``Replayed``), not to the map."""
+    resuming: bool = False
+    """The request out asks for the updates after ours, not a whole snapshot."""
+    generation: str = ""
+    """The map generation the installed snapshot came from ("" unknown)."""
+    heard_s: float = 0.0
+    """When the shard last heard its server (SUB or snapshot), as of the last ``Tick``."""
+    outage: Outage | None = None
+    resend: bool = False
+    """The SUB reconnected (the server may have restarted): after the next install,
+    writes still awaiting their echo are sent again."""
+    # ---- the subscription's liveness (the link reports, the machine decides)
+    live: str = ""
+    """What a proof that the subscription is live will mean: ``"start"``
+    (``SubscriberLive``), ``"reconnect"`` (``Reconnected``), or "" (nothing pending)."""
+    sub_lost: bool = False
+    """The SUB lost its connection (until its next handshake)."""
+    not_serving: bool = False
+    """The current server (of a pair) said ``serving=0`` and has not said otherwise."""
 
 
 # ------------------------------------------------------------------------------ events
@@ -133,7 +235,10 @@ class SubscriberLive(NamedTuple):
 
 
 class SnapshotDone(NamedTuple):
+    """A KTHXBAI closed the snapshot (or resume) asked for; ``generation``: the map
+    generation the server named ("" : it named none)."""
     seq: int
+    generation: str = ""
 
 
 class BufferOverflow(NamedTuple):
@@ -178,6 +283,33 @@ class NotServing(NamedTuple):
     """The current server's HUGZ said ``serving=0``: it would not answer an ICANHAZ."""
 
 
+class Serving(NamedTuple):
+    """The current server's HUGZ no longer says ``serving=0``."""
+
+
+class Handshake(NamedTuple):
+    """The SUB's handshake with the current server finished."""
+
+
+class Disconnected(NamedTuple):
+    """The SUB lost its connection (ZeroMQ reconnects it)."""
+
+
+class LiveProven(NamedTuple):
+    """The subscription is proven live: its first message after a handshake arrived, or
+    ``LIVE_GRACE_S`` passed (``ArmGrace``)."""
+
+
+class Replayed(NamedTuple):
+    """The shell applied its whole buffer: SUB messages go to the map again."""
+
+
+class Keep(NamedTuple):
+    """The snapshot being installed is another map than this client's (a data loss) and
+    ``reset_policy`` is "keep": stop following, keep the map of ``generation``."""
+    generation: str
+
+
 class Tick(NamedTuple):
     last_heard_s: float
     """Last KVPUB or HUGZ on the SUB (any phase)."""
@@ -186,8 +318,8 @@ class Tick(NamedTuple):
 
 
 Event = Union[Start, SubscriberLive, SnapshotDone, BufferOverflow, Gap, FellBehind,
-              SequenceBackwards, Reconnected, NotServing, SnapshotRejected, NewGeneration,
-              Tick]
+              SequenceBackwards, Reconnected, NotServing, Serving, SnapshotRejected,
+              NewGeneration, Tick, Handshake, Disconnected, LiveProven, Replayed, Keep]
 
 
 # ----------------------------------------------------------------------------- effects
@@ -198,16 +330,34 @@ class Connect(NamedTuple):
 
 
 class RequestSnapshot(NamedTuple):
-    """Open a fresh DEALER to ``server``, send ICANHAZ, clear and keep filling the buffer."""
+    """Open a fresh DEALER to ``server``, send ICANHAZ, clear and keep filling the buffer.
+    ``resume``: ask only for the updates after the installed map's sequence."""
     server: int
     reason: str
+    resume: bool = False
 
 
 class InstallSnapshot(NamedTuple):
     """Replace the shard's map with the received snapshot (diff to watchers), set the last
-    applied sequence to ``seq``, then replay the buffer (sequence > ``seq`` only)."""
+    applied sequence to ``seq``, then replay the buffer (sequence > ``seq`` only).
+    ``old_generation`` -> ``generation``: the maps' generations (a data loss when they
+    differ; the shell also compares sequences and may answer ``Keep``). ``outage``: the
+    failover this install ends (report it resumed). ``resend``: writes awaiting their
+    echo are sent again (after a failover or a reconnection)."""
     seq: int
     resync: bool
+    generation: str = ""
+    old_generation: str = ""
+    outage: Outage | None = None
+    resend: bool = False
+
+
+class ArmGrace(NamedTuple):
+    """Start (or restart) the ``LIVE_GRACE_S`` timer whose end is ``LiveProven``."""
+
+
+class Freeze(NamedTuple):
+    """Stop following the shard (``Keep``): close the link, fail waiting writes."""
 
 
 class Failover(NamedTuple):
@@ -218,14 +368,23 @@ class Failover(NamedTuple):
     silent_s: float
 
 
-Effect = Union[Connect, RequestSnapshot, InstallSnapshot, Failover]
+Effect = Union[Connect, RequestSnapshot, InstallSnapshot, Failover, ArmGrace, Freeze]
 
 
 # -------------------------------------------------------------------------------- step
 
 def _request(state: State, now: float, reason: str) -> tuple[State, list]:
-    return (replace(state, phase=SYNCING, attempts=state.attempts + 1, since_s=now),
-            [RequestSnapshot(state.server, reason)])
+    resume = state.config.resume and state.synced and bool(state.generation)
+    return (replace(state, phase=SYNCING, attempts=state.attempts + 1, since_s=now,
+                    epoch=state.epoch + 1, buffering=True, resuming=resume),
+            [RequestSnapshot(state.server, reason, resume)])
+
+
+def _connected(state: State, **changes) -> State:
+    """A fresh link (``Connect``): nothing buffered belongs to it, nothing is known of
+    its subscription or of what its server said."""
+    return replace(state, epoch=state.epoch + 1, buffering=True, live="", sub_lost=False,
+                   not_serving=False, **changes)
 
 
 def _move(state: State, now: float, reason: str, silent_s: float,
@@ -233,8 +392,9 @@ def _move(state: State, now: float, reason: str, silent_s: float,
     """To the next server; ``standby_streak`` > 0 only for moves because servers said
     ``serving=0`` (any other reason to move starts the count again)."""
     new = (state.server + 1) % state.config.servers
-    return (replace(state, phase=INITIAL, server=new, attempts=0, since_s=now,
-                    holding=False, standby_streak=standby_streak),
+    outage = state.outage or Outage(state.server, state.heard_s or now, reason, silent_s)
+    return (_connected(state, phase=INITIAL, server=new, attempts=0, since_s=now,
+                       holding=False, standby_streak=standby_streak, outage=outage),
             [Failover(state.server, new, reason, silent_s), Connect(new)])
 
 
@@ -283,28 +443,63 @@ def _on_tick(state: State, ev: Tick, now: float) -> tuple[State, list]:
     return state, []
 
 
+def _on_handshake(state: State) -> tuple[State, list]:
+    if state.phase == INITIAL:
+        live = "start"
+    elif state.sub_lost:
+        state, live = replace(state, sub_lost=False), "reconnect"
+    else:
+        return state, []
+    if state.not_serving:  # its HUGZ said so first: only a later one that does not asks
+        return state, []
+    return replace(state, live=live), [ArmGrace()]
+
+
 def step(state: State, event: Event, now: float) -> tuple[State, list]:
     """Advance ``state`` by ``event`` at time ``now``; return the new state and effects.
     Events that do not apply in the current phase are ignored (no effects)."""
     kind = type(event)
     phase = state.phase
+    if phase == KEPT:
+        return state, []
     if kind is Tick:
         if not state.started:
             return state, []
+        heard_s = max(event.last_heard_s, event.last_snapshot_s)
+        if heard_s != state.heard_s:
+            state = replace(state, heard_s=heard_s)
         return _on_tick(state, event, now)
     if kind is Start:
         if state.started:
             return state, []
-        return (replace(state, started=True, phase=INITIAL, since_s=now),
+        return (_connected(state, started=True, phase=INITIAL, since_s=now),
                 [Connect(state.server)])
     if not state.started:
         return state, []
+    if kind is Handshake:
+        return _on_handshake(state)
+    if kind is Disconnected:
+        return replace(state, sub_lost=True), []
+    if kind is LiveProven:
+        if not state.live:
+            return state, []
+        proof = SubscriberLive() if state.live == "start" else Reconnected()
+        return step(replace(state, live=""), proof, now)
+    if kind is Serving:
+        return (replace(state, not_serving=False), []) if state.not_serving else (state, [])
+    if kind is Replayed:
+        return (replace(state, buffering=False), []) if state.buffering else (state, [])
+    if kind is Keep:
+        return (replace(state, phase=KEPT, generation=event.generation, epoch=state.epoch + 1,
+                        live=""), [Freeze()])
     if kind is SubscriberLive:
         if phase != INITIAL:
             return state, []
         return _request(replace(state, attempts=0, holding=False), now,
                         "start" if not state.synced else "reconnect")
     if kind is NotServing:
+        if state.config.servers > 1:
+            state = replace(state, not_serving=True, live="")
         return _not_serving(state, now)
     if kind is SnapshotRejected:
         # as if this request had timed out, paced like one: the shell has dropped the
@@ -320,9 +515,14 @@ def step(state: State, event: Event, now: float) -> tuple[State, list]:
     if kind is SnapshotDone:
         if phase != SYNCING:
             return state, []
+        outage = state.outage
         return (replace(state, phase=ACTIVE, attempts=0, since_s=now,
-                        snapshot_seq=event.seq, synced=True, standby_streak=0),
-                [InstallSnapshot(event.seq, resync=state.synced)])
+                        snapshot_seq=event.seq, synced=True, standby_streak=0,
+                        generation=event.generation, outage=None, resend=False,
+                        resuming=False),
+                [InstallSnapshot(event.seq, resync=state.synced, generation=event.generation,
+                                 old_generation=state.generation, outage=outage,
+                                 resend=outage is not None or state.resend)])
     if kind is BufferOverflow:
         if phase == INITIAL:
             return state, []
@@ -346,6 +546,7 @@ def step(state: State, event: Event, now: float) -> tuple[State, list]:
         return _request(replace(state, attempts=0), now,
                         f"sequence went backwards (last {event.last}, got {event.got})")
     if kind is Reconnected:
+        state = replace(state, resend=True)  # the server may have restarted
         if phase == INITIAL:
             return state, []
         return _request(replace(state, attempts=0), now,

@@ -47,14 +47,15 @@ def test_a_not_serving_hugz_read_before_the_handshake_event_asks_for_nothing(zct
             assert agent.state.server == 1 and agent.state.standby_streak == 1
             agent._on_update(passive)  # b too (read before b's handshake event)
             assert agent.state.holding and agent.state.phase == sm.INITIAL
+            assert agent.state.not_serving
             agent.link._on_monitor(handshake_event(f"tcp://127.0.0.1:{b + 1}"))
             assert agent.link._timer is None  # no grace timer armed ...
-            agent.link.live_now()             # ... and were one to fire: nothing to send
+            agent._on_link_event(sm.LiveProven())  # ... and were one to end: nothing sent
             assert agent.link.dealer is None and agent.state.phase == sm.INITIAL
             # b becomes active: its HUGZ no longer says serving=0 -> ask it
             agent._on_update(chp.hugz(1.1, 5, generation="ab"))
             assert agent.state.phase == sm.SYNCING and agent.link.dealer is not None
-            assert not agent.link.not_serving
+            assert not agent.state.not_serving
         finally:
             agent.close()
 

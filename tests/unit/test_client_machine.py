@@ -86,7 +86,11 @@ def test_a_pair_moves_to_the_other_server_after_two_refused_requests():
                        RequestSnapshot(0, "snapshot timeout"),
                        Failover(0, 1, "no snapshot after 2 requests", 1.0), Connect(1)]
     state, effects = run(state, [(2.1, SubscriberLive()), (2.2, SnapshotDone(7))])
-    assert effects == [RequestSnapshot(1, "start"), InstallSnapshot(7, resync=False)]
+    # never heard: the outage starts at the move; the install ends it, writes resent
+    outage = sm.Outage(0, 2, "no snapshot after 2 requests", 1.0)
+    assert effects == [RequestSnapshot(1, "start"),
+                       InstallSnapshot(7, resync=False, outage=outage, resend=True)]
+    assert state.outage is None
 
 
 def test_a_pair_gives_up_on_an_unreachable_server():
@@ -105,7 +109,8 @@ def test_silence_fails_over_and_resync_replaces():
     state, effects = step(state, Tick(12.0, 0), 15.0)
     assert effects == [Failover(0, 1, "silent", 3.0), Connect(1)]
     state, effects = run(state, [(15.1, SubscriberLive()), (15.5, SnapshotDone(60))])
-    assert effects == [RequestSnapshot(1, "reconnect"), InstallSnapshot(60, resync=True)]
+    assert effects == [RequestSnapshot(1, "reconnect"), InstallSnapshot(
+        60, resync=True, outage=sm.Outage(0, 12.0, "silent", 3.0), resend=True)]
     assert state.phase == ACTIVE and state.server == 1
 
 
@@ -256,3 +261,95 @@ def test_a_new_generation_resyncs_an_active_shard():
     assert effects == [RequestSnapshot(0, "map generation changed (aa -> bb)")]
     state, _ = run(State(), [(0, Start())])
     assert step(state, sm.NewGeneration("aa", "bb"), 1)[1] == []  # not ACTIVE: ignored
+
+
+# ------------------------------------------------------------------ the shell's state, here
+
+def test_a_handshake_arms_the_grace_and_its_proof_asks_for_the_snapshot():
+    state, _ = step(State(PAIR), Start(), 0.0)
+    state, effects = step(state, sm.Handshake(), 0.1)
+    assert effects == [sm.ArmGrace()] and state.live == "start"
+    state, effects = step(state, sm.LiveProven(), 0.2)  # first message, or the grace's end
+    assert effects == [RequestSnapshot(0, "start")] and state.live == ""
+    assert step(state, sm.LiveProven(), 0.3) == (state, [])  # a late timer: nothing
+
+
+def test_a_handshake_after_a_lost_connection_is_a_reconnection_and_resends_later():
+    state = active(PAIR)
+    assert step(state, sm.Handshake(), 1.0) == (state, [])  # connected all along: nothing
+    state, _ = step(state, sm.Disconnected(), 1.0)
+    assert state.sub_lost
+    state, effects = step(state, sm.Handshake(), 2.0)
+    assert effects == [sm.ArmGrace()] and state.live == "reconnect" and not state.sub_lost
+    state, effects = step(state, sm.LiveProven(), 2.1)
+    assert [type(e) for e in effects] == [RequestSnapshot] and state.resend
+    state, effects = step(state, SnapshotDone(20), 2.5)
+    assert effects[0].resend and effects[0].outage is None and not state.resend
+
+
+def test_a_server_that_said_it_is_not_serving_gets_no_grace_until_it_says_otherwise():
+    state, _ = run(State(PAIR), [(0, Start()), (0, sm.NotServing()), (0, sm.NotServing())])
+    assert state.holding and state.not_serving
+    assert step(state, sm.Handshake(), 0.1) == (state, [])
+    state, _ = step(state, sm.Serving(), 0.15)
+    assert not state.not_serving
+    state, effects = step(state, sm.Handshake(), 0.2)  # (a later handshake would arm it)
+    assert effects == [sm.ArmGrace()]
+    state, effects = step(state, sm.NotServing(), 0.21)  # said so again: pending dropped
+    assert state.live == "" and state.not_serving
+
+
+def test_buffering_and_epochs_follow_connects_requests_and_replays():
+    state, _ = step(State(PAIR), Start(), 0.0)
+    assert state.buffering and state.epoch == 1
+    state, _ = step(state, SubscriberLive(), 0.1)
+    assert state.buffering and state.epoch == 2
+    state, _ = step(state, SnapshotDone(5), 0.2)
+    assert state.buffering  # until the shell has replayed its buffer
+    state, _ = step(state, sm.Replayed(), 0.2)
+    assert not state.buffering and step(state, sm.Replayed(), 0.3) == (state, [])
+    state, _ = step(state, Gap(6, 9), 0.4)
+    assert state.buffering and state.epoch == 3
+    state, _ = step(state, Tick(0.4, 0.4), 0.4 + PAIR.sync_timeout_s)
+    state, _ = step(state, Tick(0.4, 0.4), 0.4 + 2 * PAIR.sync_timeout_s)  # -> move
+    assert state.phase == INITIAL and state.epoch == 5 and state.server == 1
+
+
+def test_a_map_of_a_known_generation_is_resumed_unless_resume_is_off():
+    for resume in (True, False):
+        cfg = Config(servers=2, resume=resume)
+        state, effects = run(State(cfg), [(0, Start()), (0, SubscriberLive()),
+                                          (1, SnapshotDone(5, "g1"))])
+        assert effects[-1] == InstallSnapshot(5, resync=False, generation="g1")
+        state, effects = step(state, Gap(6, 8), 2)
+        assert effects[0].resume is resume and state.resuming is resume
+        state, effects = step(state, SnapshotDone(9, "g2"), 3)
+        assert effects == [InstallSnapshot(9, resync=True, generation="g2",
+                                           old_generation="g1")]
+        assert state.generation == "g2" and not state.resuming
+    state, effects = run(State(), [(0, Start()), (0, SubscriberLive()), (1, SnapshotDone(5)),
+                                   (2, Gap(6, 8))])
+    assert effects[-1].resume is False  # no generation named: a whole snapshot
+
+
+def test_one_outage_spans_every_move_until_an_install():
+    cfg = Config(servers=2, silence_timeout_s=1.0, connect_timeout_s=1.0)
+    state = active(cfg, now=0.0)
+    state, _ = step(state, Tick(3.0, 2.5), 3.5)
+    assert state.heard_s == 3.0
+    state, _ = step(state, Tick(3.0, 2.5), 4.0)       # silent 1 s: move to 1
+    assert state.outage == sm.Outage(0, 3.0, "silent", 1.0)
+    state, _ = step(state, Tick(3.0, 2.5), 5.0)       # 1 never connects: back to 0
+    assert state.server == 0 and state.outage == sm.Outage(0, 3.0, "silent", 1.0)
+    state, effects = run(state, [(5.1, SubscriberLive()), (5.2, SnapshotDone(11))])
+    assert effects[-1].outage == sm.Outage(0, 3.0, "silent", 1.0) and effects[-1].resend
+    assert state.outage is None
+
+
+def test_keep_freezes_the_shard_and_every_later_event_is_ignored():
+    state = active(PAIR)
+    state, effects = step(state, sm.Keep("g1"), 1.0)
+    assert effects == [sm.Freeze()] and state.phase == sm.KEPT and state.generation == "g1"
+    for event in (Tick(0, 0), sm.Handshake(), sm.NotServing(), Gap(1, 3), Start(),
+                  SubscriberLive(), sm.Reconnected(), sm.Keep("g2")):
+        assert step(state, event, 100.0) == (state, [])

@@ -79,7 +79,7 @@ def test_options_are_frozen_and_the_agents_part_carries_every_agent_field():
             assert getattr(agent, f.name) == getattr(opts, f.name), f.name
     machine = agent.machine(servers=2, contiguous=False)
     assert machine == sm.Config(servers=2, contiguous=False, sync_timeout_s=1.5,
-                                connect_timeout_s=2.5, silence_timeout_s=None)
+                                connect_timeout_s=2.5, silence_timeout_s=None, resume=False)
 
 
 def test_the_options_module_does_not_import_zmq():
