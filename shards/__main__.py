@@ -31,7 +31,7 @@ import click
 from shards.common.errors import ConfigError, Exit, os_error_text
 from shards.common.memory import return_large_frees
 from shards import coord, streams
-from shards.pair import PairServer
+from shards.pair import BinaryStar
 from shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES
 from shards.common.proto import chp
 from shards.common.security import Security
@@ -39,11 +39,12 @@ from shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES
 from shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES
 from shards.serve import (bind_and_serve, disk_exit, parse_cpus, peer_arg, routing_arg,
                           shard_arg)
-from shards.server import (CLOCK_S, COLLECT_BATCH, COLLECT_RCVHWM, DEDUP_BYTES, DEDUP_S,
-                           HEARTBEAT_S, MAX_ACTIVE_SNAPSHOTS,
-                           PUB_SNDHWM, SNAPSHOT_CHUNK, SNAPSHOT_HELD_BYTES, SNAPSHOT_SNDHWM,
-                           SNAPSHOT_STALL_S,
-                           ServerConfig, ShardServer)
+from shards.common.timing import HEARTBEAT_S
+from shards.server import ShardServer
+from shards.server_config import (CLOCK_S, COLLECT_BATCH, COLLECT_RCVHWM, DEDUP_BYTES, DEDUP_S,
+                                  MAX_ACTIVE_SNAPSHOTS, PUB_SNDHWM, SNAPSHOT_CHUNK,
+                                  SNAPSHOT_HELD_BYTES, SNAPSHOT_SNDHWM, SNAPSHOT_STALL_S,
+                                  ServerConfig)
 
 log = logging.getLogger("shards")
 _DEFAULT = chp.Limits()
@@ -61,12 +62,13 @@ def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str,
     from shards import persist
     from shards.persist import recovery
 
-    where = (shard, server.role, server.config.port)
+    where = (shard, server.role.name, server.config.port)
+    pair = server.role if isinstance(server.role, BinaryStar) else None
     try:
         try:
             got = persist.recover(data_dir)
         except persist.CorruptLog as exc:
-            if not isinstance(server, PairServer):
+            if pair is None:
                 click.echo(f"shards: cannot recover the map from {data_dir}: {exc}",
                            err=True)
                 sys.exit(Exit.FAILED)
@@ -74,7 +76,7 @@ def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str,
             log.critical("recovery: %s cannot be read (%s); its files were moved to %s; "
                          "this server starts empty and serves only once it has copied "
                          "its peer's map", data_dir, exc, moved)
-            print(f"UNREADABLE shard={shard} role={server.role} moved_to={moved} {exc}",
+            print(f"UNREADABLE shard={shard} role={server.role.name} moved_to={moved} {exc}",
                   flush=True)
             got = persist.recover(data_dir)
         writer = persist.DataDir(data_dir, fsync, compact_min_bytes=compact_min_bytes,
@@ -95,8 +97,8 @@ def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str,
         log.warning("recovery: %s held an incomplete replica (killed while it was "
                     "rewritten from the peer); its files are in %s; starting empty",
                     data_dir, got.incomplete)
-    if isinstance(server, PairServer):
-        server.recovered(got.term, got.history, needs_peer=recovery.needs_peer(data_dir))
+    if pair is not None:
+        pair.recovered(got.term, got.history, needs_peer=recovery.needs_peer(data_dir))
     log.info("recovered %d keys at sequence %d from %s (snapshot %s, %d updates from %d "
              "segments; generation %s, term %d)", len(got.store), got.store.seq, data_dir,
              got.snapshot_seq, got.records, got.segments, server.generation, got.term)
@@ -318,11 +320,11 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
     if pair_role is None:
         server = ShardServer(config)
     else:
-        server = PairServer(config, role=pair_role, peer=peer, shard=shard,
-                            pending_max=pending_max, pending_age_s=pending_age_s,
-                            pending_max_bytes=pending_max_bytes,
-                            coordination=coordination, lease_s=lease_s,
-                            lease_name=lease_name, replication=replication)
+        server = ShardServer(config, BinaryStar(
+            config, role=pair_role, peer=peer, shard=shard, pending_max=pending_max,
+            pending_age_s=pending_age_s, pending_max_bytes=pending_max_bytes,
+            coordination=coordination, lease_s=lease_s, lease_name=lease_name,
+            replication=replication))
     if keys_dir is not None:
         try:
             server.security = Security.load(keys_dir, "server")

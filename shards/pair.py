@@ -66,7 +66,7 @@ from shards import bstar, coord
 
 from shards.common import zio
 from shards.common.errors import ProtocolError
-from shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES, PendingTable
+from shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES, HeldWrite, PendingTable
 from shards.persist.recovery import fork_point
 from shards.common.proto import bstar as wire
 from shards.common.proto import bstar_ttl, chp
@@ -74,7 +74,9 @@ from shards.common.proto.bstar import FOLLOW, HAVE
 from shards.replica import Follower
 from shards.sync_link import SyncLink
 from shards import streams
-from shards.server import ServerConfig, ShardServer, largest_entry
+from shards.server import ShardServer
+from shards.server_config import ServerConfig
+from shards.snapshots import largest_entry
 from shards.store import Store, ttl_props
 
 log = logging.getLogger("shards.pair")
@@ -162,8 +164,17 @@ class TtlStream:
         self.entries = iter(())
 
 
-class PairServer(ShardServer):
-    """One server of a Binary Star pair (``role`` "primary" or "backup")."""
+def pair_server(config: ServerConfig, **options) -> ShardServer:
+    """A server of a Binary Star pair: the reactor with a ``BinaryStar`` role."""
+    return ShardServer(config, BinaryStar(config, **options))
+
+
+class BinaryStar:
+    """The role of one server of a Binary Star pair (``role`` "primary" or "backup"):
+    see the module doc, and ``shards.roles`` for what the reactor asks of it."""
+
+    decides_writes = True
+    expires_keys = True
 
     def __init__(self, config: ServerConfig, *, role: str, peer: tuple[str, int],
                  shard: str = "0", pending_max: int = MAX_ENTRIES,
@@ -175,7 +186,10 @@ class PairServer(ShardServer):
                  replication: str = "sync"):
         if role not in ("primary", "backup"):
             raise ValueError(f"role must be primary or backup, not {role!r}")
-        super().__init__(config, role=role)
+        self.name = role
+        self.config = config
+        self.server: ShardServer | None = None
+        """The reactor this role runs in (``attach``)."""
         self.shard = shard
         self.peer = peer
         self.pending = PendingTable(pending_max, pending_age_s, pending_max_bytes)
@@ -183,7 +197,6 @@ class PairServer(ShardServer):
         self.machine: bstar.Machine | None = None
         self.fatal = ""
         self.done = asyncio.Event()
-        self.pending_discarded = 0
         self.pending_applied = 0
         self.pending_stale = 0
         self.takeovers = 0
@@ -193,9 +206,10 @@ class PairServer(ShardServer):
         self._state_sub_sock: zmq.Socket | None = None
         self._state_sub: zio.AsyncSocket | None = None
         self._tick_handle: asyncio.TimerHandle | None = None
-        if sync_timeout_s is None:
-            sync_timeout_s = max(2.0, 10 * config.heartbeat_s)
-        self.follower = Follower(self, peer[0], peer[1], sync_timeout_s=sync_timeout_s)
+        self.sync_timeout_s = (max(2.0, 10 * config.heartbeat_s) if sync_timeout_s is None
+                               else sync_timeout_s)
+        self.follower: Follower | None = None
+        """The passive's replica of the active's map (made in ``attach``)."""
         self.ttl_streams: streams.StreamPump | None = None
         """BSTAR-TTL replies being streamed (made in start(), on the loop)."""
         self.ttl_counters = dict.fromkeys(("tables", "chunks"), 0)
@@ -225,7 +239,10 @@ class PairServer(ShardServer):
         """Synchronous replication (a leased pair, by default): a KVPUB, and so an
         acknowledgement, goes out only once the passive holds its update (see the module
         doc); without a lease, Binary Star's asynchronous replica as before."""
-        self.link = SyncLink(self, timeout_s=max(1.0, 2 * config.heartbeat_s))
+        self.gates_publish = self.lease is not None
+        """A leased pair is asked before each batch: fenced past its lease, parked until
+        the passive confirms (synchronous replication)."""
+        self.link: SyncLink | None = None
         """The active's side of synchronous replication (``shards.sync_link``); what a
         fenced server keeps unpublished waits there too, whatever the replication."""
         self.lease_closed = False
@@ -238,45 +255,47 @@ class PairServer(ShardServer):
         server's map was replaced by its peer's (``SyncLink.drop``)."""
         self.fenced_batches = 0
 
+    def attach(self, server: ShardServer) -> None:
+        self.server = server
+        self.follower = Follower(self, server, self.peer[0], self.peer[1], shard=self.shard,
+                                 sync_timeout_s=self.sync_timeout_s, pending=self.pending,
+                                 confirm=self.confirm_replica if self.sync else None)
+        self.link = SyncLink(server, self, timeout_s=max(1.0, 2 * self.config.heartbeat_s))
+
     @property
     def peer_text(self) -> str:
         return f"{self.peer[0]}:{self.peer[1]}"
 
     # ================================================================ set-up
     def bind(self) -> None:
-        """Bind P..P+2 (``ShardServer.bind``), then P+3; connect to the peer's P+3."""
-        super().bind()
-        try:
-            pub = self._socket(zmq.PUB)
-            pub.setsockopt(zmq.MAXMSGSIZE, STATE_SUBSCRIPTION_MAX)  # the peer subscribes to ""
-            self._bind(pub, self.config.endpoint(STATE_OFFSET))
-            self._state_pub = pub
-            sub = self._socket(zmq.SUB)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            self.security.connect_side(sub)
-            sub.connect(f"tcp://{self.peer[0]}:{self.peer[1] + STATE_OFFSET}")
-            self._state_sub_sock = sub
-        except BaseException:
-            self.close()
-            raise
+        """After the reactor's P..P+2: bind P+3; connect to the peer's P+3 (on a failure
+        the reactor closes everything)."""
+        server = self.server
+        pub = server.socket(zmq.PUB)
+        pub.setsockopt(zmq.MAXMSGSIZE, STATE_SUBSCRIPTION_MAX)  # the peer subscribes to ""
+        server.bind_socket(pub, self.config.endpoint(STATE_OFFSET))
+        self._state_pub = pub
+        self._state_sub_sock = server.connect(
+            zmq.SUB, f"tcp://{self.peer[0]}:{self.peer[1] + STATE_OFFSET}",
+            ((zmq.SUBSCRIBE, b""),))
 
     def start(self) -> None:
-        super().start()  # not standalone: stays inactive until the machine says so
-        now = self.loop.time()
+        """After the reactor started (inactive until the machine says so)."""
+        now = self.server.loop.time()
         self.machine = bstar.new_machine(
-            wire.Role.PRIMARY if self.role == "primary" else wire.Role.BACKUP, now,
-            heartbeat_s=self.config.heartbeat_s, shard=self.shard,
+            wire.Role.PRIMARY if self.name == "primary" else wire.Role.BACKUP, now,
+            heartbeat_s=self.server.config.heartbeat_s, shard=self.shard,
             split_brain_survivor=self.split_brain_survivor, term=self._recovered_term,
-            data_seq=self.store.seq, needs_peer=self.needs_peer,
+            data_seq=self.server.store.seq, needs_peer=self.needs_peer,
             leased=self.lease is not None)
         if self.lease is not None:
             self.lease.start()
         self.ttl_streams = streams.StreamPump(
-            self.loop, self._router_sock, self._router.kick,
-            stall_s=self.config.snapshot_stall_s, max_active=TTL_STREAMS_MAX, evict=True,
+            self.server.loop, self.server._router_sock, self.server._router.kick,
+            stall_s=self.server.config.snapshot_stall_s, max_active=TTL_STREAMS_MAX, evict=True,
             name="BSTAR-TTL table")
         self._state_sub = zio.AsyncSocket(self._state_sub_sock, self.on_peer_state, batch=64,
-                                          loop=self.loop, name="peer state")
+                                          loop=self.server.loop, name="peer state")
         self.follower.open()
         self.on_tick()
 
@@ -289,15 +308,16 @@ class PairServer(ShardServer):
             self._fence_handle = None
         if self.lease is not None:
             self.lease_closed = True
-            self.set_active(False)  # nothing more is acknowledged, then the lease goes
+            self.server.set_active(False)  # nothing more is acknowledged, then the lease goes
             self.lease.close()
-        self.follower.close()
+        if self.follower is not None:
+            self.follower.close()
         if self.ttl_streams is not None:
             self.ttl_streams.clear()
         if self._state_sub is not None:
             self._state_sub.close(linger=0)
             self._state_sub = None
-        super().close()  # destroys the context: closes the P+3 PUB and anything left
+        # (the reactor then destroys its context: the P+3 PUB and anything left)
 
     def recovered(self, term: int, history: list[tuple[int, int]],
                   needs_peer: bool = False) -> None:
@@ -309,20 +329,20 @@ class PairServer(ShardServer):
         self.needs_peer = needs_peer
 
     def _save_terms(self) -> None:
-        if self.persist is None or self.machine is None:
+        if self.server.persist is None or self.machine is None:
             return
         self._saved_term = self.machine.term
         try:
-            self.persist.save_terms(self.machine.term, self.history)
+            self.server.persist.save_terms(self.machine.term, self.history)
         except OSError as exc:
             log.error("shard %s: cannot save the term in %s: %s", self.shard,
-                      self.persist.path, exc)
+                      self.server.persist.path, exc)
 
     # ================================================================ machine
     def _step(self, event) -> list:
-        now = self.loop.time()
+        now = self.server.loop.time()
         if self.lease is not None:
-            self.machine = bstar.with_sequence(self.machine, self.store.seq)
+            self.machine = bstar.with_sequence(self.machine, self.server.store.seq)
         self.machine, effects = bstar.step(self.machine, event, now)
         accepted = False
         for effect in effects:
@@ -337,7 +357,7 @@ class PairServer(ShardServer):
     # ================================================================ the lease
     def _lease_changed(self, view: coord.LeaseView) -> None:
         """From the lease's thread: hand the change to the loop."""
-        loop = self.loop
+        loop = self.server.loop
         if loop is not None and not loop.is_closed():
             try:
                 loop.call_soon_threadsafe(self._check_lease)
@@ -355,7 +375,7 @@ class PairServer(ShardServer):
             self._step(bstar.Event.LEASE_ACQUIRED)
         elif not valid and self.machine.lease_held:
             log.warning("shard %s: %s fenced: its lease is not renewed (%s); it stops "
-                        "acknowledging", self.shard, self.role,
+                        "acknowledging", self.shard, self.name,
                         self.lease.view.error or "expired")
             self._step(bstar.Event.LEASE_LOST)
         if self._fence_handle is not None:
@@ -363,7 +383,7 @@ class PairServer(ShardServer):
             self._fence_handle = None
         if self.machine.lease_held:
             # the loop's clock is time.monotonic, as the lease's
-            self._fence_handle = self.loop.call_at(
+            self._fence_handle = self.server.loop.call_at(
                 max(self.lease.view.valid_until, now + 0.001), self._check_lease)
 
     def link_options(self, sock: zmq.Socket) -> None:
@@ -371,7 +391,7 @@ class PairServer(ShardServer):
         link, the replica's links, the clients' connections), so that a link a partition
         stalled is dropped and made again within about three heartbeats of the heal."""
         if self.lease is not None:
-            zio.link_heartbeats(sock, self.config.heartbeat_s)
+            zio.link_heartbeats(sock, self.server.config.heartbeat_s)
 
     def _lease_ran_out(self) -> bool:
         """Holding the lease by the machine's account, but past its deadline now."""
@@ -384,8 +404,8 @@ class PairServer(ShardServer):
         if not self._lease_ran_out():
             return False
         self.fenced_batches += 1
-        if self.loop is not None:
-            self.loop.call_soon(self._check_lease)
+        if self.server.loop is not None:
+            self.server.loop.call_soon(self._check_lease)
         return True
 
     def _perform(self, effect, now: float) -> bool:
@@ -408,32 +428,32 @@ class PairServer(ShardServer):
                 self.split_brains_survived += 1
                 log.warning("shard %s: %s survived: %s", self.shard, reason, detail)
             case bstar.IgnoredPeer(reason=reason, detail=detail):
-                self.drops.drop("peer_" + reason.replace(" ", "_"), detail)
+                self.server.drops.drop("peer_" + reason.replace(" ", "_"), detail)
             case _:
                 raise TypeError(f"not a Binary Star effect: {effect!r}")
         return False
 
     def _publish_state(self) -> None:
-        frames = wire.encode(bstar.state_message(self.machine, self.store.seq))
+        frames = wire.encode(bstar.state_message(self.machine, self.server.store.seq))
         try:
             zio.send_frames(self._state_pub, frames)
         except zmq.Again:  # a PUB never blocks; kept for safety
-            self.drops.drop("state_hwm", "state message not sent")
+            self.server.drops.drop("state_hwm", "state message not sent")
 
     def _arm_tick(self) -> None:
-        if self.machine is None or self.loop is None or self.fatal:
+        if self.machine is None or self.server.loop is None or self.fatal:
             return
-        when = min(bstar.next_wakeup(self.machine), self.loop.time() + self.config.heartbeat_s)
+        when = min(bstar.next_wakeup(self.machine), self.server.loop.time() + self.server.config.heartbeat_s)
         if self._tick_handle is not None:
             if self._tick_handle.when() <= when:
                 return
             self._tick_handle.cancel()
-        self._tick_handle = self.loop.call_at(when, self.on_tick)
+        self._tick_handle = self.server.loop.call_at(when, self.on_tick)
 
     def on_tick(self) -> None:
         """The machine's TICK (publishes state when due), sync deadlines, pending ageing."""
         self._tick_handle = None
-        now = self.loop.time()
+        now = self.server.loop.time()
         self.pending.expire(now)
         self.follower.on_tick(now)
         self._step(bstar.Event.TICK)
@@ -446,7 +466,7 @@ class PairServer(ShardServer):
         try:
             msg = wire.decode(frames)
         except ProtocolError as err:
-            self.drops.drop("peer_" + err.reason, str(err))
+            self.server.drops.drop("peer_" + err.reason, str(err))
             return
         self._step(msg)
 
@@ -456,9 +476,9 @@ class PairServer(ShardServer):
         self.follower.stop()
         self.takeovers += 1
         # this term's updates start here (what a restarted peer compares its log with)
-        self.history.append((effect.term, self.store.seq + 1))
+        self.history.append((effect.term, self.server.store.seq + 1))
         self._save_terms()
-        self.set_active(True)
+        self.server.set_active(True)
         self.link.resume(self.sync)  # first: it holds lower sequences than anything below
         pending = self.pending.drain(now)
         # An update the active heard too and had time to publish, but did not, is stale:
@@ -466,32 +486,32 @@ class PairServer(ShardServer):
         # delivered when it came back, long since published by the active (and so never
         # confirmed here). Re-applying it would overwrite newer values.
         heard = self.follower.last_heard
-        cutoff = heard - pending_grace_s(self.config.heartbeat_s) if heard else None
+        cutoff = heard - pending_grace_s(self.server.config.heartbeat_s) if heard else None
         stale = 0
         for entry in pending:
             if cutoff is not None and entry.added_at < cutoff:
                 stale += 1
                 continue
-            ShardServer.on_collect(self, entry.update)
-        self._flush_log()  # publish them now: this is not a collector batch
+            self.server.apply_write(*entry.update)  # a HeldWrite: decoded when heard
+        self.server._flush_log()  # publish them now: this is not a collector batch
         self.pending_applied += len(pending) - stale
         self.pending_stale += stale
         if self._deferred:  # after this step's effects: a vote is a step of its own
-            self.loop.call_soon(self._answer_deferred)
+            self.server.loop.call_soon(self._answer_deferred)
         if self.sync:
             self.link.go_alone_now()  # after taking over from a silent peer
         log.warning("shard %s: %s is ACTIVE (%s, was %s, term %d): %d late updates from the "
                     "old active, %d pending updates applied (%d stale dropped), sequence now "
-                    "%d", self.shard, self.role, effect.reason, effect.previous.name,
-                    effect.term, drained, len(pending) - stale, stale, self.store.seq)
+                    "%d", self.shard, self.name, effect.reason, effect.previous.name,
+                    effect.term, drained, len(pending) - stale, stale, self.server.store.seq)
 
     def on_become_passive(self, effect: bstar.BecamePassive, now: float) -> None:
-        self.set_active(False)
+        self.server.set_active(False)
         self._deferred.clear()
         self._snapshot_waiting.clear()  # their clients ask the new active
         self.link.keep_unpublished(now)
         self.ttl_streams.clear()
-        log.info("shard %s: %s is PASSIVE (%s, was %s)", self.shard, self.role,
+        log.info("shard %s: %s is PASSIVE (%s, was %s)", self.shard, self.name,
                  effect.reason, effect.previous.name)
         self.follower.start_sync(now)
 
@@ -500,10 +520,10 @@ class PairServer(ShardServer):
         if self._tick_handle is not None:
             self._tick_handle.cancel()
             self._tick_handle = None
-        self.set_active(False)
+        self.server.set_active(False)
         self.follower.stop()
         log.error("shard %s: FATAL Binary Star %s (%s server on port %d): %s", self.shard,
-                  effect.reason, self.role, self.config.port, effect.detail)
+                  effect.reason, self.name, self.server.config.port, effect.detail)
         if effect.reason in ("dual primary", "dual backup"):
             # Both must exit; the peer may not have heard us yet (it may have started just
             # now): keep telling it for two more heartbeats. (A split-brain loser stays
@@ -517,53 +537,64 @@ class PairServer(ShardServer):
         if beats <= 0:
             self.done.set()
             return
-        self._tick_handle = self.loop.call_later(self.config.heartbeat_s, self._linger,
+        self._tick_handle = self.server.loop.call_later(self.server.config.heartbeat_s, self._linger,
                                                  beats - 1)
 
-    # hooks for the follower
-    def reset_pending(self) -> None:
-        discarded = self.pending.drain()
-        self.pending_discarded += len(discarded)
+    # ================================================================ the replica (its sink)
+    @property
+    def seq(self) -> int:
+        return self.server.store.seq
 
-    def replace_store(self, store: Store, generation: str = "",
-                      history: tuple[tuple[int, int], ...] = (), uuids: list = ()) -> None:
+    def apply(self, msg: chp.Kvpub, expiry_s: float | None) -> None:
+        """The active's update, applied here with its sequence and logged; kept for
+        resumes, so a client that fails over to this server resumes instead of taking a
+        snapshot, and its UUID, so that a resend is applied once."""
+        server = self.server
+        server.store.apply(msg.key, msg.value, expiry_s)
+        resendable = chp.is_resendable(msg.uuid)
+        if server.persist is not None:  # the active's stream, with its sequences
+            server.log_applied(msg.seq, msg.key, msg.value, expiry_s,
+                               msg.uuid if resendable else b"")
+        if server._remember is not None:
+            server._remember(msg.seq, msg.key, msg.uuid, msg.props, msg.value)
+        if resendable:
+            server.applied.add(msg.uuid, msg.seq)
+
+    def install(self, store: Store, generation: str = "",
+                history: tuple[tuple[int, int], ...] = (), uuids: list = ()) -> None:
         """The replica is complete: serve ``store``, whose map is the active's
         ``generation`` (kept when the active sent none), term ``history`` and applied
         ``uuids`` (``[uuid, seq, ...]``, as of ``store.seq``). A durable
         server rewrites its data directory from it; updates of its own that the active's
         map never had (``persist.fork_point``) are kept in a ``dropped-*`` file."""
-        old_seq = self.store.seq
+        server = self.server
+        old_seq = server.store.seq
         self.unacknowledged_dropped += self.link.drop()
-        self.store = store
-        self.snapshot_entries(largest_entry(store))
-        self.recent.reset(store.seq)  # resumes from this map only
-        self.applied.clear(time.monotonic())
-        self.applied.load(uuids)
-        if self.persist is not None:
+        server.store = store
+        server.snapshot_entries(largest_entry(store))
+        server.recent.reset(store.seq)  # resumes from this map only
+        server.applied.clear(time.monotonic())
+        server.applied.load(uuids)
+        if server.persist is not None:
             fork = fork_point(self.history, list(history)) if history else None
             dropped_from = fork if fork is not None and fork <= old_seq else None
-            self._flush_log()
-            try:
-                dropped = self.persist.replace(store, generation or self.generation,
-                                               dropped_from,
-                                               self.applied.items_upto(store.seq))
-            except OSError as exc:
-                self.on_disk_error("installing the active's map", exc)
+            replaced = server.persist.replace(store, generation or server.generation,
+                                              dropped_from, server.applied.items_upto(store.seq))
+            if replaced is None:  # a disk error (reported: this server stops)
                 return
-            self._install_job = self.persist.compaction
+            dropped, self._install_job = replaced
             if dropped:
                 self.dropped_updates += dropped
                 log.warning("shard %s: %d updates of this server's map (sequence %d..%d, "
                             "never in the active's map) were dropped; kept in %s/dropped-*",
-                            self.shard, dropped, dropped_from, old_seq, self.persist.path)
-            self.drive_compaction(self.persist.compaction)
+                            self.shard, dropped, dropped_from, old_seq, server.persist.path)
         if history:
             self.history = list(history)
             self._save_terms()
-        if generation and generation != self.generation:
+        if generation and generation != server.generation:
             log.info("shard %s: map generation %s (the active's; was %s)", self.shard,
-                     generation, self.generation)
-            self.generation = generation
+                     generation, server.generation)
+            server.generation = generation
 
     def on_compacted(self, job) -> None:
         """A snapshot is whole on disk. The one that wrote the map installed from the
@@ -571,32 +602,24 @@ class PairServer(ShardServer):
         if job is not self._install_job:
             return
         self._install_job = None
-        if self.needs_peer and self.persist is not None:
+        if self.needs_peer and self.server.persist is not None:
             from shards.persist.recovery import peer_copy_written
 
-            peer_copy_written(self.persist.path)
+            peer_copy_written(self.server.persist.path)
             self.needs_peer = False
             if self.machine is not None:
                 self.machine = bstar.peer_copied(self.machine)
             log.warning("shard %s: the peer's map (%d keys, sequence %d) is written here: "
-                        "this server holds a valid copy again", self.shard, len(self.store),
-                        self.store.seq)
+                        "this server holds a valid copy again", self.shard, len(self.server.store),
+                        self.server.store.seq)
 
-    def replicated(self, msg: chp.Kvpub) -> None:
-        """The active's update, applied here with its sequence: kept for resumes, so a
-        client that fails over to this server resumes instead of taking a snapshot."""
-        if self._remember is not None:
-            self._remember(msg.seq, msg.key, msg.uuid, msg.props, msg.value)
-        if chp.is_resendable(msg.uuid):
-            self.applied.add(msg.uuid, msg.seq)
-
-    # ================================================================ ShardServer hooks
+    # ================================================================ the reactor's questions
     def serving(self) -> bool:
         """Whether the machine would accept a client's ICANHAZ now (ACTIVE, or a vote
         that would win): otherwise HUGZ say ``serving=0``."""
-        if self.machine is None or self.loop is None:
+        if self.machine is None or self.server.loop is None:
             return False
-        return bstar.would_accept(self.machine, self.loop.time())
+        return bstar.would_accept(self.machine, self.server.loop.time())
 
     def admit_snapshot_request(self) -> bool:
         """An ICANHAZ is the client's vote: answered only if the machine accepts it. A
@@ -619,7 +642,7 @@ class PairServer(ShardServer):
         self.machine = bstar.peer_reported_down(self.machine)
         log.warning("shard %s: the supervisor reports the peer down%s; a client's vote "
                     "makes this %s serve with its own copy (sequence %d)", self.shard,
-                    f" ({why})" if why else "", self.role, self.store.seq)
+                    f" ({why})" if why else "", self.name, self.server.store.seq)
 
     def hear_peer_now(self) -> int:
         """Step the machine with every state message waiting on the peer SUB (without
@@ -646,9 +669,9 @@ class PairServer(ShardServer):
         if len(frames) == 3 and frames[1] in (FOLLOW, HAVE):
             self.on_replica_link(frames[0], frames[1], frames[2])
             return
-        if self._held:  # applied this turn: parked (or published) before deciding
-            self._flush_log()
-        if self.link.awaiting and self.active:
+        if self.server._held:  # applied this turn: parked (or published) before deciding
+            self.server._flush_log()
+        if self.link.awaiting and self.server.active:
             # the map holds writes the passive has not confirmed (never acknowledged):
             # a snapshot waits until they go out (or are dropped), so that no reader
             # ever sees a write that may yet be lost (milliseconds normally; at most
@@ -656,22 +679,22 @@ class PairServer(ShardServer):
             self._snapshot_waiting.append(frames)
             if len(self._snapshot_waiting) > DEFERRED_MAX:
                 self._snapshot_waiting.pop(0)
-                self.drops.drop("snapshot_waiting_full", "an ICANHAZ waited for the "
+                self.server.drops.drop("snapshot_waiting_full", "an ICANHAZ waited for the "
                                                          "passive and was dropped")
             return
-        super().on_snapshot_request(frames)
-        if not self.active and self.machine is not None and self.machine.wants_lease:
+        self.server.on_snapshot_request(frames)
+        if not self.server.active and self.machine is not None and self.machine.wants_lease:
             # a vote that started (or waits on) the acquire: answered at the takeover,
             # so the client is served then instead of after its own snapshot timeout
-            self._deferred[frames[0]] = (frames, self.loop.time())
+            self._deferred[frames[0]] = (frames, self.server.loop.time())
             while len(self._deferred) > DEFERRED_MAX:
                 self._deferred.pop(next(iter(self._deferred)))
 
     def unparked(self) -> None:
         """Nothing waits for the passive any more: answer the snapshot requests that
         waited (on the next loop turn: this is called from the publish path)."""
-        if self._snapshot_waiting and self.loop is not None:
-            self.loop.call_soon(self._answer_waiting_snapshots)
+        if self._snapshot_waiting and self.server.loop is not None:
+            self.server.loop.call_soon(self._answer_waiting_snapshots)
 
     def _answer_waiting_snapshots(self) -> None:
         waiting, self._snapshot_waiting = self._snapshot_waiting, []
@@ -682,9 +705,9 @@ class PairServer(ShardServer):
         """Just became ACTIVE through the lease: answer the votes that waited for it (those
         younger than ``DEFERRED_AGE_S``: their clients still wait for this reply)."""
         deferred, self._deferred = self._deferred, {}
-        if not self.active:
+        if not self.server.active:
             return
-        oldest = self.loop.time() - DEFERRED_AGE_S
+        oldest = self.server.loop.time() - DEFERRED_AGE_S
         for frames, at in deferred.values():
             if at >= oldest:
                 self.on_snapshot_request(frames)  # waits too while writes are parked
@@ -696,11 +719,11 @@ class PairServer(ShardServer):
         confirms anything). A ``BSTAR-HAVE`` on P is dropped and counted: anyone who
         reaches P could forge it."""
         if command != FOLLOW:
-            self.drops.drop("peer_have_on_p", "BSTAR-HAVE on the snapshot port (it is only "
+            self.server.drops.drop("peer_have_on_p", "BSTAR-HAVE on the snapshot port (it is only "
                                               "taken from the peer's state port)")
             return
-        if len(seq_frame) != 8 or not (self.sync and self.active):
-            self.drops.drop("peer_follow_unexpected", "BSTAR-FOLLOW while not a "
+        if len(seq_frame) != 8 or not (self.sync and self.server.active):
+            self.server.drops.drop("peer_follow_unexpected", "BSTAR-FOLLOW while not a "
                                                       "synchronous active, or malformed")
             return
         self.link.on_follow(identity, int.from_bytes(seq_frame, "big"))
@@ -708,76 +731,83 @@ class PairServer(ShardServer):
     def on_confirmation(self, frames: list[bytes]) -> None:
         """``BSTAR-HAVE LINK SEQ`` from the peer's P+3 (``shards.sync_link``)."""
         if len(frames) != 3 or len(frames[2]) != 8 or not frames[1]:
-            self.drops.drop("peer_bad_confirmation", f"{len(frames)}-frame BSTAR-HAVE")
+            self.server.drops.drop("peer_bad_confirmation", f"{len(frames)}-frame BSTAR-HAVE")
             return
         # a passive's confirmations are for an active; one past its lease publishes
         # nothing, whoever confirmed what
-        if self.sync and self.active and not self.fenced():
+        if self.sync and self.server.active and not self.fenced():
             self.link.on_confirmation(frames[1], int.from_bytes(frames[2], "big"))
 
-    def confirm_replica(self, link_id: bytes, seq: int) -> None:
-        """Passive: ``BSTAR-HAVE`` on this server's state PUB (the follower's hook)."""
+    def confirm_replica(self, link_id: bytes) -> None:
+        """Passive (the follower's ``confirm``): write what the active's batch brought
+        (the log, fsync under always), then say how far this replica goes: ``BSTAR-HAVE``
+        on this server's state PUB."""
+        self.server._flush_log()
+        seq = self.server.store.seq
         try:
             zio.send_frames(self._state_pub, [HAVE, link_id, seq.to_bytes(8, "big")])
         except zmq.Again:  # a PUB never blocks; a lost one is followed by the next
-            self.drops.drop("state_hwm", "BSTAR-HAVE not sent")
+            self.server.drops.drop("state_hwm", "BSTAR-HAVE not sent")
 
     def park_for_peer(self) -> bool:
         """Synchronous replication: this batch waits until the passive holds it."""
-        return self.sync and self.active and self.link.park()
-
-    def replica_confirmation(self) -> int:
-        """Passive: write what the active's batch brought (the log, fsync under always),
-        then say how far this replica goes."""
-        self._flush_log()
-        return self.store.seq
+        return self.sync and self.server.active and self.link.park()
 
     def on_ttl_request(self, identity: bytes) -> None:
         """A passive peer's BSTAR-TTL?: the absolute expiry times at this sequence,
         streamed in chunks (``TtlStream``)."""
-        if not self.active:
-            self.snapshots_refused += 1
+        if not self.server.active:
+            self.server.snapshots_refused += 1
             return
         self.ttl_counters["tables"] += 1
-        seq, expiries = self.store.seq, self.store.expiries()
+        seq, expiries = self.server.store.seq, self.server.store.expiries()
         history = tuple(self.history)
-        uuids = self.applied.items_upto(seq)
+        uuids = self.server.applied.items_upto(seq)
         self.ttl_streams.add(identity, lambda: TtlStream(identity, seq, expiries,
-                                                         self.generation, self.ttl_counters,
+                                                         self.server.generation, self.ttl_counters,
                                                          history, uuids))
 
     def on_collect(self, frames: list[bytes]) -> None:
-        """Active: the CHP server's path. Otherwise: keep the KVSET pending by UUID."""
-        if self.active:
-            ShardServer.on_collect(self, frames)
+        """Active: the reactor's write path. Otherwise: keep the KVSET pending by UUID."""
+        server = self.server
+        if server.active:
+            server.on_collect(frames)
             return
-        self._note_received(frames)  # the collector's mark holds for a passive too
+        server._note_received(frames)  # the collector's mark holds for a passive too
         self.hold_pending(frames)
 
     def hold_pending(self, frames: list[bytes]) -> None:
+        """A KVSET heard while passive, checked and kept decoded (``HeldWrite``) as the
+        active would apply it: a relative ``ttl`` made absolute now, the write terms
+        stripped from what its KVPUB will carry."""
+        server = self.server
         try:
-            kvset = chp.decode_kvset(frames, self._limits)
+            kvset = chp.decode_kvset(frames, server._limits)
             props = kvset.props
-            if kvset.value and props and b"ttl=" in props:
+            terms = chp.write_terms(props)
+            expiry_s = None
+            if kvset.value and props:
                 expiry_s, props = ttl_props(props, time.time())
-                if expiry_s is not None:
+                if expiry_s is not None and b"ttl=" in props:
                     props = chp.drop_props(props, (b"ttl",))  # the absolute expires
         except ProtocolError as err:
-            self.drops.drop(err.reason, str(err))
+            server.drops.drop(err.reason, str(err))
             return
         if self.fatal:
-            self.drops.drop("fatal", "KVSET after a fatal Binary Star error")
+            server.drops.drop("fatal", "KVSET after a fatal Binary Star error")
             return
-        if not self.owns(kvset.key):  # the active drops it too: never confirmed
+        if not server.owns(kvset.key):  # the active drops it too: never confirmed
             return
-        if b"if-seq=" in props:
+        if terms.if_seq is not None:
             # A conditional write is decided by the active alone: held here, it could be
             # applied at a takeover after the active refused it (a conflict the writer
             # was told). Its writer sends it again to the new active (same UUID).
-            self.drops.drop("conditional_not_held", "a conditional KVSET while passive")
+            server.drops.drop("conditional_not_held", "a conditional KVSET while passive")
             return
-        update = [kvset.key, chp.SEQ_ZERO, kvset.uuid, props, kvset.value]
-        self.pending.add(kvset.uuid, update, self.loop.time(),
+        if terms.reply_to:
+            props = chp.strip_write_terms(props)
+        write = HeldWrite(kvset.key, kvset.value, props, kvset.uuid, expiry_s, terms.reply_to)
+        self.pending.add(kvset.uuid, write, server.loop.time(),
                          len(kvset.key) + len(props) + len(kvset.value))
 
     def _ttl_stats(self) -> dict:
@@ -787,11 +817,11 @@ class PairServer(ShardServer):
         return {"active": len(pump.active), **self.ttl_counters, **pump.counters}
 
     def stats(self) -> dict:
-        out = super().stats()
+        """Merged into the reactor's stats."""
         m = self.machine
-        out.update({
+        out = {
             "shard": self.shard,
-            "role": self.role,
+            "role": self.name,
             "bstar_state": m.state.name if m is not None else None,
             "peer": self.peer_text,
             "pid": os.getpid(),
@@ -809,12 +839,12 @@ class PairServer(ShardServer):
             "pending_bytes": self.pending.bytes,
             "pending_early": self.pending.early_count,
             "pending_applied": self.pending_applied,
-            "pending_discarded": self.pending_discarded,
+            "pending_discarded": self.follower.counters["pending_discarded"],
             "pending_stale": self.pending_stale,
             "pending_counters": dict(self.pending.counters),
             "replica": self.follower.stats(),
             "ttl_streams": self._ttl_stats(),
-        })
+        }
         if self.sync:
             out["sync_replication"] = self.link.stats()
         if self.lease is not None:

@@ -52,6 +52,18 @@ MAX_AGE_S = 30.0
 MAX_BYTES = 64 << 20
 
 
+class HeldWrite(NamedTuple):
+    """A client's write as a passive holds it (``shards.pair``): checked and decoded, its
+    relative ``ttl`` already made absolute (``expiry_s``), its properties as its KVPUB
+    will carry them; applied as they are at a takeover (``ShardServer.apply_write``)."""
+    key: bytes
+    value: bytes
+    props: bytes
+    uuid: bytes
+    expiry_s: float | None
+    reply_to: bytes = b""
+
+
 class Pending(NamedTuple):
     uuid: bytes
     update: Any

@@ -39,9 +39,9 @@ from shards import replica_machine as rm
 from shards.common import zio
 from shards.common.errors import ProtocolError
 from shards.common.proto import chp
-from shards.pending import PendingTable
 from shards.replica import Follower, expires_of
-from shards.server import ServerConfig, ShardServer
+from shards.server import ShardServer
+from shards.server_config import ServerConfig
 from shards.store import Store
 from shards.serve import bind_and_serve, parse_cpus, routing_arg
 from shards.common.memory import return_large_frees
@@ -59,10 +59,12 @@ TICK_S = 0.1
 
 class RelayFollower(Follower):
     """A ``Follower`` that can also resume (ask only for the updates after the relay's
-    sequence) and that tells the relay when its server says it does not serve."""
+    sequence) and that says when its server does not serve (``on_not_serving``)."""
 
-    def __init__(self, relay: "RelayServer", host: str, port: int, *, sync_timeout_s: float):
-        super().__init__(relay, host, port, sync_timeout_s=sync_timeout_s)
+    def __init__(self, relay: "Relay", host: str, port: int, *, sync_timeout_s: float):
+        super().__init__(relay, relay.server, host, port, shard=relay.shard,
+                         sync_timeout_s=sync_timeout_s)
+        self.on_not_serving = relay.upstream_not_serving
         self._resume: dict | None = None
         self.counters.update(resumes=0, resume_updates=0, resumes_refused=0)
 
@@ -71,18 +73,19 @@ class RelayFollower(Follower):
         if (len(frames) == 5 and frames[0] == chp.HUGZ and frames[3]
                 and b"serving=0" in frames[3]):
             self.counters["hugz_not_serving"] += 1
-            self.owner.upstream_not_serving(self)
+            self.on_not_serving(self)
             return
         resume = self._resume
         if resume is None:
             super().on_update(frames)
             return
         try:
-            msg = chp.decode_update(frames, self.owner.config.limits)
+            msg = chp.decode_update(frames, self.reactor.config.limits)
         except ProtocolError as err:
-            self.owner.drops.drop("peer_" + err.reason, f"from {self.updates_endpoint}: {err}")
+            self.reactor.drops.drop("peer_" + err.reason,
+                                    f"from {self.updates_endpoint}: {err}")
             return
-        self.last_heard = self.owner.loop.time()
+        self.last_heard = self.reactor.loop.time()
         if isinstance(msg, chp.Kvpub):
             resume["live"].append(msg)
 
@@ -90,27 +93,24 @@ class RelayFollower(Follower):
     def resume(self, since: int, generation: str, now: float) -> None:
         """Ask for the updates after ``since`` (of ``generation``); live updates are
         buffered meanwhile. A refusal or a timeout falls back to a full sync."""
-        sock = self.owner.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        self.owner.security.connect_side(sock)
-        sock.connect(self.snapshot_endpoint)
+        sock = self.reactor.connect(zmq.DEALER, self.snapshot_endpoint)
         dealer = zio.AsyncSocket(sock, self._on_resume_reply, batch=1024,
-                                 loop=self.owner.loop, name="upstream resume")
+                                 loop=self.reactor.loop, name="upstream resume")
         self._resume = {"dealer": dealer, "since": since, "items": [], "live": [],
                         "at": now}
         dealer.send(chp.icanhaz(b"", since, generation))
-        log.info("shard %s: relay resumes after %d from %s", self.owner.shard, since,
+        log.info("shard %s: relay resumes after %d from %s", self.shard, since,
                  self.snapshot_endpoint)
 
     def _on_resume_reply(self, frames: list[bytes]) -> None:
         resume = self._resume
         if resume is None:
             return
-        resume["at"] = self.owner.loop.time()
+        resume["at"] = self.reactor.loop.time()
         try:
-            msg = chp.decode_snapshot(frames, self.owner.config.limits, strict=False)
+            msg = chp.decode_snapshot(frames, self.reactor.config.limits, strict=False)
         except ProtocolError as err:
-            self.owner.drops.drop("peer_" + err.reason, f"resume: {err}")
+            self.reactor.drops.drop("peer_" + err.reason, f"resume: {err}")
             self._give_up_resume("a malformed reply")
             return
         if isinstance(msg, chp.Kvsync):
@@ -123,22 +123,22 @@ class RelayFollower(Follower):
                                  f"{resume['since']}")
             return
         self._end_resume()
-        store = self.owner.store
+        sink = self.sink
         for m in resume["items"] + resume["live"]:
-            verdict = rm.check_seq(store.seq, m.seq)
+            verdict = rm.check_seq(sink.seq, m.seq)
             if verdict == rm.DUPLICATE:
                 continue
             if verdict == rm.GAP:
-                log.warning("shard %s: relay resume: gap %d..%d", self.owner.shard,
-                            store.seq, m.seq)
-                self.start_sync(self.owner.loop.time())
+                log.warning("shard %s: relay resume: gap %d..%d", self.shard, sink.seq,
+                            m.seq)
+                self.start_sync(self.reactor.loop.time())
                 return
-            self.owner.apply_upstream(m)
+            sink.apply(m, expires_of(m.props) if m.value else None)
         self.counters["resumes"] += 1
         self.counters["resume_updates"] += len(resume["items"])
-        self.state = dataclasses.replace(self.state, phase=rm.LIVE, step="", seq=store.seq)
-        log.info("shard %s: relay resumed with %d updates, at %d", self.owner.shard,
-                 len(resume["items"]), store.seq)
+        self.state = dataclasses.replace(self.state, phase=rm.LIVE, step="", seq=sink.seq)
+        log.info("shard %s: relay resumed with %d updates, at %d", self.shard,
+                 len(resume["items"]), sink.seq)
 
     def _end_resume(self) -> None:
         resume, self._resume = self._resume, None
@@ -146,9 +146,9 @@ class RelayFollower(Follower):
             resume["dealer"].close(linger=0)
 
     def _give_up_resume(self, why: str) -> None:
-        log.info("shard %s: relay resume not possible (%s): full sync", self.owner.shard, why)
+        log.info("shard %s: relay resume not possible (%s): full sync", self.shard, why)
         self._end_resume()
-        self.start_sync(self.owner.loop.time())
+        self.start_sync(self.reactor.loop.time())
 
     def on_tick(self, now: float) -> None:
         resume = self._resume
@@ -165,24 +165,34 @@ class RelayFollower(Follower):
         return {**super().stats(), "resuming": self._resume is not None}
 
 
-class RelayServer(ShardServer):
-    """The relay (see the module doc): a ``ShardServer`` whose map follows a shard."""
+def relay_server(config: ServerConfig, **options) -> ShardServer:
+    """A relay: the reactor with a ``Relay`` role."""
+    return ShardServer(config, Relay(**options))
 
-    DECIDES_WRITES = False
+
+class Relay:
+    """The relay's role (see the module doc): a reactor whose map follows a shard. Its
+    clients' KVSETs go to the shard; its updates come from an upstream follower, into
+    this role as its ``ReplicaSink``."""
+
+    decides_writes = False
     """It forwards KVSETs; the shard's active decides (and answers) conditional writes,
     so a relay does not say ``cas=1``."""
+    expires_keys = False
+    """No TTL timer: the shard publishes its expiries as deletes."""
+    gates_publish = False
 
-    def __init__(self, config: ServerConfig, *, upstream: list[tuple[str, int]],
-                 shard: str = "0", name: str = "relay", silence_timeout_s: float = 3.0,
+    def __init__(self, *, upstream: list[tuple[str, int]], shard: str = "0",
+                 name: str = "relay", silence_timeout_s: float = 3.0,
                  sync_timeout_s: float = SYNC_TIMEOUT_S):
         if not upstream:
             raise ValueError("a relay needs the shard's servers (--upstream)")
-        super().__init__(config, role=name)
+        self.name = name
         self.shard = shard
         self.upstream = list(upstream)
         self.silence_timeout_s = silence_timeout_s
         self.sync_timeout_s = sync_timeout_s
-        self.pending = PendingTable()  # the Follower confirms into it; unused here
+        self.server: ShardServer | None = None
         self.follower: RelayFollower | None = None
         self.following = 0
         self._followed_at = 0.0
@@ -193,17 +203,33 @@ class RelayServer(ShardServer):
         self.relay_counters = {"upstream_switches": 0, "full_syncs": 0, "forwarded": 0,
                                "forward_dropped": 0}
 
+    # ---------------------------------------------------------------- the reactor's parts
+    def attach(self, server: ShardServer) -> None:
+        self.server = server
+        self.on_snapshot_request = server.on_snapshot_request  # served as a server's
+
+    def bind(self) -> None:
+        """Nothing beyond P..P+2 (the upstream sockets connect in ``start``)."""
+
+    def link_options(self, sock: zmq.Socket) -> None:
+        """Plain sockets (no ZMTP heartbeats: a relay runs beside its shard)."""
+
+    def admit_snapshot_request(self) -> bool:
+        return self.server.active  # from its first copy on
+
+    def serving(self) -> bool:
+        return self.server.active
+
     # ---------------------------------------------------------------- life
     def start(self) -> None:
-        super().start()  # role "relay": not active until the first copy is installed
+        """After the reactor started: not active until the first copy is installed."""
+        server = self.server
         for host, port in self.upstream:
-            sock = self._socket(zmq.PUB)
-            sock.setsockopt(zmq.SNDHWM, self.config.collect_rcvhwm)
-            self.security.connect_side(sock)
-            sock.connect(f"tcp://{host}:{port + 2}")
+            sock = server.connect(zmq.PUB, f"tcp://{host}:{port + 2}",
+                                  ((zmq.SNDHWM, server.config.collect_rcvhwm),))
             self._forward.append(sock)
         self._follow(0)
-        self._tick_handle = self.loop.call_later(TICK_S, self._tick)
+        self._tick_handle = server.loop.call_later(TICK_S, self._tick)
 
     def close(self) -> None:
         if self._tick_handle is not None:
@@ -215,7 +241,6 @@ class RelayServer(ShardServer):
         for sock in self._forward:
             sock.close(linger=0)
         self._forward = []
-        super().close()
 
     def _follow(self, index: int) -> None:
         if self.follower is not None:
@@ -224,10 +249,11 @@ class RelayServer(ShardServer):
         host, port = self.upstream[index]
         self.follower = RelayFollower(self, host, port, sync_timeout_s=self.sync_timeout_s)
         self.follower.open()
-        now = self.loop.time()
+        server = self.server
+        now = server.loop.time()
         self._followed_at = now
-        if self.active and self.generation:
-            self.follower.resume(self.store.seq, self.generation, now)
+        if server.active and server.generation:
+            self.follower.resume(server.store.seq, server.generation, now)
         else:
             self.follower.start_sync(now)
 
@@ -242,36 +268,31 @@ class RelayServer(ShardServer):
 
     def upstream_not_serving(self, follower: RelayFollower) -> None:
         if follower is self.follower:
-            self.loop.call_soon(self._switch_if, follower, "it says it does not serve")
+            self.server.loop.call_soon(self._switch_if, follower, "it says it does not serve")
 
     def _switch_if(self, follower: RelayFollower, why: str) -> None:
         if follower is self.follower:
             self._switch(why)
 
     def _tick(self) -> None:
-        self._tick_handle = self.loop.call_later(TICK_S, self._tick)
+        loop = self.server.loop
+        self._tick_handle = loop.call_later(TICK_S, self._tick)
         follower = self.follower
         if follower is None:
             return
-        now = self.loop.time()
+        now = loop.time()
         follower.on_tick(now)
         heard = max(follower.last_heard, self._followed_at)
         if now - heard > self.silence_timeout_s:
             self._switch(f"silent for {now - heard:.1f} s")
 
-    # ---------------------------------------------------------------- serving
-    def _arm_ttl(self) -> None:
-        """No TTL timer: the shard publishes its expiries as deletes."""
-
-    def on_ttl_tick(self) -> None:
-        self._ttl_handle = None
-
+    # ---------------------------------------------------------------- its clients' writes
     def on_collect(self, frames: list[bytes]) -> None:
         """A client's KVSET: checked, then forwarded to both servers of the pair."""
         try:
-            chp.decode_kvset(frames, self._limits)
+            chp.decode_kvset(frames, self.server.config.limits)
         except ProtocolError as err:
-            self.drops.drop(err.reason, str(err))
+            self.server.drops.drop(err.reason, str(err))
             return
         for sock in self._forward:
             try:
@@ -279,58 +300,46 @@ class RelayServer(ShardServer):
                 self.relay_counters["forwarded"] += 1
             except zmq.Again:
                 self.relay_counters["forward_dropped"] += 1
-                self.drops.drop("forward_hwm", "upstream collector at the high-water mark")
+                self.server.drops.drop("forward_hwm", "upstream collector at the high-water "
+                                                      "mark")
 
-    # ---------------------------------------------------------------- the Follower's owner
-    def reset_pending(self) -> None:
-        self.pending.drain()
+    # ---------------------------------------------------------------- the copy (its sink)
+    @property
+    def seq(self) -> int:
+        return self.server.store.seq
 
-    def log_applied(self, seq: int, key: bytes, value: bytes, expiry_s: float | None) -> None:
-        """A relay keeps no files."""
-
-    def replicated(self, msg: chp.Kvpub) -> None:
+    def apply(self, msg: chp.Kvpub, expiry_s: float | None) -> None:
         """An update of the shard, applied with its sequence: published to our clients."""
-        size = len(msg.key) + len(msg.props) + len(msg.value)
-        if size > self._fast_limit:
-            self._lower_mark(self.marks.published(size))
-        if self._remember is not None:
-            self._remember(msg.seq, msg.key, msg.uuid, msg.props, msg.value)
-        zio.send_frames5(self._pub, msg.key, chp.pack_seq(msg.seq), msg.uuid, msg.props,
-                         msg.value)
+        server = self.server
+        server.store.apply(msg.key, msg.value, expiry_s)
+        server.publish(msg.seq, msg.key, msg.uuid, msg.props, msg.value)
 
-    def apply_upstream(self, msg: chp.Kvpub) -> None:
-        """A resumed update: applied and published like a live one."""
-        expiry_s = expires_of(msg.props) if msg.value else None
-        self.store.apply(msg.key, msg.value, expiry_s)
-        self.replicated(msg)
-
-    def replace_store(self, store: Store, generation: str = "",
-                      history: tuple[tuple[int, int], ...] = (), uuids: list = ()) -> None:
+    def install(self, store: Store, generation: str = "",
+                history: tuple[tuple[int, int], ...] = (), uuids: list = ()) -> None:
         """A full copy from upstream. The first one makes the relay serve; a later one
         (a resume was not possible, or a gap) replaces the map: our clients see the
         sequence jump and take a snapshot from us (or a reset, for a new generation)."""
-        old_seq = self.store.seq
-        self.store = store
-        self.recent.reset(store.seq)
+        server = self.server
+        old_seq = server.store.seq
+        server.store = store
+        server.recent.reset(store.seq)
         self.relay_counters["full_syncs"] += 1
-        if generation and generation != self.generation:
-            self.generation = generation
-        if not self.active:
-            self.set_active(True)
+        if generation and generation != server.generation:
+            server.generation = generation
+        if not server.active:
+            server.set_active(True)
             self.first_copy.set()
         elif store.seq != old_seq:
             log.info("shard %s: relay map replaced at %d (was %d)", self.shard, store.seq,
                      old_seq)
 
     def stats(self) -> dict:
-        out = super().stats()
-        out.update({
+        return {
             "shard": self.shard,
             "upstream": "%s:%d" % self.upstream[self.following],
             "replica": self.follower.stats() if self.follower is not None else None,
             **self.relay_counters,
-        })
-        return out
+        }
 
 
 # ==================================================================== command line
@@ -393,9 +402,9 @@ def main(port, host, upstream, shard, name, shard_map, shard_index, heartbeat_s,
                           history_updates=history_updates, history_bytes=history_bytes,
                           shard_map=shard_map,
                           shard_index=shard_index or 0)
-    relay = RelayServer(config, upstream=upstream, shard=shard, name=name,
-                        silence_timeout_s=silence_timeout_s or timing.silence_timeout_s(
-                            heartbeat_s))
+    relay = relay_server(config, upstream=upstream, shard=shard, name=name,
+                         silence_timeout_s=silence_timeout_s or timing.silence_timeout_s(
+                             heartbeat_s))
     if keys_dir is not None:
         try:
             relay.security = Security.load(keys_dir, "server")

@@ -1,7 +1,8 @@
 """The passive server's replica: a snapshot from the active, then the active's P+1 stream.
 
-A ``Follower`` belongs to a server (``ReplicaOwner``: in practice ``shards.pair.PairServer``)
-and owns two sockets on its loop:
+A ``Follower`` runs on a server's reactor (its loop, context and security) and writes the
+copy into a ``ReplicaSink``: a passive Binary Star server (``shards.pair.BinaryStar``) or a
+relay (``shards.relay.Relay``). It owns two sockets on the loop:
 
     DEALER -> the active's P     BSTAR-TTL? and ICANHAZ? "" (the whole map)
     SUB    -> the active's P+1   KVPUB, HUGZ (subscribed to everything, connected at start)
@@ -12,9 +13,9 @@ the store being built. Synchronisation (``start_sync``), a state with a deadline
 blocking loop:
 
 1. Every KVPUB heard from now on is buffered (bounded: ``buffer_max``) and its UUID
-   confirmed in the owner's pending table. The pending table was emptied just before:
-   updates heard before the sync began are covered by the snapshot or lost with the old
-   active (see ``PairServer``).
+   confirmed in the pending table, when the follower has one (a passive's). The pending
+   table was emptied just before: updates heard before the sync began are covered by the
+   snapshot or lost with the old active (see ``shards.pair``).
 2. The DEALER sends ``BSTAR-TTL?``. The active streams its absolute expiry times (and
    its map's generation), a point-in-time copy at its current sequence T, in chunks (``shards.common.proto.bstar_ttl``: a
    KVSYNC carries no properties, so a snapshot alone would turn every TTL key into a
@@ -23,11 +24,13 @@ blocking loop:
 3. Each KVSYNC goes into a fresh ``Store`` with the expiry from the table. At KTHXBAI the
    keys rewritten between T and S take their expiry from the buffered KVPUBs T+1..S (the
    buffer must hold all of them, else the sync starts over), the store's sequence is set
-   to S, the buffered KVPUBs after S are applied, and the new store replaces the owner's,
-   which takes over the active's generation (clients see one generation per map).
-4. Live: a KVPUB with sequence ``store.seq + 1`` is applied with the active's sequence
-   and its ``expires`` property (absolute wall-clock seconds); an older one is a duplicate
-   (ignored); a newer one means updates were lost (a gap): the sync starts over.
+   to S, the new store is installed (``ReplicaSink.install``: the sink takes over the
+   active's generation, so clients see one generation per map), and the buffered
+   KVPUBs after S are applied.
+4. Live: a KVPUB with sequence ``sink.seq + 1`` is applied with the active's sequence
+   and its ``expires`` property (absolute wall-clock seconds: ``ReplicaSink.apply``); an
+   older one is a duplicate (ignored); a newer one means updates were lost (a gap): the
+   sync starts over.
 
 No reply for ``sync_timeout_s`` (each reply restarts it) or a malformed reply also starts
 the sync over on a fresh DEALER. ``drain()`` reads whatever the SUB still holds, so a
@@ -37,24 +40,23 @@ The BSTAR-TTL frames are in ``shards.common.proto.bstar_ttl``.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import zmq
 
 from shards.common import zio
-from shards.common.drops import DropCounter
 from shards.common.errors import ProtocolError
 from shards import replica_machine as rm
 from shards.byte_marks import INITIAL_MARK, MESSAGE_OVERHEAD, derive
 from shards.common.proto import bstar_ttl, chp
 from shards.common.proto.bstar import FOLLOW, UPDATES
 from shards.pending import PendingTable
-from shards.common.security import Security
-from shards.server import ServerConfig
 from shards.store import Store
+
+if TYPE_CHECKING:
+    from shards.server import ShardServer
 
 log = logging.getLogger("shards.replica")
 
@@ -77,51 +79,47 @@ def expires_of(props: bytes) -> float | None:
     return found
 
 
-class ReplicaOwner(Protocol):
-    """What a ``Follower`` uses of the server it belongs to (``shards.pair.PairServer``)."""
+class ReplicaSink(Protocol):
+    """Where a follower's copy of the active's map goes."""
 
-    ctx: zmq.Context
-    loop: asyncio.AbstractEventLoop
-    config: ServerConfig
-    shard: str
-    store: Store
-    drops: DropCounter
-    pending: PendingTable
+    @property
+    def seq(self) -> int:
+        """The sequence the copy has reached (its store's)."""
 
-    def reset_pending(self) -> None: ...
+    def apply(self, msg: chp.Kvpub, expiry_s: float | None) -> None:
+        """One update of the active's stream, with its sequence: applied to the store
+        (and logged, kept for resumes, published by a relay)."""
 
-    persist: object | None
-    security: Security
-
-    def replace_store(self, store: Store, generation: str = "",
-                      history: tuple[tuple[int, int], ...] = (),
-                      uuids: list = ()) -> None: ...
-
-    def log_applied(self, seq: int, key: bytes, value: bytes,
-                    expiry_s: float | None, uuid: bytes = b"") -> None: ...
-
-    def link_options(self, sock: zmq.Socket) -> None:
-        """Options for every socket the follower makes (ZMTP heartbeats across hosts)."""
-
-    def confirm_replica(self, link_id: bytes, seq: int) -> None:
-        """Tell the active that the replica holds everything up to ``seq`` (``HAVE``)."""
-
-    def replicated(self, msg: chp.Kvpub) -> None:
-        """An update of the active's stream was applied (history, a relay's publisher)."""
+    def install(self, store: Store, generation: str, history: tuple[tuple[int, int], ...],
+                uuids: list) -> None:
+        """A whole copy: ``store`` at its sequence, the active's map ``generation`` (kept
+        when it sent none), term ``history`` and applied ``uuids``."""
 
 
 class Follower:
-    """Keeps ``owner.store`` a replica of the active peer's map: the I/O shell around
+    """Keeps a ``ReplicaSink`` a replica of the active peer's map: the I/O shell around
     ``shards.replica_machine`` (see the module doc)."""
 
-    def __init__(self, owner: ReplicaOwner, peer_host: str, peer_port: int, *,
-                 sync_timeout_s: float, buffer_max: int = BUFFER_MAX):
-        self.owner = owner
+    def __init__(self, sink: ReplicaSink, reactor: "ShardServer", peer_host: str,
+                 peer_port: int, *, shard: str, sync_timeout_s: float,
+                 buffer_max: int = BUFFER_MAX, pending: PendingTable | None = None,
+                 confirm: Callable[[bytes], None] | None = None):
+        self.sink = sink
+        self.reactor = reactor
+        """The server whose loop, context and security the follower's sockets use."""
+        self.shard = shard
+        self.pending = pending
+        """A passive's table of writes heard from clients (``shards.pending``): the
+        active's KVPUB confirms each; emptied when a sync starts."""
+        self.confirm = confirm
+        """Synchronous replication (a leased pair): ``confirm(link_id)`` writes what the
+        link brought and says how far the replica goes (``BSTAR-HAVE``); None: no link."""
         self.snapshot_endpoint = f"tcp://{peer_host}:{peer_port}"
         self.updates_endpoint = f"tcp://{peer_host}:{peer_port + 1}"
         self.sync_timeout_s = sync_timeout_s
         self.buffer_max = buffer_max
-        self.held_bytes = owner.config.writer_held_bytes
+        config = reactor.config
+        self.held_bytes = config.writer_held_bytes
         """Byte budget of the active's stream here: the SUB's queue (its mark in messages
         derived from it and the largest update heard, as ``shards.byte_marks`` does for
         the collector) and, separately, the updates buffered during a sync. Counted in
@@ -130,7 +128,7 @@ class Follower:
         self._largest = INITIAL_MARK
         self._buffer_bytes = 0
         self.state = rm.State(rm.Config(sync_timeout_s=sync_timeout_s,
-                                        retry_s=owner.config.heartbeat_s))
+                                        retry_s=config.heartbeat_s))
         self._sub: zio.AsyncSocket | None = None
         self._dealer: zio.AsyncSocket | None = None
         self._buffer: list[chp.Kvpub] = []
@@ -147,7 +145,7 @@ class Follower:
         self.counters = dict.fromkeys(
             ("syncs_started", "syncs_done", "sync_timeouts", "sync_retries", "gaps",
              "duplicates", "applied", "hugz", "hugz_not_serving", "ignored_while_idle",
-             "kvsync", "ttl_chunks"),
+             "kvsync", "ttl_chunks", "pending_discarded"),
             0)
         self.last_heard = 0.0
         self._taking_over = False
@@ -165,15 +163,11 @@ class Follower:
     # ------------------------------------------------------------------ sockets
     def open(self) -> None:
         """Connect the SUB to the active's P+1 (once, at start)."""
-        sock = self.owner.ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        self.owner.link_options(sock)
-        sock.setsockopt(zmq.RCVHWM, self._mark())
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.owner.security.connect_side(sock)
-        sock.connect(self.updates_endpoint)
-        self._sub = zio.AsyncSocket(sock, self.on_update, batch=self.owner.config.collect_batch,
-                                    loop=self.owner.loop, name="peer updates")
+        sock = self.reactor.connect(zmq.SUB, self.updates_endpoint,
+                                    ((zmq.RCVHWM, self._mark()), (zmq.SUBSCRIBE, b"")))
+        self._sub = zio.AsyncSocket(sock, self.on_update,
+                                    batch=self.reactor.config.collect_batch,
+                                    loop=self.reactor.loop, name="peer updates")
 
     def close(self) -> None:
         self._close_dealer()
@@ -195,21 +189,16 @@ class Follower:
     def _open_link(self) -> None:
         """The replica is complete: ask the active for every batch before it publishes."""
         self._close_link()
-        sock = self.owner.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
         # the active addresses the link by this name, the one its confirmations carry
         self.link_id = b"L" + os.urandom(15)
-        sock.setsockopt(zmq.ROUTING_ID, self.link_id)
-        self.owner.link_options(sock)
-        self.owner.security.connect_side(sock)
-        sock.connect(self.snapshot_endpoint)
-        self._link = zio.AsyncSocket(sock, self.on_link, batch=256, loop=self.owner.loop,
+        sock = self.reactor.connect(zmq.DEALER, self.snapshot_endpoint,
+                                    ((zmq.ROUTING_ID, self.link_id),))
+        self._link = zio.AsyncSocket(sock, self.on_link, batch=256, loop=self.reactor.loop,
                                      name="peer link", after_batch=self._confirm)
         self._unconfirmed = False
         self.link_counters["links"] += 1
-        seq = self.owner.store.seq
-        self._link.send([FOLLOW, seq.to_bytes(8, "big")])
-        self.owner.confirm_replica(self.link_id, seq)
+        self._link.send([FOLLOW, self.sink.seq.to_bytes(8, "big")])
+        self.confirm(self.link_id)
 
     def on_link(self, frames: list[bytes]) -> None:
         """An update from the active (``UPDATES`` and its five KVPUB frames), sent before
@@ -217,7 +206,7 @@ class Follower:
         burst (``_confirm``)."""
         if len(frames) != 6 or frames[0] != UPDATES:
             self.link_counters["malformed"] += 1
-            self.owner.drops.drop("peer_link_malformed", f"{len(frames)} frames on the link")
+            self.reactor.drops.drop("peer_link_malformed", f"{len(frames)} frames on the link")
             return
         self.link_counters["updates"] += 1
         link = self._link
@@ -232,8 +221,7 @@ class Follower:
         if not self._unconfirmed or self._link is None:
             return
         self._unconfirmed = False
-        seq = self.owner.replica_confirmation()
-        self.owner.confirm_replica(self.link_id, seq)
+        self.confirm(self.link_id)
         self.link_counters["confirmed"] += 1
 
     # ------------------------------------------------------------------ machine
@@ -253,19 +241,19 @@ class Follower:
                     self.counters["sync_retries"] += 1
                     if timeout:
                         self.counters["sync_timeouts"] += 1
-                    log.warning("shard %s: replica sync restarts: %s (%s)", self.owner.shard,
+                    log.warning("shard %s: replica sync restarts: %s (%s)", self.shard,
                                 reason, self.snapshot_endpoint)
                     self._drop_sync()
                 case rm.StopFollowing(incomplete=incomplete):
                     if incomplete:
                         log.warning("shard %s: taking over before the replica was complete "
-                                    "(%s)", self.owner.shard, self.snapshot_endpoint)
+                                    "(%s)", self.shard, self.snapshot_endpoint)
                     self._drop_sync()
                 case _:
                     raise TypeError(f"not a replica effect: {effect!r}")
 
     def _mark(self) -> int:
-        return derive(self.held_bytes, self.owner.config.collect_rcvhwm, self._largest)
+        return derive(self.held_bytes, self.reactor.config.collect_rcvhwm, self._largest)
 
     def _drop_sync(self) -> None:
         self._close_dealer()
@@ -285,16 +273,13 @@ class Follower:
         self._generation = ""
         self._history = ()
         self._uuids = []
-        self.owner.reset_pending()
-        sock = self.owner.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        self.owner.link_options(sock)
-        self.owner.security.connect_side(sock)
-        sock.connect(self.snapshot_endpoint)
+        if self.pending is not None:  # heard before: in the snapshot, or never taken
+            self.counters["pending_discarded"] += len(self.pending.drain())
+        sock = self.reactor.connect(zmq.DEALER, self.snapshot_endpoint)
         self._dealer = zio.AsyncSocket(sock, self.on_snapshot_reply, batch=1024,
-                                       loop=self.owner.loop, name="peer snapshot")
+                                       loop=self.reactor.loop, name="peer snapshot")
         self._dealer.send(bstar_ttl.request())
-        log.info("shard %s: synchronising from the active at %s", self.owner.shard,
+        log.info("shard %s: synchronising from the active at %s", self.shard,
                  self.snapshot_endpoint)
 
     # ------------------------------------------------------------------ control
@@ -304,10 +289,10 @@ class Follower:
 
     def stop(self) -> None:
         """Stop following (this server is becoming active)."""
-        self._dispatch(rm.Stop(), self.owner.loop.time())
+        self._dispatch(rm.Stop(), self.reactor.loop.time())
 
     def on_tick(self, now: float) -> None:
-        """Called by the owner's timer: deadlines and delayed retries."""
+        """Called by the role's timer: deadlines and delayed retries."""
         if self.state.phase == rm.SYNCING:
             self._dispatch(rm.Tick(self._last_reply), now)
 
@@ -332,17 +317,17 @@ class Follower:
     # ------------------------------------------------------------------ stream
     def on_update(self, frames: list[bytes]) -> None:
         """A KVPUB or HUGZ from the active's P+1."""
-        owner = self.owner
+        reactor = self.reactor
         state = self.state
         if state.phase == rm.IDLE:
             self.counters["ignored_while_idle"] += 1
             return
         try:
-            msg = chp.decode_update(frames, owner.config.limits)
+            msg = chp.decode_update(frames, reactor.config.limits)
         except ProtocolError as err:
-            owner.drops.drop("peer_" + err.reason, f"from {self.updates_endpoint}: {err}")
+            reactor.drops.drop("peer_" + err.reason, f"from {self.updates_endpoint}: {err}")
             return
-        now = owner.loop.time()
+        now = reactor.loop.time()
         if not isinstance(msg, chp.Kvpub):
             self.counters["hugz"] += 1
             info = chp.hugz_info(msg) if msg.props else None
@@ -354,15 +339,15 @@ class Follower:
                 return
             self.last_heard = now
             if (info is not None and state.phase == rm.LIVE and not self._taking_over
-                    and info.seq > owner.store.seq):
+                    and info.seq > self.sink.seq):
                 # the active has published past this replica: updates were lost on the
                 # way (a connection dropped and made again): copy the map again rather
                 # than stay behind until the next update shows the gap
                 self.counters["gaps"] += 1
                 log.warning("shard %s: the active's HUGZ says sequence %d, this replica has "
-                            "%d: synchronising again", owner.shard, info.seq,
-                            owner.store.seq)
-                self._dispatch(rm.Gap(owner.store.seq, info.seq), now)
+                            "%d: synchronising again", self.shard, info.seq,
+                            self.sink.seq)
+                self._dispatch(rm.Gap(self.sink.seq, info.seq), now)
             return
         self.last_heard = now
         size = len(msg.key) + len(msg.value) + len(msg.props)
@@ -370,7 +355,8 @@ class Follower:
             self._largest = size
             if self._sub is not None:
                 self._sub.sock.setsockopt(zmq.RCVHWM, self._mark())
-        owner.pending.confirm(msg.uuid, now)
+        if self.pending is not None:
+            self.pending.confirm(msg.uuid, now)
         if rm.buffering(state):
             self._buffer_bytes += size + MESSAGE_OVERHEAD
             if (len(self._buffer) >= self.buffer_max
@@ -383,23 +369,18 @@ class Follower:
 
     def _apply(self, msg: chp.Kvpub, now: float) -> bool:
         """The live rule (``replica_machine.check_seq``); False after a gap."""
-        store = self.owner.store
-        verdict = rm.check_seq(store.seq, msg.seq)
+        seq = self.sink.seq
+        verdict = rm.check_seq(seq, msg.seq)
         if verdict == rm.DUPLICATE:
             self.counters["duplicates"] += 1
             return True
         if verdict == rm.GAP:
             self.counters["gaps"] += 1
             log.warning("shard %s: gap in the active's stream: have %d, got %d",
-                        self.owner.shard, store.seq, msg.seq)
-            self._dispatch(rm.Gap(store.seq, msg.seq, self._taking_over), now)
+                        self.shard, seq, msg.seq)
+            self._dispatch(rm.Gap(seq, msg.seq, self._taking_over), now)
             return False
-        expiry_s = expires_of(msg.props) if msg.value else None
-        store.apply(msg.key, msg.value, expiry_s)
-        if self.owner.persist is not None:  # the active's stream, with its sequences
-            self.owner.log_applied(msg.seq, msg.key, msg.value, expiry_s,
-                                   msg.uuid if chp.is_resendable(msg.uuid) else b"")
-        self.owner.replicated(msg)
+        self.sink.apply(msg, expires_of(msg.props) if msg.value else None)
         self.counters["applied"] += 1
         return True
 
@@ -408,8 +389,8 @@ class Follower:
         state = self.state
         if state.phase != rm.SYNCING or state.step == rm.RETRY:
             return
-        owner = self.owner
-        now = self._last_reply = owner.loop.time()
+        reactor = self.reactor
+        now = self._last_reply = reactor.loop.time()
         try:
             if frames and frames[0] == bstar_ttl.REPLY:
                 chunk = bstar_ttl.decode_chunk(frames)
@@ -421,9 +402,9 @@ class Follower:
                     self._uuids += chunk.uuids
                     self.counters["ttl_chunks"] += 1
                 return
-            reply = chp.decode_snapshot(frames, owner.config.limits)
+            reply = chp.decode_snapshot(frames, reactor.config.limits)
         except ProtocolError as err:
-            owner.drops.drop("peer_" + err.reason, f"from {self.snapshot_endpoint}: {err}")
+            reactor.drops.drop("peer_" + err.reason, f"from {self.snapshot_endpoint}: {err}")
             self._dispatch(rm.Malformed(err.reason), now)
             return
         if isinstance(reply, chp.Kvsync):
@@ -457,14 +438,14 @@ class Follower:
         self._building = None
         self._close_dealer()
         self._uuids = []
-        self.owner.replace_store(store, self._generation, self._history, uuids)
+        self.sink.install(store, self._generation, self._history, uuids)
         self.counters["syncs_done"] += 1
         log.info("shard %s: replica synchronised: %d keys at sequence %d (%d TTL keys)",
-                 self.owner.shard, len(store), snap_seq, store.ttl_keys)
+                 self.shard, len(store), snap_seq, store.ttl_keys)
         for m in later:
             if not self._apply(m, self._now):
                 return
-        if getattr(self.owner, "sync", False):
+        if self.confirm is not None:
             self._open_link()
 
     def stats(self) -> dict:

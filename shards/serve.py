@@ -22,7 +22,7 @@ from shards.common.errors import ConfigError, Exit, PortInUse
 from shards.common.memory import freeze_startup_objects
 from shards.common.proto.bstar import PEER_DOWN
 from shards.common.routing import ShardMap
-from shards.pair import PairServer, parse_peer
+from shards.pair import BinaryStar, parse_peer
 from shards.server import ShardServer
 
 log = logging.getLogger("shards")
@@ -88,8 +88,8 @@ def routing_arg(ctx, param, value: str | None) -> ShardMap | None:
 def control_stats(server: ShardServer, shard: str) -> dict:
     """What the control service answers: the server's stats plus who it is."""
     stats = server.stats()
-    if not isinstance(server, PairServer):
-        stats.update(shard=shard, role=server.role, bstar_state=None, peer=None,
+    if not isinstance(server.role, BinaryStar):
+        stats.update(shard=shard, role=server.role.name, bstar_state=None, peer=None,
                      pid=os.getpid())
     return stats
 
@@ -118,11 +118,11 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
     if control:
         from shards.common.mdp.worker import MdpWorker
 
-        service = f"shard.{shard}.{server.role}"
+        service = f"shard.{shard}.{server.role.name}"
         def answer(request) -> str:
             """Stats; a body ``peer-down`` first says the peer cannot serve by itself."""
-            if request.body[:1] == [PEER_DOWN] and isinstance(server, PairServer):
-                server.peer_reported_down("the supervisor says so")
+            if request.body[:1] == [PEER_DOWN] and isinstance(server.role, BinaryStar):
+                server.role.peer_reported_down("the supervisor says so")
             return json.dumps(control_stats(server, shard))
 
         worker = MdpWorker(control, service, answer, ctx=server.ctx,
@@ -140,27 +140,27 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
             parent_handle = loop.call_later(PARENT_POLL_S, check_parent)
         check_parent()
     cfg = server.config
-    first_copy = getattr(server, "first_copy", None)
+    first_copy = getattr(server.role, "first_copy", None)
     if first_copy is not None:  # a relay is ready once it holds the shard's map
         copied = asyncio.ensure_future(first_copy.wait())
         await asyncio.wait([copied, asyncio.ensure_future(stop.wait())],
                            return_when=asyncio.FIRST_COMPLETED)
     frozen = freeze_startup_objects()  # out of the hot path's collections
     log.debug("%d start-up objects frozen out of the garbage collector's walks", frozen)
-    print(f"READY shard host={cfg.host} port={cfg.port} pid={os.getpid()} role={server.role}",
+    print(f"READY shard host={cfg.host} port={cfg.port} pid={os.getpid()} role={server.role.name}",
           flush=True)
     waits = [asyncio.ensure_future(stop.wait()),
              asyncio.ensure_future(server.disk_failed.wait())]
-    if isinstance(server, PairServer):
-        waits.append(asyncio.ensure_future(server.done.wait()))
+    if isinstance(server.role, BinaryStar):
+        waits.append(asyncio.ensure_future(server.role.done.wait()))
     code = 0
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         if server.disk_error:
-            code = disk_exit(shard, server.role, cfg.port, server.disk_error)
-        elif isinstance(server, PairServer) and server.fatal:
-            click.echo(f"shards: fatal Binary Star error on shard {shard} ({server.role}, port "
-                       f"{cfg.port}): {server.fatal}", err=True)
+            code = disk_exit(shard, server.role.name, cfg.port, server.disk_error)
+        elif isinstance(server.role, BinaryStar) and server.role.fatal:
+            click.echo(f"shards: fatal Binary Star error on shard {shard} ({server.role.name}, "
+                       f"port {cfg.port}): {server.role.fatal}", err=True)
             code = FATAL_EXIT
     finally:
         for fut in waits:

@@ -58,8 +58,6 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-from itertools import repeat
 
 import psutil
 import zmq
@@ -67,47 +65,28 @@ from zmq.backend import Socket as _BackendSocket
 
 from shards import streams
 from shards.applied import APPLY, DUPLICATE, AppliedUuids, decide
-from shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES, History
+from shards.history import History
 from shards.history import WIDTH as KVPUB_FRAMES
 from shards.resume import ResumeStream
-from shards.byte_marks import (INITIAL_MARK, SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES,
-                               ByteMarks, derive)
+from shards.byte_marks import INITIAL_MARK, ByteMarks, derive
 from shards.common import zio
 from shards.common.drops import DropCounter
 from shards.common.memory import give_back
 from shards.common.errors import PortInUse, ProtocolError, os_error_text
 from shards.common.proto import chp
-from shards.common.routing import OwnerCache, ShardMap
+from shards.common.routing import OwnerCache
 from shards.common.security import Authenticator, Security
 from shards.store import Store, ttl_props
-from shards.common.timing import HEARTBEAT_S
+from shards.server_config import (ServerConfig, collector_frame_limit, new_generation,
+                                  request_frame_limit)
+from shards.snapshots import SnapshotStream, largest_entry
+from shards.persist.driver import PERSIST_TICK_S, Persistence
+from shards.roles import Role, Standalone
 
 log = logging.getLogger("shards.server")
 
-CLOCK_S = 0.5
-"""A HUGZ carrying the server clock (ts, seq) at least this often, busy or idle."""
-SNAPSHOT_CHUNK = 256
-"""KVSYNCs sent to one requester per loop turn (between two collector batches)."""
-SNAPSHOT_STALL_S = 30.0
-"""A requester that accepts nothing for this long is abandoned."""
-MAX_ACTIVE_SNAPSHOTS = 16
-"""Cursors streamed at once (each holds a copy of the key list); more requests wait."""
-MAX_WAITING_SNAPSHOTS = 1024
-COLLECT_BATCH = 512
 SUBSCRIPTION_CHECK_S = 0.05
 """How often the publisher is checked for new subscriptions besides its FD's edges."""
-PERSIST_TICK_S = 0.25
-"""How often a persisting server checks its everysec fsync and whether to compact."""
-COMPACT_PACE_S = 0.001
-"""Pause between two chunks of a compaction: the snapshot takes at most about a quarter
-of the reactor's time (256 keys, ~0.3 ms, per 1.3 ms), so a compaction under full load
-costs clients little latency (``python -m bench durability``)."""
-PUB_SNDHWM = 100_000
-COLLECT_RCVHWM = 100_000
-SNAPSHOT_SNDHWM = 10_000
-SNAPSHOT_HELD_BYTES = 64 << 20
-"""Default of ``ServerConfig.snapshot_held_bytes``: 2 MiB per requester at 16 + 16
-streams."""
 
 _send = _BackendSocket.send
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -116,186 +95,15 @@ _pack_seq = chp.pack_seq
 _RESERVED = chp.RESERVED_KEYS
 
 
-def _entry_size(item: tuple) -> int:
-    return len(item[0]) + len(item[1])
-
-
-def largest_entry(store: Store) -> int:
-    """The largest key + value in ``store`` (one pass: ~5 ms per 100,000 keys)."""
-    data = store.data
-    if not data:
-        return 0
-    return max(map(len, data)) + max(map(len, data.values()))
-
-
-def request_frame_limit(limits: chp.Limits) -> int:
-    """``ZMQ_MAXMSGSIZE`` of the sockets whose peers only ask (the snapshot ROUTER's
-    ICANHAZ and BSTAR-TTL?, the publisher's subscriptions): the largest subtree or
-    properties frame the limits allow, plus 1 KiB. A larger frame disconnects its peer
-    before libzmq buffers it (four 64 MiB subscription frames once took a server to
-    3 GiB)."""
-    return max(limits.max_subtree, limits.max_props) + 1024
-
-
-def collector_frame_limit(limits: chp.Limits) -> int:
-    """The collector's ``ZMQ_MAXMSGSIZE`` (libzmq checks it per frame): twice the largest
-    frame the limits allow, plus 64 KiB."""
-    return 2 * max(limits.max_key, limits.max_value, limits.max_props) + (64 << 10)
-
-
-def new_generation() -> str:
-    """A fresh generation token: 16 hex digits, random (a restart draws a new one)."""
-    return os.urandom(8).hex()
-
-
-DEDUP_BYTES = 16 << 20
-DEDUP_S = 120.0
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    port: int
-    host: str = "127.0.0.1"
-    heartbeat_s: float = HEARTBEAT_S
-    clock_s: float = CLOCK_S
-    """Interval of the clock HUGZ (sent even when busy); 0 disables it."""
-    limits: chp.Limits = field(default_factory=chp.Limits)
-    snapshot_chunk: int = SNAPSHOT_CHUNK
-    snapshot_stall_s: float = SNAPSHOT_STALL_S
-    snapshot_yield_s: float = streams.YIELD_S
-    """A requester that accepted nothing this long while others wait yields its slot."""
-    max_active_snapshots: int = MAX_ACTIVE_SNAPSHOTS
-    max_waiting_snapshots: int = MAX_WAITING_SNAPSHOTS
-    collect_batch: int = COLLECT_BATCH
-    pub_sndhwm: int = PUB_SNDHWM
-    subscriber_held_bytes: int = SUBSCRIBER_HELD_BYTES
-    """Bytes one never-reading subscriber may pin: the publisher's mark in messages is
-    derived from it and the largest message so far (``shards.byte_marks``); 0: off."""
-    writer_held_bytes: int = WRITER_HELD_BYTES
-    """The same for what one writer's queued KVSETs may pin in the collector."""
-    history_updates: int = HISTORY_UPDATES
-    """Recent updates kept for resumes (``shards.history``); 0: none."""
-    history_bytes: int = HISTORY_BYTES
-    collect_rcvhwm: int = COLLECT_RCVHWM
-    snapshot_sndhwm: int = SNAPSHOT_SNDHWM
-    snapshot_held_bytes: int = SNAPSHOT_HELD_BYTES
-    """Bytes all snapshot streams together may queue in libzmq; each of the streams that
-    may be open at once (``max_active_snapshots`` + ``streams.MAX_STALLED``) gets an
-    equal share: its ROUTER pipe's mark in messages is derived from it and the largest
-    entry streamed so far; 0: off."""
-    shard_map: ShardMap | None = None
-    """The cluster's routing; None: this server owns every key (standalone use)."""
-    shard_index: int = 0
-    dedup_bytes: int = DEDUP_BYTES
-    """The table of applied UUIDs (``shards.applied``): its size in bytes ..."""
-    dedup_s: float = DEDUP_S
-    """... and its age: a resend is recognised for at least half of each."""
-
-    def __post_init__(self) -> None:
-        if self.shard_map is not None and not 0 <= self.shard_index < self.shard_map.shards:
-            raise ValueError(f"shard index {self.shard_index} is not in "
-                             f"0..{self.shard_map.shards - 1}")
-
-    def endpoint(self, offset: int) -> str:
-        return f"tcp://{self.host}:{self.port + offset}"
-
-
-class SnapshotStream:
-    """One snapshot being streamed to one ROUTER peer (a ``shards.streams`` stream):
-    KVSYNCs from a point-in-time cursor, ``chunk`` per turn, then KTHXBAI."""
-
-    __slots__ = ("identity", "subtree", "cursor", "seq_frame", "pending", "pos", "chunk",
-                 "sent", "server", "kthxbai_props", "meta")
-
-    def __init__(self, server: "ShardServer", identity: bytes, subtree: bytes,
-                 kthxbai_props: bytes = b"", meta: bool = False):
-        self.kthxbai_props = kthxbai_props
-        """Empty (12/CHP); ``resume=0`` when a resume was asked and not possible."""
-        self.server = server
-        self.identity = identity
-        self.subtree = subtree
-        self.meta = meta
-        """The requester asked ``meta=1``: a TTL key's KVSYNC says ``expires=``."""
-        self.cursor = server.store.open_snapshot(subtree, with_expiry=meta)
-        self.seq_frame = _pack_seq(self.cursor.seq)
-        self.pending: list[tuple[bytes, bytes]] = []
-        self.pos = 0
-        self.chunk = server.config.snapshot_chunk
-        self.sent = 0
-
-    def close(self) -> None:
-        self.cursor.close()
-
-    def send_some(self, sock: zmq.Socket) -> str:
-        """Up to ``chunk`` KVSYNCs (then KTHXBAI); EHOSTUNREACH goes to the pump."""
-        identity, seq_frame, cursor = self.identity, self.seq_frame, self.cursor
-        meta = self.meta
-        budget = self.chunk
-        pending, pos = self.pending, self.pos
-        sent = fetched = 0
-        outcome = streams.BLOCKED
-        send, more, last, empty = _send, _MORE, _NOBLOCK, b""
-        i = pos
-        try:
-            while sent < budget:
-                if pos >= len(pending):
-                    if cursor.done:
-                        _send(sock, identity, _MORE)
-                        zio.send_frames5(sock, chp.KTHXBAI, seq_frame, b"",
-                                         self.kthxbai_props, self.subtree)
-                        outcome = streams.DONE
-                        break
-                    if fetched >= 8:  # a sparse subtree: examined enough keys this turn
-                        outcome = streams.PROGRESS
-                        break
-                    keys, values, mods, expiries = cursor.next_columns(budget * 4, meta)
-                    props = repeat(b"") if expiries is None else [
-                        b"" if e is None else b"expires=%.3f\n" % e for e in expiries]
-                    pending = list(zip(keys, values, map(_pack_seq, mods), props))
-                    if pending:  # before any of them is queued: the byte bound holds
-                        self.server.snapshot_entries(max(map(_entry_size, pending)))
-                        if not self.sent:  # this peer's pipe may have the bind-time mark
-                            self.server.reapply_marks("router")
-                    pos = i = 0
-                    fetched += 1
-                    continue
-                stop = min(len(pending), pos + budget - sent)
-                while i < stop:  # the hot loop: one KVSYNC per turn, nothing else
-                    key, value, seq, props = pending[i]  # seq: the key's own
-                    send(sock, identity, more)  # Again / EHOSTUNREACH come only from here
-                    send(sock, key, more)
-                    send(sock, seq, more)
-                    send(sock, empty, more)
-                    send(sock, props, more)
-                    send(sock, value, last)
-                    i += 1
-                sent += i - pos
-                pos = i
-        except zmq.Again:
-            sent += i - pos
-            pos = i
-        finally:
-            self.pending, self.pos = pending, pos
-            self.sent += sent
-            self.server.kvsync_sent += sent
-        if outcome == streams.DONE:
-            log.debug("snapshot of %d keys under %r at seq %d sent to %r", self.sent,
-                      self.subtree, cursor.seq, identity)
-            return outcome
-        return streams.PROGRESS if (sent or fetched) else outcome
-
-
 class ShardServer:
     """One CHP server. ``bind()`` (sync, may raise ``PortInUse``), then ``start()`` inside
     a running loop, then ``close()``."""
 
-    DECIDES_WRITES = True
-    """Says ``cas=1`` in its clock HUGZ: decides conditional writes and answers
-    ``reply=`` (``--clock-s 0`` keeps every HUGZ plain 12/CHP, and so says nothing)."""
-
-    def __init__(self, config: ServerConfig, *, role: str = "standalone"):
+    def __init__(self, config: ServerConfig, role: Role | None = None):
         self.config = config
-        self.role = role
+        self.role: Role = role if role is not None else Standalone()
+        """What this server is for (``shards.roles``): standalone, a server of a Binary
+        Star pair (``shards.pair.BinaryStar``) or a relay (``shards.relay.Relay``)."""
         self.store = Store()
         self.generation = new_generation()
         """The map's generation token, announced in every clock HUGZ (``gen=``): a map
@@ -304,8 +112,9 @@ class ShardServer:
         self.security = Security.off()
         """CURVE keys (``--keys-dir``): set before ``bind``."""
         self._auth: Authenticator | None = None
-        self.persist = None
-        """A ``shards.persist.DataDir`` when the server persists (``--data-dir``)."""
+        self.persist: Persistence | None = None
+        """The data directory on this server's loop when it persists (``--data-dir``;
+        ``shards.persist.driver``)."""
         self.disk_error = ""
         """Why the log could not be written (``on_disk_error``); "" while it can."""
         self.disk_failed = asyncio.Event()
@@ -386,6 +195,8 @@ class ShardServer:
         self.hugz_sent = 0
         self.hugz_welcome = 0
         self._process = psutil.Process()
+        self._gated = self.role.gates_publish
+        self.role.attach(self)
 
     # ================================================================ set-up
     def bind(self) -> None:
@@ -396,27 +207,27 @@ class ShardServer:
         self._auth = Authenticator(self.ctx, self.security)
         self.snapshot_entries(largest_entry(self.store))  # a recovered map's
         try:
-            router = self._socket(zmq.ROUTER)
+            router = self.socket(zmq.ROUTER)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.SNDHWM, self.snapshot_hwm)
             router.setsockopt(zmq.MAXMSGSIZE, request_frame_limit(cfg.limits))
-            self._bind(router, cfg.endpoint(0))
+            self.bind_socket(router, cfg.endpoint(0))
             self._router_sock = router
-            pub = self._socket(zmq.XPUB)
+            pub = self.socket(zmq.XPUB)
             pub.setsockopt(zmq.SNDHWM, self.marks.pub_hwm)
             pub.setsockopt(zmq.XPUB_VERBOSE, 1)
             pub.setsockopt(zmq.MAXMSGSIZE, request_frame_limit(cfg.limits))
-            self._bind(pub, cfg.endpoint(1))
+            self.bind_socket(pub, cfg.endpoint(1))
             self._pub = pub
             self._publish_many = zio.publisher_many(pub, KVPUB_FRAMES)
             """``publish_many([...])``: a batch's KVPUBs in one call."""
-            collector = self._socket(zmq.SUB)
+            collector = self.socket(zmq.SUB)
             collector.setsockopt(zmq.RCVHWM, self.marks.collect_hwm)
             # a frame far beyond every limit disconnects its peer before it is buffered;
             # one moderately over a limit is read and dropped, counted (oversize_*)
             collector.setsockopt(zmq.MAXMSGSIZE, collector_frame_limit(cfg.limits))
             collector.setsockopt(zmq.SUBSCRIBE, b"")
-            self._bind(collector, cfg.endpoint(2))
+            self.bind_socket(collector, cfg.endpoint(2))
             self._collector_sock = collector
             self._bind_marks = {"router": self.snapshot_hwm, "pub": self.marks.pub_hwm}
         except BaseException:
@@ -424,18 +235,32 @@ class ShardServer:
             self.ctx.destroy(linger=0)
             self.ctx = None
             raise
+        try:
+            self.role.bind()
+        except BaseException:
+            self.close()
+            raise
 
-    def _socket(self, kind: int) -> zmq.Socket:
+    def socket(self, kind: int) -> zmq.Socket:
+        """A socket of this server's context: linger 0, and the role's link options
+        (a pair across hosts adds ZMTP heartbeats)."""
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        self.link_options(sock)
+        self.role.link_options(sock)
         return sock
 
-    def link_options(self, sock: zmq.Socket) -> None:
-        """Options of every socket this server makes (a pair across hosts adds ZMTP
-        heartbeats: ``shards.pair``)."""
+    def connect(self, kind: int, endpoint: str, options: tuple = ()) -> zmq.Socket:
+        """A socket (``socket``) with ``options`` (``(option, value)`` pairs, set before
+        the connection makes its pipe) and the client side of this server's security,
+        connected to ``endpoint``."""
+        sock = self.socket(kind)
+        for option, value in options:
+            sock.setsockopt(option, value)
+        self.security.connect_side(sock)
+        sock.connect(endpoint)
+        return sock
 
-    def _bind(self, sock: zmq.Socket, endpoint: str) -> None:
+    def bind_socket(self, sock: zmq.Socket, endpoint: str) -> None:
         self.security.bind_side(sock)
         try:
             sock.bind(endpoint)
@@ -449,7 +274,7 @@ class ShardServer:
         self.loop = loop = asyncio.get_running_loop()
         self.started_s = time.monotonic()
         self.recent.reset(self.store.seq)  # a recovered map: resumes start from here
-        self._router = zio.AsyncSocket(self._router_sock, self.on_snapshot_request,
+        self._router = zio.AsyncSocket(self._router_sock, self.role.on_snapshot_request,
                                        batch=256, loop=loop, name="snapshot")
         cfg = self.config
         self.snapshots = streams.StreamPump(
@@ -457,7 +282,7 @@ class ShardServer:
             max_active=cfg.max_active_snapshots, max_waiting=cfg.max_waiting_snapshots,
             yield_s=cfg.snapshot_yield_s,
             name="snapshot")
-        self._collector = zio.AsyncSocket(self._collector_sock, self.on_collect,
+        self._collector = zio.AsyncSocket(self._collector_sock, self.role.on_collect,
                                           batch=self.config.collect_batch, loop=loop,
                                           name="collector", after_batch=self._flush_log,
                                           recv_only=True)
@@ -467,12 +292,14 @@ class ShardServer:
                                                  self._check_subscriptions)
         self._beat_at = self._clock_at = loop.time()
         self._beat_handle = loop.call_later(self._beat_s, self.on_heartbeat)
-        self._persist_timer = loop.call_later(PERSIST_TICK_S, self._persist_tick)
-        if self.role == "standalone":
-            self.set_active(True)
+        if self.persist is not None:
+            self.persist.start(loop)
+            self._persist_timer = loop.call_later(PERSIST_TICK_S, self._persist_tick)
+        self.role.start()
 
     def close(self) -> None:
         """Stop timers and close every socket with linger 0. Idempotent."""
+        self.role.close()
         if self.persist is not None:
             self.persist.close()  # flush and fsync: a clean stop loses nothing
             self.persist = None
@@ -500,10 +327,10 @@ class ShardServer:
         if active == self.active or (active and self.disk_error):
             return
         self.active = active
-        log.info("%s server on port %d is now %s", self.role, self.config.port,
+        log.info("%s server on port %d is now %s", self.role.name, self.config.port,
                  "active" if active else "not active")
         if active:
-            due = self.store.next_expiry()
+            due = self.store.next_expiry() if self.role.expires_keys else None
             if due is not None and due <= time.time():
                 self.on_ttl_tick()  # keys that expired while down go before any snapshot
             self._arm_ttl()
@@ -513,26 +340,6 @@ class ShardServer:
                 self._welcome_handle = self.loop.call_soon(self._send_welcome)
         elif self.snapshots is not None:
             self.snapshots.clear()
-
-    def park_for_peer(self) -> bool:
-        """Whether this batch's KVPUBs and replies wait for the passive's confirmation
-        (``shards.pair``, synchronous replication); it then owns them."""
-        return False
-
-    def fenced(self) -> bool:
-        """Whether acknowledging is forbidden now (a pair whose lease ran out, see
-        ``shards.pair``): asked once per batch, before anything is published."""
-        return False
-
-    def admit_snapshot_request(self) -> bool:
-        """Whether an ICANHAZ is answered now (a Binary Star role adds the client vote)."""
-        return self.active
-
-    def serving(self) -> bool:
-        """Whether an ICANHAZ would be answered now, without acting on it (no vote): a
-        HUGZ from a server that would not says ``serving=0``, so a client asks the other
-        server of its pair at once."""
-        return self.active
 
     # ================================================================ collector
     def on_collect(self, frames: list[bytes]) -> None:
@@ -599,17 +406,25 @@ class ShardServer:
             if reply_to:
                 self._reply(reply_to, uuid, chp.REFUSED, 0, "this shard does not own the key")
             return
+        if reply_to or terms.if_seq is not None:
+            props = chp.strip_write_terms(props)
+        self.apply_write(key, value, props, uuid, expiry_s, reply_to, terms.if_seq)
+
+    def apply_write(self, key: bytes, value: bytes, props: bytes, uuid: bytes,
+                    expiry_s: float | None, reply_to: bytes = b"",
+                    if_seq: int | None = None) -> None:
+        """A checked write of a key this shard owns (``props`` as its KVPUB will carry
+        them): decided (a resend is applied once, a condition may fail), applied, logged
+        and held for the batch's publish, its reply queued. The collector's slow path,
+        and a Binary Star server's writes held while passive, at its takeover."""
         verdict, at = decide(self.store.mod_seq(key),
-                             self.applied.get(uuid) if uuid else None, terms.if_seq,
-                             not value)
+                             self.applied.get(uuid) if uuid else None, if_seq, not value)
         if verdict != APPLY:  # sent again (applied once, at ``at``), or a conflict
             self.writes[verdict] += 1
             if reply_to:
                 self._reply(reply_to, uuid, chp.DUPLICATE if verdict == DUPLICATE
                             else chp.CONFLICT, at)
             return
-        if reply_to or terms.if_seq is not None:
-            props = chp.strip_write_terms(props)
         size = len(key) + len(props) + len(value)
         if size > self._fast_limit:
             self._lower_mark(self.marks.published(size))
@@ -721,6 +536,16 @@ class ShardServer:
             self.log_applied(seq, key, value, expiry_s, kept)
         self._held += key, _pack_seq(seq), uuid, props, value
 
+    def publish(self, seq: int, key: bytes, uuid: bytes, props: bytes, value: bytes) -> None:
+        """Publish an update applied elsewhere with its own sequence (a relay's copy of
+        its shard), now, and keep it for resumes."""
+        size = len(key) + len(props) + len(value)
+        if size > self._fast_limit:
+            self._lower_mark(self.marks.published(size))
+        if self._remember is not None:
+            self._remember(seq, key, uuid, props, value)
+        zio.send_frames5(self._pub, key, _pack_seq(seq), uuid, props, value)
+
     def log_applied(self, seq: int, key: bytes, value: bytes, expiry_s: float | None,
                     uuid: bytes = b"") -> None:
         """Append one applied update to the data directory; the batch is written at the
@@ -736,17 +561,15 @@ class ShardServer:
         if self._persist_flush is not None:
             self._persist_flush.cancel()
         self._persist_flush = None
-        if self.persist is not None:
-            try:
-                self.persist.flush()
-            except OSError as exc:  # nothing held is published: never acknowledged
-                self._replies = []
-                self.on_disk_error("writing the log", exc)
-                return
-        if (self._held or self._replies) and self.fenced():
-            return  # held: out if the lease is renewed in time, else parked with the map
-        if (self._held or self._replies) and self.park_for_peer():
-            return  # out once the passive holds it (a pair across hosts, shards.pair)
+        if self.persist is not None and not self.persist.flush():
+            self._replies = []  # nothing held is published: never acknowledged
+            return
+        if self._gated and (self._held or self._replies):
+            role = self.role
+            if role.fenced():
+                return  # held: out if the lease is renewed in time, else parked with the map
+            if role.park_for_peer():
+                return  # out once the passive holds it (a pair across hosts, shards.pair)
         if self._held:
             held, self._held = self._held, []
             self._publish_many(held)  # key, seq, uuid, props, value, key, ...: in order
@@ -759,7 +582,11 @@ class ShardServer:
     def attach_persist(self, data_dir) -> None:
         """Log every applied update in ``data_dir`` (a ``shards.persist.DataDir``, already
         opened after the recovered sequence) from now on."""
-        self.persist = data_dir
+        self.persist = Persistence(
+            data_dir, flush_held=self._flush_log,
+            snapshot_of=lambda: (self.store, self.applied.items_upto(self.store.seq)),
+            on_disk_error=self.on_disk_error,
+            on_compacted=getattr(self.role, "on_compacted", None) or (lambda job: None))
 
     def on_disk_error(self, what: str, exc: OSError) -> None:
         """The log could not be written or fsynced: a state, not a log line. The server
@@ -780,81 +607,11 @@ class ShardServer:
         self.disk_failed.set()
 
     def _persist_tick(self) -> None:
-        """Every ``PERSIST_TICK_S``: the everysec fsync, and a compaction when due."""
+        """Every ``PERSIST_TICK_S``: the data directory's turn (everysec fsync,
+        compactions: ``shards.persist.driver``)."""
         self._persist_timer = self.loop.call_later(PERSIST_TICK_S, self._persist_tick)
-        persist = self.persist
-        if persist is None or self.disk_error:
-            return
-        try:
-            persist.tick()
-        except OSError as exc:  # a failed fsync (here or on the background thread)
-            self.on_disk_error("fsync of the log", exc)
-            return
-        if persist.compaction_due():
-            self._flush_log()
-            try:
-                job = persist.start_compaction(self.store,
-                                               self.applied.items_upto(self.store.seq))
-            except OSError:
-                return  # counted and logged by the data directory; it tries again later
-            self.drive_compaction(job)
-
-    def drive_compaction(self, job) -> None:
-        """Write ``job``'s snapshot a chunk at a time (``COMPACT_PACE_S`` apart), then
-        fsync and rename it off the loop thread, and delete what it covers."""
-        log.info("compaction: writing the snapshot at sequence %d (%d keys)", job.seq,
-                 len(self.store))
-        self.loop.call_soon(self._compact_step, job)
-
-    def _compact_step(self, job) -> None:
-        if self.persist is None or self.persist.compaction is not job:
-            return  # closed, or replaced by another
-        try:
-            written = job.step()
-        except OSError as exc:  # a full disk: the partial snapshot goes, the log stays
-            self.persist.abort_compaction()
-            self._compaction_failed(job, exc)
-            return
-        if not written:
-            self.loop.call_later(COMPACT_PACE_S, self._compact_step, job)
-            return
-        job.finishing = True
-        fut = self.loop.run_in_executor(None, job.finish)
-        fut.add_done_callback(lambda f: self._compacted(job, f))
-
-    def _compacted(self, job, fut) -> None:
-        job.finishing = False
-        if fut.exception() is not None:
-            log.error("compaction: the snapshot at sequence %d failed: %s", job.seq,
-                      fut.exception())
-            if self.persist is not None and self.persist.compaction is job:
-                self.persist.abort_compaction()
-                self._compaction_failed(job, fut.exception())
-            return
-        if self.persist is None:
-            return
-        if self.persist.compaction is not job:
-            # replaced meanwhile (a passive installed its active's map): this snapshot
-            # belongs to the old map and must not outlive it
-            job.path.unlink(missing_ok=True)
-            return
-        removed = self.persist.compacted(job)
-        self.on_compacted(job)
-        log.info("compaction: snapshot at sequence %d (%d keys, %d bytes) in %.2f s; %d "
-                 "older files removed", job.seq, job.keys, job.bytes,
-                 self.persist.last_compaction_s, len(removed))
-
-    def _compaction_failed(self, job, exc: BaseException) -> None:
-        """A snapshot could not be written. Its log still holds the map: try again later.
-        But the snapshot of a map installed from the peer is its only copy here: a disk
-        error (``on_disk_error``)."""
-        if job.only_copy and isinstance(exc, OSError):
-            self.on_disk_error("writing the installed map's snapshot", exc)
-        elif self.persist is not None:
-            self.persist.compaction_failed(exc)
-
-    def on_compacted(self, job) -> None:
-        """A compaction's snapshot is whole on disk (a role's hook)."""
+        if self.persist is not None:
+            self.persist.tick()
 
     def owns(self, key: bytes) -> bool:
         """Whether this shard owns ``key``; if not, the drop is counted ``not_owner``."""
@@ -867,7 +624,10 @@ class ShardServer:
 
     # ================================================================ TTL
     def _arm_ttl(self) -> None:
-        """(Re)arm the TTL timer for the earliest expiry, if that is sooner than armed."""
+        """(Re)arm the TTL timer for the earliest expiry, if that is sooner than armed (a
+        role whose keys expire upstream, a relay's, runs none)."""
+        if not self.role.expires_keys:
+            return
         expiry_s = self.store.next_expiry()
         if expiry_s is None or self.loop is None:
             return
@@ -917,12 +677,12 @@ class ShardServer:
         else a plain one; either says ``serving=0`` when this server would not answer an
         ICANHAZ now. Its sequence is the last *published* one (updates held for an fsync
         are not announced before they go out)."""
-        serving = self.serving()
+        serving = self.role.serving()
         if self.config.clock_s > 0:
             published = self.store.seq - len(self._held) // KVPUB_FRAMES - self.parked
             return chp.hugz(time.time(), published, serving=serving,
                             generation=self.generation, route=self.route,
-                            cas=self.DECIDES_WRITES)
+                            cas=self.role.decides_writes)
         return chp.hugz(serving=serving, route=self.route)
 
     @property
@@ -978,7 +738,7 @@ class ShardServer:
         except ProtocolError as err:
             self.drops.drop(err.reason, str(err))
             return
-        if self.disk_error or not self.admit_snapshot_request():
+        if self.disk_error or not self.role.admit_snapshot_request():
             self.snapshots_refused += 1
             return
         make = lambda: SnapshotStream(self, identity, request.subtree,  # noqa: E731
@@ -1008,8 +768,8 @@ class ShardServer:
         store = self.store
         pump = self.snapshots
         drops = dict(self.drops.counts)
-        return {
-            "role": self.role,
+        out = {
+            "role": self.role.name,
             "active": self.active,
             "pid": os.getpid(),
             "port": self.config.port,
@@ -1057,3 +817,5 @@ class ShardServer:
             "uptime_s": round(time.monotonic() - self.started_s, 3),
             "frame_path": zio.FRAME_PATH,
         }
+        out.update(self.role.stats())
+        return out

@@ -1,7 +1,7 @@
 """Synchronous replication, the active's side: a write is acknowledged only once the
 passive holds it, or once the active has recorded in etcd that it goes on alone.
 
-A ``PairServer`` with a lease and ``--replication sync`` owns one ``SyncLink``. The
+A Binary Star server (``shards.pair.BinaryStar``) with a lease and ``--replication sync`` owns one ``SyncLink``. The
 server's publish path (``ShardServer._flush_log``, after the batch's log write) calls
 ``park``: the batch's KVPUBs and replies wait in ``awaiting`` and each update goes to the
 passive's link as a ``BSTAR-UPD`` message (``shards.common.proto.bstar``). The passive
@@ -36,9 +36,11 @@ log = logging.getLogger("shards.pair")
 
 
 class SyncLink:
-    def __init__(self, server, timeout_s: float):
+    def __init__(self, server, pair, timeout_s: float):
         self.server = server
-        """The ``shards.pair.PairServer`` (its store, loop, sockets, lease and machine)."""
+        """The reactor (its store, loop, sockets and the batch it holds)."""
+        self.pair = pair
+        """The ``shards.pair.BinaryStar`` role (its lease, machine and name)."""
         self.timeout_s = timeout_s
         self.peer: bytes | None = None
         """The passive's link name (its DEALER's ROUTING_ID) on the server's P."""
@@ -69,7 +71,7 @@ class SyncLink:
         if self.alone:
             self._clear_alone_at = max(self._clear_alone_at or 0, self.server.store.seq)
         log.info("shard %s: the passive follows synchronously from sequence %d",
-                 self.server.shard, seq)
+                 self.pair.shard, seq)
         for last, held, _, _ in self.awaiting:  # parked while it was away
             if last > seq and held:
                 self._send(held)
@@ -112,7 +114,7 @@ class SyncLink:
 
     def peer_gone(self) -> bool:
         """The peer has been silent past its expiry (this server took over from it)."""
-        machine = self.server.machine
+        machine = self.pair.machine
         return machine is not None and not bstar.peer_alive(machine,
                                                             self.server.loop.time())
 
@@ -126,7 +128,7 @@ class SyncLink:
                 sock.send_multipart([peer, UPDATES, *held[i:i + KVPUB_FRAMES]], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # its pipe is full or gone: it will not confirm
             self.counters["unsent"] += 1
-            log.debug("shard %s: a batch for the passive not sent: %s", server.shard, exc)
+            log.debug("shard %s: a batch for the passive not sent: %s", self.pair.shard, exc)
         # a send on the raw socket can take the edge of its FD: the ROUTER's reader must
         # look again, or a request waiting there waits for the next one
         server._router.kick()
@@ -147,7 +149,7 @@ class SyncLink:
                 server._send_replies()
         if not awaiting:
             self._disarm()
-            server.unparked()
+            self.pair.unparked()
 
     def _arm(self) -> None:
         if self.awaiting and self.timer is None:
@@ -174,7 +176,7 @@ class SyncLink:
 
     # ------------------------------------------------------------------ alone
     def _set_alone(self, alone: bool) -> None:
-        lease = self.server.lease
+        lease = self.pair.lease
         if self._alone_busy or lease is None:
             return
         self._alone_busy = True
@@ -191,12 +193,12 @@ class SyncLink:
     def _alone_done(self, alone: bool, future) -> None:
         self._alone_busy = False
         server = self.server
-        if server.lease_closed:
+        if self.pair.lease_closed:
             return
         exc = future.exception()
         if exc is not None:
             self.counters["alone_failed"] += 1
-            log.warning("shard %s: cannot %s in etcd: %s", server.shard,
+            log.warning("shard %s: cannot %s in etcd: %s", self.pair.shard,
                         "record going on alone" if alone else "clear the alone record", exc)
             return
         if alone:
@@ -205,16 +207,16 @@ class SyncLink:
             self.counters["went_alone"] += 1
             log.warning("shard %s: the passive confirmed nothing for %.1f s: recorded in "
                         "etcd, this %s acknowledges alone (the passive may not take over "
-                        "until it has copied this map again)", server.shard, self.timeout_s,
-                        server.role)
-            if server.active and not server.fenced():
+                        "until it has copied this map again)", self.pair.shard, self.timeout_s,
+                        self.pair.name)
+            if server.active and not self.pair.fenced():
                 self._release(server.store.seq)
         else:
             self.alone = False
             self._clear_alone_at = None
             self.counters["alone_cleared"] += 1
             log.info("shard %s: the passive holds everything again: alone record cleared",
-                     server.shard)
+                     self.pair.shard)
 
     # ------------------------------------------------------------------ state changes
     def keep_unpublished(self, now: float) -> None:

@@ -23,9 +23,9 @@ from conftest import free_port_base
 from client import shard_machine as sm
 from client.agent import ShardAgent
 from shards import replica_machine as rm
-from shards.pair import PairServer
+from shards.pair import pair_server
 from shards.common.proto import chp
-from shards.server import ServerConfig
+from shards.server_config import ServerConfig
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -64,11 +64,11 @@ def test_a_not_serving_hugz_read_before_the_handshake_event_asks_for_nothing(zct
 
 def test_a_restarted_peers_welcome_hugz_is_not_the_actives_last_word():
     port, peer = free_port_base(4), free_port_base(4)
-    server = PairServer(ServerConfig(port=port), role="backup", peer=("127.0.0.1", peer))
+    server = pair_server(ServerConfig(port=port), role="backup", peer=("127.0.0.1", peer))
     loop = asyncio.new_event_loop()
     try:
         server.loop = loop
-        follower = server.follower
+        follower = server.role.follower
         follower.state = replace(follower.state, phase=rm.LIVE)
         follower.on_update(chp.hugz(1.0, 0, generation="aa"))  # the active, alive
         heard = follower.last_heard
@@ -91,8 +91,9 @@ def test_a_vote_after_a_stall_hears_the_peers_queued_state_first(zctx):
     from shards.common.proto import bstar as wire
 
     port, peer = free_port_base(4), free_port_base(4)
-    server = PairServer(ServerConfig(port=port, heartbeat_s=0.2), role="backup",
-                        peer=("127.0.0.1", peer))
+    server = pair_server(ServerConfig(port=port, heartbeat_s=0.2), role="backup",
+                         peer=("127.0.0.1", peer))
+    pair = server.role
     loop = asyncio.new_event_loop()
     active_peer = zctx.socket(zmq.PUB)
     active_peer.linger = 0
@@ -101,16 +102,16 @@ def test_a_vote_after_a_stall_hears_the_peers_queued_state_first(zctx):
         server.bind()
         server.loop = loop
         now = loop.time()
-        server.machine = replace(bstar.new_machine(wire.Role.BACKUP, now, heartbeat_s=0.2,
+        pair.machine = replace(bstar.new_machine(wire.Role.BACKUP, now, heartbeat_s=0.2,
                                                    shard="0"),
                                  state=wire.State.PASSIVE, peer_expiry=now - 1.0)
         alive = wire.encode(wire.StateMessage(wire.State.ACTIVE, wire.Role.PRIMARY, 0.2,
                                               1, 5, "0"))
-        while not server._state_sub_sock.poll(100):  # the SUB joins: resend until queued
+        while not pair._state_sub_sock.poll(100):  # the SUB joins: resend until queued
             active_peer.send_multipart(alive)
-        assert not server.admit_snapshot_request(), "won a vote against a live active"
-        assert server.machine.state is wire.State.PASSIVE
-        assert server.machine.peer_expiry > loop.time()  # it heard the peer
+        assert not pair.admit_snapshot_request(), "won a vote against a live active"
+        assert pair.machine.state is wire.State.PASSIVE
+        assert pair.machine.peer_expiry > loop.time()  # it heard the peer
     finally:
         active_peer.close(0)
         server.close()

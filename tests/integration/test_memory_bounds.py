@@ -261,7 +261,7 @@ def test_many_never_reading_requesters_are_bounded_and_the_memory_comes_back(pro
     peak = settle_peak(server, 3.0)
     # at most 16 + 16 streams open (active + stalled): their shares of 64 MiB together,
     # and each one's cursor, a copy of the key list (8 bytes a key)
-    from shards.server import MAX_ACTIVE_SNAPSHOTS
+    from shards.server_config import MAX_ACTIVE_SNAPSHOTS
     from shards.streams import MAX_STALLED
 
     cursors = (MAX_ACTIVE_SNAPSHOTS + MAX_STALLED) * 200_000 * 8

@@ -25,7 +25,7 @@ Frames (DEALER <-> ROUTER; the ROUTER's identity frame is not shown)::
                 failover to this passive too)
 
 A table with no TTL key is one chunk with an empty f2 and f3 = 0x01. The generation
-(``shards.server.new_generation``) tells the passive which map its replica now copies:
+(``shards.server_config.new_generation``) tells the passive which map its replica now copies:
 it takes that generation over at the end of the sync, so the pair announces one
 generation for as long as the map lives. Rules enforced by ``decode_chunk``
 (``ProtocolError`` with ``protocol="bstar/1"``, reason ``bad_ttl_table``): 4 or 5

@@ -1,0 +1,113 @@
+"""What a server is for: the part of a ``shards.server.ShardServer`` that differs between a
+standalone server, a server of a Binary Star pair and a relay.
+
+The reactor (``ShardServer``) owns the sockets, the store, the log, the publisher, the
+snapshot pump, the HUGZ and the TTL timer; it takes one ``Role`` and asks it, at fixed
+points, what only the role knows::
+
+    member                    asked when                          standalone  pair (bstar)      relay
+    ------------------------  ----------------------------------  ----------  ----------------  ---------------
+    name                      logs, stats, READY, MDP service      standalone  primary/backup   its name
+    decides_writes            HUGZ say cas=1                      yes         yes               no (forwards)
+    expires_keys              the TTL timer runs                  yes         yes               no (the shard's
+                                                                                                  deletes come)
+    gates_publish             fenced/park_for_peer asked/batch    no          with a lease      no
+    attach(server)            made                                -           its parts         its parts
+    bind()                    after P..P+2 are bound              -           P+3 state link    -
+    start() / close()         on the loop / before the reactor's  active now  machine, lease,   upstream
+                                                                              follower          follower
+    link_options(sock)        every socket it makes               -           ZMTP heartbeats   -
+                                                                              across hosts
+    on_collect(frames)        a KVSET on P+2                      apply       apply if active,  forward to
+                                                                              else hold         both servers
+    on_snapshot_request(fr)   a message on P                      serve       TTL table, link,  serve
+                                                                              votes
+    admit_snapshot_request()  an ICANHAZ is answered?             active      the client vote   active
+    serving()                 HUGZ serving=0?                     active      would accept      active
+    fenced(), park_for_peer() a batch may be published?           (none)      lease, passive's  (none)
+                              (only with gates_publish)                       confirmation
+    on_compacted(job)         a snapshot is whole on disk         (none)      the needs-peer    (none: no
+                              (optional: ``Persisting``)                      rule ends         files)
+    stats()                   the reactor's stats                 {}          machine, pending  upstream
+
+A role keeps a reference to its reactor (``attach``) and calls its public methods
+(``apply_write``, ``flush``, ``set_active``, ``publish``, ...). Where the updates come
+from is part of the role too: the reactor's own collector (standalone, an active), or an
+upstream ``shards.replica.Follower`` writing into the role as its ``ReplicaSink`` (a
+passive, a relay).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import zmq
+
+if TYPE_CHECKING:
+    from shards.server import ShardServer
+
+
+class Role(Protocol):
+    name: str
+    decides_writes: bool
+    expires_keys: bool
+    gates_publish: bool
+
+    def attach(self, server: "ShardServer") -> None: ...
+    def bind(self) -> None: ...
+    def start(self) -> None: ...
+    def close(self) -> None: ...
+    def link_options(self, sock: zmq.Socket) -> None: ...
+    def on_collect(self, frames: list[bytes]) -> None: ...
+    def on_snapshot_request(self, frames: list[bytes]) -> None: ...
+    def admit_snapshot_request(self) -> bool: ...
+    def serving(self) -> bool: ...
+    def stats(self) -> dict: ...
+
+
+class Persisting(Role, Protocol):
+    """A role that wants to hear when a compaction's snapshot is whole on disk (the
+    reactor passes ``on_compacted`` to its ``shards.persist.driver.Persistence``)."""
+
+    def on_compacted(self, job) -> None: ...
+
+
+class GatesPublish(Role, Protocol):
+    """A role with ``gates_publish``: asked before each batch is published."""
+
+    def fenced(self) -> bool: ...
+    def park_for_peer(self) -> bool: ...
+
+
+class Standalone:
+    """A server on its own: active from ``start``, every write its own to decide."""
+
+    name = "standalone"
+    decides_writes = True
+    expires_keys = True
+    gates_publish = False
+
+    def attach(self, server: "ShardServer") -> None:
+        self.server = server
+        self.on_collect = server.on_collect  # the reactor's write path, nothing between
+        self.on_snapshot_request = server.on_snapshot_request
+
+    def bind(self) -> None:
+        pass
+
+    def start(self) -> None:
+        self.server.set_active(True)
+
+    def close(self) -> None:
+        pass
+
+    def link_options(self, sock: zmq.Socket) -> None:
+        pass
+
+    def admit_snapshot_request(self) -> bool:
+        return self.server.active
+
+    def serving(self) -> bool:
+        return self.server.active
+
+    def stats(self) -> dict:
+        return {}
