@@ -98,7 +98,7 @@ def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str,
                     "rewritten from the peer); its files are in %s; starting empty",
                     data_dir, got.incomplete)
     if pair is not None:
-        pair.recovered(got.term, got.history, needs_peer=recovery.needs_peer(data_dir))
+        pair.map.recovered(got.term, got.history, needs_peer=recovery.needs_peer(data_dir))
     log.info("recovered %d keys at sequence %d from %s (snapshot %s, %d updates from %d "
              "segments; generation %s, term %d)", len(got.store), got.store.seq, data_dir,
              got.snapshot_seq, got.records, got.segments, server.generation, got.term)

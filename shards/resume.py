@@ -16,16 +16,17 @@ _LAST = int(zmq.NOBLOCK)
 
 
 class ResumeStream:
-    __slots__ = ("identity", "subtree", "entries", "pos", "seq", "chunk", "sent", "server")
+    __slots__ = ("identity", "subtree", "entries", "pos", "seq", "chunk", "sent", "service")
 
-    def __init__(self, server, identity: bytes, subtree: bytes, entries: list, seq: int):
-        self.server = server
+    def __init__(self, service, identity: bytes, subtree: bytes, entries: list, seq: int):
+        self.service = service
+        """The ``shards.snapshots.SnapshotService`` it streams for."""
         self.identity = identity
         self.subtree = subtree
         self.entries = entries
         self.pos = 0
         self.seq = seq
-        self.chunk = server.config.snapshot_chunk
+        self.chunk = service.server.config.snapshot_chunk
         self.sent = 0
 
     def close(self) -> None:
@@ -51,13 +52,13 @@ class ResumeStream:
                     _send(sock, frame, _MORE)
                 _send(sock, self.subtree, _LAST)
                 self.sent += i - self.pos
-                self.server.resume_sent += i - self.pos
+                self.service.resume_sent += i - self.pos
                 self.pos = i
                 return streams.DONE
         except zmq.Again:
             pass
         progressed = i > self.pos
         self.sent += i - self.pos
-        self.server.resume_sent += i - self.pos
+        self.service.resume_sent += i - self.pos
         self.pos = i
         return streams.PROGRESS if progressed else streams.BLOCKED

@@ -10,8 +10,12 @@ import zmq
 from zmq.backend import Socket as _BackendSocket
 
 from shards import streams
+from shards.byte_marks import INITIAL_MARK, derive
 from shards.common import zio
+from shards.common.errors import ProtocolError
+from shards.common.memory import give_back
 from shards.common.proto import chp
+from shards.resume import ResumeStream
 from shards.store import Store
 
 if TYPE_CHECKING:
@@ -42,13 +46,14 @@ class SnapshotStream:
     KVSYNCs from a point-in-time cursor, ``chunk`` per turn, then KTHXBAI."""
 
     __slots__ = ("identity", "subtree", "cursor", "seq_frame", "pending", "pos", "chunk",
-                 "sent", "server", "kthxbai_props", "meta")
+                 "sent", "service", "kthxbai_props", "meta")
 
-    def __init__(self, server: "ShardServer", identity: bytes, subtree: bytes,
+    def __init__(self, service: "SnapshotService", identity: bytes, subtree: bytes,
                  kthxbai_props: bytes = b"", meta: bool = False):
         self.kthxbai_props = kthxbai_props
         """Empty (12/CHP); ``resume=0`` when a resume was asked and not possible."""
-        self.server = server
+        self.service = service
+        server = service.server
         self.identity = identity
         self.subtree = subtree
         self.meta = meta
@@ -90,9 +95,9 @@ class SnapshotStream:
                         b"" if e is None else b"expires=%.3f\n" % e for e in expiries]
                     pending = list(zip(keys, values, map(_pack_seq, mods), props))
                     if pending:  # before any of them is queued: the byte bound holds
-                        self.server.snapshot_entries(max(map(_entry_size, pending)))
+                        self.service.entries(max(map(_entry_size, pending)))
                         if not self.sent:  # this peer's pipe may have the bind-time mark
-                            self.server.reapply_marks("router")
+                            self.service.reapply()
                     pos = i = 0
                     fetched += 1
                     continue
@@ -114,9 +119,151 @@ class SnapshotStream:
         finally:
             self.pending, self.pos = pending, pos
             self.sent += sent
-            self.server.kvsync_sent += sent
+            self.service.kvsync_sent += sent
         if outcome == streams.DONE:
             log.debug("snapshot of %d keys under %r at seq %d sent to %r", self.sent,
                       self.subtree, cursor.seq, identity)
             return outcome
         return streams.PROGRESS if (sent or fetched) else outcome
+
+
+class SnapshotService:
+    """What a server answers on P: ICANHAZ (12/CHP), and our resume extension.
+
+    An ICANHAZ becomes a ``SnapshotStream`` on a ``shards.streams.StreamPump`` (or waits in
+    its bounded queue): a point-in-time ``SnapshotCursor``, at most ``snapshot_chunk``
+    KVSYNCs per requester per loop turn, round-robin, then KTHXBAI. Every KVSYNC carries
+    the key's own sequence. The pump's rules apply: a full pipe pauses only that
+    requester, one that makes no progress for ``snapshot_stall_s`` is abandoned, one that
+    disconnected (EHOSTUNREACH) is dropped; both are counted. A resume request (``since``)
+    is answered from the server's history (``shards.resume``) when it covers it, else by
+    a whole snapshot that says ``resume=0``. The role decides whether a request is
+    answered at all (``admit_snapshot_request``: a pair's client vote).
+
+    Bytes: the ROUTER's mark in messages is each requester's share of
+    ``snapshot_held_bytes`` over the largest entry streamed so far (``shards.byte_marks``),
+    lowered before a larger entry is queued and set again for pipes made since."""
+
+    def __init__(self, server: "ShardServer"):
+        self.server = server
+        self.pump: streams.StreamPump | None = None
+        self.refused = 0
+        self.kvsync_sent = 0
+        self.resume_sent = 0
+        """Updates sent in resume replies (``shards.resume``), besides ``kvsync_sent``."""
+        self.largest = 0
+        """The largest key + value streamed in a snapshot so far (it only grows)."""
+        self.heap_trims = 0
+        self._busy = False
+        self.hwm = self._mark()
+        self.bind_hwm: int | None = None
+        """The ROUTER's mark at bind (what libzmq gives new peers' pipes)."""
+
+    def start(self, loop, sock: zmq.Socket, kick) -> None:
+        cfg = self.server.config
+        self.pump = streams.StreamPump(
+            loop, sock, kick, stall_s=cfg.snapshot_stall_s,
+            max_active=cfg.max_active_snapshots, max_waiting=cfg.max_waiting_snapshots,
+            yield_s=cfg.snapshot_yield_s, name="snapshot")
+
+    def clear(self) -> None:
+        """Drop every stream (the server stops serving)."""
+        if self.pump is not None:
+            self.pump.clear()
+
+    # ------------------------------------------------------------------ requests
+    def on_request(self, frames: list[bytes]) -> None:
+        """An ICANHAZ on the ROUTER: queue a snapshot (or resume) for this peer."""
+        server = self.server
+        if server._held:  # a snapshot point must not show what is not on disk yet
+            server._flush_log()
+        identity = frames[0]
+        try:
+            request = chp.decode_icanhaz(frames[1:], server.config.limits)
+        except ProtocolError as err:
+            server.drops.drop(err.reason, str(err))
+            return
+        if server.disk_error or not server.role.admit_snapshot_request():
+            self.refused += 1
+            return
+        make = lambda: SnapshotStream(self, identity, request.subtree,  # noqa: E731
+                                      meta=request.meta)
+        if request.since is not None:
+            make = self._resume_or_snapshot(identity, request)
+        if not self.pump.add(identity, make):
+            server.drops.drop("snapshot_queue_full", f"{len(self.pump.waiting)} requests "
+                                                     "wait")
+
+    def _resume_or_snapshot(self, identity: bytes, request: chp.Icanhaz):
+        """A resume request (``since``): the updates after it when the server's history
+        covers them for the client's map generation, else a full snapshot that says
+        ``resume=0``. Decided when the request is taken, at the current sequence."""
+        server = self.server
+        entries = None
+        if not request.generation or request.generation == server.generation:
+            entries = server.recent.since(request.since, request.subtree)
+        if entries is None:
+            return lambda: SnapshotStream(self, identity, request.subtree,
+                                          chp.FULL_AFTER_RESUME, request.meta)
+        seq = server.store.seq
+        return lambda: ResumeStream(self, identity, request.subtree, entries, seq)
+
+    # ------------------------------------------------------------------ bytes
+    def _mark(self) -> int:
+        cfg = self.server.config
+        share = cfg.snapshot_held_bytes // (cfg.max_active_snapshots + streams.MAX_STALLED)
+        return derive(share, cfg.snapshot_sndhwm, max(self.largest, INITIAL_MARK))
+
+    def entries(self, biggest: int) -> None:
+        """Entries of up to ``biggest`` bytes may be streamed from now on (a recovered or
+        installed map, a snapshot's next chunk before it is queued): lower the ROUTER's
+        mark if they are the largest yet. libzmq applies it to the pipes that exist; a
+        pipe made later gets the bind-time mark, so each stream sets it again before its
+        first entry (``reapply``)."""
+        if biggest <= self.largest:
+            return
+        self.largest = biggest
+        hwm = self._mark()
+        if hwm != self.hwm:
+            self.hwm = hwm
+            sock = self.server._router_sock
+            if sock is not None:
+                sock.setsockopt(zmq.SNDHWM, hwm)
+
+    def reapply(self) -> None:
+        """Set a lowered mark again, for the pipes of peers that connected since (a
+        no-op while it is still the bind-time one)."""
+        sock = self.server._router_sock
+        if sock is not None and self.bind_hwm is not None and self.hwm != self.bind_hwm:
+            sock.setsockopt(zmq.SNDHWM, self.hwm)
+
+    def give_back(self) -> None:
+        """Once the last stream has ended, give the heap's free pages back to the OS
+        (``memory.give_back``): the frames of a flood of never-reading requesters (or of
+        many joins) are freed small blocks that the process would keep."""
+        pump = self.pump
+        if pump is None:
+            return
+        busy = bool(pump.active or pump.waiting)
+        if self._busy and not busy:
+            give_back()
+            self.heap_trims += 1
+        self._busy = busy
+
+    def stats(self) -> dict:
+        pump = self.pump
+        counters = pump.counters if pump is not None else {}
+        return {
+            "snapshots_served": counters.get("done", 0),
+            "snapshots_active": len(pump.active) if pump is not None else 0,
+            "snapshots_waiting": len(pump.waiting) if pump is not None else 0,
+            "snapshots_abandoned": counters.get("abandoned", 0),
+            "snapshots_unreachable": counters.get("unreachable", 0),
+            "snapshots_yielded": counters.get("yielded", 0),
+            "snapshots_stalled": pump.stalled if pump is not None else 0,
+            "snapshots_refused": self.refused,
+            "kvsync_sent": self.kvsync_sent,
+            "resume_sent": self.resume_sent,
+            "snapshot_hwm": self.hwm,
+            "heap_trims": self.heap_trims,
+        }

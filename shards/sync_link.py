@@ -149,7 +149,7 @@ class SyncLink:
                 server._send_replies()
         if not awaiting:
             self._disarm()
-            self.pair.unparked()
+            self.pair.leased.unparked()
 
     def _arm(self) -> None:
         if self.awaiting and self.timer is None:
@@ -176,7 +176,7 @@ class SyncLink:
 
     # ------------------------------------------------------------------ alone
     def _set_alone(self, alone: bool) -> None:
-        lease = self.pair.lease
+        lease = self.pair.leased.lease
         if self._alone_busy or lease is None:
             return
         self._alone_busy = True
@@ -193,7 +193,7 @@ class SyncLink:
     def _alone_done(self, alone: bool, future) -> None:
         self._alone_busy = False
         server = self.server
-        if self.pair.lease_closed:
+        if self.pair.leased.closed:
             return
         exc = future.exception()
         if exc is not None:

@@ -13,7 +13,7 @@ import signal
 import time
 from collections import Counter
 
-from shards.pair import pending_grace_s
+from shards.held_writes import pending_grace_s
 from shards.common.proto import chp
 from test_pair import (ACTIVE, DEADLINE_S, HEARTBEAT_S, PASSIVE, Updates, Watcher,
                        Writer, settle, snapshot, start_pair, start_server, stderr_text,

@@ -1,0 +1,151 @@
+"""A server's HUGZ on its publisher (P+1): one timer for both heartbeat rules, and a
+welcome for each new subscription.
+
+* The *clock*: every ``clock_s`` (0.5 s by default; 0 disables), busy or not, a HUGZ whose
+  properties frame carries the server clock, ``ts=<epoch s, 6 decimals>\\nseq=<current
+  sequence>\\n`` (our deviation from 12/CHP, whose HUGZ has frame 3 empty; see
+  ``chp.hugz``): a client compares ``ts`` with its own clock to see how far behind the
+  publisher it reads, even under a subtree filter where sequence gaps are normal.
+* The *idle heartbeat*: every ``heartbeat_s``, a HUGZ if nothing else was published since
+  the last beat (with the clock on, it carries the clock too). The timer runs every
+  ``min(heartbeat_s, clock_s)``, and also runs the reactor's periodic duties
+  (``ShardServer.on_beat``).
+* The *welcome*: each new subscription is answered with one HUGZ (coalesced per loop
+  turn): a client's SUB knows its subscription is live when a message arrives, and asks
+  for its snapshot only then. Without it, a snapshot point taken before the publisher
+  applied the subscription would lose the updates published in between (12/CHP's "slow
+  joiner" gap). Sent in every role: a server that would not answer an ICANHAZ now says
+  so in it (``serving=0``), and the client asks the other server of its pair at once.
+  A server that becomes active sends one at once too.
+
+Every HUGZ says the map's generation and routing, and ``cas=1`` when the role decides
+conditional writes. Its sequence is the last *published* one (updates held for an fsync
+or parked for the passive are not announced before they go out).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import zmq
+
+from shards.common import zio
+from shards.common.proto import chp
+from shards.history import WIDTH as KVPUB_FRAMES
+
+if TYPE_CHECKING:
+    from shards.server import ShardServer
+
+SUBSCRIPTION_CHECK_S = 0.05
+"""How often the publisher is checked for new subscriptions besides its FD's edges."""
+
+
+class Heartbeat:
+    """The HUGZ of one server (see the module doc)."""
+
+    def __init__(self, server: "ShardServer"):
+        self.server = server
+        self.sent = 0
+        self.welcomed = 0
+        self._reader: zio.AsyncSocket | None = None
+        self._welcome: asyncio.Handle | None = None
+        self._check: asyncio.TimerHandle | None = None
+        self._beat: asyncio.TimerHandle | None = None
+        self._seq_at_beat = 0
+        self._beat_at = 0.0
+        self._clock_at = 0.0
+
+    @property
+    def interval_s(self) -> float:
+        config = self.server.config
+        clock_s, heartbeat_s = config.clock_s, config.heartbeat_s
+        return min(heartbeat_s, clock_s) if clock_s > 0 else heartbeat_s
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._reader = zio.AsyncSocket(self.server._pub, self.on_subscription, batch=256,
+                                       loop=loop, name="publisher")
+        self._check = loop.call_later(SUBSCRIPTION_CHECK_S, self._check_subscriptions)
+        self._beat_at = self._clock_at = loop.time()
+        self._beat = loop.call_later(self.interval_s, self.on_beat)
+
+    def close(self) -> None:
+        for handle in (self._beat, self._welcome, self._check):
+            if handle is not None:
+                handle.cancel()
+        self._beat = self._welcome = self._check = None
+        if self._reader is not None:
+            self._reader.close(linger=0)
+            self._reader = None
+
+    @property
+    def errors(self) -> int:
+        return self._reader.errors if self._reader is not None else 0
+
+    # ------------------------------------------------------------------ welcomes
+    def on_subscription(self, frames: list[bytes]) -> None:
+        """A (un)subscription on the publisher (XPUB, verbose): welcome a new one."""
+        if frames[0][:1] == b"\x01":
+            self.welcome_soon()
+
+    def welcome_soon(self) -> None:
+        """A HUGZ after this loop turn's work (one for every subscription made in it)."""
+        loop = self.server.loop
+        if self._welcome is None and loop is not None:
+            self._welcome = loop.call_soon(self._send_welcome)
+
+    def _check_subscriptions(self) -> None:
+        """The hot path sends on the publisher directly, which can consume the edge of
+        its FD: look for unread subscriptions every SUBSCRIPTION_CHECK_S as well."""
+        self._check = self.server.loop.call_later(SUBSCRIPTION_CHECK_S,
+                                                  self._check_subscriptions)
+        self._reader.kick()
+
+    def _send_welcome(self) -> None:
+        self._welcome = None
+        server = self.server
+        server.reapply_pub_mark()  # the new subscriber's pipe has the bind-time mark
+        try:
+            zio.send_frames5(server._pub, *self.hugz())
+        except zmq.ZMQError as exc:
+            server.drops.drop("welcome_unsent", f"HUGZ for a new subscriber: {exc}")
+            return
+        self.welcomed += 1
+
+    # ------------------------------------------------------------------ beats
+    def hugz(self) -> list[bytes]:
+        """A HUGZ with the server clock and the map's generation when ``clock_s`` is on,
+        else a plain one; either says ``serving=0`` when this server would not answer an
+        ICANHAZ now."""
+        server = self.server
+        serving = server.role.serving()
+        if server.config.clock_s > 0:
+            published = (server.store.seq - len(server._held) // KVPUB_FRAMES
+                         - server.parked)
+            return chp.hugz(time.time(), published, serving=serving,
+                            generation=server.generation, route=server.route,
+                            cas=server.role.decides_writes)
+        return chp.hugz(serving=serving, route=server.route)
+
+    def on_beat(self) -> None:
+        """Every ``interval_s``: the reactor's duties, then a clock HUGZ when ``clock_s``
+        is due (busy or not), else a HUGZ if nothing was published for ``heartbeat_s``."""
+        server = self.server
+        loop = server.loop
+        config = server.config
+        self._beat = loop.call_later(self.interval_s, self.on_beat)
+        server.on_beat()
+        if not server.active:
+            return
+        now = loop.time()
+        # a margin of a tenth of the interval: timers fire a little early or late
+        clock_due = config.clock_s > 0 and now - self._clock_at >= 0.9 * config.clock_s
+        beat_due = now - self._beat_at >= 0.9 * config.heartbeat_s
+        idle = beat_due and server.store.seq == self._seq_at_beat
+        if clock_due or idle:
+            zio.send_frames5(server._pub, *self.hugz())
+            self.sent += 1
+            self._clock_at = now
+        if beat_due:
+            self._seq_at_beat = server.store.seq
+            self._beat_at = now

@@ -1,0 +1,147 @@
+"""A Binary Star server's map, as the pair sees it: its term history, and the copy its
+follower keeps (``PairMap`` is the ``shards.replica.ReplicaSink`` of a pair's passive).
+
+* **Terms.** Each takeover starts a term; the history ``(term, first sequence)`` of the
+  map's terms is saved beside its data (``DataDir.save_terms``) and compared by a
+  restarted server with its peer's (``shards.persist.fork_point``): updates of its own
+  that the active's map never had are kept in a ``dropped-*`` file, never served.
+* **The copy.** The active's updates are applied with their sequences, logged, kept for
+  resumes (a client that fails over resumes instead of taking a snapshot) and their
+  UUIDs remembered (a resend is applied once). A whole copy (``install``) replaces the
+  store, the history, the applied UUIDs and the generation; a durable server rewrites its
+  data directory from it (``Persistence.replace``).
+* **Needs-peer** (``bstar`` rule 8): a server whose map was unreadable (moved aside) serves
+  only after it has installed and written its peer's; the snapshot of the installed map
+  being whole on disk ends the rule (``on_compacted``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from shards import bstar
+from shards.common.proto import chp
+from shards.persist.recovery import fork_point
+from shards.snapshots import largest_entry
+from shards.store import Store
+
+if TYPE_CHECKING:
+    from shards.pair import BinaryStar
+
+log = logging.getLogger("shards.pair")
+
+
+class PairMap:
+    """One Binary Star server's map (see the module doc)."""
+
+    def __init__(self, pair: "BinaryStar"):
+        self.pair = pair
+        self.history: list[tuple[int, int]] = []
+        """``(term, first sequence)`` for each takeover the map went through, oldest
+        first."""
+        self.recovered_term = 0
+        self.saved_term = 0
+        self.dropped_updates = 0
+        self.needs_peer = False
+        """The map was unreadable (moved aside): serve only after installing the peer's."""
+        self.install_job = None
+        """The compaction writing the map installed from the active (``install``)."""
+
+    def took_over(self, term: int) -> None:
+        """This term's updates start after the current sequence (what a restarted peer
+        compares its log with)."""
+        self.history.append((term, self.pair.server.store.seq + 1))
+        self.save_terms()
+
+    @property
+    def seq(self) -> int:
+        return self.pair.server.store.seq
+
+    def apply(self, msg: chp.Kvpub, expiry_s: float | None) -> None:
+        """The active's update, applied here with its sequence and logged; kept for
+        resumes, so a client that fails over to this server resumes instead of taking a
+        snapshot, and its UUID, so that a resend is applied once."""
+        server = self.pair.server
+        server.store.apply(msg.key, msg.value, expiry_s)
+        resendable = chp.is_resendable(msg.uuid)
+        if server.persist is not None:  # the active's stream, with its sequences
+            server.log_applied(msg.seq, msg.key, msg.value, expiry_s,
+                               msg.uuid if resendable else b"")
+        if server._remember is not None:
+            server._remember(msg.seq, msg.key, msg.uuid, msg.props, msg.value)
+        if resendable:
+            server.applied.add(msg.uuid, msg.seq)
+
+    def install(self, store: Store, generation: str = "",
+                history: tuple[tuple[int, int], ...] = (), uuids: list = ()) -> None:
+        """The replica is complete: serve ``store``, whose map is the active's
+        ``generation`` (kept when the active sent none), term ``history`` and applied
+        ``uuids`` (``[uuid, seq, ...]``, as of ``store.seq``). A durable
+        server rewrites its data directory from it; updates of its own that the active's
+        map never had (``persist.fork_point``) are kept in a ``dropped-*`` file."""
+        server = self.pair.server
+        old_seq = server.store.seq
+        self.pair.unacknowledged_dropped += self.pair.link.drop()
+        server.store = store
+        server.snapshots.entries(largest_entry(store))
+        server.recent.reset(store.seq)  # resumes from this map only
+        server.applied.clear(time.monotonic())
+        server.applied.load(uuids)
+        if server.persist is not None:
+            fork = fork_point(self.history, list(history)) if history else None
+            dropped_from = fork if fork is not None and fork <= old_seq else None
+            replaced = server.persist.replace(store, generation or server.generation,
+                                              dropped_from, server.applied.items_upto(store.seq))
+            if replaced is None:  # a disk error (reported: this server stops)
+                return
+            dropped, self.install_job = replaced
+            if dropped:
+                self.dropped_updates += dropped
+                log.warning("shard %s: %d updates of this server's map (sequence %d..%d, "
+                            "never in the active's map) were dropped; kept in %s/dropped-*",
+                            self.pair.shard, dropped, dropped_from, old_seq, server.persist.path)
+        if history:
+            self.history = list(history)
+            self.save_terms()
+        if generation and generation != server.generation:
+            log.info("shard %s: map generation %s (the active's; was %s)", self.pair.shard,
+                     generation, server.generation)
+            server.generation = generation
+
+    def on_compacted(self, job) -> None:
+        """A snapshot is whole on disk. The one that wrote the map installed from the
+        active ends the ``needs-peer`` rule: this server holds a valid copy again."""
+        if job is not self.install_job:
+            return
+        self.install_job = None
+        if self.needs_peer and self.pair.server.persist is not None:
+            from shards.persist.recovery import peer_copy_written
+
+            peer_copy_written(self.pair.server.persist.path)
+            self.needs_peer = False
+            if self.pair.machine is not None:
+                self.pair.machine = bstar.peer_copied(self.pair.machine)
+            log.warning("shard %s: the peer's map (%d keys, sequence %d) is written here: "
+                        "this server holds a valid copy again", self.pair.shard, len(self.pair.server.store),
+                        self.pair.server.store.seq)
+
+    def recovered(self, term: int, history: list[tuple[int, int]],
+                  needs_peer: bool = False) -> None:
+        """Before ``start``: the Binary Star term and term history persisted with the map
+        just recovered (the start-up election compares (term, sequence)); ``needs_peer``:
+        the directory's map was unreadable and moved aside (``bstar`` rule 8)."""
+        self.recovered_term = self.saved_term = term
+        self.history = list(history)
+        self.needs_peer = needs_peer
+
+    def save_terms(self) -> None:
+        if self.pair.server.persist is None or self.pair.machine is None:
+            return
+        self.saved_term = self.pair.machine.term
+        try:
+            self.pair.server.persist.save_terms(self.pair.machine.term, self.history)
+        except OSError as exc:
+            log.error("shard %s: cannot save the term in %s: %s", self.pair.shard,
+                      self.pair.server.persist.path, exc)
+
