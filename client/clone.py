@@ -316,7 +316,7 @@ class AsyncClone:
             states = "; ".join(
                 f"shard {a.name} at {a.server}: {a.phase}"
                 f"{', synced' if a.synced else ''}"
-                f"{', collector listening' if a.collector_ready else ', collector silent'}"
+                f"{', collector listening' if a.writes.ready else ', collector silent'}"
                 for a in self._agents)
             raise Timeout(f"clone not ready within {timeout_s} s ({states})",
                           what="snapshot", deadline_s=timeout_s) from None
@@ -531,7 +531,7 @@ class AsyncClone:
 
     def stats(self) -> dict:
         return {"shards": [a.stats() for a in self._agents], "watches": len(self._hub.watches),
-                "resets": sum(a.resets for a in self._agents),
+                "resets": sum(a.outages.resets for a in self._agents),
                 "slow_policy": self.slow_policy, "fell_behind": self.fell_behind,
                 "max_lag_s": self.max_lag_s,
                 "failed": str(self.failed) if self.failed is not None else None}
@@ -607,10 +607,10 @@ class AsyncClone:
         reply = echo = None
         try:
             async with asyncio.timeout(timeout_s):
-                await agent.replies_ready()
-                frames[3] += chp.write_props(if_seq) + agent.reply_props()
-                echo = agent.expect(uuid, frames[0], frames[4])
-                reply = await agent.conditional(frames)
+                await agent.writes.replies_ready()
+                frames[3] += chp.write_props(if_seq) + agent.writes.reply_props()
+                echo = agent.writes.expect(uuid, frames[0], frames[4])
+                reply = await agent.writes.conditional(frames)
                 if reply.outcome in (chp.APPLIED, chp.DUPLICATE):
                     await echo  # in the local map, as wait=True
         except TimeoutError:
@@ -637,11 +637,11 @@ class AsyncClone:
     async def _send(self, agent: ShardAgent, frames: list[bytes], uuid: bytes, wait: bool,
                     timeout_s: float | None) -> bytes:
         if not wait:
-            agent.send_kvset(frames)
+            agent.writes.send_kvset(frames)
             return uuid
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        echo = agent.expect(uuid, frames[0], frames[4], frames)
-        agent.send_kvset(frames)
+        echo = agent.writes.expect(uuid, frames[0], frames[4], frames)
+        agent.writes.send_kvset(frames)
         try:
             async with asyncio.timeout(timeout_s):
                 await echo
@@ -662,7 +662,7 @@ class AsyncClone:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while any(a.kvsets_queued for a in self._agents):
+        while any(a.writes.queued for a in self._agents):
             if loop.time() >= deadline:
                 raise Timeout(f"KVSETs still queued after {timeout_s} s (no collector "
                               "listening)", what="flush", deadline_s=timeout_s)

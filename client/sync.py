@@ -205,7 +205,7 @@ class Clone:
                                                    timeout_s=timeout_s, if_seq=if_seq,
                                                    create=create), timeout_s)
         agent, frames, uuid = self._async._prepare(key, value, ttl)
-        self._post(agent.send_kvset, frames)
+        self._post(agent.writes.send_kvset, frames)
         return uuid
 
     def delete(self, key: str, *, wait: bool = False, timeout_s: float | None = None,
@@ -214,7 +214,7 @@ class Clone:
             return self._wait_call(self._async.delete(key, wait=True, timeout_s=timeout_s,
                                                       if_seq=if_seq), timeout_s)
         agent, frames, uuid = self._async._prepare(key, None, None)
-        self._post(agent.send_kvset, frames)
+        self._post(agent.writes.send_kvset, frames)
         return uuid
 
     def _wait_call(self, coro, timeout_s: float | None):

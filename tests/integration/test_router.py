@@ -349,7 +349,7 @@ def test_one_io_thread_per_shard_black_box(procs):
                               heartbeat_s=HEARTBEAT_S) as c, \
                 AsyncClone(shards=shards, io_threads=2, heartbeat_s=HEARTBEAT_S) as two:
             assert c._ctx.io_threads == 4 and two._ctx.io_threads == 2
-            masks = [{a.link.sub.sock.affinity, *(col.io.sock.affinity for col in a._collectors)}
+            masks = [{a.link.sub.sock.affinity, *(col.io.sock.affinity for col in a.writes.collectors)}
                      for a in c._agents]
             assert masks == [{1}, {2}, {4}, {8}]
             assert [a.link.sub.sock.affinity for a in two._agents] == [1, 2, 1, 2]

@@ -1,0 +1,142 @@
+"""The snapshot (or resume) a shard agent is receiving from its current server.
+
+The agent's DEALER delivers KVSYNC* then KTHXBAI (12/CHP). Each KVSYNC under the subtree
+goes into fresh maps (values, properties, each key's sequence); one outside the subtree,
+or one that does not decode, is counted and dropped. At KTHXBAI:
+
+* a snapshot of which nothing could be applied (every KVSYNC malformed or outside the
+  subtree) is ``SnapshotRejected``: nothing of it is installed, and the machine paces the
+  next request like a timeout;
+* a resume (``state.resuming``) is merged: with ``resume=1`` the updates after the
+  agent's sequence are applied to a copy of its installed map (an empty value is a
+  delete); with ``resume=0`` the server sent a whole snapshot instead (its deletes
+  dropped);
+* then ``SnapshotDone(seq, generation)``, and the agent installs ``take()``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from shards.common.errors import ProtocolError
+from shards.common.proto import chp
+from client import shard_machine as sm
+
+if TYPE_CHECKING:
+    from client.agent import ShardAgent
+
+log = logging.getLogger("client.agent")
+
+_Kvsync = chp.Kvsync
+_decode_snapshot = chp.decode_snapshot_liberal
+
+
+class Incoming:
+    """What one agent is receiving (see the module doc)."""
+
+    def __init__(self, agent: "ShardAgent"):
+        self.agent = agent
+        self.map: dict[bytes, bytes] | None = None
+        """The snapshot being received (None: none asked for, or it was rejected)."""
+        self.props: dict[bytes, bytes] = {}
+        self.seqs: dict[bytes, int] = {}
+        self._base = 0
+        """The agent's ``snapshot_messages`` when the current request went out."""
+        self._dropped = 0
+        self._first_error = ""
+        self.rejected = 0
+        self.resumes = self.resume_updates = self.resumes_refused = 0
+
+    def begin(self) -> None:
+        """A request went out: receive into fresh maps."""
+        self.map, self.props, self.seqs = {}, {}, {}
+        self._base, self._dropped = self.agent.snapshot_messages, 0
+        self._first_error = ""
+
+    def take(self) -> tuple[dict, dict, dict]:
+        """The received maps (values, properties, sequences), to install."""
+        out = (self.map if self.map is not None else {}), self.props, self.seqs
+        self.map, self.props, self.seqs = None, {}, {}
+        return out
+
+    def on_message(self, frames: list[bytes]) -> None:
+        """A message on the DEALER: KVSYNC or KTHXBAI (hot path during a sync)."""
+        agent = self.agent
+        agent.snapshot_messages += 1
+        incoming = self.map
+        if incoming is None:
+            agent.drops.drop("unexpected_snapshot", f"shard {agent.name}: no sync in progress")
+            return
+        try:
+            msg = _decode_snapshot(frames, agent.limits)
+        except ProtocolError as exc:
+            if frames and frames[0] != chp.KTHXBAI:
+                self._dropped += 1
+                self._first_error = self._first_error or str(exc)
+            agent.drops.drop(exc.reason, f"shard {agent.name} DEALER: {exc}")
+            return
+        subtree = agent.subtree
+        if msg.__class__ is _Kvsync:
+            key = msg.key
+            if not key.startswith(subtree):
+                self._dropped += 1
+                agent.drops.drop("outside_subtree", f"shard {agent.name}: KVSYNC {key[:60]!r}")
+            elif msg.value or agent.state.resuming:  # a resume's empty value is a delete
+                incoming[key] = msg.value
+                self.seqs[key] = msg.seq
+                if msg.props:
+                    self.props[key] = msg.props
+            return
+        if msg.subtree != subtree and msg.subtree:
+            # (an empty KTHXBAI subtree is the reference C server's: tolerated)
+            agent.drops.drop("wrong_subtree", f"shard {agent.name}: KTHXBAI for "
+                             f"{msg.subtree!r}, asked {subtree!r}")
+            return
+        arrived = agent.snapshot_messages - self._base - 1  # KVSYNCs (not KTHXBAI)
+        if arrived and self._dropped == arrived:
+            self.rejected += 1
+            reason = (f"{arrived} KVSYNC from {agent.server}, none valid (first: "
+                      f"{self._first_error or 'outside the subtree'})")
+            log.error("shard %s: snapshot rejected: %s", agent.name, reason)
+            self.map = None  # nothing of it is installed
+            agent.link.close_dealer()
+            agent._dispatch(sm.SnapshotRejected(reason))
+            return
+        if agent.state.resuming:
+            self._merge_resume(msg.props == chp.RESUMED, arrived)
+        agent._dispatch(sm.SnapshotDone(msg.seq, agent.link.generation))
+
+    def _merge_resume(self, resumed: bool, arrived: int) -> None:
+        """At the KTHXBAI of a resume request: the updates after our sequence applied on
+        a copy of the installed map (``resume=1``), or, when the server could not resume
+        (``resume=0``), the full snapshot it sent instead (its deletes dropped)."""
+        agent = self.agent
+        incoming, props_in, seqs_in = self.map, self.props, self.seqs
+        if not resumed:
+            self.map = {k: v for k, v in incoming.items() if v}
+            self.props = {k: p for k, p in props_in.items() if incoming.get(k)}
+            self.seqs = {k: s for k, s in seqs_in.items() if incoming.get(k)}
+            self.resumes_refused += 1
+            return
+        merged, props, seqs = dict(agent.map), dict(agent.props), dict(agent.seqs)
+        for key, value in incoming.items():
+            if value:
+                merged[key] = value
+                seqs[key] = seqs_in[key]
+                if key in props_in:
+                    props[key] = props_in[key]
+                else:
+                    props.pop(key, None)
+            else:
+                merged.pop(key, None)
+                props.pop(key, None)
+                seqs.pop(key, None)
+        self.map, self.props, self.seqs = merged, props, seqs
+        self.resumes += 1
+        self.resume_updates += arrived
+        log.info("shard %s: resumed with %d updates after sequence %d", agent.name, arrived,
+                 agent.last_seq)
+
+    def stats(self) -> dict:
+        return {"snapshots_rejected": self.rejected, "resumes": self.resumes,
+                "resume_updates": self.resume_updates, "resumes_refused": self.resumes_refused}

@@ -1,0 +1,126 @@
+"""What a shard agent tells its application about outages: failovers and data losses.
+
+* **Failover** (the machine's ``Failover`` effect): counted, logged, remembered per server
+  left (``left_because``: a write that times out names why, ``unavailable``), and
+  ``on_failover(FailoverInfo)`` is called; when the shard serves again (an install that
+  ends the machine's ``Outage``) it is called once more with ``resumed=True`` and the
+  gap from the old server's last message to the new snapshot.
+* **Data loss** (at an install over an earlier map): a generation that changed, or a
+  sequence that went backwards, means the server's map is not the one this client had:
+  a ``ResetInfo`` (keys lost and changed), counted, a WARNING, ``on_reset``.
+
+Application callbacks run on the client's loop thread; one that raises is logged, never
+the agent's failure.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from client import shard_machine as sm
+from client.events import FailoverInfo, ResetInfo
+
+if TYPE_CHECKING:
+    from client.agent import ShardAgent
+
+log = logging.getLogger("client.agent")
+
+
+def diff_counts(old: dict[bytes, bytes], new: dict[bytes, bytes]) -> tuple[int, int]:
+    """(keys of ``old`` that ``new`` lacks, keys new or changed in ``new``)."""
+    get = old.get
+    return len(old.keys() - new.keys()), sum(1 for k, v in new.items() if get(k) != v)
+
+
+class Outages:
+    """One agent's outage reports (see the module doc)."""
+
+    def __init__(self, agent: "ShardAgent", on_failover, on_reset):
+        self.agent = agent
+        self.on_failover = on_failover
+        self.on_reset = on_reset
+        self.failovers = 0
+        self.last_failover: FailoverInfo | None = None
+        self.left_because: dict[str, tuple[str, float]] = {}
+        """Server -> why this client last moved away from it, and when."""
+        self.resets = 0
+        self.last_reset: ResetInfo | None = None
+        """The last data loss; when the phase is ``KEPT``, the one this client keeps."""
+
+    def _call_back(self, callback, info, name: str) -> None:
+        if callback is not None:
+            try:
+                callback(info)
+            except Exception:
+                log.exception("shard %s: %s callback failed", self.agent.name, name)
+
+    # ------------------------------------------------------------------ failovers
+    def failed_over(self, eff: sm.Failover) -> None:
+        agent = self.agent
+        info = FailoverInfo(agent.name, agent.servers[eff.old], agent.servers[eff.new],
+                            eff.reason, eff.silent_s)
+        self.failovers += 1
+        self.last_failover = info
+        log.warning("shard %s: %s after %.1f s; moving from %s to %s", agent.name,
+                    eff.reason, eff.silent_s, info.old, info.new)
+        self.left_because[info.old] = (f"{eff.reason} after {eff.silent_s:.1f} s",
+                                       agent.clock())
+        self._call_back(self.on_failover, info, "on_failover")
+
+    def resumed(self, outage: sm.Outage, old: dict[bytes, bytes],
+                new: dict[bytes, bytes]) -> None:
+        agent = self.agent
+        first, heard_s, reason, silent_s = outage
+        removed, changed = diff_counts(old, new)
+        info = FailoverInfo(agent.name, agent.servers[first], agent.server, reason, silent_s,
+                            resumed=True, gap_s=agent.clock() - heard_s, removed=removed,
+                            changed=changed)
+        self.last_failover = info
+        log.warning("shard %s: resumed on %s %.2f s after the last message from %s "
+                    "(%d keys removed, %d new or changed)", agent.name, info.new, info.gap_s,
+                    info.old, removed, changed)
+        self._call_back(self.on_failover, info, "on_failover")
+
+    def unavailable(self, within_s: float) -> str:
+        """Why no server of this shard served this client lately: each server it left
+        within the last ``within_s`` seconds, and why ("" when it left none)."""
+        since = self.agent.clock() - within_s
+        recent = [(server, why) for server, (why, at) in self.left_because.items()
+                  if at >= since]
+        if not recent:
+            return ""
+        text = "; ".join(f"{server}: {why}" for server, why in recent)
+        if any("not serving" in why for _, why in recent):
+            text += (" (a passive server says its peer serves: this client may be cut off "
+                     "from the active one)")
+        return text
+
+    # ------------------------------------------------------------------ data losses
+    def data_loss(self, old: dict[bytes, bytes], new: dict[bytes, bytes],
+                  eff: sm.InstallSnapshot) -> ResetInfo | None:
+        """A snapshot about to replace an installed one: is it a different map? If so,
+        counted and logged (reported by ``report_reset``)."""
+        agent = self.agent
+        old_gen, new_gen, seq = eff.old_generation, eff.generation, eff.seq
+        if old_gen and new_gen and old_gen != new_gen:
+            reason = "the server's map is a new generation"
+        elif seq < agent.last_seq:
+            reason = "the server's sequence went backwards"
+        else:
+            return None
+        lost, changed = diff_counts(old, new)
+        info = ResetInfo(agent.name, agent.server, reason, old_gen, new_gen, agent.last_seq,
+                         seq, len(old), len(new), lost, changed, agent.reset_policy)
+        self.resets += 1
+        self.last_reset = info
+        log.warning("%s", info.describe())
+        return info
+
+    def report_reset(self, info: ResetInfo) -> None:
+        self._call_back(self.on_reset, info, "on_reset")
+
+    def stats(self) -> dict:
+        last = self.last_reset
+        return {"failovers": self.failovers, "resets": self.resets,
+                "last_reset": (last._asdict() | {"server": str(last.server)}
+                               if last is not None else None)}

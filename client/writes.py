@@ -1,0 +1,196 @@
+"""A shard agent's writes: the KVSETs it sends, the echoes and replies it waits for.
+
+* **Sending.** A KVSET goes to the collector of every server of the shard (12/CHP:
+  fire-and-forget, so a passive holds it by UUID and applies it if it takes over), or,
+  through relays, to the followed relay only (each forwards to the whole pair). A
+  collector queues (bounded) until its first connection; a collector that was connected
+  and went down drops what is sent to it (``client.collector``).
+* **Echoes** (``wait=True``): a write is confirmed when the shard publishes its UUID back
+  and it is applied here, or when an installed snapshot holds its value
+  (``client.echoes``).
+* **Replies** (conditional writes, resends): a server that decides writes (``cas=1``)
+  answers a KVSET that asks with a KVREPLY on the agent's replies DEALER
+  (``client.replies``): applied, duplicate (applied before), conflict or refused.
+* **Resends.** After an outage (a failover, or a reconnection to a server that may have
+  restarted: the machine's ``InstallSnapshot.resend``) the writes still awaiting their
+  echo are sent again with the same UUID: to a ``cas=1`` server asking for a reply, once
+  the replies DEALER is connected (applied once); otherwise once the installed snapshot
+  has been checked for them (at-least-once).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from shards.common.proto import chp
+from client.collector import KvsetSender
+from client.echoes import Echoes
+from client.replies import Replies
+
+if TYPE_CHECKING:
+    from client.agent import ShardAgent
+
+REPLY_CONNECT_S = 2.0
+"""After an outage, how long resent writes that ask for a reply wait for the replies
+DEALER's connection before they go anyway."""
+
+
+class ShardWrites:
+    """One agent's writes (see the module doc)."""
+
+    def __init__(self, agent: "ShardAgent"):
+        self.agent = agent
+        self.collectors: list[KvsetSender] = []
+        self.echoes = Echoes()
+        """Writes awaiting their echo (``wait=True``): ``client.echoes``."""
+        self.replies: Replies | None = None
+        """Writes awaiting their KVREPLY (conditional writes, resends): made in start(),
+        its DEALER connected on first use (``client.replies``)."""
+        self.connected: asyncio.Event | None = None
+        """Set while at least one collector is connected."""
+
+    def start(self) -> None:
+        agent = self.agent
+        self.connected = asyncio.Event()
+        for address in agent.servers:
+            self.collectors.append(KvsetSender(agent.ctx, address, agent.loop, agent.drops,
+                                               agent.kvset_queue_max, self._on_change,
+                                               agent.affinity, agent.security))
+        self.replies = Replies(agent.ctx, agent.name, agent.loop, affinity=agent.affinity,
+                               security=agent.security, on_reply=self._on_reply)
+
+    def close(self, linger_ms: int) -> None:
+        for c in self.collectors:
+            c.close(linger_ms)
+        self.echoes.cancel_all()
+        if self.replies is not None:
+            self.replies.cancel_all()
+
+    def fail_all(self, exc: Exception) -> None:
+        self.echoes.fail_all(exc)
+        if self.replies is not None:
+            self.replies.fail_all(exc)
+
+    @property
+    def ready(self) -> bool:
+        return any(c.ready for c in self.collectors)
+
+    def _on_change(self) -> None:
+        if self.ready:
+            self.connected.set()
+        else:
+            self.connected.clear()
+
+    # ------------------------------------------------------------------ out
+    @property
+    def queued(self) -> int:
+        """KVSETs waiting here for a collector (not yet handed to ZeroMQ)."""
+        return sum(len(c.queue) for c in self.collectors)
+
+    def send_kvset(self, frames: list[bytes]) -> None:
+        """Publish a KVSET to every server of the shard (fire-and-forget)."""
+        collectors = self.collectors
+        if len(collectors) == 1:
+            collectors[0].send(frames)
+            return
+        current = self.agent.state.server
+        if self.agent.relays:  # each relay forwards to the whole pair: one copy, to ours
+            collectors[current].send(frames, True)
+            return
+        for i, collector in enumerate(collectors):
+            collector.send(frames, i == current)
+
+    def expect(self, uuid: bytes, key: bytes, value: bytes,
+               frames: list[bytes] | None = None) -> asyncio.Future:
+        """A future resolved when this shard publishes the update ``uuid`` back (its
+        KVPUB applied here), or a snapshot installed here holds ``key`` = ``value``
+        (the KVPUB itself was folded into a resync). The caller cancels it on timeout."""
+        return self.echoes.expect(self.agent.loop, uuid, key, value, frames)
+
+    def conditional(self, frames: list[bytes]) -> asyncio.Future:
+        """Send a KVSET that asks for a reply (``frames[3]`` already says ``reply=``
+        this agent's id, see ``reply_props``); the future of its KVREPLY."""
+        fut = self.replies.expect(frames[2], frames)
+        self.send_kvset(frames)
+        return fut
+
+    def reply_props(self) -> bytes:
+        return chp.write_props(reply_to=self.replies.identity)
+
+    async def replies_ready(self) -> None:
+        """The replies DEALER connected to the current server (made on first use)."""
+        self.replies.connect(self.agent.server)
+        await self.replies.ready.wait()
+
+    def _on_reply(self, reply: chp.Kvreply) -> None:
+        """A KVREPLY: a write awaiting its echo that it answers (applied now, or before
+        an outage) is confirmed once this client's map is at its sequence (a later one
+        is confirmed by its KVPUB, still on the way)."""
+        echoes, last_seq = self.echoes, self.agent.last_seq
+        if echoes and reply.outcome in (chp.APPLIED, chp.DUPLICATE):
+            if reply.seq <= last_seq:
+                echoes.confirm(reply.uuid, last_seq)
+            else:  # its KVPUB is on the way, or will be folded into a snapshot
+                echoes.applied(reply.uuid, reply.seq)
+
+    # ------------------------------------------------------------------ the shard moved
+    def connected_to(self, server) -> None:
+        """The shard follows ``server`` now: the replies DEALER too, if in use."""
+        if self.replies.address is not None:
+            self.replies.connect(server)
+
+    def left(self, new: int) -> None:
+        """A failover to server ``new``: collectors that are down drop their queues (a
+        restarted server never receives a stale backlog)."""
+        for i, collector in enumerate(self.collectors):
+            if i != new and not collector.ready:
+                collector.discard_queue()
+
+    def installed(self, resend: bool, cas: bool) -> None:
+        """A snapshot is installed: confirm what it holds, and after an outage send again
+        what still awaits its echo (see the module doc)."""
+        agent = self.agent
+        echoes = self.echoes
+        if resend and (echoes or self.replies.waiting):
+            # writes made while no server took them (a KVSET sent into a connection that
+            # was already dead is gone), sent again now that the shard serves again
+            self._resend(echoes.unconfirmed() if cas else None)
+        elif echoes:
+            echoes.confirm_in(agent.map, agent.last_seq)
+        if echoes:
+            echoes.confirm_upto(agent.last_seq)
+
+    def _resend(self, echoed: list[list[bytes]] | None) -> None:
+        agent = self.agent
+        if echoed is None:
+            self.echoes.confirm_in(agent.map, agent.last_seq)
+            for frames in self.echoes.unconfirmed():
+                self.send_kvset(frames)
+            return
+        self.replies.connect(agent.server)
+        ident = self.reply_props()
+        again = [[f[0], f[1], f[2], f[3] if b"reply=" in f[3] else f[3] + ident, f[4]]
+                 for f in echoed]
+        again += self.replies.unanswered()
+        agent.loop.create_task(self._send_when_ready(again, agent.state.epoch))
+
+    async def _send_when_ready(self, frames_list: list[list[bytes]], epoch: int) -> None:
+        """Send once the replies DEALER is connected (so no answer is lost), or after
+        ``REPLY_CONNECT_S`` anyway."""
+        try:
+            async with asyncio.timeout(REPLY_CONNECT_S):
+                await self.replies.ready.wait()
+        except TimeoutError:
+            pass
+        if self.agent._closed or epoch != self.agent.state.epoch:
+            return  # moved on: the next outage sends them again
+        for frames in frames_list:
+            self.send_kvset(frames)
+
+    def stats(self) -> dict:
+        collectors = self.collectors
+        return {"kvsets_sent": sum(c.sent for c in collectors),
+                "kvsets_queued": sum(len(c.queue) for c in collectors),
+                "kvsets_dropped": sum(c.dropped for c in collectors),
+                "kvsets_resent": self.echoes.resent,
+                "replies": self.replies.received if self.replies is not None else 0}
