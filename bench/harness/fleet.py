@@ -13,7 +13,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from bench.harness.traffic import (FLUSH_S, READY_DEADLINE_S, SubscriberConfig, Window,
-                                   WriterConfig, percentiles_ms, subscriber_main, writer_main)
+                                   WriterConfig, percentiles_ms, writer_main)
+from bench.harness.traffic_reader import subscriber_main
 
 
 @dataclass

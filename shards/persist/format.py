@@ -239,3 +239,24 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+SYNC_FILE_RANGE_WRITE = 2
+"""linux/fs.h: start writeback of the range's dirty pages, without waiting for it."""
+
+
+def _bind_sync_file_range():
+    import ctypes
+    import ctypes.util
+
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).sync_file_range
+    except (OSError, AttributeError, TypeError):
+        return None  # not Linux (or no glibc): the fsync does all the writeback
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+sync_file_range = _bind_sync_file_range()
+"""``sync_file_range(fd, offset, nbytes, flags)`` (Linux), or None."""

@@ -37,28 +37,10 @@ from pathlib import Path
 from shards.common.errors import os_error_text
 from shards.persist import format as fmt
 from shards.persist.recovery import list_files
-from shards.store import SnapshotCursor, Store
+from shards.store import Store
+from shards.persist.compaction import SNAPSHOT_CHUNK_KEYS, Compaction
 
 log = logging.getLogger("shards.persist")
-
-SYNC_FILE_RANGE_WRITE = 2
-"""linux/fs.h: start writeback of the range's dirty pages, without waiting for it."""
-
-
-def _bind_sync_file_range():
-    import ctypes
-    import ctypes.util
-
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).sync_file_range
-    except (OSError, AttributeError, TypeError):
-        return None  # not Linux (or no glibc): the fsync does all the writeback
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _bind_sync_file_range()
 
 FSYNC_POLICIES = ("always", "everysec", "no")
 EVERYSEC_S = 1.0
@@ -80,106 +62,6 @@ less, it would stop again on its first writes (a disk error), so it exits at onc
 the supervisor tries again later (``python -m shards --min-free-bytes``)."""
 COMPACT_RETRY_S = 5.0
 """After a compaction failed (a full disk), the next one waits this long."""
-SNAPSHOT_CHUNK_KEYS = 256
-"""Keys written per loop turn by a compaction: ~0.3 ms here, so a KVSET arriving during
-a compaction waits at most that long for the reactor."""
-
-
-class Compaction:
-    """One snapshot being written from a cursor (see the module doc)."""
-
-    def __init__(self, dir_: "DataDir", cursor: SnapshotCursor, generation: str,
-                 retired_fd: int = -1):
-        self.dir = dir_
-        self.retired_fd = retired_fd
-        """The segment the rotation closed: fsynced and closed by ``finish``, off the
-        reactor (and at once by ``abort``)."""
-        self.cursor = cursor
-        self.seq = cursor.seq
-        self.path = dir_.path / fmt.seq_name(fmt.SNAP_PREFIX, self.seq, fmt.SNAP_SUFFIX)
-        self.tmp = self.path.with_name(self.path.name + fmt.TMP_SUFFIX)
-        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            fmt.write_all(self._fd, fmt.header(fmt.SNAP_MAGIC, generation) +
-                          fmt.record({"seq": self.seq}))
-        except OSError:
-            os.close(self._fd)
-            self._fd = -1
-            self.tmp.unlink(missing_ok=True)
-            raise
-        self.keys = 0
-        self.bytes = 0
-        self.started = time.monotonic()
-        self.written = False
-        self.finishing = False
-        """``finish`` is running on another thread: ``abort`` leaves the file to it."""
-        self.removed: list[Path] = []
-        self.only_copy = False
-        self.uuids: list = []
-        """``[uuid, seq, ...]``: the applied UUIDs as of the snapshot's sequence, written
-        after its entries (``shards.applied``)."""
-        """The snapshot of a map installed from the peer (``DataDir.replace``): the old
-        files are gone, so until it is whole the map is on no disk here, and failing to
-        write it is a disk error, not a compaction to try again later."""
-
-    def step(self, keys: int = SNAPSHOT_CHUNK_KEYS) -> bool:
-        """Write the next chunk; True once the snapshot is all written (not yet synced)."""
-        if self.written:
-            return True
-        entries = self.cursor.next_entries(keys)
-        if entries:
-            data = fmt.record(entries)
-            fmt.write_all(self._fd, data)
-            self.keys += len(entries) // 4
-            self.bytes += len(data)
-        if self.cursor.done:
-            if self.uuids:
-                fmt.write_all(self._fd, fmt.record({"uuids": self.uuids}))
-            fmt.write_all(self._fd, fmt.record({"keys": self.keys}))
-            self.written = True
-        return self.written
-
-    def finish(self) -> None:
-        """Blocking (run it off the loop): fsync the segment the rotation retired and the
-        snapshot, rename the snapshot into place, fsync the directory."""
-        self._retire()
-        os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = -1
-        os.rename(self.tmp, self.path)
-        fmt.fsync_dir(self.dir.path)
-        self.removed = self._remove_covered()
-
-    def _remove_covered(self) -> list[Path]:
-        """Delete the older snapshots and the segments this snapshot covers (those that
-        start at or before its sequence: the rotation started a new one after it). Safe
-        off the reactor: the reactor only ever creates later segments meanwhile."""
-        files = list_files(self.dir.path)
-        removed = [path for seq, path in files.snapshots if seq < self.seq]
-        removed += [path for first, path in files.segments if first <= self.seq]
-        for path in removed:
-            path.unlink()
-        fmt.fsync_dir(self.dir.path)
-        return removed
-
-    def _retire(self) -> None:
-        fd, self.retired_fd = self.retired_fd, -1
-        if fd >= 0:
-            os.fsync(fd)
-            os.close(fd)
-
-    def abort(self) -> None:
-        self.cursor.close()
-        if self.finishing:
-            return  # the snapshot is whole; finish() renames it, and recovery may use it
-        self._retire()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        try:
-            self.tmp.unlink()
-        except FileNotFoundError:
-            pass
 
 
 class DataDir:
@@ -403,7 +285,7 @@ class DataDir:
         """Between ``everysec`` fsyncs: once ``WRITEBACK_BYTES`` were written since the
         last start, have the kernel begin writing them back, on a background thread (it
         can wait for a busy device), so the next fsync has little left to do."""
-        if (self._written - self._written_kicked < WRITEBACK_BYTES or _sync_file_range is None
+        if (self._written - self._written_kicked < WRITEBACK_BYTES or fmt.sync_file_range is None
                 or (self._bg_writeback is not None and not self._bg_writeback.is_set())):
             return
         self._written_kicked = self._written
@@ -442,7 +324,7 @@ class DataDir:
                 done.set()
 
     def _writeback_in_background(self, fd: int) -> None:
-        if _sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE) == 0:
+        if fmt.sync_file_range(fd, 0, 0, fmt.SYNC_FILE_RANGE_WRITE) == 0:
             self.counters["writebacks"] = self.counters.get("writebacks", 0) + 1
         else:  # the fsync still writes everything back: counted, nothing more
             self.counters["writeback_errors"] = self.counters.get("writeback_errors", 0) + 1

@@ -18,7 +18,7 @@ import click
 
 from shards.common.errors import ConfigError, PortInUse
 from shards.common.mdp.broker import Broker
-from shards.common.mdp.broker_core import BrokerConfig
+from shards.common.mdp.broker_config import BrokerConfig
 from shards.common.timing import MDP_HEARTBEAT_S
 
 

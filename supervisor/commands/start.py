@@ -182,7 +182,7 @@ class Supervisor:
         import zmq
 
         from shards.common.mdp.broker import Broker
-        from shards.common.mdp.broker_core import budget_config
+        from shards.common.mdp.broker_config import budget_config
         from supervisor.health import ClusterHealth
         from supervisor.metrics import MetricsServer
         from supervisor.services import ControlServices, StatsPoller

@@ -9,8 +9,8 @@ import struct
 import pytest
 
 from bench.harness.offer import core_plan, parse_core_list
-from bench.harness.traffic import (SourceState, WriterConfig, blind_reader, drain, key_index,
-                                   routed_schedule)
+from bench.harness.traffic import WriterConfig, key_index, routed_schedule
+from bench.harness.traffic_reader import SourceState, blind_reader, drain
 from shards.common import zio
 from conftest import bench_record, run_bench
 from shards.common.routing import ShardMap
@@ -136,7 +136,8 @@ def test_latency_is_sampled_only_inside_the_window(zctx):
 
     import zmq
 
-    from bench.harness.traffic import SubscriberConfig, Window, _subscribe
+    from bench.harness.traffic import SubscriberConfig, Window
+    from bench.harness.traffic_reader import _subscribe
 
     pub = zctx.socket(zmq.XPUB)
     pub.bind("inproc://window")

@@ -14,7 +14,7 @@ from shards.common.mdp.client import MdpClient, RequestTimeout, SyncMdpClient
 from shards.common.mdp.worker import MdpWorker
 from shards.common.mdp import codec as mdp
 from shards.common.mdp.broker import Broker
-from shards.common.mdp.broker_core import BrokerConfig
+from shards.common.mdp.broker_config import BrokerConfig
 
 HB_S = 0.2
 

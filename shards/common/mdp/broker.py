@@ -50,7 +50,8 @@ from shards.common.errors import ConfigError, PortInUse
 from shards.common.mdp.codec import C_FINAL, C_PARTIAL, MDPC, check_service
 from shards.common.security import Authenticator, Security
 from shards.common.zio import DEFAULT_BATCH, AsyncSocket, recv_frames_with_user, send_frames
-from shards.common.mdp.broker_core import BrokerConfig, BrokerCore, Drop, InternalCall, Note
+from shards.common.mdp.broker_config import BrokerConfig
+from shards.common.mdp.broker_core import BrokerCore, Drop, InternalCall, Note
 
 log = logging.getLogger(__name__)
 

@@ -21,33 +21,18 @@ Rules this module enforces (each violation raises ``ProtocolError`` naming it):
   "=", a value may hold "=" (the guide's Python kvmsg drops such properties; we do not);
 * key, value and properties sizes are bounded by ``Limits`` (configurable).
 
-A HUGZ is recognised by its key "HUGZ" *and* sequence 0: KVPUB sequences start at 1, so
-it cannot be mistaken for an update. (*) Deviation from 12/CHP (frame 3 empty): our servers
-put a clock in a HUGZ's properties frame, ``ts=<server epoch s, 6 decimals>\\nseq=<current
-sequence>\\n`` (``hugz(ts, seq)``), so a client can measure how far behind it is even under
-a subtree filter; frames 2 and 4 stay empty. ``decode_update`` accepts an empty or any
-valid properties frame (``Hugz.props``; ``hugz_clock`` reads ts and seq). Strict CHP
-clients key on "HUGZ" and ignore the rest. Values are opaque bytes; an empty value means delete.
+A HUGZ is recognised by its key "HUGZ" *and* sequence 0 (KVPUB sequences start at 1).
+(*) Deviation from 12/CHP (frame 3 empty): our servers put properties in a HUGZ: the
+clock (``ts=``, ``seq=``: ``hugz_clock``), the map's generation (``gen=``), ``serving=0``,
+``route=`` and ``cas=1`` (``hugz_info``); strict CHP clients key on "HUGZ" and ignore the
+rest. What each means, and why, is in shards/README.md, *Protocol decisions*. Values are
+opaque bytes; an empty value means delete.
 
-Two more HUGZ properties (``hugz_info``), also ignored by strict clients:
-
-* ``gen=<token>``: the *generation* of the server's map, a random token drawn when a map
-  is born empty and carried over by a Binary Star replica. Same generation and a
-  sequence that continues: nothing was lost. A new generation: the map was lost and
-  started over (both servers of a pair died, or a standalone server restarted).
-* ``serving=0``: this server will not answer an ICANHAZ now (a Binary Star server that
-  is not active while its peer is alive). A client asks the other server of the pair at
-  once instead of waiting for a snapshot timeout.
-
-Liberal reading (``strict=False``, what a client uses): the guide's reference C server
-(clonesrv6) deviates from 12/CHP in ways a reader can tolerate. Its KVSYNC carries the
-stored UUID and properties in frames 2 and 3 (kept in ``Kvsync.uuid``/``props``), its
-KTHXBAI has an empty subtree whatever was asked, and its HUGZ carries the current
-sequence instead of 0 (``Hugz.seq``). With ``strict=True`` (the default, and what every
-conformance test checks our server with) all three are errors.
-
-Properties stay as raw bytes in the message tuples (cheap on the hot path); use
-``parse_props`` / ``format_props`` to convert.
+Liberal reading (``strict=False``, what a client uses) tolerates the guide's reference C
+server (clonesrv6): a KVSYNC with UUID and properties (``Kvsync.uuid``/``props``), a
+KTHXBAI with an empty subtree, a HUGZ with a sequence (``Hugz.seq``); ``strict=True``
+(the default: our conformance tests) refuses all three. Properties stay raw bytes in the
+message tuples (cheap on the hot path): ``parse_props`` / ``format_props`` convert.
 """
 from __future__ import annotations
 
@@ -466,18 +451,10 @@ def in_subtree(key: bytes, subtree: bytes) -> bool:
 
 # ------------------------------------------------------------------- conditional writes
 #
-# Our extension of KVSET (see shards/README.md, Protocol decisions): two properties.
-#   if-seq=<S>   apply only if the key's last-modified sequence is S (0: only if the key
-#                is absent); otherwise the write is not applied and not published
-#   reply=<hex>  the routing id (1..32 bytes, hex) of the writer's DEALER connected to
-#                the server's snapshot port: the server answers there with a KVREPLY
-#                once the outcome is decided (and, when applied, logged and published)
-#
-# KVREPLY (server ROUTER -> client DEALER; identity frame not shown):
-#   f0 "KVREPLY"   f1 UUID (16 B)   f2 outcome   f3 sequence (8 B)   f4 detail
-# outcome: "applied" (f3: the update's sequence), "duplicate" (this UUID was already
-# applied, at f3; nothing was applied now), "conflict" (f3: the key's last-modified
-# sequence, 0 if absent), "refused" (f3 0; f4 says why).
+# Our extension of KVSET: ``if-seq=<S>`` (apply only if the key's last-modified sequence
+# is S; 0: only if absent) and ``reply=<hex>`` (the writer's DEALER on P, answered with a
+# KVREPLY: f0 "KVREPLY", f1 UUID, f2 outcome, f3 sequence, f4 detail). The outcomes and
+# their sequences: shards/README.md, *Protocol decisions*.
 
 IF_SEQ = "if-seq"
 REPLY_TO = "reply"

@@ -1,0 +1,99 @@
+"""The layout the code keeps (read from the files, nothing imported): no module over
+``MAX_LINES`` outside the tests, no import cycle between modules, the client imports
+nothing from the supervisor, and the pure machines import no ZeroMQ."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("shards", "client", "supervisor", "bench")
+MAX_LINES = 560
+PURE = ("client/shard_machine.py", "client/options.py", "shards/bstar.py",
+        "shards/replica_machine.py", "shards/pending.py", "shards/store.py")
+
+
+def modules() -> dict[str, Path]:
+    """Dotted name -> path, for every module of the project's packages."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def imports_of(path: Path, known: dict[str, Path], top_level_only: bool) -> set[str]:
+    """The project modules ``path`` imports (at module level only, when asked: an import
+    inside a function runs later and cannot form a cycle at import time)."""
+    tree = ast.parse(path.read_text(), str(path))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.If):  # ``if TYPE_CHECKING:`` blocks never run
+            continue
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            names = [n for n in subs if n in known] or [node.module]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {str(path.relative_to(ROOT)): n for path in modules().values()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_no_import_cycle_at_import_time():
+    known = modules()
+    # (a module's own packages are initialised before it: never a cycle)
+    graph = {name: {d for d in imports_of(path, known, top_level_only=True)
+                    if d != name and not name.startswith(d + ".")}
+             for name, path in known.items()}
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+    stack: list[str] = []
+
+    def walk(name: str) -> None:
+        state[name] = 1
+        stack.append(name)
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep):] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                walk(dep)
+        stack.pop()
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            walk(name)
+
+
+def test_the_client_imports_nothing_from_the_supervisor():
+    known = modules()
+    leaks = {name: sorted(d for d in imports_of(path, known, top_level_only=False)
+                          if d.split(".")[0] == "supervisor")
+             for name, path in known.items() if name.split(".")[0] == "client"}
+    assert not {k: v for k, v in leaks.items() if v}
+
+
+def test_the_pure_machines_import_no_zeromq():
+    for rel in PURE:
+        tree = ast.parse((ROOT / rel).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                assert not any(a.name.split(".")[0] == "zmq" for a in node.names), rel
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert node.module.split(".")[0] != "zmq", rel
