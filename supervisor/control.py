@@ -13,7 +13,8 @@ from typing import Callable
 from shards.common.errors import ClonemapError, ConfigError, Exit, HandshakeRefused
 from shards.common.endpoints import ensure_listening
 from shards.common.mdp.client import SyncMdpClient
-from shards.common.config import DEFAULT_CONTROL, load_config, parse_endpoint
+from shards.common.config import DEFAULT_CONTROL, load_config
+from shards.common.config_values import parse_endpoint
 from shards.common.security import Security, client_keys
 from supervisor.protocol import check_target
 

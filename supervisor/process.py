@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from shards.common.children import die_with_parent
-from shards.common.config import format_cores
+from shards.common.config_values import format_cores
 from shards.common.placement import ServerPlan
 from supervisor.policy import Run, describe_exit
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from shards.common.config import format_cores
+from shards.common.config_values import format_cores
 from shards.common.routing import ShardMap
 from shards.common.placement import Plan, RoutingParams, ServerPlan
 from supervisor.policy import (DEFAULT_POLICY, GiveUp, Leave, PolicyConfig, Restart, Run,

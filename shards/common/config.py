@@ -49,10 +49,6 @@ NICs, addresses, ports) live in ``shards.common.placement``.
 from __future__ import annotations
 
 import difflib
-import ipaddress
-import json
-import math
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
 
@@ -62,37 +58,25 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
 
 from shards.common.errors import ConfigError
 from shards.common import timing
-from shards.common.endpoints import DEFAULT_CONTROL, WILDCARD
+from shards.common.endpoints import DEFAULT_CONTROL
 from shards.common.timing import HEARTBEAT_S as DEFAULT_HEARTBEAT_S, SILENCE_HEARTBEATS
+from shards.common.config_values import (DEFAULT_METRICS, MAX_PORT_BASE, PORTS_PER_SERVER, Cores,
+                                         Endpoint, Host, Metrics, Name, Nic, OptSeconds, Port,
+                                         Prefix, Seconds, endpoint_parts, format_given,
+                                         parse_etcd_endpoint, parse_name, parse_port)
 
 DEFAULT_CLUSTER = "clonemap"
 DEFAULT_PORT_BASE = 6000
 SHARD_PORT_STRIDE = 20
 BACKUP_PORT_OFFSET = 10
-PORTS_PER_SERVER = 4
-MAX_PORT_BASE = 65535 - (PORTS_PER_SERVER - 1)
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_DATA_DIR = "data"
 ROLES = ("primary", "backup")
 
-CoreSet = tuple[int, ...]
-CoreSpec = Union[Literal["auto"], CoreSet]
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_NAME_EXPECTED = "expected 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
 
 
 # ---------------------------------------------------------------- problems and messages
-
-def format_given(value: Any) -> str:
-    """A value as the user wrote it, compactly (strings quoted, lists as lists)."""
-    if isinstance(value, tuple):
-        value = list(value)
-    try:
-        return json.dumps(value, default=str)
-    except (TypeError, ValueError):
-        return repr(value)
-
 
 def field_path(loc: tuple) -> str:
     """``("shards", 1, "backup", "cores")`` -> ``shards[1].backup.cores``."""
@@ -132,172 +116,7 @@ class Problems:
             raise ConfigError(text, field=self.fields[0])
 
 
-# ---------------------------------------------------------------- value parsers
 
-def parse_cores(value: Any) -> CoreSpec:
-    """``"auto"``, an int, a list of ints or a string like ``"2-3,6"`` -> ``"auto"`` or a
-    sorted tuple of distinct core numbers."""
-    expected = 'expected "auto", a core number, a list like [2, 3] or a string like "2-3,6"'
-    if isinstance(value, str):
-        text = value.strip()
-        if text == "auto":
-            return "auto"
-        cores: set[int] = set()
-        for part in text.split(","):
-            part = part.strip()
-            m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
-            if not m:
-                raise ValueError(f"cannot read {part!r} as a core or a range; {expected}")
-            lo = int(m.group(1))
-            hi = int(m.group(2)) if m.group(2) is not None else lo
-            if hi < lo:
-                raise ValueError(f"range {part!r} runs backwards; write it low-high")
-            cores.update(range(lo, hi + 1))
-        return tuple(sorted(cores))
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = [value]
-    if isinstance(value, (list, tuple)):
-        if not value:
-            raise ValueError(f"an empty core set; {expected}")
-        for core in value:
-            if isinstance(core, bool) or not isinstance(core, int):
-                raise ValueError(f"{format_given(core)} is not a core number; {expected}")
-            if core < 0:
-                raise ValueError(f"core {core} is negative; core numbers start at 0")
-        return tuple(sorted(set(value)))
-    raise ValueError(expected)
-
-
-def format_cores(cores: CoreSpec) -> str:
-    """``(0, 1, 2, 3, 6)`` -> ``"0-3,6"``."""
-    if cores == "auto":
-        return "auto"
-    runs: list[str] = []
-    ordered = sorted(cores)
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        runs.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(runs)
-
-
-def parse_port(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"not a port number; expected an integer in 1..{MAX_PORT_BASE}")
-    if not 1 <= value <= MAX_PORT_BASE:
-        raise ValueError(f"out of range; expected a port base in 1..{MAX_PORT_BASE} "
-                         f"(a server uses port..port+{PORTS_PER_SERVER - 1})")
-    return value
-
-
-def parse_ipv4(value: Any) -> str:
-    expected = ("expected a dotted IPv4 address such as 127.0.0.1 "
-                "(or use nic: to bind an interface's address)")
-    if not isinstance(value, str):
-        raise ValueError(f"not an IPv4 address; {expected}")
-    try:
-        address = ipaddress.IPv4Address(value.strip())
-    except ValueError:
-        raise ValueError(f"not an IPv4 address; {expected}") from None
-    if address.is_unspecified or address.is_multicast:
-        raise ValueError(f"{address} cannot be a server's address (clients must connect "
-                         f"to it); {expected}")
-    return str(address)
-
-
-def parse_nic(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError("expected an interface name such as eth0 or lo")
-    return value.strip()
-
-
-def parse_seconds(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError("not a number of seconds; expected a number > 0 such as 1.0")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError("expected a number of seconds > 0 such as 1.0")
-    return float(value)
-
-
-def parse_endpoint(value: Any) -> str:
-    """``tcp://IPV4:PORT`` (or ``tcp://*:PORT``) -> a normalised endpoint string."""
-    expected = "expected tcp://IPV4:PORT such as tcp://127.0.0.1:5555 (or tcp://*:PORT)"
-    if not isinstance(value, str):
-        raise ValueError(expected)
-    host, port = _host_port(value.strip(), r"tcp://([^:/]+):(\d+)", expected)
-    host = "*" if host == WILDCARD else host
-    return f"tcp://{host}:{port}"
-
-
-def _host_port(text: str, pattern: str, expected: str) -> tuple[str, int]:
-    """An IPv4 address (``*`` and 0.0.0.0: every interface, as 0.0.0.0) and a port
-    1..65535 from ``text`` matching ``pattern`` (two groups); ValueError naming
-    ``expected`` otherwise."""
-    m = re.fullmatch(pattern, text)
-    if not m:
-        raise ValueError(expected)
-    host, port = m.group(1), int(m.group(2))
-    host = WILDCARD if host == "*" else host
-    try:
-        host = str(ipaddress.IPv4Address(host))
-    except ValueError:
-        raise ValueError(f"{host!r} is not an IPv4 address; {expected}") from None
-    if not 1 <= port <= 65535:
-        raise ValueError(f"port {port} is out of range; expected 1..65535")
-    return host, port
-
-
-DEFAULT_METRICS = "127.0.0.1:9464"
-
-
-def parse_metrics(value: Any) -> str | None:
-    """``HOST:PORT`` where the supervisor serves Prometheus metrics; ``off`` (YAML reads
-    a bare off as false) or null: none."""
-    expected = ("expected HOST:PORT such as 127.0.0.1:9464 (0.0.0.0:PORT for every "
-                "interface), or off")
-    if value is None or value is False or (isinstance(value, str)
-                                           and value.strip().lower() == "off"):
-        return None
-    if not isinstance(value, str):
-        raise ValueError(expected)
-    host, port = _host_port(value.strip(), r"([^:/\s]+):(\d+)", expected)
-    return f"{host}:{port}"
-
-
-def endpoint_parts(endpoint: str) -> tuple[str, int]:
-    """``tcp://127.0.0.1:5555`` -> ``("127.0.0.1", 5555)``; ``*`` becomes 0.0.0.0."""
-    host, _, port = endpoint[len("tcp://"):].rpartition(":")
-    return (WILDCARD if host == "*" else host), int(port)
-
-
-def parse_name(value: Any) -> str:
-    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
-        raise ValueError(_NAME_EXPECTED)
-    return value
-
-
-def parse_prefix(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError('not a string; expected a key prefix such as "/config/"')
-    if not value:
-        raise ValueError('an empty prefix would pin every key; expected a key prefix '
-                         'such as "/config/"')
-    return value
-
-
-Cores = Annotated[Union[CoreSpec, None], PlainValidator(parse_cores)]
-Port = Annotated[Union[int, None], PlainValidator(parse_port)]
-Host = Annotated[Union[str, None], PlainValidator(parse_ipv4)]
-Nic = Annotated[Union[str, None], PlainValidator(parse_nic)]
-Name = Annotated[Union[str, None], PlainValidator(parse_name)]
-Prefix = Annotated[str, PlainValidator(parse_prefix)]
-Seconds = Annotated[float, PlainValidator(parse_seconds)]
-OptSeconds = Annotated[Union[float, None], PlainValidator(parse_seconds)]
-Endpoint = Annotated[str, PlainValidator(parse_endpoint)]
-Metrics = Annotated[Union[str, None], PlainValidator(parse_metrics)]
 
 
 # ---------------------------------------------------------------- models
@@ -410,16 +229,6 @@ class HostEntry(_Model):
 
     control: Endpoint
     metrics: Metrics = None
-
-
-def parse_etcd_endpoint(value: Any) -> str:
-    expected = "expected HOST:PORT of an etcd member such as 10.0.0.5:2379"
-    if not isinstance(value, str):
-        raise ValueError(expected)
-    host, _, port = value.strip().rpartition(":")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(expected)
-    return f"{host}:{int(port)}"
 
 
 class CoordinationConfig(_Model):

@@ -37,7 +37,7 @@ def ensure_listening(endpoint: str) -> None:
     own deadline."""
     import socket
 
-    from shards.common.config import endpoint_parts
+    from shards.common.config_values import endpoint_parts
 
     host, port = endpoint_parts(str(endpoint))
     try:

@@ -29,7 +29,8 @@ import psutil
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
 from shards.common.errors import ConfigError
-from shards.common.config import config_error_from, format_cores, parse_cores, read_yaml
+from shards.common.config import config_error_from, read_yaml
+from shards.common.config_values import format_cores, parse_cores
 
 LOCAL_SOURCE = "this host"
 

@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shards.common.errors import ConfigError
-from shards.common.config import (PORTS_PER_SERVER, ROLES, WILDCARD, ClusterConfig, Problems,
-                               endpoint_parts, format_cores, load_config)
+from shards.common.config import ROLES, ClusterConfig, Problems, load_config
+from shards.common.config_values import PORTS_PER_SERVER, endpoint_parts, format_cores
+from shards.common.endpoints import WILDCARD
 from shards.common.hostfacts import HostFacts, local_host_facts, probe_port
 
 # What each of a server's ports P..P+3 carries.

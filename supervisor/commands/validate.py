@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from shards.common.errors import ConfigError
-from shards.common.config import format_cores, load_config
+from shards.common.config import load_config
+from shards.common.config_values import format_cores
 from shards.common.hostfacts import load_host_facts, local_host_facts
 from shards.common.placement import Plan, check_ports_free, plan
 from shards.common.security import check_keys_present

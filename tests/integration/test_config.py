@@ -12,7 +12,8 @@ import yaml
 
 from conftest import ROOT, free_port_base
 from shards.common.errors import ConfigError
-from shards.common.config import format_cores, load_config, parse_config, parse_cores
+from shards.common.config import load_config, parse_config
+from shards.common.config_values import format_cores, parse_cores
 from shards.common.hostfacts import HostFacts, load_host_facts, local_host_facts, probe_port
 from shards.common.placement import check_ports_free, load_plan, plan
 

@@ -23,7 +23,7 @@ from test_client_failover import (Events, start_pair_server, start_standalone, w
                                   wait_stderr)
 from test_client_server import fetch_map
 from client.api import AsyncClone, Clone
-from client.cli import subtree_of
+from client.cli_target import subtree_of
 from client.router import Cluster
 from shards.common.errors import ConfigError, Timeout
 from shards.common.proto import bstar as wire
