@@ -1,53 +1,22 @@
 """``AsyncClone``, the client over its shard agents (asyncio); ``client.sync.Clone`` runs
 it on a background thread, and ``client.api`` is where applications import both from.
+The reference, with examples that run, is client/README.md.
 
-::
-
-    async with AsyncClone(servers="tcp://127.0.0.1:6000", subtree="/orders/") as clone:
-        await clone.set("/orders/1", b"new", ttl=30)      # fire-and-forget KVSET
-        clone.get("/orders/1")                             # local read (None until echoed)
-        async with clone.watch("/orders/") as w:
-            async for change in w:                         # put..., synced, live changes
-                ...
-
-    with Clone("tcp://127.0.0.1:6000", codec="msgpack") as clone:   # background loop
-        clone.set("/cfg/a", {"x": 1})
-        clone.watch("/cfg/", callback=print)
-
-Where the cluster is (exactly one of):
-
-* ``servers=`` the server(s) of ONE shard by base port P: a string, or a sequence (a
-  Binary Star pair, in failover order);
-* ``shards=[[p0, b0], [p1, b1], ...]``: shard i served by entry i (hashed routing, no pins);
-* ``config="configs/4shard.yaml"``: the supervisor config, planned on this host;
-* ``control="tcp://host:5555"``: the supervisor's MDP ``cluster.map``, fetched in start();
-  a list (or a comma-separated string) of endpoints: the supervisors of a cluster over
-  several hosts, asked in turn until one answers (each serves the same map).
+Where the cluster is (exactly one of): ``servers=`` the server(s) of ONE shard (a Binary
+Star pair in failover order); ``shards=[[p0, b0], ...]``; ``config=`` a supervisor config,
+planned on this host; ``control=`` one or more supervisors' MDP ``cluster.map``
+(``client.router.discover``), fetched in ``start()``. Everything else is an option
+(``client.options.ClientOptions``).
 
 The router (``client.router``): one ``ShardAgent`` per shard that can own a key under the
-subtree (``ShardMap.owners_of_subtree``), each with its own sockets, sequence (the
-``version_vector``), failover and resync; the local map is the union of their parts.
-Reads (get, items, keys, len) are local; a write is a KVSET sent to every server of the
-key's owning shard (``ShardMap.owner``), fire-and-forget as in 12/CHP, with a fresh
-16-byte UUID that ``set``/``delete`` return. ``wait=True`` returns only once the owning
-shard has published that UUID back and it is applied locally (read-your-writes), or
-raises ``shards.common.errors.Timeout``.
-
-Slow subscribers (the guide's Suicidal Snail): for a client without a subtree, a gap in a
-shard's sequence means the publisher dropped updates for it (its high-water marks
-overflowed: the client fell behind). ``slow_policy="resync"`` (default) counts it
-(``fell_behind``) and takes a fresh snapshot of that shard; ``"die"`` fails the client:
-every later call and every watch raises ``client.errors.SlowSubscriber`` and ``on_slow``
-is called. A subtree filter makes gaps normal, so lag is also measured by time, with or
-without a subtree: our servers put their clock in a HUGZ every 0.5 s (``--clock-s``), busy
-or not, and a shard read more than ``max_lag_s`` (default 1.0 s; None: off) later than
-usual gets the same policy (see ``client.agent``).
-
-``io_threads=None | N | "per_shard"``: the Black Box pattern, the client's own ZeroMQ
-context gets N I/O threads and each shard's sockets are pinned to one (ZMQ_AFFINITY).
-
-Keys are ``str`` (UTF-8 on the wire) and must lie under the client's subtree. Values go
-through the codec (``client.codec``): bytes by default, or ``codec="msgpack"``.
+subtree, each with its own sockets, sequence (the ``version_vector``), failover and
+resync; the local map is the union of their parts. Reads are local; a write is a KVSET
+to every server of the key's owning shard, fire-and-forget as in 12/CHP, with a fresh
+16-byte UUID that ``set``/``delete`` return. ``wait=True`` returns once the owning shard
+has published that UUID back and it is applied locally (read-your-writes), or raises
+``Timeout`` naming why no server served it. Falling behind and failing:
+``client.health``. Keys are ``str`` (UTF-8 on the wire) under the client's subtree;
+values go through the codec (``client.codec``).
 """
 from __future__ import annotations
 
@@ -56,11 +25,11 @@ import random
 import logging
 import math
 import uuid as _uuid
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import zmq
 
-from shards.common.errors import ClonemapError, ConfigError, HandshakeRefused, Timeout
+from shards.common.errors import ClonemapError, HandshakeRefused, Timeout
 from shards.common.security import Security, client_keys
 from shards.common.proto import chp
 from shards.common import timing
@@ -69,9 +38,10 @@ from client.agent import ShardAgent
 from client.events import KEPT, KeyMeta
 from client.collector import ServerAddress, parse_server
 from client.codec import get_codec
-from client.errors import Conflict, NotRunning, NotSupported, SlowSubscriber, WriteRefused
-from client.options import AUTO, MAX_IO_THREADS, PER_SHARD, RESYNC, AgentHooks, ClientOptions
-from client.router import Cluster, fetch_cluster
+from client.errors import Conflict, NotRunning, NotSupported, WriteRefused
+from client.options import AUTO, MAX_IO_THREADS, PER_SHARD, AgentHooks, ClientOptions
+from client.health import Health
+from client.router import Cluster, discover
 from client.watch import Watch, WatchCore, WatchHub
 
 log = logging.getLogger(__name__)
@@ -128,23 +98,9 @@ class AsyncClone:
 
     ``await start()`` (or ``async with``) returns once every shard's snapshot is installed
     and a collector listens, or raises ``shards.common.errors.Timeout`` after ``timeout_s``.
-
-    Failover (a Binary Star pair given as ``servers=[primary, backup]``): a shard silent
-    (no KVPUB, no HUGZ) for ``silence_timeout_s`` (``"auto"``: 3 x ``heartbeat_s``, the
-    servers' heartbeat; ``None``: never) moves to the next server; a server that sends no
-    snapshot for ``sync_timeout_s`` is asked again, twice at most, then the next one;
-    a SUB that never connects moves on after ``connect_timeout_s``. ``on_failover`` is
-    called (on the agent's loop thread; keep it short) with a ``FailoverInfo`` when the
-    shard switches and again when it has resumed.
-
-    Data loss: when a shard's server holds another map than the one this client had (a
-    new map generation, or a sequence that went backwards: both servers of a pair died,
-    or a standalone server restarted), ``on_reset`` is called once with a ``ResetInfo``
-    (shard, old and new sequence and generation, keys lost), a WARNING is logged, watches
-    get a ``reset`` change, and ``stats()`` counts it. ``reset_policy="accept"``
-    (default) installs the new map; ``"keep"`` keeps this client's copy of that shard
-    read-only (reads work, writes to it raise ``client.errors.ShardReset``) and stops
-    following it.
+    When a shard fails over, resyncs, or finds its server lost data, and what the client
+    then does (``on_failover``, ``on_reset``, ``reset_policy``), is the shard machine's
+    rule (``client.shard_machine``) and client/README.md's *Client* section.
     """
 
     def __init__(self, servers=None, *, shards=None, config=None,
@@ -176,9 +132,11 @@ class AsyncClone:
         self.silence_timeout_s: float | None = None
         """The silence timeout settled on once the cluster is known (``"auto"``)."""
         self.max_lag_s = opts.max_lag_s
+        self.health = Health(self)
+        """Falling behind, and failing (``client.health``)."""
         self._hooks = AgentHooks(on_failover=opts.on_failover, on_reset=opts.on_reset,
-                                 on_behind=self._on_behind, on_lag=self._on_lag,
-                                 on_wrong_route=self._on_wrong_route)
+                                 on_behind=self.health.on_behind, on_lag=self.health.on_lag,
+                                 on_wrong_route=self.health.on_wrong_route)
         if opts.io_threads is not None and context is not None:
             raise ValueError("io_threads applies to the client's own context: give "
                              "io_threads or context, not both")
@@ -264,29 +222,9 @@ class AsyncClone:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if self.cluster is None:
             # control=: discover the cluster (Timeout if no supervisor answers)
-            # a context of its own: io_threads must be set before self._ctx's first socket
-            mdp_ctx = zmq.Context()
-            endpoints = ([e.strip() for e in self.control.split(",") if e.strip()]
-                         if isinstance(self.control, str) else list(self.control))
-            failures = []
-            cluster = None
-            try:
-                for endpoint in endpoints:  # one host's supervisor may be down: the next
-                    try:
-                        cluster = await fetch_cluster(
-                            endpoint, ctx=mdp_ctx,
-                            timeout_s=min(self.control_timeout_s, timeout_s),
-                            retries=0 if len(endpoints) > 1 else 1,
-                            security=client_keys(self.keys_dir))
-                        break
-                    except Timeout as exc:
-                        failures.append(f"{endpoint}: {exc}")
-            finally:
-                mdp_ctx.destroy(linger=0)
-            if cluster is None:
-                raise Timeout("no supervisor answered with the cluster map: "
-                              + "; ".join(failures), what="cluster map",
-                              deadline_s=min(self.control_timeout_s, timeout_s))
+            cluster = await discover(self.control, timeout_s=min(self.control_timeout_s,
+                                                                 timeout_s),
+                                     keys_dir=self.keys_dir)
             if self.cluster is None:
                 self._route(cluster)
         if not self._started:
@@ -349,76 +287,6 @@ class AsyncClone:
         await self.close()
 
     # ------------------------------------------------------------------ keys
-    def _on_behind(self, agent: ShardAgent, expected: int, got: int) -> bool:
-        """A gap in an unfiltered shard stream: this client fell behind (Suicidal Snail).
-        ``resync``: count it, the agent takes a fresh snapshot of that shard. ``die``:
-        fail the client loudly; every later call and every watch raises."""
-        return self._fell_behind(agent, lambda: SlowSubscriber(
-            f"client fell behind shard {agent.name} ({agent.server}): expected sequence "
-            f"{expected}, got {got} ({got - expected} updates lost); slow_policy='die'",
-            shard=agent.name, expected=expected, got=got))
-
-    def _on_lag(self, agent: ShardAgent, lag_s: float) -> bool:
-        """The server clock in a HUGZ: this client reads shard ``agent`` ``lag_s`` late,
-        beyond ``max_lag_s``. The same policy and counter as a gap."""
-        return self._fell_behind(agent, lambda: SlowSubscriber(
-            f"client fell behind shard {agent.name} ({agent.server}) by {lag_s:.2f} s "
-            f"(max_lag_s {self.max_lag_s}); slow_policy='die'",
-            shard=agent.name, lag_s=lag_s))
-
-    def _on_wrong_route(self, agent: ShardAgent, theirs: str) -> None:
-        """A server of ``agent``'s shard routes keys with another map than this client:
-        the client was planned from another config. It fails at once (every call, every
-        watch, a start in progress), rather than timing out on the keys it misroutes."""
-        if self.failed is not None:
-            return
-        index, count, _ = (theirs.split("/") + ["?", "?"])[:3]
-        mine = self.cluster.shard_map.shards if self.cluster is not None else "?"
-        exc = ConfigError(
-            f"wrong cluster map: this client routes keys over "
-            f"{mine} shard{'' if mine == 1 else 's'} "
-            f"({self.cluster.source if self.cluster is not None else '?'}), but "
-            f"{agent.server} is shard {index} of {count} with another routing; use the "
-            "running cluster's own config, or control= to fetch its map",
-            field="routing")
-        self._fail_now(exc)
-        agent.loop.call_soon(self._close_agents)  # inside the agent's SUB batch now
-
-    def _fail_now(self, exc: ClonemapError) -> None:
-        """Fail every call, every watch and a start in progress with ``exc`` (each of them
-        raises it, so it is logged at INFO only: an application that logs its errors
-        would otherwise see it twice, and ``chp`` printed it twice)."""
-        self.failed = exc
-        log.info("the clone failed: %s", exc)
-        for core in list(self._hub.watches):
-            core.failed = exc
-            core.wake()
-        self._hub.watches.clear()
-        if self._failed_future is not None and not self._failed_future.done():
-            self._failed_future.set_result(exc)
-
-    def _fell_behind(self, agent: ShardAgent, make_exc: Callable[[], SlowSubscriber]) -> bool:
-        """True: handled here (die); False: the agent resyncs the shard."""
-        if self.failed is not None:
-            return True  # already dead; the rest of this batch is dropped
-        self.fell_behind += 1
-        if self.slow_policy == RESYNC:
-            return False
-        exc = make_exc()
-        self._fail_now(exc)
-        # closed on the next loop turn: this runs inside an agent's SUB batch
-        agent.loop.call_soon(self._close_agents)
-        if self.on_slow is not None:
-            try:
-                self.on_slow(exc)
-            except Exception:
-                log.exception("on_slow callback failed")
-        return True
-
-    def _close_agents(self) -> None:
-        for a in self._agents:
-            a.close()
-
     def _key(self, key: str) -> bytes:
         if self.failed is not None:
             raise self.failed

@@ -185,3 +185,31 @@ async def fetch_cluster(endpoint: str, *, ctx: zmq.Context | None = None,
         frames = await mdp.request(CLUSTER_MAP_SERVICE)
     return Cluster.from_map(parse_map_reply(frames, endpoint), host=control_host(endpoint),
                             source=endpoint)
+
+
+async def discover(control: "str | Sequence[str]", *, timeout_s: float,
+                   keys_dir=None) -> Cluster:
+    """The cluster map from the first of ``control``'s supervisors that answers (a list,
+    or a comma-separated string: one per host of a cluster over several hosts, each
+    serving the same map). ``Timeout`` naming each endpoint's failure when none does.
+    The request runs on a context of its own: a client's context may still be waiting
+    for its ``io_threads`` to be set, which must happen before its first socket."""
+    from shards.common.errors import Timeout
+    from shards.common.security import client_keys
+
+    endpoints = ([e.strip() for e in control.split(",") if e.strip()]
+                 if isinstance(control, str) else list(control))
+    failures = []
+    ctx = zmq.Context()
+    try:
+        for endpoint in endpoints:  # one host's supervisor may be down: the next
+            try:
+                return await fetch_cluster(endpoint, ctx=ctx, timeout_s=timeout_s,
+                                           retries=0 if len(endpoints) > 1 else 1,
+                                           security=client_keys(keys_dir))
+            except Timeout as exc:
+                failures.append(f"{endpoint}: {exc}")
+    finally:
+        ctx.destroy(linger=0)
+    raise Timeout("no supervisor answered with the cluster map: " + "; ".join(failures),
+                  what="cluster map", deadline_s=timeout_s)
