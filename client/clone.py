@@ -260,9 +260,15 @@ class AsyncClone:
                           what="snapshot", deadline_s=timeout_s) from None
         return self
 
+    def release_unstarted(self) -> None:
+        """Never to start (its loop thread did not come up): its own context goes now."""
+        if not self._started and not self._closed:
+            self._closed = True
+            if self._own_ctx:
+                self._ctx.destroy(linger=0)
+
     async def close(self, linger_s: float = 0.0) -> None:
-        """Close every socket. ``linger_s`` > 0 lets KVSETs already handed to ZeroMQ
-        out for that long (for a process about to exit after fire-and-forget writes)."""
+        """Close every socket; ``linger_s`` > 0 lets queued KVSETs out for that long."""
         if self._closed:
             return
         self._closed = True
@@ -314,8 +320,7 @@ class AsyncClone:
                                f"which subtree {self.subtree!r} does not fan out to") from None
 
     def agent_of(self, key: str):
-        """The shard agent that follows ``key``'s shard (None if this client does not
-        follow it)."""
+        """The agent that follows ``key``'s shard (None if this client does not)."""
         try:
             return self._agent_for(self._key(key))
         except (KeyError, ValueError, RuntimeError, ClonemapError):

@@ -41,6 +41,8 @@ class Clone:
         """Default for ``watch(callback=...)``: "thread" (a dispatcher thread per watch
         decodes and calls back) or "inline" (on the client's loop thread)."""
         self._async = AsyncClone(servers, **kwargs)
+        self.options = self._async.options
+        """Every option this client was made with (``client.options.ClientOptions``)."""
         self.timeout_s = timeout_s = self._async.timeout_s
         self._outbox: deque = deque()
         self._wake_scheduled = False
@@ -60,6 +62,7 @@ class Clone:
             self._closed = True
             if self._loop is not None and self._stopped is not None:
                 self._loop.call_soon_threadsafe(self._stopped.set)
+            self._async.release_unstarted()
             if self._loop_error is not None:
                 raise NotRunning(f"the client's loop thread failed to start: "
                                  f"{self._loop_error!r}") from self._loop_error

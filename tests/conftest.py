@@ -159,12 +159,27 @@ def procs():
         p.stop_all()
 
 
-@pytest.fixture
-def zctx():
-    """A zmq Context whose sockets are all closed with linger 0 at teardown."""
+def keeping_context():
+    """A zmq Context that holds every socket it makes until ``destroy`` closes it: a
+    test's helper object that goes out of scope earlier would otherwise leave its
+    sockets to the garbage collector, unclosed (a ResourceWarning, an error under
+    ``filterwarnings = error``)."""
     import zmq
 
-    ctx = zmq.Context()
+    class KeepingContext(zmq.Context):
+        def socket(self, *args, **kwargs):
+            sock = super().socket(*args, **kwargs)
+            self.__dict__.setdefault("_kept_sockets", []).append(sock)
+            return sock
+
+    return KeepingContext()
+
+
+@pytest.fixture
+def zctx():
+    """A zmq Context whose sockets are all closed with linger 0 at teardown (and kept
+    alive until then: ``keeping_context``)."""
+    ctx = keeping_context()
     try:
         yield ctx
     finally:

@@ -15,6 +15,7 @@ from shards.common.mdp.worker import MdpWorker
 from shards.common.mdp import codec as mdp
 from shards.common.mdp.broker import Broker
 from shards.common.mdp.broker_config import BrokerConfig
+from conftest import keeping_context
 
 HB_S = 0.2
 
@@ -34,7 +35,7 @@ def broker(procs, port_base):
 def run(coro_fn, *args):
     """Run an async test body with its own zmq context (closed with linger 0)."""
     async def main():
-        ctx = zmq.Context()
+        ctx = keeping_context()
         try:
             return await coro_fn(ctx, *args)
         finally:
