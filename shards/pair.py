@@ -179,11 +179,11 @@ class BinaryStar:
         """After the reactor's P..P+2: bind P+3; connect to the peer's P+3 (on a failure
         the reactor closes everything)."""
         server = self.server
-        pub = server.socket(zmq.PUB)
+        pub = server.sockets.socket(zmq.PUB)
         pub.setsockopt(zmq.MAXMSGSIZE, STATE_SUBSCRIPTION_MAX)  # the peer subscribes to ""
-        server.bind_socket(pub, self.config.endpoint(STATE_OFFSET))
+        server.sockets.bind(pub, self.config.endpoint(STATE_OFFSET))
         self._state_pub = pub
-        self._state_sub_sock = server.connect(
+        self._state_sub_sock = server.sockets.connect(
             zmq.SUB, f"tcp://{self.peer[0]}:{self.peer[1] + STATE_OFFSET}",
             ((zmq.SUBSCRIBE, b""),))
 

@@ -93,7 +93,7 @@ class RelayFollower(Follower):
     def resume(self, since: int, generation: str, now: float) -> None:
         """Ask for the updates after ``since`` (of ``generation``); live updates are
         buffered meanwhile. A refusal or a timeout falls back to a full sync."""
-        sock = self.reactor.connect(zmq.DEALER, self.snapshot_endpoint)
+        sock = self.reactor.sockets.connect(zmq.DEALER, self.snapshot_endpoint)
         dealer = zio.AsyncSocket(sock, self._on_resume_reply, batch=1024,
                                  loop=self.reactor.loop, name="upstream resume")
         self._resume = {"dealer": dealer, "since": since, "items": [], "live": [],
@@ -225,8 +225,8 @@ class Relay:
         """After the reactor started: not active until the first copy is installed."""
         server = self.server
         for host, port in self.upstream:
-            sock = server.connect(zmq.PUB, f"tcp://{host}:{port + 2}",
-                                  ((zmq.SNDHWM, server.config.collect_rcvhwm),))
+            sock = server.sockets.connect(zmq.PUB, f"tcp://{host}:{port + 2}",
+                                          ((zmq.SNDHWM, server.config.collect_rcvhwm),))
             self._forward.append(sock)
         self._follow(0)
         self._tick_handle = server.loop.call_later(TICK_S, self._tick)

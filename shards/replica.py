@@ -163,8 +163,8 @@ class Follower:
     # ------------------------------------------------------------------ sockets
     def open(self) -> None:
         """Connect the SUB to the active's P+1 (once, at start)."""
-        sock = self.reactor.connect(zmq.SUB, self.updates_endpoint,
-                                    ((zmq.RCVHWM, self._mark()), (zmq.SUBSCRIBE, b"")))
+        sock = self.reactor.sockets.connect(
+            zmq.SUB, self.updates_endpoint, ((zmq.RCVHWM, self._mark()), (zmq.SUBSCRIBE, b"")))
         self._sub = zio.AsyncSocket(sock, self.on_update,
                                     batch=self.reactor.config.collect_batch,
                                     loop=self.reactor.loop, name="peer updates")
@@ -191,8 +191,8 @@ class Follower:
         self._close_link()
         # the active addresses the link by this name, the one its confirmations carry
         self.link_id = b"L" + os.urandom(15)
-        sock = self.reactor.connect(zmq.DEALER, self.snapshot_endpoint,
-                                    ((zmq.ROUTING_ID, self.link_id),))
+        sock = self.reactor.sockets.connect(zmq.DEALER, self.snapshot_endpoint,
+                                            ((zmq.ROUTING_ID, self.link_id),))
         self._link = zio.AsyncSocket(sock, self.on_link, batch=256, loop=self.reactor.loop,
                                      name="peer link", after_batch=self._confirm)
         self._unconfirmed = False
@@ -275,7 +275,7 @@ class Follower:
         self._uuids = []
         if self.pending is not None:  # heard before: in the snapshot, or never taken
             self.counters["pending_discarded"] += len(self.pending.drain())
-        sock = self.reactor.connect(zmq.DEALER, self.snapshot_endpoint)
+        sock = self.reactor.sockets.connect(zmq.DEALER, self.snapshot_endpoint)
         self._dealer = zio.AsyncSocket(sock, self.on_snapshot_reply, batch=1024,
                                        loop=self.reactor.loop, name="peer snapshot")
         self._dealer.send(bstar_ttl.request())

@@ -5,10 +5,10 @@
     P+2  SUB     collector: KVSET (subscribed to everything)
 
 It is composed of parts: a role (``shards.roles``: standalone, a Binary Star pair's
-server, a relay) that decides what differs between them; the snapshot service on P
-(``shards.snapshots``); the HUGZ (``shards.heartbeat``); the data directory
-(``shards.persist.driver``); the TTL timer (``shards.expiry``). What stays here is the
-write path and its publish:
+server, a relay) that decides what differs between them; the context and its sockets
+(``shards.server_sockets``); the snapshot service on P (``shards.snapshots``); the HUGZ
+(``shards.heartbeat``); the data directory (``shards.persist.driver``); the TTL timer
+(``shards.expiry``). What stays here is the write path and its publish:
 
 * ``on_collect``: a KVSET (drained in capped batches by ``zio.AsyncSocket``) is checked,
   applied to the ``Store`` and held as a KVPUB with the next sequence, UUID and
@@ -48,23 +48,22 @@ from zmq.backend import Socket as _BackendSocket
 
 from shards.applied import APPLY, DUPLICATE, AppliedUuids, decide
 from shards.history import History
-from shards.history import WIDTH as KVPUB_FRAMES
 from shards.byte_marks import ByteMarks
 from shards.common import zio
 from shards.common.drops import DropCounter
-from shards.common.errors import PortInUse, ProtocolError, os_error_text
+from shards.common.errors import ProtocolError, os_error_text
 from shards.common.proto import chp
 from shards.common.routing import OwnerCache
-from shards.common.security import Authenticator, Security
+from shards.common.security import Security
 from shards.store import Store, ttl_props
-from shards.server_config import (ServerConfig, collector_frame_limit, new_generation,
-                                  request_frame_limit)
+from shards.server_config import ServerConfig, new_generation
 from shards.snapshots import SnapshotService, largest_entry
 from shards.persist.driver import PERSIST_TICK_S, Persistence
 from shards.roles import Role, Standalone
 from shards.heartbeat import Heartbeat
 from shards.expiry import Expiry
 from shards.server_stats import server_stats
+from shards.server_sockets import ServerSockets
 
 log = logging.getLogger("shards.server")
 
@@ -92,7 +91,6 @@ class ShardServer:
         self.drops = DropCounter(log)
         self.security = Security.off()
         """CURVE keys (``--keys-dir``): set before ``bind``."""
-        self._auth: Authenticator | None = None
         self.persist: Persistence | None = None
         """The data directory on this server's loop when it persists (``--data-dir``;
         ``shards.persist.driver``)."""
@@ -112,6 +110,8 @@ class ShardServer:
         fsync: group commit)."""
         self.active = False
         self.ctx: zmq.Context | None = None
+        self.sockets = ServerSockets(self)
+        """The context and the sockets it binds and connects (``shards.server_sockets``)."""
         self.loop: asyncio.AbstractEventLoop | None = None
         self._router_sock: zmq.Socket | None = None
         self._pub: zmq.Socket | None = None
@@ -164,74 +164,16 @@ class ShardServer:
 
     # ================================================================ set-up
     def bind(self) -> None:
-        """Create the context and bind P, P+1, P+2. Raises ``PortInUse`` naming the
-        endpoint that is taken (everything opened so far is closed first)."""
-        cfg = self.config
-        self.ctx = zmq.Context()
-        self._auth = Authenticator(self.ctx, self.security)
+        """Bind P, P+1, P+2 (``shards.server_sockets``), then what the role binds. Raises
+        ``PortInUse`` naming the endpoint that is taken (everything opened so far is
+        closed first)."""
         self.snapshots.entries(largest_entry(self.store))  # a recovered map's
-        try:
-            router = self.socket(zmq.ROUTER)
-            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            router.setsockopt(zmq.SNDHWM, self.snapshots.hwm)
-            router.setsockopt(zmq.MAXMSGSIZE, request_frame_limit(cfg.limits))
-            self.bind_socket(router, cfg.endpoint(0))
-            self._router_sock = router
-            pub = self.socket(zmq.XPUB)
-            pub.setsockopt(zmq.SNDHWM, self.marks.pub_hwm)
-            pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-            pub.setsockopt(zmq.MAXMSGSIZE, request_frame_limit(cfg.limits))
-            self.bind_socket(pub, cfg.endpoint(1))
-            self._pub = pub
-            self._publish_many = zio.publisher_many(pub, KVPUB_FRAMES)
-            """``publish_many([...])``: a batch's KVPUBs in one call."""
-            collector = self.socket(zmq.SUB)
-            collector.setsockopt(zmq.RCVHWM, self.marks.collect_hwm)
-            # a frame far beyond every limit disconnects its peer before it is buffered;
-            # one moderately over a limit is read and dropped, counted (oversize_*)
-            collector.setsockopt(zmq.MAXMSGSIZE, collector_frame_limit(cfg.limits))
-            collector.setsockopt(zmq.SUBSCRIBE, b"")
-            self.bind_socket(collector, cfg.endpoint(2))
-            self._collector_sock = collector
-            self.snapshots.bind_hwm = self.snapshots.hwm
-            self._pub_bind_hwm = self.marks.pub_hwm
-        except BaseException:
-            self._auth.stop()
-            self.ctx.destroy(linger=0)
-            self.ctx = None
-            raise
+        self.sockets.open()
+        self.ctx = self.sockets.ctx
         try:
             self.role.bind()
         except BaseException:
             self.close()
-            raise
-
-    def socket(self, kind: int) -> zmq.Socket:
-        """A socket of this server's context: linger 0, and the role's link options
-        (a pair across hosts adds ZMTP heartbeats)."""
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        self.role.link_options(sock)
-        return sock
-
-    def connect(self, kind: int, endpoint: str, options: tuple = ()) -> zmq.Socket:
-        """A socket (``socket``) with ``options`` (``(option, value)`` pairs, set before
-        the connection makes its pipe) and the client side of this server's security,
-        connected to ``endpoint``."""
-        sock = self.socket(kind)
-        for option, value in options:
-            sock.setsockopt(option, value)
-        self.security.connect_side(sock)
-        sock.connect(endpoint)
-        return sock
-
-    def bind_socket(self, sock: zmq.Socket, endpoint: str) -> None:
-        self.security.bind_side(sock)
-        try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.EADDRINUSE:
-                raise PortInUse(f"{endpoint} is already in use", endpoint=endpoint) from None
             raise
 
     def start(self) -> None:
@@ -267,12 +209,8 @@ class ShardServer:
         for asock in (self._router, self._collector):
             if asock is not None:
                 asock.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
-        if self.ctx is not None:
-            self.ctx.destroy(linger=0)
-            self.ctx = None
+        self.sockets.close()
+        self.ctx = None
 
     # ================================================================ role
     def set_active(self, active: bool) -> None:
