@@ -235,8 +235,8 @@ class ShardAgent:
                 case sm.InstallSnapshot():
                     self._install_snapshot(effect)
                 case sm.Failover():
+                    self.writes.left(effect.new)  # before the application hears of it
                     self.outages.failed_over(effect)
-                    self.writes.left(effect.new)
                 case sm.ArmGrace():
                     self.link.arm_grace()
                 case sm.Freeze():

@@ -195,10 +195,6 @@ class ClientOptions:
 
     def agent(self, silence_timeout_s: float | None) -> AgentOptions:
         """The agents' part, with the silence timeout this client settled on."""
-        return AgentOptions(silence_timeout_s=silence_timeout_s,
-                            sync_timeout_s=self.sync_timeout_s,
-                            connect_timeout_s=self.connect_timeout_s,
-                            sync_buffer_max=self.sync_buffer_max,
-                            kvset_queue_max=self.kvset_queue_max, sub_rcvhwm=self.sub_rcvhwm,
-                            limits=self.limits, max_lag_s=self.max_lag_s,
-                            reset_policy=self.reset_policy, resume=self.resume)
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(AgentOptions)
+                  if f.name != "silence_timeout_s"}  # every other field has its twin here
+        return AgentOptions(silence_timeout_s=silence_timeout_s, **shared)

@@ -30,8 +30,9 @@ But a peer that connects later to a *bound* socket gets the mark the socket had 
 was bound (the listener keeps a copy of the options from ``bind``): a subscriber that
 came after a lowered mark could queue ``bind-time mark x (largest message)`` bytes
 (measured: 1,747 messages of 64 KiB instead of 15). So the server sets the lowered mark
-again once new peers are there (``ShardServer.reapply_pub_mark``, ``SnapshotService.reapply``): the publisher's when it
-welcomes a new subscription, the snapshot ROUTER's when a stream starts. Not the
+again once new peers are there (``ShardServer.reapply_pub_mark``,
+``SnapshotService.reapply``): the publisher's when it welcomes a new subscription, the
+snapshot ROUTER's when a stream starts. Not the
 collector's: setting ``RCVHWM`` again on a SUB whose pipes carry traffic stalled a
 writer's pipe for good in a test (its updates stopped arriving), so a writer that
 connects after the collector's mark fell keeps the bind-time mark (its frames are still

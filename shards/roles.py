@@ -31,7 +31,7 @@ points, what only the role knows::
     stats()                   the reactor's stats                 {}          machine, pending  upstream
 
 A role keeps a reference to its reactor (``attach``) and calls its public methods
-(``apply_write``, ``flush``, ``set_active``, ``publish``, ...). Where the updates come
+(``apply_write``, ``_flush_log``, ``set_active``, ``publish``, ...). Where the updates come
 from is part of the role too: the reactor's own collector (standalone, an active), or an
 upstream ``shards.replica.Follower`` writing into the role as its ``ReplicaSink`` (a
 passive, a relay).

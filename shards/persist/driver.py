@@ -61,10 +61,6 @@ class Persistence:
         self.loop = loop
 
     # ------------------------------------------------------------------ the log
-    def pending(self) -> bool:
-        """Records appended and not yet written."""
-        return self.dir.pending()
-
     def flush(self) -> bool:
         """Write the batch's records (fsync with ``always``); False after a disk error
         (reported: nothing of the batch may be published)."""
