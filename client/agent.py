@@ -126,6 +126,9 @@ class ShardAgent:
         self.last_seq = 0
         self.snapshot_seq = 0
         """KTHXBAI sequence of the installed snapshot."""
+        self.term = 0
+        """The Binary Star term of the server whose stream the map holds (its KTHXBAI's or
+        HUGZ's ``term=``; 0: none known). Sent with a resume request."""
         self.last_heard_s = 0.0
         """When the SUB last delivered anything (KVPUB or HUGZ), to TICK_S."""
         self.last_snapshot_s = 0.0
@@ -269,9 +272,11 @@ class ShardAgent:
         # a map installed from one of our servers (it named its generation): the machine
         # asks for a resume, only the updates after ours; the server decides (resume=1
         # or a full snapshot, resume=0). A foreign server never sees the extension.
+        # The map's term goes with it: a server resumes only a client whose updates are
+        # all in its own map (an active may have published one its passive never got).
         since = self.last_seq if eff.resume else None
         self.link.request_snapshot(address, since, self.generation if since is not None
-                                   else "", meta=self.link.cas)
+                                   else "", meta=self.link.cas, term=self.term)
         self.incoming.begin()
         self._buffer.clear()
         log.info("shard %s: ICANHAZ %r to %s (%s%s)", self.name, self.subtree,
@@ -293,6 +298,7 @@ class ShardAgent:
         self.map = new
         self.props = new_props
         self.seqs = new_seqs
+        self.term = self.incoming.term if self.incoming.term is not None else self.link.term
         self.last_seq = self.snapshot_seq = eff.seq
         self.snapshots += 1
         if reset is not None:
@@ -326,6 +332,10 @@ class ShardAgent:
         link = self.link
         if info.generation:
             link.generation = info.generation
+        if info.term:
+            link.term = info.term
+            if self.state.phase == sm.ACTIVE and not self.state.live and not self.term:
+                self.term = info.term  # (the stream we follow is of that term)
         link.cas = info.cas
         if not info.serving and len(self.servers) > 1:
             self._dispatch(sm.NotServing())
@@ -508,7 +518,7 @@ class ShardAgent:
             "max_lag_seen_s": round(self.lag.max_lag_seen_s, 6),
             "lagged": self.lagged,
             "disconnects": self.link.disconnects if self.link is not None else 0,
-            "generation": self.generation,
+            "generation": self.generation, "term": self.term,
             **self.outages.stats(),
             **self.incoming.stats(),
             "buffered": len(self._buffer),

@@ -238,7 +238,7 @@ async def do_watch_from(target: Target, subtree: str, as_json: bool, count: int 
                     break
                 if msg.seq > since:
                     emit_update(msg)
-        if msg.props == chp.FULL_AFTER_RESUME:
+        if chp.kthxbai_info(msg.props).resumed is False:
             raise NotCovered(f"shard {name}'s history no longer holds sequence {since} "
                              f"(it answered with a full snapshot at {msg.seq}): watch "
                              "without --from-seq")

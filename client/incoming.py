@@ -46,10 +46,13 @@ class Incoming:
         self._first_error = ""
         self.rejected = 0
         self.resumes = self.resume_updates = self.resumes_refused = 0
+        self.term: int | None = None
+        """The ``term=`` of the last KTHXBAI (None: it named none)."""
 
     def begin(self) -> None:
         """A request went out: receive into fresh maps."""
         self.map, self.props, self.seqs = {}, {}, {}
+        self.term = None
         self._base, self._dropped = self.agent.snapshot_messages, 0
         self._first_error = ""
 
@@ -102,8 +105,10 @@ class Incoming:
             agent.link.close_dealer()
             agent._dispatch(sm.SnapshotRejected(reason))
             return
+        reply = chp.kthxbai_info(msg.props)
+        self.term = reply.term
         if agent.state.resuming:
-            self._merge_resume(msg.props == chp.RESUMED, arrived)
+            self._merge_resume(reply.resumed is True, arrived)
         agent._dispatch(sm.SnapshotDone(msg.seq, agent.link.generation))
 
     def _merge_resume(self, resumed: bool, arrived: int) -> None:

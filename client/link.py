@@ -59,6 +59,8 @@ class Link:
         """The grace timer (``arm_grace``)."""
         self.generation = ""
         """The latest map generation this server's HUGZ named."""
+        self.term = 0
+        """The latest Binary Star term this server's HUGZ named (0: none)."""
         self.cas = False
         """This server said ``cas=1``: it decides conditional writes, keeps applied UUIDs
         and answers ``reply=``; it is asked for ``meta=1`` snapshots."""
@@ -80,6 +82,7 @@ class Link:
         self.security.connect_side(sub)
         sub.connect(address.publisher)
         self.generation = ""
+        self.term = 0
         self.cas = False
         self.sub = AsyncSocket(sub, self.on_update, loop=self.loop,
                                name=f"{self.name} SUB {address.publisher}")
@@ -89,11 +92,13 @@ class Link:
                  self.subtree)
 
     def request_snapshot(self, address: ServerAddress, since: int | None = None,
-                         generation: str = "", meta: bool = False) -> None:
+                         generation: str = "", meta: bool = False,
+                         term: int | None = None) -> None:
         """A fresh DEALER to ``address``'s snapshot port, and ICANHAZ on it (an abandoned
         snapshot still streaming to the old identity is dropped by the server's ROUTER,
         so two KTHXBAIs can never be confused). ``since``: ask for a resume (only the
-        updates after it, of map ``generation``; see ``chp.icanhaz``)."""
+        updates after it, of map ``generation``, from an active of ``term``; see
+        ``chp.icanhaz``)."""
         self.close_dealer()
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.linger = 0
@@ -103,7 +108,7 @@ class Link:
         dealer.connect(address.snapshot)
         self.dealer = AsyncSocket(dealer, self.on_snapshot, loop=self.loop,
                                   name=f"{self.name} DEALER {address.snapshot}")
-        self.dealer.send(chp.icanhaz(self.subtree, since, generation, meta))
+        self.dealer.send(chp.icanhaz(self.subtree, since, generation, meta, term))
 
     def close_dealer(self) -> None:
         if self.dealer is not None:

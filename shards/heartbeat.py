@@ -124,7 +124,7 @@ class Heartbeat:
                          - server.parked)
             return chp.hugz(time.time(), published, serving=serving,
                             generation=server.generation, route=server.route,
-                            cas=server.role.decides_writes)
+                            cas=server.role.decides_writes, term=server.role.term())
         return chp.hugz(serving=serving, route=server.route)
 
     def on_beat(self) -> None:

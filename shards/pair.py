@@ -375,6 +375,14 @@ class BinaryStar:
             return False
         return bstar.would_accept(self.machine, self.server.loop.time())
 
+    def term(self) -> int:
+        return self.machine.term if self.machine is not None else 0
+
+    def resumable(self, term: int, since: int) -> bool:
+        """Whether a client whose updates (up to ``since``) came from an active of
+        ``term`` holds only updates this map has too (``PairMap.resumable``)."""
+        return self.map.resumable(term, self.term(), since)
+
     def admit_snapshot_request(self) -> bool:
         """An ICANHAZ is the client's vote: answered only if the machine accepts it. A
         server that is not ACTIVE first reads the state messages its peer has already

@@ -54,6 +54,26 @@ class PairMap:
         self.history.append((term, self.pair.server.store.seq + 1))
         self.save_terms()
 
+    def resumable(self, term: int, current: int, since: int) -> bool:
+        """A client's updates up to ``since`` came from an active of ``term``: are they all
+        in this map? In the current term, yes. From an earlier term, only those before
+        the first sequence of the next term in this map's history: an active may have
+        published an update its passive never received (replication is asynchronous);
+        the passive that took over then gave that sequence to another update, and a
+        resume from it would leave the client holding the lost one (a full snapshot,
+        ``resume=0``, replaces it). A term this map does not know (later than its own,
+        or one missing from its history: its updates may be missing here) is never
+        resumed."""
+        if term == current:
+            return True
+        known = False
+        for took, first in self.history:
+            if took == term:
+                known = True
+            elif took > term:
+                return known and since < first
+        return False
+
     @property
     def seq(self) -> int:
         return self.pair.server.store.seq

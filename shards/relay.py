@@ -64,6 +64,7 @@ class RelayFollower(Follower):
     def __init__(self, relay: "Relay", host: str, port: int, *, sync_timeout_s: float):
         super().__init__(relay, relay.server, host, port, shard=relay.shard,
                          sync_timeout_s=sync_timeout_s)
+        self.relay = relay
         self.on_not_serving = relay.upstream_not_serving
         self._resume: dict | None = None
         self.counters.update(resumes=0, resume_updates=0, resumes_refused=0)
@@ -98,7 +99,7 @@ class RelayFollower(Follower):
                                  loop=self.reactor.loop, name="upstream resume")
         self._resume = {"dealer": dealer, "since": since, "items": [], "live": [],
                         "at": now}
-        dealer.send(chp.icanhaz(b"", since, generation))
+        dealer.send(chp.icanhaz(b"", since, generation, term=self.relay.upstream_term))
         log.info("shard %s: relay resumes after %d from %s", self.shard, since,
                  self.snapshot_endpoint)
 
@@ -117,12 +118,14 @@ class RelayFollower(Follower):
             resume["items"].append(chp.Kvpub(msg.key, msg.seq, msg.uuid, msg.props,
                                              msg.value))
             return
-        if msg.props != chp.RESUMED:
+        reply = chp.kthxbai_info(msg.props)
+        if reply.resumed is not True:
             self.counters["resumes_refused"] += 1
             self._give_up_resume("the server does not hold every update after "
                                  f"{resume['since']}")
             return
         self._end_resume()
+        self.relay.resumed_in(reply.term or 0)
         sink = self.sink
         for m in resume["items"] + resume["live"]:
             verdict = rm.check_seq(sink.seq, m.seq)
@@ -202,6 +205,11 @@ class Relay:
         """Set once the first copy of the shard's map is installed (READY then)."""
         self.relay_counters = {"upstream_switches": 0, "full_syncs": 0, "forwarded": 0,
                                "forward_dropped": 0}
+        self.upstream_term = 0
+        """The Binary Star term of the upstream active whose stream the map follows."""
+        self.terms: set[int] = {0}
+        """Every upstream term since the last full copy: the map holds only updates of
+        those terms' maps, so a client of any of them may resume here."""
 
     # ---------------------------------------------------------------- the reactor's parts
     def attach(self, server: ShardServer) -> None:
@@ -219,6 +227,20 @@ class Relay:
 
     def serving(self) -> bool:
         return self.server.active
+
+    def term(self) -> int:
+        return self.upstream_term
+
+    def resumable(self, term: int, since: int) -> bool:
+        """Since its last full copy the relay's map is one upstream stream, resumed
+        across terms only where the upstream active held all of it (its ``resume=1``):
+        a client of any of those terms holds nothing the map lacks."""
+        return term in self.terms
+
+    def resumed_in(self, term: int) -> None:
+        """The upstream active (of ``term``) resumed the relay: its map continues."""
+        self.upstream_term = term
+        self.terms.add(term)
 
     # ---------------------------------------------------------------- life
     def start(self) -> None:
@@ -324,6 +346,8 @@ class Relay:
         server.store = store
         server.recent.reset(store.seq)
         self.relay_counters["full_syncs"] += 1
+        self.upstream_term = history[-1][0] if history else 0
+        self.terms = {self.upstream_term}
         if generation and generation != server.generation:
             server.generation = generation
         if not server.active:
@@ -338,6 +362,7 @@ class Relay:
             "shard": self.shard,
             "upstream": "%s:%d" % self.upstream[self.following],
             "replica": self.follower.stats() if self.follower is not None else None,
+            "upstream_term": self.upstream_term, "terms": sorted(self.terms),
             **self.relay_counters,
         }
 

@@ -1,7 +1,8 @@
 """The resume reply: the updates after a client's sequence, from the server's ``History``,
 streamed like a snapshot (a ``shards.streams`` stream: flow control, fair slots). Each is
 a KVSYNC with its own sequence, UUID and properties (an empty value deletes), then a
-KTHXBAI at the server's sequence when the request came, with ``resume=1``."""
+KTHXBAI at the server's sequence when the request came, with ``resume=1`` and the map's
+``term=`` (``chp.kthxbai_props``)."""
 from __future__ import annotations
 
 import zmq
@@ -16,9 +17,13 @@ _LAST = int(zmq.NOBLOCK)
 
 
 class ResumeStream:
-    __slots__ = ("identity", "subtree", "entries", "pos", "seq", "chunk", "sent", "service")
+    __slots__ = ("identity", "subtree", "entries", "pos", "seq", "chunk", "sent", "service",
+                 "props")
 
-    def __init__(self, service, identity: bytes, subtree: bytes, entries: list, seq: int):
+    def __init__(self, service, identity: bytes, subtree: bytes, entries: list, seq: int,
+                 props: bytes = chp.RESUMED):
+        self.props = props
+        """The KTHXBAI's properties: ``resume=1`` and the map's ``term=``."""
         self.service = service
         """The ``shards.snapshots.SnapshotService`` it streams for."""
         self.identity = identity
@@ -48,7 +53,7 @@ class ResumeStream:
                 i += 1
             if i == len(entries):
                 _send(sock, identity, _MORE)
-                for frame in chp.kthxbai(self.seq, self.subtree, chp.RESUMED)[:-1]:
+                for frame in chp.kthxbai(self.seq, self.subtree, self.props)[:-1]:
                     _send(sock, frame, _MORE)
                 _send(sock, self.subtree, _LAST)
                 self.sent += i - self.pos

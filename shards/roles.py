@@ -24,6 +24,9 @@ points, what only the role knows::
                                                                               votes
     admit_snapshot_request()  an ICANHAZ is answered?             active      the client vote   active
     serving()                 HUGZ serving=0?                     active      would accept      active
+    term()                    HUGZ, KTHXBAI term=                 0           its bstar term    upstream's
+    resumable(term, since)    a client of that term after since   term 0      the term history  terms since
+                              may resume here?                                says so           its last copy
     fenced(), park_for_peer() a batch may be published?           (none)      lease, passive's  (none)
                               (only with gates_publish)                       confirmation
     on_compacted(job)         a snapshot is whole on disk         (none)      the needs-peer    (none: no
@@ -61,6 +64,8 @@ class Role(Protocol):
     def on_snapshot_request(self, frames: list[bytes]) -> None: ...
     def admit_snapshot_request(self) -> bool: ...
     def serving(self) -> bool: ...
+    def term(self) -> int: ...
+    def resumable(self, term: int, since: int) -> bool: ...
     def stats(self) -> dict: ...
 
 
@@ -108,6 +113,13 @@ class Standalone:
 
     def serving(self) -> bool:
         return self.server.active
+
+    def term(self) -> int:
+        return 0
+
+    def resumable(self, term: int, since: int) -> bool:
+        """A standalone map has no terms: a client that names one came from a pair."""
+        return term == 0
 
     def stats(self) -> dict:
         return {}

@@ -51,7 +51,8 @@ class SnapshotStream:
     def __init__(self, service: "SnapshotService", identity: bytes, subtree: bytes,
                  kthxbai_props: bytes = b"", meta: bool = False):
         self.kthxbai_props = kthxbai_props
-        """Empty (12/CHP); ``resume=0`` when a resume was asked and not possible."""
+        """Empty (12/CHP); for a request with our extension frame ``chp.kthxbai_props``:
+        the map's ``term=``, and ``resume=0`` when a resume was asked and not possible."""
         self.service = service
         server = service.server
         self.identity = identity
@@ -150,6 +151,9 @@ class SnapshotService:
         self.refused = 0
         self.kvsync_sent = 0
         self.resume_sent = 0
+        self.refused_terms = 0
+        """Resumes of this map's generation refused because the client's updates came
+        from an earlier term's active past what this map holds (``Role.resumable``)."""
         """Updates sent in resume replies (``shards.resume``), besides ``kvsync_sent``."""
         self.largest = 0
         """The largest key + value streamed in a snapshot so far (it only grows)."""
@@ -186,8 +190,11 @@ class SnapshotService:
         if server.disk_error or not server.role.admit_snapshot_request():
             self.refused += 1
             return
+        # a request with our extension frame (meta=1) learns the map's term; a plain
+        # ICANHAZ gets the empty properties 12/CHP has
+        props = chp.kthxbai_props(term=server.role.term()) if request.meta else b""
         make = lambda: SnapshotStream(self, identity, request.subtree,  # noqa: E731
-                                      meta=request.meta)
+                                      props, request.meta)
         if request.since is not None:
             make = self._resume_or_snapshot(identity, request)
         if not self.pump.add(identity, make):
@@ -200,13 +207,20 @@ class SnapshotService:
         ``resume=0``. Decided when the request is taken, at the current sequence."""
         server = self.server
         entries = None
-        if not request.generation or request.generation == server.generation:
+        term = server.role.term()
+        if ((not request.generation or request.generation == server.generation)
+                and (request.term is None or server.role.resumable(request.term,
+                                                                   request.since))):
             entries = server.recent.since(request.since, request.subtree)
         if entries is None:
-            return lambda: SnapshotStream(self, identity, request.subtree,
-                                          chp.FULL_AFTER_RESUME, request.meta)
+            if request.term is not None and request.generation == server.generation:
+                self.refused_terms += 1
+            props = chp.kthxbai_props(False, term)
+            return lambda: SnapshotStream(self, identity, request.subtree, props,
+                                          request.meta)
         seq = server.store.seq
-        return lambda: ResumeStream(self, identity, request.subtree, entries, seq)
+        props = chp.kthxbai_props(True, term)
+        return lambda: ResumeStream(self, identity, request.subtree, entries, seq, props)
 
     # ------------------------------------------------------------------ bytes
     def _mark(self) -> int:
@@ -262,6 +276,7 @@ class SnapshotService:
             "snapshots_yielded": counters.get("yielded", 0),
             "snapshots_stalled": pump.stalled if pump is not None else 0,
             "snapshots_refused": self.refused,
+            "resumes_refused_term": self.refused_terms,
             "kvsync_sent": self.kvsync_sent,
             "resume_sent": self.resume_sent,
             "snapshot_hwm": self.hwm,

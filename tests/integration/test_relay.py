@@ -82,7 +82,8 @@ def test_a_shard_failover_under_a_relay_costs_its_clients_no_snapshot(procs, pai
             for i in range(200):
                 writer.set(f"/f/{i}", b"before", wait=(i == 199))
             wait_for(lambda: all(c.get("/f/199") == b"before" for c in clients), "copies")
-            served_before = stats_of(relay)["snapshots_served"]
+            before = stats_of(relay)
+            served_before = before["snapshots_served"]
             primary.popen.kill()  # the active dies; the writer votes at the backup
             for i in range(50):
                 writer.set(f"/f/{i}", b"after", wait=True)
@@ -97,6 +98,9 @@ def test_a_shard_failover_under_a_relay_costs_its_clients_no_snapshot(procs, pai
         assert relay_stats["snapshots_served"] == served_before  # no client asked again
         assert relay_stats["upstream_switches"] == 1
         assert relay_stats["replica"]["resumes"] == 1  # the relay resumed, once
+        # ... into the backup's term: its clients of either term may resume at the relay
+        assert relay_stats["terms"] == [before["upstream_term"], relay_stats["upstream_term"]]
+        assert relay_stats["upstream_term"] > before["upstream_term"] > 0
         assert relay_stats["full_syncs"] == 1  # its first copy only
         # the shard's backup served the relay's one resume, and nothing to its clients
         assert backup_stats["snapshots_served"] <= 2

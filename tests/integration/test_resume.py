@@ -15,7 +15,9 @@ import zmq
 from conftest import wait_until as wait_for
 from client.api import Clone
 from shards.common.proto import chp
-from test_pair import start_pair, two_bases
+from test_pair import ACTIVE, PASSIVE, Watcher, start_pair, two_bases
+from test_pair import start_server as start_pair_server
+from test_relay import stats_of
 from test_server_conformance import DEADLINE_S, Peer, start_server
 
 pytestmark = pytest.mark.timeout(120)
@@ -112,6 +114,8 @@ def test_a_client_that_fails_over_resumes_from_the_backup(procs, zctx, port_base
             writer.set(f"/k/{i}", b"before", wait=(i == 199))
         wait_for(lambda: reader.get("/k/199") == b"before", "the reader's copy")
         assert client_stats(reader)["snapshots"] == 1
+        first_term = client_stats(reader)["term"]
+        assert first_term > 0  # the primary's term, from its KTHXBAI (sent with a resume)
         primary.popen.kill()  # SIGKILL of the active: the writer moves and votes
         for i in range(20):
             writer.set(f"/k/{i}", b"after", wait=True)
@@ -121,6 +125,7 @@ def test_a_client_that_fails_over_resumes_from_the_backup(procs, zctx, port_base
                  "the missed updates at the reader")
         stats = client_stats(reader)
         assert stats["failovers"] == 1
+        assert stats["term"] > first_term  # the backup took over in a later term
         if resumed:
             assert (stats["resumes"], stats["resumes_refused"]) == (1, 0), stats
             assert stats["resume_updates"] == 21, stats  # the 21 missed, nothing else
@@ -129,3 +134,69 @@ def test_a_client_that_fails_over_resumes_from_the_backup(procs, zctx, port_base
             assert (stats["resumes"], stats["resumes_refused"]) == (0, 1), stats
         assert dict(reader.items()) == dict(writer.items())
         assert len(reader) == 199
+
+
+def hugz_props(peer: Peer) -> dict[str, str]:
+    """The properties of the server's next clock HUGZ."""
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        frames = peer.sub.recv_multipart() if peer.sub.poll(200) else None
+        if frames and frames[0] == chp.HUGZ and b"ts=" in frames[3]:
+            return chp.parse_props(frames[3])
+    raise AssertionError("no clock HUGZ")
+
+
+def test_a_resume_across_a_takeover_is_refused_past_what_the_new_active_holds(
+        procs, zctx, port_base, tmp_path):
+    """Replication is asynchronous: the active can publish an update its passive never
+    gets. The passive then takes over and gives that sequence to another update. A client
+    holding the lost update must not be resumed past it (it would keep the lost update
+    and never get the new one): the resume names the term its updates came from, and
+    the new active resumes it only before the first sequence of its own term."""
+    primary_port, backup_port = two_bases(port_base)
+    backup_dir = str(tmp_path / "backup")
+    durable = ("--data-dir", backup_dir, "--fsync", "always")
+    primary = start_pair_server(procs, primary_port, "primary", backup_port)
+    backup = start_pair_server(procs, backup_port, "backup", primary_port, *durable)
+    watch = Watcher(zctx, backup_port)
+    watch.wait_state(PASSIVE)
+    peer = Peer(zctx, primary_port)
+    old = hugz_props(peer)
+    gen, old_term = old["gen"], int(old["term"])
+    for i in range(5):
+        peer.kvset(b"/t/%d" % i, b"kept")
+    common = peer.sync()
+    watch.wait_seq(common)  # the backup holds everything up to here
+    backup.popen.kill()
+    backup.popen.wait()
+    peer.kvset(b"/t/lost", b"never replicated", uuid=b"L" * 16)
+    lost = chp.decode_update(peer.recv_update())
+    assert (lost.key, lost.seq) == (b"/t/lost", common + 1)  # a client applied it
+    primary.popen.kill()
+    primary.popen.wait()
+    # the durable backup holds the later map: it becomes active in a new term
+    backup = start_pair_server(procs, backup_port, "backup", primary_port, *durable)
+    start_pair_server(procs, primary_port, "primary", backup_port)
+    Watcher(zctx, backup_port).wait_state(ACTIVE)
+    new = hugz_props(Peer(zctx, backup_port))
+    assert new["gen"] == gen and int(new["term"]) > old_term
+    with Clone(f"tcp://127.0.0.1:{backup_port}", timeout_s=15) as writer:
+        writer.set("/t/new", b"after the takeover", wait=True)
+    # the client of the old term, holding the lost update: a full snapshot instead
+    reply = ask(zctx, backup_port, *chp.icanhaz(b"/t/", lost.seq, gen, term=old_term))
+    kth = chp.decode_snapshot(reply[-1], strict=False)
+    assert chp.kthxbai_info(kth.props) == (False, int(new["term"]))
+    full = {m.key: m.value for m in map(chp.decode_snapshot, reply[:-1])}
+    assert full == {**{b"/t/%d" % i: b"kept" for i in range(5)},
+                    b"/t/new": b"after the takeover"}
+    # a client of the old term that stopped before it: resumed, with the new update
+    reply = ask(zctx, backup_port, *chp.icanhaz(b"/t/", common, gen, term=old_term))
+    assert chp.kthxbai_info(chp.decode_snapshot(reply[-1], strict=False).props).resumed
+    updates = [chp.decode_snapshot(m, strict=False) for m in reply[:-1]]
+    assert [(u.key, u.seq) for u in updates] == [(b"/t/new", lost.seq)]  # the same number
+    # a client of the new term: resumed; of a term the map never had: refused
+    for term, resumed in ((int(new["term"]), True), (int(new["term"]) + 1, False)):
+        reply = ask(zctx, backup_port, *chp.icanhaz(b"/t/", lost.seq, gen, term=term))
+        assert chp.kthxbai_info(chp.decode_snapshot(reply[-1], strict=False).props
+                                ).resumed is resumed
+    assert stats_of(backup)["resumes_refused_term"] == 2

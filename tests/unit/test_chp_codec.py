@@ -424,13 +424,13 @@ def test_hugz_carries_clock_generation_and_the_serving_hint():
     assert frames == [b"HUGZ", b"\0" * 8, b"",
                       b"ts=1700000000.500000\nseq=42\ngen=00ff00ff00ff00ff\n", b""]
     info = chp.hugz_info(chp.decode_update(frames))
-    assert info == (1700000000.5, 42, True, "00ff00ff00ff00ff", "", False)
+    assert info == (1700000000.5, 42, True, "00ff00ff00ff00ff", "", False, 0)
     passive = chp.decode_update(chp.hugz(1.0, 3, serving=False, generation="ab"))
     assert chp.hugz_info(passive).serving is False
     plain_passive = chp.hugz(serving=False)  # clock off: the hint alone
     assert plain_passive[3] == b"serving=0\n"
-    assert chp.hugz_info(chp.decode_update(plain_passive)) == (None, -1, False, "", "", False)
-    assert chp.hugz_info(chp.decode_update(chp.hugz())) == (None, -1, True, "", "", False)
+    assert chp.hugz_info(chp.decode_update(plain_passive)) == (None, -1, False, "", "", False, 0)
+    assert chp.hugz_info(chp.decode_update(chp.hugz())) == (None, -1, True, "", "", False, 0)
     routed = chp.hugz(1.0, 3, route="2/4/0123abcd")
     assert routed[3].endswith(b"route=2/4/0123abcd\n")
     assert chp.hugz_info(chp.decode_update(routed)).route == "2/4/0123abcd"
@@ -456,6 +456,32 @@ def test_the_resume_extension_of_icanhaz_and_kthxbai():
         chp.decode_snapshot(resumed)  # strict 12/CHP: KTHXBAI's frame 3 is empty
 
 
+def test_the_term_travels_in_hugz_kthxbai_and_the_resume_request():
+    termed = chp.hugz(1.0, 3, generation="ab", term=7)
+    assert termed[3] == b"ts=1.000000\nseq=3\ngen=ab\nterm=7\n"
+    assert chp.hugz_info(chp.decode_update(termed)).term == 7
+    assert b"term" not in chp.hugz(1.0, 3, generation="ab")[3]  # term 0: not said
+    assert chp.hugz(term=7)[3] == b""  # no clock: a plain HUGZ, as 12/CHP has it
+    frames = chp.icanhaz(b"/a/", 41, "00ff", term=7)
+    assert frames[2] == b"since=41\ngen=00ff\nterm=7\n"
+    assert chp.decode_icanhaz(frames) == chp.Icanhaz(b"/a/", 41, "00ff", False, 7)
+    assert chp.decode_icanhaz(chp.icanhaz(b"", 3, "g", term=0)).term == 0
+    assert chp.decode_icanhaz(chp.icanhaz(b"", 3, "g")).term is None  # an older client
+    for bad in (b"since=1\nterm=x\n", b"since=1\nterm=-2\n"):
+        with pytest.raises(ProtocolError) as err:
+            chp.decode_icanhaz([b"ICANHAZ?", b"", bad])
+        assert err.value.reason == "bad_resume"
+    assert chp.kthxbai_props() == b""
+    assert chp.kthxbai_props(True, 0) == chp.RESUMED
+    assert chp.kthxbai_props(False, 0) == chp.FULL_AFTER_RESUME
+    assert chp.kthxbai_props(True, 9) == b"resume=1\nterm=9\n"
+    assert chp.kthxbai_props(term=9) == b"term=9\n"
+    assert chp.kthxbai_info(b"resume=1\nterm=9\n") == (True, 9)
+    assert chp.kthxbai_info(b"resume=0\n") == (False, None)
+    assert chp.kthxbai_info(b"") == (None, None)
+    assert chp.kthxbai_info(b"term=x\n") == (None, None)  # unreadable: absent
+
+
 def test_strict_decoding_refuses_the_reference_c_servers_dialect():
     kvsync = [b"/k", chp.pack_seq(5), b"U" * 16, b"ttl=0\n", b"v"]
     hugz = [b"HUGZ", chp.pack_seq(9), b"", b"", b""]
@@ -472,7 +498,7 @@ def test_liberal_decoding_reads_the_reference_c_servers_dialect():
     plain = chp.decode_snapshot(chp.kvsync(b"/k", b"v", 3), strict=False)
     assert plain == chp.Kvsync(b"/k", 3, b"v")
     hugz = chp.decode_update([b"HUGZ", chp.pack_seq(9), b"", b"", b""], strict=False)
-    assert hugz == chp.Hugz(b"", 9) and chp.hugz_info(hugz) == (None, 9, True, "", "", False)
+    assert hugz == chp.Hugz(b"", 9) and chp.hugz_info(hugz) == (None, 9, True, "", "", False, 0)
     assert chp.decode_snapshot(chp.kthxbai(4, b""), strict=False) == chp.Kthxbai(4, b"")
     # still refused, liberal or not: a bad UUID, bad properties, a value in a HUGZ
     for frames in ([b"/k", chp.pack_seq(1), b"abc", b"", b"v"],

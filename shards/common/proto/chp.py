@@ -23,7 +23,7 @@ Rules this module enforces (each violation raises ``ProtocolError`` naming it):
 
 A HUGZ is recognised by its key "HUGZ" *and* sequence 0 (KVPUB sequences start at 1).
 (*) Deviation from 12/CHP (frame 3 empty): our servers put properties in a HUGZ: the
-clock (``ts=``, ``seq=``: ``hugz_clock``), the map's generation (``gen=``), ``serving=0``,
+clock (``ts=``, ``seq=``: ``hugz_clock``), the map's generation (``gen=``) and term (``term=``), ``serving=0``,
 ``route=`` and ``cas=1`` (``hugz_info``); strict CHP clients key on "HUGZ" and ignore the
 rest. What each means, and why, is in shards/README.md, *Protocol decisions*. Values are
 opaque bytes; an empty value means delete.
@@ -43,6 +43,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from shards.common.errors import ProtocolError
+from shards.common.proto.props import (  # noqa: F401 (part of this module's interface)
+    FULL_AFTER_RESUME, RESUMED, KthxbaiInfo, drop_props, format_props, in_subtree,
+    kthxbai_info, kthxbai_props, parse_props)
 
 PROTOCOL = "12/CHP"
 
@@ -82,6 +85,9 @@ class Icanhaz(NamedTuple):
     meta: bool = False
     """``meta=1``: each KVSYNC of a key with a TTL carries ``expires=<epoch s>`` in frame 3
     (asked only of servers that announce ``cas=1``)."""
+    term: int | None = None
+    """... whose last update came from a server in this Binary Star term (``term=``; None:
+    not said, an older client). See ``kthxbai_props``."""
 
 
 class Kvsync(NamedTuple):
@@ -141,6 +147,8 @@ class HugzInfo(NamedTuple):
     cas: bool = False
     """``cas=1``: the server decides conditional writes and answers ``reply=`` (see
     ``write_props``)."""
+    term: int = 0
+    """``term=``: the Binary Star term of the server's map (0 if not given)."""
 
 
 _PLAIN_HUGZ_INFO = HugzInfo(None, -1, True, "")
@@ -257,7 +265,15 @@ def decode_icanhaz(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Ican
             raise _fail("a resume needs since=<sequence>", "ICANHAZ", "bad_resume") from None
         if since < 0:
             raise _fail(f"since={since} is negative", "ICANHAZ", "bad_resume")
-        return Icanhaz(subtree, since, fields.get("gen", ""), meta)
+        term = None
+        if "term" in fields:
+            try:
+                term = int(fields["term"])
+            except ValueError:
+                raise _fail("term= is not a number", "ICANHAZ", "bad_resume") from None
+            if term < 0:
+                raise _fail(f"term={term} is negative", "ICANHAZ", "bad_resume")
+        return Icanhaz(subtree, since, fields.get("gen", ""), meta, term)
     _check_count(frames, 2, "ICANHAZ")
     return Icanhaz(check_subtree(frames[1], "ICANHAZ", limits))
 
@@ -285,10 +301,6 @@ def decode_snapshot(frames: list[bytes], limits: Limits = DEFAULT_LIMITS, *,
         return Kvsync(key, seq, _value(frames[4], "KVSYNC", limits))
     return Kvsync(key, seq, _value(frames[4], "KVSYNC", limits), _uuid(frames[2], "KVSYNC"),
                   check_props(frames[3], "KVSYNC", limits))
-
-
-RESUMED = b"resume=1\n"
-FULL_AFTER_RESUME = b"resume=0\n"
 
 
 def decode_snapshot_liberal(frames: list[bytes],
@@ -328,9 +340,10 @@ def decode_kvset(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Kvset:
 # ---------------------------------------------------------------------------- builders
 
 def icanhaz(subtree: bytes = b"", since: int | None = None,
-            generation: str = "", meta: bool = False) -> list[bytes]:
+            generation: str = "", meta: bool = False, term: int | None = None) -> list[bytes]:
     """``ICANHAZ?``; with ``since``, our resume extension: a third frame of properties
-    ``since=<S>\n`` (and ``gen=<generation>\n``). A server that holds every update after
+    ``since=<S>\n`` (and ``gen=<generation>\n``, ``term=<T>\n``: the Binary Star term of
+    the server that gave the client its updates, see ``kthxbai_props``). A server that holds every update after
     S of that map sends only those (KVSYNCs with their own sequences, UUIDs and
     properties; an empty value deletes), then KTHXBAI with ``resume=1``; otherwise a full
     snapshot whose KTHXBAI says ``resume=0``. ``meta``: ``meta=1\n`` (see
@@ -340,6 +353,8 @@ def icanhaz(subtree: bytes = b"", since: int | None = None,
     props = b"" if since is None else b"since=%d\n" % since
     if generation and since is not None:
         props += b"gen=%s\n" % generation.encode("ascii")
+    if term is not None and since is not None:
+        props += b"term=%d\n" % term
     if meta:
         props += b"meta=1\n"
     return [ICANHAZ, subtree, props]
@@ -362,7 +377,8 @@ def kvset(key: bytes, value: bytes, uuid: bytes = b"", props: bytes = b"") -> li
 
 
 def hugz(ts: float | None = None, seq: int = 0, *, serving: bool = True,
-         generation: str = "", route: str = "", cas: bool = False) -> list[bytes]:
+         generation: str = "", route: str = "", cas: bool = False,
+         term: int = 0) -> list[bytes]:
     """A HUGZ: plain (``ts`` None, serving: frames 2-4 empty, as 12/CHP has it), or
     carrying in frame 3 the server clock ``ts=<epoch s, 6 decimals>\nseq=<current
     sequence>\n`` and the map's ``gen=<token>\n`` (with ``ts``), and ``serving=0\n``
@@ -372,6 +388,8 @@ def hugz(ts: float | None = None, seq: int = 0, *, serving: bool = True,
         props = b"ts=%.6f\nseq=%d\n" % (ts, seq)
         if generation:
             props += b"gen=%s\n" % generation.encode("ascii")
+        if term:
+            props += b"term=%d\n" % term
     if not serving:
         props += b"serving=0\n"
     if route:
@@ -390,8 +408,12 @@ def hugz_info(msg: Hugz) -> HugzInfo:
     fields = parse_props(props)
     clock = _clock_of(fields)
     ts, seq = clock if clock is not None else (None, msg.seq or -1)
+    try:
+        term = int(fields.get("term", "0"))
+    except ValueError:
+        term = 0
     return HugzInfo(ts, seq, fields.get("serving", "1") != "0", fields.get("gen", ""),
-                    fields.get("route", ""), fields.get("cas") == "1")
+                    fields.get("route", ""), fields.get("cas") == "1", max(term, 0))
 
 
 def hugz_clock(msg: Hugz) -> tuple[float, int] | None:
@@ -415,38 +437,6 @@ def _clock_of(fields: dict[str, str]) -> tuple[float, int] | None:
     except ValueError:
         seq = -1
     return ts, seq
-
-
-# -------------------------------------------------------------------------- properties
-
-def parse_props(props: bytes) -> dict[str, str]:
-    """``b"ttl=5\\nowner=a=b\\n"`` -> ``{"ttl": "5", "owner": "a=b"}`` (split on the first '=')."""
-    out: dict[str, str] = {}
-    if not props:
-        return out
-    for line in props.decode("utf-8").split("\n"):
-        if line:
-            name, _, value = line.partition("=")
-            out[name] = value
-    return out
-
-
-def format_props(props: dict[str, str] | None) -> bytes:
-    """The inverse of ``parse_props``. Rejects names with '=' or newlines, values with newlines."""
-    if not props:
-        return b""
-    parts = []
-    for name, value in props.items():
-        name, value = str(name), str(value)
-        if not name or "=" in name or "\n" in name or "\n" in value:
-            raise _fail(f"property {name!r}={value!r} cannot be encoded", "", "bad_props")
-        parts.append(f"{name}={value}\n")
-    return "".join(parts).encode("utf-8")
-
-
-def in_subtree(key: bytes, subtree: bytes) -> bool:
-    """Whether ``key`` lies under ``subtree`` (the empty subtree holds every key)."""
-    return key.startswith(subtree)
 
 
 # ------------------------------------------------------------------- conditional writes
@@ -519,15 +509,6 @@ def write_props(if_seq: int | None = None, reply_to: bytes | None = None) -> byt
     if reply_to:
         out += b"reply=%s\n" % reply_to.hex().encode("ascii")
     return out
-
-
-def drop_props(props: bytes, names: tuple[bytes, ...]) -> bytes:
-    """Validated ``props`` (``name=value\\n`` lines) without the lines named ``names``."""
-    starts = tuple(name + b"=" for name in names)
-    if not any(start in props for start in starts):
-        return props
-    return b"".join(line + b"\n" for line in props.split(b"\n")[:-1]
-                    if not line.startswith(starts))
 
 
 def strip_write_terms(props: bytes) -> bytes:
