@@ -163,6 +163,7 @@ def test_a_resume_across_a_takeover_is_refused_past_what_the_new_active_holds(
     peer = Peer(zctx, primary_port)
     old = hugz_props(peer)
     gen, old_term = old["gen"], int(old["term"])
+    peer.sync()  # the writes below are not lost to a connection still being made
     for i in range(5):
         peer.kvset(b"/t/%d" % i, b"kept")
     common = peer.sync()
