@@ -35,13 +35,15 @@ def seq_of(frame: bytes) -> int:
     return SEQ.unpack(frame)[0]
 
 
-CLOCK_PROPS_RE = re.compile(rb"ts=(\d+\.\d{6})\nseq=(\d+)\ngen=[0-9a-f]{16}\n(?:cas=1\n)?\Z")
+CLOCK_PROPS_RE = re.compile(
+    rb"ts=(\d+\.\d{6})\nseq=(\d+)\ngen=[0-9a-f]{16}\n(?:term=[1-9]\d*\n)?(?:cas=1\n)?\Z")
 
 
 def check_hugz(frames: list[bytes]) -> tuple[float, int] | None:
     """A HUGZ, frame by frame: key "HUGZ", sequence 0, frames 2 and 4 empty, and frame 3
     empty (12/CHP) or exactly ``ts=<epoch s, 6 decimals>\\nseq=<current sequence>\\n``
-    (our clock) then ``gen=<16 hex digits>\\n`` (the map's generation); a standalone
+    (our clock) then ``gen=<16 hex digits>\\n`` (the map's generation), ``term=<T>\\n``
+    where the map has a Binary Star term (a relay's: its upstream's); a standalone
     server always serves, so never ``serving=0``. Returns (ts, seq) of a clock HUGZ, None
     for a plain one."""
     assert frames[:3] == [b"HUGZ", b"\0" * 8, b""] and frames[4] == b"", frames
