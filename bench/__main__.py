@@ -106,6 +106,12 @@ SCENARIOS = {
         "ack p50/p99 on one host, across hosts acknowledged by both and by the active "
         "alone, and the takeover when the active's host dies (needs root)",
         {"smoke": "~30 s", "quick": "~1.5 min", "full": "~4 min"}),
+    "peers": Scenario(
+        "bench.peers", "peers",
+        "clonemap against Redis, NATS JetStream KV and etcd at everyday rates, same run: "
+        "CPU and latency per acknowledged write at 5,000/s, writes/s with 1 and 100 in "
+        "flight, fan-out to 16 watchers, joining a 100,000-key map (a peer this host lacks "
+        "is reported missing)", {"smoke": "~30 s", "quick": "~6 min", "full": "~10 min"}),
     "report": Scenario("bench.report", None,
                        "Markdown report + PNG plots from the latest records",
                        {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),
@@ -116,6 +122,7 @@ ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failove
          "durability", "curve", "slow_subscriber", "relays", "hot_path"]
 """What ``all`` runs, in this order, then ``report`` (``failover_supervised`` runs alone:
 it starts a whole 8-server cluster; ``conditional`` too: it measures the client API;
+``peers`` runs other projects' servers, installed apart;
 ``cluster`` belongs to the 16core profile, sized for a many-core host; ``hosts`` needs
 root, for its network namespaces)."""
 
@@ -157,6 +164,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
                    "1", "--seconds", "0.3", "--warmup", "0.1", "--processes", "2"],
         "hot_path": ["--seconds", "0.3", "--warmup", "0.1", "--rounds", "1", "--keys", "2000",
                      "--rate", "5000"],
+        "peers": ["--keys", "2000", "--rounds", "1", "--seconds", "0.5", "--warmup", "0.2",
+                  "--rate", "500", "--fanout-rate", "200", "--watchers", "4"],
         "report": [],
     },
     "quick": {
@@ -184,6 +193,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "relays": ["--subscribers", "100", "--clients", "50", "--keys", "10000",
                    "--rounds", "1"],
         "hot_path": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
+        "peers": ["--rounds", "3", "--seconds", "3", "--warmup", "1"],
         "report": [],
     },
     "full": {
@@ -212,6 +222,7 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "relays": ["--subscribers", "200", "--clients", "100", "--keys", "100000",
                    "--rounds", "1"],
         "hot_path": ["--seconds", "3", "--warmup", "1", "--rounds", "3"],
+        "peers": ["--rounds", "5", "--seconds", "4", "--warmup", "1"],
         "report": [],
     },
     # A many-core host (16 cores): python -m bench all --profile 16core. Every scenario

@@ -184,6 +184,15 @@ def compiled_recv() -> Callable[[int, int, int], list[bytes] | None]:
     return _compiled.recv
 
 
+send_rows: Callable[[int, bytes, list, int, int], int] | None = (
+    _compiled.send_rows if COMPILED else None)
+"""Compiled path only (else None): ``send_rows(handle, identity, rows, start, stop) ->
+next`` sends ``rows[start:stop]``, each ``(key, value, seq, props)``, as a ROUTER's
+KVSYNCs ``[identity, key, seq, "", props, value]``, non-blocking, and returns the index of
+the first row not sent (earlier than ``stop`` where the peer's pipe is full: never half a
+row). Other errors raise. One C call per snapshot chunk instead of six per row."""
+
+
 def _keep_tracked(frames: list) -> list:
     return frames
 

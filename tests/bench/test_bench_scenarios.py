@@ -325,3 +325,38 @@ def test_hosts_scenario_measures_one_host_and_across_hosts_and_a_takeover(procs,
     (take,) = data["takeovers"]
     assert take["killed"] >= 1 and take["takeover_s"] > 0 and take["acks_after"] > 0
     assert data["summary"]["across, sync x1"]["throughput_vs_one_host"]["n"] == 1
+
+
+def test_peers_scenario_measures_every_present_system_and_names_the_missing(procs, tmp_path):
+    """``python -m bench peers`` at smoke size against every system: each one this host can
+    run has every workload in the record (each write acknowledged, every fan-out update at
+    every watcher, the whole map joined); each one it cannot is in ``missing`` with its
+    install command and in the table as "missing", never dropped."""
+    run_bench(procs, tmp_path, "bench", "peers", "--keys", "500", "--rounds", "1",
+              "--seconds", "0.5", "--warmup", "0.2", "--rate", "300", "--fanout-rate", "100",
+              "--watchers", "2", "--writer-procs", "2")
+    data = bench_record(tmp_path, "peers")
+    missing = data["missing"]
+    present = [s for s in ("clonemap", "redis", "nats", "etcd") if s not in missing]
+    assert "clonemap" in present
+    for system, why in missing.items():
+        assert "install" in why or "pip" in why, (system, why)
+    runs = data["runs"]
+    assert sorted({(r["system"], r["workload"]) for r in runs}) == sorted(
+        (s, w) for s in present for w in ("rate", "one", "many", "fanout", "join"))
+    for r in runs:
+        assert r.get("errors", 0) == 0, r
+        if r["workload"] == "rate":
+            assert r["acks"] == r["offered"] > 0 and r["p50_ms"] <= r["p99_ms"], r
+        elif r["workload"] in ("one", "many"):
+            assert r["acks_per_s"] > 0, r
+        elif r["workload"] == "fanout":
+            assert r["every_update_delivered"] and r["writes"] > 0, r
+            assert r["delivered"] == r["expected"] == r["writes"] * 2, r
+        else:
+            assert r["keys"] == 500 and r["join_ms"] > 0, r
+    table = (tmp_path / "latest" / "peers.md").read_text()
+    assert "clonemap / Redis" in table
+    for system in missing:
+        assert "| missing |" in table or "| missing" in table, system
+    assert set(data["acks"]) == {"clonemap", "redis", "nats", "etcd"}

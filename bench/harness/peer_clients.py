@@ -1,0 +1,417 @@
+"""One client process of ``bench peers``: the same workload against clonemap, Redis, NATS
+JetStream KV or etcd, each through its usual Python client on uvloop.
+
+    python -m bench.harness.peer_clients SYSTEM WORKLOAD 'JSON OPTIONS'
+
+It prints ``START`` when its measured window opens and ``END`` when it closes (the
+orchestrator samples the server's CPU at both), then writes its results as JSON to the
+file ``out`` names and prints ``DONE``. Latencies come back as at most ``SAMPLES`` of
+them, evenly strided, with the stride. Workloads:
+
+* ``rate``: writes at a fixed rate, open loop (each write's latency counts from when it
+  was due, so a stall is not hidden by the writes it delayed);
+* ``closed``: ``inflight`` writers, each the next write when its last is acknowledged;
+* ``preload``: ``keys`` keys of the map written once (closed, 100 in flight);
+* ``watch``: ``clients`` watchers of the map in this process until ``until`` (epoch s):
+  each delivered change's latency from the time its value carries;
+* ``join``: a new client, until it holds the whole map and follows it.
+
+Every value is ``value_bytes`` long and starts with the writer's clock (``time.time_ns``,
+8 bytes) for the watchers' latency. Keys are ``k<i>`` for i < ``keys`` (``/p/k<i>`` where
+a path is usual). Clients: clonemap's ``AsyncClone``; redis-py with hiredis (the map is a
+hash; a fan-out write is ``MULTI HSET PUBLISH EXEC``, a join ``SUBSCRIBE`` then
+``HGETALL``); nats-py (a JetStream KV bucket); aetcd (gRPC). A library that is missing
+makes the process exit 3 with one line saying which.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import sys
+import time
+
+_NS = struct.Struct(">Q")
+SAMPLES = 5000
+
+
+def sample(lat: list[int]) -> dict:
+    lat.sort()
+    stride = max(1, len(lat) // SAMPLES)
+    return {"lat_ns": lat[::stride], "stride": stride}
+MISSING_EXIT = 3
+
+
+def value_of(size: int, i: int) -> bytes:
+    head = _NS.pack(time.time_ns())
+    body = b"%d" % i
+    return head + body + b"x" * max(0, size - len(head) - len(body))
+
+
+def sent_ns(value: bytes) -> int:
+    return _NS.unpack_from(value)[0] if len(value) >= 8 else 0
+
+
+# ---------------------------------------------------------------------------- systems
+
+class Clonemap:
+    def __init__(self, address: str):
+        self.address = address
+        self.clone = None
+
+    async def open(self, **_):
+        from client.api import AsyncClone
+
+        self.clone = AsyncClone(self.address, codec="bytes", timeout_s=30)
+        await self.clone.start()
+
+    async def close(self):
+        await self.clone.close()
+
+    async def put(self, i: int, value: bytes):
+        await self.clone.set(f"/p/k{i}", value, wait=True)
+
+    fanout_put = put
+
+    async def watch(self, on_value):
+        async with self.clone.watch("/p/") as w:
+            async for change in w:
+                if change.value:
+                    on_value(change.value)
+
+    def size(self) -> int:
+        return len(self.clone)
+
+
+class Redis:
+    def __init__(self, address: str):
+        self.address = address
+        self.r = None
+
+    async def open(self, **_):
+        import redis.asyncio as aioredis
+
+        host, port = self.address.rsplit(":", 1)
+        self.r = aioredis.Redis(host=host, port=int(port), max_connections=256)
+        await self.r.ping()
+
+    async def close(self):
+        await self.r.aclose()
+
+    async def put(self, i: int, value: bytes):
+        await self.r.hset("p", f"k{i}", value)
+
+    async def fanout_put(self, i: int, value: bytes):
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset("p", f"k{i}", value)
+            pipe.publish("p", value)
+            await pipe.execute()
+
+    async def subscribe(self):
+        pubsub = self.r.pubsub()
+        await pubsub.subscribe("p")
+        await pubsub.get_message(timeout=5)  # the subscription's confirmation
+        return pubsub
+
+    async def watch(self, on_value):
+        pubsub = await self.subscribe()
+        async for msg in pubsub.listen():
+            if msg["type"] == "message":
+                on_value(msg["data"])
+
+    async def join(self) -> int:
+        pubsub = await self.subscribe()  # following first: nothing between is missed
+        data = await self.r.hgetall("p")
+        self._joined = (pubsub, data)
+        return len(data)
+
+
+class Nats:
+    def __init__(self, address: str):
+        self.address = address
+        self.nc = self.kv = None
+
+    async def open(self, **_):
+        import nats
+
+        self.nc = await nats.connect(f"nats://{self.address}")
+        js = self.nc.jetstream()
+        try:
+            self.kv = await js.key_value("p")
+        except Exception:
+            from nats.js.api import KeyValueConfig, StorageType
+
+            self.kv = await js.create_key_value(KeyValueConfig(bucket="p", history=1,
+                                                               storage=StorageType.FILE))
+
+    async def close(self):
+        await self.nc.close()
+
+    async def put(self, i: int, value: bytes):
+        await self.kv.put(f"k{i}", value)
+
+    fanout_put = put
+
+    async def watch(self, on_value):
+        """New changes only (an ordered consumer from now on the bucket's subjects: what
+        the Go client's ``UpdatesOnly`` does; nats-py's KV watch starts with every key)."""
+        from nats.js.api import DeliverPolicy
+
+        async def on_msg(msg):
+            if msg.data:
+                on_value(msg.data)
+
+        sub = await self.nc.jetstream().subscribe("$KV.p.>", cb=on_msg, ordered_consumer=True,
+                                                  deliver_policy=DeliverPolicy.NEW)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await sub.unsubscribe()
+
+    async def join(self) -> int:
+        watcher = await self.kv.watchall()  # every current value, then a None marker
+        out = {}
+        async for entry in watcher:
+            if entry is None:
+                break
+            out[entry.key] = entry.value
+        self._joined = (watcher, out)
+        return len(out)
+
+
+class Etcd:
+    def __init__(self, address: str):
+        self.address = address
+        self.c = None
+
+    async def open(self, **_):
+        import aetcd
+
+        host, port = self.address.rsplit(":", 1)
+        # a whole 100,000-key map in one range read is ~12 MB: over gRPC's 4 MiB default
+        self.c = aetcd.Client(host=host, port=int(port),
+                              options={"grpc.max_receive_message_length": 1 << 30})
+        await self.c.connect()
+
+    async def close(self):
+        await self.c.close()
+
+    async def put(self, i: int, value: bytes):
+        await self.c.put(b"/p/k%d" % i, value)
+
+    fanout_put = put
+
+    async def watch(self, on_value):
+        import aetcd
+
+        async for event in await self.c.watch_prefix(b"/p/"):
+            if event.kind == aetcd.EventKind.PUT:
+                on_value(event.kv.value)
+
+    async def join(self) -> int:
+        result = await self.c.get_prefix(b"/p/")
+        data = {kv.key: kv.value for kv in result.kvs}
+        # following from the revision after the read: no change between is missed
+        watch = await self.c.watch_prefix(b"/p/", start_revision=result.header.revision + 1)
+        self._joined = (watch, data)
+        return len(data)
+
+
+SYSTEMS = {"clonemap": Clonemap, "redis": Redis, "nats": Nats, "etcd": Etcd}
+LIBRARIES = {"clonemap": "zmq", "redis": "redis", "nats": "nats", "etcd": "aetcd"}
+
+
+# ---------------------------------------------------------------------------- workloads
+
+def mark(word: str) -> None:
+    print(word, flush=True)
+
+
+async def rate(system, o: dict) -> dict:
+    """Open loop at ``rate`` writes/s for ``warmup`` + ``seconds`` (from ``t0``, epoch s,
+    when given: the fan-out's watchers know the window in advance). The loop sleeps until
+    the next write is due (at least 1 ms: the event loop's timer resolution) and sends
+    every write due; latencies are taken on the monotonic clock."""
+    per_s, warmup, seconds, keys, size = (o["rate"], o["warmup"], o["seconds"], o["keys"],
+                                          o["value_bytes"])
+    put = system.fanout_put if o.get("fanout") else system.put
+    lat: list[int] = []
+    errors: list[str] = []
+    pending: set[asyncio.Task] = set()
+    loop = asyncio.get_running_loop()
+    clock = time.monotonic
+    t0 = clock() + max(0.0, o.get("t0", 0.0) - time.time())
+    start, end = t0 + warmup, t0 + warmup + seconds
+    offset = o.get("offset", 0)
+
+    async def one(i: int, due: float, counted: bool):
+        try:
+            await put(i, value_of(size, i))
+        except Exception as exc:  # reported, never hidden
+            errors.append(repr(exc)[:200])
+            return
+        if counted:
+            lat.append(int((clock() - due) * 1e9))
+
+    await asyncio.sleep(max(0.0, t0 - clock()))
+    sent = offered = 0
+    opened = False
+    cpu0 = time.process_time()
+    while (now := clock()) < end:
+        if not opened and now >= start:
+            opened, cpu0 = True, time.process_time()
+            mark("START")
+        while t0 + sent / per_s <= now:
+            due = t0 + sent / per_s
+            counted = start <= due < end
+            offered += counted
+            task = loop.create_task(one((offset + sent) % keys, due, counted))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            sent += 1
+        await asyncio.sleep(max(0.001, t0 + sent / per_s - clock()))
+    if pending:
+        await asyncio.wait(pending, timeout=30)
+    cpu = time.process_time() - cpu0
+    mark("END")
+    return {"acks": len(lat), "offered": offered, **sample(lat),
+            "client_cpu_s": cpu, "errors": errors[:5], "error_count": len(errors)}
+
+
+async def closed(system, o: dict) -> dict:
+    inflight, warmup, seconds, keys, size = (o["inflight"], o["warmup"], o["seconds"],
+                                             o["keys"], o["value_bytes"])
+    clock = time.monotonic
+    t0 = clock()
+    start, end = t0 + warmup, t0 + warmup + seconds
+    counts = [0]
+    lat: list[int] = []
+    errors: list[str] = []
+    nxt = [0]
+
+    async def writer():
+        while (now := clock()) < end:
+            i = nxt[0]
+            nxt[0] += 1
+            try:
+                await system.put(i % keys, value_of(size, i))
+            except Exception as exc:
+                errors.append(repr(exc)[:200])
+                continue
+            done = clock()
+            if start <= now and done < end:
+                counts[0] += 1
+                lat.append(int((done - now) * 1e9))
+
+    async def window():
+        await asyncio.sleep(max(0.0, start - clock()))
+        cpu0 = time.process_time()
+        mark("START")
+        await asyncio.sleep(max(0.0, end - clock()))
+        mark("END")
+        return time.process_time() - cpu0
+
+    results = await asyncio.gather(window(), *(writer() for _ in range(inflight)))
+    return {"acks": counts[0], "seconds": seconds, **sample(lat),
+            "client_cpu_s": results[0], "errors": errors[:5], "error_count": len(errors)}
+
+
+async def preload(system, o: dict) -> dict:
+    keys, size = o["keys"], o["value_bytes"]
+    queue = iter(range(keys))
+
+    async def writer():
+        for i in queue:
+            await system.put(i, value_of(size, i))
+
+    t0 = time.monotonic()
+    mark("START")
+    await asyncio.gather(*(writer() for _ in range(100)))
+    mark("END")
+    return {"keys": keys, "seconds": time.monotonic() - t0}
+
+
+async def watch(make, o: dict) -> dict:
+    """``clients`` watchers, each its own client (connection), until ``until``."""
+    clients = []
+    for _ in range(o["clients"]):
+        c = make()
+        await c.open()
+        clients.append(c)
+    lat: list[int] = []
+    counts = [0]
+    lo, hi = o["window"]
+
+    def on_value(value: bytes):
+        sent = sent_ns(value)
+        if lo <= sent / 1e9 < hi:
+            counts[0] += 1
+            lat.append(time.time_ns() - sent)
+
+    tasks = [asyncio.ensure_future(c.watch(on_value)) for c in clients]
+    await asyncio.sleep(0.5)  # the watches are established (each awaited its subscription)
+    mark("READY")
+    cpu0 = time.process_time()
+    await asyncio.sleep(max(0.0, o["until"] - time.time()))
+    cpu = time.process_time() - cpu0
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for c in clients:
+        await c.close()
+    return {"delivered": counts[0], **sample(lat), "client_cpu_s": cpu}
+
+
+async def join(system, o: dict) -> dict:
+    mark("START")
+    t0 = time.perf_counter()
+    cpu0 = time.process_time()
+    if isinstance(system, Clonemap):
+        await system.open()
+        n = system.size()
+    else:
+        await system.open()
+        n = await system.join()
+    elapsed = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
+    mark("END")
+    return {"keys": n, "join_s": elapsed, "client_cpu_s": cpu}
+
+
+async def main(name: str, workload: str, options: dict) -> dict:
+    cls = SYSTEMS[name]
+    if workload == "watch":
+        return await watch(lambda: cls(options["address"]), options)
+    system = cls(options["address"])
+    try:
+        if workload == "join":
+            return await join(system, options)
+        await system.open()
+        return await {"rate": rate, "closed": closed, "preload": preload}[workload](
+            system, options)
+    finally:
+        if system.__dict__.get("clone") or system.__dict__.get("r") or \
+                system.__dict__.get("nc") or system.__dict__.get("c"):
+            await system.close()
+
+
+def run() -> None:
+    name, workload, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    try:
+        __import__(LIBRARIES[name])
+    except ImportError as exc:
+        print(f"MISSING {name}: {exc}", flush=True)
+        sys.exit(MISSING_EXIT)
+    try:
+        from uvloop import run as run_loop
+    except ImportError:
+        run_loop = asyncio.run
+    out = run_loop(main(name, workload, options))
+    # to a file: a long line printed here came out cut at the end of a pipe's buffer
+    with open(options["out"], "w") as f:
+        json.dump(out, f)
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,384 @@
+"""clonemap against the stores users would otherwise pick, at everyday rates, same run
+(``python -m bench peers``).
+
+One durable standalone server per system, each in a directory of its own on loopback:
+clonemap (``--fsync everysec``), Redis (AOF, ``appendfsync everysec``), NATS JetStream KV
+(file storage, ``sync_interval: 1s``) and etcd (one member; it fsyncs every commit);
+``--fsync always`` moves every system that has the choice to its strictest class. Every
+client is Python on uvloop, one process per role (``bench.harness.peer_clients``):
+clonemap's ``AsyncClone``, redis-py with hiredis, nats-py, aetcd. Values of
+``--value-bytes`` (100), a map of ``--keys`` (100,000) keys, loaded once before the rounds.
+
+Workloads, per round, each system in turn (the order rotates each round):
+
+* ``rate``: ``--rate`` (5,000) acknowledged writes/s, open loop: server CPU and client CPU
+  per acknowledged write, and the acknowledgement's p50/p99 (from when each write was due);
+* ``one``: one write in flight (closed loop): acknowledged writes/s;
+* ``many``: ``--inflight`` (100) writes in flight: acknowledged writes/s;
+* ``fanout``: ``--fanout-rate`` (2,000) writes/s to ``--watchers`` (16) watchers, each a
+  client of its own, in ``--watcher-procs`` processes: server CPU per delivered update,
+  write-to-watcher p50/p99, and whether every update reached every watcher (Redis: each
+  write is ``MULTI HSET PUBLISH``);
+* ``join``: a new client until it holds the whole map and follows it (Redis ``SUBSCRIBE``
+  then ``HGETALL``; NATS a KV watch to its end-of-initial-values marker; etcd a range
+  read then a watch from the next revision): its time and the server's CPU.
+
+Server CPU is read from the server's PID (every thread) at the client's START and END
+lines, so start-up and warm-up are not in it. A system this host cannot run is reported
+as missing with its install command, never dropped from a table. What an
+acknowledgement means for each system is printed with the record. Ratios to Redis are
+taken per round (same conditions), then their median.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from bench.harness import peer_servers as servers
+from bench.harness import record as rec
+from bench.harness.procs import bench_main
+from bench.harness.traffic import percentiles_ms
+from shards.common.children import terminate
+
+NAME = "peers"
+WORKLOADS = ("rate", "one", "many", "fanout", "join")
+CLIENT = [sys.executable, "-m", "bench.harness.peer_clients"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=f"python -m bench {NAME}",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--systems", default=",".join(servers.SYSTEMS),
+                    help="comma-separated, of: " + ", ".join(servers.SYSTEMS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--fsync", choices=("everysec", "always"), default="everysec")
+    ap.add_argument("--rate", type=int, default=5000)
+    ap.add_argument("--writer-procs", type=int, default=5,
+                    help="processes sharing --rate and --fanout-rate (each its own "
+                         "connection, waking for its own writes)")
+    ap.add_argument("--inflight", type=int, default=100)
+    ap.add_argument("--fanout-rate", type=int, default=2000)
+    ap.add_argument("--watchers", type=int, default=16)
+    ap.add_argument("--watcher-procs", type=int, default=2)
+    ap.add_argument("--keys", type=int, default=100_000)
+    ap.add_argument("--value-bytes", type=int, default=100)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--warmup", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
+    args = ap.parse_args(argv)
+    args.system_list = [s for s in args.systems.split(",") if s]
+    args.workload_list = [w for w in args.workloads.split(",") if w]
+    for name in args.system_list:
+        if name not in servers.SYSTEMS:
+            ap.error(f"unknown system {name!r}")
+    for name in args.workload_list:
+        if name not in WORKLOADS:
+            ap.error(f"unknown workload {name!r}")
+    return args
+
+
+# ---------------------------------------------------------------------------- clients
+
+class Client:
+    """A client process: its START/END lines, then its JSON result."""
+
+    def __init__(self, system: str, workload: str, options: dict):
+        self.err = tempfile.TemporaryFile(mode="w+")
+        fd, self.out = tempfile.mkstemp(prefix="peers-", suffix=".json")
+        os.close(fd)
+        options = {**options, "out": self.out}
+        self.popen = subprocess.Popen(CLIENT + [system, workload, json.dumps(options)],
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=self.err, text=True,
+                                      env=servers.environment(), start_new_session=True)
+        self.what = f"{system} {workload}"
+
+    def line(self, want: str, timeout_s: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            text = self.popen.stdout.readline()
+            if not text:
+                break
+            if text.startswith(want):
+                return text.strip()
+        self.popen.wait(10)
+        raise RuntimeError(f"{self.what}: no {want!r} line (exit {self.popen.returncode}): "
+                           + self.stderr_tail())
+
+    def stderr_tail(self) -> str:
+        self.err.seek(0)
+        return "\n".join(self.err.read().splitlines()[-6:])
+
+    def result(self) -> dict:
+        self.line("DONE")
+        self.popen.wait(120)
+        if self.popen.returncode != 0:
+            raise RuntimeError(f"{self.what} failed ({self.popen.returncode}): "
+                               + self.stderr_tail())
+        with open(self.out) as f:
+            return json.load(f)
+
+    def stop(self) -> None:
+        terminate(self.popen, 5.0)
+        self.err.close()
+        Path(self.out).unlink(missing_ok=True)
+
+
+def cpu_s(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def measured(server: servers.PeerServer, system: str, workload: str, options: dict,
+             processes: int = 1) -> tuple[list[dict], float, float]:
+    """Run ``processes`` clients (the i-th with ``offset`` i: its own keys); the server's
+    CPU seconds and the wall seconds from the last START line to the last END line, and
+    their results."""
+    clients = [Client(system, workload, {**options, "offset": i * 1_000_003})
+               for i in range(processes)]
+    try:
+        for c in clients:
+            c.line("START")
+        cpu0, t0 = cpu_s(server.pid), time.monotonic()
+        for c in clients:
+            c.line("END")
+        cpu, wall = cpu_s(server.pid) - cpu0, time.monotonic() - t0
+        return [c.result() for c in clients], cpu, wall
+    finally:
+        for c in clients:
+            c.stop()
+
+
+def merged(results: list[dict]) -> dict:
+    """The writers' results as one: counts and CPU summed, latencies pooled."""
+    out = {"acks": 0, "offered": 0, "error_count": 0, "client_cpu_s": 0.0, "lat_ns": []}
+    for r in results:
+        for k in ("acks", "offered", "error_count", "client_cpu_s"):
+            out[k] += r.get(k, 0)
+        for x in r.get("lat_ns", []):  # each sample stands for ``stride`` latencies
+            out["lat_ns"].extend([x] * r.get("stride", 1))
+    out["lat_ns"].sort()
+    return out
+
+
+def _lat(result: dict) -> dict:
+    return percentiles_ms(result.get("lat_ns", []), (50, 99))
+
+
+def one_run(args, server: servers.PeerServer, workload: str) -> dict:
+    base = {"address": server.address, "keys": args.keys, "value_bytes": args.value_bytes,
+            "seconds": args.seconds, "warmup": args.warmup}
+    system = server.system
+    if workload == "rate":
+        t0 = time.time() + 2.0  # every writer process has started by then
+        results, cpu, wall = measured(server, system, "rate", {
+            **base, "rate": args.rate / args.writer_procs, "t0": t0}, args.writer_procs)
+        res = merged(results)
+        acks = res["acks"] or 1
+        lat = _lat(res)
+        return {"acks": res["acks"], "offered": res["offered"],
+                "errors": res["error_count"], "server_cpu_us": round(cpu / acks * 1e6, 1),
+                "client_cpu_us": round(res["client_cpu_s"] / acks * 1e6, 1),
+                "p50_ms": lat.get("p50", 0.0), "p99_ms": lat.get("p99", 0.0)}
+    if workload in ("one", "many"):
+        inflight = 1 if workload == "one" else args.inflight
+        results, cpu, wall = measured(server, system, "closed", {**base, "inflight": inflight})
+        res = merged(results)
+        acks = res["acks"] or 1
+        return {"acks_per_s": round(res["acks"] / args.seconds, 1),
+                "p50_ms": _lat(res).get("p50", 0.0), "p99_ms": _lat(res).get("p99", 0.0),
+                "errors": res["error_count"],
+                "client_cpu_pct": round(100 * res["client_cpu_s"] / args.seconds, 1),
+                "server_cpu_us": round(cpu / acks * 1e6, 1)}
+    if workload == "fanout":
+        return fanout_run(args, server, base)
+    if workload == "join":
+        (res,), cpu, wall = measured(server, system, "join", base)
+        return {"join_ms": round(res["join_s"] * 1e3, 1), "keys": res["keys"],
+                "server_cpu_s": round(cpu, 3), "client_cpu_s": round(res["client_cpu_s"], 3)}
+    raise ValueError(workload)
+
+
+def fanout_run(args, server: servers.PeerServer, base: dict) -> dict:
+    system = server.system
+    per = [args.watchers // args.watcher_procs + (i < args.watchers % args.watcher_procs)
+           for i in range(args.watcher_procs)]
+    lead_s = 3.0 + 0.02 * args.watchers  # the watchers connect (and a clonemap one joins)
+    t0 = time.time() + lead_s
+    lo, hi = t0 + args.warmup, t0 + args.warmup + args.seconds
+    watchers = [Client(system, "watch", {"address": server.address, "clients": n,
+                                         "window": [lo, hi], "until": hi + 2.0})
+                for n in per if n]
+    try:
+        for w in watchers:
+            w.line("READY", 60)
+        results, cpu, wall = measured(server, system, "rate", {
+            **base, "rate": args.fanout_rate / args.writer_procs, "fanout": True,
+            "t0": t0}, args.writer_procs)
+        res = merged(results)
+        seen = [w.result() for w in watchers]
+    finally:
+        for w in watchers:
+            w.stop()
+    delivered = sum(s["delivered"] for s in seen)
+    samples = merged(seen)["lat_ns"]
+    lat = percentiles_ms(samples, (50, 99))
+    expected = res["acks"] * args.watchers
+    return {"writes": res["acks"], "delivered": delivered, "expected": expected,
+            "every_update_delivered": delivered >= expected and res["error_count"] == 0,
+            "server_cpu_us": round(cpu / (delivered or 1) * 1e6, 2),
+            "p50_ms": lat.get("p50", 0.0), "p99_ms": lat.get("p99", 0.0),
+            "watcher_cpu_pct": [round(100 * s["client_cpu_s"] / (hi + 2.0 - lo), 1)
+                                for s in seen]}
+
+
+# ---------------------------------------------------------------------------- the scenario
+
+def run(args: argparse.Namespace) -> rec.Record:
+    config = {k: v for k, v in vars(args).items()
+              if k not in ("results_dir", "system_list", "workload_list")}
+    record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", config), config)
+    record.data["acks"] = {s: servers.ACKS[s] for s in args.system_list}
+    missing, running, versions = {}, {}, {}
+    with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
+        try:
+            for system in args.system_list:
+                try:
+                    running[system] = servers.start(system, Path(tmp), args.fsync)
+                    versions[system] = running[system].version
+                except servers.Missing as why:
+                    missing[system] = str(why)
+                    rec.log(f"{NAME}: {system} is missing: {why}")
+            record.data["missing"] = missing
+            record.data["versions"] = versions
+            for system, server in running.items():
+                (res,), cpu, wall = measured(server, system, "preload", {
+                    "address": server.address, "keys": args.keys,
+                    "value_bytes": args.value_bytes})
+                record.data.setdefault("preload_s", {})[system] = round(res["seconds"], 2)
+            names = list(running)
+            for rnd in range(args.rounds):
+                order = names[rnd % len(names):] + names[:rnd % len(names)] if names else []
+                for workload in args.workload_list:
+                    for system in order:
+                        row = one_run(args, running[system], workload)
+                        record.add_run({"round": rnd, "workload": workload,
+                                        "system": system, **row})
+        finally:
+            for server in running.values():
+                server.stop()
+    record.finish()
+    summarize(record, args)
+    return record
+
+
+METRICS = (  # (workload, field, label, lower is better)
+    ("rate", "server_cpu_us", "server CPU per acknowledged write (us)", True),
+    ("rate", "client_cpu_us", "client CPU per acknowledged write (us)", True),
+    ("rate", "p50_ms", "ack p50 (ms)", True),
+    ("rate", "p99_ms", "ack p99 (ms)", True),
+    ("one", "acks_per_s", "acknowledged writes/s, one in flight", False),
+    ("many", "acks_per_s", "acknowledged writes/s, many in flight", False),
+    ("fanout", "server_cpu_us", "fan-out: server CPU per delivered update (us)", True),
+    ("fanout", "p50_ms", "fan-out: write-to-watcher p50 (ms)", True),
+    ("fanout", "p99_ms", "fan-out: write-to-watcher p99 (ms)", True),
+    ("join", "join_ms", "join the map (ms)", True),
+    ("join", "server_cpu_s", "server CPU per join (s)", True),
+)
+
+TARGETS = {  # (workload, field): the most clonemap may be, as a multiple of Redis's
+    ("rate", "server_cpu_us"): 1.7,
+    ("rate", "client_cpu_us"): 1.2,
+    ("rate", "p99_ms"): 1.2,
+    ("join", "join_ms"): 1.3,
+    ("fanout", "server_cpu_us"): 1.2,
+}
+
+
+def summarize(record: rec.Record, args) -> None:
+    runs = record.data["runs"]
+    summary: dict = {}
+    for workload, field, label, _ in METRICS:
+        mine = [r for r in runs if r["workload"] == workload]
+        if not mine:
+            continue
+        entry = {s: rec.spread([r[field] for r in mine if r["system"] == s], 3)
+                 for s in {r["system"] for r in mine}}
+        for peer in ("redis", "nats", "etcd"):
+            ratios = rec.ratios_per_round(mine, lambda r: r[field], "clonemap", peer, "system")
+            if ratios:
+                entry[f"clonemap/{peer}"] = rec.spread(ratios, 3)
+        summary[f"{workload}.{field}"] = entry
+    fan = [r for r in runs if r["workload"] == "fanout"]
+    summary["fanout.every_update_delivered"] = {
+        s: all(r["every_update_delivered"] for r in fan if r["system"] == s)
+        for s in {r["system"] for r in fan}}
+    record.data["summary"] = summary
+    for (workload, field), most in TARGETS.items():
+        ratio = summary.get(f"{workload}.{field}", {}).get("clonemap/redis")
+        if ratio:
+            suffix = f" (fsync {args.fsync})" if workload == "rate" else ""
+            record.target(f"{workload} {field}: clonemap / Redis{suffix}", ratio["median"],
+                          most, "x", higher_is_better=False)
+    joins = summary.get("join.server_cpu_s", {}).get("clonemap")
+    if joins and joins.get("n"):
+        record.target("server CPU per join of the map", joins["median"], 0.2, "s",
+                      higher_is_better=False)
+
+
+def _cell(entry: dict | None) -> str:
+    if not entry or not entry.get("n"):
+        return "-"
+    return rec._fmt(entry["median"])
+
+
+def report(record: rec.Record) -> None:
+    d = record.data
+    systems = [s for s in d["config"]["systems"].split(",") if s]
+    present = [s for s in systems if s not in d.get("missing", {})]
+    rows = []
+    for workload, field, label, _ in METRICS:
+        entry = d["summary"].get(f"{workload}.{field}")
+        if entry is None:
+            continue
+        rows.append([label, *[_cell(entry.get(s)) if s in present else "missing"
+                              for s in systems],
+                     _cell(entry.get("clonemap/redis"))])
+    c = d["config"]
+    rec.table(record, f"{NAME}: medians of {c['rounds']} rounds, {c['keys']:,} keys of "
+              f"{c['value_bytes']} B, fsync {c['fsync']}",
+              ["workload", *systems, "clonemap / Redis"], rows,
+              f"rate: {c['rate']:,}/s open loop; many: {c['inflight']} in flight; fan-out: "
+              f"{c['fanout_rate']:,}/s to {c['watchers']} watchers; ratios are per round, "
+              "then the median")
+    delivered = d["summary"].get("fanout.every_update_delivered", {})
+    for system in systems:
+        if system in d.get("missing", {}):
+            rec.log(f"{NAME}: {system}: missing ({d['missing'][system]})")
+        else:
+            rec.log(f"{NAME}: {system} {d.get('versions', {}).get(system, '')}: an "
+                    f"acknowledgement means: {d['acks'][system]}")
+            if system in delivered and not delivered[system]:
+                rec.log(f"{NAME}: {system}: NOT every fan-out update reached every watcher")
+    errors = sum(r.get("errors", 0) for r in d["runs"])
+    if errors:
+        rec.log(f"{NAME}: {errors} writes failed (counted in the runs)")
+    if d["targets"]:
+        rec.print_targets(record)
+
+
+def main(argv: list[str] | None = None) -> rec.Record:
+    return bench_main(NAME, parse_args, run, report, argv)
+
+
+if __name__ == "__main__":
+    main()
