@@ -91,14 +91,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Client:
     """A client process: its START/END lines, then its JSON result."""
 
-    def __init__(self, system: str, workload: str, options: dict):
+    def __init__(self, system: str, workload: str, options: dict, stdin: bool = False):
         self.err = tempfile.TemporaryFile(mode="w+")
         fd, self.out = tempfile.mkstemp(prefix="peers-", suffix=".json")
         os.close(fd)
         options = {**options, "out": self.out}
         self.popen = subprocess.Popen(CLIENT + [system, workload, json.dumps(options)],
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=self.err, text=True,
+                                      stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=self.err, text=True,
                                       env=servers.environment(), start_new_session=True)
         self.what = f"{system} {workload}"
 
@@ -212,15 +212,16 @@ def fanout_run(args, server: servers.PeerServer, base: dict) -> dict:
     system = server.system
     per = [args.watchers // args.watcher_procs + (i < args.watchers % args.watcher_procs)
            for i in range(args.watcher_procs)]
-    lead_s = 3.0 + 0.02 * args.watchers  # the watchers connect (and a clonemap one joins)
-    t0 = time.time() + lead_s
-    lo, hi = t0 + args.warmup, t0 + args.warmup + args.seconds
-    watchers = [Client(system, "watch", {"address": server.address, "clients": n,
-                                         "window": [lo, hi], "until": hi + 2.0})
+    watchers = [Client(system, "watch", {"address": server.address, "clients": n}, stdin=True)
                 for n in per if n]
     try:
         for w in watchers:
-            w.line("READY", 60)
+            w.line("READY", 120)
+        t0 = time.time() + 1.5  # every writer process has started by then
+        lo, hi = t0 + args.warmup, t0 + args.warmup + args.seconds
+        for w in watchers:  # the window, now that every watcher is ready
+            w.popen.stdin.write(f"{lo} {hi} {hi + 2.0}\n")
+            w.popen.stdin.flush()
         results, cpu, wall = measured(server, system, "rate", {
             **base, "rate": args.fanout_rate / args.writer_procs, "fanout": True,
             "t0": t0}, args.writer_procs)

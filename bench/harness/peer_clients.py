@@ -12,8 +12,9 @@ them, evenly strided, with the stride. Workloads:
   was due, so a stall is not hidden by the writes it delayed);
 * ``closed``: ``inflight`` writers, each the next write when its last is acknowledged;
 * ``preload``: ``keys`` keys of the map written once (closed, 100 in flight);
-* ``watch``: ``clients`` watchers of the map in this process until ``until`` (epoch s):
-  each delivered change's latency from the time its value carries;
+* ``watch``: ``clients`` watchers of the map in this process; after ``READY`` it reads
+  the writers' window from its standard input (``LO HI UNTIL``, epoch s) and counts each
+  change written in it, with its latency from the time its value carries, until UNTIL;
 * ``join``: a new client, until it holds the whole map and follows it.
 
 Every value is ``value_bytes`` long and starts with the writer's clock (``time.time_ns``,
@@ -218,7 +219,9 @@ class Etcd:
 
 
 SYSTEMS = {"clonemap": Clonemap, "redis": Redis, "nats": Nats, "etcd": Etcd}
-LIBRARIES = {"clonemap": "zmq", "redis": "redis", "nats": "nats", "etcd": "aetcd"}
+LIBRARIES = {"clonemap": ("client.api",), "redis": ("redis.asyncio",),
+             "nats": ("nats", "nats.js.api"), "etcd": ("aetcd",)}
+"""Imported before any measured window (a join would otherwise time the imports)."""
 
 
 # ---------------------------------------------------------------------------- workloads
@@ -340,19 +343,23 @@ async def watch(make, o: dict) -> dict:
         clients.append(c)
     lat: list[int] = []
     counts = [0]
-    lo, hi = o["window"]
+    window = [float("inf"), 0.0]
 
     def on_value(value: bytes):
         sent = sent_ns(value)
-        if lo <= sent / 1e9 < hi:
+        if window[0] <= sent / 1e9 < window[1]:
             counts[0] += 1
             lat.append(time.time_ns() - sent)
 
     tasks = [asyncio.ensure_future(c.watch(on_value)) for c in clients]
     await asyncio.sleep(0.5)  # the watches are established (each awaited its subscription)
     mark("READY")
+    # the writers' window (epoch s), sent once every watcher is ready: "LO HI UNTIL"
+    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    lo, hi, until = map(float, line.split())
+    window[:] = [lo, hi]
     cpu0 = time.process_time()
-    await asyncio.sleep(max(0.0, o["until"] - time.time()))
+    await asyncio.sleep(max(0.0, until - time.time()))
     cpu = time.process_time() - cpu0
     for t in tasks:
         t.cancel()
@@ -398,7 +405,8 @@ async def main(name: str, workload: str, options: dict) -> dict:
 def run() -> None:
     name, workload, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     try:
-        __import__(LIBRARIES[name])
+        for module in LIBRARIES[name]:
+            __import__(module)
     except ImportError as exc:
         print(f"MISSING {name}: {exc}", flush=True)
         sys.exit(MISSING_EXIT)
