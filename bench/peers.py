@@ -8,6 +8,12 @@ clonemap (``--fsync everysec``), Redis (AOF, ``appendfsync everysec``), NATS Jet
 client is Python on uvloop, one process per role (``bench.harness.peer_clients``):
 clonemap's ``AsyncClone``, redis-py with hiredis, nats-py, aetcd. Values of
 ``--value-bytes`` (100), a map of ``--keys`` (100,000) keys, loaded once before the rounds.
+Writes are spread over ``--writer-procs`` (5) processes, each waking for its own writes,
+so that at a few thousand a second each write is its own batch, as in an application.
+Writer n writes the keys whose index is n modulo the writers; a clonemap writer follows
+only that subtree (``/p/w<n>/``: what a process that writes and does not read the whole
+map would do; ``--clonemap-writers whole`` makes each one hold the whole map, and so apply
+every other writer's updates too).
 
 Workloads, per round, each system in turn (the order rotates each round):
 
@@ -65,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="processes sharing --rate and --fanout-rate (each its own "
                          "connection, waking for its own writes)")
     ap.add_argument("--inflight", type=int, default=100)
+    ap.add_argument("--clonemap-writers", choices=("subtree", "whole"), default="subtree",
+                    help="a clonemap writer follows its own keys' subtree (/p/w<n>/, what "
+                         "a process that only writes would do) or the whole map")
     ap.add_argument("--fanout-rate", type=int, default=2000)
     ap.add_argument("--watchers", type=int, default=16)
     ap.add_argument("--watcher-procs", type=int, default=2)
@@ -143,8 +152,7 @@ def measured(server: servers.PeerServer, system: str, workload: str, options: di
     """Run ``processes`` clients (the i-th with ``offset`` i: its own keys); the server's
     CPU seconds and the wall seconds from the last START line to the last END line, and
     their results."""
-    clients = [Client(system, workload, {**options, "offset": i * 1_000_003})
-               for i in range(processes)]
+    clients = [Client(system, workload, {**options, "writer": i}) for i in range(processes)]
     try:
         for c in clients:
             c.line("START")
@@ -176,7 +184,9 @@ def _lat(result: dict) -> dict:
 
 def one_run(args, server: servers.PeerServer, workload: str) -> dict:
     base = {"address": server.address, "keys": args.keys, "value_bytes": args.value_bytes,
-            "seconds": args.seconds, "warmup": args.warmup}
+            "seconds": args.seconds, "warmup": args.warmup,
+            "writer_subtree": args.clonemap_writers == "subtree",
+            "writers": args.writer_procs}
     system = server.system
     if workload == "rate":
         t0 = time.time() + 2.0  # every writer process has started by then
@@ -264,7 +274,7 @@ def run(args: argparse.Namespace) -> rec.Record:
             for system, server in running.items():
                 (res,), cpu, wall = measured(server, system, "preload", {
                     "address": server.address, "keys": args.keys,
-                    "value_bytes": args.value_bytes})
+                    "value_bytes": args.value_bytes, "writers": args.writer_procs})
                 record.data.setdefault("preload_s", {})[system] = round(res["seconds"], 2)
             names = list(running)
             for rnd in range(args.rounds):

@@ -36,6 +36,14 @@ _NS = struct.Struct(">Q")
 SAMPLES = 5000
 
 
+def key_index(o: dict, j: int) -> int:
+    """The j-th key writer ``writer`` of ``writers`` writes: those with index mod writers
+    equal to its number, in turn (so that the map stays ``keys`` keys and each writer's
+    keys are its own)."""
+    writers = o.get("writers", 1)
+    return o.get("writer", 0) + writers * (j % max(1, o["keys"] // writers))
+
+
 def sample(lat: list[int]) -> dict:
     lat.sort()
     stride = max(1, len(lat) // SAMPLES)
@@ -56,21 +64,29 @@ def sent_ns(value: bytes) -> int:
 # ---------------------------------------------------------------------------- systems
 
 class Clonemap:
-    def __init__(self, address: str):
+    """``subtree``: a writer that follows only its own keys (``/p/w<n>/``) instead of the
+    whole map (a Clone client holds what it follows: a whole-map writer also applies
+    every other writer's updates)."""
+
+    def __init__(self, address: str, subtree: str = "", writers: int = 1):
         self.address = address
+        self.subtree = subtree
+        self.writers = writers
         self.clone = None
 
     async def open(self, **_):
         from client.api import AsyncClone
 
-        self.clone = AsyncClone(self.address, codec="bytes", timeout_s=30)
+        self.clone = AsyncClone(self.address, codec="bytes", timeout_s=30,
+                                subtree=self.subtree)
         await self.clone.start()
 
     async def close(self):
         await self.clone.close()
 
     async def put(self, i: int, value: bytes):
-        await self.clone.set(f"/p/k{i}", value, wait=True)
+        # key i belongs to writer i mod writers: /p/w<n>/ is that writer's subtree
+        await self.clone.set(f"/p/w{i % self.writers}/k{i}", value, wait=True)
 
     fanout_put = put
 
@@ -235,8 +251,7 @@ async def rate(system, o: dict) -> dict:
     when given: the fan-out's watchers know the window in advance). The loop sleeps until
     the next write is due (at least 1 ms: the event loop's timer resolution) and sends
     every write due; latencies are taken on the monotonic clock."""
-    per_s, warmup, seconds, keys, size = (o["rate"], o["warmup"], o["seconds"], o["keys"],
-                                          o["value_bytes"])
+    per_s, warmup, seconds, size = o["rate"], o["warmup"], o["seconds"], o["value_bytes"]
     put = system.fanout_put if o.get("fanout") else system.put
     lat: list[int] = []
     errors: list[str] = []
@@ -245,7 +260,6 @@ async def rate(system, o: dict) -> dict:
     clock = time.monotonic
     t0 = clock() + max(0.0, o.get("t0", 0.0) - time.time())
     start, end = t0 + warmup, t0 + warmup + seconds
-    offset = o.get("offset", 0)
 
     async def one(i: int, due: float, counted: bool):
         try:
@@ -268,7 +282,7 @@ async def rate(system, o: dict) -> dict:
             due = t0 + sent / per_s
             counted = start <= due < end
             offered += counted
-            task = loop.create_task(one((offset + sent) % keys, due, counted))
+            task = loop.create_task(one(key_index(o, sent), due, counted))
             pending.add(task)
             task.add_done_callback(pending.discard)
             sent += 1
@@ -282,8 +296,8 @@ async def rate(system, o: dict) -> dict:
 
 
 async def closed(system, o: dict) -> dict:
-    inflight, warmup, seconds, keys, size = (o["inflight"], o["warmup"], o["seconds"],
-                                             o["keys"], o["value_bytes"])
+    inflight, warmup, seconds, size = (o["inflight"], o["warmup"], o["seconds"],
+                                       o["value_bytes"])
     clock = time.monotonic
     t0 = clock()
     start, end = t0 + warmup, t0 + warmup + seconds
@@ -297,7 +311,7 @@ async def closed(system, o: dict) -> dict:
             i = nxt[0]
             nxt[0] += 1
             try:
-                await system.put(i % keys, value_of(size, i))
+                await system.put(key_index(o, i), value_of(size, i))
             except Exception as exc:
                 errors.append(repr(exc)[:200])
                 continue
@@ -389,7 +403,13 @@ async def main(name: str, workload: str, options: dict) -> dict:
     cls = SYSTEMS[name]
     if workload == "watch":
         return await watch(lambda: cls(options["address"]), options)
-    system = cls(options["address"])
+    writers = options.get("writers", 1)
+    if name != "clonemap":
+        system = cls(options["address"])
+    elif options.get("writer_subtree") and workload in ("rate", "closed"):
+        system = cls(options["address"], f"/p/w{options.get('writer', 0)}/", writers)
+    else:
+        system = cls(options["address"], "", writers)
     try:
         if workload == "join":
             return await join(system, options)

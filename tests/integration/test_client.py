@@ -561,3 +561,49 @@ def test_sync_watch_iterator_raises_slow_consumer(fake):
                     pass
             with pytest.raises(SlowConsumer):
                 w.get(DEADLINE_S)
+
+
+def test_a_snapshot_s_every_kind_of_row_is_installed_or_dropped_as_the_decoder_says(fake,
+                                                                                   zctx):
+    """The client takes our servers' common KVSYNC without a decoder call; every other
+    row still goes through ``chp.decode_snapshot``. Both ways in one snapshot: plain
+    ASCII keys, a UTF-8 key, the reference C server's row (UUID and properties), an empty
+    value (not a key), and rows that are dropped and counted: bad UTF-8, a command word as
+    key, a key outside the subtree, a 7-byte sequence, an oversize key."""
+    rows = [
+        [b"/a/plain", chp.pack_seq(3), b"", b"", b"v1"],
+        [b"/a/caf\xc3\xa9", chp.pack_seq(4), b"", b"", b"utf8"],
+        [b"/a/c-dialect", chp.pack_seq(5), b"U" * 16, b"ttl=0\n", b"c"],
+        [b"/a/empty", chp.pack_seq(6), b"", b"", b""],
+        [b"/a/\xff\xfe", chp.pack_seq(7), b"", b"", b"bad utf-8"],
+        [b"HUGZ", chp.pack_seq(8), b"", b"", b"reserved"],
+        [b"/b/other", chp.pack_seq(9), b"", b"", b"outside"],
+        [b"/a/short-seq", b"\0" * 7, b"", b"", b"x"],
+        [b"/a/" + b"k" * 2000, chp.pack_seq(10), b"", b"", b"oversize key"],
+        [b"/a/last", chp.pack_seq(11), b"", b"", b"v2"],
+    ]
+
+    async def main():
+        clone = AsyncClone(fake.address, subtree="/a/", context=zctx, codec="bytes")
+
+        def serve():
+            fake.wait_subscribed()
+            identity, _ = fake.icanhaz()
+            for frames in rows:
+                fake.router.send_multipart([identity, *frames])
+            fake.router.send_multipart([identity, *chp.kthxbai(20, b"/a/")])
+
+        served = asyncio.create_task(asyncio.to_thread(serve))
+        await clone.start()
+        await served
+        got = dict(clone.items())
+        stats = clone.stats()["shards"][0]
+        await clone.close()
+        return got, stats
+
+    got, stats = run(main())
+    assert got == {"/a/plain": b"v1", "/a/café": b"utf8", "/a/c-dialect": b"c",
+                   "/a/last": b"v2"}
+    assert stats["drops"] == {"bad_key": 2, "outside_subtree": 1, "bad_sequence": 1,
+                              "oversize_key": 1}, stats["drops"]
+    assert stats["snapshots"] == 1 and stats["last_seq"] == 20
