@@ -24,9 +24,11 @@ points, what only the role knows::
                                                                               votes
     admit_snapshot_request()  an ICANHAZ is answered?             active      the client vote   active
     serving()                 HUGZ serving=0?                     active      would accept      active
-    term()                    HUGZ, KTHXBAI term=                 0           its bstar term    upstream's
-    resumable(term, since)    a client of that term after since   term 0      the term history  terms since
-                              may resume here?                                says so           its last copy
+    term()                    HUGZ, KTHXBAI term=                 this        its bstar term    upstream's
+                                                                  process's
+    resumable(term, since)    a client of that term after since   its term, or  the term history  terms since
+                              may resume here?                    since <= the  says so           its last copy
+                                                                  start's seq
     fenced(), park_for_peer() a batch may be published?           (none)      lease, passive's  (none)
                               (only with gates_publish)                       confirmation
     on_compacted(job)         a snapshot is whole on disk         (none)      the needs-peer    (none: no
@@ -41,6 +43,7 @@ passive, a relay).
 """
 from __future__ import annotations
 
+import secrets
 from typing import TYPE_CHECKING, Protocol
 
 import zmq
@@ -99,7 +102,16 @@ class Standalone:
     def bind(self) -> None:
         pass
 
+    def __init__(self):
+        self.incarnation = secrets.randbelow(1 << 31) + 1
+        """This process's term: a map restarted from its data directory may have lost
+        the tail a client saw (``fsync: everysec`` and an OS crash, a restored backup),
+        and gives those sequences to other updates."""
+        self.started_at = 0
+        """The map's sequence when this process started serving it."""
+
     def start(self) -> None:
+        self.started_at = self.server.store.seq
         self.server.set_active(True)
 
     def close(self) -> None:
@@ -115,11 +127,12 @@ class Standalone:
         return self.server.active
 
     def term(self) -> int:
-        return 0
+        return self.incarnation
 
     def resumable(self, term: int, since: int) -> bool:
-        """A standalone map has no terms: a client that names one came from a pair."""
-        return term == 0
+        """A client of this process, or one whose updates are all in the map this
+        process started from (``since`` at most its sequence then)."""
+        return term == self.incarnation or since <= self.started_at
 
     def stats(self) -> dict:
-        return {}
+        return {"term": self.incarnation}

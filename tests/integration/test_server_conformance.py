@@ -43,7 +43,7 @@ def check_hugz(frames: list[bytes]) -> tuple[float, int] | None:
     """A HUGZ, frame by frame: key "HUGZ", sequence 0, frames 2 and 4 empty, and frame 3
     empty (12/CHP) or exactly ``ts=<epoch s, 6 decimals>\\nseq=<current sequence>\\n``
     (our clock) then ``gen=<16 hex digits>\\n`` (the map's generation), ``term=<T>\\n``
-    where the map has a Binary Star term (a relay's: its upstream's); a standalone
+    (a pair's Binary Star term, a standalone process's own, a relay's upstream's); a standalone
     server always serves, so never ``serving=0``. Returns (ts, seq) of a clock HUGZ, None
     for a plain one."""
     assert frames[:3] == [b"HUGZ", b"\0" * 8, b""] and frames[4] == b"", frames

@@ -58,9 +58,9 @@ def drop_props(props: bytes, names: tuple[bytes, ...]) -> bytes:
 def kthxbai_props(resumed: bool | None = None, term: int = 0) -> bytes:
     """The properties of a KTHXBAI that answers a request with our extension frame (a
     plain ICANHAZ gets none, as 12/CHP has it): ``resume=1``/``resume=0`` for a resume
-    request, and ``term=<T>`` when the server's map is in Binary Star term T > 0. The
-    client sends that term with its next resume, and a server resumes only a client whose
-    updates are all in its own map's history (``shards.roles``, ``resumable``)."""
+    request, and ``term=<T>`` (T > 0): a pair's Binary Star term, a standalone
+    process's own. The client sends that term with its next resume, and a server resumes
+    only a client whose updates are all in its own map (``shards.roles``, ``resumable``)."""
     props = b"" if resumed is None else (RESUMED if resumed else FULL_AFTER_RESUME)
     if term:
         props += b"term=%d\n" % term
