@@ -159,10 +159,10 @@ class SnapshotService:
         self.refused = 0
         self.kvsync_sent = 0
         self.resume_sent = 0
+        """Updates sent in resume replies (``shards.resume``), besides ``kvsync_sent``."""
         self.refused_terms = 0
         """Resumes of this map's generation refused because the client's updates came
-        from an earlier term's active past what this map holds (``Role.resumable``)."""
-        """Updates sent in resume replies (``shards.resume``), besides ``kvsync_sent``."""
+        from another term past what this map holds (``Role.resumable``)."""
         self.largest = 0
         """The largest key + value streamed in a snapshot so far (it only grows)."""
         self.heap_trims = 0
@@ -210,19 +210,21 @@ class SnapshotService:
                                                      "wait")
 
     def _resume_or_snapshot(self, identity: bytes, request: chp.Icanhaz):
-        """A resume request (``since``): the updates after it when the server's history
-        covers them for the client's map generation, else a full snapshot that says
-        ``resume=0``. Decided when the request is taken, at the current sequence."""
+        """A resume request (``since``): the updates after it when the client's map is of
+        this generation, its updates up to ``since`` are all in this map (its ``term``,
+        ``Role.resumable``) and the server's history covers the rest; else a full
+        snapshot that says ``resume=0``. Decided when the request is taken, at the current
+        sequence."""
         server = self.server
         entries = None
         term = server.role.term()
-        if ((not request.generation or request.generation == server.generation)
-                and (request.term is None or server.role.resumable(request.term,
-                                                                   request.since))):
+        same_map = not request.generation or request.generation == server.generation
+        held = request.term is None or server.role.resumable(request.term, request.since)
+        if same_map and held:
             entries = server.recent.since(request.since, request.subtree)
+        elif same_map:
+            self.refused_terms += 1
         if entries is None:
-            if request.term is not None and request.generation == server.generation:
-                self.refused_terms += 1
             props = chp.kthxbai_props(False, term)
             return lambda: SnapshotStream(self, identity, request.subtree, props,
                                           request.meta)
