@@ -46,11 +46,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 from bench.harness import peer_servers as servers
 from bench.harness import record as rec
-from bench.harness.procs import bench_main
+from bench.harness.procs import ROOT, bench_main, cpu_seconds
 from bench.harness.traffic import percentiles_ms
 from shards.common.children import terminate
 
@@ -108,7 +106,8 @@ class Client:
         self.popen = subprocess.Popen(CLIENT + [system, workload, json.dumps(options)],
                                       stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=self.err, text=True,
-                                      env=servers.environment(), start_new_session=True)
+                                      cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                      start_new_session=True)
         self.what = f"{system} {workload}"
 
     def line(self, want: str, timeout_s: float = 120.0) -> str:
@@ -142,25 +141,19 @@ class Client:
         Path(self.out).unlink(missing_ok=True)
 
 
-def cpu_s(pid: int) -> float:
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
-
-
 def measured(server: servers.PeerServer, system: str, workload: str, options: dict,
-             processes: int = 1) -> tuple[list[dict], float, float]:
-    """Run ``processes`` clients (the i-th with ``offset`` i: its own keys); the server's
-    CPU seconds and the wall seconds from the last START line to the last END line, and
-    their results."""
+             processes: int = 1) -> tuple[list[dict], float]:
+    """Run ``processes`` clients (the i-th is ``writer`` i: its own keys); their results,
+    and the server's CPU seconds from the last START line to the last END line."""
     clients = [Client(system, workload, {**options, "writer": i}) for i in range(processes)]
     try:
         for c in clients:
             c.line("START")
-        cpu0, t0 = cpu_s(server.pid), time.monotonic()
+        cpu0 = cpu_seconds([server.pid])[server.pid]
         for c in clients:
             c.line("END")
-        cpu, wall = cpu_s(server.pid) - cpu0, time.monotonic() - t0
-        return [c.result() for c in clients], cpu, wall
+        cpu = cpu_seconds([server.pid])[server.pid] - cpu0
+        return [c.result() for c in clients], cpu
     finally:
         for c in clients:
             c.stop()
@@ -190,7 +183,7 @@ def one_run(args, server: servers.PeerServer, workload: str) -> dict:
     system = server.system
     if workload == "rate":
         t0 = time.time() + 2.0  # every writer process has started by then
-        results, cpu, wall = measured(server, system, "rate", {
+        results, cpu = measured(server, system, "rate", {
             **base, "rate": args.rate / args.writer_procs, "t0": t0}, args.writer_procs)
         res = merged(results)
         acks = res["acks"] or 1
@@ -201,18 +194,19 @@ def one_run(args, server: servers.PeerServer, workload: str) -> dict:
                 "p50_ms": lat.get("p50", 0.0), "p99_ms": lat.get("p99", 0.0)}
     if workload in ("one", "many"):
         inflight = 1 if workload == "one" else args.inflight
-        results, cpu, wall = measured(server, system, "closed", {**base, "inflight": inflight})
+        results, cpu = measured(server, system, "closed", {**base, "inflight": inflight})
         res = merged(results)
         acks = res["acks"] or 1
+        lat = _lat(res)
         return {"acks_per_s": round(res["acks"] / args.seconds, 1),
-                "p50_ms": _lat(res).get("p50", 0.0), "p99_ms": _lat(res).get("p99", 0.0),
+                "p50_ms": lat.get("p50", 0.0), "p99_ms": lat.get("p99", 0.0),
                 "errors": res["error_count"],
                 "client_cpu_pct": round(100 * res["client_cpu_s"] / args.seconds, 1),
                 "server_cpu_us": round(cpu / acks * 1e6, 1)}
     if workload == "fanout":
         return fanout_run(args, server, base)
     if workload == "join":
-        (res,), cpu, wall = measured(server, system, "join", base)
+        (res,), cpu = measured(server, system, "join", base)
         return {"join_ms": round(res["join_s"] * 1e3, 1), "keys": res["keys"],
                 "server_cpu_s": round(cpu, 3), "client_cpu_s": round(res["client_cpu_s"], 3)}
     raise ValueError(workload)
@@ -232,7 +226,7 @@ def fanout_run(args, server: servers.PeerServer, base: dict) -> dict:
         for w in watchers:  # the window, now that every watcher is ready
             w.popen.stdin.write(f"{lo} {hi} {hi + 2.0}\n")
             w.popen.stdin.flush()
-        results, cpu, wall = measured(server, system, "rate", {
+        results, cpu = measured(server, system, "rate", {
             **base, "rate": args.fanout_rate / args.writer_procs, "fanout": True,
             "t0": t0}, args.writer_procs)
         res = merged(results)
@@ -272,7 +266,7 @@ def run(args: argparse.Namespace) -> rec.Record:
             record.data["missing"] = missing
             record.data["versions"] = versions
             for system, server in running.items():
-                (res,), cpu, wall = measured(server, system, "preload", {
+                (res,), cpu = measured(server, system, "preload", {
                     "address": server.address, "keys": args.keys,
                     "value_bytes": args.value_bytes, "writers": args.writer_procs})
                 record.data.setdefault("preload_s", {})[system] = round(res["seconds"], 2)
@@ -292,18 +286,18 @@ def run(args: argparse.Namespace) -> rec.Record:
     return record
 
 
-METRICS = (  # (workload, field, label, lower is better)
-    ("rate", "server_cpu_us", "server CPU per acknowledged write (us)", True),
-    ("rate", "client_cpu_us", "client CPU per acknowledged write (us)", True),
-    ("rate", "p50_ms", "ack p50 (ms)", True),
-    ("rate", "p99_ms", "ack p99 (ms)", True),
-    ("one", "acks_per_s", "acknowledged writes/s, one in flight", False),
-    ("many", "acks_per_s", "acknowledged writes/s, many in flight", False),
-    ("fanout", "server_cpu_us", "fan-out: server CPU per delivered update (us)", True),
-    ("fanout", "p50_ms", "fan-out: write-to-watcher p50 (ms)", True),
-    ("fanout", "p99_ms", "fan-out: write-to-watcher p99 (ms)", True),
-    ("join", "join_ms", "join the map (ms)", True),
-    ("join", "server_cpu_s", "server CPU per join (s)", True),
+METRICS = (  # (workload, field, label)
+    ("rate", "server_cpu_us", "server CPU per acknowledged write (us)"),
+    ("rate", "client_cpu_us", "client CPU per acknowledged write (us)"),
+    ("rate", "p50_ms", "ack p50 (ms)"),
+    ("rate", "p99_ms", "ack p99 (ms)"),
+    ("one", "acks_per_s", "acknowledged writes/s, one in flight"),
+    ("many", "acks_per_s", "acknowledged writes/s, many in flight"),
+    ("fanout", "server_cpu_us", "fan-out: server CPU per delivered update (us)"),
+    ("fanout", "p50_ms", "fan-out: write-to-watcher p50 (ms)"),
+    ("fanout", "p99_ms", "fan-out: write-to-watcher p99 (ms)"),
+    ("join", "join_ms", "join the map (ms)"),
+    ("join", "server_cpu_s", "server CPU per join (s)"),
 )
 
 TARGETS = {  # (workload, field): the most clonemap may be, as a multiple of Redis's
@@ -318,7 +312,7 @@ TARGETS = {  # (workload, field): the most clonemap may be, as a multiple of Red
 def summarize(record: rec.Record, args) -> None:
     runs = record.data["runs"]
     summary: dict = {}
-    for workload, field, label, _ in METRICS:
+    for workload, field, _ in METRICS:
         mine = [r for r in runs if r["workload"] == workload]
         if not mine:
             continue
@@ -357,7 +351,7 @@ def report(record: rec.Record) -> None:
     systems = [s for s in d["config"]["systems"].split(",") if s]
     present = [s for s in systems if s not in d.get("missing", {})]
     rows = []
-    for workload, field, label, _ in METRICS:
+    for workload, field, label in METRICS:
         entry = d["summary"].get(f"{workload}.{field}")
         if entry is None:
             continue

@@ -7,10 +7,9 @@ PID."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
-from shards.common.children import LinePump, terminate
+from bench.harness.procs import Daemon
 
 READY = "ready to serve client requests"
 
@@ -40,30 +39,17 @@ class Etcd:
             raise RuntimeError(MISSING)
         self.host, self.port = host, port
         client, peer = f"http://{host}:{port}", f"http://{host}:{port + 1}"
-        self.popen = subprocess.Popen(
-            [*prefix, exe, "--name", "m", "--data-dir", str(data_dir),
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"m={peer}", "--log-outputs", "stdout", "--logger", "zap"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True)
-        self.pid = self.popen.pid
-        self.out = LinePump(self.popen.stdout)
-        try:
-            line = self.out.wait_for(lambda text: READY in text, timeout_s)
-        except TimeoutError:
-            self.stop()
-            raise RuntimeError(f"etcd not ready within {timeout_s} s: "
-                               + "\n".join(self.out.lines[-10:])) from None
-        if line is None:
-            self.stop()
-            raise RuntimeError("etcd exited before it was ready: "
-                               + "\n".join(self.out.lines[-10:]))
+        self.daemon = Daemon("etcd", [
+            *prefix, exe, "--name", "m", "--data-dir", str(data_dir),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"m={peer}", "--log-outputs", "stdout", "--logger", "zap"],
+            READY, timeout_s)
+        self.pid = self.daemon.pid
 
     @property
     def url(self) -> str:
         return f"etcd://{self.host}:{self.port}"
 
     def stop(self) -> None:
-        terminate(self.popen, 5.0)
-        self.out.thread.join(2)
+        self.daemon.stop()

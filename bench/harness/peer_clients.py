@@ -18,8 +18,9 @@ them, evenly strided, with the stride. Workloads:
 * ``join``: a new client, until it holds the whole map and follows it.
 
 Every value is ``value_bytes`` long and starts with the writer's clock (``time.time_ns``,
-8 bytes) for the watchers' latency. Keys are ``k<i>`` for i < ``keys`` (``/p/k<i>`` where
-a path is usual). Clients: clonemap's ``AsyncClone``; redis-py with hiredis (the map is a
+8 bytes) for the watchers' latency. Key i < ``keys`` is ``k<i>`` (Redis's hash field,
+NATS's KV key), ``/p/k<i>`` (etcd) or ``/p/w<n>/k<i>`` with n = i mod ``writers``
+(clonemap: writer n's subtree; ``key_index``). Clients: clonemap's ``AsyncClone``; redis-py with hiredis (the map is a
 hash; a fan-out write is ``MULTI HSET PUBLISH EXEC``, a join ``SUBSCRIBE`` then
 ``HGETALL``); nats-py (a JetStream KV bucket); aetcd (gRPC). A library that is missing
 makes the process exit 3 with one line saying which.
@@ -48,6 +49,8 @@ def sample(lat: list[int]) -> dict:
     lat.sort()
     stride = max(1, len(lat) // SAMPLES)
     return {"lat_ns": lat[::stride], "stride": stride}
+
+
 MISSING_EXIT = 3
 
 
@@ -74,7 +77,7 @@ class Clonemap:
         self.writers = writers
         self.clone = None
 
-    async def open(self, **_):
+    async def open(self):
         from client.api import AsyncClone
 
         self.clone = AsyncClone(self.address, codec="bytes", timeout_s=30,
@@ -82,7 +85,8 @@ class Clonemap:
         await self.clone.start()
 
     async def close(self):
-        await self.clone.close()
+        if self.clone is not None:
+            await self.clone.close()
 
     async def put(self, i: int, value: bytes):
         # key i belongs to writer i mod writers: /p/w<n>/ is that writer's subtree
@@ -96,8 +100,8 @@ class Clonemap:
                 if change.value:
                     on_value(change.value)
 
-    def size(self) -> int:
-        return len(self.clone)
+    async def join(self) -> int:
+        return len(self.clone)  # started: the whole map is in, and followed
 
 
 class Redis:
@@ -105,7 +109,7 @@ class Redis:
         self.address = address
         self.r = None
 
-    async def open(self, **_):
+    async def open(self):
         import redis.asyncio as aioredis
 
         host, port = self.address.rsplit(":", 1)
@@ -113,7 +117,8 @@ class Redis:
         await self.r.ping()
 
     async def close(self):
-        await self.r.aclose()
+        if self.r is not None:
+            await self.r.aclose()
 
     async def put(self, i: int, value: bytes):
         await self.r.hset("p", f"k{i}", value)
@@ -148,7 +153,7 @@ class Nats:
         self.address = address
         self.nc = self.kv = None
 
-    async def open(self, **_):
+    async def open(self):
         import nats
 
         self.nc = await nats.connect(f"nats://{self.address}")
@@ -162,7 +167,8 @@ class Nats:
                                                                storage=StorageType.FILE))
 
     async def close(self):
-        await self.nc.close()
+        if self.nc is not None:
+            await self.nc.close()
 
     async def put(self, i: int, value: bytes):
         await self.kv.put(f"k{i}", value)
@@ -201,7 +207,7 @@ class Etcd:
         self.address = address
         self.c = None
 
-    async def open(self, **_):
+    async def open(self):
         import aetcd
 
         host, port = self.address.rsplit(":", 1)
@@ -211,7 +217,8 @@ class Etcd:
         await self.c.connect()
 
     async def close(self):
-        await self.c.close()
+        if self.c is not None:
+            await self.c.close()
 
     async def put(self, i: int, value: bytes):
         await self.c.put(b"/p/k%d" % i, value)
@@ -387,12 +394,8 @@ async def join(system, o: dict) -> dict:
     mark("START")
     t0 = time.perf_counter()
     cpu0 = time.process_time()
-    if isinstance(system, Clonemap):
-        await system.open()
-        n = system.size()
-    else:
-        await system.open()
-        n = await system.join()
+    await system.open()
+    n = await system.join()
     elapsed = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
     mark("END")
@@ -417,9 +420,7 @@ async def main(name: str, workload: str, options: dict) -> dict:
         return await {"rate": rate, "closed": closed, "preload": preload}[workload](
             system, options)
     finally:
-        if system.__dict__.get("clone") or system.__dict__.get("r") or \
-                system.__dict__.get("nc") or system.__dict__.get("c"):
-            await system.close()
+        await system.close()  # (nothing to close if it never opened)
 
 
 def run() -> None:

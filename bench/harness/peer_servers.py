@@ -8,15 +8,13 @@ that installs it (``Missing``), never dropped. What each acknowledgement means i
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from bench.harness import etcd as etcd_harness
-from bench.harness.procs import Target, free_port_base
-from shards.common.children import LinePump, terminate
+from bench.harness.procs import Daemon, Target, free_port_base
 
 SYSTEMS = ("clonemap", "redis", "nats", "etcd")
 
@@ -51,31 +49,6 @@ def _on_path(name: str) -> str | None:
 def _need_library(module: str, system: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise Missing(f"no Python module {module!r}: {INSTALL[system]}")
-
-
-class Daemon:
-    """A foreign server: started, awaited on its own ready line, stopped by PID."""
-
-    def __init__(self, name: str, argv: list[str], ready: str, timeout_s: float = 30.0):
-        self.name = name
-        self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
-        self.pid = self.popen.pid
-        self.out = LinePump(self.popen.stdout)
-        try:
-            line = self.out.wait_for(lambda text: ready in text, timeout_s)
-        except TimeoutError:
-            self.stop()
-            raise RuntimeError(f"{name} not ready in {timeout_s} s: "
-                               + "\n".join(self.out.lines[-8:])) from None
-        if line is None:
-            self.stop()
-            raise RuntimeError(f"{name} exited before it was ready: "
-                               + "\n".join(self.out.lines[-8:]))
-
-    def stop(self) -> None:
-        terminate(self.popen, 5.0)
-        self.out.thread.join(2)
 
 
 class PeerServer:
@@ -137,10 +110,3 @@ def start(system: str, tmp: Path, fsync: str = "everysec") -> PeerServer:
         return PeerServer(system, f"127.0.0.1:{port}", server.pid, server.stop,
                           _version([etcd_harness.binary(), "--version"]))
     raise ValueError(f"unknown system {system!r} (one of {', '.join(SYSTEMS)})")
-
-
-def environment() -> dict:
-    """The environment for the client processes: this checkout importable."""
-    root = str(Path(__file__).resolve().parents[2])
-    return dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                PYTHONUNBUFFERED="1")

@@ -4,7 +4,9 @@ A ``Target`` is a server process a benchmark measures (the real shard server, or
 forwarding loop). It runs in its own session (so a terminal's Ctrl-C reaches only the
 benchmark, which then ends it), its stdout is drained by a thread, its stderr goes to a
 temporary file whose tail is shown if it fails. ``stop`` sends SIGTERM and, after a grace
-period, SIGKILL - always to the PID it started, never by name.
+period, SIGKILL - always to the PID it started, never by name. A ``Daemon`` is another
+project's server (etcd, Redis, NATS): the same, but ready on a line of its own log that
+holds a given text anywhere, and its stdout and stderr read together.
 """
 from __future__ import annotations
 
@@ -124,6 +126,33 @@ class Target:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class Daemon:
+    """A foreign server: started in its own session, awaited on the first line of its
+    output (stdout and stderr together) that holds ``ready``, stopped by PID. ``popen``,
+    ``pid`` and ``out`` (its ``LinePump``: every line so far) are public."""
+
+    def __init__(self, name: str, argv: list[str], ready: str, timeout_s: float = 30.0):
+        self.name = name
+        self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+        self.pid = self.popen.pid
+        self.out = LinePump(self.popen.stdout)
+        try:
+            line = self.out.wait_for(lambda text: ready in text, timeout_s)
+        except TimeoutError:
+            self.stop()
+            raise RuntimeError(f"{name} not ready within {timeout_s} s: "
+                               + "\n".join(self.out.lines[-10:])) from None
+        if line is None:
+            self.stop()
+            raise RuntimeError(f"{name} exited before it was ready: "
+                               + "\n".join(self.out.lines[-10:]))
+
+    def stop(self) -> None:
+        terminate(self.popen, 5.0)
+        self.out.thread.join(2)
 
 
 def start_on_free_ports(name: str, argv_for, count: int = 4,
