@@ -59,13 +59,15 @@ TICK_S = 0.1
 
 class RelayFollower(Follower):
     """A ``Follower`` that can also resume (ask only for the updates after the relay's
-    sequence) and that says when its server does not serve (``on_not_serving``)."""
+    sequence) and that tells its relay when its server does not serve
+    (``Relay.upstream_not_serving``) and in which term a resume continued the map
+    (``Relay.resumed_in``)."""
 
     def __init__(self, relay: "Relay", host: str, port: int, *, sync_timeout_s: float):
         super().__init__(relay, relay.server, host, port, shard=relay.shard,
                          sync_timeout_s=sync_timeout_s)
         self.relay = relay
-        self.on_not_serving = relay.upstream_not_serving
+        """The relay (also this follower's sink)."""
         self._resume: dict | None = None
         self.counters.update(resumes=0, resume_updates=0, resumes_refused=0)
 
@@ -74,7 +76,7 @@ class RelayFollower(Follower):
         if (len(frames) == 5 and frames[0] == chp.HUGZ and frames[3]
                 and b"serving=0" in frames[3]):
             self.counters["hugz_not_serving"] += 1
-            self.on_not_serving(self)
+            self.relay.upstream_not_serving(self)
             return
         resume = self._resume
         if resume is None:
