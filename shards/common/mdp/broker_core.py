@@ -107,7 +107,11 @@ class Note(NamedTuple):
 
 
 class Request:
-    __slots__ = ("client", "service", "body", "expires_at", "size")
+    """A client's request as the broker holds it. ``requeued``: it went to a worker that
+    vanished and is held again; such a request is held whatever the budget (it was accepted
+    once), so the budget bounds the others, and these are at most one per worker."""
+
+    __slots__ = ("client", "service", "body", "expires_at", "size", "requeued")
 
     def __init__(self, client: bytes, service: bytes, body: list[bytes], expires_at: float):
         self.client = client
@@ -115,6 +119,7 @@ class Request:
         self.body = body
         self.expires_at = expires_at
         self.size = sum(map(len, body)) + len(client) + len(service)
+        self.requeued = False
 
 
 class Service:
@@ -455,6 +460,7 @@ class BrokerCore:
         if request is None:
             return
         self.counters["requeued"] += 1
+        request.requeued = True
         request.expires_at = now + self.config.request_expiry_s
         if svc.idle:
             other = svc.idle.pop(next(iter(svc.idle)))
