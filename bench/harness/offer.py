@@ -17,6 +17,7 @@ from bench.harness.procs import (Target, cpu_pct_by_group, cpu_pct_each, cpu_sec
                                  forwarder_argv, free_port_base, server_argv,
                                  start_on_free_ports)
 from bench.harness.traffic import RATE_TICK_S, SubscriberConfig, WriterConfig
+from bench.harness.traffic_reader import settle
 
 KINDS = ("server", "forwarder", "pubsub")
 
@@ -315,8 +316,13 @@ def run_offer(targets: Targets, *, warmup: float, seconds: float, offer: Offer |
     """One measured window of ``offer`` against ``targets`` (already started): the load
     figures (``LoadResult.figures``), CPU per process group in percent of one core
     (``cpu_pct``: targets, writers, subscribers, ours, host, others) and ``cpu_cores``
-    (all our processes' CPU seconds / window)."""
+    (all our processes' CPU seconds / window). First the targets' backlog from an earlier
+    window drains (``settle``: a flat-out window leaves servers seconds of queued updates,
+    which this window's subscribers would otherwise time as their own)."""
     writers, subs = targets.configs(offer, seed)
+    settled = None
+    if targets.kind != "pubsub":  # the last window's backlog is not this one's
+        settled = settle(targets.publishers(), keys_dir=(offer or targets.offer).keys_dir)
     with LoadRun(writers, subs) as load:
         window = load.start(warmup, seconds)
         groups = {"targets": targets.pids, "writers": load.pids("writer"),
@@ -336,6 +342,8 @@ def run_offer(targets: Targets, *, warmup: float, seconds: float, offer: Offer |
     figures["cpu_cores"] = round(figures["cpu_pct"]["ours"] / 100, 3)
     figures["writer_drops"] = sum(w["dropped_window"] for w in result.writers)
     figures["target"] = targets.kind
+    if settled is not None:
+        figures["settle"] = settled
     figures["shards"] = targets.shards
     figures["writers"] = result.writers
     figures["subscribers"] = result.subscribers
@@ -374,7 +382,15 @@ def brief(fig: dict) -> str:
     return (f"received {fig['received_per_s']:,.0f}/s (sent {fig['sent_per_s']:,.0f}/s), "
             f"loss {fig['loss_window']}, writer drops {fig.get('writer_drops', 0)}, "
             f"p50 {lat.get('p50', '-')} ms p99 {lat.get('p99', '-')} ms, "
-            f"cpu cores {fig['cpu_cores']} (others {fig['cpu_pct']['others']}%)")
+            f"cpu cores {fig['cpu_cores']} (others {fig['cpu_pct']['others']}%)"
+            + _settle_note(fig.get("settle")))
+
+
+def _settle_note(settled: dict | None) -> str:
+    if not settled or not settled["settle_updates"]:
+        return ""
+    return (f"; {settled['settle_updates']:,} earlier updates drained first in "
+            f"{settled['settle_s']} s" + ("" if settled["settled"] else " (still coming)"))
 
 
 # ---------------------------------------------------------------------- the command

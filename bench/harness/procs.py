@@ -57,6 +57,8 @@ def relocated_config(config: Path, tmp: Path, data_dir: Path | None = None
     import yaml
 
     data = yaml.safe_load(config.read_text())
+    if isinstance(data["shards"], int):  # `shards: N`: N shards of defaults, as the loader
+        data["shards"] = [{} for _ in range(data["shards"])]
     span = PORTS_PER_SHARD * len(data["shards"])
     control_port = free_port_base(1)
     while True:

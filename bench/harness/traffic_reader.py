@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import time
 
-from bench.harness.traffic import (CHECK_EVERY, GO_DEADLINE_S, MERGE_SAMPLES, STAMP_BYTES,
-                                   SubscriberConfig, Window, _pin, _secure, _unpack_u64,
+from bench.harness.traffic import (CHECK_EVERY, GO_DEADLINE_S, KEY_FORMAT, MERGE_SAMPLES,
+                                   STAMP_BYTES, SubscriberConfig, Window, _pin, _secure, _unpack_u64,
                                    percentiles_ms)
 
 
@@ -230,3 +230,57 @@ def _subscribe(socks, cfg: SubscriberConfig, window: Window, conn, zmq) -> dict:
         "per_source": per_source if len(per_source) > 1 else [],
         "endpoints": list(cfg.sources),
     }
+
+
+SETTLE_QUIET_S = 0.25
+"""``settle`` returns once the publishers have sent no update for this long."""
+SETTLE_DEADLINE_S = 60.0
+
+
+def settle(publishers: list[str], *, keys_dir: str = "", quiet_s: float = SETTLE_QUIET_S,
+           deadline_s: float = SETTLE_DEADLINE_S) -> dict:
+    """Wait until the servers behind ``publishers`` have published the harness's last
+    update: no KVPUB of a harness key for ``quiet_s`` (HUGZ are not subscribed). A flat-out
+    window leaves the servers a backlog (writers outran them; their queues hold seconds of
+    updates), which a next window's fresh subscribers would read with old stamps and time
+    as their own. Returns ``settle_s`` (how long it took), ``settle_updates`` (how many
+    were still coming) and ``settled`` (False: still publishing at ``deadline_s``)."""
+    import zmq
+
+    prefix = KEY_FORMAT.split("%", 1)[0].encode()
+    ctx = zmq.Context.instance()
+    socks = []
+    poller = zmq.Poller()
+    t0 = time.monotonic()
+    seen = 0
+    try:
+        for endpoint in publishers:
+            sock = ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            _secure(sock, keys_dir)
+            sock.setsockopt(zmq.SUBSCRIBE, prefix)
+            sock.connect(endpoint)
+            socks.append(sock)
+            poller.register(sock, zmq.POLLIN)
+        last = t0
+        while True:
+            now = time.monotonic()
+            if now - last >= quiet_s:
+                return {"settle_s": round(now - t0, 3), "settle_updates": seen,
+                        "settled": True}
+            if now - t0 >= deadline_s:
+                return {"settle_s": round(now - t0, 3), "settle_updates": seen,
+                        "settled": False}
+            ready = poller.poll(max(1, int((quiet_s - (now - last)) * 1000)))
+            for sock, _ in ready:
+                while True:
+                    try:
+                        sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    seen += 1
+                last = time.monotonic()
+    finally:
+        for sock in socks:
+            sock.close(0)
