@@ -201,6 +201,9 @@ def coordination_arg(ctx, param, value: str | None) -> list[tuple[str, int]] | N
                    "--max-snapshots); 0: only --snapshot-hwm.")
 @click.option("--cpus", callback=parse_cpus, default=None,
               help="Pin the process to these CPUs (e.g. 0,1) before any thread starts.")
+@click.option("--io-threads", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="libzmq I/O threads: subscribers' connections are spread over them "
+                   "(for a server that many subscribers read directly; give it the cores).")
 @click.option("--primary", "pair_role", flag_value="primary", default=None,
               help="Binary Star primary (needs --peer).")
 @click.option("--backup", "pair_role", flag_value="backup",
@@ -274,7 +277,7 @@ def coordination_arg(ctx, param, value: str | None) -> list[tuple[str, int]] | N
 def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_props_bytes,
          max_subtree_bytes, snapshot_chunk, snapshot_stall_s, snapshot_yield_s, max_snapshots, collect_batch,
          pub_hwm, subscriber_held_bytes, writer_held_bytes, history_updates, history_bytes,
-         dedup_bytes, dedup_s, collect_hwm, snapshot_hwm, snapshot_held_bytes, cpus, pair_role, peer, shard, control,
+         dedup_bytes, dedup_s, collect_hwm, snapshot_hwm, snapshot_held_bytes, cpus, io_threads, pair_role, peer, shard, control,
          parent_pid, shard_map, shard_index, pending_max, pending_max_bytes, pending_age_s, data_dir, fsync,
          compact_min_bytes, compact_ratio, min_free_bytes, keys_dir, coordination, lease_s,
          lease_name, replication, log_level):
@@ -315,7 +318,7 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
         writer_held_bytes=writer_held_bytes, history_updates=history_updates,
         history_bytes=history_bytes, dedup_bytes=dedup_bytes, dedup_s=dedup_s,
         collect_rcvhwm=collect_hwm, snapshot_sndhwm=snapshot_hwm,
-        snapshot_held_bytes=snapshot_held_bytes,
+        snapshot_held_bytes=snapshot_held_bytes, io_threads=io_threads,
         shard_map=shard_map, shard_index=shard_index or 0)
     if pair_role is None:
         server = ShardServer(config)

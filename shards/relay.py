@@ -406,6 +406,8 @@ def _upstream_arg(ctx, param, value: str) -> list[tuple[str, int]]:
               show_default=True,
               help="... and at most this many bytes of them (0: no history).")
 @click.option("--cpus", callback=parse_cpus, default=None)
+@click.option("--io-threads", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="libzmq I/O threads: the relay's clients' connections are spread over them.")
 @click.option("--control", default=None, help="Register stats at this MDP broker.")
 @click.option("--parent-pid", type=int, default=None)
 @click.option("--keys-dir", type=click.Path(file_okay=False), default=None,
@@ -413,8 +415,8 @@ def _upstream_arg(ctx, param, value: str) -> list[tuple[str, int]]:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def main(port, host, upstream, shard, name, shard_map, shard_index, heartbeat_s,
-         silence_timeout_s, history_updates, history_bytes, cpus, control, parent_pid,
-         keys_dir, log_level) -> None:
+         silence_timeout_s, history_updates, history_bytes, cpus, io_threads, control,
+         parent_pid, keys_dir, log_level) -> None:
     """Run a relay: a CHP server whose map follows one shard (see shards.relay)."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
@@ -427,7 +429,7 @@ def main(port, host, upstream, shard, name, shard_map, shard_index, heartbeat_s,
         psutil.Process().cpu_affinity(cpus)
     config = ServerConfig(port=port, host=host, heartbeat_s=heartbeat_s,
                           history_updates=history_updates, history_bytes=history_bytes,
-                          shard_map=shard_map,
+                          shard_map=shard_map, io_threads=io_threads,
                           shard_index=shard_index or 0)
     relay = relay_server(config, upstream=upstream, shard=shard, name=name,
                          silence_timeout_s=silence_timeout_s or timing.silence_timeout_s(

@@ -93,6 +93,10 @@ class ServerConfig:
     """The table of applied UUIDs (``shards.applied``): its size in bytes ..."""
     dedup_s: float = DEDUP_S
     """... and its age: a resend is recognised for at least half of each."""
+    io_threads: int = 1
+    """libzmq I/O threads of the server's context (``ZMQ_IO_THREADS``): its subscribers'
+    connections are spread over them. One is enough up to some hundreds of subscribers;
+    a server fanning out to a thousand directly is bound by its one I/O thread's sends."""
 
     def __post_init__(self) -> None:
         if self.shard_map is not None and not 0 <= self.shard_index < self.shard_map.shards:

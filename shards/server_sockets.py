@@ -42,7 +42,7 @@ class ServerSockets:
         ``_pub`` (with ``_publish_many``) and ``_collector_sock``."""
         server = self.server
         cfg = server.config
-        self.ctx = zmq.Context()
+        self.ctx = zmq.Context(io_threads=cfg.io_threads)
         self._auth = Authenticator(self.ctx, server.security)
         try:
             router = self.socket(zmq.ROUTER)

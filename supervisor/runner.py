@@ -87,7 +87,12 @@ def server_argv(server: ServerPlan, peer: ServerPlan, args: ServerArgs) -> list[
             "--shard", server.shard, f"--{server.role}",
             "--peer", f"{peer.address}:{peer.port}",
             "--control", args.control, "--parent-pid", str(args.parent_pid),
-            *args.extra]
+            *io_threads_argv(server), *args.extra]
+
+
+def io_threads_argv(server: ServerPlan) -> list[str]:
+    """``--io-threads N`` where the config gives more than libzmq's one."""
+    return ["--io-threads", str(server.io_threads)] if server.io_threads > 1 else []
 
 
 def relay_argv(relay: ServerPlan, primary: ServerPlan, backup: ServerPlan,
@@ -100,7 +105,8 @@ def relay_argv(relay: ServerPlan, primary: ServerPlan, backup: ServerPlan,
             "--upstream", f"{primary.address}:{primary.port},{backup.address}:{backup.port}",
             "--heartbeat-s", f"{args.heartbeat_s:g}",
             "--shard", relay.shard, "--name", relay.role,
-            "--control", args.control, "--parent-pid", str(args.parent_pid), *extra]
+            "--control", args.control, "--parent-pid", str(args.parent_pid),
+            *io_threads_argv(relay), *extra]
 
 
 def routing_argv(routing: RoutingParams, shard_index: int) -> list[str]:

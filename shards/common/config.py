@@ -16,10 +16,11 @@ IPv4 address is bound) and a core set (``cores``: ``[2, 3]``, ``"2-3,6"``, ``5``
                                                           backup port_base+20*i+10
     defaults.host/nic   host 127.0.0.1                   for every server lacking both
     defaults.cores      auto
+    defaults.io_threads 1                                a server's I/O threads (1..64)
     shards              (required)                       a count >= 1, or a list of shards
     shards[i].name      "s<i>"                           unique
     shards[i].prefixes  []                               pinned key prefixes, each on one shard
-    shards[i].primary / .backup: host | nic, port, cores (each falls back as above)
+    shards[i].primary / .backup: host | nic, port, cores, io_threads (each falls back as above)
     data_dir            "data"                           where servers persist: each in
                                                           <data_dir>/<shard>-<role>/;
                                                           relative to the run directory;
@@ -27,7 +28,7 @@ IPv4 address is bound) and a core set (``cores``: ``[2, 3]``, ``"2-3,6"``, ``5``
     fsync               everysec                         always | everysec | no
     relays.per_shard    0                                relays per shard (shards.relay)
     relays.port_base    port_base + 1000                 relay j of shard i: +4*(i*N+j)
-    relays.host/cores   the primary's address / every core
+    relays.host/cores   the primary's address / every core; relays.io_threads 1
     relays.shards       every shard                      names of the shards with relays
     security.curve      false                            CURVE on every socket
     security.keys_dir   "keys" beside the config file    the cluster's key pairs
@@ -74,8 +75,6 @@ DEFAULT_DATA_DIR = "data"
 ROLES = ("primary", "backup")
 
 
-
-
 # ---------------------------------------------------------------- problems and messages
 
 def field_path(loc: tuple) -> str:
@@ -116,9 +115,6 @@ class Problems:
             raise ConfigError(text, field=self.fields[0])
 
 
-
-
-
 # ---------------------------------------------------------------- models
 
 class _Model(BaseModel):
@@ -138,6 +134,7 @@ class Defaults(_Model):
     host: Host = None
     nic: Nic = None
     cores: Cores = None
+    io_threads: int | None = Field(default=None, ge=1, le=64)
 
     @model_validator(mode="after")
     def _one_address(self) -> "Defaults":
@@ -154,6 +151,7 @@ class ServerEntry(_Model):
     nic: Nic = None
     port: Port = None
     cores: Cores = None
+    io_threads: int | None = Field(default=None, ge=1, le=64)
     at: Name = None
     """The host (a name under ``hosts:``) whose supervisor runs this server."""
     _port_from_base: bool = PrivateAttr(default=False)
@@ -211,6 +209,7 @@ class RelaysConfig(_Model):
     """The relays' address; default the shard's primary's."""
     cores: Cores = None
     """Cores the relays may use; default every core (not pinned)."""
+    io_threads: int = Field(default=1, ge=1, le=64)
     shards: list[str] | None = None
     """The shards (by name) that get relays; default every shard."""
 
@@ -386,6 +385,8 @@ class ClusterConfig(_Model):
                 server.host = DEFAULT_HOST
         if server.cores is None:
             server.cores = self.defaults.cores if self.defaults.cores is not None else "auto"
+        if server.io_threads is None:
+            server.io_threads = self.defaults.io_threads or 1
         if server.port is None:
             offset = SHARD_PORT_STRIDE * index + (BACKUP_PORT_OFFSET if role == "backup" else 0)
             port = self.port_base + offset

@@ -50,6 +50,8 @@ class ServerPlan:
     nic: str
     address: str
     port: int
+    io_threads: int = 1
+    """libzmq I/O threads (``--io-threads``): subscribers' connections spread over them."""
 
     @property
     def name(self) -> str:
@@ -70,6 +72,7 @@ class ServerPlan:
         return {"shard": self.shard, "index": self.index, "role": self.role,
                 "cores": list(self.cores), "cores_auto": self.cores_auto, "nic": self.nic,
                 "address": self.address, "port": self.port, "ports": list(self.ports),
+                "io_threads": self.io_threads,
                 "endpoints": {n: self.endpoint(n) for n in PORT_NAMES}}
 
 
@@ -328,7 +331,7 @@ def _relay_plans(config: ClusterConfig, shard_plans: list, facts: HostFacts,
             out.append(ServerPlan(shard=sh.name, index=sh.index, role=f"relay{j}",
                                   cores=cores, cores_auto=relays.cores is None,
                                   nic=sh.primary.nic, address=relays.host or sh.primary.address,
-                                  port=port))
+                                  port=port, io_threads=relays.io_threads))
     return out
 
 
@@ -379,7 +382,8 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "",
                 cores = () if server.cores == "auto" else server.cores
                 pair[role] = ServerPlan(shard=shard.name, index=i, role=role, cores=cores,
                                         cores_auto=server.cores == "auto", nic="",
-                                        address=server.host, port=server.port)
+                                        address=server.host, port=server.port,
+                                        io_threads=server.io_threads)
                 continue
             if server.cores != "auto":
                 _check_cores(f"shards[{i}].{role}", server.cores, facts, problems)
@@ -389,7 +393,7 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "",
             cores = (auto[(i, role)],) if is_auto else server.cores
             pair[role] = ServerPlan(shard=shard.name, index=i, role=role, cores=cores,
                                     cores_auto=is_auto, nic=nic, address=address,
-                                    port=server.port)
+                                    port=server.port, io_threads=server.io_threads)
             if resolved:
                 servers.append(pair[role])
         shared = set(pair["primary"].cores) & set(pair["backup"].cores)

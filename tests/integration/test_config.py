@@ -72,6 +72,38 @@ def test_defaults_section_applies_unless_a_server_sets_its_own():
     assert (p0.port, b0.port) == (6000, 6010)
 
 
+def test_io_threads_fall_back_to_the_defaults_and_reach_every_command_line():
+    """``io_threads``: a server's own, else ``defaults.io_threads``, else libzmq's one;
+    relays take ``relays.io_threads``. The supervisor passes ``--io-threads`` to servers
+    and relays that have more than one; a value outside 1..64 names its field."""
+    from supervisor.runner import ServerArgs, relay_argv, server_argv
+
+    cfg = parse_config({"shards": [{"primary": {"io_threads": 4}}, {}],
+                        "defaults": {"io_threads": 2},
+                        "relays": {"per_shard": 1, "io_threads": 3}})
+    the_plan = plan(cfg, host())
+    s0, s1 = the_plan.shards
+    assert (s0.primary.io_threads, s0.backup.io_threads, s1.primary.io_threads) == (4, 2, 2)
+    assert {r.io_threads for r in the_plan.relays} == {3}
+    args = ServerArgs(control="tcp://127.0.0.1:5555", heartbeat_s=1.0, parent_pid=1,
+                      python="py")
+
+    def io(argv):
+        return argv[argv.index("--io-threads") + 1] if "--io-threads" in argv else None
+
+    assert io(server_argv(s0.primary, s0.backup, args)) == "4"
+    assert io(server_argv(s1.backup, s1.primary, args)) == "2"
+    assert io(relay_argv(the_plan.relays[0], s0.primary, s0.backup, args)) == "3"
+    plain = plan(parse_config({"shards": 1}), host()).shards[0].primary
+    assert plain.io_threads == 1 and io(server_argv(plain, plain, args)) is None
+    for bad, field in (({"shards": [{"backup": {"io_threads": 0}}]},
+                        "shards[0].backup.io_threads"),
+                       ({"shards": 1, "defaults": {"io_threads": 65}}, "defaults.io_threads"),
+                       ({"shards": 1, "relays": {"io_threads": "many"}}, "relays.io_threads")):
+        err = config_error(bad)
+        assert err.field == field and field in str(err)
+
+
 def test_cores_forms():
     assert parse_cores([3, 2, 2]) == (2, 3)
     assert parse_cores("2-3,6") == (2, 3, 6)
@@ -85,7 +117,7 @@ def test_unknown_field_is_named_with_the_allowed_ones():
     err = config_error({"shards": [{"name": "a", "primary": {"core": 3}}]})
     assert err.field == "shards[0].primary.core"
     assert str(err) == ('c.yaml: shards[0].primary.core: given 3: unknown field; expected one '
-                        'of: host, nic, port, cores, at (did you mean "cores"?)')
+                        'of: host, nic, port, cores, io_threads, at (did you mean "cores"?)')
     err = config_error({"shards": 1, "heartbeat": 2})
     assert "heartbeat: given 2: unknown field" in str(err)
     assert 'did you mean "heartbeat_s"?' in str(err)

@@ -183,3 +183,13 @@ def test_metadata_through_a_relay_and_conditional_writes_refused_there(procs, pa
             with pytest.raises(NotSupported, match="cas=1"):
                 via.set("/m/a", b"3", if_seq=second)
             assert direct.get("/m/a") == b"2"
+
+
+def test_a_relay_runs_the_io_threads_it_is_given(procs, pair):
+    """``--io-threads``: the relay's clients' connections spread over that many libzmq
+    I/O threads, read from /proc as for a server (test_io_threads.py)."""
+    from test_io_threads import io_threads_of
+
+    _, servers = pair
+    relay = start_relay(procs, servers, "--io-threads", "2")
+    assert io_threads_of(relay.pid) == ["ZMQbg/IO/0", "ZMQbg/IO/1"]
