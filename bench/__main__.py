@@ -232,8 +232,10 @@ PROFILES: dict[str, dict[str, list[str]]] = {
                      "1", "--pin", "--harness", "auto"],
         "cluster": ["--config", "configs/16core-cluster.yaml", "--seconds", "3", "--warmup",
                     "1", "--rounds", "2", "--rates-of-max", "0.25,0.5"],
+        # four I/O threads: direct fan-out to 1,000 subscribers is bound by one
         "relays": ["--parts", "fanout", "--sizes", "250x1000,1000x200,1000x1000",
-                   "--relays", "4", "--seconds", "3", "--warmup", "1", "--rounds", "1"],
+                   "--relays", "4", "--io-threads", "4", "--seconds", "3", "--warmup", "1",
+                   "--rounds", "1"],
         "failover": ["--kills", "3", "--rate", "500", "--steady-s", "1", "--ceiling-s", "1"],
         "handoff": ["--modes", "inline,thread,workers", "--work", "cpu", "--work-us", "50",
                     "--workers", "1,2,4,8", "--rate", "100000", "--seconds", "1"],

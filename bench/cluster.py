@@ -75,6 +75,40 @@ def settled_pids(control: str, shards: int) -> list[int]:
         time.sleep(0.1)
 
 
+def compactions_done(control: str, deadline_s: float = DEADLINE_S) -> dict:
+    """Wait until no server is compacting its data directory, as the supervisor's status
+    says (each server's stats, fresh every ``STATS_INTERVAL_S``): two fresh readings in a
+    row with no compaction. Flat-out rounds leave the logs long, and the compactions they
+    start would otherwise fall into the next fixed-rate window, whose tail would then be
+    theirs. Returns ``idle_s`` (the wait), ``compacting_seen`` (servers seen compacting)
+    and ``idle`` (False: still compacting at the deadline)."""
+    from supervisor.control import status_rows
+    from supervisor.services import STATS_INTERVAL_S
+
+    t0 = time.monotonic()
+    seen: set[str] = set()
+    quiet = 0
+    last_read = 0.0
+    while time.monotonic() - t0 < deadline_s:
+        rows, _ = status_rows(control, timeout_s=5.0)
+        busy = {r["name"] for r in rows
+                if ((r.get("stats") or {}).get("persist") or {}).get("compacting")}
+        seen |= busy
+        stalest = max((r.get("stats_age_s") or 0.0) for r in rows) if rows else 0.0
+        fresh = time.monotonic() - stalest > last_read  # every server read since our last
+        if busy:
+            quiet = 0
+        elif fresh:
+            quiet += 1
+            if quiet >= 2:
+                return {"idle_s": round(time.monotonic() - t0, 3),
+                        "compacting_seen": sorted(seen), "idle": True}
+        last_read = time.monotonic()
+        time.sleep(STATS_INTERVAL_S / 2)
+    return {"idle_s": round(time.monotonic() - t0, 3), "compacting_seen": sorted(seen),
+            "idle": False}
+
+
 def run(args: argparse.Namespace) -> rec.Record:
     source = Path(args.config)
     if not source.is_absolute():
@@ -96,7 +130,8 @@ def run(args: argparse.Namespace) -> rec.Record:
             if args.cores:
                 argv += ["--cores", args.cores]
             largs = load.parse_args(argv)
-            record = load.run(largs, name=NAME, server_pids=pids)
+            record = load.run(largs, name=NAME, server_pids=pids,
+                              before_rate=lambda: compactions_done(control))
         finally:
             sup.stop(grace_s=15)
     record.data["config"]["cluster_config"] = args.config

@@ -153,9 +153,12 @@ def auto_plan(args: argparse.Namespace) -> HarnessPlan:
     return harness_plan(shards, harness_cores=spare)
 
 
-def run(args: argparse.Namespace, name: str = NAME, server_pids=()) -> rec.Record:
+def run(args: argparse.Namespace, name: str = NAME, server_pids=(),
+        before_rate=None) -> rec.Record:
     """``name``: the record's (``bench cluster`` saves its own); ``server_pids``: running
-    servers whose CPU the record counts as the targets'."""
+    servers whose CPU the record counts as the targets'; ``before_rate``: called before
+    each fixed-rate window (``bench cluster``: wait for the compactions the flat-out
+    rounds started), its dict kept as the window's ``before``."""
     offer = offer_from(args, subscribers=args.subscribers, rate_per_s=args.rate,
                        mode=args.mode, split=args.split)
     plan = None
@@ -197,10 +200,15 @@ def run(args: argparse.Namespace, name: str = NAME, server_pids=()) -> rec.Recor
             fixed = replace(offer, rate_per_s=per_writer)
             progress.step(f"{frac:.0%} of the flat-out median: {per_writer:,.0f}/s x "
                           f"{offer.writers} writer(s)")
+            before = before_rate() if before_rate is not None else None
+            if before:
+                progress.note(f"before it: {before}")
             fig = run_offer(targets, warmup=args.warmup, seconds=args.seconds,
                             offer=fixed, progress=progress, seed=1000 + j)
             fig.update(round=args.rounds + j + 1, phase="rate", fraction_of_max=frac,
                        offered_per_s=round(per_writer * offer.writers, 1))
+            if before:
+                fig["before"] = before
             progress.note(brief(fig))
             record.add_run(fig)
         progress.finish_step()

@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="fan-out at several sizes, SUBSCRIBERSxRATE comma-separated (e.g. "
                          "250x1000,1000x200,1000x1000); overrides --subscribers and --rate "
                          "for the fan-out part")
+    ap.add_argument("--io-threads", type=int, default=1,
+                    help="libzmq I/O threads of the servers and relays (--io-threads): "
+                         "direct fan-out to a thousand subscribers is bound by one")
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
     ap.add_argument("--child", choices=("clients",), help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", default="", help=argparse.SUPPRESS)
@@ -95,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--parts: fanout and/or failover")
     if args.processes < 0:
         ap.error("--processes must be >= 0")
+    if not 1 <= args.io_threads <= 64:
+        ap.error("--io-threads must be 1..64")
     try:
         args.size_list = [(int(n), float(r)) for n, _, r in
                           (x.strip().partition("x") for x in args.sizes.split(",")
@@ -112,11 +117,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Cluster:
     """A memory-only pair, and relays of it."""
 
-    def __init__(self, relays: int):
+    def __init__(self, relays: int, io_threads: int = 1):
         self.targets: list[Target] = []
         self.primary = free_port_base(4)
         self.backup = free_port_base(4)
-        py = [sys.executable, "-m", "shards", "--heartbeat-s", "0.5", "--log-level", "info"]
+        io = ["--io-threads", str(io_threads)]
+        py = [sys.executable, "-m", "shards", "--heartbeat-s", "0.5", "--log-level", "info",
+              *io]
         self.p = self._start("primary", py + ["--port", str(self.primary), "--primary",
                                               "--peer", f"127.0.0.1:{self.backup}"])
         self.b = self._start("backup", py + ["--port", str(self.backup), "--backup",
@@ -128,7 +135,7 @@ class Cluster:
             self.relay_ports.append(port)
             self.relays.append(self._start(f"relay{j}", [
                 sys.executable, "-m", "shards.relay", "--port", str(port), "--heartbeat-s",
-                "0.5", "--name", f"relay{j}",
+                "0.5", "--name", f"relay{j}", *io,
                 "--upstream", f"127.0.0.1:{self.primary},127.0.0.1:{self.backup}"]))
 
     def _start(self, name: str, argv: list[str]) -> Target:
@@ -235,7 +242,7 @@ def child_clients(args) -> None:
 # ===================================================================== parts
 
 def fanout(mode: str, args) -> dict:
-    cluster = Cluster(args.relays if mode == "relays" else 0)
+    cluster = Cluster(args.relays if mode == "relays" else 0, args.io_threads)
     ctx = zmq.Context()
     try:
         endpoints = (cluster.endpoints("relays") if mode == "relays"
@@ -298,7 +305,7 @@ def fanout(mode: str, args) -> dict:
 
 def failover(mode: str, args) -> dict:
     via = "relays" if mode == "relays" else "servers"
-    cluster = Cluster(args.relays if mode == "relays" else 0)
+    cluster = Cluster(args.relays if mode == "relays" else 0, args.io_threads)
     ctx = zmq.Context()
     try:
         writer = Writer(ctx, cluster)

@@ -272,6 +272,8 @@ def test_the_cluster_as_users_run_it_under_supervisor_start(procs, tmp_path):
     assert data["config"]["servers"] == 4
     flat, quarter = data["runs"]
     assert quarter["fraction_of_max"] == 0.25
+    # the fixed-rate window began with no compaction running and no backlog left
+    assert quarter["before"]["idle"] is True and quarter["settle"]["settled"] is True
     for r in (flat, quarter):
         assert r["received_per_s"] > 0 and r["loss_targets"] == 0
         assert r["cpu_pct"]["targets"] > 0          # the supervised servers' own CPU
