@@ -339,6 +339,11 @@ def run_offer(targets: Targets, *, warmup: float, seconds: float, offer: Offer |
     figures["cpu_pct"] = cpu_pct_by_group(groups, cpu0, cpu1, window.seconds)
     figures.update(charge(groups, cpu0, cpu1, window.seconds,
                           [s["gaps_window"] for s in result.subscribers]))
+    late = [f"subscriber {i} first ran {s['late_s']} s into the window"
+            + (" and missed it" if not s["window_s"] else "")
+            for i, s in enumerate(result.subscribers) if s.get("late_s", 0) > 0.1 * seconds]
+    if late:  # a harness process that did not run counted nothing: the harness's doing
+        figures["harness_bound"] = "; ".join(filter(None, [figures["harness_bound"], *late]))
     figures["cpu_cores"] = round(figures["cpu_pct"]["ours"] / 100, 3)
     figures["writer_drops"] = sum(w["dropped_window"] for w in result.writers)
     figures["target"] = targets.kind

@@ -101,7 +101,15 @@ def drain(read, src, st: SourceState, budget: int, every: int, samples: list[int
 def subscriber_main(cfg: SubscriberConfig, conn) -> None:
     """Child process: subscribe, report ready, count and time KVPUBs over a Window."""
     _pin(cfg.core)
+    import importlib
+
     import zmq
+
+    # everything the window's loop needs is imported before "ready": imported after the
+    # window was handed out, under writers already flooding a small host's cores, it
+    # once took past the window's end, and the run read 0 received
+    for module in ("zmq.backend", "shards.common.zio"):
+        importlib.import_module(module)
 
     ctx = zmq.Context()
     socks = []
@@ -175,6 +183,7 @@ def _subscribe(socks, cfg: SubscriberConfig, window: Window, conn, zmq) -> dict:
         return sum(drain(read, src, st, CHECK_EVERY, every, into, now_ns)
                    for src, st in drains)
 
+    late_s = None  # how long after the window's start the loop first looked (0: in time)
     while True:
         # Latency is sampled only from the updates counted in the window: those drained
         # after its start snapshot and before its end one. The first ~100 ms of a run
@@ -188,6 +197,8 @@ def _subscribe(socks, cfg: SubscriberConfig, window: Window, conn, zmq) -> dict:
         else:
             poller.poll(100)
             now = clock()
+        if late_s is None:
+            late_s = max(0.0, now - window.t_start)
         if at_start is None and now >= window.t_start:
             at_start = snapshot(now)
         if at_end is None and now >= window.t_end:
@@ -217,6 +228,7 @@ def _subscribe(socks, cfg: SubscriberConfig, window: Window, conn, zmq) -> dict:
         "max_seq": per_source[0]["max_seq"], "gaps_total": total("gaps"),
         "backwards_total": total("backwards"), "malformed": total("malformed"),
         "window_s": window_s,
+        "late_s": round(late_s or 0.0, 3),
         "received_window": total("received_window"),
         "sequenced_window": total("sequenced_window"),
         "gaps_window": total("gaps_window"),

@@ -266,7 +266,7 @@ def test_the_cluster_as_users_run_it_under_supervisor_start(procs, tmp_path):
     import psutil
 
     run_bench(procs, tmp_path, "bench.cluster", "--config", "configs/2shard.yaml",
-              "--seconds", "0.5", "--warmup", "0.2", "--rounds", "1")
+              "--seconds", "0.5", "--warmup", "0.5", "--rounds", "1")
     data = bench_record(tmp_path, "cluster")
     assert data["config"]["cluster_config"] == "configs/2shard.yaml"
     assert data["config"]["servers"] == 4
@@ -275,6 +275,7 @@ def test_the_cluster_as_users_run_it_under_supervisor_start(procs, tmp_path):
     # the fixed-rate window began with no compaction running and no backlog left
     assert quarter["before"]["idle"] is True and quarter["settle"]["settled"] is True
     for r in (flat, quarter):
+        assert all(s["late_s"] < 0.5 for s in r["subscribers"]), r["harness_bound"]
         assert r["received_per_s"] > 0 and r["loss_targets"] == 0
         assert r["cpu_pct"]["targets"] > 0          # the supervised servers' own CPU
         assert len(r["per_source"]) == 2 and all(s["gaps_window"] == 0
