@@ -49,6 +49,7 @@ SCENARIOS = [
      "python -m bench relays"),
     ("hot_path", "The hot path: one shard against the plain five-receive loop",
      "python -m bench hot_path"),
+    ("peers", "Against Redis, NATS KV and etcd at everyday rates", "python -m bench peers"),
 ]
 FORWARDER_TARGET = 0.70   # one shard / bare forwarding loop
 
