@@ -38,6 +38,7 @@ from client.agent import ShardAgent
 from client.events import KEPT, KeyMeta
 from client.collector import ServerAddress, parse_server
 from client.codec import get_codec
+from client.echoes import Expired, expire_after
 from client.errors import Conflict, NotRunning, NotSupported, WriteRefused
 from client.options import AUTO, MAX_IO_THREADS, PER_SHARD, AgentHooks, ClientOptions
 from client.health import Health
@@ -45,7 +46,6 @@ from client.router import Cluster, discover
 from client.watch import Watch, WatchCore, WatchHub
 
 log = logging.getLogger(__name__)
-
 
 
 def _parse_servers(servers: "str | ServerAddress | Sequence[str | ServerAddress]"
@@ -452,8 +452,7 @@ class AsyncClone:
         agent, frames, uuid = self._prepare(key, value, ttl,
                                             wait or create or if_seq is not None)
         if create or if_seq is not None:
-            return await self._send_if(agent, key, frames, 0 if create else if_seq,
-                                       timeout_s)
+            return await self._send_if(agent, key, frames, 0 if create else if_seq, timeout_s)
         return await self._send(agent, frames, uuid, wait, timeout_s)
 
     async def delete(self, key: str, *, wait: bool = False,
@@ -515,10 +514,10 @@ class AsyncClone:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         echo = agent.writes.expect(uuid, frames[0], frames[4], frames)
         agent.writes.send_kvset(frames)
+        timer = expire_after(echo, timeout_s)
         try:
-            async with asyncio.timeout(timeout_s):
-                await echo
-        except TimeoutError:
+            await echo
+        except Expired:
             why = agent.unavailable(max(timeout_s, UNAVAILABLE_WINDOW_S))
             raise Timeout(f"shard {agent.name} ({agent.server}) did not publish the update "
                           f"of {frames[0][:60].decode('utf-8', 'replace')!r} back within "
@@ -526,6 +525,7 @@ class AsyncClone:
                                               f"client: {why}" if why else ""),
                           what="echo", deadline_s=timeout_s) from None
         finally:
+            timer.cancel()
             echo.cancel()
         return uuid
 

@@ -7,6 +7,23 @@ from __future__ import annotations
 import asyncio
 
 
+class Expired(Exception):
+    """An echo not seen within its deadline (``expire_after``)."""
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(Expired())
+
+
+def expire_after(fut: asyncio.Future, timeout_s: float) -> asyncio.TimerHandle:
+    """A timer that fails ``fut`` with ``Expired`` after ``timeout_s`` unless it is done
+    by then; cancel it once it is. One timer handle a write, where wrapping the await in
+    ``asyncio.timeout()`` also makes a context manager and reschedules the task's
+    cancellation (about twice the cost a write, on the 5,000/s path)."""
+    return fut.get_loop().call_later(timeout_s, _expire, fut)
+
+
 class Echoes:
     def __init__(self):
         self.waiters: dict[bytes, tuple[bytes, bytes, asyncio.Future]] = {}
