@@ -43,9 +43,11 @@ def _render(the_plan: Plan, ports_note: str) -> None:
             f"NICs: {facts.describe_nics()}"):
         console.print(line, soft_wrap=True)
     with_prefixes = any(shard.prefixes for shard in the_plan.shards)
+    with_io = any(s.io_threads > 1 for s in (*servers, *the_plan.relays))
     table = Table(show_edge=False, pad_edge=False)
     columns = ["shard", "role", "cores", "nic", "address", "ports"]
-    for column in columns + (["prefixes"] if with_prefixes else []):
+    for column in (columns + (["I/O threads"] if with_io else [])
+                   + (["prefixes"] if with_prefixes else [])):
         table.add_column(column, no_wrap=column != "prefixes")
     for shard in the_plan.shards:
         relays = [r for r in the_plan.relays if r.shard == shard.name]
@@ -53,6 +55,8 @@ def _render(the_plan: Plan, ports_note: str) -> None:
             role = s.role if the_plan.is_local(s) else f"{s.role} (another host)"
             row = [s.shard, role, format_cores(s.cores) + (" (auto)" if s.cores_auto else ""),
                    s.nic, s.address, f"{s.port}-{s.ports[-1]}"]
+            if with_io:
+                row.append(str(s.io_threads))
             if with_prefixes:
                 row.append(", ".join(shard.prefixes) if s.role == "primary" else "")
             table.add_row(*row)

@@ -527,6 +527,20 @@ def test_cli_prints_the_4shard_plan(procs):
     assert [sh["primary"]["port"] for sh in data["shards"]] == [6000, 6020, 6040, 6060]
 
 
+def test_cli_shows_io_threads_only_where_a_server_has_more_than_one(procs, tmp_path):
+    path = write(tmp_path, "shards:\n  - {primary: {io_threads: 4}}\n")
+    code, out, err = run_cli(procs, str(path), "--no-port-check")
+    assert code == 0, err
+    assert "I/O threads" in out
+    rows = [[cell.strip() for cell in line.split("│")] for line in out.splitlines()
+            if line.startswith("s0")]
+    assert [(r[1], r[-1]) for r in rows] == [("primary", "4"), ("backup", "1")]
+    code, out, err = run_cli(procs, "configs/4shard.yaml", "--no-port-check", "--json")
+    assert code == 0 and json.loads(out)["shards"][0]["primary"]["io_threads"] == 1, err
+    code, out, err = run_cli(procs, "configs/4shard.yaml", "--no-port-check")
+    assert code == 0 and "I/O threads" not in out, err
+
+
 def test_cli_checks_ports_and_refuses_a_taken_one(procs, tmp_path):
     base = free_port_base(40)
     path = write(tmp_path, f"control: tcp://127.0.0.1:{base + 30}\nshards: 1\n"
