@@ -44,6 +44,7 @@ import zmq
 from bench.harness import record as rec
 from bench.harness.procs import Target, bench_main, cpu_pct_each, cpu_seconds, free_port_base
 from bench.harness.readers import subscriber_processes, weighted_percentiles
+from shards.common.endpoints import MAX_IO_THREADS
 
 NAME = "relays"
 STAMP = struct.Struct(">Q")
@@ -98,8 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--parts: fanout and/or failover")
     if args.processes < 0:
         ap.error("--processes must be >= 0")
-    if not 1 <= args.io_threads <= 64:
-        ap.error("--io-threads must be 1..64")
+    if not 1 <= args.io_threads <= MAX_IO_THREADS:
+        ap.error(f"--io-threads must be 1..{MAX_IO_THREADS}")
     try:
         args.size_list = [(int(n), float(r)) for n, _, r in
                           (x.strip().partition("x") for x in args.sizes.split(",")

@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from shards.common.endpoints import MAX_IO_THREADS
 from shards.common.proto import chp
 from shards.common.timing import SILENCE_TIMEOUT_S
 from client import shard_machine as sm
@@ -40,7 +41,6 @@ MAX_LAG_S = 1.0
 subscriber."""
 PER_SHARD = "per_shard"
 """``io_threads=PER_SHARD``: one ZeroMQ I/O thread per followed shard (Black Box)."""
-MAX_IO_THREADS = 64
 AUTO = "auto"
 ACCEPT, KEEP = "accept", "keep"
 RESET_POLICIES = (ACCEPT, KEEP)

@@ -28,6 +28,7 @@ import sys
 
 import click
 
+from shards.common.endpoints import MAX_IO_THREADS
 from shards.common.errors import ConfigError, Exit, os_error_text
 from shards.common.memory import return_large_frees
 from shards import coord, streams
@@ -201,7 +202,7 @@ def coordination_arg(ctx, param, value: str | None) -> list[tuple[str, int]] | N
                    "--max-snapshots); 0: only --snapshot-hwm.")
 @click.option("--cpus", callback=parse_cpus, default=None,
               help="Pin the process to these CPUs (e.g. 0,1) before any thread starts.")
-@click.option("--io-threads", type=click.IntRange(1, 64), default=1, show_default=True,
+@click.option("--io-threads", type=click.IntRange(1, MAX_IO_THREADS), default=1, show_default=True,
               help="libzmq I/O threads: subscribers' connections are spread over them "
                    "(for a server that many subscribers read directly; give it the cores).")
 @click.option("--primary", "pair_role", flag_value="primary", default=None,

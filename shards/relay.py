@@ -37,6 +37,7 @@ import zmq
 
 from shards import replica_machine as rm
 from shards.common import zio
+from shards.common.endpoints import MAX_IO_THREADS
 from shards.common.errors import ProtocolError
 from shards.common.proto import chp
 from shards.replica import Follower, expires_of
@@ -406,7 +407,7 @@ def _upstream_arg(ctx, param, value: str) -> list[tuple[str, int]]:
               show_default=True,
               help="... and at most this many bytes of them (0: no history).")
 @click.option("--cpus", callback=parse_cpus, default=None)
-@click.option("--io-threads", type=click.IntRange(1, 64), default=1, show_default=True,
+@click.option("--io-threads", type=click.IntRange(1, MAX_IO_THREADS), default=1, show_default=True,
               help="libzmq I/O threads: the relay's clients' connections are spread over them.")
 @click.option("--control", default=None, help="Register stats at this MDP broker.")
 @click.option("--parent-pid", type=int, default=None)

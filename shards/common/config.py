@@ -62,9 +62,10 @@ from shards.common import timing
 from shards.common.endpoints import DEFAULT_CONTROL
 from shards.common.timing import HEARTBEAT_S as DEFAULT_HEARTBEAT_S, SILENCE_HEARTBEATS
 from shards.common.config_values import (DEFAULT_METRICS, MAX_PORT_BASE, PORTS_PER_SERVER, Cores,
-                                         Endpoint, Host, Metrics, Name, Nic, OptSeconds, Port,
-                                         Prefix, Seconds, endpoint_parts, format_given,
-                                         parse_etcd_endpoint, parse_name, parse_port)
+                                         Endpoint, Host, IoThreads, Metrics, Name, Nic,
+                                         OptSeconds, Port, Prefix, Seconds, endpoint_parts,
+                                         format_given, parse_etcd_endpoint, parse_name,
+                                         parse_port)
 
 DEFAULT_CLUSTER = "clonemap"
 DEFAULT_PORT_BASE = 6000
@@ -134,7 +135,7 @@ class Defaults(_Model):
     host: Host = None
     nic: Nic = None
     cores: Cores = None
-    io_threads: int | None = Field(default=None, ge=1, le=64)
+    io_threads: IoThreads | None = None
 
     @model_validator(mode="after")
     def _one_address(self) -> "Defaults":
@@ -151,7 +152,7 @@ class ServerEntry(_Model):
     nic: Nic = None
     port: Port = None
     cores: Cores = None
-    io_threads: int | None = Field(default=None, ge=1, le=64)
+    io_threads: IoThreads | None = None
     at: Name = None
     """The host (a name under ``hosts:``) whose supervisor runs this server."""
     _port_from_base: bool = PrivateAttr(default=False)
@@ -209,7 +210,7 @@ class RelaysConfig(_Model):
     """The relays' address; default the shard's primary's."""
     cores: Cores = None
     """Cores the relays may use; default every core (not pinned)."""
-    io_threads: int = Field(default=1, ge=1, le=64)
+    io_threads: IoThreads = 1
     shards: list[str] | None = None
     """The shards (by name) that get relays; default every shard."""
 

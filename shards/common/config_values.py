@@ -9,9 +9,9 @@ import math
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import PlainValidator
+from pydantic import Field, PlainValidator
 
-from shards.common.endpoints import WILDCARD
+from shards.common.endpoints import MAX_IO_THREADS, WILDCARD
 
 PORTS_PER_SERVER = 4
 MAX_PORT_BASE = 65535 - (PORTS_PER_SERVER - 1)
@@ -190,6 +190,7 @@ def parse_prefix(value: Any) -> str:
 Cores = Annotated[Union[CoreSpec, None], PlainValidator(parse_cores)]
 Port = Annotated[Union[int, None], PlainValidator(parse_port)]
 Host = Annotated[Union[str, None], PlainValidator(parse_ipv4)]
+IoThreads = Annotated[int, Field(ge=1, le=MAX_IO_THREADS)]
 Nic = Annotated[Union[str, None], PlainValidator(parse_nic)]
 Name = Annotated[Union[str, None], PlainValidator(parse_name)]
 Prefix = Annotated[str, PlainValidator(parse_prefix)]

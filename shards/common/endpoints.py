@@ -1,5 +1,6 @@
-"""Endpoint facts every process must agree on: the default control endpoint, and which
-host to reach a server at when it binds a wildcard address.
+"""Endpoint facts every process must agree on: the default control endpoint, which
+host to reach a server at when it binds a wildcard address, and how many I/O threads a
+ZeroMQ context of ours may be given.
 """
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ DEFAULT_CONTROL = f"tcp://{LOOPBACK}:5555"
 WILDCARD = "0.0.0.0"
 """How a wildcard bind address is written in a plan (``*`` in a config or endpoint)."""
 WILDCARDS = frozenset({WILDCARD, "*", "", "::"})
+MAX_IO_THREADS = 64
+"""The most libzmq I/O threads one context is given: a server's or relay's
+``--io-threads``, a config's ``io_threads`` (checked by the supervisor, run by the
+server: one bound for both) and a client's ``io_threads``."""
 
 
 def reachable(host: str, fallback: str = LOOPBACK) -> str:
