@@ -30,7 +30,7 @@ log = logging.getLogger("client.agent")
 _Kvsync = chp.Kvsync
 _decode_snapshot = chp.decode_snapshot_liberal
 _RESERVED = chp.RESERVED_KEYS
-_unpack_seq = chp._unpack_seq
+_unpack_seq = chp.unpack_seq
 
 
 class Incoming:

@@ -59,7 +59,7 @@ UUID_SIZE = 16
 
 _SEQ = struct.Struct(">Q")
 pack_seq = _SEQ.pack
-_unpack_seq = _SEQ.unpack
+unpack_seq = _SEQ.unpack
 _SUBTREE_RE = re.compile(rb"(?:/(?:[^/]+/)+)?\Z")
 
 
@@ -169,7 +169,7 @@ def _check_count(frames: list[bytes], want: int, command: str) -> None:
 def _seq(frame: bytes, command: str) -> int:
     if len(frame) != 8:
         raise _fail(f"sequence must be 8 bytes, got {len(frame)}", command, "bad_sequence")
-    return _unpack_seq(frame)[0]
+    return unpack_seq(frame)[0]
 
 
 MAX_TTL_S = 10 * 365 * 86400.0
