@@ -98,6 +98,29 @@ def drain(read, src, st: SourceState, budget: int, every: int, samples: list[int
     return n
 
 
+def _sub_socket(ctx, endpoint: str, subscribe: bytes, rcvhwm: int, keys_dir: str = "",
+                bind: bool = False):
+    """A SUB with linger 0 and one subscription, bound to ``endpoint`` or connected to it
+    (with the cluster's client key when ``keys_dir`` is set); closed if any step fails,
+    so that the caller's context can still terminate."""
+    import zmq
+
+    sock = ctx.socket(zmq.SUB)
+    try:
+        sock.linger = 0
+        sock.rcvhwm = rcvhwm
+        sock.setsockopt(zmq.SUBSCRIBE, subscribe)
+        if bind:
+            sock.bind(endpoint)
+        else:
+            _secure(sock, keys_dir)
+            sock.connect(endpoint)
+    except BaseException:
+        sock.close(0)
+        raise
+    return sock
+
+
 def subscriber_main(cfg: SubscriberConfig, conn) -> None:
     """Child process: subscribe, report ready, count and time KVPUBs over a Window."""
     _pin(cfg.core)
@@ -116,16 +139,8 @@ def subscriber_main(cfg: SubscriberConfig, conn) -> None:
     result: dict = {"role": "subscriber", "pid": os.getpid()}
     try:
         for endpoint in cfg.sources:
-            sock = ctx.socket(zmq.SUB)
-            socks.append(sock)
-            sock.linger = 0
-            sock.rcvhwm = cfg.rcvhwm
-            sock.setsockopt(zmq.SUBSCRIBE, cfg.subscribe)
-            if cfg.bind:
-                sock.bind(endpoint)
-            else:
-                _secure(sock, cfg.keys_dir)
-                sock.connect(endpoint)
+            socks.append(_sub_socket(ctx, endpoint, cfg.subscribe, cfg.rcvhwm, cfg.keys_dir,
+                                     cfg.bind))
         conn.send({"ready": True})
         if not conn.poll(GO_DEADLINE_S):
             return
@@ -267,23 +282,15 @@ def settle(publishers: list[str], *, keys_dir: str = "", quiet_s: float = SETTLE
     seen = 0
     try:
         for endpoint in publishers:
-            sock = ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            _secure(sock, keys_dir)
-            sock.setsockopt(zmq.SUBSCRIBE, prefix)
-            sock.connect(endpoint)
-            socks.append(sock)
-            poller.register(sock, zmq.POLLIN)
+            socks.append(_sub_socket(ctx, endpoint, prefix, 0, keys_dir))
+            poller.register(socks[-1], zmq.POLLIN)
         last = t0
         while True:
             now = time.monotonic()
-            if now - last >= quiet_s:
+            settled = now - last >= quiet_s
+            if settled or now - t0 >= deadline_s:
                 return {"settle_s": round(now - t0, 3), "settle_updates": seen,
-                        "settled": True}
-            if now - t0 >= deadline_s:
-                return {"settle_s": round(now - t0, 3), "settle_updates": seen,
-                        "settled": False}
+                        "settled": settled}
             ready = poller.poll(max(1, int((quiet_s - (now - last)) * 1000)))
             for sock, _ in ready:
                 while True:
