@@ -235,6 +235,10 @@ class ServerProcess:
         of its ``updates`` (or ``seq``) counter since the previous figures."""
         if stats.get("pid") not in (None, self.pid):
             return  # an answer from the previous run
+        if self.state != RUNNING or self.disk_error:
+            # an answer sent before this run stopped serving (its disk error, its exit)
+            # arriving after: it would show a Binary Star state the server left
+            return
         counter = stats.get("updates", stats.get("seq"))
         old = self.stats.get("updates", self.stats.get("seq"))
         if (self.stats_at is not None and counter is not None and old is not None

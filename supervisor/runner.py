@@ -273,6 +273,9 @@ class Runner:
         elif text.startswith("DISK_ERROR "):
             proc.disk_error = _after_fields(text)
             proc.disk_errors += 1
+            # it stopped serving: the figures it gave before (ACTIVE, say) no longer hold,
+            # even in the moment before its exit is seen
+            proc.stats, proc.stats_at, proc.updates_per_s = {}, None, None
             self.on_event(f"{proc.name} DISK ERROR: {proc.disk_error}; it stopped so that "
                           "its peer serves")
         elif text.startswith("UNREADABLE "):
