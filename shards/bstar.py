@@ -36,7 +36,12 @@ Rules (``TABLE``; rows are this server's state, columns the event)::
         see it ACTIVE and become passive. Going ACTIVE here would race it.
     (2) the primary goes active when it sees us; we follow when we see it ACTIVE.
     (3) vote: -> ACTIVE and accept if now >= peer_expiry, else refuse (not answered).
-    (4) the peer restarted; it sees us ACTIVE and goes passive.
+    (4) the peer restarted; it sees us ACTIVE and goes passive. The active answers each
+        such message at once (PublishState) instead of at its next heartbeat: the
+        restarted peer's SUB may have missed the heartbeat before it was connected, and
+        it votes itself active once two of its own heartbeats pass without a word from
+        us. Without the answer a stall of the active's loop near the end of that window
+        is enough for a needless dual active (a restarted primary wins the tie of terms).
     (5) the message's role equals ours, whatever the states: two servers configured with
         the same role can never pair up (they would refuse clients forever), so both exit.
     (6) split brain. With ``Config.split_brain_survivor`` (the default) one side carries
@@ -466,6 +471,10 @@ def _peer(m: Machine, msg: StateMessage, kind: Event,
                 return _to_active(m, now, "both passive: this server holds the later map")
             return m, []
     if rule is Rule.STAY:
+        if m.state is State.ACTIVE and peer_state in (State.PRIMARY, State.BACKUP):
+            # (4): answer a restarted peer at once rather than at the next heartbeat
+            return replace(m, next_publish_at=now + c.heartbeat_s), [
+                PublishState(m.state, m.term)]
         return m, []
     if rule is Rule.TO_ACTIVE:
         return _to_active(m, now, f"peer restarted ({kind.name})")

@@ -312,6 +312,34 @@ def test_restarted_primary_does_not_grab_a_vote_before_hearing_the_active_backup
     assert not any(s.effects(Fatal) for s in pair.history[-2:])
 
 
+def test_the_active_answers_a_restarted_peer_at_once_not_at_its_next_heartbeat():
+    # CI once ended a fsync-failure failover with the restarted primary active and the
+    # backup, which had taken over, gone: the primary had heard nothing from the backup
+    # for the two heartbeats of its start-up window. Here the backup's heartbeats just
+    # miss it (its SUB not yet connected for the first, the second late), and only the
+    # backup's answer to the primary's own state reaches it in time.
+    pair = up_pair()
+    pair.kill("a")
+    pair.run_until(lambda: accepted(pair.vote("b")))
+    beats = len(pair["b"].effects(PublishState))
+    pair.run_until(lambda: len(pair["b"].effects(PublishState)) > beats)
+    pair.advance(DT)                          # the backup's heartbeat is just out
+    pair.cut[("b", "a")] = True               # the restarted primary's SUB connects late
+    a = pair.start("a")                       # its PRIMARY reaches the backup at once
+    start, expiry = pair.now, a.machine.peer_expiry
+    pair.advance(HB)                          # the backup's next heartbeat is lost too
+    pair.cut[("b", "a")] = False
+    pair.delay_s[("b", "a")] = HB / 2         # and the one after it is late
+    pair.run_until(lambda: pair.now >= expiry)
+    answered = [t for t, e in pair["b"].log if isinstance(e, PublishState) and t > start
+                and t < start + HB / 2]
+    assert answered, "the backup did not answer the restarted primary's PRIMARY"
+    assert a.state is PASSIVE and refused(pair.vote("a"))
+    pair.advance(3 * HB)
+    assert pair.states() == (PASSIVE, ACTIVE)
+    assert not any(s.effects(Fatal) or s.effects(SplitBrainSurvived) for s in pair.history)
+
+
 def test_refused_votes_before_peer_expiry_in_every_waiting_state():
     pair = up_pair()
     for _ in range(20):
