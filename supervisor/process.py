@@ -230,6 +230,10 @@ class ServerProcess:
             out["stats"] = stats
         return out
 
+    def clear_stats(self) -> None:
+        """Forget the figures of the current run: it starts, stopped serving or exited."""
+        self.stats, self.stats_at, self.updates_per_s = {}, None, None
+
     def set_stats(self, stats: dict, now: float) -> None:
         """Fresh figures from the server's own stats service; updates/s from the change
         of its ``updates`` (or ``seq``) counter since the previous figures."""

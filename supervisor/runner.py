@@ -242,7 +242,7 @@ class Runner:
         proc.stop_requested = False
         proc.ready.clear()
         proc.exited.clear()
-        proc.stats, proc.stats_at, proc.updates_per_s = {}, None, None
+        proc.clear_stats()
         proc.open_log()
         self._rotate_log(proc)
         now = self.clock()
@@ -275,7 +275,7 @@ class Runner:
             proc.disk_errors += 1
             # it stopped serving: the figures it gave before (ACTIVE, say) no longer hold,
             # even in the moment before its exit is seen
-            proc.stats, proc.stats_at, proc.updates_per_s = {}, None, None
+            proc.clear_stats()
             self.on_event(f"{proc.name} DISK ERROR: {proc.disk_error}; it stopped so that "
                           "its peer serves")
         elif text.startswith("UNREADABLE "):
@@ -289,7 +289,7 @@ class Runner:
         run = proc.history[-1]
         proc.history[-1] = replace(run, exited_at=now, exit_code=code,
                                    stop_requested=proc.stop_requested or self.stopping)
-        proc.stats, proc.stats_at, proc.updates_per_s = {}, None, None
+        proc.clear_stats()
         self._event(proc, f"pid {popen.pid} {describe_exit(proc.history[-1])}")
         proc.exited.set()
         self._after_exit(proc)
