@@ -370,6 +370,11 @@ def step(machine: Machine, event: EventLike, now: float) -> tuple[Machine, list[
 def _tick(m: Machine, now: float) -> tuple[Machine, list[Effect]]:
     if m.fatal or now < m.next_publish_at:
         return m, []
+    return _publish_now(m, now)
+
+
+def _publish_now(m: Machine, now: float) -> tuple[Machine, list[Effect]]:
+    """Publish this server's state now; the next heartbeat is one interval later."""
     return (replace(m, next_publish_at=now + m.config.heartbeat_s),
             [PublishState(m.state, m.term)])
 
@@ -472,9 +477,7 @@ def _peer(m: Machine, msg: StateMessage, kind: Event,
             return m, []
     if rule is Rule.STAY:
         if m.state is State.ACTIVE and peer_state in (State.PRIMARY, State.BACKUP):
-            # (4): answer a restarted peer at once rather than at the next heartbeat
-            return replace(m, next_publish_at=now + c.heartbeat_s), [
-                PublishState(m.state, m.term)]
+            return _publish_now(m, now)  # (4): answer a restarted peer at once
         return m, []
     if rule is Rule.TO_ACTIVE:
         return _to_active(m, now, f"peer restarted ({kind.name})")
