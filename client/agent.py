@@ -179,7 +179,8 @@ class ShardAgent:
         self.link = Link(self.ctx, self.name, self.subtree, loop=self.loop,
                          affinity=self.affinity, sub_rcvhwm=self.sub_rcvhwm,
                          on_update=self._on_update, on_snapshot=self.incoming.on_message,
-                         on_event=self._on_link_event, security=self.security)
+                         on_event=self._on_link_event, security=self.security,
+                         take_rows=self.incoming.take_rows)
         self._synced_event = asyncio.Event()
         self.writes.start()
         self._dispatch(sm.Start())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from shards.common import zio
 from shards.common.errors import ProtocolError
 from shards.common.proto import chp
 from client import shard_machine as sm
@@ -30,6 +31,9 @@ log = logging.getLogger("client.agent")
 _Kvsync = chp.Kvsync
 _decode_snapshot = chp.decode_snapshot_liberal
 _RESERVED = chp.RESERVED_KEYS
+_RESERVED_WORDS = tuple(sorted(_RESERVED))
+_take_rows = getattr(zio._compiled, "take_rows", None)
+"""The compiled path's row taker (None on the pure path, or an extension built before it)."""
 _unpack_seq = chp.unpack_seq
 
 
@@ -85,6 +89,22 @@ class Incoming:
                     self.seqs[key] = _unpack_seq(seq)[0]
                 return
         self._on_message(frames)
+
+    def take_rows(self, handle: int, limit: int) -> tuple[int, list[bytes] | None] | None:
+        """The DEALER's ``bulk`` (``zio.AsyncSocket``): on the compiled path, while a
+        snapshot is being received, up to ``limit`` of the rows ``on_message`` would take
+        without a decoder call go into the maps in one C call (``_zframes.take_rows``,
+        the same checks); the first other message comes back for ``on_message``. None:
+        nothing to take this way (no sync in progress, or the pure path)."""
+        incoming = self.map
+        if incoming is None or _take_rows is None:
+            return None
+        agent = self.agent
+        n, frames = _take_rows(handle, limit, zio.MAX_FRAMES, incoming, self.seqs,
+                               agent.subtree, self._max_key, self._max_value, _RESERVED_WORDS,
+                               agent.state.resuming)
+        agent.snapshot_messages += n
+        return n, frames
 
     def _on_message(self, frames: list[bytes]) -> None:
         agent = self.agent

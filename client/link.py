@@ -42,7 +42,8 @@ class Link:
                  loop: asyncio.AbstractEventLoop, affinity: int, sub_rcvhwm: int,
                  on_update: Callable[[list[bytes]], None],
                  on_snapshot: Callable[[list[bytes]], None],
-                 on_event: Callable[[object], None], security: Security | None = None):
+                 on_event: Callable[[object], None], security: Security | None = None,
+                 take_rows: Callable[[int, int], tuple | None] | None = None):
         self.ctx, self.name, self.subtree, self.loop = ctx, name, subtree, loop
         self.security = security or Security.off()
         self.handshake_failure = ""
@@ -50,6 +51,8 @@ class Link:
         ``errors.HANDSHAKE_CAUSES`` (CURVE required, a key it does not admit, ...)."""
         self.affinity, self.sub_rcvhwm = affinity, sub_rcvhwm
         self.on_update, self.on_snapshot, self.on_event = on_update, on_snapshot, on_event
+        self.take_rows = take_rows
+        """The DEALER's ``bulk`` (``client.incoming.Incoming.take_rows``), or None."""
         self.address: ServerAddress | None = None
         self.sub: AsyncSocket | None = None
         self.monitor: AsyncSocket | None = None
@@ -107,7 +110,8 @@ class Link:
         self.security.connect_side(dealer)
         dealer.connect(address.snapshot)
         self.dealer = AsyncSocket(dealer, self.on_snapshot, loop=self.loop,
-                                  name=f"{self.name} DEALER {address.snapshot}")
+                                  name=f"{self.name} DEALER {address.snapshot}",
+                                  bulk=self.take_rows)
         self.dealer.send(chp.icanhaz(self.subtree, since, generation, meta, term))
 
     def close_dealer(self) -> None:

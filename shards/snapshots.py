@@ -3,7 +3,6 @@ on the server's ``shards.streams.StreamPump``."""
 from __future__ import annotations
 
 import logging
-from itertools import repeat
 from typing import TYPE_CHECKING
 
 import zmq
@@ -30,8 +29,17 @@ _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _pack_seq = chp.pack_seq
 
 
-def _entry_size(item: tuple) -> int:
-    return len(item[0]) + len(item[1])
+class _Rows(tuple):
+    """A fetched chunk in columns: ``(keys, values, mod_seqs, props)``, ``props`` one
+    bytes for every row or a list (``_zframes.send_rows`` takes them as they are)."""
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        return len(self[0])
+
+    def __new__(cls, keys: list, values: list, mods: list, props: bytes | list):
+        return tuple.__new__(cls, (keys, values, mods, props))
 
 
 def largest_entry(store: Store) -> int:
@@ -62,7 +70,7 @@ class SnapshotStream:
         """The requester asked ``meta=1``: a TTL key's KVSYNC says ``expires=``."""
         self.cursor = server.store.open_snapshot(subtree, with_expiry=meta)
         self.seq_frame = _pack_seq(self.cursor.seq)
-        self.pending: list[tuple[bytes, bytes]] = []
+        self.pending = _Rows([], [], [], b"")
         self.pos = 0
         self.chunk = server.config.snapshot_chunk
         self.sent = 0
@@ -93,11 +101,11 @@ class SnapshotStream:
                         outcome = streams.PROGRESS
                         break
                     keys, values, mods, expiries = cursor.next_columns(budget * 4, meta)
-                    props = repeat(b"") if expiries is None else [
+                    props = b"" if expiries is None else [
                         b"" if e is None else b"expires=%.3f\n" % e for e in expiries]
-                    pending = list(zip(keys, values, map(_pack_seq, mods), props))
-                    if pending:  # before any of them is queued: the byte bound holds
-                        self.service.entries(max(map(_entry_size, pending)))
+                    pending = _Rows(keys, values, mods, props)
+                    if keys:  # before any of them is queued: the byte bound holds
+                        self.service.entries(max(map(len, keys)) + max(map(len, values)))
                         if not self.sent:  # this peer's pipe may have the bind-time mark
                             self.service.reapply()
                     pos = i = 0
@@ -105,20 +113,21 @@ class SnapshotStream:
                     continue
                 stop = min(len(pending), pos + budget - sent)
                 if _send_rows is not None:  # compiled: the whole chunk in one C call
-                    i = _send_rows(sock.underlying, identity, pending, pos, stop)
+                    i = _send_rows(sock.underlying, identity, *pending, pos, stop)
                     sent += i - pos
                     pos = i
                     if i < stop:  # the peer's pipe is full (no row was half sent)
                         break
                     continue
+                keys, values, mods, props = pending
+                same_props = props.__class__ is bytes
                 while i < stop:  # the hot loop: one KVSYNC per turn, nothing else
-                    key, value, seq, props = pending[i]  # seq: the key's own
                     send(sock, identity, more)  # Again / EHOSTUNREACH come only from here
-                    send(sock, key, more)
-                    send(sock, seq, more)
+                    send(sock, keys[i], more)
+                    send(sock, _pack_seq(mods[i]), more)  # the key's own sequence
                     send(sock, empty, more)
-                    send(sock, props, more)
-                    send(sock, value, last)
+                    send(sock, props if same_props else props[i], more)
+                    send(sock, values[i], last)
                     i += 1
                 sent += i - pos
                 pos = i

@@ -81,26 +81,34 @@ static PyObject *zf_bind(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* One frame into `msg` (initialised by the caller): 0, or -1 with *err set (0 when a
+ * signal handler raised on EINTR: a Python error is set). */
+static int recv_raw(void *sock, int flags, zmsg_t *msg, int *err) {
+    for (;;) {
+        int rc;
+        if (flags & Z_NOBLOCK) {
+            rc = z_msg_recv(msg, sock, flags);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            rc = z_msg_recv(msg, sock, flags);
+            Py_END_ALLOW_THREADS
+        }
+        if (rc >= 0)
+            return 0;
+        int e = z_errno();
+        if (e == EINTR && PyErr_CheckSignals() == 0)
+            continue;
+        *err = e == EINTR ? 0 : e;
+        return -1;
+    }
+}
+
 /* One frame into a new bytes object; NULL with *err set (0 with a Python error). */
 static PyObject *recv_frame(void *sock, int flags, int *more, int *err) {
     zmsg_t msg;
     z_msg_init(&msg);
-    for (;;) {
-        int rc;
-        if (flags & Z_NOBLOCK) {
-            rc = z_msg_recv(&msg, sock, flags);
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            rc = z_msg_recv(&msg, sock, flags);
-            Py_END_ALLOW_THREADS
-        }
-        if (rc >= 0)
-            break;
-        int e = z_errno();
-        if (e == EINTR && PyErr_CheckSignals() == 0)
-            continue;
+    if (recv_raw(sock, flags, &msg, err) < 0) {
         z_msg_close(&msg);
-        *err = e == EINTR ? 0 : e; /* EINTR here: a signal handler raised */
         return NULL;
     }
     PyObject *frame = PyBytes_FromStringAndSize((const char *)z_msg_data(&msg),
@@ -231,6 +239,166 @@ static PyObject *zf_drain(PyObject *self, PyObject *const *args, Py_ssize_t narg
             break;
     }
     return Py_BuildValue("(nOO)", n, Py_None, Py_None);
+}
+
+/* A snapshot row our servers send (12/CHP KVSYNC: key, 8-byte sequence, empty UUID,
+ * empty properties, value) whose key is ASCII, in the subtree, within the limits and not
+ * a command word: one the receiver may take without its decoder. */
+static int plain_row(zmsg_t *m, const char *sub, Py_ssize_t sublen, Py_ssize_t max_key,
+                     Py_ssize_t max_value, PyObject *reserved) {
+    size_t ks = z_msg_size(&m[0]);
+    if (z_msg_size(&m[1]) != 8 || z_msg_size(&m[2]) != 0 || z_msg_size(&m[3]) != 0)
+        return 0;
+    if (ks == 0 || ks > (size_t)max_key || ks < (size_t)sublen
+        || z_msg_size(&m[4]) > (size_t)max_value)
+        return 0;
+    const unsigned char *key = z_msg_data(&m[0]);
+    if (sublen && memcmp(key, sub, (size_t)sublen) != 0)
+        return 0;
+    for (size_t i = 0; i < ks; i++)
+        if (key[i] & 0x80)
+            return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(reserved); i++) {
+        PyObject *word = PyTuple_GET_ITEM(reserved, i);
+        if ((size_t)PyBytes_GET_SIZE(word) == ks && memcmp(PyBytes_AS_STRING(word), key, ks) == 0)
+            return 0;
+    }
+    return 1;
+}
+
+/* Put a plain row into values[key] (unless its value is empty and keep_empty is 0) and
+ * seqs[key]; 0, or -1 with a Python error set. */
+static int install_row(zmsg_t *m, PyObject *values, PyObject *seqs, int keep_empty) {
+    size_t vs = z_msg_size(&m[4]);
+    if (vs == 0 && !keep_empty)
+        return 0;
+    const unsigned char *s = z_msg_data(&m[1]);
+    unsigned long long seq = 0;
+    for (int i = 0; i < 8; i++)
+        seq = (seq << 8) | s[i];
+    PyObject *key = PyBytes_FromStringAndSize(z_msg_data(&m[0]), (Py_ssize_t)z_msg_size(&m[0]));
+    PyObject *value = PyBytes_FromStringAndSize(z_msg_data(&m[4]), (Py_ssize_t)vs);
+    PyObject *number = PyLong_FromUnsignedLongLong(seq);
+    int rc = -1;
+    if (key != NULL && value != NULL && number != NULL && PyDict_SetItem(values, key, value) == 0
+        && PyDict_SetItem(seqs, key, number) == 0)
+        rc = 0;
+    Py_XDECREF(key);
+    Py_XDECREF(value);
+    Py_XDECREF(number);
+    return rc;
+}
+
+/* The frames already read (closed here) and the rest of the message, as recv_message
+ * gives them: a list of at most max_frames + 1 frames. NULL with *err set. */
+static PyObject *rest_of_message(void *sock, zmsg_t *m, int k, int more, Py_ssize_t max_frames,
+                                 int *err) {
+    PyObject *frames = PyList_New(0);
+    for (int i = 0; i < k; i++) {
+        if (frames != NULL) {
+            PyObject *frame = PyBytes_FromStringAndSize(z_msg_data(&m[i]),
+                                                        (Py_ssize_t)z_msg_size(&m[i]));
+            if (frame == NULL || (PyList_GET_SIZE(frames) <= max_frames
+                                  && PyList_Append(frames, frame) < 0))
+                Py_CLEAR(frames);
+            Py_XDECREF(frame);
+        }
+        z_msg_close(&m[i]);
+    }
+    while (more) { /* read to the end even when out of memory: never misalign */
+        PyObject *frame = recv_frame(sock, Z_NOBLOCK, &more, err);
+        if (frame == NULL && *err == EAGAIN)
+            frame = recv_frame(sock, 0, &more, err);
+        if (frame == NULL) {
+            Py_XDECREF(frames);
+            return NULL;
+        }
+        if (frames != NULL && PyList_GET_SIZE(frames) <= max_frames
+            && PyList_Append(frames, frame) < 0)
+            Py_CLEAR(frames);
+        Py_DECREF(frame);
+    }
+    if (frames == NULL)
+        *err = 0;
+    return frames;
+}
+
+/* take_rows(handle, limit, max_frames, values, seqs, subtree, max_key, max_value,
+ *           reserved, keep_empty) -> (n, frames)
+ * A snapshot's plain rows (see plain_row) straight into the receiver's dicts, without a
+ * bytes object for the empty frames, a list per message or a Python call per row: up to
+ * `limit` messages. Stops at EAGAIN or the limit (frames None), or at the first message
+ * that is not a plain row, which it returns whole (as recv would) for the receiver's own
+ * decoder; n counts the plain rows taken (a row with an empty value counts, and is put
+ * only when keep_empty). */
+static PyObject *zf_take_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "take_rows(handle, limit, max_frames, values, seqs, "
+                        "subtree, max_key, max_value, reserved, keep_empty)");
+        return NULL;
+    }
+    if (!check_bound())
+        return NULL;
+    void *sock = PyLong_AsVoidPtr(args[0]);
+    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t max_frames = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t max_key = PyLong_AsSsize_t(args[6]);
+    Py_ssize_t max_value = PyLong_AsSsize_t(args[7]);
+    int keep_empty = PyObject_IsTrue(args[9]);
+    if (PyErr_Occurred() || keep_empty < 0)
+        return NULL;
+    PyObject *values = args[3], *seqs = args[4], *subtree = args[5], *reserved = args[8];
+    if (!PyDict_CheckExact(values) || !PyDict_CheckExact(seqs) || !PyBytes_Check(subtree)
+        || !PyTuple_CheckExact(reserved)) {
+        PyErr_SetString(PyExc_TypeError, "take_rows: values and seqs must be dicts, subtree "
+                        "bytes, reserved a tuple of bytes");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(reserved); i++) {
+        if (!PyBytes_Check(PyTuple_GET_ITEM(reserved, i))) {
+            PyErr_SetString(PyExc_TypeError, "take_rows: reserved must hold bytes");
+            return NULL;
+        }
+    }
+    const char *sub = PyBytes_AS_STRING(subtree);
+    Py_ssize_t sublen = PyBytes_GET_SIZE(subtree);
+    Py_ssize_t n = 0;
+    PyObject *left = NULL;
+    while (n < limit) {
+        zmsg_t m[5];
+        int k = 0, more = 1, err = 0;
+        while (more && k < 5) {
+            z_msg_init(&m[k]);
+            int rc = recv_raw(sock, Z_NOBLOCK, &m[k], &err);
+            if (rc < 0 && err == EAGAIN && k > 0)
+                rc = recv_raw(sock, 0, &m[k], &err); /* the rest of a message (see recv_message) */
+            if (rc < 0) {
+                z_msg_close(&m[k]);
+                for (int i = 0; i < k; i++)
+                    z_msg_close(&m[i]);
+                if (k == 0 && err == EAGAIN)
+                    goto out;
+                return err ? raise_zmq(err) : NULL;
+            }
+            more = z_msg_more(&m[k]);
+            k++;
+        }
+        if (k == 5 && !more && plain_row(m, sub, sublen, max_key, max_value, reserved)) {
+            int rc = install_row(m, values, seqs, keep_empty);
+            for (int i = 0; i < 5; i++)
+                z_msg_close(&m[i]);
+            if (rc < 0)
+                return NULL;
+            n++;
+            continue;
+        }
+        left = rest_of_message(sock, m, k, more, max_frames, &err);
+        if (left == NULL)
+            return err ? raise_zmq(err) : NULL;
+        break;
+    }
+out:
+    return Py_BuildValue("(nN)", n, left != NULL ? left : Py_NewRef(Py_None));
 }
 
 /* Send `count` frames from `items` as one message: every frame is checked to be bytes
@@ -393,58 +561,97 @@ static PyObject *zf_send_many(PyObject *self, PyObject *const *args, Py_ssize_t 
     return PyLong_FromSsize_t(sent);
 }
 
-/* send_rows(handle, identity, rows, start, stop) -> next: a ROUTER's snapshot rows, each
- * (key, value, seq, props) sent as [identity, key, seq, "", props, value], non-blocking,
- * from rows[start] to rows[stop - 1]. Returns the index of the first row not sent: stop,
- * or earlier where the peer's pipe is at its high-water mark (EAGAIN comes only at a
- * message's first frame: no row is ever half sent). Any other error raises (the rows
- * before it were sent). One C call per chunk instead of six Python calls per row. */
+/* One frame of a row being sent; 0, or -1 (*err: the errno, 0 when a signal handler
+ * raised on EINTR). */
+static int send_part(void *sock, const char *data, size_t size, int flags, int *err) {
+    for (;;) {
+        if (z_send(sock, data, size, flags) >= 0)
+            return 0;
+        int e = z_errno();
+        if (e == EINTR && PyErr_CheckSignals() == 0)
+            continue;
+        *err = e == EINTR ? 0 : e;
+        return -1;
+    }
+}
+
+/* send_rows(handle, identity, keys, values, seqs, props, start, stop) -> next: a ROUTER's
+ * snapshot rows from columns (the store's own lists: no tuple and no packed sequence per
+ * row), row i sent as [identity, keys[i], seqs[i] as 8 bytes big-endian, "", props or
+ * props[i], values[i]], non-blocking, from start to stop - 1. `props` is one bytes for
+ * every row, or a list. Returns the index of the first row not sent: stop, or earlier
+ * where the peer's pipe is at its high-water mark (EAGAIN comes only at a message's first
+ * frame: no row is ever half sent). Any other error raises (the rows before it were
+ * sent). One C call per chunk instead of six Python calls per row. */
 static PyObject *zf_send_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "send_rows(handle, identity, rows, start, stop)");
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "send_rows(handle, identity, keys, values, seqs, props, start, stop)");
         return NULL;
     }
     if (!check_bound())
         return NULL;
     void *sock = PyLong_AsVoidPtr(args[0]);
-    Py_ssize_t start = PyLong_AsSsize_t(args[3]);
-    Py_ssize_t stop = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[6]);
+    Py_ssize_t stop = PyLong_AsSsize_t(args[7]);
     if (PyErr_Occurred())
         return NULL;
-    if (!PyBytes_Check(args[1]) || !PyList_CheckExact(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "send_rows: identity must be bytes, rows a list");
+    PyObject *identity = args[1], *keys = args[2], *values = args[3], *seqs = args[4];
+    PyObject *props = args[5];
+    if (!PyBytes_Check(identity) || !PyList_CheckExact(keys) || !PyList_CheckExact(values)
+        || !PyList_CheckExact(seqs) || !(PyBytes_Check(props) || PyList_CheckExact(props))) {
+        PyErr_SetString(PyExc_TypeError, "send_rows: identity must be bytes, keys, values "
+                        "and seqs lists, props bytes or a list");
         return NULL;
     }
-    PyObject *identity = args[1], *rows = args[2];
-    Py_INCREF(identity);
-    Py_INCREF(rows);
-    PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
+    PyObject *held[5] = {identity, keys, values, seqs, props};
+    for (int j = 0; j < 5; j++)
+        Py_INCREF(held[j]);
     Py_ssize_t i = start < 0 ? 0 : start;
     PyObject *result = NULL;
-    if (empty == NULL)
-        goto done;
-    for (; i < stop && i < PyList_GET_SIZE(rows); i++) {
-        PyObject *row = PyList_GET_ITEM(rows, i);
-        if (!PyTuple_CheckExact(row) || PyTuple_GET_SIZE(row) != 4) {
-            PyErr_Format(PyExc_TypeError, "row %zd is not a (key, value, seq, props) tuple", i);
+    for (; i < stop; i++) {
+        if (i >= PyList_GET_SIZE(keys) || i >= PyList_GET_SIZE(values)
+            || i >= PyList_GET_SIZE(seqs)
+            || (PyList_CheckExact(props) && i >= PyList_GET_SIZE(props)))
+            break;
+        PyObject *row[3] = {PyList_GET_ITEM(keys, i), PyList_GET_ITEM(values, i),
+                            PyList_CheckExact(props) ? PyList_GET_ITEM(props, i) : props};
+        if (!PyBytes_Check(row[0]) || !PyBytes_Check(row[1]) || !PyBytes_Check(row[2])) {
+            PyErr_Format(PyExc_TypeError, "row %zd: key, value and props must be bytes", i);
             goto done;
         }
-        PyObject *frames[6] = {identity, PyTuple_GET_ITEM(row, 0), PyTuple_GET_ITEM(row, 2),
-                               empty, PyTuple_GET_ITEM(row, 3), PyTuple_GET_ITEM(row, 1)};
-        last_send_errno = 0;
-        if (send_frames_at(sock, frames, 6, Z_NOBLOCK) < 0) {
-            if (last_send_errno == EAGAIN) {
-                PyErr_Clear();
-                break;
-            }
+        unsigned long long number = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(seqs, i));
+        if (number == (unsigned long long)-1 && PyErr_Occurred())
+            goto done;
+        unsigned char seq[8];
+        for (int j = 7; j >= 0; j--, number >>= 8)
+            seq[j] = (unsigned char)(number & 0xff);
+        for (int j = 0; j < 3; j++)
+            Py_INCREF(row[j]); /* a signal handler run on EINTR may change the lists */
+        const char *data[6] = {PyBytes_AS_STRING(identity), PyBytes_AS_STRING(row[0]),
+                               (const char *)seq, "", PyBytes_AS_STRING(row[2]),
+                               PyBytes_AS_STRING(row[1])};
+        size_t size[6] = {(size_t)PyBytes_GET_SIZE(identity), (size_t)PyBytes_GET_SIZE(row[0]),
+                          8, 0, (size_t)PyBytes_GET_SIZE(row[2]),
+                          (size_t)PyBytes_GET_SIZE(row[1])};
+        int err = 0, rc = 0, j = 0;
+        for (; j < 6 && rc == 0; j++)
+            rc = send_part(sock, data[j], size[j], j < 5 ? (Z_NOBLOCK | Z_SNDMORE) : Z_NOBLOCK,
+                           &err);
+        for (int k = 0; k < 3; k++)
+            Py_DECREF(row[k]);
+        if (rc < 0) {
+            if (err == EAGAIN && j == 1)
+                break; /* the pipe is full: nothing of this row went out */
+            if (err)
+                raise_zmq(err);
             goto done;
         }
     }
     result = PyLong_FromSsize_t(i);
 done:
-    Py_XDECREF(empty);
-    Py_DECREF(rows);
-    Py_DECREF(identity);
+    for (int j = 0; j < 5; j++)
+        Py_DECREF(held[j]);
     return result;
 }
 
@@ -479,13 +686,16 @@ static PyMethodDef methods[] = {
     {"send_many", (PyCFunction)(void (*)(void))zf_send_many, METH_FASTCALL,
      "send_many(handle, messages, width=0) -> sent"},
     {"send_rows", (PyCFunction)(void (*)(void))zf_send_rows, METH_FASTCALL,
-     "send_rows(handle, identity, rows, start, stop) -> next"},
+     "send_rows(handle, identity, keys, values, seqs, props, start, stop) -> next"},
     {"bind", zf_bind, METH_VARARGS,
      "bind(libzmq_path, error_of_errno): resolve libzmq's calls"},
     {"recv", (PyCFunction)(void (*)(void))zf_recv, METH_FASTCALL,
      "recv(handle, flags, max_frames) -> list[bytes] | None"},
     {"drain", (PyCFunction)(void (*)(void))zf_drain, METH_FASTCALL,
      "drain(handle, owner, limit, max_frames, handler) -> (n, exc, frames)"},
+    {"take_rows", (PyCFunction)(void (*)(void))zf_take_rows, METH_FASTCALL,
+     "take_rows(handle, limit, max_frames, values, seqs, subtree, max_key, max_value, "
+     "reserved, keep_empty) -> (n, frames)"},
     {"send", (PyCFunction)(void (*)(void))zf_send, METH_FASTCALL,
      "send(handle, frames, flags=NOBLOCK)"},
     {NULL, NULL, 0, NULL},

@@ -186,13 +186,14 @@ def compiled_recv() -> Callable[[int, int, int], list[bytes] | None]:
     return _compiled.recv
 
 
-send_rows: Callable[[int, bytes, list, int, int], int] | None = (
-    _compiled.send_rows if COMPILED else None)
-"""Compiled path only (else None): ``send_rows(handle, identity, rows, start, stop) ->
-next`` sends ``rows[start:stop]``, each ``(key, value, seq, props)``, as a ROUTER's
-KVSYNCs ``[identity, key, seq, "", props, value]``, non-blocking, and returns the index of
-the first row not sent (earlier than ``stop`` where the peer's pipe is full: never half a
-row). Other errors raise. One C call per snapshot chunk instead of six per row."""
+send_rows: Callable[..., int] | None = _compiled.send_rows if COMPILED else None
+"""Compiled path only (else None): ``send_rows(handle, identity, keys, values, seqs,
+props, start, stop) -> next`` sends rows ``start`` to ``stop - 1`` of the columns (``seqs``
+ints, ``props`` one bytes for all or a list) as a ROUTER's KVSYNCs ``[identity, key,
+seq, "", props, value]``, non-blocking, and returns the index of the first row not sent
+(earlier than ``stop`` where the peer's pipe is full: never half a row). Other errors
+raise. One C call per snapshot chunk instead of six per row, and no tuple or packed
+sequence per row."""
 
 
 def _keep_tracked(frames: list) -> list:
@@ -256,9 +257,17 @@ class AsyncSocket:
                  on_message: Callable[[list[bytes]], None] | None = None, *,
                  batch: int = DEFAULT_BATCH, loop: asyncio.AbstractEventLoop | None = None,
                  name: str = "", recv: Callable[[zmq.Socket], list[bytes]] | None = None,
-                 after_batch: Callable[[], None] | None = None, recv_only: bool = False):
+                 after_batch: Callable[[], None] | None = None, recv_only: bool = False,
+                 bulk: Callable[[int, int], tuple[int, list[bytes] | None] | None] | None = None):
         """``after_batch()``: called once after every batch that read a message (a server
         publishes what the batch produced there, one burst per batch).
+
+        ``bulk(handle, limit)`` (compiled path only): tried before each message is read
+        one by one; it may take up to ``limit`` messages itself (the client's snapshot
+        rows, ``_zframes.take_rows``) and returns ``(n, frames)``: ``frames`` the first
+        message it did not take, which goes to ``on_message``, or None when it stopped at
+        ``limit`` or found nothing waiting. It returns None when it has nothing to do (no
+        snapshot is being received), and the messages are read one by one.
 
         ``recv_only``: nothing ever sends on this socket (a collector). Then a batch that
         read until ``zmq.Again`` skips the ``EVENTS`` query after it: a receive that finds
@@ -280,6 +289,7 @@ class AsyncSocket:
         self._fd = sock.FD
         self._handle = sock.underlying
         self._drain = _c_drain if COMPILED and recv is None else None
+        self._bulk = bulk if self._drain is not None else None
         self._recv_only = recv_only
         self.loop.add_reader(self._fd, self._on_fd)
         self._schedule()
@@ -345,27 +355,39 @@ class AsyncSocket:
             self._schedule()
 
     def _drain_compiled(self, handler: Callable[[list[bytes]], None]) -> int:
-        """Up to ``batch`` messages read and handled in C; a handler's exception is
-        logged and counted, and the drain goes on."""
-        drain = self._drain
+        """Up to ``batch`` messages read and handled in C (or taken by ``bulk``); a
+        handler's exception is logged and counted, and the drain goes on."""
+        drain, bulk = self._drain, self._bulk
         batch = self.batch
         n = 0
         while n < batch:
             try:
-                got, exc, frames = drain(self._handle, self, batch - n, MAX_FRAMES, handler)
+                taken = bulk(self._handle, batch - n) if bulk is not None else None
+                if taken is None:
+                    got, exc, frames = drain(self._handle, self, batch - n, MAX_FRAMES,
+                                             handler)
+                    done = exc is None  # EAGAIN, the limit, or the socket closed
+                else:
+                    (got, frames), exc = taken, None
+                    done = frames is None  # the limit, or nothing waiting
+                    if frames is not None:  # one bulk did not take: the handler's
+                        got += 1
+                        try:
+                            handler(frames)
+                        except Exception as err:
+                            exc = err
             except zmq.ZMQError as err:
                 if err.errno == zmq.ENOTSOCK or self._closed:
                     return n
                 raise
             n += got
-            if exc is None:
-                break
-            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not ours
-                raise exc
-            self.errors += 1
-            log.error("%s: handler failed on a %d-frame message", self.name, len(frames),
-                      exc_info=exc)
-            if self._closed:
+            if exc is not None:
+                if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not ours
+                    raise exc
+                self.errors += 1
+                log.error("%s: handler failed on a %d-frame message", self.name, len(frames),
+                          exc_info=exc)
+            if done or self._closed:
                 break
         self.received += n
         return n

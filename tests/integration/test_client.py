@@ -563,13 +563,26 @@ def test_sync_watch_iterator_raises_slow_consumer(fake):
                 w.get(DEADLINE_S)
 
 
-def test_a_snapshot_s_every_kind_of_row_is_installed_or_dropped_as_the_decoder_says(fake,
-                                                                                   zctx):
-    """The client takes our servers' common KVSYNC without a decoder call; every other
-    row still goes through ``chp.decode_snapshot``. Both ways in one snapshot: plain
-    ASCII keys, a UTF-8 key, the reference C server's row (UUID and properties), an empty
-    value (not a key), and rows that are dropped and counted: bad UTF-8, a command word as
-    key, a key outside the subtree, a 7-byte sequence, an oversize key."""
+@pytest.mark.parametrize("taker", ["compiled", "python"])
+def test_a_snapshot_s_every_kind_of_row_is_installed_or_dropped_as_the_decoder_says(
+        fake, zctx, monkeypatch, taker):
+    """The client takes our servers' common KVSYNC without a decoder call (on the
+    compiled path in C, ``_zframes.take_rows``, many per call; else in Python, one per
+    message); every other row still goes through ``chp.decode_snapshot``. Both ways in one
+    snapshot, interleaved: plain ASCII keys, a UTF-8 key, the reference C server's row
+    (UUID and properties), an empty value (not a key), and rows that are dropped and
+    counted: bad UTF-8, a command word as key, a key outside the subtree, a 7-byte
+    sequence, an oversize key or value, a row of 6 frames and one of 4."""
+    from client import incoming
+
+    if taker == "python":
+        monkeypatch.setattr(incoming, "_take_rows", None)
+    else:
+        assert incoming._take_rows is not None, "the compiled extension is not built"
+    handled = []  # the messages that reached Python's on_message
+    on_message = incoming.Incoming.on_message
+    monkeypatch.setattr(incoming.Incoming, "on_message",
+                        lambda self, frames: (handled.append(frames[0]), on_message(self, frames)))
     rows = [
         [b"/a/plain", chp.pack_seq(3), b"", b"", b"v1"],
         [b"/a/caf\xc3\xa9", chp.pack_seq(4), b"", b"", b"utf8"],
@@ -580,7 +593,11 @@ def test_a_snapshot_s_every_kind_of_row_is_installed_or_dropped_as_the_decoder_s
         [b"/b/other", chp.pack_seq(9), b"", b"", b"outside"],
         [b"/a/short-seq", b"\0" * 7, b"", b"", b"x"],
         [b"/a/" + b"k" * 2000, chp.pack_seq(10), b"", b"", b"oversize key"],
+        [b"/a/big", chp.pack_seq(10), b"", b"", b"v" * (chp.Limits().max_value + 1)],
+        [b"/a/six", chp.pack_seq(10), b"", b"", b"x", b"extra frame"],
+        [b"/a/four", chp.pack_seq(10), b"", b""],
         [b"/a/last", chp.pack_seq(11), b"", b"", b"v2"],
+        *([b"/a/n%d" % i, chp.pack_seq(12 + i), b"", b"", b"n"] for i in range(500)),
     ]
 
     async def main():
@@ -603,7 +620,15 @@ def test_a_snapshot_s_every_kind_of_row_is_installed_or_dropped_as_the_decoder_s
 
     got, stats = run(main())
     assert got == {"/a/plain": b"v1", "/a/café": b"utf8", "/a/c-dialect": b"c",
-                   "/a/last": b"v2"}
+                   "/a/last": b"v2", **{"/a/n%d" % i: b"n" for i in range(500)}}
     assert stats["drops"] == {"bad_key": 2, "outside_subtree": 1, "bad_sequence": 1,
-                              "oversize_key": 1}, stats["drops"]
+                              "oversize_key": 1, "oversize_value": 1, "frame_count": 2,
+                              }, stats["drops"]
     assert stats["snapshots"] == 1 and stats["last_seq"] == 20
+    plain = [r[0] for r in rows if len(r) == 5 and r[2:4] == [b"", b""] and len(r[1]) == 8
+             and r[0].isascii() and r[0].startswith(b"/a/") and len(r[0]) < 1000
+             and len(r[4]) < 1000]
+    assert len(plain) == 500 + 3  # the /a/n rows, /a/plain, /a/empty and /a/last
+    others = [r[0] for r in rows if r[0] not in plain] + [chp.KTHXBAI]
+    # every row went through Python one by one, or only those the C taker leaves to it
+    assert handled == ([r[0] for r in rows] + [chp.KTHXBAI] if taker == "python" else others)

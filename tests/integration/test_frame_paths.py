@@ -227,24 +227,35 @@ def test_send_rows_stops_whole_at_the_high_water_mark_and_resumes_in_order(zctx)
     dealer.connect(f"tcp://127.0.0.1:{port}")
     dealer.send(b"hello")
     assert router.poll(5000) and router.recv_multipart() == [b"peer", b"hello"]
-    rows = [(b"/k/%d" % i, b"v" * (i % 50), SEQ.pack(i), b"ttl=1\n" if i % 7 == 0 else b"")
-            for i in range(5000)]
+    n = 5000
+    keys = [b"/k/%d" % i for i in range(n)]
+    values = [b"v" * (i % 50) for i in range(n)]
+    seqs = [i * 0x0102030405 if i < n - 1 else 2**64 - 1 for i in range(n)]
+    props = [b"ttl=1\n" if i % 7 == 0 else b"" for i in range(n)]
     sent, stops, got = 0, 0, []
-    while sent < len(rows):
-        nxt = zio.send_rows(router.underlying, b"peer", rows, sent, len(rows))
-        assert sent <= nxt <= len(rows)
-        stops += nxt < len(rows)
+    while sent < n:
+        nxt = zio.send_rows(router.underlying, b"peer", keys, values, seqs, props, sent, n)
+        assert sent <= nxt <= n
+        stops += nxt < n
         sent = nxt
-        while dealer.poll(0 if sent < len(rows) else 200):
+        while dealer.poll(0 if sent < n else 200):
             got.append(dealer.recv_multipart())
-    while len(got) < len(rows) and dealer.poll(5000):
+    while len(got) < n and dealer.poll(5000):
         got.append(dealer.recv_multipart())
     assert stops > 0  # the mark was reached, and no exception came of it
-    assert got == [[key, seq, b"", props, value] for key, value, seq, props in rows]
-    with pytest.raises(TypeError):  # a row that is not a 4-tuple: an error, rows before it sent
-        zio.send_rows(router.underlying, b"peer", [rows[0], (b"k", b"v")], 0, 2)
-    assert dealer.poll(5000) and dealer.recv_multipart()[0] == rows[0][0]
-    assert zio.send_rows(router.underlying, b"peer", rows, 10, 5) == 10  # nothing to send
+    assert got == [[keys[i], SEQ.pack(seqs[i]), b"", props[i], values[i]] for i in range(n)]
+    # one props frame for every row (the common snapshot: no TTLs asked for)
+    assert zio.send_rows(router.underlying, b"peer", keys, values, seqs, b"", 3, 5) == 5
+    assert [dealer.recv_multipart() for _ in range(2)] == [
+        [keys[i], SEQ.pack(seqs[i]), b"", b"", values[i]] for i in (3, 4)]
+    with pytest.raises(TypeError):  # a value that is not bytes: an error, rows before it sent
+        zio.send_rows(router.underlying, b"peer", keys[:2], [values[0], "v"], seqs, b"", 0, 2)
+    assert dealer.poll(5000) and dealer.recv_multipart()[0] == keys[0]
+    with pytest.raises(OverflowError):  # a sequence that 8 bytes cannot hold
+        zio.send_rows(router.underlying, b"peer", keys, values, [-1], b"", 0, 1)
+    assert not dealer.poll(200)  # nothing of that row went out
+    assert zio.send_rows(router.underlying, b"peer", keys, values, seqs, b"", 10, 5) == 10
+    assert zio.send_rows(router.underlying, b"peer", keys[:3], values, seqs, b"", 0, 9) == 3
 
 
 @pytest.mark.parametrize("path", FRAME_PATHS)
