@@ -21,10 +21,15 @@ here) and registers the cursor; until it is closed, the first change to a key it
 still have to send records that key's old value in the cursor's ``undo`` dict
 (copy-on-write), with its old sequence in ``undo_seq``. A cursor therefore yields exactly the map as it was at ``cursor.seq``:
 keys created later are not in its list, keys changed or deleted later come from ``undo``.
+Each chunk's values and sequences are read by walking the two dicts in order beside the key
+list (checked against it chunk by chunk) until a key is inserted or deleted, then by a
+lookup per key: the walk costs no hash probe, and the probes, two random memory reads a
+key, were most of a 100,000-key snapshot's CPU. It holds no copy of the values.
 """
 from __future__ import annotations
 
 import heapq
+from itertools import compress, islice
 from typing import Iterator
 
 from shards.common.errors import ProtocolError
@@ -146,7 +151,7 @@ class Store:
         self.seq = seq = self.seq + 1
         data = self.data
         if self._cursors:
-            self._record_undo(key)
+            self._record_undo(key, bool(value))
         if self._expiry:
             self._expiry.pop(key, None)
         if value:
@@ -193,8 +198,11 @@ class Store:
             if expiry_s is not None:
                 expiry[key] = expiry_s
 
-    def _record_undo(self, key: bytes) -> None:
+    def _record_undo(self, key: bytes, sets: bool) -> None:
         old = self.data.get(key)
+        if (old is None) == sets:  # an insert or a delete: the dicts' order moves
+            for cursor in self._cursors:
+                cursor.walks = None
         if old is None:
             return  # absent now, so absent when every open cursor was opened
         for cursor in self._cursors:
@@ -276,7 +284,7 @@ class SnapshotCursor:
     """
 
     __slots__ = ("store", "subtree", "seq", "undo", "undo_seq", "undo_expiry", "_keys", "_pos",
-                 "closed")
+                 "closed", "walks")
 
     def __init__(self, store: Store, subtree: bytes, with_expiry: bool = False):
         self.store = store
@@ -288,6 +296,12 @@ class SnapshotCursor:
         self._keys = _off_the_collector(list(store.data))
         self._pos = 0
         self.closed = False
+        data, mod = store.data, store.mod
+        self.walks: tuple | None = (iter(data), iter(data.values()), iter(mod), iter(mod.values()))
+        """Iterators over the two dicts, in step with ``_keys`` while no key is inserted or
+        deleted (``Store._record_undo`` drops them then): a chunk's values and sequences
+        read in order, without a hash lookup per key (two random memory reads each, most
+        of a 100,000-key snapshot's CPU). Checked chunk by chunk against ``_keys``."""
 
     @property
     def done(self) -> bool:
@@ -300,17 +314,36 @@ class SnapshotCursor:
     def _next_keys(self, n: int) -> list[bytes]:
         """The next ``n`` listed keys that lie under the subtree (closes the cursor after
         the last: read ``undo`` before calling it)."""
-        keys = self._keys
-        start = self._pos
-        end = min(start + n, len(keys))
-        self._pos = end
-        chunk = keys[start:end]
+        chunk = self._next_listed(n)
         if self.subtree:
             subtree = self.subtree
             chunk = [key for key in chunk if key.startswith(subtree)]
-        if end >= len(keys):
+        if self._pos >= len(self._keys):
             self.close()
         return chunk
+
+    def _next_listed(self, n: int) -> list[bytes]:
+        keys = self._keys
+        start = self._pos
+        self._pos = end = min(start + n, len(keys))
+        return keys[start:end]
+
+    def _walk(self, listed: list[bytes]) -> tuple[list, list] | None:
+        """The values and sequences of ``listed`` (the chunk just taken from ``_keys``)
+        read in order from ``walks``, or None when the dicts' order no longer matches."""
+        walks = self.walks
+        if walks is None:
+            return None
+        n = len(listed)
+        keys_it, values_it, mod_keys_it, mods_it = walks
+        try:
+            if list(islice(keys_it, n)) != listed or list(islice(mod_keys_it, n)) != listed:
+                self.walks = None  # (identity first: no key's bytes are compared)
+                return None
+            return list(islice(values_it, n)), list(islice(mods_it, n))
+        except RuntimeError:  # a dict changed size: the walk is over
+            self.walks = None
+            return None
 
     def next_chunk(self, n: int) -> list[tuple[bytes, bytes]]:
         undo = self.undo  # before the last chunk closes the cursor
@@ -340,9 +373,22 @@ class SnapshotCursor:
         expiry or None; the cursor must be opened ``with_expiry``)."""
         undo, old_seq = self.undo, self.undo_seq  # before the last chunk closes the cursor
         old_expiry = self.undo_expiry
-        keys = self._next_keys(n)
         store = self.store
-        if undo and any(key in undo for key in keys):
+        listed = self._next_listed(n)
+        walked = self._walk(listed)
+        keys = listed
+        if self.subtree:
+            subtree = self.subtree
+            inside = [key.startswith(subtree) for key in listed]
+            keys = list(compress(listed, inside))
+            if walked is not None:
+                walked = list(compress(walked[0], inside)), list(compress(walked[1], inside))
+        if self._pos >= len(self._keys):
+            self.close()
+        changed = bool(undo) and any(key in undo for key in keys)
+        if walked is not None and not changed:
+            values, mods = walked  # (as they were at ``seq``: no key of them changed)
+        elif changed:
             get_old = undo.get
             data = store.data
             values = [get_old(key) or data[key] for key in keys]
@@ -368,6 +414,7 @@ class SnapshotCursor:
             self.closed = True
             self.store._close_cursor(self)
             self._keys = []
+            self.walks = None
             self.undo = {}
             self.undo_seq = {}
             if self.undo_expiry is not None:

@@ -297,3 +297,48 @@ def test_entries_with_expiry_are_the_map_and_its_ttls_at_open(data):
         synced.update((k, (v, e, m)) for k, v, m, e in zip(ks, values, mods, expiries))
     assert got == expected
     assert synced == expected
+
+
+@pytest.mark.parametrize("subtree", [b"", b"/a/"])
+def test_a_cursor_walks_the_dicts_in_order_until_a_key_is_inserted_or_deleted(subtree):
+    """``next_columns`` reads values and sequences by walking the dicts in step with the
+    key list (no lookup per key) while no key is inserted or deleted: a rewrite of an
+    existing key keeps the walk (the old value and sequence come from ``undo``); an insert
+    or a delete ends it, and the lookups give the same answer. A ``mod`` dict whose order
+    is not the key list's is never walked."""
+    s = Store()
+    for i in range(40):
+        s.apply(b"/%s/%d" % (b"ab"[i % 2:i % 2 + 1], i), b"v%d" % i)
+    at_open = {k: (v, s.mod_seq(k)) for k, v in s.data.items() if k.startswith(subtree)}
+
+    def drain(cur, between) -> dict:
+        got = {}
+        step = 0
+        while not cur.done:
+            keys, values, mods, _ = cur.next_columns(7)
+            got.update(zip(keys, zip(values, mods)))
+            between(step)
+            step += 1
+        return got
+
+    cur = s.open_snapshot(subtree)
+    walked = []
+    got = drain(cur, lambda step: (walked.append(cur.walks is not None),
+                                   s.apply(b"/a/%d" % (step * 2), b"rewritten")))
+    assert got == at_open
+    assert walked[:-1] == [True] * (len(walked) - 1)  # rewrites alone never end the walk
+
+    for change in (lambda: s.apply(b"/a/new", b"x"), lambda: s.apply(b"/a/0", b"")):
+        at_open = {k: (v, s.mod_seq(k)) for k, v in s.data.items() if k.startswith(subtree)}
+        cur = s.open_snapshot(subtree)
+        states = []
+        got = drain(cur, lambda step: (change() if step == 1 else None,
+                                       states.append(cur.walks is not None)))
+        assert len(states) > 3 and states[0] and not any(states[1:])
+        assert got == at_open
+
+    s.mod = dict(reversed(s.mod.items()))  # (never so in the server: both change together)
+    at_open = {k: (v, s.mod_seq(k)) for k, v in s.data.items() if k.startswith(subtree)}
+    cur = s.open_snapshot(subtree)
+    assert drain(cur, lambda step: None) == at_open
+    assert cur.walks is None
