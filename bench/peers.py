@@ -29,8 +29,15 @@ Workloads, per round, each system in turn (the order rotates each round):
   then ``HGETALL``; NATS a KV watch to its end-of-initial-values marker; etcd a range
   read then a watch from the next revision): its time and the server's CPU.
 
+A floor runs beside them (``forwarder``, in the default ``--systems``): not a store but
+``bench.harness.forwarder --snapshots``, a bare Python loop on libzmq (SUB collector ->
+dict -> PUB, no checks, no log, empty snapshots), driven by clonemap's own client. What it
+costs per write is what libzmq and the thinnest Python loop cost on the Clone pattern's
+path with nothing of a store on it; it has no join row (it never sends its map).
+
 Server CPU is read from the server's PID (every thread) at the client's START and END
-lines, so start-up and warm-up are not in it. A system this host cannot run is reported
+lines, so start-up and warm-up are not in it; for servers on libzmq, the part spent in
+its I/O threads (``ZMQbg/IO/<n>``) is shown under it. A system this host cannot run is reported
 as missing with its install command, never dropped from a table. What an
 acknowledgement means for each system is printed with the record. Ratios to Redis are
 taken per round (same conditions), then their median.
@@ -142,21 +149,45 @@ class Client:
 
 
 def measured(server: servers.PeerServer, system: str, workload: str, options: dict,
-             processes: int = 1) -> tuple[list[dict], float]:
+             processes: int = 1, split: dict | None = None) -> tuple[list[dict], float]:
     """Run ``processes`` clients (the i-th is ``writer`` i: its own keys); their results,
-    and the server's CPU seconds from the last START line to the last END line."""
+    and the server's CPU seconds from the last START line to the last END line.
+    ``split`` gets ``io_s``: the part of them spent in libzmq's I/O threads (None for a
+    server that has none)."""
     clients = [Client(system, workload, {**options, "writer": i}) for i in range(processes)]
     try:
         for c in clients:
             c.line("START")
-        cpu0 = cpu_seconds([server.pid])[server.pid]
+        before = cpu_seconds([server.pid])
         for c in clients:
             c.line("END")
-        cpu = cpu_seconds([server.pid])[server.pid] - cpu0
+        after = cpu_seconds([server.pid])
+        cpu = after[server.pid] - before[server.pid]
+        if split is not None:
+            io = zmq_io_threads(server.pid)
+            split["io_s"] = sum(after["threads"].get(t, 0.0) - before["threads"].get(t, 0.0)
+                                for t in io) if io else None
         return [c.result() for c in clients], cpu
     finally:
         for c in clients:
             c.stop()
+
+
+def zmq_io_threads(pid: int) -> set[int]:
+    """The thread ids of ``pid`` that libzmq named ``ZMQbg/IO/<n>`` (its I/O threads)."""
+    found = set()
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                if f.read().startswith("ZMQbg/IO"):
+                    found.add(int(tid))
+        except OSError:
+            continue
+    return found
 
 
 def merged(results: list[dict]) -> dict:
@@ -183,13 +214,16 @@ def one_run(args, server: servers.PeerServer, workload: str) -> dict:
     system = server.system
     if workload == "rate":
         t0 = time.time() + 2.0  # every writer process has started by then
+        split: dict = {}
         results, cpu = measured(server, system, "rate", {
-            **base, "rate": args.rate / args.writer_procs, "t0": t0}, args.writer_procs)
+            **base, "rate": args.rate / args.writer_procs, "t0": t0}, args.writer_procs,
+            split)
         res = merged(results)
         acks = res["acks"] or 1
         lat = _lat(res)
         return {"acks": res["acks"], "offered": res["offered"],
                 "errors": res["error_count"], "server_cpu_us": round(cpu / acks * 1e6, 1),
+                "server_io_cpu_us": _per(split["io_s"], acks),
                 "client_cpu_us": round(res["client_cpu_s"] / acks * 1e6, 1),
                 "p50_ms": lat.get("p50", 0.0), "p99_ms": lat.get("p99", 0.0)}
     if workload in ("one", "many"):
@@ -212,6 +246,10 @@ def one_run(args, server: servers.PeerServer, workload: str) -> dict:
     raise ValueError(workload)
 
 
+def _per(seconds: float | None, count: int, digits: int = 1) -> float | None:
+    return None if seconds is None else round(seconds / count * 1e6, digits)
+
+
 def fanout_run(args, server: servers.PeerServer, base: dict) -> dict:
     system = server.system
     per = [args.watchers // args.watcher_procs + (i < args.watchers % args.watcher_procs)
@@ -226,9 +264,10 @@ def fanout_run(args, server: servers.PeerServer, base: dict) -> dict:
         for w in watchers:  # the window, now that every watcher is ready
             w.popen.stdin.write(f"{lo} {hi} {hi + 2.0}\n")
             w.popen.stdin.flush()
+        split: dict = {}
         results, cpu = measured(server, system, "rate", {
             **base, "rate": args.fanout_rate / args.writer_procs, "fanout": True,
-            "t0": t0}, args.writer_procs)
+            "t0": t0}, args.writer_procs, split)
         res = merged(results)
         seen = [w.result() for w in watchers]
     finally:
@@ -241,6 +280,7 @@ def fanout_run(args, server: servers.PeerServer, base: dict) -> dict:
     return {"writes": res["acks"], "delivered": delivered, "expected": expected,
             "every_update_delivered": delivered >= expected and res["error_count"] == 0,
             "server_cpu_us": round(cpu / (delivered or 1) * 1e6, 2),
+            "server_io_cpu_us": _per(split["io_s"], delivered or 1, 2),
             "p50_ms": lat.get("p50", 0.0), "p99_ms": lat.get("p99", 0.0),
             "watcher_cpu_pct": [round(100 * s["client_cpu_s"] / (hi + 2.0 - lo), 1)
                                 for s in seen]}
@@ -275,6 +315,8 @@ def run(args: argparse.Namespace) -> rec.Record:
                 order = names[rnd % len(names):] + names[:rnd % len(names)] if names else []
                 for workload in args.workload_list:
                     for system in order:
+                        if workload == "join" and system in servers.FLOORS:
+                            continue  # (it never sends its map)
                         row = one_run(args, running[system], workload)
                         record.add_run({"round": rnd, "workload": workload,
                                         "system": system, **row})
@@ -288,12 +330,14 @@ def run(args: argparse.Namespace) -> rec.Record:
 
 METRICS = (  # (workload, field, label)
     ("rate", "server_cpu_us", "server CPU per acknowledged write (us)"),
+    ("rate", "server_io_cpu_us", "  of which libzmq's I/O thread (us)"),
     ("rate", "client_cpu_us", "client CPU per acknowledged write (us)"),
     ("rate", "p50_ms", "ack p50 (ms)"),
     ("rate", "p99_ms", "ack p99 (ms)"),
     ("one", "acks_per_s", "acknowledged writes/s, one in flight"),
     ("many", "acks_per_s", "acknowledged writes/s, many in flight"),
     ("fanout", "server_cpu_us", "fan-out: server CPU per delivered update (us)"),
+    ("fanout", "server_io_cpu_us", "  of which libzmq's I/O thread (us)"),
     ("fanout", "p50_ms", "fan-out: write-to-watcher p50 (ms)"),
     ("fanout", "p99_ms", "fan-out: write-to-watcher p99 (ms)"),
     ("join", "join_ms", "join the map (ms)"),
@@ -316,12 +360,14 @@ def summarize(record: rec.Record, args) -> None:
         mine = [r for r in runs if r["workload"] == workload]
         if not mine:
             continue
-        entry = {s: rec.spread([r[field] for r in mine if r["system"] == s], 3)
+        entry = {s: rec.spread([r[field] for r in mine
+                                if r["system"] == s and r.get(field) is not None], 3)
                  for s in {r["system"] for r in mine}}
-        for peer in ("redis", "nats", "etcd"):
-            ratios = rec.ratios_per_round(mine, lambda r: r[field], "clonemap", peer, "system")
+        for num, peer in (("clonemap", "redis"), ("clonemap", "nats"), ("clonemap", "etcd"),
+                          ("clonemap", "forwarder"), ("forwarder", "redis")):
+            ratios = rec.ratios_per_round(mine, lambda r: r.get(field), num, peer, "system")
             if ratios:
-                entry[f"clonemap/{peer}"] = rec.spread(ratios, 3)
+                entry[f"{num}/{peer}"] = rec.spread(ratios, 3)
         summary[f"{workload}.{field}"] = entry
     fan = [r for r in runs if r["workload"] == "fanout"]
     summary["fanout.every_update_delivered"] = {
@@ -355,13 +401,15 @@ def report(record: rec.Record) -> None:
         entry = d["summary"].get(f"{workload}.{field}")
         if entry is None:
             continue
+        floor = ([_cell(entry.get("forwarder/redis"))] if "forwarder" in present else [])
         rows.append([label, *[_cell(entry.get(s)) if s in present else "missing"
                               for s in systems],
-                     _cell(entry.get("clonemap/redis"))])
+                     _cell(entry.get("clonemap/redis")), *floor])
     c = d["config"]
     rec.table(record, f"{NAME}: medians of {c['rounds']} rounds, {c['keys']:,} keys of "
               f"{c['value_bytes']} B, fsync {c['fsync']}",
-              ["workload", *systems, "clonemap / Redis"], rows,
+              ["workload", *systems, "clonemap / Redis",
+               *(["forwarder / Redis"] if "forwarder" in present else [])], rows,
               f"rate: {c['rate']:,}/s open loop; many: {c['inflight']} in flight; fan-out: "
               f"{c['fanout_rate']:,}/s to {c['watchers']} watchers; ratios are per round, "
               "then the median")

@@ -8,6 +8,12 @@ validation, no heartbeats, no TTLs, no event loop: a blocking loop over the same
 shards.common.zio calls a real server uses, so "server / forwarder" says what everything a
 server does beyond forwarding costs. A malformed message (not 5 frames) is skipped.
 
+``--snapshots`` also binds a ROUTER on P that answers every ICANHAZ at once with a
+KTHXBAI at the current sequence (no KVSYNC: the dict is never sent), and publishes a HUGZ
+each second: enough for a clonemap client to start, write and follow, so ``bench peers``
+can run its own client against it (the ``forwarder`` row: what the bare libzmq and
+Python path of an acknowledged write costs, a floor under any Python server on libzmq).
+
 SIGTERM ends it at once (the default action); SIGINT ends it cleanly.
 
 ``--blind`` reads every message as exactly five frames without looking at the MORE flags
@@ -21,13 +27,14 @@ from __future__ import annotations
 import argparse
 import struct
 import sys
+import time
 
 HWM = 100_000
 """Default SNDHWM of the PUB and RCVHWM of the collector: the shard server's defaults."""
 
 
 def serve(host: str, port: int, core: int | None = None, pub_hwm: int = HWM,
-          collect_hwm: int = HWM, blind: bool = False) -> None:
+          collect_hwm: int = HWM, blind: bool = False, snapshots: bool = False) -> None:
     if core is not None:
         import psutil
 
@@ -42,16 +49,20 @@ def serve(host: str, port: int, core: int | None = None, pub_hwm: int = HWM,
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     pub = ctx.socket(zmq.PUB)
-    for s in (sub, pub):
-        s.linger = 0
+    router = ctx.socket(zmq.ROUTER) if snapshots else None
+    for s in (sub, pub, router):
+        if s is not None:
+            s.linger = 0
     sub.rcvhwm = collect_hwm
     pub.sndhwm = pub_hwm
     try:
         try:
             pub.bind(f"tcp://{host}:{port + 1}")
             sub.bind(f"tcp://{host}:{port + 2}")
+            if router is not None:
+                router.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:
-            sys.exit(f"forwarder: cannot bind {host}:{port + 1}/{port + 2}: {exc}")
+            sys.exit(f"forwarder: cannot bind {host}:{port}-{port + 2}: {exc}")
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         print(f"READY forwarder collector=tcp://{host}:{port + 2} "
               f"publisher=tcp://{host}:{port + 1}", flush=True)
@@ -60,8 +71,11 @@ def serve(host: str, port: int, core: int | None = None, pub_hwm: int = HWM,
         seq = 0
         poller = zmq.Poller()
         poller.register(sub, zmq.POLLIN)
+        if router is not None:
+            poller.register(router, zmq.POLLIN)
         again = zmq.Again
         noblock = zmq.NOBLOCK
+        next_hugz = time.monotonic() + 1.0
         while True:
             try:
                 if blind:
@@ -69,7 +83,16 @@ def serve(host: str, port: int, core: int | None = None, pub_hwm: int = HWM,
                 else:
                     frames = recv_frames(sub)   # non-blocking: drain while there is input
             except again:
-                poller.poll()                   # nothing queued: wait for input
+                if router is None:
+                    poller.poll()               # nothing queued: wait for input
+                    continue
+                now = time.monotonic()
+                if now >= next_hugz:
+                    send_frames5(pub, b"HUGZ", pack(seq), b"", b"", b"")
+                    next_hugz = now + 1.0
+                ready = dict(poller.poll(max(1, int((next_hugz - now) * 1e3) + 1)))
+                if router in ready:
+                    answer_snapshots(router, pack(seq))
                 continue
             if len(frames) != 5:
                 continue
@@ -88,6 +111,22 @@ def serve(host: str, port: int, core: int | None = None, pub_hwm: int = HWM,
         ctx.term()
 
 
+def answer_snapshots(router, seq_frame: bytes) -> None:
+    """Every waiting ICANHAZ (``[identity, "ICANHAZ?", subtree, ...]``) answered with a
+    KTHXBAI at ``seq_frame`` for its subtree; anything else is skipped."""
+    import zmq
+
+    from shards.common.zio import recv_frames
+
+    while True:
+        try:
+            frames = recv_frames(router)
+        except zmq.Again:
+            return
+        if len(frames) >= 3 and frames[1] == b"ICANHAZ?":
+            router.send_multipart([frames[0], b"KTHXBAI", seq_frame, b"", b"", frames[2]])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.harness.forwarder", description=__doc__.split("\n")[0])
     ap.add_argument("--port", type=int, required=True)
@@ -95,11 +134,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--core", type=int, default=None, help="pin to this core")
     ap.add_argument("--pub-hwm", type=int, default=HWM)
     ap.add_argument("--collect-hwm", type=int, default=HWM)
+    ap.add_argument("--snapshots", action="store_true",
+                    help="answer ICANHAZ on P with an empty snapshot and publish HUGZ, so "
+                         "a clonemap client can use it")
     ap.add_argument("--blind", action="store_true",
                     help="read five frames a message without checking MORE (unsafe; "
                          "for comparison only)")
     args = ap.parse_args(argv)
-    serve(args.host, args.port, args.core, args.pub_hwm, args.collect_hwm, args.blind)
+    serve(args.host, args.port, args.core, args.pub_hwm, args.collect_hwm, args.blind,
+          args.snapshots)
 
 
 if __name__ == "__main__":

@@ -241,9 +241,10 @@ class Etcd:
         return len(data)
 
 
-SYSTEMS = {"clonemap": Clonemap, "redis": Redis, "nats": Nats, "etcd": Etcd}
+SYSTEMS = {"clonemap": Clonemap, "redis": Redis, "nats": Nats, "etcd": Etcd,
+           "forwarder": Clonemap}
 LIBRARIES = {"clonemap": ("client.api",), "redis": ("redis.asyncio",),
-             "nats": ("nats", "nats.js.api"), "etcd": ("aetcd",)}
+             "nats": ("nats", "nats.js.api"), "etcd": ("aetcd",), "forwarder": ("client.api",)}
 """Imported before any measured window (a join would otherwise time the imports)."""
 
 
@@ -407,7 +408,7 @@ async def main(name: str, workload: str, options: dict) -> dict:
     if workload == "watch":
         return await watch(lambda: cls(options["address"]), options)
     writers = options.get("writers", 1)
-    if name != "clonemap":
+    if cls is not Clonemap:
         system = cls(options["address"])
     elif options.get("writer_subtree") and workload in ("rate", "closed"):
         system = cls(options["address"], f"/p/w{options.get('writer', 0)}/", writers)

@@ -16,7 +16,10 @@ from pathlib import Path
 from bench.harness import etcd as etcd_harness
 from bench.harness.procs import Daemon, Target, free_port_base
 
-SYSTEMS = ("clonemap", "redis", "nats", "etcd")
+SYSTEMS = ("clonemap", "redis", "nats", "etcd", "forwarder")
+FLOORS = ("forwarder",)
+"""Not stores: what the path every store's write takes costs with nothing of a store on
+it (no join: it holds the map but never sends it)."""
 
 INSTALL = {
     "redis": "apt-get install redis-server (Redis 7), and `pip install redis hiredis`",
@@ -34,6 +37,10 @@ ACKS = {
             "within 1 s; `always`: before the ack) and answered the publish",
     "etcd": "the Raft entry is committed: etcd fsyncs its WAL before every commit, whatever "
             "the class asked (it has no everysec)",
+    "forwarder": "not a store: bench.harness.forwarder, a bare Python loop on libzmq (SUB "
+                 "collector -> dict -> PUB, no checks, no log), driven by clonemap's own "
+                 "client; the client's wait=True returns when its own KVPUB comes back. "
+                 "The floor under any Python server on libzmq",
 }
 
 
@@ -73,10 +80,15 @@ def start(system: str, tmp: Path, fsync: str = "everysec") -> PeerServer:
     under ``tmp``; ``Missing`` when this host cannot run it."""
     data = tmp / system
     data.mkdir(parents=True, exist_ok=True)
-    port = free_port_base(2)
+    port = free_port_base(3)
     if system == "clonemap":
         target = Target("clonemap", [sys.executable, "-m", "shards", "--port", str(port),
                                      "--data-dir", str(data), "--fsync", fsync])
+        return PeerServer(system, f"tcp://127.0.0.1:{port}", target.pid, target.stop,
+                          "this checkout")
+    if system == "forwarder":
+        target = Target("forwarder", [sys.executable, "-m", "bench.harness.forwarder",
+                                      "--port", str(port), "--snapshots"])
         return PeerServer(system, f"tcp://127.0.0.1:{port}", target.pid, target.stop,
                           "this checkout")
     if system == "redis":

@@ -331,21 +331,29 @@ def test_peers_scenario_measures_every_present_system_and_names_the_missing(proc
     """``python -m bench peers`` at smoke size against every system: each one this host can
     run has every workload in the record (each write acknowledged, every fan-out update at
     every watcher, the whole map joined); each one it cannot is in ``missing`` with its
-    install command and in the table as "missing", never dropped."""
+    install command and in the table as "missing", never dropped. The floor (the bare
+    forwarder, driven by clonemap's client) runs every workload but the join, and the
+    libzmq servers' I/O-thread CPU is split out."""
     run_bench(procs, tmp_path, "bench", "peers", "--keys", "500", "--rounds", "1",
               "--seconds", "0.5", "--warmup", "0.2", "--rate", "300", "--fanout-rate", "100",
               "--watchers", "2", "--writer-procs", "2")
     data = bench_record(tmp_path, "peers")
     missing = data["missing"]
-    present = [s for s in ("clonemap", "redis", "nats", "etcd") if s not in missing]
-    assert "clonemap" in present
+    present = [s for s in ("clonemap", "redis", "nats", "etcd", "forwarder")
+               if s not in missing]
+    assert "clonemap" in present and "forwarder" in present
     for system, why in missing.items():
         assert "install" in why or "pip" in why, (system, why)
     runs = data["runs"]
     assert sorted({(r["system"], r["workload"]) for r in runs}) == sorted(
-        (s, w) for s in present for w in ("rate", "one", "many", "fanout", "join"))
+        (s, w) for s in present for w in ("rate", "one", "many", "fanout", "join")
+        if (s, w) != ("forwarder", "join"))
     for r in runs:
         assert r.get("errors", 0) == 0, r
+        if r["workload"] in ("rate", "fanout"):  # libzmq's I/O threads: ours only
+            zmq_server = r["system"] in ("clonemap", "forwarder")
+            assert (r["server_io_cpu_us"] is not None) == zmq_server, r
+            assert not zmq_server or 0 <= r["server_io_cpu_us"] <= r["server_cpu_us"], r
         if r["workload"] == "rate":
             assert r["acks"] == r["offered"] > 0 and r["p50_ms"] <= r["p99_ms"], r
         elif r["workload"] in ("one", "many"):
@@ -359,4 +367,5 @@ def test_peers_scenario_measures_every_present_system_and_names_the_missing(proc
     assert "clonemap / Redis" in table
     for system in missing:
         assert "| missing |" in table or "| missing" in table, system
-    assert set(data["acks"]) == {"clonemap", "redis", "nats", "etcd"}
+    assert set(data["acks"]) == {"clonemap", "redis", "nats", "etcd", "forwarder"}
+    assert "forwarder / Redis" in table or "redis" in missing
