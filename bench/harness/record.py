@@ -94,6 +94,9 @@ def command_line(module: str, options: dict) -> str:
             parts.append(flag)
         elif value is False or value is None:
             continue
+        elif isinstance(value, list):  # a repeatable option
+            for item in value:
+                parts += [flag, str(item)]
         else:
             parts += [flag, str(value)]
     return shlex.join(parts)

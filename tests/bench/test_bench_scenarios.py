@@ -369,3 +369,25 @@ def test_peers_scenario_measures_every_present_system_and_names_the_missing(proc
         assert "| missing |" in table or "| missing" in table, system
     assert set(data["acks"]) == {"clonemap", "redis", "nats", "etcd", "forwarder"}
     assert "forwarder / Redis" in table or "redis" in missing
+
+
+def test_join_ab_joins_every_server_and_both_takers_in_turn(procs, tmp_path):
+    """``python -m bench.join_ab`` at smoke size, two servers from this checkout: every
+    join of every server and of each client row taker holds the whole map (a join that
+    does not is an error), the takers are the Python path and, when the extension is
+    built, the compiled one; the table names each."""
+    from shards.common import zio
+
+    run_bench(procs, tmp_path, "bench.join_ab", "--server", "a=.", "--server", "b=.",
+              "--keys", "3000", "--joins", "2")
+    data = bench_record(tmp_path, "join_ab")
+    takers = ["python", "compiled"] if zio.COMPILED else ["python"]
+    seen = [(r["round"], r["kind"], r["name"]) for r in data["runs"]]
+    assert seen == [(0, "server", "a"), (0, "server", "b"), (1, "server", "a"),
+                    (1, "server", "b"),
+                    *[(rnd, "taker", t) for rnd in (0, 1) for t in takers]]
+    for r in data["runs"]:
+        assert r["join_ms"] > 0 and r["client_cpu_s"] >= 0 and r["server_cpu_s"] >= 0, r
+    assert set(data["summary"]) == {"server a", "server b", *(f"taker {t}" for t in takers)}
+    table = (tmp_path / "latest" / "join_ab.md").read_text()
+    assert "taker python" in table and "server b" in table
