@@ -35,8 +35,10 @@ dict -> PUB, no checks, no log, empty snapshots), driven by clonemap's own clien
 costs per write is what libzmq and the thinnest Python loop cost on the Clone pattern's
 path with nothing of a store on it; it has no join row (it never sends its map).
 
-Server CPU is read from the server's PID (every thread) at the client's START and END
-lines, so start-up and warm-up are not in it; for servers on libzmq, the part spent in
+While one system is measured the other systems' servers are stopped (SIGSTOP, continued
+after), so an idle server's timers are not noise in another's figures. Server CPU is
+read from the server's PID (every thread) at the client's START and END lines, so
+start-up and warm-up are not in it; for servers on libzmq, the part spent in
 its I/O threads (``ZMQbg/IO/<n>``) is shown under it. A system this host cannot run is reported
 as missing with its install command, never dropped from a table. What an
 acknowledgement means for each system is printed with the record. Ratios to Redis are
@@ -45,8 +47,10 @@ taken per round (same conditions), then their median.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -246,6 +250,45 @@ def one_run(args, server: servers.PeerServer, workload: str) -> dict:
     raise ValueError(workload)
 
 
+@contextlib.contextmanager
+def paused(others: list[servers.PeerServer]):
+    """The other systems' servers stopped (SIGSTOP, by the PIDs this run started) while
+    one system is measured, and continued after: an idle server still ticks (etcd's Raft
+    heartbeats, timers), and on a small host that is noise in the one measured."""
+    stopped = []
+    try:
+        for server in others:
+            try:
+                os.kill(server.pid, signal.SIGSTOP)
+                stopped.append(server.pid)
+            except ProcessLookupError:
+                pass
+        for pid in stopped:  # the signal is delivered when the process next runs
+            _wait_state(pid, "T", 2.0)
+        yield
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
+def _wait_state(pid: int, state: str, within_s: float) -> bool:
+    """Until ``/proc/<pid>/stat`` shows ``state`` (True), or ``within_s`` passed or the
+    process is gone (False)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == state:
+                    return True
+        except (OSError, IndexError):
+            return False
+        time.sleep(0.001)
+    return False
+
+
 def _per(seconds: float | None, count: int, digits: int = 1) -> float | None:
     return None if seconds is None else round(seconds / count * 1e6, digits)
 
@@ -317,7 +360,8 @@ def run(args: argparse.Namespace) -> rec.Record:
                     for system in order:
                         if workload == "join" and system in servers.FLOORS:
                             continue  # (it never sends its map)
-                        row = one_run(args, running[system], workload)
+                        with paused([s for n, s in running.items() if n != system]):
+                            row = one_run(args, running[system], workload)
                         record.add_run({"round": rnd, "workload": workload,
                                         "system": system, **row})
         finally:

@@ -391,3 +391,31 @@ def test_join_ab_joins_every_server_and_both_takers_in_turn(procs, tmp_path):
     assert set(data["summary"]) == {"server a", "server b", *(f"taker {t}" for t in takers)}
     table = (tmp_path / "latest" / "join_ab.md").read_text()
     assert "taker python" in table and "server b" in table
+
+
+def test_peers_stops_the_other_servers_while_one_is_measured_and_continues_them(procs):
+    """``bench.peers.paused``: every other system's server is stopped (SIGSTOP) for the
+    measured one's turn and continued after, also when the turn fails; a server that is
+    gone is skipped."""
+    import psutil
+
+    from bench.harness.peer_servers import PeerServer
+    from bench.peers import paused
+
+    ready = "import sys, time; print('READY', flush=True); time.sleep(60)"
+    others = [procs.python("-c", ready, ready="READY") for _ in range(2)]
+    gone = procs.python("-c", "print('READY', flush=True)", ready="READY")
+    gone.popen.wait(10)
+    servers = [PeerServer(f"s{i}", "", p.pid, lambda: None) for i, p in enumerate(others)]
+    servers.append(PeerServer("gone", "", gone.pid, lambda: None))
+
+    def states() -> list[str]:
+        return [psutil.Process(p.pid).status() for p in others]
+
+    with paused(servers):
+        assert states() == [psutil.STATUS_STOPPED] * 2
+    assert psutil.STATUS_STOPPED not in states()
+    with pytest.raises(RuntimeError):
+        with paused(servers):
+            raise RuntimeError("the measured turn failed")
+    assert psutil.STATUS_STOPPED not in states()
