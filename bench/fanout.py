@@ -207,7 +207,9 @@ async def subscriber_async(args: argparse.Namespace) -> None:
         await asyncio.gather(*tasks)
         for w in watches:
             w.close()
-        print("RESULT " + json.dumps(results), flush=True)
+        t = os.times()  # sent with the result: the process exits right after it
+        print("RESULT " + json.dumps({"clients": results, "cpu_s": t.user + t.system}),
+              flush=True)
     finally:
         for c in clones:
             await c.close()
@@ -287,10 +289,13 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace,
         wrote = writer.collect(window, args.seconds * 3 + START_TIMEOUT_S).writers[0]
         cpu_w = cpu_seconds(pids)
         clients = []
+        own_cpu = {}  # a subscriber's CPU from its result line (it exits right after)
         for target, _ in subs:
-            clients += _result_line(target, args.drain_s + SUBSCRIBER_IDLE_S + 5)
+            got = _result_line(target, args.drain_s + SUBSCRIBER_IDLE_S + 5)
+            clients += got["clients"]
+            own_cpu[target.pid] = got["cpu_s"]
         window_s = time.monotonic() - t0
-        cpu1 = cpu_seconds(pids)
+        cpu1 = {**cpu_seconds(pids), **own_cpu}
     pct = lambda pid_list, c1: round(  # noqa: E731
         100 * sum(c1.get(p, 0.0) - cpu0.get(p, 0.0) for p in pid_list) / window_s, 1)
     cpu_pct = {"servers": pct(groups["servers"], cpu1),
