@@ -288,6 +288,8 @@ def fanout(mode: str, args) -> dict:
                  for sub in subs]
         took = time.monotonic() - t0
         cpu1 = cpu_seconds([p for pids in who.values() for p in pids])
+        # a reader exits right after its line: its CPU comes with the line
+        cpu1.update({sub.pid: part["cpu_s"] for sub, part in zip(subs, parts)})
         least = min(p["counts"][0] for p in parts)
         pct = {role: cpu_pct_each(pids, cpu0, cpu1, took) for role, pids in who.items()}
         threads = cpu1["threads"]   # the first pid's: the server's

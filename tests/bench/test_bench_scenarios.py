@@ -181,6 +181,8 @@ def check_relays(data: dict) -> None:
             assert r["every_update"] and r["p50_ms"] is not None, r
             assert r["processes"] == 2 and len(r["cpu_pct"]["subscribers"]) == 2, r
             assert len(r["cpu_pct"]["server"]) == 1 and "harness_bound" in r
+            # each reader's CPU comes with its line (it exits right after): never < 0
+            assert all(v >= 0 for pcts in r["cpu_pct"].values() for v in pcts), r
         else:
             assert r["all_clients_have_it"], r
     by = {r["mode"]: r for r in runs if r["part"] == "failover"}
