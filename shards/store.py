@@ -311,23 +311,6 @@ class SnapshotCursor:
     def remaining(self) -> int:
         return len(self._keys) - self._pos
 
-    def _next_keys(self, n: int) -> list[bytes]:
-        """The next ``n`` listed keys that lie under the subtree (closes the cursor after
-        the last: read ``undo`` before calling it)."""
-        chunk = self._next_listed(n)
-        if self.subtree:
-            subtree = self.subtree
-            chunk = [key for key in chunk if key.startswith(subtree)]
-        if self._pos >= len(self._keys):
-            self.close()
-        return chunk
-
-    def _next_listed(self, n: int) -> list[bytes]:
-        keys = self._keys
-        start = self._pos
-        self._pos = end = min(start + n, len(keys))
-        return keys[start:end]
-
     def _walk(self, listed: list[bytes]) -> tuple[list, list] | None:
         """The values and sequences of ``listed`` (the chunk just taken from ``_keys``)
         read in order from ``walks``, or None when the dicts' order no longer matches."""
@@ -346,15 +329,8 @@ class SnapshotCursor:
             return None
 
     def next_chunk(self, n: int) -> list[tuple[bytes, bytes]]:
-        undo = self.undo  # before the last chunk closes the cursor
-        chunk = self._next_keys(n)
-        data = self.store.data
-        # A listed key absent from ``undo`` has not changed since the cursor opened, so
-        # it is still in ``data``; stored values are never empty, so ``or`` is safe.
-        if undo:
-            get = undo.get
-            return [(key, get(key) or data[key]) for key in chunk]
-        return list(zip(chunk, map(data.__getitem__, chunk)))
+        keys, values, _, _ = self.next_columns(n)
+        return list(zip(keys, values))
 
     def next_entries(self, n: int) -> list:
         """Like ``next_chunk`` but flat, with each key's absolute expiry and the sequence
@@ -374,7 +350,9 @@ class SnapshotCursor:
         undo, old_seq = self.undo, self.undo_seq  # before the last chunk closes the cursor
         old_expiry = self.undo_expiry
         store = self.store
-        listed = self._next_listed(n)
+        start = self._pos
+        self._pos = end = min(start + n, len(self._keys))
+        listed = self._keys[start:end]
         walked = self._walk(listed)
         keys = listed
         if self.subtree:
