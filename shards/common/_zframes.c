@@ -401,6 +401,29 @@ out:
     return Py_BuildValue("(nN)", n, left != NULL ? left : Py_NewRef(Py_None));
 }
 
+/* One frame sent, retried on EINTR; a blocking send lets other threads run meanwhile.
+ * 0, or -1 with *err the errno (0 when a signal handler raised on EINTR: a Python error
+ * is set). */
+static int send_part(void *sock, const char *data, size_t size, int flags, int *err) {
+    for (;;) {
+        int rc;
+        if (flags & Z_NOBLOCK) {
+            rc = z_send(sock, data, size, flags);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            rc = z_send(sock, data, size, flags);
+            Py_END_ALLOW_THREADS
+        }
+        if (rc >= 0)
+            return 0;
+        int e = z_errno();
+        if (e == EINTR && PyErr_CheckSignals() == 0)
+            continue;
+        *err = e == EINTR ? 0 : e;
+        return -1;
+    }
+}
+
 /* Send `count` frames from `items` as one message: every frame is checked to be bytes
  * before the first goes out (all or nothing: never half a message). The frames are held
  * (a reference each, their pointers copied) while sending, because a blocking send lets
@@ -432,25 +455,12 @@ static int send_frames_at(void *sock, PyObject *const *items, Py_ssize_t count, 
         char *data = PyBytes_AS_STRING(held[i]);
         Py_ssize_t size = PyBytes_GET_SIZE(held[i]);
         int f = i + 1 < count ? (flags | Z_SNDMORE) : flags;
-        for (;;) {
-            int rc;
-            if (flags & Z_NOBLOCK) {
-                rc = z_send(sock, data, (size_t)size, f);
-            } else {
-                Py_BEGIN_ALLOW_THREADS
-                rc = z_send(sock, data, (size_t)size, f);
-                Py_END_ALLOW_THREADS
-            }
-            if (rc >= 0)
-                break;
-            int e = z_errno();
-            if (e == EINTR && PyErr_CheckSignals() == 0)
-                continue;
-            last_send_errno = e;
-            if (e != EINTR)
-                raise_zmq(e);
+        int err = 0;
+        if (send_part(sock, data, (size_t)size, f, &err) < 0) {
+            last_send_errno = err ? err : EINTR;
+            if (err)
+                raise_zmq(err);
             result = -1;
-            break;
         }
     }
     for (Py_ssize_t i = 0; i < count; i++)
@@ -559,20 +569,6 @@ static PyObject *zf_send_many(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     Py_DECREF(seq);
     return PyLong_FromSsize_t(sent);
-}
-
-/* One frame of a row being sent; 0, or -1 (*err: the errno, 0 when a signal handler
- * raised on EINTR). */
-static int send_part(void *sock, const char *data, size_t size, int flags, int *err) {
-    for (;;) {
-        if (z_send(sock, data, size, flags) >= 0)
-            return 0;
-        int e = z_errno();
-        if (e == EINTR && PyErr_CheckSignals() == 0)
-            continue;
-        *err = e == EINTR ? 0 : e;
-        return -1;
-    }
 }
 
 /* send_rows(handle, identity, keys, values, seqs, props, start, stop) -> next: a ROUTER's
