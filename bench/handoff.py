@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import hashlib
 import json
-import os
 import sys
 import threading
 import time
@@ -38,7 +37,8 @@ import time
 from bench.harness import record as rec
 from bench.fanout import _result_line
 from bench.harness.fleet import timed_writer
-from bench.harness.procs import Target, bench_main, cpu_seconds, server_argv, start_on_free_ports
+from bench.harness.procs import (Target, bench_main, cpu_seconds, own_cpu_seconds, server_argv,
+                                 start_on_free_ports)
 
 NAME = "handoff"
 MODES = ("inline", "thread", "workers")
@@ -198,7 +198,7 @@ def subscriber_main(argv: list[str]) -> None:
         "last_ns": state["last_ns"], "work_us": round(work_us, 2),
         "max_lag_seen_s": shard["max_lag_seen_s"], "applied": shard["applied"],
         "watch_error": str(watch.error) if watch.error else None,
-        "cpu_s": _own_cpu_s()}), flush=True)
+        "cpu_s": own_cpu_seconds()}), flush=True)
 
 
 def workers_subscriber(args: argparse.Namespace) -> None:
@@ -234,15 +234,8 @@ def workers_subscriber(args: argparse.Namespace) -> None:
         "last_ns": max(stats["last_ns"]), "work_us": round(work_us, 2),
         "max_lag_seen_s": shard["max_lag_seen_s"], "applied": shard["applied"],
         "watch_error": stats["error"], "per_worker": stats["handled"],
-        "worker_pids": stats["pids"], "cpu_s": _own_cpu_s()}), flush=True)
+        "worker_pids": stats["pids"], "cpu_s": own_cpu_seconds()}), flush=True)
 
-
-def _own_cpu_s() -> float:
-    """This process's CPU seconds so far, every thread (the counters ``psutil`` reads):
-    sent with the result, because the process exits right after it, before the
-    benchmark could read them."""
-    t = os.times()
-    return t.user + t.system
 
 
 # ================================================================ the benchmark

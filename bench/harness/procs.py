@@ -194,6 +194,15 @@ def cpu_seconds(pids: list[int]) -> dict:
     return out
 
 
+def own_cpu_seconds() -> float:
+    """This process's CPU seconds so far, every thread (the counters ``cpu_seconds``
+    reads from outside). A measured process that exits right after printing its result
+    sends this with it: read from outside after the line, a process already gone reads
+    as 0 s."""
+    t = os.times()
+    return t.user + t.system
+
+
 def wait_for_quiet(max_busy_pct: float, timeout_s: float, sample_s: float = 1.0) -> dict:
     """Before a measurement on a shared host: sample the host's busy CPU (percent of one
     core, all processes) over ``sample_s`` until it is at most ``max_busy_pct`` or

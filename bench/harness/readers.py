@@ -16,6 +16,8 @@ import time
 
 import zmq
 
+from bench.harness.procs import own_cpu_seconds
+
 STAMP = struct.Struct(">Q")
 SAMPLE = 20_000
 """A fan-out subscriber process returns at most about this many of its latencies (an
@@ -123,10 +125,9 @@ def reader_main(args) -> None:
         if ready and short <= 0:
             break
     lat.sort()
-    cpu = os.times()  # sent with the result: the process exits right after it
     print(json.dumps({"counts": [min(counts), max(counts)], "count": len(lat),
                       "sample_ns": lat[::max(1, len(lat) // SAMPLE)],
-                      "max_ns": lat[-1] if lat else 0, "cpu_s": cpu.user + cpu.system}),
+                      "max_ns": lat[-1] if lat else 0, "cpu_s": own_cpu_seconds()}),
           flush=True)
 
 
