@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml shards/common/_zframes.c
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m supervisor start configs/4shard.yaml --demo-load
+	$(BIN)/python -m clonemap.supervisor start configs/4shard.yaml --demo-load
 
 demo: $(STAMP)
-	$(BIN)/python -m client.demo
+	$(BIN)/python -m clonemap.client.demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -10,7 +10,7 @@ Duration: rounds x 3 runs x (warmup + seconds + ~2 s start-up and drain): smoke
 Each round runs the *pubsub* ceiling (bench/harness/ceilings.py: the writer's XPUB straight to
 the subscriber, nothing in between: what ZeroMQ and the harness alone can move), the
 *ceiling* (bench/harness/forwarder.py: SUB -> dict -> PUB, same message
-shape) and then the *server* (``python -m shards``), each a fresh process on fresh ports,
+shape) and then the *server* (``python -m clonemap.shards``), each a fresh process on fresh ports,
 fed by the same writer and counted by the same subscriber (bench/harness/traffic.py): one writer
 process flat out (``flow`` mode by default: a full pipe blocks it, so nothing is lost
 before the server and a waiting writer leaves the CPU to the others), random keys from

@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def settled_pids(control: str, shards: int) -> list[int]:
     """Wait until every pair is ACTIVE/PASSIVE; the servers' PIDs."""
-    from supervisor.control import status_rows
+    from clonemap.supervisor.control import status_rows
 
     deadline = time.monotonic() + DEADLINE_S
     while True:
@@ -82,8 +82,8 @@ def compactions_done(control: str, deadline_s: float = DEADLINE_S) -> dict:
     start would otherwise fall into the next fixed-rate window, whose tail would then be
     theirs. Returns ``idle_s`` (the wait), ``compacting_seen`` (servers seen compacting)
     and ``idle`` (False: still compacting at the deadline)."""
-    from supervisor.control import status_rows
-    from supervisor.services import STATS_INTERVAL_S
+    from clonemap.supervisor.control import status_rows
+    from clonemap.supervisor.services import STATS_INTERVAL_S
 
     t0 = time.monotonic()
     seen: set[str] = set()
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> rec.Record:
         tmp = Path(tmp_dir)
         config, control, data = relocated_config(source, tmp, data_dir=tmp / "data")
         shards = len(data["shards"])
-        sup = Target("supervisor", [sys.executable, "-m", "supervisor", "start", str(config),
+        sup = Target("supervisor", [sys.executable, "-m", "clonemap.supervisor", "start", str(config),
                                     "--no-table", "--run-dir", str(tmp / "run")],
                      ready="READY supervisor", timeout_s=DEADLINE_S)
         try:

@@ -2,7 +2,7 @@
 (``python -m bench conditional``).
 
 A Binary Star pair (``fsync: no`` by default, ``--fsync`` to change it) started by hand as
-``python -m shards --primary/--backup``; ``--writers`` client processes, each one
+``python -m clonemap.shards --primary/--backup``; ``--writers`` client processes, each one
 ``AsyncClone`` writing its own keys one after another (closed loop: the next write when
 the last is acknowledged), for ``--seconds`` per mode after ``--warmup``:
 
@@ -37,7 +37,7 @@ MODES = ("plain", "cas", "contended")
 WRITER = textwrap.dedent("""
     import asyncio, json, sys, time
     sys.path.insert(0, {root!r})
-    from client.api import AsyncClone, Conflict
+    from clonemap.client.api import AsyncClone, Conflict
 
     async def main(servers, me, mode, seconds, warmup):
         async with AsyncClone(servers.split(","), timeout_s=10) as c:
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> rec.Record:
         script.write_text(WRITER.format(root=root))
         primary = args.port or free_port_base(4)
         backup = free_port_base(4) if not args.port else args.port + 10
-        py = [sys.executable, "-m", "shards", "--fsync", args.fsync]
+        py = [sys.executable, "-m", "clonemap.shards", "--fsync", args.fsync]
         targets = []
         for role, port, peer in (("primary", primary, backup), ("backup", backup, primary)):
             targets.append(Target(role, py + [
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> rec.Record:
                 "--data-dir", str(Path(tmp) / role)]))
         servers = f"tcp://127.0.0.1:{primary},tcp://127.0.0.1:{backup}"
         try:
-            from client.api import Clone
+            from clonemap.client.api import Clone
 
             with Clone(servers.split(","), timeout_s=30) as first:  # its vote: an active
                 first.set("/bench/ready", b"1", wait=True)

@@ -70,7 +70,7 @@ def throughput(mode: str, keys_dir: Path, args, progress) -> dict:
 
 
 def snapshot(mode: str, keys_dir: Path, args, progress) -> dict:
-    from shards.common.security import Security
+    from clonemap.shards.common.security import Security
 
     secure = mode == "curve"
     security = Security.load(keys_dir, "client") if secure else Security.off()
@@ -107,7 +107,7 @@ def snapshot(mode: str, keys_dir: Path, args, progress) -> dict:
 
 
 def run(args: argparse.Namespace) -> rec.Record:
-    from shards.common.security import create_keys
+    from clonemap.shards.common.security import create_keys
 
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
     record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", config), config)

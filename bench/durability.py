@@ -1,7 +1,7 @@
 """Durability: what persisting costs, measured against memory-only in the same run
 (``python -m bench durability``).
 
-Three parts, each against fresh ``python -m shards`` processes fed by the load harness
+Three parts, each against fresh ``python -m clonemap.shards`` processes fed by the load harness
 (bench/harness/offer.py: one writer flat out, one subscriber):
 
 1. **Throughput and CPU per update**, per round, in this order: memory only, then
@@ -16,7 +16,7 @@ Three parts, each against fresh ``python -m shards`` processes fed by the load h
    compaction <= 1.5 x without (median over rounds of the per-round ratio).
 3. **Recovery and disk**: ``--recovery-keys`` keys of ``--value-bytes`` written to a
    data directory (one record per 512 updates, as a busy server batches), then loaded
-   by ``shards.persist.recover`` in a fresh process, from the log alone and from the
+   by ``clonemap.shards.persist.recover`` in a fresh process, from the log alone and from the
    snapshot a compaction wrote. Reported: seconds and bytes per key for each form.
    Target: < 3 s from the snapshot for 1,000,000 keys of 100 B.
 4. **The storage choice**: the same ``--recovery-keys`` updates, batched 512 per
@@ -128,7 +128,7 @@ def compaction(record, args, progress) -> None:
 
 RECOVERY_CHILD = """
 import json, sys, time
-from shards.persist import recover
+from clonemap.shards.persist import recover
 t0 = time.perf_counter()
 got = recover(sys.argv[1])
 print(json.dumps({"seconds": time.perf_counter() - t0, "keys": len(got.store),
@@ -137,8 +137,8 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "keys": len(got.store),
 
 
 def recovery(record, args, progress) -> None:
-    from shards.persist import DataDir
-    from shards.store import Store
+    from clonemap.shards.persist import DataDir
+    from clonemap.shards.store import Store
 
     with tempfile.TemporaryDirectory(prefix="clonemap-bench-") as scratch:
         path = Path(scratch) / "data"
@@ -191,8 +191,8 @@ def storage(record, args, progress) -> None:
     """Our segment log against SQLite (WAL) for the same updates, same run."""
     import sqlite3
 
-    from shards.persist import DataDir
-    from shards.store import Store
+    from clonemap.shards.persist import DataDir
+    from clonemap.shards.store import Store
 
     n, value = args.recovery_keys, b"v" * args.value_bytes
     keys = [b"/bench/%012d" % i for i in range(n)]

@@ -4,10 +4,10 @@
 [--ceiling-s 2]`` (also ``python -m bench failover ...``)
 
 First the same-run ceilings, flat out, for context (``bench.harness.ceilings.measure_ceilings``:
-a bare pyzmq PUB->SUB and the bare forwarding loop). Then one pair (``python -m shards
+a bare pyzmq PUB->SUB and the bare forwarding loop). Then one pair (``python -m clonemap.shards
 --primary/--backup``) serves one shard. In this process:
 
-* a writer client (``client.api.Clone`` with both servers, so every KVSET goes to both
+* a writer client (``clonemap.client.api.Clone`` with both servers, so every KVSET goes to both
   collectors) sets a NEW key ``/w/<n>`` at ``--rate`` per second for the whole run;
 * a reader client (another ``Clone``, silence timeout 3 heartbeats) watches ``/w/`` and
   records the time of each change and of its failover callback;
@@ -53,7 +53,7 @@ import time
 
 from bench.harness import record as rec
 from bench.harness.procs import Target, bench_main, free_port_base, server_argv
-from shards.common import timing
+from clonemap.shards.common import timing
 
 NAME = "failover"
 DURATION = ("Duration (2 cores): smoke (--kills 1 --steady-s 0.3) ~8 s; quick (--kills 3 "
@@ -251,9 +251,9 @@ def _run_pair(args: argparse.Namespace, record: rec.Record, progress: rec.Progre
     """The pair, the clients and the kills; fills the record's runs and summary."""
     import zmq
 
-    from client.api import Clone
-    from shards.common.proto import bstar as wire
-    from shards.common.proto import chp
+    from clonemap.client.api import Clone
+    from clonemap.shards.common.proto import bstar as wire
+    from clonemap.shards.common.proto import chp
 
     hb = args.heartbeat_s
     silence_s = round(SILENCE_HEARTBEATS * hb, 6)

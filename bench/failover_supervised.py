@@ -47,7 +47,7 @@ STALL_SLACK_S = 1.0
 
 
 def _rows(control: str) -> dict[str, dict]:
-    from supervisor.control import status_rows
+    from clonemap.supervisor.control import status_rows
 
     rows, _ = status_rows(control, timeout_s=5.0)
     return {row["name"]: row for row in rows}
@@ -101,7 +101,7 @@ def _key_on(cluster, shard: str) -> str:
 
 
 def run_supervised(args, record: rec.Record, progress: rec.Progress) -> None:
-    from client.api import Clone
+    from clonemap.client.api import Clone
 
     python = sys.executable
     with tempfile.TemporaryDirectory(prefix="clonemap-failover-") as tmp_dir:
@@ -112,7 +112,7 @@ def run_supervised(args, record: rec.Record, progress: rec.Progress) -> None:
                                       "heartbeat_s": data["heartbeat_s"],
                                       "client_silence_timeout_s": silence_s})
         progress.step("supervisor start (4 shards)")
-        sup = Target("supervisor", [python, "-m", "supervisor", "start", str(config),
+        sup = Target("supervisor", [python, "-m", "clonemap.supervisor", "start", str(config),
                                     "--no-table", "--run-dir", str(tmp / "run")],
                      ready="READY supervisor", timeout_s=DEADLINE_S)
         writer = None
@@ -133,7 +133,7 @@ def run_supervised(args, record: rec.Record, progress: rec.Progress) -> None:
                     old_pid = rows[victim]["pid"]
                     progress.step(f"kill {k + 1}/{args.kills}: supervisor kill {victim}")
                     t_kill = time.monotonic()
-                    subprocess.run([python, "-m", "supervisor", "kill", victim, "--control",
+                    subprocess.run([python, "-m", "clonemap.supervisor", "kill", victim, "--control",
                                     control], cwd=ROOT, check=True, capture_output=True)
                     rows = _wait_rows(control, lambda r: r[victim]["pid"] not in (None, old_pid)
                                       and r[victim]["bstar"] == "PASSIVE", f"{victim} PASSIVE")
@@ -143,7 +143,7 @@ def run_supervised(args, record: rec.Record, progress: rec.Progress) -> None:
                         new_clone_s = time.monotonic() - t0
                         s0 = [a for a in fresh.stats()["shards"] if a["shard"] == "s0"][0]
                     t0 = time.monotonic()
-                    out = subprocess.run([python, "-m", "client.cli", "--config", str(config),
+                    out = subprocess.run([python, "-m", "clonemap.client.cli", "--config", str(config),
                                           "get", key], cwd=ROOT, capture_output=True,
                                          text=True, timeout=DEADLINE_S)
                     chp_get_s = time.monotonic() - t0

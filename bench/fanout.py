@@ -8,10 +8,10 @@ open loop at ``--rate``): a bare pyzmq PUB->SUB and the bare forwarding loop, on
 and one subscriber each. Then for each cluster size S and subscriber count N, ``--rounds``
 fresh runs:
 
-* S standalone shard servers (``python -m shards``, ports from ``bench.harness.procs``), each
+* S standalone shard servers (``python -m clonemap.shards``, ports from ``bench.harness.procs``), each
   given the S-shard routing (``--routing``/``--shard-index``: it drops keys it does not
   own, so a misrouted update would show up as missing);
-* N subscribing clients (``client.api.AsyncClone`` over every shard, each with one watch
+* N subscribing clients (``clonemap.client.api.AsyncClone`` over every shard, each with one watch
   on the whole map), ``--clients-per-process`` of them per subprocess (a process per
   client would only measure the scheduler on a small host); each process prints READY
   once all its clients have their snapshot and their watch open;
@@ -190,7 +190,7 @@ async def _consume(watch, count: int, warm: int, result: dict) -> None:
 
 
 async def subscriber_async(args: argparse.Namespace) -> None:
-    from client.api import AsyncClone
+    from clonemap.client.api import AsyncClone
 
     shards = [f"tcp://127.0.0.1:{p}" for p in args.ports]
     clones = [AsyncClone(shards=shards, timeout_s=START_TIMEOUT_S,
@@ -248,7 +248,7 @@ def clients_per_process(setting, subscribers: int, shards: int,
 def run_one(shards: int, subscribers: int, args: argparse.Namespace,
             progress: rec.Progress) -> dict:
     """One fresh cluster, ``subscribers`` clients, one writer; returns the run's figures."""
-    from shards.common.routing import ShardMap
+    from clonemap.shards.common.routing import ShardMap
 
     timed = max(1, round(args.rate * args.seconds))
     warm = round(args.rate * args.warmup)

@@ -9,7 +9,7 @@ workers. ``client.api.Clone(deliver=...)`` chooses where a watch callback runs:
 updates), ``"thread"`` on the watch's dispatcher thread (it also decodes the values).
 For each mode and each kind of work, a fresh run:
 
-* one standalone shard server (``python -m shards``, ports from ``bench.harness.procs``);
+* one standalone shard server (``python -m clonemap.shards``, ports from ``bench.harness.procs``);
 * one subscriber process: a ``Clone`` with one watch on the whole map and a callback that
   does ``--cost-us`` of work per update: ``cpu`` is a pure-Python busy loop (it holds the
   GIL, like most Python callbacks), ``nogil`` is a SHA-256 of a buffer sized to take that
@@ -144,7 +144,7 @@ def worker_setup(work: str, cost_us: float):
 # ================================================================ the subscriber process
 
 def subscriber_main(argv: list[str]) -> None:
-    from client.api import Clone
+    from clonemap.client.api import Clone
 
     ap = argparse.ArgumentParser(prog=f"python -m bench.{NAME} _subscriber")
     ap.add_argument("--port", type=int, required=True)
@@ -203,9 +203,9 @@ def subscriber_main(argv: list[str]) -> None:
 
 def workers_subscriber(args: argparse.Namespace) -> None:
     """Mode workers: a ``Clone`` whose watch feeds ``--workers`` processes
-    (``client.workers.Workers``), each burning ``--cost-us`` per update."""
-    from client.api import Clone
-    from client.workers import Workers
+    (``clonemap.client.workers.Workers``), each burning ``--cost-us`` per update."""
+    from clonemap.client.api import Clone
+    from clonemap.client.workers import Workers
 
     _, work_us = calibrated(args.work, args.cost_us)
     capacity = max(10_000, 2 * args.count)

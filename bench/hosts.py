@@ -108,7 +108,7 @@ class Setup:
                      "--lease-name", f"bench-{run}", "--replication", REPLICATION[mode]]
         self.servers = []
         for role, peer in (("primary", "backup"), ("backup", "primary")):
-            argv = [*h.prefix(where[role]), sys.executable, "-m", "shards",
+            argv = [*h.prefix(where[role]), sys.executable, "-m", "clonemap.shards",
                     "--port", str(ports[role]), "--host", h.address[where[role]],
                     f"--{role}", "--peer", f"{h.address[where[peer]]}:{ports[peer]}",
                     "--shard", "s0", "--heartbeat-s", str(args.heartbeat_s),

@@ -8,7 +8,7 @@ Three targets take the same load (one writer, one subscriber, ``--keys`` random 
   MORE flag. It cannot be a server (one short message misaligns every later one), but it
   is the least Python can do per update: the ceiling the targets use.
 * ``forwarder``: the project's ceiling, the same loop reading whole messages through
-  ``shards.common.zio.recv_frames`` (the frame path a server uses).
+  ``clonemap.shards.common.zio.recv_frames`` (the frame path a server uses).
 * ``server``: one shard server with ``--fsync`` (default ``everysec``, a fresh data
   directory per run), as users run it.
 

@@ -1,7 +1,7 @@
 """A/B of the join: servers of several checkouts side by side, and the client's two row
 takers, joins alternating in one process (``python -m bench.join_ab``).
 
-Each ``--server NAME=DIR`` starts ``python -m shards`` from checkout ``DIR`` (its own
+Each ``--server NAME=DIR`` starts ``python -m clonemap.shards`` from checkout ``DIR`` (its own
 ``shards`` package and compiled extension; ``.`` is this one), standalone with ``--fsync
 everysec``, and loads the same ``--keys`` keys of ``--value-bytes`` into each. Then, per
 round, a new ``AsyncClone`` (this checkout's client) joins each server in turn, until it
@@ -35,7 +35,7 @@ import psutil
 
 from bench.harness import record as rec
 from bench.harness.procs import ROOT, bench_main, free_port_base
-from shards.common.children import terminate
+from clonemap.shards.common.children import terminate
 
 NAME = "join_ab"
 
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def _load(address: str, keys: int, value: bytes) -> None:
-    from client.api import AsyncClone
+    from clonemap.client.api import AsyncClone
 
     clone = AsyncClone(address, codec="bytes", timeout_s=60)
     await clone.start()
@@ -86,7 +86,7 @@ async def _settle(servers, quiet_s: float = 0.05, most_s: float = 3.0) -> None:
 
 
 async def _join(address: str, server: psutil.Process, keys: int, everyone) -> dict:
-    from client.api import AsyncClone
+    from clonemap.client.api import AsyncClone
 
     await _settle(everyone)
 
@@ -103,7 +103,7 @@ async def _join(address: str, server: psutil.Process, keys: int, everyone) -> di
 
 
 async def _measure(args, record: rec.Record, addresses: dict, procs: dict) -> None:
-    from client import incoming
+    from clonemap.client import incoming
 
     value = b"v" * args.value_bytes
     for address in addresses.values():
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> rec.Record:
             for name, path in args.servers.items():
                 port = free_port_base(3)
                 popen = subprocess.Popen(
-                    [sys.executable, "-m", "shards", "--port", str(port), "--data-dir",
+                    [sys.executable, "-m", "clonemap.shards", "--port", str(port), "--data-dir",
                      str(Path(tmp) / name), "--fsync", "everysec"], cwd=path,
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
                 procs[name] = popen

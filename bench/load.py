@@ -100,9 +100,9 @@ def _cluster_from(ap: argparse.ArgumentParser, path: str) -> dict:
     """Every shard's primary (address, port) and the routing's pins, from a config: planned
     on this host (NIC names resolved), or - when the plan does not fit this host, e.g. the
     cluster runs elsewhere - read as written (each primary then needs a ``host``)."""
-    from shards.common.config import load_config
-    from shards.common.placement import load_plan
-    from shards.common.endpoints import WILDCARDS
+    from clonemap.shards.common.config import load_config
+    from clonemap.shards.common.placement import load_plan
+    from clonemap.shards.common.endpoints import WILDCARDS
 
     try:
         plan = load_plan(path)

@@ -3,19 +3,19 @@
 ``python -m bench.mdp_echo [--seconds 3] [--warmup 0.5] [--rounds 3] [--clients 8]
 [--body-bytes 32] [--workers 1,4] [--modes sync,inflight] [--results-dir bench/results/mdp]``
 
-Scenarios: one worker and four workers (each a ``shards.common.mdp.worker.MdpWorker`` process
+Scenarios: one worker and four workers (each a ``clonemap.shards.common.mdp.worker.MdpWorker`` process
 with a plain echo handler), each driven two ways: ``sync`` (one ``SyncMdpClient``, one
 request at a time) and ``inflight`` (``--clients`` ``MdpClient`` objects on one uvloop,
 each with its one request in flight, as MDP/Client allows). In every round the SAME
 clients run against three servers, one after the other (the order alternates by round):
 
 * ``ceiling``: a bare ROUTER answering each MDPC02 REQUEST itself with MDPC02 FINAL
-  (``--role bare``), through the same ``shards.common.zio`` calls the broker uses;
+  (``--role bare``), through the same ``clonemap.shards.common.zio`` calls the broker uses;
 * ``relay``: the hop-matched reference (``--role relay``): a bare ROUTER that passes each
   REQUEST to an idle worker (its own set of the same ``MdpWorker`` processes) and its
   FINAL back, with no validation and no bookkeeping beyond an idle list and a FIFO: the
   least any broker must do to put a worker between client and answer;
-* ``broker``: the real broker (``python -m supervisor broker``).
+* ``broker``: the real broker (``python -m clonemap.supervisor broker``).
 
 The summary per scenario holds the MEDIAN req/s of each side over the rounds, and
 ``ratio`` = broker median / ceiling median (the target: >= 0.70; ``ratio_paired_median``
@@ -91,8 +91,8 @@ async def bare_router(endpoint: str) -> None:
     """The ceiling: a ROUTER answering each MDPC02 REQUEST itself, with the same body."""
     import zmq
 
-    from shards.common.mdp.codec import C_FINAL, C_REQUEST, MDPC
-    from shards.common.zio import AsyncSocket, send_frames
+    from clonemap.shards.common.mdp.codec import C_FINAL, C_REQUEST, MDPC
+    from clonemap.shards.common.zio import AsyncSocket, send_frames
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -121,9 +121,9 @@ async def bare_relay(endpoint: str) -> None:
 
     import zmq
 
-    from shards.common.mdp.codec import (C_FINAL, MDPC, MDPW, W_FINAL, W_HEARTBEAT, W_READY,
+    from clonemap.shards.common.mdp.codec import (C_FINAL, MDPC, MDPW, W_FINAL, W_HEARTBEAT, W_READY,
                                   W_REQUEST)
-    from shards.common.zio import AsyncSocket, send_frames
+    from clonemap.shards.common.zio import AsyncSocket, send_frames
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -165,7 +165,7 @@ async def bare_relay(endpoint: str) -> None:
 
 
 async def echo_worker(endpoint: str) -> None:
-    from shards.common.mdp.worker import MdpWorker
+    from clonemap.shards.common.mdp.worker import MdpWorker
 
     def echo(request):
         return request.body
@@ -178,7 +178,7 @@ async def echo_worker(endpoint: str) -> None:
 # ===================================================================== clients
 
 def drive_sync(endpoint: str, body: bytes, warmup_s: float, seconds: float) -> dict:
-    from shards.common.mdp.client import SyncMdpClient
+    from clonemap.shards.common.mdp.client import SyncMdpClient
 
     with SyncMdpClient(endpoint, timeout_s=5, retries=0) as client:
         end_warmup = time.monotonic() + warmup_s
@@ -199,7 +199,7 @@ def drive_sync(endpoint: str, body: bytes, warmup_s: float, seconds: float) -> d
 
 async def _drive_inflight(endpoint: str, body: bytes, clients: int, warmup_s: float,
                           seconds: float) -> dict:
-    from shards.common.mdp.client import MdpClient
+    from clonemap.shards.common.mdp.client import MdpClient
 
     counts = [0] * clients
     stop = False
@@ -267,7 +267,7 @@ def run_bench(args: argparse.Namespace) -> rec.Record:
                                               eps["ceiling"]]))
         targets.append(Target("bare-relay", [*me, "--role", "relay", "--endpoint",
                                              eps["relay"]]))
-        targets.append(Target("broker", [py, "-m", "supervisor", "broker", "--bind",
+        targets.append(Target("broker", [py, "-m", "clonemap.supervisor", "broker", "--bind",
                                          eps["broker"], "--log-level", "WARNING"]))
         workers = 0
         for wanted in worker_counts:
@@ -379,7 +379,7 @@ def _wait_workers(endpoint: str, count: int, timeout_s: float = 20.0) -> None:
 
 
 def _wait_relay_workers(endpoint: str, count: int, timeout_s: float = 20.0) -> None:
-    from shards.common.mdp.client import SyncMdpClient
+    from clonemap.shards.common.mdp.client import SyncMdpClient
 
     deadline = time.monotonic() + timeout_s
     with SyncMdpClient(endpoint, timeout_s=5, retries=0) as client:
@@ -392,7 +392,7 @@ def _wait_relay_workers(endpoint: str, count: int, timeout_s: float = 20.0) -> N
 def _broker_stats(endpoint: str) -> dict:
     import json
 
-    from shards.common.mdp.client import SyncMdpClient
+    from clonemap.shards.common.mdp.client import SyncMdpClient
 
     with SyncMdpClient(endpoint, timeout_s=5, retries=0) as client:
         return json.loads(client.request("mmi.stats")[0])

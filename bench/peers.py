@@ -61,7 +61,7 @@ from bench.harness import peer_servers as servers
 from bench.harness import record as rec
 from bench.harness.procs import ROOT, bench_main, cpu_seconds
 from bench.harness.traffic import percentiles_ms
-from shards.common.children import terminate
+from clonemap.shards.common.children import terminate
 
 NAME = "peers"
 WORKLOADS = ("rate", "one", "many", "fanout", "join")

@@ -1,7 +1,7 @@
 """Relays and resume: what they cost and what they save (``python -m bench relays``).
 
 Every run starts a fresh memory-only Binary Star pair (``--heartbeat-s 0.5``) and, where
-the mode says, relays of it (``python -m shards.relay``). Three parts:
+the mode says, relays of it (``python -m clonemap.shards.relay``). Three parts:
 
 1. **Fan-out** (per round and size, mode ``direct`` then ``relays``): ``--subscribers``
    raw SUB sockets spread over reader processes (``bench.harness.readers``: one per core
@@ -44,7 +44,7 @@ import zmq
 from bench.harness import record as rec
 from bench.harness.procs import Target, bench_main, cpu_pct_each, cpu_seconds, free_port_base
 from bench.harness.readers import subscriber_processes, weighted_percentiles
-from shards.common.endpoints import MAX_IO_THREADS
+from clonemap.shards.common.endpoints import MAX_IO_THREADS
 
 NAME = "relays"
 STAMP = struct.Struct(">Q")
@@ -123,7 +123,7 @@ class Cluster:
         self.primary = free_port_base(4)
         self.backup = free_port_base(4)
         io = ["--io-threads", str(io_threads)]
-        py = [sys.executable, "-m", "shards", "--heartbeat-s", "0.5", "--log-level", "info",
+        py = [sys.executable, "-m", "clonemap.shards", "--heartbeat-s", "0.5", "--log-level", "info",
               *io]
         self.p = self._start("primary", py + ["--port", str(self.primary), "--primary",
                                               "--peer", f"127.0.0.1:{self.backup}"])
@@ -135,7 +135,7 @@ class Cluster:
             port = free_port_base(4)
             self.relay_ports.append(port)
             self.relays.append(self._start(f"relay{j}", [
-                sys.executable, "-m", "shards.relay", "--port", str(port), "--heartbeat-s",
+                sys.executable, "-m", "clonemap.shards.relay", "--port", str(port), "--heartbeat-s",
                 "0.5", "--name", f"relay{j}", *io,
                 "--upstream", f"127.0.0.1:{self.primary},127.0.0.1:{self.backup}"]))
 
@@ -204,7 +204,7 @@ def child_clients(args) -> None:
     ends it."""
     import uvloop
 
-    from client.api import AsyncClone
+    from clonemap.client.api import AsyncClone
 
     async def main() -> None:
         servers = args.endpoints.split(",")

@@ -5,7 +5,7 @@ processes flat out (``flow``: a full pipe blocks the writer, nothing is dropped 
 target), each routing every key to its owning shard as a client does, and one subscriber
 process reading every shard's publisher (sequence and gaps per shard). Targets:
 
-* ``server``: N standalone ``python -m shards`` processes, each started with the routing
+* ``server``: N standalone ``python -m clonemap.shards`` processes, each started with the routing
   of N shards and its ``--shard-index`` (it drops keys it does not own, as in a cluster);
 * ``forwarder``: N bare forwarding loops (bench/harness/forwarder.py) under the same harness,
   the ceiling for each N.

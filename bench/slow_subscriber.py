@@ -72,7 +72,7 @@ def _recv_until(sock: zmq.Socket, seq: int, timeout_s: float = 60.0) -> int:
 
 
 def one_run(mode: str, args) -> dict:
-    from shards.common.proto import chp
+    from clonemap.shards.common.proto import chp
 
     extra = ["--fsync", "everysec"]
     if mode == "snail_off":

@@ -1,16 +1,16 @@
-"""The per-shard client agent: the I/O shell around ``client.shard_machine``.
+"""The per-shard client agent: the I/O shell around ``clonemap.client.shard_machine``.
 
 One ``ShardAgent`` per shard owns that shard's part of the local map and, through its
 parts, that shard's sockets (one owner per socket), all driven from one asyncio loop
-through ``shards.common.zio.AsyncSocket``. It steps the machine with what its parts saw
+through ``clonemap.shards.common.zio.AsyncSocket``. It steps the machine with what its parts saw
 and performs the machine's effects; it decides nothing the machine decides. Its parts:
 
-* ``client.link.Link``: the SUB on the current server's P+1 (subtree and "HUGZ"; a fresh
+* ``clonemap.client.link.Link``: the SUB on the current server's P+1 (subtree and "HUGZ"; a fresh
   socket per server) with its monitor, and a fresh DEALER on P per snapshot request;
-* ``client.incoming.Incoming``: the snapshot (or resume) being received on that DEALER;
-* ``client.writes.ShardWrites``: one XPUB per server to its P+2 collector, the echoes and
+* ``clonemap.client.incoming.Incoming``: the snapshot (or resume) being received on that DEALER;
+* ``clonemap.client.writes.ShardWrites``: one XPUB per server to its P+2 collector, the echoes and
   replies awaited, the resends after an outage;
-* ``client.outages.Outages``: failovers and data losses, reported to the application.
+* ``clonemap.client.outages.Outages``: failovers and data losses, reported to the application.
 
 Hot path: a KVPUB is one ``decode_update``, one ``check_seq`` and one dict store, applied
 here (``_apply``); only the exceptions go to the machine (``Gap``,
@@ -22,7 +22,7 @@ greater than the last applied) at most the installed snapshot's sequence is a la
 HUGZ read before they are applied (the first message after a handshake, or while
 buffering) are peeked at: what the server says of itself (``serving``, ``gen``, ``cas``,
 ``route``) goes to the link and the machine at once. Lag (the guide's Suicidal Snail):
-each clock HUGZ read live goes to the ``LagMeter`` (``client.lag``); above ``max_lag_s``
+each clock HUGZ read live goes to the ``LagMeter`` (``clonemap.client.lag``); above ``max_lag_s``
 the agent asks ``on_lag(agent, lag_s)`` (True: handled, e.g. policy "die") or resyncs
 (``FellBehind``). Snapshots and updates are decoded liberally (``strict=False``): the
 guide's reference C server's dialect works.
@@ -37,19 +37,19 @@ from typing import Callable, Sequence
 
 import zmq
 
-from shards.common.drops import DropCounter
-from shards.common.errors import ProtocolError
-from shards.common.proto import chp
-from client import shard_machine as sm
-from shards.common.security import Security
-from client.collector import ServerAddress, parse_server
-from client.lag import LagMeter
-from client.incoming import Incoming
-from client.link import Link
-from client.outages import Outages
-from client.writes import ShardWrites
-from client.options import KEEP, AgentHooks, AgentOptions
-from client.watch import WatchHub
+from clonemap.shards.common.drops import DropCounter
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.proto import chp
+from clonemap.client import shard_machine as sm
+from clonemap.shards.common.security import Security
+from clonemap.client.collector import ServerAddress, parse_server
+from clonemap.client.lag import LagMeter
+from clonemap.client.incoming import Incoming
+from clonemap.client.link import Link
+from clonemap.client.outages import Outages
+from clonemap.client.writes import ShardWrites
+from clonemap.client.options import KEEP, AgentHooks, AgentOptions
+from clonemap.client.watch import WatchHub
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class ShardAgent:
         options = options if options is not None else AgentOptions()
         hooks = hooks if hooks is not None else AgentHooks()
         self.options = options
-        """How this agent follows its shard (``client.options.AgentOptions``)."""
+        """How this agent follows its shard (``clonemap.client.options.AgentOptions``)."""
         if not servers:
             raise ValueError(f"shard {name}: no servers")
         self.relays = relays
@@ -108,16 +108,16 @@ class ShardAgent:
         self.on_lag = hooks.on_lag
         self.reset_policy = options.reset_policy
         self.outages = Outages(self, hooks.on_failover, hooks.on_reset)
-        """Failovers and data losses, reported to the application (``client.outages``)."""
+        """Failovers and data losses, reported to the application (``clonemap.client.outages``)."""
         self.props: dict[bytes, bytes] = {}
         """Properties that came with a key (KVPUB or KVSYNC), only for keys that had any."""
         self.seqs: dict[bytes, int] = {}
         """key -> the sequence that last changed it (a KVPUB's, or its KVSYNC's from our
         servers, which send each key's own; the guide's C server sends its own too)."""
         self.incoming = Incoming(self)
-        """The snapshot (or resume) being received (``client.incoming``)."""
+        """The snapshot (or resume) being received (``clonemap.client.incoming``)."""
         self.lag = LagMeter()
-        """How far behind the publisher this client reads (``client.lag``)."""
+        """How far behind the publisher this client reads (``clonemap.client.lag``)."""
         self.lagged = 0
         self.contiguous = not subtree
         self.state = sm.State(options.machine(len(self.servers), self.contiguous))
@@ -156,7 +156,7 @@ class ShardAgent:
         self._tick_handle: asyncio.TimerHandle | None = None
         self._closed = False
         self.writes = ShardWrites(self)
-        """KVSETs out, echoes and replies awaited, resends (``client.writes``)."""
+        """KVSETs out, echoes and replies awaited, resends (``clonemap.client.writes``)."""
         self.echoes = self.writes.echoes  # (read on the hot path)
 
     # ------------------------------------------------------------------ lifecycle
@@ -199,7 +199,7 @@ class ShardAgent:
             self._synced_event.set()
 
     def _kept_error(self) -> Exception:
-        from client.errors import ShardReset
+        from clonemap.client.errors import ShardReset
 
         info = self.outages.last_reset
         return ShardReset(f"shard {self.name} is read-only: its server lost the data this "
@@ -289,10 +289,11 @@ class ShardAgent:
         new, new_props, new_seqs = self.incoming.take()
         self.link.close_dealer()
         outages = self.outages
-        reset = outages.data_loss(old, new, eff) if self.snapshots else None
+        first = not self.snapshots
+        reset = outages.data_loss(old, new, eff) if not first else None
         if reset is not None:
             if reset.policy == KEEP:
-                self.hub.reset(self.name, reset, None, eff.seq)
+                self.hub.reset(self.name, reset, None, eff.seq, {})
                 outages.report_reset(reset)
                 self._dispatch(sm.Keep(eff.old_generation))  # -> Freeze
                 return
@@ -303,20 +304,20 @@ class ShardAgent:
         self.last_seq = self.snapshot_seq = eff.seq
         self.snapshots += 1
         if reset is not None:
-            self.hub.reset(self.name, reset, new, eff.seq)
+            self.hub.reset(self.name, reset, new, eff.seq, new_seqs)
         else:
-            self.hub.installed(self.name, old, new, eff.seq)
+            self.hub.installed(self.name, old, new, eff.seq, new_seqs)
         log.info("shard %s: snapshot of %d keys at sequence %d from %s%s", self.name,
                  len(new), eff.seq, self.server, " (resync: replaced)" if eff.resync else "")
         if eff.outage is not None:
-            outages.resumed(eff.outage, old, new)
+            outages.resumed(eff.outage, old, new, first)
         self.writes.installed(eff.resend, self.link.cas)
         if reset is not None:
             outages.report_reset(reset)
         self._replay(self.state.epoch)
 
     def unavailable(self, within_s: float) -> str:
-        """Why no server of this shard served this client lately (``client.outages``)."""
+        """Why no server of this shard served this client lately (``clonemap.client.outages``)."""
         return self.outages.unavailable(within_s)
 
     # ------------------------------------------------------------------ sockets

@@ -23,7 +23,7 @@ comma-separated Binary Star pair; N given = N hashed shards). None given:
 A command follows only the shards it needs: ``get /users/42/name`` asks for the subtree
 "/users/42/" (one shard); ``dump`` and ``watch`` of "" ask every shard.
 
-Exit codes (``shards.common.errors.Exit``, mapped here in ``_exit_code``): 0 ok; 1 other
+Exit codes (``clonemap.shards.common.errors.Exit``, mapped here in ``_exit_code``): 0 ok; 1 other
 failure (a server refused this client's CURVE handshake: the line says why); 2 usage or
 a bad config; 4 timeout (no cluster reachable, no echo); 5 a watch that fell behind (slow
 consumer); 6 key not found (get, del); 130 interrupted (Ctrl-C). Errors: one line on
@@ -42,10 +42,11 @@ import sys
 
 import click
 
-from shards.common.endpoints import DEFAULT_CONTROL
-from client.cli_ops import (do_del_prefix, do_dump, do_get, do_keys, do_set, do_trace,
+from clonemap import __version__
+from clonemap.shards.common.endpoints import DEFAULT_CONTROL
+from clonemap.client.cli_ops import (do_del_prefix, do_dump, do_get, do_keys, do_set, do_trace,
                             do_watch, do_watch_from, do_which)
-from client.cli_target import DEFAULT_TIMEOUT_S, EXIT_USAGE, BadUsage, Target, run
+from clonemap.client.cli_target import DEFAULT_TIMEOUT_S, EXIT_USAGE, BadUsage, Target, run
 
 
 # ------------------------------------------------------------------ the command line
@@ -89,6 +90,8 @@ def _value_of(value: str | None, hex_value: bool, path: str | None) -> bytes:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="chp",
+                      message="%(prog)s (clonemap) %(version)s")
 @click.option("--control", metavar="ENDPOINT", default=None,
               help="The supervisor's control endpoint (MDP cluster.map) [default: "
                    f"$CLONEMAP_CONTROL or {DEFAULT_CONTROL}].")

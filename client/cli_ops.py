@@ -1,5 +1,5 @@
-"""What each ``chp`` command does (``client.cli`` parses its options): one coroutine per
-command, run by ``client.cli_target.run`` against a ``Target``; each returns its exit code."""
+"""What each ``chp`` command does (``clonemap.client.cli`` parses its options): one coroutine per
+command, run by ``clonemap.client.cli_target.run`` against a ``Target``; each returns its exit code."""
 from __future__ import annotations
 
 import asyncio
@@ -9,11 +9,11 @@ import time
 import click
 import zmq
 
-from shards.common.errors import ClonemapError, Timeout
-from shards.common.proto import chp
-from shards.common.zio import AsyncSocket
-from client.clone import check_write
-from client.cli_target import (EXIT_OK, BadUsage, NotFound, Target, _out, check_key_text,
+from clonemap.shards.common.errors import ClonemapError, Timeout
+from clonemap.shards.common.proto import chp
+from clonemap.shards.common.zio import AsyncSocket
+from clonemap.client.clone import check_write
+from clonemap.client.cli_target import (EXIT_OK, BadUsage, NotFound, Target, _out, check_key_text,
                                json_value, show_value, subtree_of)
 
 

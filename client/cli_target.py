@@ -1,7 +1,7 @@
 """The ``chp`` command line's plumbing: where the cluster is (``Target``), running a
 command on a loop with its deadline and exit code, and the pure helpers its commands
-share (values as text, error lines, hints). The commands are ``client.cli``; what each
-does, ``client.cli_ops``."""
+share (values as text, error lines, hints). The commands are ``clonemap.client.cli``; what each
+does, ``clonemap.client.cli_ops``."""
 from __future__ import annotations
 
 import asyncio
@@ -13,14 +13,14 @@ import click
 import uvloop
 import zmq
 
-from shards.common.endpoints import DEFAULT_CONTROL
-from shards.common.endpoints import NOT_LISTENING, ensure_listening
-from shards.common.errors import (ClonemapError, ConfigError, Exit, HandshakeRefused,
+from clonemap.shards.common.endpoints import DEFAULT_CONTROL
+from clonemap.shards.common.endpoints import NOT_LISTENING, ensure_listening
+from clonemap.shards.common.errors import (ClonemapError, ConfigError, Exit, HandshakeRefused,
                                   SlowConsumer)
-from shards.common.proto import chp
-from client.api import AsyncClone, Conflict
-from client.router import Cluster, fetch_cluster
-from shards.common.security import Security, client_keys
+from clonemap.shards.common.proto import chp
+from clonemap.client.api import AsyncClone, Conflict
+from clonemap.client.router import Cluster, fetch_cluster
+from clonemap.shards.common.security import Security, client_keys
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -111,7 +111,7 @@ def _exit_code(exc: BaseException) -> int:
 
 def checked_endpoint(text: str, where: str) -> str:
     """``tcp://IPV4:PORT`` or a usage error naming the option (exit 2, one line)."""
-    from shards.common.config_values import parse_endpoint
+    from clonemap.shards.common.config_values import parse_endpoint
 
     try:
         return parse_endpoint(text).replace("tcp://*:", "tcp://127.0.0.1:")

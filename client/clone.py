@@ -1,22 +1,22 @@
-"""``AsyncClone``, the client over its shard agents (asyncio); ``client.sync.Clone`` runs
-it on a background thread, and ``client.api`` is where applications import both from.
+"""``AsyncClone``, the client over its shard agents (asyncio); ``clonemap.client.sync.Clone`` runs
+it on a background thread, and ``clonemap.client.api`` is where applications import both from.
 The reference, with examples that run, is client/README.md.
 
 Where the cluster is (exactly one of): ``servers=`` the server(s) of ONE shard (a Binary
 Star pair in failover order); ``shards=[[p0, b0], ...]``; ``config=`` a supervisor config,
 planned on this host; ``control=`` one or more supervisors' MDP ``cluster.map``
-(``client.router.discover``), fetched in ``start()``. Everything else is an option
-(``client.options.ClientOptions``).
+(``clonemap.client.router.discover``), fetched in ``start()``. Everything else is an option
+(``clonemap.client.options.ClientOptions``).
 
-The router (``client.router``): one ``ShardAgent`` per shard that can own a key under the
+The router (``clonemap.client.router``): one ``ShardAgent`` per shard that can own a key under the
 subtree, each with its own sockets, sequence (the ``version_vector``), failover and
 resync; the local map is the union of their parts. Reads are local; a write is a KVSET
 to every server of the key's owning shard, fire-and-forget as in 12/CHP, with a fresh
 16-byte UUID that ``set``/``delete`` return. ``wait=True`` returns once the owning shard
 has published that UUID back and it is applied locally (read-your-writes), or raises
 ``Timeout`` naming why no server served it. Falling behind and failing:
-``client.health``. Keys are ``str`` (UTF-8 on the wire) under the client's subtree;
-values go through the codec (``client.codec``).
+``clonemap.client.health``. Keys are ``str`` (UTF-8 on the wire) under the client's subtree;
+values go through the codec (``clonemap.client.codec``).
 """
 from __future__ import annotations
 
@@ -29,21 +29,21 @@ from typing import Any, Sequence
 
 import zmq
 
-from shards.common.errors import ClonemapError, HandshakeRefused, Timeout
-from shards.common.security import Security, client_keys
-from shards.common.proto import chp
-from shards.common import timing
-from shards.common.timing import HEARTBEAT_S
-from client.agent import ShardAgent
-from client.events import KEPT, KeyMeta
-from client.collector import ServerAddress, parse_server
-from client.codec import get_codec
-from client.echoes import Expired, expire_after
-from client.errors import Conflict, NotRunning, NotSupported, WriteRefused
-from client.options import AUTO, MAX_IO_THREADS, PER_SHARD, AgentHooks, ClientOptions
-from client.health import Health
-from client.router import Cluster, discover
-from client.watch import Watch, WatchCore, WatchHub
+from clonemap.shards.common.errors import ClonemapError, HandshakeRefused, Timeout
+from clonemap.shards.common.security import Security, client_keys
+from clonemap.shards.common.proto import chp
+from clonemap.shards.common import timing
+from clonemap.shards.common.timing import HEARTBEAT_S
+from clonemap.client.agent import ShardAgent
+from clonemap.client.events import KEPT, KeyMeta
+from clonemap.client.collector import ServerAddress, parse_server
+from clonemap.client.codec import get_codec
+from clonemap.client.echoes import Expired, expire_after
+from clonemap.client.errors import Conflict, NotRunning, NotSupported, WriteRefused
+from clonemap.client.options import AUTO, MAX_IO_THREADS, PER_SHARD, AgentHooks, ClientOptions
+from clonemap.client.health import Health
+from clonemap.client.router import Cluster, discover
+from clonemap.client.watch import Watch, WatchCore, WatchHub
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +97,10 @@ class AsyncClone:
     """A live local copy of the map under ``subtree``, for asyncio code.
 
     ``await start()`` (or ``async with``) returns once every shard's snapshot is installed
-    and a collector listens, or raises ``shards.common.errors.Timeout`` after ``timeout_s``.
+    and a collector listens, or raises ``clonemap.shards.common.errors.Timeout`` after ``timeout_s``.
     When a shard fails over, resyncs, or finds its server lost data, and what the client
     then does (``on_failover``, ``on_reset``, ``reset_policy``), is the shard machine's
-    rule (``client.shard_machine``) and client/README.md's *Client* section.
+    rule (``clonemap.client.shard_machine``) and client/README.md's *Client* section.
     """
 
     def __init__(self, servers=None, *, shards=None, config=None,
@@ -109,7 +109,7 @@ class AsyncClone:
                  **option_fields):
         opts = ClientOptions.given(options, "AsyncClone()", **option_fields)
         self.options = opts
-        """Every option this client was made with (``client.options.ClientOptions``)."""
+        """Every option this client was made with (``clonemap.client.options.ClientOptions``)."""
         given = [name for name, v in (("servers", servers), ("shards", shards),
                                       ("config", config), ("control", control))
                  if v is not None]
@@ -133,7 +133,7 @@ class AsyncClone:
         """The silence timeout settled on once the cluster is known (``"auto"``)."""
         self.max_lag_s = opts.max_lag_s
         self.health = Health(self)
-        """Falling behind, and failing (``client.health``)."""
+        """Falling behind, and failing (``clonemap.client.health``)."""
         self._hooks = AgentHooks(on_failover=opts.on_failover, on_reset=opts.on_reset,
                                  on_behind=self.health.on_behind, on_lag=self.health.on_lag,
                                  on_wrong_route=self.health.on_wrong_route)
@@ -235,22 +235,33 @@ class AsyncClone:
             raise self.failed
         self._failed_future = asyncio.get_running_loop().create_future()
         ready = asyncio.ensure_future(asyncio.gather(*(a.wait_ready() for a in self._agents)))
+        # a server that refuses this client's handshake (no keys for a CURVE cluster, a
+        # key it does not admit) refuses every retry too: fail at once, not at the deadline
+        links = [a.link for a in self._agents if a.link is not None]
+        refusals = {link: asyncio.ensure_future(link.refused.wait()) for link in links}
         try:
             # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
             # that lands just as the agents become ready
             async with asyncio.timeout(timeout_s):
-                await asyncio.wait({ready, self._failed_future},
-                                   return_when=asyncio.FIRST_COMPLETED)
-            if self.failed is not None:
-                await _cancelled(ready)
-                raise self.failed
+                while True:
+                    await asyncio.wait({ready, self._failed_future, *refusals.values()},
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    if self.failed is not None:
+                        await _cancelled(ready)
+                        raise self.failed
+                    if ready.done():
+                        break
+                    if any(link.handshake_failure for link in links):
+                        await _cancelled(ready)
+                        self._raise_refused()
+                    # refused, then admitted before this task ran: wait on
+                    refusals = {link: f if not f.done() else
+                                asyncio.ensure_future(link.refused.wait())
+                                for link, f in refusals.items()}
             await ready
         except TimeoutError:
             await _cancelled(ready)
-            for a in self._agents:  # a refused handshake is the cause, not the wait
-                if a.link is not None and a.link.handshake_failure:
-                    raise HandshakeRefused(a.server.publisher,
-                                           a.link.handshake_failure) from None
+            self._raise_refused()  # a refused handshake is the cause, not the wait
             states = "; ".join(
                 f"shard {a.name} at {a.server}: {a.phase}"
                 f"{', synced' if a.synced else ''}"
@@ -258,7 +269,17 @@ class AsyncClone:
                 for a in self._agents)
             raise Timeout(f"clone not ready within {timeout_s} s ({states})",
                           what="snapshot", deadline_s=timeout_s) from None
+        finally:
+            for fut in refusals.values():
+                fut.cancel()
         return self
+
+    def _raise_refused(self) -> None:
+        """Raise ``HandshakeRefused`` for the first server that refused this client's
+        handshake, named as it was given (its port P, not the publisher's P+1)."""
+        for a in self._agents:
+            if a.link is not None and a.link.handshake_failure:
+                raise HandshakeRefused(str(a.server), a.link.handshake_failure) from None
 
     def release_unstarted(self) -> None:
         """Never to start (its loop thread did not come up): its own context goes now."""

@@ -30,9 +30,9 @@ from typing import Callable
 
 import zmq
 
-from shards.common.drops import DropCounter
-from shards.common.security import Security
-from shards.common.zio import AsyncSocket
+from clonemap.shards.common.drops import DropCounter
+from clonemap.shards.common.security import Security
+from clonemap.shards.common.zio import AsyncSocket
 
 XPUB_SNDHWM = 100_000
 STANDBY_QUEUE_AGE_S = 2.0

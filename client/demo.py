@@ -1,6 +1,6 @@
-"""``python -m client.demo`` (``make run``): one real shard server and two clients.
+"""``python -m clonemap.client.demo`` (``make run``): one real shard server and two clients.
 
-Starts ``python -m shards`` as a child process on a free port base (on loopback), waits
+Starts ``python -m clonemap.shards`` as a child process on a free port base (on loopback), waits
 for its ``READY`` line, then:
 
 * a *reader*, ``AsyncClone`` (asyncio) with a watch on ``/demo/``, prints every change;
@@ -31,10 +31,10 @@ import uvloop
 from rich.console import Console
 from rich.table import Table
 
-from client.api import AsyncClone, Clone
-from client.watch import SYNCED, Change
-from shards.common.children import LinePump, die_with_parent, terminate
-from shards.common.ports import ports_free
+from clonemap.client.api import AsyncClone, Clone
+from clonemap.client.watch import SYNCED, Change
+from clonemap.shards.common.children import LinePump, die_with_parent, terminate
+from clonemap.shards.common.ports import ports_free
 
 HOST = "127.0.0.1"
 READY_TIMEOUT_S = 10.0
@@ -64,12 +64,12 @@ def _free_port_base(count: int = 3) -> int:
 
 
 class ServerProcess:
-    """``python -m shards`` as a child; ``stop()`` ends it by PID (TERM, then KILL)."""
+    """``python -m clonemap.shards`` as a child; ``stop()`` ends it by PID (TERM, then KILL)."""
 
     def __init__(self, port: int, log_file):
         self.port = port
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "shards", "--port", str(port), "--host", HOST,
+            [sys.executable, "-m", "clonemap.shards", "--port", str(port), "--host", HOST,
              "--heartbeat-s", str(HEARTBEAT_S), "--log-level", "warning"],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_file,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -212,7 +212,7 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m client.demo",
+    ap = argparse.ArgumentParser(prog="python -m clonemap.client.demo",
                                  description="one shard server, an AsyncClone reader and a "
                                              "Clone writer, a few seconds")
     ap.add_argument("--hold", action="store_true",

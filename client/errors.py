@@ -1,7 +1,7 @@
-"""Client-specific errors, under the package root ``shards.common.errors.ClonemapError``."""
+"""Client-specific errors, under the package root ``clonemap.shards.common.errors.ClonemapError``."""
 from __future__ import annotations
 
-from shards.common.errors import ClonemapError, SlowConsumer
+from clonemap.shards.common.errors import ClonemapError, SlowConsumer
 
 
 class NotRunning(ClonemapError, RuntimeError):
@@ -24,7 +24,7 @@ class SlowSubscriber(SlowConsumer):
 
 class ShardReset(ClonemapError, RuntimeError):
     """A write to a shard kept read-only after its server lost the data this client holds
-    (``reset_policy="keep"``). ``info`` is the ``client.agent.ResetInfo``."""
+    (``reset_policy="keep"``). ``info`` is the ``clonemap.client.agent.ResetInfo``."""
 
     def __init__(self, message: str, *, shard: str = "", info=None):
         super().__init__(message)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from client.collector import ServerAddress
-from client.shard_machine import KEPT
+from clonemap.client.collector import ServerAddress
+from clonemap.client.shard_machine import KEPT
 
 __all__ = ["KEPT", "FailoverInfo", "KeyMeta", "ResetInfo"]
 

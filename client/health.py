@@ -6,7 +6,7 @@ high-water marks overflowed); with or without a subtree, a shard read more than
 ``max_lag_s`` later than usual (by the server clock in HUGZ) is behind too. Both are
 counted (``fell_behind``) and handled by ``slow_policy``: ``"resync"`` takes a fresh
 snapshot of that shard; ``"die"`` fails the client: every later call and every watch
-raises ``client.errors.SlowSubscriber``, and ``on_slow`` is called. A server whose HUGZ
+raises ``clonemap.client.errors.SlowSubscriber``, and ``on_slow`` is called. A server whose HUGZ
 names another routing than this client's fails it at once too (a ``ConfigError``: a
 client planned from another config), rather than timing out on the keys it misroutes.
 """
@@ -15,15 +15,15 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable
 
-from shards.common.errors import ClonemapError, ConfigError
-from client.errors import SlowSubscriber
-from client.options import RESYNC
+from clonemap.shards.common.errors import ClonemapError, ConfigError
+from clonemap.client.errors import SlowSubscriber
+from clonemap.client.options import RESYNC
 
 if TYPE_CHECKING:
-    from client.agent import ShardAgent
-    from client.clone import AsyncClone
+    from clonemap.client.agent import ShardAgent
+    from clonemap.client.clone import AsyncClone
 
-log = logging.getLogger("client.clone")
+log = logging.getLogger("clonemap.client.clone")
 
 
 class Health:

@@ -18,15 +18,15 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from shards.common import zio
-from shards.common.errors import ProtocolError
-from shards.common.proto import chp
-from client import shard_machine as sm
+from clonemap.shards.common import zio
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.proto import chp
+from clonemap.client import shard_machine as sm
 
 if TYPE_CHECKING:
-    from client.agent import ShardAgent
+    from clonemap.client.agent import ShardAgent
 
-log = logging.getLogger("client.agent")
+log = logging.getLogger("clonemap.client.agent")
 
 _Kvsync = chp.Kvsync
 _decode_snapshot = chp.decode_snapshot_liberal

@@ -7,7 +7,7 @@ it saw as shard machine events (``on_event``): the SUB's handshake (``Handshake`
 lost connection (``Disconnected``), and the end of the grace timer the machine armed
 (``LiveProven``). Whether a handshake makes the subscription live, means a
 reconnection, or means nothing (the server said it does not serve) is the machine's
-rule (``client.shard_machine``). It also keeps what the current server's HUGZ said
+rule (``clonemap.client.shard_machine``). It also keeps what the current server's HUGZ said
 that the agent needs later: its map generation and whether it speaks ``cas=1``.
 
 Fresh sockets for every server, and a fresh DEALER for every request, so nothing stale
@@ -21,15 +21,15 @@ from typing import Callable
 
 import zmq
 
-from shards.common.proto import chp
-from shards.common.errors import HANDSHAKE_CAUSES
-from shards.common.handshake import FAILED_EVENTS, cause_of, monitor_event
-from shards.common.security import Security
-from shards.common.zio import AsyncSocket, close_monitored
-from client import shard_machine as sm
-from client.collector import ServerAddress
+from clonemap.shards.common.proto import chp
+from clonemap.shards.common.errors import HANDSHAKE_CAUSES
+from clonemap.shards.common.handshake import FAILED_EVENTS, cause_of, monitor_event
+from clonemap.shards.common.security import Security
+from clonemap.shards.common.zio import AsyncSocket, close_monitored
+from clonemap.client import shard_machine as sm
+from clonemap.client.collector import ServerAddress
 
-log = logging.getLogger("client.agent")
+log = logging.getLogger("clonemap.client.agent")
 
 LIVE_GRACE_S = 0.25
 """After the SUB's handshake, how long to wait for its first message before treating the
@@ -49,10 +49,12 @@ class Link:
         self.handshake_failure = ""
         """Why the last handshake with this server failed ("" if none did): a key of
         ``errors.HANDSHAKE_CAUSES`` (CURVE required, a key it does not admit, ...)."""
+        self.refused = asyncio.Event()
+        """Set while ``handshake_failure`` is: a client starting up fails at once."""
         self.affinity, self.sub_rcvhwm = affinity, sub_rcvhwm
         self.on_update, self.on_snapshot, self.on_event = on_update, on_snapshot, on_event
         self.take_rows = take_rows
-        """The DEALER's ``bulk`` (``client.incoming.Incoming.take_rows``), or None."""
+        """The DEALER's ``bulk`` (``clonemap.client.incoming.Incoming.take_rows``), or None."""
         self.address: ServerAddress | None = None
         self.sub: AsyncSocket | None = None
         self.monitor: AsyncSocket | None = None
@@ -152,6 +154,7 @@ class Link:
                             self.address.publisher if self.address else "?",
                             HANDSHAKE_CAUSES[why])
             self.handshake_failure = why
+            self.refused.set()
             return
         if event == zmq.EVENT_DISCONNECTED:
             self.disconnects += 1
@@ -160,4 +163,5 @@ class Link:
             self.on_event(sm.Disconnected())
         elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.handshake_failure = ""
+            self.refused.clear()
             self.on_event(sm.Handshake())

@@ -2,7 +2,7 @@
 ``prometheus_client`` registry of their own. Opt-in, and no HTTP server here::
 
     from prometheus_client import REGISTRY
-    from client.metrics import CloneCollector
+    from clonemap.client.metrics import CloneCollector
 
     clone = Clone(config="configs/4shard.yaml")
     REGISTRY.register(CloneCollector(clone, client="orders-cache"))
@@ -27,6 +27,10 @@ labels ``client`` (yours) and ``shard``:
                                           a wrong cluster map)
 """
 from __future__ import annotations
+
+from clonemap.shards.common.errors import require_extra
+
+require_extra("the client's metrics", "metrics", ("prometheus_client",))
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 

@@ -7,7 +7,7 @@ one object (``Clone(config=..., options=ClientOptions(subtree="/orders/"))``; ke
 given beside it replace its fields). A wrong value is refused here, when the client is
 made, with a ``ValueError``/``TypeError`` that names the option.
 
-``AgentOptions`` is the part each shard's agent reads (``client.agent.ShardAgent``): one
+``AgentOptions`` is the part each shard's agent reads (``clonemap.client.agent.ShardAgent``): one
 object, shared by the agents of a client, passed whole. ``AgentHooks`` are the calls an
 agent makes into its client and the application (all optional).
 """
@@ -18,13 +18,13 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from shards.common.endpoints import MAX_IO_THREADS
-from shards.common.proto import chp
-from shards.common.timing import SILENCE_TIMEOUT_S
-from client import shard_machine as sm
+from clonemap.shards.common.endpoints import MAX_IO_THREADS
+from clonemap.shards.common.proto import chp
+from clonemap.shards.common.timing import SILENCE_TIMEOUT_S
+from clonemap.client import shard_machine as sm
 
 if TYPE_CHECKING:
-    from client.events import FailoverInfo, ResetInfo
+    from clonemap.client.events import FailoverInfo, ResetInfo
 
 DEFAULT_TIMEOUT_S = 10.0
 CONTROL_TIMEOUT_S = 3.0
@@ -62,7 +62,7 @@ def _count(name: str, value) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class AgentOptions:
-    """How one shard's agent follows its shard (``client.shard_machine`` has the rules)."""
+    """How one shard's agent follows its shard (``clonemap.client.shard_machine`` has the rules)."""
 
     silence_timeout_s: float | None = SILENCE_TIMEOUT_S
     """No KVPUB and no HUGZ this long: fail over to the next server (None: never)."""
@@ -122,7 +122,7 @@ class ClientOptions:
     subtree: str = ""
     """Follow only keys under this prefix (``"/orders/"``); "" follows the whole map."""
     codec: Any = "bytes"
-    """How values are encoded: ``"bytes"``, ``"msgpack"`` or a ``client.codec.Codec``."""
+    """How values are encoded: ``"bytes"``, ``"msgpack"`` or a ``clonemap.client.codec.Codec``."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """``start()`` and ``wait=True`` writes give up after this long (``Timeout``)."""
     control_timeout_s: float = CONTROL_TIMEOUT_S

@@ -4,7 +4,9 @@
   left (``left_because``: a write that times out names why, ``unavailable``), and
   ``on_failover(FailoverInfo)`` is called; when the shard serves again (an install that
   ends the machine's ``Outage``) it is called once more with ``resumed=True`` and the
-  gap from the old server's last message to the new snapshot.
+  gap from the old server's last message to the new snapshot. Moves before the client's
+  first snapshot of the shard are not failovers (a passive primary sends a starting client
+  to its backup): remembered, logged at INFO, nothing else.
 * **Data loss** (at an install over an earlier map): a generation that changed, or a
   sequence that went backwards, means the server's map is not the one this client had:
   a ``ResetInfo`` (keys lost and changed), counted, a WARNING, ``on_reset``.
@@ -17,13 +19,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from client import shard_machine as sm
-from client.events import FailoverInfo, ResetInfo
+from clonemap.client import shard_machine as sm
+from clonemap.client.events import FailoverInfo, ResetInfo
 
 if TYPE_CHECKING:
-    from client.agent import ShardAgent
+    from clonemap.client.agent import ShardAgent
 
-log = logging.getLogger("client.agent")
+log = logging.getLogger("clonemap.client.agent")
 
 
 def diff_counts(old: dict[bytes, bytes], new: dict[bytes, bytes]) -> tuple[int, int]:
@@ -56,25 +58,36 @@ class Outages:
 
     # ------------------------------------------------------------------ failovers
     def failed_over(self, eff: sm.Failover) -> None:
+        """A move to another server. Before this client's first snapshot of the shard it
+        is how the client finds the serving server (after any failover the primary is
+        passive, the normal state): logged at INFO, not counted, no callback."""
         agent = self.agent
         info = FailoverInfo(agent.name, agent.servers[eff.old], agent.servers[eff.new],
                             eff.reason, eff.silent_s)
+        self.left_because[info.old] = (f"{eff.reason} after {eff.silent_s:.1f} s",
+                                       agent.clock())
+        if not agent.snapshots:
+            log.info("shard %s: %s; trying %s", agent.name, eff.reason, info.new)
+            return
         self.failovers += 1
         self.last_failover = info
         log.warning("shard %s: %s after %.1f s; moving from %s to %s", agent.name,
                     eff.reason, eff.silent_s, info.old, info.new)
-        self.left_because[info.old] = (f"{eff.reason} after {eff.silent_s:.1f} s",
-                                       agent.clock())
         self._call_back(self.on_failover, info, "on_failover")
 
     def resumed(self, outage: sm.Outage, old: dict[bytes, bytes],
-                new: dict[bytes, bytes]) -> None:
+                new: dict[bytes, bytes], first: bool) -> None:
+        """Served again after an outage. ``first``: this install is the client's first
+        of the shard, so nothing was interrupted (it found its server): INFO only."""
         agent = self.agent
-        first, heard_s, reason, silent_s = outage
+        first_server, heard_s, reason, silent_s = outage
+        if first:
+            log.info("shard %s: served by %s", agent.name, agent.server)
+            return
         removed, changed = diff_counts(old, new)
-        info = FailoverInfo(agent.name, agent.servers[first], agent.server, reason, silent_s,
-                            resumed=True, gap_s=agent.clock() - heard_s, removed=removed,
-                            changed=changed)
+        info = FailoverInfo(agent.name, agent.servers[first_server], agent.server, reason,
+                            silent_s, resumed=True, gap_s=agent.clock() - heard_s,
+                            removed=removed, changed=changed)
         self.last_failover = info
         log.warning("shard %s: resumed on %s %.2f s after the last message from %s "
                     "(%d keys removed, %d new or changed)", agent.name, info.new, info.gap_s,

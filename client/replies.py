@@ -19,14 +19,14 @@ from typing import Callable
 
 import zmq
 
-from shards.common.errors import ProtocolError
-from shards.common.handshake import monitor_event
-from shards.common.proto import chp
-from shards.common.security import Security
-from shards.common.zio import AsyncSocket, close_monitored
-from client.collector import ServerAddress
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.handshake import monitor_event
+from clonemap.shards.common.proto import chp
+from clonemap.shards.common.security import Security
+from clonemap.shards.common.zio import AsyncSocket, close_monitored
+from clonemap.client.collector import ServerAddress
 
-log = logging.getLogger("client.agent")
+log = logging.getLogger("clonemap.client.agent")
 
 
 class Replies:

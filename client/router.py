@@ -1,6 +1,6 @@
 """The cluster a client routes over: shards, their servers, and the routing function.
 
-A ``Cluster`` is what ``AsyncClone`` needs to route: a ``shards.common.routing.ShardMap`` (who
+A ``Cluster`` is what ``AsyncClone`` needs to route: a ``clonemap.shards.common.routing.ShardMap`` (who
 owns a key, which shards a subtree fans out to) and, per shard index, its name and its
 servers in failover order (a Binary Star pair: primary, backup). Four ways to get one::
 
@@ -9,7 +9,7 @@ servers in failover order (a Binary Star pair: primary, backup). Four ways to ge
     Cluster.from_config("configs/4shard.yaml")            the supervisor's plan, read locally
     await fetch_cluster("tcp://h:5555")                   MDP ``cluster.map`` from a supervisor
 
-The last two read the same document (``shards.common.cluster.cluster_map``): routing
+The last two read the same document (``clonemap.shards.common.cluster.cluster_map``): routing
 parameters (``ShardMap.describe``), shard names, pinned prefixes, and each server's
 address and base port P. A server bound to a wildcard address ("0.0.0.0", "*") is reached
 on the host the map came from (the control endpoint's host, or 127.0.0.1 for a file).
@@ -25,11 +25,12 @@ from typing import Any, Mapping, Sequence
 
 import zmq
 
-from shards.common.endpoints import LOOPBACK, reachable
-from shards.common.errors import ConfigError, ProtocolError
-from shards.common.routing import ShardMap
-from client.collector import ServerAddress, parse_server
-from client.options import CONTROL_TIMEOUT_S
+from clonemap.shards.common.endpoints import LOOPBACK, reachable
+from clonemap.shards.common.errors import (CONFIG_MODULES, ConfigError, ProtocolError,
+                                          require_extra)
+from clonemap.shards.common.routing import ShardMap
+from clonemap.client.collector import ServerAddress, parse_server
+from clonemap.client.options import CONTROL_TIMEOUT_S
 
 CLUSTER_MAP_SERVICE = "cluster.map"
 _HOST_RE = re.compile(r"tcp://(\[[^\]]+\]|[^:/]+):\d+")
@@ -43,7 +44,7 @@ class ShardSpec:
     name: str
     servers: tuple[ServerAddress, ...]
     relays: tuple[ServerAddress, ...] = ()
-    """The shard's relays (``shards.relay``), if the cluster runs any."""
+    """The shard's relays (``clonemap.shards.relay``), if the cluster runs any."""
 
 
 @dataclass(frozen=True)
@@ -141,9 +142,11 @@ class Cluster:
     @classmethod
     def from_config(cls, path) -> "Cluster":
         """Plan the supervisor config at ``path`` on this host and read its cluster map
-        (the same document the supervisor serves; raises ``ConfigError``)."""
-        from shards.common.cluster import cluster_map
-        from shards.common.placement import load_plan
+        (the same document the supervisor serves; raises ``ConfigError``, and
+        ``MissingExtra`` where the ``config`` extra is not installed)."""
+        require_extra("reading a cluster config", "config", CONFIG_MODULES)
+        from clonemap.shards.common.cluster import cluster_map
+        from clonemap.shards.common.placement import load_plan
 
         return cls.from_map(cluster_map(load_plan(path)), source=str(path))
 
@@ -176,8 +179,8 @@ async def fetch_cluster(endpoint: str, *, ctx: zmq.Context | None = None,
                         timeout_s: float = CONTROL_TIMEOUT_S, retries: int = 1,
                         security=None) -> Cluster:
     """Ask the supervisor at ``endpoint`` for ``cluster.map`` (MDP/0.2). Raises
-    ``shards.common.errors.Timeout`` when nobody answers within the deadline (per attempt)."""
-    from shards.common.mdp.client import MdpClient
+    ``clonemap.shards.common.errors.Timeout`` when nobody answers within the deadline (per attempt)."""
+    from clonemap.shards.common.mdp.client import MdpClient
 
     endpoint = endpoint.replace("tcp://*:", "tcp://127.0.0.1:")
     async with MdpClient(endpoint, ctx=ctx, timeout_s=timeout_s, retries=retries,
@@ -194,8 +197,8 @@ async def discover(control: "str | Sequence[str]", *, timeout_s: float,
     serving the same map). ``Timeout`` naming each endpoint's failure when none does.
     The request runs on a context of its own: a client's context may still be waiting
     for its ``io_threads`` to be set, which must happen before its first socket."""
-    from shards.common.errors import Timeout
-    from shards.common.security import client_keys
+    from clonemap.shards.common.errors import Timeout
+    from clonemap.shards.common.security import client_keys
 
     endpoints = ([e.strip() for e in control.split(",") if e.strip()]
                  if isinstance(control, str) else list(control))

@@ -2,7 +2,7 @@
 
 ``step(state, event, now) -> (state, effects)``. No sockets, no clock reads, no callbacks:
 time comes in as ``now`` (float seconds, monotonic), decisions go out as effects that the
-I/O shell (``client.agent.ShardAgent``) performs. The link (``client.link.Link``) owns the
+I/O shell (``clonemap.client.agent.ShardAgent``) performs. The link (``clonemap.client.link.Link``) owns the
 sockets and reports what it saw as events; the agent applies KVPUBs on its hot path with
 ``check_seq`` and reports the exceptions. Everything that decides what a shard does next
 is here: its phase, which server, the liveness of its subscription, whether it buffers,
@@ -115,7 +115,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Union
 
-from shards.common.timing import SILENCE_TIMEOUT_S
+from clonemap.shards.common.timing import SILENCE_TIMEOUT_S
 
 INITIAL = "INITIAL"
 SYNCING = "SYNCING"

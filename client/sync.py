@@ -1,5 +1,5 @@
 """The synchronous client, ``Clone``: an ``AsyncClone`` run on a uvloop loop in a background
-thread (see ``client.clone`` for what the client does; applications import it as
+thread (see ``clonemap.client.clone`` for what the client does; applications import it as
 ``from client.api import Clone``).
 
 Calls from other threads reach the loop two ways: blocking calls (``start``, ``flush``,
@@ -17,23 +17,23 @@ from typing import Any, Callable
 
 import uvloop
 
-from shards.common.errors import Timeout
-from client.clone import AsyncClone
-from client.errors import NotRunning
-from client.router import Cluster
-from client.watch import DELIVER_MODES, DELIVER_THREAD, SyncWatch, WatchCore
+from clonemap.shards.common.errors import Timeout
+from clonemap.client.clone import AsyncClone
+from clonemap.client.errors import NotRunning
+from clonemap.client.router import Cluster
+from clonemap.client.watch import DELIVER_MODES, DELIVER_THREAD, SyncWatch, WatchCore
 
 
 class Clone:
     """The synchronous client: the same agents, run on a uvloop loop in a background
     thread. Every method is thread-safe; blocking calls have a deadline (``timeout_s``)
-    and raise ``shards.common.errors.Timeout``. ``get``/``len`` read the map directly (one dict
+    and raise ``clonemap.shards.common.errors.Timeout``. ``get``/``len`` read the map directly (one dict
     operation, atomic in CPython); ``set``/``delete`` queue the KVSET for the loop thread
     and return at once (fire-and-forget); ``items``/``keys`` copy on the loop thread."""
 
     def __init__(self, servers=None, *, deliver: str = DELIVER_THREAD, **kwargs):
         """``servers``/``shards``/``config``/``control``, ``context`` and the options
-        (``client.options.ClientOptions``: its fields as keywords, or ``options=``) are
+        (``clonemap.client.options.ClientOptions``: its fields as keywords, or ``options=``) are
         ``AsyncClone``'s."""
         if deliver not in DELIVER_MODES:
             raise ValueError(f"deliver is one of {', '.join(DELIVER_MODES)}, got {deliver!r}")
@@ -42,7 +42,7 @@ class Clone:
         decodes and calls back) or "inline" (on the client's loop thread)."""
         self._async = AsyncClone(servers, **kwargs)
         self.options = self._async.options
-        """Every option this client was made with (``client.options.ClientOptions``)."""
+        """Every option this client was made with (``clonemap.client.options.ClientOptions``)."""
         self.timeout_s = timeout_s = self._async.timeout_s
         self._outbox: deque = deque()
         self._wake_scheduled = False

@@ -11,7 +11,7 @@ turns what the agents do into entries on each matching watch's queue:
   ``delete`` for each key that vanished, a ``put`` for each key that is new or changed;
 * each applied KVPUB is one entry (``put``, or ``delete`` for an empty value);
 * a data loss (the shard's server holds another map than the one this client had: see
-  ``client.agent.ResetInfo``) goes in as one chunk: a ``reset`` marker (its ``value`` is
+  ``clonemap.client.agent.ResetInfo``) goes in as one chunk: a ``reset`` marker (its ``value`` is
   the ``ResetInfo``, its ``shard`` the shard) meaning "forget what you hold of this
   shard", then a ``put`` for each key of the new map under the prefix. Not a flood of
   deletes: a consumer that sees ``reset`` rebuilds that shard's part from what follows.
@@ -21,7 +21,7 @@ is removed from the hub, and the consumer's next read raises ``SlowConsumer`` wi
 counts (delivered, dropped). It never grows without bound, and never skips silently.
 
 Consumer side: ``Watch`` (asyncio: ``async with clone.watch(p) as w: async for change in
-w``) and ``SyncWatch`` (threads, for ``client.sync.Clone``) share ``WatchCore``; only how a
+w``) and ``SyncWatch`` (threads, for ``clonemap.client.sync.Clone``) share ``WatchCore``; only how a
 consumer waits differs (a waker callable set by the front end). Values are decoded by the
 consumer, not the agent, so a slow codec never slows the agent down.
 """
@@ -32,10 +32,10 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
-from shards.common.errors import SlowConsumer, Timeout
-from client.options import WATCH_CAPACITY
+from clonemap.shards.common.errors import SlowConsumer, Timeout
+from clonemap.client.options import WATCH_CAPACITY
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ RESET = "reset"
 class Change(NamedTuple):
     """One change seen by a watch. ``value`` is None for ``delete`` and ``synced``;
     ``key`` of the ``synced`` and ``reset`` markers is the watch's prefix; the value of
-    ``reset`` is the ``client.agent.ResetInfo``."""
+    ``reset`` is the ``clonemap.client.agent.ResetInfo``."""
     kind: str
     key: str
     value: Any
@@ -138,7 +138,7 @@ class WatchCore:
     def pop_raw(self, limit: int) -> list:
         """Up to ``limit`` queued entries as raw tuples ``(kind, key: bytes, value: bytes,
         seq, shard)`` (chunks flattened), not decoded: for a consumer that hands them to
-        other processes (``client.workers``). Raises ``SlowConsumer`` like ``pop``."""
+        other processes (``clonemap.client.workers``). Raises ``SlowConsumer`` like ``pop``."""
         if self.failed is not None:
             self._chunk = []
             raise self.failed
@@ -199,7 +199,8 @@ class WatchHub:
         for agent in agents:
             if agent.synced:
                 last_seq = agent.last_seq
-                core.push(_items_chunk(agent.map, core.prefix, agent.last_seq, agent.name))
+                core.push(_items_chunk(agent.map, core.prefix, agent.last_seq, agent.name,
+                                       agent.seqs))
             else:
                 core.pending_shards.add(agent.name)
         if not core.pending_shards:
@@ -222,26 +223,28 @@ class WatchHub:
             self._drop_failed()
 
     def installed(self, shard: str, old: dict[bytes, bytes], new: dict[bytes, bytes],
-                  seq: int) -> None:
-        """A snapshot of ``shard`` replaced ``old`` by ``new``."""
+                  seq: int, seqs: Mapping[bytes, int]) -> None:
+        """A snapshot of ``shard`` (at ``seq``; ``seqs``: each key's own) replaced ``old``
+        by ``new``."""
         if not self.watches:
             return
         diff = None
         for core in self.watches:
             if shard in core.pending_shards:
                 core.pending_shards.discard(shard)
-                core.push(_items_chunk(new, core.prefix, seq, shard))
+                core.push(_items_chunk(new, core.prefix, seq, shard, seqs))
                 if not core.pending_shards:
                     core.push((SYNCED, core.prefix, b"", seq, shard))
                 continue
             if diff is None:
-                diff = snapshot_diff(old, new, seq, shard)
+                diff = snapshot_diff(old, new, seq, shard, seqs)
             part = [e for e in diff if e[1].startswith(core.prefix)] if core.prefix else diff
             if part:
                 core.push(part)
         self._drop_failed()
 
-    def reset(self, shard: str, info, new: dict[bytes, bytes] | None, seq: int) -> None:
+    def reset(self, shard: str, info, new: dict[bytes, bytes] | None, seq: int,
+              seqs: Mapping[bytes, int]) -> None:
         """``shard`` lost its data: a ``reset`` marker, then the new map's items (none
         when ``new`` is None: the client keeps its old copy)."""
         if not self.watches:
@@ -251,7 +254,7 @@ class WatchHub:
                 continue  # this watch has nothing of the shard yet: nothing to forget
             chunk = [(RESET, core.prefix, info, seq, shard)]
             if new is not None:
-                chunk.extend(_items_chunk(new, core.prefix, seq, shard))
+                chunk.extend(_items_chunk(new, core.prefix, seq, shard, seqs))
             core.push(chunk)
         self._drop_failed()
 
@@ -259,19 +262,24 @@ class WatchHub:
         self.watches = [c for c in self.watches if c.failed is None and not c.closed]
 
 
-def _items_chunk(data: dict[bytes, bytes], prefix: bytes, seq: int, shard: str) -> list:
-    if prefix:
-        return [(PUT, k, v, seq, shard) for k, v in data.items() if k.startswith(prefix)]
-    return [(PUT, k, v, seq, shard) for k, v in data.items()]
+def _items_chunk(data: dict[bytes, bytes], prefix: bytes, seq: int, shard: str,
+                 seqs: Mapping[bytes, int]) -> list:
+    """A put for each key of ``data`` under ``prefix``, with the key's own sequence (the
+    one ``meta(key).seq`` and ``--if-seq`` use; ``seq``, the shard's, where the server
+    sent none)."""
+    own = seqs.get
+    return [(PUT, k, v, own(k, seq), shard) for k, v in data.items()
+            if not prefix or k.startswith(prefix)]
 
 
 def snapshot_diff(old: dict[bytes, bytes], new: dict[bytes, bytes], seq: int,
-                  shard: str) -> list:
+                  shard: str, seqs: Mapping[bytes, int]) -> list:
     """The changes that turn ``old`` into ``new``: deletes (keys that vanished, the
-    "ghosts" a guide client would keep), then puts (new or changed keys)."""
+    "ghosts" a guide client would keep; at the snapshot's ``seq``), then puts (new or
+    changed keys, at their own sequences)."""
     out = [(DELETE, k, b"", seq, shard) for k in old.keys() - new.keys()]
-    get = old.get
-    out.extend((PUT, k, v, seq, shard) for k, v in new.items() if get(k) != v)
+    get, own = old.get, seqs.get
+    out.extend((PUT, k, v, own(k, seq), shard) for k, v in new.items() if get(k) != v)
     return out
 
 

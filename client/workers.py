@@ -4,8 +4,8 @@ A watch callback runs in the client's process, so an application whose work per 
 is more than one core can do is capped by that one core (the GIL included). ``Workers``
 opens a watch and hands its changes to N worker processes:
 
-    from client.api import Clone
-    from client.workers import Workers
+    from clonemap.client.api import Clone
+    from clonemap.client.workers import Workers
 
     with Clone(config="configs/4shard.yaml") as clone:
         with Workers(clone, "/orders/", "myapp.orders:setup", workers=4) as pool:
@@ -18,7 +18,7 @@ opens a watch and hands its changes to N worker processes:
   ``value=None``.
 * **Set up once per worker.** ``setup`` ("module:function", or a function importable by
   name) is called in each worker process with ``args``; it returns the function that is
-  then called with each ``client.watch.Change``. Values are decoded there, with the
+  then called with each ``clonemap.client.watch.Change``. Values are decoded there, with the
   client's codec, so decoding costs the workers, not the client. A handler that raises
   is logged and counted (``errors``); the worker goes on.
 * **Bounded, never skipping.** Changes travel in batches of at most ``batch`` changes
@@ -32,7 +32,7 @@ opens a watch and hands its changes to N worker processes:
   holds (up to ``stop_timeout_s``), then ends it: SIGTERM, then SIGKILL.
 
 Why processes and not threads: a Python callback holds the GIL, so threads add no
-cores. Each worker is a fresh interpreter (``python -m client.workers``, its parameters
+cores. Each worker is a fresh interpreter (``python -m clonemap.client.workers``, its parameters
 pickled on stdin, READY on a pipe of its own, its stdout and stderr the caller's), not
 ``multiprocessing``'s spawn, which re-runs the caller's ``__main__``: a plain script with
 no ``if __name__ == "__main__"`` guard works. Why ZeroMQ pipes: bounded queues with
@@ -57,8 +57,8 @@ from typing import Callable
 import msgpack
 import zmq
 
-from client.watch import DELETE, PUT, RESET, SYNCED, Change
-from shards.common.errors import SlowConsumer, Timeout
+from clonemap.client.watch import DELETE, PUT, RESET, SYNCED, Change
+from clonemap.shards.common.errors import SlowConsumer, Timeout
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def worker_main(index: int, setup: str, args: tuple, codec, endpoint: str,
 
 
 class Workers:
-    """N worker processes fed by one watch of ``clone`` (a ``client.api.Clone``) under
+    """N worker processes fed by one watch of ``clone`` (a ``clonemap.client.api.Clone``) under
     ``prefix``; see the module doc."""
 
     def __init__(self, clone, prefix: str = "", setup: str | Callable = "", *,
@@ -206,7 +206,7 @@ class Workers:
                 # caller's, for whatever its handler prints
                 ready_r, ready_w = os.pipe()
                 try:
-                    proc = subprocess.Popen([sys.executable, "-m", "client.workers"],
+                    proc = subprocess.Popen([sys.executable, "-m", "clonemap.client.workers"],
                                             stdin=subprocess.PIPE, env=env,
                                             pass_fds=(ready_w,))
                 finally:
@@ -415,7 +415,7 @@ def _line_by(proc: subprocess.Popen, deadline: float) -> str | None:
 
 
 def _main() -> None:
-    """``python -m client.workers``: one worker; its parameters pickled on stdin."""
+    """``python -m clonemap.client.workers``: one worker; its parameters pickled on stdin."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     *params, ready_fd = pickle.loads(sys.stdin.buffer.read())

@@ -4,13 +4,13 @@
   fire-and-forget, so a passive holds it by UUID and applies it if it takes over), or,
   through relays, to the followed relay only (each forwards to the whole pair). A
   collector queues (bounded) until its first connection; a collector that was connected
-  and went down drops what is sent to it (``client.collector``).
+  and went down drops what is sent to it (``clonemap.client.collector``).
 * **Echoes** (``wait=True``): a write is confirmed when the shard publishes its UUID back
   and it is applied here, or when an installed snapshot holds its value
-  (``client.echoes``).
+  (``clonemap.client.echoes``).
 * **Replies** (conditional writes, resends): a server that decides writes (``cas=1``)
   answers a KVSET that asks with a KVREPLY on the agent's replies DEALER
-  (``client.replies``): applied, duplicate (applied before), conflict or refused.
+  (``clonemap.client.replies``): applied, duplicate (applied before), conflict or refused.
 * **Resends.** After an outage (a failover, or a reconnection to a server that may have
   restarted: the machine's ``InstallSnapshot.resend``) the writes still awaiting their
   echo are sent again with the same UUID: to a ``cas=1`` server asking for a reply, once
@@ -22,13 +22,13 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from shards.common.proto import chp
-from client.collector import KvsetSender
-from client.echoes import Echoes
-from client.replies import Replies
+from clonemap.shards.common.proto import chp
+from clonemap.client.collector import KvsetSender
+from clonemap.client.echoes import Echoes
+from clonemap.client.replies import Replies
 
 if TYPE_CHECKING:
-    from client.agent import ShardAgent
+    from clonemap.client.agent import ShardAgent
 
 REPLY_CONNECT_S = 2.0
 """After an outage, how long resent writes that ask for a reply wait for the replies
@@ -42,10 +42,10 @@ class ShardWrites:
         self.agent = agent
         self.collectors: list[KvsetSender] = []
         self.echoes = Echoes()
-        """Writes awaiting their echo (``wait=True``): ``client.echoes``."""
+        """Writes awaiting their echo (``wait=True``): ``clonemap.client.echoes``."""
         self.replies: Replies | None = None
         """Writes awaiting their KVREPLY (conditional writes, resends): made in start(),
-        its DEALER connected on first use (``client.replies``)."""
+        its DEALER connected on first use (``clonemap.client.replies``)."""
         self.connected: asyncio.Event | None = None
         """Set while at least one collector is connected."""
 

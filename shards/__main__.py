@@ -1,8 +1,8 @@
-"""``python -m shards --port P [--host H] ...``: run one 12/CHP shard server.
+"""``python -m clonemap.shards --port P [--host H] ...``: run one 12/CHP shard server.
 
-    python -m shards --port P                               standalone (active at once)
-    python -m shards --port P  --primary --peer HOST:P2     Binary Star primary
-    python -m shards --port P2 --backup  --peer HOST:P      Binary Star backup
+    python -m clonemap.shards --port P                               standalone (active at once)
+    python -m clonemap.shards --port P  --primary --peer HOST:P2     Binary Star primary
+    python -m clonemap.shards --port P2 --backup  --peer HOST:P      Binary Star backup
     ... [--shard NAME] [--control tcp://HOST:PORT] [--parent-pid PID]
     ... [--routing JSON --shard-index I]                    drop keys shard I does not own
 
@@ -28,26 +28,26 @@ import sys
 
 import click
 
-from shards.common.endpoints import MAX_IO_THREADS
-from shards.common.errors import ConfigError, Exit, os_error_text
-from shards.common.memory import return_large_frees
-from shards import coord, streams
-from shards.pair import BinaryStar
-from shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES
-from shards.common.proto import chp
-from shards.common.security import Security
-from shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES
-from shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES
-from shards.serve import (bind_and_serve, disk_exit, parse_cpus, peer_arg, routing_arg,
+from clonemap.shards.common.endpoints import MAX_IO_THREADS
+from clonemap.shards.common.errors import ConfigError, Exit, os_error_text
+from clonemap.shards.common.memory import return_large_frees
+from clonemap.shards import coord, streams
+from clonemap.shards.pair import BinaryStar
+from clonemap.shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES
+from clonemap.shards.common.proto import chp
+from clonemap.shards.common.security import Security
+from clonemap.shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES
+from clonemap.shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES
+from clonemap.shards.serve import (bind_and_serve, disk_exit, parse_cpus, peer_arg, routing_arg,
                           shard_arg)
-from shards.common.timing import HEARTBEAT_S
-from shards.server import ShardServer
-from shards.server_config import (CLOCK_S, COLLECT_BATCH, COLLECT_RCVHWM, DEDUP_BYTES, DEDUP_S,
+from clonemap.shards.common.timing import HEARTBEAT_S
+from clonemap.shards.server import ShardServer
+from clonemap.shards.server_config import (CLOCK_S, COLLECT_BATCH, COLLECT_RCVHWM, DEDUP_BYTES, DEDUP_S,
                                   MAX_ACTIVE_SNAPSHOTS, PUB_SNDHWM, SNAPSHOT_CHUNK,
                                   SNAPSHOT_HELD_BYTES, SNAPSHOT_SNDHWM, SNAPSHOT_STALL_S,
                                   ServerConfig)
 
-log = logging.getLogger("shards")
+log = logging.getLogger("clonemap.shards")
 _DEFAULT = chp.Limits()
 def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str,
              compact_min_bytes: int, compact_ratio: float, min_free_bytes: int) -> None:
@@ -60,8 +60,8 @@ def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str,
     else holds its map); a Binary Star server moves the files aside and starts empty,
     serving only after it has copied its peer's map (``persist.quarantine``), so one
     bad disk never keeps a shard down while its peer holds the map."""
-    from shards import persist
-    from shards.persist import recovery
+    from clonemap.shards import persist
+    from clonemap.shards.persist import recovery
 
     where = (shard, server.role.name, server.config.port)
     pair = server.role if isinstance(server.role, BinaryStar) else None
@@ -336,7 +336,7 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
             click.echo(f"shards: {exc}", err=True)
             sys.exit(Exit.USAGE)
     if data_dir is not None:
-        from shards.persist import writer as persist_writer
+        from clonemap.shards.persist import writer as persist_writer
 
         _recover(server, shard, data_dir, fsync, persist_writer.COMPACT_MIN_BYTES
                  if compact_min_bytes is None else compact_min_bytes,

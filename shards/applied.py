@@ -4,7 +4,7 @@ passed in.
 Every update a server applies with a UUID is recorded as ``uuid -> sequence``. A write
 sent again (a client's resend after an outage, a conditional write retried on the new
 active) whose UUID is still recorded is not applied again: the server answers with the
-sequence of the first application (``shards.requests``) or drops it, counted
+sequence of the first application (``clonemap.shards.requests``) or drops it, counted
 ``duplicate`` (a plain KVSET on the collector).
 
 Bounded in entries (from bytes) and in age, with two generations of plain dicts: new
@@ -19,7 +19,7 @@ chunk per ``tick``), not at once: dropping 65,536 entries in one go took the ser
 Where it lives: the active records what it applies; the log records each update's UUID,
 a snapshot file the table as of its sequence, so a restarted server recovers it; a
 passive records the UUIDs of the KVPUBs it replicates, and copies the table with the
-BSTAR-TTL table when it synchronises (``shards.common.proto.bstar_ttl``).
+BSTAR-TTL table when it synchronises (``clonemap.shards.common.proto.bstar_ttl``).
 """
 from __future__ import annotations
 

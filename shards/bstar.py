@@ -72,7 +72,7 @@ Rules (``TABLE``; rows are this server's state, columns the event)::
         backup's map (the crossed-roles rule).
     TICK in any state: PublishState when the heartbeat is due.
 
-Leased mode (``Config.leased``: the pair is coordinated by a lease in etcd, ``shards.coord``;
+Leased mode (``Config.leased``: the pair is coordinated by a lease in etcd, ``clonemap.shards.coord``;
 used where the two servers are on different hosts)::
 
     (L1) every rule above that would make this server ACTIVE instead sets ``wants_lease``
@@ -96,7 +96,7 @@ Decisions the architecture leaves open:
   (else a client's vote right after a restart would cause a needless dual active).
 * term: how many takeovers this server knows of. A server that becomes ACTIVE takes
   max(known) + 1; a PASSIVE server (or one going passive) adopts any higher term it
-  hears. A durable server starts with the term it persisted (``shards.persist``). The side that took
+  hears. A durable server starts with the term it persisted (``clonemap.shards.persist``). The side that took
   over most recently has the higher term, so after a freeze (SIGSTOP/SIGCONT) or a healed
   partition the stale active exits and the one the clients moved to keeps the data. Both
   exiting (the guide's rule) would restart both empty and lose the shard's data.
@@ -113,8 +113,8 @@ import enum
 from dataclasses import dataclass, replace
 from typing import Union
 
-from shards.common.proto.bstar import Role, State, StateMessage
-from shards.common.timing import HEARTBEAT_S
+from clonemap.shards.common.proto.bstar import Role, State, StateMessage
+from clonemap.shards.common.timing import HEARTBEAT_S
 
 PEER_EXPIRY_HEARTBEATS = 2
 
@@ -181,7 +181,7 @@ class Config:
     shard: str = ""
     split_brain_survivor: bool = True
     leased: bool = False
-    """The pair is coordinated through a lease (``shards.coord``): see *Leased mode*."""
+    """The pair is coordinated through a lease (``clonemap.shards.coord``): see *Leased mode*."""
 
     def __post_init__(self):
         if not self.heartbeat_s > 0:

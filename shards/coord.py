@@ -7,7 +7,7 @@ etcd://HOST:PORT[,HOST:PORT...]`` a pair server may be ACTIVE only while it hold
 shard's lease in etcd, an existing consensus service; nothing here votes, counts a
 quorum or orders writes: etcd does (the decision record is in shards/README.md).
 
-How it is used (``shards.pair`` drives it, ``shards.bstar`` says when it is wanted):
+How it is used (``clonemap.shards.pair`` drives it, ``clonemap.shards.bstar`` says when it is wanted):
 
 * **Acquire**: grant a lease of ``lease_s``, then one transaction: if the key
   ``clonemap/<name>/active`` does not exist, put this server's name under the lease. It
@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 from urllib.parse import urlsplit
 
-log = logging.getLogger("shards.coord")
+log = logging.getLogger("clonemap.shards.coord")
 
 LEASE_S = 5.0
 """Default lease: the longest a dead active's shard waits for its passive (plus

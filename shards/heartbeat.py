@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from shards.common import zio
-from shards.common.proto import chp
-from shards.history import WIDTH as KVPUB_FRAMES
+from clonemap.shards.common import zio
+from clonemap.shards.common.proto import chp
+from clonemap.shards.history import WIDTH as KVPUB_FRAMES
 
 if TYPE_CHECKING:
-    from shards.server import ShardServer
+    from clonemap.shards.server import ShardServer
 
 SUBSCRIPTION_CHECK_S = 0.05
 """How often the publisher is checked for new subscriptions besides its FD's edges."""

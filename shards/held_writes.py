@@ -2,13 +2,13 @@
 
 A passive server hears every KVSET twice: once from the client on its own collector, and
 once, re-published as a KVPUB with the same UUID, from the active's P+1. The pending table
-(``shards.pending.PendingTable``, keyed by UUID, bounded by count, bytes and age, O(1))
+(``clonemap.shards.pending.PendingTable``, keyed by UUID, bounded by count, bytes and age, O(1))
 matches them: while not active, every valid KVSET heard here is held until the active's
 KVPUB with the same UUID arrives. It is held decoded (``HeldWrite``), as the active would
 apply it: a relative ``ttl`` turned into an absolute expiry at arrival, so an update
 applied at takeover expires when the client meant; the write terms (``reply=``) kept
 apart from the properties its KVPUB will carry. The table is emptied when a
-synchronisation starts (``shards.replica``): what was heard before it is in the snapshot
+synchronisation starts (``clonemap.shards.replica``): what was heard before it is in the snapshot
 (or was never taken by the active). A KVSET with an empty UUID cannot be matched: it is
 not tracked (``pending.untracked``), never an error. A KVSET for a key this shard does
 not own (``--routing``) is not held: it is dropped and counted ``not_owner``, as the
@@ -26,13 +26,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from shards.common.errors import ProtocolError
-from shards.common.proto import chp
-from shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES, HeldWrite, PendingTable
-from shards.store import ttl_props
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.proto import chp
+from clonemap.shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES, HeldWrite, PendingTable
+from clonemap.shards.store import ttl_props
 
 if TYPE_CHECKING:
-    from shards.server import ShardServer
+    from clonemap.shards.server import ShardServer
 
 PENDING_GRACE_HEARTBEATS = 2
 PENDING_GRACE_MIN_S = 1.0

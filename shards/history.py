@@ -16,7 +16,7 @@ from __future__ import annotations
 import struct
 from collections import deque
 
-from shards.common.zio import untrack_frames
+from clonemap.shards.common.zio import untrack_frames
 
 MAX_UPDATES = 100_000
 MAX_BYTES = 64 << 20

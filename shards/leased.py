@@ -1,7 +1,7 @@
 """What a lease adds to a Binary Star server: a pair across hosts (``--coordination``).
 
-The pair holds a lease in etcd (``shards.coord``; the machine's leased rules L1-L4 in
-``shards.bstar``). This part of a ``shards.pair.BinaryStar`` server:
+The pair holds a lease in etcd (``clonemap.shards.coord``; the machine's leased rules L1-L4 in
+``clonemap.shards.bstar``). This part of a ``clonemap.shards.pair.BinaryStar`` server:
 
 * hands the lease's changes (from its thread) to the loop, and steps the machine with
   ``LEASE_ACQUIRED`` / ``LEASE_LOST``, with a timer at the fencing deadline;
@@ -17,7 +17,7 @@ The pair holds a lease in etcd (``shards.coord``; the machine's leased rules L1-
   (or waits on) the lease's acquire, answered at the takeover instead of after the
   client's own snapshot timeout.
 
-The active's side of synchronous replication itself is ``shards.sync_link``.
+The active's side of synchronous replication itself is ``clonemap.shards.sync_link``.
 """
 from __future__ import annotations
 
@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from shards import bstar, coord
-from shards.common import zio
-from shards.common.proto.bstar import FOLLOW
+from clonemap.shards import bstar, coord
+from clonemap.shards.common import zio
+from clonemap.shards.common.proto.bstar import FOLLOW
 
 if TYPE_CHECKING:
-    from shards.pair import BinaryStar
+    from clonemap.shards.pair import BinaryStar
 
-log = logging.getLogger("shards.pair")
+log = logging.getLogger("clonemap.shards.pair")
 
 DEFERRED_MAX = 256
 """Votes kept while the lease is being acquired (one per requester, the latest), and
@@ -210,7 +210,7 @@ class Leased:
         pair.link.on_follow(identity, int.from_bytes(seq_frame, "big"))
 
     def on_confirmation(self, frames: list[bytes]) -> None:
-        """``BSTAR-HAVE LINK SEQ`` from the peer's P+3 (``shards.sync_link``)."""
+        """``BSTAR-HAVE LINK SEQ`` from the peer's P+3 (``clonemap.shards.sync_link``)."""
         pair = self.pair
         if len(frames) != 3 or len(frames[2]) != 8 or not frames[1]:
             pair.server.drops.drop("peer_bad_confirmation", f"{len(frames)}-frame BSTAR-HAVE")

@@ -1,5 +1,5 @@
-"""A Binary Star server: the ``BinaryStar`` role of a ``shards.server.ShardServer``,
-driven by the pure machine in ``shards.bstar``.
+"""A Binary Star server: the ``BinaryStar`` role of a ``clonemap.shards.server.ShardServer``,
+driven by the pure machine in ``clonemap.shards.bstar``.
 
 Sockets beyond the reactor's P, P+1, P+2 (all on the server's context and loop)::
 
@@ -11,9 +11,9 @@ Sockets beyond the reactor's P, P+1, P+2 (all on the server's context and loop):
     peer P   DEALER  the link (BSTAR-FOLLOW out, BSTAR-UPD in): synchronous replication
 
 With ``--coordination`` (a pair across hosts) the pair also holds a lease in etcd
-(``shards.leased``; the machine's leased rules L1-L4): ``fenced`` stops every publish past
+(``clonemap.shards.leased``; the machine's leased rules L1-L4): ``fenced`` stops every publish past
 the lease's deadline, and with synchronous replication (``park_for_peer``, the active's
-side in ``shards.sync_link``) a batch's KVPUBs and replies wait until the passive confirms
+side in ``clonemap.shards.sync_link``) a batch's KVPUBs and replies wait until the passive confirms
 it holds the batch, or until this server has recorded in etcd that it goes on alone
 (shards/README.md, *Pairs across hosts*).
 
@@ -22,20 +22,20 @@ The role performs the machine's effects:
 * ``PublishState``: publish the state message (with this server's sequence) on P+3.
 * ``BecameActive``: stop following, first handling whatever the dead active's stream still
   holds in the SUB (``Follower.drain``), ``set_active(True)``, then apply and publish the
-  writes still held (``shards.held_writes``), in arrival order, continuing the sequence.
+  writes still held (``clonemap.shards.held_writes``), in arrival order, continuing the sequence.
   The TTL timer is armed for the replica's absolute expiry times.
 * ``BecamePassive``: ``set_active(False)`` and synchronise the replica (``Follower``).
 * ``AcceptRequest`` / ``RefuseRequest``: the answer of ``admit_snapshot_request`` (an
   ICANHAZ is the client's vote; a refused one is not answered at all).
-* ``Fatal``: log one clear line, stop serving and set ``done``; ``python -m shards`` exits 1.
+* ``Fatal``: log one clear line, stop serving and set ``done``; ``python -m clonemap.shards`` exits 1.
 * ``SplitBrainSurvived``: log it; ``IgnoredPeer``: counted as a drop.
 
-Writes heard while passive (``shards.held_writes``): every valid KVSET heard on this
+Writes heard while passive (``clonemap.shards.held_writes``): every valid KVSET heard on this
 server's collector is held, decoded, until the active's KVPUB with the same UUID arrives;
 at takeover what is left is applied, except what is stale.
 
-Active side: a ``BSTAR-TTL?`` request on P (``shards.replica``) is answered with the
-absolute expiry times (``shards.ttl_table``), so a passive's snapshot keeps its TTLs.
+Active side: a ``BSTAR-TTL?`` request on P (``clonemap.shards.replica``) is answered with the
+absolute expiry times (``clonemap.shards.ttl_table``), so a passive's snapshot keeps its TTLs.
 """
 from __future__ import annotations
 
@@ -45,24 +45,24 @@ import os
 
 import zmq
 
-from shards import bstar, coord
+from clonemap.shards import bstar, coord
 
-from shards.common import zio
-from shards.common.errors import ProtocolError
-from shards.held_writes import HeldWrites
-from shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES
-from shards.common.proto import bstar as wire
-from shards.common.proto import bstar_ttl
-from shards.common.proto.bstar import FOLLOW, HAVE
-from shards.replica import Follower
-from shards.leased import Leased
-from shards.pair_map import PairMap
-from shards.sync_link import SyncLink
-from shards.ttl_table import TtlTables
-from shards.server import ShardServer
-from shards.server_config import ServerConfig
+from clonemap.shards.common import zio
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.held_writes import HeldWrites
+from clonemap.shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES
+from clonemap.shards.common.proto import bstar as wire
+from clonemap.shards.common.proto import bstar_ttl
+from clonemap.shards.common.proto.bstar import FOLLOW, HAVE
+from clonemap.shards.replica import Follower
+from clonemap.shards.leased import Leased
+from clonemap.shards.pair_map import PairMap
+from clonemap.shards.sync_link import SyncLink
+from clonemap.shards.ttl_table import TtlTables
+from clonemap.shards.server import ShardServer
+from clonemap.shards.server_config import ServerConfig
 
-log = logging.getLogger("shards.pair")
+log = logging.getLogger("clonemap.shards.pair")
 
 STATE_OFFSET = 3
 """The state PUB is on P+3."""
@@ -96,7 +96,7 @@ def pair_server(config: ServerConfig, **options) -> ShardServer:
 
 class BinaryStar:
     """The role of one server of a Binary Star pair (``role`` "primary" or "backup"):
-    see the module doc, and ``shards.roles`` for what the reactor asks of it."""
+    see the module doc, and ``clonemap.shards.roles`` for what the reactor asks of it."""
 
     decides_writes = True
     expires_keys = True
@@ -118,7 +118,7 @@ class BinaryStar:
         self.shard = shard
         self.peer = peer
         self.held = HeldWrites(pending_max, pending_age_s, pending_max_bytes)
-        """Writes heard while passive, applied at takeover (``shards.held_writes``)."""
+        """Writes heard while passive, applied at takeover (``clonemap.shards.held_writes``)."""
         self.split_brain_survivor = split_brain_survivor
         self.machine: bstar.Machine | None = None
         self.fatal = ""
@@ -135,10 +135,10 @@ class BinaryStar:
         self.follower: Follower | None = None
         """The passive's replica of the active's map (made in ``attach``)."""
         self.ttl_tables: TtlTables | None = None
-        """BSTAR-TTL replies being streamed (``shards.ttl_table``; made in ``attach``)."""
+        """BSTAR-TTL replies being streamed (``clonemap.shards.ttl_table``; made in ``attach``)."""
         self.map = PairMap(self)
         """This server's map: its term history, the copy its follower installs and
-        updates (``shards.pair_map``)."""
+        updates (``clonemap.shards.pair_map``)."""
         if replication not in ("sync", "async"):
             raise ValueError(f"replication must be sync or async, not {replication!r}")
         self.sync = bool(coordination) and replication == "sync"
@@ -147,7 +147,7 @@ class BinaryStar:
         doc); without a lease, Binary Star's asynchronous replica as before."""
         self.leased: Leased | None = None
         """Leased mode (``--coordination``): the lease, the fence and what waits for them
-        (``shards.leased``)."""
+        (``clonemap.shards.leased``)."""
         if coordination:
             self.leased = Leased(self, coordination, lease_s=lease_s,
                                  lease_name=lease_name or f"shard-{shard}", sync=self.sync)
@@ -155,7 +155,7 @@ class BinaryStar:
         """A leased pair is asked before each batch: fenced past its lease, parked until
         the passive confirms (synchronous replication)."""
         self.link: SyncLink | None = None
-        """The active's side of synchronous replication (``shards.sync_link``); what a
+        """The active's side of synchronous replication (``clonemap.shards.sync_link``); what a
         fenced server keeps unpublished waits there too, whatever the replication."""
         self.unacknowledged_dropped = 0
         """Updates applied and never published (so never acknowledged), dropped when this
@@ -244,7 +244,7 @@ class BinaryStar:
 
     def fenced(self) -> bool:
         """Asked before publishing anything (``gates_publish``): past the lease's
-        deadline nothing goes out (``shards.leased``)."""
+        deadline nothing goes out (``clonemap.shards.leased``)."""
         return self.leased is not None and self.leased.fenced()
 
     def _perform(self, effect, now: float) -> bool:
@@ -364,7 +364,7 @@ class BinaryStar:
                                                  beats - 1)
 
     def on_compacted(self, job) -> None:
-        """A snapshot is whole on disk (``shards.pair_map``)."""
+        """A snapshot is whole on disk (``clonemap.shards.pair_map``)."""
         self.map.on_compacted(job)
 
     # ================================================================ the reactor's questions
@@ -426,8 +426,8 @@ class BinaryStar:
         return count
 
     def on_snapshot_request(self, frames: list[bytes]) -> None:
-        """A message on P: the passive's BSTAR-TTL? (``shards.ttl_table``), its link's
-        BSTAR-FOLLOW (``shards.leased``), or a client's ICANHAZ (its vote)."""
+        """A message on P: the passive's BSTAR-TTL? (``clonemap.shards.ttl_table``), its link's
+        BSTAR-FOLLOW (``clonemap.shards.leased``), or a client's ICANHAZ (its vote)."""
         if len(frames) == 2 and frames[1] == bstar_ttl.REQUEST:
             self.ttl_tables.on_request(frames[0], tuple(self.map.history))
             return

@@ -1,9 +1,9 @@
 """A Binary Star server's map, as the pair sees it: its term history, and the copy its
-follower keeps (``PairMap`` is the ``shards.replica.ReplicaSink`` of a pair's passive).
+follower keeps (``PairMap`` is the ``clonemap.shards.replica.ReplicaSink`` of a pair's passive).
 
 * **Terms.** Each takeover starts a term; the history ``(term, first sequence)`` of the
   map's terms is saved beside its data (``DataDir.save_terms``) and compared by a
-  restarted server with its peer's (``shards.persist.fork_point``): updates of its own
+  restarted server with its peer's (``clonemap.shards.persist.fork_point``): updates of its own
   that the active's map never had are kept in a ``dropped-*`` file, never served.
 * **The copy.** The active's updates are applied with their sequences, logged, kept for
   resumes (a client that fails over resumes instead of taking a snapshot) and their
@@ -20,16 +20,16 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from shards import bstar
-from shards.common.proto import chp
-from shards.persist.recovery import fork_point
-from shards.snapshots import largest_entry
-from shards.store import Store
+from clonemap.shards import bstar
+from clonemap.shards.common.proto import chp
+from clonemap.shards.persist.recovery import fork_point
+from clonemap.shards.snapshots import largest_entry
+from clonemap.shards.store import Store
 
 if TYPE_CHECKING:
-    from shards.pair import BinaryStar
+    from clonemap.shards.pair import BinaryStar
 
-log = logging.getLogger("shards.pair")
+log = logging.getLogger("clonemap.shards.pair")
 
 
 class PairMap:
@@ -136,7 +136,7 @@ class PairMap:
             return
         self.install_job = None
         if self.needs_peer and self.pair.server.persist is not None:
-            from shards.persist.recovery import peer_copy_written
+            from clonemap.shards.persist.recovery import peer_copy_written
 
             peer_copy_written(self.pair.server.persist.path)
             self.needs_peer = False

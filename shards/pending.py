@@ -38,9 +38,9 @@ when it arrives from the active, and a client update with no UUID that the activ
 published is lost on failover. clonemap's clients always send a UUID.
 
 Entries carry their arrival time (``Pending.added_at``): the table ages them out after
-``max_age_s``, and at takeover ``shards.pair`` drops as stale an entry heard long before
+``max_age_s``, and at takeover ``clonemap.shards.pair`` drops as stale an entry heard long before
 the old active's last message (the active had time to publish it and did not). A
-relative TTL was already made absolute when the update was held (``shards.pair``).
+relative TTL was already made absolute when the update was held (``clonemap.shards.pair``).
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ MAX_BYTES = 64 << 20
 
 
 class HeldWrite(NamedTuple):
-    """A client's write as a passive holds it (``shards.pair``): checked and decoded, its
+    """A client's write as a passive holds it (``clonemap.shards.pair``): checked and decoded, its
     relative ``ttl`` already made absolute (``expiry_s``), its properties as its KVPUB
     will carry them; applied as they are at a takeover (``ShardServer.apply_write``)."""
     key: bytes

@@ -1,7 +1,7 @@
 """A relay: a last-value cache that fans one shard out to many clients.
 
 To the shard, a relay is one more subscriber. It follows the pair's active server the
-way a passive server does (``shards.replica.Follower``: the TTL table, a snapshot, then
+way a passive server does (``clonemap.shards.replica.Follower``: the TTL table, a snapshot, then
 the live stream with the shard's own sequences). To its clients it is a standalone 12/CHP
 server on its own port base, P..P+2:
 
@@ -35,24 +35,24 @@ import sys
 import click
 import zmq
 
-from shards import replica_machine as rm
-from shards.common import zio
-from shards.common.endpoints import MAX_IO_THREADS
-from shards.common.errors import ProtocolError
-from shards.common.proto import chp
-from shards.replica import Follower, expires_of
-from shards.server import ShardServer
-from shards.server_config import ServerConfig
-from shards.store import Store
-from shards.serve import bind_and_serve, parse_cpus, routing_arg
-from shards.common.memory import return_large_frees
-from shards.common import timing
-from shards.common.errors import ConfigError, Exit
-from shards.common.security import Security
-from shards.common.timing import HEARTBEAT_S
-from shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES
+from clonemap.shards import replica_machine as rm
+from clonemap.shards.common import zio
+from clonemap.shards.common.endpoints import MAX_IO_THREADS
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.proto import chp
+from clonemap.shards.replica import Follower, expires_of
+from clonemap.shards.server import ShardServer
+from clonemap.shards.server_config import ServerConfig
+from clonemap.shards.store import Store
+from clonemap.shards.serve import bind_and_serve, parse_cpus, routing_arg
+from clonemap.shards.common.memory import return_large_frees
+from clonemap.shards.common import timing
+from clonemap.shards.common.errors import ConfigError, Exit
+from clonemap.shards.common.security import Security
+from clonemap.shards.common.timing import HEARTBEAT_S
+from clonemap.shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES
 
-log = logging.getLogger("shards.relay")
+log = logging.getLogger("clonemap.shards.relay")
 
 SYNC_TIMEOUT_S = 5.0
 TICK_S = 0.1

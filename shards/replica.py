@@ -1,13 +1,13 @@
 """The passive server's replica: a snapshot from the active, then the active's P+1 stream.
 
 A ``Follower`` runs on a server's reactor (its loop, context and security) and writes the
-copy into a ``ReplicaSink``: a passive Binary Star server (``shards.pair.BinaryStar``) or a
-relay (``shards.relay.Relay``). It owns two sockets on the loop:
+copy into a ``ReplicaSink``: a passive Binary Star server (``clonemap.shards.pair.BinaryStar``) or a
+relay (``clonemap.shards.relay.Relay``). It owns two sockets on the loop:
 
     DEALER -> the active's P     BSTAR-TTL? and ICANHAZ? "" (the whole map)
     SUB    -> the active's P+1   KVPUB, HUGZ (subscribed to everything, connected at start)
 
-The rules are the pure machine ``shards.replica_machine`` (phases, the T..S check,
+The rules are the pure machine ``clonemap.shards.replica_machine`` (phases, the T..S check,
 deadlines, retries); this module is its I/O shell: sockets, the buffer, the TTL table and
 the store being built. Synchronisation (``start_sync``), a state with a deadline, never a
 blocking loop:
@@ -15,9 +15,9 @@ blocking loop:
 1. Every KVPUB heard from now on is buffered (bounded: ``buffer_max``) and its UUID
    confirmed in the pending table, when the follower has one (a passive's). The pending
    table was emptied just before: updates heard before the sync began are covered by the
-   snapshot or lost with the old active (see ``shards.pair``).
+   snapshot or lost with the old active (see ``clonemap.shards.pair``).
 2. The DEALER sends ``BSTAR-TTL?``. The active streams its absolute expiry times (and
-   its map's generation), a point-in-time copy at its current sequence T, in chunks (``shards.common.proto.bstar_ttl``: a
+   its map's generation), a point-in-time copy at its current sequence T, in chunks (``clonemap.shards.common.proto.bstar_ttl``: a
    KVSYNC carries no properties, so a snapshot alone would turn every TTL key into a
    permanent one). At the last chunk the DEALER sends ``ICANHAZ?`` and the active streams
    the snapshot at sequence S >= T: KVSYNC*, KTHXBAI.
@@ -36,7 +36,7 @@ No reply for ``sync_timeout_s`` (each reply restarts it) or a malformed reply al
 the sync over on a fresh DEALER. ``drain()`` reads whatever the SUB still holds, so a
 server that takes over first applies everything the dead active managed to publish.
 
-The BSTAR-TTL frames are in ``shards.common.proto.bstar_ttl``.
+The BSTAR-TTL frames are in ``clonemap.shards.common.proto.bstar_ttl``.
 """
 from __future__ import annotations
 
@@ -46,19 +46,19 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import zmq
 
-from shards.common import zio
-from shards.common.errors import ProtocolError
-from shards import replica_machine as rm
-from shards.byte_marks import INITIAL_MARK, MESSAGE_OVERHEAD, derive
-from shards.common.proto import bstar_ttl, chp
-from shards.common.proto.bstar import FOLLOW, UPDATES
-from shards.pending import PendingTable
-from shards.store import Store
+from clonemap.shards.common import zio
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards import replica_machine as rm
+from clonemap.shards.byte_marks import INITIAL_MARK, MESSAGE_OVERHEAD, derive
+from clonemap.shards.common.proto import bstar_ttl, chp
+from clonemap.shards.common.proto.bstar import FOLLOW, UPDATES
+from clonemap.shards.pending import PendingTable
+from clonemap.shards.store import Store
 
 if TYPE_CHECKING:
-    from shards.server import ShardServer
+    from clonemap.shards.server import ShardServer
 
-log = logging.getLogger("shards.replica")
+log = logging.getLogger("clonemap.shards.replica")
 
 BUFFER_MAX = 200_000
 """KVPUBs buffered while a snapshot streams; more restart the sync."""
@@ -98,7 +98,7 @@ class ReplicaSink(Protocol):
 
 class Follower:
     """Keeps a ``ReplicaSink`` a replica of the active peer's map: the I/O shell around
-    ``shards.replica_machine`` (see the module doc)."""
+    ``clonemap.shards.replica_machine`` (see the module doc)."""
 
     def __init__(self, sink: ReplicaSink, reactor: "ShardServer", peer_host: str,
                  peer_port: int, *, shard: str, sync_timeout_s: float,
@@ -109,7 +109,7 @@ class Follower:
         """The server whose loop, context and security the follower's sockets use."""
         self.shard = shard
         self.pending = pending
-        """A passive's table of writes heard from clients (``shards.pending``): the
+        """A passive's table of writes heard from clients (``clonemap.shards.pending``): the
         active's KVPUB confirms each; emptied when a sync starts."""
         self.confirm = confirm
         """Synchronous replication (a leased pair): ``confirm(link_id)`` writes what the
@@ -121,7 +121,7 @@ class Follower:
         config = reactor.config
         self.held_bytes = config.writer_held_bytes
         """Byte budget of the active's stream here: the SUB's queue (its mark in messages
-        derived from it and the largest update heard, as ``shards.byte_marks`` does for
+        derived from it and the largest update heard, as ``clonemap.shards.byte_marks`` does for
         the collector) and, separately, the updates buffered during a sync. Counted in
         messages only, a flat-out writer of 8 KB values once took a passive to 1.2 GiB
         (100,000 queued messages) with no subscriber stalled."""

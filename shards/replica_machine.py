@@ -1,7 +1,7 @@
 """The passive server's synchronisation, pure: ``step(state, event, now) -> (state, effects)``.
 
 No sockets, no clock, no store: time comes in as ``now``, decisions go out as effects that
-the I/O shell (``shards.replica.Follower``) performs. The shell keeps the data (the
+the I/O shell (``clonemap.shards.replica.Follower``) performs. The shell keeps the data (the
 buffered KVPUBs, the TTL table, the store being built) and this module keeps the rules.
 
 Phases::

@@ -1,5 +1,5 @@
 """The resume reply: the updates after a client's sequence, from the server's ``History``,
-streamed like a snapshot (a ``shards.streams`` stream: flow control, fair slots). Each is
+streamed like a snapshot (a ``clonemap.shards.streams`` stream: flow control, fair slots). Each is
 a KVSYNC with its own sequence, UUID and properties (an empty value deletes), then a
 KTHXBAI at the server's sequence when the request came, with ``resume=1`` and the map's
 ``term=`` (``chp.kthxbai_props``)."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import zmq
 from zmq.backend import Socket as _BackendSocket
 
-from shards import streams
-from shards.common.proto import chp
+from clonemap.shards import streams
+from clonemap.shards.common.proto import chp
 
 _send = _BackendSocket.send
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
@@ -25,7 +25,7 @@ class ResumeStream:
         self.props = props
         """The KTHXBAI's properties: ``resume=1`` and the map's ``term=``."""
         self.service = service
-        """The ``shards.snapshots.SnapshotService`` it streams for."""
+        """The ``clonemap.shards.snapshots.SnapshotService`` it streams for."""
         self.identity = identity
         self.subtree = subtree
         self.entries = entries

@@ -1,4 +1,4 @@
-"""What a server is for: the part of a ``shards.server.ShardServer`` that differs between a
+"""What a server is for: the part of a ``clonemap.shards.server.ShardServer`` that differs between a
 standalone server, a server of a Binary Star pair and a relay.
 
 The reactor (``ShardServer``) owns the sockets, the store, the log, the publisher, the
@@ -38,7 +38,7 @@ points, what only the role knows::
 A role keeps a reference to its reactor (``attach``) and calls its public methods
 (``apply_write``, ``_flush_log``, ``set_active``, ``publish``, ...). Where the updates come
 from is part of the role too: the reactor's own collector (standalone, an active), or an
-upstream ``shards.replica.Follower`` writing into the role as its ``ReplicaSink`` (a
+upstream ``clonemap.shards.replica.Follower`` writing into the role as its ``ReplicaSink`` (a
 passive, a relay).
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Protocol
 import zmq
 
 if TYPE_CHECKING:
-    from shards.server import ShardServer
+    from clonemap.shards.server import ShardServer
 
 
 class Role(Protocol):
@@ -74,7 +74,7 @@ class Role(Protocol):
 
 class Persisting(Role, Protocol):
     """A role that wants to hear when a compaction's snapshot is whole on disk (the
-    reactor passes ``on_compacted`` to its ``shards.persist.driver.Persistence``)."""
+    reactor passes ``on_compacted`` to its ``clonemap.shards.persist.driver.Persistence``)."""
 
     def on_compacted(self, job) -> None: ...
 

@@ -1,8 +1,8 @@
-"""Running one server process: the option parsers ``python -m shards`` and ``python -m
+"""Running one server process: the option parsers ``python -m clonemap.shards`` and ``python -m
 shards.relay`` share, the serve loop (signals, the control-plane worker, the parent
 watch, READY), and how it ends (``bind_and_serve``: the exit codes of
-``shards.common.errors.Exit``, a ``DISK_ERROR`` line on a disk error). It was part of
-``shards.__main__``, from which the relay imported private helpers.
+``clonemap.shards.common.errors.Exit``, a ``DISK_ERROR`` line on a disk error). It was part of
+``clonemap.shards.__main__``, from which the relay imported private helpers.
 """
 from __future__ import annotations
 
@@ -18,14 +18,18 @@ import sys
 import click
 import uvloop
 
-from shards.common.errors import ConfigError, Exit, PortInUse
-from shards.common.memory import freeze_startup_objects
-from shards.common.proto.bstar import PEER_DOWN
-from shards.common.routing import ShardMap
-from shards.pair import BinaryStar, parse_peer
-from shards.server import ShardServer
+from clonemap.shards.common.errors import (SERVER_MODULES, ConfigError, Exit, PortInUse,
+                                          require_extra)
 
-log = logging.getLogger("shards")
+require_extra("a shard server", "server", SERVER_MODULES)
+
+from clonemap.shards.common.memory import freeze_startup_objects
+from clonemap.shards.common.proto.bstar import PEER_DOWN
+from clonemap.shards.common.routing import ShardMap
+from clonemap.shards.pair import BinaryStar, parse_peer
+from clonemap.shards.server import ShardServer
+
+log = logging.getLogger("clonemap.shards")
 
 PARENT_POLL_S = 0.5
 FATAL_EXIT = 1
@@ -116,7 +120,7 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
     server.start()
     worker = None
     if control:
-        from shards.common.mdp.worker import MdpWorker
+        from clonemap.shards.common.mdp.worker import MdpWorker
 
         service = f"shard.{shard}.{server.role.name}"
         def answer(request) -> str:
@@ -171,8 +175,21 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
             await worker.stop()
         stats = server.stats()
         server.close()
-        log.info("stopped; final stats %s", json.dumps(stats))
+        log.info("stopped: %s", stats_summary(stats))
+        log.debug("final stats %s", json.dumps(stats))
     return code
+
+
+def stats_summary(stats: dict) -> str:
+    """One short line of a server's counters for its log (the whole JSON is logged at
+    DEBUG, and served by its control service while it runs)."""
+    drops = stats.get("drops") or {}
+    return (f"seq {stats['seq']}, {stats['keys']} keys, {stats['updates']} updates, "
+            f"{stats.get('snapshots_served', 0)} snapshots served, "
+            f"{stats.get('drops_total', 0)} dropped"
+            + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(drops.items())) + ")"
+               if drops else "")
+            + f", up {stats['uptime_s']:.1f} s")
 
 
 def disk_exit(shard: str, role: str, port: int, why: str) -> int:

@@ -4,11 +4,11 @@
     P+1  XPUB    publisher: KVPUB, HUGZ (and one HUGZ for each new subscription)
     P+2  SUB     collector: KVSET (subscribed to everything)
 
-It is composed of parts: a role (``shards.roles``: standalone, a Binary Star pair's
+It is composed of parts: a role (``clonemap.shards.roles``: standalone, a Binary Star pair's
 server, a relay) that decides what differs between them; the context and its sockets
-(``shards.server_sockets``); the snapshot service on P (``shards.snapshots``); the HUGZ
-(``shards.heartbeat``); the data directory (``shards.persist.driver``); the TTL timer
-(``shards.expiry``). What stays here is the write path and its publish:
+(``clonemap.shards.server_sockets``); the snapshot service on P (``clonemap.shards.snapshots``); the HUGZ
+(``clonemap.shards.heartbeat``); the data directory (``clonemap.shards.persist.driver``); the TTL timer
+(``clonemap.shards.expiry``). What stays here is the write path and its publish:
 
 * ``on_collect``: a KVSET (drained in capped batches by ``zio.AsyncSocket``) is checked,
   applied to the ``Store`` and held as a KVPUB with the next sequence, UUID and
@@ -16,7 +16,7 @@ server, a relay) that decides what differs between them; the context and its soc
   after the batch (``_flush_log``) the log is written (and fsynced under ``always``),
   then the batch's KVPUBs go out in one burst, then the replies to writers that asked.
   A role that gates publishing (a leased pair) may hold the batch back first.
-* expiries (``shards.expiry``): due keys are deleted and each delete is published as a
+* expiries (``clonemap.shards.expiry``): due keys are deleted and each delete is published as a
   KVPUB with an empty value, empty UUID and empty properties.
 
 Malformed input anywhere is counted by ``ProtocolError.reason`` (``DropCounter``), logged
@@ -46,26 +46,26 @@ import psutil
 import zmq
 from zmq.backend import Socket as _BackendSocket
 
-from shards.applied import APPLY, DUPLICATE, AppliedUuids, decide
-from shards.history import History
-from shards.byte_marks import ByteMarks
-from shards.common import zio
-from shards.common.drops import DropCounter
-from shards.common.errors import ProtocolError, os_error_text
-from shards.common.proto import chp
-from shards.common.routing import OwnerCache
-from shards.common.security import Security
-from shards.store import Store, ttl_props
-from shards.server_config import ServerConfig, new_generation
-from shards.snapshots import SnapshotService, largest_entry
-from shards.persist.driver import PERSIST_TICK_S, Persistence
-from shards.roles import Role, Standalone
-from shards.heartbeat import Heartbeat
-from shards.expiry import Expiry
-from shards.server_stats import server_stats
-from shards.server_sockets import ServerSockets
+from clonemap.shards.applied import APPLY, DUPLICATE, AppliedUuids, decide
+from clonemap.shards.history import History
+from clonemap.shards.byte_marks import ByteMarks
+from clonemap.shards.common import zio
+from clonemap.shards.common.drops import DropCounter
+from clonemap.shards.common.errors import ProtocolError, os_error_text
+from clonemap.shards.common.proto import chp
+from clonemap.shards.common.routing import OwnerCache
+from clonemap.shards.common.security import Security
+from clonemap.shards.store import Store, ttl_props
+from clonemap.shards.server_config import ServerConfig, new_generation
+from clonemap.shards.snapshots import SnapshotService, largest_entry
+from clonemap.shards.persist.driver import PERSIST_TICK_S, Persistence
+from clonemap.shards.roles import Role, Standalone
+from clonemap.shards.heartbeat import Heartbeat
+from clonemap.shards.expiry import Expiry
+from clonemap.shards.server_stats import server_stats
+from clonemap.shards.server_sockets import ServerSockets
 
-log = logging.getLogger("shards.server")
+log = logging.getLogger("clonemap.shards.server")
 
 
 _send = _BackendSocket.send
@@ -82,8 +82,8 @@ class ShardServer:
     def __init__(self, config: ServerConfig, role: Role | None = None):
         self.config = config
         self.role: Role = role if role is not None else Standalone()
-        """What this server is for (``shards.roles``): standalone, a server of a Binary
-        Star pair (``shards.pair.BinaryStar``) or a relay (``shards.relay.Relay``)."""
+        """What this server is for (``clonemap.shards.roles``): standalone, a server of a Binary
+        Star pair (``clonemap.shards.pair.BinaryStar``) or a relay (``clonemap.shards.relay.Relay``)."""
         self.store = Store()
         self.generation = new_generation()
         """The map's generation token, announced in every clock HUGZ (``gen=``): a map
@@ -93,7 +93,7 @@ class ShardServer:
         """CURVE keys (``--keys-dir``): set before ``bind``."""
         self.persist: Persistence | None = None
         """The data directory on this server's loop when it persists (``--data-dir``;
-        ``shards.persist.driver``)."""
+        ``clonemap.shards.persist.driver``)."""
         self.disk_error = ""
         """Why the log could not be written (``on_disk_error``); "" while it can."""
         self.disk_failed = asyncio.Event()
@@ -105,13 +105,13 @@ class ShardServer:
         self._held: list[bytes] = []
         """KVPUBs applied (and, when persisting, logged) but not yet published, as one flat
         list of frames (``KVPUB_FRAMES`` to a message: no tuple per update, see
-        ``shards.history``): they go out in order after the collector's batch
+        ``clonemap.shards.history``): they go out in order after the collector's batch
         (``_flush_log``), right after the batch's write (and, with ``fsync: always``, its
         fsync: group commit)."""
         self.active = False
         self.ctx: zmq.Context | None = None
         self.sockets = ServerSockets(self)
-        """The context and the sockets it binds and connects (``shards.server_sockets``)."""
+        """The context and the sockets it binds and connects (``clonemap.shards.server_sockets``)."""
         self.loop: asyncio.AbstractEventLoop | None = None
         self._router_sock: zmq.Socket | None = None
         self._pub: zmq.Socket | None = None
@@ -119,7 +119,7 @@ class ShardServer:
         self._router: zio.AsyncSocket | None = None
         self._collector: zio.AsyncSocket | None = None
         self.heartbeat = Heartbeat(self)
-        """The HUGZ: clock, idle beat, welcomes (``shards.heartbeat``)."""
+        """The HUGZ: clock, idle beat, welcomes (``clonemap.shards.heartbeat``)."""
         limits = config.limits
         self._limits = limits
         self._max_key = limits.max_key
@@ -133,9 +133,9 @@ class ShardServer:
         self._pub_bind_hwm = self.marks.pub_hwm
         """The publisher's mark at ``bind`` (what libzmq gives new peers' pipes)."""
         self.snapshots = SnapshotService(self)
-        """ICANHAZ and resumes on P (``shards.snapshots``)."""
+        """ICANHAZ and resumes on P (``clonemap.shards.snapshots``)."""
         self.applied = AppliedUuids(config.dedup_bytes, config.dedup_s, time.monotonic())
-        """UUIDs applied lately: a write sent again is applied once (``shards.applied``)."""
+        """UUIDs applied lately: a write sent again is applied once (``clonemap.shards.applied``)."""
         self._replies: list[list[bytes]] = []
         """KVREPLYs (identity first) decided in this batch: sent after its KVPUBs."""
         self.writes = {"applied": 0, "duplicate": 0, "conflict": 0, "refused": 0,
@@ -155,7 +155,7 @@ class ShardServer:
         (a wrong config) is told at once instead of timing out on some keys."""
         # timers
         self.expiry = Expiry(self)
-        """The TTL timer (``shards.expiry``)."""
+        """The TTL timer (``clonemap.shards.expiry``)."""
         # counters
         self.started_s = time.monotonic()
         self._process = psutil.Process()
@@ -164,7 +164,7 @@ class ShardServer:
 
     # ================================================================ set-up
     def bind(self) -> None:
-        """Bind P, P+1, P+2 (``shards.server_sockets``), then what the role binds. Raises
+        """Bind P, P+1, P+2 (``clonemap.shards.server_sockets``), then what the role binds. Raises
         ``PortInUse`` naming the endpoint that is taken (everything opened so far is
         closed first)."""
         self.snapshots.entries(largest_entry(self.store))  # a recovered map's
@@ -268,7 +268,7 @@ class ShardServer:
 
     def _note_received(self, frames: list[bytes]) -> None:
         """A message off the fast path: a larger one than any so far lowers the
-        collector's mark (``shards.byte_marks``), valid or not, active or passive."""
+        collector's mark (``clonemap.shards.byte_marks``), valid or not, active or passive."""
         size = sum(map(len, frames))
         if size > self._fast_limit:
             self._lower_mark(self.marks.received(size))
@@ -348,14 +348,14 @@ class ShardServer:
     def reapply_pub_mark(self) -> None:
         """Set a lowered publisher mark again, so that it reaches the pipes of
         subscribers that connected since it was lowered (they got the bind-time mark:
-        ``shards.byte_marks``); a no-op while it is still the bind-time one. Called when
+        ``clonemap.shards.byte_marks``); a no-op while it is still the bind-time one. Called when
         the publisher welcomes new subscriptions (once a loop turn)."""
         if self._pub is not None and self.marks.pub_hwm != self._pub_bind_hwm:
             self._pub.setsockopt(zmq.SNDHWM, self.marks.pub_hwm)
 
     def _lower_mark(self, which: str | None) -> None:
         """A message larger than any so far was read or is about to be published: the
-        marks fell (``shards.byte_marks``), so that a subscriber that reads nothing, or
+        marks fell (``clonemap.shards.byte_marks``), so that a subscriber that reads nothing, or
         a writer, pins at most its byte budget. ``which``: the socket to tell, or None."""
         marks = self.marks
         self._fast_limit = marks.fast_limit
@@ -426,7 +426,7 @@ class ShardServer:
 
     # ================================================================ durability
     def attach_persist(self, data_dir) -> None:
-        """Log every applied update in ``data_dir`` (a ``shards.persist.DataDir``, already
+        """Log every applied update in ``data_dir`` (a ``clonemap.shards.persist.DataDir``, already
         opened after the recovered sequence) from now on."""
         self.persist = Persistence(
             data_dir, flush_held=self._flush_log,
@@ -438,7 +438,7 @@ class ShardServer:
         """The log could not be written or fsynced: a state, not a log line. The server
         stops at once: it acknowledges nothing more (what it holds was never published),
         answers no snapshot (its map may hold updates that are not on disk), and sets
-        ``disk_failed``: ``python -m shards`` then exits with ``Exit.DISK``, its peer
+        ``disk_failed``: ``python -m clonemap.shards`` then exits with ``Exit.DISK``, its peer
         serves, and the supervisor restarts it, recovering from what is on disk, until
         the disk works again."""
         if self.disk_error:
@@ -453,7 +453,7 @@ class ShardServer:
 
     def _persist_tick(self) -> None:
         """Every ``PERSIST_TICK_S``: the data directory's turn (everysec fsync,
-        compactions: ``shards.persist.driver``)."""
+        compactions: ``clonemap.shards.persist.driver``)."""
         self._persist_timer = self.loop.call_later(PERSIST_TICK_S, self._persist_tick)
         if self.persist is not None:
             self.persist.tick()
@@ -475,7 +475,7 @@ class ShardServer:
 
     # ================================================================ periodic duties
     def on_beat(self) -> None:
-        """Every heartbeat (``shards.heartbeat``): heap pages back after snapshots, the
+        """Every heartbeat (``clonemap.shards.heartbeat``): heap pages back after snapshots, the
         applied-UUID table's ageing, and the TTL timer re-armed (a wall-clock step could
         have moved the earliest expiry)."""
         self.snapshots.give_back()
@@ -485,10 +485,10 @@ class ShardServer:
 
     # ================================================================ snapshots
     def on_snapshot_request(self, frames: list[bytes]) -> None:
-        """A message on P (ICANHAZ): ``shards.snapshots.SnapshotService``."""
+        """A message on P (ICANHAZ): ``clonemap.shards.snapshots.SnapshotService``."""
         self.snapshots.on_request(frames)
 
     # ================================================================ stats
     def stats(self) -> dict:
-        """Counters for the control plane (JSON-able): ``shards.server_stats``."""
+        """Counters for the control plane (JSON-able): ``clonemap.shards.server_stats``."""
         return server_stats(self)

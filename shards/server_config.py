@@ -1,17 +1,17 @@
-"""A shard server's settings at run time (``ServerConfig``: what ``python -m shards``'s
+"""A shard server's settings at run time (``ServerConfig``: what ``python -m clonemap.shards``'s
 options become) and the limits derived from them. The YAML config's entry for a server
-is ``shards.common.config.ServerEntry``; the supervisor turns it into these options."""
+is ``clonemap.shards.common.config.ServerEntry``; the supervisor turns it into these options."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 
-from shards import streams
-from shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES
-from shards.common.proto import chp
-from shards.common.routing import ShardMap
-from shards.common.timing import HEARTBEAT_S
-from shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES
+from clonemap.shards import streams
+from clonemap.shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES
+from clonemap.shards.common.proto import chp
+from clonemap.shards.common.routing import ShardMap
+from clonemap.shards.common.timing import HEARTBEAT_S
+from clonemap.shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES
 
 CLOCK_S = 0.5
 """A HUGZ carrying the server clock (ts, seq) at least this often, busy or idle."""
@@ -73,11 +73,11 @@ class ServerConfig:
     pub_sndhwm: int = PUB_SNDHWM
     subscriber_held_bytes: int = SUBSCRIBER_HELD_BYTES
     """Bytes one never-reading subscriber may pin: the publisher's mark in messages is
-    derived from it and the largest message so far (``shards.byte_marks``); 0: off."""
+    derived from it and the largest message so far (``clonemap.shards.byte_marks``); 0: off."""
     writer_held_bytes: int = WRITER_HELD_BYTES
     """The same for what one writer's queued KVSETs may pin in the collector."""
     history_updates: int = HISTORY_UPDATES
-    """Recent updates kept for resumes (``shards.history``); 0: none."""
+    """Recent updates kept for resumes (``clonemap.shards.history``); 0: none."""
     history_bytes: int = HISTORY_BYTES
     collect_rcvhwm: int = COLLECT_RCVHWM
     snapshot_sndhwm: int = SNAPSHOT_SNDHWM
@@ -90,7 +90,7 @@ class ServerConfig:
     """The cluster's routing; None: this server owns every key (standalone use)."""
     shard_index: int = 0
     dedup_bytes: int = DEDUP_BYTES
-    """The table of applied UUIDs (``shards.applied``): its size in bytes ..."""
+    """The table of applied UUIDs (``clonemap.shards.applied``): its size in bytes ..."""
     dedup_s: float = DEDUP_S
     """... and its age: a resend is recognised for at least half of each."""
     io_threads: int = 1

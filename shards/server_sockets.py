@@ -1,12 +1,12 @@
 """A server's ZeroMQ context and the sockets it binds and connects.
 
-``open`` makes the context (and its ZAP handler, ``shards.common.security``) and binds::
+``open`` makes the context (and its ZAP handler, ``clonemap.shards.common.security``) and binds::
 
     P    ROUTER  snapshot:  ICANHAZ? -> KVSYNC* KTHXBAI      (ROUTER_MANDATORY: flow control)
     P+1  XPUB    publisher: KVPUB, HUGZ (verbose: every subscription is read)
     P+2  SUB     collector: KVSET (subscribed to everything)
 
-each with its high-water mark derived from its byte budget (``shards.byte_marks``) and a
+each with its high-water mark derived from its byte budget (``clonemap.shards.byte_marks``) and a
 ``ZMQ_MAXMSGSIZE`` that disconnects a peer sending a frame far beyond every limit before
 libzmq buffers it. A port that is taken raises ``PortInUse`` naming it, everything
 opened so far closed first. Every socket a server or its parts make (``socket``,
@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from shards.common import zio
-from shards.common.errors import PortInUse
-from shards.common.security import Authenticator
-from shards.history import WIDTH as KVPUB_FRAMES
-from shards.server_config import collector_frame_limit, request_frame_limit
+from clonemap.shards.common import zio
+from clonemap.shards.common.errors import PortInUse
+from clonemap.shards.common.security import Authenticator
+from clonemap.shards.history import WIDTH as KVPUB_FRAMES
+from clonemap.shards.server_config import collector_frame_limit, request_frame_limit
 
 if TYPE_CHECKING:
-    from shards.server import ShardServer
+    from clonemap.shards.server import ShardServer
 
 
 class ServerSockets:

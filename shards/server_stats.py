@@ -6,10 +6,10 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from shards.common import zio
+from clonemap.shards.common import zio
 
 if TYPE_CHECKING:
-    from shards.server import ShardServer
+    from clonemap.shards.server import ShardServer
 
 
 def server_stats(server: "ShardServer") -> dict:

@@ -1,5 +1,5 @@
 """A snapshot streamed to one requester (12/CHP's KVSYNC* KTHXBAI), a chunk per loop turn,
-on the server's ``shards.streams.StreamPump``."""
+on the server's ``clonemap.shards.streams.StreamPump``."""
 from __future__ import annotations
 
 import logging
@@ -8,19 +8,19 @@ from typing import TYPE_CHECKING
 import zmq
 from zmq.backend import Socket as _BackendSocket
 
-from shards import streams
-from shards.byte_marks import INITIAL_MARK, derive
-from shards.common import zio
-from shards.common.errors import ProtocolError
-from shards.common.memory import give_back
-from shards.common.proto import chp
-from shards.resume import ResumeStream
-from shards.store import Store
+from clonemap.shards import streams
+from clonemap.shards.byte_marks import INITIAL_MARK, derive
+from clonemap.shards.common import zio
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.memory import give_back
+from clonemap.shards.common.proto import chp
+from clonemap.shards.resume import ResumeStream
+from clonemap.shards.store import Store
 
 if TYPE_CHECKING:
-    from shards.server import ShardServer
+    from clonemap.shards.server import ShardServer
 
-log = logging.getLogger("shards.server")
+log = logging.getLogger("clonemap.shards.server")
 
 _send = _BackendSocket.send
 _send_rows = zio.send_rows
@@ -51,7 +51,7 @@ def largest_entry(store: Store) -> int:
 
 
 class SnapshotStream:
-    """One snapshot being streamed to one ROUTER peer (a ``shards.streams`` stream):
+    """One snapshot being streamed to one ROUTER peer (a ``clonemap.shards.streams`` stream):
     KVSYNCs from a point-in-time cursor, ``chunk`` per turn, then KTHXBAI."""
 
     __slots__ = ("identity", "subtree", "cursor", "seq_frame", "pending", "pos", "chunk",
@@ -148,18 +148,18 @@ class SnapshotStream:
 class SnapshotService:
     """What a server answers on P: ICANHAZ (12/CHP), and our resume extension.
 
-    An ICANHAZ becomes a ``SnapshotStream`` on a ``shards.streams.StreamPump`` (or waits in
+    An ICANHAZ becomes a ``SnapshotStream`` on a ``clonemap.shards.streams.StreamPump`` (or waits in
     its bounded queue): a point-in-time ``SnapshotCursor``, at most ``snapshot_chunk``
     KVSYNCs per requester per loop turn, round-robin, then KTHXBAI. Every KVSYNC carries
     the key's own sequence. The pump's rules apply: a full pipe pauses only that
     requester, one that makes no progress for ``snapshot_stall_s`` is abandoned, one that
     disconnected (EHOSTUNREACH) is dropped; both are counted. A resume request (``since``)
-    is answered from the server's history (``shards.resume``) when it covers it, else by
+    is answered from the server's history (``clonemap.shards.resume``) when it covers it, else by
     a whole snapshot that says ``resume=0``. The role decides whether a request is
     answered at all (``admit_snapshot_request``: a pair's client vote).
 
     Bytes: the ROUTER's mark in messages is each requester's share of
-    ``snapshot_held_bytes`` over the largest entry streamed so far (``shards.byte_marks``),
+    ``snapshot_held_bytes`` over the largest entry streamed so far (``clonemap.shards.byte_marks``),
     lowered before a larger entry is queued and set again for pipes made since."""
 
     def __init__(self, server: "ShardServer"):
@@ -168,7 +168,7 @@ class SnapshotService:
         self.refused = 0
         self.kvsync_sent = 0
         self.resume_sent = 0
-        """Updates sent in resume replies (``shards.resume``), besides ``kvsync_sent``."""
+        """Updates sent in resume replies (``clonemap.shards.resume``), besides ``kvsync_sent``."""
         self.refused_terms = 0
         """Resumes of this map's generation refused because the client's updates came
         from another term past what this map holds (``Role.resumable``)."""

@@ -32,10 +32,10 @@ import heapq
 from itertools import compress, islice
 from typing import Iterator
 
-from shards.common.errors import ProtocolError
-from shards.common.zio import untrack_frames
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.zio import untrack_frames
 
-from shards.common.proto.chp import MAX_TTL_S  # re-exported: the store checks it
+from clonemap.shards.common.proto.chp import MAX_TTL_S  # re-exported: the store checks it
 
 _TTL = b"ttl"
 _EXPIRES = b"expires"

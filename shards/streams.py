@@ -42,7 +42,7 @@ from typing import Callable, Protocol
 
 import zmq
 
-log = logging.getLogger("shards.streams")
+log = logging.getLogger("clonemap.shards.streams")
 
 PROGRESS, DONE, BLOCKED = "progress", "done", "blocked"
 PAUSE_S = 0.001

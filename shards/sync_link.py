@@ -1,10 +1,10 @@
 """Synchronous replication, the active's side: a write is acknowledged only once the
 passive holds it, or once the active has recorded in etcd that it goes on alone.
 
-A Binary Star server (``shards.pair.BinaryStar``) with a lease and ``--replication sync`` owns one ``SyncLink``. The
+A Binary Star server (``clonemap.shards.pair.BinaryStar``) with a lease and ``--replication sync`` owns one ``SyncLink``. The
 server's publish path (``ShardServer._flush_log``, after the batch's log write) calls
 ``park``: the batch's KVPUBs and replies wait in ``awaiting`` and each update goes to the
-passive's link as a ``BSTAR-UPD`` message (``shards.common.proto.bstar``). The passive
+passive's link as a ``BSTAR-UPD`` message (``clonemap.shards.common.proto.bstar``). The passive
 applies them, writes its log and publishes ``BSTAR-HAVE <link> <seq>`` on its state port
 P+3, read by the server's peer SUB: ``on_confirmation`` then publishes, in order, every
 batch up to that sequence. ``BSTAR-FOLLOW`` on P (``on_follow``) only says where batches
@@ -28,11 +28,11 @@ import logging
 
 import zmq
 
-from shards import bstar
-from shards.common.proto.bstar import UPDATES
-from shards.history import WIDTH as KVPUB_FRAMES
+from clonemap.shards import bstar
+from clonemap.shards.common.proto.bstar import UPDATES
+from clonemap.shards.history import WIDTH as KVPUB_FRAMES
 
-log = logging.getLogger("shards.pair")
+log = logging.getLogger("clonemap.shards.pair")
 
 
 class SyncLink:
@@ -40,7 +40,7 @@ class SyncLink:
         self.server = server
         """The reactor (its store, loop, sockets and the batch it holds)."""
         self.pair = pair
-        """The ``shards.pair.BinaryStar`` role (its lease, machine and name)."""
+        """The ``clonemap.shards.pair.BinaryStar`` role (its lease, machine and name)."""
         self.timeout_s = timeout_s
         self.peer: bytes | None = None
         """The passive's link name (its DEALER's ROUTING_ID) on the server's P."""

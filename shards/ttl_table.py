@@ -1,12 +1,12 @@
 """An active Binary Star server's answer to its passive's ``BSTAR-TTL?`` on P.
 
-The passive (``shards.replica``) asks before its snapshot: the absolute expiry times, so
+The passive (``clonemap.shards.replica``) asks before its snapshot: the absolute expiry times, so
 that its copy keeps every TTL (a KVSYNC carries no properties). The answer is a
 point-in-time copy of the store's expiry index (one C-level copy, ~25 ms per million TTL
 keys), with the map's generation, term history and applied UUIDs, streamed in chunks of
 ``bstar_ttl.CHUNK_ENTRIES``, one chunk per peer per loop turn, so collecting and
-publishing go on between chunks (``TtlStream`` on a ``shards.streams.StreamPump``, the
-same pump that streams snapshots; the frames are in ``shards.common.proto.bstar_ttl``).
+publishing go on between chunks (``TtlStream`` on a ``clonemap.shards.streams.StreamPump``, the
+same pump that streams snapshots; the frames are in ``clonemap.shards.common.proto.bstar_ttl``).
 A full pipe pauses the stream; a peer that accepts nothing for ``snapshot_stall_s``, or
 has gone, is dropped (the passive's sync deadline restarts it), and a server that stops
 being active drops its streams.
@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from shards import streams
-from shards.common import zio
-from shards.common.proto import bstar_ttl
+from clonemap.shards import streams
+from clonemap.shards.common import zio
+from clonemap.shards.common.proto import bstar_ttl
 
 if TYPE_CHECKING:
-    from shards.server import ShardServer
+    from clonemap.shards.server import ShardServer
 
 TTL_STREAMS_MAX = 4
 """BSTAR-TTL tables streamed at once: a peer's second request replaces its first; more
@@ -31,7 +31,7 @@ peers than this (there is normally one) drop the oldest."""
 
 
 class TtlStream:
-    """One BSTAR-TTL table streamed to one passive peer (a ``shards.streams`` stream):
+    """One BSTAR-TTL table streamed to one passive peer (a ``clonemap.shards.streams`` stream):
     a point-in-time copy of the expiry index (never mutated later, so an iterator over it
     can span loop turns), one chunk per turn."""
 

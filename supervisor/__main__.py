@@ -1,3 +1,3 @@
-from supervisor.cli import main
+from clonemap.supervisor.cli import main
 
 main(prog_name="supervisor")

@@ -7,8 +7,9 @@ import pkgutil
 
 import click
 
-from supervisor import commands as _commands
-from supervisor.control import common_options
+from clonemap import __version__
+from clonemap.supervisor import commands as _commands
+from clonemap.supervisor.control import common_options
 
 
 def _group_options(fn):
@@ -18,6 +19,8 @@ def _group_options(fn):
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="supervisor",
+                      message="%(prog)s (clonemap) %(version)s")
 @_group_options
 def main(control: str | None, config: str | None, host: str | None,
          timeout_s: float | None) -> None:

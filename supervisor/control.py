@@ -1,7 +1,7 @@
 """The control commands' side of the control plane: finding the supervisor
 (``--control``, ``--config``, ``$CLONEMAP_CONTROL``), calling its MDP/0.2 services with a
 deadline, and the click helpers every control command shares. The services themselves
-are ``supervisor.services``; what both sides agree on is ``supervisor.protocol``.
+are ``clonemap.supervisor.services``; what both sides agree on is ``clonemap.supervisor.protocol``.
 """
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from shards.common.errors import ClonemapError, ConfigError, Exit, HandshakeRefused
-from shards.common.endpoints import ensure_listening
-from shards.common.mdp.client import SyncMdpClient
-from shards.common.config import DEFAULT_CONTROL, load_config
-from shards.common.config_values import parse_endpoint
-from shards.common.security import Security, client_keys
-from supervisor.protocol import check_target
+from clonemap.shards.common.errors import ClonemapError, ConfigError, Exit, HandshakeRefused
+from clonemap.shards.common.endpoints import ensure_listening
+from clonemap.shards.common.mdp.client import SyncMdpClient
+from clonemap.shards.common.config import DEFAULT_CONTROL, load_config
+from clonemap.shards.common.config_values import parse_endpoint
+from clonemap.shards.common.security import Security, client_keys
+from clonemap.supervisor.protocol import check_target
 
 CONTROL_TIMEOUT_S = 3.0
 EXIT_NOT_FOUND = Exit.NOT_FOUND
@@ -40,7 +40,7 @@ def resolve_control(control: str | None, config: str | None, host: str | None = 
     with ``hosts``: that of ``--host NAME``), else $CLONEMAP_CONTROL, else the default. A
     wildcard bind is reached on 127.0.0.1. CURVE keys: ``$CLONEMAP_KEYS`` (a keys
     directory), else the CONFIG's (with ``security.curve``), else none
-    (``shards.common.security.client_keys``)."""
+    (``clonemap.shards.common.security.client_keys``)."""
     cluster = load_config(config) if config else None
     if control:
         endpoint = _checked(control, "--control")
@@ -83,7 +83,7 @@ class ReplyError(ClonemapError):
 def call(endpoint: str, service: str, *body: bytes, timeout_s: float = CONTROL_TIMEOUT_S,
          retries: int = 1, on_partial: Callable[[bytes], None] | None = None) -> bytes:
     """One control request; returns the FINAL payload after the 200 status. Raises
-    ``shards.common.errors.Timeout`` when no supervisor answers, ``ReplyError`` otherwise.
+    ``clonemap.shards.common.errors.Timeout`` when no supervisor answers, ``ReplyError`` otherwise.
     Commands that act (kill, restart, stop) pass ``retries=0``: never sent twice."""
     ensure_listening(endpoint)
     with SyncMdpClient(endpoint, timeout_s=timeout_s, retries=retries,
@@ -133,7 +133,7 @@ def status_rows(endpoint: str, timeout_s: float = CONTROL_TIMEOUT_S) -> tuple[li
 
 def run_command(fn: Callable[[], int | None]) -> None:
     """Run a control command's body; map errors to one line on stderr and an exit code
-    (4 when no supervisor answers: ``shards.common.errors.Timeout``)."""
+    (4 when no supervisor answers: ``clonemap.shards.common.errors.Timeout``)."""
     import click
 
     try:

@@ -1,7 +1,7 @@
 """``supervisor start --demo-load``: a small built-in writer so the status table moves.
 
 Every tick it sets a few keys spread over every shard (``/demo-<n>/k<m>``), each routed
-with ``shards.common.routing.ShardMap`` and sent as a 12/CHP KVSET on a PUB connected to the
+with ``clonemap.shards.common.routing.ShardMap`` and sent as a 12/CHP KVSET on a PUB connected to the
 collector (P+2) of both servers of the owning shard, as a client does. Optional and
 small (``rate_per_s`` KVSETs a second in all): it shows the sequences, key counts and
 updates/s move and a failover keep the figures going.
@@ -14,10 +14,10 @@ import uuid
 
 import zmq
 
-from shards.common.proto import chp
-from shards.common.routing import ShardMap
-from shards.common.zio import send_frames
-from shards.common.placement import Plan
+from clonemap.shards.common.proto import chp
+from clonemap.shards.common.routing import ShardMap
+from clonemap.shards.common.zio import send_frames
+from clonemap.shards.common.placement import Plan
 
 log = logging.getLogger(__name__)
 

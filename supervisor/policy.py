@@ -45,7 +45,7 @@ import signal
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from shards.common.errors import Exit
+from clonemap.shards.common.errors import Exit
 
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_FACTOR = 2.0

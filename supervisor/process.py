@@ -1,9 +1,9 @@
 """One planned server and its successive runs: the process object owns its I/O (spawn,
 the stdout pump, the pidfd that says it exited, its log file, rotation, signals), while
-``supervisor.runner.Runner`` decides (states, restarts, the policy).
+``clonemap.supervisor.runner.Runner`` decides (states, restarts, the policy).
 
 * Pinning: the child is pinned between fork and exec (``sched_setaffinity`` in
-  ``preexec_fn``, ``shards.common.children.die_with_parent``), so every thread it starts
+  ``preexec_fn``, ``clonemap.shards.common.children.die_with_parent``), so every thread it starts
   inherits the planned cores; it also pins itself with ``--cpus``.
 * No orphans: between fork and exec the child asks the kernel for SIGTERM when the
   supervisor dies (``prctl(PR_SET_PDEATHSIG)``).
@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from shards.common.children import die_with_parent
-from shards.common.config_values import format_cores
-from shards.common.placement import ServerPlan
-from supervisor.policy import Run, describe_exit
+from clonemap.shards.common.children import die_with_parent
+from clonemap.shards.common.config_values import format_cores
+from clonemap.shards.common.placement import ServerPlan
+from clonemap.supervisor.policy import Run, describe_exit
 
 STARTING, RUNNING, BACKOFF, FAILED, STOPPING, STOPPED = (
     "STARTING", "RUNNING", "BACKOFF", "FAILED", "STOPPING", "STOPPED")

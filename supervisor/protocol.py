@@ -1,7 +1,7 @@
 """The supervisor's control services as both sides see them: status codes, server
 targets (``SHARD/ROLE``), log-line limits and the name of each server's stats service.
-The services are ``supervisor.services``; the commands' client side is
-``supervisor.control``.
+The services are ``clonemap.supervisor.services``; the commands' client side is
+``clonemap.supervisor.control``.
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The runner: starts, watches, restarts and stops every server of a plan. What to do
-after an exit is decided by the pure ``supervisor.policy.decide``; each server's process
-I/O (spawn, output, exit, log, signals) is ``supervisor.process.ServerProcess``; this
+after an exit is decided by the pure ``clonemap.supervisor.policy.decide``; each server's process
+I/O (spawn, output, exit, log, signals) is ``clonemap.supervisor.process.ServerProcess``; this
 module keeps the states and performs the policy's decisions.
 
-A server is a child ``python -m shards`` process::
+A server is a child ``python -m clonemap.shards`` process::
 
-    python -m shards --port P --host ADDRESS --cpus 0,1 --heartbeat-s H
+    python -m clonemap.shards --port P --host ADDRESS --cpus 0,1 --heartbeat-s H
         --shard NAME --primary|--backup --peer PEER_ADDRESS:PEER_P
         --control CONTROL_ENDPOINT --parent-pid SUPERVISOR_PID
         --routing ROUTING_JSON --shard-index I
@@ -17,7 +17,7 @@ A server is a child ``python -m shards`` process::
   context's I/O threads inherit the core set (and ``ServerProcess`` pins it between fork
   and exec as a second guard).
 * No orphans: ``--parent-pid`` makes the server exit when the supervisor disappears (and
-  the kernel sends it SIGTERM: see ``supervisor.process``); ``stop_all`` sends SIGTERM,
+  the kernel sends it SIGTERM: see ``clonemap.supervisor.process``); ``stop_all`` sends SIGTERM,
   then SIGKILL after a deadline, and reaps every child.
 * A ``READY`` line on the child's stdout marks it RUNNING. Logs are rotated every
   ``LOG_CHECK_S`` and before each start (``ServerProcess.rotate_log``).
@@ -38,12 +38,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from shards.common.config_values import format_cores
-from shards.common.routing import ShardMap
-from shards.common.placement import Plan, RoutingParams, ServerPlan
-from supervisor.policy import (DEFAULT_POLICY, GiveUp, Leave, PolicyConfig, Restart, Run,
+from clonemap.shards.common.config_values import format_cores
+from clonemap.shards.common.routing import ShardMap
+from clonemap.shards.common.placement import Plan, RoutingParams, ServerPlan
+from clonemap.supervisor.policy import (DEFAULT_POLICY, GiveUp, Leave, PolicyConfig, Restart, Run,
                                decide, describe_exit)
-from supervisor.process import (BACKOFF, FAILED, RUNNING, STARTING, STOPPED, STOPPING,
+from clonemap.supervisor.process import (BACKOFF, FAILED, RUNNING, STARTING, STOPPED, STOPPING,
                                 ServerProcess)
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def _after_fields(text: str) -> str:
 
 
 def server_argv(server: ServerPlan, peer: ServerPlan, args: ServerArgs) -> list[str]:
-    return [args.python, "-m", "shards",
+    return [args.python, "-m", "clonemap.shards",
             "--port", str(server.port), "--host", server.address,
             "--cpus", ",".join(map(str, server.cores)),
             "--heartbeat-s", f"{args.heartbeat_s:g}",
@@ -97,9 +97,9 @@ def io_threads_argv(server: ServerPlan) -> list[str]:
 
 def relay_argv(relay: ServerPlan, primary: ServerPlan, backup: ServerPlan,
                args: ServerArgs) -> list[str]:
-    """``python -m shards.relay``: one relay of a shard (``shards.relay``)."""
+    """``python -m clonemap.shards.relay``: one relay of a shard (``clonemap.shards.relay``)."""
     extra = [a for a in args.extra]  # --keys-dir DIR (CURVE) applies to relays too
-    return [args.python, "-m", "shards.relay",
+    return [args.python, "-m", "clonemap.shards.relay",
             "--port", str(relay.port), "--host", relay.address,
             "--cpus", ",".join(map(str, relay.cores)),
             "--upstream", f"{primary.address}:{primary.port},{backup.address}:{backup.port}",
@@ -118,7 +118,7 @@ def routing_argv(routing: RoutingParams, shard_index: int) -> list[str]:
 
 
 def coordination_argv(plan: Plan, shard_index: int) -> list[str]:
-    """A pair whose servers are on two hosts: its lease in etcd (``shards.coord``),
+    """A pair whose servers are on two hosts: its lease in etcd (``clonemap.shards.coord``),
     named after the cluster and the shard; nothing for a pair on one host."""
     if plan.coordination is None or shard_index not in plan.across:
         return []

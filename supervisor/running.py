@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from shards.common.errors import ClonemapError
+from clonemap.shards.common.errors import ClonemapError
 
 ASK_TIMEOUT_S = 2.0
 
@@ -53,7 +53,7 @@ def running_cluster(cluster: str, config_path: str, run_dir: Path | None,
     """The supervisor of ``cluster`` (of its ``host`` for a config over several) if one
     runs (pid file in ``run_dir``, or the control endpoint named in the config answering
     with this cluster's name)."""
-    from supervisor.control import resolve_control, status_rows
+    from clonemap.supervisor.control import resolve_control, status_rows
 
     endpoint = resolve_control(None, config_path, host)
     pid = _pid_from_file(run_dir)

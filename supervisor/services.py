@@ -1,5 +1,5 @@
 """The control plane's supervisor side: the MDP/0.2 services its broker hosts and the
-poller that collects each server's stats (the commands' side is ``supervisor.control``).
+poller that collects each server's stats (the commands' side is ``clonemap.supervisor.control``).
 
 Services (one handler each; the request body and the reply are in each docstring). Every
 FINAL starts with a status frame in the MMI style: ``200`` OK, ``400`` bad request,
@@ -28,16 +28,16 @@ from typing import Callable
 
 import zmq
 
-from shards.common.errors import ClonemapError
-from shards.common.mdp import Request
-from shards.common.mdp.client import MdpClient
-from shards.common.cluster import cluster_map
-from shards.common.placement import Plan
-from supervisor.protocol import (BAD_REQUEST, CONFLICT, DEFAULT_LOG_LINES, MAX_LOG_LINES,
+from clonemap.shards.common.errors import ClonemapError
+from clonemap.shards.common.mdp import Request
+from clonemap.shards.common.mdp.client import MdpClient
+from clonemap.shards.common.cluster import cluster_map
+from clonemap.shards.common.placement import Plan
+from clonemap.supervisor.protocol import (BAD_REQUEST, CONFLICT, DEFAULT_LOG_LINES, MAX_LOG_LINES,
                                  NOT_FOUND, OK, check_target, stats_service)
-from supervisor.health import ClusterHealth, shards_without_active
-from shards.common.proto.bstar import PEER_DOWN
-from supervisor.runner import FAILED, RUNNING, Runner
+from clonemap.supervisor.health import ClusterHealth, shards_without_active
+from clonemap.shards.common.proto.bstar import PEER_DOWN
+from clonemap.supervisor.runner import FAILED, RUNNING, Runner
 
 log = logging.getLogger(__name__)
 

@@ -85,7 +85,7 @@ def status_table(rows: list[dict], title: str | None = None) -> Table:
 def status_notes(rows: list[dict], summary: dict) -> list[str]:
     """Lines under the table: shards without an ACTIVE server (in words), what ``-``
     means when it shows, and recent takeovers."""
-    from supervisor.health import shards_without_active
+    from clonemap.supervisor.health import shards_without_active
 
     lines = []
     without = summary.get("without_active")

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from shards.common.children import LinePump, terminate
-from shards.common.ports import free_port_base as _free_port_base
+from clonemap.shards.common.children import LinePump, terminate
+from clonemap.shards.common.ports import free_port_base as _free_port_base
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -232,7 +232,7 @@ def run_bench(procs, results_dir, *args: str, timeout_s: float | None = None) ->
 @pytest.fixture(scope="session")
 def cluster_keys(tmp_path_factory) -> Path:
     """A keys directory made as ``supervisor keygen`` makes it (server and client pairs)."""
-    from shards.common.security import create_keys
+    from clonemap.shards.common.security import create_keys
 
     path = tmp_path_factory.mktemp("keys")
     create_keys(path)
@@ -251,17 +251,17 @@ def wait_until(predicate, what: str, timeout_s: float = 30.0, every_s: float = 0
     raise AssertionError(f"no {what} within {timeout_s} s")
 
 
-FRAME_PATHS = ["pure"] + (["compiled"] if __import__("shards.common.zio", fromlist=["zio"])
+FRAME_PATHS = ["pure"] + (["compiled"] if __import__("clonemap.shards.common.zio", fromlist=["zio"])
                           .COMPILED else [])
-"""The frame paths this machine has (``shards.common.zio``): the compiled one when the
+"""The frame paths this machine has (``clonemap.shards.common.zio``): the compiled one when the
 extension is built here (it is wherever a C compiler is), and always the pure one."""
 
 
 @pytest.fixture(params=FRAME_PATHS)
 def frame_path(request, monkeypatch):
-    """Run a test on each frame path of ``shards.common.zio`` in this process (the module
+    """Run a test on each frame path of ``clonemap.shards.common.zio`` in this process (the module
     functions and ``AsyncSocket``'s drain are switched for the test's duration)."""
-    from shards.common import zio
+    from clonemap.shards.common import zio
 
     if request.param == "pure":
         monkeypatch.setattr(zio, "COMPILED", False)

@@ -19,7 +19,7 @@ import time
 
 
 async def main(args) -> int:
-    from client.api import AsyncClone, ClonemapError
+    from clonemap.client.api import AsyncClone, ClonemapError
 
     servers = args.servers.split(",")
     stop = asyncio.Event()

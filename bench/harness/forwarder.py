@@ -41,7 +41,7 @@ def serve(host: str, port: int, core: int | None = None, pub_hwm: int = HWM,
         psutil.Process().cpu_affinity([core])
     import zmq
 
-    from shards.common.zio import recv_frames, send_frames5
+    from clonemap.shards.common.zio import recv_frames, send_frames5
 
     if blind:
         from bench.harness.traffic import recv5
@@ -116,7 +116,7 @@ def answer_snapshots(router, seq_frame: bytes) -> None:
     KTHXBAI at ``seq_frame`` for its subtree; anything else is skipped."""
     import zmq
 
-    from shards.common.zio import recv_frames
+    from clonemap.shards.common.zio import recv_frames
 
     while True:
         try:

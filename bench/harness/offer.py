@@ -172,7 +172,7 @@ def parse_core_list(text: str) -> tuple[int, ...]:
 class Targets:
     """What receives the load, ended by PID on exit.
 
-    ``kind`` server: ``shards`` standalone ``python -m shards`` processes, each given the
+    ``kind`` server: ``shards`` standalone ``python -m clonemap.shards`` processes, each given the
     routing of ``shards`` shards and its index; forwarder: ``shards`` bare forwarding
     loops (bench/harness/forwarder.py); pubsub: nothing in between - each writer binds its XPUB
     and the subscriber connects to every writer (one socket each); external: running
@@ -231,7 +231,7 @@ class Targets:
     def _argv_for(self, index: int):
         extra = list(self.extra)
         if self.kind == "server":
-            from shards.common.routing import ShardMap
+            from clonemap.shards.common.routing import ShardMap
 
             pins: dict[int, list[str]] = {}
             for prefix, shard in self.pins:

@@ -78,7 +78,7 @@ class Clonemap:
         self.clone = None
 
     async def open(self):
-        from client.api import AsyncClone
+        from clonemap.client.api import AsyncClone
 
         self.clone = AsyncClone(self.address, codec="bytes", timeout_s=30,
                                 subtree=self.subtree)
@@ -243,8 +243,8 @@ class Etcd:
 
 SYSTEMS = {"clonemap": Clonemap, "redis": Redis, "nats": Nats, "etcd": Etcd,
            "forwarder": Clonemap}
-LIBRARIES = {"clonemap": ("client.api",), "redis": ("redis.asyncio",),
-             "nats": ("nats", "nats.js.api"), "etcd": ("aetcd",), "forwarder": ("client.api",)}
+LIBRARIES = {"clonemap": ("clonemap.client.api",), "redis": ("redis.asyncio",),
+             "nats": ("nats", "nats.js.api"), "etcd": ("aetcd",), "forwarder": ("clonemap.client.api",)}
 """Imported before any measured window (a join would otherwise time the imports)."""
 
 

@@ -82,7 +82,7 @@ def start(system: str, tmp: Path, fsync: str = "everysec") -> PeerServer:
     data.mkdir(parents=True, exist_ok=True)
     port = free_port_base(3)
     if system == "clonemap":
-        target = Target("clonemap", [sys.executable, "-m", "shards", "--port", str(port),
+        target = Target("clonemap", [sys.executable, "-m", "clonemap.shards", "--port", str(port),
                                      "--data-dir", str(data), "--fsync", fsync])
         return PeerServer(system, f"tcp://127.0.0.1:{port}", target.pid, target.stop,
                           "this checkout")

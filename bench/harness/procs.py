@@ -18,15 +18,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from shards.common import ports
-from shards.common.children import LinePump, terminate
+from clonemap.shards.common import ports
+from clonemap.shards.common.children import LinePump, terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 30.0
 
 
 def server_argv(port: int, host: str = "127.0.0.1", extra: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "shards", "--port", str(port), "--host", host, *extra]
+    return [sys.executable, "-m", "clonemap.shards", "--port", str(port), "--host", host, *extra]
 
 
 def forwarder_argv(port: int, host: str = "127.0.0.1", extra: tuple[str, ...] = ()) -> list[str]:

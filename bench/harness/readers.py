@@ -63,7 +63,7 @@ def whole_message_reader():
     """``recv(sock)``: one whole message without blocking, or None. On the compiled frame
     path one C call per message (``zio.compiled_recv``), else ``recv_multipart``: the
     readers must outrun the fan-out they measure."""
-    from shards.common import zio
+    from clonemap.shards.common import zio
 
     if zio.COMPILED:
         read = zio.compiled_recv()

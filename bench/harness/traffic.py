@@ -12,7 +12,7 @@ Design decisions:
 * **Processes, not threads**, started with ``multiprocessing`` "spawn" (no zmq state is
   ever inherited through fork). A process may be pinned to one core; the pin happens
   before its zmq Context exists, so the context's I/O thread is pinned too.
-* **Frame I/O:** writers send through ``shards.common.zio.send_frames5``. The subscriber
+* **Frame I/O:** writers send through ``clonemap.shards.common.zio.send_frames5``. The subscriber
   reads each whole message in one C call on the compiled frame path
   (``zio.compiled_recv``: 0.60 us a message, every frame count checked). Without it, it
   reads with ``blind_reader``: five ``copy=True`` backend receives (0.91 us, against ~4.5
@@ -39,7 +39,7 @@ Design decisions:
   what it did between ``t_start`` and ``t_end``, checking the clock once per batch, so no
   coordination is needed while the load runs.
 * **Several shards:** a writer given several ``collectors`` opens one socket per shard
-  and routes each key as a client would (``shards.common.routing.ShardMap`` over that many
+  and routes each key as a client would (``clonemap.shards.common.routing.ShardMap`` over that many
   shards, with ``pins``); the owner is computed once per schedule entry, so the hot loop
   still costs one list index. A subscriber given several ``endpoints`` reads them all,
   draining each in capped batches and polling only when all are empty, and tracks
@@ -171,7 +171,7 @@ class SubscriberConfig:
 def _secure(sock, keys_dir: str) -> None:
     """CURVE client with the cluster's client key when ``keys_dir`` is set."""
     if keys_dir:
-        from shards.common.security import Security
+        from clonemap.shards.common.security import Security
 
         Security.load(keys_dir, "client").connect_side(sock)
 
@@ -227,7 +227,7 @@ def routed_schedule(cfg: WriterConfig,
     shards = len(cfg.endpoints)
     if shards == 1:
         return [(k, p, 0) for k, p in sched]
-    from shards.common.routing import ShardMap
+    from clonemap.shards.common.routing import ShardMap
 
     pins: dict[int, list[str]] = {}
     for prefix, shard in cfg.pins:
@@ -257,7 +257,7 @@ def writer_main(cfg: WriterConfig, conn) -> None:
     _pin(cfg.core)
     import zmq
 
-    from shards.common.zio import send_frames5
+    from clonemap.shards.common.zio import send_frames5
 
     ctx = zmq.Context()
     socks = []

@@ -131,7 +131,7 @@ def subscriber_main(cfg: SubscriberConfig, conn) -> None:
     # everything the window's loop needs is imported before "ready": imported after the
     # window was handed out, under writers already flooding a small host's cores, it
     # once took past the window's end, and the run read 0 received
-    for module in ("zmq.backend", "shards.common.zio"):
+    for module in ("zmq.backend", "clonemap.shards.common.zio"):
         importlib.import_module(module)
 
     ctx = zmq.Context()
@@ -184,7 +184,7 @@ def _subscribe(socks, cfg: SubscriberConfig, window: Window, conn, zmq) -> dict:
     def snapshot(now):
         return now, [(st.received, st.max_seq, st.gaps) for st in states]
 
-    from shards.common import zio
+    from clonemap.shards.common import zio
 
     if zio.COMPILED:
         read, sources = zio.compiled_recv(), [sock.underlying for sock in socks]

@@ -1,5 +1,5 @@
 """The shared protocol library: what the shard server, the client, the supervisor and the
-benchmarks all use. Nothing here imports the server (``shards.server``, ``shards.pair``,
+benchmarks all use. Nothing here imports the server (``clonemap.shards.server``, ``clonemap.shards.pair``,
 ...), the client or the supervisor.
 
     proto/      pure wire codecs: 12/CHP (``chp``), the Binary Star state message

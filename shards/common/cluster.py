@@ -1,18 +1,18 @@
 """The cluster map: the one document a client needs to route, and that the supervisor
 serves as MDP ``cluster.map``; ``cluster_map(plan)`` builds it from a placement plan
-(``shards.common.placement.load_plan`` plans a config on this host). Shared, so that a
+(``clonemap.shards.common.placement.load_plan`` plans a config on this host). Shared, so that a
 client reading a config and a supervisor serving it produce the same document, and the
 client imports nothing from ``supervisor/``.
 """
 from __future__ import annotations
 
-from shards.common.placement import PORT_NAMES, Plan
-from shards.common.routing import ShardMap
+from clonemap.shards.common.placement import PORT_NAMES, Plan
+from clonemap.shards.common.routing import ShardMap
 
 
 def cluster_map(plan: Plan) -> dict:
     """Everything a client needs to route: shards, addresses, ports, pinned prefixes,
-    and the routing function's parameters (``shards.common.routing.ShardMap.describe``)."""
+    and the routing function's parameters (``clonemap.shards.common.routing.ShardMap.describe``)."""
     pins = {i: list(sh.prefixes) for i, sh in enumerate(plan.shards) if sh.prefixes}
     shard_map = ShardMap(len(plan.shards), pins)
 

@@ -45,7 +45,7 @@ IPv4 address is bound) and a core set (``cores``: ``[2, 3]``, ``"2-3,6"``, ``5``
 Every model forbids unknown fields. ``load_config`` turns YAML and pydantic errors into
 one ``ConfigError`` whose lines read ``FIELD: given VALUE: PROBLEM; EXPECTED``, with
 the field as a path such as ``shards[1].backup.cores``. Checks that need the host (cores,
-NICs, addresses, ports) live in ``shards.common.placement``.
+NICs, addresses, ports) live in ``clonemap.shards.common.placement``.
 """
 from __future__ import annotations
 
@@ -57,11 +57,11 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
                       ValidationError, field_validator, model_validator)
 
-from shards.common.errors import ConfigError
-from shards.common import timing
-from shards.common.endpoints import DEFAULT_CONTROL
-from shards.common.timing import HEARTBEAT_S as DEFAULT_HEARTBEAT_S, SILENCE_HEARTBEATS
-from shards.common.config_values import (DEFAULT_METRICS, MAX_PORT_BASE, PORTS_PER_SERVER, Cores,
+from clonemap.shards.common.errors import ConfigError
+from clonemap.shards.common import timing
+from clonemap.shards.common.endpoints import DEFAULT_CONTROL
+from clonemap.shards.common.timing import HEARTBEAT_S as DEFAULT_HEARTBEAT_S, SILENCE_HEARTBEATS
+from clonemap.shards.common.config_values import (DEFAULT_METRICS, MAX_PORT_BASE, PORTS_PER_SERVER, Cores,
                                          Endpoint, Host, IoThreads, Metrics, Name, Nic,
                                          OptSeconds, Port, Prefix, Seconds, endpoint_parts,
                                          format_given, parse_etcd_endpoint, parse_name,
@@ -144,7 +144,7 @@ class Defaults(_Model):
 
 class ServerEntry(_Model):
     """One CHP server's entry in a config file (``shards[i].primary`` / ``.backup``; the
-    running server's settings are ``shards.server.ServerConfig``). After
+    running server's settings are ``clonemap.shards.server.ServerConfig``). After
     ``ClusterConfig`` validation ``port`` and ``cores`` are set and exactly one of
     ``host`` / ``nic`` is."""
 
@@ -180,26 +180,26 @@ class ShardConfig(_Model):
 
 
 class LimitsConfig(_Model):
-    """Byte budgets: the control plane's (``shards.common.mdp.broker_core``) and a
-    server publisher's per subscriber (``shards.pub_budget``)."""
+    """Byte budgets: the control plane's (``clonemap.shards.common.mdp.broker_core``) and a
+    server publisher's per subscriber (``clonemap.shards.pub_budget``)."""
 
     control_message_bytes: int = Field(default=1 << 20, ge=1024)
     control_held_bytes: int = Field(default=64 << 20, ge=0)
     control_client_held_bytes: int = Field(default=8 << 20, ge=0)
     subscriber_held_bytes: int = Field(default=64 << 20, ge=0)
-    """Bytes one subscriber that reads nothing may pin in a server (``shards.byte_marks``)."""
+    """Bytes one subscriber that reads nothing may pin in a server (``clonemap.shards.byte_marks``)."""
     writer_held_bytes: int = Field(default=64 << 20, ge=0)
     """Bytes one writer's queued KVSETs may pin in a server's collector; also the
     passive's pending-table budget (at least 1 MiB there)."""
     applied_uuid_bytes: int = Field(default=16 << 20, ge=0)
-    """Each server's table of applied UUIDs (``shards.applied``): a resent write is
+    """Each server's table of applied UUIDs (``clonemap.shards.applied``): a resent write is
     recognised for at least half of this (/ 128 B an entry) later writes ..."""
     applied_uuid_s: float = Field(default=120.0, ge=0)
     """... and at least half of this many seconds."""
 
 
 class RelaysConfig(_Model):
-    """Relays (``shards.relay``): last-value caches that fan each shard out to clients."""
+    """Relays (``clonemap.shards.relay``): last-value caches that fan each shard out to clients."""
 
     per_shard: int = Field(default=0, ge=0, le=16)
     """Relays for each shard (0: none)."""
@@ -216,7 +216,7 @@ class RelaysConfig(_Model):
 
 
 class SecurityConfig(_Model):
-    """CURVE on every socket (``shards.common.security``)."""
+    """CURVE on every socket (``clonemap.shards.common.security``)."""
 
     curve: bool = False
     keys_dir: str | None = None
@@ -233,7 +233,7 @@ class HostEntry(_Model):
 
 class CoordinationConfig(_Model):
     """The coordination service of pairs whose servers are on different hosts
-    (``shards.coord``): etcd's members, the lease, and what an acknowledgement means."""
+    (``clonemap.shards.coord``): etcd's members, the lease, and what an acknowledgement means."""
 
     etcd: list[Annotated[str, PlainValidator(parse_etcd_endpoint)]]
     lease_s: float = Field(default=5.0, ge=2.0, le=3600.0)

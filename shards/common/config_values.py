@@ -1,6 +1,6 @@
 """The cluster config's values: how each kind of field is read and checked (cores, ports,
 addresses, NICs, durations, endpoints, names, prefixes), as functions and as the
-annotated types the models of ``shards.common.config`` use."""
+annotated types the models of ``clonemap.shards.common.config`` use."""
 from __future__ import annotations
 
 import ipaddress
@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, PlainValidator
 
-from shards.common.endpoints import MAX_IO_THREADS, WILDCARD
+from clonemap.shards.common.endpoints import MAX_IO_THREADS, WILDCARD
 
 PORTS_PER_SERVER = 4
 MAX_PORT_BASE = 65535 - (PORTS_PER_SERVER - 1)

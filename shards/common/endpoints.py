@@ -29,7 +29,7 @@ NOT_LISTENING = "not listening"
 
 
 def _refused(endpoint: str, port: int):
-    from shards.common.errors import Timeout
+    from clonemap.shards.common.errors import Timeout
 
     return Timeout(f"no supervisor at {endpoint}: nothing listens on port {port}",
                    what=NOT_LISTENING)
@@ -42,7 +42,7 @@ def ensure_listening(endpoint: str) -> None:
     own deadline."""
     import socket
 
-    from shards.common.config_values import endpoint_parts
+    from clonemap.shards.common.config_values import endpoint_parts
 
     host, port = endpoint_parts(str(endpoint))
     try:

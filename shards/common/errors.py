@@ -3,7 +3,7 @@
 ``ClonemapError`` is the one root; subclasses also derive from the matching builtin so a
 caller may catch either (``except TimeoutError`` works for ``Timeout``). Errors carry
 structured fields (shard, endpoint, sequence...) as attributes, not only in the text.
-Exit codes for every command line (``chp``, ``supervisor``, ``python -m shards``) are
+Exit codes for every command line (``chp``, ``supervisor``, ``python -m clonemap.shards``) are
 decided in one place: ``Exit``.
 """
 from __future__ import annotations
@@ -68,6 +68,34 @@ class ConfigError(ClonemapError, ValueError):
         self.field = field
 
 
+class MissingExtra(ConfigError, ImportError):
+    """A part of clonemap was used whose dependencies are not installed: the client alone
+    is ``pip install clonemap``; ``extra`` names what adds the rest (``config`` to read a
+    cluster config, ``metrics``, ``server`` for servers, relays and the supervisor)."""
+
+    def __init__(self, what: str, extra: str, missing: list[str]):
+        super().__init__(f"{what} needs clonemap's {extra!r} extra: pip install "
+                         f"'clonemap[{extra}]' (missing: {', '.join(missing)})",
+                         field=extra)
+        self.extra = extra
+        self.missing = missing
+
+
+def require_extra(what: str, extra: str, modules: tuple[str, ...]) -> None:
+    """Raise ``MissingExtra`` unless every one of ``modules`` can be imported."""
+    from importlib.util import find_spec
+
+    missing = [name for name in modules if find_spec(name) is None]
+    if missing:
+        raise MissingExtra(what, extra, missing)
+
+
+CONFIG_MODULES = ("yaml", "pydantic", "psutil")
+"""What the ``config`` extra installs: reading and planning a cluster config."""
+SERVER_MODULES = (*CONFIG_MODULES, "prometheus_client", "rich")
+"""What the ``server`` extra installs: servers, relays and the supervisor."""
+
+
 class PortInUse(ClonemapError, OSError):
     """A port the process must bind is taken."""
 
@@ -123,7 +151,7 @@ HANDSHAKE_CAUSES = {
     "curve_off": "the server does not use CURVE but this client offered it (drop the keys)",
 }
 """Why a handshake failed, in words (``HandshakeRefused``); decided by
-``shards.common.handshake.cause_of``."""
+``clonemap.shards.common.handshake.cause_of``."""
 
 
 def os_error_text(exc: OSError) -> str:

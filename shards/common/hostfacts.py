@@ -28,9 +28,9 @@ from typing import Annotated, Any, Union
 import psutil
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
-from shards.common.errors import ConfigError
-from shards.common.config import config_error_from, read_yaml
-from shards.common.config_values import format_cores, parse_cores
+from clonemap.shards.common.errors import ConfigError
+from clonemap.shards.common.config import config_error_from, read_yaml
+from clonemap.shards.common.config_values import format_cores, parse_cores
 
 LOCAL_SOURCE = "this host"
 

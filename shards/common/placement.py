@@ -11,7 +11,7 @@ lines read ``FIELD: given VALUE: PROBLEM; WHAT THE HOST HAS``:
   that holds the control port, a control address the host lacks.
 
 (Shard count, port range, unknown fields and prefixes pinned twice are schema errors,
-raised by ``shards.common.config`` while loading.) ``check_ports_free(plan)`` is the one
+raised by ``clonemap.shards.common.config`` while loading.) ``check_ports_free(plan)`` is the one
 check that touches the OS: it binds every port of every server and the control port.
 
 ``auto`` cores: each auto server gets one core from a pool, the host's usable cores that
@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from shards.common.errors import ConfigError
-from shards.common.config import ROLES, ClusterConfig, Problems, load_config
-from shards.common.config_values import PORTS_PER_SERVER, endpoint_parts, format_cores
-from shards.common.endpoints import WILDCARD
-from shards.common.hostfacts import HostFacts, local_host_facts, probe_port
+from clonemap.shards.common.errors import ConfigError
+from clonemap.shards.common.config import ROLES, ClusterConfig, Problems, load_config
+from clonemap.shards.common.config_values import PORTS_PER_SERVER, endpoint_parts, format_cores
+from clonemap.shards.common.endpoints import WILDCARD
+from clonemap.shards.common.hostfacts import HostFacts, local_host_facts, probe_port
 
 # What each of a server's ports P..P+3 carries.
 PORT_NAMES = ("snapshot", "updates", "collector", "peer")

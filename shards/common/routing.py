@@ -48,7 +48,7 @@ import functools
 import hashlib
 from typing import Iterable, Mapping
 
-from shards.common.errors import ConfigError
+from clonemap.shards.common.errors import ConfigError
 
 ROUTING_VERSION = 1
 _MASK64 = (1 << 64) - 1
@@ -240,7 +240,7 @@ _UNKNOWN = object()
 
 class OwnerCache:
     """Whether this shard owns a key, remembered per routing slot (the server's owner
-    check: see ``shards.server``'s module doc, *Ownership*).
+    check: see ``clonemap.shards.server``'s module doc, *Ownership*).
 
     ``slots`` maps a slot to True (owned), False (not owned) or None (a pinned prefix
     longer than the slot decides per key: ``owns`` asks the map every time). The hot path

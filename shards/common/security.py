@@ -28,7 +28,7 @@ from pathlib import Path
 
 import zmq
 
-from shards.common.errors import ConfigError
+from clonemap.shards.common.errors import ConfigError
 
 ZAP_DOMAIN = "clonemap"
 ROLES = ("server", "client")

@@ -16,7 +16,7 @@ send through ``AsyncSocket.send``, the adapter re-checks ``EVENTS`` on the next 
 
 Two frame paths, chosen once at import (``FRAME_PATH``):
 
-* **compiled** (``shards.common._zframes``, a small C extension built at install when a
+* **compiled** (``clonemap.shards.common._zframes``, a small C extension built at install when a
   compiler is present): a whole message in one call, with libzmq's MORE flag read in C
   after every frame (~0.35 us for a 5-frame message, against ~3.1 us for the pure path),
   ``None`` instead of a raised ``zmq.Again`` when nothing is waiting, and a batch drained
@@ -40,7 +40,7 @@ from typing import Callable
 import zmq
 from zmq.backend import Socket as _BackendSocket
 
-from shards.common.errors import Timeout
+from clonemap.shards.common.errors import Timeout
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def _load_compiled():
     if os.environ.get("CLONEMAP_PURE", "") not in ("", "0"):
         return None, "pure (CLONEMAP_PURE is set)"
     try:
-        from shards.common import _zframes
+        from clonemap.shards.common import _zframes
     except ImportError as exc:
         return None, f"pure (the compiled extension is not built: {exc})"
     path = _libzmq_path()
@@ -129,7 +129,7 @@ else:
 
 class Frames(list):
     """A received message's frames, with the User-Id the ZAP handler gave the sender's
-    connection (``shards.common.security``), or None."""
+    connection (``clonemap.shards.common.security``), or None."""
 
     __slots__ = ("user_id",)
 
@@ -204,7 +204,7 @@ untrack_frames: Callable[[list], list] = _compiled.untrack if COMPILED else _kee
 """``untrack_frames(frames) -> frames``: take a list that holds only bytes, and will only
 ever hold bytes, off the cyclic garbage collector's lists (``TypeError`` for anything
 else). Such a list cannot be in a cycle; its reference count still frees it. For a long-
-lived ring of frames (``shards.history``), whose lists every older-generation collection
+lived ring of frames (``clonemap.shards.history``), whose lists every older-generation collection
 would otherwise walk. On the pure path it leaves the list as it is."""
 
 

@@ -1,4 +1,4 @@
-"""``python -m shards.persist``: verify, dump and back up data directories.
+"""``python -m clonemap.shards.persist``: verify, dump and back up data directories.
 
     verify DIR          load every server directory under DIR (or DIR itself) as a
                         server would, read-only on a scratch copy, and print keys,
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import click
 
-from shards.common.errors import Exit
-from shards.persist import format as fmt
-from shards.persist.format import CorruptLog
-from shards.persist.recovery import Recovered, list_files, needed, recover, replay_records
+from clonemap.shards.common.errors import Exit
+from clonemap.shards.persist import format as fmt
+from clonemap.shards.persist.format import CorruptLog
+from clonemap.shards.persist.recovery import Recovered, list_files, needed, recover, replay_records
 
 BACKUP_ATTEMPTS = 5
 

@@ -1,6 +1,6 @@
 """A compaction: the map written as a snapshot file beside the log, a chunk at a time,
 then fsynced and renamed into place; the log segments and older snapshots it covers are
-then deleted (``shards.persist.format``: the file layout). ``shards.persist.driver``
+then deleted (``clonemap.shards.persist.format``: the file layout). ``clonemap.shards.persist.driver``
 drives it from a server's loop; ``DataDir`` starts it and takes its result.
 """
 from __future__ import annotations
@@ -10,12 +10,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shards.persist import format as fmt
-from shards.persist.recovery import list_files
-from shards.store import SnapshotCursor
+from clonemap.shards.persist import format as fmt
+from clonemap.shards.persist.recovery import list_files
+from clonemap.shards.store import SnapshotCursor
 
 if TYPE_CHECKING:
-    from shards.persist.writer import DataDir
+    from clonemap.shards.persist.writer import DataDir
 
 SNAPSHOT_CHUNK_KEYS = 256
 """Keys written per loop turn by a compaction: ~0.3 ms here, so a KVSET arriving during
@@ -54,7 +54,7 @@ class Compaction:
         self.only_copy = False
         self.uuids: list = []
         """``[uuid, seq, ...]``: the applied UUIDs as of the snapshot's sequence, written
-        after its entries (``shards.applied``)."""
+        after its entries (``clonemap.shards.applied``)."""
         """The snapshot of a map installed from the peer (``DataDir.replace``): the old
         files are gone, so until it is whole the map is on no disk here, and failing to
         write it is a disk error, not a compaction to try again later."""

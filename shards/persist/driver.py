@@ -23,10 +23,10 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from shards.persist.writer import Compaction, DataDir
-from shards.store import Store
+from clonemap.shards.persist.writer import Compaction, DataDir
+from clonemap.shards.store import Store
 
-log = logging.getLogger("shards.server")
+log = logging.getLogger("clonemap.shards.server")
 
 PERSIST_TICK_S = 0.25
 """How often a persisting server checks its everysec fsync and whether to compact."""

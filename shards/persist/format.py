@@ -10,7 +10,7 @@ A server's data directory holds (all integers network order)::
     terms            JSON {"version": 1, "term": t, "history": [[term, first_seq], ...]}
                      (replaced atomically; Binary Star servers only)
     dropped-<utc>.cml  updates a server had to drop when it synchronised from a peer
-                     holding a later state (the segment format; see ``shards.persist``)
+                     holding a later state (the segment format; see ``clonemap.shards.persist``)
 
 Every file starts with a header::
 
@@ -29,7 +29,7 @@ Segment record: ``[first_seq, key, value, expires, uuid, key, value, expires, uu
 ...]``: the updates ``first_seq``, ``first_seq + 1``, ... (one record per flush: a batch;
 a torn batch is dropped whole). ``value`` b"" is a delete; ``expires`` is the key's
 absolute expiry in epoch seconds, or nil; ``uuid`` the KVSET's UUID (b"" if it had none),
-from which a restarted server rebuilds its table of applied UUIDs (``shards.applied``).
+from which a restarted server rebuilds its table of applied UUIDs (``clonemap.shards.applied``).
 
 Snapshot records: first ``{"seq": S}``, then chunks ``[key, value, expires, mod_seq,
 ...]`` (a multiple of 4 items; ``mod_seq`` the sequence that last changed the key), then
@@ -53,7 +53,7 @@ from typing import Iterator
 
 import msgpack
 
-from shards.common.errors import ClonemapError
+from clonemap.shards.common.errors import ClonemapError
 
 VERSION = 2
 READABLE = (1, 2)

@@ -15,7 +15,7 @@ Outcomes:
   replica*: a passive server was killed while it rewrote its directory from its active
   peer (``DataDir.replace``). Its files are moved to ``incomplete-<utc>/`` and the server
   starts empty with sequence 0, so its peer, which holds the map, wins the start-up
-  election (``shards.bstar``) and it synchronises again.
+  election (``clonemap.shards.bstar``) and it synchronises again.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shards.persist import format as fmt
-from shards.persist.format import CorruptLog
-from shards.store import Store
+from clonemap.shards.persist import format as fmt
+from clonemap.shards.persist.format import CorruptLog
+from clonemap.shards.store import Store
 
 
 @dataclass
@@ -87,7 +87,7 @@ class Recovered:
     segments: int = 0
     uuids: list = field(default_factory=list)
     """``[uuid, seq, ...]``, oldest first: the applied UUIDs the snapshot file and the
-    segments hold (for ``shards.applied``)."""
+    segments hold (for ``clonemap.shards.applied``)."""
 
 
 def load_snapshot(path: Path, uuids: list | None = None) -> tuple[Store, str, int]:
@@ -221,7 +221,7 @@ def quarantine(data_dir: str | os.PathLike, why: str) -> str:
     every data file (snapshots, segments, terms, dropped-*) to ``unreadable-<utc>/``
     (kept for the operator, never deleted), and leave the ``needs-peer`` marker saying
     why, so that the server starts empty and serves only after copying its peer's map
-    (``shards.bstar`` rule 8). Returns where the files went."""
+    (``clonemap.shards.bstar`` rule 8). Returns where the files went."""
     path = Path(data_dir)
     dest = path / time.strftime(f"{fmt.UNREADABLE_PREFIX}%Y%m%dT%H%M%SZ", time.gmtime())
     dest.mkdir(exist_ok=True)

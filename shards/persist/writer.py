@@ -34,13 +34,13 @@ import threading
 import time
 from pathlib import Path
 
-from shards.common.errors import os_error_text
-from shards.persist import format as fmt
-from shards.persist.recovery import list_files
-from shards.store import Store
-from shards.persist.compaction import SNAPSHOT_CHUNK_KEYS, Compaction
+from clonemap.shards.common.errors import os_error_text
+from clonemap.shards.persist import format as fmt
+from clonemap.shards.persist.recovery import list_files
+from clonemap.shards.store import Store
+from clonemap.shards.persist.compaction import SNAPSHOT_CHUNK_KEYS, Compaction
 
-log = logging.getLogger("shards.persist")
+log = logging.getLogger("clonemap.shards.persist")
 
 FSYNC_POLICIES = ("always", "everysec", "no")
 EVERYSEC_S = 1.0
@@ -59,7 +59,7 @@ COMPACT_MIN_BYTES = 64 << 20
 MIN_FREE_BYTES = 4 << 20
 """A server starts only with this much free on its data directory's filesystem: with
 less, it would stop again on its first writes (a disk error), so it exits at once and
-the supervisor tries again later (``python -m shards --min-free-bytes``)."""
+the supervisor tries again later (``python -m clonemap.shards --min-free-bytes``)."""
 COMPACT_RETRY_S = 5.0
 """After a compaction failed (a full disk), the next one waits this long."""
 
@@ -248,7 +248,7 @@ class DataDir:
 
     def inject_fault(self, kind: str, errno_: int) -> None:
         """Tests: the next log write (``kind`` "write") or fsync ("fsync") fails with
-        ``errno_``, as a failing disk would (``python -m shards`` arms it on SIGUSR2 when
+        ``errno_``, as a failing disk would (``python -m clonemap.shards`` arms it on SIGUSR2 when
         ``$CLONEMAP_INJECT_DISK_FAULT`` says ``write:EIO`` or ``fsync:EIO``)."""
         if kind not in ("write", "fsync"):
             raise ValueError(f"kind is write or fsync, not {kind!r}")
@@ -519,7 +519,7 @@ class DataDir:
         """Copy every logged update with sequence >= ``dropped_from`` to a new
         ``dropped-<utc>.cml`` (fsynced); how many. A snapshot taken after that point
         is kept whole beside it (its single updates are gone)."""
-        from shards.persist.recovery import replay_records
+        from clonemap.shards.persist.recovery import replay_records
 
         name = time.strftime(f"{fmt.DROPPED_PREFIX}%Y%m%dT%H%M%SZ", time.gmtime())
         out = self.path / (name + fmt.LOG_SUFFIX)

@@ -1,6 +1,6 @@
 """``supervisor broker``: run an MDP/0.2 broker alone.
 
-    python -m supervisor broker --bind tcp://127.0.0.1:5555 [--heartbeat-s 2.5]
+    python -m clonemap.supervisor broker --bind tcp://127.0.0.1:5555 [--heartbeat-s 2.5]
         [--liveness 3] [--request-expiry-s 10] [--max-queued 1000]
 
 Prints ``READY broker bind=<endpoints>`` on stdout once bound (the real endpoints, so
@@ -16,10 +16,10 @@ import sys
 
 import click
 
-from shards.common.errors import ConfigError, PortInUse
-from shards.common.mdp.broker import Broker
-from shards.common.mdp.broker_config import BrokerConfig
-from shards.common.timing import MDP_HEARTBEAT_S
+from clonemap.shards.common.errors import ConfigError, PortInUse
+from clonemap.shards.common.mdp.broker import Broker
+from clonemap.shards.common.mdp.broker_config import BrokerConfig
+from clonemap.shards.common.timing import MDP_HEARTBEAT_S
 
 
 async def _serve(binds: list[str], config: BrokerConfig) -> int:
@@ -37,7 +37,7 @@ async def _serve(binds: list[str], config: BrokerConfig) -> int:
     try:
         await stop.wait()
     finally:
-        logging.getLogger("shards.common.mdp.broker").info("stopping: %s", broker.stats()["counters"])
+        logging.getLogger("clonemap.shards.common.mdp.broker").info("stopping: %s", broker.stats()["counters"])
         await broker.stop()
     return 0
 

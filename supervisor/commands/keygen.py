@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import click
 
-from shards.common.config import load_config
-from shards.common.errors import ConfigError, Exit
-from shards.common.security import create_keys
+from clonemap.shards.common.config import load_config
+from clonemap.shards.common.errors import ConfigError, Exit
+from clonemap.shards.common.security import create_keys
 
 
 @click.command("keygen")

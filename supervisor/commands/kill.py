@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import click
 
-from supervisor.control import Selection, act, control_options, run_command, target_argument
+from clonemap.supervisor.control import Selection, act, control_options, run_command, target_argument
 
 
 @click.command("kill")

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import click
 
-from supervisor.control import (Selection, call, checked_target, control_options,
+from clonemap.supervisor.control import (Selection, call, checked_target, control_options,
                                 run_command, target_argument)
-from supervisor.protocol import DEFAULT_LOG_LINES, MAX_LOG_LINES
+from clonemap.supervisor.protocol import DEFAULT_LOG_LINES, MAX_LOG_LINES
 
 
 @click.command("logs")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import click
 
-from supervisor.control import Selection, act, control_options, run_command, target_argument
-from supervisor.runner import STOP_DEADLINE_S
+from clonemap.supervisor.control import Selection, act, control_options, run_command, target_argument
+from clonemap.supervisor.runner import STOP_DEADLINE_S
 
 
 @click.command("restart")

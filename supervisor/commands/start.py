@@ -35,17 +35,17 @@ from pathlib import Path
 
 import click
 
-from shards.common.errors import ConfigError, PortInUse
-from shards.common.config import load_config
-from shards.common.security import Security, check_keys_present
-from shards.common.hostfacts import local_host_facts
-from shards.common.memory import return_large_frees
-from shards.common.placement import Plan, check_ports_free, plan
-from supervisor.running import running_cluster
-from supervisor.policy import (BACKOFF_CAP_S, BACKOFF_INITIAL_S, CRASH_LIMIT, CRASH_WINDOW_S,
+from clonemap.shards.common.errors import ConfigError, PortInUse
+from clonemap.shards.common.config import load_config
+from clonemap.shards.common.security import Security, check_keys_present
+from clonemap.shards.common.hostfacts import local_host_facts
+from clonemap.shards.common.memory import return_large_frees
+from clonemap.shards.common.placement import Plan, check_ports_free, plan
+from clonemap.supervisor.running import running_cluster
+from clonemap.supervisor.policy import (BACKOFF_CAP_S, BACKOFF_INITIAL_S, CRASH_LIMIT, CRASH_WINDOW_S,
                                PolicyConfig)
 
-log = logging.getLogger("supervisor")
+log = logging.getLogger("clonemap.supervisor")
 
 DETACH_READY_TIMEOUT_S = 60.0
 DEMO_SUFFIX = "-demo"
@@ -97,10 +97,10 @@ def unserved_lines(rows: list[dict], shards: list[str]) -> list[str]:
 
 
 def control_hint(config: str) -> str:
-    """How to name this cluster in a control command, as the user named its config: a
-    CONFIG finds the control endpoint and, for a CURVE cluster, its keys (``--control``
-    alone would not)."""
-    return shlex.quote(config)
+    """How to name this cluster in a control command: its config's absolute path (a
+    CONFIG finds the control endpoint and, for a CURVE cluster, its keys, which
+    ``--control`` alone would not), so the line works from any directory."""
+    return shlex.quote(str(Path(config).resolve()))
 
 
 def _detach(argv: list[str], run_dir: Path, config: str) -> int:
@@ -109,7 +109,7 @@ def _detach(argv: list[str], run_dir: Path, config: str) -> int:
     log_path = run_dir / "supervisor.log"
     with open(log_path, "ab") as log_file:
         child = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", *argv, "--detached-child"],
+            [sys.executable, "-m", "clonemap.supervisor", *argv, "--detached-child"],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_file,
             start_new_session=True, close_fds=True)
     deadline = time.monotonic() + DETACH_READY_TIMEOUT_S
@@ -181,12 +181,12 @@ class Supervisor:
     async def run(self) -> int:
         import zmq
 
-        from shards.common.mdp.broker import Broker
-        from shards.common.mdp.broker_config import budget_config
-        from supervisor.health import ClusterHealth
-        from supervisor.metrics import MetricsServer
-        from supervisor.services import ControlServices, StatsPoller
-        from supervisor.runner import Runner, ServerArgs
+        from clonemap.shards.common.mdp.broker import Broker
+        from clonemap.shards.common.mdp.broker_config import budget_config
+        from clonemap.supervisor.health import ClusterHealth
+        from clonemap.supervisor.metrics import MetricsServer
+        from clonemap.supervisor.services import ControlServices, StatsPoller
+        from clonemap.supervisor.runner import Runner, ServerArgs
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -272,7 +272,7 @@ class Supervisor:
             if self.detached:  # from now on stdout goes to the log as well
                 os.dup2(2, 1)
             if self.demo_load:
-                from supervisor.demo_load import DemoLoad
+                from clonemap.supervisor.demo_load import DemoLoad
 
                 tasks.append(loop.create_task(DemoLoad(the_plan, ctx,
                                                        security=security).run()))
@@ -306,7 +306,7 @@ class Supervisor:
     async def _wait_for_actives(self, runner, poller) -> list[str]:
         """Until every shard has an ACTIVE server (fresh stats rounds), at most the ready
         timeout; returns the shards still without one."""
-        from supervisor.health import shards_without_active
+        from clonemap.supervisor.health import shards_without_active
 
         deadline = asyncio.get_running_loop().time() + self.ready_timeout_s
         while True:
@@ -329,7 +329,7 @@ class Supervisor:
         from rich.live import Live
         from rich.text import Text
 
-        from supervisor.status_view import status_table, summary_line
+        from clonemap.supervisor.status_view import status_table, summary_line
 
         console = Console()
 

@@ -12,8 +12,8 @@ import json
 
 import click
 
-from supervisor.control import Selection, control_options, run_command, status_rows
-from supervisor.health import shards_without_active
+from clonemap.supervisor.control import Selection, control_options, run_command, status_rows
+from clonemap.supervisor.health import shards_without_active
 
 
 def without_active(rows: list[dict], summary: dict) -> list[str]:
@@ -40,7 +40,7 @@ def command(as_json: bool, sel: Selection) -> None:
         else:
             from rich.console import Console
 
-            from supervisor.status_view import status_notes, status_table, summary_line
+            from clonemap.supervisor.status_view import status_notes, status_table, summary_line
 
             title = (f"cluster {summary.get('cluster')}  control {endpoint}  "
                      f"supervisor pid {summary.get('pid')}  {summary_line(rows)}")
@@ -60,7 +60,7 @@ def command(as_json: bool, sel: Selection) -> None:
 def _across_hosts(sel: Selection, hosts: list[str], as_json: bool) -> int:
     """A cluster over several hosts: every host's supervisor is asked; its servers'
     rows say which host they run on, and a host that does not answer is named."""
-    from shards.common.errors import ClonemapError
+    from clonemap.shards.common.errors import ClonemapError
 
     rows: list[dict] = []
     unreachable: dict[str, str] = {}
@@ -83,7 +83,7 @@ def _across_hosts(sel: Selection, hosts: list[str], as_json: bool) -> int:
     else:
         from rich.console import Console
 
-        from supervisor.status_view import status_table, summary_line
+        from clonemap.supervisor.status_view import status_table, summary_line
 
         console = Console(highlight=False)
         if not console.is_terminal:

@@ -10,9 +10,9 @@ import time
 
 import click
 
-from shards.common.endpoints import NOT_LISTENING
-from shards.common.errors import HandshakeRefused, Timeout
-from supervisor.control import Selection, call, control_options, ping, run_command
+from clonemap.shards.common.endpoints import NOT_LISTENING
+from clonemap.shards.common.errors import HandshakeRefused, Timeout
+from clonemap.supervisor.control import Selection, call, control_options, ping, run_command
 
 STOP_WAIT_S = 30.0
 

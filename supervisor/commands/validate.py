@@ -13,13 +13,13 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from shards.common.errors import ConfigError
-from shards.common.config import load_config
-from shards.common.config_values import format_cores
-from shards.common.hostfacts import load_host_facts, local_host_facts
-from shards.common.placement import Plan, check_ports_free, plan
-from shards.common.security import check_keys_present
-from supervisor.running import running_cluster
+from clonemap.shards.common.errors import ConfigError
+from clonemap.shards.common.config import load_config
+from clonemap.shards.common.config_values import format_cores
+from clonemap.shards.common.hostfacts import load_host_facts, local_host_facts
+from clonemap.shards.common.placement import Plan, check_ports_free, plan
+from clonemap.shards.common.security import check_keys_present
+from clonemap.supervisor.running import running_cluster
 
 
 def _plural(count: int, word: str) -> str:
@@ -40,7 +40,9 @@ def _render(the_plan: Plan, ports_note: str) -> None:
                                        f"{', '.join(n for n, _ in the_plan.hosts)})"
                                        if the_plan.host_name else "")
             + f"; cores {facts.describe_cores()}",
-            f"NICs: {facts.describe_nics()}"):
+            f"NICs: {facts.describe_nics()}",
+            (f"security: CURVE on every socket; keys in {the_plan.keys_dir}"
+             if the_plan.curve else "security: off (plain TCP; see `security: {curve: true}`)")):
         console.print(line, soft_wrap=True)
     with_prefixes = any(shard.prefixes for shard in the_plan.shards)
     with_io = any(s.io_threads > 1 for s in (*servers, *the_plan.relays))

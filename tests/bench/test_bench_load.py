@@ -11,9 +11,9 @@ import pytest
 from bench.harness.offer import core_plan, parse_core_list
 from bench.harness.traffic import WriterConfig, key_index, routed_schedule
 from bench.harness.traffic_reader import SourceState, blind_reader, drain
-from shards.common import zio
+from clonemap.shards.common import zio
 from conftest import bench_record, run_bench
-from shards.common.routing import ShardMap
+from clonemap.shards.common.routing import ShardMap
 
 SMOKE = ("--seconds", "1", "--warmup", "0.3", "--keys", "2000")
 
@@ -248,7 +248,7 @@ def test_load_starts_its_own_shards_and_routes_over_them(procs, tmp_path):
 
 
 def test_load_against_a_running_server_at_a_fixed_rate(procs, tmp_path, port_base):
-    procs.python("-m", "shards", "--port", str(port_base), ready="READY")
+    procs.python("-m", "clonemap.shards", "--port", str(port_base), ready="READY")
     run_bench(procs, tmp_path, "bench.load", "--port", str(port_base), *SMOKE,
               "--rate", "2000", "--subscribers", "2")
     data = bench_record(tmp_path, "load")

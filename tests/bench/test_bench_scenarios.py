@@ -382,7 +382,7 @@ def test_join_ab_joins_every_server_and_both_takers_in_turn(procs, tmp_path):
     join of every server and of each client row taker holds the whole map (a join that
     does not is an error), the takers are the Python path and, when the extension is
     built, the compiled one; the table names each."""
-    from shards.common import zio
+    from clonemap.shards.common import zio
 
     run_bench(procs, tmp_path, "bench.join_ab", "--server", "a=.", "--server", "b=.",
               "--keys", "3000", "--joins", "2")

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from client.api import Clone
+from clonemap.client.api import Clone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -21,7 +21,7 @@ DEADLINE_S = 10.0
 
 @pytest.fixture
 def server(procs, port_base):
-    procs.python("-m", "shards", "--port", str(port_base), "--heartbeat-s", "0.2",
+    procs.python("-m", "clonemap.shards", "--port", str(port_base), "--heartbeat-s", "0.2",
                  "--log-level", "info", ready="READY")
     return f"tcp://127.0.0.1:{port_base}"
 

@@ -64,7 +64,7 @@ def test_a_config_that_gives_a_shard_count_is_relocated_like_a_list(tmp_path):
     from pathlib import Path
 
     from bench.harness.procs import ROOT, relocated_config
-    from shards.common.config import load_config
+    from clonemap.shards.common.config import load_config
 
     path, control, data = relocated_config(Path(ROOT) / "configs" / "1shard.yaml", tmp_path)
     cluster = load_config(path)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from client.api import ClonemapError, Clone
+from clonemap.client.api import ClonemapError, Clone
 
 
 def main() -> int:

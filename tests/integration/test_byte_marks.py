@@ -1,4 +1,4 @@
-"""What one subscriber that never reads can pin in a server, in bytes (``shards.pub_budget``).
+"""What one subscriber that never reads can pin in a server, in bytes (``clonemap.shards.pub_budget``).
 
 * The mark arithmetic, pure: it only falls, it follows the largest update, and the bytes
   it admits stay within ``max(B, cost(largest))``.
@@ -21,9 +21,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from conftest import wait_until as wait_for
-from client.api import Clone
-from shards.common.proto import chp
-from shards.byte_marks import MESSAGE_OVERHEAD, ByteMarks, derive, worst_case
+from clonemap.client.api import Clone
+from clonemap.shards.common.proto import chp
+from clonemap.shards.byte_marks import MESSAGE_OVERHEAD, ByteMarks, derive, worst_case
 from test_server_conformance import start_server
 from test_supervisor_cli import start, status, wait_status, write_config
 

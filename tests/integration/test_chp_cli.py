@@ -22,7 +22,7 @@ import yaml
 from conftest import PYTHON, ROOT, free_port_base
 from test_client_failover import start_standalone
 from test_supervisor_cli import start, write_config
-from shards.common.routing import ShardMap
+from clonemap.shards.common.routing import ShardMap
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,7 +31,7 @@ BINARY = b"\x00\xff\n\x01binary\r\n\x80"
 
 def chp(*args: str, stdin: bytes | None = None, timeout_s: float = 30.0
         ) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "client.cli", *args], cwd=ROOT, input=stdin,
+    return subprocess.run([PYTHON, "-m", "clonemap.client.cli", *args], cwd=ROOT, input=stdin,
                           capture_output=True, timeout=timeout_s)
 
 
@@ -139,7 +139,7 @@ def test_usage_errors_exit_2_and_no_cluster_exits_4(two_shards, tmp_path):
     one_error_line(chp("--control", f"tcp://127.0.0.1:{free}", "set", "/a/" + "k" * 2000,
                        "x"), 2, "limit 1024")
     env = {**os.environ, "CLONEMAP_CONTROL": f"tcp://127.0.0.1:{free}"}
-    out = subprocess.run([PYTHON, "-m", "client.cli", "--timeout-s", "0.4", "dump"], cwd=ROOT,
+    out = subprocess.run([PYTHON, "-m", "clonemap.client.cli", "--timeout-s", "0.4", "dump"], cwd=ROOT,
                          capture_output=True, timeout=30, env=env)
     one_error_line(out, 4, f"control tcp://127.0.0.1:{free}")
 
@@ -148,7 +148,7 @@ def test_watch_is_live_and_ctrl_c_exits_130(two_shards, procs):
     srv, _ = two_shards
     ok(chp(*srv, "set", "/w/a", "one"))
     ok(chp(*srv, "set", "/other/x", "not watched"))
-    watch = procs.python("-m", "client.cli", *srv, "watch", "/w/", ready="synced /w/")
+    watch = procs.python("-m", "clonemap.client.cli", *srv, "watch", "/w/", ready="synced /w/")
     ok(chp(*srv, "set", "/other/x", "still not"))
     ok(chp(*srv, "set", "/w/b", "--hex", "00ff"))
     ok(chp(*srv, "del", "/w/a"))
@@ -159,7 +159,7 @@ def test_watch_is_live_and_ctrl_c_exits_130(two_shards, procs):
     assert "put /w/a one" in watch.stdout and not any("/other/" in line
                                                       for line in watch.stdout)
     # --json and --count: machine-readable lines, ends by itself
-    counted = procs.python("-m", "client.cli", *srv, "watch", "/w/", "--json", "--count", "1",
+    counted = procs.python("-m", "clonemap.client.cli", *srv, "watch", "/w/", "--json", "--count", "1",
                            ready='"synced"')
     ok(chp(*srv, "set", "/w/c", "--hex", "ff"))
     assert counted.wait(10) == 0
@@ -172,7 +172,7 @@ def test_watch_is_live_and_ctrl_c_exits_130(two_shards, procs):
 def test_trace_prints_the_publishers_commands_decoded(two_shards, procs):
     srv, ports = two_shards
     owner = ShardMap(2).owner("/t/k")
-    trace = procs.python("-m", "client.cli", *srv, "trace", f"s{owner}", ready="HUGZ")
+    trace = procs.python("-m", "clonemap.client.cli", *srv, "trace", f"s{owner}", ready="HUGZ")
     ok(chp(*srv, "set", "/t/k", "traced", "--ttl", "30"))
     line = trace.wait_line("KVPUB")
     assert f"tcp://127.0.0.1:{ports[owner] + 1} KVPUB seq=" in line
@@ -234,14 +234,14 @@ def test_watch_from_a_past_sequence_resumes_then_follows_live(procs, tmp_path):
     srv = ["--servers", f"tcp://127.0.0.1:{port}"]
     for i in range(1, 6):
         ok(chp(*srv, "set", f"/w/{i}", f"v{i}"))
-    watch = procs.python("-m", "client.cli", *srv, "watch", "/w/", "--from-seq", "2",
+    watch = procs.python("-m", "clonemap.client.cli", *srv, "watch", "/w/", "--from-seq", "2",
                          "--count", "1", ready="synced")
     ok(chp(*srv, "set", "/w/9", "live"))
     assert watch.wait(30) == 0
     assert watch.stdout == ["put /w/3 v3", "put /w/4 v4", "put /w/5 v5", "synced /w/",
                             "put /w/9 live"], watch.stdout
     short = free_port_base(4)
-    procs.python("-m", "shards", "--port", str(short), "--history-updates", "2",
+    procs.python("-m", "clonemap.shards", "--port", str(short), "--history-updates", "2",
                  ready="READY")
     for i in range(1, 6):
         ok(chp("--servers", f"tcp://127.0.0.1:{short}", "set", f"/h/{i}", "v"))

@@ -19,10 +19,10 @@ import pytest
 import uvloop
 import zmq
 
-from shards.common.errors import SlowConsumer, Timeout
-from shards.common.proto import chp
-from client.api import AsyncClone, Clone
-from client.watch import DELETE, PUT, SYNCED
+from clonemap.shards.common.errors import SlowConsumer, Timeout
+from clonemap.shards.common.proto import chp
+from clonemap.client.api import AsyncClone, Clone
+from clonemap.client.watch import DELETE, PUT, SYNCED
 
 DEADLINE_S = 5.0
 
@@ -573,7 +573,7 @@ def test_a_snapshot_s_every_kind_of_row_is_installed_or_dropped_as_the_decoder_s
     (UUID and properties), an empty value (not a key), and rows that are dropped and
     counted: bad UTF-8, a command word as key, a key outside the subtree, a 7-byte
     sequence, an oversize key or value, a row of 6 frames and one of 4."""
-    from client import incoming
+    from clonemap.client import incoming
 
     if taker == "python":
         monkeypatch.setattr(incoming, "_take_rows", None)

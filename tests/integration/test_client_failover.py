@@ -26,10 +26,10 @@ import zmq
 
 from conftest import free_port_base
 from test_client_server import fetch_map  # a raw ICANHAZ (only an active answers)
-from client.events import FailoverInfo
-from client.api import AsyncClone
-from client.watch import DELETE, PUT, SYNCED
-from shards.common.proto import bstar as wire
+from clonemap.client.events import FailoverInfo
+from clonemap.client.api import AsyncClone
+from clonemap.client.watch import DELETE, PUT, SYNCED
+from clonemap.shards.common.proto import bstar as wire
 
 HEARTBEAT_S = 0.2
 SILENCE_S = 3 * HEARTBEAT_S
@@ -65,7 +65,7 @@ def report_gaps():
 # ------------------------------------------------------------------ processes
 
 def start_pair_server(procs, port: int, role: str, peer: int):
-    proc = procs.python("-m", "shards", "--port", str(port), f"--{role}", "--peer",
+    proc = procs.python("-m", "clonemap.shards", "--port", str(port), f"--{role}", "--peer",
                         f"127.0.0.1:{peer}", "--heartbeat-s", str(HEARTBEAT_S),
                         "--log-level", "info", ready="READY")
     proc.port = port
@@ -74,7 +74,7 @@ def start_pair_server(procs, port: int, role: str, peer: int):
 
 
 def start_standalone(procs, port: int):
-    proc = procs.python("-m", "shards", "--port", str(port), "--heartbeat-s",
+    proc = procs.python("-m", "clonemap.shards", "--port", str(port), "--heartbeat-s",
                         str(HEARTBEAT_S), "--log-level", "info", ready="READY")
     proc.port = port
     proc.address = f"tcp://127.0.0.1:{port}"

@@ -1,4 +1,4 @@
-"""The client against a real ``python -m shards`` process, and the ``make run`` demo.
+"""The client against a real ``python -m clonemap.shards`` process, and the ``make run`` demo.
 
 Every wait is for an event (a watch change, a stdout line, a snapshot) with a deadline.
 The server's own map is read with a raw DEALER (``fetch_map``: ICANHAZ -> KVSYNC* KTHXBAI),
@@ -18,9 +18,9 @@ import pytest
 import uvloop
 import zmq
 
-from client import shard_machine as sm
-from client.api import AsyncClone, Clone
-from client.watch import DELETE, PUT, SYNCED
+from clonemap.client import shard_machine as sm
+from clonemap.client.api import AsyncClone, Clone
+from clonemap.client.watch import DELETE, PUT, SYNCED
 
 HEARTBEAT_S = 0.2
 DEADLINE_S = 10.0
@@ -32,7 +32,7 @@ def run(coro, timeout_s: float = 60.0):
 
 
 def start_server(procs, port: int):
-    return procs.python("-m", "shards", "--port", str(port), "--heartbeat-s", str(HEARTBEAT_S),
+    return procs.python("-m", "clonemap.shards", "--port", str(port), "--heartbeat-s", str(HEARTBEAT_S),
                         "--log-level", "warning", ready="READY")
 
 
@@ -108,7 +108,7 @@ def is_(kind, key):
 # ------------------------------------------------------------------ the demo
 
 def test_demo_runs_to_completion_and_leaves_no_server(procs):
-    demo = procs.python("-m", "client.demo")
+    demo = procs.python("-m", "clonemap.client.demo")
     ready = demo.wait_line("READY shard", timeout_s=15)
     server_pid = int(re.search(r"pid=(\d+)", ready).group(1))
     for line in ("reader watch synced", "reader watch put    /demo/greeting = 'hello'",
@@ -124,7 +124,7 @@ def test_demo_runs_to_completion_and_leaves_no_server(procs):
 def test_demo_interrupted_stops_its_server(procs, sig):
     # --hold: the demo waits for the signal after its last step (without it, a test
     # process slowed by a busy host could send the signal after the demo had finished)
-    demo = procs.python("-m", "client.demo", "--hold")
+    demo = procs.python("-m", "clonemap.client.demo", "--hold")
     server_pid = int(re.search(r"pid=(\d+)", demo.wait_line("READY shard")).group(1))
     demo.wait_line("holding: server at")
     demo.signal(sig)
@@ -468,7 +468,7 @@ def test_reset_policy_keep_holds_the_old_copy_read_only(procs, port_base):
     """``reset_policy="keep"``: after the server comes back with another map, the client
     keeps its copy of the shard (reads work), refuses writes to it with ``ShardReset``
     naming the loss, and stops following the shard."""
-    from client.errors import ShardReset
+    from clonemap.client.errors import ShardReset
 
     first = start_server(procs, port_base)
     address = f"tcp://127.0.0.1:{port_base}"

@@ -17,9 +17,9 @@ from test_client_failover import Events
 from test_client_server import fetch_map
 from test_router import DEADLINE_S, as_bytes_map, run, until_map
 from test_supervisor_cli import start, wait_status, write_config
-from client.api import AsyncClone, Clone
-from shards.common.routing import ShardMap
-from supervisor.control import call
+from clonemap.client.api import AsyncClone, Clone
+from clonemap.shards.common.routing import ShardMap
+from clonemap.supervisor.control import call
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -26,7 +26,7 @@ INCREMENTS = 150
 WRITER = textwrap.dedent("""
     import json, sys, time
     sys.path.insert(0, {root!r})
-    from client.api import Clone, Conflict
+    from clonemap.client.api import Clone, Conflict
     config, key, me, count, go = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), \
         sys.argv[5]
     wrote, conflicts, PACE_S = [], 0, 0.01
@@ -56,7 +56,7 @@ def test_compare_and_set_counter_across_a_kill_of_the_active(procs, tmp_path):
     is in the final value exactly once: the successful values are 1..final, no two
     writers succeeded from the same base (no lost update), and none was applied twice
     (the final value is the count of successes)."""
-    from client.api import Clone
+    from clonemap.client.api import Clone
 
     config, control = write_config(tmp_path, "2shard.yaml")
     start(procs, config, tmp_path, "--backoff-initial-s", "0.2")
@@ -120,7 +120,7 @@ def _raw_pair_sockets(zctx, port: int, identity: bytes):
 
 
 def _kvreply(dealer, timeout_ms: int = 10_000):
-    from shards.common.proto import chp
+    from clonemap.shards.common.proto import chp
 
     assert dealer.poll(timeout_ms), "no KVREPLY"
     return chp.decode_kvreply(dealer.recv_multipart())
@@ -133,8 +133,8 @@ def test_a_resend_after_the_active_died_is_applied_once(procs, tmp_path, zctx):
     that sequence, the shard's sequence does not move). Then the same once more after
     the first server came back, caught up, and took over in turn (the table of applied
     UUIDs reached it)."""
-    from client.api import Clone
-    from shards.common.proto import chp
+    from clonemap.client.api import Clone
+    from clonemap.shards.common.proto import chp
 
     config, control = write_config(tmp_path, "1shard.yaml", limits={
         "applied_uuid_bytes": 1 << 20, "applied_uuid_s": 90})
@@ -182,11 +182,11 @@ def test_conditional_writes_at_the_frame_level(procs, zctx):
     """A raw peer's conditional KVSETs on a standalone server: a conflict is answered on
     the replies DEALER only (a subscriber sees nothing of it), an applied one is a KVPUB
     without the condition's properties, and a malformed condition is a counted drop."""
-    from shards.common.proto import chp
+    from clonemap.shards.common.proto import chp
     from conftest import free_port_base
 
     port = free_port_base(4)
-    procs.python("-m", "shards", "--port", str(port), ready="READY shard")
+    procs.python("-m", "clonemap.shards", "--port", str(port), ready="READY shard")
     sub = zctx.socket(zmq.SUB)
     sub.subscribe(b"/c")
     sub.subscribe(chp.HUGZ)
@@ -231,12 +231,12 @@ def test_replies_to_nobody_are_counted_and_dropped(procs, zctx):
     conditional write beside the flood is answered. (A DEALER that holds the id and
     never reads holds at most the snapshot ROUTER's mark for its pipe, plus the kernel's
     socket buffers.)"""
-    from shards.common.proto import chp
+    from clonemap.shards.common.proto import chp
     from conftest import free_port_base
     from test_relay import stats_of
 
     port = free_port_base(4)
-    server = procs.python("-m", "shards", "--port", str(port), ready="READY shard")
+    server = procs.python("-m", "clonemap.shards", "--port", str(port), ready="READY shard")
     pub, honest = _raw_pair_sockets(zctx, port, b"honest")
     pub.sndhwm = 0  # every one of them reaches the server (a PUB drops past its mark)
     props = chp.write_props(reply_to=b"nobody")

@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from conftest import ROOT, free_port_base
-from shards.common.errors import ConfigError
-from shards.common.config import load_config, parse_config
-from shards.common.config_values import format_cores, parse_cores
-from shards.common.hostfacts import HostFacts, load_host_facts, local_host_facts, probe_port
-from shards.common.placement import check_ports_free, load_plan, plan
+from clonemap.shards.common.errors import ConfigError
+from clonemap.shards.common.config import load_config, parse_config
+from clonemap.shards.common.config_values import format_cores, parse_cores
+from clonemap.shards.common.hostfacts import HostFacts, load_host_facts, local_host_facts, probe_port
+from clonemap.shards.common.placement import check_ports_free, load_plan, plan
 
 FACTS_16 = ROOT / "configs" / "hosts" / "16core-2nic.yaml"
 SHIPPED = {"1shard.yaml": 1, "2shard.yaml": 2, "4shard.yaml": 4, "short.yaml": 1}
@@ -76,7 +76,7 @@ def test_io_threads_fall_back_to_the_defaults_and_reach_every_command_line():
     """``io_threads``: a server's own, else ``defaults.io_threads``, else libzmq's one;
     relays take ``relays.io_threads``. The supervisor passes ``--io-threads`` to servers
     and relays that have more than one; a value outside 1..64 names its field."""
-    from supervisor.runner import ServerArgs, relay_argv, server_argv
+    from clonemap.supervisor.runner import ServerArgs, relay_argv, server_argv
 
     cfg = parse_config({"shards": [{"primary": {"io_threads": 4}}, {}],
                         "defaults": {"io_threads": 2},
@@ -503,7 +503,7 @@ def test_control_port_in_use_is_refused():
 # ---------------------------------------------------------------- the CLI
 
 def run_cli(procs, *args: str):
-    proc = procs.python("-m", "supervisor", "validate", *args)
+    proc = procs.python("-m", "clonemap.supervisor", "validate", *args)
     code = proc.wait(60)
     proc.stop()  # joins the output readers
     return code, "\n".join(proc.stdout), "\n".join(proc.stderr)

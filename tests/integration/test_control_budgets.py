@@ -17,8 +17,8 @@ import psutil
 import pytest
 import zmq
 
-from shards.common.mdp import codec as mdp
-from shards.common.mdp.client import SyncMdpClient
+from clonemap.shards.common.mdp import codec as mdp
+from clonemap.shards.common.mdp.client import SyncMdpClient
 from test_supervisor_cli import start, status, wait_status, write_config
 
 pytestmark = pytest.mark.timeout(180)

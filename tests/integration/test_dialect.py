@@ -15,9 +15,9 @@ import pytest
 import zmq
 
 from conftest import PYTHON, ROOT, free_port_base
-from client.api import AsyncClone
-from shards.common.errors import Timeout
-from shards.common.proto import chp
+from clonemap.client.api import AsyncClone
+from clonemap.shards.common.errors import Timeout
+from clonemap.shards.common.proto import chp
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -177,7 +177,7 @@ def test_chp_gets_sets_and_dumps_against_the_dialect_server(procs, zctx):
     port = free_port_base(4)
     start_peer(procs, port)
     Seeder(zctx, port).write({b"/c/1": b"one", b"/c/2": b"two"})
-    base = [PYTHON, "-m", "client.cli", "--servers", f"tcp://127.0.0.1:{port}"]
+    base = [PYTHON, "-m", "clonemap.client.cli", "--servers", f"tcp://127.0.0.1:{port}"]
 
     def chp_run(*args):
         return subprocess.run([*base, *args], cwd=ROOT, capture_output=True, text=True,
@@ -197,7 +197,7 @@ def test_a_conditional_write_is_refused_before_it_reaches_a_strict_server(procs,
     would apply the write unconditionally: shown by sending one raw. So our client
     refuses a conditional write to a server that does not say ``cas=1``, at once
     (``NotSupported``), and nothing reaches the server; plain writes go on working."""
-    from client.errors import NotSupported
+    from clonemap.client.errors import NotSupported
 
     port = free_port_base(4)
     start_peer(procs, port)

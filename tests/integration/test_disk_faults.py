@@ -55,8 +55,8 @@ class Ledger:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from client.api import Clone
-        from shards.common.errors import ClonemapError
+        from clonemap.client.api import Clone
+        from clonemap.shards.common.errors import ClonemapError
 
         with Clone(config=str(self.config)) as clone:
             n = 0
@@ -89,7 +89,7 @@ class Ledger:
 
     def check(self, config: Path) -> None:
         """A fresh client holds every acknowledged write, with its value."""
-        from client.api import Clone
+        from clonemap.client.api import Clone
 
         assert self.acked, "nothing was acknowledged"
         with Clone(config=str(config)) as clone:
@@ -167,7 +167,7 @@ def cluster(procs, tmp_path):
 
         def start(self):
             self.sup = procs.python(
-                "-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
+                "-m", "clonemap.supervisor", "start", str(config), "--no-table", "--run-dir",
                 str(run), ready="READY supervisor", timeout_s=60,
                 env={"CLONEMAP_INJECT_DISK_FAULT": os.environ.get("FAULT", "write:EIO")})
             return self.sup
@@ -322,7 +322,7 @@ def test_a_failed_fsync_is_never_retried_the_server_stops(cluster, monkeypatch):
 def _write_ledger(config: Path, count: int) -> Ledger:
     ledger = Ledger(config, value_bytes=100)
     ledger.stop.set()  # no thread: write ``count`` here, each acknowledged
-    from client.api import Clone
+    from clonemap.client.api import Clone
 
     with Clone(config=str(config)) as clone:
         for n in range(1, count + 1):
@@ -332,7 +332,7 @@ def _write_ledger(config: Path, count: int) -> Ledger:
 
 
 def _supervise(procs, config: Path, run: Path, *extra: str):
-    return procs.python("-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
+    return procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table", "--run-dir",
                         str(run), *extra, ready="READY supervisor", timeout_s=60)
 
 
@@ -395,7 +395,7 @@ def test_detach_is_not_ready_while_a_shard_has_no_active_server(tmp_path):
 
 
 def test_a_torn_tail_is_reported_in_updates_in_the_log_and_the_metrics(procs, tmp_path):
-    from shards.persist import format as fmt
+    from clonemap.shards.persist import format as fmt
 
     config, control = write_config(tmp_path, "1shard.yaml")
     run = tmp_path / "run"

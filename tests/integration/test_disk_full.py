@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from shards.persist import format as fmt
-from shards.persist.recovery import recover
-from shards.persist.writer import DataDir
-from shards.store import Store
+from clonemap.shards.persist import format as fmt
+from clonemap.shards.persist.recovery import recover
+from clonemap.shards.persist.writer import DataDir
+from clonemap.shards.store import Store
 
 TMPFS_BYTES = 1 << 20
 

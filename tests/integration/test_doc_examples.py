@@ -107,7 +107,7 @@ def make_run_cluster(tmp_path_factory):
     site = Site(tmp_path_factory.mktemp("site"))
     procs = Procs()
     try:
-        procs.spawn([PYTHON, "-m", "supervisor", "start", "configs/4shard.yaml",
+        procs.spawn([PYTHON, "-m", "clonemap.supervisor", "start", "configs/4shard.yaml",
                      "--no-table", "--run-dir", str(site.root / "run" / "four")],
                     ready="READY supervisor", timeout_s=60, env={"PYTHONPATH": python_path()},
                     cwd=site.root)
@@ -155,7 +155,7 @@ def test_a_session_runs_top_to_bottom(tmp_path, where, line, code):
         assert out.returncode == 0, f"{where}:{line}\n{out.stdout}\n{out.stderr}"
     finally:
         for config in ("configs/4shard-restore.yaml", "configs/4shard.yaml"):
-            site.run([PYTHON, "-m", "supervisor", "stop", config])
+            site.run([PYTHON, "-m", "clonemap.supervisor", "stop", config])
     for line_no, text in enumerate(code.splitlines()):
         expected = re.search(r"#\s+(\w+)$", text)
         if text.startswith("chp ") and expected and " get " in text:

@@ -26,12 +26,12 @@ import time
 import pytest
 import zmq
 
-from client.api import AsyncClone
+from clonemap.client.api import AsyncClone
 from conftest import PYTHON, free_port_base
-from shards.common.proto import bstar_ttl
-from shards.persist import DataDir, recover
-from shards.persist.recovery import replay_records
-from shards.store import Store
+from clonemap.shards.common.proto import bstar_ttl
+from clonemap.shards.persist import DataDir, recover
+from clonemap.shards.persist.recovery import replay_records
+from clonemap.shards.store import Store
 from test_client_failover import wait_stderr
 from test_client_server import fetch_map
 from test_failover_supervised import shard_keys
@@ -270,7 +270,7 @@ def test_crossed_roles_updates_the_winner_never_had_are_kept_aside(procs, tmp_pa
 # ------------------------------------------------------------------ backup and restore
 
 def test_backup_of_a_live_cluster_restores_into_a_new_one(procs, tmp_path):
-    """``python -m shards.persist backup <run-dir>/data DEST`` while the cluster runs and
+    """``python -m clonemap.shards.persist backup <run-dir>/data DEST`` while the cluster runs and
     a writer goes on; DEST copied into a new cluster's ``<run-dir>/data`` before its
     ``supervisor start``: it serves the backed-up map (every write acknowledged before
     the backup began, each key at least at that value)."""
@@ -286,7 +286,7 @@ def test_backup_of_a_live_cluster_restores_into_a_new_one(procs, tmp_path):
                 await clone.set(key, b"before", wait=True)
             during = asyncio.gather(*(clone.set(key, b"during", wait=True) for key in keys))
             out = await asyncio.to_thread(subprocess.run, [
-                PYTHON, "-m", "shards.persist", "backup", str(tmp_path / "run" / "data"),
+                PYTHON, "-m", "clonemap.shards.persist", "backup", str(tmp_path / "run" / "data"),
                 str(dest)], capture_output=True, text=True, timeout=60)
             await during
             return keys, out
@@ -324,12 +324,12 @@ def test_verify_names_a_corrupt_file_and_exits_1(tmp_path):
         writer.flush()
     segment = writer.segment
     writer.close()
-    ok = subprocess.run([PYTHON, "-m", "shards.persist", "verify", str(tmp_path / "d")],
+    ok = subprocess.run([PYTHON, "-m", "clonemap.shards.persist", "verify", str(tmp_path / "d")],
                         capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0 and json.loads(ok.stdout)["keys"] == 3
     data = bytearray(segment.read_bytes())
     data[40] ^= 0xFF
     segment.write_bytes(bytes(data))
-    bad = subprocess.run([PYTHON, "-m", "shards.persist", "verify", str(tmp_path / "d")],
+    bad = subprocess.run([PYTHON, "-m", "clonemap.shards.persist", "verify", str(tmp_path / "d")],
                          capture_output=True, text=True, timeout=30)
     assert bad.returncode == 1 and segment.name in bad.stderr and "offset" in bad.stderr

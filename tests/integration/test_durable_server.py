@@ -10,16 +10,16 @@ import time
 
 import pytest
 
-from client.api import AsyncClone
+from clonemap.client.api import AsyncClone
 from conftest import free_port_base
-from shards.persist import format as fmt
+from clonemap.shards.persist import format as fmt
 from test_client_server import fetch_map
 
 pytestmark = pytest.mark.timeout(90)
 
 
 def start(procs, port: int, data_dir, *extra: str):
-    return procs.python("-m", "shards", "--port", str(port), "--data-dir", str(data_dir),
+    return procs.python("-m", "clonemap.shards", "--port", str(port), "--data-dir", str(data_dir),
                         "--log-level", "info", *extra, ready="READY")
 
 
@@ -125,7 +125,7 @@ def test_a_corrupt_log_stops_the_server_with_the_file_and_offset(procs, tmp_path
     assert len(data) > header + 40  # more than one record follows
     data[header + 12] ^= 0xFF  # inside the first record's payload
     log_path.write_bytes(bytes(data))
-    proc = procs.python("-m", "shards", "--port", str(port), "--data-dir", str(tmp_path))
+    proc = procs.python("-m", "clonemap.shards", "--port", str(port), "--data-dir", str(tmp_path))
     assert proc.wait(30) == 1
     err = "\n".join(proc.stderr)
     assert "cannot recover the map" in err and str(log_path) in err

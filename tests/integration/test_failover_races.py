@@ -20,12 +20,12 @@ import pytest
 import zmq
 
 from conftest import free_port_base
-from client import shard_machine as sm
-from client.agent import ShardAgent
-from shards import replica_machine as rm
-from shards.pair import pair_server
-from shards.common.proto import chp
-from shards.server_config import ServerConfig
+from clonemap.client import shard_machine as sm
+from clonemap.client.agent import ShardAgent
+from clonemap.shards import replica_machine as rm
+from clonemap.shards.pair import pair_server
+from clonemap.shards.common.proto import chp
+from clonemap.shards.server_config import ServerConfig
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -87,8 +87,8 @@ def test_a_vote_after_a_stall_hears_the_peers_queued_state_first(zctx):
     before it decides, or it wins a vote against a live active (two actives). Forced:
     the peer's expiry is put in the past, a fresh state message is queued on the
     server's real SUB, then the vote is handled."""
-    from shards import bstar
-    from shards.common.proto import bstar as wire
+    from clonemap.shards import bstar
+    from clonemap.shards.common.proto import bstar as wire
 
     port, peer = free_port_base(4), free_port_base(4)
     server = pair_server(ServerConfig(port=port, heartbeat_s=0.2), role="backup",

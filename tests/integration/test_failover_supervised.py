@@ -44,7 +44,7 @@ def refused(control: str, server: str) -> int:
 
 
 def test_supervised_kill_restart_clients_find_the_active_at_once(procs, tmp_path):
-    from client.api import Clone
+    from clonemap.client.api import Clone
 
     config, control = write_config(tmp_path, "4shard.yaml")
     sup = start(procs, config, tmp_path, "--backoff-initial-s", "0.2")
@@ -115,7 +115,7 @@ def test_supervised_kill_restart_clients_find_the_active_at_once(procs, tmp_path
     assert refused(control, "s0/primary") == 0
 
     # chp get with its default timeout answers
-    out = subprocess.run([PYTHON, "-m", "client.cli", "--config", str(config), "get", key],
+    out = subprocess.run([PYTHON, "-m", "clonemap.client.cli", "--config", str(config), "get", key],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().startswith("w")
@@ -123,7 +123,7 @@ def test_supervised_kill_restart_clients_find_the_active_at_once(procs, tmp_path
 
 
 def test_both_servers_of_a_memory_only_shard_lost_is_one_data_loss_event(procs, tmp_path):
-    from client.api import AsyncClone
+    from clonemap.client.api import AsyncClone
 
     config, control = write_config(tmp_path, "4shard.yaml", data_dir=None)
     start(procs, config, tmp_path, "--backoff-initial-s", "0.2")

@@ -1,4 +1,4 @@
-"""The two frame paths of ``shards.common.zio`` (compiled and pure) keep every message
+"""The two frame paths of ``clonemap.shards.common.zio`` (compiled and pure) keep every message
 boundary: a short message, a long one, and one of 64+ frames between valid ones cost no
 valid message, on a socket and in a real server's collector; and the pure path takes over
 when the extension is disabled or missing.
@@ -14,7 +14,7 @@ import sys
 import pytest
 import zmq
 
-from shards.common import zio
+from clonemap.shards.common import zio
 from conftest import FRAME_PATHS, ROOT, free_port_base
 from test_server_conformance import SEQ, Peer
 from test_server_hostile import stats_now
@@ -126,7 +126,7 @@ def test_a_server_loses_no_valid_update_around_misfit_messages(procs, port_base,
     ``frame_count``; every valid KVSET is published, in order, with consecutive
     sequences."""
     env = {"CLONEMAP_PURE": "1"} if path == "pure" else {"CLONEMAP_PURE": "0"}
-    server = procs.python("-m", "shards", "--port", str(port_base), "--heartbeat-s", "0.2",
+    server = procs.python("-m", "clonemap.shards", "--port", str(port_base), "--heartbeat-s", "0.2",
                           ready="READY", env=env)
     peer = Peer(zctx, port_base, subscribe=(b"/ok/", b"/probe/"))
     base = peer.sync()
@@ -159,7 +159,7 @@ def frame_path_of(code: str, **env: str) -> str:
 
 def test_the_pure_path_takes_over_when_the_extension_is_missing():
     """As on a machine without a compiler: the import of ``_zframes`` fails."""
-    blocked = "import sys; sys.modules['shards.common._zframes'] = None\n" + PROBE
+    blocked = "import sys; sys.modules['clonemap.shards.common._zframes'] = None\n" + PROBE
     assert frame_path_of(blocked).startswith("pure (the compiled extension is not built")
     assert frame_path_of(PROBE, CLONEMAP_PURE="1") == "pure (CLONEMAP_PURE is set)"
 
@@ -264,10 +264,10 @@ def test_a_snapshot_is_whole_on_either_path(procs, port_base, zctx, path):
     holds 100 messages (the server meets the mark and waits, again and again): every key
     arrives once, with its value and its own sequence, then KTHXBAI at the server's
     sequence."""
-    from shards.common.proto import chp
+    from clonemap.shards.common.proto import chp
 
     env = {"CLONEMAP_PURE": "1"} if path == "pure" else {"CLONEMAP_PURE": "0"}
-    procs.python("-m", "shards", "--port", str(port_base), ready="READY", env=env)
+    procs.python("-m", "clonemap.shards", "--port", str(port_base), ready="READY", env=env)
     peer = Peer(zctx, port_base)
     peer.sync()
     for i in range(30000):

@@ -1,4 +1,4 @@
-"""Telling a refused handshake from a dropped one (``shards.common.handshake``), from
+"""Telling a refused handshake from a dropped one (``clonemap.shards.common.handshake``), from
 monitor messages as libzmq frames them."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import struct
 
 import zmq
 
-from shards.common.handshake import Refusals, cause_of
+from clonemap.shards.common.handshake import Refusals, cause_of
 
 
 def event(kind: int, value: int = 0) -> list[bytes]:

@@ -1,4 +1,4 @@
-"""The resume history (``shards.history``): its bounds in updates and bytes, what it
+"""The resume history (``clonemap.shards.history``): its bounds in updates and bytes, what it
 covers, what a resume gets, and that it holds nothing per update for the cyclic garbage
 collector (a ring of per-update tuples made the young generation's rare collections walk
 the whole ring: the server's p99 at 100,000 updates/s)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import struct
 
-from shards.history import ENTRY_OVERHEAD, WIDTH, History
+from clonemap.shards.history import ENTRY_OVERHEAD, WIDTH, History
 
 SEQ = struct.Struct(">Q")
 UUID = b"u" * 16
@@ -97,7 +97,7 @@ def test_the_history_holds_no_tracked_object_per_update():
 def test_block_lists_are_off_the_collectors_lists_on_the_compiled_path():
     """Tracked, a full history's ~500,000 frames were walked by every older-generation
     collection (4-7 ms each): a new block, an appended one and a cut one are all off."""
-    from shards.common import zio
+    from clonemap.shards.common import zio
 
     h = History(max_updates=100)
     h.extend(burst(1, 300))                  # one block over the bounds: cut to 201..300
@@ -111,7 +111,7 @@ def test_block_lists_are_off_the_collectors_lists_on_the_compiled_path():
 
 
 def test_untrack_refuses_anything_but_a_list_of_bytes():
-    from shards.common import zio
+    from clonemap.shards.common import zio
 
     if not zio.COMPILED:
         frames = [b"a", []]

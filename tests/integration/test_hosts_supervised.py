@@ -44,7 +44,7 @@ def write_config(path: Path, hosts: Hosts, etcd: EtcdServer) -> Path:
 def supervisor(procs: Procs, hosts: Hosts, host: str, config: Path, tmp: Path):
     """``supervisor start CONFIG --host NAME`` on that host (READY awaited by the caller:
     each host's pairs need the other host's servers)."""
-    return procs.spawn([*hosts.prefix(host), PYTHON, "-m", "supervisor", "start",
+    return procs.spawn([*hosts.prefix(host), PYTHON, "-m", "clonemap.supervisor", "start",
                         str(config), "--host", host, "--no-table",
                         "--run-dir", str(tmp / f"run-{host}")], env=ENV)
 
@@ -61,10 +61,10 @@ def test_a_supervisor_per_host_runs_one_cluster_and_survives_a_host(hosts, tmp_p
     try:
         config = write_config(tmp_path / "twohost.yaml", hosts, etcd)
         # validate: each host's part against that host; without --host it says to choose
-        done = run_on(hosts, "a", "-m", "supervisor", "validate", str(config), "--host", "a")
+        done = run_on(hosts, "a", "-m", "clonemap.supervisor", "validate", str(config), "--host", "a")
         assert done.returncode == 0, done.stderr
         assert "another host" in done.stdout
-        done = run_on(hosts, "a", "-m", "supervisor", "validate", str(config))
+        done = run_on(hosts, "a", "-m", "clonemap.supervisor", "validate", str(config))
         assert done.returncode == 2 and "--host NAME" in done.stderr
         sup_a = supervisor(procs, hosts, "a", config, tmp_path)
         sup_b = supervisor(procs, hosts, "b", config, tmp_path)
@@ -74,7 +74,7 @@ def test_a_supervisor_per_host_runs_one_cluster_and_survives_a_host(hosts, tmp_p
             assert "active_shards=2/2" in ready, ready
 
         # status from a third host: every server of both hosts
-        done = run_on(hosts, "c", "-m", "supervisor", "status", str(config), "--json")
+        done = run_on(hosts, "c", "-m", "clonemap.supervisor", "status", str(config), "--json")
         assert done.returncode == 0, done.stdout + done.stderr
         status = json.loads(done.stdout)
         assert sorted(r["role"] for r in status["servers"]) == [
@@ -103,7 +103,7 @@ def test_a_supervisor_per_host_runs_one_cluster_and_survives_a_host(hosts, tmp_p
         assert not missing, f"{len(missing)} of {len(acked)} acknowledged writes lost"
 
         # status names the host that does not answer
-        done = run_on(hosts, "c", "-m", "supervisor", "status", str(config), "--json",
+        done = run_on(hosts, "c", "-m", "clonemap.supervisor", "status", str(config), "--json",
                       "--timeout-s", "0.5")
         assert done.returncode == 1
         status = json.loads(done.stdout)
@@ -111,9 +111,9 @@ def test_a_supervisor_per_host_runs_one_cluster_and_survives_a_host(hosts, tmp_p
         assert status["without_active"] == []  # b serves both shards now
 
         # a control command needs the host when the config has several; stop b's
-        done = run_on(hosts, "c", "-m", "supervisor", "stop", str(config))
+        done = run_on(hosts, "c", "-m", "clonemap.supervisor", "stop", str(config))
         assert done.returncode == 2 and "--host NAME" in done.stderr
-        done = run_on(hosts, "c", "-m", "supervisor", "stop", str(config), "--host", "b")
+        done = run_on(hosts, "c", "-m", "clonemap.supervisor", "stop", str(config), "--host", "b")
         assert done.returncode == 0, done.stderr
         assert sup_b.wait(30) == 0
     finally:

@@ -32,7 +32,7 @@ def io_threads_of(pid: int) -> list[str]:
 
 def start(procs, *extra: str):
     port = free_port_base(4)
-    proc = procs.python("-m", "shards", "--port", str(port), "--clock-s", "0.1", *extra,
+    proc = procs.python("-m", "clonemap.shards", "--port", str(port), "--clock-s", "0.1", *extra,
                         ready="READY")
     return proc, port
 
@@ -99,7 +99,7 @@ def test_every_subscriber_of_a_server_with_four_io_threads_gets_every_update(pro
 
 def test_io_threads_out_of_range_are_refused_with_a_clear_error(procs):
     for bad in ("0", "65", "many"):
-        proc = procs.python("-m", "shards", "--port", str(free_port_base(4)),
+        proc = procs.python("-m", "clonemap.shards", "--port", str(free_port_base(4)),
                             "--io-threads", bad)
         assert proc.wait(30) == 2
         assert any("--io-threads" in line for line in proc.stderr), proc.stderr

@@ -1,4 +1,4 @@
-"""``shards.coord.Lease`` against a real etcd: one holder at a time, a released lease
+"""``clonemap.shards.coord.Lease`` against a real etcd: one holder at a time, a released lease
 passes at once, a holder that cannot renew loses it at its own deadline (before etcd lets
 it go), and the other claimant acquires it only after that."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import uuid as uuidlib
 import pytest
 
 from conftest import EtcdServer
-from shards import coord
+from clonemap.shards import coord
 
 pytestmark = pytest.mark.timeout(60)
 LEASE_S = 2.0

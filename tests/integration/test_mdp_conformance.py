@@ -1,5 +1,5 @@
 """MDP/0.2 conformance at the frame level: raw pyzmq DEALERs play client and worker
-against a real broker process (``python -m supervisor broker``).
+against a real broker process (``python -m clonemap.supervisor broker``).
 
 Waits are for messages and lines, each with a deadline. A raw worker is known to the
 broker once the broker has sent it a HEARTBEAT (READY has no reply).
@@ -15,9 +15,9 @@ import time
 import pytest
 import zmq
 
-from shards.common.mdp.client import MdpClient
-from shards.common.mdp.worker import MdpWorker
-from shards.common.mdp import codec as mdp
+from clonemap.shards.common.mdp.client import MdpClient
+from clonemap.shards.common.mdp.worker import MdpWorker
+from clonemap.shards.common.mdp import codec as mdp
 
 HB_S = 0.2
 HEARTBEAT = [b"MDPW02", b"\x05"]
@@ -25,7 +25,7 @@ DISCONNECT = [b"MDPW02", b"\x06"]
 
 
 def start_broker(procs, port, *, liveness=25, expiry_s=10.0, heartbeat_s=HB_S):
-    return procs.python("-m", "supervisor", "broker", "--bind", f"tcp://127.0.0.1:{port}",
+    return procs.python("-m", "clonemap.supervisor", "broker", "--bind", f"tcp://127.0.0.1:{port}",
                         "--heartbeat-s", str(heartbeat_s), "--liveness", str(liveness),
                         "--request-expiry-s", str(expiry_s), ready="READY broker")
 
@@ -366,7 +366,7 @@ def test_recovery_when_the_broker_restarts(procs, port_base):
 
 def test_port_in_use_exits_3(procs, port_base):
     start_broker(procs, port_base)
-    second = procs.python("-m", "supervisor", "broker", "--bind",
+    second = procs.python("-m", "clonemap.supervisor", "broker", "--bind",
                           f"tcp://127.0.0.1:{port_base}")
     assert second.wait(15) == 3
     second.stop()  # joins the output readers

@@ -13,8 +13,8 @@ import time
 
 import zmq
 
-from shards.common.mdp.worker import MdpWorker
-from shards.common.mdp import codec as mdp
+from clonemap.shards.common.mdp.worker import MdpWorker
+from clonemap.shards.common.mdp import codec as mdp
 from test_mdp_conformance import (DISCONNECT, HEARTBEAT, Peer, first_request, start_broker,
                                   stats, wait_stats, worker)
 
@@ -255,7 +255,7 @@ def test_a_reply_to_a_vanished_client_is_counted_and_the_worker_goes_on(zctx, pr
 # ------------------------------------------------------------------ the command
 
 def test_an_endpoint_that_cannot_be_bound_exits_2_with_one_line(procs):
-    proc = procs.python("-m", "supervisor", "broker", "--bind", "bogus://nowhere")
+    proc = procs.python("-m", "clonemap.supervisor", "broker", "--bind", "bogus://nowhere")
     assert proc.wait(15) == 2
     proc.stop()  # joins the output readers
     assert len(proc.stderr) == 1 and "cannot bind bogus://nowhere" in proc.stderr[0]

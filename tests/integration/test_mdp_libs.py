@@ -9,19 +9,19 @@ import time
 import pytest
 import zmq
 
-from shards.common.errors import PortInUse, Timeout
-from shards.common.mdp.client import MdpClient, RequestTimeout, SyncMdpClient
-from shards.common.mdp.worker import MdpWorker
-from shards.common.mdp import codec as mdp
-from shards.common.mdp.broker import Broker
-from shards.common.mdp.broker_config import BrokerConfig
+from clonemap.shards.common.errors import PortInUse, Timeout
+from clonemap.shards.common.mdp.client import MdpClient, RequestTimeout, SyncMdpClient
+from clonemap.shards.common.mdp.worker import MdpWorker
+from clonemap.shards.common.mdp import codec as mdp
+from clonemap.shards.common.mdp.broker import Broker
+from clonemap.shards.common.mdp.broker_config import BrokerConfig
 from conftest import keeping_context
 
 HB_S = 0.2
 
 
 def start_broker(procs, port, liveness=3):
-    return procs.python("-m", "supervisor", "broker", "--bind", f"tcp://127.0.0.1:{port}",
+    return procs.python("-m", "clonemap.supervisor", "broker", "--bind", f"tcp://127.0.0.1:{port}",
                         "--heartbeat-s", str(HB_S), "--liveness", str(liveness),
                         ready="READY broker")
 

@@ -1,4 +1,4 @@
-"""``shards.common.memory.return_large_frees``: freed large blocks leave the process.
+"""``clonemap.shards.common.memory.return_large_frees``: freed large blocks leave the process.
 
 Each case runs in a fresh interpreter (the allocator's state is per process): free one
 900 KB block (glibc would now raise its mmap threshold past 900 KB), allocate 100 more,
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 
 SCRIPT = r"""
 import json, sys, psutil
-from shards.common.memory import return_large_frees
+from clonemap.shards.common.memory import return_large_frees
 applied = return_large_frees() if sys.argv[1] == "on" else False
 me = psutil.Process()
 first = bytearray(900 * 1024); del first

@@ -28,7 +28,7 @@ import pytest
 import zmq
 
 from conftest import free_port_base
-from shards.common.proto import chp
+from clonemap.shards.common.proto import chp
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -74,7 +74,7 @@ def fill(zctx, port: int, count: int, value: bytes, prefix: str = "/m/") -> None
 
 def standalone(procs, *extra: str):
     port = free_port_base(4)
-    proc = procs.python("-m", "shards", "--port", str(port), *extra, ready="READY")
+    proc = procs.python("-m", "clonemap.shards", "--port", str(port), *extra, ready="READY")
     proc.port = port
     return proc
 
@@ -149,7 +149,7 @@ def closed_by_peer(sock: socket.socket, timeout_s: float = 20.0) -> bool:
 
 def test_oversized_subscription_frames_are_refused_on_p1_and_p3(procs, zctx):
     pa, pb = free_port_base(4), free_port_base(4)
-    primary = procs.python("-m", "shards", "--port", str(pa), "--primary", "--peer",
+    primary = procs.python("-m", "clonemap.shards", "--port", str(pa), "--primary", "--peer",
                            f"127.0.0.1:{pb}", ready="READY")
     base = rss(primary)
     for offset in (1, 3):
@@ -195,10 +195,10 @@ def test_a_flat_out_writer_with_compaction_keeps_the_pair_within_budget(procs, z
     budget = ["--history-bytes", str(16 * MiB), "--writer-held-bytes", str(16 * MiB),
               "--subscriber-held-bytes", str(16 * MiB), "--compact-min-bytes", str(8 * MiB),
               "--fsync", "everysec", "--heartbeat-s", "0.5"]
-    primary = procs.python("-m", "shards", "--port", str(pa), "--primary", "--peer",
+    primary = procs.python("-m", "clonemap.shards", "--port", str(pa), "--primary", "--peer",
                            f"127.0.0.1:{pb}", "--data-dir", str(tmp_path / "a"), *budget,
                            ready="READY")
-    backup = procs.python("-m", "shards", "--port", str(pb), "--backup", "--peer",
+    backup = procs.python("-m", "clonemap.shards", "--port", str(pb), "--backup", "--peer",
                           f"127.0.0.1:{pa}", "--data-dir", str(tmp_path / "b"), *budget,
                           ready="READY")
     d = zctx.socket(zmq.DEALER)
@@ -261,8 +261,8 @@ def test_many_never_reading_requesters_are_bounded_and_the_memory_comes_back(pro
     peak = settle_peak(server, 3.0)
     # at most 16 + 16 streams open (active + stalled): their shares of 64 MiB together,
     # and each one's cursor, a copy of the key list (8 bytes a key)
-    from shards.server_config import MAX_ACTIVE_SNAPSHOTS
-    from shards.streams import MAX_STALLED
+    from clonemap.shards.server_config import MAX_ACTIVE_SNAPSHOTS
+    from clonemap.shards.streams import MAX_STALLED
 
     cursors = (MAX_ACTIVE_SNAPSHOTS + MAX_STALLED) * 200_000 * 8
     assert peak - base < 64 * MiB + cursors + MARGIN, f"{(peak - base) >> 20} MiB"

@@ -26,11 +26,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import wait_until
-from client.api import Clone
-from client.metrics import CLIENT_METRIC_NAMES, CloneCollector
-from shards.common.errors import ConfigError
-from shards.common.routing import ShardMap
-from supervisor.metrics import METRIC_NAMES
+from clonemap.client.api import Clone
+from clonemap.client.metrics import CLIENT_METRIC_NAMES, CloneCollector
+from clonemap.shards.common.errors import ConfigError
+from clonemap.shards.common.routing import ShardMap
+from clonemap.supervisor.metrics import METRIC_NAMES
 from test_supervisor_cli import PYTHON, ROOT, cli, start, status, wait_status, write_config
 
 pytestmark = pytest.mark.timeout(240)
@@ -174,7 +174,7 @@ def test_a_second_start_and_validate_of_a_running_cluster_say_so_in_one_line(pro
                                                                                tmp_path):
     config, control = write_config(tmp_path, "1shard.yaml")
     sup = start(procs, config, tmp_path)
-    out = subprocess.run([PYTHON, "-m", "supervisor", "start", str(config), "--run-dir",
+    out = subprocess.run([PYTHON, "-m", "clonemap.supervisor", "start", str(config), "--run-dir",
                           str(tmp_path / "other-run")], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 3
@@ -238,7 +238,7 @@ def frozen(pids):
 
 
 def chp(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "client.cli", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([PYTHON, "-m", "clonemap.client.cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
 
 

@@ -42,7 +42,7 @@ def chp(*args: str, env: dict | None = None, timeout_s: float = 30.0,
     full = dict(os.environ)
     full.pop("CLONEMAP_KEYS", None)
     full.update(env or {})
-    return subprocess.run([PYTHON, "-m", "client.cli", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([PYTHON, "-m", "clonemap.client.cli", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout_s, env=full)
 
 
@@ -132,8 +132,8 @@ def test_plain_and_wrong_key_clients_are_told_the_cause_at_once(curve_cluster, t
 
 
 def test_clone_raises_handshake_refused_naming_keys(curve_cluster):
-    from client.api import Clone
-    from shards.common.errors import HandshakeRefused
+    from clonemap.client.api import Clone
+    from clonemap.shards.common.errors import HandshakeRefused
 
     _, control, _ = curve_cluster
     t0 = time.monotonic()
@@ -194,7 +194,7 @@ def test_help_and_messages_agree_with_behaviour(procs, tmp_path):
         one_line(chp("--config", str(one_shard), *command), 2,
                  "routes keys over 1 shard ")
     # the relay takes --history-bytes; bench --only takes failover_supervised
-    relay_help = subprocess.run([PYTHON, "-m", "shards.relay", "--help"], cwd=ROOT,
+    relay_help = subprocess.run([PYTHON, "-m", "clonemap.shards.relay", "--help"], cwd=ROOT,
                                 capture_output=True, text=True, timeout=30).stdout
     assert "--history-bytes" in relay_help
     from bench.__main__ import parse_all
@@ -248,7 +248,7 @@ def _tty_output(args: list[str], cwd: Path, until: str, timeout_s: float = 60.0,
 
 def test_make_run_fits_80x24_and_keeps_its_demo_data_apart(tmp_path):
     config, control = write_config(tmp_path, "4shard.yaml")
-    proc, text = _tty_output([PYTHON, "-m", "supervisor", "start", str(config),
+    proc, text = _tty_output([PYTHON, "-m", "clonemap.supervisor", "start", str(config),
                               "--demo-load"], cwd=tmp_path, until="demo load:")
     try:
         assert "demo load:" in text, text[-3000:]

@@ -1,6 +1,6 @@
 """Servers drop and count KVSETs for keys they do not own (``--routing`` + ``--shard-index``).
 
-Real ``python -m shards`` processes, raw pyzmq sockets: a standalone server with a 4-shard
+Real ``python -m clonemap.shards`` processes, raw pyzmq sockets: a standalone server with a 4-shard
 routing publishes only the keys its index owns (pinned, hashed, flat, with a TTL) and
 counts the others ``not_owner``; a Binary Star passive does not hold a non-owned KVSET in
 its pending table; bad ``--routing`` arguments exit 2; the supervisor passes every server
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from shards.common.routing import ShardMap
+from clonemap.shards.common.routing import ShardMap
 from test_pair import DEADLINE_S, Updates, Writer, start_pair, two_bases
 from test_server_conformance import SEQ, Peer, start_server
 from test_server_hostile import stats_now
@@ -118,7 +118,7 @@ def test_a_passive_does_not_hold_keys_its_shard_does_not_own(procs, port_base, z
     (["--routing", "@/nonexistent/routing.json", "--shard-index", "0"], "cannot read"),
 ])
 def test_bad_routing_arguments_exit_2(procs, port_base, args, message):
-    proc = procs.python("-m", "shards", "--port", str(port_base), *args)
+    proc = procs.python("-m", "clonemap.shards", "--port", str(port_base), *args)
     assert proc.wait(15) == 2
     assert message in "\n".join(proc.stderr)
 
@@ -137,9 +137,9 @@ def test_routing_from_a_file_and_a_whole_cluster_map(procs, port_base, zctx, tmp
 
 
 def test_the_supervisor_passes_each_server_the_plan_routing_and_its_index(tmp_path):
-    from shards.common.hostfacts import load_host_facts
-    from shards.common.placement import load_plan
-    from supervisor.runner import Runner, ServerArgs
+    from clonemap.shards.common.hostfacts import load_host_facts
+    from clonemap.shards.common.placement import load_plan
+    from clonemap.supervisor.runner import Runner, ServerArgs
     from conftest import ROOT as root
 
     plan = load_plan(root / "configs" / "16core-2nic.yaml",

@@ -19,10 +19,10 @@ import pytest
 import zmq
 
 from conftest import free_port_base
-from shards.common.mdp.client import SyncMdpClient
-from shards.common.proto import bstar as wire
-from shards.common.proto import bstar_ttl
-from shards.common.proto import chp
+from clonemap.shards.common.mdp.client import SyncMdpClient
+from clonemap.shards.common.proto import bstar as wire
+from clonemap.shards.common.proto import bstar_ttl
+from clonemap.shards.common.proto import chp
 
 HEARTBEAT_S = 0.2
 DEADLINE_S = 10.0
@@ -35,7 +35,7 @@ PRIMARY, BACKUP = wire.State.PRIMARY, wire.State.BACKUP
 def start_server(procs, port: int, role: str, peer: int, *extra: str, shard: str = "t"):
     """A pair server that also exits if this test process dies (``--parent-pid``: a
     killed test run leaves no server behind; a later ``--parent-pid`` in ``extra`` wins)."""
-    proc = procs.python("-m", "shards", "--port", str(port), f"--{role}", "--peer",
+    proc = procs.python("-m", "clonemap.shards", "--port", str(port), f"--{role}", "--peer",
                         f"127.0.0.1:{peer}", "--shard", shard, "--heartbeat-s",
                         str(HEARTBEAT_S), "--log-level", "info", "--parent-pid",
                         str(os.getpid()), *extra, ready="READY")
@@ -473,7 +473,7 @@ def test_control_stats_service_over_mdp(procs, zctx, port_base):
     p, b = two_bases(port_base)
     broker_port = free_port_base(1)
     control = f"tcp://127.0.0.1:{broker_port}"
-    procs.python("-m", "supervisor", "broker", "--bind", control, "--heartbeat-s", "0.5",
+    procs.python("-m", "clonemap.supervisor", "broker", "--bind", control, "--heartbeat-s", "0.5",
                  ready="READY broker")
     primary, backup, watch = start_pair(procs, zctx, p, b, "--control", control)
     with SyncMdpClient(control, ctx=zctx, timeout_s=3.0, retries=2) as client:
@@ -490,8 +490,8 @@ def test_control_stats_service_over_mdp(procs, zctx, port_base):
 def test_control_stats_of_a_standalone_server(procs, zctx, port_base):
     broker_port = free_port_base(1)
     control = f"tcp://127.0.0.1:{broker_port}"
-    procs.python("-m", "supervisor", "broker", "--bind", control, ready="READY broker")
-    server = procs.python("-m", "shards", "--port", str(port_base), "--shard", "s9",
+    procs.python("-m", "clonemap.supervisor", "broker", "--bind", control, ready="READY broker")
+    server = procs.python("-m", "clonemap.shards", "--port", str(port_base), "--shard", "s9",
                           "--control", control, ready="READY")
     assert server.stdout[0].endswith(" role=standalone")
     with SyncMdpClient(control, ctx=zctx, timeout_s=3.0, retries=2) as client:
@@ -519,7 +519,7 @@ def test_parent_pid_gone_exits_0(procs, zctx, port_base):
     (["--shard", "a b"], "1..64 characters"),
 ])
 def test_bad_pair_arguments_exit_2(procs, port_base, args, message):
-    proc = procs.python("-m", "shards", "--port", str(port_base), *args)
+    proc = procs.python("-m", "clonemap.shards", "--port", str(port_base), *args)
     assert proc.wait(DEADLINE_S) == 2
     assert message in stderr_text(proc)
 
@@ -528,7 +528,7 @@ def test_state_port_in_use_exits_3(procs, zctx, port_base):
     p, b = two_bases(port_base)
     blocker = zctx.socket(zmq.PUB)
     blocker.bind(f"tcp://127.0.0.1:{p + 3}")
-    proc = procs.python("-m", "shards", "--port", str(p), "--primary", "--peer",
+    proc = procs.python("-m", "clonemap.shards", "--port", str(p), "--primary", "--peer",
                         f"127.0.0.1:{b}")
     assert proc.wait(DEADLINE_S) == 3
     assert f"tcp://127.0.0.1:{p + 3}" in stderr_text(proc)

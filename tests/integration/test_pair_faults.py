@@ -13,8 +13,8 @@ import signal
 import time
 from collections import Counter
 
-from shards.held_writes import pending_grace_s
-from shards.common.proto import chp
+from clonemap.shards.held_writes import pending_grace_s
+from clonemap.shards.common.proto import chp
 from test_pair import (ACTIVE, DEADLINE_S, HEARTBEAT_S, PASSIVE, Updates, Watcher,
                        Writer, settle, snapshot, start_pair, start_server, stderr_text,
                        two_bases, vote)
@@ -263,7 +263,7 @@ def test_a_server_rejoining_under_writes_gets_an_exact_replica(procs, zctx, port
     settle(writer, at_p, wp)
     for i in range(20_000):  # a map big enough for the snapshot to stream a while
         writer.kvset(b"/big/%d" % i, b"v" * 50, b"ttl=600\n" if i % 4 == 0 else b"")
-    backup = procs.python("-m", "shards", "--port", str(b), "--backup", "--peer",
+    backup = procs.python("-m", "clonemap.shards", "--port", str(b), "--backup", "--peer",
                           f"127.0.0.1:{p}", "--shard", "t", "--heartbeat-s", "0.2",
                           "--parent-pid", str(os.getpid()))
     wb = Watcher(zctx, b)

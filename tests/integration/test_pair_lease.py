@@ -16,7 +16,7 @@ import uuid as uuidlib
 import pytest
 
 from conftest import EtcdServer
-from shards import coord
+from clonemap.shards import coord
 from test_pair import (ACTIVE, DEADLINE_S, PASSIVE, Updates, Writer, settle, snapshot,
                        start_pair, stats_on_sigusr1, stderr_text, two_bases, vote)
 

@@ -51,7 +51,7 @@ class Cluster:
             "shards": [{"name": "s0", "primary": {"at": "a", "host": a, "port": PORT},
                         "backup": {"at": "b", "host": b, "port": PORT}}]}))
         self.supervisors = {
-            host: self.procs.spawn([*hosts.prefix(host), PYTHON, "-m", "supervisor", "start",
+            host: self.procs.spawn([*hosts.prefix(host), PYTHON, "-m", "clonemap.supervisor", "start",
                                     str(config), "--host", host, "--no-table", "--run-dir",
                                     str(tmp / f"run-{host}")], env={"PYTHONPATH": str(ROOT)})
             for host in ("a", "b")}

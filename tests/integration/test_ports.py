@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from shards.common.ports import free_port_base, ports_free
+from clonemap.shards.common.ports import free_port_base, ports_free
 
 
 def test_a_bound_port_makes_its_range_not_free():

@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from conftest import wait_until as wait_for
-from client.api import Clone
+from clonemap.client.api import Clone
 from conftest import PYTHON, ROOT, free_port_base
-from shards.common.mdp.client import SyncMdpClient
+from clonemap.shards.common.mdp.client import SyncMdpClient
 from test_pair import ACTIVE, PASSIVE, Watcher
 from test_pair import start_server as start_pair_server
 from test_supervisor_cli import start, status, wait_status, write_config
@@ -51,7 +51,7 @@ def pair(procs, zctx):
 def start_relay(procs, servers: list[str], *extra: str):
     port = free_port_base(4)
     upstream = ",".join(s.removeprefix("tcp://") for s in servers)
-    proc = procs.python("-m", "shards.relay", "--port", str(port), "--heartbeat-s", "0.2",
+    proc = procs.python("-m", "clonemap.shards.relay", "--port", str(port), "--heartbeat-s", "0.2",
                         "--upstream", upstream, *extra, ready="READY")
     proc.address = f"tcp://127.0.0.1:{port}"
     return proc
@@ -150,12 +150,12 @@ def test_relays_under_the_supervisor_are_in_the_map_and_used_via_relays(procs, t
             relay_ports
         wait_for(lambda: len(direct) == 40, "the writes at a direct client")
     # chp --via relays: the same map, read through the relays (which names the server)
-    out = subprocess.run([PYTHON, "-m", "client.cli", "--control", control, "--via",
+    out = subprocess.run([PYTHON, "-m", "clonemap.client.cli", "--control", control, "--via",
                           "relays", "which", "/s7/k", "--json"], cwd=ROOT,
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert int(json.loads(out.stdout)["active"].rsplit(":", 1)[1]) in relay_ports
-    out = subprocess.run([PYTHON, "-m", "client.cli", "--control", control, "--via",
+    out = subprocess.run([PYTHON, "-m", "clonemap.client.cli", "--control", control, "--via",
                           "relays", "keys"], cwd=ROOT, capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 0 and len(out.stdout.splitlines()) == 40, out
@@ -167,7 +167,7 @@ def test_metadata_through_a_relay_and_conditional_writes_refused_there(procs, pa
     """A relay re-serves each key's own sequence (its KVSYNCs and KVPUBs carry the
     shard's), so ``meta`` through it equals ``meta`` direct; a conditional write through
     it is refused before it leaves (a relay does not decide writes: no ``cas=1``)."""
-    from client.errors import NotSupported
+    from clonemap.client.errors import NotSupported
 
     (_, _), servers = pair
     relay = start_relay(procs, servers)

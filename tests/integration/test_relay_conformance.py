@@ -1,6 +1,6 @@
 """12/CHP server conformance, run against a relay: every test of
 ``test_server_conformance`` that takes the ``server`` fixture, here served by a relay
-(``python -m shards.relay``) in front of a real Binary Star pair. The raw-socket peer
+(``python -m clonemap.shards.relay``) in front of a real Binary Star pair. The raw-socket peer
 talks to the relay's P, P+1 and P+2 only; what it writes goes through the relay to the
 pair and comes back with the shard's sequences; TTL expiries are the pair's, published
 through the relay. A relay must be indistinguishable from a standalone server here.
@@ -41,6 +41,6 @@ def server(procs, port_base, zctx):
     start_pair_server(procs, backup, "backup", primary)
     Watcher(zctx, primary).wait_state(ACTIVE)
     Watcher(zctx, backup).wait_state(PASSIVE)
-    return procs.python("-m", "shards.relay", "--port", str(port_base), "--heartbeat-s", "0.2",
+    return procs.python("-m", "clonemap.shards.relay", "--port", str(port_base), "--heartbeat-s", "0.2",
                         "--upstream", f"127.0.0.1:{primary},127.0.0.1:{backup}",
                         ready="READY")

@@ -13,8 +13,8 @@ import pytest
 import zmq
 
 from conftest import wait_until as wait_for
-from client.api import Clone
-from shards.common.proto import chp
+from clonemap.client.api import Clone
+from clonemap.shards.common.proto import chp
 from test_pair import ACTIVE, PASSIVE, Watcher, start_pair, two_bases
 from test_pair import start_server as start_pair_server
 from test_relay import stats_of

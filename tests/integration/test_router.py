@@ -22,12 +22,12 @@ from conftest import ROOT, free_port_base
 from test_client_failover import (Events, start_pair_server, start_standalone, wait_state,
                                   wait_stderr)
 from test_client_server import fetch_map
-from client.api import AsyncClone, Clone
-from client.cli_target import subtree_of
-from client.router import Cluster
-from shards.common.errors import ConfigError, Timeout
-from shards.common.proto import bstar as wire
-from shards.common.routing import ShardMap
+from clonemap.client.api import AsyncClone, Clone
+from clonemap.client.cli_target import subtree_of
+from clonemap.client.router import Cluster
+from clonemap.shards.common.errors import ConfigError, Timeout
+from clonemap.shards.common.proto import bstar as wire
+from clonemap.shards.common.routing import ShardMap
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -385,14 +385,14 @@ def stall_while_a_writer_floods(zctx, port: int, address: str) -> None:
 
 def start_small_hwm_server(procs) -> int:
     port = free_port_base(4)
-    procs.python("-m", "shards", "--port", str(port), "--heartbeat-s", str(HEARTBEAT_S),
+    procs.python("-m", "clonemap.shards", "--port", str(port), "--heartbeat-s", str(HEARTBEAT_S),
                  "--pub-hwm", "100", ready="READY")
     return port
 
 
 @pytest.mark.parametrize("policy", ["resync", "die"])
 def test_a_slow_subscriber_is_detected_and_handled_by_its_policy(procs, zctx, policy):
-    from client.errors import SlowSubscriber
+    from clonemap.client.errors import SlowSubscriber
 
     port = start_small_hwm_server(procs)
     address = f"tcp://127.0.0.1:{port}"
@@ -443,7 +443,7 @@ def test_a_slow_subscriber_is_detected_and_handled_by_its_policy(procs, zctx, po
 
 
 def test_a_control_client_needs_start_before_routing():
-    from client.errors import NotRunning
+    from clonemap.client.errors import NotRunning
 
     async def main():
         c = AsyncClone(control="tcp://127.0.0.1:1", control_timeout_s=0.2, timeout_s=0.3)

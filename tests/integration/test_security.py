@@ -26,13 +26,13 @@ import pytest
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from client.api import AsyncClone
+from clonemap.client.api import AsyncClone
 from conftest import PYTHON, ROOT, free_port_base
-from shards.common.mdp import codec as mdp
-from shards.common.proto import chp
-from shards.common.security import Security, create_keys
+from clonemap.shards.common.mdp import codec as mdp
+from clonemap.shards.common.proto import chp
+from clonemap.shards.common.security import Security, create_keys
 from test_server_conformance import start_server
-from supervisor.control import Control
+from clonemap.supervisor.control import Control
 from test_supervisor_cli import cli, start, status, wait_status, write_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -149,15 +149,15 @@ def test_a_key_that_is_not_the_clusters_is_refused(cluster, zctx, tmp_path):
 
 def test_clients_with_the_keys_work_chp_too(cluster):
     config, control, port = cluster
-    put = subprocess.run([PYTHON, "-m", "client.cli", "--config", str(config), "set",
+    put = subprocess.run([PYTHON, "-m", "clonemap.client.cli", "--config", str(config), "set",
                           "/cli/k", "hello"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert put.returncode == 0, put.stderr
-    got = subprocess.run([PYTHON, "-m", "client.cli", "--config", str(config), "get",
+    got = subprocess.run([PYTHON, "-m", "clonemap.client.cli", "--config", str(config), "get",
                           "/cli/k"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert got.returncode == 0 and got.stdout.strip() == "hello", got.stderr
     keys = config.parent / "keys"
-    by_control = subprocess.run([PYTHON, "-m", "client.cli", "--control", str(control), "--keys",
+    by_control = subprocess.run([PYTHON, "-m", "clonemap.client.cli", "--control", str(control), "--keys",
                                  str(keys), "get", "/cli/k"], cwd=ROOT, capture_output=True,
                                 text=True, timeout=60)
     assert by_control.returncode == 0 and by_control.stdout.strip() == "hello"

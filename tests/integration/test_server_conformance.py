@@ -1,7 +1,7 @@
 """12/CHP conformance of the shard server, at the frame level.
 
 Raw pyzmq sockets play a strict CHP client (``Peer``: a DEALER to P, a SUB to P+1, a PUB
-to P+2) against a real ``python -m shards`` process, command by command, and check the
+to P+2) against a real ``python -m clonemap.shards`` process, command by command, and check the
 exact frames. Every wait is a poll with a deadline on a message; nothing sleeps and no
 timing is asserted.
 
@@ -24,7 +24,7 @@ import time
 import pytest
 import zmq
 
-from shards.common.proto import chp
+from clonemap.shards.common.proto import chp
 
 DEADLINE_S = 10.0
 SEQ = struct.Struct(">Q")
@@ -55,7 +55,7 @@ def check_hugz(frames: list[bytes]) -> tuple[float, int] | None:
 
 
 def start_server(procs, port: int, *extra: str):
-    proc = procs.python("-m", "shards", "--port", str(port), "--heartbeat-s", "0.2",
+    proc = procs.python("-m", "clonemap.shards", "--port", str(port), "--heartbeat-s", "0.2",
                         "--log-level", "info", *extra, ready="READY")
     return proc
 
@@ -66,7 +66,7 @@ class Peer:
 
     def __init__(self, zctx, port: int, subscribe=(b"",), probe_prefix: bytes = b"/probe/",
                  security=None):
-        """``security``: a ``shards.common.security.Security`` for a CURVE server."""
+        """``security``: a ``clonemap.shards.common.security.Security`` for a CURVE server."""
         secure = security.connect_side if security is not None else (lambda sock: None)
         self.port = port
         self.dealer = zctx.socket(zmq.DEALER)
@@ -429,7 +429,7 @@ def test_hugz_when_idle_carries_the_server_clock(server, port_base, zctx):
         clock = check_hugz(frames)
         assert clock is not None, "the default server sends its clock"
         # a shard server decides conditional writes; a relay does not (it forwards them)
-        assert frames[3].endswith(b"cas=1\n") == ("shards.relay" not in server.args)
+        assert frames[3].endswith(b"cas=1\n") == ("clonemap.shards.relay" not in server.args)
         ts, seq = clock
         assert abs(ts - time.time()) < 60 and seq == 0  # same host; nothing published
         stamps.append(ts)
@@ -521,7 +521,7 @@ def test_a_signal_stops_the_server_with_exit_code_0(server, port_base, zctx, sig
     server.signal(sig)
     assert server.wait(10) == 0
     server.stop()  # joins the output readers
-    assert any("final stats" in line for line in server.stderr)
+    assert any("stopped: seq " in line for line in server.stderr)
 
 
 def test_a_port_in_use_exits_3_naming_the_endpoint(procs, port_base):
@@ -529,7 +529,7 @@ def test_a_port_in_use_exits_3_naming_the_endpoint(procs, port_base):
     try:
         blocker.bind(("127.0.0.1", port_base + 2))
         blocker.listen(1)
-        proc = procs.python("-m", "shards", "--port", str(port_base))
+        proc = procs.python("-m", "clonemap.shards", "--port", str(port_base))
         assert proc.wait(15) == 3
         proc.stop()
     finally:
@@ -540,7 +540,7 @@ def test_a_port_in_use_exits_3_naming_the_endpoint(procs, port_base):
 
 
 def test_a_second_server_on_the_same_ports_exits_3(server, procs, port_base):
-    proc = procs.python("-m", "shards", "--port", str(port_base))
+    proc = procs.python("-m", "clonemap.shards", "--port", str(port_base))
     assert proc.wait(15) == 3
     proc.stop()
     assert any(f"tcp://127.0.0.1:{port_base} is already in use" in line

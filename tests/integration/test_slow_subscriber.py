@@ -21,9 +21,9 @@ import uvloop
 import zmq
 
 from test_client_server import fetch_map
-from client.api import AsyncClone, Clone
-from client.errors import SlowSubscriber
-from shards.common.proto import chp
+from clonemap.client.api import AsyncClone, Clone
+from clonemap.client.errors import SlowSubscriber
+from clonemap.shards.common.proto import chp
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -75,7 +75,7 @@ class Writer:
 
 @pytest.fixture
 def server(procs, port_base):
-    procs.python("-m", "shards", "--port", str(port_base), "--heartbeat-s", "0.2",
+    procs.python("-m", "clonemap.shards", "--port", str(port_base), "--heartbeat-s", "0.2",
                  "--clock-s", str(CLOCK_S), "--log-level", "info", ready="READY")
     return f"tcp://127.0.0.1:{port_base}"
 
@@ -175,7 +175,7 @@ def test_a_healthy_subtree_client_under_the_same_load_is_never_flagged(server, p
 def test_the_machine_resyncs_on_fell_behind_only_when_active():
     """The pure part: ``FellBehind`` asks the same server for a fresh snapshot when
     ACTIVE, and is ignored while a snapshot is on its way (the lag is then stale)."""
-    from client import shard_machine as sm
+    from clonemap.client import shard_machine as sm
 
     state = sm.State(sm.Config(contiguous=False))
     for event in (sm.Start(), sm.SubscriberLive(), sm.SnapshotDone(10)):

@@ -22,11 +22,11 @@ import pytest
 
 from test_supervisor_cli import write_config
 
-from shards.common.config import load_config
-from shards.common.hostfacts import local_host_facts
-from shards.common.placement import plan
-from supervisor.process import RUNNING
-from supervisor.runner import Runner, ServerArgs
+from clonemap.shards.common.config import load_config
+from clonemap.shards.common.hostfacts import local_host_facts
+from clonemap.shards.common.placement import plan
+from clonemap.supervisor.process import RUNNING
+from clonemap.supervisor.runner import Runner, ServerArgs
 
 CHILD = r"""
 import os, signal, sys

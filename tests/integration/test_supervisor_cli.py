@@ -21,7 +21,7 @@ import yaml
 import zmq
 
 from conftest import PYTHON, ROOT, free_port_base
-from shards.common.proto import chp
+from clonemap.shards.common.proto import chp
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,14 +50,14 @@ def write_config(tmp_path: Path, source: str, **overrides) -> tuple[Path, str]:
 
 
 def cli(*args: str, timeout_s: float = 30.0) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "supervisor", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([PYTHON, "-m", "clonemap.supervisor", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout_s)
 
 
 def status(control: str) -> dict[str, dict]:
     """``cluster.status`` asked in-process (the ``status`` command is run where it is
     itself under test)."""
-    from supervisor.control import status_rows
+    from clonemap.supervisor.control import status_rows
 
     rows, _ = status_rows(control, timeout_s=5.0)
     return {row["name"]: row for row in rows}
@@ -70,7 +70,7 @@ def status_cli(control: str) -> dict[str, dict]:
 
 
 def start(procs, config: Path, tmp_path: Path, *extra: str, timeout_s: float = 60.0):
-    return procs.python("-m", "supervisor", "start", str(config), "--no-table",
+    return procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
                         "--run-dir", str(tmp_path / "run"), *extra,
                         ready="READY supervisor", timeout_s=timeout_s)
 
@@ -135,12 +135,12 @@ def snapshot_answered(zctx, address: str, port: int, timeout_s: float = 5.0) -> 
 # ------------------------------------------------------------------ pieces
 
 def test_targets_log_tails_and_the_cluster_map_agree_with_routing(tmp_path):
-    from shards.common.routing import ShardMap
-    from shards.common.cluster import cluster_map
-    from supervisor.protocol import check_target
-    from supervisor.services import tail_lines
-    from shards.common.hostfacts import load_host_facts
-    from shards.common.placement import load_plan
+    from clonemap.shards.common.routing import ShardMap
+    from clonemap.shards.common.cluster import cluster_map
+    from clonemap.supervisor.protocol import check_target
+    from clonemap.supervisor.services import tail_lines
+    from clonemap.shards.common.hostfacts import load_host_facts
+    from clonemap.shards.common.placement import load_plan
 
     assert check_target(" s0/primary ") == "s0/primary"
     for bad in ("s0", "s0/leader", "/primary", "s 0/backup", "s0/backup/x"):
@@ -213,7 +213,7 @@ def test_start_refuses_a_taken_port_before_starting_anything(procs, tmp_path):
 def test_four_shards_pinned_mapped_killed_restarted_stopped(procs, tmp_path, zctx):
     import zmq
 
-    from shards.common.mdp.client import SyncMdpClient
+    from clonemap.shards.common.mdp.client import SyncMdpClient
 
     config, control = write_config(tmp_path, "4shard.yaml")
     sup = start(procs, config, tmp_path, "--demo-load", "--backoff-initial-s", "0.2")
@@ -407,7 +407,7 @@ def test_detach_runs_in_the_background_and_stop_ends_it(tmp_path):
 
 def test_sigterm_while_the_servers_start_stops_them_all(procs, tmp_path):
     config, control = write_config(tmp_path, "1shard.yaml")
-    sup = procs.python("-m", "supervisor", "start", str(config), "--no-table", "--run-dir",
+    sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table", "--run-dir",
                        str(tmp_path / "run"))
     pids = [int(sup.wait_line(f"EVENT s0/{role} started pid", 30).split()[4])
             for role in ("primary", "backup")]
@@ -418,9 +418,9 @@ def test_sigterm_while_the_servers_start_stops_them_all(procs, tmp_path):
 
 
 def test_server_command_line_follows_the_plan():
-    from shards.common.hostfacts import load_host_facts
-    from shards.common.placement import load_plan
-    from supervisor.runner import ServerArgs, server_argv
+    from clonemap.shards.common.hostfacts import load_host_facts
+    from clonemap.shards.common.placement import load_plan
+    from clonemap.supervisor.runner import ServerArgs, server_argv
 
     plan = load_plan(ROOT / "configs" / "16core-2nic.yaml",
                      load_host_facts(ROOT / "configs" / "hosts" / "16core-2nic.yaml"))
@@ -428,7 +428,7 @@ def test_server_command_line_follows_the_plan():
     args = ServerArgs(control="tcp://127.0.0.1:5555", heartbeat_s=0.5, parent_pid=42,
                       python="py")
     argv = server_argv(shard.backup, shard.primary, args)
-    assert argv[:3] == ["py", "-m", "shards"] and "--backup" in argv
+    assert argv[:3] == ["py", "-m", "clonemap.shards"] and "--backup" in argv
     rest = [a for a in argv[3:] if a != "--backup"]
     assert dict(zip(rest[::2], rest[1::2])) == {
         "--port": str(shard.backup.port), "--host": shard.backup.address,

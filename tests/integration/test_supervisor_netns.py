@@ -85,7 +85,7 @@ def listening(pid: int) -> set[tuple[str, int]]:
 
 
 def in_ns(ns: str, *args: str) -> list[str]:
-    return [IP, "netns", "exec", ns, PYTHON, "-m", "supervisor", *args]
+    return [IP, "netns", "exec", ns, PYTHON, "-m", "clonemap.supervisor", *args]
 
 
 def test_servers_bind_the_ipv4_address_of_their_nic(netns, procs, tmp_path):
@@ -106,7 +106,7 @@ def test_servers_bind_the_ipv4_address_of_their_nic(netns, procs, tmp_path):
         assert plan[role]["nic"] == nic and plan[role]["address"] == address
 
     # outside the namespace that NIC does not exist: a precise refusal
-    out = subprocess.run([PYTHON, "-m", "supervisor", "validate", str(config)], cwd=ROOT,
+    out = subprocess.run([PYTHON, "-m", "clonemap.supervisor", "validate", str(config)], cwd=ROOT,
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2
     assert f'shards[0].primary.nic: given "{nic}": no NIC of that name' in out.stderr

@@ -14,9 +14,9 @@ from collections import deque
 
 import pytest
 
-from client.codec import get_codec
-from client.watch import PUT, SyncWatch, WatchCore
-from shards.common.errors import Timeout
+from clonemap.client.codec import get_codec
+from clonemap.client.watch import PUT, SyncWatch, WatchCore
+from clonemap.shards.common.errors import Timeout
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -129,7 +129,7 @@ def test_sync_watch_consumer_asleep_after_the_forced_interleaving_gets_the_entry
 
 
 def test_clone_start_has_a_deadline_when_its_loop_thread_never_comes_up():
-    from client.sync import Clone
+    from clonemap.client.sync import Clone
 
     gate = threading.Event()
 
@@ -148,8 +148,8 @@ def test_clone_start_has_a_deadline_when_its_loop_thread_never_comes_up():
 
 
 def test_clone_start_reports_a_loop_thread_that_failed():
-    from client.errors import NotRunning
-    from client.sync import Clone
+    from clonemap.client.errors import NotRunning
+    from clonemap.client.sync import Clone
 
     class BrokenClone(Clone):
         @staticmethod

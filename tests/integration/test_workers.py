@@ -13,9 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from client.api import Clone
-from client.workers import Workers
-from shards.common.errors import SlowConsumer
+from clonemap.client.api import Clone
+from clonemap.client.workers import Workers
+from clonemap.shards.common.errors import SlowConsumer
 
 HEARTBEAT_S = 0.2
 DEADLINE_S = 30.0
@@ -23,7 +23,7 @@ DEADLINE_S = 30.0
 
 @pytest.fixture
 def server(procs, port_base):
-    procs.python("-m", "shards", "--port", str(port_base), "--heartbeat-s", str(HEARTBEAT_S),
+    procs.python("-m", "clonemap.shards", "--port", str(port_base), "--heartbeat-s", str(HEARTBEAT_S),
                  "--log-level", "warning", ready="READY")
     return f"tcp://127.0.0.1:{port_base}"
 

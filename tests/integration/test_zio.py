@@ -6,7 +6,7 @@ import pytest
 import zmq
 
 from conftest import free_port_base
-from shards.common import zio
+from clonemap.shards.common import zio
 
 
 @pytest.fixture(autouse=True)
@@ -104,7 +104,7 @@ def test_handler_errors_are_counted_not_fatal(zctx):
 
 
 def test_wait_writable_times_out_with_clonemap_timeout(zctx):
-    from shards.common.errors import Timeout
+    from clonemap.shards.common.errors import Timeout
 
     dealer = zctx.socket(zmq.DEALER)  # never connected: never writable
 

@@ -1,5 +1,5 @@
 """What makes writes conditional and resends exactly-once, without sockets: the active's
-decision (``shards.applied.decide``) against a model, the table of applied UUIDs and its
+decision (``clonemap.shards.applied.decide``) against a model, the table of applied UUIDs and its
 bounds, and both surviving the disk (real files, real fsyncs): a restarted server knows
 every key's last-modified sequence and the UUIDs it applied."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import struct
 
 from hypothesis import given, settings, strategies as st
 
-from shards.applied import APPLY, CONFLICT, DUPLICATE, ENTRY_BYTES, AppliedUuids, decide
-from shards.persist import DataDir, recover
-from shards.persist import format as fmt
-from shards.store import Store
+from clonemap.shards.applied import APPLY, CONFLICT, DUPLICATE, ENTRY_BYTES, AppliedUuids, decide
+from clonemap.shards.persist import DataDir, recover
+from clonemap.shards.persist import format as fmt
+from clonemap.shards.store import Store
 
 GEN = "g0123456789abcdef"
 KEYS = [b"/lock", b"/n", b"/cfg/a"]

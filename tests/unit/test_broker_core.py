@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shards.common.mdp import codec as mdp
-from shards.common.mdp.broker_config import BrokerConfig
-from shards.common.mdp.broker_core import BrokerCore, Drop, InternalCall, Note
+from clonemap.shards.common.mdp import codec as mdp
+from clonemap.shards.common.mdp.broker_config import BrokerConfig
+from clonemap.shards.common.mdp.broker_core import BrokerCore, Drop, InternalCall, Note
 
 HB = 1.0
 CFG = BrokerConfig(heartbeat_s=HB, liveness=3, request_expiry_s=5.0, max_queued=3)

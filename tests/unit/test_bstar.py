@@ -12,13 +12,13 @@ from collections import deque
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shards import bstar
-from shards.bstar import (AcceptRequest, BecameActive, BecamePassive, Event, Fatal,
+from clonemap.shards import bstar
+from clonemap.shards.bstar import (AcceptRequest, BecameActive, BecamePassive, Event, Fatal,
                           IgnoredPeer, PublishState, RefuseRequest, Rule, SplitBrainSurvived,
                           TABLE, new_machine, state_message, step)
-from shards.common.errors import ProtocolError
-from shards.common.proto import bstar as wire
-from shards.common.proto.bstar import Role, State, StateMessage
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.proto import bstar as wire
+from clonemap.shards.common.proto.bstar import Role, State, StateMessage
 
 HB = 1.0
 DT = 0.05

@@ -1,4 +1,4 @@
-"""The Binary Star machine in leased mode (rules L1-L4 of ``shards.bstar``): a server is
+"""The Binary Star machine in leased mode (rules L1-L4 of ``clonemap.shards.bstar``): a server is
 ACTIVE only while it holds the pair's lease; the lease, not an exit, settles dual active.
 The lease itself is etcd's (tested against a real one in tests/integration); here the
 shell's reports LEASE_ACQUIRED / LEASE_LOST are events like any other."""
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from shards import bstar
-from shards.bstar import (AcceptRequest, BecameActive, BecamePassive, Event, Fatal,
+from clonemap.shards import bstar
+from clonemap.shards.bstar import (AcceptRequest, BecameActive, BecamePassive, Event, Fatal,
                           RefuseRequest, SplitBrainSurvived, new_machine, step)
-from shards.common.proto.bstar import Role, State, StateMessage
+from clonemap.shards.common.proto.bstar import Role, State, StateMessage
 
 HB = 1.0
 T0 = 1000.0

@@ -6,8 +6,8 @@ import struct
 import pytest
 from hypothesis import given, strategies as st
 
-from shards.common.errors import ProtocolError
-from shards.common.proto import bstar_ttl
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.proto import bstar_ttl
 
 keys = st.binary(min_size=1, max_size=300)
 expiries = st.floats(min_value=0, max_value=4e9, allow_nan=False)

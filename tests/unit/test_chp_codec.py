@@ -12,8 +12,8 @@ import struct
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from shards.common.errors import ProtocolError
-from shards.common.proto import chp
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.proto import chp
 
 REASONS = {"frame_count", "bad_sequence", "bad_key", "oversize_key", "bad_subtree",
            "bad_uuid", "bad_props", "oversize_props", "oversize_value", "nonempty_frame",

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from client import shard_machine as sm
-from client.shard_machine import (ACTIVE, INITIAL, SYNCING, BufferOverflow, Config,
+from clonemap.client import shard_machine as sm
+from clonemap.client.shard_machine import (ACTIVE, INITIAL, SYNCING, BufferOverflow, Config,
                                   Connect, Failover, Gap, InstallSnapshot, RequestSnapshot,
                                   SequenceBackwards, SnapshotDone, Start, State,
                                   SubscriberLive, Tick, step)

@@ -1,4 +1,4 @@
-"""A client's options (``client.options``): defaults, checks and the agents' part in one
+"""A client's options (``clonemap.client.options``): defaults, checks and the agents' part in one
 place; a wrong value is refused when the options are made, naming the option."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from shards.common.proto import chp
-from client import shard_machine as sm
-from client.options import (AUTO, AgentOptions, ClientOptions, KVSET_QUEUE_MAX, MAX_LAG_S,
+from clonemap.shards.common.proto import chp
+from clonemap.client import shard_machine as sm
+from clonemap.client.options import (AUTO, AgentOptions, ClientOptions, KVSET_QUEUE_MAX, MAX_LAG_S,
                             SUB_RCVHWM, SYNC_BUFFER_MAX)
 
 

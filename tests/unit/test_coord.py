@@ -1,9 +1,9 @@
-"""``shards.coord``'s pure parts: the ``--coordination`` URL and the fencing deadline."""
+"""``clonemap.shards.coord``'s pure parts: the ``--coordination`` URL and the fencing deadline."""
 from __future__ import annotations
 
 import pytest
 
-from shards import coord
+from clonemap.shards import coord
 
 
 def test_coordination_urls_name_one_or_more_endpoints():

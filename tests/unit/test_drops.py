@@ -1,7 +1,7 @@
 """DropCounter: counts every drop, logs at most once per interval per reason."""
 import logging
 
-from shards.common.drops import DropCounter
+from clonemap.shards.common.drops import DropCounter
 
 
 class FakeClock:

@@ -1,10 +1,10 @@
-"""Writes awaiting their echo (``client.echoes.Echoes``): what is confirmed, and what is
+"""Writes awaiting their echo (``clonemap.client.echoes.Echoes``): what is confirmed, and what is
 sent again after an outage (every write still waiting, in order, with its own frames)."""
 from __future__ import annotations
 
 import asyncio
 
-from client.echoes import Echoes
+from clonemap.client.echoes import Echoes
 
 
 def test_after_an_outage_the_writes_still_waiting_are_resent_in_order():

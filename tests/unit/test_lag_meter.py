@@ -1,8 +1,8 @@
-"""The client's lag meter, pure (``client.lag``): the offset absorbs the clocks'
+"""The client's lag meter, pure (``clonemap.client.lag``): the offset absorbs the clocks'
 difference and the network floor; the lag is how much later than usual a HUGZ is read."""
 from __future__ import annotations
 
-from client.lag import LagMeter
+from clonemap.client.lag import LagMeter
 
 
 def test_the_smallest_delay_is_the_floor_and_the_lag_is_measured_above_it():

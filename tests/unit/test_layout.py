@@ -1,6 +1,8 @@
 """The layout the code keeps (read from the files, nothing imported): no module over
 ``MAX_LINES`` outside the tests, no import cycle between modules, the client imports
-nothing from the supervisor, and the pure machines import no ZeroMQ."""
+nothing from the supervisor, the pure machines import no ZeroMQ, and the project is
+imported by one name, ``clonemap`` (the folders ``client/``, ``shards/`` and
+``supervisor/`` are ``clonemap.client``, ``clonemap.shards``, ``clonemap.supervisor``)."""
 from __future__ import annotations
 
 import ast
@@ -8,6 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("shards", "client", "supervisor", "bench")
+INSTALLED = ("shards", "client", "supervisor")
+"""The folders the wheel installs under ``clonemap``; ``bench`` stays in the checkout."""
 MAX_LINES = 560
 PURE = ("client/shard_machine.py", "client/options.py", "shards/bstar.py",
         "shards/replica_machine.py", "shards/pending.py", "shards/store.py")
@@ -22,6 +26,8 @@ def modules() -> dict[str, Path]:
             parts = list(rel.parts)
             if parts[-1] == "__init__":
                 parts.pop()
+            if package in INSTALLED:
+                parts.insert(0, "clonemap")
             out[".".join(parts)] = path
     return out
 
@@ -61,6 +67,7 @@ def test_no_import_cycle_at_import_time():
     graph = {name: {d for d in imports_of(path, known, top_level_only=True)
                     if d != name and not name.startswith(d + ".")}
              for name, path in known.items()}
+    assert sum(map(len, graph.values())) > 300, "the import graph lost its edges"
     state: dict[str, int] = {}  # 1: on the path being walked, 2: done
     stack: list[str] = []
 
@@ -84,9 +91,26 @@ def test_no_import_cycle_at_import_time():
 def test_the_client_imports_nothing_from_the_supervisor():
     known = modules()
     leaks = {name: sorted(d for d in imports_of(path, known, top_level_only=False)
-                          if d.split(".")[0] == "supervisor")
-             for name, path in known.items() if name.split(".")[0] == "client"}
+                          if d.startswith("clonemap.supervisor"))
+             for name, path in known.items() if name.startswith("clonemap.client")}
+    assert len(leaks) > 20
     assert not {k: v for k, v in leaks.items() if v}
+
+
+def test_the_project_is_imported_by_one_name():
+    """No module, test or benchmark imports ``client``, ``shards`` or ``supervisor`` as a
+    top-level name: an application's own ``client.py`` must never be in the way."""
+    bare = []
+    paths = [*modules().values(), *sorted((ROOT / "tests").rglob("*.py"))]
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     and node.level == 0 else [])
+            bare += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                     if n.split(".")[0] in INSTALLED]
+    assert len(paths) > 200
+    assert not bare
 
 
 def test_the_pure_machines_import_no_zeromq():

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shards.common.errors import ProtocolError
-from shards.common.mdp import codec as mdp
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.mdp import codec as mdp
 
 
 # ------------------------------------------------------------------ exact frames

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shards.pending import Pending, PendingTable
+from clonemap.shards.pending import Pending, PendingTable
 
 
 def u(n: int) -> bytes:

@@ -1,4 +1,4 @@
-"""A data directory (``shards.persist``) with real files and real fsyncs: what is written
+"""A data directory (``clonemap.shards.persist``) with real files and real fsyncs: what is written
 comes back; a crash at any byte offset recovers the state after a whole prefix of the
 operations (at least every fsynced batch), never an error or a mixed state, with or
 without a compaction on the way; corruption is a clear error naming the file and offset.
@@ -12,9 +12,9 @@ import struct
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shards.persist import CorruptLog, DataDir, fork_point, recover
-from shards.persist import format as fmt
-from shards.store import Store
+from clonemap.shards.persist import CorruptLog, DataDir, fork_point, recover
+from clonemap.shards.persist import format as fmt
+from clonemap.shards.store import Store
 
 GEN = "g0123456789abcdef"
 KEYS = [b"/a", b"/b", b"/c/d", b"/e"]
@@ -301,7 +301,7 @@ def test_everysec_starts_writeback_between_fsyncs_once_a_mebibyte_was_written(tm
     """A tick between fsyncs has the kernel start writing back what was written
     (sync_file_range, not waited for) once WRITEBACK_BYTES are new since the last start or
     fsync; the fsync stays once a second, and a tick that is due fsyncs instead."""
-    from shards.persist import writer
+    from clonemap.shards.persist import writer
 
     now = [0.0]
     w = DataDir(tmp_path / "w", "everysec", clock=lambda: now[0])
@@ -370,7 +370,7 @@ def test_replacing_the_map_keeps_updates_the_new_map_never_had(tmp_path):
     got = recover(tmp_path)
     assert state_of(got.store) == state_of(peer) and got.generation == "gpeer"
     (kept,) = tmp_path.glob("dropped-*.cml")
-    from shards.persist.recovery import replay_records
+    from clonemap.shards.persist.recovery import replay_records
     assert [(s, k) for s, k, _, _ in replay_records(kept)] == [
         (8, b"/k7"), (9, b"/k8"), (10, b"/k9")]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from supervisor.policy import (DEFAULT_POLICY, GiveUp, Leave, PolicyConfig, Restart, Run,
+from clonemap.supervisor.policy import (DEFAULT_POLICY, GiveUp, Leave, PolicyConfig, Restart, Run,
                                Running, backoff_s, decide, describe_exit)
 
 CFG = PolicyConfig(backoff_initial_s=0.5, backoff_factor=2.0, backoff_cap_s=8.0,

@@ -1,4 +1,4 @@
-"""The passive's synchronisation machine, pure (``shards.replica_machine``): a fake link in
+"""The passive's synchronisation machine, pure (``clonemap.shards.replica_machine``): a fake link in
 memory plays the active (its sequence moves while the TTL table and the snapshot stream),
 a fake clock drives deadlines. No zmq, no sockets: milliseconds.
 """
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from shards import replica_machine as rm
-from shards.replica_machine import (Abandon, BufferOverflow, Gap, Install, Malformed,
+from clonemap.shards import replica_machine as rm
+from clonemap.shards.replica_machine import (Abandon, BufferOverflow, Gap, Install, Malformed,
                                     OpenSync, RequestSnapshot, SnapshotDone, SnapshotItem,
                                     StartSync, Stop, StopFollowing, Tick, TtlChunk)
 

@@ -6,8 +6,8 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shards.common.errors import ConfigError
-from shards.common.routing import (ROUTING_VERSION, ShardMap, jump_consistent_hash, routing_segment,
+from clonemap.shards.common.errors import ConfigError
+from clonemap.shards.common.routing import (ROUTING_VERSION, ShardMap, jump_consistent_hash, routing_segment,
                             segment_hash)
 
 # A small alphabet makes keys, subtrees and pins collide often.

@@ -6,8 +6,8 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shards.common.errors import ProtocolError
-from shards.store import MAX_TTL_S, Store, ttl_props
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.store import MAX_TTL_S, Store, ttl_props
 
 
 def drain(cursor, n=3):
@@ -215,7 +215,7 @@ def test_a_cursors_key_list_is_off_the_collectors_lists_on_the_compiled_path():
     tracked, and the cursor still works."""
     import gc
 
-    from shards.common import zio
+    from clonemap.shards.common import zio
 
     s = Store()
     for i in range(100):

@@ -1,9 +1,9 @@
 """MDP/0.2 (Majordomo) libraries: an asyncio worker (``worker.MdpWorker``) and clients
 (``client.MdpClient``, asyncio; ``client.SyncMdpClient``, blocking). The wire codec is
-``shards.common.mdp.codec``; the broker is ``shards.common.mdp.broker``.
+``clonemap.shards.common.mdp.codec``; the broker is ``clonemap.shards.common.mdp.broker``.
 
 The handler contract, shared by the worker library and the services a broker hosts
-itself (``shards.common.mdp.broker.Broker.register``)::
+itself (``clonemap.shards.common.mdp.broker.Broker.register``)::
 
     async def stats(request: Request) -> Body:
         for figure in figures():

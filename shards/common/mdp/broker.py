@@ -1,5 +1,5 @@
 """The MDP/0.2 broker's I/O shell: one ROUTER for both sub-protocols, a heartbeat timer,
-broker-hosted services, ``stats()``. The bookkeeping is ``shards.common.mdp.broker_core``.
+broker-hosted services, ``stats()``. The bookkeeping is ``clonemap.shards.common.mdp.broker_core``.
 
 Embeddable: ``Broker`` runs inside any asyncio program (the supervisor hosts it on its
 control endpoint)::
@@ -10,11 +10,11 @@ control endpoint)::
     ...
     await broker.stop()
 
-Runnable alone: ``python -m supervisor broker --bind tcp://127.0.0.1:5555``.
+Runnable alone: ``python -m clonemap.supervisor broker --bind tcp://127.0.0.1:5555``.
 
-The ROUTER is read in capped batches (``shards.common.zio.AsyncSocket``); messages are told apart
+The ROUTER is read in capped batches (``clonemap.shards.common.zio.AsyncSocket``); messages are told apart
 by their header frame (MDPC02 / MDPW02). The forwarding path sends with
-``shards.common.zio.send_frames`` from inside the read handler (the reader re-checks the socket
+``clonemap.shards.common.zio.send_frames`` from inside the read handler (the reader re-checks the socket
 after each batch, so the edge-triggered FD is never missed). The ROUTER is
 ``ROUTER_MANDATORY``: a reply to a vanished peer is counted (``unroutable``), not lost
 silently. The broker hosts ``mmi.stats`` itself: FINAL with ``stats()`` as JSON.
@@ -30,7 +30,7 @@ bad_command, frame_count, bad_service, bad_address, missing_delimiter, oversize_
 and wrong_direction, queue_full, too_many_services, request_expired, unroutable,
 internal_busy), ``unroutable``, ``internal_errors``, ``handler_errors``, ``received``,
 ``internal_running``, ``endpoints``, ``uptime_s``. Drops are logged at most once per
-reason per 5 s (``shards.common.drops.DropCounter``); worker arrivals and departures at most once
+reason per 5 s (``clonemap.shards.common.drops.DropCounter``); worker arrivals and departures at most once
 per kind per second.
 """
 from __future__ import annotations
@@ -44,14 +44,14 @@ from typing import Callable, Sequence
 
 import zmq
 
-from shards.common import mdp as mdplib
-from shards.common.drops import DropCounter, RateLimiter
-from shards.common.errors import ConfigError, PortInUse
-from shards.common.mdp.codec import C_FINAL, C_PARTIAL, MDPC, check_service
-from shards.common.security import Authenticator, Security
-from shards.common.zio import DEFAULT_BATCH, AsyncSocket, recv_frames_with_user, send_frames
-from shards.common.mdp.broker_config import BrokerConfig
-from shards.common.mdp.broker_core import BrokerCore, Drop, InternalCall, Note
+from clonemap.shards.common import mdp as mdplib
+from clonemap.shards.common.drops import DropCounter, RateLimiter
+from clonemap.shards.common.errors import ConfigError, PortInUse
+from clonemap.shards.common.mdp.codec import C_FINAL, C_PARTIAL, MDPC, check_service
+from clonemap.shards.common.security import Authenticator, Security
+from clonemap.shards.common.zio import DEFAULT_BATCH, AsyncSocket, recv_frames_with_user, send_frames
+from clonemap.shards.common.mdp.broker_config import BrokerConfig
+from clonemap.shards.common.mdp.broker_core import BrokerCore, Drop, InternalCall, Note
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class Broker:
     # ----------------------------------------------------------------- services
     def register(self, service: str | bytes, handler: mdplib.Handler) -> None:
         """Host ``service`` in the broker: requests to it run ``handler`` (the contract in
-        ``shards.common.mdp``), whose PARTIALs and FINAL go straight back to the client."""
+        ``clonemap.shards.common.mdp``), whose PARTIALs and FINAL go straight back to the client."""
         name = service.encode() if isinstance(service, str) else service
         check_service(name, "REQUEST", self.config.limits)
         self.handlers[name] = handler

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shards.common.mdp import codec as mdp
-from shards.common.timing import MDP_HEARTBEAT_S, MDP_LIVENESS
+from clonemap.shards.common.mdp import codec as mdp
+from clonemap.shards.common.timing import MDP_HEARTBEAT_S, MDP_LIVENESS
 
 
 def budget_config(message_bytes: int, held_bytes: int, client_held_bytes: int,
@@ -33,7 +33,7 @@ class BrokerConfig:
     server_only: tuple[bytes, ...] = (b"shard.",)
     """Service prefixes only a peer authenticated as ``server`` may register (with CURVE
     on: the User-Id the ZAP handler gave its connection; frames carry it as
-    ``frames.user_id``, see ``shards.common.zio.Frames``)."""
+    ``frames.user_id``, see ``clonemap.shards.common.zio.Frames``)."""
     limits: mdp.Limits = field(default_factory=mdp.Limits)
 
     def __post_init__(self):

@@ -53,7 +53,7 @@ Open points of the spec, and what this broker decided (the list the README repea
   inputs and the shell reads them in capped batches.
 * An unknown service (no worker ever registered): the request is queued like any other
   and expires silently after ``request_expiry_s``; the client learns it only from its
-  own deadline (``shards.common.mdp.client.RequestTimeout``). A client may ask first with
+  own deadline (``clonemap.shards.common.mdp.client.RequestTimeout``). A client may ask first with
   ``mmi.service`` (FINAL "404"). Nothing else is ever sent for it: MDP/Client has no
   error command, and inventing a reply body would be indistinguishable from a worker's.
 * Expiry: only while the service has no worker (see above); bounded queues
@@ -79,10 +79,10 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple, Sequence
 
-from shards.common.errors import ProtocolError
-from shards.common.mdp import codec as mdp
-from shards.common.mdp.broker_config import BrokerConfig
-from shards.common.mdp.codec import (C_FINAL, C_PARTIAL, C_REQUEST, MDPC, MDPW, W_DISCONNECT,
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.mdp import codec as mdp
+from clonemap.shards.common.mdp.broker_config import BrokerConfig
+from clonemap.shards.common.mdp.codec import (C_FINAL, C_PARTIAL, C_REQUEST, MDPC, MDPW, W_DISCONNECT,
                               W_FINAL, W_HEARTBEAT, W_PARTIAL, W_READY, W_REQUEST)
 
 MMI_PREFIX = b"mmi."

@@ -17,7 +17,7 @@ one ``MdpClient`` wait their turn); use several clients for requests in flight.
 Deadlines and retries (the spec's recommended strategy): ``timeout_s`` is the longest
 wait for the next reply message of an attempt (each PARTIAL restarts it). When it
 passes, the socket is closed and the request re-sent on a FRESH socket, up to ``retries``
-more times (``retries=0``: one attempt); then ``RequestTimeout`` (a ``shards.common.errors.Timeout``,
+more times (``retries=0``: one attempt); then ``RequestTimeout`` (a ``clonemap.shards.common.errors.Timeout``,
 so also a ``TimeoutError``) names the service, endpoint, deadline and attempts. A stream
 that has already yielded a PARTIAL is not retried (that would repeat PARTIALs): it raises.
 A stream abandoned before its FINAL also closes the socket, so a late reply can never be
@@ -41,13 +41,13 @@ from collections import deque
 
 import zmq
 
-from shards.common.security import Security
-from shards.common.drops import DropCounter
-from shards.common.errors import HandshakeRefused, ProtocolError, SlowConsumer, Timeout
-from shards.common.handshake import FAILED_EVENTS, Refusals
-from shards.common.mdp import codec as mdp
-from shards.common.mdp.codec import C_FINAL, C_PARTIAL, C_REQUEST
-from shards.common.zio import AsyncSocket, close_monitored, recv_frames, send_frames
+from clonemap.shards.common.security import Security
+from clonemap.shards.common.drops import DropCounter
+from clonemap.shards.common.errors import HandshakeRefused, ProtocolError, SlowConsumer, Timeout
+from clonemap.shards.common.handshake import FAILED_EVENTS, Refusals
+from clonemap.shards.common.mdp import codec as mdp
+from clonemap.shards.common.mdp.codec import C_FINAL, C_PARTIAL, C_REQUEST
+from clonemap.shards.common.zio import AsyncSocket, close_monitored, recv_frames, send_frames
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from shards.common.errors import ProtocolError
+from clonemap.shards.common.errors import ProtocolError
 
 PROTOCOL = "18/MDP"
 

@@ -20,7 +20,7 @@ The conversation (spec 18/MDP v0.2, MDP/Worker):
   ``reconnect_max_s`` until the broker is heard again;
 * ``stop()`` sends DISCONNECT and closes.
 
-Never blocks the loop: the socket is read in capped batches by ``shards.common.zio.AsyncSocket``,
+Never blocks the loop: the socket is read in capped batches by ``clonemap.shards.common.zio.AsyncSocket``,
 so a worker lives beside other sockets on one loop (the shard servers embed one). A plain
 (non-async) handler is called inline and its FINAL sent at once (no task per request).
 """
@@ -34,14 +34,14 @@ from typing import Callable
 
 import zmq
 
-from shards.common.security import Security
-from shards.common.drops import DropCounter
-from shards.common.errors import ProtocolError
-from shards.common.mdp import Handler, Request, as_body, error_body, run_handler
-from shards.common.mdp import codec as mdp
-from shards.common.timing import MDP_HEARTBEAT_S, MDP_LIVENESS
-from shards.common.mdp.codec import MDPW, W_DISCONNECT, W_FINAL, W_HEARTBEAT, W_PARTIAL, W_REQUEST
-from shards.common.zio import DEFAULT_BATCH, AsyncSocket, send_frames
+from clonemap.shards.common.security import Security
+from clonemap.shards.common.drops import DropCounter
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.mdp import Handler, Request, as_body, error_body, run_handler
+from clonemap.shards.common.mdp import codec as mdp
+from clonemap.shards.common.timing import MDP_HEARTBEAT_S, MDP_LIVENESS
+from clonemap.shards.common.mdp.codec import MDPW, W_DISCONNECT, W_FINAL, W_HEARTBEAT, W_PARTIAL, W_REQUEST
+from clonemap.shards.common.zio import DEFAULT_BATCH, AsyncSocket, send_frames
 
 log = logging.getLogger(__name__)
 

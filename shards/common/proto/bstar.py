@@ -1,7 +1,7 @@
 """Binary Star state message: what a server publishes to its peer on P+3. Pure codec.
 
 Each server of a pair publishes this on its P+3 PUB every heartbeat (and at once when its
-state changes); its peer's SUB (subscribed to everything) feeds it to ``shards.bstar``.
+state changes); its peer's SUB (subscribed to everything) feeds it to ``clonemap.shards.bstar``.
 
 Frame table (network byte order)::
 
@@ -27,7 +27,7 @@ agrees with the role (PRIMARY is only ever sent by the primary, BACKUP by the ba
 (``bad_state``, ``bad_role``); heartbeat_ms in range (``bad_heartbeat``); the shard name
 UTF-8 (``bad_shard``).
 
-A pair across hosts with synchronous replication (``shards.pair``) also publishes its
+A pair across hosts with synchronous replication (``clonemap.shards.pair``) also publishes its
 passive's confirmations on P+3: 3 frames, ``BSTAR-HAVE``, the name of its link to the
 active (1..255 bytes) and the sequence its replica holds (8 bytes). A reader of P+3 tells
 them apart by the first frame (``is_confirmation``); the active's SUB reads them only
@@ -61,7 +61,7 @@ def is_confirmation(frames: list[bytes]) -> bool:
     """Whether a P+3 message is a ``BSTAR-HAVE`` rather than a state message."""
     return bool(frames) and frames[0] == HAVE
 
-from shards.common.errors import ProtocolError
+from clonemap.shards.common.errors import ProtocolError
 
 PROTOCOL = "bstar/1"
 SIGNATURE = b"BSTAR1"
@@ -152,4 +152,4 @@ def _check_state_role(state: State, role: Role) -> None:
 PEER_DOWN = b"peer-down"
 """The body of a supervisor's stats request (MDP ``shard.<SHARD>.<ROLE>``) telling a server
 that its peer is not running and will not come back by itself (it stopped on a disk
-error, or is FAILED): ``shards.bstar`` rule 9."""
+error, or is FAILED): ``clonemap.shards.bstar`` rule 9."""

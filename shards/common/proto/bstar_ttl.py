@@ -2,10 +2,10 @@
 
 A 12/CHP KVSYNC carries no properties (frames 2 and 3 are empty by the spec), so a
 snapshot alone would turn every key with a TTL into a permanent one on the passive. The
-passive's replica (``shards.replica``) therefore first asks the active's snapshot ROUTER
+passive's replica (``clonemap.shards.replica``) therefore first asks the active's snapshot ROUTER
 (port P) for its TTL table, then for the snapshot. The table is a point-in-time copy at
 the active's sequence T, sent in chunks so that a map with millions of TTL keys never
-stalls the active for longer than one chunk (``shards.pair`` streams them, one chunk per
+stalls the active for longer than one chunk (``clonemap.shards.pair`` streams them, one chunk per
 peer per loop turn, with ROUTER_MANDATORY flow control).
 
 Frames (DEALER <-> ROUTER; the ROUTER's identity frame is not shown)::
@@ -18,14 +18,14 @@ Frames (DEALER <-> ROUTER; the ROUTER's identity frame is not shown)::
              f4 the active's map generation (ASCII token, 0..64 bytes; optional)
              f5 the active's term history (optional, needs f4): (term u64,
                 first_seq u64) repeated, oldest first: where each term's updates
-                began (``shards.persist.fork_point``)
+                began (``clonemap.shards.persist.fork_point``)
              f6 the active's applied UUIDs as of T (optional, needs f5, last chunk
                 only): (UUID 16 bytes, sequence u64) repeated, oldest first
-                (``shards.applied``: so a write sent again is applied once after a
+                (``clonemap.shards.applied``: so a write sent again is applied once after a
                 failover to this passive too)
 
 A table with no TTL key is one chunk with an empty f2 and f3 = 0x01. The generation
-(``shards.server_config.new_generation``) tells the passive which map its replica now copies:
+(``clonemap.shards.server_config.new_generation``) tells the passive which map its replica now copies:
 it takes that generation over at the end of the sync, so the pair announces one
 generation for as long as the map lives. Rules enforced by ``decode_chunk``
 (``ProtocolError`` with ``protocol="bstar/1"``, reason ``bad_ttl_table``): 4 or 5
@@ -37,7 +37,7 @@ from __future__ import annotations
 import struct
 from typing import Iterable, NamedTuple
 
-from shards.common.errors import ProtocolError
+from clonemap.shards.common.errors import ProtocolError
 
 PROTOCOL = "bstar/1"
 REQUEST = b"BSTAR-TTL?"

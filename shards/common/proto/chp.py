@@ -42,8 +42,8 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from shards.common.errors import ProtocolError
-from shards.common.proto.props import (  # noqa: F401 (part of this module's interface)
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.proto.props import (  # noqa: F401 (part of this module's interface)
     FULL_AFTER_RESUME, RESUMED, KthxbaiInfo, drop_props, format_props, in_subtree,
     kthxbai_info, kthxbai_props, parse_props)
 
@@ -458,7 +458,7 @@ def resendable_uuid() -> bytes:
     """A KVSET UUID that marks a write its client may send again (``wait=True``, a
     conditional write): an RFC 9562 version-8 UUID (the version for application-defined
     layouts), 122 random bits. Servers keep only these in their table of applied UUIDs
-    (``shards.applied``): fire-and-forget writes, never sent twice, cost nothing there.
+    (``clonemap.shards.applied``): fire-and-forget writes, never sent twice, cost nothing there.
     To any other peer a UUID is opaque 16 bytes."""
     raw = bytearray(os.urandom(16))
     raw[6] = (raw[6] & 0x0F) | 0x80  # version 8

@@ -1,11 +1,11 @@
 """Properties: the ``name=value\n`` lines of a CHP message's frame 3, and what our
-extensions put there on a KTHXBAI (``kthxbai_props``). ``shards.common.proto.chp``
+extensions put there on a KTHXBAI (``kthxbai_props``). ``clonemap.shards.common.proto.chp``
 re-exports every name here; this module imports nothing of it."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from shards.common.errors import ProtocolError
+from clonemap.shards.common.errors import ProtocolError
 
 RESUMED = b"resume=1\n"
 FULL_AFTER_RESUME = b"resume=0\n"
@@ -60,7 +60,7 @@ def kthxbai_props(resumed: bool | None = None, term: int = 0) -> bytes:
     plain ICANHAZ gets none, as 12/CHP has it): ``resume=1``/``resume=0`` for a resume
     request, and ``term=<T>`` (T > 0): a pair's Binary Star term, a standalone
     process's own. The client sends that term with its next resume, and a server resumes
-    only a client whose updates are all in its own map (``shards.roles``, ``resumable``)."""
+    only a client whose updates are all in its own map (``clonemap.shards.roles``, ``resumable``)."""
     props = b"" if resumed is None else (RESUMED if resumed else FULL_AFTER_RESUME)
     if term:
         props += b"term=%d\n" % term
