@@ -24,6 +24,7 @@ import asyncio
 import random
 import logging
 import math
+import os
 import uuid as _uuid
 from typing import Any, Sequence
 
@@ -31,7 +32,9 @@ import zmq
 
 from clonemap.shards.common.errors import ClonemapError, HandshakeRefused, Timeout
 from clonemap.shards.common.security import Security, client_keys
+from clonemap.shards.common.endpoints import MAX_IO_THREADS
 from clonemap.shards.common.proto import chp
+from clonemap.shards.common.proto.props import format_props, parse_props
 from clonemap.shards.common import timing
 from clonemap.shards.common.timing import HEARTBEAT_S
 from clonemap.client.agent import ShardAgent
@@ -40,9 +43,9 @@ from clonemap.client.collector import ServerAddress, parse_server
 from clonemap.client.codec import get_codec
 from clonemap.client.echoes import Expired, expire_after
 from clonemap.client.errors import Conflict, NotRunning, NotSupported, WriteRefused
-from clonemap.client.options import AUTO, MAX_IO_THREADS, PER_SHARD, AgentHooks, ClientOptions
+from clonemap.client.options import AgentHooks, ClientOptions
 from clonemap.client.health import Health
-from clonemap.client.router import Cluster, discover
+from clonemap.client.router import Cluster, ShardSpec, discover
 from clonemap.client.watch import Watch, WatchCore, WatchHub
 
 log = logging.getLogger(__name__)
@@ -67,7 +70,7 @@ def _ttl_text(ttl: float) -> str:
     return str(int(ttl)) if float(ttl).is_integer() else repr(float(ttl))
 
 
-async def _cancelled(task: asyncio.Future) -> None:
+async def _cancelled(task: asyncio.Future[Any]) -> None:
     """Cancel ``task`` and wait for it, so that nothing is left unretrieved."""
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -103,10 +106,12 @@ class AsyncClone:
     rule (``clonemap.client.shard_machine``) and client/README.md's *Client* section.
     """
 
-    def __init__(self, servers=None, *, shards=None, config=None,
-                 control: "str | list[str] | None" = None,
-                 context: zmq.Context | None = None, options: ClientOptions | None = None,
-                 **option_fields):
+    def __init__(self, servers: "str | ServerAddress | Sequence[str | ServerAddress] | None"
+                 = None, *, shards: "Sequence[str | Sequence[str]] | None" = None,
+                 config: "str | os.PathLike[str] | None" = None,
+                 control: "str | Sequence[str] | None" = None,
+                 context: "zmq.Context[Any] | None" = None,
+                 options: ClientOptions | None = None, **option_fields: Any) -> None:
         opts = ClientOptions.given(options, "AsyncClone()", **option_fields)
         self.options = opts
         """Every option this client was made with (``clonemap.client.options.ClientOptions``)."""
@@ -146,7 +151,7 @@ class AsyncClone:
         self.failed: ClonemapError | None = None
         """Why this client is dead (``SlowSubscriber`` with slow_policy "die", or a
         ``ConfigError`` for a wrong cluster map); every call raises it."""
-        self._failed_future: asyncio.Future | None = None
+        self._failed_future: asyncio.Future[None] | None = None
         self.fell_behind = 0
         """How many times a shard's stream had a gap (this client fell behind)."""
         self._own_ctx = context is None
@@ -171,14 +176,17 @@ class AsyncClone:
 
     def _route(self, cluster: Cluster) -> None:
         """One agent per shard that can own a key under the subtree."""
-        silence = self.options.silence_timeout_s
-        if silence == AUTO:
+        chosen = self.options.silence_timeout_s
+        silence: float | None
+        if isinstance(chosen, str):  # AUTO
             given_s = self.options.heartbeat_s
             if given_s is None and cluster.silence_timeout_s is not None:
                 silence = cluster.silence_timeout_s
             else:
                 heartbeat_s = given_s or cluster.heartbeat_s or HEARTBEAT_S
                 silence = timing.silence_timeout_s(heartbeat_s)
+        else:
+            silence = chosen
         self.silence_timeout_s = silence
         self.cluster = cluster
         self.security = client_keys(self.keys_dir, curve=cluster.curve,
@@ -192,8 +200,8 @@ class AsyncClone:
         if self.io_threads is not None:
             # the Black Box pattern: the shards' sockets spread over the context's I/O
             # threads (set before the context's first socket: fetch_cluster used its own)
-            threads = min(len(specs), MAX_IO_THREADS) if self.io_threads == PER_SHARD \
-                else self.io_threads
+            threads = (min(len(specs), MAX_IO_THREADS) if isinstance(self.io_threads, str)
+                       else self.io_threads)  # a number, or PER_SHARD
             self._ctx.io_threads = threads
         for position, spec in enumerate(specs):
             servers = spec.servers
@@ -208,7 +216,7 @@ class AsyncClone:
             self._agents.append(agent)
             self._by_index[spec.index] = agent
 
-    def _relays_of(self, spec) -> tuple:
+    def _relays_of(self, spec: ShardSpec) -> tuple[ServerAddress, ...]:
         """The shard's relays in this client's order: rotated at random, so that clients
         spread over them (the rest of the list is the failover order)."""
         relays = spec.relays if spec.relays else spec.servers
@@ -220,7 +228,7 @@ class AsyncClone:
         if self._closed:
             raise NotRunning("this client is closed")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if self.cluster is None:
+        if self.cluster is None and self.control is not None:
             # control=: discover the cluster (Timeout if no supervisor answers)
             cluster = await discover(self.control, timeout_s=min(self.control_timeout_s,
                                                                  timeout_s),
@@ -244,8 +252,9 @@ class AsyncClone:
             # that lands just as the agents become ready
             async with asyncio.timeout(timeout_s):
                 while True:
-                    await asyncio.wait({ready, self._failed_future, *refusals.values()},
-                                       return_when=asyncio.FIRST_COMPLETED)
+                    waits: set[asyncio.Future[Any]] = {ready, self._failed_future,
+                                                        *refusals.values()}
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                     if self.failed is not None:
                         await _cancelled(ready)
                         raise self.failed
@@ -310,7 +319,7 @@ class AsyncClone:
             await self.close()
             raise
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     # ------------------------------------------------------------------ keys
@@ -340,7 +349,7 @@ class AsyncClone:
             raise RuntimeError(f"routing: key {key_b[:60]!r} is owned by shard {index}, "
                                f"which subtree {self.subtree!r} does not fan out to") from None
 
-    def agent_of(self, key: str):
+    def agent_of(self, key: str) -> ShardAgent | None:
         """The agent that follows ``key``'s shard (None if this client does not)."""
         try:
             return self._agent_for(self._key(key))
@@ -379,7 +388,7 @@ class AsyncClone:
         ``ttl``); empty if none or if the key is absent."""
         key_b = self._key(key)
         raw = self._agent_for(key_b).props.get(key_b)
-        return chp.parse_props(raw) if raw else {}
+        return parse_props(raw) if raw else {}
 
     def meta(self, key: str) -> KeyMeta | None:
         """``key``'s metadata as this client holds it: the sequence that last changed it
@@ -390,7 +399,7 @@ class AsyncClone:
         if key_b not in agent.map:
             return None
         raw = agent.props.get(key_b)
-        props = chp.parse_props(raw) if raw else {}
+        props = parse_props(raw) if raw else {}
         try:
             expires = float(props["expires"]) if "expires" in props else None
         except ValueError:
@@ -423,7 +432,7 @@ class AsyncClone:
     def synced(self) -> bool:
         return self.cluster is not None and all(a.synced for a in self._agents)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {"shards": [a.stats() for a in self._agents], "watches": len(self._hub.watches),
                 "resets": sum(a.outages.resets for a in self._agents),
                 "slow_policy": self.slow_policy, "fell_behind": self.fell_behind,
@@ -440,7 +449,7 @@ class AsyncClone:
         key_b = self._key(key)
         blob = b"" if value is None else self.codec.encode(value)
         check_write(key, blob, ttl, self.limits)
-        props = b"" if not ttl else chp.format_props({"ttl": _ttl_text(ttl)})
+        props = b"" if not ttl else format_props({"ttl": _ttl_text(ttl)})
         agent = self._agent_for(key_b)
         if agent.phase == KEPT:
             raise agent._kept_error()
@@ -473,7 +482,8 @@ class AsyncClone:
         agent, frames, uuid = self._prepare(key, value, ttl,
                                             wait or create or if_seq is not None)
         if create or if_seq is not None:
-            return await self._send_if(agent, key, frames, 0 if create else if_seq, timeout_s)
+            return await self._send_if(agent, key, frames, 0 if if_seq is None else if_seq,
+                                       timeout_s)
         return await self._send(agent, frames, uuid, wait, timeout_s)
 
     async def delete(self, key: str, *, wait: bool = False,
@@ -491,7 +501,7 @@ class AsyncClone:
                        if_seq: int, timeout_s: float | None) -> int:
         if not isinstance(if_seq, int) or isinstance(if_seq, bool) or if_seq < 0:
             raise ValueError(f"if_seq is a sequence (an int >= 0), got {if_seq!r}")
-        if agent.relays or not agent.link.cas:
+        if agent.relays or agent.link is None or not agent.link.cas:
             raise NotSupported(f"shard {agent.name} ({agent.server}) does not decide "
                                "conditional writes (a relay, or a server that does not "
                                "say cas=1): it would apply this one unconditionally")
@@ -525,7 +535,8 @@ class AsyncClone:
         if reply.outcome == chp.REFUSED:
             raise WriteRefused(f"shard {agent.name} refused the write of {key!r}: "
                                f"{reply.detail}", reason=reply.detail)
-        return reply.seq
+        seq: int = reply.seq
+        return seq
 
     async def _send(self, agent: ShardAgent, frames: list[bytes], uuid: bytes, wait: bool,
                     timeout_s: float | None) -> bytes:

@@ -1,7 +1,12 @@
 """Client-specific errors, under the package root ``clonemap.shards.common.errors.ClonemapError``."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from clonemap.shards.common.errors import ClonemapError, SlowConsumer
+
+if TYPE_CHECKING:
+    from clonemap.client.events import ResetInfo
 
 
 class NotRunning(ClonemapError, RuntimeError):
@@ -24,9 +29,9 @@ class SlowSubscriber(SlowConsumer):
 
 class ShardReset(ClonemapError, RuntimeError):
     """A write to a shard kept read-only after its server lost the data this client holds
-    (``reset_policy="keep"``). ``info`` is the ``clonemap.client.agent.ResetInfo``."""
+    (``reset_policy="keep"``). ``info`` is the ``clonemap.client.events.ResetInfo``."""
 
-    def __init__(self, message: str, *, shard: str = "", info=None):
+    def __init__(self, message: str, *, shard: str = "", info: "ResetInfo | None" = None):
         super().__init__(message)
         self.shard = shard
         self.info = info

@@ -28,11 +28,17 @@ labels ``client`` (yours) and ``shard``:
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Iterator
+
 from clonemap.shards.common.errors import require_extra
+
+if TYPE_CHECKING:
+    from clonemap.client.clone import AsyncClone
+    from clonemap.client.sync import Clone
 
 require_extra("the client's metrics", "metrics", ("prometheus_client",))
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 CLIENT_METRIC_NAMES = (
     "clonemap_client_keys", "clonemap_client_last_sequence", "clonemap_client_lag_seconds",
@@ -61,17 +67,17 @@ _PER_SHARD = (
 class CloneCollector:
     """A ``prometheus_client`` collector over one client (``Clone`` or ``AsyncClone``)."""
 
-    def __init__(self, clone, client: str = "clonemap"):
+    def __init__(self, clone: "Clone | AsyncClone", client: str = "clonemap") -> None:
         self.clone = clone
         self.client = client
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         stats = self.clone.stats()
         labels = ("client", "shard")
-        families = []
+        families: list[Metric] = []
         for name, key, text, counter in _PER_SHARD:
             family = (CounterMetricFamily if counter else GaugeMetricFamily)(
                 name, text, labels=labels)

@@ -48,14 +48,14 @@ RESET_POLICIES = (ACCEPT, KEEP)
 VIAS = ("servers", "relays")
 
 
-def _positive(name: str, value, *, none_ok: bool = False) -> None:
+def _positive(name: str, value: object, *, none_ok: bool = False) -> None:
     if value is None and none_ok:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name} must be > 0{' or None' if none_ok else ''}, got {value!r}")
 
 
-def _count(name: str, value) -> None:
+def _count(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
 
@@ -143,7 +143,7 @@ class ClientOptions:
     sub_rcvhwm: int = SUB_RCVHWM
     max_lag_s: float | None = MAX_LAG_S
     reset_policy: str = ACCEPT
-    keys: str | os.PathLike | None = None
+    keys: str | os.PathLike[str] | None = None
     """The cluster's keys directory (CURVE); a config's ``security`` gives it too."""
     only_key: str | None = None
     """Follow only the shard that owns this key (``chp get/set/del``)."""
@@ -180,7 +180,8 @@ class ClientOptions:
         self.agent(None)  # the agents' options are checked now, not at start()
 
     @classmethod
-    def given(cls, options: "ClientOptions | None", where: str, **changes) -> "ClientOptions":
+    def given(cls, options: "ClientOptions | None", where: str,
+              **changes: Any) -> "ClientOptions":
         """``options`` (or the defaults) with ``changes`` in place of its fields; a
         keyword that is no option is a ``TypeError`` that lists them."""
         names = {f.name for f in dataclasses.fields(cls)}

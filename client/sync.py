@@ -1,6 +1,6 @@
 """The synchronous client, ``Clone``: an ``AsyncClone`` run on a uvloop loop in a background
 thread (see ``clonemap.client.clone`` for what the client does; applications import it as
-``from client.api import Clone``).
+``from clonemap import Clone``).
 
 Calls from other threads reach the loop two ways: blocking calls (``start``, ``flush``,
 ``set(..., wait=True)``, ``items``) run a coroutine on the loop and wait for it with a
@@ -13,15 +13,18 @@ import asyncio
 import concurrent.futures
 import threading
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Coroutine, TypeVar
 
 import uvloop
 
 from clonemap.shards.common.errors import Timeout
 from clonemap.client.clone import AsyncClone
 from clonemap.client.errors import NotRunning
+from clonemap.client.events import KeyMeta
 from clonemap.client.router import Cluster
-from clonemap.client.watch import DELIVER_MODES, DELIVER_THREAD, SyncWatch, WatchCore
+from clonemap.client.watch import DELIVER_MODES, DELIVER_THREAD, Change, SyncWatch, WatchCore
+
+T = TypeVar("T")
 
 
 class Clone:
@@ -31,7 +34,8 @@ class Clone:
     operation, atomic in CPython); ``set``/``delete`` queue the KVSET for the loop thread
     and return at once (fire-and-forget); ``items``/``keys`` copy on the loop thread."""
 
-    def __init__(self, servers=None, *, deliver: str = DELIVER_THREAD, **kwargs):
+    def __init__(self, servers: Any = None, *, deliver: str = DELIVER_THREAD,
+                 **kwargs: Any) -> None:
         """``servers``/``shards``/``config``/``control``, ``context`` and the options
         (``clonemap.client.options.ClientOptions``: its fields as keywords, or ``options=``) are
         ``AsyncClone``'s."""
@@ -44,7 +48,7 @@ class Clone:
         self.options = self._async.options
         """Every option this client was made with (``clonemap.client.options.ClientOptions``)."""
         self.timeout_s = timeout_s = self._async.timeout_s
-        self._outbox: deque = deque()
+        self._outbox: deque[tuple[Callable[[Any], Any], Any]] = deque()
         self._wake_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
@@ -98,12 +102,12 @@ class Clone:
         await self._stopped.wait()
         await self._async.close(self._linger_s)
 
-    def _call(self, coro, timeout_s: float | None = None):
+    def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """Run ``coro`` on the loop thread and wait for it, with a deadline."""
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("blocking Clone call from its own loop thread")
-        if self._closed or not self._thread.is_alive():
+        if self._closed or not self._thread.is_alive() or self._loop is None:
             coro.close()
             raise NotRunning("this client is closed")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -117,9 +121,9 @@ class Clone:
             raise Timeout(f"client call not done within {timeout_s} s", what="call",
                           deadline_s=timeout_s) from None
 
-    def _post(self, fn, arg) -> None:
+    def _post(self, fn: Callable[[Any], Any], arg: Any) -> None:
         """Queue ``fn(arg)`` for the loop thread; one wake-up per burst."""
-        if self._closed:
+        if self._closed or self._loop is None:
             raise NotRunning("this client is closed")
         self._outbox.append((fn, arg))
         if not self._wake_scheduled:
@@ -150,12 +154,13 @@ class Clone:
 
     def _flush_and_stop(self) -> None:
         self._flush_outbox()
-        self._stopped.set()
+        if self._stopped is not None:
+            self._stopped.set()
 
     def __enter__(self) -> "Clone":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ------------------------------------------------------------------ reads
@@ -171,7 +176,7 @@ class Clone:
     def properties(self, key: str) -> dict[str, str]:
         return self._async.properties(key)
 
-    def meta(self, key: str):
+    def meta(self, key: str) -> KeyMeta | None:
         """``AsyncClone.meta``: the sequence that last changed ``key``, its expiry and
         properties (a ``KeyMeta``), or None."""
         return self._async.meta(key)
@@ -190,7 +195,7 @@ class Clone:
     def subtree(self) -> str:
         return self._async.subtree
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return self._call(_run_sync(self._async.stats))
 
     # ------------------------------------------------------------------ writes
@@ -220,7 +225,7 @@ class Clone:
         self._post(agent.writes.send_kvset, frames)
         return uuid
 
-    def _wait_call(self, coro, timeout_s: float | None):
+    def _wait_call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None) -> T:
         # queued fire-and-forget writes go first, so per-key order holds
         self._post(lambda _: None, None)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -240,7 +245,7 @@ class Clone:
         return self._async.cluster
 
     # ------------------------------------------------------------------ watches
-    def watch(self, prefix: str = "", callback: Callable | None = None, *,
+    def watch(self, prefix: str = "", callback: Callable[[Change], Any] | None = None, *,
               on_error: Callable[[BaseException], None] | None = None,
               capacity: int | None = None, deliver: str | None = None) -> SyncWatch:
         """With ``callback``: call it with each ``Change`` until ``close()``, on a
@@ -256,7 +261,7 @@ class Clone:
             self._call(_run_sync(self._async._open_core, c))
 
         def close_core(c: WatchCore) -> None:
-            if not self._closed and self._thread.is_alive():
+            if not self._closed and self._thread.is_alive() and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._async._hub.remove, c)
             if watch in self._watches:
                 self._watches.remove(watch)
@@ -266,5 +271,5 @@ class Clone:
         return watch.open()
 
 
-async def _run_sync(fn, *args):
+async def _run_sync(fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)

@@ -32,10 +32,15 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 from clonemap.shards.common.errors import SlowConsumer, Timeout
+from clonemap.client.codec import Codec
 from clonemap.client.options import WATCH_CAPACITY
+
+if TYPE_CHECKING:
+    from clonemap.client.agent import ShardAgent
+    from clonemap.client.events import ResetInfo
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +48,12 @@ PUT = "put"
 DELETE = "delete"
 SYNCED = "synced"
 RESET = "reset"
+
+
+RawChange = tuple[str, bytes, Any, int, str]
+"""A change as the agents queue it: (kind, key, value bytes or a ``ResetInfo``, seq, shard)."""
+Entry = RawChange | list[RawChange]
+"""What a watch's queue holds: one change, or a chunk of them."""
 
 
 class Change(NamedTuple):
@@ -63,7 +74,7 @@ class WatchCore:
     them (a chunk). ``deque.append``/``popleft`` are atomic, so a consumer on another
     thread may ``pop`` while the loop thread pushes."""
 
-    def __init__(self, prefix: bytes, codec, capacity: int = WATCH_CAPACITY):
+    def __init__(self, prefix: bytes, codec: Codec, capacity: int = WATCH_CAPACITY) -> None:
         if capacity < 1:
             raise ValueError("a watch needs capacity >= 1")
         self.prefix = prefix
@@ -76,12 +87,12 @@ class WatchCore:
         self.closed = False
         self.synced = False
         self.wake: Callable[[], None] = _nothing
-        self._queue: deque = deque()
-        self._chunk: list = []
+        self._queue: deque[Entry] = deque()
+        self._chunk: list[RawChange] = []
         self._chunk_pos = 0
 
     # ------------------------------------------------------------ producer (loop thread)
-    def push(self, entry) -> bool:
+    def push(self, entry: Entry) -> bool:
         """Queue one entry (a tuple or a chunk). False if the watch failed on it."""
         if self.failed is not None or self.closed:
             return False
@@ -93,8 +104,8 @@ class WatchCore:
             self.failed = SlowConsumer(
                 f"watch {self.prefix.decode('utf-8', 'replace')!r} fell behind: its queue "
                 f"of {self.capacity} entries was full; {self.dropped} changes dropped "
-                f"after {self.delivered} delivered", dropped=self.dropped)
-            self.failed.delivered = self.delivered
+                f"after {self.delivered} delivered", dropped=self.dropped,
+                delivered=self.delivered)
             self.wake()
             return False
         queue.append(entry)
@@ -124,7 +135,7 @@ class WatchCore:
                 entry = queue.popleft()
             except IndexError:  # cleared by a concurrent failure
                 break
-            if type(entry) is list:
+            if isinstance(entry, list):
                 if not entry:
                     continue
                 self._chunk = entry
@@ -135,14 +146,14 @@ class WatchCore:
             raise self.failed
         return None
 
-    def pop_raw(self, limit: int) -> list:
+    def pop_raw(self, limit: int) -> list[RawChange]:
         """Up to ``limit`` queued entries as raw tuples ``(kind, key: bytes, value: bytes,
         seq, shard)`` (chunks flattened), not decoded: for a consumer that hands them to
         other processes (``clonemap.client.workers``). Raises ``SlowConsumer`` like ``pop``."""
         if self.failed is not None:
             self._chunk = []
             raise self.failed
-        out: list = []
+        out: list[RawChange] = []
         queue = self._queue
         while len(out) < limit:
             if self._chunk_pos < len(self._chunk):
@@ -154,7 +165,7 @@ class WatchCore:
                 entry = queue.popleft()
             except IndexError:  # empty, or cleared by a concurrent failure
                 break
-            if type(entry) is list:
+            if isinstance(entry, list):
                 self._chunk, self._chunk_pos = entry, 0
             else:
                 out.append(entry)
@@ -170,7 +181,7 @@ class WatchCore:
         return (self.failed is not None or self._chunk_pos < len(self._chunk)
                 or bool(self._queue))
 
-    def _decode(self, raw) -> Change:
+    def _decode(self, raw: RawChange) -> Change:
         kind, key, value, seq, shard = raw
         self.delivered += 1
         if kind == SYNCED:
@@ -189,10 +200,10 @@ def _nothing() -> None:
 class WatchHub:
     """The open watches of one client, fed by its shard agents (loop thread only)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.watches: list[WatchCore] = []
 
-    def add(self, core: WatchCore, agents) -> None:
+    def add(self, core: WatchCore, agents: Iterable["ShardAgent"]) -> None:
         """Register ``core``; deliver what the synced shards already hold."""
         self.watches.append(core)
         last_seq = 0
@@ -243,7 +254,7 @@ class WatchHub:
                 core.push(part)
         self._drop_failed()
 
-    def reset(self, shard: str, info, new: dict[bytes, bytes] | None, seq: int,
+    def reset(self, shard: str, info: "ResetInfo", new: dict[bytes, bytes] | None, seq: int,
               seqs: Mapping[bytes, int]) -> None:
         """``shard`` lost its data: a ``reset`` marker, then the new map's items (none
         when ``new`` is None: the client keeps its old copy)."""
@@ -252,7 +263,7 @@ class WatchHub:
         for core in self.watches:
             if shard in core.pending_shards:
                 continue  # this watch has nothing of the shard yet: nothing to forget
-            chunk = [(RESET, core.prefix, info, seq, shard)]
+            chunk: list[RawChange] = [(RESET, core.prefix, info, seq, shard)]
             if new is not None:
                 chunk.extend(_items_chunk(new, core.prefix, seq, shard, seqs))
             core.push(chunk)
@@ -263,7 +274,7 @@ class WatchHub:
 
 
 def _items_chunk(data: dict[bytes, bytes], prefix: bytes, seq: int, shard: str,
-                 seqs: Mapping[bytes, int]) -> list:
+                 seqs: Mapping[bytes, int]) -> list[RawChange]:
     """A put for each key of ``data`` under ``prefix``, with the key's own sequence (the
     one ``meta(key).seq`` and ``--if-seq`` use; ``seq``, the shard's, where the server
     sent none)."""
@@ -273,11 +284,11 @@ def _items_chunk(data: dict[bytes, bytes], prefix: bytes, seq: int, shard: str,
 
 
 def snapshot_diff(old: dict[bytes, bytes], new: dict[bytes, bytes], seq: int,
-                  shard: str, seqs: Mapping[bytes, int]) -> list:
+                  shard: str, seqs: Mapping[bytes, int]) -> list[RawChange]:
     """The changes that turn ``old`` into ``new``: deletes (keys that vanished, the
     "ghosts" a guide client would keep; at the snapshot's ``seq``), then puts (new or
     changed keys, at their own sequences)."""
-    out = [(DELETE, k, b"", seq, shard) for k in old.keys() - new.keys()]
+    out: list[RawChange] = [(DELETE, k, b"", seq, shard) for k in old.keys() - new.keys()]
     get, own = old.get, seqs.get
     out.extend((PUT, k, v, own(k, seq), shard) for k, v in new.items() if get(k) != v)
     return out
@@ -295,7 +306,7 @@ class Watch:
         self._core = core
         self._open_fn = open_fn
         self._close_fn = close_fn
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self._opened = False
         core.wake = self._wake
 
@@ -331,7 +342,7 @@ class Watch:
     async def __aenter__(self) -> "Watch":
         return self.open()
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         self.close()
 
     def __aiter__(self) -> "Watch":
@@ -377,8 +388,10 @@ class SyncWatch:
     ``error``; without one, iteration raises it."""
 
     def __init__(self, core: WatchCore, open_fn: Callable[[WatchCore], None],
-                 close_fn: Callable[[WatchCore], None], callback=None, on_error=None,
-                 deliver: str = DELIVER_THREAD):
+                 close_fn: Callable[[WatchCore], None],
+                 callback: Callable[[Change], Any] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None,
+                 deliver: str = DELIVER_THREAD) -> None:
         if deliver not in DELIVER_MODES:
             raise ValueError(f"deliver is one of {', '.join(DELIVER_MODES)}, got {deliver!r}")
         if deliver == DELIVER_INLINE and callback is None:
@@ -431,7 +444,7 @@ class SyncWatch:
     def __enter__(self) -> "SyncWatch":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def get(self, timeout_s: float | None = None) -> Change | None:
@@ -453,7 +466,7 @@ class SyncWatch:
             if core.closed and not core.has_pending():
                 return None
 
-    def get_raw(self, limit: int, timeout_s: float) -> list:
+    def get_raw(self, limit: int, timeout_s: float) -> list[RawChange]:
         """Up to ``limit`` raw, undecoded entries (``WatchCore.pop_raw``), waiting at most
         ``timeout_s`` for the first; [] if none came or the watch is closed."""
         core = self._core
@@ -465,7 +478,7 @@ class SyncWatch:
                 self._cond.wait(timeout_s)
         return core.pop_raw(limit)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Change]:
         return self
 
     def __next__(self) -> Change:
@@ -477,8 +490,9 @@ class SyncWatch:
     def _drain_inline(self) -> None:
         """``deliver="inline"``: the core's waker, on the loop thread: run the callback
         on everything queued (one entry, or one snapshot chunk), now."""
-        if self._draining:  # a callback that made the hub push again: its loop drains it
-            return
+        callback = self.callback
+        if self._draining or callback is None:  # a callback that made the hub push again:
+            return                              # its loop drains it
         self._draining = True
         core = self._core
         try:
@@ -487,7 +501,7 @@ class SyncWatch:
                 if change is None:
                     return
                 try:
-                    self.callback(change)
+                    callback(change)
                 except Exception:
                     logging.getLogger(__name__).exception(
                         "watch callback failed on %s %r", change.kind, change.key)
@@ -505,10 +519,13 @@ class SyncWatch:
 
     def _dispatch(self) -> None:
         log = logging.getLogger(__name__)
+        callback = self.callback
+        if callback is None:
+            return
         try:
             for change in self:
                 try:
-                    self.callback(change)
+                    callback(change)
                 except Exception:
                     log.exception("watch callback failed on %s %r", change.kind, change.key)
         except SlowConsumer as exc:

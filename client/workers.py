@@ -52,13 +52,23 @@ import tempfile
 import threading
 import time
 import zlib
-from typing import Callable
+from typing import IO, TYPE_CHECKING, Any, Callable
 
 import msgpack
 import zmq
 
 from clonemap.client.watch import DELETE, PUT, RESET, SYNCED, Change
+from clonemap.client.codec import Codec
+from clonemap.client.watch import RawChange
 from clonemap.shards.common.errors import SlowConsumer, Timeout
+
+if TYPE_CHECKING:
+    from clonemap.client.sync import Clone
+
+Setup = Callable[..., Callable[[Change], Any]]
+"""A worker's setup: called once in the worker with ``args``, returns the handler."""
+Item = tuple[str, str, Any, int, str]
+"""A change as it travels to a worker: (kind, key, value bytes or None, seq, shard)."""
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +81,7 @@ POLL_S = 0.1
 _STOP = b""
 
 
-def printer(label: str = "worker"):
+def printer(label: str = "worker") -> Callable[[Change], None]:
     """A setup to try ``Workers`` with: print each change, with this worker's PID."""
     pid = os.getpid()
 
@@ -80,16 +90,17 @@ def printer(label: str = "worker"):
     return handle
 
 
-def _resolve(setup: str | Callable) -> Callable:
+def _resolve(setup: str | Setup) -> Setup:
     if callable(setup):
         return setup
     module, sep, name = setup.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"setup {setup!r}: give 'module:function'")
-    return getattr(importlib.import_module(module), name)
+    found: Setup = getattr(importlib.import_module(module), name)
+    return found
 
 
-def _reference(setup: str | Callable) -> str:
+def _reference(setup: str | Setup) -> str:
     """What a worker process imports: 'module:function' (checked here, at once)."""
     if isinstance(setup, str):
         _resolve(setup)
@@ -102,8 +113,8 @@ def _reference(setup: str | Callable) -> str:
     return f"{module}:{name}"
 
 
-def worker_main(index: int, setup: str, args: tuple, codec, endpoint: str,
-                report: str, queue_batches: int, out) -> None:
+def worker_main(index: int, setup: str, args: tuple[Any, ...], codec: Codec, endpoint: str,
+                report: str, queue_batches: int, out: IO[str]) -> None:
     """A worker process: set up, print READY (or ERROR and why) on ``out``, then handle
     batches until the stop message; after each batch, report (index, changes handled,
     errors, monotonic ns)."""
@@ -157,13 +168,13 @@ class Workers:
     """N worker processes fed by one watch of ``clone`` (a ``clonemap.client.api.Clone``) under
     ``prefix``; see the module doc."""
 
-    def __init__(self, clone, prefix: str = "", setup: str | Callable = "", *,
-                 workers: int = 4, args: tuple = (), batch: int = BATCH,
+    def __init__(self, clone: "Clone", prefix: str = "", setup: str | Setup = "", *,
+                 workers: int = 4, args: tuple[Any, ...] = (), batch: int = BATCH,
                  batch_bytes: int = BATCH_BYTES, queue_batches: int = QUEUE_BATCHES,
                  capacity: int | None = None,
                  on_error: Callable[[BaseException], None] | None = None,
                  start_timeout_s: float = START_TIMEOUT_S,
-                 stop_timeout_s: float = STOP_TIMEOUT_S):
+                 stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
         if workers < 1 or batch < 1 or batch_bytes < 1 or queue_batches < 1:
             raise ValueError("workers, batch, batch_bytes and queue_batches must be >= 1")
         self.setup = _reference(setup)
@@ -172,7 +183,8 @@ class Workers:
         self.on_error = on_error
         self.stop_timeout_s = stop_timeout_s
         self.error: BaseException | None = None
-        self.resets: list = []
+        self.resets: list[Any] = []
+        """Each ``ResetInfo`` the watch carried (a shard that lost data)."""
         self.handed = [0] * workers      # put/delete changes handed to each worker
         self.handled = [0] * workers     # ... and handled there (its reports)
         self.errors = [0] * workers
@@ -180,8 +192,10 @@ class Workers:
         self._routed = 0                 # watch entries taken and handed on (markers too)
         self._dir = tempfile.mkdtemp(prefix="clonemap-workers-")
         self._ctx = zmq.Context()
-        self._pushes: list = []
-        self._procs: list = []
+        self._pushes: list[zmq.Socket[bytes]] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._ready: list[IO[bytes]] = []
+        """Each worker's READY pipe (its stdout stays the caller's)."""
         self._stopping = threading.Event()
         self._cv = threading.Condition()
         codec = clone._async.codec
@@ -211,14 +225,15 @@ class Workers:
                                             pass_fds=(ready_w,))
                 finally:
                     os.close(ready_w)
-                proc.ready = os.fdopen(ready_r, "rb")
+                self._ready.append(os.fdopen(ready_r, "rb"))
                 self._procs.append(proc)
+                assert proc.stdin is not None  # stdin=PIPE
                 proc.stdin.write(pickle.dumps((i, self.setup, tuple(args), codec, endpoint,
                                                report, queue_batches, ready_w)))
                 proc.stdin.close()
             deadline = time.monotonic() + start_timeout_s
-            for i, proc in enumerate(self._procs):
-                line = _line_by(proc, deadline)
+            for i, (proc, ready) in enumerate(zip(self._procs, self._ready)):
+                line = _line_by(ready, deadline)
                 if line is None:
                     raise Timeout(f"worker {i} not ready within {start_timeout_s} s",
                                   what="worker", deadline_s=start_timeout_s)
@@ -247,7 +262,7 @@ class Workers:
                 self._read_reports()
                 if not raws:
                     continue
-                per: list[list] = [[] for _ in range(n)]
+                per: list[list[Item]] = [[] for _ in range(n)]
                 sizes = [0] * n
                 for kind, key, value, seq, shard in raws:
                     if kind == SYNCED or kind == RESET:
@@ -275,7 +290,7 @@ class Workers:
             log.exception("workers: the hand-off failed")
             self._fail(exc)
 
-    def _send(self, i: int, items: list) -> None:
+    def _send(self, i: int, items: list[Item]) -> None:
         """One batch to worker ``i``; blocks while its pipe is full (back-pressure)."""
         msg = msgpack.packb(items, use_bin_type=True)
         push = self._pushes[i]
@@ -316,7 +331,7 @@ class Workers:
             self._cv.notify_all()
 
     # ------------------------------------------------------------------ the caller's side
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {"workers": self.n, "handed": list(self.handed),
                 "handled": list(self.handled), "errors": list(self.errors),
                 "last_ns": list(self.last_ns), "pids": self.pids,
@@ -387,7 +402,8 @@ class Workers:
                         proc.wait(3)
                     except subprocess.TimeoutExpired:
                         pass
-            proc.ready.close()
+        for ready in self._ready:
+            ready.close()
 
     def _cleanup(self) -> None:
         for sock in (*self._pushes, self._report):
@@ -398,7 +414,7 @@ class Workers:
     def __enter__(self) -> "Workers":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -406,21 +422,23 @@ class _Stopped(Exception):
     """The hand-off was closed while a worker's pipe was full."""
 
 
-def _line_by(proc: subprocess.Popen, deadline: float) -> str | None:
-    """The worker's first stdout line ("" if it exited first), None at the deadline."""
-    ready, _, _ = select.select([proc.ready], [], [], max(0.0, deadline - time.monotonic()))
-    if not ready:
+def _line_by(ready: IO[bytes], deadline: float) -> str | None:
+    """The worker's first line on its READY pipe ("" if it exited first), None at the
+    deadline."""
+    readable, _, _ = select.select([ready], [], [], max(0.0, deadline - time.monotonic()))
+    if not readable:
         return None
-    return proc.ready.readline().decode("utf-8", "replace").strip()
+    return ready.readline().decode("utf-8", "replace").strip()
 
 
 def _main() -> None:
     """``python -m clonemap.client.workers``: one worker; its parameters pickled on stdin."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    *params, ready_fd = pickle.loads(sys.stdin.buffer.read())
+    (index, setup, args, codec, endpoint, report, queue_batches,
+     ready_fd) = pickle.loads(sys.stdin.buffer.read())
     with os.fdopen(ready_fd, "w") as out:
-        worker_main(*params, out=out)
+        worker_main(index, setup, args, codec, endpoint, report, queue_batches, out)
 
 
 if __name__ == "__main__":

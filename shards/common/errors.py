@@ -122,10 +122,13 @@ class SlowConsumer(ClonemapError):
 
     exit_code = Exit.SLOW
 
-    def __init__(self, message: str, *, dropped: int = 0, shard: str = ""):
+    def __init__(self, message: str, *, dropped: int = 0, shard: str = "",
+                 delivered: int = 0):
         super().__init__(message)
         self.dropped = dropped
         self.shard = shard
+        self.delivered = delivered
+        """How many changes the consumer had taken before it fell behind (a watch)."""
 
 
 
@@ -159,4 +162,5 @@ def os_error_text(exc: OSError) -> str:
     errno's name, then its text)."""
     import errno
 
-    return f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or exc}"
+    name = errno.errorcode.get(exc.errno, exc.errno) if exc.errno is not None else None
+    return f"{name}: {exc.strerror or exc}"
