@@ -22,8 +22,12 @@ run: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m clonemap.client.demo
 
+# the suite waits on real processes far more than it computes: two workers, each module
+# in one of them (tests/conftest.py groups them)
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -m unit

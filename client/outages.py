@@ -45,6 +45,9 @@ class Outages:
         self.last_failover: FailoverInfo | None = None
         self.left_because: dict[str, tuple[str, float]] = {}
         """Server -> why this client last moved away from it, and when."""
+        self.start_reported = False
+        """A move before this client's first snapshot of the shard was not a passive
+        server's answer (a server down or silent): its end is reported too."""
         self.resets = 0
         self.last_reset: ResetInfo | None = None
         """The last data loss; when the phase is ``KEPT``, the one this client keeps."""
@@ -58,17 +61,20 @@ class Outages:
 
     # ------------------------------------------------------------------ failovers
     def failed_over(self, eff: sm.Failover) -> None:
-        """A move to another server. Before this client's first snapshot of the shard it
-        is how the client finds the serving server (after any failover the primary is
-        passive, the normal state): logged at INFO, not counted, no callback."""
+        """A move to another server. Before this client's first snapshot of the shard, a
+        move because the server is passive is how the client finds the serving one (after
+        any failover the primary is passive, the normal state): logged at INFO, not
+        counted, no callback. Any other move (a server down or silent) is reported."""
         agent = self.agent
         info = FailoverInfo(agent.name, agent.servers[eff.old], agent.servers[eff.new],
                             eff.reason, eff.silent_s)
         self.left_because[info.old] = (f"{eff.reason} after {eff.silent_s:.1f} s",
                                        agent.clock())
         if not agent.snapshots:
-            log.info("shard %s: %s; trying %s", agent.name, eff.reason, info.new)
-            return
+            if eff.passive:
+                log.info("shard %s: %s; trying %s", agent.name, eff.reason, info.new)
+                return
+            self.start_reported = True
         self.failovers += 1
         self.last_failover = info
         log.warning("shard %s: %s after %.1f s; moving from %s to %s", agent.name,
@@ -78,10 +84,11 @@ class Outages:
     def resumed(self, outage: sm.Outage, old: dict[bytes, bytes],
                 new: dict[bytes, bytes], first: bool) -> None:
         """Served again after an outage. ``first``: this install is the client's first
-        of the shard, so nothing was interrupted (it found its server): INFO only."""
+        of the shard; when every move before it was a passive server's answer, nothing
+        was interrupted (it found its server): INFO only."""
         agent = self.agent
         first_server, heard_s, reason, silent_s = outage
-        if first:
+        if first and not self.start_reported:
             log.info("shard %s: served by %s", agent.name, agent.server)
             return
         removed, changed = diff_counts(old, new)

@@ -361,11 +361,13 @@ class Freeze(NamedTuple):
 
 
 class Failover(NamedTuple):
-    """Report: the shard moved from server ``old`` to ``new``."""
+    """Report: the shard moved from server ``old`` to ``new``; ``passive``: because the
+    server said it does not serve (``serving=0``), the normal state of a passive."""
     old: int
     new: int
     reason: str
     silent_s: float
+    passive: bool = False
 
 
 Effect = Union[Connect, RequestSnapshot, InstallSnapshot, Failover, ArmGrace, Freeze]
@@ -395,7 +397,8 @@ def _move(state: State, now: float, reason: str, silent_s: float,
     outage = state.outage or Outage(state.server, state.heard_s or now, reason, silent_s)
     return (_connected(state, phase=INITIAL, server=new, attempts=0, since_s=now,
                        holding=False, standby_streak=standby_streak, outage=outage),
-            [Failover(state.server, new, reason, silent_s), Connect(new)])
+            [Failover(state.server, new, reason, silent_s, passive=standby_streak > 0),
+             Connect(new)])
 
 
 def _not_serving(state: State, now: float) -> tuple[State, list]:

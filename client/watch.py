@@ -276,10 +276,10 @@ class WatchHub:
 def _items_chunk(data: dict[bytes, bytes], prefix: bytes, seq: int, shard: str,
                  seqs: Mapping[bytes, int]) -> list[RawChange]:
     """A put for each key of ``data`` under ``prefix``, with the key's own sequence (the
-    one ``meta(key).seq`` and ``--if-seq`` use; ``seq``, the shard's, where the server
-    sent none)."""
+    one ``meta(key).seq`` and ``--if-seq`` use; ``seq``, the snapshot's, where the server
+    sent none or 0, as the guide's server does)."""
     own = seqs.get
-    return [(PUT, k, v, own(k, seq), shard) for k, v in data.items()
+    return [(PUT, k, v, own(k, 0) or seq, shard) for k, v in data.items()
             if not prefix or k.startswith(prefix)]
 
 
@@ -290,7 +290,7 @@ def snapshot_diff(old: dict[bytes, bytes], new: dict[bytes, bytes], seq: int,
     changed keys, at their own sequences)."""
     out: list[RawChange] = [(DELETE, k, b"", seq, shard) for k in old.keys() - new.keys()]
     get, own = old.get, seqs.get
-    out.extend((PUT, k, v, own(k, seq), shard) for k, v in new.items() if get(k) != v)
+    out.extend((PUT, k, v, own(k, 0) or seq, shard) for k, v in new.items() if get(k) != v)
     return out
 
 

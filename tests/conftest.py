@@ -35,7 +35,13 @@ KINDS = {"unit": "unit", "integration": "integration", "bench": "bench"}
 
 def pytest_collection_modifyitems(config, items):
     """Mark every test ``unit``, ``integration`` or ``bench`` by its directory; a unit
-    module that imports zmq, or a test outside the three directories, is refused."""
+    module that imports zmq, or a test outside the three directories, is refused.
+
+    Under pytest-xdist (``make test``: two workers, ``--dist loadgroup``) a module's tests
+    run in one worker, so its module fixtures (a cluster, an etcd, the wheel's virtual
+    environment) are made once; the benchmarks' smoke runs all share one worker, since
+    the benchmarks choose their ports in one range of their own (10000-19990)."""
+    grouped = config.pluginmanager.hasplugin("xdist")
     for item in items:
         kind = KINDS.get(item.path.parent.name)
         if kind is None:
@@ -44,6 +50,9 @@ def pytest_collection_modifyitems(config, items):
         if kind == "unit" and "zmq" in vars(item.module):
             raise pytest.UsageError(f"{item.path.name} is a unit test but imports zmq")
         item.add_marker(getattr(pytest.mark, kind))
+        if grouped:
+            item.add_marker(pytest.mark.xdist_group(
+                "bench" if kind == "bench" else item.path.stem))
 
 
 _used_ranges: collections.deque[tuple[int, int]] = collections.deque(maxlen=80)
@@ -52,18 +61,31 @@ be handed out again (their tests ended their processes by PID long ago); keeping
 range of a run fragments 20000-32760 until an 80-port range cannot be found."""
 RANGE_GAP = 20
 """Ports kept free between two ranges handed out in this run."""
+TEST_PORTS = (20000, 32760)
+
+
+def _worker_ports() -> tuple[int, int]:
+    """This process's share of ``TEST_PORTS``: all of it, or under pytest-xdist one slice
+    per worker, so that two workers never pick the same range between a check and a
+    bind."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    lo, hi = TEST_PORTS
+    width = (hi - lo) // count
+    return lo + index * width, lo + (index + 1) * width
 
 
 def free_port_base(count: int = 4, host: str = "127.0.0.1") -> int:
     """A base P such that P..P+count-1 are free on ``host`` now (checked by binding).
 
-    Bases come from 20000-32760: below Linux's default ephemeral range (32768-60999),
-    so an outgoing connection cannot take a port between this check and the bind, and
-    above the benchmarks' 10000-19990. Ranges handed out in this run never overlap (a
+    Bases come from 20000-32760 (this worker's slice of it, under pytest-xdist): below
+    Linux's default ephemeral range (32768-60999), so an outgoing connection cannot take
+    a port between this check and the bind, and above the benchmarks' 10000-19990. Ranges handed out in this run never overlap (a
     whole 80-port cluster range included) and stay ``RANGE_GAP`` apart (among the last
     80 handed out)."""
+    lo, hi = _worker_ports()
     for _ in range(500):
-        base = _free_port_base(20000, 32760, count, host)
+        base = _free_port_base(lo, hi, count, host)
         end = base + count
         if all(end + RANGE_GAP <= lo or base >= hi + RANGE_GAP for lo, hi in _used_ranges):
             _used_ranges.append((base, end))

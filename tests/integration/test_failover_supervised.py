@@ -15,6 +15,7 @@ and a connected client hears it once (a durable cluster loses nothing:
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import threading
 import time
@@ -43,7 +44,7 @@ def refused(control: str, server: str) -> int:
     return status(control)[server]["stats"]["snapshots_refused"]
 
 
-def test_supervised_kill_restart_clients_find_the_active_at_once(procs, tmp_path):
+def test_supervised_kill_restart_clients_find_the_active_at_once(procs, tmp_path, caplog):
     from clonemap.client.api import Clone
 
     config, control = write_config(tmp_path, "4shard.yaml")
@@ -103,15 +104,21 @@ def test_supervised_kill_restart_clients_find_the_active_at_once(procs, tmp_path
         assert refused(control, "s0/primary") == 0
 
     # a new client over the whole cluster, primary listed first: its s0 snapshot comes
-    # from the backup, and the passive primary is never asked
+    # from the backup, and the passive primary is never asked; finding the active this
+    # way is no failover (nothing was interrupted): logged at INFO, no callback
     moved = []
-    with Clone(config=str(config), on_failover=moved.append) as fresh:
-        assert fresh.get(key) is not None
-        s0 = [a for a in fresh.stats()["shards"] if a["shard"] == "s0"][0]
-        assert s0["server"].endswith(f":{rows['s0/backup']['port']}")
-        assert s0["snapshots"] == 1
-        assert [(m.reason, m.resumed) for m in moved if m.shard == "s0"][:1] == [
-            ("server not serving (passive)", False)]
+    caplog.clear()  # the writer's failover above was a real one, and said so
+    with caplog.at_level(logging.INFO, logger="clonemap.client"):
+        with Clone(config=str(config), on_failover=moved.append) as fresh:
+            assert fresh.get(key) is not None
+            s0 = [a for a in fresh.stats()["shards"] if a["shard"] == "s0"][0]
+            assert s0["server"].endswith(f":{rows['s0/backup']['port']}")
+            assert s0["snapshots"] == 1 and s0["failovers"] == 0
+    assert moved == []
+    assert [(r.levelname, r.getMessage()) for r in caplog.records
+            if r.getMessage().startswith("shard s0: server not serving")] == [
+        ("INFO", f"shard s0: server not serving (passive); trying "
+                 f"tcp://127.0.0.1:{rows['s0/backup']['port']}")]
     assert refused(control, "s0/primary") == 0
 
     # chp get with its default timeout answers

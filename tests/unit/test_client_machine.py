@@ -191,7 +191,8 @@ PAIR = Config(servers=2)
 def test_a_server_that_says_it_is_not_serving_is_left_at_once():
     state, _ = step(State(PAIR), Start(), 0.0)
     state, effects = step(state, sm.NotServing(), 0.01)
-    assert effects == [Failover(0, 1, "server not serving (passive)", 0.0), Connect(1)]
+    assert effects == [Failover(0, 1, "server not serving (passive)", 0.0, passive=True),
+                       Connect(1)]
     assert state.phase == INITIAL and state.server == 1 and state.standby_streak == 1
     # the other server serves: the snapshot is asked there, and the streak ends with it
     state, effects = step(state, SubscriberLive(), 0.02)
@@ -224,7 +225,8 @@ def test_a_held_server_that_starts_serving_is_asked():
 def test_an_active_shard_whose_server_stops_serving_moves():
     state = active(PAIR)
     state, effects = step(state, sm.NotServing(), 5.0)
-    assert effects == [Failover(0, 1, "server not serving (passive)", 0.0), Connect(1)]
+    assert effects == [Failover(0, 1, "server not serving (passive)", 0.0, passive=True),
+                       Connect(1)]
 
 
 def test_a_lone_server_that_is_not_serving_is_asked_anyway():
