@@ -12,7 +12,7 @@ import zmq
 from clonemap.shards.common.errors import ClonemapError, Timeout
 from clonemap.shards.common.proto import chp
 from clonemap.shards.common.zio import AsyncSocket
-from clonemap.client.clone import check_write
+from clonemap.client.write_checks import check_write
 from clonemap.client.cli_target import (EXIT_OK, BadUsage, NotFound, Target, _out, check_key_text,
                                json_value, show_value, subtree_of)
 

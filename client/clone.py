@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import random
 import logging
-import math
 import os
 import uuid as _uuid
 from typing import Any, Sequence
@@ -39,8 +38,9 @@ from clonemap.shards.common import timing
 from clonemap.shards.common.timing import HEARTBEAT_S
 from clonemap.client.agent import ShardAgent
 from clonemap.client.events import KEPT, KeyMeta
-from clonemap.client.collector import ServerAddress, parse_server
+from clonemap.client.collector import ServerAddress, parse_servers
 from clonemap.client.codec import get_codec
+from clonemap.client.write_checks import check_write, ttl_text
 from clonemap.client.echoes import Expired, expire_after
 from clonemap.client.errors import Conflict, NotRunning, NotSupported, WriteRefused
 from clonemap.client.options import AgentHooks, ClientOptions
@@ -51,45 +51,10 @@ from clonemap.client.watch import Watch, WatchCore, WatchHub
 log = logging.getLogger(__name__)
 
 
-def _parse_servers(servers: "str | ServerAddress | Sequence[str | ServerAddress]"
-                   ) -> tuple[ServerAddress, ...]:
-    if isinstance(servers, (str, ServerAddress)):
-        servers = [servers]
-    out = tuple(parse_server(s) for s in servers)
-    if not out:
-        raise ValueError("servers: give at least one server address (tcp://HOST:PORT)")
-    return out
-
-
-def _ttl_text(ttl: float) -> str:
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
-        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
-    if not math.isfinite(ttl) or not 0 <= ttl <= chp.MAX_TTL_S:
-        raise ValueError(f"ttl must be a number of seconds in 0..{chp.MAX_TTL_S:.0f} "
-                         f"(ten years; 0: none), got {ttl!r}: a server drops anything else")
-    return str(int(ttl)) if float(ttl).is_integer() else repr(float(ttl))
-
-
 async def _cancelled(task: asyncio.Future[Any]) -> None:
     """Cancel ``task`` and wait for it, so that nothing is left unretrieved."""
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-
-
-def check_write(key: str, blob: bytes, ttl: float | None,
-                limits: chp.Limits = chp.DEFAULT_LIMITS) -> bytes:
-    """What a server would refuse, refused here at once (``ValueError``/``TypeError``):
-    the key (empty, not UTF-8, a reserved word, too long), the value's size, the ttl's
-    range. Returns the encoded key. ``chp set/del`` run it before connecting."""
-    if not isinstance(key, str):
-        raise TypeError(f"keys are str, not {type(key).__name__}")
-    key_b = key.encode("utf-8")
-    chp.check_key(key_b, "", limits)
-    if len(blob) > limits.max_value:
-        raise ValueError(f"value for {key!r} is {len(blob)} bytes, limit {limits.max_value}")
-    if ttl is not None:
-        _ttl_text(ttl)
-    return key_b
 
 
 UNAVAILABLE_WINDOW_S = 10.0
@@ -127,7 +92,7 @@ class AsyncClone:
         self.only_key = opts.only_key
         self.keys_dir = opts.keys
         self.security = Security.off()
-        self.servers = _parse_servers(servers) if servers is not None else ()
+        self.servers = parse_servers(servers) if servers is not None else ()
         self.control = control
         self.control_timeout_s = opts.control_timeout_s
         self.codec = get_codec(opts.codec)
@@ -449,7 +414,7 @@ class AsyncClone:
         key_b = self._key(key)
         blob = b"" if value is None else self.codec.encode(value)
         check_write(key, blob, ttl, self.limits)
-        props = b"" if not ttl else format_props({"ttl": _ttl_text(ttl)})
+        props = b"" if not ttl else format_props({"ttl": ttl_text(ttl)})
         agent = self._agent_for(key_b)
         if agent.phase == KEPT:
             raise agent._kept_error()

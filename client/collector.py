@@ -26,7 +26,7 @@ import asyncio
 import re
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import zmq
 
@@ -184,3 +184,14 @@ class KvsetSender:
         if self._flusher is not None:
             self._flusher.cancel()
         self.io.close(linger_ms)
+
+
+def parse_servers(servers: "str | ServerAddress | Sequence[str | ServerAddress]"
+                  ) -> tuple[ServerAddress, ...]:
+    """One server address or several (a pair's, in order), each parsed."""
+    if isinstance(servers, (str, ServerAddress)):
+        servers = [servers]
+    out = tuple(parse_server(s) for s in servers)
+    if not out:
+        raise ValueError("servers: give at least one server address (tcp://HOST:PORT)")
+    return out
