@@ -10,6 +10,7 @@ import collections
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from clonemap.shards.common.children import LinePump, terminate
-from clonemap.shards.common.ports import free_port_base as _free_port_base
+from clonemap.shards.common.ports import ports_free
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -55,24 +56,37 @@ def pytest_collection_modifyitems(config, items):
                 "bench" if kind == "bench" else item.path.stem))
 
 
-_used_ranges: collections.deque[tuple[int, int]] = collections.deque(maxlen=80)
-"""The ranges handed out most recently: a new range keeps clear of them. Older ones may
-be handed out again (their tests ended their processes by PID long ago); keeping every
-range of a run fragments 20000-32760 until an 80-port range cannot be found."""
+TEST_PORTS = (20000, 32760)
 RANGE_GAP = 20
 """Ports kept free between two ranges handed out in this run."""
-TEST_PORTS = (20000, 32760)
+RECENT_RANGES = 80
+"""How many of the latest ranges a new one keeps clear of, over the whole of
+``TEST_PORTS``; a worker of pytest-xdist, with its slice, keeps clear of its share."""
+
+
+def _workers() -> tuple[int, int]:
+    """(this worker's index, how many workers): (0, 1) outside pytest-xdist."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    return index, count
 
 
 def _worker_ports() -> tuple[int, int]:
     """This process's share of ``TEST_PORTS``: all of it, or under pytest-xdist one slice
     per worker, so that two workers never pick the same range between a check and a
     bind."""
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    index, count = _workers()
     lo, hi = TEST_PORTS
     width = (hi - lo) // count
     return lo + index * width, lo + (index + 1) * width
+
+
+_used_ranges: collections.deque[tuple[int, int]] = collections.deque(
+    maxlen=RECENT_RANGES // _workers()[1])
+"""The ranges handed out most recently: a new range keeps clear of them. Older ones may
+be handed out again (their tests ended their processes by PID long ago); keeping every
+range of a run fragments the ports until a 205-port range (the doc examples') cannot be
+found."""
 
 
 def free_port_base(count: int = 4, host: str = "127.0.0.1") -> int:
@@ -80,17 +94,21 @@ def free_port_base(count: int = 4, host: str = "127.0.0.1") -> int:
 
     Bases come from 20000-32760 (this worker's slice of it, under pytest-xdist): below
     Linux's default ephemeral range (32768-60999), so an outgoing connection cannot take
-    a port between this check and the bind, and above the benchmarks' 10000-19990. Ranges handed out in this run never overlap (a
-    whole 80-port cluster range included) and stay ``RANGE_GAP`` apart (among the last
-    80 handed out)."""
+    a port between this check and the bind, and above the benchmarks' 10000-19990.
+    A range never overlaps one of the latest handed out in this process, nor comes
+    within ``RANGE_GAP`` of it; among the bases that qualify (multiples of 10, in a
+    random order), the first whose ports all bind is taken."""
     lo, hi = _worker_ports()
-    for _ in range(500):
-        base = _free_port_base(lo, hi, count, host)
-        end = base + count
-        if all(end + RANGE_GAP <= lo or base >= hi + RANGE_GAP for lo, hi in _used_ranges):
-            _used_ranges.append((base, end))
+    bases = [base for base in range(lo, hi - count, 10)
+             if all(base + count + RANGE_GAP <= used_lo or base >= used_hi + RANGE_GAP
+                    for used_lo, used_hi in _used_ranges)]
+    random.shuffle(bases)
+    for base in bases:
+        if ports_free(host, base, count):
+            _used_ranges.append((base, base + count))
             return base
-    raise RuntimeError(f"no {count} free ports apart from this run's other ranges")
+    raise RuntimeError(f"no {count} free ports in {lo}-{hi} apart from this run's other "
+                       "ranges")
 
 
 @pytest.fixture
