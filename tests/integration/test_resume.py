@@ -50,7 +50,10 @@ def ask(zctx, port: int, *frames: bytes) -> list[list[bytes]]:
 
 
 def test_a_covered_resume_sends_only_the_updates_after_it(procs, port_base, zctx):
-    start_server(procs, port_base, "--history-updates", "50")
+    # room for the writes below and for every probe ``sync`` sends until the paths are
+    # live (one each 50 ms: many more on a loaded host, which once pushed the resumed-from
+    # sequence out of a 50-update history)
+    start_server(procs, port_base, "--history-updates", "1000")
     peer = Peer(zctx, port_base)
     gen = generation_of(peer)
     base = peer.sync()  # the fence's sequence: the writes below follow it
