@@ -22,12 +22,12 @@ run: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m clonemap.client.demo
 
-# the suite waits on real processes far more than it computes: two workers, each module
-# in one of them (tests/conftest.py groups them)
+# the suite waits on real processes far more than it computes: two workers, each test
+# module whole in one of them (its module fixtures, a cluster or an etcd, made once)
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -m unit

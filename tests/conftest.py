@@ -36,13 +36,7 @@ KINDS = {"unit": "unit", "integration": "integration", "bench": "bench"}
 
 def pytest_collection_modifyitems(config, items):
     """Mark every test ``unit``, ``integration`` or ``bench`` by its directory; a unit
-    module that imports zmq, or a test outside the three directories, is refused.
-
-    Under pytest-xdist (``make test``: two workers, ``--dist loadgroup``) a module's tests
-    run in one worker, so its module fixtures (a cluster, an etcd, the wheel's virtual
-    environment) are made once; the benchmarks' smoke runs all share one worker, since
-    the benchmarks choose their ports in one range of their own (10000-19990)."""
-    grouped = config.pluginmanager.hasplugin("xdist")
+    module that imports zmq, or a test outside the three directories, is refused."""
     for item in items:
         kind = KINDS.get(item.path.parent.name)
         if kind is None:
@@ -51,9 +45,6 @@ def pytest_collection_modifyitems(config, items):
         if kind == "unit" and "zmq" in vars(item.module):
             raise pytest.UsageError(f"{item.path.name} is a unit test but imports zmq")
         item.add_marker(getattr(pytest.mark, kind))
-        if grouped:
-            item.add_marker(pytest.mark.xdist_group(
-                "bench" if kind == "bench" else item.path.stem))
 
 
 TEST_PORTS = (20000, 32760)
