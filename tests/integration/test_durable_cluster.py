@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 
@@ -27,7 +28,7 @@ import pytest
 import zmq
 
 from clonemap.client.api import AsyncClone
-from conftest import PYTHON, free_port_base
+from conftest import PYTHON, free_port_base, wait_until
 from clonemap.shards.common.proto import bstar_ttl
 from clonemap.shards.persist import DataDir, recover
 from clonemap.shards.persist.recovery import replay_records
@@ -209,9 +210,23 @@ def start_pair(procs, tmp_path, p_port, b_port):
     return p, b
 
 
+def applied_seq(proc) -> int:
+    """A server's sequence, from the stats it logs on SIGUSR1."""
+    start = len(proc.stderr)
+    proc.signal(signal.SIGUSR1)
+    line = proc.stderr[wait_stderr(proc, " stats {", start=start)]
+    return json.loads(line.split(" stats ", 1)[1])["seq"]
+
+
 def test_crossed_roles_the_server_that_served_last_wins(procs, tmp_path, zctx):
     """The primary serves, is killed; the backup takes over and serves alone, is killed;
-    both start again: the backup (a later term) goes active with every write."""
+    both start again: the backup (a later term) goes active with every write.
+
+    The primary is killed once the backup holds its write: a pair on one host replicates
+    asynchronously, and a backup still synchronising when its active dies takes over
+    without what it had not received (it says so: "taking over before the replica was
+    complete"). Under a loaded disk that sync once took over 2 s, and the test lost
+    /x/first when it did not wait for it."""
     p_port, b_port = free_port_base(4), free_port_base(4)
     p, b = start_pair(procs, tmp_path, p_port, b_port)
     servers = [f"tcp://127.0.0.1:{p_port}", f"tcp://127.0.0.1:{b_port}"]
@@ -221,6 +236,8 @@ def test_crossed_roles_the_server_that_served_last_wins(procs, tmp_path, zctx):
             await clone.set(key, value, wait=True, timeout_s=30)
 
     asyncio.run(write("/x/first", b"1"))
+    wait_stderr(b, "replica synchronised")
+    wait_until(lambda: applied_seq(b) >= 1, "the backup's copy of /x/first")
     p.signal(9)
     p.wait()
     asyncio.run(write("/x/second", b"2"))  # the backup takes over on this client's vote
