@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 
@@ -37,6 +36,7 @@ from test_client_failover import wait_stderr
 from test_client_server import fetch_map
 from test_failover_supervised import shard_keys
 from test_pair import start_server
+from test_server_hostile import stats_now
 from test_supervisor_cli import cli, start, status, wait_gone, wait_status, write_config
 
 pytestmark = pytest.mark.timeout(240)
@@ -210,14 +210,6 @@ def start_pair(procs, tmp_path, p_port, b_port):
     return p, b
 
 
-def applied_seq(proc) -> int:
-    """A server's sequence, from the stats it logs on SIGUSR1."""
-    start = len(proc.stderr)
-    proc.signal(signal.SIGUSR1)
-    line = proc.stderr[wait_stderr(proc, " stats {", start=start)]
-    return json.loads(line.split(" stats ", 1)[1])["seq"]
-
-
 def test_crossed_roles_the_server_that_served_last_wins(procs, tmp_path, zctx):
     """The primary serves, is killed; the backup takes over and serves alone, is killed;
     both start again: the backup (a later term) goes active with every write.
@@ -237,7 +229,7 @@ def test_crossed_roles_the_server_that_served_last_wins(procs, tmp_path, zctx):
 
     asyncio.run(write("/x/first", b"1"))
     wait_stderr(b, "replica synchronised")
-    wait_until(lambda: applied_seq(b) >= 1, "the backup's copy of /x/first")
+    wait_until(lambda: stats_now(b)["seq"] >= 1, "the backup's copy of /x/first")
     p.signal(9)
     p.wait()
     asyncio.run(write("/x/second", b"2"))  # the backup takes over on this client's vote
