@@ -210,10 +210,20 @@ def cluster(procs, tmp_path):
                 self.ledger.mark = len(self.ledger.acked)
 
         def wait_back(self, role: str, timeout_s: float = 60.0) -> None:
-            """The server rejoined by itself: RUNNING and PASSIVE or ACTIVE."""
-            wait_status(control, lambda r: r[f"s0/{role}"]["state"] == "RUNNING"
-                        and r[f"s0/{role}"]["bstar"] in ("PASSIVE", "ACTIVE")
-                        and not r[f"s0/{role}"]["disk_error"], timeout_s=timeout_s)
+            """The server rejoined by itself: RUNNING, and ACTIVE or a PASSIVE that holds
+            the map (its replica live, not waiting to copy its peer's). A PASSIVE still
+            copying must not take over, so a fault on its peer before then leaves the
+            peer to come back ACTIVE, which a test injecting the next fault must not
+            mistake for a failed failover."""
+            def back(rows: dict) -> bool:
+                row = rows[f"s0/{role}"]
+                stats = row.get("stats") or {}
+                holds_map = row["bstar"] == "ACTIVE" or (
+                    row["bstar"] == "PASSIVE" and not stats.get("needs_peer")
+                    and (stats.get("replica") or {}).get("phase") == "live")
+                return row["state"] == "RUNNING" and holds_map and not row["disk_error"]
+
+            wait_status(control, back, timeout_s=timeout_s)
 
     c = Cluster()
     try:
