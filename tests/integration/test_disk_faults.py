@@ -125,16 +125,32 @@ def ext4_error(path: Path) -> None:
 
 def ext4_repair(path: Path, image: Path, control: str, name: str) -> None:
     """Unmount (once the server, stopped on its error, has no run holding a file open),
-    check and mount again."""
+    detach the loop device, check and mount again, writable. The loop device is detached
+    and gone before ``e2fsck`` reads the image (a device still attached could write its
+    cached blocks over the repair: the filesystem then came back read-only and the
+    server failed on EROFS for a minute, once in a full run); a check that cannot repair
+    it, or a mount that comes back read-only, fails here, saying so."""
+    device = subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(path)], check=True,
+                            capture_output=True, text=True).stdout.strip()
     for _ in range(20):
         wait_status(control, lambda r: r[name]["pid"] is None)  # between two runs
         if subprocess.run(["umount", str(path)], capture_output=True).returncode == 0:
             break
     else:
         raise AssertionError(f"{path} stayed busy")
-    subprocess.run(["e2fsck", "-f", "-y", str(image)], capture_output=True)
+    subprocess.run(["losetup", "-d", device], capture_output=True)  # (autoclear may have)
+    deadline = time.monotonic() + 10
+    while subprocess.run(["losetup", "-j", str(image)], capture_output=True,
+                         text=True).stdout.strip():
+        assert time.monotonic() < deadline, f"{image} still attached to a loop device"
+        time.sleep(0.05)
+    check = subprocess.run(["e2fsck", "-f", "-y", str(image)], capture_output=True, text=True)
+    assert check.returncode < 4, f"e2fsck could not repair {image}: {check.stdout[-2000:]}"
     subprocess.run(["mount", "-o", "loop,errors=remount-ro", str(image), str(path)],
                    check=True)
+    options = subprocess.run(["findmnt", "-n", "-o", "OPTIONS", str(path)], check=True,
+                             capture_output=True, text=True).stdout
+    assert options.startswith("rw"), f"{path} mounted read-only after the repair: {options}"
 
 
 def fill(disk: Path, leave: int) -> Path:
