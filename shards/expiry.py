@@ -11,51 +11,51 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from clonemap.shards.server import ShardServer
+from typing import Callable
 
 
 class Expiry:
-    def __init__(self, server: "ShardServer"):
-        self.server = server
+    """The TTL timer (see the module doc). ``next_expiry()``: the store's earliest
+    expiry (epoch s) or None; ``expire()``: delete and publish what is due, how many
+    (the server does nothing while not active); ``enabled``: the role expires keys."""
+
+    def __init__(self, *, next_expiry: Callable[[], float | None], expire: Callable[[], int],
+                 enabled: bool):
+        self._next_expiry = next_expiry
+        self._expire = expire
+        self.enabled = enabled
         self.expired = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The server's loop (set when it starts)."""
         self._handle: asyncio.TimerHandle | None = None
         self._when: float | None = None
 
     def arm(self) -> None:
         """(Re)arm the timer for the earliest expiry, if that is sooner than armed."""
-        server = self.server
-        if not server.role.expires_keys or server.loop is None:
+        if not self.enabled or self.loop is None:
             return
-        expiry_s = server.store.next_expiry()
+        expiry_s = self._next_expiry()
         if expiry_s is None:
             return
-        when = server.loop.time() + max(0.0, expiry_s - time.time())
+        when = self.loop.time() + max(0.0, expiry_s - time.time())
         if self._handle is not None:
             if self._when is not None and self._when <= when:
                 return
             self._handle.cancel()
         self._when = when
-        self._handle = server.loop.call_at(when, self.on_tick)
+        self._handle = self.loop.call_at(when, self.on_tick)
 
     def due_now(self) -> bool:
         """Keys are due already (they expired while this server was not serving)."""
-        due = self.server.store.next_expiry() if self.server.role.expires_keys else None
+        due = self._next_expiry() if self.enabled else None
         return due is not None and due <= time.time()
 
     def on_tick(self) -> None:
-        """Delete every due key and publish each delete (empty value, UUID, properties)."""
+        """Delete every due key and publish each delete (empty value, UUID, properties),
+        in one burst."""
         self._handle = None
         self._when = None
-        server = self.server
-        if not server.active:
-            return
-        for key, seq in server.store.pop_expired(time.time()):
-            server.publish_delete(seq, key)
-            self.expired += 1
-        server._flush_log()  # the deletes go out now, in one burst
+        self.expired += self._expire()
         self.arm()
 
     def close(self) -> None:

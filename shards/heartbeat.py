@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 import zmq
 
 from clonemap.shards.common import zio
 from clonemap.shards.common.proto import chp
-from clonemap.shards.history import WIDTH as KVPUB_FRAMES
+from clonemap.shards.roles import Reactor
 
-if TYPE_CHECKING:
-    from clonemap.shards.server import ShardServer
 
 SUBSCRIPTION_CHECK_S = 0.05
 """How often the publisher is checked for new subscriptions besides its FD's edges."""
@@ -44,11 +41,12 @@ SUBSCRIPTION_CHECK_S = 0.05
 class Heartbeat:
     """The HUGZ of one server (see the module doc)."""
 
-    def __init__(self, server: "ShardServer"):
+    def __init__(self, server: Reactor):
         self.server = server
         self.sent = 0
         self.welcomed = 0
         self._reader: zio.AsyncSocket | None = None
+        self._pub: zmq.Socket | None = None
         self._welcome: asyncio.Handle | None = None
         self._check: asyncio.TimerHandle | None = None
         self._beat: asyncio.TimerHandle | None = None
@@ -62,8 +60,10 @@ class Heartbeat:
         clock_s, heartbeat_s = config.clock_s, config.heartbeat_s
         return min(heartbeat_s, clock_s) if clock_s > 0 else heartbeat_s
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._reader = zio.AsyncSocket(self.server._pub, self.on_subscription, batch=256,
+    def start(self, loop: asyncio.AbstractEventLoop, pub: zmq.Socket) -> None:
+        """Beat on the publisher ``pub`` (P+1), reading its subscriptions."""
+        self._pub = pub
+        self._reader = zio.AsyncSocket(pub, self.on_subscription, batch=256,
                                        loop=loop, name="publisher")
         self._check = loop.call_later(SUBSCRIPTION_CHECK_S, self._check_subscriptions)
         self._beat_at = self._clock_at = loop.time()
@@ -106,7 +106,7 @@ class Heartbeat:
         server = self.server
         server.reapply_pub_mark()  # the new subscriber's pipe has the bind-time mark
         try:
-            zio.send_frames5(server._pub, *self.hugz())
+            zio.send_frames5(self._pub, *self.hugz())
         except zmq.ZMQError as exc:
             server.drops.drop("welcome_unsent", f"HUGZ for a new subscriber: {exc}")
             return
@@ -120,9 +120,7 @@ class Heartbeat:
         server = self.server
         serving = server.role.serving()
         if server.config.clock_s > 0:
-            published = (server.store.seq - len(server._held) // KVPUB_FRAMES
-                         - server.parked)
-            return chp.hugz(time.time(), published, serving=serving,
+            return chp.hugz(time.time(), server.published_seq(), serving=serving,
                             generation=server.generation, route=server.route,
                             cas=server.role.decides_writes, term=server.role.term())
         return chp.hugz(serving=serving, route=server.route)
@@ -143,7 +141,7 @@ class Heartbeat:
         beat_due = now - self._beat_at >= 0.9 * config.heartbeat_s
         idle = beat_due and server.store.seq == self._seq_at_beat
         if clock_due or idle:
-            zio.send_frames5(server._pub, *self.hugz())
+            zio.send_frames5(self._pub, *self.hugz())
             self.sent += 1
             self._clock_at = now
         if beat_due:

@@ -14,7 +14,7 @@ not tracked (``pending.untracked``), never an error. A KVSET for a key this shar
 not own (``--routing``) is not held: it is dropped and counted ``not_owner``, as the
 active does. A conditional write is not held either: the active alone decides it.
 
-At takeover (``apply_at_takeover``), what is still held is applied in arrival order,
+At takeover (``take_at_takeover``), what is still held is applied in arrival order,
 continuing the sequence (``ShardServer.apply_write``: a resend already applied is applied
 once). An entry heard more than ``pending_grace_s`` before the old active's last message
 is stale (the active had time to publish it and did not: e.g. a KVSET a client's socket
@@ -84,24 +84,20 @@ class HeldWrites:
         self.table.add(kvset.uuid, write, server.loop.time(),
                        len(kvset.key) + len(props) + len(kvset.value))
 
-    def apply_at_takeover(self, now: float, last_heard: float) -> tuple[int, int]:
-        """Apply what is still held (the server is active now), except entries heard
-        ``pending_grace_s`` before the old active's last message (``last_heard``; 0:
-        never heard); publish them at once. Returns (applied, stale)."""
-        server = self.server
+    def take_at_takeover(self, now: float, last_heard: float) -> tuple[list, int]:
+        """What is still held (the server is active now), in arrival order, except
+        entries heard ``pending_grace_s`` before the old active's last message
+        (``last_heard``; 0: never heard), which are dropped as stale. Returns the writes
+        to apply (``ShardServer.apply_write`` arguments) and how many were stale."""
         held = self.table.drain(now)
-        cutoff = (last_heard - pending_grace_s(server.config.heartbeat_s) if last_heard
+        cutoff = (last_heard - pending_grace_s(self.server.config.heartbeat_s) if last_heard
                   else None)
-        stale = 0
-        for entry in held:
-            if cutoff is not None and entry.added_at < cutoff:
-                stale += 1
-                continue
-            server.apply_write(*entry.update)
-        server._flush_log()  # publish them now: this is not a collector batch
-        self.applied += len(held) - stale
+        writes = [entry.update for entry in held
+                  if cutoff is None or entry.added_at >= cutoff]
+        stale = len(held) - len(writes)
+        self.applied += len(writes)
         self.stale += stale
-        return len(held) - stale, stale
+        return writes, stale
 
     def stats(self) -> dict:
         table = self.table

@@ -11,11 +11,13 @@ Sockets beyond the reactor's P, P+1, P+2 (all on the server's context and loop):
     peer P   DEALER  the link (BSTAR-FOLLOW out, BSTAR-UPD in): synchronous replication
 
 With ``--coordination`` (a pair across hosts) the pair also holds a lease in etcd
-(``clonemap.shards.leased``; the machine's leased rules L1-L4): ``fenced`` stops every publish past
-the lease's deadline, and with synchronous replication (``park_for_peer``, the active's
-side in ``clonemap.shards.sync_link``) a batch's KVPUBs and replies wait until the passive confirms
-it holds the batch, or until this server has recorded in etcd that it goes on alone
-(shards/README.md, *Pairs across hosts*).
+(``clonemap.shards.leased``; the machine's leased rules L1-L4). The reactor asks ``gate`` for
+its verdict on each batch (``clonemap.shards.outbox``): held past the lease's deadline, and,
+with synchronous replication (the active's side in ``clonemap.shards.sync_link``), parked
+until the passive confirms it holds the batch, or until this server has recorded in etcd
+that it goes on alone (shards/README.md, *Pairs across hosts*). ``BSTAR-FOLLOW`` on P (where
+the active sends each batch) and ``BSTAR-HAVE`` from the peer's P+3 only (one on P is
+dropped and counted: anyone who reaches P could forge it) go to the link.
 
 The role performs the machine's effects:
 
@@ -56,6 +58,7 @@ from clonemap.shards.common.proto import bstar_ttl
 from clonemap.shards.common.proto.bstar import FOLLOW, HAVE
 from clonemap.shards.replica import Follower
 from clonemap.shards.leased import Leased
+from clonemap.shards.outbox import Batch, Verdict
 from clonemap.shards.pair_map import PairMap
 from clonemap.shards.sync_link import SyncLink
 from clonemap.shards.ttl_table import TtlTables
@@ -72,6 +75,8 @@ everything (a 1-byte frame), but libzmq applies the limit to the security handsh
 commands too (CURVE's INITIATE carries metadata: 256 B cut every CURVE pair off), so
 the limit is 64 KiB, far below the 64 MiB frames it is there for."""
 FATAL_LINGER_BEATS = 2
+REPLICA_SYNCS_MAX = 16
+"""TTL-table requesters remembered until their ICANHAZ (a passive's sync: one at a time)."""
 """After a same-role fatal, the state is still published this many heartbeats."""
 
 
@@ -136,7 +141,8 @@ class BinaryStar:
         """The passive's replica of the active's map (made in ``attach``)."""
         self.ttl_tables: TtlTables | None = None
         """BSTAR-TTL replies being streamed (``clonemap.shards.ttl_table``; made in ``attach``)."""
-        self.map = PairMap(self)
+        self.map = PairMap(shard, term=lambda: None if self.machine is None else self.machine.term,
+                           drop_parked=self.drop_parked, peer_copied=self.peer_copied)
         """This server's map: its term history, the copy its follower installs and
         updates (``clonemap.shards.pair_map``)."""
         if replication not in ("sync", "async"):
@@ -149,24 +155,51 @@ class BinaryStar:
         """Leased mode (``--coordination``): the lease, the fence and what waits for them
         (``clonemap.shards.leased``)."""
         if coordination:
-            self.leased = Leased(self, coordination, lease_s=lease_s,
-                                 lease_name=lease_name or f"shard-{shard}", sync=self.sync)
+            me = f"{role}@{config.host}:{config.port}"
+            etcd = coord.Etcd(coordination, timeout_s=min(1.0, lease_s / 4))
+            name = lease_name or f"shard-{shard}"
+            self.leased = Leased(
+                lambda on_change: coord.Lease(etcd, name, me, lease_s=lease_s,
+                                              on_change=on_change),
+                shard=shard, name=role, heartbeat_s=config.heartbeat_s,
+                loop=lambda: self.server.loop if self.server is not None else None,
+                machine=lambda: self.machine, step=self._step,
+                is_active=lambda: self.server.active,
+                parked=lambda: bool(self.link.awaiting),
+                answer=self.on_snapshot_request,
+                drop=lambda reason, detail: self.server.drops.drop(reason, detail))
         self.gates_publish = self.leased is not None
         """A leased pair is asked before each batch: fenced past its lease, parked until
         the passive confirms (synchronous replication)."""
         self.link: SyncLink | None = None
         """The active's side of synchronous replication (``clonemap.shards.sync_link``); what a
         fenced server keeps unpublished waits there too, whatever the replication."""
+        self._replica_syncs: dict[bytes, None] = {}
+        """The DEALERs that asked for a TTL table (a passive syncing): their ICANHAZ next
+        is answered even while writes are parked."""
         self.unacknowledged_dropped = 0
         """Updates applied and never published (so never acknowledged), dropped when this
         server's map was replaced by its peer's (``SyncLink.drop``)."""
 
     def attach(self, server: ShardServer) -> None:
         self.server = server
+        self.map.attach(server)
         self.follower = Follower(self.map, server, self.peer[0], self.peer[1], shard=self.shard,
                                  sync_timeout_s=self.sync_timeout_s, pending=self.held.table,
                                  confirm=self.confirm_replica if self.sync else None)
-        self.link = SyncLink(server, self, timeout_s=max(1.0, 2 * self.config.heartbeat_s))
+        self.link = SyncLink(
+            shard=self.shard, name=self.name,
+            timeout_s=max(1.0, 2 * self.config.heartbeat_s),
+            clock=lambda: server.loop.time(),
+            call_later=lambda delay, callback: server.loop.call_later(delay, callback),
+            send=self._send_to_passive,
+            publish=lambda batch: server.publish_batch(batch, parked=True),
+            record_alone=self._record_alone,
+            current_seq=lambda: server.store.seq,
+            is_active=lambda: server.active,
+            may_publish=lambda: server.active and not self.fenced(),
+            peer_gone=self._peer_gone,
+            unparked=self.leased.unparked if self.leased is not None else lambda: None)
         self.ttl_tables = TtlTables(server)
         self.held.server = server
 
@@ -198,7 +231,7 @@ class BinaryStar:
             leased=self.leased is not None)
         if self.leased is not None:
             self.leased.start()
-        self.ttl_tables.start()
+        self.ttl_tables.start(self.server.router_socket, self.server.kick_router)
         self._state_sub = zio.AsyncSocket(self._state_sub_sock, self.on_peer_state, batch=64,
                                           loop=self.server.loop, name="peer state")
         self.follower.open()
@@ -209,6 +242,7 @@ class BinaryStar:
             self._tick_handle.cancel()
             self._tick_handle = None
         if self.leased is not None:
+            self.server.set_active(False)  # nothing more is acknowledged, then the lease goes
             self.leased.close()
         if self.follower is not None:
             self.follower.close()
@@ -300,8 +334,7 @@ class BinaryStar:
     def on_peer_state(self, frames: list[bytes]) -> None:
         """A state message, or a replica's confirmation, from the peer's P+3."""
         if wire.is_confirmation(frames):
-            if self.leased is not None:
-                self.leased.on_confirmation(frames)
+            self._on_confirmation(frames)
             return
         try:
             msg = wire.decode(frames)
@@ -316,9 +349,14 @@ class BinaryStar:
         self.follower.stop()
         self.takeovers += 1
         self.map.took_over(effect.term)
-        self.server.set_active(True)
+        server = self.server
+        server.set_active(True)
         self.link.resume(self.sync)  # first: it holds lower sequences than anything below
-        applied, stale = self.held.apply_at_takeover(now, self.follower.last_heard)
+        writes, stale = self.held.take_at_takeover(now, self.follower.last_heard)
+        for write in writes:
+            server.apply_write(*write)
+        server.flush()  # published now: this is not a collector batch
+        applied = len(writes)
         if self.leased is not None:
             self.leased.became_active()
         if self.sync:
@@ -332,7 +370,14 @@ class BinaryStar:
         self.server.set_active(False)
         if self.leased is not None:
             self.leased.became_passive()
-        self.link.keep_unpublished(now)
+        # what was applied and not published stays parked with the map (never
+        # acknowledged): published if this server serves it again, dropped with it if it
+        # copies its peer's
+        outbox = self.server.outbox
+        batch = outbox.take(self.server.store.seq, now)
+        if batch:
+            outbox.park(batch)
+        self.link.keep(batch)
         self.ttl_tables.clear()
         log.info("shard %s: %s is PASSIVE (%s, was %s)", self.shard, self.name,
                  effect.reason, effect.previous.name)
@@ -429,19 +474,22 @@ class BinaryStar:
         """A message on P: the passive's BSTAR-TTL? (``clonemap.shards.ttl_table``), its link's
         BSTAR-FOLLOW (``clonemap.shards.leased``), or a client's ICANHAZ (its vote)."""
         if len(frames) == 2 and frames[1] == bstar_ttl.REQUEST:
+            self._replica_syncs[frames[0]] = None  # its ICANHAZ comes next (a passive's)
+            while len(self._replica_syncs) > REPLICA_SYNCS_MAX:
+                self._replica_syncs.pop(next(iter(self._replica_syncs)))
             self.ttl_tables.on_request(frames[0], tuple(self.map.history))
             return
         leased = self.leased
         if len(frames) == 3 and frames[1] in (FOLLOW, HAVE):
-            if leased is not None:
-                leased.on_replica_link(frames[0], frames[1], frames[2])
-            else:
-                self.server.drops.drop("peer_link_unleased", "BSTAR-FOLLOW/HAVE on P of a "
-                                                             "pair without a lease")
+            self._on_replica_link(frames[0], frames[1], frames[2])
             return
-        if self.server._held:  # applied this turn: parked (or published) before deciding
-            self.server._flush_log()
-        if leased is not None and leased.must_wait(frames):
+        self.server.flush_pending()  # applied this turn: parked (or published) first
+        # A passive's own sync (its BSTAR-TTL? came first, on the same DEALER) never waits
+        # for the writes parked for it: the snapshot carries them, and its confirmation
+        # of that sequence releases them. Held, it would wait the sync timeout out and
+        # the active would go alone with a passive that was a moment from following.
+        replica = self._replica_syncs.pop(frames[0], False) is None
+        if leased is not None and not replica and leased.must_wait(frames):
             return
         self.server.on_snapshot_request(frames)
         if leased is not None:
@@ -451,16 +499,102 @@ class BinaryStar:
         """Passive (the follower's ``confirm``): write what the active's batch brought
         (the log, fsync under always), then say how far this replica goes: ``BSTAR-HAVE``
         on this server's state PUB."""
-        self.server._flush_log()
+        self.server.flush()
         seq = self.server.store.seq
         try:
             zio.send_frames(self._state_pub, [HAVE, link_id, seq.to_bytes(8, "big")])
         except zmq.Again:  # a PUB never blocks; a lost one is followed by the next
             self.server.drops.drop("state_hwm", "BSTAR-HAVE not sent")
 
-    def park_for_peer(self) -> bool:
-        """Synchronous replication: this batch waits until the passive holds it."""
-        return self.sync and self.server.active and self.link.park()
+    def gate(self, batch: Batch) -> Verdict:
+        """The verdict on a batch (``gates_publish``): HOLD past the lease's deadline
+        (out if the lease is renewed in time, else parked with the map when this server
+        goes passive); PARKED with synchronous replication until the passive holds it
+        (or going alone is recorded); else PUBLISH."""
+        if self.fenced():
+            return Verdict.HOLD
+        if self.sync and self.server.active and self.link.park(batch):
+            return Verdict.PARKED
+        return Verdict.PUBLISH
+
+    def peer_copied(self) -> None:
+        """The peer's map is whole on disk here: the needs-peer rule ends (``bstar``
+        rule 8)."""
+        if self.machine is not None:
+            self.machine = bstar.peer_copied(self.machine)
+
+    def drop_parked(self) -> None:
+        """The map is replaced by the peer's: what was parked was never acknowledged."""
+        dropped = self.link.drop()
+        self.server.outbox.unpark(dropped)
+        self.unacknowledged_dropped += dropped
+
+    # ================================================================ synchronous link
+    def _send_to_passive(self, messages: list[list[bytes]]) -> bool:
+        """The link's BSTAR-UPD messages, on P's ROUTER; False if one could not go."""
+        sock = self.server.router_socket
+        sent = True
+        try:
+            for frames in messages:
+                sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # its pipe is full or gone: it will not confirm
+            log.debug("shard %s: a batch for the passive not sent: %s", self.shard, exc)
+            sent = False
+        # a send on the raw socket can take the edge of its FD: the ROUTER's reader must
+        # look again, or a request waiting there waits for the next one
+        self.server.kick_router()
+        return sent
+
+    def _record_alone(self, alone: bool, done) -> None:
+        """Write (or delete) the alone record in etcd off the loop; ``done`` on the loop,
+        unless the lease was closed meanwhile."""
+        leased = self.leased
+        if leased is None:
+            return
+        call = leased.lease.record_alone if alone else leased.lease.clear_alone
+        future = self.server.loop.run_in_executor(None, call)
+
+        def finished(f) -> None:
+            if not leased.closed:
+                done(f.exception())
+
+        future.add_done_callback(finished)
+
+    def _peer_gone(self) -> bool:
+        """The peer has been silent past its expiry (this server took over from it)."""
+        machine = self.machine
+        return machine is not None and not bstar.peer_alive(machine, self.server.loop.time())
+
+    def _on_replica_link(self, identity: bytes, command: bytes, seq_frame: bytes) -> None:
+        """``BSTAR-FOLLOW seq`` on P: send every batch to this link from now on (it says
+        where batches go, nothing more: only a ``BSTAR-HAVE`` from the peer's own P+3
+        confirms anything). A ``BSTAR-HAVE`` on P is dropped and counted."""
+        drops = self.server.drops
+        if self.leased is None:
+            drops.drop("peer_link_unleased", "BSTAR-FOLLOW/HAVE on P of a pair without a "
+                                             "lease")
+            return
+        if command != FOLLOW:
+            drops.drop("peer_have_on_p", "BSTAR-HAVE on the snapshot port (it is only "
+                                         "taken from the peer's state port)")
+            return
+        if len(seq_frame) != 8 or not (self.sync and self.server.active):
+            drops.drop("peer_follow_unexpected", "BSTAR-FOLLOW while not a synchronous "
+                                                 "active, or malformed")
+            return
+        self.link.on_follow(identity, int.from_bytes(seq_frame, "big"))
+
+    def _on_confirmation(self, frames: list[bytes]) -> None:
+        """``BSTAR-HAVE LINK SEQ`` from the peer's P+3 (``clonemap.shards.sync_link``): for a
+        synchronous active only; the link takes nothing past the lease."""
+        if self.leased is None:
+            return
+        if len(frames) != 3 or len(frames[2]) != 8 or not frames[1]:
+            self.server.drops.drop("peer_bad_confirmation",
+                                   f"{len(frames)}-frame BSTAR-HAVE")
+            return
+        if self.sync:
+            self.link.on_confirmation(frames[1], int.from_bytes(frames[2], "big"))
 
     def on_collect(self, frames: list[bytes]) -> None:
         """Active: the reactor's write path. Otherwise: keep the KVSET pending by UUID."""
@@ -468,7 +602,7 @@ class BinaryStar:
         if server.active:
             server.on_collect(frames)
             return
-        server._note_received(frames)  # the collector's mark holds for a passive too
+        server.note_received(frames)  # the collector's mark holds for a passive too
         if self.fatal:
             server.drops.drop("fatal", "KVSET after a fatal Binary Star error")
             return
@@ -501,5 +635,6 @@ class BinaryStar:
         if self.sync:
             out["sync_replication"] = self.link.stats()
         if self.leased is not None:
-            out["lease"] = self.leased.stats()
+            out["lease"] = {**self.leased.stats(),
+                            "unacknowledged_dropped": self.unacknowledged_dropped}
         return out

@@ -17,17 +17,14 @@ follower keeps (``PairMap`` is the ``clonemap.shards.replica.ReplicaSink`` of a 
 from __future__ import annotations
 
 import logging
-import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from clonemap.shards import bstar
 from clonemap.shards.common.proto import chp
 from clonemap.shards.persist.recovery import fork_point
-from clonemap.shards.snapshots import largest_entry
 from clonemap.shards.store import Store
 
 if TYPE_CHECKING:
-    from clonemap.shards.pair import BinaryStar
+    from clonemap.shards.server import ShardServer
 
 log = logging.getLogger("clonemap.shards.pair")
 
@@ -35,8 +32,15 @@ log = logging.getLogger("clonemap.shards.pair")
 class PairMap:
     """One Binary Star server's map (see the module doc)."""
 
-    def __init__(self, pair: "BinaryStar"):
-        self.pair = pair
+    def __init__(self, shard: str, *, term: Callable[[], int | None],
+                 drop_parked: Callable[[], None], peer_copied: Callable[[], None]):
+        """``term()``: the pair's current Binary Star term (None before it starts);
+        ``drop_parked()``: what waits for the passive is never published (the map is
+        replaced); ``peer_copied()``: the needs-peer rule ends (``bstar`` rule 8)."""
+        self.shard = shard
+        self._term, self._drop_parked, self._peer_copied = term, drop_parked, peer_copied
+        self.server: ShardServer | None = None
+        """The server whose map this is (``attach``)."""
         self.history: list[tuple[int, int]] = []
         """``(term, first sequence)`` for each takeover the map went through, oldest
         first."""
@@ -48,10 +52,13 @@ class PairMap:
         self.install_job = None
         """The compaction writing the map installed from the active (``install``)."""
 
+    def attach(self, server: "ShardServer") -> None:
+        self.server = server
+
     def took_over(self, term: int) -> None:
         """This term's updates start after the current sequence (what a restarted peer
         compares its log with)."""
-        self.history.append((term, self.pair.server.store.seq + 1))
+        self.history.append((term, self.server.store.seq + 1))
         self.save_terms()
 
     def resumable(self, term: int, current: int, since: int) -> bool:
@@ -76,20 +83,19 @@ class PairMap:
 
     @property
     def seq(self) -> int:
-        return self.pair.server.store.seq
+        return self.server.store.seq
 
     def apply(self, msg: chp.Kvpub, expiry_s: float | None) -> None:
         """The active's update, applied here with its sequence and logged; kept for
         resumes, so a client that fails over to this server resumes instead of taking a
         snapshot, and its UUID, so that a resend is applied once."""
-        server = self.pair.server
+        server = self.server
         server.store.apply(msg.key, msg.value, expiry_s)
         resendable = chp.is_resendable(msg.uuid)
         if server.persist is not None:  # the active's stream, with its sequences
             server.log_applied(msg.seq, msg.key, msg.value, expiry_s,
                                msg.uuid if resendable else b"")
-        if server._remember is not None:
-            server._remember(msg.seq, msg.key, msg.uuid, msg.props, msg.value)
+        server.remember(msg.seq, msg.key, msg.uuid, msg.props, msg.value)
         if resendable:
             server.applied.add(msg.uuid, msg.seq)
 
@@ -100,14 +106,10 @@ class PairMap:
         ``uuids`` (``[uuid, seq, ...]``, as of ``store.seq``). A durable
         server rewrites its data directory from it; updates of its own that the active's
         map never had (``persist.fork_point``) are kept in a ``dropped-*`` file."""
-        server = self.pair.server
+        server = self.server
         old_seq = server.store.seq
-        self.pair.unacknowledged_dropped += self.pair.link.drop()
-        server.store = store
-        server.snapshots.entries(largest_entry(store))
-        server.recent.reset(store.seq)  # resumes from this map only
-        server.applied.clear(time.monotonic())
-        server.applied.load(uuids)
+        self._drop_parked()
+        server.replace_store(store, uuids)
         if server.persist is not None:
             fork = fork_point(self.history, list(history)) if history else None
             dropped_from = fork if fork is not None and fork <= old_seq else None
@@ -120,12 +122,12 @@ class PairMap:
                 self.dropped_updates += dropped
                 log.warning("shard %s: %d updates of this server's map (sequence %d..%d, "
                             "never in the active's map) were dropped; kept in %s/dropped-*",
-                            self.pair.shard, dropped, dropped_from, old_seq, server.persist.path)
+                            self.shard, dropped, dropped_from, old_seq, server.persist.path)
         if history:
             self.history = list(history)
             self.save_terms()
         if generation and generation != server.generation:
-            log.info("shard %s: map generation %s (the active's; was %s)", self.pair.shard,
+            log.info("shard %s: map generation %s (the active's; was %s)", self.shard,
                      generation, server.generation)
             server.generation = generation
 
@@ -135,16 +137,15 @@ class PairMap:
         if job is not self.install_job:
             return
         self.install_job = None
-        if self.needs_peer and self.pair.server.persist is not None:
+        if self.needs_peer and self.server.persist is not None:
             from clonemap.shards.persist.recovery import peer_copy_written
 
-            peer_copy_written(self.pair.server.persist.path)
+            peer_copy_written(self.server.persist.path)
             self.needs_peer = False
-            if self.pair.machine is not None:
-                self.pair.machine = bstar.peer_copied(self.pair.machine)
+            self._peer_copied()
             log.warning("shard %s: the peer's map (%d keys, sequence %d) is written here: "
-                        "this server holds a valid copy again", self.pair.shard, len(self.pair.server.store),
-                        self.pair.server.store.seq)
+                        "this server holds a valid copy again", self.shard, len(self.server.store),
+                        self.server.store.seq)
 
     def recovered(self, term: int, history: list[tuple[int, int]],
                   needs_peer: bool = False) -> None:
@@ -156,12 +157,12 @@ class PairMap:
         self.needs_peer = needs_peer
 
     def save_terms(self) -> None:
-        if self.pair.server.persist is None or self.pair.machine is None:
+        term = self._term()
+        if self.server is None or self.server.persist is None or term is None:
             return
-        self.saved_term = self.pair.machine.term
+        self.saved_term = term
         try:
-            self.pair.server.persist.save_terms(self.pair.machine.term, self.history)
+            self.server.persist.save_terms(term, self.history)
         except OSError as exc:
-            log.error("shard %s: cannot save the term in %s: %s", self.pair.shard,
-                      self.pair.server.persist.path, exc)
-
+            log.error("shard %s: cannot save the term in %s: %s", self.shard,
+                      self.server.persist.path, exc)

@@ -11,7 +11,7 @@ points, what only the role knows::
     decides_writes            HUGZ say cas=1                      yes         yes               no (forwards)
     expires_keys              the TTL timer runs                  yes         yes               no (the shard's
                                                                                                   deletes come)
-    gates_publish             fenced/park_for_peer asked/batch    no          with a lease      no
+    gates_publish             gate asked for each batch           no          with a lease      no
     attach(server)            made                                -           its parts         its parts
     bind()                    after P..P+2 are bound              -           P+3 state link    -
     start() / close()         on the loop / before the reactor's  active now  machine, lease,   upstream
@@ -29,14 +29,15 @@ points, what only the role knows::
     resumable(term, since)    a client of that term after since   its term, or  the term history  terms since
                               may resume here?                    since <= the  says so           its last copy
                                                                   start's seq
-    fenced(), park_for_peer() a batch may be published?           (none)      lease, passive's  (none)
-                              (only with gates_publish)                       confirmation
+    gate(batch)               a batch may be published? (a        (none)      lease, passive's  (none)
+                              Verdict; only with gates_publish)               confirmation
     on_compacted(job)         a snapshot is whole on disk         (none)      the needs-peer    (none: no
                               (optional: ``Persisting``)                      rule ends         files)
     stats()                   the reactor's stats                 {}          machine, pending  upstream
 
 A role keeps a reference to its reactor (``attach``) and calls its public methods
-(``apply_write``, ``_flush_log``, ``set_active``, ``publish``, ...). Where the updates come
+(``apply_write``, ``flush``, ``set_active``, ``publish``, ...); the reactor asks a role
+that gates publishing for its verdict on each batch (``gate``, ``clonemap.shards.outbox``). Where the updates come
 from is part of the role too: the reactor's own collector (standalone, an active), or an
 upstream ``clonemap.shards.replica.Follower`` writing into the role as its ``ReplicaSink`` (a
 passive, a relay).
@@ -44,12 +45,42 @@ passive, a relay).
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Protocol
+import asyncio
+from typing import Protocol
 
 import zmq
 
-if TYPE_CHECKING:
-    from clonemap.shards.server import ShardServer
+from clonemap.shards.common.drops import DropCounter
+from clonemap.shards.history import History
+from clonemap.shards.outbox import Batch, Verdict
+from clonemap.shards.server_config import ServerConfig
+from clonemap.shards.store import Store
+
+
+class Reactor(Protocol):
+    """What a role and the reactor's own parts (``clonemap.shards.heartbeat``,
+    ``clonemap.shards.snapshots``) may use of their server: ``ShardServer`` has all of it.
+    Typed here, not by importing the server, so that no part imports its owner back."""
+
+    config: ServerConfig
+    store: Store
+    drops: DropCounter
+    recent: History
+    generation: str
+    route: str
+    active: bool
+    disk_error: str
+    loop: asyncio.AbstractEventLoop | None
+
+    @property
+    def role(self) -> "Role": ...
+    def set_active(self, active: bool) -> None: ...
+    def on_collect(self, frames: list[bytes]) -> None: ...
+    def on_snapshot_request(self, frames: list[bytes]) -> None: ...
+    def on_beat(self) -> None: ...
+    def published_seq(self) -> int: ...
+    def reapply_pub_mark(self) -> None: ...
+    def flush_pending(self) -> None: ...
 
 
 class Role(Protocol):
@@ -58,7 +89,7 @@ class Role(Protocol):
     expires_keys: bool
     gates_publish: bool
 
-    def attach(self, server: "ShardServer") -> None: ...
+    def attach(self, server: Reactor) -> None: ...
     def bind(self) -> None: ...
     def start(self) -> None: ...
     def close(self) -> None: ...
@@ -82,8 +113,7 @@ class Persisting(Role, Protocol):
 class GatesPublish(Role, Protocol):
     """A role with ``gates_publish``: asked before each batch is published."""
 
-    def fenced(self) -> bool: ...
-    def park_for_peer(self) -> bool: ...
+    def gate(self, batch: Batch) -> Verdict: ...
 
 
 class Standalone:
@@ -94,7 +124,7 @@ class Standalone:
     expires_keys = True
     gates_publish = False
 
-    def attach(self, server: "ShardServer") -> None:
+    def attach(self, server: Reactor) -> None:
         self.server = server
         self.on_collect = server.on_collect  # the reactor's write path, nothing between
         self.on_snapshot_request = server.on_snapshot_request

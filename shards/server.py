@@ -13,9 +13,11 @@ server, a relay) that decides what differs between them; the context and its soc
 * ``on_collect``: a KVSET (drained in capped batches by ``zio.AsyncSocket``) is checked,
   applied to the ``Store`` and held as a KVPUB with the next sequence, UUID and
   properties echoed (a ``ttl`` adds ``expires=<epoch s>``; see ``store.ttl_props``);
-  after the batch (``_flush_log``) the log is written (and fsynced under ``always``),
-  then the batch's KVPUBs go out in one burst, then the replies to writers that asked.
-  A role that gates publishing (a leased pair) may hold the batch back first.
+  after the batch (``flush``) the log is written (and fsynced under ``always``), then
+  the outbox's batch goes out: its KVPUBs in one burst, then the replies to writers that
+  asked. A role that gates publishing (a leased pair) decides first, by returning a
+  ``Verdict``: publish, hold, or parked until the passive holds it
+  (``clonemap.shards.outbox``: when an update may be published).
 * expiries (``clonemap.shards.expiry``): due keys are deleted and each delete is published as a
   KVPUB with an empty value, empty UUID and empty properties.
 
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import psutil
@@ -62,7 +65,7 @@ from clonemap.shards.persist.driver import PERSIST_TICK_S, Persistence
 from clonemap.shards.roles import Role, Standalone
 from clonemap.shards.heartbeat import Heartbeat
 from clonemap.shards.expiry import Expiry
-from clonemap.shards.server_stats import server_stats
+from clonemap.shards.outbox import KVPUB_FRAMES, Batch, Outbox, Verdict
 from clonemap.shards.server_sockets import ServerSockets
 
 log = logging.getLogger("clonemap.shards.server")
@@ -100,20 +103,20 @@ class ShardServer:
         """Set on a disk error: the process stops (``Exit.DISK``)."""
         self._persist_flush: asyncio.Handle | None = None
         self._persist_timer: asyncio.TimerHandle | None = None
-        self.parked = 0
-        """Updates applied and logged whose KVPUBs wait for the passive (``park_for_peer``)."""
-        self._held: list[bytes] = []
-        """KVPUBs applied (and, when persisting, logged) but not yet published, as one flat
-        list of frames (``KVPUB_FRAMES`` to a message: no tuple per update, see
-        ``clonemap.shards.history``): they go out in order after the collector's batch
-        (``_flush_log``), right after the batch's write (and, with ``fsync: always``, its
-        fsync: group commit)."""
+        self.outbox = Outbox()
+        """KVPUBs applied (and, when persisting, logged) but not yet published, and the
+        replies behind them (``clonemap.shards.outbox``): they go out in order after the
+        collector's batch (``flush``), right after the batch's write (and, with ``fsync:
+        always``, its fsync: group commit), as the role decides."""
         self.active = False
         self.ctx: zmq.Context | None = None
-        self.sockets = ServerSockets(self)
+        self.sockets = ServerSockets(config, lambda: self.security,
+                                     lambda sock: self.role.link_options(sock))
         """The context and the sockets it binds and connects (``clonemap.shards.server_sockets``)."""
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._router_sock: zmq.Socket | None = None
+        self.router_socket: zmq.Socket | None = None
+        """P's ROUTER, once bound (a role's parts send on it: replies, TTL tables, the
+        synchronous link's batches; they kick its reader after, ``kick_router``)."""
         self._pub: zmq.Socket | None = None
         self._collector_sock: zmq.Socket | None = None
         self._router: zio.AsyncSocket | None = None
@@ -132,12 +135,11 @@ class ShardServer:
         self._fast_limit = self.marks.fast_limit
         self._pub_bind_hwm = self.marks.pub_hwm
         """The publisher's mark at ``bind`` (what libzmq gives new peers' pipes)."""
+        self._publish_many = None
         self.snapshots = SnapshotService(self)
         """ICANHAZ and resumes on P (``clonemap.shards.snapshots``)."""
         self.applied = AppliedUuids(config.dedup_bytes, config.dedup_s, time.monotonic())
         """UUIDs applied lately: a write sent again is applied once (``clonemap.shards.applied``)."""
-        self._replies: list[list[bytes]] = []
-        """KVREPLYs (identity first) decided in this batch: sent after its KVPUBs."""
         self.writes = {"applied": 0, "duplicate": 0, "conflict": 0, "refused": 0,
                        "replies_unsent": 0}
         """Outcomes of writes that asked for a reply or a condition (and duplicates)."""
@@ -154,11 +156,12 @@ class ShardServer:
         """Said in every HUGZ (``route=I/N/DIGEST``): a client routing with another map
         (a wrong config) is told at once instead of timing out on some keys."""
         # timers
-        self.expiry = Expiry(self)
+        self.expiry = Expiry(next_expiry=lambda: self.store.next_expiry(),
+                             expire=self.expire_due, enabled=self.role.expires_keys)
         """The TTL timer (``clonemap.shards.expiry``)."""
         # counters
         self.started_s = time.monotonic()
-        self._process = psutil.Process()
+        self.process = psutil.Process()
         self._gated = self.role.gates_publish
         self.role.attach(self)
 
@@ -168,7 +171,12 @@ class ShardServer:
         ``PortInUse`` naming the endpoint that is taken (everything opened so far is
         closed first)."""
         self.snapshots.entries(largest_entry(self.store))  # a recovered map's
-        self.sockets.open()
+        bound = self.sockets.open(self.snapshots.hwm, self.marks.pub_hwm,
+                                  self.marks.collect_hwm)
+        self.router_socket, self._pub, self._collector_sock = bound
+        self._publish_many = zio.publisher_many(self._pub, KVPUB_FRAMES)
+        self._pub_bind_hwm = self.marks.pub_hwm
+        self.snapshots.bound(self.router_socket)
         self.ctx = self.sockets.ctx
         try:
             self.role.bind()
@@ -179,16 +187,17 @@ class ShardServer:
     def start(self) -> None:
         """Attach to the running loop; a standalone server becomes active at once."""
         self.loop = loop = asyncio.get_running_loop()
+        self.expiry.loop = loop
         self.started_s = time.monotonic()
         self.recent.reset(self.store.seq)  # a recovered map: resumes start from here
-        self._router = zio.AsyncSocket(self._router_sock, self.role.on_snapshot_request,
+        self._router = zio.AsyncSocket(self.router_socket, self.role.on_snapshot_request,
                                        batch=256, loop=loop, name="snapshot")
-        self.snapshots.start(loop, self._router_sock, self._router.kick)
+        self.snapshots.start(loop, self.router_socket, self._router.kick)
         self._collector = zio.AsyncSocket(self._collector_sock, self.role.on_collect,
                                           batch=self.config.collect_batch, loop=loop,
-                                          name="collector", after_batch=self._flush_log,
+                                          name="collector", after_batch=self.flush,
                                           recv_only=True)
-        self.heartbeat.start(loop)
+        self.heartbeat.start(loop, self._pub)
         if self.persist is not None:
             self.persist.start(loop)
             self._persist_timer = loop.call_later(PERSIST_TICK_S, self._persist_tick)
@@ -260,13 +269,13 @@ class ShardServer:
                     if (persist := self.persist) is not None:
                         persist.append(seq, key, value, None)  # written after the batch
                 # published, and kept in the resume history, after the batch and its
-                # log write (_flush_log): one burst wakes libzmq's I/O thread once,
-                # where a send per update woke it per update
-                self._held += key, _pack_seq(seq), uuid, b"", value
+                # log write (flush): one burst wakes libzmq's I/O thread once, where a
+                # send per update woke it per update
+                self.outbox.updates += key, _pack_seq(seq), uuid, b"", value
                 return
         self._collect_checked(frames)
 
-    def _note_received(self, frames: list[bytes]) -> None:
+    def note_received(self, frames: list[bytes]) -> None:
         """A message off the fast path: a larger one than any so far lowers the
         collector's mark (``clonemap.shards.byte_marks``), valid or not, active or passive."""
         size = sum(map(len, frames))
@@ -274,7 +283,7 @@ class ShardServer:
             self._lower_mark(self.marks.received(size))
 
     def _collect_checked(self, frames: list[bytes]) -> None:
-        self._note_received(frames)
+        self.note_received(frames)
         try:
             kvset = chp.decode_kvset(frames, self._limits)
             key, value, props, uuid = kvset.key, kvset.value, kvset.props, kvset.uuid
@@ -327,18 +336,17 @@ class ShardServer:
 
     def _reply(self, identity: bytes, uuid: bytes, outcome: bytes, seq: int,
                detail: str = "") -> None:
-        """Queue a KVREPLY for the writer's DEALER: sent by ``_flush_log``, after the
-        batch's write (and fsync) and its KVPUBs, so an applied reply is never ahead of
-        the update it reports."""
+        """Queue a KVREPLY for the writer's DEALER: sent by ``flush``, after the batch's
+        write (and fsync) and its KVPUBs, so an applied reply is never ahead of the
+        update it reports."""
         if outcome == chp.REFUSED:
             self.writes["refused"] += 1
-        self._replies.append([identity, *chp.kvreply(uuid, outcome, seq, detail)])
+        self.outbox.reply([identity, *chp.kvreply(uuid, outcome, seq, detail)])
         if self._persist_flush is None and self.loop is not None:
-            self._persist_flush = self.loop.call_soon(self._flush_log)
+            self._persist_flush = self.loop.call_soon(self.flush)
 
-    def _send_replies(self) -> None:
-        replies, self._replies = self._replies, []
-        sock = self._router_sock
+    def _send_replies(self, replies: list[list[bytes]]) -> None:
+        sock = self.router_socket
         for frames in replies:
             try:
                 zio.send_frames(sock, frames)
@@ -370,7 +378,7 @@ class ShardServer:
 
     def _log_and_publish(self, seq: int, key: bytes, uuid: bytes, props: bytes, value: bytes,
                          expiry_s: float | None) -> None:
-        """Hold one applied update's KVPUB for ``_flush_log`` (after the collector's batch,
+        """Hold one applied update's KVPUB for ``flush`` (after the collector's batch,
         or at the end of the caller's work), logging it first when the server persists:
         a KVPUB, and so an acknowledgement, never goes out before its update reached the
         OS, and every KVPUB goes out in sequence order through the one burst. A UUID
@@ -380,7 +388,7 @@ class ShardServer:
             self.applied.add(kept, seq)
         if self.persist is not None:
             self.log_applied(seq, key, value, expiry_s, kept)
-        self._held += key, _pack_seq(seq), uuid, props, value
+        self.outbox.updates += key, _pack_seq(seq), uuid, props, value
 
     def publish(self, seq: int, key: bytes, uuid: bytes, props: bytes, value: bytes) -> None:
         """Publish an update applied elsewhere with its own sequence (a relay's copy of
@@ -392,44 +400,94 @@ class ShardServer:
             self._remember(seq, key, uuid, props, value)
         zio.send_frames5(self._pub, key, _pack_seq(seq), uuid, props, value)
 
+    def remember(self, seq: int, key: bytes, uuid: bytes, props: bytes,
+                 value: bytes) -> None:
+        """Keep an update applied elsewhere (a passive's copy) for resumes."""
+        if self._remember is not None:
+            self._remember(seq, key, uuid, props, value)
+
     def log_applied(self, seq: int, key: bytes, value: bytes, expiry_s: float | None,
                     uuid: bytes = b"") -> None:
         """Append one applied update to the data directory; the batch is written at the
-        end of the loop turn (``_flush_log``)."""
+        end of the loop turn (``flush``)."""
         self.persist.append(seq, key, value, expiry_s, uuid)
         if self._persist_flush is None and self.loop is not None:
-            self._persist_flush = self.loop.call_soon(self._flush_log)
+            self._persist_flush = self.loop.call_soon(self.flush)
 
-    def _flush_log(self) -> None:
-        """Write the batch's records (fsync with ``always``), then publish what was held
-        for that write, in sequence order. Runs after every collector batch, and at the
-        end of a loop turn that logged outside one."""
+    def flush(self) -> None:
+        """Write the batch's records (fsync with ``always``), then hand the outbox's
+        batch to the role's verdict (``clonemap.shards.outbox``): published in sequence
+        order, held, or parked. Runs after every collector batch, and at the end of a
+        loop turn that logged outside one."""
         if self._persist_flush is not None:
             self._persist_flush.cancel()
         self._persist_flush = None
+        outbox = self.outbox
         if self.persist is not None and not self.persist.flush():
-            self._replies = []  # nothing held is published: never acknowledged
+            outbox.drop_replies()  # nothing waiting is published: never acknowledged
             return
-        if self._gated and (self._held or self._replies):
-            role = self.role
-            if role.fenced():
-                return  # held: out if the lease is renewed in time, else parked with the map
-            if role.park_for_peer():
-                return  # out once the passive holds it (a pair across hosts, shards.pair)
-        if self._held:
-            held, self._held = self._held, []
-            self._publish_many(held)  # key, seq, uuid, props, value, key, ...: in order
+        if not outbox:
+            return
+        batch = outbox.take(self.store.seq, self.loop.time() if self.loop else 0.0)
+        if self._gated:
+            verdict = self.role.gate(batch)
+            if verdict is Verdict.HOLD:
+                outbox.restore(batch)  # out if the lease is renewed in time
+                return
+            if verdict is Verdict.PARKED:
+                outbox.park(batch)  # out once the passive holds it (shards.sync_link)
+                return
+        self.publish_batch(batch)
+
+    def flush_pending(self) -> None:
+        """Flush now if updates wait (a snapshot point must not show what is not on disk
+        yet, and a parked write must not be seen before the passive holds it)."""
+        if self.outbox.updates:
+            self.flush()
+
+    def publish_batch(self, batch: Batch, parked: bool = False) -> None:
+        """Publish ``batch``: its KVPUBs in one burst, in order, kept for resumes, then
+        its replies. ``parked``: it was parked, and is counted out of the outbox's."""
+        updates = batch.updates
+        if updates:
+            if parked:
+                self.outbox.unpark(batch.count)
+            self._publish_many(updates)  # key, seq, uuid, props, value, key, ...: in order
             if self._remember is not None:
-                self.recent.extend(held)  # the list itself: no copy
-        if self._replies:
-            self._send_replies()
+                self.recent.extend(updates)  # the list itself: no copy
+        if batch.replies:
+            self._send_replies(batch.replies)
+
+    def replace_store(self, store: Store, uuids=()) -> None:
+        """Serve ``store`` from now on (a passive's whole copy of its active's map) with
+        its applied ``uuids`` (``[uuid, seq, ...]``): resumes and resends start from it."""
+        self.store = store
+        self.snapshots.entries(largest_entry(store))
+        self.recent.reset(store.seq)  # resumes from this map only
+        self.applied.clear(time.monotonic())
+        self.applied.load(uuids)
+
+    def published_seq(self) -> int:
+        """The last sequence subscribers were sent (what HUGZ announce)."""
+        return self.outbox.published_seq(self.store.seq)
+
+    def kick_router(self) -> None:
+        """A send on P's ROUTER outside its reader can take the edge of its FD: the
+        reader must look again, or a request waiting there waits for the next one."""
+        if self._router is not None:
+            self._router.kick()
+
+    def handler_errors(self) -> int:
+        """Exceptions the socket readers caught and logged."""
+        return sum(a.errors for a in (self._router, self._collector)
+                   if a is not None) + self.heartbeat.errors
 
     # ================================================================ durability
     def attach_persist(self, data_dir) -> None:
         """Log every applied update in ``data_dir`` (a ``clonemap.shards.persist.DataDir``, already
         opened after the recovered sequence) from now on."""
         self.persist = Persistence(
-            data_dir, flush_held=self._flush_log,
+            data_dir, flush_held=self.flush,
             snapshot_of=lambda: (self.store, self.applied.items_upto(self.store.seq)),
             on_disk_error=self.on_disk_error,
             on_compacted=getattr(self.role, "on_compacted", None) or (lambda job: None))
@@ -445,8 +503,7 @@ class ShardServer:
             return
         where = self.persist.path if self.persist is not None else "?"
         self.disk_error = f"{os_error_text(exc)} ({what} in {where})"
-        self.active = False  # directly: no snapshot, no KVPUB, no TTL from now on
-        self.snapshots.clear()
+        self.set_active(False)  # no snapshot, no KVPUB, no TTL from now on
         log.critical("disk error: %s; this server stops so that its peer serves",
                      self.disk_error)
         self.disk_failed.set()
@@ -467,11 +524,24 @@ class ShardServer:
                                      f"{cache.shard_map.owner(key)}, not {cache.index}")
         return False
 
-    def publish_delete(self, seq: int, key: bytes) -> None:
-        """A key's expiry, applied at ``seq``: logged and held for the burst."""
-        if len(key) > self._fast_limit:  # a key recovered from disk, never published
-            self._lower_mark(self.marks.published(len(key)))
-        self._log_and_publish(seq, key, b"", b"", b"", None)
+    def publish_deletes(self, deletes) -> int:
+        """Keys' expiries, each ``(key, seq)`` already applied to the store: logged and
+        published in one burst (``flush``). How many."""
+        count = 0
+        for key, seq in deletes:
+            if len(key) > self._fast_limit:  # a key recovered from disk, never published
+                self._lower_mark(self.marks.published(len(key)))
+            self._log_and_publish(seq, key, b"", b"", b"", None)
+            count += 1
+        self.flush()
+        return count
+
+    def expire_due(self) -> int:
+        """The TTL timer fired: the store's due keys are deleted and published (none
+        while not active). How many."""
+        if not self.active:
+            return 0
+        return self.publish_deletes(self.store.pop_expired(time.time()))
 
     # ================================================================ periodic duties
     def on_beat(self) -> None:
@@ -490,5 +560,46 @@ class ShardServer:
 
     # ================================================================ stats
     def stats(self) -> dict:
-        """Counters for the control plane (JSON-able): ``clonemap.shards.server_stats``."""
-        return server_stats(self)
+        """Counters for the control plane, the supervisor's metrics and ``supervisor
+        status`` (JSON-able), the role's merged in."""
+        store = self.store
+        drops = dict(self.drops.counts)
+        out = {
+            "role": self.role.name,
+            "active": self.active,
+            "pid": os.getpid(),
+            "port": self.config.port,
+            "host": self.config.host,
+            "seq": store.seq,
+            "generation": self.generation,
+            "keys": len(store),
+            "updates": store.seq - self.expiry.expired,
+            "ttl_keys": store.ttl_keys,
+            "ttl_expired": self.expiry.expired,
+            "writes": dict(self.writes),
+            "applied_uuids": len(self.applied),
+            "applied_uuids_window": [self.applied.half, self.applied.max_age_s / 2],
+            **self.snapshots.stats(),
+            "hugz_sent": self.heartbeat.sent,
+            "hugz_welcome": self.heartbeat.welcomed,
+            "recent": self.recent.stats(),
+            "pub_hwm": self.marks.pub_hwm,
+            "collect_hwm": self.marks.collect_hwm,
+            "largest_published_bytes": self.marks.pub_mark,
+            "largest_received_bytes": self.marks.collect_mark,
+            "routing": (None if self.config.shard_map is None else
+                        {"shard_index": self.config.shard_index,
+                         "shards": self.config.shard_map.shards,
+                         "owner_slots": len(self.owner_cache.slots)
+                         if self.owner_cache else 0}),
+            "drops": drops,
+            "drops_total": sum(drops.values()),
+            "persist": self.persist.stats() if self.persist is not None else None,
+            "disk_error": self.disk_error,
+            "handler_errors": self.handler_errors(),
+            "rss_bytes": self.process.memory_info().rss,
+            "uptime_s": round(time.monotonic() - self.started_s, 3),
+            "frame_path": zio.FRAME_PATH,
+        }
+        out.update(self.role.stats())
+        return out

@@ -15,68 +15,75 @@ and the server's side of CURVE when the cluster uses it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable, NamedTuple
 
 import zmq
 
-from clonemap.shards.common import zio
 from clonemap.shards.common.errors import PortInUse
-from clonemap.shards.common.security import Authenticator
-from clonemap.shards.history import WIDTH as KVPUB_FRAMES
-from clonemap.shards.server_config import collector_frame_limit, request_frame_limit
+from clonemap.shards.common.security import Authenticator, Security
+from clonemap.shards.server_config import (ServerConfig, collector_frame_limit,
+                                           request_frame_limit)
 
-if TYPE_CHECKING:
-    from clonemap.shards.server import ShardServer
+
+
+class Bound(NamedTuple):
+    """The three sockets ``open`` bound."""
+
+    router: zmq.Socket
+    """P: snapshots (ICANHAZ), the pair's link and TTL tables, writers' replies."""
+    pub: zmq.Socket
+    """P+1: KVPUB and HUGZ."""
+    collector: zmq.Socket
+    """P+2: KVSET."""
 
 
 class ServerSockets:
     """One server's context and sockets (see the module doc)."""
 
-    def __init__(self, server: "ShardServer"):
-        self.server = server
+    def __init__(self, config: ServerConfig, security: Callable[[], Security],
+                 link_options: Callable[[zmq.Socket], None]):
+        """``security()``: the server's CURVE settings (set before ``open``);
+        ``link_options(sock)``: the role's options for every socket."""
+        self.config = config
+        self._security = security
+        self._link_options = link_options
         self.ctx: zmq.Context | None = None
         self._auth: Authenticator | None = None
 
-    def open(self) -> None:
-        """The context, then P, P+1, P+2, bound; set on the server as ``_router_sock``,
-        ``_pub`` (with ``_publish_many``) and ``_collector_sock``."""
-        server = self.server
-        cfg = server.config
+    def open(self, router_hwm: int, pub_hwm: int, collect_hwm: int) -> Bound:
+        """The context, then P, P+1, P+2 bound with these marks; returned (the server
+        keeps them)."""
+        cfg = self.config
         self.ctx = zmq.Context(io_threads=cfg.io_threads)
-        self._auth = Authenticator(self.ctx, server.security)
+        self._auth = Authenticator(self.ctx, self._security())
         try:
             router = self.socket(zmq.ROUTER)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            router.setsockopt(zmq.SNDHWM, server.snapshots.hwm)
+            router.setsockopt(zmq.SNDHWM, router_hwm)
             router.setsockopt(zmq.MAXMSGSIZE, request_frame_limit(cfg.limits))
             self.bind(router, cfg.endpoint(0))
-            server._router_sock = router
             pub = self.socket(zmq.XPUB)
-            pub.setsockopt(zmq.SNDHWM, server.marks.pub_hwm)
+            pub.setsockopt(zmq.SNDHWM, pub_hwm)
             pub.setsockopt(zmq.XPUB_VERBOSE, 1)
             pub.setsockopt(zmq.MAXMSGSIZE, request_frame_limit(cfg.limits))
             self.bind(pub, cfg.endpoint(1))
-            server._pub = pub
-            server._publish_many = zio.publisher_many(pub, KVPUB_FRAMES)
             collector = self.socket(zmq.SUB)
-            collector.setsockopt(zmq.RCVHWM, server.marks.collect_hwm)
+            collector.setsockopt(zmq.RCVHWM, collect_hwm)
             # a frame far beyond every limit disconnects its peer before it is buffered;
             # one moderately over a limit is read and dropped, counted (oversize_*)
             collector.setsockopt(zmq.MAXMSGSIZE, collector_frame_limit(cfg.limits))
             collector.setsockopt(zmq.SUBSCRIBE, b"")
             self.bind(collector, cfg.endpoint(2))
-            server._collector_sock = collector
-            server.snapshots.bind_hwm = server.snapshots.hwm
-            server._pub_bind_hwm = server.marks.pub_hwm
         except BaseException:
             self.close()
             raise
+        return Bound(router, pub, collector)
 
     def socket(self, kind: int) -> zmq.Socket:
         """A socket of this server's context: linger 0, and the role's link options."""
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        self.server.role.link_options(sock)
+        self._link_options(sock)
         return sock
 
     def connect(self, kind: int, endpoint: str, options: tuple = ()) -> zmq.Socket:
@@ -86,13 +93,13 @@ class ServerSockets:
         sock = self.socket(kind)
         for option, value in options:
             sock.setsockopt(option, value)
-        self.server.security.connect_side(sock)
+        self._security().connect_side(sock)
         sock.connect(endpoint)
         return sock
 
     def bind(self, sock: zmq.Socket, endpoint: str) -> None:
         """Bind with the server's side of its security; ``PortInUse`` if it is taken."""
-        self.server.security.bind_side(sock)
+        self._security().bind_side(sock)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:

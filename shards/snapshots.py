@@ -3,7 +3,6 @@ on the server's ``clonemap.shards.streams.StreamPump``."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import zmq
 from zmq.backend import Socket as _BackendSocket
@@ -14,11 +13,10 @@ from clonemap.shards.common import zio
 from clonemap.shards.common.errors import ProtocolError
 from clonemap.shards.common.memory import give_back
 from clonemap.shards.common.proto import chp
+from clonemap.shards.roles import Reactor
 from clonemap.shards.resume import ResumeStream
 from clonemap.shards.store import Store
 
-if TYPE_CHECKING:
-    from clonemap.shards.server import ShardServer
 
 log = logging.getLogger("clonemap.shards.server")
 
@@ -162,7 +160,7 @@ class SnapshotService:
     ``snapshot_held_bytes`` over the largest entry streamed so far (``clonemap.shards.byte_marks``),
     lowered before a larger entry is queued and set again for pipes made since."""
 
-    def __init__(self, server: "ShardServer"):
+    def __init__(self, server: Reactor):
         self.server = server
         self.pump: streams.StreamPump | None = None
         self.refused = 0
@@ -179,6 +177,12 @@ class SnapshotService:
         self.hwm = self._mark()
         self.bind_hwm: int | None = None
         """The ROUTER's mark at bind (what libzmq gives new peers' pipes)."""
+        self._sock: zmq.Socket | None = None
+
+    def bound(self, sock: zmq.Socket) -> None:
+        """P's ROUTER is bound, with the mark this service asked for."""
+        self._sock = sock
+        self.bind_hwm = self.hwm
 
     def start(self, loop, sock: zmq.Socket, kick) -> None:
         cfg = self.server.config
@@ -196,8 +200,7 @@ class SnapshotService:
     def on_request(self, frames: list[bytes]) -> None:
         """An ICANHAZ on the ROUTER: queue a snapshot (or resume) for this peer."""
         server = self.server
-        if server._held:  # a snapshot point must not show what is not on disk yet
-            server._flush_log()
+        server.flush_pending()  # a snapshot point must not show what is not on disk yet
         identity = frames[0]
         try:
             request = chp.decode_icanhaz(frames[1:], server.config.limits)
@@ -259,14 +262,14 @@ class SnapshotService:
         hwm = self._mark()
         if hwm != self.hwm:
             self.hwm = hwm
-            sock = self.server._router_sock
+            sock = self._sock
             if sock is not None:
                 sock.setsockopt(zmq.SNDHWM, hwm)
 
     def reapply(self) -> None:
         """Set a lowered mark again, for the pipes of peers that connected since (a
         no-op while it is still the bind-time one)."""
-        sock = self.server._router_sock
+        sock = self._sock
         if sock is not None and self.bind_hwm is not None and self.hwm != self.bind_hwm:
             sock.setsockopt(zmq.SNDHWM, self.hwm)
 

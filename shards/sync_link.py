@@ -1,13 +1,16 @@
 """Synchronous replication, the active's side: a write is acknowledged only once the
 passive holds it, or once the active has recorded in etcd that it goes on alone.
 
-A Binary Star server (``clonemap.shards.pair.BinaryStar``) with a lease and ``--replication sync`` owns one ``SyncLink``. The
-server's publish path (``ShardServer._flush_log``, after the batch's log write) calls
-``park``: the batch's KVPUBs and replies wait in ``awaiting`` and each update goes to the
-passive's link as a ``BSTAR-UPD`` message (``clonemap.shards.common.proto.bstar``). The passive
-applies them, writes its log and publishes ``BSTAR-HAVE <link> <seq>`` on its state port
-P+3, read by the server's peer SUB: ``on_confirmation`` then publishes, in order, every
-batch up to that sequence. ``BSTAR-FOLLOW`` on P (``on_follow``) only says where batches
+A Binary Star server (``clonemap.shards.pair.BinaryStar``) with a lease and
+``--replication sync`` owns one ``SyncLink``. The reactor's flush (``ShardServer.flush``,
+after the batch's log write) asks the role for its verdict on the outbox's batch
+(``clonemap.shards.outbox``); the role hands it to ``park``: the batch (KVPUBs and
+replies) waits in ``awaiting`` and each update goes to the passive's link as a
+``BSTAR-UPD`` message (``clonemap.shards.common.proto.bstar``). The passive applies them,
+writes its log and publishes ``BSTAR-HAVE <link> <seq>`` on its state port P+3, read by
+the server's peer SUB: ``on_confirmation`` then publishes, in order, every batch up to
+that sequence, unless this server may not publish now (not active, or past its
+lease). ``BSTAR-FOLLOW`` on P (``on_follow``) only says where batches
 go: a confirmation is taken from the peer's own P+3 only, never from P, where anyone
 could forge it.
 
@@ -17,43 +20,83 @@ loop), and only then is everything parked published; from then on batches go out
 (and to the passive too, if one is attached). Once the passive has confirmed everything
 up to the moment the record was written, the record is deleted and the server waits for
 the passive again. Going passive (fenced) keeps what was parked with the map
-(``keep_unpublished``): published if this server serves that map again (``resume``),
+(``keep``): published if this server serves that map again (``resume``),
 dropped with it when it copies its peer's (``drop``).
+
+**What the passive has to confirm**: every update of a batch, by sequence. A batch is
+released when a ``BSTAR-HAVE`` from the peer's P+3 says the passive's replica (applied
+and written to its log) reaches the batch's last sequence; batches go out in the order
+they were parked, never one before an earlier one. After going alone, the passive must
+confirm everything up to the sequence at which going alone was recorded before the
+record is cleared.
+
+A ``SyncLink`` holds no reference to the server or the pair: it is built from callbacks
+(send to the passive, publish a batch, record in etcd, the clock and a timer) and is
+unit-tested alone (``tests/unit/test_sync_link.py``).
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
+from typing import Callable, Protocol
 
-import zmq
-
-from clonemap.shards import bstar
 from clonemap.shards.common.proto.bstar import UPDATES
-from clonemap.shards.history import WIDTH as KVPUB_FRAMES
+from clonemap.shards.outbox import KVPUB_FRAMES, Batch
 
 log = logging.getLogger("clonemap.shards.pair")
 
 
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+Done = Callable[[BaseException | None], None]
+"""Called on the loop when a record in etcd was written (None) or failed."""
+
+
 class SyncLink:
-    def __init__(self, server, pair, timeout_s: float):
-        self.server = server
-        """The reactor (its store, loop, sockets and the batch it holds)."""
-        self.pair = pair
-        """The ``clonemap.shards.pair.BinaryStar`` role (its lease, machine and name)."""
-        self.timeout_s = timeout_s
+    """The active's side of synchronous replication (see the module doc)."""
+
+    def __init__(self, *, shard: str, name: str, timeout_s: float,
+                 clock: Callable[[], float],
+                 call_later: Callable[[float, Callable[[], None]], Timer],
+                 send: Callable[[list[list[bytes]]], bool],
+                 publish: Callable[[Batch], None],
+                 record_alone: Callable[[bool, Done], None],
+                 current_seq: Callable[[], int],
+                 is_active: Callable[[], bool],
+                 may_publish: Callable[[], bool],
+                 peer_gone: Callable[[], bool],
+                 unparked: Callable[[], None] = lambda: None):
+        """``send``: messages to the passive's link (False: not sent); ``publish``: a
+        released batch goes out (the reactor's ``publish_batch``); ``record_alone(alone,
+        done)``: write (True) or delete (False) the alone record in etcd off the loop,
+        then call ``done`` on the loop; ``may_publish``: active and within the lease;
+        ``peer_gone``: the peer was silent past its expiry; ``unparked``: nothing waits
+        any more."""
+        self.shard, self.name, self.timeout_s = shard, name, timeout_s
+        self._clock, self._call_later = clock, call_later
+        self._send_messages, self._publish = send, publish
+        self._record_alone, self._current_seq = record_alone, current_seq
+        self._is_active, self._may_publish = is_active, may_publish
+        self._peer_gone, self._unparked = peer_gone, unparked
         self.peer: bytes | None = None
         """The passive's link name (its DEALER's ROUTING_ID) on the server's P."""
         self.peer_has = 0
-        self.awaiting: collections.deque = collections.deque()
-        """Batches parked for the passive: (last sequence, held frames, replies, since)."""
-        self.timer: asyncio.TimerHandle | None = None
+        self.awaiting: collections.deque[Batch] = collections.deque()
+        """Batches parked for the passive, oldest first."""
+        self.timer: Timer | None = None
         self.alone = False
         """This active recorded in etcd that it acknowledges without its passive."""
         self._alone_busy = False
         self._clear_alone_at: int | None = None
         self.counters = dict.fromkeys(("batches", "released", "went_alone", "alone_cleared",
                                        "alone_failed", "unsent", "links"), 0)
+
+    @property
+    def parked(self) -> int:
+        """Updates parked, in every batch awaiting."""
+        return sum(batch.count for batch in self.awaiting)
 
     # ------------------------------------------------------------------ the passive
     def on_follow(self, identity: bytes, seq: int) -> None:
@@ -69,17 +112,20 @@ class SyncLink:
         self.peer = identity
         self.counters["links"] += 1
         if self.alone:
-            self._clear_alone_at = max(self._clear_alone_at or 0, self.server.store.seq)
+            self._clear_alone_at = max(self._clear_alone_at or 0, self._current_seq())
         log.info("shard %s: the passive follows synchronously from sequence %d",
-                 self.pair.shard, seq)
-        for last, held, _, _ in self.awaiting:  # parked while it was away
-            if last > seq and held:
-                self._send(held)
+                 self.shard, seq)
+        for batch in self.awaiting:  # parked while it was away
+            if batch.last_seq > seq and batch.updates:
+                self._send(batch.updates)
 
     def on_confirmation(self, link: bytes, seq: int) -> None:
         """``BSTAR-HAVE LINK SEQ`` from the peer's P+3: its replica holds every update up
         to SEQ, and its link is named LINK (adopted if new: the link came back, or
-        someone else's FOLLOW redirected the batches)."""
+        someone else's FOLLOW redirected the batches). A server that may not publish
+        now (not active, past its lease) takes nothing from it."""
+        if not self._may_publish():
+            return
         if link != self.peer:
             self._attach(link, seq)
         self.peer_has = max(self.peer_has, seq)
@@ -89,71 +135,48 @@ class SyncLink:
             self._set_alone(False)
 
     # ------------------------------------------------------------------ the publish path
-    def park(self) -> bool:
-        """The server's batch (its ``_held`` KVPUBs and ``_replies``) waits until the
-        passive holds it; False when it may go out now (going alone is recorded)."""
-        server = self.server
+    def park(self, batch: Batch) -> bool:
+        """``batch`` waits until the passive holds it: True. False when it may go out now
+        (going alone is recorded; a passive still attached is sent it too)."""
         if self.alone and not self.awaiting:
             # acknowledged by this server alone; a passive still attached gets the
             # batch too, and catching up ends the alone record
-            if self.peer is not None and server._held:
-                self._send(server._held)
+            if self.peer is not None and batch.updates:
+                self._send(batch.updates)
             return False
-        held, replies = server._held, server._replies
-        server._held, server._replies = [], []
-        self.awaiting.append((server.store.seq, held, replies, server.loop.time()))
-        server.parked += len(held) // KVPUB_FRAMES
+        self.awaiting.append(batch)
         self.counters["batches"] += 1
-        if self.peer is not None and held:
-            self._send(held)
+        if self.peer is not None and batch.updates:
+            self._send(batch.updates)
         self._release(self.peer_has if self.peer is not None else -1)
-        if self.awaiting and self.peer is None and self.peer_gone():
+        if self.awaiting and self.peer is None and self._peer_gone():
             self._set_alone(True)  # no passive to wait for: say so in etcd, then go on
         self._arm()
         return True
 
-    def peer_gone(self) -> bool:
-        """The peer has been silent past its expiry (this server took over from it)."""
-        machine = self.pair.machine
-        return machine is not None and not bstar.peer_alive(machine,
-                                                            self.server.loop.time())
-
-    def _send(self, held: list[bytes]) -> None:
-        """Each update of the batch as one ``BSTAR-UPD`` message (a message has at most
+    def _send(self, updates: list[bytes]) -> None:
+        """Each update as one ``BSTAR-UPD`` message (a message has at most
         ``zio.MAX_FRAMES`` frames: a whole batch in one would be cut)."""
-        server = self.server
-        peer, sock = self.peer, server._router_sock
-        try:
-            for i in range(0, len(held), KVPUB_FRAMES):
-                sock.send_multipart([peer, UPDATES, *held[i:i + KVPUB_FRAMES]], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # its pipe is full or gone: it will not confirm
+        peer = self.peer
+        messages = [[peer, UPDATES, *updates[i:i + KVPUB_FRAMES]]
+                    for i in range(0, len(updates), KVPUB_FRAMES)]
+        if not self._send_messages(messages):  # its pipe is full or gone
             self.counters["unsent"] += 1
-            log.debug("shard %s: a batch for the passive not sent: %s", self.pair.shard, exc)
-        # a send on the raw socket can take the edge of its FD: the ROUTER's reader must
-        # look again, or a request waiting there waits for the next one
-        server._router.kick()
 
     def _release(self, seq: int) -> None:
         """Publish, in order, every parked batch up to ``seq``."""
-        server, awaiting = self.server, self.awaiting
-        while awaiting and awaiting[0][0] <= seq:
-            _, held, replies, _ = awaiting.popleft()
+        awaiting = self.awaiting
+        while awaiting and awaiting[0].last_seq <= seq:
+            batch = awaiting.popleft()
             self.counters["released"] += 1
-            if held:
-                server.parked -= len(held) // KVPUB_FRAMES
-                server._publish_many(held)
-                if server._remember is not None:
-                    server.recent.extend(held)
-            if replies:
-                server._replies = replies
-                server._send_replies()
+            self._publish(batch)
         if not awaiting:
             self._disarm()
-            self.pair.leased.unparked()
+            self._unparked()
 
     def _arm(self) -> None:
         if self.awaiting and self.timer is None:
-            self.timer = self.server.loop.call_later(self.timeout_s, self._check)
+            self.timer = self._call_later(self.timeout_s, self._check)
 
     def _disarm(self) -> None:
         if self.timer is not None:
@@ -164,70 +187,59 @@ class SyncLink:
         """The oldest parked batch waited ``timeout_s``: the passive is lost. Go on alone,
         once that is recorded in etcd (so that the passive cannot take over)."""
         self.timer = None
-        if not self.awaiting or not self.server.active:
+        if not self.awaiting or not self._is_active():
             return
-        loop = self.server.loop
-        waited = loop.time() - self.awaiting[0][3]
+        waited = self._clock() - self.awaiting[0].at
         if waited < self.timeout_s:
-            self.timer = loop.call_later(self.timeout_s - waited, self._check)
+            self.timer = self._call_later(self.timeout_s - waited, self._check)
             return
         self._set_alone(True)
-        self.timer = loop.call_later(self.timeout_s, self._check)
+        self.timer = self._call_later(self.timeout_s, self._check)
 
     # ------------------------------------------------------------------ alone
     def _set_alone(self, alone: bool) -> None:
-        lease = self.pair.leased.lease
-        if self._alone_busy or lease is None:
+        if self._alone_busy:
             return
         self._alone_busy = True
-        call = lease.record_alone if alone else lease.clear_alone
-        future = self.server.loop.run_in_executor(None, call)
-        future.add_done_callback(lambda f: self._alone_done(alone, f))
+        self._record_alone(alone, lambda exc: self._alone_done(alone, exc))
 
     def go_alone_now(self) -> None:
         """Took over from a silent peer: no passive will confirm anything; record going
         on alone before the first write has to wait for it."""
-        if not self.alone and self.peer_gone():
+        if not self.alone and self._peer_gone():
             self._set_alone(True)
 
-    def _alone_done(self, alone: bool, future) -> None:
+    def _alone_done(self, alone: bool, exc: BaseException | None) -> None:
         self._alone_busy = False
-        server = self.server
-        if self.pair.leased.closed:
-            return
-        exc = future.exception()
         if exc is not None:
             self.counters["alone_failed"] += 1
-            log.warning("shard %s: cannot %s in etcd: %s", self.pair.shard,
+            log.warning("shard %s: cannot %s in etcd: %s", self.shard,
                         "record going on alone" if alone else "clear the alone record", exc)
             return
         if alone:
             self.alone = True
-            self._clear_alone_at = server.store.seq  # what the passive must confirm first
+            self._clear_alone_at = self._current_seq()  # what the passive must confirm first
             self.counters["went_alone"] += 1
             log.warning("shard %s: the passive confirmed nothing for %.1f s: recorded in "
                         "etcd, this %s acknowledges alone (the passive may not take over "
-                        "until it has copied this map again)", self.pair.shard, self.timeout_s,
-                        self.pair.name)
-            if server.active and not self.pair.fenced():
-                self._release(server.store.seq)
+                        "until it has copied this map again)", self.shard, self.timeout_s,
+                        self.name)
+            if self._may_publish():
+                self._release(self._current_seq())
         else:
             self.alone = False
             self._clear_alone_at = None
             self.counters["alone_cleared"] += 1
             log.info("shard %s: the passive holds everything again: alone record cleared",
-                     self.pair.shard)
+                     self.shard)
 
     # ------------------------------------------------------------------ state changes
-    def keep_unpublished(self, now: float) -> None:
-        """Going passive (fenced): what was applied and not published stays parked with
-        the map (never acknowledged): published if this server serves it again
-        (``resume``), dropped with it if it copies its peer's (``drop``)."""
-        server = self.server
-        if server._held or server._replies:
-            self.awaiting.append((server.store.seq, server._held, server._replies, now))
-            server.parked += len(server._held) // KVPUB_FRAMES
-            server._held, server._replies = [], []
+    def keep(self, batch: Batch) -> None:
+        """Going passive (fenced): what was applied and not published (``batch``) stays
+        parked with the map (never acknowledged): published if this server serves it
+        again (``resume``), dropped with it if it copies its peer's (``drop``)."""
+        if batch:
+            self.awaiting.append(batch)
         self.peer = None
         self._disarm()
 
@@ -238,21 +250,20 @@ class SyncLink:
         if not self.awaiting:
             return
         if not synchronous:
-            self._release(self.server.store.seq)
+            self._release(self._current_seq())
         else:
             self._arm()
 
     def drop(self) -> int:
         """The map is replaced by the peer's: what was parked was never acknowledged.
         Returns how many updates were dropped."""
-        dropped = sum(len(held) // KVPUB_FRAMES for _, held, _, _ in self.awaiting)
+        dropped = self.parked
         self.awaiting.clear()
-        self.server.parked = 0
         self.peer = None
         self._disarm()
         return dropped
 
     def stats(self) -> dict:
         return {**self.counters, "peer_attached": self.peer is not None,
-                "peer_has": self.peer_has, "parked": self.server.parked,
+                "peer_has": self.peer_has, "parked": self.parked,
                 "awaiting_batches": len(self.awaiting), "alone": self.alone}

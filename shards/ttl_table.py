@@ -79,10 +79,11 @@ class TtlTables:
         self.pump: streams.StreamPump | None = None
         self.counters = dict.fromkeys(("tables", "chunks"), 0)
 
-    def start(self) -> None:
+    def start(self, sock: zmq.Socket, kick) -> None:
+        """Stream on P's ROUTER ``sock``; ``kick`` its reader after each send."""
         server = self.server
         self.pump = streams.StreamPump(
-            server.loop, server._router_sock, server._router.kick,
+            server.loop, sock, kick,
             stall_s=server.config.snapshot_stall_s, max_active=TTL_STREAMS_MAX, evict=True,
             name="BSTAR-TTL table")
 

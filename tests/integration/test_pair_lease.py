@@ -267,3 +267,59 @@ def test_a_hostile_peer_cannot_confirm_a_write_for_the_passive(procs, zctx, port
     backup.signal(signal.SIGCONT)
     stats = stats_on_sigusr1(primary, watch[p])
     assert stats["drops"]["peer_have_on_p"] == 2
+
+
+def test_a_passive_syncing_gets_the_parked_writes_while_readers_wait(procs, zctx, port_base,
+                                                                     etcd_server):
+    """A write parked for the passive (it stopped confirming) is in the snapshot a
+    passive's own sync asks for (BSTAR-TTL? then ICANHAZ on one DEALER), answered at
+    once: its confirmation of that sequence is what releases the write. A reader's
+    ICANHAZ still waits until the write is acknowledged (no reader sees a write that
+    may yet be lost). Before, the passive's sync waited too, the active went on alone a
+    second later, and a kill of its host then left a shard nobody could take over (seen
+    as an intermittent ``bench hosts`` takeover that never came)."""
+    import zmq
+
+    from clonemap.shards.common.proto import bstar_ttl, chp
+
+    name, p, b, primary, backup, watch = leased_pair(procs, zctx, port_base, etcd_server)
+    writer, at_p = settled_writer(zctx, watch, p, b)
+    backup.signal(signal.SIGSTOP)  # attached, but confirms nothing now
+    try:
+        uuid = writer.kvset(b"/parked", b"p")
+        reader = zctx.socket(zmq.DEALER)
+        reader.linger = 0
+        reader.connect(f"tcp://127.0.0.1:{p}")
+        replica = zctx.socket(zmq.DEALER)
+        replica.linger = 0
+        replica.connect(f"tcp://127.0.0.1:{p}")
+        reader.send_multipart(chp.icanhaz())
+        replica.send_multipart(bstar_ttl.request())
+        replica.send_multipart(chp.icanhaz())
+        got: dict[bytes, bytes] = {}
+        while True:
+            assert replica.poll(DEADLINE_S * 1000), "the passive's sync was not answered"
+            frames = replica.recv_multipart()
+            if frames[0] == bstar_ttl.REPLY:
+                continue
+            if frames[0] == chp.KTHXBAI:
+                break
+            got[frames[0]] = frames[4]
+        assert got.get(b"/parked") == b"p"  # the parked write is in the passive's copy
+        at_p.pump()
+        assert all(m.uuid != uuid for m in at_p.got), "acknowledged before the sync"
+        assert not reader.poll(0), "a reader was answered while the write was parked"
+        # the passive never confirms (frozen): going alone releases the write, then the
+        # reader is answered, with it
+        at_p.wait(lambda m: m.uuid == uuid)
+        snap = {}
+        while True:
+            assert reader.poll(DEADLINE_S * 1000), "the reader was never answered"
+            frames = reader.recv_multipart()
+            if frames[0] == chp.KTHXBAI:
+                break
+            snap[frames[0]] = frames[4]
+        assert snap.get(b"/parked") == b"p"
+        assert alone(etcd_server, name) == f"primary@127.0.0.1:{p}".encode()
+    finally:
+        backup.signal(signal.SIGCONT)
