@@ -133,7 +133,6 @@ class ShardAgent:
         """When the SUB last delivered anything (KVPUB or HUGZ), to TICK_S."""
         self.last_snapshot_s = 0.0
         self.heard = 0
-        self.snapshot_messages = 0
         self._heard_at_tick = 0
         self._snapshot_messages_at_tick = 0
         self.synced = False
@@ -178,7 +177,7 @@ class ShardAgent:
         self.loop = asyncio.get_running_loop()
         self.link = Link(self.ctx, self.name, self.subtree, loop=self.loop,
                          affinity=self.affinity, sub_rcvhwm=self.sub_rcvhwm,
-                         on_update=self._on_update, on_snapshot=self.incoming.on_message,
+                         on_update=self._on_update, on_snapshot=self._on_snapshot,
                          on_event=self._on_link_event, security=self.security,
                          take_rows=self.incoming.take_rows)
         self._synced_event = asyncio.Event()
@@ -194,11 +193,11 @@ class ShardAgent:
         if self.link is not None:
             self.link.close()
         self._buffer.clear()
-        self.writes.fail_all(self._kept_error())
+        self.writes.fail_all(self.kept_error())
         if not self._synced_event.is_set():
             self._synced_event.set()
 
-    def _kept_error(self) -> Exception:
+    def kept_error(self) -> Exception:
         from clonemap.client.errors import ShardReset
 
         info = self.outages.last_reset
@@ -220,6 +219,17 @@ class ShardAgent:
         if self.link is not None:
             self.link.close()
         self.writes.close(linger_ms)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _on_snapshot(self, frames: list[bytes]) -> None:
+        """A message on the DEALER: the snapshot being received takes it, and says when
+        the machine must hear of it (done, rejected)."""
+        event = self.incoming.on_message(frames)
+        if event is not None:
+            self._dispatch(event)
 
     # ------------------------------------------------------------------ machine
     def _dispatch(self, event) -> None:
@@ -256,8 +266,8 @@ class ShardAgent:
         if self.heard != self._heard_at_tick:
             self._heard_at_tick = self.heard
             self.last_heard_s = now
-        if self.snapshot_messages != self._snapshot_messages_at_tick:
-            self._snapshot_messages_at_tick = self.snapshot_messages
+        if self.incoming.messages != self._snapshot_messages_at_tick:
+            self._snapshot_messages_at_tick = self.incoming.messages
             self.last_snapshot_s = now
         self._dispatch(sm.Tick(self.last_heard_s, self.last_snapshot_s))
         self._tick_handle = self.loop.call_later(TICK_S, self._tick)

@@ -175,7 +175,7 @@ async def do_watch_from(target: Target, subtree: str, as_json: bool, count: int 
         if len(clone.shard_names) != 1:
             raise BadUsage(f"sequences are per shard, and {subtree!r} spans shards "
                            f"{', '.join(clone.shard_names)}: give a subtree one shard owns")
-        agent = clone._agents[0]
+        agent = clone.agents[0]
         server, name = agent.server, agent.name
     ctx = zmq.Context()
     security = target.security(clone.cluster)

@@ -102,7 +102,11 @@ class AsyncClone:
         self.silence_timeout_s: float | None = None
         """The silence timeout settled on once the cluster is known (``"auto"``)."""
         self.max_lag_s = opts.max_lag_s
-        self.health = Health(self)
+        self._hub = WatchHub()
+        self._agents: list[ShardAgent] = []
+        self.health = Health(slow_policy=opts.slow_policy, max_lag_s=opts.max_lag_s,
+                             on_slow=opts.on_slow, routing=self._routing,
+                             end_watches=self._hub.end_all, close_agents=self._close_agents)
         """Falling behind, and failing (``clonemap.client.health``)."""
         self._hooks = AgentHooks(on_failover=opts.on_failover, on_reset=opts.on_reset,
                                  on_behind=self.health.on_behind, on_lag=self.health.on_lag,
@@ -113,17 +117,9 @@ class AsyncClone:
         self.io_threads = opts.io_threads
         self.slow_policy = opts.slow_policy
         self.on_slow = opts.on_slow
-        self.failed: ClonemapError | None = None
-        """Why this client is dead (``SlowSubscriber`` with slow_policy "die", or a
-        ``ConfigError`` for a wrong cluster map); every call raises it."""
-        self._failed_future: asyncio.Future[None] | None = None
-        self.fell_behind = 0
-        """How many times a shard's stream had a gap (this client fell behind)."""
         self._own_ctx = context is None
         self._ctx = context if context is not None else zmq.Context()
-        self._hub = WatchHub()
         self.cluster: Cluster | None = None
-        self._agents: list[ShardAgent] = []
         self._by_index: dict[int, ShardAgent] = {}
         self._started = False
         self._closed = False
@@ -206,7 +202,7 @@ class AsyncClone:
                 agent.start()
         if self.failed is not None:
             raise self.failed
-        self._failed_future = asyncio.get_running_loop().create_future()
+        failure = self.health.failure()
         ready = asyncio.ensure_future(asyncio.gather(*(a.wait_ready() for a in self._agents)))
         # a server that refuses this client's handshake (no keys for a CURVE cluster, a
         # key it does not admit) refuses every retry too: fail at once, not at the deadline
@@ -217,7 +213,7 @@ class AsyncClone:
             # that lands just as the agents become ready
             async with asyncio.timeout(timeout_s):
                 while True:
-                    waits: set[asyncio.Future[Any]] = {ready, self._failed_future,
+                    waits: set[asyncio.Future[Any]] = {ready, failure,
                                                         *refusals.values()}
                     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                     if self.failed is not None:
@@ -255,6 +251,36 @@ class AsyncClone:
             if a.link is not None and a.link.handshake_failure:
                 raise HandshakeRefused(str(a.server), a.link.handshake_failure) from None
 
+    @property
+    def failed(self) -> ClonemapError | None:
+        """Why this client is dead (``SlowSubscriber`` with slow_policy "die", or a
+        ``ConfigError`` for a wrong cluster map); every call raises it."""
+        return self.health.failed
+
+    @property
+    def fell_behind(self) -> int:
+        """How many times a shard's stream had a gap (this client fell behind)."""
+        return self.health.fell_behind
+
+    @property
+    def closed(self) -> bool:
+        """``close`` was called (or the client never started and was released)."""
+        return self._closed
+
+    @property
+    def agents(self) -> tuple[ShardAgent, ...]:
+        """The shard agents, in shard order (one per shard this client reads)."""
+        return tuple(self._agents)
+
+    def _routing(self) -> tuple[int | str, str]:
+        if self.cluster is None:
+            return "?", "?"
+        return self.cluster.shard_map.shards, self.cluster.source
+
+    def _close_agents(self) -> None:
+        for agent in self._agents:
+            agent.close()
+
     def release_unstarted(self) -> None:
         """Never to start (its loop thread did not come up): its own context goes now."""
         if not self._started and not self._closed:
@@ -267,10 +293,7 @@ class AsyncClone:
         if self._closed:
             return
         self._closed = True
-        for core in list(self._hub.watches):
-            core.closed = True
-            core.wake()
-        self._hub.watches.clear()
+        self._hub.end_all()
         linger_ms = max(0, int(linger_s * 1000))
         for agent in self._agents:
             agent.close(linger_ms)
@@ -405,8 +428,8 @@ class AsyncClone:
                 "failed": str(self.failed) if self.failed is not None else None}
 
     # ------------------------------------------------------------------ writes
-    def _prepare(self, key: str, value: Any, ttl: float | None, resendable: bool = False
-                 ) -> tuple[ShardAgent, list[bytes], bytes]:
+    def prepare_write(self, key: str, value: Any, ttl: float | None,
+                      resendable: bool = False) -> tuple[ShardAgent, list[bytes], bytes]:
         """Validate and encode a KVSET (any thread): the owning agent, frames, UUID
         (frames[0] is the key and frames[4] the encoded value). ``resendable``: a write
         that may be sent again after an outage (``wait=True``, conditional): its UUID
@@ -417,7 +440,7 @@ class AsyncClone:
         props = b"" if not ttl else format_props({"ttl": ttl_text(ttl)})
         agent = self._agent_for(key_b)
         if agent.phase == KEPT:
-            raise agent._kept_error()
+            raise agent.kept_error()
         uuid = chp.resendable_uuid() if resendable else _uuid.uuid4().bytes
         return agent, chp.kvset(key_b, blob, uuid, props), uuid
 
@@ -444,7 +467,7 @@ class AsyncClone:
             raise ValueError("value is None: use delete() to delete a key")
         if create and if_seq not in (None, 0):
             raise ValueError("create=True is if_seq=0: give one or the other")
-        agent, frames, uuid = self._prepare(key, value, ttl,
+        agent, frames, uuid = self.prepare_write(key, value, ttl,
                                             wait or create or if_seq is not None)
         if create or if_seq is not None:
             return await self._send_if(agent, key, frames, 0 if if_seq is None else if_seq,
@@ -457,7 +480,7 @@ class AsyncClone:
         for ``set``. ``if_seq=S``: only if the key was last changed by sequence S
         (returns the delete's sequence, or raises ``Conflict``, as ``set``)."""
         self._check_running()
-        agent, frames, uuid = self._prepare(key, None, None, wait or if_seq is not None)
+        agent, frames, uuid = self.prepare_write(key, None, None, wait or if_seq is not None)
         if if_seq is not None:
             return await self._send_if(agent, key, frames, if_seq, timeout_s)
         return await self._send(agent, frames, uuid, wait, timeout_s)
@@ -539,11 +562,15 @@ class AsyncClone:
             await asyncio.sleep(0.01)
 
     # ------------------------------------------------------------------ watches
-    def _watch_core(self, prefix: str, capacity: int | None) -> WatchCore:
+    def new_watch_core(self, prefix: str, capacity: int | None) -> WatchCore:
+        """A watch's state, not yet fed (``open_watch_core``); any thread (the blocking
+        facade's ``watch`` makes one, then opens it on the loop)."""
         return WatchCore(self._prefix(prefix), self.codec,
                          self.watch_capacity if capacity is None else capacity)
 
-    def _open_core(self, core: WatchCore) -> None:
+    def open_watch_core(self, core: WatchCore) -> None:
+        """Feed ``core`` from now on (the loop's thread): the items under its prefix,
+        then ``synced`` and every change."""
         if self._closed:
             core.closed = True
             return
@@ -551,7 +578,12 @@ class AsyncClone:
             raise NotRunning("start() the client first (the cluster map is not known yet)")
         self._hub.add(core, self._agents)
 
+    def close_watch_core(self, core: WatchCore) -> None:
+        """Stop feeding ``core`` (the loop's thread)."""
+        self._hub.remove(core)
+
     def watch(self, prefix: str = "", *, capacity: int | None = None) -> Watch:
         """``async with clone.watch("/orders/") as w: async for change in w: ...``"""
-        return Watch(self._watch_core(prefix, capacity), self._open_core, self._hub.remove)
+        return Watch(self.new_watch_core(prefix, capacity), self.open_watch_core,
+                     self.close_watch_core)
 

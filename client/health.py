@@ -12,6 +12,7 @@ client planned from another config), rather than timing out on the keys it misro
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Callable
 
@@ -20,84 +21,103 @@ from clonemap.client.errors import SlowSubscriber
 from clonemap.client.options import RESYNC
 
 if TYPE_CHECKING:
-    from clonemap.client.agent import ShardAgent
-    from clonemap.client.clone import AsyncClone
+    from clonemap.client.agent_view import AgentView
 
 log = logging.getLogger("clonemap.client.clone")
 
 
 class Health:
-    """One client's health (see the module doc); it sets ``clone.failed``."""
+    """One client's health (see the module doc): whether it failed, and why, and how
+    many times it fell behind. It is told what to do on a failure (``end_watches``,
+    ``close_agents``) and what the client routes with (``routing``)."""
 
-    def __init__(self, clone: "AsyncClone"):
-        self.clone = clone
+    def __init__(self, *, slow_policy: str, max_lag_s: float | None,
+                 on_slow: Callable[[SlowSubscriber], object] | None,
+                 routing: Callable[[], tuple[int | str, str]],
+                 end_watches: Callable[[ClonemapError], None],
+                 close_agents: Callable[[], None]):
+        """``routing()``: (shard count, config source) this client routes with."""
+        self.slow_policy = slow_policy
+        self.max_lag_s = max_lag_s
+        self.on_slow = on_slow
+        self._routing = routing
+        self._end_watches = end_watches
+        self._close_agents = close_agents
+        self.failed: ClonemapError | None = None
+        """Why this client is dead (``SlowSubscriber`` with slow_policy "die", or a
+        ``ConfigError`` for a wrong cluster map); every call raises it."""
+        self.fell_behind = 0
+        """How many times a shard's stream had a gap (this client fell behind)."""
+        self._failure: asyncio.Future[None] | None = None
 
-    def on_behind(self, agent: ShardAgent, expected: int, got: int) -> bool:
+    def failure(self) -> asyncio.Future[None]:
+        """A future done when this client fails (a start waits on it beside the shards)."""
+        if self._failure is None or self._failure.done():
+            self._failure = asyncio.get_running_loop().create_future()
+            if self.failed is not None:
+                self._failure.set_result(None)
+        return self._failure
+
+    def on_behind(self, agent: AgentView, expected: int, got: int) -> bool:
         """A gap in an unfiltered shard stream: this client fell behind (Suicidal Snail).
         ``resync``: count it, the agent takes a fresh snapshot of that shard. ``die``:
         fail the client loudly; every later call and every watch raises."""
-        return self.fell_behind(agent, lambda: SlowSubscriber(
+        return self.fell_behind_on(agent, lambda: SlowSubscriber(
             f"client fell behind shard {agent.name} ({agent.server}): expected sequence "
             f"{expected}, got {got} ({got - expected} updates lost); slow_policy='die'",
             shard=agent.name, expected=expected, got=got))
 
-    def on_lag(self, agent: ShardAgent, lag_s: float) -> bool:
+    def on_lag(self, agent: AgentView, lag_s: float) -> bool:
         """The server clock in a HUGZ: this client reads shard ``agent`` ``lag_s`` late,
         beyond ``max_lag_s``. The same policy and counter as a gap."""
-        return self.fell_behind(agent, lambda: SlowSubscriber(
+        return self.fell_behind_on(agent, lambda: SlowSubscriber(
             f"client fell behind shard {agent.name} ({agent.server}) by {lag_s:.2f} s "
-            f"(max_lag_s {self.clone.max_lag_s}); slow_policy='die'",
+            f"(max_lag_s {self.max_lag_s}); slow_policy='die'",
             shard=agent.name, lag_s=lag_s))
 
-    def on_wrong_route(self, agent: ShardAgent, theirs: str) -> None:
+    def on_wrong_route(self, agent: AgentView, theirs: str) -> None:
         """A server of ``agent``'s shard routes keys with another map than this client:
         the client was planned from another config. It fails at once (every call, every
         watch, a start in progress), rather than timing out on the keys it misroutes."""
-        if self.clone.failed is not None:
+        if self.failed is not None:
             return
         index, count, _ = (theirs.split("/") + ["?", "?"])[:3]
-        mine = self.clone.cluster.shard_map.shards if self.clone.cluster is not None else "?"
+        mine, source = self._routing()
         exc = ConfigError(
             f"wrong cluster map: this client routes keys over "
             f"{mine} shard{'' if mine == 1 else 's'} "
-            f"({self.clone.cluster.source if self.clone.cluster is not None else '?'}), but "
+            f"({source}), but "
             f"{agent.server} is shard {index} of {count} with another routing; use the "
             "running cluster's own config, or control= to fetch its map",
             field="routing")
         self.fail_now(exc)
-        agent.loop.call_soon(self.close_agents)  # inside the agent's SUB batch now
+        agent.loop.call_soon(self._close_agents)  # inside the agent's SUB batch now
 
     def fail_now(self, exc: ClonemapError) -> None:
         """Fail every call, every watch and a start in progress with ``exc`` (each of them
         raises it, so it is logged at INFO only: an application that logs its errors
         would otherwise see it twice, and ``chp`` printed it twice)."""
-        self.clone.failed = exc
+        self.failed = exc
         log.info("the clone failed: %s", exc)
-        for core in list(self.clone._hub.watches):
-            core.failed = exc
-            core.wake()
-        self.clone._hub.watches.clear()
-        if self.clone._failed_future is not None and not self.clone._failed_future.done():
-            self.clone._failed_future.set_result(exc)
+        self._end_watches(exc)
+        if self._failure is not None and not self._failure.done():
+            self._failure.set_result(None)
 
-    def fell_behind(self, agent: ShardAgent, make_exc: Callable[[], SlowSubscriber]) -> bool:
+    def fell_behind_on(self, agent: AgentView,
+                       make_exc: Callable[[], SlowSubscriber]) -> bool:
         """True: handled here (die); False: the agent resyncs the shard."""
-        if self.clone.failed is not None:
+        if self.failed is not None:
             return True  # already dead; the rest of this batch is dropped
-        self.clone.fell_behind += 1
-        if self.clone.slow_policy == RESYNC:
+        self.fell_behind += 1
+        if self.slow_policy == RESYNC:
             return False
         exc = make_exc()
         self.fail_now(exc)
         # closed on the next loop turn: this runs inside an agent's SUB batch
-        agent.loop.call_soon(self.close_agents)
-        if self.clone.on_slow is not None:
+        agent.loop.call_soon(self._close_agents)
+        if self.on_slow is not None:
             try:
-                self.clone.on_slow(exc)
+                self.on_slow(exc)
             except Exception:
                 log.exception("on_slow callback failed")
         return True
-
-    def close_agents(self) -> None:
-        for a in self.clone._agents:
-            a.close()

@@ -24,7 +24,7 @@ from clonemap.shards.common.proto import chp
 from clonemap.client import shard_machine as sm
 
 if TYPE_CHECKING:
-    from clonemap.client.agent import ShardAgent
+    from clonemap.client.agent_view import AgentView
 
 log = logging.getLogger("clonemap.client.agent")
 
@@ -32,7 +32,7 @@ _Kvsync = chp.Kvsync
 _decode_snapshot = chp.decode_snapshot_liberal
 _RESERVED = chp.RESERVED_KEYS
 _RESERVED_WORDS = tuple(sorted(_RESERVED))
-_take_rows = getattr(zio._compiled, "take_rows", None)
+_take_rows = zio.compiled_function("take_rows")
 """The compiled path's row taker (None on the pure path, or an extension built before it)."""
 _unpack_seq = chp.unpack_seq
 
@@ -40,14 +40,17 @@ _unpack_seq = chp.unpack_seq
 class Incoming:
     """What one agent is receiving (see the module doc)."""
 
-    def __init__(self, agent: "ShardAgent"):
+    def __init__(self, agent: "AgentView"):
         self.agent = agent
         self.map: dict[bytes, bytes] | None = None
         """The snapshot being received (None: none asked for, or it was rejected)."""
         self.props: dict[bytes, bytes] = {}
         self.seqs: dict[bytes, int] = {}
+        self.messages = 0
+        """Messages read on the DEALER (KVSYNC and KTHXBAI, valid or not): the agent's
+        tick sees a snapshot still arriving by it."""
         self._base = 0
-        """The agent's ``snapshot_messages`` when the current request went out."""
+        """``messages`` when the current request went out."""
         self._dropped = 0
         self._first_error = ""
         self.rejected = 0
@@ -61,7 +64,7 @@ class Incoming:
         """A request went out: receive into fresh maps."""
         self.map, self.props, self.seqs = {}, {}, {}
         self.term = None
-        self._base, self._dropped = self.agent.snapshot_messages, 0
+        self._base, self._dropped = self.messages, 0
         self._first_error = ""
 
     def take(self) -> tuple[dict, dict, dict]:
@@ -70,7 +73,7 @@ class Incoming:
         self.map, self.props, self.seqs = None, {}, {}
         return out
 
-    def on_message(self, frames: list[bytes]) -> None:
+    def on_message(self, frames: list[bytes]) -> sm.Event | None:
         """A message on the DEALER: KVSYNC or KTHXBAI (hot path during a sync). The common
         KVSYNC (our servers': frames 2 and 3 empty, an 8-byte sequence, an ASCII key in the
         subtree within the limits, not a command word) is taken here without a decoder
@@ -83,12 +86,12 @@ class Incoming:
             if (not uuid and not props and len(seq) == 8 and key.startswith(agent.subtree)
                     and 0 < len(key) <= self._max_key and len(value) <= self._max_value
                     and key not in _RESERVED and key.isascii()):
-                agent.snapshot_messages += 1
+                self.messages += 1
                 if value or agent.state.resuming:  # a resume's empty value is a delete
                     incoming[key] = value
                     self.seqs[key] = _unpack_seq(seq)[0]
-                return
-        self._on_message(frames)
+                return None
+        return self._on_message(frames)
 
     def take_rows(self, handle: int, limit: int) -> tuple[int, list[bytes] | None] | None:
         """The DEALER's ``bulk`` (``zio.AsyncSocket``): on the compiled path, while a
@@ -103,16 +106,16 @@ class Incoming:
         n, frames = _take_rows(handle, limit, zio.MAX_FRAMES, incoming, self.seqs,
                                agent.subtree, self._max_key, self._max_value, _RESERVED_WORDS,
                                agent.state.resuming)
-        agent.snapshot_messages += n
+        self.messages += n
         return n, frames
 
-    def _on_message(self, frames: list[bytes]) -> None:
+    def _on_message(self, frames: list[bytes]) -> sm.Event | None:
         agent = self.agent
-        agent.snapshot_messages += 1
+        self.messages += 1
         incoming = self.map
         if incoming is None:
             agent.drops.drop("unexpected_snapshot", f"shard {agent.name}: no sync in progress")
-            return
+            return None
         try:
             msg = _decode_snapshot(frames, agent.limits)
         except ProtocolError as exc:
@@ -120,7 +123,7 @@ class Incoming:
                 self._dropped += 1
                 self._first_error = self._first_error or str(exc)
             agent.drops.drop(exc.reason, f"shard {agent.name} DEALER: {exc}")
-            return
+            return None
         subtree = agent.subtree
         if msg.__class__ is _Kvsync:
             key = msg.key
@@ -132,13 +135,13 @@ class Incoming:
                 self.seqs[key] = msg.seq
                 if msg.props:
                     self.props[key] = msg.props
-            return
+            return None
         if msg.subtree != subtree and msg.subtree:
             # (an empty KTHXBAI subtree is the reference C server's: tolerated)
             agent.drops.drop("wrong_subtree", f"shard {agent.name}: KTHXBAI for "
                              f"{msg.subtree!r}, asked {subtree!r}")
-            return
-        arrived = agent.snapshot_messages - self._base - 1  # KVSYNCs (not KTHXBAI)
+            return None
+        arrived = self.messages - self._base - 1  # KVSYNCs (not KTHXBAI)
         if arrived and self._dropped == arrived:
             self.rejected += 1
             reason = (f"{arrived} KVSYNC from {agent.server}, none valid (first: "
@@ -146,13 +149,12 @@ class Incoming:
             log.error("shard %s: snapshot rejected: %s", agent.name, reason)
             self.map = None  # nothing of it is installed
             agent.link.close_dealer()
-            agent._dispatch(sm.SnapshotRejected(reason))
-            return
+            return sm.SnapshotRejected(reason)
         reply = chp.kthxbai_info(msg.props)
         self.term = reply.term
         if agent.state.resuming:
             self._merge_resume(reply.resumed is True, arrived)
-        agent._dispatch(sm.SnapshotDone(msg.seq, agent.link.generation))
+        return sm.SnapshotDone(msg.seq, agent.link.generation)
 
     def _merge_resume(self, resumed: bool, arrived: int) -> None:
         """At the KTHXBAI of a resume request: the updates after our sequence applied on

@@ -23,7 +23,7 @@ from clonemap.client import shard_machine as sm
 from clonemap.client.events import FailoverInfo, ResetInfo
 
 if TYPE_CHECKING:
-    from clonemap.client.agent import ShardAgent
+    from clonemap.client.agent_view import AgentView
 
 log = logging.getLogger("clonemap.client.agent")
 
@@ -37,7 +37,7 @@ def diff_counts(old: dict[bytes, bytes], new: dict[bytes, bytes]) -> tuple[int, 
 class Outages:
     """One agent's outage reports (see the module doc)."""
 
-    def __init__(self, agent: "ShardAgent", on_failover, on_reset):
+    def __init__(self, agent: "AgentView", on_failover, on_reset):
         self.agent = agent
         self.on_failover = on_failover
         self.on_reset = on_reset

@@ -19,6 +19,7 @@ import uvloop
 
 from clonemap.shards.common.errors import Timeout
 from clonemap.client.clone import AsyncClone
+from clonemap.client.codec import Codec
 from clonemap.client.errors import NotRunning
 from clonemap.client.events import KeyMeta
 from clonemap.client.router import Cluster
@@ -212,7 +213,7 @@ class Clone:
             return self._wait_call(self._async.set(key, value, ttl, wait=True,
                                                    timeout_s=timeout_s, if_seq=if_seq,
                                                    create=create), timeout_s)
-        agent, frames, uuid = self._async._prepare(key, value, ttl)
+        agent, frames, uuid = self._async.prepare_write(key, value, ttl)
         self._post(agent.writes.send_kvset, frames)
         return uuid
 
@@ -221,7 +222,7 @@ class Clone:
         if wait or if_seq is not None:
             return self._wait_call(self._async.delete(key, wait=True, timeout_s=timeout_s,
                                                       if_seq=if_seq), timeout_s)
-        agent, frames, uuid = self._async._prepare(key, None, None)
+        agent, frames, uuid = self._async.prepare_write(key, None, None)
         self._post(agent.writes.send_kvset, frames)
         return uuid
 
@@ -235,6 +236,11 @@ class Clone:
         """Until every queued KVSET has been handed to ZeroMQ."""
         self._post(lambda _: None, None)
         self._call(self._async.flush(timeout_s))
+
+    @property
+    def codec(self) -> Codec:
+        """The value codec (``codec=``)."""
+        return self._async.codec
 
     @property
     def shard_names(self) -> list[str]:
@@ -255,14 +261,14 @@ class Clone:
         a ``synced`` marker, live changes."""
         if deliver is None:
             deliver = self.deliver if callback is not None else DELIVER_THREAD
-        core = self._async._watch_core(prefix, capacity)
+        core = self._async.new_watch_core(prefix, capacity)
 
         def open_core(c: WatchCore) -> None:
-            self._call(_run_sync(self._async._open_core, c))
+            self._call(_run_sync(self._async.open_watch_core, c))
 
         def close_core(c: WatchCore) -> None:
             if not self._closed and self._thread.is_alive() and self._loop is not None:
-                self._loop.call_soon_threadsafe(self._async._hub.remove, c)
+                self._loop.call_soon_threadsafe(self._async.close_watch_core, c)
             if watch in self._watches:
                 self._watches.remove(watch)
 

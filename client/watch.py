@@ -34,12 +34,12 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
-from clonemap.shards.common.errors import SlowConsumer, Timeout
+from clonemap.shards.common.errors import ClonemapError, SlowConsumer, Timeout
 from clonemap.client.codec import Codec
 from clonemap.client.options import WATCH_CAPACITY
 
 if TYPE_CHECKING:
-    from clonemap.client.agent import ShardAgent
+    from clonemap.client.agent_view import AgentView
     from clonemap.client.events import ResetInfo
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ class WatchCore:
         self.pending_shards: set[str] = set()
         self.delivered = 0
         self.dropped = 0
-        self.failed: SlowConsumer | None = None
+        self.failed: ClonemapError | None = None
+        """Why this watch ended: it overflowed (``SlowConsumer``), or its client failed."""
         self.closed = False
         self.synced = False
         self.wake: Callable[[], None] = _nothing
@@ -203,7 +204,7 @@ class WatchHub:
     def __init__(self) -> None:
         self.watches: list[WatchCore] = []
 
-    def add(self, core: WatchCore, agents: Iterable["ShardAgent"]) -> None:
+    def add(self, core: WatchCore, agents: Iterable["AgentView"]) -> None:
         """Register ``core``; deliver what the synced shards already hold."""
         self.watches.append(core)
         last_seq = 0
@@ -271,6 +272,17 @@ class WatchHub:
 
     def _drop_failed(self) -> None:
         self.watches = [c for c in self.watches if c.failed is None and not c.closed]
+
+    def end_all(self, failed: ClonemapError | None = None) -> None:
+        """Every watch ends: it raises ``failed`` (the client failed), or, with None,
+        ends as closed (the client closed). None is watched from now on."""
+        for core in self.watches:
+            if failed is not None:
+                core.failed = failed
+            else:
+                core.closed = True
+            core.wake()
+        self.watches.clear()
 
 
 def _items_chunk(data: dict[bytes, bytes], prefix: bytes, seq: int, shard: str,
@@ -421,6 +433,10 @@ class SyncWatch:
     @property
     def delivered(self) -> int:
         return self._core.delivered
+
+    def has_pending(self) -> bool:
+        """Changes are queued that no iterator or callback has taken yet."""
+        return self._core.has_pending()
 
     def _wake(self) -> None:
         with self._cond:

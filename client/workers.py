@@ -198,7 +198,7 @@ class Workers:
         """Each worker's READY pipe (its stdout stays the caller's)."""
         self._stopping = threading.Event()
         self._cv = threading.Condition()
-        codec = clone._async.codec
+        codec = clone.codec
         report = f"ipc://{self._dir}/report"
         self._report = self._ctx.socket(zmq.PULL)
         self._report.linger = 0
@@ -358,7 +358,7 @@ class Workers:
                 # the watch counts an entry as delivered when the hand-off takes it, so
                 # one taken but not yet routed keeps delivered ahead of _routed
                 if (self.handled == self.handed and self._watch.delivered == self._routed
-                        and not self._watch._core.has_pending()):
+                        and not self._watch.has_pending()):
                     return True
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

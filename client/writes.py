@@ -28,7 +28,7 @@ from clonemap.client.echoes import Echoes
 from clonemap.client.replies import Replies
 
 if TYPE_CHECKING:
-    from clonemap.client.agent import ShardAgent
+    from clonemap.client.agent_view import AgentView
 
 REPLY_CONNECT_S = 2.0
 """After an outage, how long resent writes that ask for a reply wait for the replies
@@ -38,7 +38,7 @@ DEALER's connection before they go anyway."""
 class ShardWrites:
     """One agent's writes (see the module doc)."""
 
-    def __init__(self, agent: "ShardAgent"):
+    def __init__(self, agent: "AgentView"):
         self.agent = agent
         self.collectors: list[KvsetSender] = []
         self.echoes = Echoes()
@@ -182,7 +182,7 @@ class ShardWrites:
                 await self.replies.ready.wait()
         except TimeoutError:
             pass
-        if self.agent._closed or epoch != self.agent.state.epoch:
+        if self.agent.closed or epoch != self.agent.state.epoch:
             return  # moved on: the next outage sends them again
         for frames in frames_list:
             self.send_kvset(frames)

@@ -98,6 +98,12 @@ def _load_compiled():
 
 _compiled, FRAME_PATH = _load_compiled()
 COMPILED = _compiled is not None
+
+
+def compiled_function(name: str):
+    """A function of the compiled frame path by name; None on the pure path (or in an
+    extension built before it had that function)."""
+    return getattr(_compiled, name, None)
 """Whether the compiled frame path is in use (``FRAME_PATH`` says which and why)."""
 
 

@@ -582,7 +582,8 @@ def test_a_snapshot_s_every_kind_of_row_is_installed_or_dropped_as_the_decoder_s
     handled = []  # the messages that reached Python's on_message
     on_message = incoming.Incoming.on_message
     monkeypatch.setattr(incoming.Incoming, "on_message",
-                        lambda self, frames: (handled.append(frames[0]), on_message(self, frames)))
+                        lambda self, frames: (handled.append(frames[0]),
+                                             on_message(self, frames))[1])
     rows = [
         [b"/a/plain", chp.pack_seq(3), b"", b"", b"v1"],
         [b"/a/caf\xc3\xa9", chp.pack_seq(4), b"", b"", b"utf8"],
