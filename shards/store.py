@@ -136,6 +136,12 @@ class Store:
     def expiry_of(self, key: bytes) -> float | None:
         return self._expiry.get(key)
 
+    @property
+    def expiry_table(self) -> dict[bytes, float]:
+        """The live {key: absolute expiry} dict, not a copy: read it, never change it (a
+        snapshot cursor reads its chunk's expiries from it)."""
+        return self._expiry
+
     def expiries(self) -> dict[bytes, float]:
         """A copy of {key: absolute expiry} for every key with a TTL (one C-level dict
         copy: ~25 ms per million keys), e.g. for a Binary Star peer's TTL table."""
@@ -257,7 +263,8 @@ class Store:
         self._cursors.append(cursor)
         return cursor
 
-    def _close_cursor(self, cursor: "SnapshotCursor") -> None:
+    def close_cursor(self, cursor: "SnapshotCursor") -> None:
+        """A cursor is done: its walk no longer needs the undo records of writes."""
         try:
             self._cursors.remove(cursor)
         except ValueError:
@@ -377,7 +384,7 @@ class SnapshotCursor:
             mods = list(map(store.mod.__getitem__, keys))
         expiries = None
         if with_expiry:
-            expiry = store._expiry
+            expiry = store.expiry_table
             if old_expiry and any(key in old_seq for key in keys):
                 expiries = [old_expiry[key] if key in old_seq else expiry.get(key)
                             for key in keys]
@@ -390,7 +397,7 @@ class SnapshotCursor:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.store._close_cursor(self)
+            self.store.close_cursor(self)
             self._keys = []
             self.walks = None
             self.undo = {}

@@ -166,6 +166,10 @@ class ServerEntry(_Model):
         """True when ``port`` was derived from the cluster's ``port_base``."""
         return self._port_from_base
 
+    def note_port_from_base(self) -> None:
+        """``port`` was derived from the cluster's ``port_base`` (set while placing)."""
+        self._port_from_base = True
+
 
 class ShardConfig(_Model):
     """One shard: a name, its pinned prefixes, and its pair of servers."""
@@ -272,6 +276,10 @@ class ClusterConfig(_Model):
     coordination: CoordinationConfig | None = None
     shards: list[ShardConfig]
     _source_dir: Path | None = PrivateAttr(default=None)
+
+    def note_source_dir(self, path: Path) -> None:
+        """The directory of the file this config was read from (relative paths)."""
+        self._source_dir = path
 
     @property
     def keys_dir(self) -> Path:
@@ -391,7 +399,7 @@ class ClusterConfig(_Model):
         if server.port is None:
             offset = SHARD_PORT_STRIDE * index + (BACKUP_PORT_OFFSET if role == "backup" else 0)
             port = self.port_base + offset
-            server._port_from_base = True
+            server.note_port_from_base()
             if port > MAX_PORT_BASE:
                 problems.add(f"shards[{index}].{role}.port",
                              f"{port} (port_base {self.port_base} + {offset})",
@@ -556,5 +564,5 @@ def parse_config(data: Any, source: str = "") -> ClusterConfig:
 def load_config(path: str | Path) -> ClusterConfig:
     """Read and validate a cluster config file; errors are one ConfigError."""
     config = parse_config(read_yaml(path), source=str(path))
-    config._source_dir = Path(path).resolve().parent
+    config.note_source_dir(Path(path).resolve().parent)
     return config

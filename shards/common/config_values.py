@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, PlainValidator
 
-from clonemap.shards.common.endpoints import MAX_IO_THREADS, WILDCARD
+from clonemap.shards.common.endpoints import MAX_IO_THREADS, WILDCARD, endpoint_parts
 
 PORTS_PER_SERVER = 4
 MAX_PORT_BASE = 65535 - (PORTS_PER_SERVER - 1)
@@ -164,12 +164,6 @@ def parse_metrics(value: Any) -> str | None:
         raise ValueError(expected)
     host, port = _host_port(value.strip(), r"([^:/\s]+):(\d+)", expected)
     return f"{host}:{port}"
-
-
-def endpoint_parts(endpoint: str) -> tuple[str, int]:
-    """``tcp://127.0.0.1:5555`` -> ``("127.0.0.1", 5555)``; ``*`` becomes 0.0.0.0."""
-    host, _, port = endpoint[len("tcp://"):].rpartition(":")
-    return (WILDCARD if host == "*" else host), int(port)
 
 
 def parse_name(value: Any) -> str:

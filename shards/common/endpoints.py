@@ -28,6 +28,12 @@ NOT_LISTENING = "not listening"
 """The ``Timeout.what`` of a control port where nothing listens (a down cluster)."""
 
 
+def endpoint_parts(endpoint: str) -> tuple[str, int]:
+    """``tcp://127.0.0.1:5555`` -> ``("127.0.0.1", 5555)``; ``*`` becomes 0.0.0.0."""
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    return (WILDCARD if host == "*" else host), int(port)
+
+
 def _refused(endpoint: str, port: int):
     from clonemap.shards.common.errors import Timeout
 
@@ -41,8 +47,6 @@ def ensure_listening(endpoint: str) -> None:
     tries). Anything else (a listener, a slow host) is left to the MDP request and its
     own deadline."""
     import socket
-
-    from clonemap.shards.common.config_values import endpoint_parts
 
     host, port = endpoint_parts(str(endpoint))
     try:

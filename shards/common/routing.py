@@ -222,7 +222,7 @@ class ShardMap:
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, ShardMap) and self.shards == other.shards
-                and self._pins == other._pins)
+                and self.pins == other.pins)
 
     def __hash__(self) -> int:
         return hash((self.shards, frozenset(self._pins.items())))

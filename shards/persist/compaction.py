@@ -8,14 +8,11 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from clonemap.shards.persist import format as fmt
 from clonemap.shards.persist.recovery import list_files
 from clonemap.shards.store import SnapshotCursor
 
-if TYPE_CHECKING:
-    from clonemap.shards.persist.writer import DataDir
 
 SNAPSHOT_CHUNK_KEYS = 256
 """Keys written per loop turn by a compaction: ~0.3 ms here, so a KVSET arriving during
@@ -25,15 +22,16 @@ a compaction waits at most that long for the reactor."""
 class Compaction:
     """One snapshot being written from a cursor (see the module doc)."""
 
-    def __init__(self, dir_: "DataDir", cursor: SnapshotCursor, generation: str,
+    def __init__(self, directory: Path, cursor: SnapshotCursor, generation: str,
                  retired_fd: int = -1):
-        self.dir = dir_
+        self.directory = directory
+        """The data directory (``DataDir.path``)."""
         self.retired_fd = retired_fd
         """The segment the rotation closed: fsynced and closed by ``finish``, off the
         reactor (and at once by ``abort``)."""
         self.cursor = cursor
         self.seq = cursor.seq
-        self.path = dir_.path / fmt.seq_name(fmt.SNAP_PREFIX, self.seq, fmt.SNAP_SUFFIX)
+        self.path = directory / fmt.seq_name(fmt.SNAP_PREFIX, self.seq, fmt.SNAP_SUFFIX)
         self.tmp = self.path.with_name(self.path.name + fmt.TMP_SUFFIX)
         self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -84,19 +82,19 @@ class Compaction:
         os.close(self._fd)
         self._fd = -1
         os.rename(self.tmp, self.path)
-        fmt.fsync_dir(self.dir.path)
+        fmt.fsync_dir(self.directory)
         self.removed = self._remove_covered()
 
     def _remove_covered(self) -> list[Path]:
         """Delete the older snapshots and the segments this snapshot covers (those that
         start at or before its sequence: the rotation started a new one after it). Safe
         off the reactor: the reactor only ever creates later segments meanwhile."""
-        files = list_files(self.dir.path)
+        files = list_files(self.directory)
         removed = [path for seq, path in files.snapshots if seq < self.seq]
         removed += [path for first, path in files.segments if first <= self.seq]
         for path in removed:
             path.unlink()
-        fmt.fsync_dir(self.dir.path)
+        fmt.fsync_dir(self.directory)
         return removed
 
     def _retire(self) -> None:

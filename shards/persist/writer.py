@@ -450,7 +450,7 @@ class DataDir:
             raise
         cursor = store.open_snapshot(with_expiry=True)
         try:
-            self.compaction = Compaction(self, cursor, self.generation, retired_fd=retired)
+            self.compaction = Compaction(self.path, cursor, self.generation, retired_fd=retired)
             self.compaction.uuids = uuids or []
         except OSError as exc:
             cursor.close()
@@ -508,7 +508,7 @@ class DataDir:
         self.log_bytes = 0
         self._items = []
         self._open_segment(store.seq + 1)
-        self.compaction = Compaction(self, store.open_snapshot(with_expiry=True), generation)
+        self.compaction = Compaction(self.path, store.open_snapshot(with_expiry=True), generation)
         self.compaction.only_copy = True
         self.compaction.uuids = uuids or []
         self.counters["replaced"] += 1

@@ -120,7 +120,7 @@ class MdpClient:
         self._refused = ""
         """Why the broker refused the security handshake (``errors.HANDSHAKE_CAUSES``):
         the request fails at once with ``HandshakeRefused`` instead of timing out."""
-        self._lock = asyncio.Lock()
+        self.busy = asyncio.Lock()
         self._service: bytes | None = None  # the service of the request in flight
         self._inbox: deque[tuple[bytes, list[bytes]]] = deque()
         self._overflow = 0
@@ -131,8 +131,8 @@ class MdpClient:
                       retries: int | None = None) -> list[bytes]:
         """Send a REQUEST and return the FINAL body (PARTIALs are skipped)."""
         name = _name(service)
-        async with self._lock:
-            return await self._exchange(name, body, timeout_s, retries, stream=None)
+        async with self.busy:
+            return await self.exchange(name, body, timeout_s, retries, stream=None)
 
     def stream(self, service: str | bytes, *body: bytes, timeout_s: float | None = None,
                retries: int | None = None) -> "Stream":
@@ -143,7 +143,7 @@ class MdpClient:
         return {"endpoint": self.endpoint, **self.counters, "drops": dict(self.drops.counts)}
 
     async def close(self) -> None:
-        self._reset()
+        self.reset()
 
     async def __aenter__(self) -> "MdpClient":
         return self
@@ -152,7 +152,9 @@ class MdpClient:
         await self.close()
 
     # ----------------------------------------------------------------- internals
-    async def _exchange(self, name: bytes, body, timeout_s, retries, stream) -> list[bytes]:
+    async def exchange(self, name: bytes, body, timeout_s, retries, stream) -> list[bytes]:
+        """One request's dialogue, retries included, under ``busy`` (``request`` and a
+        ``Stream`` call it); PARTIAL bodies go to ``stream``; the FINAL body."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         retries = self.retries if retries is None else retries
         frames = mdp.client_request(name, *body)
@@ -162,20 +164,20 @@ class MdpClient:
         try:
             while True:
                 attempts += 1
-                self._send(name, frames)
+                self.send_frames_now(name, frames)
                 try:
                     while True:
-                        command, reply = await self._next(timeout_s)
+                        command, reply = await self.next_reply(timeout_s)
                         if command == C_FINAL:
                             self.counters["finals"] += 1
                             done = True
                             return reply
                         self.counters["partials"] += 1
                         if stream is not None:
-                            await stream._put(reply)
+                            await stream.put(reply)
                 except _Silence:
                     self.counters["timeouts"] += 1
-                    self._reset()  # the spec: close it, re-send on a fresh socket
+                    self.reset()  # the spec: close it, re-send on a fresh socket
                     partials = stream.received if stream is not None else 0
                     if attempts > retries or partials:
                         raise RequestTimeout(name, self.endpoint, timeout_s, attempts,
@@ -184,9 +186,10 @@ class MdpClient:
             self._service = None
             self._inbox.clear()
             if not done:  # cancelled or failed: a late reply must not answer the next one
-                self._reset()
+                self.reset()
 
-    def _send(self, name: bytes, frames: list[bytes]) -> None:
+    def send_frames_now(self, name: bytes, frames: list[bytes]) -> None:
+        """One attempt of a request (a socket is made if there is none)."""
         if self._asock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.linger = 0
@@ -228,7 +231,8 @@ class MdpClient:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def _next(self, timeout_s: float) -> tuple[bytes, list[bytes]]:
+    async def next_reply(self, timeout_s: float) -> tuple[bytes, list[bytes]]:
+        """The next PARTIAL/FINAL for the request in flight, ``(command, body)``."""
         if self._refused:
             raise HandshakeRefused(self.endpoint, self._refused)
         if self._overflow:
@@ -246,9 +250,10 @@ class MdpClient:
             self._waiter = None
         if not self._inbox and not self._refused:
             raise _Silence()
-        return await self._next(timeout_s)
+        return await self.next_reply(timeout_s)
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Close the socket: a late reply must not answer the next request."""
         self._refused = ""
         close_monitored(self._asock, self._monitor)
         self._asock = self._monitor = None
@@ -275,13 +280,14 @@ class Stream:
         self._queue: asyncio.Queue | None = None
         self._task: asyncio.Task | None = None
 
-    async def _put(self, body: list[bytes]) -> None:
+    async def put(self, body: list[bytes]) -> None:
+        """A PARTIAL body for the reader (waits while it holds the last one)."""
         self.received += 1
         await self._queue.put(body)
 
     async def _run(self) -> None:
-        async with self.client._lock:
-            self.final = await self.client._exchange(self.service, self.body, self.timeout_s,
+        async with self.client.busy:
+            self.final = await self.client.exchange(self.service, self.body, self.timeout_s,
                                                      self.retries, stream=self)
 
     def __aiter__(self) -> "Stream":
@@ -307,7 +313,7 @@ class Stream:
         if self._task is not None and not self._task.done():
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-            self.client._reset()  # a late PARTIAL/FINAL must not answer the next request
+            self.client.reset()  # a late PARTIAL/FINAL must not answer the next request
 
     async def __aenter__(self) -> "Stream":
         return self
@@ -319,7 +325,7 @@ class Stream:
         task = self._task
         if task is not None and not task.done():
             task.cancel()
-            self.client._reset()
+            self.client.reset()
 
 
 # ===================================================================== blocking client
@@ -372,7 +378,8 @@ class SyncMdpClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _send(self, frames: list[bytes]) -> None:
+    def send_frames_now(self, frames: list[bytes]) -> None:
+        """One attempt of a request (a socket is made if there is none)."""
         if self._sock is None:
             self._sock = self.ctx.socket(zmq.DEALER)
             self._sock.linger = 0
@@ -387,7 +394,9 @@ class SyncMdpClient:
         except zmq.Again:
             self.drops.drop("send_hwm", f"REQUEST to {self.endpoint}: at the high-water mark")
 
-    def _next(self, service: bytes, timeout_s: float) -> tuple[bytes, list[bytes]]:
+    def next_reply(self, service: bytes, timeout_s: float) -> tuple[bytes, list[bytes]]:
+        """The next PARTIAL/FINAL for ``service``, ``(command, body)``; raises on silence
+        for ``timeout_s`` or a refused handshake."""
         deadline = time.monotonic() + timeout_s
         sock, monitor = self._sock, self._monitor
         poller = zmq.Poller()
@@ -442,7 +451,7 @@ class SyncStream:
             self._attempt()
         while True:
             try:
-                command, body = client._next(self.service, self.timeout_s)
+                command, body = client.next_reply(self.service, self.timeout_s)
             except _Silence:
                 client.counters["timeouts"] += 1
                 client.close()  # the spec: close it, re-send on a fresh socket
@@ -463,7 +472,7 @@ class SyncStream:
 
     def _attempt(self) -> None:
         self._attempts += 1
-        self.client._send(self._frames)
+        self.client.send_frames_now(self._frames)
 
     def close(self) -> None:
         if not self._done:
