@@ -19,33 +19,38 @@ Phases::
 
 What each event does, by phase (``req``: ``RequestSnapshot`` to the same server and
 SYNCING; ``move``: ``Failover`` + ``Connect`` to the next server and INITIAL; "-":
-ignored)::
+ignored). This is ``TABLE``, the data ``step`` reads, as ``render_table`` prints it (a
+test keeps this text equal to it)::
 
     event               INITIAL                  SYNCING                  ACTIVE
-    ------------------  -----------------------  -----------------------  ---------------------
+    ------------------  -----------------------  -----------------------  -----------------------
     Start               Connect (once)           -                        -
-    Handshake           live="start", ArmGrace   if sub_lost: live=       as SYNCING
-                        (not if not_serving)     "reconnect", ArmGrace
-                                                 (not if not_serving)
+    Handshake           live="start", ArmGrace   if sub_lost:             as SYNCING
+                        (not if not_serving)     live="reconnect",
+                                                 ArmGrace (not if
+                                                 not_serving)
     Disconnected        sub_lost                 sub_lost                 sub_lost
-    LiveProven          the pending live event:  as INITIAL               as INITIAL
-                        SubscriberLive or
-                        Reconnected
-    SubscriberLive      req ("start"/"reconnect") -                       -
+    LiveProven          the pending live event:  the pending live event:  the pending live event:
+                        SubscriberLive or        SubscriberLive or        SubscriberLive or
+                        Reconnected              Reconnected              Reconnected
+    SubscriberLive      req                      -                        -
+                        ("start"/"reconnect")
     Reconnected         resend after the next    resend; req              resend; req
                         install
-    NotServing (pair)   move; every server in a  move                     move
-                        row: hold, then move
-    NotServing (lone)   req (its vote)           -                        -
-    Serving             not_serving cleared      as INITIAL               as INITIAL
+    NotServing          pair: move; every        pair: move; lone: -      pair: move; lone: -
+                        server in a row: hold,
+                        then move. Lone: req
+                        (its vote)
+    Serving             not_serving cleared      not_serving cleared      not_serving cleared
     Tick                hold/connect timeouts    sync timeout: req, then  silence: move
                                                  move after max_attempts
-    SnapshotDone(S)     -                        ACTIVE, InstallSnapshot  -
+    SnapshotDone        -                        ACTIVE, InstallSnapshot  -
     SnapshotRejected    -                        paced like a timeout     -
     BufferOverflow      -                        req (not counted)        req
-    Gap, FellBehind,    -                        -                        req
-    SequenceBackwards,
-    NewGeneration
+    Gap                 -                        -                        req
+    FellBehind          -                        -                        req
+    SequenceBackwards   -                        -                        req
+    NewGeneration       -                        -                        req
     Replayed            buffering ends           buffering ends           buffering ends
     Keep                KEPT, Freeze             KEPT, Freeze             KEPT, Freeze
 
@@ -113,7 +118,7 @@ reads ``state.live`` and ``state.buffering`` to know where a message goes.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Union
 
 from clonemap.shards.common.timing import SILENCE_TIMEOUT_S
 
@@ -446,7 +451,7 @@ def _on_tick(state: State, ev: Tick, now: float) -> tuple[State, list]:
     return state, []
 
 
-def _on_handshake(state: State) -> tuple[State, list]:
+def _handshake(state: State, event: Handshake, now: float) -> tuple[State, list]:
     if state.phase == INITIAL:
         live = "start"
     elif state.sub_lost:
@@ -458,100 +463,195 @@ def _on_handshake(state: State) -> tuple[State, list]:
     return replace(state, live=live), [ArmGrace()]
 
 
+def _ignored(state: State, event: Event, now: float) -> tuple[State, list]:
+    return state, []
+
+
+def _start(state: State, event: Start, now: float) -> tuple[State, list]:
+    if state.started:
+        return state, []
+    return (_connected(state, started=True, phase=INITIAL, since_s=now),
+            [Connect(state.server)])
+
+
+def _tick(state: State, event: Tick, now: float) -> tuple[State, list]:
+    heard_s = max(event.last_heard_s, event.last_snapshot_s)
+    if heard_s != state.heard_s:
+        state = replace(state, heard_s=heard_s)
+    return _on_tick(state, event, now)
+
+
+def _disconnected(state: State, event: Disconnected, now: float) -> tuple[State, list]:
+    return replace(state, sub_lost=True), []
+
+
+def _live_proven(state: State, event: LiveProven, now: float) -> tuple[State, list]:
+    if not state.live:
+        return state, []
+    proof = SubscriberLive() if state.live == "start" else Reconnected()
+    return step(replace(state, live=""), proof, now)
+
+
+def _serving(state: State, event: Serving, now: float) -> tuple[State, list]:
+    return (replace(state, not_serving=False), []) if state.not_serving else (state, [])
+
+
+def _replayed(state: State, event: Replayed, now: float) -> tuple[State, list]:
+    return (replace(state, buffering=False), []) if state.buffering else (state, [])
+
+
+def _keep(state: State, event: Keep, now: float) -> tuple[State, list]:
+    return (replace(state, phase=KEPT, generation=event.generation, epoch=state.epoch + 1,
+                    live=""), [Freeze()])
+
+
+def _subscriber_live(state: State, event: SubscriberLive, now: float) -> tuple[State, list]:
+    return _request(replace(state, attempts=0, holding=False), now,
+                    "start" if not state.synced else "reconnect")
+
+
+def _not_serving_event(state: State, event: NotServing, now: float) -> tuple[State, list]:
+    if state.config.servers > 1:
+        state = replace(state, not_serving=True, live="")
+    return _not_serving(state, now)
+
+
+def _rejected(state: State, event: SnapshotRejected, now: float) -> tuple[State, list]:
+    # as if this request had timed out, paced like one: the shell has dropped the
+    # reply; after sync_timeout_s the next Tick asks again, or moves on
+    return replace(state, since_s=now), []
+
+
+def _new_generation(state: State, event: NewGeneration, now: float) -> tuple[State, list]:
+    return _request(replace(state, attempts=0), now,
+                    f"map generation changed ({event.old} -> {event.new})")
+
+
+def _snapshot_done(state: State, event: SnapshotDone, now: float) -> tuple[State, list]:
+    outage = state.outage
+    return (replace(state, phase=ACTIVE, attempts=0, since_s=now,
+                    snapshot_seq=event.seq, synced=True, standby_streak=0,
+                    generation=event.generation, outage=None, resend=False,
+                    resuming=False),
+            [InstallSnapshot(event.seq, resync=state.synced, generation=event.generation,
+                             old_generation=state.generation, outage=outage,
+                             resend=outage is not None or state.resend)])
+
+
+def _overflow(state: State, event: BufferOverflow, now: float) -> tuple[State, list]:
+    # not the server's fault: do not count it against the server
+    attempts = state.attempts - 1 if state.phase == SYNCING else 0
+    return _request(replace(state, attempts=attempts), now,
+                    f"sync buffer overflow ({event.buffered} updates)")
+
+
+def _gap(state: State, event: Gap, now: float) -> tuple[State, list]:
+    return _request(replace(state, attempts=0), now,
+                    f"sequence gap (expected {event.expected}, got {event.got})")
+
+
+def _fell_behind(state: State, event: FellBehind, now: float) -> tuple[State, list]:
+    return _request(replace(state, attempts=0), now,
+                    f"fell behind the publisher by {event.lag_s:.2f} s")
+
+
+def _backwards(state: State, event: SequenceBackwards, now: float) -> tuple[State, list]:
+    return _request(replace(state, attempts=0), now,
+                    f"sequence went backwards (last {event.last}, got {event.got})")
+
+
+def _reconnected(state: State, event: Reconnected, now: float) -> tuple[State, list]:
+    state = replace(state, resend=True)  # the server may have restarted
+    if state.phase == INITIAL:
+        return state, []
+    return _request(replace(state, attempts=0), now,
+                    "subscriber reconnected (updates missed; server restarted?)")
+
+
+# --------------------------------------------------------------------------- the table
+
+class Cell(NamedTuple):
+    """What an event does in one phase: ``does``, the words of the module doc's table,
+    and ``run(state, event, now) -> (state, effects)``."""
+    does: str
+    run: Callable[[Any, Any, float], tuple[State, list]]
+
+
+NOTHING = Cell("-", _ignored)
+PHASES = (INITIAL, SYNCING, ACTIVE)
+"""The table's columns (KEPT ignores every event, and before ``Start`` every event but
+``Start`` is ignored: ``step`` says so before it reads the table)."""
+
+
+def _row(initial: Cell, syncing: Cell = NOTHING, active: Cell = NOTHING) -> dict[str, Cell]:
+    return {INITIAL: initial, SYNCING: syncing, ACTIVE: active}
+
+
+def _all(does: str, run: Callable[[Any, Any, float], tuple[State, list]]) -> dict[str, Cell]:
+    cell = Cell(does, run)
+    return _row(cell, cell, cell)
+
+
+TABLE: dict[type, dict[str, Cell]] = {
+    Start: _row(Cell("Connect (once)", _start)),
+    Handshake: _row(Cell('live="start", ArmGrace (not if not_serving)', _handshake),
+                    Cell('if sub_lost: live="reconnect", ArmGrace (not if not_serving)',
+                         _handshake),
+                    Cell("as SYNCING", _handshake)),
+    Disconnected: _all("sub_lost", _disconnected),
+    LiveProven: _all("the pending live event: SubscriberLive or Reconnected", _live_proven),
+    SubscriberLive: _row(Cell('req ("start"/"reconnect")', _subscriber_live)),
+    Reconnected: _row(Cell("resend after the next install", _reconnected),
+                      Cell("resend; req", _reconnected), Cell("resend; req", _reconnected)),
+    NotServing: _row(Cell("pair: move; every server in a row: hold, then move. Lone: req "
+                          "(its vote)", _not_serving_event),
+                     Cell("pair: move; lone: -", _not_serving_event),
+                     Cell("pair: move; lone: -", _not_serving_event)),
+    Serving: _all("not_serving cleared", _serving),
+    Tick: _row(Cell("hold/connect timeouts", _tick),
+               Cell("sync timeout: req, then move after max_attempts", _tick),
+               Cell("silence: move", _tick)),
+    SnapshotDone: _row(NOTHING, Cell("ACTIVE, InstallSnapshot", _snapshot_done)),
+    SnapshotRejected: _row(NOTHING, Cell("paced like a timeout", _rejected)),
+    BufferOverflow: _row(NOTHING, Cell("req (not counted)", _overflow),
+                         Cell("req", _overflow)),
+    Gap: _row(NOTHING, NOTHING, Cell("req", _gap)),
+    FellBehind: _row(NOTHING, NOTHING, Cell("req", _fell_behind)),
+    SequenceBackwards: _row(NOTHING, NOTHING, Cell("req", _backwards)),
+    NewGeneration: _row(NOTHING, NOTHING, Cell("req", _new_generation)),
+    Replayed: _all("buffering ends", _replayed),
+    Keep: _all("KEPT, Freeze", _keep),
+}
+"""What each event does, by phase: the transitions ``step`` performs, and the table of
+the module doc (``render_table``; a test keeps the two equal)."""
+
+_EVENT_W, _CELL_W = 18, 23
+
+
+def render_table() -> str:
+    """``TABLE`` as the module doc shows it: an event per row, a phase per column."""
+    import textwrap
+
+    lines = [(f"{'event':<{_EVENT_W}}  " + "  ".join(f"{p:<{_CELL_W}}" for p in PHASES)).rstrip(),
+             "  ".join("-" * w for w in (_EVENT_W, *(_CELL_W,) * len(PHASES)))]
+    for kind, cells in TABLE.items():
+        columns = [[kind.__name__]] + [textwrap.wrap(cells[p].does, _CELL_W)
+                                       for p in PHASES]
+        for i in range(max(map(len, columns))):
+            parts = [(c[i] if i < len(c) else "") for c in columns]
+            line = f"{parts[0]:<{_EVENT_W}}  " + "  ".join(
+                f"{part:<{_CELL_W}}" for part in parts[1:])
+            lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
 def step(state: State, event: Event, now: float) -> tuple[State, list]:
-    """Advance ``state`` by ``event`` at time ``now``; return the new state and effects.
-    Events that do not apply in the current phase are ignored (no effects)."""
+    """Advance ``state`` by ``event`` at time ``now``; return the new state and effects,
+    as ``TABLE`` says for the event in the current phase ("-": ignored, no effects)."""
     kind = type(event)
-    phase = state.phase
-    if phase == KEPT:
+    if state.phase == KEPT or (not state.started and kind is not Start):
         return state, []
-    if kind is Tick:
-        if not state.started:
-            return state, []
-        heard_s = max(event.last_heard_s, event.last_snapshot_s)
-        if heard_s != state.heard_s:
-            state = replace(state, heard_s=heard_s)
-        return _on_tick(state, event, now)
-    if kind is Start:
-        if state.started:
-            return state, []
-        return (_connected(state, started=True, phase=INITIAL, since_s=now),
-                [Connect(state.server)])
-    if not state.started:
-        return state, []
-    if kind is Handshake:
-        return _on_handshake(state)
-    if kind is Disconnected:
-        return replace(state, sub_lost=True), []
-    if kind is LiveProven:
-        if not state.live:
-            return state, []
-        proof = SubscriberLive() if state.live == "start" else Reconnected()
-        return step(replace(state, live=""), proof, now)
-    if kind is Serving:
-        return (replace(state, not_serving=False), []) if state.not_serving else (state, [])
-    if kind is Replayed:
-        return (replace(state, buffering=False), []) if state.buffering else (state, [])
-    if kind is Keep:
-        return (replace(state, phase=KEPT, generation=event.generation, epoch=state.epoch + 1,
-                        live=""), [Freeze()])
-    if kind is SubscriberLive:
-        if phase != INITIAL:
-            return state, []
-        return _request(replace(state, attempts=0, holding=False), now,
-                        "start" if not state.synced else "reconnect")
-    if kind is NotServing:
-        if state.config.servers > 1:
-            state = replace(state, not_serving=True, live="")
-        return _not_serving(state, now)
-    if kind is SnapshotRejected:
-        # as if this request had timed out, paced like one: the shell has dropped the
-        # reply; after sync_timeout_s the next Tick asks again, or moves on
-        if phase != SYNCING:
-            return state, []
-        return replace(state, since_s=now), []
-    if kind is NewGeneration:
-        if phase != ACTIVE:
-            return state, []
-        return _request(replace(state, attempts=0), now,
-                        f"map generation changed ({event.old} -> {event.new})")
-    if kind is SnapshotDone:
-        if phase != SYNCING:
-            return state, []
-        outage = state.outage
-        return (replace(state, phase=ACTIVE, attempts=0, since_s=now,
-                        snapshot_seq=event.seq, synced=True, standby_streak=0,
-                        generation=event.generation, outage=None, resend=False,
-                        resuming=False),
-                [InstallSnapshot(event.seq, resync=state.synced, generation=event.generation,
-                                 old_generation=state.generation, outage=outage,
-                                 resend=outage is not None or state.resend)])
-    if kind is BufferOverflow:
-        if phase == INITIAL:
-            return state, []
-        # not the server's fault: do not count it against the server
-        attempts = state.attempts - 1 if phase == SYNCING else 0
-        return _request(replace(state, attempts=attempts), now,
-                        f"sync buffer overflow ({event.buffered} updates)")
-    if kind is Gap:
-        if phase != ACTIVE:
-            return state, []
-        return _request(replace(state, attempts=0), now,
-                        f"sequence gap (expected {event.expected}, got {event.got})")
-    if kind is FellBehind:
-        if phase != ACTIVE:
-            return state, []
-        return _request(replace(state, attempts=0), now,
-                        f"fell behind the publisher by {event.lag_s:.2f} s")
-    if kind is SequenceBackwards:
-        if phase != ACTIVE:
-            return state, []
-        return _request(replace(state, attempts=0), now,
-                        f"sequence went backwards (last {event.last}, got {event.got})")
-    if kind is Reconnected:
-        state = replace(state, resend=True)  # the server may have restarted
-        if phase == INITIAL:
-            return state, []
-        return _request(replace(state, attempts=0), now,
-                        "subscriber reconnected (updates missed; server restarted?)")
-    raise TypeError(f"not a shard machine event: {event!r}")
+    cells = TABLE.get(kind)
+    if cells is None:
+        raise TypeError(f"not a shard machine event: {event!r}")
+    return cells[state.phase].run(state, event, now)

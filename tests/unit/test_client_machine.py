@@ -355,3 +355,30 @@ def test_keep_freezes_the_shard_and_every_later_event_is_ignored():
     for event in (Tick(0, 0), sm.Handshake(), sm.NotServing(), Gap(1, 3), Start(),
                   SubscriberLive(), sm.Reconnected(), sm.Keep("g2")):
         assert step(state, event, 100.0) == (state, [])
+
+
+def test_the_module_doc_shows_the_table_step_reads():
+    """The header's table is ``TABLE`` rendered: a change to a transition changes the
+    doc's words, or this fails."""
+    shown = "\n".join(("    " + line) if line else "" for line in
+                      sm.render_table().splitlines())
+    assert shown in sm.__doc__
+    assert shown.count("\n") > 20
+
+
+def test_the_table_has_a_row_for_every_event_and_a_cell_for_every_phase():
+    events = set(sm.Event.__args__)
+    assert set(sm.TABLE) == events and len(events) == 18
+    for kind, cells in sm.TABLE.items():
+        assert set(cells) == set(sm.PHASES), kind
+        for phase, cell in cells.items():
+            # "-" in the doc is exactly the cells that change nothing
+            assert (cell.does == "-") == (cell.run is sm.NOTHING.run), (kind, phase)
+
+
+def test_an_ignored_cell_changes_nothing_and_an_unknown_event_is_an_error():
+    state = sm.step(sm.State(Config(servers=2)), sm.Start(), 0.0)[0]
+    assert state.phase == INITIAL and sm.TABLE[sm.Gap][INITIAL] is sm.NOTHING
+    assert sm.step(state, sm.Gap(1, 3), 1.0) == (state, [])
+    with pytest.raises(TypeError, match="not a shard machine event"):
+        sm.step(state, object(), 1.0)
