@@ -4,8 +4,9 @@
     python -m bench all [--smoke|--full] [--only NAME ...]   # every scenario, then the report
     python -m bench [--smoke|--full] [--only NAME ...]       # the same as ``all``
 
-Profiles: ``--smoke`` (tiny sizes, seconds each: checks that nothing rotted), quick (the
-default; a few minutes in all) and ``--full`` (the figures the committed report quotes).
+Profiles (``--smoke``, quick by default, ``--full``, ``--profile 16core``) are defined once,
+in ``PROFILES``: each one's sizes for every scenario and what it is for, which ``python -m
+bench --help`` prints.
 Each scenario prints its tables and saves a JSON record under ``--results-dir`` (default
 bench/results/, newest copy in bench/results/latest/<record>.json); ``all`` ends with the
 report (Markdown + PNG plots from the latest records) and a table of what ran. A scenario
@@ -130,8 +131,18 @@ ONLY_ORDER = [*ORDER, *(n for n in SCENARIOS if n not in ORDER and n != "report"
               "report"]
 """Every scenario ``--only`` takes, in the order they run (``failover_supervised`` too)."""
 
-PROFILES: dict[str, dict[str, list[str]]] = {
-    "smoke": {
+@dataclass(frozen=True)
+class Profile:
+    """One set of sizes for ``all``: what it is for (the help says it), each scenario's
+    options, and the scenarios it runs in order (None: ``ORDER``, then the report)."""
+
+    about: str
+    args: dict[str, list[str]]
+    order: list[str] | None = None
+
+
+PROFILES: dict[str, Profile] = {
+    "smoke": Profile("tiny sizes, seconds each: checks that nothing rotted", {
         "single": ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "1", "--keys", "2000",
                    "--retries", "0"],
         "scaleout": ["--shards", "1,2", "--seconds", "0.3", "--warmup", "0.1", "--rounds", "1",
@@ -167,8 +178,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "peers": ["--keys", "2000", "--rounds", "1", "--seconds", "0.5", "--warmup", "0.2",
                   "--rate", "500", "--fanout-rate", "200", "--watchers", "4"],
         "report": [],
-    },
-    "quick": {
+    }),
+    "quick": Profile("the default: a few minutes in all", {
         "single": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
         "scaleout": ["--shards", "1,2,4", "--seconds", "2", "--warmup", "1", "--rounds", "2"],
         "latency": ["--fractions", "0.25,0.5,0.9", "--seconds", "2", "--warmup", "0.5",
@@ -195,8 +206,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "hot_path": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
         "peers": ["--rounds", "3", "--seconds", "3", "--warmup", "1"],
         "report": [],
-    },
-    "full": {
+    }),
+    "full": Profile("the figures the committed report quotes", {
         "single": ["--seconds", "5", "--warmup", "1", "--rounds", "5",
                    "--quiet-wait-s", "15"],
         "scaleout": ["--shards", "1,2,4", "--seconds", "4", "--warmup", "1", "--rounds", "3"],
@@ -224,10 +235,12 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "hot_path": ["--seconds", "3", "--warmup", "1", "--rounds", "3"],
         "peers": ["--rounds", "5", "--seconds", "4", "--warmup", "1"],
         "report": [],
-    },
-    # A many-core host (16 cores): python -m bench all --profile 16core. Every scenario
-    # sizes its harness from the cores (plans printed first); ~6 min in all.
-    "16core": {
+    }),
+    # Every scenario sizes its harness from the cores (plans printed first).
+    "16core": Profile(
+        "a many-core host (16 cores): scale-out to 6 shards, the supervised cluster flat "
+        "out and at 25%/50%, 1,000 subscribers direct and through relays, failover, "
+        "worker hand-off; ~6 min", {
         "scaleout": ["--shards", "1,2,4,6", "--seconds", "3", "--warmup", "1", "--rounds",
                      "1", "--pin", "--harness", "auto"],
         "cluster": ["--config", "configs/16core-cluster.yaml", "--seconds", "3", "--warmup",
@@ -240,11 +253,8 @@ PROFILES: dict[str, dict[str, list[str]]] = {
         "handoff": ["--modes", "inline,thread,workers", "--work", "cpu", "--work-us", "50",
                     "--workers", "1,2,4,8", "--rate", "100000", "--seconds", "1"],
         "report": [],
-    },
+    }, order=["scaleout", "cluster", "relays", "failover", "handoff", "report"]),
 }
-PROFILE_ORDER = {"16core": ["scaleout", "cluster", "relays", "failover", "handoff",
-                            "report"]}
-"""Profiles that run their own list (the others run ``ORDER``)."""
 
 
 def _epilog() -> str:
@@ -281,13 +291,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_epilog())
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--full", action="store_true",
-                      help="the full sizes: the figures the committed report quotes")
-    size.add_argument("--smoke", action="store_true", help="tiny sizes (seconds each)")
+                      help="--profile full: " + PROFILES["full"].about)
+    size.add_argument("--smoke", action="store_true",
+                      help="--profile smoke: " + PROFILES["smoke"].about)
     size.add_argument("--profile", choices=sorted(PROFILES),
-                      help="a named profile: smoke, quick (the default), full, or 16core "
-                           "(a many-core host: scale-out to 6 shards, the supervised "
-                           "cluster flat out and at 25%%/50%%, 1,000 subscribers direct and "
-                           "through relays, failover, worker hand-off; ~6 min)")
+                      help="a named profile (quick by default): " + "; ".join(
+                          f"{name}: {p.about}" for name, p in PROFILES.items()
+                      ).replace("%", "%%"))
     ap.add_argument("--only", action="append", metavar="NAME",
                     choices=[*SCENARIOS, *ALIASES],
                     help=f"run only this scenario (repeatable): {', '.join(ONLY_ORDER)} "
@@ -316,9 +326,10 @@ def parse_all(argv: list[str], prog: str) -> argparse.Namespace:
     if args.results_dir is None:
         args.results_dir = str(rec.SCRATCH_DIR if args.profile == "smoke"
                                else rec.PROFILE_DIRS.get(args.profile, rec.RESULTS_DIR))
+    profile = PROFILES[args.profile]
     args.names = ([ALIASES.get(n, n) for n in args.only] if args.only
-                  else PROFILE_ORDER.get(args.profile, [*ORDER, "report"]))
-    missing = [n for n in args.names if n not in PROFILES[args.profile]]
+                  else profile.order or [*ORDER, "report"])
+    missing = [n for n in args.names if n not in profile.args]
     if missing:
         build_parser(prog).error(f"profile {args.profile} has no sizes for {missing}")
     return args
@@ -328,7 +339,7 @@ def run_all(args: argparse.Namespace) -> int:
     from bench.harness.procs import exit_on_sigterm
 
     exit_on_sigterm()
-    profile = PROFILES[args.profile]
+    profile = PROFILES[args.profile].args
     names = sorted(set(args.names), key=ONLY_ORDER.index)
     rows, failed = [], 0
     t_all = time.monotonic()

@@ -58,6 +58,7 @@ from bench.harness import record as rec
 from bench.harness.fleet import timed_writer
 from bench.harness.procs import (Target, bench_main, cpu_pct_each, cpu_seconds, own_cpu_seconds,
                                  server_argv, start_on_free_ports)
+from bench.harness.stats import percentile
 from bench.harness.traffic import STAMP_BYTES, key_index, stamp_of
 
 NAME = "fanout"
@@ -127,14 +128,6 @@ def canonical_command(args: argparse.Namespace) -> str:
     opts = {k: (",".join(map(str, v)) if isinstance(v, list) else v)
             for k, v in vars(args).items() if k != "results_dir"}
     return rec.command_line(f"bench.{NAME}", opts)
-
-
-def percentile(sorted_values: list[float], pct: float) -> float:
-    """Nearest-rank percentile of an already sorted list."""
-    if not sorted_values:
-        return float("nan")
-    rank = max(1, math.ceil(pct / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
 
 
 # ================================================================ the subscriber process
@@ -328,9 +321,8 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace,
         "strays_total": sum(c["strays"] for c in clients),
         "complete": all(c["received"] == timed and c["missing"] == 0 for c in clients),
         "latency_ms": {"samples": len(lat_ms),
-                       "p50": round(percentile(lat_ms, 50), 3),
-                       "p99": round(percentile(lat_ms, 99), 3),
-                       "p99.9": round(percentile(lat_ms, 99.9), 3),
+                       **{f"p{p:g}": round(percentile(lat_ms, p), 3) if lat_ms else None
+                          for p in (50, 99, 99.9)},
                        "max": round(lat_ms[-1], 3) if lat_ms else None},
         "window_s": round(window_s, 3), "cpu_pct": cpu_pct,
         "subscriber_process_cpu_pct": each, "harness_bound": "; ".join(hot),

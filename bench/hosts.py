@@ -48,6 +48,7 @@ from pathlib import Path
 
 from bench.harness import record as rec
 from bench.harness.procs import Target, bench_main, cpu_seconds
+from bench.harness.stats import percentile
 
 NAME = "hosts"
 MODES = ("one host", "across, sync", "across, async")
@@ -159,7 +160,8 @@ def measure(setup: Setup, mode: str, in_flight: int, rnd: int) -> dict:
     cpu = [after.get(p, 0.0) - before.get(p, 0.0) for p in pids]
 
     def pct(q: float) -> float | None:
-        return round(1000 * lat[min(len(lat) - 1, int(q * len(lat)))], 3) if lat else None
+        value = percentile(lat, q * 100)
+        return round(1000 * value, 3) if value is not None else None
 
     return {"round": rnd, "mode": mode, "in_flight": in_flight, "acked": acked,
             "failed": len(got["writes"]) - acked, "errors": got["errors"],

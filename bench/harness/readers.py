@@ -17,6 +17,7 @@ import time
 import zmq
 
 from bench.harness.procs import own_cpu_seconds
+from bench.harness.stats import percentile
 
 STAMP = struct.Struct(">Q")
 SAMPLE = 20_000
@@ -41,20 +42,15 @@ def subscriber_processes(subscribers: int, relays: int, requested: int = 0,
 def weighted_percentiles(parts: list[dict], points=(0.50, 0.99)) -> dict:
     """Percentiles over every process's deliveries from each one's strided sample of its
     sorted latencies (``sample_ns``) and its count: each sample stands for count/len
-    deliveries. ``max`` is exact (each process's own)."""
+    deliveries (``bench.harness.stats``, weighted). ``max`` is exact (each process's
+    own)."""
     pairs = sorted((v, p["count"] / len(p["sample_ns"]))
                    for p in parts if p["sample_ns"] for v in p["sample_ns"])
-    total = sum(w for _, w in pairs)
-    out: dict = {}
     if not pairs:
         return {f"p{round(q * 100)}_ms": None for q in points} | {"max_ms": None}
-    for q in points:
-        acc, goal = 0.0, q * total
-        for v, w in pairs:
-            acc += w
-            if acc >= goal:
-                break
-        out[f"p{round(q * 100)}_ms"] = round(v / 1e6, 3)
+    values, weights = [v for v, _ in pairs], [w for _, w in pairs]
+    out: dict = {f"p{round(q * 100)}_ms": round(percentile(values, q * 100, weights) / 1e6, 3)
+                 for q in points}
     out["max_ms"] = round(max(p["max_ns"] for p in parts if p["sample_ns"]) / 1e6, 3)
     return out
 

@@ -62,6 +62,8 @@ import struct
 import time
 from dataclasses import dataclass
 
+from bench.harness.stats import percentile
+
 KEY_FORMAT = "/k%08d"
 STAMP_BYTES = 8
 SCHEDULE_LEN = 1 << 18
@@ -389,11 +391,9 @@ the sorted list) for a merge across subscribers; a run's sampling (one update in
 
 
 def percentiles_ms(sorted_ns: list[int], points=(50, 90, 99, 99.9)) -> dict[str, float]:
+    """``{"p50": ms, ..., "max": ms}`` of sorted nanoseconds (``bench.harness.stats``)."""
     if not sorted_ns:
         return {}
-    out = {}
-    for p in points:
-        idx = min(len(sorted_ns) - 1, int(len(sorted_ns) * p / 100))
-        out[f"p{p:g}"] = round(sorted_ns[idx] / 1e6, 3)
+    out = {f"p{p:g}": round(percentile(sorted_ns, p) / 1e6, 3) for p in points}
     out["max"] = round(sorted_ns[-1] / 1e6, 3)
     return out

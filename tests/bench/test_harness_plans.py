@@ -132,12 +132,15 @@ def test_percentiles_over_processes_weigh_each_sample_by_what_it_stands_for():
 
 @pytest.mark.parametrize("bad", ["--profile", "nosuch"])
 def test_the_16core_profile_is_named_and_complete(bad):
-    from bench.__main__ import PROFILE_ORDER, PROFILES, parse_all
+    from bench.__main__ import PROFILES, build_parser, parse_all
 
     args = parse_all(["--profile", "16core"], "python -m bench")
-    assert args.names == PROFILE_ORDER["16core"]
+    assert args.names == PROFILES["16core"].order
     assert args.results_dir.endswith("bench/results/16core")
-    assert set(PROFILE_ORDER["16core"]) <= set(PROFILES["16core"])
+    assert set(PROFILES["16core"].order) <= set(PROFILES["16core"].args)
+    helps = " ".join(" ".join(build_parser("python -m bench").format_help().split()).split())
+    for name, profile in PROFILES.items():  # each profile is said once, where it is defined
+        assert f"{name}: {' '.join(profile.about.split())}" in helps
     with pytest.raises(SystemExit):
         parse_all([bad] if bad == "--profile" else ["--profile", bad], "python -m bench")
 
