@@ -11,7 +11,7 @@ the event it returns (``Incoming.on_message``) or the callbacks it was given.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import zmq
 
@@ -42,7 +42,7 @@ class AgentView(Protocol):
     reset_policy: str
     kvset_queue_max: int
     affinity: int
-    ctx: zmq.Context
+    ctx: zmq.Context[Any]
     security: Security
     clock: Callable[[], float]
     loop: asyncio.AbstractEventLoop | None

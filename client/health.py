@@ -91,7 +91,8 @@ class Health:
             "running cluster's own config, or control= to fetch its map",
             field="routing")
         self.fail_now(exc)
-        agent.loop.call_soon(self._close_agents)  # inside the agent's SUB batch now
+        if agent.loop is not None:  # inside the agent's SUB batch now: next turn
+            agent.loop.call_soon(self._close_agents)
 
     def fail_now(self, exc: ClonemapError) -> None:
         """Fail every call, every watch and a start in progress with ``exc`` (each of them
@@ -114,7 +115,8 @@ class Health:
         exc = make_exc()
         self.fail_now(exc)
         # closed on the next loop turn: this runs inside an agent's SUB batch
-        agent.loop.call_soon(self._close_agents)
+        if agent.loop is not None:
+            agent.loop.call_soon(self._close_agents)
         if self.on_slow is not None:
             try:
                 self.on_slow(exc)

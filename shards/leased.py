@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import zmq
 
@@ -52,7 +52,7 @@ class Lease(Protocol):
     def want(self, wanted: bool) -> None: ...
     def valid(self, now: float) -> bool: ...
     def close(self) -> None: ...
-    def stats(self) -> dict: ...
+    def stats(self) -> dict[str, Any]: ...
 
 
 class Leased:
@@ -156,7 +156,7 @@ class Leased:
             loop.call_soon(self.check)
         return True
 
-    def link_options(self, sock: zmq.Socket) -> None:
+    def link_options(self, sock: zmq.Socket[Any]) -> None:
         zio.link_heartbeats(sock, self.heartbeat_s)
 
     # ------------------------------------------------------------------ requests that wait
@@ -217,5 +217,5 @@ class Leased:
             if at >= oldest:
                 self._answer(frames)  # waits too while writes are parked
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {**self.lease.stats(), "fenced_batches": self.fenced_batches}

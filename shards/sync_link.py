@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from clonemap.shards.common.proto.bstar import UPDATES
 from clonemap.shards.outbox import KVPUB_FRAMES, Batch
@@ -158,6 +158,8 @@ class SyncLink:
         """Each update as one ``BSTAR-UPD`` message (a message has at most
         ``zio.MAX_FRAMES`` frames: a whole batch in one would be cut)."""
         peer = self.peer
+        if peer is None:
+            return
         messages = [[peer, UPDATES, *updates[i:i + KVPUB_FRAMES]]
                     for i in range(0, len(updates), KVPUB_FRAMES)]
         if not self._send_messages(messages):  # its pipe is full or gone
@@ -263,7 +265,7 @@ class SyncLink:
         self._disarm()
         return dropped
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {**self.counters, "peer_attached": self.peer is not None,
                 "peer_has": self.peer_has, "parked": self.parked,
                 "awaiting_batches": len(self.awaiting), "alone": self.alone}

@@ -140,6 +140,23 @@ class Proc:
                 f"{contains!r}\nstderr tail:\n" + "\n".join(self.stderr[-30:]))
         return line
 
+    def wait_stderr(self, contains: str, start: int = 0, timeout_s: float = 15.0) -> int:
+        """Block until a stderr line at index ``start`` or later contains ``contains``
+        (woken by each line the reader thread appends); its index. Fails with the tail
+        if it does not come, or if the process exits first."""
+        try:
+            index = self._err.wait_index(lambda text: contains in text, start, timeout_s)
+        except TimeoutError:
+            raise AssertionError(f"{self.args[:6]}: no {contains!r} on stderr within "
+                                 f"{timeout_s} s; tail:\n" + "\n".join(self.stderr[-20:])
+                                 ) from None
+        if index is None:
+            self.popen.wait(5)
+            raise AssertionError(f"{self.args[:6]} exited ({self.popen.returncode}) "
+                                 f"without {contains!r} on stderr; tail:\n"
+                                 + "\n".join(self.stderr[-20:]))
+        return index
+
     def alive(self) -> bool:
         return self.popen.poll() is None
 

@@ -34,20 +34,49 @@ class LinePump:
 
     def __init__(self, stream: IO[bytes], *, queued: bool = True):
         self.lines: list[str] = []
+        self.ended = False
+        """The stream closed (the child exited, or closed it)."""
         self._queue: "queue.Queue[str | None] | None" = queue.Queue() if queued else None
+        self._changed = threading.Condition()
         self.thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
         self.thread.start()
 
     def _run(self, stream: IO[bytes]) -> None:
         q = self._queue
+        changed = self._changed
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
-            self.lines.append(line)
+            with changed:
+                self.lines.append(line)
+                changed.notify_all()
             if q is not None:
                 q.put(line)
         stream.close()
+        with changed:
+            self.ended = True
+            changed.notify_all()
         if q is not None:
             q.put(None)  # end of stream
+
+    def wait_index(self, match: Callable[[str], bool], start: int = 0,
+                   timeout_s: float = 15.0) -> int | None:
+        """The index of the first line at or after ``start`` that ``match``es, waiting
+        for lines as they come (the reader thread notifies); None if the stream ended
+        first. Raises ``TimeoutError`` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        i = start
+        with self._changed:
+            while True:
+                while i < len(self.lines):
+                    if match(self.lines[i]):
+                        return i
+                    i += 1
+                if self.ended:
+                    return None
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"no matching line within {timeout_s} s")
+                self._changed.wait(remaining)
 
     def wait_for(self, match: Callable[[str], bool], timeout_s: float) -> str | None:
         """The next queued line that ``match``es; None if the stream ended first (the

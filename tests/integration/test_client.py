@@ -16,9 +16,9 @@ import time
 
 import msgpack
 import pytest
-import uvloop
 import zmq
 
+from helpers import run_async as run
 from clonemap.shards.common.errors import SlowConsumer, Timeout
 from clonemap.shards.common.proto import chp
 from clonemap.client.api import AsyncClone, Clone
@@ -26,10 +26,6 @@ from clonemap.client.watch import DELETE, PUT, SYNCED
 
 DEADLINE_S = 5.0
 
-
-def run(coro):
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(asyncio.wait_for(coro, 30))
 
 
 class FakeServer:

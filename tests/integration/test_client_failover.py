@@ -21,9 +21,9 @@ import threading
 import time
 
 import pytest
-import uvloop
 import zmq
 
+from helpers import run_async as run, watch_until as until, wait_stderr
 from conftest import free_port_base
 from test_client_server import fetch_map  # a raw ICANHAZ (only an active answers)
 from clonemap.client.events import FailoverInfo
@@ -43,10 +43,6 @@ UNSEEN: list[tuple[str, int, int]] = []
 """(writer, KVSETs whose UUID no recorder saw, KVSETs sent), printed at the end."""
 """(scenario, gap_s) for every resumed failover, printed at the end of the module."""
 
-
-def run(coro, timeout_s: float = 90.0):
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(asyncio.wait_for(coro, timeout_s))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -79,25 +75,6 @@ def start_standalone(procs, port: int):
     proc.port = port
     proc.address = f"tcp://127.0.0.1:{port}"
     return proc
-
-
-def wait_stderr(proc, text: str, timeout_s: float = DEADLINE_S, start: int = 0) -> int:
-    """Until a stderr line (from index ``start``) contains ``text``; its index."""
-    deadline = time.monotonic() + timeout_s
-    i = start
-    while True:
-        lines = proc.stderr
-        while i < len(lines):
-            if text in lines[i]:
-                return i
-            i += 1
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{proc.args[2:6]}: no {text!r} on stderr within "
-                                 f"{timeout_s} s; tail:\n" + "\n".join(lines[-15:]))
-        if not proc.alive() and i >= len(proc.stderr):
-            raise AssertionError(f"{proc.args[2:6]} exited ({proc.popen.returncode}) "
-                                 f"without {text!r}; tail:\n" + "\n".join(lines[-15:]))
-        time.sleep(0.02)
 
 
 def wait_state(ctx: zmq.Context, port: int, state: wire.State,
@@ -244,6 +221,8 @@ class Writer:
         self.counter = itertools.count()
         self._stop = asyncio.Event()
         self.task: asyncio.Task | None = None
+        self.rounds = 0
+        self._progress = asyncio.Condition()
 
     def start(self) -> None:
         self._stop.clear()
@@ -263,7 +242,16 @@ class Writer:
             shared = f"/shared/k{n % self.SHARED_KEYS}"
             self.uuids.append(await self.client.set(shared, value))
             self.sent[self.uuids[-1]] = (time.monotonic(), shared, value)
-            await asyncio.sleep(0.004)
+            async with self._progress:
+                self.rounds += 1
+                self._progress.notify_all()
+            await asyncio.sleep(0.004)  # the writers' pace, not a wait
+
+    async def wrote(self, rounds: int) -> None:
+        """Until this writer has written ``rounds`` more rounds (three writes each)."""
+        target = self.rounds + rounds
+        async with self._progress:
+            await self._progress.wait_for(lambda: self.rounds >= target)
 
     async def stop(self) -> None:
         self._stop.set()
@@ -350,7 +338,7 @@ def test_kill_active_then_restart_and_kill_the_other_under_writes(procs, zctx):
             for w in writers:
                 w.start()
             # ---- round 1: kill -9 the primary (active) under writes
-            await asyncio.sleep(0.5)  # a steady stream is flowing (not waiting for an event)
+            await asyncio.gather(*(w.wrote(50) for w in writers))  # a steady stream flows
             KILLS.append(time.monotonic())
             primary.signal(signal.SIGKILL)
             for n, ev in events.items():
@@ -360,7 +348,7 @@ def test_kill_active_then_restart_and_kill_the_other_under_writes(procs, zctx):
                 assert info.reason == "silent"
                 GAPS.append(("pair kill -9 primary", info.gap_s))
             wait_state(zctx, backup.port, wire.State.ACTIVE)
-            await asyncio.sleep(0.3)  # writes keep flowing through the new active
+            await asyncio.gather(*(w.wrote(30) for w in writers))  # through the new active
             for w in writers:
                 await w.stop()
             await settle(clients, writers, "round1")
@@ -375,7 +363,7 @@ def test_kill_active_then_restart_and_kill_the_other_under_writes(procs, zctx):
             await asyncio.to_thread(wait_stderr, restarted, "replica synchronised")
             for w in writers:
                 w.start()
-            await asyncio.sleep(0.5)
+            await asyncio.gather(*(w.wrote(50) for w in writers))  # steady writes first
             KILLS.append(time.monotonic())
             backup.signal(signal.SIGKILL)
             for n, ev in events.items():
@@ -383,7 +371,7 @@ def test_kill_active_then_restart_and_kill_the_other_under_writes(procs, zctx):
                 assert (info.old, info.new) == (clients["w0"].servers[1],
                                                 clients["w0"].servers[0]), (n, info)
                 GAPS.append(("pair kill -9 backup", info.gap_s))
-            await asyncio.sleep(0.3)
+            await asyncio.gather(*(w.wrote(30) for w in writers))  # writes after it
             for w in writers:
                 await w.stop()
             await settle(clients, writers, "round2")
@@ -439,19 +427,6 @@ def test_ttl_keys_expire_on_time_across_a_failover(procs, zctx):
     run(main())
 
 
-async def until(w, pred, timeout_s: float = DEADLINE_S) -> list:
-    seen = []
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for change in w:
-                seen.append(change)
-                if pred(change):
-                    return seen
-    except TimeoutError:
-        raise AssertionError(f"no matching change within {timeout_s} s; saw {seen}") from None
-    raise AssertionError(f"watch ended; saw {seen}")
-
-
 async def until_synced(w) -> list:
     return await until(w, lambda c: c.kind == SYNCED)
 
@@ -473,7 +448,7 @@ def test_frozen_active_ends_with_one_active_and_converged_clients(procs, zctx):
             writers += [Writer(n, clients[n]) for n in ("w0", "w1")]
             for w in writers:
                 w.start()
-            await asyncio.sleep(0.3)
+            await asyncio.gather(*(w.wrote(30) for w in writers))  # steady writes first
             KILLS.append(time.monotonic())
             primary.signal(signal.SIGSTOP)
             for n, ev in events.items():
@@ -494,7 +469,7 @@ def test_frozen_active_ends_with_one_active_and_converged_clients(procs, zctx):
             await asyncio.to_thread(wait_stderr, primary, "dual active")
             assert await asyncio.to_thread(primary.wait, DEADLINE_S) != 0
             assert backup.alive()
-            await asyncio.sleep(0.3)
+            await asyncio.gather(*(w.wrote(30) for w in writers))  # writes after it
             for w in writers:
                 await w.stop()
             await settle(clients, writers, "thawed")

@@ -15,9 +15,9 @@ import time
 
 import msgpack
 import pytest
-import uvloop
 import zmq
 
+from helpers import run_async as run, watch_until as until
 from clonemap.client import shard_machine as sm
 from clonemap.client.api import AsyncClone, Clone
 from clonemap.client.watch import DELETE, PUT, SYNCED
@@ -25,10 +25,6 @@ from clonemap.client.watch import DELETE, PUT, SYNCED
 HEARTBEAT_S = 0.2
 DEADLINE_S = 10.0
 
-
-def run(coro, timeout_s: float = 60.0):
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(asyncio.wait_for(coro, timeout_s))
 
 
 def start_server(procs, port: int):
@@ -70,24 +66,6 @@ def fetch_map(ctx: zmq.Context, port: int, subtree: bytes = b"",
 
 def as_bytes_map(items) -> dict[bytes, bytes]:
     return {k.encode(): v for k, v in items}
-
-
-async def until(watch, pred, timeout_s: float = DEADLINE_S) -> list:
-    """Changes from ``watch`` up to and including the first that satisfies ``pred``."""
-    seen = []
-    deadline = time.monotonic() + timeout_s
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise AssertionError(f"watch: no matching change within {timeout_s} s; saw {seen}")
-        try:
-            change = await asyncio.wait_for(watch.__anext__(), remaining)
-        except asyncio.TimeoutError:
-            raise AssertionError(f"watch: no matching change within {timeout_s} s; "
-                                 f"saw {seen}") from None
-        seen.append(change)
-        if pred(change):
-            return seen
 
 
 def sync_until(watch, pred, timeout_s: float = DEADLINE_S) -> list:

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import fill_disk
 from test_supervisor_cli import cli, status, wait_status, write_config
 
 pytestmark = pytest.mark.timeout(240)
@@ -153,16 +154,6 @@ def ext4_repair(path: Path, image: Path, control: str, name: str) -> None:
     assert options.startswith("rw"), f"{path} mounted read-only after the repair: {options}"
 
 
-def fill(disk: Path, leave: int) -> Path:
-    """A filler file that leaves about ``leave`` bytes free on ``disk``."""
-    st = os.statvfs(disk)
-    free = st.f_bavail * st.f_frsize
-    filler = disk / "filler"
-    with open(filler, "wb") as f:
-        f.write(b"\0" * max(0, free - leave))
-    return filler
-
-
 @pytest.fixture
 def cluster(procs, tmp_path):
     """A one-shard cluster (``fsync: everysec``) whose servers' data directories are
@@ -261,7 +252,7 @@ def restart_all_and_check(cluster, ledger: Ledger) -> None:
 def test_a_full_disk_on_the_active_fails_over_and_it_rejoins_when_space_returns(cluster):
     cluster.start()
     assert cluster.active() == "primary"
-    filler = fill(cluster.disks["primary"], leave=512 << 10)
+    filler = fill_disk(cluster.disks["primary"], leave=512 << 10)
     with Ledger(cluster.config) as ledger:
         cluster.ledger = ledger
         cluster.wait_disk_error("primary")
@@ -280,13 +271,13 @@ def test_a_full_disk_on_the_active_fails_over_and_it_rejoins_when_space_returns(
 
 def test_a_full_disk_on_the_passive_then_on_both(cluster):
     cluster.start()
-    fill(cluster.disks["backup"], leave=1 << 20)
+    fill_disk(cluster.disks["backup"], leave=1 << 20)
     with Ledger(cluster.config, per_s=200) as ledger:
         cluster.ledger = ledger
         cluster.wait_disk_error("backup")
         ledger.wait_acked(50)  # the active goes on alone
         assert cluster.active() == "primary"
-        primary_filler = fill(cluster.disks["primary"], leave=256 << 10)
+        primary_filler = fill_disk(cluster.disks["primary"], leave=256 << 10)
         cluster.wait_disk_error("primary")  # both full: the shard stops acknowledging
         out = cli("status", str(cluster.config))
         assert out.returncode == 1 and "disk error" in out.stdout, out.stdout

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import fill_disk
 from clonemap.shards.persist import format as fmt
 from clonemap.shards.persist.recovery import recover
 from clonemap.shards.persist.writer import DataDir
@@ -36,21 +37,11 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
-def fill(disk: Path, leave: int) -> Path:
-    """Fill ``disk`` until about ``leave`` bytes are free; the filler file."""
-    filler = disk / "filler"
-    with open(filler, "wb") as f:
-        while os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize > leave:
-            f.write(b"\0" * 4096)
-            f.flush()
-    return filler
-
-
 def test_a_full_disk_never_leaves_a_partial_record_and_the_batch_is_written_again(small_disk):
     data = small_disk / "data"
     store, writer = Store(), DataDir(data, "always")
     writer.open("g" * 16, store.seq)
-    filler = fill(small_disk, leave=64 << 10)
+    filler = fill_disk(small_disk, leave=64 << 10)
     value = os.urandom(3000)  # random: a record is not much smaller than its values
     written: list[bytes] = []
     failed_at = None
@@ -93,7 +84,7 @@ def test_a_compaction_that_fills_the_disk_is_abandoned_and_its_file_removed(smal
         value = os.urandom(2000)
         writer.append(store.apply(key, value, None), key, value, None)
     writer.flush()
-    fill(small_disk, leave=48 << 10)  # less than the snapshot needs
+    fill_disk(small_disk, leave=48 << 10)  # less than the snapshot needs
     with pytest.raises(OSError) as caught:
         job = writer.start_compaction(store)
         while not job.step():

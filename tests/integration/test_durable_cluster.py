@@ -32,7 +32,7 @@ from clonemap.shards.common.proto import bstar_ttl
 from clonemap.shards.persist import DataDir, recover
 from clonemap.shards.persist.recovery import replay_records
 from clonemap.shards.store import Store
-from test_client_failover import wait_stderr
+from helpers import wait_stderr
 from test_client_server import fetch_map
 from test_failover_supervised import shard_keys
 from test_pair import start_server

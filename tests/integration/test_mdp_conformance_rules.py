@@ -13,6 +13,7 @@ import time
 
 import zmq
 
+from helpers import wait_stderr
 from clonemap.shards.common.mdp.worker import MdpWorker
 from clonemap.shards.common.mdp import codec as mdp
 from test_mdp_conformance import (DISCONNECT, HEARTBEAT, Peer, first_request, start_broker,
@@ -23,16 +24,6 @@ HB_S = 0.2
 
 def endpoint_of(port):
     return f"tcp://127.0.0.1:{port}"
-
-
-def wait_stderr(proc, text, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        hits = [line for line in list(proc.stderr) if text in line]
-        if hits:
-            return hits
-        assert time.monotonic() < deadline, f"no stderr line with {text!r}: {proc.stderr[-10:]}"
-        time.sleep(0.02)
 
 
 def drain(sock, quiet_s=0.1):
@@ -221,7 +212,7 @@ def test_unknown_service_client_told_nothing_expiry_logged_and_counted(zctx, pro
     c.send(mdp.client_request(b"nobody", b"q2"))
     s = wait_stats(zctx, ep, lambda s: s["drops"].get("request_expired") == 2)
     assert s["queued"] == 0 and s["counters"]["queued"] == 2
-    line = wait_stderr(proc, "dropped (request_expired)")[0]
+    line = proc.stderr[wait_stderr(proc, "dropped (request_expired)", 5.0)]
     assert "'nobody'" in line and "0.3 s" in line
     assert nothing_arrives(c, 0.3)  # the client is told nothing
 

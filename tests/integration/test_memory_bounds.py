@@ -49,13 +49,14 @@ def fill(zctx, port: int, count: int, value: bytes, prefix: str = "/m/") -> None
     sub.linger = 0
     sub.subscribe(b"")
     sub.connect(f"tcp://127.0.0.1:{port + 1}")
-    pub = zctx.socket(zmq.PUB)
+    pub = zctx.socket(zmq.XPUB)  # as the client library: it sees the collector subscribe
     pub.linger = 0
     pub.sndhwm = 0
     pub.connect(f"tcp://127.0.0.1:{port + 2}")
-    assert sub.poll(10_000), "no welcome HUGZ"  # subscribed: the collector is up too
+    assert sub.poll(10_000), "no welcome HUGZ"
     sub.recv_multipart()
-    time.sleep(0.2)  # the collector's SUB may join a moment after  # noqa: sleep
+    assert pub.poll(10_000), "the collector never subscribed"
+    pub.recv_multipart()  # its subscription: nothing sent from here on is dropped
     deadline = time.monotonic() + 120
     batch = 500
     for start in range(0, count, batch):  # a batch at a time: none is dropped

@@ -15,12 +15,11 @@ import signal
 import time
 
 import pytest
-import uvloop
 from hypothesis import given, strategies as st
 
+from helpers import run_async as run, wait_stderr
 from conftest import ROOT, free_port_base
-from test_client_failover import (Events, start_pair_server, start_standalone, wait_state,
-                                  wait_stderr)
+from test_client_failover import Events, start_pair_server, start_standalone, wait_state
 from test_client_server import fetch_map
 from clonemap.client.api import AsyncClone, Clone
 from clonemap.client.cli_target import subtree_of
@@ -35,10 +34,6 @@ HEARTBEAT_S = 0.2
 DEADLINE_S = 10.0
 SEGMENTS = [f"seg{i}" for i in range(16)]
 
-
-def run(coro, timeout_s: float = 90.0):
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(asyncio.wait_for(coro, timeout_s))
 
 
 def as_bytes_map(items) -> dict[bytes, bytes]:

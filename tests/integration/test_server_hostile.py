@@ -15,6 +15,7 @@ import time
 import pytest
 import zmq
 
+from helpers import wait_stderr
 from clonemap.shards.common import zio
 from clonemap.shards.common.proto import chp
 from clonemap.shards.common.security import Security
@@ -76,22 +77,10 @@ def expected_counts() -> dict[str, int]:
     return counts
 
 
-def wait_stderr(proc, contains: str, start: int = 0, timeout_s: float = DEADLINE_S) -> str:
-    """The first stderr line at index >= ``start`` holding ``contains`` (polled)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in proc.stderr[start:]:
-            if contains in line:
-                return line
-        assert proc.alive(), "\n".join(proc.stderr[-20:])
-        time.sleep(0.02)  # the reader thread appends lines; there is no event to await
-    raise AssertionError(f"no stderr line with {contains!r} within {timeout_s} s")
-
-
 def stats_now(proc) -> dict:
     start = len(proc.stderr)
     proc.signal(signal.SIGUSR1)
-    line = wait_stderr(proc, " stats {", start)
+    line = proc.stderr[wait_stderr(proc, " stats {", start=start)]
     return json.loads(line.split(" stats ", 1)[1])
 
 

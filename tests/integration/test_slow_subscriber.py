@@ -17,9 +17,9 @@ import threading
 import time
 
 import pytest
-import uvloop
 import zmq
 
+from helpers import run_async as run
 from test_client_server import fetch_map
 from clonemap.client.api import AsyncClone, Clone
 from clonemap.client.errors import SlowSubscriber
@@ -34,10 +34,6 @@ BLOCK_S = 2.5
 """How long the client's loop is blocked: well beyond max_lag_s."""
 SUBTREE = "/snail/"
 
-
-def run(coro, timeout_s: float = 60.0):
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(asyncio.wait_for(coro, timeout_s))
 
 
 class Writer:
