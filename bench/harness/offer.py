@@ -342,6 +342,12 @@ def run_offer(targets: Targets, *, warmup: float, seconds: float, offer: Offer |
     late = [f"subscriber {i} first ran {s['late_s']} s into the window"
             + (" and missed it" if not s["window_s"] else "")
             for i, s in enumerate(result.subscribers) if s.get("late_s", 0) > 0.1 * seconds]
+    # a reader descheduled across the window's start or end (a host busier than the
+    # plan: its loop took both snapshots in one turn) measured a shorter window, or none
+    late += [f"subscriber {i} was not running for {seconds - s['window_s']:.2f} s of the "
+             f"{seconds:g} s window"
+             for i, s in enumerate(result.subscribers)
+             if s.get("late_s", 0) <= 0.1 * seconds and s["window_s"] < 0.9 * seconds]
     if late:  # a harness process that did not run counted nothing: the harness's doing
         figures["harness_bound"] = "; ".join(filter(None, [figures["harness_bound"], *late]))
     figures["cpu_cores"] = round(figures["cpu_pct"]["ours"] / 100, 3)

@@ -276,10 +276,17 @@ def test_the_cluster_as_users_run_it_under_supervisor_start(procs, tmp_path):
     assert quarter["before"]["idle"] is True and quarter["settle"]["settled"] is True
     for r in (flat, quarter):
         assert all(s["late_s"] < 0.5 for s in r["subscribers"]), r["harness_bound"]
-        assert r["received_per_s"] > 0 and r["loss_targets"] == 0
+        if any(s["window_s"] < 0.45 for s in r["subscribers"]):
+            # its reader was descheduled through the window (a loaded host): the run
+            # says so instead of charging the servers with its zero
+            assert "was not running for" in r["harness_bound"], r
+        else:
+            assert r["received_per_s"] > 0
+        assert r["loss_targets"] == 0
         assert r["cpu_pct"]["targets"] > 0          # the supervised servers' own CPU
         assert len(r["per_source"]) == 2 and all(s["gaps_window"] == 0
                                                  for s in r["per_source"])
+    assert max(flat["received_per_s"], quarter["received_per_s"]) > 0  # the shards served
     names = {t["name"] for t in data["targets"]}
     assert {"updates lost by the servers (all windows)",
             "p99 at 25% of the flat-out rate"} <= names
