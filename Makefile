@@ -22,10 +22,11 @@ run: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m clonemap.client.demo
 
-# the suite waits on real processes far more than it computes (the load stays near 1.1
-# of 2 cores with two workers): three workers, even on 2 cores, each test module whole
-# in one of them (its module fixtures, a cluster or an etcd, made once)
-TEST_WORKERS ?= 3
+# the suite waits on real processes far more than it computes: two workers, each test
+# module whole in one of them (its module fixtures, a cluster or an etcd, made once).
+# Three cut a clean clone from 10.4 to 8.4 min on 2 cores, but the load made timing
+# races show in two of three runs (see the README's Status): two until those are fixed
+TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile

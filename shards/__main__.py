@@ -22,6 +22,7 @@ naming the endpoint), 2 on bad arguments (click), 7 (``Exit.DISK``) on a disk er
 from __future__ import annotations
 
 import errno
+import faulthandler
 import logging
 import shutil
 import sys
@@ -299,6 +300,9 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
         raise click.BadParameter("a pair server uses P..P+3: at most 65532", param_hint="--port")
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
+    # a fatal signal (a crash in libzmq or the compiled frame path) prints every thread's
+    # Python stack on stderr, which the supervisor keeps in the server's log
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     return_large_frees()  # what a departed slow subscriber pinned goes back to the OS
     if cpus is not None:
         import psutil  # pin before the zmq context starts its I/O thread
