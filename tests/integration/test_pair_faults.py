@@ -14,6 +14,7 @@ import time
 from collections import Counter
 
 from clonemap.shards.held_writes import pending_grace_s
+from test_server_hostile import stats_now
 from clonemap.shards.common.proto import chp
 from test_pair import (ACTIVE, DEADLINE_S, HEARTBEAT_S, PASSIVE, Updates, Watcher,
                        Writer, settle, snapshot, start_pair, start_server, stderr_text,
@@ -238,10 +239,16 @@ def test_a_pending_update_the_active_had_time_to_publish_is_not_replayed(procs, 
     settle(writer, at_p, watch[b])
     only_b = Writer(zctx, [b])  # the active never hears this one (as after a reconnect)
     stale = only_b.kvset(b"/stale", b"old")
+    # the backup holds it before the grace is counted: a backup whose loop a loaded host
+    # kept from reading it for a second held it late, and rightly replayed it
+    deadline = time.monotonic() + DEADLINE_S
+    while stats_now(backup)["pending"] < 1:
+        assert time.monotonic() < deadline, "the backup never held the write"
     for _ in range(GRACE_BEATS):  # the active beats on meanwhile
         watch[p].next()
     fresh = writer.kvset(b"/fresh", b"new")
-    at_p.wait(lambda m: m.uuid == fresh)
+    seq = at_p.wait(lambda m: m.uuid == fresh).seq
+    watch[b].wait_seq(seq)  # the backup heard the active after the grace, whatever its load
     primary.signal(signal.SIGKILL)
     late = only_b.kvset(b"/late", b"after the kill")  # heard after the active's last beat
     vote(zctx, b)
