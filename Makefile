@@ -24,9 +24,9 @@ demo: $(STAMP)
 
 # the suite waits on real processes far more than it computes: two workers, each test
 # module whole in one of them (its module fixtures, a cluster or an etcd, made once).
-# Three cut a clean clone from 10.4-10.9 to 8.4-10.6 min on 2 cores, but under that load a shard
-# server crashed (SIGSEGV) at a takeover once in three runs (the README's Status): two
-# until that is found
+# Three cut a clean clone from 10.4-10.9 to 8.4-10.6 min on 2 cores, but under that
+# load a shard server crashed (SIGSEGV) at a takeover once in three runs (the README's
+# Status): two until that is found
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
