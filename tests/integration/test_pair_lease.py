@@ -287,24 +287,28 @@ def test_a_passive_syncing_gets_the_parked_writes_while_readers_wait(procs, zctx
     backup.signal(signal.SIGSTOP)  # attached, but confirms nothing now
     try:
         uuid = writer.kvset(b"/parked", b"p")
-        reader = zctx.socket(zmq.DEALER)
-        reader.linger = 0
-        reader.connect(f"tcp://127.0.0.1:{p}")
-        replica = zctx.socket(zmq.DEALER)
-        replica.linger = 0
-        replica.connect(f"tcp://127.0.0.1:{p}")
+        def dealer():
+            sock = zctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.connect(f"tcp://127.0.0.1:{p}")
+            return sock
+
+        def snapshot_on(sock, who: str) -> dict[bytes, bytes]:
+            """The KVSYNC rows up to KTHXBAI (a passive's TTL chunks skipped)."""
+            rows: dict[bytes, bytes] = {}
+            while True:
+                assert sock.poll(DEADLINE_S * 1000), f"{who} was never answered"
+                frames = sock.recv_multipart()
+                if frames[0] == chp.KTHXBAI:
+                    return rows
+                if frames[0] != bstar_ttl.REPLY:
+                    rows[frames[0]] = frames[4]
+
+        reader, replica = dealer(), dealer()
         reader.send_multipart(chp.icanhaz())
         replica.send_multipart(bstar_ttl.request())
         replica.send_multipart(chp.icanhaz())
-        got: dict[bytes, bytes] = {}
-        while True:
-            assert replica.poll(DEADLINE_S * 1000), "the passive's sync was not answered"
-            frames = replica.recv_multipart()
-            if frames[0] == bstar_ttl.REPLY:
-                continue
-            if frames[0] == chp.KTHXBAI:
-                break
-            got[frames[0]] = frames[4]
+        got = snapshot_on(replica, "the passive's sync")
         assert got.get(b"/parked") == b"p"  # the parked write is in the passive's copy
         at_p.pump()
         assert all(m.uuid != uuid for m in at_p.got), "acknowledged before the sync"
@@ -312,14 +316,7 @@ def test_a_passive_syncing_gets_the_parked_writes_while_readers_wait(procs, zctx
         # the passive never confirms (frozen): going alone releases the write, then the
         # reader is answered, with it
         at_p.wait(lambda m: m.uuid == uuid)
-        snap = {}
-        while True:
-            assert reader.poll(DEADLINE_S * 1000), "the reader was never answered"
-            frames = reader.recv_multipart()
-            if frames[0] == chp.KTHXBAI:
-                break
-            snap[frames[0]] = frames[4]
-        assert snap.get(b"/parked") == b"p"
+        assert snapshot_on(reader, "the reader").get(b"/parked") == b"p"
         assert alone(etcd_server, name) == f"primary@127.0.0.1:{p}".encode()
     finally:
         backup.signal(signal.SIGCONT)
