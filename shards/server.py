@@ -428,16 +428,17 @@ class ShardServer:
             return
         if not outbox:
             return
+        if not self._gated:  # nothing decides but the order: out now, no clock read
+            self.publish_batch(outbox.take(self.store.seq))
+            return
         batch = outbox.take(self.store.seq, self.loop.time() if self.loop else 0.0)
-        if self._gated:
-            verdict = self.role.gate(batch)
-            if verdict is Verdict.HOLD:
-                outbox.restore(batch)  # out if the lease is renewed in time
-                return
-            if verdict is Verdict.PARKED:
-                outbox.park(batch)  # out once the passive holds it (shards.sync_link)
-                return
-        self.publish_batch(batch)
+        verdict = self.role.gate(batch)
+        if verdict is Verdict.HOLD:
+            outbox.restore(batch)  # out if the lease is renewed in time
+        elif verdict is Verdict.PARKED:
+            outbox.park(batch)  # out once the passive holds it (shards.sync_link)
+        else:
+            self.publish_batch(batch)
 
     def flush_pending(self) -> None:
         """Flush now if updates wait (a snapshot point must not show what is not on disk
