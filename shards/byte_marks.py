@@ -38,6 +38,11 @@ writer's pipe for good in a test (its updates stopped arriving), so a writer tha
 connects after the collector's mark fell keeps the bind-time mark (its frames are still
 bounded by ``ZMQ_MAXMSGSIZE``).
 
+Every change to a socket with live peers goes through ``clonemap.shards.common.live_mark``:
+libzmq 4.3.5 crashes on a mark set while a peer's pipe is being torn down, so a change
+waits until the socket's peers have stayed connected for a moment (the bound then holds
+from that moment). A server binds with the marks of the map it recovered.
+
 The check costs nothing on the hot path. The collector's fast path admits only messages
 no larger than ``fast_limit``; a larger one takes the checked path, which calls
 ``received`` before it decodes and ``published`` before it publishes.

@@ -55,6 +55,7 @@ from clonemap.shards.byte_marks import ByteMarks
 from clonemap.shards.common import zio
 from clonemap.shards.common.drops import DropCounter
 from clonemap.shards.common.errors import ProtocolError, os_error_text
+from clonemap.shards.common.live_mark import LiveMark
 from clonemap.shards.common.proto import chp
 from clonemap.shards.common.routing import OwnerCache
 from clonemap.shards.common.security import Security
@@ -135,6 +136,10 @@ class ShardServer:
         self._fast_limit = self.marks.fast_limit
         self._pub_bind_hwm = self.marks.pub_hwm
         """The publisher's mark at ``bind`` (what libzmq gives new peers' pipes)."""
+        self._collect_bind_hwm = self.marks.collect_hwm
+        self._pub_mark: LiveMark | None = None
+        self._collect_mark: LiveMark | None = None
+        """The publisher's and the collector's marks once the loop runs."""
         self._publish_many = None
         self.snapshots = SnapshotService(self)
         """ICANHAZ and resumes on P (``clonemap.shards.snapshots``)."""
@@ -170,12 +175,16 @@ class ShardServer:
         """Bind P, P+1, P+2 (``clonemap.shards.server_sockets``), then what the role binds. Raises
         ``PortInUse`` naming the endpoint that is taken (everything opened so far is
         closed first)."""
-        self.snapshots.entries(largest_entry(self.store))  # a recovered map's
+        largest = largest_entry(self.store)  # a recovered map's: marks right from bind
+        self.snapshots.entries(largest)
+        self.marks.published(largest)
+        self._fast_limit = self.marks.fast_limit
         bound = self.sockets.open(self.snapshots.hwm, self.marks.pub_hwm,
                                   self.marks.collect_hwm)
         self.router_socket, self._pub, self._collector_sock = bound
         self._publish_many = zio.publisher_many(self._pub, KVPUB_FRAMES)
         self._pub_bind_hwm = self.marks.pub_hwm
+        self._collect_bind_hwm = self.marks.collect_hwm
         self.snapshots.bound(self.router_socket)
         self.ctx = self.sockets.ctx
         try:
@@ -197,6 +206,12 @@ class ShardServer:
                                           batch=self.config.collect_batch, loop=loop,
                                           name="collector", after_batch=self.flush,
                                           recv_only=True)
+        self._pub_mark = LiveMark(self._pub, zmq.SNDHWM, loop, bind_value=self._pub_bind_hwm,
+                                  name="publisher")
+        self._pub_mark.set(self.marks.pub_hwm)
+        self._collect_mark = LiveMark(self._collector_sock, zmq.RCVHWM, loop,
+                                      bind_value=self._collect_bind_hwm, name="collector")
+        self._collect_mark.set(self.marks.collect_hwm)
         self.heartbeat.start(loop, self._pub)
         if self.persist is not None:
             self.persist.start(loop)
@@ -214,7 +229,10 @@ class ShardServer:
         for handle in (self._persist_flush, self._persist_timer):
             if handle is not None:
                 handle.cancel()
-        self.snapshots.clear()
+        self.snapshots.close()
+        for mark in (self._pub_mark, self._collect_mark):
+            if mark is not None:
+                mark.close()
         for asock in (self._router, self._collector):
             if asock is not None:
                 asock.close(linger=0)
@@ -358,23 +376,32 @@ class ShardServer:
         subscribers that connected since it was lowered (they got the bind-time mark:
         ``clonemap.shards.byte_marks``); a no-op while it is still the bind-time one. Called when
         the publisher welcomes new subscriptions (once a loop turn)."""
-        if self._pub is not None and self.marks.pub_hwm != self._pub_bind_hwm:
-            self._pub.setsockopt(zmq.SNDHWM, self.marks.pub_hwm)
+        if self._pub_mark is not None:
+            self._pub_mark.reapply()
 
     def _lower_mark(self, which: str | None) -> None:
         """A message larger than any so far was read or is about to be published: the
         marks fell (``clonemap.shards.byte_marks``), so that a subscriber that reads nothing, or
-        a writer, pins at most its byte budget. ``which``: the socket to tell, or None."""
+        a writer, pins at most its byte budget. ``which``: the socket to tell, or None.
+        Once the loop runs, a socket's mark changes through its ``LiveMark``
+        (``clonemap.shards.common.live_mark``: libzmq 4.3.5 crashes on a mark set while a
+        peer's pipe is being torn down); before, straight away (nothing has run on it)."""
         marks = self.marks
         self._fast_limit = marks.fast_limit
         # (not the snapshot ROUTER's mark here: setting it in the middle of a collector
         # batch left a subscriber's updates undelivered 3 times in 15 runs of
         # test_binary_values_round_trip_byte_exact; a snapshot lowers it itself, before
         # a larger entry is queued)
-        if which == "pub" and self._pub is not None:
-            self._pub.setsockopt(zmq.SNDHWM, marks.pub_hwm)
-        elif which == "collect" and self._collector_sock is not None:
-            self._collector_sock.setsockopt(zmq.RCVHWM, marks.collect_hwm)
+        if which == "pub":
+            if self._pub_mark is not None:
+                self._pub_mark.set(marks.pub_hwm)
+            elif self._pub is not None:
+                self._pub.setsockopt(zmq.SNDHWM, marks.pub_hwm)
+        elif which == "collect":
+            if self._collect_mark is not None:
+                self._collect_mark.set(marks.collect_hwm)
+            elif self._collector_sock is not None:
+                self._collector_sock.setsockopt(zmq.RCVHWM, marks.collect_hwm)
 
     def _log_and_publish(self, seq: int, key: bytes, uuid: bytes, props: bytes, value: bytes,
                          expiry_s: float | None) -> None:
@@ -588,6 +615,9 @@ class ShardServer:
             "collect_hwm": self.marks.collect_hwm,
             "largest_published_bytes": self.marks.pub_mark,
             "largest_received_bytes": self.marks.collect_mark,
+            "pub_mark": self._pub_mark.stats() if self._pub_mark is not None else None,
+            "collect_mark": (self._collect_mark.stats() if self._collect_mark is not None
+                             else None),
             "routing": (None if self.config.shard_map is None else
                         {"shard_index": self.config.shard_index,
                          "shards": self.config.shard_map.shards,

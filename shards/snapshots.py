@@ -11,6 +11,7 @@ from clonemap.shards import streams
 from clonemap.shards.byte_marks import INITIAL_MARK, derive
 from clonemap.shards.common import zio
 from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.live_mark import LiveMark
 from clonemap.shards.common.memory import give_back
 from clonemap.shards.common.proto import chp
 from clonemap.shards.roles import Reactor
@@ -178,6 +179,8 @@ class SnapshotService:
         self.bind_hwm: int | None = None
         """The ROUTER's mark at bind (what libzmq gives new peers' pipes)."""
         self._sock: zmq.Socket | None = None
+        self.mark: LiveMark | None = None
+        """The ROUTER's mark once the loop runs (``clonemap.shards.common.live_mark``)."""
 
     def bound(self, sock: zmq.Socket) -> None:
         """P's ROUTER is bound, with the mark this service asked for."""
@@ -190,11 +193,20 @@ class SnapshotService:
             loop, sock, kick, stall_s=cfg.snapshot_stall_s,
             max_active=cfg.max_active_snapshots, max_waiting=cfg.max_waiting_snapshots,
             yield_s=cfg.snapshot_yield_s, name="snapshot")
+        self.mark = LiveMark(sock, zmq.SNDHWM, loop, bind_value=self.bind_hwm or self.hwm,
+                             name="snapshot ROUTER")
+        self.mark.set(self.hwm)
 
     def clear(self) -> None:
         """Drop every stream (the server stops serving)."""
         if self.pump is not None:
             self.pump.clear()
+
+    def close(self) -> None:
+        """Drop every stream and stop the mark's monitor (before the ROUTER closes)."""
+        self.clear()
+        if self.mark is not None:
+            self.mark.close()
 
     # ------------------------------------------------------------------ requests
     def on_request(self, frames: list[bytes]) -> None:
@@ -262,16 +274,16 @@ class SnapshotService:
         hwm = self._mark()
         if hwm != self.hwm:
             self.hwm = hwm
-            sock = self._sock
-            if sock is not None:
-                sock.setsockopt(zmq.SNDHWM, hwm)
+            if self.mark is not None:
+                self.mark.set(hwm)
+            elif self._sock is not None:  # bound, not started: nothing of it has run yet
+                self._sock.setsockopt(zmq.SNDHWM, hwm)
 
     def reapply(self) -> None:
         """Set a lowered mark again, for the pipes of peers that connected since (a
         no-op while it is still the bind-time one)."""
-        sock = self._sock
-        if sock is not None and self.bind_hwm is not None and self.hwm != self.bind_hwm:
-            sock.setsockopt(zmq.SNDHWM, self.hwm)
+        if self.mark is not None:
+            self.mark.reapply()
 
     def give_back(self) -> None:
         """Once the last stream has ended, give the heap's free pages back to the OS
@@ -302,5 +314,6 @@ class SnapshotService:
             "kvsync_sent": self.kvsync_sent,
             "resume_sent": self.resume_sent,
             "snapshot_hwm": self.hwm,
+            "snapshot_mark": self.mark.stats() if self.mark is not None else None,
             "heap_trims": self.heap_trims,
         }
