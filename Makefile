@@ -22,12 +22,10 @@ run: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m clonemap.client.demo
 
-# the suite waits on real processes far more than it computes: two workers, each test
-# module whole in one of them (its module fixtures, a cluster or an etcd, made once).
-# Three cut a clean clone from 10.4-10.9 to 8.4-10.6 min on 2 cores, but under that
-# load a shard server crashed (SIGSEGV) at a takeover once in three runs (the README's
-# Status): two until that is found
-TEST_WORKERS ?= 2
+# the suite waits on real processes far more than it computes: three workers on 2 cores,
+# each test module whole in one of them (its module fixtures, a cluster or an etcd, made
+# once); two took 10.4-10.9 min on a clean clone
+TEST_WORKERS ?= 3
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
