@@ -39,7 +39,7 @@ from clonemap.shards.common.timing import HEARTBEAT_S
 from clonemap.client.agent import ShardAgent
 from clonemap.client.events import KEPT, KeyMeta
 from clonemap.client.collector import ServerAddress, parse_servers
-from clonemap.client.codec import get_codec
+from clonemap.client.codec import BytesCodec, get_codec
 from clonemap.client.write_checks import check_write, ttl_text
 from clonemap.client.echoes import Expired, expire_after
 from clonemap.client.errors import Conflict, NotRunning, NotSupported, WriteRefused
@@ -57,6 +57,9 @@ async def _cancelled(task: asyncio.Future[Any]) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
+READ_ROUTES = 1 << 16
+"""Routes ``get`` keeps (key -> bytes and agent) at least; at most twice the map's keys
+or this, whichever is more; past that it starts over."""
 UNAVAILABLE_WINDOW_S = 10.0
 """A write that times out names the servers its shard left this long ago at most."""
 
@@ -96,6 +99,8 @@ class AsyncClone:
         self.control = control
         self.control_timeout_s = opts.control_timeout_s
         self.codec = get_codec(opts.codec)
+        self._identity_codec = isinstance(self.codec, BytesCodec)
+        """Values are the blobs themselves: ``get`` skips the decode call."""
         self.timeout_s = opts.timeout_s
         self.limits = opts.limits
         self.watch_capacity = opts.watch_capacity
@@ -121,6 +126,9 @@ class AsyncClone:
         self._ctx = context if context is not None else zmq.Context()
         self.cluster: Cluster | None = None
         self._by_index: dict[int, ShardAgent] = {}
+        self._routes: dict[str, tuple[bytes, ShardAgent]] = {}
+        self._routes_max = READ_ROUTES
+        """``get``'s routes: a key read before -> (its bytes, its shard's agent)."""
         self._started = False
         self._closed = False
         try:
@@ -150,6 +158,7 @@ class AsyncClone:
             silence = chosen
         self.silence_timeout_s = silence
         self.cluster = cluster
+        self._routes.clear()  # routes of another map's agents
         self.security = client_keys(self.keys_dir, curve=cluster.curve,
                                     cluster_keys_dir=cluster.keys_dir, source=cluster.source)
         if self.only_key is not None:
@@ -362,8 +371,33 @@ class AsyncClone:
 
     # ------------------------------------------------------------------ reads (local)
     def get(self, key: str, default: Any = None) -> Any:
+        """``key``'s value in the local map, or ``default``: no round trip, no thread
+        hop, no lock. A key read before is found by one lookup of its route (its bytes
+        and its shard's agent, ``READ_ROUTES`` of them kept); the agent's map is read at
+        each call, so a resync's new map is seen at once."""
+        route = self._routes.get(key)
+        if route is None:
+            return self._get_routed(key, default)
+        failed = self.health.failed
+        if failed is not None:
+            raise failed
+        blob = route[1].map.get(route[0])
+        if blob is None:
+            return default
+        return blob if self._identity_codec else self.codec.decode(blob)
+
+    def _get_routed(self, key: str, default: Any) -> Any:
         key_b = self._key(key)
-        blob = self._agent_for(key_b).map.get(key_b)
+        agent = self._agent_for(key_b)
+        routes = self._routes
+        if len(routes) >= self._routes_max:  # a bound, not an LRU
+            # twice the map's keys (at least READ_ROUTES): every key of the map can have
+            # its route; past that, keys read that are not in it: start over
+            self._routes_max = max(READ_ROUTES, 2 * sum(len(a.map) for a in self._agents))
+            if len(routes) >= self._routes_max:
+                routes.clear()
+        routes[key] = (key_b, agent)
+        blob = agent.map.get(key_b)
         return default if blob is None else self.codec.decode(blob)
 
     def __contains__(self, key: str) -> bool:

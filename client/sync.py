@@ -46,6 +46,9 @@ class Clone:
         """Default for ``watch(callback=...)``: "thread" (a dispatcher thread per watch
         decodes and calls back) or "inline" (on the client's loop thread)."""
         self._async = AsyncClone(servers, **kwargs)
+        # a read is the async client's own method, called from this thread: no hop, and
+        # no second call on the way (``get`` below documents it)
+        self.get = self._async.get  # type: ignore[method-assign]
         self.options = self._async.options
         """Every option this client was made with (``clonemap.client.options.ClientOptions``)."""
         self.timeout_s = timeout_s = self._async.timeout_s
@@ -166,6 +169,8 @@ class Clone:
 
     # ------------------------------------------------------------------ reads
     def get(self, key: str, default: Any = None) -> Any:
+        """``key``'s value in the local map, or ``default``: read on the calling thread,
+        no round trip, no lock (``AsyncClone.get``; each instance calls it directly)."""
         return self._async.get(key, default)
 
     def __contains__(self, key: str) -> bool:

@@ -1,0 +1,81 @@
+"""The local read path (``Clone.get``) as an application uses it: a thread that reads as
+fast as it can while writes flow, the active of the pair is killed and the client
+installs its new active's snapshot. A get never returns a value older than one that
+thread read before (the client keeps its map over a data loss: ``reset_policy="keep"``;
+with the default "accept" a loss is told through ``on_reset``, and a value may then go
+back), and every acknowledged write is there for a fresh client after the fault."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from clonemap.client.api import Clone
+from clonemap.shards.common.proto import bstar as wire
+from test_client_failover import start_pair, wait_state
+
+KEY = "/live/counter"
+
+
+def test_a_get_never_goes_back_across_a_failover_and_its_resync(procs, zctx):
+    primary, backup = start_pair(procs, zctx)
+    servers = [primary.address, backup.address]
+    failovers: list = []
+    installed = threading.Event()
+    reads: list[int] = []
+    backwards: list[tuple[int, int]] = []
+    stop = threading.Event()
+
+    def on_failover(info) -> None:
+        failovers.append(info)
+        if info.resumed:
+            installed.set()
+
+    with Clone(servers, reset_policy="keep", on_failover=on_failover, heartbeat_s=0.2,
+               sync_timeout_s=0.5, connect_timeout_s=1.0) as reader, \
+            Clone(servers, heartbeat_s=0.2, sync_timeout_s=0.5,
+                  connect_timeout_s=1.0) as writer:
+        acked = [0]
+
+        def read_loop() -> None:
+            last = 0
+            get = reader.get
+            while not stop.is_set():
+                blob = get(KEY)
+                if blob is None:
+                    continue
+                value = int(blob)
+                if value < last:
+                    backwards.append((last, value))
+                if value != last:
+                    reads.append(value)
+                last = value
+
+        thread = threading.Thread(target=read_loop, name="reader", daemon=True)
+        thread.start()
+        try:
+            n = 0
+            while n < 200:  # before the fault
+                n += 1
+                writer.set(KEY, b"%d" % n, wait=True)
+                acked[0] = n
+            os.kill(primary.pid, signal.SIGKILL)
+            wait_state(zctx, backup.port, wire.State.ACTIVE)
+            while not installed.is_set() or n < 500:  # 300 more once it resumed
+                n += 1
+                writer.set(KEY, b"%d" % n, wait=True, timeout_s=10)
+                acked[0] = n
+                if n > 5000:
+                    raise AssertionError("the reader never resumed after the failover")
+        finally:
+            stop.set()
+            thread.join(10)
+        assert not thread.is_alive()
+        assert backwards == [], f"a get went back: {backwards[:5]}"
+        assert failovers and failovers[-1].resumed, failovers
+        assert reads and reads[-1] <= acked[0]
+        assert any(v > 200 for v in reads), "the reader saw nothing written after the kill"
+        last = acked[0]
+    with Clone(backup.address, heartbeat_s=0.2) as fresh:  # after the fault: the ledger
+        assert fresh.get(KEY) == b"%d" % last
+
