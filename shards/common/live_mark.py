@@ -40,6 +40,8 @@ from typing import Callable
 
 import zmq
 
+from clonemap.shards.common import zio
+
 log = logging.getLogger(__name__)
 
 QUIET_S = 0.25
@@ -76,6 +78,10 @@ class LiveMark:
         self._timer: asyncio.TimerHandle | None = None
         self._settled: asyncio.Future | None = None
         self._monitor: zmq.Socket | None = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # read as the events come, so that each is timed when it happened (give or take
+        # a loop turn), not when a mark is next changed
+        self._reader = zio.AsyncSocket(self._monitor, self._on_disconnect, loop=loop,
+                                       name=f"{name or 'socket'} monitor", recv_only=True)
 
     def set(self, value: int) -> None:
         """Want ``value`` from now on."""
@@ -129,6 +135,10 @@ class LiveMark:
         if self._timer is None:
             self._wake()
 
+    def _on_disconnect(self, frames: list[bytes]) -> None:
+        self.disconnects += 1
+        self._last_disconnect = self.clock()
+
     def _quiet_in(self) -> float:
         """Seconds until the socket has been quiet for ``quiet_s`` (0: it has). First
         the socket's own commands (step 4 of every finished teardown), then its
@@ -138,13 +148,17 @@ class LiveMark:
         assert monitor is not None
         monitor.getsockopt(zmq.EVENTS)  # an unthrottled look at its commands
         now = self.clock()
-        while True:
+        drained = False
+        while True:  # what the reader has not had yet: it came within a loop turn
             try:
                 monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            drained = True
             self.disconnects += 1
             self._last_disconnect = now
+        if drained:
+            self._reader.kick()  # its FD's edge may have gone with these reads
         if self._last_disconnect is None:
             return 0.0
         return max(0.0, self._last_disconnect + self.quiet_s - now)
@@ -166,4 +180,4 @@ class LiveMark:
             self.sock.disable_monitor()
         except zmq.ZMQError:
             pass
-        monitor.close(linger=0)
+        self._reader.close(linger=0)
