@@ -33,6 +33,7 @@ import yaml
 
 from conftest import PYTHON, ROOT, free_port_base
 from test_supervisor_cli import cli, start, wait_status, write_config
+from clonemap.client.cli_target import DEFAULT_TIMEOUT_S
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -112,15 +113,15 @@ def wrong_keys(tmp_path: Path, with_server_key_of: Path | None = None) -> Path:
 
 def test_plain_and_wrong_key_clients_are_told_the_cause_at_once(curve_cluster, tmp_path):
     config, control, port = curve_cluster
-    t0 = time.monotonic()
-    one_line(chp("--control", control, "get", "/x"), 1,
-             "the cluster requires CURVE: pass --keys DIR or --config CONFIG")
-    one_line(chp("--control", control, "--keys", str(wrong_keys(tmp_path)), "get", "/x"), 1,
-             "the keys given are not this cluster's")
     foreign = wrong_keys(tmp_path / "b", with_server_key_of=config.parent / "keys")
-    one_line(chp("--control", control, "--keys", str(foreign), "get", "/x"), 1,
-             "the server refused this client's key")
-    assert time.monotonic() - t0 < 5.0, "told at once, not after a timeout"
+    wrong = wrong_keys(tmp_path)
+    for args, said in (((), "the cluster requires CURVE: pass --keys DIR or --config CONFIG"),
+                       (("--keys", str(wrong)), "the keys given are not this cluster's"),
+                       (("--keys", str(foreign)), "the server refused this client's key")):
+        t0 = time.monotonic()
+        one_line(chp("--control", control, *args, "get", "/x"), 1, said)
+        # each is told before the timeout it would otherwise wait out (chp's default)
+        assert time.monotonic() - t0 < DEFAULT_TIMEOUT_S, ("told at once", said)
     one_line(cli("status", "--control", control), 1,
              "requires CURVE: give its CONFIG (supervisor status CONFIG)")
     one_line(chp("--servers", f"tcp://127.0.0.1:{port},tcp://127.0.0.1:{port + 10}",
