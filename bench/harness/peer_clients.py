@@ -17,8 +17,8 @@ them, evenly strided, with the stride. Workloads:
   change written in it, with its latency from the time its value carries, until UNTIL;
 * ``join``: a new client, until it holds the whole map and follows it.
 
-Every value is ``value_bytes`` long and starts with the writer's clock (``time.time_ns``,
-8 bytes) for the watchers' latency. Key i < ``keys`` is ``k<i>`` (Redis's hash field,
+Every value is ``value_bytes`` long and starts with when it was due (epoch ns, 8 bytes:
+a write in a window, ``rate``'s ``t0``) or written, for the watchers' latency and window. Key i < ``keys`` is ``k<i>`` (Redis's hash field,
 NATS's KV key), ``/p/k<i>`` (etcd) or ``/p/w<n>/k<i>`` with n = i mod ``writers``
 (clonemap: writer n's subtree; ``key_index``). Clients: clonemap's ``AsyncClone``; redis-py with hiredis (the map is a
 hash; a fan-out write is ``MULTI HSET PUBLISH EXEC``, a join ``SUBSCRIBE`` then
@@ -54,8 +54,9 @@ def sample(lat: list[int]) -> dict:
 MISSING_EXIT = 3
 
 
-def value_of(size: int, i: int) -> bytes:
-    head = _NS.pack(time.time_ns())
+def value_of(size: int, i: int, stamp_ns: int | None = None) -> bytes:
+    """``size`` bytes that start with ``stamp_ns`` (now, epoch ns, if None)."""
+    head = _NS.pack(time.time_ns() if stamp_ns is None else stamp_ns)
     body = b"%d" % i
     return head + body + b"x" * max(0, size - len(head) - len(body))
 
@@ -269,9 +270,19 @@ async def rate(system, o: dict) -> dict:
     t0 = clock() + max(0.0, o.get("t0", 0.0) - time.time())
     start, end = t0 + warmup, t0 + warmup + seconds
 
-    async def one(i: int, due: float, counted: bool):
+    # with a window given (``t0``, epoch s: the fan-out's), each value carries when it
+    # was due, in integer epoch ns from ``t0``, and a write counts when that stamp is in
+    # [t0 + warmup, t0 + warmup + seconds): the watchers apply the same test to the same
+    # integers, so both count the same writes even when a loaded host makes this loop late
+    stamped = "t0" in o
+    if stamped:
+        base_ns = int(o["t0"] * 1e9)
+        lo_ns = int((o["t0"] + warmup) * 1e9)
+        hi_ns = int((o["t0"] + warmup + seconds) * 1e9)
+
+    async def one(i: int, due: float, counted: bool, stamp_ns: int | None):
         try:
-            await put(i, value_of(size, i))
+            await put(i, value_of(size, i, stamp_ns))
         except Exception as exc:  # reported, never hidden
             errors.append(repr(exc)[:200])
             return
@@ -288,9 +299,10 @@ async def rate(system, o: dict) -> dict:
             mark("START")
         while t0 + sent / per_s <= now:
             due = t0 + sent / per_s
-            counted = start <= due < end
+            stamp = base_ns + int(sent * 1e9 / per_s) if stamped else None
+            counted = lo_ns <= stamp < hi_ns if stamp is not None else start <= due < end
             offered += counted
-            task = loop.create_task(one(key_index(o, sent), due, counted))
+            task = loop.create_task(one(key_index(o, sent), due, counted, stamp))
             pending.add(task)
             task.add_done_callback(pending.discard)
             sent += 1
@@ -365,11 +377,11 @@ async def watch(make, o: dict) -> dict:
         clients.append(c)
     lat: list[int] = []
     counts = [0]
-    window = [float("inf"), 0.0]
+    window = [1 << 62, 0]
 
     def on_value(value: bytes):
         sent = sent_ns(value)
-        if window[0] <= sent / 1e9 < window[1]:
+        if window[0] <= sent < window[1]:
             counts[0] += 1
             lat.append(time.time_ns() - sent)
 
@@ -379,7 +391,7 @@ async def watch(make, o: dict) -> dict:
     # the writers' window (epoch s), sent once every watcher is ready: "LO HI UNTIL"
     line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     lo, hi, until = map(float, line.split())
-    window[:] = [lo, hi]
+    window[:] = [int(lo * 1e9), int(hi * 1e9)]  # as the writers compute theirs
     cpu0 = time.process_time()
     await asyncio.sleep(max(0.0, until - time.time()))
     cpu = time.process_time() - cpu0
