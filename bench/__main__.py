@@ -111,8 +111,10 @@ SCENARIOS = {
         "bench.peers", "peers",
         "clonemap against Redis, NATS JetStream KV and etcd at everyday rates, same run: "
         "CPU and latency per acknowledged write at 5,000/s, writes/s with 1 and 100 in "
-        "flight, fan-out to 16 watchers, joining a 100,000-key map (a peer this host lacks "
-        "is reported missing)", {"smoke": "~30 s", "quick": "~6 min", "full": "~10 min"}),
+        "flight, fan-out to 16 watchers, joining a 100,000-key map, and reads of the live "
+        "map by 4 processes through each system's read paths (reads/s, staleness) (a peer "
+        "this host lacks is reported missing)",
+        {"smoke": "~1 min", "quick": "~12 min", "full": "~20 min"}),
     "report": Scenario("bench.report", None,
                        "Markdown report + PNG plots from the latest records",
                        {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),

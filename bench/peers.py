@@ -64,8 +64,11 @@ from bench.harness.traffic import percentiles_ms
 from clonemap.shards.common.children import terminate
 
 NAME = "peers"
-WORKLOADS = ("rate", "one", "many", "fanout", "join")
+WORKLOADS = ("rate", "one", "many", "fanout", "join", "read")
 CLIENT = [sys.executable, "-m", "bench.harness.peer_clients"]
+READER = [sys.executable, "-m", "bench.harness.peer_readers"]
+STALE_AFTER_NS = 10_000_000
+"""A read is stale when a newer value was acknowledged this long before it began."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fanout-rate", type=int, default=2000)
     ap.add_argument("--watchers", type=int, default=16)
     ap.add_argument("--watcher-procs", type=int, default=2)
+    ap.add_argument("--readers", type=int, default=4,
+                    help="read: reader processes per system and variant")
+    ap.add_argument("--read-rate", type=int, default=1000,
+                    help="read: changes/s the writer makes while the readers read")
     ap.add_argument("--keys", type=int, default=100_000)
     ap.add_argument("--value-bytes", type=int, default=100)
     ap.add_argument("--seconds", type=float, default=3.0)
@@ -109,12 +116,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Client:
     """A client process: its START/END lines, then its JSON result."""
 
-    def __init__(self, system: str, workload: str, options: dict, stdin: bool = False):
+    def __init__(self, system: str, workload: str, options: dict, stdin: bool = False,
+                 command: list[str] | None = None):
         self.err = tempfile.TemporaryFile(mode="w+")
         fd, self.out = tempfile.mkstemp(prefix="peers-", suffix=".json")
         os.close(fd)
         options = {**options, "out": self.out}
-        self.popen = subprocess.Popen(CLIENT + [system, workload, json.dumps(options)],
+        argv = (command or CLIENT + [system, workload]) + [json.dumps(options)]
+        self.popen = subprocess.Popen(argv,
                                       stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=self.err, text=True,
                                       cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
@@ -243,6 +252,8 @@ def one_run(args, server: servers.PeerServer, workload: str) -> dict:
                 "server_cpu_us": round(cpu / acks * 1e6, 1)}
     if workload == "fanout":
         return fanout_run(args, server, base)
+    if workload == "read":
+        raise ValueError("read rows come from read_runs")
     if workload == "join":
         (res,), cpu = measured(server, system, "join", base)
         return {"join_ms": round(res["join_s"] * 1e3, 1), "keys": res["keys"],
@@ -329,6 +340,96 @@ def fanout_run(args, server: servers.PeerServer, base: dict) -> dict:
                                 for s in seen]}
 
 
+def read_runs(args, server: servers.PeerServer) -> list[dict]:
+    """The read-mostly workload, each of the system's read paths in turn
+    (``bench.harness.peer_readers``): one writer changing ``--read-rate`` keys/s,
+    ``--readers`` reader processes reading random keys as fast as they can."""
+    from bench.harness.peer_readers import VARIANTS
+    rows = []
+    for variant in VARIANTS[server.system]:
+        rows.append(read_run(args, server, variant, load=not server.read_map_loaded))
+        server.read_map_loaded = True
+    return rows
+
+
+def read_run(args, server: servers.PeerServer, variant: str, load: bool = True) -> dict:
+    system = server.system
+    base = {"address": server.address, "keys": args.keys, "value_bytes": args.value_bytes,
+            "warmup": args.warmup, "seconds": args.seconds, "probe_us": 200}
+    writer = Client(system, "read", {**base, "rate": args.read_rate, "probe_every": 10,
+                                     "load": load},
+                    stdin=True, command=READER + ["writer", system])
+    readers: list[Client] = []
+    try:
+        writer.line("LOADED", 600)
+        readers = [Client(system, "read", base, stdin=True,
+                          command=READER + ["reader", system, variant])
+                   for _ in range(args.readers)]
+        for r in readers:
+            r.line("READY", 300)
+        t0 = time.time() + 0.3
+        until = t0 + args.warmup + args.seconds + 0.5
+        writer.popen.stdin.write(f"{t0} {until}\n")
+        writer.popen.stdin.flush()
+        for r in readers:
+            r.popen.stdin.write(f"{t0}\n")
+            r.popen.stdin.flush()
+        for r in readers:
+            r.line("START")
+        before = cpu_seconds([server.pid])
+        for r in readers:
+            r.line("END")
+        after = cpu_seconds([server.pid])
+        seen = [r.result() for r in readers]
+        wrote = writer.result()
+    finally:
+        for c in [writer, *readers]:
+            c.stop()
+    return {"variant": variant, **read_figures(seen, wrote, after[server.pid]
+                                               - before[server.pid])}
+
+
+def read_figures(seen: list[dict], wrote: dict, server_cpu_s: float) -> dict:
+    """Reads/s per reader, CPU per read, staleness (each probe number's first sight in
+    each reader - its acknowledgement, counting a later number seen first) and stale
+    reads (a probe read older than a number acknowledged ``STALE_AFTER_NS`` before)."""
+    acks = sorted((ns, n) for n, ns in wrote["acks"])
+    ack_ns = [ns for ns, _ in acks]
+    ack_n = [n for _, n in acks]
+    reads = sum(r["reads"] for r in seen) or 1
+    per_reader = sorted(r["reads"] / max(r["elapsed_s"], 1e-9) for r in seen)
+    lags: list[int] = []
+    stale = probes = 0
+    import bisect
+    for r in seen:
+        probe_log = r["probes"]
+        if not probe_log:
+            continue
+        lo, hi = probe_log[0][0], probe_log[-1][0]
+        firsts = sorted((n, t) for n, t in r["first_seen"] if n >= 0)
+        for ns, n in acks:  # numbers acknowledged while this reader looked
+            if not lo <= ns <= hi - 200_000_000:
+                continue
+            j = bisect.bisect_left(firsts, (n, -1))
+            if j < len(firsts):
+                lags.append(firsts[j][1] - ns)
+        for t, v in probe_log:
+            probes += 1
+            k = bisect.bisect_left(ack_ns, t - STALE_AFTER_NS) - 1
+            if k >= 0 and v < ack_n[k]:
+                stale += 1
+    lags.sort()
+    lag = percentiles_ms(lags, (50, 99))
+    return {"reads_per_s": round(per_reader[len(per_reader) // 2], 1),
+            "reads_per_s_each": [round(x, 1) for x in per_reader],
+            "client_cpu_us": round(sum(r["cpu_s"] for r in seen) / reads * 1e6, 3),
+            "server_cpu_us": round(server_cpu_s / reads * 1e6, 3),
+            "staleness_p50_ms": lag.get("p50", 0.0), "staleness_p99_ms": lag.get("p99", 0.0),
+            "staleness_max_ms": round(lags[-1] / 1e6, 3) if lags else 0.0,
+            "staleness_samples": len(lags), "stale_reads": stale, "probe_reads": probes,
+            "writes": wrote["writes"]}
+
+
 # ---------------------------------------------------------------------------- the scenario
 
 def run(args: argparse.Namespace) -> rec.Record:
@@ -358,12 +459,16 @@ def run(args: argparse.Namespace) -> rec.Record:
                 order = names[rnd % len(names):] + names[:rnd % len(names)] if names else []
                 for workload in args.workload_list:
                     for system in order:
-                        if workload == "join" and system in servers.FLOORS:
+                        if workload in ("join", "read") and system in servers.FLOORS:
                             continue  # (it never sends its map)
                         with paused([s for n, s in running.items() if n != system]):
-                            row = one_run(args, running[system], workload)
-                        record.add_run({"round": rnd, "workload": workload,
-                                        "system": system, **row})
+                            if workload == "read":
+                                rows = read_runs(args, running[system])
+                            else:
+                                rows = [one_run(args, running[system], workload)]
+                        for row in rows:
+                            record.add_run({"round": rnd, "workload": workload,
+                                            "system": system, **row})
         finally:
             for server in running.values():
                 server.stop()
@@ -417,6 +522,7 @@ def summarize(record: rec.Record, args) -> None:
     summary["fanout.every_update_delivered"] = {
         s: all(r["every_update_delivered"] for r in fan if r["system"] == s)
         for s in {r["system"] for r in fan}}
+    summary["read"] = summarize_reads([r for r in runs if r["workload"] == "read"])
     record.data["summary"] = summary
     for (workload, field), most in TARGETS.items():
         ratio = summary.get(f"{workload}.{field}", {}).get("clonemap/redis")
@@ -424,10 +530,60 @@ def summarize(record: rec.Record, args) -> None:
             suffix = f" (fsync {args.fsync})" if workload == "rate" else ""
             record.target(f"{workload} {field}: clonemap / Redis{suffix}", ratio["median"],
                           most, "x", higher_is_better=False)
+    reads = summary["read"]
+    for name, most_or_least, higher in (("clonemap get / clonemap dict", 0.5, True),
+                                        ("clonemap get / redis get", 20.0, True),
+                                        ("clonemap get / redis cache", 1.0, True)):
+        ratio = reads["ratios"].get(name)
+        if ratio and ratio.get("n"):
+            record.target(f"read: reads/s {name}", ratio["median"], most_or_least, "x",
+                          higher_is_better=higher)
+    mine = reads["paths"].get("clonemap get", {}).get("staleness_p99_ms")
+    if mine and mine.get("n"):
+        record.target("read: Clone.get staleness p99", mine["median"], 2.0, "ms",
+                      higher_is_better=False)
+        cached = reads["paths"].get("redis cache", {}).get("staleness_p99_ms")
+        if cached and cached.get("n"):
+            record.target("read: Clone.get staleness p99 / Redis cache's", round(
+                mine["median"] / max(cached["median"], 1e-9), 3), 1.0, "x",
+                higher_is_better=False)
     joins = summary.get("join.server_cpu_s", {}).get("clonemap")
     if joins and joins.get("n"):
         record.target("server CPU per join of the map", joins["median"], 0.2, "s",
                       higher_is_better=False)
+
+
+READ_FIELDS = (  # (field, label)
+    ("reads_per_s", "reads/s per reader process"),
+    ("client_cpu_us", "reader CPU per read (us)"),
+    ("server_cpu_us", "server CPU per read (us)"),
+    ("staleness_p50_ms", "staleness p50 (ms)"),
+    ("staleness_p99_ms", "staleness p99 (ms)"),
+    ("staleness_max_ms", "staleness max (ms)"),
+    ("stale_share", "stale reads (share of probe reads)"),
+)
+READ_RATIOS = (("clonemap get", "clonemap dict"), ("clonemap get", "redis get"),
+               ("clonemap get", "redis cache"), ("clonemap get", "nats watch"),
+               ("clonemap get", "etcd watch"))
+"""Read rates compared per round: Clone.get against a plain dict in the same kind of
+process, against Redis GET, Redis's client-side cache and the watch-built copies."""
+
+
+def summarize_reads(runs: list[dict]) -> dict:
+    for r in runs:
+        r["path"] = f"{r['system']} {r['variant']}"
+        r["stale_share"] = round(r["stale_reads"] / r["probe_reads"], 6) if r.get(
+            "probe_reads") else None
+    out: dict = {"paths": {}, "ratios": {}}
+    for path in sorted({r["path"] for r in runs}):
+        mine = [r for r in runs if r["path"] == path]
+        out["paths"][path] = {f: rec.spread([r[f] for r in mine if r.get(f) is not None], 3)
+                              for f, _ in READ_FIELDS}
+    for num, den in READ_RATIOS:
+        ratios = rec.ratios_per_round(runs, lambda r: r.get("reads_per_s"), num, den, "path")
+        if ratios:
+            out["ratios"][f"{num} / {den}"] = rec.spread(ratios, 3)
+    return out
 
 
 def _cell(entry: dict | None) -> str:
@@ -457,6 +613,17 @@ def report(record: rec.Record) -> None:
               f"rate: {c['rate']:,}/s open loop; many: {c['inflight']} in flight; fan-out: "
               f"{c['fanout_rate']:,}/s to {c['watchers']} watchers; ratios are per round, "
               "then the median")
+    reads = d["summary"].get("read") or {}
+    if reads.get("paths"):
+        paths = list(reads["paths"])
+        rec.table(record, f"{NAME} read: medians of {c['rounds']} rounds, {c['readers']} "
+                  f"readers, {c['read_rate']:,} changes/s", ["", *paths],
+                  [[label, *[_cell(reads["paths"][p].get(f)) for p in paths]]
+                   for f, label in READ_FIELDS],
+                  "staleness: a change's acknowledgement to its first sight in each reader; "
+                  "stale: a read older than a value acknowledged 10 ms before it began")
+        for name, entry in reads.get("ratios", {}).items():
+            rec.log(f"{NAME} read: reads/s {name}: {_cell(entry)} (per round, median)")
     delivered = d["summary"].get("fanout.every_update_delivered", {})
     for system in systems:
         if system in d.get("missing", {}):

@@ -24,7 +24,8 @@ Variants (``VARIANTS``): clonemap ``get`` (``Clone.get`` on the reader's thread)
 ``aget`` (``AsyncClone.get`` inside the event loop, yielding every 256 reads); redis
 ``get`` (a ``GET`` per read) and ``cache`` (client-side caching: ``CLIENT TRACKING ON
 REDIRECT`` to a second connection subscribed to ``__redis__:invalidate``, read by a
-thread that evicts; a miss is a ``GET``); nats ``get`` (``kv.get``) and ``watch`` (a
+thread that evicts; warmed with every key before the window, as the other copies hold
+the whole map; a miss is a ``GET``); nats ``get`` (``kv.get``) and ``watch`` (a
 local copy built by ``kv.watchall``); etcd ``get`` (a range read) and ``watch`` (a
 range read, then a watch from the next revision).
 """
@@ -257,14 +258,29 @@ def redis_reader(variant: str, o: dict) -> dict:
     thread.start()
     r.execute_command("CLIENT", "TRACKING", "ON", "REDIRECT", redirect)
     fetch = r.get
+    # warm: every key read once (MGET, tracked like GET), as a clonemap or watch-built
+    # copy holds the whole map before its first read
+    names = keys
+    for i in range(0, len(names), 1000):
+        chunk = names[i:i + 1000]
+        for key, blob in zip(chunk, r.mget(chunk)):
+            cache[key] = blob
+
+    pending = object()
 
     def get(key):
-        try:
-            return cache[key]
-        except KeyError:
-            blob = fetch(key)
-            cache[key] = blob
+        blob = cache.get(key, pending)
+        if blob is not pending:
             return blob
+        # a miss: a placeholder first, and the reply cached only if no invalidation took
+        # the placeholder meanwhile (else a value fetched before a write would stay cached
+        # until the key's next write: Redis's documented race)
+        token = object()
+        cache[key] = token
+        blob = fetch(key)
+        if cache.get(key) is token:
+            cache[key] = blob
+        return blob
 
     ready(o)
     try:

@@ -62,6 +62,8 @@ class PeerServer:
     def __init__(self, system: str, address: str, pid: int, stop, version: str = ""):
         self.system, self.address, self.pid, self._stop = system, address, pid, stop
         self.version = version
+        self.read_map_loaded = False
+        """The read workload's map is in (its first read path loaded it)."""
 
     def stop(self) -> None:
         self._stop()

@@ -305,7 +305,8 @@ def test_peers_scenario_measures_every_present_system_and_names_the_missing(proc
     libzmq servers' I/O-thread CPU is split out."""
     run_bench(procs, tmp_path, "bench", "peers", "--keys", "500", "--rounds", "1",
               "--seconds", "0.5", "--warmup", "0.2", "--rate", "300", "--fanout-rate", "100",
-              "--watchers", "2", "--writer-procs", "2")
+              "--watchers", "2", "--writer-procs", "2",
+              "--workloads", "rate,one,many,fanout,join")
     data = bench_record(tmp_path, "peers")
     missing = data["missing"]
     present = [s for s in ("clonemap", "redis", "nats", "etcd", "forwarder")
@@ -342,6 +343,35 @@ def test_peers_scenario_measures_every_present_system_and_names_the_missing(proc
         assert "| missing |" in table or "| missing" in table, system
     assert set(data["acks"]) == {"clonemap", "redis", "nats", "etcd", "forwarder"}
     assert "forwarder / Redis" in table or "redis" in missing
+
+
+def test_peers_read_workload_measures_every_read_path_of_every_present_system(procs,
+                                                                            tmp_path):
+    """``bench peers --workloads read`` at smoke size: each present system's read paths
+    (clonemap's Clone.get, AsyncClone.get and the plain-dict floor; Redis GET and its
+    client-side cache; NATS and etcd, a get and a watch-built copy) have a row with reads,
+    staleness samples from every reader and counted probe reads; the forwarder has none
+    (it serves no map)."""
+    from bench.harness.peer_readers import VARIANTS
+
+    run_bench(procs, tmp_path, "bench", "peers", "--keys", "300", "--rounds", "1",
+              "--seconds", "0.4", "--warmup", "0.2", "--readers", "2", "--read-rate", "300",
+              "--workloads", "read")
+    data = bench_record(tmp_path, "peers")
+    present = [s for s in ("clonemap", "redis", "nats", "etcd") if s not in data["missing"]]
+    assert "clonemap" in present
+    runs = data["runs"]
+    assert sorted((r["system"], r["variant"]) for r in runs) == sorted(
+        (s, v) for s in present for v in VARIANTS[s])
+    for r in runs:
+        assert r["workload"] == "read" and r["writes"] > 0, r
+        assert len(r["reads_per_s_each"]) == 2 and min(r["reads_per_s_each"]) > 0, r
+        assert 0 < r["probe_reads"] and 0 <= r["stale_reads"] <= r["probe_reads"], r
+        assert r["staleness_samples"] > 0, r
+        assert r["staleness_p50_ms"] <= r["staleness_p99_ms"] <= r["staleness_max_ms"], r
+    paths = data["summary"]["read"]["paths"]
+    assert set(paths) == {f"{r['system']} {r['variant']}" for r in runs}
+    assert "clonemap get / clonemap dict" in data["summary"]["read"]["ratios"]
 
 
 def test_join_ab_joins_every_server_and_both_takers_in_turn(procs, tmp_path):

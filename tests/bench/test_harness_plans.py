@@ -163,3 +163,22 @@ def test_fanout_sizes_parse_and_default_to_the_single_size():
     for bad in ("1000", "0x100", "10xfast"):
         with pytest.raises(SystemExit):
             parse_args(["--sizes", bad])
+
+
+def test_read_figures_time_each_change_to_its_first_sight_and_count_stale_reads():
+    """``bench peers``' read figures from a made-up writer and reader: a change counts as
+    seen when any number at least as new is first read (20 was read before 10 would be
+    skipped); a probe read is stale when a newer number was acknowledged 10 ms before."""
+    from bench.peers import read_figures
+
+    ms = 1_000_000
+    wrote = {"writes": 30, "acks": [[10, 1000 * ms], [20, 2000 * ms]]}
+    reader = {"reads": 600, "cpu_s": 0.003, "elapsed_s": 2.0,
+              "first_seen": [[0, 900 * ms], [10, 1020 * ms], [20, 2600 * ms]],
+              "probes": [[900 * ms, 0], [1005 * ms, 0], [1015 * ms, 0], [1020 * ms, 10],
+                         [2500 * ms, 10], [2600 * ms, 20]]}
+    got = read_figures([reader], wrote, server_cpu_s=0.0)
+    assert got["staleness_samples"] == 2  # 10 seen 20 ms after its ack, 20 600 ms after
+    assert (got["staleness_p50_ms"], got["staleness_max_ms"]) == (20.0, 600.0)
+    assert (got["stale_reads"], got["probe_reads"]) == (2, 6)  # at 1015 ms and 2500 ms
+    assert got["reads_per_s"] == 300.0 and got["client_cpu_us"] == 5.0
