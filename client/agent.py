@@ -154,7 +154,11 @@ class ShardAgent:
         """SUB messages held while ``state.buffering`` (bounded: ``sync_buffer_max``)."""
         self._tick_handle: asyncio.TimerHandle | None = None
         self._closed = False
-        self.writes = ShardWrites(self)
+        self.writes = ShardWrites(
+            self.ctx, self.servers, name=self.name, relays=self.relays, drops=self.drops,
+            queue_max=self.kvset_queue_max, affinity=self.affinity, security=self.security,
+            current=lambda: self.state.server, last_seq=lambda: self.last_seq,
+            epoch=lambda: None if self._closed else self.state.epoch)
         """KVSETs out, echoes and replies awaited, resends (``clonemap.client.writes``)."""
         self.echoes = self.writes.echoes  # (read on the hot path)
 
@@ -181,7 +185,7 @@ class ShardAgent:
                          on_event=self._on_link_event, security=self.security,
                          take_rows=self.incoming.take_rows)
         self._synced_event = asyncio.Event()
-        self.writes.start()
+        self.writes.start(self.loop)
         self._dispatch(sm.Start())
         self._tick_handle = self.loop.call_later(TICK_S, self._tick)
 
@@ -321,7 +325,7 @@ class ShardAgent:
                  len(new), eff.seq, self.server, " (resync: replaced)" if eff.resync else "")
         if eff.outage is not None:
             outages.resumed(eff.outage, old, new, first)
-        self.writes.installed(eff.resend, self.link.cas)
+        self.writes.installed(eff.resend, self.link.cas, self.map, self.last_seq)
         if reset is not None:
             outages.report_reset(reset)
         self._replay(self.state.epoch)

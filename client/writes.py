@@ -20,15 +20,16 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Any, Callable, Sequence
 
+import zmq
+
+from clonemap.shards.common.drops import DropCounter
 from clonemap.shards.common.proto import chp
+from clonemap.shards.common.security import Security
 from clonemap.client.collector import KvsetSender
 from clonemap.client.echoes import Echoes
 from clonemap.client.replies import Replies
-
-if TYPE_CHECKING:
-    from clonemap.client.agent_view import AgentView
 
 REPLY_CONNECT_S = 2.0
 """After an outage, how long resent writes that ask for a reply wait for the replies
@@ -36,10 +37,28 @@ DEALER's connection before they go anyway."""
 
 
 class ShardWrites:
-    """One agent's writes (see the module doc)."""
+    """One shard's writes (see the module doc). Given what it sends through and to
+    (``ctx``, the shard's ``servers``, ...), and three questions it asks the agent when
+    it acts: ``current()``, the index of the server the shard follows; ``last_seq()``,
+    the sequence the local map is at; ``epoch()``, the shard's outage epoch, or None
+    once the agent closed. Anything else comes as arguments."""
 
-    def __init__(self, agent: "AgentView"):
-        self.agent = agent
+    def __init__(self, ctx: "zmq.Context[Any]", servers: Sequence[Any], *, name: str,
+                 relays: bool, drops: DropCounter, queue_max: int, affinity: int,
+                 security: Security, current: Callable[[], int],
+                 last_seq: Callable[[], int], epoch: Callable[[], int | None]):
+        self.ctx = ctx
+        self.servers = servers
+        self.name = name
+        self.relays = relays
+        self.drops = drops
+        self.queue_max = queue_max
+        self.affinity = affinity
+        self.security = security
+        self._current = current
+        self._last_seq = last_seq
+        self._epoch = epoch
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.collectors: list[KvsetSender] = []
         self.echoes = Echoes()
         """Writes awaiting their echo (``wait=True``): ``clonemap.client.echoes``."""
@@ -49,15 +68,15 @@ class ShardWrites:
         self.connected: asyncio.Event | None = None
         """Set while at least one collector is connected."""
 
-    def start(self) -> None:
-        agent = self.agent
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
         self.connected = asyncio.Event()
-        for address in agent.servers:
-            self.collectors.append(KvsetSender(agent.ctx, address, agent.loop, agent.drops,
-                                               agent.kvset_queue_max, self._on_change,
-                                               agent.affinity, agent.security))
-        self.replies = Replies(agent.ctx, agent.name, agent.loop, affinity=agent.affinity,
-                               security=agent.security, on_reply=self._on_reply)
+        for address in self.servers:
+            self.collectors.append(KvsetSender(self.ctx, address, loop, self.drops,
+                                               self.queue_max, self._on_change,
+                                               self.affinity, self.security))
+        self.replies = Replies(self.ctx, self.name, loop, affinity=self.affinity,
+                               security=self.security, on_reply=self._on_reply)
 
     def close(self, linger_ms: int) -> None:
         for c in self.collectors:
@@ -93,8 +112,8 @@ class ShardWrites:
         if len(collectors) == 1:
             collectors[0].send(frames)
             return
-        current = self.agent.state.server
-        if self.agent.relays:  # each relay forwards to the whole pair: one copy, to ours
+        current = self._current()
+        if self.relays:  # each relay forwards to the whole pair: one copy, to ours
             collectors[current].send(frames, True)
             return
         for i, collector in enumerate(collectors):
@@ -105,7 +124,7 @@ class ShardWrites:
         """A future resolved when this shard publishes the update ``uuid`` back (its
         KVPUB applied here), or a snapshot installed here holds ``key`` = ``value``
         (the KVPUB itself was folded into a resync). The caller cancels it on timeout."""
-        return self.echoes.expect(self.agent.loop, uuid, key, value, frames)
+        return self.echoes.expect(self.loop, uuid, key, value, frames)
 
     def conditional(self, frames: list[bytes]) -> asyncio.Future:
         """Send a KVSET that asks for a reply (``frames[3]`` already says ``reply=``
@@ -119,14 +138,14 @@ class ShardWrites:
 
     async def replies_ready(self) -> None:
         """The replies DEALER connected to the current server (made on first use)."""
-        self.replies.connect(self.agent.server)
+        self.replies.connect(self.servers[self._current()])
         await self.replies.ready.wait()
 
     def _on_reply(self, reply: chp.Kvreply) -> None:
         """A KVREPLY: a write awaiting its echo that it answers (applied now, or before
         an outage) is confirmed once this client's map is at its sequence (a later one
         is confirmed by its KVPUB, still on the way)."""
-        echoes, last_seq = self.echoes, self.agent.last_seq
+        echoes, last_seq = self.echoes, self._last_seq()
         if echoes and reply.outcome in (chp.APPLIED, chp.DUPLICATE):
             if reply.seq <= last_seq:
                 echoes.confirm(reply.uuid, last_seq)
@@ -146,33 +165,36 @@ class ShardWrites:
             if i != new and not collector.ready:
                 collector.discard_queue()
 
-    def installed(self, resend: bool, cas: bool) -> None:
-        """A snapshot is installed: confirm what it holds, and after an outage send again
-        what still awaits its echo (see the module doc)."""
-        agent = self.agent
+    def installed(self, resend: bool, cas: bool, held: dict[bytes, bytes],
+                  last_seq: int) -> None:
+        """A snapshot is installed (``held`` is now the map, at ``last_seq``): confirm what
+        it holds, and after an outage send again what still awaits its echo (see the
+        module doc)."""
         echoes = self.echoes
         if resend and (echoes or self.replies.waiting):
             # writes made while no server took them (a KVSET sent into a connection that
             # was already dead is gone), sent again now that the shard serves again
-            self._resend(echoes.unconfirmed() if cas else None)
+            self._resend(echoes.unconfirmed() if cas else None, held, last_seq)
         elif echoes:
-            echoes.confirm_in(agent.map, agent.last_seq)
+            echoes.confirm_in(held, last_seq)
         if echoes:
-            echoes.confirm_upto(agent.last_seq)
+            echoes.confirm_upto(last_seq)
 
-    def _resend(self, echoed: list[list[bytes]] | None) -> None:
-        agent = self.agent
+    def _resend(self, echoed: list[list[bytes]] | None, held: dict[bytes, bytes],
+                last_seq: int) -> None:
         if echoed is None:
-            self.echoes.confirm_in(agent.map, agent.last_seq)
+            self.echoes.confirm_in(held, last_seq)
             for frames in self.echoes.unconfirmed():
                 self.send_kvset(frames)
             return
-        self.replies.connect(agent.server)
+        self.replies.connect(self.servers[self._current()])
         ident = self.reply_props()
         again = [[f[0], f[1], f[2], f[3] if b"reply=" in f[3] else f[3] + ident, f[4]]
                  for f in echoed]
         again += self.replies.unanswered()
-        agent.loop.create_task(self._send_when_ready(again, agent.state.epoch))
+        epoch = self._epoch()
+        if epoch is not None:
+            self.loop.create_task(self._send_when_ready(again, epoch))
 
     async def _send_when_ready(self, frames_list: list[list[bytes]], epoch: int) -> None:
         """Send once the replies DEALER is connected (so no answer is lost), or after
@@ -182,8 +204,8 @@ class ShardWrites:
                 await self.replies.ready.wait()
         except TimeoutError:
             pass
-        if self.agent.closed or epoch != self.agent.state.epoch:
-            return  # moved on: the next outage sends them again
+        if epoch != self._epoch():  # moved on (or closed: None): the next outage
+            return                  # sends them again
         for frames in frames_list:
             self.send_kvset(frames)
 
