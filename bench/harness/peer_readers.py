@@ -91,10 +91,38 @@ class Window:
         self.cpu_s = 0.0
         self.first_seen: dict[int, int] = {}
         self.probes: list[tuple[int, int]] = []
+        self.last_probe = 0
+        self.cpu0 = 0.0
+
+    @staticmethod
+    def picks(keys: list) -> list:
+        """65,536 random keys (the probe key, last, not among them), read in turn."""
+        rnd = random.Random(os.getpid())
+        return [keys[rnd.randrange(len(keys) - 1)] for _ in range(1 << 16)]
+
+    def probe_due(self, now: int) -> bool:
+        if now - self.last_probe < self.probe_ns:
+            return False
+        self.last_probe = now
+        return True
+
+    def probed(self, now: int, blob) -> None:
+        """The probe key read at ``now`` returned ``blob``."""
+        seen = number(blob)
+        self.probes.append((now, seen))
+        if seen not in self.first_seen:
+            self.first_seen[seen] = now
+
+    def closed(self, reads: int) -> dict:
+        self.cpu_s = time.process_time() - self.cpu0
+        self.reads = reads
+        mark("END")
+        return self.result()
 
     def opened(self) -> None:
         mark("START")
         self.opened_ns = _clock()
+        self.cpu0 = time.process_time()
 
     def result(self) -> dict:
         return {"reads": self.reads, "cpu_s": self.cpu_s, "first_seen": self.first_seen,
@@ -107,17 +135,12 @@ def run_sync_reader(o: dict, get, keys: list, probe_key, probe_get=None) -> dict
     another way to read the probe key)."""
     probe_get = probe_get or get
     w = Window(o)
-    rnd = random.Random(os.getpid())
-    picks = [keys[rnd.randrange(len(keys) - 1)] for _ in range(1 << 16)]
-    mask = (1 << 16) - 1
-    first_seen, probes = w.first_seen, w.probes
+    picks, mask = w.picks(keys), (1 << 16) - 1
     while _clock() < w.start_ns:  # the map is in; the writer's changes are flowing
         for k in picks[:256]:
             get(k)
     w.opened()
-    cpu0 = time.process_time()
     i = n = 0
-    last_probe = 0
     end = w.end_ns
     while True:
         for _ in range(16):
@@ -127,17 +150,10 @@ def run_sync_reader(o: dict, get, keys: list, probe_key, probe_get=None) -> dict
         now = _clock()
         if now >= end:
             break
-        if now - last_probe >= w.probe_ns:
-            last_probe = now
-            seen = number(probe_get(probe_key))
+        if w.probe_due(now):
+            w.probed(now, probe_get(probe_key))
             n += 1
-            probes.append((now, seen))
-            if seen not in first_seen:
-                first_seen[seen] = now
-    w.cpu_s = time.process_time() - cpu0
-    w.reads = n
-    mark("END")
-    return w.result()
+    return w.closed(n)
 
 
 async def run_async_reader(o: dict, get, keys: list, probe_key, yield_every: int = 256,
@@ -146,10 +162,7 @@ async def run_async_reader(o: dict, get, keys: list, probe_key, yield_every: int
     ``yield_every`` reads (so that the client's updates get in); ``aget`` awaits each
     read (a round trip)."""
     w = Window(o)
-    rnd = random.Random(os.getpid())
-    picks = [keys[rnd.randrange(len(keys) - 1)] for _ in range(1 << 16)]
-    mask = (1 << 16) - 1
-    first_seen, probes = w.first_seen, w.probes
+    picks, mask = w.picks(keys), (1 << 16) - 1
     while _clock() < w.start_ns:
         if aget is not None:
             await aget(picks[0])
@@ -158,9 +171,7 @@ async def run_async_reader(o: dict, get, keys: list, probe_key, yield_every: int
                 get(k)
         await asyncio.sleep(0)
     w.opened()
-    cpu0 = time.process_time()
     i = n = 0
-    last_probe = 0
     end = w.end_ns
     while True:
         if aget is not None:
@@ -177,18 +188,20 @@ async def run_async_reader(o: dict, get, keys: list, probe_key, yield_every: int
         now = _clock()
         if now >= end:
             break
-        if now - last_probe >= w.probe_ns:
-            last_probe = now
-            blob = await aget(probe_key) if aget is not None else get(probe_key)
-            seen = number(blob)
+        if w.probe_due(now):
+            w.probed(now, await aget(probe_key) if aget is not None else get(probe_key))
             n += 1
-            probes.append((now, seen))
-            if seen not in first_seen:
-                first_seen[seen] = now
-    w.cpu_s = time.process_time() - cpu0
-    w.reads = n
-    mark("END")
-    return w.result()
+    return w.closed(n)
+
+
+async def read_followed_copy(o: dict, local: dict, keys: list, follow) -> dict:
+    """Read ``local`` (a watch-built copy) while ``follow()`` keeps it current."""
+    task = asyncio.ensure_future(follow())
+    ready(o)
+    try:
+        return await run_async_reader(o, local.get, keys, keys[-1])
+    finally:
+        task.cancel()
 
 
 def clonemap_reader(variant: str, o: dict) -> dict:
@@ -327,12 +340,9 @@ def nats_reader(variant: str, o: dict) -> dict:
                     else:
                         local.pop(entry.key, None)
 
-            task = asyncio.ensure_future(follow())
-            ready(o)
             try:
-                return await run_async_reader(o, local.get, keys, keys[-1])
+                return await read_followed_copy(o, local, keys, follow)
             finally:
-                task.cancel()
                 await watcher.stop()
         finally:
             await nc.close()
@@ -367,12 +377,7 @@ def etcd_reader(variant: str, o: dict) -> dict:
                     else:
                         local.pop(event.kv.key, None)
 
-            task = asyncio.ensure_future(follow())
-            ready(o)
-            try:
-                return await run_async_reader(o, local.get, keys, keys[-1])
-            finally:
-                task.cancel()
+            return await read_followed_copy(o, local, keys, follow)
         finally:
             await c.close()
 
