@@ -134,12 +134,10 @@ class ShardServer:
             pub_budget=config.subscriber_held_bytes, pub_cap=config.pub_sndhwm,
             collect_budget=config.writer_held_bytes, collect_cap=config.collect_rcvhwm)
         self._fast_limit = self.marks.fast_limit
-        self._pub_bind_hwm = self.marks.pub_hwm
-        """The publisher's mark at ``bind`` (what libzmq gives new peers' pipes)."""
-        self._collect_bind_hwm = self.marks.collect_hwm
         self._pub_mark: LiveMark | None = None
         self._collect_mark: LiveMark | None = None
-        """The publisher's and the collector's marks once the loop runs."""
+        """The publisher's and the collector's marks, from ``bind``
+        (``clonemap.shards.common.live_mark``)."""
         self._publish_many = None
         self.snapshots = SnapshotService(self)
         """ICANHAZ and resumes on P (``clonemap.shards.snapshots``)."""
@@ -183,8 +181,10 @@ class ShardServer:
                                   self.marks.collect_hwm)
         self.router_socket, self._pub, self._collector_sock = bound
         self._publish_many = zio.publisher_many(self._pub, KVPUB_FRAMES)
-        self._pub_bind_hwm = self.marks.pub_hwm
-        self._collect_bind_hwm = self.marks.collect_hwm
+        self._pub_mark = LiveMark(self._pub, zmq.SNDHWM, bind_value=self.marks.pub_hwm,
+                                  name="publisher")
+        self._collect_mark = LiveMark(self._collector_sock, zmq.RCVHWM,
+                                      bind_value=self.marks.collect_hwm, name="collector")
         self.snapshots.bound(self.router_socket)
         self.ctx = self.sockets.ctx
         try:
@@ -206,12 +206,8 @@ class ShardServer:
                                           batch=self.config.collect_batch, loop=loop,
                                           name="collector", after_batch=self.flush,
                                           recv_only=True)
-        self._pub_mark = LiveMark(self._pub, zmq.SNDHWM, loop, bind_value=self._pub_bind_hwm,
-                                  name="publisher")
-        self._pub_mark.set(self.marks.pub_hwm)
-        self._collect_mark = LiveMark(self._collector_sock, zmq.RCVHWM, loop,
-                                      bind_value=self._collect_bind_hwm, name="collector")
-        self._collect_mark.set(self.marks.collect_hwm)
+        self._pub_mark.start(loop)
+        self._collect_mark.start(loop)
         self.heartbeat.start(loop, self._pub)
         if self.persist is not None:
             self.persist.start(loop)
@@ -383,25 +379,18 @@ class ShardServer:
         """A message larger than any so far was read or is about to be published: the
         marks fell (``clonemap.shards.byte_marks``), so that a subscriber that reads nothing, or
         a writer, pins at most its byte budget. ``which``: the socket to tell, or None.
-        Once the loop runs, a socket's mark changes through its ``LiveMark``
-        (``clonemap.shards.common.live_mark``: libzmq 4.3.5 crashes on a mark set while a
-        peer's pipe is being torn down); before, straight away (nothing has run on it)."""
+        A socket's mark changes through its ``LiveMark`` (``clonemap.shards.common.live_mark``:
+        libzmq 4.3.5 crashes on a mark set while a peer's pipe is being torn down)."""
         marks = self.marks
         self._fast_limit = marks.fast_limit
         # (not the snapshot ROUTER's mark here: setting it in the middle of a collector
         # batch left a subscriber's updates undelivered 3 times in 15 runs of
         # test_binary_values_round_trip_byte_exact; a snapshot lowers it itself, before
         # a larger entry is queued)
-        if which == "pub":
-            if self._pub_mark is not None:
-                self._pub_mark.set(marks.pub_hwm)
-            elif self._pub is not None:
-                self._pub.setsockopt(zmq.SNDHWM, marks.pub_hwm)
-        elif which == "collect":
-            if self._collect_mark is not None:
-                self._collect_mark.set(marks.collect_hwm)
-            elif self._collector_sock is not None:
-                self._collector_sock.setsockopt(zmq.RCVHWM, marks.collect_hwm)
+        if which == "pub" and self._pub_mark is not None:
+            self._pub_mark.set(marks.pub_hwm)
+        elif which == "collect" and self._collect_mark is not None:
+            self._collect_mark.set(marks.collect_hwm)
 
     def _log_and_publish(self, seq: int, key: bytes, uuid: bytes, props: bytes, value: bytes,
                          expiry_s: float | None) -> None:

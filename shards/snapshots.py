@@ -176,16 +176,12 @@ class SnapshotService:
         self.heap_trims = 0
         self._busy = False
         self.hwm = self._mark()
-        self.bind_hwm: int | None = None
-        """The ROUTER's mark at bind (what libzmq gives new peers' pipes)."""
-        self._sock: zmq.Socket | None = None
         self.mark: LiveMark | None = None
-        """The ROUTER's mark once the loop runs (``clonemap.shards.common.live_mark``)."""
+        """The ROUTER's mark, from ``bind`` (``clonemap.shards.common.live_mark``)."""
 
     def bound(self, sock: zmq.Socket) -> None:
         """P's ROUTER is bound, with the mark this service asked for."""
-        self._sock = sock
-        self.bind_hwm = self.hwm
+        self.mark = LiveMark(sock, zmq.SNDHWM, bind_value=self.hwm, name="snapshot ROUTER")
 
     def start(self, loop, sock: zmq.Socket, kick) -> None:
         cfg = self.server.config
@@ -193,9 +189,8 @@ class SnapshotService:
             loop, sock, kick, stall_s=cfg.snapshot_stall_s,
             max_active=cfg.max_active_snapshots, max_waiting=cfg.max_waiting_snapshots,
             yield_s=cfg.snapshot_yield_s, name="snapshot")
-        self.mark = LiveMark(sock, zmq.SNDHWM, loop, bind_value=self.bind_hwm or self.hwm,
-                             name="snapshot ROUTER")
-        self.mark.set(self.hwm)
+        if self.mark is not None:
+            self.mark.start(loop)
 
     def clear(self) -> None:
         """Drop every stream (the server stops serving)."""
@@ -276,8 +271,6 @@ class SnapshotService:
             self.hwm = hwm
             if self.mark is not None:
                 self.mark.set(hwm)
-            elif self._sock is not None:  # bound, not started: nothing of it has run yet
-                self._sock.setsockopt(zmq.SNDHWM, hwm)
 
     def reapply(self) -> None:
         """Set a lowered mark again, for the pipes of peers that connected since (a

@@ -34,7 +34,6 @@ while longer.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import Callable
 
@@ -42,24 +41,23 @@ import zmq
 
 from clonemap.shards.common import zio
 
-log = logging.getLogger(__name__)
-
 QUIET_S = 0.25
 """How long a socket's peers must have stayed connected before its mark is changed."""
 
 
 class LiveMark:
-    """One socket option (``zmq.SNDHWM`` or ``zmq.RCVHWM``) of a socket with live peers.
-    ``set(value)`` changes it, ``reapply()`` sets it again for peers that connected
-    since (a bound socket gives them the mark it had at ``bind``); both apply at once
-    when that is safe, else later on ``loop``. ``close()`` before the socket closes."""
+    """One socket option (``zmq.SNDHWM`` or ``zmq.RCVHWM``) of a bound socket, made at
+    ``bind`` with the mark it was bound with. ``set(value)`` changes it, ``reapply()``
+    sets it again for peers that connected since (a bound socket gives them the mark it
+    had at ``bind``). Until ``start(loop)`` a change applies at once (nothing has run the
+    socket's commands: no teardown can be half done); after, at once when that is safe,
+    else later on the loop. ``close()`` before the socket closes."""
 
-    def __init__(self, sock: zmq.Socket, option: int, loop: asyncio.AbstractEventLoop, *,
-                 bind_value: int, name: str = "", quiet_s: float = QUIET_S,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, sock: zmq.Socket, option: int, *, bind_value: int, name: str = "",
+                 quiet_s: float = QUIET_S, clock: Callable[[], float] = time.monotonic):
         self.sock = sock
         self.option = option
-        self.loop = loop
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.name = name
         self.quiet_s = quiet_s
         self.clock = clock
@@ -77,11 +75,20 @@ class LiveMark:
         self._last_disconnect: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._settled: asyncio.Future | None = None
-        self._monitor: zmq.Socket | None = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        # read as the events come, so that each is timed when it happened (give or take
-        # a loop turn), not when a mark is next changed
+        self._monitor: zmq.Socket | None = None
+        self._reader: zio.AsyncSocket | None = None
+        self._closed = False
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> "LiveMark":
+        """From now on a change waits for a quiet socket. The monitor is read as its
+        events come, so that each is timed when it happened (give or take a loop turn),
+        not when a mark is next changed."""
+        self.loop = loop
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._reader = zio.AsyncSocket(self._monitor, self._on_disconnect, loop=loop,
-                                       name=f"{name or 'socket'} monitor", recv_only=True)
+                                       name=f"{self.name or 'socket'} monitor",
+                                       recv_only=True)
+        return self
 
     def set(self, value: int) -> None:
         """Want ``value`` from now on."""
@@ -113,9 +120,9 @@ class LiveMark:
             waiter.set_result(None)
 
     def _try(self) -> None:
-        if self._monitor is None or (self.value == self.applied and not self.stale):
+        if self._closed or (self.value == self.applied and not self.stale):
             return
-        quiet_in = self._quiet_in()
+        quiet_in = self._quiet_in() if self._monitor is not None else 0.0
         if quiet_in > 0:
             if self._timer is None:
                 self.deferred += 1
@@ -147,21 +154,18 @@ class LiveMark:
         monitor = self._monitor
         assert monitor is not None
         monitor.getsockopt(zmq.EVENTS)  # an unthrottled look at its commands
-        now = self.clock()
         drained = False
         while True:  # what the reader has not had yet: it came within a loop turn
             try:
-                monitor.recv_multipart(zmq.NOBLOCK)
+                self._on_disconnect(monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 break
             drained = True
-            self.disconnects += 1
-            self._last_disconnect = now
-        if drained:
+        if drained and self._reader is not None:
             self._reader.kick()  # its FD's edge may have gone with these reads
         if self._last_disconnect is None:
             return 0.0
-        return max(0.0, self._last_disconnect + self.quiet_s - now)
+        return max(0.0, self._last_disconnect + self.quiet_s - self.clock())
 
     def stats(self) -> dict:
         return {"value": self.value, "applied": self.applied, "sets": self.sets,
@@ -169,15 +173,16 @@ class LiveMark:
 
     def close(self) -> None:
         """Stop the timer and the monitor (before the socket itself closes). Idempotent."""
+        self._closed = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self._wake()
-        monitor, self._monitor = self._monitor, None
-        if monitor is None:
+        reader, self._reader, self._monitor = self._reader, None, None
+        if reader is None:
             return
         try:
             self.sock.disable_monitor()
         except zmq.ZMQError:
             pass
-        self._reader.close(linger=0)
+        reader.close(linger=0)

@@ -43,7 +43,7 @@ PUBLISHER = textwrap.dedent("""
         pub = ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.SNDHWM, 1000)
         pub.bind(f"tcp://127.0.0.1:{port}")
-        mark = LiveMark(pub, zmq.SNDHWM, loop, bind_value=1000, name="test", quiet_s=0.02)
+        mark = LiveMark(pub, zmq.SNDHWM, bind_value=1000, name="test", quiet_s=0.02).start(loop)
         procs = [await asyncio.create_subprocess_exec(
                      sys.executable, "-c", sys.argv[4], str(port), str(rounds),
                      stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
@@ -102,7 +102,7 @@ def test_a_disconnection_defers_the_mark_until_the_socket_is_quiet(zctx):
 
     async def main():
         loop = asyncio.get_running_loop()
-        mark = LiveMark(pub, zmq.SNDHWM, loop, bind_value=1000, quiet_s=0.05)
+        mark = LiveMark(pub, zmq.SNDHWM, bind_value=1000, quiet_s=0.05).start(loop)
         mark.set(1000)
         await mark.settled()  # nothing waits: returns at once
         assert mark.sets == 0, "the bind-time mark needs no call"
