@@ -60,6 +60,12 @@ class Heartbeat:
         clock_s, heartbeat_s = config.clock_s, config.heartbeat_s
         return min(heartbeat_s, clock_s) if clock_s > 0 else heartbeat_s
 
+    def kick(self) -> None:
+        """Look at the publisher again on the next turn (after a call on it elsewhere
+        that may have taken its FD's edge)."""
+        if self._reader is not None:
+            self._reader.kick()
+
     def start(self, loop: asyncio.AbstractEventLoop, pub: zmq.Socket) -> None:
         """Beat on the publisher ``pub`` (P+1), reading its subscriptions."""
         self._pub = pub

@@ -206,9 +206,9 @@ class ShardServer:
                                           batch=self.config.collect_batch, loop=loop,
                                           name="collector", after_batch=self.flush,
                                           recv_only=True)
-        self._pub_mark.start(loop)
-        self._collect_mark.start(loop)
         self.heartbeat.start(loop, self._pub)
+        self._pub_mark.start(loop, self.heartbeat.kick)
+        self._collect_mark.start(loop, self._collector.kick)
         if self.persist is not None:
             self.persist.start(loop)
             self._persist_timer = loop.call_later(PERSIST_TICK_S, self._persist_tick)

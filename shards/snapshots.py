@@ -190,7 +190,7 @@ class SnapshotService:
             max_active=cfg.max_active_snapshots, max_waiting=cfg.max_waiting_snapshots,
             yield_s=cfg.snapshot_yield_s, name="snapshot")
         if self.mark is not None:
-            self.mark.start(loop)
+            self.mark.start(loop, kick)
 
     def clear(self) -> None:
         """Drop every stream (the server stops serving)."""

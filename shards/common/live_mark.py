@@ -77,13 +77,18 @@ class LiveMark:
         self._settled: asyncio.Future | None = None
         self._monitor: zmq.Socket | None = None
         self._reader: zio.AsyncSocket | None = None
+        self._kick: Callable[[], None] | None = None
         self._closed = False
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> "LiveMark":
+    def start(self, loop: asyncio.AbstractEventLoop,
+              kick: Callable[[], None] | None = None) -> "LiveMark":
         """From now on a change waits for a quiet socket. The monitor is read as its
         events come, so that each is timed when it happened (give or take a loop turn),
-        not when a mark is next changed."""
+        not when a mark is next changed. ``kick()``: tell the socket's own reader to
+        look again (``zio.AsyncSocket.kick``): processing the socket's commands here can
+        take the edge of its FD, and a message waiting there would wait for the next."""
         self.loop = loop
+        self._kick = kick
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._reader = zio.AsyncSocket(self._monitor, self._on_disconnect, loop=loop,
                                        name=f"{self.name or 'socket'} monitor",
@@ -151,6 +156,8 @@ class LiveMark:
         the socket's own commands (step 4 of every finished teardown), then its
         monitor (step 1 of every teardown that step 2 reached)."""
         self.sock.getsockopt(zmq.EVENTS)
+        if self._kick is not None:
+            self._kick()
         monitor = self._monitor
         assert monitor is not None
         monitor.getsockopt(zmq.EVENTS)  # an unthrottled look at its commands
