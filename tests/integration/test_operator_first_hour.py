@@ -33,7 +33,6 @@ import yaml
 
 from conftest import PYTHON, ROOT, free_port_base
 from test_supervisor_cli import cli, start, wait_status, write_config
-from clonemap.client.cli_target import DEFAULT_TIMEOUT_S
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -119,9 +118,11 @@ def test_plain_and_wrong_key_clients_are_told_the_cause_at_once(curve_cluster, t
                        (("--keys", str(wrong)), "the keys given are not this cluster's"),
                        (("--keys", str(foreign)), "the server refused this client's key")):
         t0 = time.monotonic()
-        one_line(chp("--control", control, *args, "get", "/x"), 1, said)
-        # each is told before the timeout it would otherwise wait out (chp's default)
-        assert time.monotonic() - t0 < DEFAULT_TIMEOUT_S, ("told at once", said)
+        one_line(chp("--control", control, *args, "--timeout-s", "60", "get", "/x",
+                     timeout_s=90), 1, said)
+        # each is told the cause, not after a timeout it waits out: 60 s, half of which
+        # is a margin no loaded host's start-up needs (a refusal takes milliseconds)
+        assert time.monotonic() - t0 < 30, ("told at once", said)
     one_line(cli("status", "--control", control), 1,
              "requires CURVE: give its CONFIG (supervisor status CONFIG)")
     one_line(chp("--servers", f"tcp://127.0.0.1:{port},tcp://127.0.0.1:{port + 10}",
@@ -139,8 +140,8 @@ def test_clone_raises_handshake_refused_naming_keys(curve_cluster):
     _, control, _ = curve_cluster
     t0 = time.monotonic()
     with pytest.raises(HandshakeRefused) as caught:
-        Clone(control=control, timeout_s=5)
-    assert time.monotonic() - t0 < 3.0
+        Clone(control=control, timeout_s=60)
+    assert time.monotonic() - t0 < 30  # told by the refusal, not at the 60 s deadline
     assert caught.value.cause == "curve_required" and "keys=DIR" in str(caught.value)
     assert isinstance(caught.value, PermissionError)
 
@@ -167,11 +168,10 @@ def test_the_stop_hint_of_a_detached_curve_cluster_works_when_pasted(tmp_path):
 
 def test_a_down_cluster_fails_at_once_and_stopping_it_is_not_an_error():
     control = f"tcp://127.0.0.1:{free_port_base(1)}"
-    t0 = time.monotonic()
     out = chp("--control", control, "get", "/x")
-    took = time.monotonic() - t0
+    # only the look for a listener says this, and it runs before any MDP try: the CLI
+    # did not wait out two 2.5 s tries (no timing is asserted; a loaded host is slow)
     one_line(out, 4, "nothing listens on port", "is the supervisor up?")
-    assert took < 2.0, took  # the interpreter's start-up, not two 2.5 s MDP tries
     out = cli("stop", "--control", control)
     assert out.returncode == 0 and out.stdout.startswith("not running"), out
 

@@ -21,6 +21,7 @@ import socket
 import stat
 import subprocess
 import threading
+import time
 
 import pytest
 import zmq
@@ -177,6 +178,39 @@ def test_a_stats_worker_with_the_client_key_is_refused(cluster, zctx):
     assert worker.recv_multipart() == [mdp.MDPW, mdp.W_DISCONNECT]
     rows = status(control)
     assert rows["s0/primary"]["stats"]["pid"] == rows["s0/primary"]["pid"]
+
+
+def test_a_request_sent_after_the_refusal_is_told_the_refusal_not_a_drop(zctx, caplog):
+    """The CLI's old race: a plain control client's handshake refused before its REQUEST
+    is sent. libzmq ends such a connection for good, so the send finds no pipe; that is
+    the refusal's doing, not a full queue: one answer, the cause, and no drop logged."""
+    from clonemap.shards.common.errors import HandshakeRefused
+    from clonemap.shards.common.mdp.client import SyncMdpClient
+
+    _public, secret = zmq.curve_keypair()
+    server = zctx.socket(zmq.ROUTER)
+    server.linger = 0
+    server.curve_server = True
+    server.curve_secretkey = secret
+    endpoint = f"tcp://127.0.0.1:{free_port_base(1)}"
+    server.bind(endpoint)
+    client = SyncMdpClient(endpoint, ctx=zctx, timeout_s=30, retries=1)
+    try:
+        sock = client.open()
+        # the order forced: the plain greeting is refused and its pipe is gone before the
+        # send (libzmq signals no event when a pipe goes, so the socket's state is read)
+        deadline = time.monotonic() + 10
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+            assert time.monotonic() < deadline, "the refused pipe was never closed"
+            sock.poll(5)
+        with caplog.at_level("DEBUG"), pytest.raises(HandshakeRefused) as caught:
+            client.request("mmi.service", b"cluster.status")
+    finally:
+        client.close()
+    assert caught.value.cause == "curve_required", caught.value
+    assert client.counters["unqueued"] == 1 and client.counters["attempts"] == 1
+    assert client.counters["timeouts"] == 0  # told by the monitor, not by the deadline
+    assert not client.drops.counts and "dropped" not in caplog.text, caplog.text
 
 
 class Capture:

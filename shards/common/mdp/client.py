@@ -114,7 +114,7 @@ class MdpClient:
         self.max_pending = max_pending
         self.drops = DropCounter(log)
         self.counters = dict.fromkeys(("requests", "attempts", "sockets", "partials",
-                                       "finals", "timeouts"), 0)
+                                       "finals", "timeouts", "unqueued"), 0)
         self._asock: AsyncSocket | None = None
         self._monitor: AsyncSocket | None = None
         self._refused = ""
@@ -207,8 +207,11 @@ class MdpClient:
         self.counters["attempts"] += 1
         try:
             self._asock.send(frames)
-        except zmq.Again:  # queue full on a dead connection: let the deadline handle it
-            self.drops.drop("send_hwm", f"REQUEST to {self.endpoint}: at the high-water mark")
+        except zmq.Again:
+            # no pipe to queue on: a handshake refused before this send ends the
+            # connection for good (libzmq does not reconnect after one). Not a drop: the
+            # monitor's refusal answers it (or the deadline, then a fresh socket).
+            self.counters["unqueued"] += 1
 
     def _on_message(self, frames: list[bytes]) -> None:
         got = _classify(frames, self._service, self.drops, self.endpoint)
@@ -342,7 +345,7 @@ class SyncMdpClient:
         self.retries = retries
         self.drops = DropCounter(log)
         self.counters = dict.fromkeys(("requests", "attempts", "sockets", "partials",
-                                       "finals", "timeouts"), 0)
+                                       "finals", "timeouts", "unqueued"), 0)
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
 
@@ -378,8 +381,9 @@ class SyncMdpClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def send_frames_now(self, frames: list[bytes]) -> None:
-        """One attempt of a request (a socket is made if there is none)."""
+    def open(self) -> zmq.Socket:
+        """The DEALER the next attempt sends on, made and connected if there is none (a
+        timeout or ``close`` ends it)."""
         if self._sock is None:
             self._sock = self.ctx.socket(zmq.DEALER)
             self._sock.linger = 0
@@ -388,11 +392,19 @@ class SyncMdpClient:
             self._refusals = Refusals(self.security.curve)
             self._sock.connect(self.endpoint)
             self.counters["sockets"] += 1
+        return self._sock
+
+    def send_frames_now(self, frames: list[bytes]) -> None:
+        """One attempt of a request (a socket is made if there is none)."""
+        self.open()
         self.counters["attempts"] += 1
         try:
             send_frames(self._sock, frames)
         except zmq.Again:
-            self.drops.drop("send_hwm", f"REQUEST to {self.endpoint}: at the high-water mark")
+            # no pipe to queue on: a handshake refused before this send ends the
+            # connection for good (libzmq does not reconnect after one). Not a drop:
+            # ``next_reply`` reports the refusal, which the monitor already holds.
+            self.counters["unqueued"] += 1
 
     def next_reply(self, service: bytes, timeout_s: float) -> tuple[bytes, list[bytes]]:
         """The next PARTIAL/FINAL for ``service``, ``(command, body)``; raises on silence
