@@ -25,6 +25,7 @@ import time
 
 import pytest
 import zmq
+import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
 
 from clonemap.client.api import AsyncClone
@@ -180,26 +181,36 @@ def test_a_stats_worker_with_the_client_key_is_refused(cluster, zctx):
     assert rows["s0/primary"]["stats"]["pid"] == rows["s0/primary"]["pid"]
 
 
-def test_a_request_sent_after_the_refusal_is_told_the_refusal_not_a_drop(zctx, caplog):
-    """The CLI's old race: a plain control client's handshake refused before its REQUEST
-    is sent. libzmq ends such a connection for good, so the send finds no pipe; that is
-    the refusal's doing, not a full queue: one answer, the cause, and no drop logged."""
+def test_a_request_sent_after_the_refusal_is_told_the_refusal_not_a_drop(zctx, caplog,
+                                                                         tmp_path):
+    """The CLI's old race: a control client's key refused before its REQUEST is sent.
+    libzmq ends such a connection for good, so the send finds no pipe; that is the
+    refusal's doing, not a full queue: one answer, the cause, and no drop logged. (A ZAP
+    refusal, not a plain client: the server's ERROR reaches the client before the close,
+    while a mechanism mismatch may look like a dropped connection and be retried.)"""
     from clonemap.shards.common.errors import HandshakeRefused
     from clonemap.shards.common.mdp.client import SyncMdpClient
+    from clonemap.shards.common.security import Authenticator
 
-    _public, secret = zmq.curve_keypair()
+    create_keys(tmp_path / "cluster")
+    foreign = tmp_path / "foreign"  # the cluster's server key, a client key it lacks
+    foreign.mkdir()
+    zmq.auth.create_certificates(str(foreign), "client")
+    (foreign / "server.key").write_bytes((tmp_path / "cluster" / "server.key").read_bytes())
+    server_keys = Security.load(tmp_path / "cluster", "server")
+    auth = Authenticator(zctx, server_keys)
     server = zctx.socket(zmq.ROUTER)
     server.linger = 0
-    server.curve_server = True
-    server.curve_secretkey = secret
+    server_keys.bind_side(server)
     endpoint = f"tcp://127.0.0.1:{free_port_base(1)}"
     server.bind(endpoint)
-    client = SyncMdpClient(endpoint, ctx=zctx, timeout_s=30, retries=1)
+    client = SyncMdpClient(endpoint, ctx=zctx, timeout_s=30, retries=1,
+                           security=Security.load(foreign, "client"))
     try:
         sock = client.open()
-        # the order forced: the plain greeting is refused and its pipe is gone before the
-        # send (libzmq signals no event when a pipe goes, so the socket's state is read)
-        deadline = time.monotonic() + 10
+        # the order forced: the key is refused and the pipe is gone before the send
+        # (libzmq signals no event when a pipe goes, so the socket's state is read)
+        deadline = time.monotonic() + 30
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
             assert time.monotonic() < deadline, "the refused pipe was never closed"
             sock.poll(5)
@@ -207,7 +218,8 @@ def test_a_request_sent_after_the_refusal_is_told_the_refusal_not_a_drop(zctx, c
             client.request("mmi.service", b"cluster.status")
     finally:
         client.close()
-    assert caught.value.cause == "curve_required", caught.value
+        auth.stop()
+    assert caught.value.cause == "key_refused", caught.value
     assert client.counters["unqueued"] == 1 and client.counters["attempts"] == 1
     assert client.counters["timeouts"] == 0  # told by the monitor, not by the deadline
     assert not client.drops.counts and "dropped" not in caplog.text, caplog.text
