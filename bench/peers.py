@@ -64,7 +64,7 @@ from bench.harness.traffic import percentiles_ms
 from clonemap.shards.common.children import terminate
 
 NAME = "peers"
-WORKLOADS = ("rate", "one", "many", "fanout", "join", "read")
+WORKLOADS = ("rate", "one", "many", "fanout", "join", "read", "reconnect", "memory")
 CLIENT = [sys.executable, "-m", "bench.harness.peer_clients"]
 READER = [sys.executable, "-m", "bench.harness.peer_readers"]
 STALE_AFTER_NS = 10_000_000
@@ -93,6 +93,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="read: reader processes per system and variant")
     ap.add_argument("--read-rate", type=int, default=1000,
                     help="read: changes/s the writer makes while the readers read")
+    ap.add_argument("--cut-s", type=float, default=5.0,
+                    help="reconnect: how long a reader's link is down")
+    ap.add_argument("--changed", type=float, default=0.01,
+                    help="reconnect: the share of the map's keys changed while it is down")
+    ap.add_argument("--memory-keys", default="100000,1000000",
+                    help="memory: map sizes (keys, comma-separated) at which each copy's "
+                         "RSS per key is measured")
     ap.add_argument("--keys", type=int, default=100_000)
     ap.add_argument("--value-bytes", type=int, default=100)
     ap.add_argument("--seconds", type=float, default=3.0)
@@ -102,6 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.system_list = [s for s in args.systems.split(",") if s]
     args.workload_list = [w for w in args.workloads.split(",") if w]
+    try:
+        args.memory_key_list = [int(n) for n in args.memory_keys.split(",") if n]
+    except ValueError:
+        ap.error(f"--memory-keys: numbers of keys, not {args.memory_keys!r}")
     for name in args.system_list:
         if name not in servers.SYSTEMS:
             ap.error(f"unknown system {name!r}")
@@ -389,6 +400,121 @@ def read_run(args, server: servers.PeerServer, variant: str, load: bool = True) 
                                                - before[server.pid])}
 
 
+RECONNECT_VARIANTS = {"clonemap": ("get",), "redis": ("cache",), "nats": ("watch",),
+                      "etcd": ("watch",)}
+"""The read paths whose copy must be made current again after a broken link."""
+CUTTER = [sys.executable, "-m", "bench.harness.cutter"]
+
+
+def _routes(server: servers.PeerServer, base: int) -> tuple[list[str], str]:
+    """The cutter's routes for ``server`` and the address a reader gives to reach it
+    through them (clonemap: its three ports, P to P+2; the others: one)."""
+    if server.system == "clonemap":
+        port = int(server.address.rsplit(":", 1)[1])
+        return ([f"127.0.0.1:{base + i}=127.0.0.1:{port + i}" for i in range(3)],
+                f"tcp://127.0.0.1:{base}")
+    return [f"127.0.0.1:{base}={server.address}"], f"127.0.0.1:{base}"
+
+
+def reconnect_run(args, server: servers.PeerServer, variant: str, load: bool) -> dict:
+    """One reader builds its copy through the cutter; its link is cut for ``--cut-s``
+    while the writer changes ``--changed`` of the keys (each once), the probe key last;
+    then the link heals. Figures: the time from the heal until the copy holds the last
+    probe number, the bytes sent to the reader from the heal until then, against the
+    bytes of the first copy (a full read), and whether every changed key is current."""
+    from bench.harness.procs import free_port_base
+
+    system = server.system
+    routes, address = _routes(server, free_port_base(3))
+    cutter = subprocess.Popen(CUTTER + routes, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+                              start_new_session=True)
+
+    def ask(command: str) -> str:
+        cutter.stdin.write(command + "\n")
+        cutter.stdin.flush()
+        return cutter.stdout.readline().strip()
+
+    def sent() -> int:
+        return int(ask("bytes").split()[1])
+
+    base = {"keys": args.keys, "value_bytes": args.value_bytes}
+    writer = Client(system, "reconnect", {**base, "address": server.address, "load": load,
+                                          "changes": max(1, int(args.keys * args.changed))},
+                    stdin=True, command=READER + ["changer", system])
+    reader = None
+    try:
+        if cutter.stdout.readline().strip() != "READY":
+            raise RuntimeError(f"{system}: the cutter did not start")
+        writer.line("LOADED", 600)
+        t_built = time.monotonic()
+        reader = Client(system, "reconnect", {**base, "address": address, "reconnect": True},
+                        stdin=True, command=READER + ["reader", system, variant])
+        reader.line("BUILT", 600)
+        build_s = time.monotonic() - t_built
+        full_bytes = sent()
+        ask("cut")
+        cut_at = time.monotonic()
+        writer.popen.stdin.write("go\n")
+        writer.popen.stdin.flush()
+        final, changed = json.loads(writer.line("CHANGED", 120).split(" ", 1)[1])
+        time.sleep(max(0.0, cut_at + args.cut_s - time.monotonic()))
+        healed_bytes = sent()
+        ask("heal")
+        healed_ns = time.monotonic_ns()
+        reader.popen.stdin.write(f"FINAL {final}\n")
+        reader.popen.stdin.flush()
+        current = reader.line("CURRENT", 120).split()[1]
+        resume_bytes = sent() - healed_bytes
+        reader.popen.stdin.write(json.dumps([i for i, _ in changed]) + "\n")
+        reader.popen.stdin.flush()
+        got = reader.result()
+    finally:
+        for c in [writer, reader]:
+            if c is not None:
+                c.stop()
+        terminate(cutter, 5.0)
+    behind = sum(1 for (_, n), mine in zip(changed, got["changed_numbers"]) if mine < n)
+    return {"variant": variant, "build_s": round(build_s, 3), "full_bytes": full_bytes,
+            "current_s": (None if current == "never"
+                          else round((int(current) - healed_ns) / 1e9, 4)),
+            "resume_bytes": resume_bytes,
+            "resume_share": round(resume_bytes / max(full_bytes, 1), 5),
+            "changed_keys": len(changed), "changed_behind": behind,
+            "resyncs": got.get("resyncs")}
+
+
+MEMORY_VARIANTS = {"clonemap": ("get", "dict"), "redis": ("cache",), "nats": ("watch",),
+                   "etcd": ("watch",)}
+"""The read paths that hold a copy of the map (``aget`` holds the same map as ``get``),
+and the floor: a plain dict of the same keys and value sizes."""
+
+
+def memory_runs(args, server: servers.PeerServer) -> list[dict]:
+    """The memory workload: at each of ``--memory-keys``, the map loaded by the read
+    workload's writer, then one process per copy-holding read path, which builds its copy
+    and reports the RSS it added (``peer_readers.Footprint``)."""
+    rows = []
+    for keys in args.memory_key_list:
+        base = {"address": server.address, "keys": keys, "value_bytes": args.value_bytes}
+        writer = Client(server.system, "memory", {**base, "rate": 1, "probe_every": 1,
+                                                  "warmup": 0, "seconds": 0},
+                        stdin=True, command=READER + ["writer", server.system])
+        try:
+            writer.line("LOADED", 3600)
+        finally:
+            writer.stop()
+        for variant in MEMORY_VARIANTS[server.system]:
+            reader = Client(server.system, "memory", {**base, "memory": True},
+                            command=READER + ["reader", server.system, variant])
+            try:
+                got = reader.result()
+            finally:
+                reader.stop()
+            rows.append({"variant": variant, "keys": keys, **got})
+    return rows
+
+
 def read_figures(seen: list[dict], wrote: dict, server_cpu_s: float) -> dict:
     """Reads/s per reader, CPU per read, staleness (each probe number's first sight in
     each reader - its acknowledgement, counting a later number seen first) and stale
@@ -434,7 +560,8 @@ def read_figures(seen: list[dict], wrote: dict, server_cpu_s: float) -> dict:
 
 def run(args: argparse.Namespace) -> rec.Record:
     config = {k: v for k, v in vars(args).items()
-              if k not in ("results_dir", "system_list", "workload_list")}
+              if k not in ("results_dir", "system_list", "workload_list",
+                           "memory_key_list")}
     record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", config), config)
     record.data["acks"] = {s: servers.ACKS[s] for s in args.system_list}
     missing, running, versions = {}, {}, {}
@@ -458,16 +585,32 @@ def run(args: argparse.Namespace) -> rec.Record:
             for rnd in range(args.rounds):
                 order = names[rnd % len(names):] + names[:rnd % len(names)] if names else []
                 for workload in args.workload_list:
+                    if workload == "memory":
+                        continue  # (a footprint, not a rate: once, after the rounds)
                     for system in order:
-                        if workload in ("join", "read") and system in servers.FLOORS:
+                        if workload in ("join", "read", "reconnect", "memory") and \
+                                system in servers.FLOORS:
                             continue  # (it never sends its map)
                         with paused([s for n, s in running.items() if n != system]):
                             if workload == "read":
                                 rows = read_runs(args, running[system])
+                            elif workload == "reconnect":
+                                rows = [reconnect_run(args, running[system], v,
+                                                      not running[system].read_map_loaded)
+                                        for v in RECONNECT_VARIANTS[system]]
+                                running[system].read_map_loaded = True
                             else:
                                 rows = [one_run(args, running[system], workload)]
                         for row in rows:
                             record.add_run({"round": rnd, "workload": workload,
+                                            "system": system, **row})
+            if "memory" in args.workload_list:  # last: it leaves larger maps behind
+                for system in names:
+                    if system in servers.FLOORS:
+                        continue
+                    with paused([s for n, s in running.items() if n != system]):
+                        for row in memory_runs(args, running[system]):
+                            record.add_run({"round": 0, "workload": "memory",
                                             "system": system, **row})
         finally:
             for server in running.values():
@@ -523,6 +666,9 @@ def summarize(record: rec.Record, args) -> None:
         s: all(r["every_update_delivered"] for r in fan if r["system"] == s)
         for s in {r["system"] for r in fan}}
     summary["read"] = summarize_reads([r for r in runs if r["workload"] == "read"])
+    summary["memory"] = summarize_memory([r for r in runs if r["workload"] == "memory"])
+    summary["reconnect"] = summarize_reconnects(
+        [r for r in runs if r["workload"] == "reconnect"])
     record.data["summary"] = summary
     for (workload, field), most in TARGETS.items():
         ratio = summary.get(f"{workload}.{field}", {}).get("clonemap/redis")
@@ -547,6 +693,18 @@ def summarize(record: rec.Record, args) -> None:
             record.target("read: Clone.get staleness p99 / Redis cache's", round(
                 mine["median"] / max(cached["median"], 1e-9), 3), 1.0, "x",
                 higher_is_better=False)
+    mine = summary["reconnect"].get("clonemap get")
+    if mine and mine["resume_share"].get("n"):
+        record.target("reconnect: bytes to be current / a full read (clonemap)",
+                      mine["resume_share"]["median"], 0.05, "x", higher_is_better=False)
+    if mine and mine["current_s"].get("n"):
+        record.target("reconnect: current after the link returns (clonemap)",
+                      mine["current_s"]["median"], 1.0, "s", higher_is_better=False)
+    for keys, entry in summary["memory"].items():
+        ratio = entry.get("clonemap get / redis cache")
+        if ratio is not None:
+            record.target(f"memory: bytes per key clonemap get / redis cache, {keys} keys",
+                          ratio, 1.5, "x", higher_is_better=False)
     joins = summary.get("join.server_cpu_s", {}).get("clonemap")
     if joins and joins.get("n"):
         record.target("server CPU per join of the map", joins["median"], 0.2, "s",
@@ -583,6 +741,46 @@ def summarize_reads(runs: list[dict]) -> dict:
         ratios = rec.ratios_per_round(runs, lambda r: r.get("reads_per_s"), num, den, "path")
         if ratios:
             out["ratios"][f"{num} / {den}"] = rec.spread(ratios, 3)
+    return out
+
+
+RECONNECT_FIELDS = (  # (field, label)
+    ("current_s", "current after the link returns (s)"),
+    ("resume_bytes", "bytes received to be current"),
+    ("full_bytes", "bytes of the first, full read"),
+    ("resume_share", "bytes to be current / full read"),
+    ("changed_behind", "changed keys still behind once current"),
+    ("build_s", "first copy built in (s)"),
+)
+
+
+def summarize_reconnects(runs: list[dict]) -> dict:
+    """Per read path, each reconnect figure's spread over the rounds; a run whose copy
+    never became current counts as missing from ``current_s`` and is counted in
+    ``never_current``."""
+    out: dict = {}
+    for path in sorted({f"{r['system']} {r['variant']}" for r in runs}):
+        mine = [r for r in runs if f"{r['system']} {r['variant']}" == path]
+        out[path] = {f: rec.spread([r[f] for r in mine if r.get(f) is not None], 4)
+                     for f, _ in RECONNECT_FIELDS}
+        out[path]["never_current"] = sum(1 for r in mine if r.get("current_s") is None)
+    return out
+
+
+MEMORY_RATIOS = (("clonemap get", "redis cache"), ("clonemap get", "clonemap dict"),
+                 ("clonemap get", "nats watch"), ("clonemap get", "etcd watch"))
+
+
+def summarize_memory(runs: list[dict]) -> dict:
+    """``{keys: {path: bytes per key, "a / b": ratio}}``: one process per path and size."""
+    out: dict = {}
+    for r in runs:
+        out.setdefault(str(r["keys"]), {})[f"{r['system']} {r['variant']}"] = \
+            r["bytes_per_key"]
+    for entry in out.values():
+        for num, den in MEMORY_RATIOS:
+            if entry.get(num) and entry.get(den):
+                entry[f"{num} / {den}"] = round(entry[num] / entry[den], 3)
     return out
 
 
@@ -624,6 +822,31 @@ def report(record: rec.Record) -> None:
                   "stale: a read older than a value acknowledged 10 ms before it began")
         for name, entry in reads.get("ratios", {}).items():
             rec.log(f"{NAME} read: reads/s {name}: {_cell(entry)} (per round, median)")
+    again = d["summary"].get("reconnect") or {}
+    if again:
+        paths = list(again)
+        rec.table(record, f"{NAME} reconnect: medians of {c['rounds']} rounds, link down "
+                  f"{c['cut_s']} s while {c['changed']:.0%} of {c['keys']:,} keys changed",
+                  ["", *paths], [[label, *[_cell(again[p].get(f)) for p in paths]]
+                                 for f, label in RECONNECT_FIELDS]
+                  + [["runs never current", *[str(again[p]["never_current"])
+                                              for p in paths]]],
+                  "bytes: what the reader's connections received through the cutter "
+                  "(bench/harness/cutter.py), from the heal until its copy held the last "
+                  "change")
+    memory = d["summary"].get("memory") or {}
+    if memory:
+        paths = sorted({p for e in memory.values() for p in e if " / " not in p})
+        ratios = [f"{a} / {b}" for a, b in MEMORY_RATIOS
+                  if any(f"{a} / {b}" in e for e in memory.values())]
+        rec.table(record, f"{NAME} memory: RSS a copy of the map adds, bytes per key "
+                  f"({c['value_bytes']} B values)", ["keys", *paths, *ratios],
+                  [[f"{int(k):,}", *[rec._fmt(e[p]) if p in e else "-" for p in paths],
+                    *[rec._fmt(e[r]) if r in e else "-" for r in ratios]]
+                   for k, e in sorted(memory.items(), key=lambda kv: int(kv[0]))],
+                  "one reader process per path and size: its RSS with the client "
+                  "connected, then with the copy complete; dict: a plain dict of the same "
+                  "keys and values")
     delivered = d["summary"].get("fanout.every_update_delivered", {})
     for system in systems:
         if system in d.get("missing", {}):

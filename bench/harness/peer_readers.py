@@ -51,6 +51,32 @@ def mark(word: str) -> None:
     print(word, flush=True)
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+    """This process's resident set, bytes (``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class Footprint:
+    """The memory workload: the RSS a copy of the map adds to a reader process. ``before``
+    is taken with the client imported and connected, ``held(copy_len)`` once the copy is
+    complete (after a collection: what the process keeps, not what it passed through)."""
+
+    def __init__(self):
+        self.rss0 = rss()
+
+    def held(self, keys: int) -> dict:
+        import gc
+
+        gc.collect()
+        grown = rss() - self.rss0
+        return {"rss_before": self.rss0, "rss_grown": grown, "copy_keys": keys,
+                "bytes_per_key": round(grown / max(keys, 1), 1)}
+
+
 def value(size: int, n: int) -> bytes:
     head = _NUM.pack(n)
     return head + b"v" * max(0, size - len(head))
@@ -130,6 +156,45 @@ class Window:
                 "elapsed_s": (self.end_ns - max(self.start_ns, self.opened_ns)) / 1e9}
 
 
+RECONNECT_WAIT_S = 60.0
+"""How long a reader cut off may take to be current again before it is reported as not."""
+
+
+def after_cut_sync(get, keys: list, is_resynced=None) -> dict:
+    """The reconnect workload, once the copy is built and the link has been cut: read
+    ``FINAL n`` (the writer's last probe number, written while the link was down), look
+    at the copy until it holds it (and ``is_resynced()``, where the copy must be rebuilt),
+    say ``CURRENT``, then read the changed keys' indices (a JSON line) and return what
+    the copy holds for each."""
+    final = int(sys.stdin.readline().split()[1])
+    deadline = time.monotonic() + RECONNECT_WAIT_S
+    while number(get(keys[-1])) < final or (is_resynced is not None and not is_resynced()):
+        if time.monotonic() > deadline:
+            mark("CURRENT never")
+            break
+        time.sleep(0.0005)
+    else:
+        mark(f"CURRENT {_clock()}")
+    changed = json.loads(sys.stdin.readline())
+    return {"changed_numbers": [number(get(keys[i])) for i in changed]}
+
+
+async def after_cut_async(get, keys: list) -> dict:
+    """``after_cut_sync`` for a copy that a task of this loop keeps."""
+    loop = asyncio.get_running_loop()
+    final = int((await loop.run_in_executor(None, sys.stdin.readline)).split()[1])
+    deadline = time.monotonic() + RECONNECT_WAIT_S
+    while number(get(keys[-1])) < final:
+        if time.monotonic() > deadline:
+            mark("CURRENT never")
+            break
+        await asyncio.sleep(0.0005)
+    else:
+        mark(f"CURRENT {_clock()}")
+    changed = json.loads(await loop.run_in_executor(None, sys.stdin.readline))
+    return {"changed_numbers": [number(get(keys[i])) for i in changed]}
+
+
 def run_sync_reader(o: dict, get, keys: list, probe_key, probe_get=None) -> dict:
     """The loop of a reader whose reads are plain calls on this thread (``probe_get``:
     another way to read the probe key)."""
@@ -197,8 +262,11 @@ async def run_async_reader(o: dict, get, keys: list, probe_key, yield_every: int
 async def read_followed_copy(o: dict, local: dict, keys: list, follow) -> dict:
     """Read ``local`` (a watch-built copy) while ``follow()`` keeps it current."""
     task = asyncio.ensure_future(follow())
-    ready(o)
     try:
+        if o.get("reconnect"):
+            mark("BUILT")
+            return await after_cut_async(local.get, keys)
+        ready(o)
         return await run_async_reader(o, local.get, keys, keys[-1])
     finally:
         task.cancel()
@@ -209,7 +277,20 @@ def clonemap_reader(variant: str, o: dict) -> dict:
     if variant in ("get", "dict"):
         from clonemap.client.api import Clone
 
+        if o.get("memory"):
+            import zmq  # (imported, and its context made, before the copy: not counted)
+
+            zmq.Context.instance()
+            foot = Footprint()
+            if variant == "dict":  # the floor: a dict of the same keys and value sizes
+                plain = {k: value(o["value_bytes"], 0) for k in keys}
+                return foot.held(len(plain))
+            with Clone(o["address"], codec="bytes", timeout_s=600, subtree="/r/") as c:
+                return foot.held(len(c))
         with Clone(o["address"], codec="bytes", timeout_s=60, subtree="/r/") as c:
+            if o.get("reconnect"):
+                mark("BUILT")
+                return after_cut_sync(c.get, keys)
             ready(o)
             if variant == "get":
                 return run_sync_reader(o, c.get, keys, keys[-1])
@@ -241,22 +322,62 @@ def redis_reader(variant: str, o: dict) -> dict:
             return run_sync_reader(o, r.get, keys, keys[-1])
         finally:
             r.close()
-    # client-side caching, default (tracking) mode, invalidations on a second connection
+    # client-side caching, default (tracking) mode, invalidations on a second connection;
+    # one command connection (tracking is a connection's, so a pool would lose it)
+    r.close()
+    r = redis.Redis(host=host, port=int(port), protocol=2, single_connection_client=True)
     cache: dict = {}
     inval = redis.Connection(host=host, port=int(port), protocol=2)  # RESP2: pub/sub replies
-    inval.connect()
-    inval.send_command("CLIENT", "ID")
-    redirect = int(inval.read_response())
-    inval.send_command("SUBSCRIBE", "__redis__:invalidate")
-    inval.read_response()  # the subscription's confirmation
     stop = threading.Event()
+    warm = threading.Event()
     evicted = [0]
+    resyncs = [0]
+
+    def track() -> None:
+        """(Re)connect the invalidation connection and turn tracking on for the command
+        connection; until both work, try again every 50 ms (the link may be down)."""
+        while not stop.is_set():
+            try:
+                inval.disconnect()
+                inval.connect()
+                inval.send_command("CLIENT", "ID")
+                redirect = int(inval.read_response())
+                inval.send_command("SUBSCRIBE", "__redis__:invalidate")
+                inval.read_response()  # the subscription's confirmation
+                r.execute_command("CLIENT", "TRACKING", "ON", "REDIRECT", redirect)
+                return
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                time.sleep(0.05)
+
+    def fill() -> None:
+        """Every key read once (MGET, tracked like GET), as a clonemap or watch-built copy
+        holds the whole map before its first read."""
+        for i in range(0, len(keys), 1000):
+            chunk = keys[i:i + 1000]
+            for key, blob in zip(chunk, r.mget(chunk)):
+                cache[key] = blob
+        warm.set()
 
     def invalidations():
         while not stop.is_set():
-            if not inval.can_read(timeout=0.1):
+            try:
+                if not inval.can_read(timeout=0.1):
+                    continue
+                msg = inval.read_response()
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                # the invalidations are lost with the link: the whole cache is suspect
+                # (the Redis docs: flush it on a reconnect), then it is filled again
+                warm.clear()
+                cache.clear()
+                resyncs[0] += 1
+                track()
+                while not stop.is_set():
+                    try:
+                        fill()
+                        break
+                    except (redis.ConnectionError, redis.TimeoutError, OSError):
+                        time.sleep(0.05)
                 continue
-            msg = inval.read_response()
             if not isinstance(msg, list) or len(msg) < 3 or msg[0] != b"message":
                 continue
             data = msg[2]
@@ -267,18 +388,28 @@ def redis_reader(variant: str, o: dict) -> dict:
                 cache.pop(key.decode(), None)
                 evicted[0] += 1
 
+    track()
     thread = threading.Thread(target=invalidations, daemon=True)
     thread.start()
-    r.execute_command("CLIENT", "TRACKING", "ON", "REDIRECT", redirect)
     fetch = r.get
-    # warm: every key read once (MGET, tracked like GET), as a clonemap or watch-built
-    # copy holds the whole map before its first read
-    names = keys
-    for i in range(0, len(names), 1000):
-        chunk = names[i:i + 1000]
-        for key, blob in zip(chunk, r.mget(chunk)):
-            cache[key] = blob
+    foot = Footprint()
+    if o.get("memory"):  # the cache's own key strings, made after the baseline (as a
+        keys = key_names("redis", o["keys"])  # copy from the wire makes its own)
+    fill()
+    if o.get("memory"):
+        keys.clear()  # (the list itself is not the cache's)
 
+    def close():
+        stop.set()
+        thread.join(2)
+        inval.disconnect()
+        r.close()
+
+    if o.get("memory"):
+        try:
+            return foot.held(len(cache))
+        finally:
+            close()
     pending = object()
 
     def get(key):
@@ -295,17 +426,20 @@ def redis_reader(variant: str, o: dict) -> dict:
             cache[key] = blob
         return blob
 
-    ready(o)
     try:
+        if o.get("reconnect"):
+            mark("BUILT")
+            out = after_cut_sync(lambda key: cache.get(key), keys,
+                                 is_resynced=lambda: resyncs[0] > 0 and warm.is_set())
+            out["resyncs"] = resyncs[0]
+            return out
+        ready(o)
         out = run_sync_reader(o, get, keys, keys[-1])
         out["evicted"] = evicted[0]
         out["cached_keys"] = len(cache)
         return out
     finally:
-        stop.set()
-        thread.join(2)
-        inval.disconnect()
-        r.close()
+        close()
 
 
 def nats_reader(variant: str, o: dict) -> dict:
@@ -325,11 +459,15 @@ def nats_reader(variant: str, o: dict) -> dict:
                 ready(o)
                 return await run_async_reader(o, None, keys, keys[-1], aget=aget)
             local: dict = {}
+            foot = Footprint()
             watcher = await kv.watchall()
             async for entry in watcher:  # every current value, then a None marker
                 if entry is None:
                     break
                 local[entry.key] = entry.value
+            if o.get("memory"):
+                await watcher.stop()
+                return foot.held(len(local))
 
             async def follow():
                 async for entry in watcher:
@@ -366,16 +504,30 @@ def etcd_reader(variant: str, o: dict) -> dict:
                     return got.value if got is not None else None
                 ready(o)
                 return await run_async_reader(o, None, keys, keys[-1], aget=aget)
+            foot = Footprint()
             result = await c.get_prefix(b"/r/")
             local = {kv.key: kv.value for kv in result.kvs}
-            watch = await c.watch_prefix(b"/r/", start_revision=result.header.revision + 1)
+            if o.get("memory"):
+                del result
+                return foot.held(len(local))
+            seen = [result.header.revision]
 
             async def follow():
-                async for event in watch:
-                    if event.kind == aetcd.EventKind.PUT:
-                        local[event.kv.key] = event.kv.value
-                    else:
-                        local.pop(event.kv.key, None)
+                # a broken watch is resumed from the revision after the last one seen (the
+                # informer pattern; a compacted revision would need a relist: not met here)
+                while True:
+                    try:
+                        watch = await c.watch_prefix(b"/r/", start_revision=seen[0] + 1)
+                        async for event in watch:
+                            if event.kind == aetcd.EventKind.PUT:
+                                local[event.kv.key] = event.kv.value
+                            else:
+                                local.pop(event.kv.key, None)
+                            seen[0] = max(seen[0], event.kv.mod_revision)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception:
+                        await asyncio.sleep(0.05)
 
             return await read_followed_copy(o, local, keys, follow)
         finally:
@@ -434,8 +586,37 @@ async def write_loop(put, o: dict, names: list) -> dict:
     return {"writes": sent, "acks": acks}
 
 
+async def change_loop(put, o: dict, names: list) -> dict:
+    """The reconnect workload's writer: the map (if ``load``), ``LOADED``, then on ``go``
+    ``changes`` distinct random keys changed once each, 100 in flight, the probe key
+    last; ``CHANGED [final, [[index, number], ...]]``. Numbers start above any earlier
+    run's (microseconds since the epoch), so a copy that missed a change shows it."""
+    size, keys = o["value_bytes"], o["keys"]
+    sem = asyncio.Semaphore(100)
+
+    async def one(k, n):
+        async with sem:
+            await put(k, value(size, n))
+
+    if o.get("load", True):
+        await asyncio.gather(*(one(names[i], 0) for i in range(keys)))
+        await put(names[-1], value(size, 0))
+    mark("LOADED")
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    first = time.time_ns() // 1000
+    picked = random.Random(2).sample(range(keys), min(o["changes"], keys))
+    changed = [(i, first + j) for j, i in enumerate(picked)]
+    await asyncio.gather(*(one(names[i], n) for i, n in changed))
+    final = first + len(changed)
+    await put(names[-1], value(size, final))
+    mark("CHANGED " + json.dumps([final, changed]))
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    return {"changes": len(changed)}
+
+
 async def writer(system: str, o: dict) -> dict:
     names = key_names(system, o["keys"])
+    write_loop_now = change_loop if o.get("changes") else write_loop
     if system == "clonemap":
         from clonemap.client.api import AsyncClone
 
@@ -443,14 +624,14 @@ async def writer(system: str, o: dict) -> dict:
                               subtree="/r/") as c:
             async def put(k, v):
                 await c.set(k, v, wait=True)
-            return await write_loop(put, o, names)
+            return await write_loop_now(put, o, names)
     if system == "redis":
         import redis.asyncio as aioredis
 
         host, port = o["address"].rsplit(":", 1)
         r = aioredis.Redis(host=host, port=int(port), max_connections=256)
         try:
-            return await write_loop(r.set, o, names)
+            return await write_loop_now(r.set, o, names)
         finally:
             await r.aclose()
     if system == "nats":
@@ -465,7 +646,7 @@ async def writer(system: str, o: dict) -> dict:
             except Exception:
                 kv = await js.create_key_value(KeyValueConfig(bucket="r", history=1,
                                                               storage=StorageType.FILE))
-            return await write_loop(kv.put, o, names)
+            return await write_loop_now(kv.put, o, names)
         finally:
             await nc.close()
     import aetcd
@@ -474,14 +655,14 @@ async def writer(system: str, o: dict) -> dict:
     c = aetcd.Client(host=host, port=int(port))
     await c.connect()
     try:
-        return await write_loop(c.put, o, names)
+        return await write_loop_now(c.put, o, names)
     finally:
         await c.close()
 
 
 def run() -> None:
     role, system = sys.argv[1], sys.argv[2]
-    if role == "writer":
+    if role in ("writer", "changer"):
         o = json.loads(sys.argv[3])
         try:
             from uvloop import run as run_loop
@@ -491,7 +672,8 @@ def run() -> None:
     else:
         variant, o = sys.argv[3], json.loads(sys.argv[4])
         out = READERS[system](variant, o)
-        out["first_seen"] = list(out["first_seen"].items())
+        if "first_seen" in out:
+            out["first_seen"] = list(out["first_seen"].items())
     with open(o["out"], "w") as f:
         json.dump(out, f)
     print("DONE", flush=True)

@@ -1,0 +1,44 @@
+"""``bench peers --workloads reconnect,memory`` at smoke size (a file of its own: the
+parallel workers balance by file)."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import bench_record, run_bench
+
+
+@pytest.mark.timeout(300)
+def test_reconnect_and_memory_workloads_measure_every_copy_of_every_present_system(
+        procs, tmp_path):
+    """Each present system's copy of the map (Clone; Redis's client-side cache; the NATS
+    and etcd watch-built copies) is cut off through the cutter while 10% of its keys
+    change, then heals: each row says when it was current again, the bytes that took
+    against its first full read, and that no changed key was left behind. The memory
+    rows: every copy's RSS per key at two sizes, and the plain-dict floor."""
+    from bench.peers import MEMORY_VARIANTS, RECONNECT_VARIANTS
+
+    run_bench(procs, tmp_path, "bench", "peers", "--keys", "2000", "--rounds", "1",
+              "--workloads", "reconnect,memory", "--cut-s", "0.5", "--changed", "0.1",
+              "--memory-keys", "2000,6000")
+    data = bench_record(tmp_path, "peers")
+    present = [s for s in ("clonemap", "redis", "nats", "etcd") if s not in data["missing"]]
+    assert "clonemap" in present
+    again = [r for r in data["runs"] if r["workload"] == "reconnect"]
+    assert sorted((r["system"], r["variant"]) for r in again) == sorted(
+        (s, v) for s in present for v in RECONNECT_VARIANTS[s])
+    for r in again:
+        assert r["current_s"] is not None and r["current_s"] >= 0, r
+        assert r["changed_keys"] == 200 and r["changed_behind"] == 0, r
+        assert r["full_bytes"] > 2000 * 100, r  # the first copy read every value
+        assert r["resume_bytes"] > 0, r
+    mine = next(r for r in again if r["system"] == "clonemap")
+    assert mine["resume_bytes"] < mine["full_bytes"], mine  # resumed, not read again
+    memory = [r for r in data["runs"] if r["workload"] == "memory"]
+    assert sorted((r["system"], r["variant"], r["keys"]) for r in memory) == sorted(
+        (s, v, k) for s in present for v in MEMORY_VARIANTS[s] for k in (2000, 6000))
+    for r in memory:
+        assert r["copy_keys"] >= r["keys"], r
+    per_key = data["summary"]["memory"]["6000"]
+    assert per_key["clonemap dict"] > 100, per_key  # at least the values themselves
+    table = (tmp_path / "latest" / "peers.md").read_text()
+    assert "peers reconnect" in table and "peers memory" in table
