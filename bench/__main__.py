@@ -112,9 +112,10 @@ SCENARIOS = {
         "clonemap against Redis, NATS JetStream KV and etcd at everyday rates, same run: "
         "CPU and latency per acknowledged write at 5,000/s, writes/s with 1 and 100 in "
         "flight, fan-out to 16 watchers, joining a 100,000-key map, and reads of the live "
-        "map by 4 processes through each system's read paths (reads/s, staleness) (a peer "
-        "this host lacks is reported missing)",
-        {"smoke": "~1 min", "quick": "~12 min", "full": "~20 min"}),
+        "map by 4 processes through each system's read paths (reads/s, staleness), a copy "
+        "of the map cut off for 5 s (time and bytes to be current) and its memory per key "
+        "(a peer this host lacks is reported missing)",
+        {"smoke": "~1.5 min", "quick": "~16 min", "full": "~28 min"}),
     "report": Scenario("bench.report", None,
                        "Markdown report + PNG plots from the latest records",
                        {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),
@@ -178,7 +179,8 @@ PROFILES: dict[str, Profile] = {
         "hot_path": ["--seconds", "0.3", "--warmup", "0.1", "--rounds", "1", "--keys", "2000",
                      "--rate", "5000"],
         "peers": ["--keys", "2000", "--rounds", "1", "--seconds", "0.5", "--warmup", "0.2",
-                  "--rate", "500", "--fanout-rate", "200", "--watchers", "4"],
+                  "--rate", "500", "--fanout-rate", "200", "--watchers", "4",
+                  "--cut-s", "0.5", "--memory-keys", "2000"],
         "report": [],
     }),
     "quick": Profile("the default: a few minutes in all", {
@@ -206,7 +208,8 @@ PROFILES: dict[str, Profile] = {
         "relays": ["--subscribers", "100", "--clients", "50", "--keys", "10000",
                    "--rounds", "1"],
         "hot_path": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
-        "peers": ["--rounds", "3", "--seconds", "3", "--warmup", "1"],
+        "peers": ["--rounds", "3", "--seconds", "3", "--warmup", "1",
+                  "--memory-keys", "100000"],
         "report": [],
     }),
     "full": Profile("the figures the committed report quotes", {

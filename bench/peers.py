@@ -29,6 +29,15 @@ Workloads, per round, each system in turn (the order rotates each round):
   then ``HGETALL``; NATS a KV watch to its end-of-initial-values marker; etcd a range
   read then a watch from the next revision): its time and the server's CPU.
 
+* ``read``: ``--readers`` (4) processes read random keys of the map as fast as they can
+  while one writer changes ``--read-rate`` (1,000) keys/s, through each system's read
+  paths (``bench.harness.peer_readers``): reads/s, CPU per read, staleness;
+* ``reconnect``: one reader's copy of the map is cut off for ``--cut-s`` (5 s) by
+  ``bench.harness.cutter`` while ``--changed`` (1%) of the keys change: the time from
+  the heal until it is current, and the bytes that took against a full read;
+* ``memory`` (once, after the rounds): the RSS each copy of the map adds to its process,
+  per key, at each of ``--memory-keys`` (100,000 and 1,000,000).
+
 A floor runs beside them (``forwarder``, in the default ``--systems``): not a store but
 ``bench.harness.forwarder --snapshots``, a bare Python loop on libzmq (SUB collector ->
 dict -> PUB, no checks, no log, empty snapshots), driven by clonemap's own client. What it
