@@ -62,6 +62,30 @@ _HUGZ_KEY = chp.HUGZ
 _decode_update = chp.decode_update
 _check_seq = sm.check_seq
 
+
+def _text(key: bytes) -> str | None:
+    """A key as ``get`` is given it (UTF-8), or None for bytes that are not UTF-8 (no str
+    can name them, so a flat view leaves them out)."""
+    try:
+        return key.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def replace_in_view(view: dict[str, bytes], old: dict[bytes, bytes],
+                    new: dict[bytes, bytes]) -> None:
+    """One shard's keys in a flat view go from ``old`` to ``new`` (a snapshot installed):
+    the keys it lost leave, every key of ``new`` is set."""
+    for key in old:
+        if key not in new:
+            text = _text(key)
+            if text is not None:
+                view.pop(text, None)
+    for key, value in new.items():
+        text = _text(key)
+        if text is not None:
+            view[text] = value
+
 class ShardAgent:
     """One shard: its machine, its sockets, its part of the local map.
 
@@ -74,8 +98,13 @@ class ShardAgent:
                  options: AgentOptions | None = None, hooks: AgentHooks | None = None, *,
                  name: str = "s0", subtree: bytes = b"", hub: WatchHub | None = None,
                  clock: Callable[[], float] = time.monotonic, affinity: int = 0,
-                 security: Security | None = None, route: str = "", relays: bool = False):
+                 security: Security | None = None, route: str = "", relays: bool = False,
+                 view: dict[str, bytes] | None = None):
         options = options if options is not None else AgentOptions()
+        self.view = view
+        """The client's flat read view (every shard's keys as ``str`` -> value), which
+        this agent keeps current for its keys beside ``map``; None: none kept (a codec
+        that decodes, or a client that failed)."""
         hooks = hooks if hooks is not None else AgentHooks()
         self.options = options
         """How this agent follows its shard (``clonemap.client.options.AgentOptions``)."""
@@ -314,6 +343,8 @@ class ShardAgent:
         self.map = new
         self.props = new_props
         self.seqs = new_seqs
+        if self.view is not None:
+            replace_in_view(self.view, old, new)
         self.term = self.incoming.term if self.incoming.term is not None else self.link.term
         self.last_seq = self.snapshot_seq = eff.seq
         self.snapshots += 1
@@ -441,12 +472,21 @@ class ShardAgent:
             self.drops.drop("outside_subtree", f"shard {self.name}: KVPUB {key[:60]!r}")
             return
         value = msg.value
+        view = self.view
         if value:
             self.map[key] = value
             self.seqs[key] = seq
+            if view is not None:
+                text = _text(key)
+                if text is not None:
+                    view[text] = value
         else:
             self.map.pop(key, None)
             self.seqs.pop(key, None)
+            if view is not None:
+                text = _text(key)
+                if text is not None:
+                    view.pop(text, None)
         props = msg.props
         if props and value:
             self.props[key] = props

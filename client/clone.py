@@ -25,7 +25,7 @@ import random
 import logging
 import os
 import uuid as _uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import zmq
 
@@ -55,6 +55,29 @@ async def _cancelled(task: asyncio.Future[Any]) -> None:
     """Cancel ``task`` and wait for it, so that nothing is left unretrieved."""
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+_MISSING = object()
+
+
+def _viewed_get(view: dict[str, bytes],
+                slow: Callable[[str, Any], Any]) -> Callable[..., Any]:
+    """``AsyncClone.get`` over a flat view: a key the view holds costs one dict lookup
+    and no attribute of the client; any other key (absent, not a str, outside the
+    subtree, or every key once the client failed and the view was emptied) goes to
+    ``slow``, which checks it, raises, or returns ``default``."""
+    look = view.get
+    missing = _MISSING
+
+    def get(key: str, default: Any = None) -> Any:
+        value = look(key, missing)
+        if value is missing:
+            return slow(key, default)
+        return value
+
+    get.__doc__ = ("key's value in the local map, or default: one dict lookup for a key "
+                   "the map holds (AsyncClone.get)")
+    return get
 
 
 READ_ROUTES = 1 << 16
@@ -111,7 +134,7 @@ class AsyncClone:
         self._agents: list[ShardAgent] = []
         self.health = Health(slow_policy=opts.slow_policy, max_lag_s=opts.max_lag_s,
                              on_slow=opts.on_slow, routing=self._routing,
-                             end_watches=self._hub.end_all, close_agents=self._close_agents)
+                             end_watches=self._on_failed, close_agents=self._close_agents)
         """Falling behind, and failing (``clonemap.client.health``)."""
         self._hooks = AgentHooks(on_failover=opts.on_failover, on_reset=opts.on_reset,
                                  on_behind=self.health.on_behind, on_lag=self.health.on_lag,
@@ -129,6 +152,13 @@ class AsyncClone:
         self._routes: dict[str, tuple[bytes, ShardAgent]] = {}
         self._routes_max = READ_ROUTES
         """``get``'s routes: a key read before -> (its bytes, its shard's agent)."""
+        self._view: dict[str, bytes] | None = \
+            {} if self._identity_codec and opts.read_view else None
+        """The flat read view (the identity codec's): every key the agents hold, as
+        ``str``, and its value, kept by the agents on the loop thread; ``get`` looks
+        there first. Emptied, and no longer kept, once the client fails."""
+        if self._view is not None:
+            self.get = _viewed_get(self._view, self._get_slow)  # type: ignore[method-assign]
         self._started = False
         self._closed = False
         try:
@@ -159,6 +189,8 @@ class AsyncClone:
         self.silence_timeout_s = silence
         self.cluster = cluster
         self._routes.clear()  # routes of another map's agents
+        if self._view is not None:
+            self._view.clear()  # (the new agents fill it from their snapshots)
         self.security = client_keys(self.keys_dir, curve=cluster.curve,
                                     cluster_keys_dir=cluster.keys_dir, source=cluster.source)
         if self.only_key is not None:
@@ -182,7 +214,8 @@ class AsyncClone:
                                relays=through, subtree=self._subtree_b, hub=self._hub,
                                affinity=1 << (position % threads) if threads else 0,
                                security=self.security,
-                               route=cluster.shard_map.route_of(spec.index))
+                               route=cluster.shard_map.route_of(spec.index),
+                               view=self._view)
             self._agents.append(agent)
             self._by_index[spec.index] = agent
 
@@ -372,9 +405,14 @@ class AsyncClone:
     # ------------------------------------------------------------------ reads (local)
     def get(self, key: str, default: Any = None) -> Any:
         """``key``'s value in the local map, or ``default``: no round trip, no thread
-        hop, no lock. A key read before is found by one lookup of its route (its bytes
-        and its shard's agent, ``READ_ROUTES`` of them kept); the agent's map is read at
-        each call, so a resync's new map is seen at once."""
+        hop, no lock. With the ``bytes`` codec, a key the map holds is one lookup in
+        the flat view (``_viewed_get``); otherwise, and for a key the view lacks, a key
+        read before is found by one lookup of its route (its bytes and its shard's
+        agent, ``READ_ROUTES`` of them kept) and the agent's map is read at each call,
+        so a resync's new map is seen at once; a first read checks the key."""
+        return self._get_slow(key, default)
+
+    def _get_slow(self, key: str, default: Any = None) -> Any:
         route = self._routes.get(key)
         if route is None:
             return self._get_routed(key, default)
@@ -385,6 +423,16 @@ class AsyncClone:
         if blob is None:
             return default
         return blob if self._identity_codec else self.codec.decode(blob)
+
+    def _on_failed(self, exc: ClonemapError) -> None:
+        """The client failed for good: every watch ends, and every ``get`` misses the
+        flat view (emptied, and no longer kept) and raises."""
+        view, self._view = self._view, None
+        if view is not None:
+            for agent in self._agents:
+                agent.view = None
+            view.clear()
+        self._hub.end_all(exc)
 
     def _get_routed(self, key: str, default: Any) -> Any:
         key_b = self._key(key)

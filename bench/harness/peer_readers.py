@@ -274,7 +274,7 @@ async def read_followed_copy(o: dict, local: dict, keys: list, follow) -> dict:
 
 def clonemap_reader(variant: str, o: dict) -> dict:
     keys = key_names("clonemap", o["keys"])
-    if variant in ("get", "dict"):
+    if variant in ("get", "dict", "lean"):
         from clonemap.client.api import Clone
 
         if o.get("memory"):
@@ -285,7 +285,8 @@ def clonemap_reader(variant: str, o: dict) -> dict:
             if variant == "dict":  # the floor: a dict of the same keys and value sizes
                 plain = {k: value(o["value_bytes"], 0) for k in keys}
                 return foot.held(len(plain))
-            with Clone(o["address"], codec="bytes", timeout_s=600, subtree="/r/") as c:
+            with Clone(o["address"], codec="bytes", timeout_s=600, subtree="/r/",
+                       read_view=variant != "lean") as c:
                 return foot.held(len(c))
         with Clone(o["address"], codec="bytes", timeout_s=60, subtree="/r/") as c:
             if o.get("reconnect"):

@@ -321,17 +321,21 @@ def test_restarted_server_is_noticed_and_the_map_replaced(procs, port_base, zctx
                     await clone.set(f"/r/old{i}", b"x")
                 await until(w, is_(PUT, "/r/old4"))
                 assert clone.version_vector == {"s0": 5}
+                assert clone.get("/r/old0") == b"x"  # (the flat read view holds it)
                 first.signal(signal.SIGKILL)
                 first.wait()
                 start_server(procs, port_base)
                 change = (await until(w, lambda c: True))[0]
                 assert change.kind == "reset" and change.shard == "s0", change
                 assert clone.items() == []
+                # the snapshot that replaced the map replaced the flat view's keys too
+                assert [clone.get(f"/r/old{i}") for i in range(5)] == [None] * 5
                 async with AsyncClone(address, subtree="/r/") as writer:
                     await writer.set("/r/new", b"y")  # sequence 1 on the new server
                     # no delete of the lost keys comes before it: the reset said it all
                     change = (await until(w, lambda c: True))[0]
                     assert (change.kind, change.key) == (PUT, "/r/new"), change
+                    assert clone.get("/r/new") == b"y"
             stats = clone.stats()["shards"][0]
             assert stats["disconnects"] >= 1 and stats["snapshots"] == 2
             assert stats["resets"] == 1 and stats["last_reset"]["keys_lost"] == 5

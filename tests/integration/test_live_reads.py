@@ -10,6 +10,8 @@ import os
 import signal
 import threading
 
+import pytest
+
 from clonemap.client.api import Clone
 from clonemap.shards.common.proto import bstar as wire
 from test_client_failover import start_pair, wait_state
@@ -79,3 +81,44 @@ def test_a_get_never_goes_back_across_a_failover_and_its_resync(procs, zctx):
     with Clone(backup.address, heartbeat_s=0.2) as fresh:  # after the fault: the ledger
         assert fresh.get(KEY) == b"%d" % last
 
+
+
+def test_the_flat_view_checks_keys_follows_deletes_and_empties_on_a_failure(procs,
+                                                                           port_base):
+    """``get`` of the ``bytes`` codec (the default) reads one flat view of the map: a
+    key it holds is one lookup, and everything else goes the checked way (a key not a
+    str, or outside the subtree, raises; an absent one gives the default). A delete
+    leaves the view with the map. Another codec (msgpack) decodes on each get and keeps no view.
+    A client that failed raises on every get, a key the view held included."""
+    from clonemap.client.api import AsyncClone
+    from clonemap.client.errors import SlowSubscriber
+    from helpers import run_async
+    from test_server_conformance import start_server
+
+    start_server(procs, port_base)
+    address = f"tcp://127.0.0.1:{port_base}"
+
+    async def main():
+        async with AsyncClone(address, subtree="/v/") as c:
+            await c.set("/v/a", b"1", wait=True)
+            await c.set("/v/b", b"\x81\xa1n\x02", wait=True)  # msgpack {"n": 2}
+            decoded = AsyncClone(address, subtree="/v/", codec="msgpack")
+            await decoded.start()  # (after the writes: its snapshot holds them)
+            assert c.get("/v/a") == b"1" and c.get("/v/zz") is None
+            assert c.get("/v/zz", b"d") == b"d"
+            with pytest.raises(TypeError):
+                c.get(b"/v/a")
+            with pytest.raises(ValueError, match="outside this client's subtree"):
+                c.get("/w/a")
+            await c.delete("/v/a", wait=True)
+            assert c.get("/v/a") is None and c.get("/v/a", 7) == 7
+            try:
+                assert decoded.get("/v/b") == {"n": 2}
+                c.health.fail_now(SlowSubscriber("fell behind (this test)", shard="s0"))
+                with pytest.raises(SlowSubscriber):
+                    c.get("/v/b")  # held by the view until the failure emptied it
+                assert decoded.get("/v/b") == {"n": 2}  # the other client is not touched
+            finally:
+                await decoded.close()
+
+    run_async(main())
