@@ -75,16 +75,20 @@ def _text(key: bytes) -> str | None:
 def replace_in_view(view: dict[str, bytes], old: dict[bytes, bytes],
                     new: dict[bytes, bytes]) -> None:
     """One shard's keys in a flat view go from ``old`` to ``new`` (a snapshot installed):
-    the keys it lost leave, every key of ``new`` is set."""
+    the keys it lost leave, and the keys whose value is not the very object ``old``
+    held are set (a resume's map is a copy of ``old`` plus the changes, so only those
+    are decoded and set)."""
     for key in old:
         if key not in new:
             text = _text(key)
             if text is not None:
                 view.pop(text, None)
+    was = old.get
     for key, value in new.items():
-        text = _text(key)
-        if text is not None:
-            view[text] = value
+        if was(key) is not value:
+            text = _text(key)
+            if text is not None:
+                view[text] = value
 
 class ShardAgent:
     """One shard: its machine, its sockets, its part of the local map.
@@ -340,11 +344,11 @@ class ShardAgent:
                 outages.report_reset(reset)
                 self._dispatch(sm.Keep(eff.old_generation))  # -> Freeze
                 return
+        if self.view is not None:  # (the values before their sequences, as in _apply)
+            replace_in_view(self.view, old, new)
         self.map = new
         self.props = new_props
         self.seqs = new_seqs
-        if self.view is not None:
-            replace_in_view(self.view, old, new)
         self.term = self.incoming.term if self.incoming.term is not None else self.link.term
         self.last_seq = self.snapshot_seq = eff.seq
         self.snapshots += 1
@@ -473,20 +477,24 @@ class ShardAgent:
             return
         value = msg.value
         view = self.view
+        # the value before its sequence, in the map and in the view: a thread that reads
+        # meta() then get() between the two sees a new value with an old sequence (its
+        # conditional write conflicts and is tried again), never an old value with the
+        # new sequence (which would be accepted, and lose an update)
         if value:
             self.map[key] = value
-            self.seqs[key] = seq
             if view is not None:
                 text = _text(key)
                 if text is not None:
                     view[text] = value
+            self.seqs[key] = seq
         else:
             self.map.pop(key, None)
-            self.seqs.pop(key, None)
             if view is not None:
                 text = _text(key)
                 if text is not None:
                     view.pop(text, None)
+            self.seqs.pop(key, None)
         props = msg.props
         if props and value:
             self.props[key] = props
