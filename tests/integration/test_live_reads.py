@@ -122,3 +122,35 @@ def test_the_flat_view_checks_keys_follows_deletes_and_empties_on_a_failure(proc
                 await decoded.close()
 
     run_async(main())
+
+
+def test_a_value_reaches_the_view_before_its_sequence(zctx):
+    """The order that keeps read-modify-write safe, forced: a spy view records the key's
+    sequence at the moment the view takes each value. A KVPUB's value is in the map and
+    the view while the key's sequence is still the old one (so ``meta()`` then ``get()``
+    can pair a new value with the old sequence, which conflicts, never an old value with
+    the new one, which would lose an update); a delete leaves the view first too. (The
+    agent is fed its SUB's messages directly: no sockets are started.)"""
+    from clonemap.client.agent import ShardAgent
+    from clonemap.shards.common.proto import chp
+
+    seen: list[tuple[str, str, int | None]] = []
+
+    class SpyView(dict):
+        def __setitem__(self, key, value):
+            seen.append(("set", key, agent.seqs.get(key.encode())))
+            assert agent.map[key.encode()] == value  # the map has it already
+            super().__setitem__(key, value)
+
+        def pop(self, key, *default):
+            seen.append(("pop", key, agent.seqs.get(key.encode())))
+            return super().pop(key, *default)
+
+    view = SpyView()
+    agent = ShardAgent(zctx, ["tcp://127.0.0.1:1"], name="s0", view=view)
+    agent._apply(chp.kvpub(b"/k", 1, b"one"), replay=False)
+    agent._apply(chp.kvpub(b"/k", 2, b"two"), replay=False)
+    agent._apply(chp.kvpub(b"/k", 3, b""), replay=False)  # a delete
+    assert seen == [("set", "/k", None), ("set", "/k", 1), ("pop", "/k", 2)]
+    assert dict(view) == {} and agent.seqs == {} and agent.last_seq == 3
+    agent.close()
