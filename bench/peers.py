@@ -68,7 +68,7 @@ from pathlib import Path
 
 from bench.harness import peer_servers as servers
 from bench.harness import record as rec
-from bench.harness.procs import ROOT, bench_main, cpu_seconds
+from bench.harness.procs import ROOT, bench_main, cpu_seconds, free_port_base
 from bench.harness.traffic import percentiles_ms
 from clonemap.shards.common.children import terminate
 
@@ -431,8 +431,6 @@ def reconnect_run(args, server: servers.PeerServer, variant: str, load: bool) ->
     then the link heals. Figures: the time from the heal until the copy holds the last
     probe number, the bytes sent to the reader from the heal until then, against the
     bytes of the first copy (a full read), and whether every changed key is current."""
-    from bench.harness.procs import free_port_base
-
     system = server.system
     routes, address = _routes(server, free_port_base(3))
     cutter = subprocess.Popen(CUTTER + routes, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -160,7 +160,7 @@ RECONNECT_WAIT_S = 60.0
 """How long a reader cut off may take to be current again before it is reported as not."""
 
 
-def after_cut_sync(get, keys: list, is_resynced=None) -> dict:
+def after_cut(get, keys: list, is_resynced=None) -> dict:
     """The reconnect workload, once the copy is built and the link has been cut: read
     ``FINAL n`` (the writer's last probe number, written while the link was down), look
     at the copy until it holds it (and ``is_resynced()``, where the copy must be rebuilt),
@@ -176,22 +176,6 @@ def after_cut_sync(get, keys: list, is_resynced=None) -> dict:
     else:
         mark(f"CURRENT {_clock()}")
     changed = json.loads(sys.stdin.readline())
-    return {"changed_numbers": [number(get(keys[i])) for i in changed]}
-
-
-async def after_cut_async(get, keys: list) -> dict:
-    """``after_cut_sync`` for a copy that a task of this loop keeps."""
-    loop = asyncio.get_running_loop()
-    final = int((await loop.run_in_executor(None, sys.stdin.readline)).split()[1])
-    deadline = time.monotonic() + RECONNECT_WAIT_S
-    while number(get(keys[-1])) < final:
-        if time.monotonic() > deadline:
-            mark("CURRENT never")
-            break
-        await asyncio.sleep(0.0005)
-    else:
-        mark(f"CURRENT {_clock()}")
-    changed = json.loads(await loop.run_in_executor(None, sys.stdin.readline))
     return {"changed_numbers": [number(get(keys[i])) for i in changed]}
 
 
@@ -265,7 +249,9 @@ async def read_followed_copy(o: dict, local: dict, keys: list, follow) -> dict:
     try:
         if o.get("reconnect"):
             mark("BUILT")
-            return await after_cut_async(local.get, keys)
+            # looked at from a thread while this loop's task keeps the copy current
+            return await asyncio.get_running_loop().run_in_executor(
+                None, after_cut, local.get, keys)
         ready(o)
         return await run_async_reader(o, local.get, keys, keys[-1])
     finally:
@@ -291,7 +277,7 @@ def clonemap_reader(variant: str, o: dict) -> dict:
         with Clone(o["address"], codec="bytes", timeout_s=60, subtree="/r/") as c:
             if o.get("reconnect"):
                 mark("BUILT")
-                return after_cut_sync(c.get, keys)
+                return after_cut(c.get, keys)
             ready(o)
             if variant == "get":
                 return run_sync_reader(o, c.get, keys, keys[-1])
@@ -430,7 +416,7 @@ def redis_reader(variant: str, o: dict) -> dict:
     try:
         if o.get("reconnect"):
             mark("BUILT")
-            out = after_cut_sync(lambda key: cache.get(key), keys,
+            out = after_cut(cache.get, keys,
                                  is_resynced=lambda: resyncs[0] > 0 and warm.is_set())
             out["resyncs"] = resyncs[0]
             return out

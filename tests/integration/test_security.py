@@ -25,7 +25,6 @@ import time
 
 import pytest
 import zmq
-import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
 
 from clonemap.client.api import AsyncClone
@@ -193,19 +192,19 @@ def test_a_request_sent_after_the_refusal_is_told_the_refusal_not_a_drop(zctx, c
     from clonemap.shards.common.security import Authenticator
 
     create_keys(tmp_path / "cluster")
-    foreign = tmp_path / "foreign"  # the cluster's server key, a client key it lacks
-    foreign.mkdir()
-    zmq.auth.create_certificates(str(foreign), "client")
-    (foreign / "server.key").write_bytes((tmp_path / "cluster" / "server.key").read_bytes())
+    create_keys(tmp_path / "stranger")
     server_keys = Security.load(tmp_path / "cluster", "server")
+    theirs = Security.load(tmp_path / "stranger", "client")
+    # the right server key, a client key the cluster never admitted
+    forged = Security(True, None, "client", server_keys.server_public, None, theirs.public,
+                      theirs.secret)
     auth = Authenticator(zctx, server_keys)
     server = zctx.socket(zmq.ROUTER)
     server.linger = 0
     server_keys.bind_side(server)
     endpoint = f"tcp://127.0.0.1:{free_port_base(1)}"
     server.bind(endpoint)
-    client = SyncMdpClient(endpoint, ctx=zctx, timeout_s=30, retries=1,
-                           security=Security.load(foreign, "client"))
+    client = SyncMdpClient(endpoint, ctx=zctx, timeout_s=30, retries=1, security=forged)
     try:
         sock = client.open()
         # the order forced: the key is refused and the pipe is gone before the send
