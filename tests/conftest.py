@@ -186,14 +186,23 @@ class Proc:
             os.kill(self.pid, sig)
 
     def wait(self, timeout_s: float = 10.0) -> int:
-        return self.popen.wait(timeout_s)
+        """The exit code, once every line the process wrote is in ``stdout`` and
+        ``stderr`` (its reader threads reached the pipes' end: an exit alone does not
+        mean they have read its last lines)."""
+        code = self.popen.wait(timeout_s)
+        self._joined(2.0)
+        return code
+
+    def _joined(self, within_s: float) -> None:
+        deadline = time.monotonic() + within_s
+        for pump in (self._out, self._err):
+            pump.thread.join(max(0.0, deadline - time.monotonic()))
 
     def stop(self, grace_s: float = 5.0) -> int | None:
         """SIGCONT and SIGTERM (a stopped process cannot act on SIGTERM), wait up to
         ``grace_s``, then SIGKILL. Returns the exit code."""
         code = terminate(self.popen, grace_s, resume=True)
-        for pump in (self._out, self._err):
-            pump.thread.join(2)
+        self._joined(4.0)
         return code
 
 
