@@ -337,7 +337,12 @@ def test_restarted_server_is_noticed_and_the_map_replaced(procs, port_base, zctx
                     assert (change.kind, change.key) == (PUT, "/r/new"), change
                     assert clone.get("/r/new") == b"y"
             stats = clone.stats()["shards"][0]
-            assert stats["disconnects"] >= 1 and stats["snapshots"] == 2
+            # two whole maps installed: the first, and the new server's (it refused the
+            # resume). The reconnection may add a resume of the new map: the restarted
+            # server's first HUGZ (a new generation) can be read before the SUB's
+            # handshake event is, and each of them asks for the map again
+            assert stats["disconnects"] >= 1 and stats["resumes_refused"] >= 1
+            assert stats["snapshots"] - stats["resumes"] == 2 and stats["resumes"] <= 1
             assert stats["resets"] == 1 and stats["last_reset"]["keys_lost"] == 5
             assert len(resets) == 1
             info = resets[0]

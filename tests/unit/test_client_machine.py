@@ -289,6 +289,27 @@ def test_a_handshake_after_a_lost_connection_is_a_reconnection_and_resends_later
     assert effects[0].resend and effects[0].outage is None and not state.resend
 
 
+def test_a_restarted_server_s_hugz_read_before_the_handshake_event_costs_one_resume():
+    """The restarted server's first HUGZ (a new generation) and the SUB's handshake
+    event reach the shell in either order. HUGZ first: the new map is asked for and
+    installed, then the handshake's proof asks again; the map's generation is known by
+    then, so that second request is a resume (what the integration test of a restarted
+    server allows), never a second whole snapshot."""
+    state, _ = run(State(Config(servers=1)), [(0, Start()), (0, SubscriberLive()),
+                                              (1, SnapshotDone(5, "g1"))])
+    state, _ = step(state, sm.Disconnected(), 2.0)
+    state, effects = step(state, sm.NewGeneration("g1", "g2"), 2.5)
+    assert [e.resume for e in effects] == [True]  # the server refuses it: a whole map
+    state, effects = step(state, SnapshotDone(0, "g2"), 2.6)
+    assert effects[0].old_generation == "g1" and effects[0].generation == "g2"
+    state, effects = step(state, sm.Handshake(), 2.7)
+    assert effects == [sm.ArmGrace()]
+    state, effects = step(state, sm.LiveProven(), 2.8)
+    assert [type(e) for e in effects] == [RequestSnapshot] and effects[0].resume
+    state, effects = step(state, SnapshotDone(0, "g2"), 2.9)
+    assert effects[0].generation == effects[0].old_generation == "g2"  # no data loss
+
+
 def test_a_server_that_said_it_is_not_serving_gets_no_grace_until_it_says_otherwise():
     state, _ = run(State(PAIR), [(0, Start()), (0, sm.NotServing()), (0, sm.NotServing())])
     assert state.holding and state.not_serving
