@@ -81,6 +81,8 @@ def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str,
             print(f"UNREADABLE shard={shard} role={server.role.name} moved_to={moved} {exc}",
                   flush=True)
             got = persist.recover(data_dir)
+        if got.incomplete and pair is not None:  # no copy to serve: its peer's first
+            recovery.mark_needs_peer(data_dir, "an incomplete replica", got.incomplete)
         writer = persist.DataDir(data_dir, fsync, compact_min_bytes=compact_min_bytes,
                                  compact_ratio=compact_ratio)
         free = shutil.disk_usage(data_dir).free
@@ -97,8 +99,9 @@ def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str,
         _report_torn(got, data_dir)
     if got.incomplete:
         log.warning("recovery: %s held an incomplete replica (killed while it was "
-                    "rewritten from the peer); its files are in %s; starting empty",
-                    data_dir, got.incomplete)
+                    "rewritten from the peer); its files are in %s; starting empty, "
+                    "serving only once it has copied its peer's map", data_dir,
+                    got.incomplete)
     if pair is not None:
         pair.map.recovered(got.term, got.history, needs_peer=recovery.needs_peer(data_dir))
     log.info("recovered %d keys at sequence %d from %s (snapshot %s, %d updates from %d "

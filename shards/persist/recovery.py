@@ -14,8 +14,10 @@ Outcomes:
 * a directory whose files do not start at sequence 1 or at a snapshot is an *incomplete
   replica*: a passive server was killed while it rewrote its directory from its active
   peer (``DataDir.replace``). Its files are moved to ``incomplete-<utc>/`` and the server
-  starts empty with sequence 0, so its peer, which holds the map, wins the start-up
-  election (``clonemap.shards.bstar``) and it synchronises again.
+  starts empty with sequence 0 and the ``needs-peer`` marker (``mark_needs_peer``): its
+  peer, which holds the map, wins the start-up election (``clonemap.shards.bstar``), it
+  synchronises again, and until then it never serves its empty map as the shard's, not
+  even when the supervisor reports that peer down.
 """
 from __future__ import annotations
 
@@ -228,13 +230,19 @@ def quarantine(data_dir: str | os.PathLike, why: str) -> str:
     for entry in os.scandir(path):
         if entry.is_file() and entry.name != fmt.NEEDS_PEER_NAME:
             os.rename(entry.path, dest / entry.name)
-    marker = path / fmt.NEEDS_PEER_NAME
-    with open(marker, "w") as f:
-        json.dump({"why": why, "moved_to": str(dest), "at": time.time()}, f)
+    mark_needs_peer(path, why, str(dest))
+    return str(dest)
+
+
+def mark_needs_peer(data_dir: str | os.PathLike, why: str, moved_to: str) -> None:
+    """Leave the ``needs-peer`` marker (fsynced): this directory holds no copy of the
+    map a Binary Star server may serve until it has copied its peer's."""
+    path = Path(data_dir)
+    with open(path / fmt.NEEDS_PEER_NAME, "w") as f:
+        json.dump({"why": why, "moved_to": moved_to, "at": time.time()}, f)
         f.flush()
         os.fsync(f.fileno())
     fmt.fsync_dir(path)
-    return str(dest)
 
 
 def needs_peer(data_dir: str | os.PathLike) -> bool:

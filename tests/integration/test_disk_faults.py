@@ -26,7 +26,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+import zmq
 
+from clonemap.shards.common.proto import chp
 from helpers import fill_disk
 from test_supervisor_cli import cli, status, wait_status, write_config
 
@@ -353,10 +355,17 @@ def _supervise(procs, config: Path, run: Path, *extra: str):
                         str(run), *extra, ready="READY supervisor", timeout_s=60)
 
 
-def _written_then_stopped(procs, config: Path, run: Path, count: int) -> Ledger:
-    """A cluster started, ``count`` acknowledged writes, the cluster stopped cleanly."""
+def _written_then_stopped(procs, config: Path, control: str, run: Path,
+                          count: int) -> Ledger:
+    """A cluster started, ``count`` acknowledged writes that both servers hold, the
+    cluster stopped cleanly. (A pair on one host acknowledges on the active alone: a
+    backup still starting or copying on a loaded host would otherwise be stopped with
+    less than the ledger, and the faults below take the primary's copy away.)"""
     sup = _supervise(procs, config, run)
     ledger = _write_ledger(config, count)
+    wait_status(control, lambda r: r["s0/backup"]["bstar"] == "PASSIVE"
+                and (r["s0/backup"]["stats"].get("replica") or {}).get("phase") == "live"
+                and r["s0/backup"]["seq"] == r["s0/primary"]["seq"] == count)
     assert cli("stop", str(config)).returncode == 0
     sup.wait(30)
     return ledger
@@ -365,7 +374,7 @@ def _written_then_stopped(procs, config: Path, run: Path, count: int) -> Ledger:
 def test_one_unreadable_log_the_healthy_peer_serves_and_it_copies_back(procs, tmp_path):
     config, control = write_config(tmp_path, "1shard.yaml")
     run = tmp_path / "run"
-    ledger = _written_then_stopped(procs, config, run, 400)
+    ledger = _written_then_stopped(procs, config, control, run, 400)
     # a byte flipped in the middle of the primary's log: not a torn tail, a bad disk
     primary_dir = run / "data" / "s0-primary"
     segment = max(primary_dir.glob("log-*.cml"), key=lambda p: p.stat().st_size)
@@ -389,6 +398,69 @@ def test_one_unreadable_log_the_healthy_peer_serves_and_it_copies_back(procs, tm
     ledger.check(config)
     # the copy is whole: with the backup gone, the primary serves every write
     assert cli("kill", "s0/backup", str(config)).returncode == 0
+    ledger.check(config)
+
+
+def _leave_an_incomplete_replica(data_dir: Path) -> None:
+    """``data_dir`` as a passive killed in the middle of rewriting it from its active
+    leaves it (``DataDir.replace`` done, the new map's first snapshot not yet renamed):
+    the real writer, stopped where a SIGKILL would stop it."""
+    from clonemap.shards.persist import DataDir
+    from clonemap.shards.store import Store
+
+    for path in data_dir.iterdir():
+        if path.is_file():
+            path.unlink()
+    peer = Store()
+    for n in range(1, 11):
+        peer.apply(f"/ledger/{n}".encode(), b"v")
+    writer = DataDir(data_dir, "no")
+    writer.open("g-peer", 0)
+    writer.replace(peer, "g-peer", None)
+    writer.append(11, b"/ledger/11", b"v", None)
+    writer.flush()
+    writer.abandon()  # no clean close: that would finish the snapshot
+
+
+def test_an_incomplete_replica_never_serves_an_empty_map_while_its_peer_is_down(
+        procs, tmp_path, zctx):
+    """A backup whose directory is an incomplete replica starts empty: it has no copy of
+    the shard. With its primary's disk failing at start, the supervisor reports the
+    primary down, and a client's vote would make a backup serve its own copy (rule 9),
+    here an empty map, every acknowledged write gone. It refuses instead (rule 8: it
+    needs its peer's copy), and once the primary's disk is back the primary serves and
+    the backup copies its map."""
+    config, control = write_config(tmp_path, "1shard.yaml")
+    run = tmp_path / "run"
+    ledger = _written_then_stopped(procs, config, control, run, 50)
+    backup_dir = run / "data" / "s0-backup"
+    _leave_an_incomplete_replica(backup_dir)
+    primary_disk = run / "data" / "s0-primary"
+    mount(primary_disk, size=1 << 20)  # the primary cannot start
+    try:
+        sup = _supervise(procs, config, run, "--ready-timeout-s", "3")
+        assert any(line.startswith("NOT_READY supervisor") for line in sup.stdout)
+        rows = wait_status(control, lambda r: r["s0/backup"]["state"] == "RUNNING"
+                           and r["s0/backup"]["stats"].get("peer_reported_down"))
+        assert rows["s0/backup"]["stats"]["needs_peer"] is True
+        assert rows["s0/backup"]["keys"] == 0
+        assert list(backup_dir.glob("incomplete-*")), "its files are kept aside"
+        port = yaml.safe_load(config.read_text())["port_base"] + 10
+        vote = zctx.socket(zmq.DEALER)
+        vote.linger = 0
+        vote.connect(f"tcp://127.0.0.1:{port}")
+        vote.send_multipart(chp.icanhaz(b""))  # a client's vote
+        rows = wait_status(control, lambda r: r["s0/backup"]["stats"]["refused_votes"] >= 1)
+        assert rows["s0/backup"]["bstar"] == "BACKUP"
+        assert not vote.poll(0), "an empty map was served as the shard's"
+        vote.close()
+    finally:
+        subprocess.run(["umount", "-l", str(primary_disk)], check=False)
+    rows = wait_status(control, lambda r: r["s0/primary"]["bstar"] == "ACTIVE"
+                       and r["s0/backup"]["bstar"] == "PASSIVE"
+                       and not r["s0/backup"]["stats"].get("needs_peer"), timeout_s=60)
+    assert rows["s0/backup"]["keys"] == rows["s0/primary"]["keys"] == 50
+    assert not (backup_dir / "needs-peer").exists()
     ledger.check(config)
 
 
@@ -416,7 +488,7 @@ def test_a_torn_tail_is_reported_in_updates_in_the_log_and_the_metrics(procs, tm
 
     config, control = write_config(tmp_path, "1shard.yaml")
     run = tmp_path / "run"
-    _written_then_stopped(procs, config, run, 10)
+    _written_then_stopped(procs, config, control, run, 10)
     segment = max((run / "data" / "s0-primary").glob("log-*.cml"))
     torn = fmt.record([11, b"/t/1", b"x", None, b"", b"/t/2", b"y", None, b""])
     with open(segment, "ab") as f:
@@ -438,7 +510,7 @@ def test_a_primary_whose_disk_fails_at_start_leaves_the_backup_to_serve(procs, t
     the primary copies its map back once its disk has room."""
     config, control = write_config(tmp_path, "1shard.yaml")
     run = tmp_path / "run"
-    ledger = _written_then_stopped(procs, config, run, 50)
+    ledger = _written_then_stopped(procs, config, control, run, 50)
     primary_disk = run / "data" / "s0-primary"
     mount(primary_disk, size=1 << 20)  # the primary's directory: a tiny, empty disk
     try:
