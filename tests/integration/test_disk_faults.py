@@ -464,6 +464,38 @@ def test_an_incomplete_replica_never_serves_an_empty_map_while_its_peer_is_down(
     ledger.check(config)
 
 
+def test_the_operator_serves_a_needs_peer_server_once_its_peer_s_copy_is_given_up(
+        procs, tmp_path):
+    """shards/README.md, as an operator follows it: the primary's copy is lost for good,
+    so the needs-peer marker goes from the backup's directory and the backup is
+    restarted; it then serves what it holds (here nothing), on a client's vote."""
+    config, control = write_config(tmp_path, "1shard.yaml")
+    run = tmp_path / "run"
+    _written_then_stopped(procs, config, control, run, 10)
+    backup_dir = run / "data" / "s0-backup"
+    _leave_an_incomplete_replica(backup_dir)
+    primary_disk = run / "data" / "s0-primary"
+    mount(primary_disk, size=1 << 20)
+    try:
+        _supervise(procs, config, run, "--ready-timeout-s", "3")
+        wait_status(control, lambda r: r["s0/backup"]["state"] == "RUNNING"
+                    and r["s0/backup"]["stats"].get("needs_peer")
+                    and r["s0/backup"]["stats"].get("peer_reported_down"))
+        (backup_dir / "needs-peer").unlink()
+        assert cli("restart", "s0/backup", str(config)).returncode == 0
+        from clonemap.client.api import Clone
+
+        with Clone(config=str(config)) as clone:  # its vote
+            assert clone.items() == []
+            clone.set("/after", b"given up", wait=True)
+        rows = status(control)
+        assert rows["s0/backup"]["bstar"] == "ACTIVE"
+        assert rows["s0/backup"]["stats"]["needs_peer"] is False
+    finally:
+        cli("stop", str(config))
+        subprocess.run(["umount", "-l", str(primary_disk)], check=False)
+
+
 def test_detach_is_not_ready_while_a_shard_has_no_active_server(tmp_path):
     config, control = write_config(tmp_path, "1shard.yaml")
     run = tmp_path / "run"
