@@ -104,18 +104,22 @@ def _value_of(value: str | None, hex_value: bool, path: str | None) -> bytes:
 @click.option("--keys", metavar="DIR", default=None,
               help="CURVE: the cluster's keys directory (client.key, client.key_secret, "
                    "server.key) [default: $CLONEMAP_KEYS, or the config's].")
+@click.option("--identity", metavar="NAME", default=None,
+              help="CURVE: present this named client identity's key pair (the config's "
+                   "security.clients) [default: $CLONEMAP_IDENTITY, else the shared "
+                   "client pair].")
 @click.option("--via", type=click.Choice(["servers", "relays"]), default="servers",
               show_default=True,
               help="Read each shard through its relays (a shard without any: its servers).")
 @click.option("--verbose", "-v", is_flag=True,
               help="Print the client's log on stderr (failovers, resumes, reconnections).")
 @click.pass_context
-def main(ctx: click.Context, control, config, servers, timeout_s, keys, via,
+def main(ctx: click.Context, control, config, servers, timeout_s, keys, identity, via,
          verbose) -> None:
     """Read, write, dump, watch and trace a clonemap cluster."""
     quiet_logging(verbose, ctx.invoked_subcommand in LONG_RUNNING)
     try:
-        ctx.obj = Target(control, config, servers, timeout_s, keys, via)
+        ctx.obj = Target(control, config, servers, timeout_s, keys, via, identity)
     except BadUsage as exc:
         click.echo(f"chp: error: {exc}", err=True)
         ctx.exit(EXIT_USAGE)

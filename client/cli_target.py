@@ -131,7 +131,8 @@ class Target:
     """Where the cluster is, as the global options said."""
 
     def __init__(self, control: str | None, config: str | None, servers: tuple[str, ...],
-                 timeout_s: float, keys: str | None = None, via: str = "servers"):
+                 timeout_s: float, keys: str | None = None, via: str = "servers",
+                 identity: str | None = None):
         given = [n for n, v in (("--control", control), ("--config", config),
                                 ("--servers", servers)) if v]
         if len(given) > 1:
@@ -151,6 +152,8 @@ class Target:
         self.timeout_s = timeout_s
         self.via = via
         """``relays``: read each shard through its relays (its servers if it has none)."""
+        self.identity = identity or None
+        """A named client identity to present (``--identity``; else $CLONEMAP_IDENTITY)."""
         self.keys = keys or os.environ.get("CLONEMAP_KEYS") or None
         """CURVE: the cluster's keys directory (a config with ``security.curve`` gives
         its own)."""
@@ -158,9 +161,9 @@ class Target:
     def security(self, cluster: Cluster | None = None) -> Security:
         """The keys to present: ``--keys``, else the cluster's (config), else none."""
         if cluster is None:
-            return client_keys(self.keys)
+            return client_keys(self.keys, identity=self.identity)
         return client_keys(self.keys, curve=cluster.curve, cluster_keys_dir=cluster.keys_dir,
-                           source=cluster.source)
+                           source=cluster.source, identity=self.identity)
 
     def describe(self) -> str:
         if self.config:
@@ -175,7 +178,7 @@ class Target:
     def clone(self, subtree: str = "", only_key: str | None = None) -> AsyncClone:
         self.check_listening()
         kw = dict(subtree=subtree, timeout_s=self.timeout_s, keys=self.keys,
-                  only_key=only_key, via=self.via)
+                  only_key=only_key, via=self.via, identity=self.identity)
         if self.config:
             return AsyncClone(config=self.config, **kw)
         if self.servers:

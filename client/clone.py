@@ -192,7 +192,8 @@ class AsyncClone:
         if self._view is not None:
             self._view.clear()  # (the new agents fill it from their snapshots)
         self.security = client_keys(self.keys_dir, curve=cluster.curve,
-                                    cluster_keys_dir=cluster.keys_dir, source=cluster.source)
+                                    cluster_keys_dir=cluster.keys_dir, source=cluster.source,
+                                    identity=self.options.identity)
         if self.only_key is not None:
             specs = [cluster.shards[cluster.shard_map.owner(self.only_key.encode("utf-8"))]]
         else:
@@ -235,7 +236,8 @@ class AsyncClone:
             # control=: discover the cluster (Timeout if no supervisor answers)
             cluster = await discover(self.control, timeout_s=min(self.control_timeout_s,
                                                                  timeout_s),
-                                     keys_dir=self.keys_dir)
+                                     keys_dir=self.keys_dir,
+                                     identity=self.options.identity)
             if self.cluster is None:
                 self._route(cluster)
         if not self._started:

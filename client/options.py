@@ -145,6 +145,10 @@ class ClientOptions:
     reset_policy: str = ACCEPT
     keys: str | os.PathLike[str] | None = None
     """The cluster's keys directory (CURVE); a config's ``security`` gives it too."""
+    identity: str | None = None
+    """Present this named client identity's key pair (``security.clients`` of the
+    cluster's config; ``keys/clients/NAME.key_secret``) instead of the shared client
+    pair; default ``$CLONEMAP_IDENTITY``."""
     only_key: str | None = None
     """Follow only the shard that owns this key (``chp get/set/del``)."""
     via: str = "servers"

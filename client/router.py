@@ -191,7 +191,7 @@ async def fetch_cluster(endpoint: str, *, ctx: zmq.Context | None = None,
 
 
 async def discover(control: "str | Sequence[str]", *, timeout_s: float,
-                   keys_dir=None) -> Cluster:
+                   keys_dir=None, identity: str | None = None) -> Cluster:
     """The cluster map from the first of ``control``'s supervisors that answers (a list,
     or a comma-separated string: one per host of a cluster over several hosts, each
     serving the same map). ``Timeout`` naming each endpoint's failure when none does.
@@ -209,7 +209,8 @@ async def discover(control: "str | Sequence[str]", *, timeout_s: float,
             try:
                 return await fetch_cluster(endpoint, ctx=ctx, timeout_s=timeout_s,
                                            retries=0 if len(endpoints) > 1 else 1,
-                                           security=client_keys(keys_dir))
+                                           security=client_keys(keys_dir,
+                                                                identity=identity))
             except Timeout as exc:
                 failures.append(f"{endpoint}: {exc}")
     finally:

@@ -23,12 +23,13 @@ def _group_options(fn):
                       message="%(prog)s (clonemap) %(version)s")
 @_group_options
 def main(control: str | None, config: str | None, host: str | None,
-         timeout_s: float | None) -> None:
+         identity: str | None, timeout_s: float | None) -> None:
     """Run and control a clonemap cluster (not supervisord).
 
     The control commands (status, stop, kill, restart, logs) take the cluster the same
     way, before or after the command: a CONFIG argument or --config, --control, else
-    $CLONEMAP_CONTROL; --host NAME for a config over several hosts; and --timeout-s."""
+    $CLONEMAP_CONTROL; --host NAME for a config over several hosts; --identity NAME for
+    a named client identity; and --timeout-s."""
 
 
 for _info in sorted(pkgutil.iter_modules(_commands.__path__), key=lambda i: i.name):

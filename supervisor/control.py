@@ -34,13 +34,14 @@ class Control(str):
         return out
 
 
-def resolve_control(control: str | None, config: str | None, host: str | None = None
-                    ) -> Control:
+def resolve_control(control: str | None, config: str | None, host: str | None = None,
+                    identity: str | None = None) -> Control:
     """The control endpoint: ``--control``, else the CONFIG's ``control`` (for a config
     with ``hosts``: that of ``--host NAME``), else $CLONEMAP_CONTROL, else the default. A
     wildcard bind is reached on 127.0.0.1. CURVE keys: ``$CLONEMAP_KEYS`` (a keys
     directory), else the CONFIG's (with ``security.curve``), else none
-    (``clonemap.shards.common.security.client_keys``)."""
+    (``clonemap.shards.common.security.client_keys``); ``identity`` (else
+    ``$CLONEMAP_IDENTITY``): present that named identity's pair."""
     cluster = load_config(config) if config else None
     if control:
         endpoint = _checked(control, "--control")
@@ -59,7 +60,7 @@ def resolve_control(control: str | None, config: str | None, host: str | None = 
     security = client_keys(os.environ.get("CLONEMAP_KEYS") or None,
                            curve=cluster is not None and cluster.security.curve,
                            cluster_keys_dir=cluster.keys_dir if cluster is not None else None,
-                           source=str(config))
+                           source=str(config), identity=identity)
     return Control(endpoint.replace("tcp://*:", "tcp://127.0.0.1:"), security)
 
 
@@ -77,7 +78,8 @@ class ReplyError(ClonemapError):
         super().__init__(f"{status} {text}")
         self.status = status
         self.text = text
-        self.exit_code = {"404": EXIT_NOT_FOUND, "400": EXIT_USAGE}.get(status, Exit.FAILED)
+        self.exit_code = {"404": EXIT_NOT_FOUND, "400": EXIT_USAGE,
+                          "403": Exit.FORBIDDEN}.get(status, Exit.FAILED)
 
 
 def call(endpoint: str, service: str, *body: bytes, timeout_s: float = CONTROL_TIMEOUT_S,
@@ -181,9 +183,10 @@ class Selection:
     config: str | None
     timeout_s: float
     host: str | None = None
+    identity: str | None = None
 
     def endpoint(self) -> Control:
-        return resolve_control(self.control, self.config, self.host)
+        return resolve_control(self.control, self.config, self.host, self.identity)
 
     def hosts(self) -> list[str]:
         """The host names of a config over several hosts (none for one host or none)."""
@@ -193,7 +196,7 @@ class Selection:
         return sorted(cluster.hosts) if cluster.hosts else []
 
     def on_host(self, host: str) -> "Selection":
-        return Selection(self.control, self.config, self.timeout_s, host)
+        return Selection(self.control, self.config, self.timeout_s, host, self.identity)
 
 
 def control_options(fn):
@@ -205,14 +208,14 @@ def control_options(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, config_arg=None, control=None, config=None, timeout_s=None,
-                host=None, **kw):
+                host=None, identity=None, **kw):
         root = click.get_current_context().find_root().params
         if config_arg and config and config_arg != config:
             raise click.UsageError(f"two configs: {config_arg} and --config {config}")
         sel = Selection(control or root.get("control"),
                         config or config_arg or root.get("config"),
                         timeout_s or root.get("timeout_s") or CONTROL_TIMEOUT_S,
-                        host or root.get("host"))
+                        host or root.get("host"), identity or root.get("identity"))
         return fn(*args, sel=sel, **kw)
 
     for decorate in reversed(common_options(positional=True)):
@@ -237,6 +240,9 @@ def common_options(positional: bool = False) -> list:
         click.option("--host", metavar="NAME", default=None,
                      help="A config over several hosts: talk to this host's supervisor "
                           "(status asks every host when none is named)."),
+        click.option("--identity", metavar="NAME", default=None,
+                     help="Present this named client identity's key pair (security.clients; "
+                          "default $CLONEMAP_IDENTITY, else the shared client pair)."),
         click.option("--timeout-s", type=click.FloatRange(min=0.05), default=None,
                      help=f"How long to wait for the supervisor [default: "
                           f"{CONTROL_TIMEOUT_S:g}; per attempt, 2 attempts]."),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-OK, BAD_REQUEST, NOT_FOUND, CONFLICT = b"200", b"400", b"404", b"409"
+OK, BAD_REQUEST, FORBIDDEN, NOT_FOUND, CONFLICT = b"200", b"400", b"403", b"404", b"409"
 DEFAULT_LOG_LINES = 50
 MAX_LOG_LINES = 10000
 TARGET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}/(primary|backup)$")

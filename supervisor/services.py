@@ -3,8 +3,9 @@ poller that collects each server's stats (the commands' side is ``clonemap.super
 
 Services (one handler each; the request body and the reply are in each docstring). Every
 FINAL starts with a status frame in the MMI style: ``200`` OK, ``400`` bad request,
-``404`` no such server, ``409`` not possible now, ``500`` the handler failed (the MDP
-library's own reply). Server names are ``SHARD/ROLE`` (``s0/primary``).
+``403`` the caller's identity lacks ``admin`` (stop, restart, kill and logs need it;
+``clonemap.shards.common.rights``), ``404`` no such server, ``409`` not possible now,
+``500`` the handler failed (the MDP library's own reply). Server names are ``SHARD/ROLE`` (``s0/primary``).
 
     service          request body                 replies
     cluster.map      (none)                       FINAL 200, JSON map (see cluster_map)
@@ -33,8 +34,9 @@ from clonemap.shards.common.mdp import Request
 from clonemap.shards.common.mdp.client import MdpClient
 from clonemap.shards.common.cluster import cluster_map
 from clonemap.shards.common.placement import Plan
-from clonemap.supervisor.protocol import (BAD_REQUEST, CONFLICT, DEFAULT_LOG_LINES, MAX_LOG_LINES,
-                                 NOT_FOUND, OK, check_target, stats_service)
+from clonemap.supervisor.protocol import (BAD_REQUEST, CONFLICT, DEFAULT_LOG_LINES, FORBIDDEN,
+                                          MAX_LOG_LINES, NOT_FOUND, OK, check_target,
+                                          stats_service)
 from clonemap.supervisor.health import ClusterHealth, shards_without_active
 from clonemap.shards.common.proto.bstar import PEER_DOWN
 from clonemap.supervisor.runner import FAILED, RUNNING, Runner
@@ -74,11 +76,32 @@ class ControlServices:
         """Asked for one fresh round before a status answer (None: the last figures)."""
         self.health = health
         self.map_body = json.dumps(cluster_map(plan), sort_keys=True).encode()
+        self.forbidden: dict[str, int] = {}
+        """Control commands refused for want of ``admin``, by identity."""
 
     def handlers(self) -> dict[str, Callable]:
+        admin = self._admin_only
         return {"cluster.map": self.on_map, "cluster.status": self.on_status,
-                "cluster.stop": self.on_stop, "cluster.restart": self.on_restart,
-                "cluster.kill": self.on_kill, "cluster.logs": self.on_logs}
+                "cluster.stop": admin(self.on_stop), "cluster.restart": admin(self.on_restart),
+                "cluster.kill": admin(self.on_kill), "cluster.logs": admin(self.on_logs)}
+
+    def _admin_only(self, handler: Callable) -> Callable:
+        """``handler`` for a caller whose identity holds ``admin``; 403 for any other
+        (counted ``forbidden`` by identity, logged)."""
+        access = self.plan.access
+
+        def checked(request: Request):
+            if access.may_admin(request.user_id):
+                return handler(request)
+            who = request.user_id or "?"
+            self.forbidden[who] = self.forbidden.get(who, 0) + 1
+            log.warning("refused %s from identity %r: it does not hold admin",
+                        request.service.decode("utf-8", "replace"), who)
+            return [FORBIDDEN, f"identity {who!r} may not use "
+                               f"{request.service.decode('utf-8', 'replace')}: its role does "
+                               "not hold admin".encode()]
+
+        return checked
 
     def register(self, broker) -> None:
         for service, handler in self.handlers().items():

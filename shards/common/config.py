@@ -32,6 +32,8 @@ IPv4 address is bound) and a core set (``cores``: ``[2, 3]``, ``"2-3,6"``, ``5``
     relays.shards       every shard                      names of the shards with relays
     security.curve      false                            CURVE on every socket
     security.keys_dir   "keys" beside the config file    the cluster's key pairs
+    security.clients    {}                               named identities: NAME: {role: R}
+    security.roles      {}                               R: {read, write, deny, admin}
     limits.control_message_bytes      1 MiB    the broker's largest frame and message
     limits.control_held_bytes         64 MiB   request bytes the broker holds, in all
     limits.control_client_held_bytes  8 MiB    ... for one client
@@ -59,6 +61,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr,
 
 from clonemap.shards.common.errors import ConfigError
 from clonemap.shards.common import timing
+from clonemap.shards.common.rights import NAME_RE, RESERVED, Access, Rights
 from clonemap.shards.common.endpoints import DEFAULT_CONTROL
 from clonemap.shards.common.timing import HEARTBEAT_S as DEFAULT_HEARTBEAT_S, SILENCE_HEARTBEATS
 from clonemap.shards.common.config_values import (DEFAULT_METRICS, MAX_PORT_BASE, PORTS_PER_SERVER, Cores,
@@ -219,12 +222,64 @@ class RelaysConfig(_Model):
     """The shards (by name) that get relays; default every shard."""
 
 
+class RoleConfig(_Model):
+    """What a role grants (``clonemap.shards.common.rights``): key prefixes to read, to
+    write and to deny (the most specific prefix wins, a deny of the same length wins),
+    and the control commands that change the cluster (``admin``)."""
+
+    read: list[str] = Field(default_factory=list)
+    write: list[str] = Field(default_factory=list)
+    deny: list[str] = Field(default_factory=list)
+    admin: bool = False
+
+    def rights(self) -> Rights:
+        return Rights(tuple(self.read), tuple(self.write), tuple(self.deny), self.admin)
+
+
+class IdentityConfig(_Model):
+    """A named client identity: its own key pair (``supervisor keygen``) and its role."""
+
+    role: str
+
+
 class SecurityConfig(_Model):
-    """CURVE on every socket (``clonemap.shards.common.security``)."""
+    """CURVE on every socket (``clonemap.shards.common.security``), and the named client
+    identities with their roles (``clonemap.shards.common.rights``)."""
 
     curve: bool = False
     keys_dir: str | None = None
     """Relative to the config file's directory; default ``keys`` there."""
+    clients: dict[str, IdentityConfig] = Field(default_factory=dict)
+    """Named client identities: ``NAME: {role: ROLE}``."""
+    roles: dict[str, RoleConfig] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _identities(self) -> "SecurityConfig":
+        problems = Problems()
+        if self.clients and not self.curve:
+            problems.add("security.clients", sorted(self.clients),
+                         "identities are CURVE key pairs; set security.curve: true")
+        for name, identity in self.clients.items():
+            if not NAME_RE.match(name) or name in RESERVED:
+                problems.add(f"security.clients.{name}", name,
+                             "an identity's name is 1-64 of A-Z a-z 0-9 _ . - (not "
+                             f"{' or '.join(RESERVED)}: those are the cluster's own pairs)")
+            if identity.role not in self.roles:
+                known = ", ".join(sorted(self.roles)) or "none"
+                problems.add(f"security.clients.{name}.role", identity.role,
+                             f"no such role in security.roles (roles: {known})")
+        for name in self.roles:
+            if not NAME_RE.match(name):
+                problems.add(f"security.roles.{name}", name,
+                             "a role's name is 1-64 of A-Z a-z 0-9 _ . -")
+        problems.raise_if_any()
+        return self
+
+    def access(self) -> Access:
+        """Every named identity's rights (``Access.rights_of`` by User-Id)."""
+        return Access({name: self.roles[identity.role].rights()
+                       for name, identity in self.clients.items()},
+                      {name: identity.role for name, identity in self.clients.items()})
 
 
 class HostEntry(_Model):

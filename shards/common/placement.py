@@ -24,7 +24,7 @@ host give the same plan.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +32,7 @@ from clonemap.shards.common.errors import ConfigError
 from clonemap.shards.common.config import ROLES, ClusterConfig, Problems, load_config
 from clonemap.shards.common.config_values import PORTS_PER_SERVER, endpoint_parts, format_cores
 from clonemap.shards.common.endpoints import WILDCARD
+from clonemap.shards.common.rights import ENFORCED, OPEN, Access
 from clonemap.shards.common.hostfacts import HostFacts, local_host_facts, probe_port
 
 # What each of a server's ports P..P+3 carries.
@@ -144,6 +145,8 @@ class Plan:
     """(etcd URL, lease_s, replication) for the pairs across hosts."""
     across: frozenset[int] = frozenset()
     """Indexes of the shards whose two servers are on different hosts."""
+    access: Access = field(default=OPEN, compare=False)
+    """The named client identities' rights (``security.clients`` and ``.roles``)."""
 
     def is_local(self, server: "ServerPlan") -> bool:
         """Whether this host's supervisor runs ``server`` (a relay: where its primary runs)."""
@@ -170,7 +173,8 @@ class Plan:
                 "data_dir": self.data_dir, "fsync": self.fsync,
                 "metrics": None if self.metrics is None else "%s:%d" % self.metrics,
                 "relays": [r.to_dict() for r in self.relays],
-                "security": {"curve": self.curve, "keys_dir": self.keys_dir},
+                "security": {"curve": self.curve, "keys_dir": self.keys_dir,
+                             "identities": self.access.describe()},
                 "shards": [{"index": sh.index, "name": sh.name,
                             "prefixes": list(sh.prefixes),
                             "primary": sh.primary.to_dict(),
@@ -415,6 +419,8 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "",
                          "(not loopback) with security.curve off: anyone who can reach "
                          "them can read and write the map and use the control commands; "
                          "set security: {curve: true} (see the README's Security)")
+    if config.security.clients:
+        notes.append(ENFORCED)
     routing = RoutingParams(shard_count=len(shard_plans),
                             prefixes=tuple(sh.prefixes for sh in shard_plans))
     coordination = None
@@ -436,7 +442,7 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "",
                                config.limits.applied_uuid_s),
                 metrics=metrics, relays=tuple(relay_plans), host_name=host,
                 hosts=tuple((name, h.control) for name, h in (config.hosts or {}).items()),
-                remote=remote, coordination=coordination,
+                remote=remote, coordination=coordination, access=config.security.access(),
                 across=frozenset(i for i in range(len(config.shards))
                                  if config.pair_across_hosts(i)))
 

@@ -16,6 +16,12 @@ one of the ``*.key`` files in ``keys_dir``, and names it by role: the User-Id of
 messages is ``server`` or ``client`` (the broker lets only ``server`` register
 ``shard.*`` services).
 
+Named client identities (``security.clients`` in a config; ``clonemap.shards.common.rights``)
+each have a pair of their own in ``keys_dir/clients/NAME.key`` and ``NAME.key_secret``
+(``supervisor keygen`` makes the missing ones). The ZAP handler admits those keys too and
+names each by its identity: its User-Id is ``NAME``. A process presents an identity's
+pair when it is given one (``identity=``, ``--identity``, ``$CLONEMAP_IDENTITY``).
+
 ``Security`` is what the owners of sockets get; ``Security.off()`` (the default) leaves
 sockets as plain TCP.
 """
@@ -33,17 +39,66 @@ from clonemap.shards.common.errors import ConfigError
 ZAP_DOMAIN = "clonemap"
 ROLES = ("server", "client")
 SERVER, CLIENT = ROLES
+IDENTITIES_DIR = "clients"
+"""The folder of ``keys_dir`` that holds the named client identities' pairs."""
+IDENTITY_ENV = "CLONEMAP_IDENTITY"
+"""The identity a client presents when none is given in code or on the command line."""
 
 
 def key_paths(keys_dir: Path, role: str) -> tuple[Path, Path]:
     return keys_dir / f"{role}.key", keys_dir / f"{role}.key_secret"
 
 
-def check_keys_present(keys_dir: str | os.PathLike, config: str) -> None:
+def identity_key_paths(keys_dir: Path, name: str) -> tuple[Path, Path]:
+    """The public and secret key files of the named client identity ``name``."""
+    return key_paths(keys_dir / IDENTITIES_DIR, name)
+
+
+def create_identity_keys(keys_dir: str | os.PathLike, names) -> list[Path]:
+    """A key pair for each named identity that has none yet (an existing pair is never
+    touched: its holders keep working). Returns the files written."""
+    import zmq.auth
+
+    path = Path(keys_dir) / IDENTITIES_DIR
+    written = []
+    for name in names:
+        public, secret = identity_key_paths(Path(keys_dir), name)
+        if public.exists() and secret.exists():
+            continue
+        path.mkdir(parents=True, exist_ok=True)
+        made_public, made_secret = zmq.auth.create_certificates(str(path), name)
+        os.chmod(made_secret, stat.S_IRUSR | stat.S_IWUSR)
+        written += [Path(made_public), Path(made_secret)]
+    return written
+
+
+def _load_identities(keys_dir: Path) -> dict[bytes, str]:
+    """Every named identity's public key (Z85) in ``keys_dir/clients``, with its name."""
+    import zmq.auth
+
+    out: dict[bytes, str] = {}
+    folder = keys_dir / IDENTITIES_DIR
+    if not folder.is_dir():
+        return out
+    for public_path in sorted(folder.glob("*.key")):
+        try:
+            public, _ = zmq.auth.load_certificate(str(public_path))
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"{public_path}: not a ZeroMQ certificate ({exc})",
+                              field="security.keys_dir") from None
+        out[public] = public_path.name[:-len(".key")]
+    return out
+
+
+def check_keys_present(keys_dir: str | os.PathLike, config: str,
+                       identities=()) -> None:
     """``ConfigError`` (exit 2), one line naming the keygen command for ``config``, when
-    any of the four key files a CURVE cluster needs is missing from ``keys_dir``."""
+    any of the four key files a CURVE cluster needs is missing from ``keys_dir``, or the
+    public key of a named identity (the servers admit it by that key)."""
     path = Path(keys_dir)
     missing = [p.name for role in ROLES for p in key_paths(path, role) if not p.exists()]
+    missing += [f"{IDENTITIES_DIR}/{p.name}" for name in identities
+                if not (p := identity_key_paths(path, name)[0]).exists()]
     if missing:
         import shlex
 
@@ -102,23 +157,35 @@ class Security:
     public: bytes = b""
     secret: bytes | None = None
     allowed: frozenset[bytes] = field(default_factory=frozenset)
+    identities: dict[bytes, str] = field(default_factory=dict)
+    """Named client identities' public keys (Z85) and names: admitted, named by name."""
+    identity: str | None = None
+    """The named identity whose pair this process presents (None: the role's pair)."""
 
     @classmethod
     def off(cls) -> "Security":
         return cls()
 
     @classmethod
-    def load(cls, keys_dir: str | os.PathLike, role: str) -> "Security":
+    def load(cls, keys_dir: str | os.PathLike, role: str,
+             identity: str | None = None) -> "Security":
         """The keys a ``role`` process needs: servers bind and so need the server's
-        secret; clients need the server's public key and their own pair."""
+        secret; clients need the server's public key and their own pair, the named
+        ``identity``'s when one is given."""
         if role not in ROLES:
             raise ValueError(f"role is one of {ROLES}, not {role!r}")
         path = Path(keys_dir)
         server_public, server_secret = _load(path, SERVER, need_secret=role == SERVER)
-        public, secret = (server_public, server_secret) if role == SERVER else \
-            _load(path, CLIENT, need_secret=True)
+        if role == SERVER:
+            public, secret = server_public, server_secret
+        elif identity:
+            public, secret = _load_identity(path, identity)
+        else:
+            public, secret = _load(path, CLIENT, need_secret=True)
         allowed = frozenset(_load(path, r, need_secret=False)[0] for r in ROLES)
-        return cls(True, path, role, server_public, server_secret, public, secret, allowed)
+        identities = _load_identities(path) if role == SERVER else {}
+        return cls(True, path, role, server_public, server_secret, public, secret, allowed,
+                   identities, identity or None)
 
     def bind_side(self, sock: zmq.Socket) -> None:
         """A socket that binds: a CURVE server (needs the server's secret key)."""
@@ -149,25 +216,48 @@ class Security:
             public_key = z85.encode(public_key)
         if public_key == self.server_public:
             return SERVER
-        return CLIENT if public_key in self.allowed else None
+        if public_key in self.allowed:
+            return CLIENT
+        return self.identities.get(public_key)
+
+
+def _load_identity(keys_dir: Path, name: str) -> tuple[bytes, bytes | None]:
+    import zmq.auth
+
+    public_path, secret_path = identity_key_paths(keys_dir, name)
+    if not secret_path.exists():
+        raise ConfigError(f"identity {name!r}: {secret_path} is missing (`supervisor keygen "
+                          "CONFIG` makes a pair for each identity the config names)",
+                          field="identity")
+    try:
+        return zmq.auth.load_certificate(str(secret_path))
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"{secret_path}: not a ZeroMQ certificate ({exc})",
+                          field="identity") from None
 
 
 def client_keys(keys_dir: str | os.PathLike | None = None, *, curve: bool = False,
                 cluster_keys_dir: str | os.PathLike | None = None,
-                source: str = "cluster") -> Security:
+                source: str = "cluster", identity: str | None = None) -> Security:
     """The key pair a client presents (the client, ``chp``, the control commands):
     ``keys_dir`` when given, else the cluster's keys directory when the cluster uses
     CURVE, else none (plain TCP). A CURVE cluster whose keys directory is unknown is a
-    ``ConfigError`` naming what to give."""
+    ``ConfigError`` naming what to give. ``identity`` (default ``$CLONEMAP_IDENTITY``):
+    present that named identity's pair instead of the shared client pair."""
+    identity = identity or os.environ.get(IDENTITY_ENV) or None
     if keys_dir is not None:
-        return Security.load(keys_dir, CLIENT)
+        return Security.load(keys_dir, CLIENT, identity)
     if not curve:
+        if identity:
+            raise ConfigError(f"{source}: identity {identity!r} given, but the cluster "
+                              "does not use CURVE (identities are CURVE key pairs)",
+                              field="identity")
         return Security.off()
     if cluster_keys_dir is None:
         raise ConfigError(f"{source}: the cluster uses CURVE; give the keys directory "
                           "(keys=DIR, --keys DIR or $CLONEMAP_KEYS: what `supervisor "
                           "keygen` wrote)", field="keys")
-    return Security.load(cluster_keys_dir, CLIENT)
+    return Security.load(cluster_keys_dir, CLIENT, identity)
 
 
 class Authenticator:
@@ -189,6 +279,9 @@ class Authenticator:
         self._auth = _Auth(ctx, log=None)
         self._auth.start()
         self._auth.configure_curve(domain=ZAP_DOMAIN, location=str(security.keys_dir))
+        # the named identities' keys are admitted too (``role_of`` names them)
+        self._auth.certs.setdefault(ZAP_DOMAIN, {}).update(
+            dict.fromkeys(security.identities, True))
 
     def stop(self) -> None:
         if self._auth is not None:

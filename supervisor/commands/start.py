@@ -37,6 +37,7 @@ import click
 
 from clonemap.shards.common.errors import ConfigError, PortInUse
 from clonemap.shards.common.config import load_config
+from clonemap.shards.common.rights import ENFORCED
 from clonemap.shards.common.security import Security, check_keys_present
 from clonemap.shards.common.hostfacts import local_host_facts
 from clonemap.shards.common.memory import return_large_frees
@@ -192,6 +193,8 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self.stop.set)
         the_plan = self.plan
+        if the_plan.access.identities:
+            log.warning("%s", ENFORCED)
         control = _connect_endpoint(the_plan.control)
         ctx = zmq.Context()
         security = (Security.load(the_plan.keys_dir, "server") if the_plan.curve
@@ -400,7 +403,7 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
         cluster = load_config(config)
         the_plan = plan(cluster, local_host_facts(), source=config, host=host_name)
         if the_plan.curve:  # the keys must be there before anything starts
-            check_keys_present(the_plan.keys_dir, config)
+            check_keys_present(the_plan.keys_dir, config, the_plan.access.identities)
     except ConfigError as exc:
         _fail(exc, exc.exit_code)
     name = the_plan.cluster + (f"-{host_name}" if host_name else "")

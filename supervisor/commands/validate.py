@@ -66,6 +66,9 @@ def _render(the_plan: Plan, ports_note: str) -> None:
     if the_plan.metrics is not None:
         console.print(f"metrics http://{the_plan.metrics[0]}:{the_plan.metrics[1]}/metrics",
                       soft_wrap=True)
+    for name, who in the_plan.access.describe().items():
+        console.print(f"identity {name} (role {who['role']}): {who['rights']}",
+                      soft_wrap=True, markup=False)
     for note in the_plan.notes:
         console.print(f"note: {note}", soft_wrap=True)
     console.print(f"[green]valid[/]: {ports_note}", soft_wrap=True)
@@ -90,7 +93,7 @@ def command(config: str, host_facts: str | None, as_json: bool, no_port_check: b
         the_plan = plan(cluster, facts, source=config, host=host_name)
         probed = facts.local and not no_port_check
         if the_plan.curve and facts.local:
-            check_keys_present(the_plan.keys_dir, config)
+            check_keys_present(the_plan.keys_dir, config, the_plan.access.identities)
         if probed:
             try:
                 check_ports_free(the_plan, source=config)

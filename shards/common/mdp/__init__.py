@@ -26,15 +26,18 @@ SendBody = Callable[[list[bytes]], Awaitable[None]]
 
 class Request:
     """One request handed to a handler: ``service``, ``body`` (frames), ``client`` (the
-    client's address as the broker sees it), and ``partial()`` to stream a PARTIAL."""
+    client's address as the broker sees it), ``user_id`` (who the client is, as the ZAP
+    handler named its connection; None without CURVE, or through a worker), and
+    ``partial()`` to stream a PARTIAL."""
 
-    __slots__ = ("service", "body", "client", "_send_partial", "partials")
+    __slots__ = ("service", "body", "client", "user_id", "_send_partial", "partials")
 
     def __init__(self, service: bytes, body: list[bytes], client: bytes,
-                 send_partial: SendBody):
+                 send_partial: SendBody, user_id: str | None = None):
         self.service = service
         self.body = body
         self.client = client
+        self.user_id = user_id
         self._send_partial = send_partial
         self.partials = 0
 

@@ -256,7 +256,7 @@ class Broker:
         async def send_partial(body: list[bytes]) -> None:
             self._send([client, MDPC, C_PARTIAL, service, *body])
 
-        request = mdplib.Request(service, call.body, client, send_partial)
+        request = mdplib.Request(service, call.body, client, send_partial, call.user_id)
         handler = self.handlers.get(service)
         try:
             if handler is None:

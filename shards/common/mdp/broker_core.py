@@ -89,11 +89,14 @@ MMI_PREFIX = b"mmi."
 
 
 class InternalCall(NamedTuple):
-    """Run the broker-hosted service ``service`` for ``client`` (shell's job)."""
+    """Run the broker-hosted service ``service`` for ``client`` (shell's job);
+    ``user_id``: the name the ZAP handler gave the client's connection (None without
+    CURVE), which the service may check."""
 
     client: bytes
     service: bytes
     body: list[bytes]
+    user_id: str | None = None
 
 
 class Drop(NamedTuple):
@@ -253,14 +256,16 @@ class BrokerCore:
             return [Drop("wrong_direction",
                          f"client {peer(client)}: MDPC02 {mdp.CLIENT_COMMANDS[msg.command]} "
                          "is only sent by a broker")]
-        return self.on_request(client, msg.service, msg.body, now)
+        return self.on_request(client, msg.service, msg.body, now,
+                               getattr(frames, "user_id", None))
 
-    def on_request(self, client: bytes, service: bytes, body: list[bytes], now: float) -> list:
+    def on_request(self, client: bytes, service: bytes, body: list[bytes], now: float,
+                   user_id: str | None = None) -> list:
         """A valid client REQUEST (also the entry point for tests and internal routing)."""
         self.counters["requests"] += 1
         if service in self.internal:
             self.counters["internal_calls"] += 1
-            return [InternalCall(client, service, body)]
+            return [InternalCall(client, service, body, user_id)]
         if service.startswith(MMI_PREFIX):
             return [self._mmi(client, service, body)]
         svc = self.services.get(service)
