@@ -81,6 +81,8 @@ def _load_identities(keys_dir: Path) -> dict[bytes, str]:
     if not folder.is_dir():
         return out
     for public_path in sorted(folder.glob("*.key")):
+        if public_path.name[:-len(".key")] in ROLES:
+            continue  # never an identity: that User-Id would pass for the cluster's own
         try:
             public, _ = zmq.auth.load_certificate(str(public_path))
         except (ValueError, OSError) as exc:
@@ -157,7 +159,7 @@ class Security:
     public: bytes = b""
     secret: bytes | None = None
     allowed: frozenset[bytes] = field(default_factory=frozenset)
-    identities: dict[bytes, str] = field(default_factory=dict)
+    identities: dict[bytes, str] = field(default_factory=dict, compare=False)
     """Named client identities' public keys (Z85) and names: admitted, named by name."""
     identity: str | None = None
     """The named identity whose pair this process presents (None: the role's pair)."""
