@@ -43,7 +43,7 @@ PUBLISHER = textwrap.dedent("""
         pub = ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.SNDHWM, 1000)
         pub.bind(f"tcp://127.0.0.1:{port}")
-        mark = LiveMark(pub, zmq.SNDHWM, bind_value=1000, name="test", quiet_s=0.02).start(loop)
+        mark = LiveMark(pub, zmq.SNDHWM, bind_value=1000, name="test").start(loop)
         procs = [await asyncio.create_subprocess_exec(
                      sys.executable, "-c", sys.argv[4], str(port), str(rounds),
                      stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
@@ -75,8 +75,10 @@ PUBLISHER = textwrap.dedent("""
 
 def test_a_mark_changed_while_subscribers_churn_never_crashes_and_lands(tmp_path):
     """Two processes connect and drop 20 subscribers at a time, 40 times each, while the
-    publisher changes its mark every loop turn through ``LiveMark``: the publisher
-    lives, changes were both deferred and applied, and the last one landed."""
+    publisher changes its mark every loop turn through ``LiveMark`` with the shipped
+    quiet time (0.25 s; a 20 ms one crashed once on a host whose cores were taken by two
+    more busy processes: the I/O thread did not run for that long): the publisher lives,
+    changes were both deferred and applied, and the last one landed."""
     import json
     port = free_port_base(1)
     done = subprocess.run([sys.executable, "-c", PUBLISHER, str(port), "2", "40", CHURN],
