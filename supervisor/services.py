@@ -5,7 +5,8 @@ Services (one handler each; the request body and the reply are in each docstring
 FINAL starts with a status frame in the MMI style: ``200`` OK, ``400`` bad request,
 ``403`` the caller's identity lacks ``admin`` (stop, restart, kill and logs need it;
 ``clonemap.shards.common.rights``), ``404`` no such server, ``409`` not possible now,
-``500`` the handler failed (the MDP library's own reply). Server names are ``SHARD/ROLE`` (``s0/primary``).
+``500`` the handler failed (the MDP library's own reply). Server names are
+``SHARD/ROLE`` (``s0/primary``).
 
     service          request body                 replies
     cluster.map      (none)                       FINAL 200, JSON map (see cluster_map)
@@ -129,7 +130,8 @@ class ControlServices:
         """cluster.status: no body -> one PARTIAL per server (JSON: shard, role, state,
         pid, cores, address, port, bstar, seq, keys, updates_per_s, restarts, last_exit,
         reason, stats...), then FINAL 200, JSON {cluster, control, pid, servers, states,
-        without_active: [shard...], failovers: {shard: n}, events: [{at, text}]}. The
+        without_active: [shard...], forbidden: {identity: control commands refused},
+        failovers: {shard: n}, events: [{at, text}]}. The
         figures are fresh: one stats round is asked first (at most ``REFRESH_S``)."""
         if self.poller is not None:
             try:
@@ -145,7 +147,7 @@ class ControlServices:
                    "stopping": self.runner.stopping,
                    "without_active": shards_without_active(
                        rows, [self.plan.shards[i].name for i in self.plan.across]),
-                   "host": self.plan.host_name,
+                   "host": self.plan.host_name, "forbidden": dict(self.forbidden),
                    **(self.health.summary() if self.health is not None else {})}
         return [OK, json.dumps(summary, sort_keys=True).encode()]
 

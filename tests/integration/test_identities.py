@@ -17,7 +17,7 @@ import yaml
 from clonemap.client.api import Clone
 from clonemap.shards.common.errors import Exit
 from clonemap.shards.common.security import Security
-from clonemap.supervisor.control import Control
+from clonemap.supervisor.control import Control, status_rows
 from conftest import PYTHON, ROOT
 from test_supervisor_cli import cli, start, wait_status, write_config
 
@@ -108,6 +108,8 @@ def test_only_admin_identities_change_the_cluster_and_every_identity_reads_and_w
         rows = wait_status(control, lambda r: r["s0/primary"]["state"] == "RUNNING")
         assert rows["s0/primary"]["pid"] == pid and rows["s0/primary"]["restarts"] == 0
         sup.wait_stderr("refused cluster.kill from identity 'dashboard'")  # its log
+        _, summary = status_rows(control)
+        assert summary["forbidden"] == {"dashboard": 4}  # counted by identity
         # data: every admitted identity, by environment, option and code
         assert chp(config, "set", "/k", "v", identity="dashboard").returncode == 0
         got = chp(config, "--identity", "ops", "get", "/k")
