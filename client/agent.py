@@ -121,6 +121,9 @@ class ShardAgent:
         """``I/N/DIGEST`` this client's routing expects of the shard's servers ("" : no
         check); a HUGZ naming another is a wrong config: ``on_wrong_route(agent, theirs)``."""
         self.on_wrong_route = hooks.on_wrong_route
+        self.on_read_refused = hooks.on_read_refused
+        self.narrowed = False
+        """The last snapshot left out keys this client's identity may not read."""
         chp.check_subtree(subtree)
         self.ctx = ctx
         self.security = security or Security.off()

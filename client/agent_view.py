@@ -47,6 +47,8 @@ class AgentView(Protocol):
     clock: Callable[[], float]
     loop: asyncio.AbstractEventLoop | None
     link: Link | None
+    on_read_refused: Callable[[Any], None] | None
+    narrowed: bool
 
     @property
     def server(self) -> ServerAddress: ...

@@ -18,11 +18,11 @@ from clonemap.shards.common.errors import ClonemapError, SlowConsumer, Timeout
 from clonemap.client.events import FailoverInfo, KeyMeta, ResetInfo
 from clonemap.client.clone import AsyncClone
 from clonemap.client.options import DEFAULT_TIMEOUT_S, ClientOptions
-from clonemap.client.errors import (Conflict, NotRunning, NotSupported, ShardReset, SlowSubscriber,
-                           WriteRefused)
+from clonemap.client.errors import (Conflict, NotRunning, NotSupported, ReadRefused, ShardReset,
+                                    SlowSubscriber, WriteRefused)
 from clonemap.client.sync import Clone
 from clonemap.client.watch import Change
 
 __all__ = ["AsyncClone", "Change", "ClonemapError", "Clone", "Conflict", "DEFAULT_TIMEOUT_S",
-           "ClientOptions", "FailoverInfo", "KeyMeta", "NotRunning", "NotSupported", "ResetInfo", "ShardReset",
+           "ClientOptions", "FailoverInfo", "KeyMeta", "NotRunning", "NotSupported", "ReadRefused", "ResetInfo", "ShardReset",
            "SlowConsumer", "SlowSubscriber", "Timeout", "WriteRefused"]

@@ -94,6 +94,8 @@ CLI_HANDSHAKE_WORDS = {
 
 
 def _exit_code(exc: BaseException) -> int:
+    if getattr(exc, "exit_code", None) == Exit.FORBIDDEN:  # a right the identity lacks
+        return Exit.FORBIDDEN
     if isinstance(exc, NotFound):
         return EXIT_NOT_FOUND
     if isinstance(exc, Conflict):

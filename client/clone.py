@@ -138,7 +138,8 @@ class AsyncClone:
         """Falling behind, and failing (``clonemap.client.health``)."""
         self._hooks = AgentHooks(on_failover=opts.on_failover, on_reset=opts.on_reset,
                                  on_behind=self.health.on_behind, on_lag=self.health.on_lag,
-                                 on_wrong_route=self.health.on_wrong_route)
+                                 on_wrong_route=self.health.on_wrong_route,
+                                 on_read_refused=self.health.on_read_refused)
         if opts.io_threads is not None and context is not None:
             raise ValueError("io_threads applies to the client's own context: give "
                              "io_threads or context, not both")
@@ -556,6 +557,9 @@ class AsyncClone:
         if create or if_seq is not None:
             return await self._send_if(agent, key, frames, 0 if if_seq is None else if_seq,
                                        timeout_s)
+        if wait and self._answered(agent):
+            await self._send_if(agent, key, frames, None, timeout_s)
+            return uuid
         return await self._send(agent, frames, uuid, wait, timeout_s)
 
     async def delete(self, key: str, *, wait: bool = False,
@@ -567,11 +571,25 @@ class AsyncClone:
         agent, frames, uuid = self.prepare_write(key, None, None, wait or if_seq is not None)
         if if_seq is not None:
             return await self._send_if(agent, key, frames, if_seq, timeout_s)
+        if wait and self._answered(agent):
+            await self._send_if(agent, key, frames, None, timeout_s)
+            return uuid
         return await self._send(agent, frames, uuid, wait, timeout_s)
 
+    def _answered(self, agent: ShardAgent) -> bool:
+        """A ``wait=True`` write asks the shard for a reply (as a conditional write
+        does) when this client presents a named identity and the shard decides writes
+        (``cas=1``, not a relay): a write outside the identity's rights is then refused
+        at once with ``WriteRefused`` naming why, where an echo would only time out."""
+        return (agent.security.identity is not None and not agent.relays
+                and agent.link is not None and agent.link.cas)
+
     async def _send_if(self, agent: ShardAgent, key: str, frames: list[bytes],
-                       if_seq: int, timeout_s: float | None) -> int:
-        if not isinstance(if_seq, int) or isinstance(if_seq, bool) or if_seq < 0:
+                       if_seq: int | None, timeout_s: float | None) -> int:
+        """A write that asks for a reply: conditional (``if_seq``), or, with None,
+        plain (``_answered``)."""
+        if if_seq is not None and (not isinstance(if_seq, int) or isinstance(if_seq, bool)
+                                   or if_seq < 0):
             raise ValueError(f"if_seq is a sequence (an int >= 0), got {if_seq!r}")
         if agent.relays or agent.link is None or not agent.link.cas:
             raise NotSupported(f"shard {agent.name} ({agent.server}) does not decide "
@@ -606,7 +624,7 @@ class AsyncClone:
                            key=key, expected=if_seq, current_seq=reply.seq)
         if reply.outcome == chp.REFUSED:
             raise WriteRefused(f"shard {agent.name} refused the write of {key!r}: "
-                               f"{reply.detail}", reason=reply.detail)
+                               f"{reply.detail}", reason=reply.detail, key=key)
         seq: int = reply.seq
         return seq
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from clonemap.shards.common.errors import ClonemapError, SlowConsumer
+from clonemap.shards.common.errors import ClonemapError, Exit, SlowConsumer
 
 if TYPE_CHECKING:
     from clonemap.client.events import ResetInfo
@@ -52,11 +52,34 @@ class Conflict(ClonemapError):
 
 class WriteRefused(ClonemapError, RuntimeError):
     """The shard's server answered a write that asked for a reply with a refusal
-    (``reason``: it is not active, it does not own the key)."""
+    (``reason``: it is not active, it does not own the key, or the client's identity may
+    not write the key: then ``forbidden`` is True and the reason names the prefix that
+    denies it or the prefixes the identity may write; nothing was applied)."""
 
-    def __init__(self, message: str, *, reason: str = ""):
+    def __init__(self, message: str, *, reason: str = "", key: str = ""):
         super().__init__(message)
         self.reason = reason
+        self.key = key
+        self.forbidden = reason.startswith(FORBIDDEN_PREFIX)
+        if self.forbidden:
+            self.exit_code = Exit.FORBIDDEN
+
+
+FORBIDDEN_PREFIX = "forbidden: "
+"""How a server's refusal for want of a right starts (``clonemap.shards.gate``)."""
+
+
+class ReadRefused(ClonemapError, PermissionError):
+    """The client's identity may read nothing of the subtree it asked a shard for
+    (``subtree``): the server refused its snapshot (``refused=read``). A subtree it may
+    read part of is narrowed instead: the keys it may not read are left out."""
+
+    exit_code = Exit.FORBIDDEN
+
+    def __init__(self, message: str, *, shard: str = "", subtree: str = ""):
+        super().__init__(message)
+        self.shard = shard
+        self.subtree = subtree
 
 
 class NotSupported(ClonemapError, RuntimeError):

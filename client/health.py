@@ -17,7 +17,7 @@ import logging
 from typing import TYPE_CHECKING, Callable
 
 from clonemap.shards.common.errors import ClonemapError, ConfigError
-from clonemap.client.errors import SlowSubscriber
+from clonemap.client.errors import ReadRefused, SlowSubscriber
 from clonemap.client.options import RESYNC
 
 if TYPE_CHECKING:
@@ -92,6 +92,20 @@ class Health:
             field="routing")
         self.fail_now(exc)
         if agent.loop is not None:  # inside the agent's SUB batch now: next turn
+            agent.loop.call_soon(self._close_agents)
+
+    def on_read_refused(self, agent: AgentView) -> None:
+        """The server of ``agent``'s shard refused its snapshot: this client's identity
+        may read nothing of what it asked. Every later snapshot would be refused too, so
+        the client fails at once (``ReadRefused``) instead of timing out."""
+        if self.failed is not None:
+            return
+        shown = agent.subtree.decode("utf-8", "replace")
+        self.fail_now(ReadRefused(
+            f"shard {agent.name} ({agent.server}) refused the snapshot of {shown!r}: this "
+            "client's identity may read nothing under it (see its rights: chp whoami)",
+            shard=agent.name, subtree=shown))
+        if agent.loop is not None:
             agent.loop.call_soon(self._close_agents)
 
     def fail_now(self, exc: ClonemapError) -> None:

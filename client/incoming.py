@@ -151,6 +151,14 @@ class Incoming:
             agent.link.close_dealer()
             return sm.SnapshotRejected(reason)
         reply = chp.kthxbai_info(msg.props)
+        if reply.refused:  # nothing of the subtree may be read by this identity
+            if agent.on_read_refused is not None:
+                agent.on_read_refused(agent)
+            self.map = None
+            return sm.SnapshotRejected(f"{agent.server} refused the snapshot: this "
+                                       "client's identity may read nothing of "
+                                       f"{subtree!r}")
+        agent.narrowed = reply.narrowed
         self.term = reply.term
         if agent.state.resuming:
             self._merge_resume(reply.resumed is True, arrived)

@@ -112,6 +112,9 @@ class AgentHooks:
     """(agent, lag_s) when the shard is read later than ``max_lag_s``; True: handled."""
     on_wrong_route: Callable[[Any, str], None] | None = None
     """(agent, the route a HUGZ named) when it is not the one this client expects."""
+    on_read_refused: Callable[[Any], None] | None = None
+    """(agent) when its server refused its snapshot: the client's identity may read
+    nothing of the agent's subtree."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -258,6 +258,10 @@ def coordination_arg(ctx, param, value: str | None) -> list[tuple[str, int]] | N
               help="CURVE on every socket with the cluster's keys in this directory "
                    "(server.key_secret, and the public keys of the admitted peers; see "
                    "`supervisor keygen`). Default: plain TCP.")
+@click.option("--rights", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="With --keys-dir: enforce the named identities' read and write rights "
+                   "from this file (what `supervisor start` writes; see supervisor/README.md, "
+                   "Access control). Default: every admitted peer holds every right.")
 @click.option("--coordination", callback=coordination_arg, default=None,
               metavar="etcd://HOST:PORT[,HOST:PORT...]",
               help="A pair across hosts: the server may be ACTIVE only while it holds the "
@@ -284,7 +288,7 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
          pub_hwm, subscriber_held_bytes, writer_held_bytes, history_updates, history_bytes,
          dedup_bytes, dedup_s, collect_hwm, snapshot_hwm, snapshot_held_bytes, cpus, io_threads, pair_role, peer, shard, control,
          parent_pid, shard_map, shard_index, pending_max, pending_max_bytes, pending_age_s, data_dir, fsync,
-         compact_min_bytes, compact_ratio, min_free_bytes, keys_dir, coordination, lease_s,
+         compact_min_bytes, compact_ratio, min_free_bytes, keys_dir, rights, coordination, lease_s,
          lease_name, replication, log_level):
     """Run one 12/CHP shard server: standalone, or one server of a Binary Star pair."""
     if pair_role is not None and peer is None:
@@ -339,6 +343,14 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
     if keys_dir is not None:
         try:
             server.security = Security.load(keys_dir, "server")
+        except ConfigError as exc:
+            click.echo(f"shards: {exc}", err=True)
+            sys.exit(Exit.USAGE)
+    if rights is not None:
+        from clonemap.shards.gate import Gate
+
+        try:
+            server.gate = Gate.load(rights)
         except ConfigError as exc:
             click.echo(f"shards: {exc}", err=True)
             sys.exit(Exit.USAGE)

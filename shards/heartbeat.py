@@ -47,6 +47,7 @@ class Heartbeat:
         self.welcomed = 0
         self._reader: zio.AsyncSocket | None = None
         self._pub: zmq.Socket | None = None
+        self._gate = None
         self._welcome: asyncio.Handle | None = None
         self._check: asyncio.TimerHandle | None = None
         self._beat: asyncio.TimerHandle | None = None
@@ -66,11 +67,19 @@ class Heartbeat:
         if self._reader is not None:
             self._reader.kick()
 
-    def start(self, loop: asyncio.AbstractEventLoop, pub: zmq.Socket) -> None:
-        """Beat on the publisher ``pub`` (P+1), reading its subscriptions."""
+    def start(self, loop: asyncio.AbstractEventLoop, pub: zmq.Socket, gate=None) -> None:
+        """Beat on the publisher ``pub`` (P+1), reading its subscriptions. ``gate``
+        (``clonemap.shards.gate.Gate``): the publisher applies no subscription itself
+        (``ZMQ_XPUB_MANUAL``); each is applied here, narrowed to its subscriber's rights
+        (``on_subscription_as``)."""
         self._pub = pub
-        self._reader = zio.AsyncSocket(pub, self.on_subscription, batch=256,
-                                       loop=loop, name="publisher")
+        self._gate = gate
+        if gate is None:
+            self._reader = zio.AsyncSocket(pub, self.on_subscription, batch=256,
+                                           loop=loop, name="publisher")
+        else:
+            self._reader = zio.AsyncSocket(pub, self.on_subscription_as, batch=256,
+                                           loop=loop, name="publisher", with_user=True)
         self._check = loop.call_later(SUBSCRIPTION_CHECK_S, self._check_subscriptions)
         self._beat_at = self._clock_at = loop.time()
         self._beat = loop.call_later(self.interval_s, self.on_beat)
@@ -92,6 +101,42 @@ class Heartbeat:
     def on_subscription(self, frames: list[bytes]) -> None:
         """A (un)subscription on the publisher (XPUB, verbose): welcome a new one."""
         if frames[0][:1] == b"\x01":
+            self.welcome_soon()
+
+    def on_subscription_as(self, frames: list[bytes], user_id: str | None) -> None:
+        """A (un)subscription on a manual publisher, from ``user_id``: applied as it
+        is for the cluster's own pairs; for an identity, narrowed to the prefixes of the
+        keys it may read (``Scope.subscription``; HUGZ when it may read anything), or
+        refused when it reaches nothing. libzmq applies a ``ZMQ_SUBSCRIBE`` set now to
+        the connection whose message was read last: this one. An identity's
+        unsubscription is not applied (its narrowed prefixes may be shared by another of
+        its subscriptions): it keeps receiving keys it may read until it disconnects,
+        when libzmq drops every subscription of the connection."""
+        message = frames[0]
+        if len(frames) != 1 or not message or message[0] > 1:
+            return
+        subscribe, topic = message[0] == 1, message[1:]
+        pub = self._pub
+        scope = self._gate.scope(user_id)
+        if scope is None:
+            pub.setsockopt(zmq.SUBSCRIBE if subscribe else zmq.UNSUBSCRIBE, topic)
+        elif subscribe:
+            prefixes = scope.subscription(topic)
+            shown = topic[:80].decode("utf-8", "replace")
+            if not prefixes:
+                self._gate.count(scope.name, "subscriptions_refused",
+                                 f"identity {scope.name!r} may read nothing under "
+                                 f"{shown!r}" if prefixes == [] else
+                                 f"the subscription of {scope.name!r} to {shown!r} would "
+                                 "take too many prefixes")
+                return
+            if [p for p in prefixes if p != chp.HUGZ or topic == chp.HUGZ] != [topic]:
+                self._gate.count(scope.name, "subscriptions_narrowed",
+                                 f"the subscription of {scope.name!r} to {shown!r} was "
+                                 f"narrowed to {len(prefixes)} prefixes it may read")
+            for prefix in prefixes:
+                pub.setsockopt(zmq.SUBSCRIBE, prefix)
+        if subscribe:
             self.welcome_soon()
 
     def welcome_soon(self) -> None:

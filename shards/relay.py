@@ -413,11 +413,15 @@ def _upstream_arg(ctx, param, value: str) -> list[tuple[str, int]]:
 @click.option("--parent-pid", type=int, default=None)
 @click.option("--keys-dir", type=click.Path(file_okay=False), default=None,
               help="CURVE on every socket, with the cluster's server keys.")
+@click.option("--rights", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="With --keys-dir: enforce the named identities' read and write rights "
+                   "from this file (what `supervisor start` writes; see supervisor/README.md, "
+                   "Access control). Default: every admitted peer holds every right.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def main(port, host, upstream, shard, name, shard_map, shard_index, heartbeat_s,
          silence_timeout_s, history_updates, history_bytes, cpus, io_threads, control,
-         parent_pid, keys_dir, log_level) -> None:
+         parent_pid, keys_dir, rights, log_level) -> None:
     """Run a relay: a CHP server whose map follows one shard (see shards.relay)."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s")
@@ -438,6 +442,14 @@ def main(port, host, upstream, shard, name, shard_map, shard_index, heartbeat_s,
     if keys_dir is not None:
         try:
             relay.security = Security.load(keys_dir, "server")
+        except ConfigError as exc:
+            click.echo(f"relay: {exc}", err=True)
+            sys.exit(Exit.USAGE)
+    if rights is not None:
+        from clonemap.shards.gate import Gate
+
+        try:
+            relay.gate = Gate.load(rights)
         except ConfigError as exc:
             click.echo(f"relay: {exc}", err=True)
             sys.exit(Exit.USAGE)

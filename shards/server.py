@@ -68,6 +68,7 @@ from clonemap.shards.heartbeat import Heartbeat
 from clonemap.shards.expiry import Expiry
 from clonemap.shards.outbox import KVPUB_FRAMES, Batch, Outbox, Verdict
 from clonemap.shards.server_sockets import ServerSockets
+from clonemap.shards.gate import Gate
 
 log = logging.getLogger("clonemap.shards.server")
 
@@ -93,6 +94,9 @@ class ShardServer:
         """The map's generation token, announced in every clock HUGZ (``gen=``): a map
         born empty gets a new one; a Binary Star replica takes its active's."""
         self.drops = DropCounter(log)
+        self.gate = Gate()
+        """The rights enforced at every entrance (``clonemap.shards.gate``; ``--rights``):
+        set before ``bind``. Nothing is checked when the cluster names no identity."""
         self.security = Security.off()
         """CURVE keys (``--keys-dir``): set before ``bind``."""
         self.persist: Persistence | None = None
@@ -178,7 +182,7 @@ class ShardServer:
         self.marks.published(largest)
         self._fast_limit = self.marks.fast_limit
         bound = self.sockets.open(self.snapshots.hwm, self.marks.pub_hwm,
-                                  self.marks.collect_hwm)
+                                  self.marks.collect_hwm, manual_pub=self.gate.enforcing)
         self.router_socket, self._pub, self._collector_sock = bound
         self._publish_many = zio.publisher_many(self._pub, KVPUB_FRAMES)
         self._pub_mark = LiveMark(self._pub, zmq.SNDHWM, bind_value=self.marks.pub_hwm,
@@ -199,14 +203,16 @@ class ShardServer:
         self.expiry.loop = loop
         self.started_s = time.monotonic()
         self.recent.reset(self.store.seq)  # a recovered map: resumes start from here
-        self._router = zio.AsyncSocket(self.router_socket, self.role.on_snapshot_request,
-                                       batch=256, loop=loop, name="snapshot")
+        checked = self.gate.enforcing  # rights: every message's User-Id is read
+        self._router = zio.AsyncSocket(
+            self.router_socket, self.on_request_as if checked else self.role.on_snapshot_request,
+            batch=256, loop=loop, name="snapshot", with_user=checked)
         self.snapshots.start(loop, self.router_socket, self._router.kick)
-        self._collector = zio.AsyncSocket(self._collector_sock, self.role.on_collect,
-                                          batch=self.config.collect_batch, loop=loop,
-                                          name="collector", after_batch=self.flush,
-                                          recv_only=True)
-        self.heartbeat.start(loop, self._pub)
+        self._collector = zio.AsyncSocket(
+            self._collector_sock, self.on_collect_as if checked else self.role.on_collect,
+            batch=self.config.collect_batch, loop=loop, name="collector",
+            after_batch=self.flush, recv_only=True, with_user=checked)
+        self.heartbeat.start(loop, self._pub, self.gate if checked else None)
         self._pub_mark.start(loop, self.heartbeat.kick)
         self._collect_mark.start(loop, self._collector.kick)
         if self.persist is not None:
@@ -252,6 +258,37 @@ class ShardServer:
             self.heartbeat.welcome_soon()
         else:
             self.snapshots.clear()
+
+    # ================================================================ rights
+    def on_collect_as(self, frames: list[bytes], user_id: str | None) -> None:
+        """A KVSET from ``user_id``, in a cluster that enforces rights: one outside the
+        writer's rights is refused here, before any role sees it (a passive never holds
+        it for a takeover, a relay never forwards it), counted by identity and answered
+        ``refused`` when it asked for a reply; the rest go on as without rights."""
+        scope = self.gate.scope(user_id)
+        if scope is not None and not scope.may_write(frames[0]):
+            self._refuse_write(scope, frames)
+            return
+        self.role.on_collect(frames)
+
+    def _refuse_write(self, scope, frames: list[bytes]) -> None:
+        why = scope.why_not(frames[0], "write")
+        self.gate.count(scope.name, "writes_refused", why)
+        if len(frames) != 5:
+            return
+        try:
+            reply_to = chp.write_terms(frames[3]).reply_to if frames[3] else None
+        except ProtocolError:
+            reply_to = None
+        if reply_to and self.active:
+            self._reply(reply_to, frames[2], chp.REFUSED, 0, why)
+
+    def on_request_as(self, frames: list[bytes], user_id: str | None) -> None:
+        """A message on P from ``user_id``, in a cluster that enforces rights: an
+        ICANHAZ is answered within its requester's read rights (``snapshots``)."""
+        if len(frames) > 1 and frames[1] == chp.ICANHAZ:
+            self.snapshots.requested_by(frames[0], self.gate.scope(user_id))
+        self.role.on_snapshot_request(frames)
 
     # ================================================================ collector
     def on_collect(self, frames: list[bytes]) -> None:
@@ -613,6 +650,7 @@ class ShardServer:
                          "owner_slots": len(self.owner_cache.slots)
                          if self.owner_cache else 0}),
             "drops": drops,
+            "access": self.gate.stats() if self.gate.enforcing else None,
             "drops_total": sum(drops.values()),
             "persist": self.persist.stats() if self.persist is not None else None,
             "disk_error": self.disk_error,

@@ -50,9 +50,12 @@ class ServerSockets:
         self.ctx: zmq.Context | None = None
         self._auth: Authenticator | None = None
 
-    def open(self, router_hwm: int, pub_hwm: int, collect_hwm: int) -> Bound:
+    def open(self, router_hwm: int, pub_hwm: int, collect_hwm: int,
+             manual_pub: bool = False) -> Bound:
         """The context, then P, P+1, P+2 bound with these marks; returned (the server
-        keeps them)."""
+        keeps them). ``manual_pub``: the publisher applies no subscription itself
+        (``ZMQ_XPUB_MANUAL``): the server applies each, narrowed to what its subscriber
+        may read (``clonemap.shards.gate``)."""
         cfg = self.config
         self.ctx = zmq.Context(io_threads=cfg.io_threads)
         self._auth = Authenticator(self.ctx, self._security())
@@ -65,6 +68,8 @@ class ServerSockets:
             pub = self.socket(zmq.XPUB)
             pub.setsockopt(zmq.SNDHWM, pub_hwm)
             pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+            if manual_pub:
+                pub.setsockopt(zmq.XPUB_MANUAL, 1)
             pub.setsockopt(zmq.MAXMSGSIZE, request_frame_limit(cfg.limits))
             self.bind(pub, cfg.endpoint(1))
             collector = self.socket(zmq.SUB)

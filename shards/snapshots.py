@@ -7,6 +7,7 @@ import logging
 import zmq
 from zmq.backend import Socket as _BackendSocket
 
+from clonemap.shards import gate as rights
 from clonemap.shards import streams
 from clonemap.shards.byte_marks import INITIAL_MARK, derive
 from clonemap.shards.common import zio
@@ -26,6 +27,10 @@ _send_rows = zio.send_rows
 _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _pack_seq = chp.pack_seq
+
+
+REQUESTERS_MAX = 4096
+"""ICANHAZ requesters whose rights wait to be read (``SnapshotService.requested_by``)."""
 
 
 class _Rows(tuple):
@@ -49,15 +54,28 @@ def largest_entry(store: Store) -> int:
     return max(map(len, data)) + max(map(len, data.values()))
 
 
+def _readable_rows(may_read, keys: list, values: list, mods: list, expiries):
+    """The columns' rows whose key ``may_read`` accepts (a requester with partial read
+    rights)."""
+    rows = [i for i, key in enumerate(keys) if may_read(key)]
+    if len(rows) == len(keys):
+        return keys, values, mods, expiries
+    return ([keys[i] for i in rows], [values[i] for i in rows], [mods[i] for i in rows],
+            None if expiries is None else [expiries[i] for i in rows])
+
+
 class SnapshotStream:
     """One snapshot being streamed to one ROUTER peer (a ``clonemap.shards.streams`` stream):
     KVSYNCs from a point-in-time cursor, ``chunk`` per turn, then KTHXBAI."""
 
     __slots__ = ("identity", "subtree", "cursor", "seq_frame", "pending", "pos", "chunk",
-                 "sent", "service", "kthxbai_props", "meta")
+                 "sent", "service", "kthxbai_props", "meta", "readable")
 
     def __init__(self, service: "SnapshotService", identity: bytes, subtree: bytes,
-                 kthxbai_props: bytes = b"", meta: bool = False):
+                 kthxbai_props: bytes = b"", meta: bool = False, readable=None):
+        self.readable = readable
+        """``may_read(key)`` of a requester that may read only some of the subtree
+        (``clonemap.shards.gate``): every row is checked; None: every row goes."""
         self.kthxbai_props = kthxbai_props
         """Empty (12/CHP); for a request with our extension frame ``chp.kthxbai_props``:
         the map's ``term=``, and ``resume=0`` when a resume was asked and not possible."""
@@ -100,6 +118,9 @@ class SnapshotStream:
                         outcome = streams.PROGRESS
                         break
                     keys, values, mods, expiries = cursor.next_columns(budget * 4, meta)
+                    if self.readable is not None:
+                        keys, values, mods, expiries = _readable_rows(
+                            self.readable, keys, values, mods, expiries)
                     props = b"" if expiries is None else [
                         b"" if e is None else b"expires=%.3f\n" % e for e in expiries]
                     pending = _Rows(keys, values, mods, props)
@@ -173,6 +194,12 @@ class SnapshotService:
         from another term past what this map holds (``Role.resumable``)."""
         self.largest = 0
         """The largest key + value streamed in a snapshot so far (it only grows)."""
+        self._requesters: dict[bytes, object] = {}
+        """Where rights are enforced: each ICANHAZ's requester's ``Scope`` (None: every
+        right), by its ROUTER identity, from when it arrived (``requested_by``) until it
+        is taken (``on_request``); a request without one is refused."""
+        self.narrowed = 0
+        self.refused_rights = 0
         self.heap_trims = 0
         self._busy = False
         self.hwm = self._mark()
@@ -204,6 +231,15 @@ class SnapshotService:
             self.mark.close()
 
     # ------------------------------------------------------------------ requests
+    def requested_by(self, identity: bytes, scope) -> None:
+        """The ICANHAZ that ``identity`` just sent comes from a requester with these
+        rights (``clonemap.shards.gate.Scope``, None: every right)."""
+        requesters = self._requesters
+        requesters.pop(identity, None)
+        requesters[identity] = scope
+        while len(requesters) > REQUESTERS_MAX:  # oldest first: refused, never widened
+            requesters.pop(next(iter(requesters)))
+
     def on_request(self, frames: list[bytes]) -> None:
         """An ICANHAZ on the ROUTER: queue a snapshot (or resume) for this peer."""
         server = self.server
@@ -217,18 +253,49 @@ class SnapshotService:
         if server.disk_error or not server.role.admit_snapshot_request():
             self.refused += 1
             return
+        readable, narrowed = None, False
+        if server.gate.enforcing:
+            scope = self._requesters.pop(identity, rights.NOTHING_SCOPE)
+            if scope is not None:
+                covered = scope.snapshot(request.subtree)
+                if covered == rights.NONE:
+                    self._refuse(identity, request, scope)
+                    return
+                if covered == rights.SOME:
+                    readable, narrowed = scope.may_read, True
+                    self.narrowed += 1
+                    server.gate.count(scope.name, "snapshots_narrowed",
+                                      f"a snapshot of {request.subtree[:80]!r} narrowed to "
+                                      f"what identity {scope.name!r} may read")
         # a request with our extension frame (meta=1) learns the map's term; a plain
         # ICANHAZ gets the empty properties 12/CHP has
         props = chp.kthxbai_props(term=server.role.term()) if request.meta else b""
+        if narrowed:
+            props += chp.NARROWED
         make = lambda: SnapshotStream(self, identity, request.subtree,  # noqa: E731
-                                      props, request.meta)
+                                      props, request.meta, readable)
         if request.since is not None:
-            make = self._resume_or_snapshot(identity, request)
+            make = self._resume_or_snapshot(identity, request, readable)
         if not self.pump.add(identity, make):
             server.drops.drop("snapshot_queue_full", f"{len(self.pump.waiting)} requests "
                                                      "wait")
 
-    def _resume_or_snapshot(self, identity: bytes, request: chp.Icanhaz):
+    def _refuse(self, identity: bytes, request: chp.Icanhaz, scope) -> None:
+        """A snapshot of a subtree its requester may read nothing of: answered at once
+        by an empty KTHXBAI that says ``refused=read`` (a client raises, naming the
+        subtree; a strict 12/CHP peer sees an empty subtree), counted by identity."""
+        self.refused_rights += 1
+        self.server.gate.count(scope.name, "snapshots_refused",
+                               f"identity {scope.name!r} may read nothing under "
+                               f"{request.subtree[:80]!r}: its snapshot was refused")
+        frames = chp.kthxbai(self.server.store.seq, request.subtree, chp.REFUSED_READ)
+        try:
+            zio.send_frames(self.server.router_socket, [identity, *frames])
+        except zmq.ZMQError:  # gone, or its pipe is full: it asks again
+            pass
+        self.server.kick_router()
+
+    def _resume_or_snapshot(self, identity: bytes, request: chp.Icanhaz, readable=None):
         """A resume request (``since``): the updates after it when the client's map is of
         this generation, its updates up to ``since`` are all in this map (its ``term``,
         ``Role.resumable``) and the server's history covers the rest; else a full
@@ -243,12 +310,15 @@ class SnapshotService:
             entries = server.recent.since(request.since, request.subtree)
         elif same_map:
             self.refused_terms += 1
+        narrowed = chp.NARROWED if readable is not None else b""
         if entries is None:
-            props = chp.kthxbai_props(False, term)
+            props = chp.kthxbai_props(False, term) + narrowed
             return lambda: SnapshotStream(self, identity, request.subtree, props,
-                                          request.meta)
+                                          request.meta, readable)
         seq = server.store.seq
-        props = chp.kthxbai_props(True, term)
+        props = chp.kthxbai_props(True, term) + narrowed
+        if readable is not None:
+            entries = [entry for entry in entries if readable(entry[1])]
         return lambda: ResumeStream(self, identity, request.subtree, entries, seq, props)
 
     # ------------------------------------------------------------------ bytes
@@ -303,6 +373,8 @@ class SnapshotService:
             "snapshots_yielded": counters.get("yielded", 0),
             "snapshots_stalled": pump.stalled if pump is not None else 0,
             "snapshots_refused": self.refused,
+            "snapshots_narrowed": self.narrowed,
+            "snapshots_refused_rights": self.refused_rights,
             "resumes_refused_term": self.refused_terms,
             "kvsync_sent": self.kvsync_sent,
             "resume_sent": self.resume_sent,

@@ -28,6 +28,7 @@ static void *(*z_msg_data)(zmsg_t *);
 static size_t (*z_msg_size)(const zmsg_t *);
 static int (*z_msg_more)(const zmsg_t *);
 static int (*z_msg_close)(zmsg_t *);
+static const char *(*z_msg_gets)(const zmsg_t *, const char *);
 static int (*z_send)(void *, const void *, size_t, int);
 static int (*z_errno)(void);
 static PyObject *error_factory = NULL; /* errno -> zmq.ZMQError (or zmq.Again), from bind() */
@@ -71,6 +72,7 @@ static PyObject *zf_bind(PyObject *self, PyObject *args) {
     RESOLVE(z_msg_size, "zmq_msg_size");
     RESOLVE(z_msg_more, "zmq_msg_more");
     RESOLVE(z_msg_close, "zmq_msg_close");
+    RESOLVE(z_msg_gets, "zmq_msg_gets");
     RESOLVE(z_send, "zmq_send");
     RESOLVE(z_errno, "zmq_errno");
 #undef RESOLVE
@@ -103,8 +105,32 @@ static int recv_raw(void *sock, int flags, zmsg_t *msg, int *err) {
     }
 }
 
-/* One frame into a new bytes object; NULL with *err set (0 with a Python error). */
-static PyObject *recv_frame(void *sock, int flags, int *more, int *err) {
+/* The last User-Id seen, and its str: a connection sends many messages, and a str per
+ * message would cost more than the lookup. */
+static char user_cache[256];
+static PyObject *user_cache_obj = NULL;
+
+/* The message's User-Id (what the ZAP handler named its connection) as a new reference
+ * to a str, or to None when it has none; NULL with a Python error. */
+static PyObject *user_of(const zmsg_t *msg) {
+    const char *uid = z_msg_gets(msg, "User-Id");
+    if (uid == NULL)
+        Py_RETURN_NONE;
+    if (user_cache_obj != NULL && strcmp(uid, user_cache) == 0)
+        return Py_NewRef(user_cache_obj);
+    PyObject *obj = PyUnicode_DecodeUTF8(uid, (Py_ssize_t)strlen(uid), "replace");
+    if (obj == NULL)
+        return NULL;
+    if (strlen(uid) < sizeof(user_cache)) {
+        strcpy(user_cache, uid);
+        Py_XSETREF(user_cache_obj, Py_NewRef(obj));
+    }
+    return obj;
+}
+
+/* One frame into a new bytes object; NULL with *err set (0 with a Python error). With
+ * `user` not NULL, *user is set to the frame's User-Id (user_of). */
+static PyObject *recv_frame_as(void *sock, int flags, int *more, int *err, PyObject **user) {
     zmsg_t msg;
     z_msg_init(&msg);
     if (recv_raw(sock, flags, &msg, err) < 0) {
@@ -114,22 +140,35 @@ static PyObject *recv_frame(void *sock, int flags, int *more, int *err) {
     PyObject *frame = PyBytes_FromStringAndSize((const char *)z_msg_data(&msg),
                                                 (Py_ssize_t)z_msg_size(&msg));
     *more = z_msg_more(&msg);
+    if (frame != NULL && user != NULL) {
+        *user = user_of(&msg);
+        if (*user == NULL)
+            Py_CLEAR(frame);
+    }
     z_msg_close(&msg);
     if (frame == NULL)
         *err = 0;
     return frame;
 }
 
+static PyObject *recv_frame(void *sock, int flags, int *more, int *err) {
+    return recv_frame_as(sock, flags, more, err, NULL);
+}
+
 /* One whole message: a list of at most max_frames + 1 frames (the rest are read and
- * discarded), NULL with *err = EAGAIN when none is waiting. */
-static PyObject *recv_message(void *sock, int flags, Py_ssize_t max_frames, int *err) {
+ * discarded), NULL with *err = EAGAIN when none is waiting. With `user` not NULL, *user
+ * is its User-Id (a new reference) when it returns a message. */
+static PyObject *recv_message_as(void *sock, int flags, Py_ssize_t max_frames, int *err,
+                                 PyObject **user) {
     int more = 0;
-    PyObject *frame = recv_frame(sock, flags, &more, err);
+    PyObject *frame = recv_frame_as(sock, flags, &more, err, user);
     if (frame == NULL)
         return NULL;
     PyObject *frames = PyList_New(1);
     if (frames == NULL) {
         Py_DECREF(frame);
+        if (user != NULL)
+            Py_CLEAR(*user);
         *err = 0;
         return NULL;
     }
@@ -142,12 +181,16 @@ static PyObject *recv_message(void *sock, int flags, Py_ssize_t max_frames, int 
             frame = recv_frame(sock, flags & ~Z_NOBLOCK, &more, err);
         if (frame == NULL) {
             Py_DECREF(frames);
+            if (user != NULL)
+                Py_CLEAR(*user);
             return NULL;
         }
         if (PyList_GET_SIZE(frames) <= max_frames) {
             if (PyList_Append(frames, frame) < 0) {
                 Py_DECREF(frame);
                 Py_DECREF(frames);
+                if (user != NULL)
+                    Py_CLEAR(*user);
                 *err = 0;
                 return NULL;
             }
@@ -155,6 +198,10 @@ static PyObject *recv_message(void *sock, int flags, Py_ssize_t max_frames, int 
         Py_DECREF(frame);
     }
     return frames;
+}
+
+static PyObject *recv_message(void *sock, int flags, Py_ssize_t max_frames, int *err) {
+    return recv_message_as(sock, flags, max_frames, err, NULL);
 }
 
 static int check_bound(void) {
@@ -190,8 +237,10 @@ static PyObject *zf_recv(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 /* drain(handle, owner, limit, max_frames, handler) -> (n, exc, frames)
  * Read up to `limit` messages and call handler(frames) for each. Stops at EAGAIN, when
  * `owner._closed` turns true (the owner closed the socket), or when the handler raises:
- * then exc is the exception and frames the message it failed on (n counts it). */
-static PyObject *zf_drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+ * then exc is the exception and frames the message it failed on (n counts it).
+ * drain_users: the same, calling handler(frames, user_id) with each message's User-Id
+ * (a str, or None without one). */
+static PyObject *drain_as(PyObject *const *args, Py_ssize_t nargs, int with_user) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "drain(handle, owner, limit, max_frames, handler)");
         return NULL;
@@ -208,14 +257,23 @@ static PyObject *zf_drain(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_ssize_t n = 0;
     while (n < limit) {
         int err = 0;
-        PyObject *frames = recv_message(handle, Z_NOBLOCK, max_frames, &err);
+        PyObject *user = NULL;
+        PyObject *frames = recv_message_as(handle, Z_NOBLOCK, max_frames, &err,
+                                           with_user ? &user : NULL);
         if (frames == NULL) {
             if (err == EAGAIN)
                 break;
             return err ? raise_zmq(err) : NULL;
         }
         n++;
-        PyObject *res = PyObject_CallOneArg(handler, frames);
+        PyObject *res;
+        if (with_user) {
+            PyObject *call[2] = {frames, user};
+            res = PyObject_Vectorcall(handler, call, 2, NULL);
+            Py_DECREF(user);
+        } else {
+            res = PyObject_CallOneArg(handler, frames);
+        }
         if (res == NULL) {
             PyObject *type, *value, *tb;
             PyErr_Fetch(&type, &value, &tb);
@@ -239,6 +297,14 @@ static PyObject *zf_drain(PyObject *self, PyObject *const *args, Py_ssize_t narg
             break;
     }
     return Py_BuildValue("(nOO)", n, Py_None, Py_None);
+}
+
+static PyObject *zf_drain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return drain_as(args, nargs, 0);
+}
+
+static PyObject *zf_drain_users(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return drain_as(args, nargs, 1);
 }
 
 /* A snapshot row our servers send (12/CHP KVSYNC: key, 8-byte sequence, empty UUID,
@@ -687,6 +753,9 @@ static PyMethodDef methods[] = {
      "bind(libzmq_path, error_of_errno): resolve libzmq's calls"},
     {"recv", (PyCFunction)(void (*)(void))zf_recv, METH_FASTCALL,
      "recv(handle, flags, max_frames) -> list[bytes] | None"},
+    {"drain_users", (PyCFunction)(void (*)(void))zf_drain_users, METH_FASTCALL,
+     "drain_users(handle, owner, limit, max_frames, handler) -> (n, exc, frames): drain, "
+     "calling handler(frames, user_id)"},
     {"drain", (PyCFunction)(void (*)(void))zf_drain, METH_FASTCALL,
      "drain(handle, owner, limit, max_frames, handler) -> (n, exc, frames)"},
     {"take_rows", (PyCFunction)(void (*)(void))zf_take_rows, METH_FASTCALL,

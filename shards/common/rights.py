@@ -17,9 +17,9 @@ Two User-Ids are not identities and hold every right, so that configs without
 ``client`` (the shared client pair). Without CURVE there is no User-Id: everyone is
 such a client.
 
-Enforced today: ``admin``, by the control plane (``clonemap.supervisor.services``). The
-read and write rights are checked by the config and shown by ``supervisor validate``,
-and not yet enforced by the servers: every admitted identity reads and writes every key.
+Enforced: ``admin`` by the control plane (``clonemap.supervisor.services``); the read and
+write rights by every server and relay at each entrance (``clonemap.shards.gate``), from
+the rights file ``supervisor start`` writes for them.
 """
 from __future__ import annotations
 
@@ -90,6 +90,26 @@ class Access:
         rights = self.rights_of(user_id)
         return rights is not None and rights.admin
 
+    def to_doc(self) -> dict:
+        """Every identity's rights as JSON-able data (the rights file servers load)."""
+        return {"identities": {name: {"role": self.roles.get(name, ""), "read": list(r.read),
+                                      "write": list(r.write), "deny": list(r.deny),
+                                      "admin": r.admin}
+                               for name, r in sorted(self.identities.items())}}
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> "Access":
+        """``to_doc``'s data back (``ValueError``/``TypeError``/``KeyError`` if malformed)."""
+        identities, roles = {}, {}
+        for name, each in doc["identities"].items():
+            if not NAME_RE.match(name) or name in RESERVED:
+                raise ValueError(f"{name!r} is not an identity's name")
+            prefixes = {word: tuple(str(p) for p in each.get(word, ()))
+                        for word in ("read", "write", "deny")}
+            identities[name] = Rights(**prefixes, admin=bool(each.get("admin", False)))
+            roles[name] = str(each.get("role", ""))
+        return cls(identities, roles)
+
     def describe(self) -> dict[str, dict]:
         """Each identity: its role and rights (``supervisor validate``)."""
         return {name: {"role": self.roles.get(name, ""), "read": list(r.read),
@@ -98,9 +118,9 @@ class Access:
                 for name, r in sorted(self.identities.items())}
 
 
-ENFORCED = ("identities: the control plane enforces admin (stop, restart, kill, logs); the "
-            "roles' read, write and deny rights are not enforced by the servers yet: every "
-            "admitted identity reads and writes every key")
+ENFORCED = ("identities: every server and relay enforces the roles' read, write and deny "
+            "rights (writes, snapshots, resumes, subscriptions), the control plane admin "
+            "(stop, restart, kill, logs)")
 """What a config with identities is told (``supervisor validate``, ``start``'s log)."""
 
 OPEN = Access({})

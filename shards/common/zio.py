@@ -264,8 +264,13 @@ class AsyncSocket:
                  batch: int = DEFAULT_BATCH, loop: asyncio.AbstractEventLoop | None = None,
                  name: str = "", recv: Callable[[zmq.Socket], list[bytes]] | None = None,
                  after_batch: Callable[[], None] | None = None, recv_only: bool = False,
-                 bulk: Callable[[int, int], tuple[int, list[bytes] | None] | None] | None = None):
-        """``after_batch()``: called once after every batch that read a message (a server
+                 bulk: Callable[[int, int], tuple[int, list[bytes] | None] | None] | None = None,
+                 with_user: bool = False):
+        """``with_user``: ``on_message(frames, user_id)``, with the User-Id the ZAP
+        handler gave the sender's connection (None without one): where rights are
+        checked per message (``clonemap.shards.gate``).
+
+        ``after_batch()``: called once after every batch that read a message (a server
         publishes what the batch produced there, one burst per batch).
 
         ``bulk(handle, limit)`` (compiled path only): tried before each message is read
@@ -281,6 +286,10 @@ class AsyncSocket:
         getpid and a zero-timeout poll each), so the FD fires for the next message. A
         send on the socket could consume that edge; hence only where none happens."""
         self.sock = sock
+        if with_user and on_message is not None and not (COMPILED and recv is None):
+            told = on_message
+            recv = recv or recv_frames_with_user
+            on_message = lambda frames: told(frames, frames.user_id)  # noqa: E731
         self.on_message = on_message
         self.after_batch = after_batch
         self._recv = recv or recv_frames
@@ -294,7 +303,8 @@ class AsyncSocket:
         self._writable_waiters: list[asyncio.Future] = []
         self._fd = sock.FD
         self._handle = sock.underlying
-        self._drain = _c_drain if COMPILED and recv is None else None
+        self._drain = ((_compiled.drain_users if with_user else _c_drain)
+                       if COMPILED and recv is None else None)
         self._bulk = bulk if self._drain is not None else None
         self._recv_only = recv_only
         self.loop.add_reader(self._fd, self._on_fd)

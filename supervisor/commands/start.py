@@ -46,6 +46,10 @@ from clonemap.supervisor.running import running_cluster
 from clonemap.supervisor.policy import (BACKOFF_CAP_S, BACKOFF_INITIAL_S, CRASH_LIMIT, CRASH_WINDOW_S,
                                PolicyConfig)
 
+RIGHTS_FILE = "rights.json"
+"""In the run directory: every identity's rights, as servers and relays load them
+(``--rights``; ``clonemap.shards.gate``)."""
+
 log = logging.getLogger("clonemap.supervisor")
 
 DETACH_READY_TIMEOUT_S = 60.0
@@ -201,11 +205,16 @@ class Supervisor:
                     else Security.off())
         broker = Broker([the_plan.control], budget_config(*the_plan.control_limits), ctx=ctx,
                         security=security)
+        extra: tuple[str, ...] = ("--keys-dir", the_plan.keys_dir) if the_plan.curve else ()
+        if the_plan.access.identities:  # every server and relay enforces them
+            from clonemap.shards.gate import write_rights
+
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            extra += ("--rights", str(write_rights(self.run_dir / RIGHTS_FILE,
+                                                   the_plan.access)))
         runner = Runner(the_plan, self.run_dir,
                         ServerArgs(control=control, heartbeat_s=the_plan.heartbeat_s,
-                                   parent_pid=os.getpid(),
-                                   extra=("--keys-dir", the_plan.keys_dir)
-                                   if the_plan.curve else ()),
+                                   parent_pid=os.getpid(), extra=extra),
                         policy=self.policy, on_event=self.on_event,
                         log_max_bytes=self.log_max_bytes)
         health = ClusterHealth([sh.name for sh in the_plan.shards], on_event=self.on_event)

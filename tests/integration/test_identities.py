@@ -75,7 +75,7 @@ def test_validate_shows_each_identity_s_rights_and_refuses_a_bad_one(tmp_path):
     text = " ".join(out.stdout.split())  # (rich wraps long lines)
     assert "identity dashboard (role reader): read /; deny /secrets/" in text
     assert "identity ops (role admin): read (every key); write (every key); admin" in text
-    assert "not enforced by the servers yet" in text
+    assert "every server and relay enforces the roles' read, write and deny rights" in text
     as_json = json.loads(cli("validate", str(config), "--json").stdout)
     assert as_json["security"]["identities"]["dashboard"]["admin"] is False
     data = yaml.safe_load(config.read_text())
@@ -110,9 +110,12 @@ def test_only_admin_identities_change_the_cluster_and_every_identity_reads_and_w
         sup.wait_stderr("refused cluster.kill from identity 'dashboard'")  # its log
         _, summary = status_rows(control)
         assert summary["forbidden"] == {"dashboard": 4}  # counted by identity
-        # data: every admitted identity, by environment, option and code
-        assert chp(config, "set", "/k", "v", identity="dashboard").returncode == 0
-        got = chp(config, "--identity", "ops", "get", "/k")
+        # data: every admitted identity, by environment, option and code, within its
+        # rights (tests/integration/test_access_control.py tries them all)
+        refused = chp(config, "set", "/k", "v", identity="dashboard")
+        assert refused.returncode == Exit.FORBIDDEN, refused.stderr
+        assert chp(config, "--identity", "ops", "set", "/k", "v").returncode == 0
+        got = chp(config, "get", "/k", identity="dashboard")
         assert (got.returncode, got.stdout.strip()) == (0, "v"), got.stderr
         with Clone(config=str(config), identity="dashboard") as clone:
             assert clone.get("/k") == b"v"

@@ -476,10 +476,13 @@ def test_the_term_travels_in_hugz_kthxbai_and_the_resume_request():
     assert chp.kthxbai_props(False, 0) == chp.FULL_AFTER_RESUME
     assert chp.kthxbai_props(True, 9) == b"resume=1\nterm=9\n"
     assert chp.kthxbai_props(term=9) == b"term=9\n"
-    assert chp.kthxbai_info(b"resume=1\nterm=9\n") == (True, 9)
-    assert chp.kthxbai_info(b"resume=0\n") == (False, None)
-    assert chp.kthxbai_info(b"") == (None, None)
-    assert chp.kthxbai_info(b"term=x\n") == (None, None)  # unreadable: absent
+    assert chp.kthxbai_info(b"resume=1\nterm=9\n") == (True, 9, False, False)
+    assert chp.kthxbai_info(b"resume=0\n") == (False, None, False, False)
+    assert chp.kthxbai_info(b"") == (None, None, False, False)
+    assert chp.kthxbai_info(b"term=x\n") == (None, None, False, False)  # unreadable: absent
+    # access control (shards.gate): a snapshot narrowed to the readable keys, or refused
+    assert chp.kthxbai_info(chp.kthxbai_props(True, 3) + chp.NARROWED) == (True, 3, True, False)
+    assert chp.kthxbai_info(chp.REFUSED_READ) == (None, None, False, True)
 
 
 def test_strict_decoding_refuses_the_reference_c_servers_dialect():

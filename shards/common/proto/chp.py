@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 from clonemap.shards.common.errors import ProtocolError
 from clonemap.shards.common.proto.props import (  # noqa: F401 (part of this module's interface)
-    FULL_AFTER_RESUME, RESUMED, KthxbaiInfo, drop_props, format_props, in_subtree,
+    FULL_AFTER_RESUME, NARROWED, REFUSED_READ, RESUMED, KthxbaiInfo, drop_props, format_props, in_subtree,
     kthxbai_info, kthxbai_props, parse_props)
 
 PROTOCOL = "12/CHP"

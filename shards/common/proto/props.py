@@ -9,6 +9,11 @@ from clonemap.shards.common.errors import ProtocolError
 
 RESUMED = b"resume=1\n"
 FULL_AFTER_RESUME = b"resume=0\n"
+NARROWED = b"narrowed=1\n"
+"""A KTHXBAI whose snapshot (or resume) left out keys its requester may not read."""
+REFUSED_READ = b"refused=read\n"
+"""An empty KTHXBAI that refuses a snapshot of a subtree its requester may read nothing
+of (``clonemap.shards.gate``)."""
 
 
 def _fail(message: str, reason: str) -> ProtocolError:
@@ -72,6 +77,10 @@ class KthxbaiInfo(NamedTuple):
     """True/False: ``resume=1``/``resume=0``; None: not a reply to a resume."""
     term: int | None
     """The server's Binary Star term (``term=``), None if not given."""
+    narrowed: bool = False
+    """Keys the requester may not read were left out (``narrowed=1``)."""
+    refused: bool = False
+    """The requester may read nothing of the subtree (``refused=read``): no row came."""
 
 
 def kthxbai_info(props: bytes) -> KthxbaiInfo:
@@ -85,4 +94,5 @@ def kthxbai_info(props: bytes) -> KthxbaiInfo:
         term = int(fields["term"]) if "term" in fields else None
     except ValueError:
         term = None
-    return KthxbaiInfo(None if resume is None else resume == "1", term)
+    return KthxbaiInfo(None if resume is None else resume == "1", term,
+                       fields.get("narrowed") == "1", fields.get("refused") == "read")

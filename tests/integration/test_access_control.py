@@ -1,0 +1,365 @@
+"""Per-prefix read and write rights, enforced by every server of a ``supervisor start``ed
+CURVE cluster, tried by real clients of several identities and by raw ZeroMQ peers that
+hold an identity's key and try every entrance outside its rights.
+
+The cluster (two shards, each a Binary Star pair) names three identities::
+
+    dashboard  reader   read "/", deny "/secrets/"
+    orders     orders   read "/orders/" and "/config/", write "/orders/"
+    ops        admin    read and write everything, admin
+
+Every claim about data is checked by a fresh ``ops`` client (or the shared client pair)
+reading back after the fact; every claim about what a peer received is checked against
+a ledger of what it was sent.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+import zmq
+
+from clonemap.client.api import Clone, ReadRefused, WriteRefused
+from clonemap.shards.common.errors import Exit
+from clonemap.shards.common.proto import chp
+from clonemap.shards.common.security import Security
+from clonemap.supervisor.control import Control
+from conftest import PYTHON, ROOT, Procs, wait_until
+from test_supervisor_cli import cli, start, wait_status, write_config
+
+pytestmark = pytest.mark.timeout(180)
+
+SECURITY = {
+    "curve": True,
+    "clients": {"dashboard": {"role": "reader"}, "orders": {"role": "orders"},
+                "ops": {"role": "admin"}},
+    "roles": {"reader": {"read": ["/"], "deny": ["/secrets/"]},
+              "orders": {"read": ["/orders/", "/config/"], "write": ["/orders/"]},
+              "admin": {"read": [""], "write": [""], "admin": True}},
+}
+SEEDED = {"/orders/1": b"o1", "/config/limits": b"c1", "/users/ann": b"u1",
+          "/secrets/root": b"s1", "/public/motd": b"p1"}
+READABLE = {"dashboard": {k for k in SEEDED if not k.startswith("/secrets/")},
+            "orders": {"/orders/1", "/config/limits"}}
+
+
+class Cluster:
+    def __init__(self, config, control, keys):
+        self.config, self.keys = config, keys
+        self.control = Control(control, Security.load(keys, "client"))
+
+    def clone(self, identity: str | None = None, **kw) -> Clone:
+        return Clone(config=str(self.config), identity=identity, codec="bytes", **kw)
+
+    def rows(self, predicate=lambda rows: True, timeout_s: float = 30.0) -> dict:
+        return wait_status(self.control, predicate, timeout_s=timeout_s)
+
+    def servers(self) -> dict[str, tuple[str, int]]:
+        return {name: (row["address"], row["port"]) for name, row in self.rows().items()}
+
+    def security(self, identity: str) -> Security:
+        return Security.load(self.keys, "client", identity)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("access")
+    config, control = write_config(tmp, "2shard.yaml", security=SECURITY)
+    assert cli("keygen", str(config)).returncode == 0
+    procs = Procs()
+    try:
+        start(procs, config, tmp)
+        made = Cluster(config, control, config.parent / "keys")
+        made.rows(lambda r: all(x["bstar"] in ("ACTIVE", "PASSIVE") for x in r.values())
+                  and sum(x["bstar"] == "ACTIVE" for x in r.values()) == 2)
+        with made.clone("ops") as ops:
+            for key, value in SEEDED.items():
+                ops.set(key, value, wait=True)
+        yield made
+        assert cli("stop", str(config), "--identity", "ops").returncode == 0
+    finally:
+        procs.stop_all()
+
+
+def run_chp(cluster: Cluster, identity: str, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "CLONEMAP_IDENTITY"}
+    return subprocess.run([PYTHON, "-m", "clonemap.client.cli", "--config",
+                           str(cluster.config), "--identity", identity, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+def access_counts(cluster: Cluster, identity: str, what: str) -> dict[str, int]:
+    """Each server's count of ``what`` refused (or narrowed) for ``identity``."""
+    return {name: ((row.get("stats") or {}).get("access") or {}).get(
+        "by_identity", {}).get(identity, {}).get(what, 0)
+        for name, row in cluster.rows().items()}
+
+
+def fresh_map(cluster: Cluster) -> dict[str, bytes]:
+    with cluster.clone("ops") as ops:
+        return dict(ops.items())
+
+
+# ------------------------------------------------------------------ writes
+
+def test_a_reader_s_writes_are_refused_answered_and_applied_nowhere(cluster):
+    with cluster.clone("dashboard") as reader:
+        with pytest.raises(WriteRefused) as refused:
+            reader.set("/public/motd", b"defaced", wait=True)
+        assert refused.value.forbidden and refused.value.exit_code == Exit.FORBIDDEN
+        assert "identity 'dashboard' may not write '/public/motd'" in str(refused.value)
+        assert "no write prefix covers it" in str(refused.value)
+        with pytest.raises(WriteRefused, match="dashboard"):
+            reader.set("/public/new", b"x", create=True)
+        for i in range(50):  # fire-and-forget: dropped and counted, never answered
+            reader.set(f"/public/ff{i}", b"x")
+        reader.flush()
+    out = run_chp(cluster, "dashboard", "set", "/public/motd", "defaced")
+    assert out.returncode == Exit.FORBIDDEN, (out.stdout, out.stderr)
+    assert "may not write '/public/motd'" in out.stderr
+    # both servers of the shard counted them: the passive dropped them too (never held)
+    counts = access_counts(cluster, "dashboard", "writes_refused")
+    wait_until(lambda: sum(access_counts(cluster, "dashboard", "writes_refused").values())
+               >= 2 * 53, "refused writes counted on both servers of the pair")
+    counts = access_counts(cluster, "dashboard", "writes_refused")
+    shard = next(s for s in ("s0", "s1") if counts[f"{s}/primary"] and counts[f"{s}/backup"])
+    assert counts[f"{shard}/primary"] >= 50 and counts[f"{shard}/backup"] >= 50, counts
+    got = fresh_map(cluster)
+    assert got["/public/motd"] == b"p1"
+    assert not [k for k in got if k.startswith("/public/") and k != "/public/motd"]
+
+
+def test_a_writer_of_orders_writes_orders_and_nothing_else(cluster):
+    with cluster.clone("orders") as writer:
+        writer.set("/orders/2", b"o2", wait=True)
+        seq = writer.set("/orders/3", b"o3", create=True)
+        assert seq > 0
+        with pytest.raises(WriteRefused) as refused:
+            writer.set("/users/ann", b"stolen", wait=True)
+        assert "it may write '/orders/'" in str(refused.value)
+        with pytest.raises(WriteRefused):
+            writer.delete("/config/limits", wait=True)
+    got = fresh_map(cluster)
+    assert got["/orders/2"] == b"o2" and got["/orders/3"] == b"o3"
+    assert got["/users/ann"] == b"u1" and got["/config/limits"] == b"c1"
+
+
+# ------------------------------------------------------------------ reads
+
+def test_snapshots_are_narrowed_to_each_identity_s_rights(cluster):
+    for identity, readable in READABLE.items():
+        with cluster.clone(identity) as clone:
+            seeded = {k for k in clone.keys() if k in SEEDED}
+            assert seeded == readable, identity
+            assert all(k.startswith(("/orders/", "/config/")) for k in clone.keys()) \
+                or identity != "orders"
+            assert any(a.narrowed for a in clone._async.agents), identity
+    with cluster.clone() as legacy:  # the shared client pair: every key, as before
+        assert set(SEEDED) <= set(legacy.keys())
+
+
+def test_a_subtree_wholly_outside_the_rights_is_refused_by_name(cluster):
+    with pytest.raises(ReadRefused) as refused:
+        with cluster.clone("orders", subtree="/users/"):
+            pass
+    assert refused.value.exit_code == Exit.FORBIDDEN
+    assert "refused the snapshot of '/users/'" in str(refused.value)
+    assert "may read nothing under it" in str(refused.value)
+    out = run_chp(cluster, "orders", "get", "/users/ann")
+    assert out.returncode == Exit.FORBIDDEN, (out.stdout, out.stderr)
+
+
+def _raw_snapshot(ctx, cluster, identity, address, subtree=b"", since=None, gen=""):
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    cluster.security(identity).connect_side(sock)
+    sock.connect(f"tcp://{address[0]}:{address[1]}")
+    try:
+        sock.send_multipart(chp.icanhaz(subtree, since, gen) if since is not None
+                            else chp.icanhaz(subtree))
+        keys = []
+        while True:
+            assert sock.poll(10_000), "no KTHXBAI"
+            frames = sock.recv_multipart()
+            if frames[0] == chp.KTHXBAI:
+                return keys, frames
+            keys.append(frames[0].decode())
+    finally:
+        sock.close()
+
+
+def _active(cluster, shard):
+    rows = cluster.rows(lambda r: any(r[f"{shard}/{x}"]["bstar"] == "ACTIVE"
+                                      for x in ("primary", "backup")))
+    name = next(f"{shard}/{x}" for x in ("primary", "backup")
+                if rows[f"{shard}/{x}"]["bstar"] == "ACTIVE")
+    return name, (rows[name]["address"], rows[name]["port"]), rows[name]
+
+
+def test_a_raw_peer_s_snapshot_and_resume_hold_only_readable_keys(cluster, zctx):
+    for shard in ("s0", "s1"):
+        _, address, row = _active(cluster, shard)
+        keys, kthxbai = _raw_snapshot(zctx, cluster, "dashboard", address)
+        assert not [k for k in keys if k.startswith("/secrets/")]
+        assert set(keys) >= {k for k in READABLE["dashboard"]
+                             if k in fresh_map(cluster) and shard_of(cluster, k) == shard}
+        assert b"narrowed=1" in kthxbai[3]  # its rights reach only part of ""
+        _, whole = _raw_snapshot(zctx, cluster, "dashboard", address, b"/public/")
+        assert b"narrowed=1" not in whole[3]  # all of "/public/" is readable
+        # a resume from sequence 0 of this map: every update since, narrowed the same way
+        gen = row["stats"]["generation"]
+        keys, kthxbai = _raw_snapshot(zctx, cluster, "dashboard", address, since=0, gen=gen)
+        assert not [k for k in keys if k.startswith("/secrets/")]
+        _, refused = _raw_snapshot(zctx, cluster, "orders", address, b"/users/")
+        assert b"refused=read" in refused[3]
+
+
+def shard_of(cluster, key):
+    with cluster.clone("ops") as ops:
+        return f"s{ops._async.cluster.shard_map.owner(key.encode())}"
+
+
+def test_a_raw_subscriber_receives_no_forbidden_key_over_a_burst(cluster, zctx):
+    """A reader's raw SUB on every publisher subscribes to "" (everything) and to
+    "/secrets/" (forbidden); ops then writes a burst over every prefix. Ledger: every
+    update the SUBs received, by key."""
+    subs = []
+    for name, address in cluster.servers().items():
+        sub = zctx.socket(zmq.SUB)
+        sub.linger = 0
+        cluster.security("dashboard").connect_side(sub)
+        sub.subscribe(b"")
+        sub.subscribe(b"/secrets/")
+        sub.connect(f"tcp://{address[0]}:{address[1] + 1}")
+        subs.append(sub)
+    # a HUGZ reaches each: every subscription is applied (a reader may read something)
+    for sub in subs:
+        assert sub.poll(10_000), "no HUGZ to a reader's subscription"
+    received: dict[str, int] = {}
+    prefixes = ("/secrets/", "/public/", "/orders/", "/users/")
+    written = 0
+    with cluster.clone("ops") as ops:
+        for i in range(200):
+            for prefix in prefixes:
+                ops.set(f"{prefix}burst{i}", b"v%d" % i)
+                written += 1
+        ops.set("/public/last", b"end", wait=True)
+    deadline = time.monotonic() + 10
+    while received.get("/public/last", 0) < 1 and time.monotonic() < deadline:
+        for sub in subs:
+            while sub.poll(0):
+                frames = sub.recv_multipart()
+                key = frames[0].decode()
+                received[key] = received.get(key, 0) + 1
+            time.sleep(0.01)
+    for sub in subs:
+        sub.close()
+    forbidden = {k: n for k, n in received.items() if k.startswith("/secrets/")}
+    assert forbidden == {}, forbidden
+    allowed = [k for k in received if k.startswith(("/public/burst", "/orders/burst",
+                                                    "/users/burst"))]
+    assert len(allowed) == 600, len(allowed)  # every readable update of the burst
+    assert received.get("HUGZ", 0) >= 1
+    assert sum(access_counts(cluster, "dashboard", "subscriptions_narrowed").values()) >= 4
+
+
+def test_a_subscription_wholly_forbidden_is_refused_and_receives_nothing(cluster, zctx):
+    name, address, _ = _active(cluster, "s0")
+    before = access_counts(cluster, "orders", "subscriptions_refused")[name]
+    sub = zctx.socket(zmq.SUB)
+    sub.linger = 0
+    cluster.security("orders").connect_side(sub)
+    sub.subscribe(b"/users/")
+    sub.connect(f"tcp://{address[0]}:{address[1] + 1}")
+    wait_until(lambda: access_counts(cluster, "orders", "subscriptions_refused")[name]
+               > before, "the subscription to /users/ refused")
+    with cluster.clone("ops") as ops:
+        for i in range(50):
+            ops.set(f"/users/u{i}", b"x")
+        ops.set("/users/end", b"x", wait=True)
+    got = []
+    while sub.poll(500):
+        got.append(sub.recv_multipart()[0])
+    sub.close()
+    assert got == []
+
+
+def test_the_hostile_peer_gets_nothing_outside_its_rights_at_any_entrance(cluster, zctx):
+    """``orders`` with its valid key, raw: KVSETs to every collector outside its rights
+    (plain, with a reply asked, conditional), snapshots and resumes of the whole map and
+    of forbidden subtrees, subscriptions to "" and forbidden prefixes, and the control
+    commands. Ledger: every key it received; every key it wrote, read back by ops."""
+    security = cluster.security("orders")
+    rows = cluster.rows()
+    received: set[str] = set()
+    for name, row in rows.items():
+        host, port = row["address"], row["port"]
+        pub = zctx.socket(zmq.XPUB)  # what a writer uses (clonemap.client.collector)
+        pub.linger = 0
+        security.connect_side(pub)
+        pub.connect(f"tcp://{host}:{port + 2}")
+        assert pub.poll(10_000), "the collector never subscribed"
+        pub.recv()
+        for i, key in enumerate((b"/users/evil", b"/config/limits", b"/secrets/x",
+                                 b"/ordersX", b"")):
+            pub.send_multipart(chp.kvset(key, b"hostile"))
+            pub.send_multipart(chp.kvset(key, b"hostile", chp.resendable_uuid(),
+                                         chp.write_props(0, b"\x01\x02")))
+        pub.close()
+        for subtree in (b"", b"/users/", b"/secrets/", b"/config/") * (
+                row["bstar"] == "ACTIVE"):  # (a passive answers no ICANHAZ at all)
+            keys, _ = _raw_snapshot(zctx, cluster, "orders", (host, port), subtree)
+            received.update(keys)
+            keys, _ = _raw_snapshot(zctx, cluster, "orders", (host, port), subtree, since=0)
+            received.update(keys)
+        sub = zctx.socket(zmq.SUB)
+        sub.linger = 0
+        security.connect_side(sub)
+        for topic in (b"", b"/", b"/users/", b"/secrets/", b"H"):
+            sub.subscribe(topic)
+        sub.connect(f"tcp://{host}:{port + 1}")
+        with cluster.clone("ops") as ops:
+            ops.set("/users/bait", b"b", wait=True)
+            ops.set("/secrets/bait", b"b", wait=True)
+            ops.set("/orders/bait", b"b", wait=True)
+        while sub.poll(300):
+            received.add(sub.recv_multipart()[0].decode())
+        sub.close()
+    for args in (("kill", "s0/primary"), ("restart", "s1/backup"), ("stop",)):
+        out = cli(*args, str(cluster.config), "--identity", "orders")
+        assert out.returncode == Exit.FORBIDDEN, (args, out.stderr)
+    readable = {k for k in received if k.startswith(("/orders/", "/config/")) or k == "HUGZ"}
+    assert received - readable == set(), sorted(received - readable)
+    assert "/orders/bait" in received  # the subscriptions did deliver what it may read
+    got = fresh_map(cluster)
+    assert got["/config/limits"] == b"c1" and "/users/evil" not in got
+    assert not [k for k, v in got.items() if v == b"hostile"]
+    assert all(row["state"] == "RUNNING" for row in cluster.rows().values())
+
+
+def test_after_a_failover_refused_writes_are_still_absent(cluster):
+    """The passive dropped every refused write; after it takes over, a fresh client's
+    map holds every acknowledged write (the ledger) and no refused one."""
+    ledger = {}
+    with cluster.clone("orders") as writer, cluster.clone("dashboard") as reader:
+        for i in range(20):
+            key = f"/orders/ledger{i}"
+            writer.set(key, b"L%d" % i, wait=True)
+            ledger[key] = b"L%d" % i
+            reader.set(f"/orders/forged{i}", b"forged")
+        reader.flush()
+    name, _, row = _active(cluster, shard_of(cluster, "/orders/ledger0"))
+    pid = row["pid"]
+    assert cli("kill", name, str(cluster.config), "--identity", "ops").returncode == 0
+    shard = name.split("/")[0]
+    cluster.rows(lambda r: any(r[f"{shard}/{x}"]["bstar"] == "ACTIVE"
+                               and r[f"{shard}/{x}"]["pid"] != pid
+                               for x in ("primary", "backup")), timeout_s=60)
+    got = fresh_map(cluster)
+    assert {k: got.get(k) for k in ledger} == ledger
+    assert not [k for k in got if k.startswith("/orders/forged")]
+    cluster.rows(lambda r: all(x["state"] == "RUNNING" for x in r.values())
+                 and all(x["bstar"] in ("ACTIVE", "PASSIVE") for x in r.values()),
+                 timeout_s=60)
