@@ -66,13 +66,14 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("access")
-    config, control = write_config(tmp, "2shard.yaml", security=SECURITY)
+    config, control = write_config(tmp, "2shard.yaml", security=SECURITY,
+                                   relays={"per_shard": 1})
     assert cli("keygen", str(config)).returncode == 0
     procs = Procs()
     try:
         start(procs, config, tmp)
         made = Cluster(config, control, config.parent / "keys")
-        made.rows(lambda r: all(x["bstar"] in ("ACTIVE", "PASSIVE") for x in r.values())
+        made.rows(lambda r: all(x["state"] == "RUNNING" for x in r.values())
                   and sum(x["bstar"] == "ACTIVE" for x in r.values()) == 2)
         with made.clone("ops") as ops:
             for key, value in SEEDED.items():
@@ -361,5 +362,52 @@ def test_after_a_failover_refused_writes_are_still_absent(cluster):
     assert {k: got.get(k) for k in ledger} == ledger
     assert not [k for k in got if k.startswith("/orders/forged")]
     cluster.rows(lambda r: all(x["state"] == "RUNNING" for x in r.values())
-                 and all(x["bstar"] in ("ACTIVE", "PASSIVE") for x in r.values()),
-                 timeout_s=60)
+                 and all(x["bstar"] in ("ACTIVE", "PASSIVE") for n, x in r.items()
+                         if "relay" not in n), timeout_s=60)
+
+
+def test_relays_enforce_the_same_rights_for_their_own_clients(cluster, zctx):
+    """Through the relays: a reader's map and raw subscription hold no forbidden key, a
+    writer's forbidden writes are refused at the relay (never forwarded: the servers
+    never count them) and its allowed ones arrive."""
+    relays = {n: r for n, r in cluster.rows().items() if "relay" in n}
+    assert len(relays) == 2, sorted(cluster.rows())
+    before = access_counts(cluster, "orders", "writes_refused")
+    subs = []
+    for row in relays.values():
+        sub = zctx.socket(zmq.SUB)
+        sub.linger = 0
+        cluster.security("dashboard").connect_side(sub)
+        sub.subscribe(b"")
+        sub.connect(f"tcp://{row['address']}:{row['port'] + 1}")
+        assert sub.poll(10_000), "no HUGZ from a relay"
+        subs.append(sub)
+        keys, kthxbai = _raw_snapshot(zctx, cluster, "dashboard",
+                                      (row["address"], row["port"]))
+        assert not [k for k in keys if k.startswith("/secrets/")]
+        assert b"narrowed=1" in kthxbai[3]
+    with cluster.clone("dashboard", via="relays") as reader:
+        assert not [k for k in reader.keys() if k.startswith("/secrets/")]
+        assert "/public/motd" in reader.keys()
+    with cluster.clone("orders", via="relays") as writer:
+        writer.set("/orders/via-relay", b"r", wait=True)
+        for i in range(20):
+            writer.set(f"/users/via-relay{i}", b"forged")
+        writer.flush()
+    with cluster.clone("ops") as ops:
+        ops.set("/secrets/relayed", b"s", wait=True)
+        ops.set("/public/relayed", b"p", wait=True)
+    received = set()
+    for sub in subs:
+        while sub.poll(500):
+            received.add(sub.recv_multipart()[0].decode())
+        sub.close()
+    assert "/public/relayed" in received and "/secrets/relayed" not in received
+    wait_until(lambda: sum(access_counts(cluster, "orders", "writes_refused")[n]
+                           for n in relays) >= sum(before[n] for n in relays) + 20,
+               "the relay counting the refused writes")
+    after = access_counts(cluster, "orders", "writes_refused")
+    assert all(after[n] == before[n] for n in after if "relay" not in n), (before, after)
+    got = fresh_map(cluster)
+    assert got["/orders/via-relay"] == b"r"
+    assert not [k for k in got if k.startswith("/users/via-relay")]
