@@ -45,7 +45,7 @@ import click
 from clonemap import __version__
 from clonemap.shards.common.endpoints import DEFAULT_CONTROL
 from clonemap.client.cli_ops import (do_del_prefix, do_dump, do_get, do_keys, do_set, do_trace,
-                            do_watch, do_watch_from, do_which)
+                            do_watch, do_watch_from, do_which, do_whoami)
 from clonemap.client.cli_target import DEFAULT_TIMEOUT_S, EXIT_USAGE, BadUsage, Target, run
 
 
@@ -210,6 +210,15 @@ def keys_command(target: Target, prefix: str) -> None:
 def which_command(target: Target, key: str, as_json: bool) -> None:
     """Print the shard that owns KEY, its servers (primary, backup) and which serves."""
     run(target, do_which, key, as_json)
+
+
+@main.command("whoami")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+@click.pass_obj
+def whoami_command(target: Target, as_json: bool) -> None:
+    """Print the identity this command presents and its rights, as the cluster sees
+    them (the supervisor's cluster.whoami)."""
+    run(target, do_whoami, as_json)
 
 
 @main.command("watch")

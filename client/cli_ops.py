@@ -131,6 +131,35 @@ async def do_which(target: Target, key: str, as_json: bool) -> int:
     return EXIT_OK
 
 
+async def do_whoami(target: Target, as_json: bool) -> int:
+    """The presented identity and its rights, from the supervisor (``cluster.whoami``)."""
+    from clonemap.client.router import fetch_rights
+
+    if target.servers:
+        raise BadUsage("whoami asks the supervisor: give --control or --config, not "
+                       "--servers")
+    cluster = None
+    endpoint = target.control
+    if target.config:
+        ctx = zmq.Context()
+        try:
+            cluster = await target.cluster(ctx)
+        finally:
+            ctx.destroy(linger=0)
+        endpoint = cluster.control
+    else:
+        target.check_listening()
+    doc = await fetch_rights(endpoint, timeout_s=target.timeout_s / 2,
+                             security=target.security(cluster))
+    if as_json:
+        _out(json.dumps(doc, sort_keys=True).encode("utf-8") + b"\n")
+    else:
+        role = f" (role {doc['role']})" if doc.get("role") else ""
+        enforced = "" if doc.get("enforced") else " (rights not enforced by this cluster)"
+        _out(f"{doc['identity']}{role}: {doc['rights']}{enforced}\n".encode("utf-8"))
+    return EXIT_OK
+
+
 def change_line(kind: str, key: str, value: bytes | None, seq: int, shard: str,
                 as_json: bool) -> str:
     """One line of ``watch``: ``put KEY VALUE``, ``delete KEY``, ``synced SUBTREE``, or

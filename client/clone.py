@@ -45,7 +45,7 @@ from clonemap.client.echoes import Expired, expire_after
 from clonemap.client.errors import Conflict, NotRunning, NotSupported, WriteRefused
 from clonemap.client.options import AgentHooks, ClientOptions
 from clonemap.client.health import Health
-from clonemap.client.router import Cluster, ShardSpec, discover
+from clonemap.client.router import Cluster, ShardSpec, discover, fetch_rights
 from clonemap.client.watch import Watch, WatchCore, WatchHub
 
 log = logging.getLogger(__name__)
@@ -504,6 +504,27 @@ class AsyncClone:
     @property
     def synced(self) -> bool:
         return self.cluster is not None and all(a.synced for a in self._agents)
+
+    async def rights(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """This client's identity and its rights as the cluster sees them (``cluster.
+        whoami`` on the control plane): ``identity``, ``role``, ``read``, ``write``,
+        ``deny`` (prefixes), ``admin``, ``rights`` (one line), ``enforced`` (the servers
+        check rights). Needs the control endpoint (``control=``, or the config's)."""
+        self._check_running()
+        endpoint = self.control or (self.cluster.control if self.cluster else None)
+        if not endpoint:
+            raise NotSupported("rights() asks the supervisor: give control= (or a config "
+                               "that names its control endpoint)")
+        if isinstance(endpoint, (list, tuple)):
+            endpoint = endpoint[0]
+        endpoint = endpoint.split(",")[0].strip()
+        return await fetch_rights(endpoint, timeout_s=timeout_s or self.control_timeout_s,
+                                  security=self.security)
+
+    @property
+    def narrowed(self) -> bool:
+        """A shard's last snapshot left out keys this client's identity may not read."""
+        return any(a.narrowed for a in self._agents)
 
     def stats(self) -> dict[str, Any]:
         return {"shards": [a.stats() for a in self._agents], "watches": len(self._hub.watches),

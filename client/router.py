@@ -33,6 +33,7 @@ from clonemap.client.collector import ServerAddress, parse_server
 from clonemap.client.options import CONTROL_TIMEOUT_S
 
 CLUSTER_MAP_SERVICE = "cluster.map"
+WHOAMI_SERVICE = "cluster.whoami"
 _HOST_RE = re.compile(r"tcp://(\[[^\]]+\]|[^:/]+):\d+")
 
 
@@ -58,6 +59,8 @@ class Cluster:
     """The servers use CURVE (``security.curve`` in the config)."""
     keys_dir: str | None = None
     """Where the config keeps the cluster's keys (a path on the supervisor's host)."""
+    control: str | None = None
+    """The supervisor's control endpoint, as the map names it (None: not given)."""
 
     def __post_init__(self):
         if len(self.shards) != self.shard_map.shards:
@@ -137,7 +140,8 @@ class Cluster:
         return cls(shard_map, tuple(specs), heartbeat_s=_seconds(doc.get("heartbeat_s")),
                    silence_timeout_s=_seconds(doc.get("silence_timeout_s")), source=source,
                    curve=bool(security.get("curve")),
-                   keys_dir=security.get("keys_dir") or None)
+                   keys_dir=security.get("keys_dir") or None,
+                   control=_control_of(doc.get("control"), host))
 
     @classmethod
     def from_config(cls, path) -> "Cluster":
@@ -149,6 +153,33 @@ class Cluster:
         from clonemap.shards.common.placement import load_plan
 
         return cls.from_map(cluster_map(load_plan(path)), source=str(path))
+
+
+def _control_of(value: Any, host: str) -> str | None:
+    """A map's control endpoint, with a wildcard host made reachable."""
+    if not isinstance(value, str) or not value.startswith("tcp://"):
+        return None
+    return value.replace("tcp://*:", f"tcp://{host}:").replace("tcp://0.0.0.0:",
+                                                               f"tcp://{host}:")
+
+
+async def fetch_rights(endpoint: str, *, timeout_s: float = CONTROL_TIMEOUT_S,
+                       security=None) -> dict:
+    """``cluster.whoami``: the presented identity's rights as the cluster sees them
+    (identity, role, read, write, deny, admin, rights, enforced)."""
+    import json
+
+    from clonemap.shards.common.mdp.client import MdpClient
+
+    endpoint = endpoint.replace("tcp://*:", "tcp://127.0.0.1:")
+    async with MdpClient(endpoint, timeout_s=timeout_s, retries=1,
+                         security=security) as mdp:
+        frames = await mdp.request(WHOAMI_SERVICE)
+    if len(frames) < 2 or frames[0] != b"200":
+        text = b" ".join(frames).decode("utf-8", "replace")
+        raise ConfigError(f"{endpoint}: cluster.whoami answered {text!r} (a supervisor "
+                          "older than access control?)", field="control")
+    return json.loads(frames[1])
 
 
 def _seconds(value: Any) -> float | None:

@@ -235,6 +235,15 @@ class Clone:
     def stats(self) -> dict[str, Any]:
         return self._call(_run_sync(self._async.stats))
 
+    def rights(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """``AsyncClone.rights``: this identity's rights as the cluster sees them."""
+        return self._call(self._async.rights(timeout_s))
+
+    @property
+    def narrowed(self) -> bool:
+        """``AsyncClone.narrowed``."""
+        return self._async.narrowed
+
     # ------------------------------------------------------------------ writes
     def set(self, key: str, value: Any, ttl: float | None = None, *, wait: bool = False,
             timeout_s: float | None = None, if_seq: int | None = None,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 from clonemap.shards.common.errors import ConfigError
@@ -173,11 +174,18 @@ class Gate:
     def __init__(self, access: Access | None = None, source: str = ""):
         self.access = access or Access({})
         self.source = source
-        self.enforcing = bool(self.access.identities)
+        """The rights file it was loaded from ("" : none)."""
+        self.enforcing = bool(self.access.identities) or bool(source)
+        """A server started with a rights file checks rights until it stops, even when a
+        reload names no identity (then identities hold no right: never every right)."""
         self.version = 0
+        self.loaded_at = 0.0
+        """When (epoch s) this server applied this version of the rights."""
         self._scopes: dict[str, Scope] = {}
         self.counts: dict[str, dict[str, int]] = {}
-        self._logged: set[tuple[str, str]] = set()
+        self.reloads_failed = 0
+        self.connections_closed = 0
+        self.logged: set[tuple[str, str]] = set()
 
     @classmethod
     def load(cls, path: str | Path) -> "Gate":
@@ -191,7 +199,18 @@ class Gate:
                               field="--rights") from None
         gate = cls(access, str(path))
         gate.version = int(doc.get("version", 0))
+        gate.loaded_at = time.time()
         return gate
+
+    def changed(self, newer: "Gate") -> set[str]:
+        """The identities whose rights differ in ``newer`` (changed, added or removed)."""
+        mine, theirs = self.access.identities, newer.access.identities
+        return {name for name in set(mine) | set(theirs) if mine.get(name) != theirs.get(name)}
+
+    def take_counts(self, older: "Gate") -> None:
+        """Keep ``older``'s refusal counts (a reload does not reset them)."""
+        self.counts = older.counts
+        self.logged = older.logged
 
     def scope(self, user_id: str | None) -> Scope | None:
         """None: every right (no CURVE, the cluster's own pairs, or nothing enforced);
@@ -209,13 +228,15 @@ class Gate:
         kind is logged with ``detail``."""
         mine = self.counts.setdefault(user_id, {})
         mine[what] = mine.get(what, 0) + 1
-        if (user_id, what) not in self._logged:
-            self._logged.add((user_id, what))
+        if (user_id, what) not in self.logged:
+            self.logged.add((user_id, what))
             log.warning("access: %s (%s; later ones are counted in stats' access)",
                         detail or f"{what} for {user_id!r}", what)
 
     def stats(self) -> dict:
         return {"enforcing": self.enforcing, "version": self.version,
+                "loaded_at": self.loaded_at, "reloads_failed": self.reloads_failed,
+                "connections_closed": self.connections_closed,
                 "identities": len(self.access.identities),
                 "by_identity": {name: dict(c) for name, c in sorted(self.counts.items())},
                 "refused_writes": sum(c.get("writes_refused", 0)

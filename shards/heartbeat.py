@@ -103,6 +103,11 @@ class Heartbeat:
         if frames[0][:1] == b"\x01":
             self.welcome_soon()
 
+    def use_gate(self, gate) -> None:
+        """Apply subscriptions under these rights from now on (a reload)."""
+        if self._gate is not None:
+            self._gate = gate
+
     def on_subscription_as(self, frames: list[bytes], user_id: str | None) -> None:
         """A (un)subscription on a manual publisher, from ``user_id``: applied as it
         is for the cluster's own pairs; for an identity, narrowed to the prefixes of the

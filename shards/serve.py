@@ -116,6 +116,8 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1,
                             lambda: log.info("stats %s", json.dumps(server.stats())))
+    if server.gate.source:  # started with --rights: SIGHUP applies the file again
+        loop.add_signal_handler(signal.SIGHUP, server.reload_rights)
     _arm_fault_injection(server)
     server.start()
     worker = None

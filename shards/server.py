@@ -54,7 +54,8 @@ from clonemap.shards.history import History
 from clonemap.shards.byte_marks import ByteMarks
 from clonemap.shards.common import zio
 from clonemap.shards.common.drops import DropCounter
-from clonemap.shards.common.errors import ProtocolError, os_error_text
+from clonemap.shards.common.connections import reset_connections
+from clonemap.shards.common.errors import ConfigError, ProtocolError, os_error_text
 from clonemap.shards.common.live_mark import LiveMark
 from clonemap.shards.common.proto import chp
 from clonemap.shards.common.routing import OwnerCache
@@ -181,8 +182,11 @@ class ShardServer:
         self.snapshots.entries(largest)
         self.marks.published(largest)
         self._fast_limit = self.marks.fast_limit
-        bound = self.sockets.open(self.snapshots.hwm, self.marks.pub_hwm,
-                                  self.marks.collect_hwm, manual_pub=self.gate.enforcing)
+        gate = self.gate
+        bound = self.sockets.open(
+            self.snapshots.hwm, self.marks.pub_hwm, self.marks.collect_hwm,
+            manual_pub=gate.enforcing,
+            identities=frozenset(gate.access.identities) if gate.enforcing else None)
         self.router_socket, self._pub, self._collector_sock = bound
         self._publish_many = zio.publisher_many(self._pub, KVPUB_FRAMES)
         self._pub_mark = LiveMark(self._pub, zmq.SNDHWM, bind_value=self.marks.pub_hwm,
@@ -282,6 +286,42 @@ class ShardServer:
             reply_to = None
         if reply_to and self.active:
             self._reply(reply_to, frames[2], chp.REFUSED, 0, why)
+
+    def reload_rights(self) -> bool:
+        """Apply the rights file again (``supervisor reload`` signals SIGHUP): the new
+        rights hold from the next message on; the ZAP handler admits only the identities
+        it names (a key deleted or a name left out is refused from the next handshake);
+        the publisher's connections from the hosts of every identity whose rights changed
+        are closed, so that their subscriptions come back narrowed to the new rights
+        (``clonemap.shards.common.connections``). False, the old rights kept, when the
+        file cannot be read (logged, counted ``reloads_failed``)."""
+        old = self.gate
+        if not old.source:
+            return False
+        try:
+            new = Gate.load(old.source)
+        except ConfigError as exc:
+            old.reloads_failed += 1
+            log.error("rights not reloaded, version %d kept: %s", old.version, exc)
+            return False
+        new.take_counts(old)
+        new.reloads_failed = old.reloads_failed
+        changed = old.changed(new)
+        self.gate = new
+        self.heartbeat.use_gate(new)
+        auth = self.sockets.auth
+        hosts: set[str] = set()
+        refused = set()
+        if auth is not None:
+            refused = auth.admit_identities(frozenset(new.access.identities))
+            hosts = set().union(*(auth.hosts.get(name, set()) for name in changed))
+        closed = reset_connections({self.config.port + 1}, hosts)
+        new.connections_closed = old.connections_closed + closed
+        log.info("rights version %d applied (%d identities; changed: %s; keys no longer "
+                 "admitted: %s; %d publisher connections closed)", new.version,
+                 len(new.access.identities), ", ".join(sorted(changed)) or "none",
+                 ", ".join(sorted(refused)) or "none", closed)
+        return True
 
     def on_request_as(self, frames: list[bytes], user_id: str | None) -> None:
         """A message on P from ``user_id``, in a cluster that enforces rights: an

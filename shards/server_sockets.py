@@ -51,14 +51,15 @@ class ServerSockets:
         self._auth: Authenticator | None = None
 
     def open(self, router_hwm: int, pub_hwm: int, collect_hwm: int,
-             manual_pub: bool = False) -> Bound:
+             manual_pub: bool = False, identities: frozenset[str] | None = None) -> Bound:
         """The context, then P, P+1, P+2 bound with these marks; returned (the server
         keeps them). ``manual_pub``: the publisher applies no subscription itself
         (``ZMQ_XPUB_MANUAL``): the server applies each, narrowed to what its subscriber
-        may read (``clonemap.shards.gate``)."""
+        may read (``clonemap.shards.gate``). ``identities``: the only named identities
+        the ZAP handler admits (None: every one with a key)."""
         cfg = self.config
         self.ctx = zmq.Context(io_threads=cfg.io_threads)
-        self._auth = Authenticator(self.ctx, self._security())
+        self._auth = Authenticator(self.ctx, self._security(), identities)
         try:
             router = self.socket(zmq.ROUTER)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -83,6 +84,11 @@ class ServerSockets:
             self.close()
             raise
         return Bound(router, pub, collector)
+
+    @property
+    def auth(self) -> Authenticator | None:
+        """The ZAP handler (None before ``open`` and after ``close``)."""
+        return self._auth
 
     def socket(self, kind: int) -> zmq.Socket:
         """A socket of this server's context: linger 0, and the role's link options."""

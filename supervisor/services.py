@@ -15,6 +15,11 @@ FINAL starts with a status frame in the MMI style: ``200`` OK, ``400`` bad reque
     cluster.restart  SHARD/ROLE                   FINAL 200, JSON {server, pid} once restarted
     cluster.kill     SHARD/ROLE                   FINAL 200, JSON {server, pid}: SIGKILL sent
     cluster.logs     SHARD/ROLE [, LINES]         FINAL 200, the log's last LINES (default 50)
+    cluster.whoami   (none)                       FINAL 200, JSON: the caller's identity and rights
+    cluster.reload   (none)                       FINAL 200, JSON {version, ...}: rights applied
+
+``cluster.reload`` needs ``admin`` too. A request to a server's own service
+(``shard.*``) with a body (``peer-down``) needs ``admin``; a bare stats request does not.
 
 Each server answers its own stats as MDP service ``shard.<SHARD>.<ROLE>`` (a JSON
 object); ``StatsPoller`` asks every running server once per interval through the same
@@ -26,6 +31,8 @@ import asyncio
 import json
 import logging
 import os
+import signal
+import time
 from typing import Callable
 
 import zmq
@@ -34,7 +41,11 @@ from clonemap.shards.common.errors import ClonemapError
 from clonemap.shards.common.mdp import Request
 from clonemap.shards.common.mdp.client import MdpClient
 from clonemap.shards.common.cluster import cluster_map
+from clonemap.shards.common.config import load_config
 from clonemap.shards.common.placement import Plan
+from clonemap.shards.common.rights import RESERVED, Rights
+from clonemap.shards.common.security import check_keys_present
+from clonemap.shards.gate import write_rights
 from clonemap.supervisor.protocol import (BAD_REQUEST, CONFLICT, DEFAULT_LOG_LINES, FORBIDDEN,
                                           MAX_LOG_LINES, NOT_FOUND, OK, check_target,
                                           stats_service)
@@ -43,6 +54,8 @@ from clonemap.shards.common.proto.bstar import PEER_DOWN
 from clonemap.supervisor.runner import FAILED, RUNNING, Runner
 
 log = logging.getLogger(__name__)
+
+NO_RIGHTS = Rights()
 
 STATS_INTERVAL_S = 1.0
 REFRESH_S = 0.5
@@ -69,8 +82,19 @@ class ControlServices:
     """The handlers, over one Runner. ``stop_requested`` is set by ``cluster.stop``."""
 
     def __init__(self, plan: Plan, runner: Runner, stop_requested: asyncio.Event,
-                 poller: "StatsPoller | None" = None, health: ClusterHealth | None = None):
+                 poller: "StatsPoller | None" = None, health: ClusterHealth | None = None,
+                 config_path: str | None = None, rights_path: str | None = None,
+                 broker=None):
+        """``config_path``: the config the supervisor was started from (``cluster.reload``
+        reads it again); ``rights_path``: the rights file its servers load (None: they
+        check no rights); ``broker``: whose ZAP handler a reload updates."""
         self.plan = plan
+        self.access = plan.access
+        """Every identity's rights now (``cluster.reload`` replaces them)."""
+        self.config_path = config_path
+        self.rights_path = rights_path
+        self.rights_version = 1
+        self.broker = broker
         self.runner = runner
         self.stop_requested = stop_requested
         self.poller = poller
@@ -83,30 +107,100 @@ class ControlServices:
     def handlers(self) -> dict[str, Callable]:
         admin = self._admin_only
         return {"cluster.map": self.on_map, "cluster.status": self.on_status,
+                "cluster.whoami": self.on_whoami,
                 "cluster.stop": admin(self.on_stop), "cluster.restart": admin(self.on_restart),
-                "cluster.kill": admin(self.on_kill), "cluster.logs": admin(self.on_logs)}
+                "cluster.kill": admin(self.on_kill), "cluster.logs": admin(self.on_logs),
+                "cluster.reload": admin(self.on_reload)}
+
+    def _refusal(self, service: bytes, user_id: str | None) -> list[bytes]:
+        who = user_id or "?"
+        self.forbidden[who] = self.forbidden.get(who, 0) + 1
+        name = service.decode("utf-8", "replace")
+        log.warning("refused %s from identity %r: it does not hold admin", name, who)
+        return [FORBIDDEN, f"identity {who!r} may not use {name}: its role does not hold "
+                           "admin".encode()]
 
     def _admin_only(self, handler: Callable) -> Callable:
         """``handler`` for a caller whose identity holds ``admin``; 403 for any other
         (counted ``forbidden`` by identity, logged)."""
-        access = self.plan.access
 
         def checked(request: Request):
-            if access.may_admin(request.user_id):
+            if self.access.may_admin(request.user_id):
                 return handler(request)
-            who = request.user_id or "?"
-            self.forbidden[who] = self.forbidden.get(who, 0) + 1
-            log.warning("refused %s from identity %r: it does not hold admin",
-                        request.service.decode("utf-8", "replace"), who)
-            return [FORBIDDEN, f"identity {who!r} may not use "
-                               f"{request.service.decode('utf-8', 'replace')}: its role does "
-                               "not hold admin".encode()]
+            return self._refusal(request.service, request.user_id)
 
         return checked
+
+    def guard(self, service: bytes, body: list[bytes], user_id: str | None):
+        """The broker asks before it queues a client's request for a worker: a server's
+        own service with a body (``peer-down``: it changes the pair) needs ``admin``."""
+        if any(body) and service.startswith(b"shard.") and not self.access.may_admin(user_id):
+            return self._refusal(service, user_id)
+        return None
 
     def register(self, broker) -> None:
         for service, handler in self.handlers().items():
             broker.register(service, handler)
+        broker.core.guard = self.guard
+
+    def on_whoami(self, request: Request) -> list[bytes]:
+        """cluster.whoami: no body -> FINAL 200, JSON {identity, role, read, write, deny,
+        admin, rights, enforced}: the caller's rights as the cluster sees them (the
+        shared client pair, and a cluster without CURVE: every right)."""
+        user = request.user_id
+        rights = self.access.rights_of(user)
+        named = user is not None and user not in RESERVED
+        doc = {"identity": user or "(none: no CURVE)",
+               "role": self.access.roles.get(user, "") if named else "",
+               "enforced": self.rights_path is not None, "known": rights is not None}
+        rights = rights if rights is not None else NO_RIGHTS
+        doc.update(read=list(rights.read), write=list(rights.write), deny=list(rights.deny),
+                   admin=rights.admin, rights=rights.describe())
+        return [OK, json.dumps(doc, sort_keys=True).encode()]
+
+    def on_reload(self, request: Request) -> list[bytes]:
+        """cluster.reload (admin): no body -> the config the supervisor was started from
+        is read again and its identities and roles applied: the rights file rewritten
+        (version + 1), the broker's ZAP handler updated, SIGHUP to every running server
+        and relay this supervisor started (they apply the file: ``ShardServer.
+        reload_rights``). FINAL 200, JSON {version, at (epoch s), servers: [names
+        signalled], changed: [identities], identities}; 400 for a config that does not
+        validate or lacks a key; 409 when the servers check no rights (started without
+        identities: restart them) or the supervisor is stopping."""
+        if self.runner.stopping:
+            return [CONFLICT, b"the supervisor is stopping"]
+        if self.rights_path is None or self.config_path is None:
+            return [CONFLICT, b"this cluster was started without named identities: its "
+                              b"servers check no rights; add security.clients and restart "
+                              b"the supervisor (supervisor stop, then start)"]
+        try:
+            config = load_config(self.config_path)
+            access = config.security.access()
+            check_keys_present(self.plan.keys_dir, self.config_path, access.identities)
+        except ClonemapError as exc:
+            return [BAD_REQUEST, str(exc).encode()]
+        old, self.access = self.access, access
+        changed = sorted(name for name in set(old.identities) | set(access.identities)
+                         if old.identities.get(name) != access.identities.get(name))
+        self.rights_version += 1
+        write_rights(self.rights_path, access, self.rights_version)
+        if self.broker is not None:
+            self.broker.admit_identities(frozenset(access.identities))
+        at = time.time()
+        signalled = []
+        for name, proc in self.runner.servers.items():
+            if proc.pid is not None and proc.state == RUNNING:
+                try:
+                    os.kill(proc.pid, signal.SIGHUP)
+                    signalled.append(name)
+                except ProcessLookupError:
+                    pass
+        log.info("rights version %d: %d identities, changed: %s; signalled %d servers",
+                 self.rights_version, len(access.identities), ", ".join(changed) or "none",
+                 len(signalled))
+        return [OK, json.dumps({"version": self.rights_version, "at": at,
+                                "servers": signalled, "changed": changed,
+                                "identities": access.describe()}, sort_keys=True).encode()]
 
     def _target(self, request: Request) -> tuple[str | None, list[bytes] | None]:
         """The server named in the first body frame, or an error reply."""

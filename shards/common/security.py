@@ -92,6 +92,15 @@ def _load_identities(keys_dir: Path) -> dict[bytes, str]:
     return out
 
 
+def _z85(public_key: bytes) -> bytes:
+    """A public key as the Z85 text its file holds (a ZAP request carries 32 raw bytes)."""
+    if len(public_key) == 32:
+        from zmq.utils import z85
+
+        return z85.encode(public_key)
+    return public_key
+
+
 def check_keys_present(keys_dir: str | os.PathLike, config: str,
                        identities=()) -> None:
     """``ConfigError`` (exit 2), one line naming the keygen command for ``config``, when
@@ -267,23 +276,58 @@ class Authenticator:
     ``ThreadAuthenticator`` admitting the public keys of ``keys_dir``, with the User-Id
     set to the key's role. A no-op when CURVE is off."""
 
-    def __init__(self, ctx: zmq.Context, security: Security):
+    def __init__(self, ctx: zmq.Context, security: Security,
+                 names: frozenset[str] | None = None):
+        """``names``: admit only these named identities (those the rights name); None:
+        every identity key in ``keys_dir/clients``."""
         self.security = security
         self._auth = None
+        self.hosts: dict[str, set[str]] = {}
+        """The addresses each named identity connected from (ZAP's ``address``: the peer's
+        IP), for closing its connections when its rights change (``reset_connections``)."""
         if not security.curve:
             return
         from zmq.auth.thread import ThreadAuthenticator
+
+        hosts = self.hosts
 
         class _Auth(ThreadAuthenticator):
             def curve_user_id(self, client_public_key: bytes) -> str:
                 return security.role_of(client_public_key) or "unknown"
 
+            async def handle_zap_message(self, msg: list[bytes]) -> None:
+                if len(msg) >= 7 and msg[5] == b"CURVE":
+                    name = security.identities.get(_z85(msg[6]))
+                    if name is not None:
+                        hosts.setdefault(name, set()).add(msg[3].decode("utf-8", "replace"))
+                await super().handle_zap_message(msg)
+
         self._auth = _Auth(ctx, log=None)
         self._auth.start()
         self._auth.configure_curve(domain=ZAP_DOMAIN, location=str(security.keys_dir))
         # the named identities' keys are admitted too (``role_of`` names them)
-        self._auth.certs.setdefault(ZAP_DOMAIN, {}).update(
-            dict.fromkeys(security.identities, True))
+        self.admit_identities(names)
+
+    def admit_identities(self, names: frozenset[str] | None = None) -> set[str]:
+        """Read ``keys_dir/clients`` again and admit exactly its identities (only those in
+        ``names`` when given): a key deleted there, or a name left out, is refused from
+        the next handshake on (live connections are the caller's: ``reset_connections``).
+        Returns the names no longer admitted."""
+        if self._auth is None:
+            return set()
+        security = self.security
+        found = _load_identities(security.keys_dir)
+        if names is not None:
+            found = {key: name for key, name in found.items() if name in names}
+        certs = self._auth.certs.setdefault(ZAP_DOMAIN, {})
+        gone = {name for key, name in security.identities.items() if key not in found}
+        for key in security.identities:
+            if key not in found:
+                certs.pop(key, None)
+        certs.update(dict.fromkeys(found, True))
+        security.identities.clear()
+        security.identities.update(found)
+        return gone
 
     def stop(self) -> None:
         if self._auth is not None:

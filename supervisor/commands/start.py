@@ -206,12 +206,13 @@ class Supervisor:
         broker = Broker([the_plan.control], budget_config(*the_plan.control_limits), ctx=ctx,
                         security=security)
         extra: tuple[str, ...] = ("--keys-dir", the_plan.keys_dir) if the_plan.curve else ()
+        rights_path = None
         if the_plan.access.identities:  # every server and relay enforces them
             from clonemap.shards.gate import write_rights
 
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            extra += ("--rights", str(write_rights(self.run_dir / RIGHTS_FILE,
-                                                   the_plan.access)))
+            rights_path = str(write_rights(self.run_dir / RIGHTS_FILE, the_plan.access))
+            extra += ("--rights", rights_path)
         runner = Runner(the_plan, self.run_dir,
                         ServerArgs(control=control, heartbeat_s=the_plan.heartbeat_s,
                                    parent_pid=os.getpid(), extra=extra),
@@ -219,8 +220,9 @@ class Supervisor:
                         log_max_bytes=self.log_max_bytes)
         health = ClusterHealth([sh.name for sh in the_plan.shards], on_event=self.on_event)
         poller = StatsPoller(runner, control, ctx, security=security, health=health)
-        ControlServices(the_plan, runner, self.stop, poller=poller,
-                        health=health).register(broker)
+        ControlServices(the_plan, runner, self.stop, poller=poller, health=health,
+                        config_path=str(Path(self.config_path).resolve()),
+                        rights_path=rights_path, broker=broker).register(broker)
         metrics = None
         if the_plan.metrics is not None:
             metrics = MetricsServer(the_plan.metrics, loop,

@@ -411,3 +411,120 @@ def test_relays_enforce_the_same_rights_for_their_own_clients(cluster, zctx):
     got = fresh_map(cluster)
     assert got["/orders/via-relay"] == b"r"
     assert not [k for k in got if k.startswith("/users/via-relay")]
+
+
+# ------------------------------------------------------------------ the identity's view
+
+def test_each_identity_sees_its_own_rights(cluster):
+    out = run_chp(cluster, "orders", "whoami")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "orders (role orders): read /orders/ /config/; write /orders/"
+    with cluster.clone("dashboard") as reader:
+        rights = reader.rights()
+    assert rights["identity"] == "dashboard" and rights["role"] == "reader"
+    assert rights["read"] == ["/"] and rights["deny"] == ["/secrets/"]
+    assert rights["enforced"] is True and rights["admin"] is False
+    with cluster.clone() as legacy:
+        assert legacy.rights()["rights"] == "read (every key); write (every key); admin"
+
+
+def test_a_server_s_own_control_service_takes_a_command_only_from_admin(cluster):
+    """``peer-down`` tells a pair's server that its peer cannot serve: a reader may not
+    send it (a bare stats request it may)."""
+    from clonemap.shards.common.mdp.client import SyncMdpClient
+
+    with SyncMdpClient(str(cluster.control), timeout_s=5.0, retries=0,
+                       security=cluster.security("dashboard")) as reader:
+        assert json_of(reader.request("shard.s0.primary")[-1])["role"] == "primary"
+        refused = reader.request("shard.s0.primary", b"peer-down")
+    assert refused[0] == b"403" and b"identity 'dashboard'" in refused[1], refused
+    row = cluster.rows()["s0/primary"]
+    assert row["stats"]["peer_reported_down"] is False
+
+
+def json_of(body: bytes) -> dict:
+    import json
+
+    return json.loads(body)
+
+
+def _sub_all_actives(cluster, zctx, identity: str, topic: bytes = b"") -> list:
+    subs = []
+    for shard in ("s0", "s1"):
+        _, address, _ = _active(cluster, shard)
+        sub = zctx.socket(zmq.SUB)
+        sub.linger = 0
+        sub.reconnect_ivl = 100
+        cluster.security(identity).connect_side(sub)
+        sub.subscribe(topic)
+        sub.connect(f"tcp://{address[0]}:{address[1] + 1}")
+        assert sub.poll(10_000), "no HUGZ"
+        subs.append(sub)
+    return subs
+
+
+def _drain(subs, until: str | None = None, timeout_s: float = 10.0) -> set[str]:
+    got: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and (until is None or until not in got):
+        for sub in subs:
+            while sub.poll(20):
+                got.add(sub.recv_multipart()[0].decode())
+        if until is None:
+            break
+    return got
+
+
+def test_zz_a_reload_takes_rights_away_from_live_subscriptions(cluster, zctx):
+    """Last in the module: it changes the cluster's rights. A reader's live raw
+    subscriptions to everything lose /public/ once ``supervisor reload`` applies a
+    narrower role; an identity removed from the config is refused from then on; only
+    admin may reload; a config that does not validate changes nothing."""
+    import yaml
+
+    subs = _sub_all_actives(cluster, zctx, "dashboard")
+    with cluster.clone("ops") as ops:
+        ops.set("/public/before", b"1", wait=True)
+        ops.set("/orders/before", b"1", wait=True)
+    assert {"/public/before", "/orders/before"} <= _drain(subs, "/orders/before")
+    data = yaml.safe_load(cluster.config.read_text())
+    original = cluster.config.read_text()
+    data["security"]["roles"]["reader"] = {"read": ["/orders/"]}
+    del data["security"]["clients"]["orders"]
+    cluster.config.write_text(yaml.safe_dump(data))
+    denied = cli("reload", str(cluster.config), "--identity", "dashboard")
+    assert denied.returncode == Exit.FORBIDDEN, denied.stderr
+    out = cli("reload", str(cluster.config), "--identity", "ops")
+    assert out.returncode == 0, out.stderr
+    assert "rights version 2" in out.stdout and "changed: dashboard, orders" in out.stdout
+    assert "applied by all 6 servers and relays within" in out.stdout
+    got: set[str] = set()
+    with cluster.clone("ops") as ops:  # after every server applied version 2
+        # the closed connections reconnect (100 ms) and subscribe again: until then
+        # nothing reaches them (a PUB drops for a peer that is not there)
+        deadline = time.monotonic() + 10
+        while not any(k.startswith("/orders/probe") for k in got):
+            assert time.monotonic() < deadline, got
+            ops.set(f"/orders/probe{len(got)}", b"p", wait=True)
+            got |= _drain(subs)
+        ops.set("/public/after", b"2", wait=True)
+        ops.set("/orders/after", b"2", wait=True)
+    got |= _drain(subs, "/orders/after")
+    assert "/orders/after" in got, got  # reconnected, subscribed again, narrowed
+    assert not [k for k in got if k.startswith("/public/")], got
+    for sub in subs:
+        sub.close()
+    assert sum(r["stats"]["access"]["connections_closed"] for n, r in cluster.rows().items()
+               if (r.get("stats") or {}).get("access")) >= 2
+    with cluster.clone("dashboard") as reader:
+        assert "/public/after" not in reader.keys() and "/orders/after" in reader.keys()
+    gone = run_chp(cluster, "orders", "get", "/orders/1")
+    assert gone.returncode != 0  # its key is no longer admitted
+    cluster.config.write_text("security: [not, a, mapping")
+    bad = cli("reload", str(cluster.config), "--identity", "ops")
+    assert bad.returncode == 2, bad.stderr
+    cluster.config.write_text(original)
+    back = cli("reload", str(cluster.config), "--identity", "ops")
+    assert back.returncode == 0 and "rights version 3" in back.stdout, back.stderr
+    out = run_chp(cluster, "orders", "get", "/orders/1")
+    assert (out.returncode, out.stdout.strip()) == (0, "o1"), out.stderr

@@ -114,6 +114,11 @@ class Broker:
         self.handlers.pop(name, None)
         self.core.remove_internal(name)
 
+    def admit_identities(self, names: frozenset[str]) -> set[str]:
+        """Admit exactly these named identities from now on (``Authenticator.
+        admit_identities``); the names no longer admitted."""
+        return self._auth.admit_identities(names) if self._auth is not None else set()
+
     # ----------------------------------------------------------------- life cycle
     async def start(self) -> None:
         """Bind every endpoint (``PortInUse`` / ``ConfigError`` on failure) and serve."""

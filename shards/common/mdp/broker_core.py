@@ -77,7 +77,7 @@ Open points of the spec, and what this broker decided (the list the README repea
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from clonemap.shards.common.errors import ProtocolError
 from clonemap.shards.common.mdp import codec as mdp
@@ -162,6 +162,10 @@ def peer(identity: bytes) -> str:
 class BrokerCore:
     def __init__(self, config: BrokerConfig | None = None):
         self.config = config or BrokerConfig()
+        self.guard: Callable[[bytes, list[bytes], str | None], list[bytes] | None] | None = None
+        """``guard(service, body, user_id)``: a reply's body (status first) that refuses a
+        client's request to a worker's service before it is queued, or None to let it
+        through (the supervisor's rights: ``clonemap.supervisor.services``)."""
         self.services: dict[bytes, Service] = {}
         self.workers: dict[bytes, Worker] = {}
         self.internal: set[bytes] = set()
@@ -169,7 +173,7 @@ class BrokerCore:
             ("requests", "dispatched", "partials", "finals", "queued", "requeued", "mmi",
              "internal_calls", "workers_registered", "workers_expired",
              "workers_disconnected", "workers_invalid", "heartbeats_sent",
-             "disconnects_sent", "dropped_on_stop"), 0)
+             "disconnects_sent", "dropped_on_stop", "refused"), 0)
         self._expiry_s = self.config.worker_expiry_s
         self.held_bytes = 0
         """Bytes of the requests queued now (``Request.size``), all services."""
@@ -222,6 +226,8 @@ class BrokerCore:
         svc = self.services.get(service)  # names in ``services`` were checked on entry
         if svc is None or not svc.idle or service in self.internal:
             return None
+        if n > 4 and self.guard is not None:  # a body: the guard decides (slow path)
+            return None
         limits = self.config.limits
         if n - 4 > limits.max_body_frames or not _body_fits(frames, 4, n, limits):
             return None
@@ -268,6 +274,9 @@ class BrokerCore:
             return [InternalCall(client, service, body, user_id)]
         if service.startswith(MMI_PREFIX):
             return [self._mmi(client, service, body)]
+        if self.guard is not None and (refusal := self.guard(service, body, user_id)):
+            self.counters["refused"] += 1
+            return [[client, MDPC, C_FINAL, service, *refusal]]
         svc = self.services.get(service)
         if svc is None:
             svc = self._new_service(service)
