@@ -1,8 +1,14 @@
-"""What CURVE costs: one shard with CURVE on every socket against the same shard in plain
-TCP, in the same run (``python -m bench curve``).
+"""What CURVE and access control cost: one shard with CURVE on every socket, and with
+CURVE and per-prefix rights, against the same shard in plain TCP, in the same run
+(``python -m bench curve``).
 
-Per round, in this order: plain, then CURVE (a fresh server each, ``--keys-dir`` for
-CURVE, the cluster's keys made once for the run):
+Per round, in this order: plain, CURVE, then roles (a fresh server each, ``--keys-dir``
+for CURVE, the cluster's keys made once for the run). ``roles`` is CURVE plus
+``--rights`` (``clonemap.shards.gate``): the writer, the subscriber and the snapshot
+requester present the identity ``bench`` (read ``/``, write ``/k``, deny ``/k9`` and
+``/secret/``): every key written is checked (none refused: the load's keys are
+``/k00000000`` up), the subscription to everything becomes ~2,000 prefixes, and the
+snapshot is checked row by row: the rights' cost where it is highest.
 
 1. **Throughput**: one writer flat out and one subscriber (the load harness, CURVE
    clients with the client key when the server has it): received updates/s and the
@@ -12,7 +18,9 @@ CURVE, the cluster's keys made once for the run):
    ``ICANHAZ?`` and reads the whole snapshot: seconds from the request to KTHXBAI, and
    per key (the ratio uses the time per key, as the two maps may differ in size).
 
-Reported: each figure and the CURVE / plain ratio per round (median over rounds).
+Reported: each figure and the CURVE / plain and roles / CURVE ratios per round (median
+over rounds). Our target for access control (issue 42): roles cost at most 15% of the
+server's CPU per update over CURVE alone.
 """
 from __future__ import annotations
 
@@ -29,9 +37,33 @@ from bench.harness.offer import Offer, Targets, run_offer
 from bench.harness.procs import bench_main
 
 NAME = "curve"
-MODES = ("plain", "curve")
+MODES = ("plain", "curve", "roles")
 TARGET_RATIO = 0.8
 """Our goal (the issue sets none): CURVE keeps >= 0.8 of plain updates/s."""
+TARGET_ROLES_CPU = 1.15
+"""Issue 42: checking rights costs at most 15% of CPU per update."""
+RIGHTS = {"bench": {"read": ["/"], "write": ["/k"], "deny": ["/k9", "/secret/"]}}
+
+
+def _args_of(mode: str, keys_dir: Path) -> tuple[tuple[str, ...], str]:
+    """The server's extra arguments and the identity the load presents."""
+    if mode == "plain":
+        return (), ""
+    extra = ("--keys-dir", str(keys_dir))
+    if mode == "roles":
+        return extra + ("--rights", str(keys_dir / "rights.json")), "bench"
+    return extra, ""
+
+
+def _make_rights(keys_dir: Path) -> None:
+    from clonemap.shards.common.rights import Access, Rights
+    from clonemap.shards.common.security import create_identity_keys
+    from clonemap.shards.gate import write_rights
+
+    create_identity_keys(keys_dir, RIGHTS)
+    write_rights(keys_dir / "rights.json", Access(
+        {name: Rights(**{k: tuple(v) for k, v in r.items()}) for name, r in RIGHTS.items()},
+        dict.fromkeys(RIGHTS, "bench")))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,10 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def throughput(mode: str, keys_dir: Path, args, progress) -> dict:
-    secure = mode == "curve"
+    extra, identity = _args_of(mode, keys_dir)
     offer = Offer(keys=args.keys, value_bytes=args.value_bytes,
-                  keys_dir=str(keys_dir) if secure else "")
-    extra = ("--keys-dir", str(keys_dir)) if secure else ()
+                  keys_dir=str(keys_dir) if extra else "", identity=identity)
     with Targets("server", offer=offer, extra=extra) as targets:
         figures = run_offer(targets, warmup=args.warmup, seconds=args.seconds,
                             progress=progress)
@@ -72,14 +103,15 @@ def throughput(mode: str, keys_dir: Path, args, progress) -> dict:
 def snapshot(mode: str, keys_dir: Path, args, progress) -> dict:
     from clonemap.shards.common.security import Security
 
-    secure = mode == "curve"
-    security = Security.load(keys_dir, "client") if secure else Security.off()
+    extra, identity = _args_of(mode, keys_dir)
+    security = (Security.load(keys_dir, "client", identity or None) if extra
+                else Security.off())
     offer = Offer(keys=args.snapshot_keys, value_bytes=args.value_bytes,
-                  distribution="sequential", keys_dir=str(keys_dir) if secure else "")
-    extra = ("--keys-dir", str(keys_dir)) if secure else ()
+                  distribution="sequential", keys_dir=str(keys_dir) if extra else "",
+                  identity=identity)
     with Targets("server", offer=offer, extra=extra) as targets:
         fill = Offer(keys=args.snapshot_keys, value_bytes=args.value_bytes,
-                     distribution="sequential", keys_dir=offer.keys_dir)
+                     distribution="sequential", keys_dir=offer.keys_dir, identity=identity)
         run_offer(targets, warmup=0.0, seconds=max(1.0, args.snapshot_keys / 50_000),
                   offer=fill, progress=progress)
         ctx = zmq.Context()
@@ -114,6 +146,7 @@ def run(args: argparse.Namespace) -> rec.Record:
     with tempfile.TemporaryDirectory(prefix="clonemap-keys-") as scratch:
         keys_dir = Path(scratch)
         create_keys(keys_dir)
+        _make_rights(keys_dir)
         with rec.Progress(NAME, total=args.rounds * len(MODES) * 2) as progress:
             for r in range(args.rounds):
                 for mode in MODES:
@@ -133,8 +166,9 @@ def run(args: argparse.Namespace) -> rec.Record:
     return record
 
 
-def _per_round(runs: list[dict], key: str) -> list[float]:
-    return rec.ratios_per_round(runs, lambda run: run.get(key), "curve", "plain", "mode")
+def _per_round(runs: list[dict], key: str, num: str = "curve",
+               den: str = "plain") -> list[float]:
+    return rec.ratios_per_round(runs, lambda run: run.get(key), num, den, "mode")
 
 
 def summarize(record: rec.Record) -> None:
@@ -150,15 +184,27 @@ def summarize(record: rec.Record) -> None:
         "updates_ratio_curve_to_plain_per_round": _per_round(runs, "received_per_s"),
         "cpu_ratio_curve_to_plain_per_round": _per_round(runs, "cpu_us_per_update"),
         "snapshot_ratio_curve_to_plain_per_round": _per_round(runs, "snapshot_us_per_key"),
+        "updates_ratio_roles_to_curve_per_round": _per_round(runs, "received_per_s",
+                                                             "roles", "curve"),
+        "cpu_ratio_roles_to_curve_per_round": _per_round(runs, "cpu_us_per_update",
+                                                         "roles", "curve"),
+        "snapshot_ratio_roles_to_curve_per_round": _per_round(runs, "snapshot_us_per_key",
+                                                              "roles", "curve"),
     }
     record.data["summary"] = summary
     for key in ("updates_ratio_curve_to_plain_per_round",
-                "snapshot_ratio_curve_to_plain_per_round"):
+                "snapshot_ratio_curve_to_plain_per_round",
+                "updates_ratio_roles_to_curve_per_round",
+                "cpu_ratio_roles_to_curve_per_round",
+                "snapshot_ratio_roles_to_curve_per_round"):
         if summary[key]:
             summary[key.replace("_per_round", "_median")] = statistics.median(summary[key])
     record.target("CURVE / plain updates/s (median per round; our goal)",
                   summary.get("updates_ratio_curve_to_plain_median", 0.0), TARGET_RATIO,
                   "ratio")
+    record.target("roles / CURVE server CPU per update (median per round; issue 42)",
+                  summary.get("cpu_ratio_roles_to_curve_median", 0.0), TARGET_ROLES_CPU,
+                  "ratio", higher_is_better=False)
 
 
 def report(record: rec.Record) -> None:
@@ -172,7 +218,10 @@ def report(record: rec.Record) -> None:
               caption=f"CURVE / plain per round: updates/s "
                       f"{s['updates_ratio_curve_to_plain_per_round']}, CPU/update "
                       f"{s['cpu_ratio_curve_to_plain_per_round']}, snapshot time "
-                      f"{s['snapshot_ratio_curve_to_plain_per_round']}")
+                      f"{s['snapshot_ratio_curve_to_plain_per_round']}; roles / CURVE: "
+                      f"updates/s {s['updates_ratio_roles_to_curve_per_round']}, "
+                      f"CPU/update {s['cpu_ratio_roles_to_curve_per_round']}, snapshot "
+                      f"time {s['snapshot_ratio_roles_to_curve_per_round']}")
     rec.print_targets(record)
 
 

@@ -37,6 +37,14 @@ timed. Per (S, N): median and spread over the rounds, and ratios to the ceilings
 delivered rate / the PUB->SUB's received rate, p50 and p99 / the PUB->SUB's (both count
 latency from each update's intended send time).
 
+``--security plain,curve,roles`` runs each (shards, subscribers) in each mode, in that
+order, in the same run: ``curve`` is CURVE on every socket; ``roles`` adds access
+control (``clonemap.shards.gate``): the servers get a rights file, and the writer and
+every subscriber present the identity ``bench`` (read ``/``, write ``/k``, deny
+``/secret/``: each write is checked, each subscription to everything is narrowed to
+~2,000 prefixes). The summary gives the servers' CPU of roles over curve per point:
+what checking rights costs (issue 42's target: at most 1.15).
+
 Duration on a 2-core host: smoke (1,2 shards x 1,4 subscribers, 0.5 s at 200/s) ~8 s;
 quick (1,4 x 1,4,16, 3 s at 1000/s) ~45 s; full (the same, 5 s after a 1 s warm-up,
 2 rounds, ``--ceiling-s 3``) ~2.5 min.
@@ -65,6 +73,9 @@ NAME = "fanout"
 DURATION = ("Duration (2 cores): smoke (--shards 1,2 --subscribers 1,4 --rate 200 --seconds "
             "0.5) ~8 s; quick (--seconds 3) ~45 s; full (--seconds 5 --warmup 1 --rounds 2) "
             "~2.5 min.")
+MODES = ("plain", "curve", "roles")
+BENCH_RIGHTS = {"read": ("/",), "write": ("/k",), "deny": ("/secret/",)}
+"""The ``roles`` mode's one identity (``bench``): every write allowed, but checked."""
 SUBSCRIBER_IDLE_S = 5.0
 """A subscriber that has heard nothing for this long after its first update stops."""
 START_TIMEOUT_S = 60.0
@@ -77,6 +88,13 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers")
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: give integers >= 1")
+    return values
+
+
+def _modes(text: str) -> list[str]:
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    if not values or any(v not in MODES for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give some of {', '.join(MODES)}")
     return values
 
 
@@ -104,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="subscribing clients per subprocess, or auto: spread them over "
                          "the cores the servers and the writer leave (one process per "
                          "spare core)")
+    ap.add_argument("--security", type=_modes, default=["plain"],
+                    help="modes, comma-separated: plain, curve (CURVE on every socket), "
+                         "roles (CURVE and access control); each point runs in each")
     ap.add_argument("--drain-s", type=float, default=30.0,
                     help="longest wait for the subscribers after the writer is done")
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
@@ -187,7 +208,8 @@ async def subscriber_async(args: argparse.Namespace) -> None:
 
     shards = [f"tcp://127.0.0.1:{p}" for p in args.ports]
     clones = [AsyncClone(shards=shards, timeout_s=START_TIMEOUT_S,
-                         watch_capacity=max(10_000, 2 * args.count))
+                         watch_capacity=max(10_000, 2 * args.count), keys=args.keys,
+                         identity=args.identity)
               for _ in range(args.clients)]
     try:
         await asyncio.gather(*(c.start() for c in clones))
@@ -215,6 +237,8 @@ def subscriber_main(argv: list[str]) -> None:
     ap.add_argument("--clients", type=int, required=True)
     ap.add_argument("--count", type=int, required=True)
     ap.add_argument("--warm", type=int, default=0)
+    ap.add_argument("--keys", default=None)
+    ap.add_argument("--identity", default=None)
     args = ap.parse_args(argv)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(subscriber_async(args))
@@ -238,8 +262,34 @@ def clients_per_process(setting, subscribers: int, shards: int,
     return max(1, math.ceil(subscribers / spare))
 
 
+def make_keys(keys_dir: str) -> None:
+    """The cluster's pairs, the ``bench`` identity's, and the rights file (``roles``)."""
+    from pathlib import Path
+
+    from clonemap.shards.common.rights import Access, Rights
+    from clonemap.shards.common.security import create_identity_keys, create_keys
+    from clonemap.shards.gate import write_rights
+
+    create_keys(keys_dir)
+    create_identity_keys(keys_dir, ["bench"])
+    write_rights(Path(keys_dir) / "rights.json",
+                 Access({"bench": Rights(**BENCH_RIGHTS)}, {"bench": "bench"}))
+
+
+def mode_args(mode: str, keys_dir: str) -> tuple[tuple[str, ...], list[str], dict]:
+    """The servers' extra arguments, the subscribers' and the writer's, for ``mode``."""
+    if mode == "plain":
+        return (), [], {}
+    server = ("--keys-dir", keys_dir)
+    if mode == "curve":
+        return server, ["--keys", keys_dir], {"keys_dir": keys_dir}
+    return (server + ("--rights", os.path.join(keys_dir, "rights.json")),
+            ["--keys", keys_dir, "--identity", "bench"],
+            {"keys_dir": keys_dir, "identity": "bench"})
+
+
 def run_one(shards: int, subscribers: int, args: argparse.Namespace,
-            progress: rec.Progress) -> dict:
+            progress: rec.Progress, mode: str = "plain", keys_dir: str = "") -> dict:
     """One fresh cluster, ``subscribers`` clients, one writer; returns the run's figures."""
     from clonemap.shards.common.routing import ShardMap
 
@@ -248,12 +298,13 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace,
     count = warm + timed
     routing = json.dumps(ShardMap(shards).describe(), separators=(",", ":"))
     me = [sys.executable, "-m", f"bench.{NAME}"]
+    server_extra, sub_extra, writer_extra = mode_args(mode, keys_dir)
     with contextlib.ExitStack() as stack:
         ports, servers = [], []
         for i in range(shards):
             target, base = start_on_free_ports(f"shard {i}", lambda b, i=i: server_argv(
                 b, extra=("--routing", routing, "--shard-index", str(i),
-                          "--log-level", "warning")))
+                          "--log-level", "warning", *server_extra)))
             servers.append(stack.enter_context(target))
             ports.append(base)
         port_list = ",".join(map(str, ports))
@@ -269,9 +320,11 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace,
             subs.append((stack.enter_context(Target(
                 f"subscribers {len(subs)}",
                 [*me, "_subscriber", "--ports", port_list, "--clients", str(k),
-                 "--count", str(count), "--warm", str(warm)], timeout_s=START_TIMEOUT_S)), k))
+                 "--count", str(count), "--warm", str(warm), *sub_extra],
+                timeout_s=START_TIMEOUT_S)), k))
         writer = stack.enter_context(timed_writer(ports, rate=args.rate, count=count,
-                                                  value_bytes=args.value_bytes))
+                                                  value_bytes=args.value_bytes,
+                                                  **writer_extra))
         groups = {"servers": [t.pid for t in servers], "subscribers": [t.pid for t, _ in subs],
                   "writer": writer.pids("writer")}
         pids = [p for g in groups.values() for p in g]
@@ -309,6 +362,7 @@ def run_one(shards: int, subscribers: int, args: argparse.Namespace,
         lat_ms.extend(us / 1000 for us in c.pop("lat_us"))
     lat_ms.sort()
     return {
+        "security": mode,
         "shards": shards, "subscribers": subscribers, "processes": len(subs),
         "offered_per_s": args.rate, "updates": timed, "warmup_updates": warm,
         "sent_per_s": sent_per_s,
@@ -339,7 +393,8 @@ def point(runs: list[dict], ceilings: dict) -> dict:
     pubsub = ceilings.get("pubsub", {})
     ratio = lambda a, b: round(a / b, 2) if a is not None and b else None  # noqa: E731
     ceiling_lat = pubsub.get("latency_ms", {})
-    return {"shards": runs[0]["shards"], "subscribers": runs[0]["subscribers"],
+    return {"security": runs[0].get("security", "plain"),
+            "shards": runs[0]["shards"], "subscribers": runs[0]["subscribers"],
             "offered_per_s": runs[0]["offered_per_s"], "rounds": len(runs),
             "complete": all(r["complete"] for r in runs),
             "delivered_per_s_min": delivered, "latency_ms": lat,
@@ -351,32 +406,45 @@ def point(runs: list[dict], ceilings: dict) -> dict:
 def run(args: argparse.Namespace) -> rec.Record:
     from bench.harness.ceilings import measure_ceilings
 
+    import tempfile
+
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
-    record = rec.Record(NAME, canonical_command(args), config)
+    modes = args.security
+    # a record of its own for other modes (latest/fanout-curve-roles.md), beside plain's
+    name = NAME if modes == ["plain"] else f"{NAME}-{'-'.join(modes)}"
+    record = rec.Record(name, canonical_command(args), config)
     combos = [(s, n) for s in args.shards for n in args.subscribers]
-    with rec.Progress(NAME, 2 + len(combos) * args.rounds) as progress:
+    keys = tempfile.TemporaryDirectory(prefix="clonemap-fanout-keys-")
+    if modes != ["plain"]:
+        make_keys(keys.name)
+    with keys, rec.Progress(NAME, 2 + len(combos) * len(modes) * args.rounds) as progress:
         ceilings = measure_ceilings(seconds=args.ceiling_s, warmup=min(1.0, args.ceiling_s / 2),
                                     value_bytes=args.value_bytes, rate_per_s=args.rate,
                                     kinds=("pubsub", "forwarder"), progress=progress)
         for shards, n in combos:
             for rnd in range(args.rounds):
-                progress.step(f"{shards} shard(s), {n} subscriber(s), round {rnd + 1}/"
-                              f"{args.rounds}: {args.rate:g} updates/s for "
-                              f"{args.warmup:g} + {args.seconds:g} s")
-                figures = run_one(shards, n, args, progress)
-                figures["round"] = rnd + 1
-                lat = figures["latency_ms"]
-                progress.note(f"delivered {figures['delivered_per_s_min']:,.0f}/s to each "
-                              f"(lowest), complete {figures['complete']}, latency p50 "
-                              f"{lat['p50']} ms p99 {lat['p99']} ms p99.9 {lat['p99.9']} ms")
-                record.add_run(figures)
+                for mode in modes:  # each mode of a point, back to back
+                    progress.step(f"{shards} shard(s), {n} subscriber(s), {mode}, round "
+                                  f"{rnd + 1}/{args.rounds}: {args.rate:g} updates/s for "
+                                  f"{args.warmup:g} + {args.seconds:g} s")
+                    figures = run_one(shards, n, args, progress, mode, keys.name)
+                    figures["round"] = rnd + 1
+                    lat = figures["latency_ms"]
+                    progress.note(f"delivered {figures['delivered_per_s_min']:,.0f}/s to each "
+                                  f"(lowest), complete {figures['complete']}, latency p50 "
+                                  f"{lat['p50']} ms p99 {lat['p99']} ms p99.9 {lat['p99.9']} ms")
+                    record.add_run(figures)
         progress.finish_step()
     runs = record.data["runs"]
-    points = [point([r for r in runs if (r["shards"], r["subscribers"]) == c], ceilings)
-              for c in combos]
+    points = [point([r for r in runs if (r["security"], r["shards"], r["subscribers"])
+                     == (m, *c)], ceilings) for c in combos for m in modes]
+    label = lambda p: (f"{p['shards']}x{p['subscribers']}" if p["security"] == "plain"  # noqa: E731
+                       else f"{p['security']} {p['shards']}x{p['subscribers']}")
     record.data["summary"] = {
         "all_complete": all(r["complete"] for r in runs),
-        "by_run": {f"{p['shards']}x{p['subscribers']}": {
+        "server_cpu_ratio_roles_to_curve": _roles_cost(runs, combos) if {
+            "curve", "roles"} <= set(modes) else None,
+        "by_run": {label(p): {
             "delivered_per_s_min": p["delivered_per_s_min"]["median"],
             "p50_ms": p["latency_ms"]["p50"].get("median"),
             "p99_ms": p["latency_ms"]["p99"].get("median"),
@@ -393,11 +461,24 @@ def run(args: argparse.Namespace) -> rec.Record:
     return record
 
 
+def _roles_cost(runs: list[dict], combos) -> dict[str, float | None]:
+    """Per point: the servers' CPU with roles over with CURVE alone (medians over rounds;
+    the same offered rate, so CPU per update in the same ratio)."""
+    out = {}
+    for s, n in combos:
+        cpu = {m: [r["cpu_pct"]["servers"] for r in runs if r["security"] == m
+                   and (r["shards"], r["subscribers"]) == (s, n)] for m in ("curve", "roles")}
+        curve, roles = (statistics.median(cpu[m]) if cpu[m] else None for m in cpu)
+        out[f"{s}x{n}"] = round(roles / curve, 3) if curve and roles is not None else None
+    return out
+
+
 def report(record: rec.Record) -> None:
     rows = []
     for r in record.data["runs"]:
         lat = r["latency_ms"]
-        rows.append([r["shards"], r["subscribers"], r.get("round", 1), r["offered_per_s"],
+        rows.append([r.get("security", "plain"), r["shards"], r["subscribers"],
+                     r.get("round", 1), r["offered_per_s"],
                      r["sent_per_s"], r["delivered_per_s_min"], r["delivered_per_s_total"],
                      "yes" if r["complete"] else f"NO ({r['missing_total']} missing)",
                      lat["p50"], lat["p99"], lat["p99.9"], lat["max"],
@@ -407,7 +488,7 @@ def report(record: rec.Record) -> None:
     rec.table(record, f"{NAME}: one writer, N subscribers ({cfg['seconds']:g} s at "
                       f"{cfg['rate']:g} updates/s after {cfg.get('warmup', 0):g} s warm-up, "
                       "open loop)",
-              ["shards", "subscribers", "round", "offered/s", "sent/s",
+              ["security", "shards", "subscribers", "round", "offered/s", "sent/s",
                "delivered/s each (min)", "delivered/s all", "every update", "p50 ms",
                "p99 ms", "p99.9 ms", "max ms", "servers cpu%",
                "subscribers cpu%", "others cpu%"],

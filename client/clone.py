@@ -511,13 +511,12 @@ class AsyncClone:
         ``deny`` (prefixes), ``admin``, ``rights`` (one line), ``enforced`` (the servers
         check rights). Needs the control endpoint (``control=``, or the config's)."""
         self._check_running()
-        endpoint = self.control or (self.cluster.control if self.cluster else None)
-        if not endpoint:
+        given = self.control or (self.cluster.control if self.cluster else None)
+        if not given:
             raise NotSupported("rights() asks the supervisor: give control= (or a config "
                                "that names its control endpoint)")
-        if isinstance(endpoint, (list, tuple)):
-            endpoint = endpoint[0]
-        endpoint = endpoint.split(",")[0].strip()
+        first = given if isinstance(given, str) else given[0]
+        endpoint = first.split(",")[0].strip()
         return await fetch_rights(endpoint, timeout_s=timeout_s or self.control_timeout_s,
                                   security=self.security)
 
@@ -642,7 +641,7 @@ class AsyncClone:
         if reply.outcome == chp.CONFLICT:
             raise Conflict(f"conflict: {key!r} was last changed at sequence {reply.seq}"
                            if reply.seq else f"conflict: {key!r} is absent",
-                           key=key, expected=if_seq, current_seq=reply.seq)
+                           key=key, expected=if_seq or 0, current_seq=reply.seq)
         if reply.outcome == chp.REFUSED:
             raise WriteRefused(f"shard {agent.name} refused the write of {key!r}: "
                                f"{reply.detail}", reason=reply.detail, key=key)

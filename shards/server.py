@@ -98,6 +98,10 @@ class ShardServer:
         self.gate = Gate()
         """The rights enforced at every entrance (``clonemap.shards.gate``; ``--rights``):
         set before ``bind``. Nothing is checked when the cluster names no identity."""
+        self._last_user: str | None = None
+        self._last_scope = None
+        """The collector's last writer and its rights (consecutive KVSETs mostly come
+        from one connection)."""
         self.security = Security.off()
         """CURVE keys (``--keys-dir``): set before ``bind``."""
         self.persist: Persistence | None = None
@@ -269,10 +273,19 @@ class ShardServer:
         writer's rights is refused here, before any role sees it (a passive never holds
         it for a takeover, a relay never forwards it), counted by identity and answered
         ``refused`` when it asked for a reply; the rest go on as without rights."""
-        scope = self.gate.scope(user_id)
-        if scope is not None and not scope.may_write(frames[0]):
-            self._refuse_write(scope, frames)
-            return
+        if user_id is self._last_user:  # the compiled path hands the same str per name
+            scope = self._last_scope
+        else:
+            scope = self._last_scope = self.gate.scope(user_id)
+            self._last_user = user_id
+        if scope is not None:
+            key = frames[0]
+            allowed = scope.writable.get(key[:scope.depth])
+            if allowed is None:
+                allowed = scope.may_write(key)
+            if not allowed:
+                self._refuse_write(scope, frames)
+                return
         self.role.on_collect(frames)
 
     def _refuse_write(self, scope, frames: list[bytes]) -> None:
@@ -317,6 +330,8 @@ class ShardServer:
             hosts = set().union(*(auth.hosts.get(name, set()) for name in changed))
         closed = reset_connections({self.config.port + 1}, hosts)
         new.connections_closed = old.connections_closed + closed
+        self._last_user = self._last_scope = None  # the next KVSET takes the new rights
+        new.loaded_at = time.time()  # applied whole: connections closed too
         log.info("rights version %d applied (%d identities; changed: %s; keys no longer "
                  "admitted: %s; %d publisher connections closed)", new.version,
                  len(new.access.identities), ", ".join(sorted(changed)) or "none",

@@ -213,16 +213,17 @@ def config_dict(cfg) -> dict:
 
 
 def timed_writer(ports: list[int], *, rate: float, count: int,
-                 value_bytes: int = 100) -> LoadRun:
+                 value_bytes: int = 100, keys_dir: str = "", identity: str = "") -> LoadRun:
     """One open-loop writer (the traffic writer, the one every scenario uses): ``count``
     new keys ``key_of(0..count-1)``, routed over the shards at base ports ``ports`` as a
     client routes them, update i due at ``i / rate`` s and stamped with that intended
     time (``stamp_of``). ``with timed_writer(...) as run: window = run.start(0.0, s)``,
     then ``run.collect(window).writers[0]`` (``sent_total``, ``elapsed_s``,
-    ``first_send_ns``)."""
+    ``first_send_ns``). ``keys_dir`` (and ``identity``): a CURVE writer, with the
+    client pair (or that identity's)."""
     collectors = tuple(f"tcp://127.0.0.1:{p + 2}" for p in ports)
     cfg = WriterConfig(collector=collectors[0], collectors=collectors if len(ports) > 1
                        else (), keys=count, value_bytes=value_bytes,
                        distribution="sequential", mode="rate", rate_per_s=rate, count=count,
-                       tail_s=0.0)
+                       tail_s=0.0, keys_dir=keys_dir, identity=identity)
     return LoadRun([cfg], [])

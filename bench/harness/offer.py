@@ -42,6 +42,7 @@ class Offer:
     flush_s: float = 1.0           # writer: flush its queue at most this long at exit
     tick_s: float = RATE_TICK_S    # fixed rate: a writer's shortest sleep between bursts
     keys_dir: str = ""             # CURVE: writers and subscribers present the client key
+    identity: str = ""             # ... or this named identity's (access control)
     split: bool = False            # subscribers split the shards (each reads its own share)
                                    # instead of each reading every shard
 
@@ -293,14 +294,15 @@ class Targets:
                 distribution=o.distribution, mode=o.writer_mode, rate_per_s=o.rate_per_s,
                 ttl_fraction=o.ttl_fraction, ttl_s=o.ttl_s, seed=seed + i, writer_id=i,
                 core=cores[i], seq_stamp=self.kind == "pubsub", bind=self.kind == "pubsub",
-                flush_s=o.flush_s, tick_s=o.tick_s, keys_dir=o.keys_dir))
+                flush_s=o.flush_s, tick_s=o.tick_s, keys_dir=o.keys_dir,
+                identity=o.identity))
         n_subs = 1 if self.kind == "pubsub" else o.subscribers
         subs = []
         for j, mine in enumerate(subscriber_shares(self.publishers(), n_subs, o.split)):
             subs.append(SubscriberConfig(endpoint=mine[0], endpoints=mine if len(mine) > 1
                                          else (), latency_every=o.latency_every,
                                          drain_s=o.drain_s, core=cores[o.writers + j],
-                                         keys_dir=o.keys_dir))
+                                         keys_dir=o.keys_dir, identity=o.identity))
         return writers, subs
 
     def describe(self) -> dict:

@@ -145,6 +145,7 @@ class WriterConfig:
     bind: bool = False             # bind the collector endpoints (bare PUB->SUB: the subscriber
                                    # connects, as to a server's publisher)
     keys_dir: str = ""             # CURVE: connect with the cluster's client key
+    identity: str = ""             # ... or this named identity's (access control)
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -164,18 +165,20 @@ class SubscriberConfig:
     bind: bool = False             # bind the endpoints (bare PUB->SUB: writers connect)
     progress_s: float = 0.5        # send running totals to the parent this often (0: never)
     keys_dir: str = ""             # CURVE: connect with the cluster's client key
+    identity: str = ""             # ... or this named identity's (access control)
 
     @property
     def sources(self) -> tuple[str, ...]:
         return self.endpoints or (self.endpoint,)
 
 
-def _secure(sock, keys_dir: str) -> None:
-    """CURVE client with the cluster's client key when ``keys_dir`` is set."""
+def _secure(sock, keys_dir: str, identity: str = "") -> None:
+    """CURVE client with the cluster's client key when ``keys_dir`` is set (the named
+    ``identity``'s pair when one is given)."""
     if keys_dir:
         from clonemap.shards.common.security import Security
 
-        Security.load(keys_dir, "client").connect_side(sock)
+        Security.load(keys_dir, "client", identity or None).connect_side(sock)
 
 
 @dataclass(frozen=True)
@@ -274,7 +277,7 @@ def writer_main(cfg: WriterConfig, conn) -> None:
             if cfg.bind:
                 sock.bind(endpoint)
             else:
-                _secure(sock, cfg.keys_dir)
+                _secure(sock, cfg.keys_dir, cfg.identity)
                 sock.connect(endpoint)
         schedule = routed_schedule(cfg)
         deadline = time.monotonic() + READY_DEADLINE_S

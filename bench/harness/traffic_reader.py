@@ -99,7 +99,7 @@ def drain(read, src, st: SourceState, budget: int, every: int, samples: list[int
 
 
 def _sub_socket(ctx, endpoint: str, subscribe: bytes, rcvhwm: int, keys_dir: str = "",
-                bind: bool = False):
+                bind: bool = False, identity: str = ""):
     """A SUB with linger 0 and one subscription, bound to ``endpoint`` or connected to it
     (with the cluster's client key when ``keys_dir`` is set); closed if any step fails,
     so that the caller's context can still terminate."""
@@ -113,7 +113,7 @@ def _sub_socket(ctx, endpoint: str, subscribe: bytes, rcvhwm: int, keys_dir: str
         if bind:
             sock.bind(endpoint)
         else:
-            _secure(sock, keys_dir)
+            _secure(sock, keys_dir, identity)
             sock.connect(endpoint)
     except BaseException:
         sock.close(0)
@@ -140,7 +140,7 @@ def subscriber_main(cfg: SubscriberConfig, conn) -> None:
     try:
         for endpoint in cfg.sources:
             socks.append(_sub_socket(ctx, endpoint, cfg.subscribe, cfg.rcvhwm, cfg.keys_dir,
-                                     cfg.bind))
+                                     cfg.bind, cfg.identity))
         conn.send({"ready": True})
         if not conn.poll(GO_DEADLINE_S):
             return

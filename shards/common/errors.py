@@ -35,8 +35,9 @@ class Exit(enum.IntEnum):
     """A conditional write was not applied: the key's sequence is not the one asked
     (``chp set --if-seq``/``--create``, ``chp del --if-seq``)."""
     FORBIDDEN = 9
-    """The caller's identity does not hold the right (a control command that changes the
-    cluster, from an identity whose role lacks ``admin``)."""
+    """The caller's identity does not hold the right (a write or a read outside its role's
+    prefixes; a control command that changes the cluster, from an identity whose role
+    lacks ``admin``)."""
     INTERRUPTED = 130
 
 

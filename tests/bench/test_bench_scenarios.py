@@ -156,11 +156,13 @@ def check_durability(data: dict, keys: int) -> None:
 
 def check_curve(data: dict) -> None:
     runs = data["runs"]
-    assert [r["mode"] for r in runs] == ["plain", "curve"]
-    for r in runs:  # both carried the load and served a whole snapshot
+    assert [r["mode"] for r in runs] == ["plain", "curve", "roles"]
+    for r in runs:  # each carried the load and served a whole snapshot
         assert r["received_per_s"] > 0 and r["loss_window"] == 0, r
         assert r["snapshot_keys"] > 0 and r["snapshot_s"] > 0
     assert data["summary"]["updates_ratio_curve_to_plain_per_round"]
+    # with roles, every key the load writes is allowed and readable: nothing lost
+    assert data["summary"]["cpu_ratio_roles_to_curve_per_round"]
 
 
 def check_slow_subscriber(data: dict) -> None:
