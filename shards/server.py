@@ -340,9 +340,19 @@ class ShardServer:
 
     def on_request_as(self, frames: list[bytes], user_id: str | None) -> None:
         """A message on P from ``user_id``, in a cluster that enforces rights: an
-        ICANHAZ is answered within its requester's read rights (``snapshots``)."""
+        ICANHAZ is answered within its requester's read rights (``snapshots``); anything
+        else an identity sends there (the pair's own commands, ``BSTAR-TTL?`` whose
+        tables name every key) is dropped, counted ``commands_refused``: only the
+        cluster's own processes speak them."""
+        scope = self.gate.scope(user_id)
         if len(frames) > 1 and frames[1] == chp.ICANHAZ:
-            self.snapshots.requested_by(frames[0], self.gate.scope(user_id))
+            self.snapshots.requested_by(frames[0], scope)
+        elif scope is not None:
+            shown = frames[1][:32] if len(frames) > 1 else b""
+            self.gate.count(scope.name, "commands_refused",
+                            f"identity {scope.name!r} sent {shown!r} on the snapshot port: "
+                            "only the cluster's own processes may")
+            return
         self.role.on_snapshot_request(frames)
 
     # ================================================================ collector

@@ -312,6 +312,14 @@ def test_the_hostile_peer_gets_nothing_outside_its_rights_at_any_entrance(cluste
             pub.send_multipart(chp.kvset(key, b"hostile", chp.resendable_uuid(),
                                          chp.write_props(0, b"\x01\x02")))
         pub.close()
+        # the pair's own command for its TTL tables (they name every key): dropped
+        dealer = zctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        security.connect_side(dealer)
+        dealer.connect(f"tcp://{host}:{port}")
+        dealer.send(b"BSTAR-TTL?")
+        assert not dealer.poll(500), dealer.recv_multipart()
+        dealer.close()
         for subtree in (b"", b"/users/", b"/secrets/", b"/config/") * (
                 row["bstar"] == "ACTIVE"):  # (a passive answers no ICANHAZ at all)
             keys, _ = _raw_snapshot(zctx, cluster, "orders", (host, port), subtree)
@@ -331,6 +339,7 @@ def test_the_hostile_peer_gets_nothing_outside_its_rights_at_any_entrance(cluste
         while sub.poll(300):
             received.add(sub.recv_multipart()[0].decode())
         sub.close()
+    assert sum(access_counts(cluster, "orders", "commands_refused").values()) >= 1
     for args in (("kill", "s0/primary"), ("restart", "s1/backup"), ("stop",)):
         out = cli(*args, str(cluster.config), "--identity", "orders")
         assert out.returncode == Exit.FORBIDDEN, (args, out.stderr)
@@ -460,6 +469,7 @@ def _sub_all_actives(cluster, zctx, identity: str, topic: bytes = b"") -> list:
         sub.reconnect_ivl = 100
         cluster.security(identity).connect_side(sub)
         sub.subscribe(topic)
+        sub.subscribe(chp.HUGZ)  # as a client does: HUGZ are outside any subtree
         sub.connect(f"tcp://{address[0]}:{address[1] + 1}")
         assert sub.poll(10_000), "no HUGZ"
         subs.append(sub)
@@ -486,10 +496,12 @@ def test_zz_a_reload_takes_rights_away_from_live_subscriptions(cluster, zctx):
     import yaml
 
     subs = _sub_all_actives(cluster, zctx, "dashboard")
+    revoked = _sub_all_actives(cluster, zctx, "orders", b"/orders/")
     with cluster.clone("ops") as ops:
         ops.set("/public/before", b"1", wait=True)
         ops.set("/orders/before", b"1", wait=True)
     assert {"/public/before", "/orders/before"} <= _drain(subs, "/orders/before")
+    assert "/orders/before" in _drain(revoked, "/orders/before")
     data = yaml.safe_load(cluster.config.read_text())
     original = cluster.config.read_text()
     data["security"]["roles"]["reader"] = {"read": ["/orders/"]}
@@ -516,6 +528,10 @@ def test_zz_a_reload_takes_rights_away_from_live_subscriptions(cluster, zctx):
     got |= _drain(subs, "/orders/after")
     assert "/orders/after" in got, got  # reconnected, subscribed again, narrowed
     assert not [k for k in got if k.startswith("/public/")], got
+    # the removed identity's live subscriptions were closed; its reconnections refused
+    assert not [k for k in _drain(revoked, timeout_s=1.0) if k.startswith("/orders/")]
+    for sub in revoked:
+        sub.close()
     for sub in subs:
         sub.close()
     assert sum(r["stats"]["access"]["connections_closed"] for n, r in cluster.rows().items()
