@@ -31,6 +31,8 @@ every query names one of them:
     clonemap_server_disk_ok            0 while a server is down on a disk error
     clonemap_server_disk_errors_total  runs that stopped on a disk error
     clonemap_recovery_torn_updates     updates in a torn last record truncated at recovery
+    clonemap_access_refused_total{identity,what}  refusals (and narrowings) by identity:
+                                       writes_refused, snapshots_narrowed, ... (access control)
     clonemap_broker_events_total{event}   the control broker's counters
     clonemap_broker_drops_total{reason}   its counted drops
     clonemap_broker_held_bytes         request bytes it holds
@@ -66,7 +68,7 @@ METRIC_NAMES = (
     "clonemap_persist_fsync_seconds", "clonemap_broker_events_total",
     "clonemap_broker_drops_total", "clonemap_broker_held_bytes", "clonemap_broker_workers",
     "clonemap_server_disk_ok", "clonemap_server_disk_errors_total",
-    "clonemap_recovery_torn_updates")
+    "clonemap_recovery_torn_updates", "clonemap_access_refused_total")
 
 
 def _number(value: Any) -> float | None:
@@ -134,6 +136,9 @@ def server_families(snap: dict):
     disk_errors = CounterMetricFamily("clonemap_server_disk_errors", "Runs of the server "
                                       "that stopped on a disk error (ENOSPC, EIO, EROFS, a "
                                       "failed fsync)", labels=SERVER)
+    refused = CounterMetricFamily("clonemap_access_refused", "Refusals (and narrowings) "
+                                  "of an identity's requests, by kind (access control)",
+                                  labels=SERVER + ("identity", "what"))
     torn = GaugeMetricFamily("clonemap_recovery_torn_updates", "Updates in the torn last "
                              "record truncated when the server's current run recovered",
                              labels=SERVER)
@@ -171,6 +176,10 @@ def server_families(snap: dict):
                 streaming.add_metric(labels, stats["snapshots_active"])
             for reason, count in sorted((stats.get("drops") or {}).items()):
                 drops.add_metric(labels + (reason,), count)
+            access = (stats.get("access") or {}).get("by_identity") or {}
+            for identity, counts in sorted(access.items()):
+                for what, count in sorted(counts.items()):
+                    refused.add_metric(labels + (identity, what), count)
             if _number(stats.get("pending")) is not None:
                 pending.add_metric(labels, stats["pending"])
             torn_updates = (stats.get("persist") or {}).get("torn_updates_recovered")
@@ -189,7 +198,7 @@ def server_families(snap: dict):
                                  sum_value=stats["persist"].get("fsync_s_total", 0.0))
     yield from (up, active, has_active, sequence, keys, updates, drops, served, streaming,
                 restarts, rss, cpu, failovers, pending, lag, fsync, disk_ok, disk_errors,
-                torn)
+                torn, refused)
 
 
 def _process_figures(pid: int | None, labels: tuple, rss, cpu) -> None:

@@ -15,6 +15,7 @@ a ledger of what it was sent.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 
@@ -220,6 +221,16 @@ def test_a_raw_peer_s_snapshot_and_resume_hold_only_readable_keys(cluster, zctx)
         assert b"refused=read" in refused[3]
 
 
+def _metrics(cluster) -> str:
+    import urllib.request
+
+    import yaml
+
+    address = yaml.safe_load(cluster.config.read_text())["metrics"]
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
 def shard_of(cluster, key):
     with cluster.clone("ops") as ops:
         return f"s{ops._async.cluster.shard_map.owner(key.encode())}"
@@ -340,6 +351,9 @@ def test_the_hostile_peer_gets_nothing_outside_its_rights_at_any_entrance(cluste
             received.add(sub.recv_multipart()[0].decode())
         sub.close()
     assert sum(access_counts(cluster, "orders", "commands_refused").values()) >= 1
+    metrics = _metrics(cluster)  # the same counts, for Prometheus
+    assert re.search(r'clonemap_access_refused_total\{[^}]*identity="orders"[^}]*'
+                     r'what="writes_refused"[^}]*\} [1-9]', metrics), metrics[-3000:]
     for args in (("kill", "s0/primary"), ("restart", "s1/backup"), ("stop",)):
         out = cli(*args, str(cluster.config), "--identity", "orders")
         assert out.returncode == Exit.FORBIDDEN, (args, out.stderr)
