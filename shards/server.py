@@ -79,6 +79,7 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _pack_seq = chp.pack_seq
 _RESERVED = chp.RESERVED_KEYS
+_HUGZ = chp.HUGZ
 
 
 class ShardServer:
@@ -278,15 +279,33 @@ class ShardServer:
         else:
             scope = self._last_scope = self.gate.scope(user_id)
             self._last_user = user_id
+        key = frames[0]
         if scope is not None:
-            key = frames[0]
             allowed = scope.writable.get(key[:scope.depth])
             if allowed is None:
                 allowed = scope.may_write(key)
             if not allowed:
                 self._refuse_write(scope, frames)
                 return
+        if key[:4] == _HUGZ and len(frames) == 5:
+            self._refuse_hugz_key(user_id, frames)
+            return
         self.role.on_collect(frames)
+
+    def _refuse_hugz_key(self, user_id: str | None, frames: list[bytes]) -> None:
+        """A key that starts with ``HUGZ``, in a cluster that enforces rights: every
+        subscriber that may read anything subscribes to the ``HUGZ`` prefix (a publisher
+        matches prefixes), so such a key would reach readers that may not read it. It
+        is refused from every writer, the cluster's own pairs included."""
+        why = (f"forbidden: a key that starts with HUGZ ({frames[0][:80]!r}) would reach "
+               "every subscriber: refused where rights are enforced")
+        self.gate.count(user_id or "client", "writes_refused", why)
+        try:
+            reply_to = chp.write_terms(frames[3]).reply_to if frames[3] else None
+        except ProtocolError:
+            reply_to = None
+        if reply_to and self.active:
+            self._reply(reply_to, frames[2], chp.REFUSED, 0, why)
 
     def _refuse_write(self, scope, frames: list[bytes]) -> None:
         why = scope.why_not(frames[0], "write")

@@ -358,6 +358,11 @@ def test_the_hostile_peer_gets_nothing_outside_its_rights_at_any_entrance(cluste
             received.add(sub.recv_multipart()[0].decode())
         sub.close()
     assert sum(access_counts(cluster, "orders", "commands_refused").values()) >= 1
+    # every reader subscribes to the HUGZ prefix: a key under it is refused to everyone
+    with cluster.clone("ops") as ops:
+        with pytest.raises(WriteRefused, match="starts with HUGZ"):
+            ops.set("HUGZ/leak", b"x", wait=True)
+    assert "HUGZ/leak" not in fresh_map(cluster)
     metrics = _metrics(cluster)  # the same counts, for Prometheus
     assert re.search(r'clonemap_access_refused_total\{[^}]*identity="orders"[^}]*'
                      r'what="writes_refused"[^}]*\} [1-9]', metrics), metrics[-3000:]
