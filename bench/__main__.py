@@ -116,6 +116,11 @@ SCENARIOS = {
         "of the map cut off for 5 s (time and bytes to be current) and its memory per key "
         "(a peer this host lacks is reported missing)",
         {"smoke": "~1.5 min", "quick": "~16 min", "full": "~28 min"}),
+    "read_burst": Scenario(
+        "bench.read_burst", "read_burst",
+        "a reader's get latency (p50/p99/max) while its client applies a burst of "
+        "100,000 updates, against a plain dict in the same process",
+        {"smoke": "~10 s", "quick": "~25 s", "full": "~40 s"}),
     "report": Scenario("bench.report", None,
                        "Markdown report + PNG plots from the latest records",
                        {"smoke": "~5 s", "quick": "~5 s", "full": "~5 s"}),
@@ -126,7 +131,8 @@ ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failove
          "durability", "curve", "slow_subscriber", "relays", "hot_path"]
 """What ``all`` runs, in this order, then ``report`` (``failover_supervised`` runs alone:
 it starts a whole 8-server cluster; ``conditional`` too: it measures the client API;
-``peers`` runs other projects' servers, installed apart;
+``peers`` runs other projects' servers, installed apart; ``read_burst`` measures a
+client's reads, the peers' read workload's companion;
 ``cluster`` belongs to the 16core profile, sized for a many-core host; ``hosts`` needs
 root, for its network namespaces)."""
 
@@ -165,6 +171,7 @@ PROFILES: dict[str, Profile] = {
         "hosts": ["--seconds", "0.5", "--rounds", "1", "--in-flight", "1", "--takeovers", "1"],
         "cluster": ["--config", "configs/2shard.yaml", "--seconds", "0.5", "--warmup",
                     "0.2", "--rounds", "1"],
+        "read_burst": ["--keys", "2000", "--burst", "5000", "--idle-s", "0.3", "--rounds", "1"],
         "conditional": ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "1",
                         "--writers", "2"],
         "handoff": ["--modes", "inline,thread,workers", "--workers", "1,2", "--work", "cpu",
@@ -199,6 +206,7 @@ PROFILES: dict[str, Profile] = {
         "hosts": [],
         "cluster": ["--config", "configs/2shard.yaml", "--seconds", "2", "--warmup", "0.5",
                     "--rounds", "2"],
+        "read_burst": ["--rounds", "2", "--idle-s", "0.5"],
         "conditional": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
         "handoff": ["--rate", "40000", "--seconds", "2"],
         "durability": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2",
@@ -230,6 +238,7 @@ PROFILES: dict[str, Profile] = {
         "hosts": ["--seconds", "8", "--rounds", "3", "--takeovers", "3"],
         "cluster": ["--config", "configs/2shard.yaml", "--seconds", "4", "--warmup", "1",
                     "--rounds", "3"],
+        "read_burst": ["--rounds", "3"],
         "conditional": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],
         "handoff": ["--rate", "40000", "--seconds", "3"],
         "durability": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],

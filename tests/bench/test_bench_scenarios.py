@@ -376,6 +376,26 @@ def test_peers_read_workload_measures_every_read_path_of_every_present_system(pr
     assert "clonemap get / clonemap dict" in data["summary"]["read"]["ratios"]
 
 
+def test_read_burst_times_reads_idle_and_through_a_whole_burst(procs, tmp_path):
+    """``bench read_burst`` at smoke size: each mode (Clone.get, the plain-dict floor)
+    has an idle and a burst window per round; the burst's every update reached the
+    client before its window closed, and the latencies are ordered."""
+    run_bench(procs, tmp_path, "bench", "read_burst", "--keys", "1000", "--burst", "3000",
+              "--idle-s", "0.2", "--rounds", "1")
+    data = bench_record(tmp_path, "read_burst")
+    runs = data["runs"]
+    assert [(r["mode"], r["window"]) for r in runs] == [
+        ("get", "idle"), ("get", "burst"), ("dict", "idle"), ("dict", "burst")]
+    for r in runs:
+        assert r["reads"] > 0 and r["reads_per_s"] > 0, r
+        assert 0 < r["p50_us"] <= r["p99_us"] <= r["p999_us"] <= r["max_us"], r
+        if r["window"] == "burst":
+            assert r["sent"] == 3000 and r["applied"] >= r["sent"], r
+    assert len(data["summary"]["burst_p99_get_to_dict_per_round"]) == 1
+    assert "during a burst of 3,000 updates" in (
+        tmp_path / "latest" / "read_burst.md").read_text()
+
+
 def test_join_ab_joins_every_server_and_both_takers_in_turn(procs, tmp_path):
     """``python -m bench.join_ab`` at smoke size, two servers from this checkout: every
     join of every server and of each client row taker holds the whole map (a join that
