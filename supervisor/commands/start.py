@@ -198,7 +198,7 @@ class Supervisor:
             loop.add_signal_handler(sig, self.stop.set)
         the_plan = self.plan
         if the_plan.access.identities:
-            log.warning("%s", ENFORCED)
+            log.info("%s", ENFORCED)
         control = _connect_endpoint(the_plan.control)
         ctx = zmq.Context()
         security = (Security.load(the_plan.keys_dir, "server") if the_plan.curve
