@@ -320,13 +320,16 @@ class Authenticator:
         if names is not None:
             found = {key: name for key, name in found.items() if name in names}
         certs = self._auth.certs.setdefault(ZAP_DOMAIN, {})
-        gone = {name for key, name in security.identities.items() if key not in found}
-        for key in security.identities:
-            if key not in found:
-                certs.pop(key, None)
+        known = security.identities
+        removed = [key for key in known if key not in found]
+        gone = {known[key] for key in removed}
+        # added first, removed one by one: the ZAP thread, reading these dicts meanwhile,
+        # never sees a key that stays admitted missing
         certs.update(dict.fromkeys(found, True))
-        security.identities.clear()
-        security.identities.update(found)
+        known.update(found)
+        for key in removed:
+            certs.pop(key, None)
+            known.pop(key, None)
         return gone
 
     def stop(self) -> None:
