@@ -297,25 +297,23 @@ class ShardServer:
         subscriber that may read anything subscribes to the ``HUGZ`` prefix (a publisher
         matches prefixes), so such a key would reach readers that may not read it. It
         is refused from every writer, the cluster's own pairs included."""
-        why = (f"forbidden: a key that starts with HUGZ ({frames[0][:80]!r}) would reach "
-               "every subscriber: refused where rights are enforced")
-        self.gate.count(user_id or "client", "writes_refused", why)
-        try:
-            reply_to = chp.write_terms(frames[3]).reply_to if frames[3] else None
-        except ProtocolError:
-            reply_to = None
-        if reply_to and self.active:
-            self._reply(reply_to, frames[2], chp.REFUSED, 0, why)
+        self._refuse(user_id or "client", frames,
+                     f"forbidden: a key that starts with HUGZ ({frames[0][:80]!r}) would "
+                     "reach every subscriber: refused where rights are enforced")
 
     def _refuse_write(self, scope, frames: list[bytes]) -> None:
-        why = scope.why_not(frames[0], "write")
-        self.gate.count(scope.name, "writes_refused", why)
-        if len(frames) != 5:
+        self._refuse(scope.name, frames, scope.why_not(frames[0], "write"))
+
+    def _refuse(self, name: str, frames: list[bytes], why: str) -> None:
+        """A KVSET refused for want of a right: counted for ``name``, and answered
+        ``refused`` with ``why`` when it asked for a reply."""
+        self.gate.count(name, "writes_refused", why)
+        if len(frames) != 5 or not frames[3]:
             return
         try:
-            reply_to = chp.write_terms(frames[3]).reply_to if frames[3] else None
+            reply_to = chp.write_terms(frames[3]).reply_to
         except ProtocolError:
-            reply_to = None
+            return
         if reply_to and self.active:
             self._reply(reply_to, frames[2], chp.REFUSED, 0, why)
 
