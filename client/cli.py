@@ -1,4 +1,4 @@
-"""``chp``: the clonemap map from a shell (get, set, del, dump, watch, trace).
+"""``chp``: the clonemap map from a shell (get, set, del, dump, watch, trace, whoami).
 
 ::
 
@@ -14,6 +14,7 @@
     chp which KEY [--json]               the shard that owns KEY, its servers, its active
     chp watch [SUBTREE] [--json]         the items, a "synced" line, then live changes
     chp trace SHARD                      every command on the shard's publisher (P+1)
+    chp whoami [--json]                  the identity presented, its rights (cluster.whoami)
 
 Where the cluster is: ``--control`` (the supervisor's MDP ``cluster.map``), ``--config``
 (a supervisor config, planned here), or ``--servers`` once per shard (a server or a
