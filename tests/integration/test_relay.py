@@ -124,6 +124,9 @@ def test_a_relay_killed_sends_its_clients_to_the_other_relay(procs, pair):
             writer.set(f"/k/{i}", b"after", wait=True)
         reader.set("/k/from-reader", b"r", wait=True)  # writes go on through the other
         wait_for(lambda: reader.get("/k/29") == b"after", "the other relay's updates")
+        # the reader's wait=True saw its own echo (through the relay); the writer's copy
+        # gets the same KVPUB on its own subscription, in its own time
+        wait_for(lambda: writer.get("/k/from-reader") == b"r", "the writer's copy of it")
         shard = reader.stats()["shards"][0]
         assert shard["failovers"] == 1 and shard["server"] != followed
         assert dict(reader.items()) == dict(writer.items())
