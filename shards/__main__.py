@@ -30,17 +30,16 @@ import sys
 import click
 
 from clonemap.shards.common.endpoints import MAX_IO_THREADS
-from clonemap.shards.common.errors import ConfigError, Exit, os_error_text
+from clonemap.shards.common.errors import Exit, os_error_text
 from clonemap.shards.common.memory import return_large_frees
 from clonemap.shards import coord, streams
 from clonemap.shards.pair import BinaryStar
 from clonemap.shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES
 from clonemap.shards.common.proto import chp
-from clonemap.shards.common.security import Security
 from clonemap.shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES
 from clonemap.shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES
-from clonemap.shards.serve import (bind_and_serve, disk_exit, parse_cpus, peer_arg, routing_arg,
-                          shard_arg)
+from clonemap.shards.serve import (bind_and_serve, disk_exit, load_access, parse_cpus, peer_arg,
+                                   routing_arg, shard_arg)
 from clonemap.shards.common.timing import HEARTBEAT_S
 from clonemap.shards.server import ShardServer
 from clonemap.shards.server_config import (CLOCK_S, COLLECT_BATCH, COLLECT_RCVHWM, DEDUP_BYTES, DEDUP_S,
@@ -340,20 +339,7 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
             pending_age_s=pending_age_s, pending_max_bytes=pending_max_bytes,
             coordination=coordination, lease_s=lease_s, lease_name=lease_name,
             replication=replication))
-    if keys_dir is not None:
-        try:
-            server.security = Security.load(keys_dir, "server")
-        except ConfigError as exc:
-            click.echo(f"shards: {exc}", err=True)
-            sys.exit(Exit.USAGE)
-    if rights is not None:
-        from clonemap.shards.gate import Gate
-
-        try:
-            server.gate = Gate.load(rights)
-        except ConfigError as exc:
-            click.echo(f"shards: {exc}", err=True)
-            sys.exit(Exit.USAGE)
+    load_access(server, keys_dir, rights, "shards")
     if data_dir is not None:
         from clonemap.shards.persist import writer as persist_writer
 

@@ -44,11 +44,9 @@ from clonemap.shards.replica import Follower, expires_of
 from clonemap.shards.server import ShardServer
 from clonemap.shards.server_config import ServerConfig
 from clonemap.shards.store import Store
-from clonemap.shards.serve import bind_and_serve, parse_cpus, routing_arg
+from clonemap.shards.serve import bind_and_serve, load_access, parse_cpus, routing_arg
 from clonemap.shards.common.memory import return_large_frees
 from clonemap.shards.common import timing
-from clonemap.shards.common.errors import ConfigError, Exit
-from clonemap.shards.common.security import Security
 from clonemap.shards.common.timing import HEARTBEAT_S
 from clonemap.shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES
 
@@ -439,20 +437,7 @@ def main(port, host, upstream, shard, name, shard_map, shard_index, heartbeat_s,
     relay = relay_server(config, upstream=upstream, shard=shard, name=name,
                          silence_timeout_s=silence_timeout_s or timing.silence_timeout_s(
                              heartbeat_s))
-    if keys_dir is not None:
-        try:
-            relay.security = Security.load(keys_dir, "server")
-        except ConfigError as exc:
-            click.echo(f"relay: {exc}", err=True)
-            sys.exit(Exit.USAGE)
-    if rights is not None:
-        from clonemap.shards.gate import Gate
-
-        try:
-            relay.gate = Gate.load(rights)
-        except ConfigError as exc:
-            click.echo(f"relay: {exc}", err=True)
-            sys.exit(Exit.USAGE)
+    load_access(relay, keys_dir, rights, "relay")
     bind_and_serve(relay, shard, control, parent_pid, "relay")
 
 

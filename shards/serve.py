@@ -89,6 +89,24 @@ def routing_arg(ctx, param, value: str | None) -> ShardMap | None:
         raise click.BadParameter(str(exc))
 
 
+def load_access(server: ShardServer, keys_dir: str | None, rights: str | None,
+                prog: str) -> None:
+    """``--keys-dir`` (the server's CURVE keys) and ``--rights`` (the identities' rights,
+    ``clonemap.shards.gate``) into ``server``, before it binds; a file that cannot be
+    used ends the process with one line and ``Exit.USAGE``."""
+    from clonemap.shards.common.security import Security
+    from clonemap.shards.gate import Gate
+
+    try:
+        if keys_dir is not None:
+            server.security = Security.load(keys_dir, "server")
+        if rights is not None:
+            server.gate = Gate.load(rights)
+    except ConfigError as exc:
+        click.echo(f"{prog}: {exc}", err=True)
+        sys.exit(Exit.USAGE)
+
+
 def control_stats(server: ShardServer, shard: str) -> dict:
     """What the control service answers: the server's stats plus who it is."""
     stats = server.stats()
