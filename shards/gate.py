@@ -28,7 +28,7 @@ from pathlib import Path
 
 from clonemap.shards.common.errors import ConfigError
 from clonemap.shards.common.proto import chp
-from clonemap.shards.common.rights import RESERVED, Access, Rights
+from clonemap.shards.common.rights import RESERVED, Access, Rights, decide, longest_prefix
 
 log = logging.getLogger("clonemap.shards.gate")
 
@@ -45,14 +45,6 @@ ALL, SOME, NONE = "all", "some", "none"
 """What a snapshot of a subtree holds for a requester (``Scope.snapshot``)."""
 
 _HUGZ = chp.HUGZ
-
-
-def _longest(key: bytes, prefixes: tuple[bytes, ...]) -> int:
-    best = -1
-    for prefix in prefixes:
-        if len(prefix) > best and key.startswith(prefix):
-            best = len(prefix)
-    return best
 
 
 class Scope:
@@ -72,36 +64,29 @@ class Scope:
         self.reads_anything = bool(self.read)
 
     # ------------------------------------------------------------------ keys
-    def _decide(self, key: bytes, grants: tuple[bytes, ...]) -> bool:
-        return _longest(key, grants) > _longest(key, self.deny)
+    def _cached(self, cache: dict[bytes, bool], grants: tuple[bytes, ...],
+                key: bytes) -> bool:
+        start = key[:self.depth]
+        got = cache.get(start)
+        if got is None:
+            if len(cache) >= CACHE_KEYS:
+                cache.clear()
+            got = cache[start] = decide(start, grants, self.deny)
+        return got
 
     def may_write(self, key: bytes) -> bool:
-        start = key[:self.depth]
-        cache = self.writable
-        got = cache.get(start)
-        if got is None:
-            if len(cache) >= CACHE_KEYS:
-                cache.clear()
-            got = cache[start] = self._decide(start, self.write)
-        return got
+        return self._cached(self.writable, self.write, key)
 
     def may_read(self, key: bytes) -> bool:
-        start = key[:self.depth]
-        cache = self._readable
-        got = cache.get(start)
-        if got is None:
-            if len(cache) >= CACHE_KEYS:
-                cache.clear()
-            got = cache[start] = self._decide(start, self.read)
-        return got
+        return self._cached(self._readable, self.read, key)
 
     def why_not(self, key: bytes, verb: str) -> str:
         """Why this identity may not ``verb`` (``read``/``write``) ``key``: the deny
         prefix that wins, or that no prefix grants it; and what it may."""
         grants = self.write if verb == "write" else self.read
-        denied = _longest(key, self.deny)
+        denied = longest_prefix(key, self.deny)
         shown = key[:80].decode("utf-8", "replace")
-        if denied >= 0 and denied >= _longest(key, grants):
+        if denied >= 0 and denied >= longest_prefix(key, grants):
             prefix = next(p for p in self.deny if len(p) == denied and key.startswith(p))
             return (f"forbidden: identity {self.name!r} may not {verb} {shown!r}: denied by prefix "
                     f"{prefix.decode('utf-8', 'replace')!r}")
@@ -123,7 +108,7 @@ class Scope:
         return out
 
     def _cover(self, p: bytes, rules: list[tuple[bytes, bool]], out: list[bytes]) -> bool:
-        here = self._decide(p, self.read)
+        here = decide(p, self.read, self.deny)
         deeper = [(r, g) for r, g in rules if len(r) > len(p) and r.startswith(p)]
         if all(g == here for _, g in deeper):
             if here:
@@ -208,15 +193,12 @@ class Gate:
         gate.loaded_at = time.time()
         return gate
 
-    def changed(self, newer: "Gate") -> set[str]:
-        """The identities whose rights differ in ``newer`` (changed, added or removed)."""
-        mine, theirs = self.access.identities, newer.access.identities
-        return {name for name in set(mine) | set(theirs) if mine.get(name) != theirs.get(name)}
-
     def take_counts(self, older: "Gate") -> None:
-        """Keep ``older``'s refusal counts (a reload does not reset them)."""
+        """Keep ``older``'s counts (a reload resets none of them)."""
         self.counts = older.counts
         self.logged = older.logged
+        self.reloads_failed = older.reloads_failed
+        self.connections_closed = older.connections_closed
 
     def scope(self, user_id: str | None) -> Scope | None:
         """None: every right (no CURVE, the cluster's own pairs, or nothing enforced);

@@ -335,8 +335,7 @@ class ShardServer:
             log.error("rights not reloaded, version %d kept: %s", old.version, exc)
             return False
         new.take_counts(old)
-        new.reloads_failed = old.reloads_failed
-        changed = old.changed(new)
+        changed = old.access.changed(new.access)
         self.gate = new
         self.heartbeat.use_gate(new)
         auth = self.sockets.auth
@@ -346,7 +345,7 @@ class ShardServer:
             refused = auth.admit_identities(frozenset(new.access.identities))
             hosts = set().union(*(auth.hosts.get(name, set()) for name in changed))
         closed = reset_connections({self.config.port + 1}, hosts)
-        new.connections_closed = old.connections_closed + closed
+        new.connections_closed += closed
         self._last_user = self._last_scope = None  # the next KVSET takes the new rights
         new.loaded_at = time.time()  # applied whole: connections closed too
         log.info("rights version %d applied (%d identities; changed: %s; keys no longer "

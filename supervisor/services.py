@@ -180,8 +180,7 @@ class ControlServices:
         except ClonemapError as exc:
             return [BAD_REQUEST, str(exc).encode()]
         old, self.access = self.access, access
-        changed = sorted(name for name in set(old.identities) | set(access.identities)
-                         if old.identities.get(name) != access.identities.get(name))
+        changed = sorted(old.changed(access))
         self.rights_version += 1
         write_rights(self.rights_path, access, self.rights_version)
         if self.broker is not None:

@@ -45,10 +45,10 @@ class Rights:
     admin: bool = False
 
     def may_read(self, key: str) -> bool:
-        return _decide(key, self.read, self.deny)
+        return decide(key, self.read, self.deny)
 
     def may_write(self, key: str) -> bool:
-        return _decide(key, self.write, self.deny)
+        return decide(key, self.write, self.deny)
 
     def describe(self) -> str:
         """One line: ``read /a/ /b/; write /a/; deny /a/x/; admin``."""
@@ -64,10 +64,21 @@ EVERY_RIGHT = Rights(read=("",), write=("",), admin=True)
 """The rights of the cluster's own pairs (``server``, the shared ``client``)."""
 
 
-def _decide(key: str, grants: tuple[str, ...], deny: tuple[str, ...]) -> bool:
-    granted = max((len(p) for p in grants if key.startswith(p)), default=-1)
-    denied = max((len(p) for p in deny if key.startswith(p)), default=-1)
-    return granted > denied
+def longest_prefix(key, prefixes) -> int:
+    """The length of the longest of ``prefixes`` that starts ``key``; -1 for none. Keys
+    and prefixes are both ``str`` (a config's rights) or both ``bytes`` (a server's
+    compiled ones, ``clonemap.shards.gate``)."""
+    best = -1
+    for prefix in prefixes:
+        if len(prefix) > best and key.startswith(prefix):
+            best = len(prefix)
+    return best
+
+
+def decide(key, grants, deny) -> bool:
+    """Whether ``grants`` give ``key`` (the module doc): the most specific prefix
+    decides, a deny of the same length wins, no prefix is no right."""
+    return longest_prefix(key, grants) > longest_prefix(key, deny)
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,11 @@ class Access:
     def may_admin(self, user_id: str | None) -> bool:
         rights = self.rights_of(user_id)
         return rights is not None and rights.admin
+
+    def changed(self, newer: "Access") -> set[str]:
+        """The identities whose rights differ in ``newer`` (changed, added or removed)."""
+        mine, theirs = self.identities, newer.identities
+        return {name for name in set(mine) | set(theirs) if mine.get(name) != theirs.get(name)}
 
     def to_doc(self) -> dict:
         """Every identity's rights as JSON-able data (the rights file servers load)."""
