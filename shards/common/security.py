@@ -221,10 +221,7 @@ class Security:
     def role_of(self, public_key: bytes) -> str | None:
         """``server`` or ``client`` for an admitted public key (Z85, or the 32 raw bytes
         a ZAP request carries), else None."""
-        if len(public_key) == 32:
-            from zmq.utils import z85
-
-            public_key = z85.encode(public_key)
+        public_key = _z85(public_key)
         if public_key == self.server_public:
             return SERVER
         if public_key in self.allowed:
