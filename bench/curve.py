@@ -32,38 +32,24 @@ from pathlib import Path
 
 import zmq
 
+from bench.harness import access
 from bench.harness import record as rec
 from bench.harness.offer import Offer, Targets, run_offer
 from bench.harness.procs import bench_main
 
 NAME = "curve"
-MODES = ("plain", "curve", "roles")
+MODES = access.MODES
 TARGET_RATIO = 0.8
 """Our goal (the issue sets none): CURVE keeps >= 0.8 of plain updates/s."""
 TARGET_ROLES_CPU = 1.15
 """Issue 42: checking rights costs at most 15% of CPU per update."""
-RIGHTS = {"bench": {"read": ["/"], "write": ["/k"], "deny": ["/k9", "/secret/"]}}
+RIGHTS = {"read": ["/"], "write": ["/k"], "deny": ["/k9", "/secret/"]}
+"""The ``roles`` mode's identity (``bench.harness.access``)."""
 
 
 def _args_of(mode: str, keys_dir: Path) -> tuple[tuple[str, ...], str]:
     """The server's extra arguments and the identity the load presents."""
-    if mode == "plain":
-        return (), ""
-    extra = ("--keys-dir", str(keys_dir))
-    if mode == "roles":
-        return extra + ("--rights", str(keys_dir / "rights.json")), "bench"
-    return extra, ""
-
-
-def _make_rights(keys_dir: Path) -> None:
-    from clonemap.shards.common.rights import Access, Rights
-    from clonemap.shards.common.security import create_identity_keys
-    from clonemap.shards.gate import write_rights
-
-    create_identity_keys(keys_dir, RIGHTS)
-    write_rights(keys_dir / "rights.json", Access(
-        {name: Rights(**{k: tuple(v) for k, v in r.items()}) for name, r in RIGHTS.items()},
-        dict.fromkeys(RIGHTS, "bench")))
+    return access.server_args(mode, keys_dir), access.identity(mode)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -139,14 +125,11 @@ def snapshot(mode: str, keys_dir: Path, args, progress) -> dict:
 
 
 def run(args: argparse.Namespace) -> rec.Record:
-    from clonemap.shards.common.security import create_keys
-
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
     record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", config), config)
     with tempfile.TemporaryDirectory(prefix="clonemap-keys-") as scratch:
         keys_dir = Path(scratch)
-        create_keys(keys_dir)
-        _make_rights(keys_dir)
+        access.make_keys(keys_dir, RIGHTS)
         with rec.Progress(NAME, total=args.rounds * len(MODES) * 2) as progress:
             for r in range(args.rounds):
                 for mode in MODES:

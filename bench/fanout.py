@@ -62,6 +62,7 @@ import sys
 import time
 from struct import error as struct_error
 
+from bench.harness import access
 from bench.harness import record as rec
 from bench.harness.fleet import timed_writer
 from bench.harness.procs import (Target, bench_main, cpu_pct_each, cpu_seconds, own_cpu_seconds,
@@ -73,7 +74,7 @@ NAME = "fanout"
 DURATION = ("Duration (2 cores): smoke (--shards 1,2 --subscribers 1,4 --rate 200 --seconds "
             "0.5) ~8 s; quick (--seconds 3) ~45 s; full (--seconds 5 --warmup 1 --rounds 2) "
             "~2.5 min.")
-MODES = ("plain", "curve", "roles")
+MODES = access.MODES
 BENCH_RIGHTS = {"read": ("/",), "write": ("/k",), "deny": ("/secret/",)}
 """The ``roles`` mode's one identity (``bench``): every write allowed, but checked."""
 SUBSCRIBER_IDLE_S = 5.0
@@ -262,30 +263,15 @@ def clients_per_process(setting, subscribers: int, shards: int,
     return max(1, math.ceil(subscribers / spare))
 
 
-def make_keys(keys_dir: str) -> None:
-    """The cluster's pairs, the ``bench`` identity's, and the rights file (``roles``)."""
-    from pathlib import Path
-
-    from clonemap.shards.common.rights import Access, Rights
-    from clonemap.shards.common.security import create_identity_keys, create_keys
-    from clonemap.shards.gate import write_rights
-
-    create_keys(keys_dir)
-    create_identity_keys(keys_dir, ["bench"])
-    write_rights(Path(keys_dir) / "rights.json",
-                 Access({"bench": Rights(**BENCH_RIGHTS)}, {"bench": "bench"}))
-
-
 def mode_args(mode: str, keys_dir: str) -> tuple[tuple[str, ...], list[str], dict]:
-    """The servers' extra arguments, the subscribers' and the writer's, for ``mode``."""
+    """The servers' extra arguments, the subscribers' and the writer's, for ``mode``
+    (``bench.harness.access``)."""
     if mode == "plain":
         return (), [], {}
-    server = ("--keys-dir", keys_dir)
-    if mode == "curve":
-        return server, ["--keys", keys_dir], {"keys_dir": keys_dir}
-    return (server + ("--rights", os.path.join(keys_dir, "rights.json")),
-            ["--keys", keys_dir, "--identity", "bench"],
-            {"keys_dir": keys_dir, "identity": "bench"})
+    who = access.identity(mode)
+    return (access.server_args(mode, keys_dir),
+            ["--keys", keys_dir, *(("--identity", who) if who else ())],
+            {"keys_dir": keys_dir, "identity": who})
 
 
 def run_one(shards: int, subscribers: int, args: argparse.Namespace,
@@ -416,7 +402,7 @@ def run(args: argparse.Namespace) -> rec.Record:
     combos = [(s, n) for s in args.shards for n in args.subscribers]
     keys = tempfile.TemporaryDirectory(prefix="clonemap-fanout-keys-")
     if modes != ["plain"]:
-        make_keys(keys.name)
+        access.make_keys(keys.name, BENCH_RIGHTS)
     with keys, rec.Progress(NAME, 2 + len(combos) * len(modes) * args.rounds) as progress:
         ceilings = measure_ceilings(seconds=args.ceiling_s, warmup=min(1.0, args.ceiling_s / 2),
                                     value_bytes=args.value_bytes, rate_per_s=args.rate,
