@@ -258,6 +258,20 @@ async def read_followed_copy(o: dict, local: dict, keys: list, follow) -> dict:
         task.cancel()
 
 
+def followed(result: dict, clone) -> dict:
+    """``result`` with what the reader's client went through while it read: snapshots
+    taken (1 is the first), gaps, resyncs for lag, the largest lag it saw. A staleness
+    tail with none of these is the host's scheduling, not the client's catching up."""
+    shards = clone.stats()["shards"]
+    result["client"] = {
+        "snapshots": sum(s["snapshots"] for s in shards),
+        "gaps": sum(s["gaps"] for s in shards),
+        "lagged": sum(s["lagged"] for s in shards),
+        "fell_behind": clone.stats()["fell_behind"],
+        "max_lag_seen_s": max((s["max_lag_seen_s"] for s in shards), default=0.0)}
+    return result
+
+
 def clonemap_reader(variant: str, o: dict) -> dict:
     keys = key_names("clonemap", o["keys"])
     if variant in ("get", "dict", "lean"):
@@ -280,11 +294,11 @@ def clonemap_reader(variant: str, o: dict) -> dict:
                 return after_cut(c.get, keys)
             ready(o)
             if variant == "get":
-                return run_sync_reader(o, c.get, keys, keys[-1])
+                return followed(run_sync_reader(o, c.get, keys, keys[-1]), c)
             # the floor: a plain dict of the same keys, read by the same loop in a process
             # whose client applies the same updates (its probe key is the client's)
             plain = {k: v for k, v in c.items()}
-            return run_sync_reader(o, plain.get, keys, keys[-1], probe_get=c.get)
+            return followed(run_sync_reader(o, plain.get, keys, keys[-1], probe_get=c.get), c)
 
     async def main():
         from clonemap.client.api import AsyncClone
