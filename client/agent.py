@@ -413,7 +413,7 @@ class ShardAgent:
     def _check_route(self, info: chp.HugzInfo) -> None:
         if (info.route and self.route and info.route != self.route
                 and self.on_wrong_route is not None):
-            self.on_wrong_route(self, info.route)
+            self.on_wrong_route(self, info.route, info.epoch)
 
     def _on_update(self, frames: list[bytes]) -> None:
         """A message on the SUB: KVPUB or HUGZ (hot path)."""

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
-from clonemap.shards.common.errors import ClonemapError, HandshakeRefused, Timeout
+from clonemap.shards.common.errors import ClonemapError, ConfigError, HandshakeRefused, Timeout
 from clonemap.shards.common.security import Security, client_keys
 from clonemap.shards.common.endpoints import MAX_IO_THREADS
 from clonemap.shards.common.proto import chp
@@ -134,7 +134,12 @@ class AsyncClone:
         self._agents: list[ShardAgent] = []
         self.health = Health(slow_policy=opts.slow_policy, max_lag_s=opts.max_lag_s,
                              on_slow=opts.on_slow, routing=self._routing,
-                             end_watches=self._on_failed, close_agents=self._close_agents)
+                             end_watches=self._on_failed, close_agents=self._close_agents,
+                             follow=self._follow_routing)
+        self._following = 0
+        """The routing epoch this client is fetching the map of (0: none)."""
+        self.routing_followed = 0
+        """How many later routing epochs this client took while it ran."""
         """Falling behind, and failing (``clonemap.client.health``)."""
         self._hooks = AgentHooks(on_failover=opts.on_failover, on_reset=opts.on_reset,
                                  on_behind=self.health.on_behind, on_lag=self.health.on_lag,
@@ -321,6 +326,72 @@ class AsyncClone:
         if self.cluster is None:
             return "?", "?"
         return self.cluster.shard_map.shards, self.cluster.source
+
+    # ------------------------------------------------------------------ routing epochs
+    def _follow_routing(self, epoch: int) -> bool:
+        """A server follows routing ``epoch``: if it is later than this client's and the
+        cluster map can be fetched (``control=``, or the config's control endpoint), fetch
+        it and route by it (``_take_routing``); True while that is under way."""
+        cluster = self.cluster
+        control = self.control or (cluster.control if cluster is not None else None)
+        if cluster is None or control is None or epoch <= cluster.shard_map.epoch:
+            return False
+        if self._following < epoch:
+            self._following = epoch
+            asyncio.get_running_loop().create_task(self._fetch_routing(control, epoch))
+        return True
+
+    async def _fetch_routing(self, control: "str | Sequence[str]", epoch: int) -> None:
+        try:
+            cluster = await discover(control, timeout_s=self.control_timeout_s,
+                                     keys_dir=self.keys_dir, identity=self.options.identity)
+            if cluster.shard_map.epoch < epoch:
+                raise ConfigError(f"a server follows routing epoch {epoch}, but the cluster "
+                                  f"map at {control} is at epoch {cluster.shard_map.epoch}",
+                                  field="routing")
+            self._take_routing(cluster)
+        except ClonemapError as exc:
+            log.error("routing epoch %d: %s", epoch, exc)
+            self.health.fail_now(exc if isinstance(exc, ConfigError) else ConfigError(
+                f"routing epoch {epoch}: the cluster map could not be fetched from "
+                f"{control} ({exc})", field="routing"))
+            self._close_agents()
+        finally:
+            if self._following == epoch:
+                self._following = 0
+
+    def _take_routing(self, cluster: Cluster) -> None:
+        """Route by ``cluster``'s later routing, in place: the same shards (the same
+        agents, maps and watches; nothing is fetched again), each agent now expecting its
+        server's new ``route=``. A routing that needs a shard this client does not follow
+        (another shard count, or a subtree that now reaches another shard) fails the
+        client with ``ConfigError``: it must be started again."""
+        current = self.cluster
+        if current is None or self.failed is not None:
+            return
+        if cluster.shard_map.epoch <= current.shard_map.epoch:
+            return
+        needed = ({cluster.shard_map.owner(self.only_key.encode("utf-8"))}
+                  if self.only_key is not None else
+                  {spec.index for spec in cluster.shards_for(self._subtree_b)})
+        if (cluster.shard_map.shards != current.shard_map.shards
+                or not needed <= set(self._by_index)):
+            raise ConfigError(
+                f"the cluster's routing is now epoch {cluster.shard_map.epoch} over "
+                f"{cluster.shard_map.shards} shards; this client follows "
+                f"{sorted(self._by_index)} of {current.shard_map.shards} and does not add "
+                "shards while it runs: start it again", field="routing")
+        self.cluster = cluster
+        self._routes.clear()  # ``get``'s routes of the old map
+        for index, agent in self._by_index.items():
+            agent.route = cluster.shard_map.route_of(index)
+        self.routing_followed += 1
+        log.info("routing: now epoch %d (%s)", cluster.shard_map.epoch, cluster.source)
+
+    @property
+    def routing_epoch(self) -> int:
+        """The epoch of the routing this client routes by (0: no cluster yet)."""
+        return self.cluster.shard_map.epoch if self.cluster is not None else 0
 
     def _close_agents(self) -> None:
         for agent in self._agents:

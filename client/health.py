@@ -8,7 +8,9 @@ counted (``fell_behind``) and handled by ``slow_policy``: ``"resync"`` takes a f
 snapshot of that shard; ``"die"`` fails the client: every later call and every watch
 raises ``clonemap.client.errors.SlowSubscriber``, and ``on_slow`` is called. A server whose HUGZ
 names another routing than this client's fails it at once too (a ``ConfigError``: a
-client planned from another config), rather than timing out on the keys it misroutes.
+client planned from another config), rather than timing out on the keys it misroutes,
+unless that routing is a later epoch of this client's cluster, which the client follows
+(``follow``: it fetches the cluster map from the supervisor and routes by it).
 """
 from __future__ import annotations
 
@@ -35,8 +37,12 @@ class Health:
                  on_slow: Callable[[SlowSubscriber], object] | None,
                  routing: Callable[[], tuple[int | str, str]],
                  end_watches: Callable[[ClonemapError], None],
-                 close_agents: Callable[[], None]):
-        """``routing()``: (shard count, config source) this client routes with."""
+                 close_agents: Callable[[], None],
+                 follow: Callable[[int], bool] | None = None):
+        """``routing()``: (shard count, config source) this client routes with;
+        ``follow(epoch)``: True when the client takes that later routing epoch of its
+        cluster (it knows where the map is served), False when it cannot."""
+        self._follow = follow
         self.slow_policy = slow_policy
         self.max_lag_s = max_lag_s
         self.on_slow = on_slow
@@ -75,11 +81,14 @@ class Health:
             f"(max_lag_s {self.max_lag_s}); slow_policy='die'",
             shard=agent.name, lag_s=lag_s))
 
-    def on_wrong_route(self, agent: AgentView, theirs: str) -> None:
-        """A server of ``agent``'s shard routes keys with another map than this client:
-        the client was planned from another config. It fails at once (every call, every
+    def on_wrong_route(self, agent: AgentView, theirs: str, epoch: int = 0) -> None:
+        """A server of ``agent``'s shard routes keys with another map than this client.
+        A later epoch of its cluster's routing is followed (``follow``); otherwise the
+        client was planned from another config, and it fails at once (every call, every
         watch, a start in progress), rather than timing out on the keys it misroutes."""
         if self.failed is not None:
+            return
+        if epoch and self._follow is not None and self._follow(epoch):
             return
         index, count, _ = (theirs.split("/") + ["?", "?"])[:3]
         mine, source = self._routing()

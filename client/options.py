@@ -110,7 +110,8 @@ class AgentHooks:
     (this client fell behind the publisher). True: handled (policy "die"), no resync."""
     on_lag: Callable[[Any, float], bool] | None = None
     """(agent, lag_s) when the shard is read later than ``max_lag_s``; True: handled."""
-    on_wrong_route: Callable[[Any, str], None] | None = None
+    on_wrong_route: Callable[[Any, str, int], None] | None = None
+    """(agent, the server's route, its routing epoch): a server routes otherwise."""
     """(agent, the route a HUGZ named) when it is not the one this client expects."""
     on_read_refused: Callable[[Any], None] | None = None
     """(agent) when its server refused its snapshot: the client's identity may read

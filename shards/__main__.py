@@ -24,13 +24,15 @@ from __future__ import annotations
 import errno
 import faulthandler
 import logging
+import os
 import shutil
 import sys
+import time
 
 import click
 
 from clonemap.shards.common.endpoints import MAX_IO_THREADS
-from clonemap.shards.common.errors import Exit, os_error_text
+from clonemap.shards.common.errors import ConfigError, Exit, os_error_text
 from clonemap.shards.common.memory import return_large_frees
 from clonemap.shards import coord, streams
 from clonemap.shards.pair import BinaryStar
@@ -114,6 +116,40 @@ def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str,
         sys.exit(disk_exit(*where, f"{os_error_text(exc)} (opening a segment in "
                                    f"{data_dir})"))
     server.attach_persist(writer)
+    if server.shard_map is not None:
+        _settle_routing(server, data_dir, where)
+
+
+def _settle_routing(server: ShardServer, data_dir: str, where: tuple) -> None:
+    """Follow the newer of ``--routing`` and the routing ``data_dir`` holds, durable there
+    (``clonemap.shards.persist.routing``). A data directory of another cluster or shard
+    exits ``Exit.USAGE`` naming both; an unreadable routing file is the map's case: a
+    standalone server exits 1, a pair server moves it aside and takes ``--routing``."""
+    from clonemap.shards.persist import CorruptLog
+    from clonemap.shards.persist import routing as routing_file
+
+    index = server.config.shard_index
+    try:
+        try:
+            settled = routing_file.settle(data_dir, server.shard_map, index)
+        except CorruptLog as exc:
+            if not isinstance(server.role, BinaryStar):
+                click.echo(f"shards: cannot read the routing in {data_dir}: {exc}", err=True)
+                sys.exit(Exit.FAILED)
+            aside = f"{exc.path}.unreadable-{int(time.time())}"
+            os.rename(exc.path, aside)
+            log.critical("routing: %s (moved to %s); following --routing", exc, aside)
+            settled = routing_file.settle(data_dir, server.shard_map, index)
+    except ConfigError as exc:
+        click.echo(f"shards: {exc}", err=True)
+        sys.exit(Exit.USAGE)
+    except OSError as exc:
+        sys.exit(disk_exit(*where, f"{os_error_text(exc)} (writing the routing in "
+                                   f"{data_dir})"))
+    if settled is not server.shard_map:
+        server.set_routing(settled)
+    log.info("routing: epoch %d, %d shards (digest %s), shard %d", settled.epoch,
+             settled.shards, settled.digest(), index)
 
 
 def _report_torn(got, data_dir: str) -> None:

@@ -178,8 +178,9 @@ class Heartbeat:
         if server.config.clock_s > 0:
             return chp.hugz(time.time(), server.published_seq(), serving=serving,
                             generation=server.generation, route=server.route,
-                            cas=server.role.decides_writes, term=server.role.term())
-        return chp.hugz(serving=serving, route=server.route)
+                            cas=server.role.decides_writes, term=server.role.term(),
+                            epoch=server.routing_epoch)
+        return chp.hugz(serving=serving, route=server.route, epoch=server.routing_epoch)
 
     def on_beat(self) -> None:
         """Every ``interval_s``: the reactor's duties, then a clock HUGZ when ``clock_s``

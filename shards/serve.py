@@ -25,7 +25,7 @@ require_extra("a shard server", "server", SERVER_MODULES)
 
 from clonemap.shards.common.memory import freeze_startup_objects
 from clonemap.shards.common.proto.bstar import PEER_DOWN
-from clonemap.shards.common.routing import ShardMap
+from clonemap.shards.common.routing import ROUTING_COMMAND, ROUTING_COUNT, ShardMap
 from clonemap.shards.pair import BinaryStar, parse_peer
 from clonemap.shards.server import ShardServer
 
@@ -116,6 +116,26 @@ def control_stats(server: ShardServer, shard: str) -> dict:
     return stats
 
 
+def _install(server: ShardServer, body: list[bytes]) -> str:
+    """A control request's routing installed (``ShardServer.install_routing``); "" once
+    followed, else why not."""
+    try:
+        shard_map = ShardMap.from_description(json.loads(body[0]))
+    except (IndexError, ValueError, TypeError, AttributeError, ConfigError) as exc:
+        return f"not a routing: {exc}"
+    return server.install_routing(shard_map)
+
+
+def _leaving(server: ShardServer, body: list[bytes]) -> dict | str:
+    """What a control request's routing would take off this shard: {"shard index":
+    [keys, bytes]}, or why it is not a routing."""
+    try:
+        shard_map = ShardMap.from_description(json.loads(body[0]))
+    except (IndexError, ValueError, TypeError, AttributeError, ConfigError) as exc:
+        return f"not a routing: {exc}"
+    return {str(i): list(row) for i, row in server.keys_leaving(shard_map).items()}
+
+
 def _parent_gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -144,10 +164,23 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
 
         service = f"shard.{shard}.{server.role.name}"
         def answer(request) -> str:
-            """Stats; a body ``peer-down`` first says the peer cannot serve by itself."""
+            """Stats; a body ``peer-down`` first says the peer cannot serve by itself, and
+            ``routing`` JSON installs a newer routing (the stats' ``routing_refused``
+            says why not)."""
+            refused = None
             if request.body[:1] == [PEER_DOWN] and isinstance(server.role, BinaryStar):
                 server.role.peer_reported_down("the supervisor says so")
-            return json.dumps(control_stats(server, shard))
+            elif request.body[:1] == [ROUTING_COMMAND]:
+                if request.body[2:3] == [ROUTING_COUNT]:
+                    leaving = _leaving(server, request.body[1:2])
+                    stats = control_stats(server, shard)
+                    stats["routing_leaving"] = leaving
+                    return json.dumps(stats)
+                refused = _install(server, request.body[1:])
+            stats = control_stats(server, shard)
+            if refused is not None:
+                stats["routing_refused"] = refused
+            return json.dumps(stats)
 
         worker = MdpWorker(control, service, answer, ctx=server.ctx,
                            security=server.security)

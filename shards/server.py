@@ -159,15 +159,14 @@ class ShardServer:
         self.recent = History(config.history_updates, config.history_bytes)
         """Recent updates, for resumes (reset to the store's sequence at start)."""
         self._remember = self.recent.append if config.history_updates > 0 else None
-        owner_map = config.shard_map
+        self.shard_map = config.shard_map
+        """The routing this server follows now (``set_routing``); None: it owns every key."""
         self.owner_cache: OwnerCache | None = None
-        if owner_map is not None and (owner_map.shards > 1 or config.shard_index != 0):
-            self.owner_cache = OwnerCache(owner_map, config.shard_index)
-        self._owned_slots = self.owner_cache.slots if self.owner_cache else None
-        self.route = (owner_map.route_of(config.shard_index) if owner_map is not None
-                      else "")
+        self._owned_slots: dict | None = None
+        self.route = ""
         """Said in every HUGZ (``route=I/N/DIGEST``): a client routing with another map
         (a wrong config) is told at once instead of timing out on some keys."""
+        self.set_routing(config.shard_map)
         # timers
         self.expiry = Expiry(next_expiry=lambda: self.store.next_expiry(),
                              expire=self.expire_due, enabled=self.role.expires_keys)
@@ -650,6 +649,79 @@ class ShardServer:
         if self.persist is not None:
             self.persist.tick()
 
+    def set_routing(self, shard_map) -> None:
+        """Follow ``shard_map`` (a ``ShardMap``, or None: own every key) from now on: the
+        owner check, and the ``route=``/``epoch=`` of the HUGZ. The caller has made it
+        durable first where it must be (``clonemap.shards.routing_file``). A key the store
+        already holds stays writable here (the hot path's shortcut): a routing that takes
+        held keys elsewhere comes with their move."""
+        index = self.config.shard_index
+        cache = None
+        if shard_map is not None and (shard_map.shards > 1 or index != 0):
+            cache = OwnerCache(shard_map, index)
+        self.shard_map = shard_map
+        self.owner_cache = cache
+        self._owned_slots = cache.slots if cache is not None else None
+        self.route = shard_map.route_of(index) if shard_map is not None else ""
+
+    def install_routing(self, shard_map) -> str:
+        """Follow ``shard_map``, a later routing of this cluster, from now on: durable in
+        the data directory first (a restart never goes back to an older one). Returns ""
+        once followed (or when it is the routing followed already), else why not: an
+        older epoch, the same epoch as another routing, a routing without this shard, a
+        server without a routing, or a disk error (the server goes on with its own)."""
+        from clonemap.shards.persist import routing as routing_file
+
+        mine, index = self.shard_map, self.config.shard_index
+        if mine is None:
+            return "this server was started without a routing (standalone)"
+        if shard_map.epoch < mine.epoch or (shard_map.epoch == mine.epoch
+                                            and shard_map != mine):
+            return (f"epoch {shard_map.epoch} is not newer than this server's epoch "
+                    f"{mine.epoch}" + ("" if shard_map.epoch < mine.epoch else
+                                       " (another routing under the same epoch)"))
+        if shard_map.epoch == mine.epoch:
+            return ""
+        if index >= shard_map.shards:
+            return f"shard {index} is not among the {shard_map.shards} shards of that routing"
+        leaving = self.keys_leaving(shard_map)
+        if leaving:  # checked on the reactor: no write gets in between
+            keys = sum(k for k, _ in leaving.values())
+            return (f"this shard holds {keys} key{'' if keys == 1 else 's'} that routing "
+                    f"places on shard{'' if len(leaving) == 1 else 's'} "
+                    f"{', '.join(map(str, sorted(leaving)))}: keys are not moved "
+                    "between shards by a routing change")
+        if self.persist is not None:
+            try:
+                routing_file.save_routing(self.persist.path, shard_map, index)
+            except OSError as exc:
+                log.error("routing: cannot make epoch %d durable: %s", shard_map.epoch,
+                          os_error_text(exc))
+                return f"disk error: {os_error_text(exc)}"
+        self.set_routing(shard_map)
+        log.info("routing: now epoch %d, %d shards (digest %s)", shard_map.epoch,
+                 shard_map.shards, shard_map.digest())
+        return ""
+
+    def keys_leaving(self, shard_map) -> dict[int, tuple[int, int]]:
+        """Of the keys this server holds, those ``shard_map`` places on other shards:
+        shard index -> (keys, bytes of key and value). One pass over the store, with the
+        owner of each routing slot computed once."""
+        cache = OwnerCache(shard_map, self.config.shard_index)
+        owns, owner = cache.owns, shard_map.owner
+        out: dict[int, list[int]] = {}
+        for key, value in self.store.data.items():
+            if not owns(key):
+                row = out.setdefault(owner(key), [0, 0])
+                row[0] += 1
+                row[1] += len(key) + len(value)
+        return {i: (k, b) for i, (k, b) in out.items()}
+
+    @property
+    def routing_epoch(self) -> int:
+        """The epoch of the routing this server follows (0: none)."""
+        return self.shard_map.epoch if self.shard_map is not None else 0
+
     def owns(self, key: bytes) -> bool:
         """Whether this shard owns ``key``; if not, the drop is counted ``not_owner``."""
         cache = self.owner_cache
@@ -725,9 +797,11 @@ class ShardServer:
             "pub_mark": self._pub_mark.stats() if self._pub_mark is not None else None,
             "collect_mark": (self._collect_mark.stats() if self._collect_mark is not None
                              else None),
-            "routing": (None if self.config.shard_map is None else
+            "routing": (None if self.shard_map is None else
                         {"shard_index": self.config.shard_index,
-                         "shards": self.config.shard_map.shards,
+                         "shards": self.shard_map.shards,
+                         "epoch": self.shard_map.epoch,
+                         "digest": self.shard_map.digest(),
                          "owner_slots": len(self.owner_cache.slots)
                          if self.owner_cache else 0}),
             "drops": drops,

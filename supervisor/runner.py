@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Callable
 
 from clonemap.shards.common.config_values import format_cores
-from clonemap.shards.common.routing import ShardMap
 from clonemap.shards.common.placement import Plan, RoutingParams, ServerPlan
 from clonemap.supervisor.policy import (DEFAULT_POLICY, GiveUp, Leave, PolicyConfig, Restart, Run,
                                decide, describe_exit)
@@ -111,8 +110,7 @@ def relay_argv(relay: ServerPlan, primary: ServerPlan, backup: ServerPlan,
 
 def routing_argv(routing: RoutingParams, shard_index: int) -> list[str]:
     """``--routing JSON --shard-index I``: what a server needs to drop keys it does not own."""
-    pins = {i: list(ps) for i, ps in enumerate(routing.prefixes) if ps}
-    doc = ShardMap(routing.shard_count, pins).describe()
+    doc = routing.shard_map().describe()
     return ["--routing", json.dumps(doc, separators=(",", ":")),
             "--shard-index", str(shard_index)]
 
@@ -176,6 +174,14 @@ class Runner:
             argv = relay_argv(relay, shard.primary, shard.backup, args) + routing_argv(
                 plan.routing, relay.index)
             self.servers[relay.name] = ServerProcess(relay, argv, path)
+
+    def set_routing(self, routing: RoutingParams) -> None:
+        """Start every server and relay from now on with ``routing`` (a new epoch): the
+        ``--routing`` of their command lines."""
+        doc = json.dumps(routing.shard_map().describe(), separators=(",", ":"))
+        for proc in self.servers.values():
+            at = proc.argv.index("--routing")
+            proc.argv[at + 1] = doc
 
     def data_dir(self, server: ServerPlan) -> Path | None:
         """``<run-dir>/<data_dir>/<shard>-<role>``, or None for a memory-only cluster."""

@@ -17,9 +17,12 @@ FINAL starts with a status frame in the MMI style: ``200`` OK, ``400`` bad reque
     cluster.logs     SHARD/ROLE [, LINES]         FINAL 200, the log's last LINES (default 50)
     cluster.whoami   (none)                       FINAL 200, JSON: the caller's identity and rights
     cluster.reload   (none)                       FINAL 200, JSON {version, ...}: rights applied
+    cluster.reshard  JSON {shards, pins, apply}   FINAL 200, JSON plan (and epoch once applied);
+                                                  409 with the plan when it is not applied
 
-``cluster.reload`` needs ``admin`` too. A request to a server's own service
-(``shard.*``) with a body (``peer-down``) needs ``admin``; a bare stats request does not.
+``cluster.reload`` and ``cluster.reshard`` need ``admin`` too
+(``clonemap.supervisor.resharding``). A request to a server's own service (``shard.*``)
+with a body (``peer-down``, ``routing``) needs ``admin``; a bare stats request does not.
 
 Each server answers its own stats as MDP service ``shard.<SHARD>.<ROLE>`` (a JSON
 object); ``StatsPoller`` asks every running server once per interval through the same
@@ -84,7 +87,7 @@ class ControlServices:
     def __init__(self, plan: Plan, runner: Runner, stop_requested: asyncio.Event,
                  poller: "StatsPoller | None" = None, health: ClusterHealth | None = None,
                  config_path: str | None = None, rights_path: str | None = None,
-                 broker=None):
+                 broker=None, resharding=None):
         """``config_path``: the config the supervisor was started from (``cluster.reload``
         reads it again); ``rights_path``: the rights file its servers load (None: they
         check no rights); ``broker``: whose ZAP handler a reload updates."""
@@ -101,6 +104,10 @@ class ControlServices:
         """Asked for one fresh round before a status answer (None: the last figures)."""
         self.health = health
         self.map_body = json.dumps(cluster_map(plan), sort_keys=True).encode()
+        self.resharding = resharding
+        """``clonemap.supervisor.resharding.Resharding``: the routing and its changes."""
+        if resharding is not None:
+            resharding.on_changed = self._routing_changed
         self.forbidden: dict[str, int] = {}
         """Control commands refused for want of ``admin``, by identity."""
 
@@ -110,7 +117,33 @@ class ControlServices:
                 "cluster.whoami": self.on_whoami,
                 "cluster.stop": admin(self.on_stop), "cluster.restart": admin(self.on_restart),
                 "cluster.kill": admin(self.on_kill), "cluster.logs": admin(self.on_logs),
-                "cluster.reload": admin(self.on_reload)}
+                "cluster.reload": admin(self.on_reload),
+                "cluster.reshard": admin(self.on_reshard)}
+
+    def _routing_changed(self, plan: Plan) -> None:
+        self.plan = plan
+        self.map_body = json.dumps(cluster_map(plan), sort_keys=True).encode()
+
+    async def on_reshard(self, request: Request) -> list[bytes]:
+        """cluster.reshard (admin): JSON {shards, pins: [[prefix, shard], ...], apply} ->
+        FINAL 200, JSON {epoch, next_epoch, changed, moves: [{from, to, keys, bytes}],
+        prefixes: {prefix: [from, to]}, servers...}: the plan, and once applied the new
+        epoch; 400 not a routing, 409 (with the plan as a second frame when there is one)
+        a change this version does not apply or one a server refused, 503 a server that
+        could not count (``clonemap.supervisor.resharding``)."""
+        from clonemap.supervisor.resharding import Refused, parse_change
+
+        if self.resharding is None or self.runner.stopping:
+            return [CONFLICT, b"the supervisor is stopping"]
+        try:
+            new, apply = parse_change(request.body)
+            plan = await self.resharding.change(new, apply)
+        except Refused as exc:
+            reply = [exc.status, exc.text.encode()]
+            if exc.plan is not None:
+                reply.append(json.dumps(exc.plan, sort_keys=True).encode())
+            return reply
+        return [OK, json.dumps(plan, sort_keys=True).encode()]
 
     def _refusal(self, service: bytes, user_id: str | None) -> list[bytes]:
         who = user_id or "?"

@@ -7,14 +7,12 @@ client imports nothing from ``supervisor/``.
 from __future__ import annotations
 
 from clonemap.shards.common.placement import PORT_NAMES, Plan
-from clonemap.shards.common.routing import ShardMap
 
 
 def cluster_map(plan: Plan) -> dict:
     """Everything a client needs to route: shards, addresses, ports, pinned prefixes,
     and the routing function's parameters (``clonemap.shards.common.routing.ShardMap.describe``)."""
-    pins = {i: list(sh.prefixes) for i, sh in enumerate(plan.shards) if sh.prefixes}
-    shard_map = ShardMap(len(plan.shards), pins)
+    shard_map = plan.routing.shard_map()
 
     def server(s) -> dict:
         return {"address": s.address, "port": s.port, "nic": s.nic,

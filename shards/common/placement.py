@@ -34,6 +34,7 @@ from clonemap.shards.common.config_values import PORTS_PER_SERVER, endpoint_part
 from clonemap.shards.common.endpoints import WILDCARD
 from clonemap.shards.common.rights import ENFORCED, OPEN, Access
 from clonemap.shards.common.hostfacts import HostFacts, local_host_facts, probe_port
+from clonemap.shards.common.routing import FIRST_EPOCH, ShardMap
 
 # What each of a server's ports P..P+3 carries.
 PORT_NAMES = ("snapshot", "updates", "collector", "peer")
@@ -97,14 +98,23 @@ class RoutingParams:
 
     shard_count: int
     prefixes: tuple[tuple[str, ...], ...]
+    epoch: int = FIRST_EPOCH
+    """The routing's epoch (``clonemap.shards.common.routing``): the config gives the
+    routing, the run directory its epoch (``clonemap.supervisor.routing_state``)."""
 
     def pins(self) -> dict[str, int]:
         """Pinned prefix -> shard index."""
         return {p: i for i, ps in enumerate(self.prefixes) for p in ps}
 
+    def shard_map(self) -> ShardMap:
+        """This routing as the function every party routes with."""
+        return ShardMap(self.shard_count,
+                        {i: list(ps) for i, ps in enumerate(self.prefixes) if ps},
+                        epoch=self.epoch)
+
     def to_dict(self) -> dict[str, Any]:
         return {"shard_count": self.shard_count,
-                "prefixes": [list(ps) for ps in self.prefixes]}
+                "prefixes": [list(ps) for ps in self.prefixes], "epoch": self.epoch}
 
 
 @dataclass(frozen=True)

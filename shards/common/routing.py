@@ -39,7 +39,13 @@ terms: only under the empty subtree).
 
 ``describe()`` is the routing function's parameters as plain data, served in the cluster
 map over MDP; ``ShardMap.from_description`` rebuilds the map on the client side and
-refuses a version it does not know. The fixed vectors in tests/unit/test_routing.py pin the
+refuses a version it does not know.
+
+The routing epoch (``ShardMap.epoch``, ``FIRST_EPOCH`` at a cluster's birth) names one
+routing of a running cluster: every change of the shard count or the pins gets a larger
+one, so that of two maps the newer is the one with the larger epoch. It is not part of
+the routing function: equal maps route every key alike whatever their epochs, and
+``digest()`` does not include it. ``newer_than`` compares two maps of one cluster. The fixed vectors in tests/unit/test_routing.py pin the
 function: changing it silently would split keys between old and new clients.
 """
 from __future__ import annotations
@@ -51,6 +57,13 @@ from typing import Iterable, Mapping
 from clonemap.shards.common.errors import ConfigError
 
 ROUTING_VERSION = 1
+ROUTING_COMMAND = b"routing"
+"""A server's control service: a request ``[ROUTING_COMMAND, describe() as JSON]`` installs
+a newer routing (needs ``admin``; ``ShardServer.install_routing``); with a third frame
+``ROUTING_COUNT`` it installs nothing and counts the keys it would take off the shard."""
+ROUTING_COUNT = b"count"
+FIRST_EPOCH = 1
+"""A cluster's first routing's epoch (a description without one is read as this)."""
 _MASK64 = (1 << 64) - 1
 _JUMP_MULTIPLIER = 2862933555777941757
 
@@ -113,13 +126,19 @@ class ShardMap:
     an empty or non-text prefix, or a prefix pinned to two shards.
     """
 
-    __slots__ = ("shards", "_pins", "_pin_lengths")
+    __slots__ = ("shards", "epoch", "_pins", "_pin_lengths")
 
-    def __init__(self, shards: int, pins: Mapping[int, Iterable[str]] | None = None):
+    def __init__(self, shards: int, pins: Mapping[int, Iterable[str]] | None = None, *,
+                 epoch: int = FIRST_EPOCH):
         if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
             raise ConfigError(f"shard count must be an integer >= 1, got {shards!r}",
                               field="shards")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < FIRST_EPOCH:
+            raise ConfigError(f"routing epoch must be an integer >= {FIRST_EPOCH}, got "
+                              f"{epoch!r}", field="routing.epoch")
         self.shards = shards
+        self.epoch = epoch
+        """This routing's epoch in its cluster (module doc): larger is newer."""
         owner_of: dict[bytes, int] = {}
         for shard, prefixes in (pins or {}).items():
             if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < shards:
@@ -190,6 +209,7 @@ class ShardMap:
             "hash": "blake2b-64-big-endian",
             "shards": self.shards,
             "pins": [[prefix, shard] for prefix, shard in self.pins.items()],
+            "epoch": self.epoch,
         }
 
     def digest(self) -> str:
@@ -203,6 +223,21 @@ class ShardMap:
     def route_of(self, index: int) -> str:
         """``I/N/DIGEST``: what shard ``index``'s servers say in their HUGZ."""
         return f"{index}/{self.shards}/{self.digest()}"
+
+    def with_epoch(self, epoch: int) -> "ShardMap":
+        """The same routing under another epoch."""
+        return ShardMap(self.shards, self.pins_by_shard(), epoch=epoch)
+
+    def pins_by_shard(self) -> dict[int, list[str]]:
+        """Shard index -> its pinned prefixes (sorted); shards without pins left out."""
+        pins: dict[int, list[str]] = {}
+        for prefix, shard in self.pins.items():
+            pins.setdefault(shard, []).append(prefix)
+        return pins
+
+    def newer_than(self, other: "ShardMap") -> bool:
+        """This map is a later routing of the cluster than ``other`` (a larger epoch)."""
+        return self.epoch > other.epoch
 
     @classmethod
     def from_description(cls, description: Mapping) -> "ShardMap":
@@ -218,7 +253,8 @@ class ShardMap:
         except (TypeError, ValueError):
             raise ConfigError(f"routing pins must be [prefix, shard] pairs, got "
                               f"{description.get('pins')!r}", field="routing.pins") from None
-        return cls(description.get("shards"), pins)
+        epoch = description.get("epoch", FIRST_EPOCH)
+        return cls(description.get("shards"), pins, epoch=epoch)
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, ShardMap) and self.shards == other.shards
@@ -228,7 +264,7 @@ class ShardMap:
         return hash((self.shards, frozenset(self._pins.items())))
 
     def __repr__(self) -> str:
-        return f"ShardMap(shards={self.shards}, pins={self.pins!r})"
+        return f"ShardMap(shards={self.shards}, pins={self.pins!r}, epoch={self.epoch})"
 
 
 # ------------------------------------------------------------- server-side owner cache

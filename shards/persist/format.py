@@ -9,6 +9,10 @@ A server's data directory holds (all integers network order)::
                      snapshot that exists is whole
     terms            JSON {"version": 1, "term": t, "history": [[term, first_seq], ...]}
                      (replaced atomically; Binary Star servers only)
+    routing          JSON {"version": 1, "shard_index": i, "routing": ShardMap.describe()}:
+                     the newest routing this server followed, with its epoch (replaced
+                     atomically; servers of a routed cluster only;
+                     ``clonemap.shards.persist.routing``)
     dropped-<utc>.cml  updates a server had to drop when it synchronised from a peer
                      holding a later state (the segment format; see ``clonemap.shards.persist``)
 
@@ -44,6 +48,7 @@ server reads both and writes version 2.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import struct
 import threading
@@ -70,6 +75,7 @@ LOG_PREFIX, LOG_SUFFIX = "log-", ".cml"
 SNAP_PREFIX, SNAP_SUFFIX = "snap-", ".cms"
 TMP_SUFFIX = ".tmp"
 TERMS_NAME = "terms"
+ROUTING_NAME = "routing"
 DROPPED_PREFIX = "dropped-"
 NEEDS_PEER_NAME = "needs-peer"
 """Present while a Binary Star server's directory holds no map it can trust: its files
@@ -231,6 +237,19 @@ def truncate(path: Path, size: int) -> None:
         f.truncate(size)
         f.flush()
         os.fsync(f.fileno())
+
+
+def replace_json(path: Path, doc: dict) -> None:
+    """Replace the file at ``path`` with ``doc`` as JSON, atomically and durably: written
+    beside it as ``.tmp``, fsynced, renamed over it, the directory fsynced. A crash leaves
+    the old file or the new one (and perhaps a ``.tmp`` that recovery removes)."""
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+    fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path) -> None:

@@ -220,7 +220,8 @@ def recover(data_dir: str | os.PathLike) -> Recovered:
 
 def quarantine(data_dir: str | os.PathLike, why: str) -> str:
     """A Binary Star server whose directory cannot be read (``CorruptLog``, say): move
-    every data file (snapshots, segments, terms, dropped-*) to ``unreadable-<utc>/``
+    every data file (snapshots, segments, terms, dropped-*; not the routing) to
+    ``unreadable-<utc>/``
     (kept for the operator, never deleted), and leave the ``needs-peer`` marker saying
     why, so that the server starts empty and serves only after copying its peer's map
     (``clonemap.shards.bstar`` rule 8). Returns where the files went."""
@@ -228,7 +229,9 @@ def quarantine(data_dir: str | os.PathLike, why: str) -> str:
     dest = path / time.strftime(f"{fmt.UNREADABLE_PREFIX}%Y%m%dT%H%M%SZ", time.gmtime())
     dest.mkdir(exist_ok=True)
     for entry in os.scandir(path):
-        if entry.is_file() and entry.name != fmt.NEEDS_PEER_NAME:
+        # the routing file stays: it is not the map, and it is what keeps a restarted
+        # server from following an older routing than one it served
+        if entry.is_file() and entry.name not in (fmt.NEEDS_PEER_NAME, fmt.ROUTING_NAME):
             os.rename(entry.path, dest / entry.name)
     mark_needs_peer(path, why, str(dest))
     return str(dest)

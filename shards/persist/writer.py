@@ -26,7 +26,6 @@ run off the reactor by the server. The calls the server makes, and when:
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import os
 import queue
@@ -417,16 +416,9 @@ class DataDir:
 
     # ------------------------------------------------------------------ terms
     def save_terms(self, term: int, history: list[tuple[int, int]]) -> None:
-        path = self.path / fmt.TERMS_NAME
-        tmp = path.with_name(path.name + fmt.TMP_SUFFIX)
-        doc = {"version": fmt.VERSION, "term": term,
-               "history": [list(pair) for pair in history]}
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-        fmt.fsync_dir(self.path)
+        fmt.replace_json(self.path / fmt.TERMS_NAME,
+                         {"version": fmt.VERSION, "term": term,
+                          "history": [list(pair) for pair in history]})
 
     # ------------------------------------------------------------------ compaction
     def compaction_due(self) -> bool:

@@ -42,6 +42,7 @@ from clonemap.shards.common.security import Security, check_keys_present
 from clonemap.shards.common.hostfacts import local_host_facts
 from clonemap.shards.common.memory import return_large_frees
 from clonemap.shards.common.placement import Plan, check_ports_free, plan
+from clonemap.supervisor import routing_state
 from clonemap.supervisor.running import running_cluster
 from clonemap.supervisor.policy import (BACKOFF_CAP_S, BACKOFF_INITIAL_S, CRASH_LIMIT, CRASH_WINDOW_S,
                                PolicyConfig)
@@ -220,9 +221,14 @@ class Supervisor:
                         log_max_bytes=self.log_max_bytes)
         health = ClusterHealth([sh.name for sh in the_plan.shards], on_event=self.on_event)
         poller = StatsPoller(runner, control, ctx, security=security, health=health)
+        from clonemap.supervisor.resharding import Resharding
+
+        resharding = Resharding(the_plan, runner, self.run_dir, control, ctx, security,
+                                on_changed=lambda plan: None)
         ControlServices(the_plan, runner, self.stop, poller=poller, health=health,
                         config_path=str(Path(self.config_path).resolve()),
-                        rights_path=rights_path, broker=broker).register(broker)
+                        rights_path=rights_path, broker=broker,
+                        resharding=resharding).register(broker)
         metrics = None
         if the_plan.metrics is not None:
             metrics = MetricsServer(the_plan.metrics, loop,
@@ -432,6 +438,10 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
     except ConfigError as exc:
         _fail(exc, exc.exit_code)
     run_path.mkdir(parents=True, exist_ok=True)
+    try:  # the routing's epoch: the run directory's (a resharded cluster keeps its own)
+        the_plan = routing_state.settle(run_path, the_plan)
+    except ConfigError as exc:
+        _fail(exc, exc.exit_code)
     if detach and not detached_child:
         argv = ["start", str(Path(config).resolve()), "--run-dir", str(run_path),
                 "--no-table", "--ready-timeout-s", str(ready_timeout_s),

@@ -375,7 +375,8 @@ def test_plan_carries_routing_parameters_and_endpoints():
     assert backup.endpoint("peer") == "tcp://127.0.0.1:6053"
     data = json.loads(json.dumps(the_plan.to_dict()))
     assert data["routing"] == {"shard_count": 3,
-                               "prefixes": [["/config/"], [], ["/users/", "/u/"]]}
+                               "prefixes": [["/config/"], [], ["/users/", "/u/"]],
+                               "epoch": 1}
     assert data["shards"][2]["backup"]["endpoints"]["updates"] == "tcp://127.0.0.1:6051"
 
 

@@ -424,16 +424,24 @@ def test_hugz_carries_clock_generation_and_the_serving_hint():
     assert frames == [b"HUGZ", b"\0" * 8, b"",
                       b"ts=1700000000.500000\nseq=42\ngen=00ff00ff00ff00ff\n", b""]
     info = chp.hugz_info(chp.decode_update(frames))
-    assert info == (1700000000.5, 42, True, "00ff00ff00ff00ff", "", False, 0)
+    assert info == (1700000000.5, 42, True, "00ff00ff00ff00ff", "", False, 0, 0)
     passive = chp.decode_update(chp.hugz(1.0, 3, serving=False, generation="ab"))
     assert chp.hugz_info(passive).serving is False
     plain_passive = chp.hugz(serving=False)  # clock off: the hint alone
     assert plain_passive[3] == b"serving=0\n"
-    assert chp.hugz_info(chp.decode_update(plain_passive)) == (None, -1, False, "", "", False, 0)
-    assert chp.hugz_info(chp.decode_update(chp.hugz())) == (None, -1, True, "", "", False, 0)
+    assert chp.hugz_info(chp.decode_update(plain_passive)) == (None, -1, False, "", "", False, 0, 0)
+    assert chp.hugz_info(chp.decode_update(chp.hugz())) == (None, -1, True, "", "", False, 0, 0)
     routed = chp.hugz(1.0, 3, route="2/4/0123abcd")
     assert routed[3].endswith(b"route=2/4/0123abcd\n")
     assert chp.hugz_info(chp.decode_update(routed)).route == "2/4/0123abcd"
+    assert chp.hugz_info(chp.decode_update(routed)).epoch == 0  # not given
+    # the routing's epoch rides with the route (no route: no epoch)
+    epoched = chp.hugz(1.0, 3, route="2/4/0123abcd", epoch=7)
+    assert epoched[3].endswith(b"route=2/4/0123abcd\nepoch=7\n")
+    assert chp.hugz_info(chp.decode_update(epoched))[4:] == ("2/4/0123abcd", False, 0, 7)
+    assert b"epoch" not in chp.hugz(1.0, 3, epoch=7)[3]
+    garbled = [b"HUGZ", b"\0" * 8, b"", b"route=2/4/0123abcd\nepoch=x\n", b""]
+    assert chp.hugz_info(chp.decode_update(garbled)).epoch == 0  # unreadable: absent
 
 
 def test_the_resume_extension_of_icanhaz_and_kthxbai():
@@ -501,7 +509,7 @@ def test_liberal_decoding_reads_the_reference_c_servers_dialect():
     plain = chp.decode_snapshot(chp.kvsync(b"/k", b"v", 3), strict=False)
     assert plain == chp.Kvsync(b"/k", 3, b"v")
     hugz = chp.decode_update([b"HUGZ", chp.pack_seq(9), b"", b"", b""], strict=False)
-    assert hugz == chp.Hugz(b"", 9) and chp.hugz_info(hugz) == (None, 9, True, "", "", False, 0)
+    assert hugz == chp.Hugz(b"", 9) and chp.hugz_info(hugz) == (None, 9, True, "", "", False, 0, 0)
     assert chp.decode_snapshot(chp.kthxbai(4, b""), strict=False) == chp.Kthxbai(4, b"")
     # still refused, liberal or not: a bad UUID, bad properties, a value in a HUGZ
     for frames in ([b"/k", chp.pack_seq(1), b"abc", b"", b"v"],

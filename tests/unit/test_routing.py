@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from clonemap.shards.common.errors import ConfigError
-from clonemap.shards.common.routing import (ROUTING_VERSION, ShardMap, jump_consistent_hash, routing_segment,
+from clonemap.shards.common.routing import (FIRST_EPOCH, ROUTING_VERSION, ShardMap, jump_consistent_hash, routing_segment,
                             segment_hash)
 
 # A small alphabet makes keys, subtrees and pins collide often.
@@ -112,7 +112,27 @@ def test_routing_version_and_description_are_pinned():
         "hash": "blake2b-64-big-endian",
         "shards": 4,
         "pins": [["/config/", 2]],
+        "epoch": 1,
     }
+
+
+def test_the_epoch_names_a_routing_without_changing_it():
+    first = ShardMap(2, {1: ["/hot/"]})
+    later = ShardMap(2, {1: ["/hot/"]}, epoch=3)
+    assert first.epoch == FIRST_EPOCH == 1
+    # the same routing function: equal, the same digest, every key with the same owner
+    assert later == first and later.digest() == first.digest()
+    assert later.newer_than(first) and not first.newer_than(later)
+    assert first.with_epoch(3).describe() == later.describe()
+    # the description carries it; one without (an older supervisor's) reads as the first
+    assert ShardMap.from_description(later.describe()).epoch == 3
+    doc = later.describe()
+    del doc["epoch"]
+    assert ShardMap.from_description(doc).epoch == FIRST_EPOCH
+    for bad in (0, -1, True, "2", 1.5):
+        with pytest.raises(ConfigError) as info:
+            ShardMap(2, epoch=bad)
+        assert info.value.field == "routing.epoch"
 
 
 # ------------------------------------------------------------------ ShardMap

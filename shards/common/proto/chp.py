@@ -24,7 +24,7 @@ Rules this module enforces (each violation raises ``ProtocolError`` naming it):
 A HUGZ is recognised by its key "HUGZ" *and* sequence 0 (KVPUB sequences start at 1).
 (*) Deviation from 12/CHP (frame 3 empty): our servers put properties in a HUGZ: the
 clock (``ts=``, ``seq=``: ``hugz_clock``), the map's generation (``gen=``) and term (``term=``), ``serving=0``,
-``route=`` and ``cas=1`` (``hugz_info``); strict CHP clients key on "HUGZ" and ignore the
+``route=`` with the routing's ``epoch=``, and ``cas=1`` (``hugz_info``); strict CHP clients key on "HUGZ" and ignore the
 rest. What each means, and why, is in shards/README.md, *Protocol decisions*. Values are
 opaque bytes; an empty value means delete.
 
@@ -149,6 +149,9 @@ class HugzInfo(NamedTuple):
     ``write_props``)."""
     term: int = 0
     """``term=``: the Binary Star term of the server's map (0 if not given)."""
+    epoch: int = 0
+    """``epoch=`` (with ``route=``): the epoch of the routing the server follows (0 if not
+    given); of two routings of one cluster, the larger epoch is the newer."""
 
 
 _PLAIN_HUGZ_INFO = HugzInfo(None, -1, True, "")
@@ -378,7 +381,7 @@ def kvset(key: bytes, value: bytes, uuid: bytes = b"", props: bytes = b"") -> li
 
 def hugz(ts: float | None = None, seq: int = 0, *, serving: bool = True,
          generation: str = "", route: str = "", cas: bool = False,
-         term: int = 0) -> list[bytes]:
+         term: int = 0, epoch: int = 0) -> list[bytes]:
     """A HUGZ: plain (``ts`` None, serving: frames 2-4 empty, as 12/CHP has it), or
     carrying in frame 3 the server clock ``ts=<epoch s, 6 decimals>\nseq=<current
     sequence>\n`` and the map's ``gen=<token>\n`` (with ``ts``), and ``serving=0\n``
@@ -394,6 +397,8 @@ def hugz(ts: float | None = None, seq: int = 0, *, serving: bool = True,
         props += b"serving=0\n"
     if route:
         props += b"route=%s\n" % route.encode("ascii")
+        if epoch:
+            props += b"epoch=%d\n" % epoch
     if cas:
         props += b"cas=1\n"
     return [HUGZ, SEQ_ZERO, b"", props, b""]
@@ -412,8 +417,13 @@ def hugz_info(msg: Hugz) -> HugzInfo:
         term = int(fields.get("term", "0"))
     except ValueError:
         term = 0
+    try:
+        epoch = int(fields.get("epoch", "0"))
+    except ValueError:
+        epoch = 0
     return HugzInfo(ts, seq, fields.get("serving", "1") != "0", fields.get("gen", ""),
-                    fields.get("route", ""), fields.get("cas") == "1", max(term, 0))
+                    fields.get("route", ""), fields.get("cas") == "1", max(term, 0),
+                    max(epoch, 0))
 
 
 def hugz_clock(msg: Hugz) -> tuple[float, int] | None:

@@ -1,0 +1,198 @@
+"""The routing epoch (issue 41, step one): a server says its routing's epoch in every
+HUGZ, keeps the newest routing it followed in its data directory, and installs a later
+one from its control service; the supervisor keeps the cluster's epoch in its run
+directory and serves it in the cluster map.
+
+Real ``python -m clonemap.shards`` processes and raw pyzmq peers (a strict 12/CHP reader
+sees the same HUGZ key and sequence 0; the epoch is one more property line).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+import zmq
+
+from clonemap.client.api import AsyncClone
+from clonemap.shards.common.proto import chp
+from clonemap.shards.common.routing import ShardMap
+from test_client_server import fetch_map
+from test_durable_cluster import actives, settled
+from test_server_conformance import Peer, start_server
+from test_server_hostile import stats_now
+from test_supervisor_cli import cli, start, wait_status, write_config
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def fetch_cluster_map(control: str) -> dict:
+    from clonemap.supervisor.control import call
+
+    return json.loads(call(control, "cluster.map", timeout_s=5.0))
+
+INDEX = 1
+FIRST = ShardMap(2, {INDEX: ["/probe/", "/mine/"]})  # (/probe/: Peer.sync)
+LATER = ShardMap(2, {INDEX: ["/probe/", "/mine/", "/new/"]}, epoch=2)
+
+
+def routing_args(shard_map: ShardMap, index: int = INDEX) -> list[str]:
+    return ["--routing", json.dumps(shard_map.describe()), "--shard-index", str(index)]
+
+
+def hugz_of(zctx, port: int) -> chp.HugzInfo:
+    """The first clock HUGZ a raw SUB reads from the server at ``port``."""
+    sub = zctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
+    sub.connect(f"tcp://127.0.0.1:{port + 1}")
+    try:
+        while True:
+            assert sub.poll(5000), "no HUGZ within 5 s"
+            msg = chp.decode_update(sub.recv_multipart())
+            info = chp.hugz_info(msg)
+            if info.ts is not None:
+                return info
+    finally:
+        sub.close(linger=0)
+
+
+def test_a_server_keeps_the_newest_routing_it_followed(procs, port_base, zctx, tmp_path):
+    data = tmp_path / "data"
+    server = start_server(procs, port_base, "--data-dir", str(data), *routing_args(LATER))
+    info = hugz_of(zctx, port_base)
+    assert (info.route, info.epoch) == (LATER.route_of(INDEX), 2)
+    stats = stats_now(server)["routing"]
+    assert (stats["epoch"], stats["digest"]) == (2, LATER.digest())
+    assert json.loads((data / "routing").read_text())["routing"] == LATER.describe()
+    assert server.stop() == 0
+
+    # restarted with the cluster's first routing (an older epoch): it follows its own
+    again = start_server(procs, port_base, "--data-dir", str(data), *routing_args(FIRST))
+    assert (hugz_of(zctx, port_base).epoch, stats_now(again)["routing"]["epoch"]) == (2, 2)
+    assert any("newer than the epoch 1 given" in line for line in again.stderr)
+    # and it routes by it: "/new/" is shard 1's under epoch 2 (hashed elsewhere under 1)
+    assert FIRST.owner(b"/new/a") != INDEX
+    peer = Peer(zctx, port_base)
+    peer.sync()
+    peer.kvset(b"/new/a", b"v")
+    assert peer.recv_update()[0] == b"/new/a"
+    assert again.stop() == 0
+
+    # the same epoch as another routing, or another shard's data: refused, named
+    other = ShardMap(2, {INDEX: ["/elsewhere/"]}, epoch=2)
+    for args, words in ((routing_args(other), "belongs to another cluster"),
+                        (routing_args(LATER, index=0), "holds shard 1's data")):
+        bad = procs.python("-m", "clonemap.shards", "--port", str(port_base),
+                           "--data-dir", str(data), *args)
+        assert bad.wait() == 2
+        assert any(words in line for line in bad.stderr), bad.stderr[-3:]
+
+
+# ------------------------------------------------------- under supervisor start, as run
+
+def _pin(config: Path, path: Path, shard: int, prefixes: list[str]) -> Path:
+    data = yaml.safe_load(config.read_text())
+    data["shards"][shard]["prefixes"] = prefixes
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+async def _until(predicate, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+def test_supervisor_reshard_moves_an_empty_prefix_and_clients_follow(procs, tmp_path, zctx):
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = start(procs, config, tmp_path)
+    rows = wait_status(control, settled)
+    first = ShardMap(2)
+    tenant = next(f"/tenant{i}/" for i in range(100) if first.owner(f"/tenant{i}/x") == 0)
+    later = _pin(config, tmp_path / "later.yaml", 1, [tenant])  # the new tenant on s1
+    back = _pin(config, tmp_path / "back.yaml", 0, [tenant])
+    key = f"{tenant}x"
+    ledger: dict[str, bytes] = {}
+
+    async def scenario():
+        async with AsyncClone(config=str(config)) as clone:
+            assert clone.routing_epoch == 1
+            events = []
+            watch = clone.watch("")
+
+            async def collect():
+                async for change in watch:
+                    events.append(change)
+
+            collector = asyncio.ensure_future(collect())
+            for i in range(20):
+                ledger[f"/k{i}"] = b"%d" % i
+                await clone.set(f"/k{i}", ledger[f"/k{i}"], wait=True)
+            plan = await asyncio.to_thread(cli, "reshard", str(config), "--to", str(later),
+                                           "--dry-run")
+            assert plan.returncode == 0, plan.stderr
+            assert f"prefix '{tenant}': shard 0 -> shard 1" in plan.stdout
+            assert "no key moves" in plan.stdout and "epoch 1 -> 2" in plan.stdout
+            assert fetch_cluster_map(control)["routing"]["epoch"] == 1  # a dry run
+            done = await asyncio.to_thread(cli, "reshard", str(config), "--to", str(later),
+                                           "--yes")
+            assert done.returncode == 0, done.stderr
+            assert "routing epoch 2: followed by 4 servers" in done.stdout
+            # the client learns the epoch from the next HUGZ and routes by it, in place
+            await _until(lambda: clone.routing_epoch == 2, "the client follows epoch 2")
+            assert clone.routing_followed == 1 and clone.failed is None
+            ledger[key] = b"t"
+            await clone.set(key, b"t", wait=True)  # acknowledged by s1 now
+            await _until(lambda: any(e.key == key for e in events), "the watch sees it")
+            watch.close()
+            await collector
+            # the watcher saw the synced marker and the writes, nothing of the change
+            assert [(e.kind, e.key) for e in events] == [("synced", "")] + [
+                ("put", k) for k in ledger]
+
+    asyncio.run(scenario())
+    doc = fetch_cluster_map(control)
+    assert doc["routing"]["epoch"] == 2 and doc["routing"]["pins"] == [[tenant, 1]]
+    assert doc["shards"][1]["prefixes"] == [tenant]
+    # every server follows epoch 2, durably; the key is on s1 only
+    rows = wait_status(control, lambda r: all(
+        ((row.get("stats") or {}).get("routing") or {}).get("epoch") == 2
+        for row in r.values()))
+    held = {name: fetch_map(zctx, row["port"], tenant.encode())[0]
+            for name, row in actives(rows).items()}
+    assert held == {"s0": {}, "s1": {key.encode(): b"t"}}
+    for name in rows:
+        routing = json.loads((tmp_path / "run" / "data" / name.replace("/", "-") /
+                              "routing").read_text())
+        assert routing["routing"]["epoch"] == 2
+
+    # a change that would move the key is printed and refused; nothing changes
+    refused = cli("reshard", str(config), "--to", str(back), "--yes")
+    assert refused.returncode == 1
+    assert "shard 1 -> shard 0: 1 keys" in refused.stdout
+    assert "1 key would move" in refused.stderr
+    assert fetch_cluster_map(control)["routing"]["epoch"] == 2
+
+    # a fresh client planned from the old config follows the cluster's routing
+    async def fresh():
+        async with AsyncClone(config=str(config)) as clone:
+            await _until(lambda: clone.routing_epoch == 2, "a fresh client follows")
+            assert {k: clone.get(k) for k in ledger} == ledger
+
+    asyncio.run(fresh())
+
+    # restarted: the run directory keeps epoch 2; the old config is refused (its data
+    # directories hold keys placed by epoch 2), the new one starts at epoch 2
+    assert cli("stop", "--control", control).returncode == 0
+    assert sup.wait(30) == 0
+    old = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
+                       "--run-dir", str(tmp_path / "run"))
+    assert old.wait(30) == 2
+    assert any("routes keys otherwise than the cluster" in line for line in old.stderr)
+    start(procs, later, tmp_path)
+    wait_status(control, settled)
+    assert fetch_cluster_map(control)["routing"]["epoch"] == 2
