@@ -105,6 +105,13 @@ class ShardAgent:
                  security: Security | None = None, route: str = "", relays: bool = False,
                  view: dict[str, bytes] | None = None):
         options = options if options is not None else AgentOptions()
+        self.rehome: Callable[[ShardAgent, bytes, bytes], bool] | None = None
+        """Set by a client of several shards: a key new to this shard's part that another
+        shard's part holds moved here (resharding): it leaves that part; True when the
+        value is the one the client held (no event)."""
+        self.moved_echo: Callable[[bytes, int], None] | None = None
+        """Set while keys move here: a KVPUB's UUID may be a write another shard's part
+        waits for (a held write the old shard forwarded)."""
         self.view = view
         """The client's flat read view (every shard's keys as ``str`` -> value), which
         this agent keeps current for its keys beside ``map``; None: none kept (a codec
@@ -484,7 +491,11 @@ class ShardAgent:
         # meta() then get() between the two sees a new value with an old sequence (its
         # conditional write conflicts and is tried again), never an old value with the
         # new sequence (which would be accepted, and lose an update)
+        quiet = False
         if value:
+            if self.rehome is not None and key not in self.map:
+                # new to this shard: if another shard's part holds it, it moved here
+                quiet = self.rehome(self, key, value)
             self.map[key] = value
             if view is not None:
                 text = _text(key)
@@ -504,10 +515,12 @@ class ShardAgent:
         elif self.props:
             self.props.pop(key, None)
         self.applied += 1
-        if self.hub.watches:
+        if self.hub.watches and not quiet:
             self.hub.changed(self.name, key, value, seq)
         if self.echoes:
             self.echoes.confirm(msg.uuid, self.last_seq)
+        if self.moved_echo is not None and msg.uuid:
+            self.moved_echo(msg.uuid, self.last_seq)
 
     def _gap(self, seq: int) -> None:
         """Sequence ``seq`` is known to be published while ``last_seq + 1`` was never

@@ -225,6 +225,9 @@ class AsyncClone:
                                view=self._view)
             self._agents.append(agent)
             self._by_index[spec.index] = agent
+        if len(self._agents) > 1:
+            for agent in self._agents:
+                agent.rehome = self._rehome
 
     def _relays_of(self, spec: ShardSpec) -> tuple[ServerAddress, ...]:
         """The shard's relays in this client's order: rotated at random, so that clients
@@ -387,6 +390,28 @@ class AsyncClone:
             agent.route = cluster.shard_map.route_of(index)
         self.routing_followed += 1
         log.info("routing: now epoch %d (%s)", cluster.shard_map.epoch, cluster.source)
+
+    def _rehome(self, agent: ShardAgent, key: bytes, value: bytes) -> bool:
+        """``key`` arrived from ``agent``'s shard and another part holds it: it moved
+        there (resharding). It leaves the other part without an event; True when
+        ``value`` is the value the client held (the move itself: no event either). From
+        now on a KVPUB's UUID on any part is also matched against the other parts'
+        waiting writes (held writes the old shard forwarded)."""
+        for other in self._agents:
+            if other is not agent and key in other.map:
+                held = other.map.pop(key)
+                other.seqs.pop(key, None)
+                other.props.pop(key, None)
+                if agent.moved_echo is None:
+                    for each in self._agents:
+                        each.moved_echo = self._moved_echo
+                return held == value
+        return False
+
+    def _moved_echo(self, uuid: bytes, seq: int) -> None:
+        for agent in self._agents:
+            if agent.echoes:
+                agent.echoes.confirm(uuid, seq)
 
     @property
     def routing_epoch(self) -> int:

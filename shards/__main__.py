@@ -148,6 +148,7 @@ def _settle_routing(server: ShardServer, data_dir: str, where: tuple) -> None:
                                    f"{data_dir})"))
     if settled is not server.shard_map:
         server.set_routing(settled)
+    server.forget_unowned()  # keys that moved away after the log recorded them
     log.info("routing: epoch %d, %d shards (digest %s), shard %d", settled.epoch,
              settled.shards, settled.digest(), index)
 

@@ -19,13 +19,15 @@ import click
 import uvloop
 
 from clonemap.shards.common.errors import (SERVER_MODULES, ConfigError, Exit, PortInUse,
+                                          ProtocolError,
                                           require_extra)
 
 require_extra("a shard server", "server", SERVER_MODULES)
 
 from clonemap.shards.common.memory import freeze_startup_objects
 from clonemap.shards.common.proto.bstar import PEER_DOWN
-from clonemap.shards.common.routing import ROUTING_COMMAND, ROUTING_COUNT, ShardMap
+from clonemap.shards.common.routing import (MOVE_COMMAND, ROUTING_COMMAND, ROUTING_COUNT,
+                                            ROUTING_FORGET, ShardMap)
 from clonemap.shards.pair import BinaryStar, parse_peer
 from clonemap.shards.server import ShardServer
 
@@ -118,12 +120,43 @@ def control_stats(server: ShardServer, shard: str) -> dict:
 
 def _install(server: ShardServer, body: list[bytes]) -> str:
     """A control request's routing installed (``ShardServer.install_routing``); "" once
-    followed, else why not."""
+    followed, else why not. A third frame ``forget`` (the keys it moves have moved):
+    those keys are forgotten, and a prefix held for the move is forwarded to the
+    collector named in a fourth frame (``clonemap.shards.migrate.forward``)."""
     try:
         shard_map = ShardMap.from_description(json.loads(body[0]))
     except (IndexError, ValueError, TypeError, AttributeError, ConfigError) as exc:
         return f"not a routing: {exc}"
-    return server.install_routing(shard_map)
+    forget = body[1:2] == [ROUTING_FORGET]
+    collectors = [c for c in (body[2].decode("ascii", "replace").split(",")
+                              if len(body) > 2 else ()) if c]
+    return server.install_routing(shard_map, forget=forget, forward_to=collectors)
+
+
+def _move(server: ShardServer, body: list[bytes]) -> str:
+    """One step of a move (``clonemap.supervisor.resharding``), JSON {op, ...}: "" done,
+    else why not. ``import`` {source, prefix}: start copying; ``stop-import``; ``hold``
+    {prefix}; ``release``: apply what was held here; ``commit`` {routing}: the flip on
+    the target (``ShardServer.commit_import``)."""
+    try:
+        doc = json.loads(body[0])
+        op = doc["op"]
+        if op == "import":
+            return server.start_import(doc["source"], doc["prefix"].encode("utf-8"))
+        if op == "stop-import":
+            server.stop_import()
+            return ""
+        if op == "hold":
+            return server.begin_hold(doc["prefix"].encode("utf-8"))
+        if op == "release":
+            server.release_hold()
+            return ""
+        if op == "commit":
+            return server.commit_import(ShardMap.from_description(doc["routing"]))
+        return f"no move step {op!r}"
+    except (IndexError, ValueError, TypeError, KeyError, AttributeError, ConfigError,
+            ProtocolError) as exc:
+        return f"not a move step: {type(exc).__name__}: {exc}"
 
 
 def _leaving(server: ShardServer, body: list[bytes]) -> dict | str:
@@ -170,6 +203,11 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
             refused = None
             if request.body[:1] == [PEER_DOWN] and isinstance(server.role, BinaryStar):
                 server.role.peer_reported_down("the supervisor says so")
+            elif request.body[:1] == [MOVE_COMMAND]:
+                stats = control_stats(server, shard)
+                stats["move_refused"] = _move(server, request.body[1:])
+                stats["move"] = server.stats()["move"]
+                return json.dumps(stats)
             elif request.body[:1] == [ROUTING_COMMAND]:
                 if request.body[2:3] == [ROUTING_COUNT]:
                     leaving = _leaving(server, request.body[1:2])

@@ -153,7 +153,7 @@ class ShardServer:
         """ICANHAZ and resumes on P (``clonemap.shards.snapshots``)."""
         self.applied = AppliedUuids(config.dedup_bytes, config.dedup_s, time.monotonic())
         """UUIDs applied lately: a write sent again is applied once (``clonemap.shards.applied``)."""
-        self.writes = {"applied": 0, "duplicate": 0, "conflict": 0, "refused": 0,
+        self.writes = {"applied": 0, "duplicate": 0, "conflict": 0, "refused": 0, "forwarded": 0,
                        "replies_unsent": 0}
         """Outcomes of writes that asked for a reply or a condition (and duplicates)."""
         self.recent = History(config.history_updates, config.history_bytes)
@@ -167,6 +167,12 @@ class ShardServer:
         """Said in every HUGZ (``route=I/N/DIGEST``): a client routing with another map
         (a wrong config) is told at once instead of timing out on some keys."""
         self.set_routing(config.shard_map)
+        self.importing = None
+        """A copy of a prefix moving here from another shard (``clonemap.shards.migrate``)."""
+        self.hold = None
+        """The KVSETs of a prefix moving away, kept until the flip (``clonemap.shards.migrate``)."""
+        self.forwards: dict = {}
+        """Prefix that moved away -> its ``Forwarder`` to the new shard's collectors."""
         # timers
         self.expiry = Expiry(next_expiry=lambda: self.store.next_expiry(),
                              expire=self.expire_due, enabled=self.role.expires_keys)
@@ -236,6 +242,10 @@ class ShardServer:
             self.persist = None
         self.heartbeat.close()
         self.expiry.close()
+        self.stop_import()
+        for forwarder in self.forwards.values():
+            forwarder.close()
+        self.forwards.clear()
         for handle in (self._persist_flush, self._persist_timer):
             if handle is not None:
                 handle.cancel()
@@ -373,6 +383,9 @@ class ShardServer:
     # ================================================================ collector
     def on_collect(self, frames: list[bytes]) -> None:
         """A message on the collector: a KVSET becomes a KVPUB with the next sequence."""
+        if self.hold is not None and self.active and frames[0].startswith(self.hold.prefix):
+            self.hold.keep(frames)  # moving to another shard: kept until the flip
+            return
         if len(frames) == 5 and self.active:
             key, seq_frame, uuid, props, value = frames
             # Fast path: a subset of what chp.decode_kvset accepts (ASCII key, no
@@ -384,8 +397,8 @@ class ShardServer:
                 owned = self._owned_slots
                 if (owned is not None and key not in self.store.data and owned.get(
                         key if (end := key.find(b"/", 1)) < 0 else key[:end + 1]) is not True
-                        and not self.owns(key)):
-                    return  # counted not_owner
+                        and not self.owns(key, frames)):
+                    return  # forwarded to its new shard, or counted not_owner
                 if uuid and uuid[6] & 0xF0 == 0x80:  # chp.is_resendable: may come again
                     applied = self.applied
                     if uuid in applied.current or uuid in applied.previous:
@@ -431,8 +444,8 @@ class ShardServer:
             if reply_to:
                 self._reply(reply_to, uuid, chp.REFUSED, 0, "not active")
             return
-        if not self.owns(key):
-            if reply_to:
+        if not self.owns(key, frames):
+            if reply_to and not self._forwarded(key):
                 self._reply(reply_to, uuid, chp.REFUSED, 0, "this shard does not own the key")
             return
         if reply_to or terms.if_seq is not None:
@@ -664,12 +677,113 @@ class ShardServer:
         self._owned_slots = cache.slots if cache is not None else None
         self.route = shard_map.route_of(index) if shard_map is not None else ""
 
-    def install_routing(self, shard_map) -> str:
+    # ================================================================ moves
+    def start_import(self, source: str, prefix: bytes) -> str:
+        """Copy ``prefix`` from the source active at ``source`` (its P), invisibly (the
+        target's side of a move: ``clonemap.shards.migrate.Import``); "" once started,
+        else why not."""
+        from clonemap.shards.migrate import Import
+
+        if not self.active:
+            return "not active"
+        if self.importing is not None:
+            self.importing.close()
+        chp.check_subtree(prefix)
+        self.importing = Import(self.ctx, source, prefix, self.security, self._limits)
+        self.importing.start()
+        return ""
+
+    def stop_import(self) -> None:
+        if self.importing is not None:
+            self.importing.close()
+            self.importing = None
+
+    def begin_hold(self, prefix: bytes) -> str:
+        """Keep this shard's KVSETs under ``prefix`` from now on (the source's side of a
+        move: ``clonemap.shards.migrate.Hold``); "" once holding."""
+        from clonemap.shards.migrate import Hold
+
+        if not self.active:
+            return "not active"
+        if self.hold is not None and self.hold.prefix != prefix:
+            return f"already holding {self.hold.prefix!r}"
+        if self.hold is None:
+            self.hold = Hold(prefix, self.store.seq)
+        return ""
+
+    def release_hold(self) -> int:
+        """The move was rolled back: apply what was held, here, in order. How many."""
+        hold, self.hold = self.hold, None
+        if hold is None:
+            return 0
+        for frames in hold.frames:
+            self.on_collect(frames)
+        self.flush()
+        return len(hold.frames)
+
+    def commit_import(self, shard_map) -> str:
+        """The flip on the target: follow ``shard_map`` (which gives this shard the
+        imported prefix), then apply the copy as updates with this shard's sequences
+        (published, logged, replicated) and take the source's applied UUIDs. "" once
+        done, else why not (nothing changed)."""
+        imp = self.importing
+        if imp is None or not imp.copied or imp.error:
+            return "no complete copy to commit" + (f" ({imp.error})" if imp and imp.error
+                                                   else "")
+        if not self.active:
+            return "not active"
+        why = self.install_routing(shard_map)
+        if why:
+            return why
+        self.importing = None
+        imp.close()
+        now = time.time()
+        owns = OwnerCache(shard_map, self.config.shard_index).owns
+        for key, (value, expiry_s) in imp.items.items():
+            if (expiry_s is not None and expiry_s <= now) or not owns(key):
+                continue  # expired in the source's hands meanwhile, or pinned elsewhere
+            props = b"" if expiry_s is None else b"expires=%.3f\n" % expiry_s
+            self.apply_write(key, value, props, b"", expiry_s)
+        at = self.store.seq
+        uuids = imp.uuids
+        for i in range(0, len(uuids) - 1, 2):  # applied here at or before ``at``
+            self.applied.add(uuids[i], at)
+        self.flush()
+        log.info("import of %r committed: %d keys at sequence %d", imp.prefix,
+                 len(imp.items), at)
+        return ""
+
+    def forget_unowned(self) -> int:
+        """Forget every key this shard's routing places elsewhere, without publishing
+        deletes (its keys moved away: ``Store.forget``). How many."""
+        if self.owner_cache is None:
+            return 0
+        owns = OwnerCache(self.shard_map, self.config.shard_index).owns
+        gone = [key for key in self.store.data if not owns(key)]
+        count = self.store.forget(gone)
+        if count:
+            log.info("routing: forgot %d keys now owned by other shards", count)
+        return count
+
+    def forward_moved(self, key: bytes, frames: list[bytes]) -> bool:
+        """A KVSET for a key of a prefix that moved away from this shard goes on to its
+        new shard (``clonemap.shards.migrate.Forwarder``); False when none matches."""
+        for prefix, forwarder in self.forwards.items():
+            if key.startswith(prefix):
+                forwarder.send(frames)
+                self.writes["forwarded"] += 1
+                return True
+        return False
+
+    def install_routing(self, shard_map, forget: bool = False,
+                        forward_to: list[str] | None = None) -> str:
         """Follow ``shard_map``, a later routing of this cluster, from now on: durable in
         the data directory first (a restart never goes back to an older one). Returns ""
         once followed (or when it is the routing followed already), else why not: an
         older epoch, the same epoch as another routing, a routing without this shard, a
-        server without a routing, or a disk error (the server goes on with its own)."""
+        server without a routing, a key held here that the routing places elsewhere
+        (unless ``forget``: those keys moved, and are forgotten), or a disk error (the
+        server goes on with its own)."""
         from clonemap.shards.persist import routing as routing_file
 
         mine, index = self.shard_map, self.config.shard_index
@@ -684,7 +798,7 @@ class ShardServer:
             return ""
         if index >= shard_map.shards:
             return f"shard {index} is not among the {shard_map.shards} shards of that routing"
-        leaving = self.keys_leaving(shard_map)
+        leaving = {} if forget else self.keys_leaving(shard_map)
         if leaving:  # checked on the reactor: no write gets in between
             keys = sum(k for k, _ in leaving.values())
             return (f"this shard holds {keys} key{'' if keys == 1 else 's'} that routing "
@@ -701,6 +815,25 @@ class ShardServer:
         self.set_routing(shard_map)
         log.info("routing: now epoch %d, %d shards (digest %s)", shard_map.epoch,
                  shard_map.shards, shard_map.digest())
+        if forget:
+            self.forget_unowned()
+        hold, self.hold = self.hold, None
+        if hold is not None and forward_to and self.active:
+            from clonemap.shards.migrate import Forwarder
+
+            forwarder = Forwarder(self.ctx, forward_to, self.security)
+            for frames in hold.frames:  # first what was held, in order
+                forwarder.send(frames)
+            old = self.forwards.pop(hold.prefix, None)
+            if old is not None:
+                old.close()
+            self.forwards[hold.prefix] = forwarder
+        elif hold is not None:  # not a flip that names where they go: apply them here
+            self.hold = hold
+            self.release_hold()
+        owned = OwnerCache(shard_map, self.config.shard_index).owns
+        for prefix in [p for p in self.forwards if owned(p)]:  # moved back here
+            self.forwards.pop(prefix).close()
         return ""
 
     def keys_leaving(self, shard_map) -> dict[int, tuple[int, int]]:
@@ -722,11 +855,19 @@ class ShardServer:
         """The epoch of the routing this server follows (0: none)."""
         return self.shard_map.epoch if self.shard_map is not None else 0
 
-    def owns(self, key: bytes) -> bool:
-        """Whether this shard owns ``key``; if not, the drop is counted ``not_owner``."""
+    def _forwarded(self, key: bytes) -> bool:
+        return any(key.startswith(p) for p in self.forwards)
+
+    def owns(self, key: bytes, frames: list[bytes] | None = None) -> bool:
+        """Whether this shard owns ``key``; if not, its KVSET ``frames`` go on to the
+        shard the key moved to (``forward_moved``), else the drop is counted
+        ``not_owner``."""
         cache = self.owner_cache
         if cache is None or cache.owns(key):
             return True
+        if frames is not None and self.forwards and self.active and self.forward_moved(
+                key, frames):
+            return False
         self.drops.drop("not_owner", f"key {key[:64]!r} belongs to shard "
                                      f"{cache.shard_map.owner(key)}, not {cache.index}")
         return False
@@ -797,6 +938,9 @@ class ShardServer:
             "pub_mark": self._pub_mark.stats() if self._pub_mark is not None else None,
             "collect_mark": (self._collect_mark.stats() if self._collect_mark is not None
                              else None),
+            "move": ({"import": self.importing.stats() if self.importing else None,
+                      "hold": self.hold.stats() if self.hold else None}
+                     if self.importing is not None or self.hold is not None else None),
             "routing": (None if self.shard_map is None else
                         {"shard_index": self.config.shard_index,
                          "shards": self.shard_map.shards,

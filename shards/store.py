@@ -173,6 +173,21 @@ class Store:
             self.mod.pop(key, None)
         return seq
 
+    def forget(self, keys) -> int:
+        """Remove ``keys`` without a sequence and without a delete to publish: keys that
+        moved to another shard (``clonemap.shards.migrate``), which clients re-home without
+        an event. An open snapshot cursor still sees them as of its start. How many."""
+        data, count = self.data, 0
+        for key in keys:
+            if key in data:
+                if self._cursors:
+                    self._record_undo(key, False)
+                del data[key]
+                self.mod.pop(key, None)
+                self._expiry.pop(key, None)  # (its heap entry is skipped as stale)
+                count += 1
+        return count
+
     def put(self, key: bytes, value: bytes, expiry_s: float | None, seq: int) -> None:
         """Install one entry of a copied map (a peer's KVSYNC, a snapshot file) with the
         sequence that last changed it; the store's own sequence is not touched, and no

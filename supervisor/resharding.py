@@ -39,7 +39,10 @@ from typing import Callable
 from clonemap.shards.common.errors import ConfigError
 from clonemap.shards.common.mdp.client import MdpClient
 from clonemap.shards.common.placement import Plan, RoutingParams
-from clonemap.shards.common.routing import ROUTING_COMMAND, ROUTING_COUNT, ShardMap
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.proto.chp import check_subtree
+from clonemap.shards.common.routing import (MOVE_COMMAND, ROUTING_COMMAND, ROUTING_COUNT,
+                                            ROUTING_FORGET, ShardMap)
 from clonemap.supervisor import routing_state
 from clonemap.supervisor.process import RUNNING
 from clonemap.supervisor.protocol import stats_service
@@ -48,6 +51,21 @@ log = logging.getLogger(__name__)
 
 ASK_TIMEOUT_S = 5.0
 """How long one server may take to count or install (a count is one pass over its map)."""
+HOLD_BOUND_S = 0.5
+"""How long a moving prefix's writes may be held (the source holds them while the copy
+catches up); past it the hold is released and the move tried again."""
+HOLD_ATTEMPTS = 3
+COPY_WAIT_S = 120.0
+"""How long the copy may take to arrive and come within ``CATCH_UP`` of the source."""
+CATCH_UP = 1000
+"""Source updates the copy may trail by before the hold begins."""
+POLL_S = 0.005
+
+
+def _copy(stats: dict) -> dict:
+    """The import's figures in a server's stats (empty figures while it has none)."""
+    got = (stats.get("move") or {}).get("import")
+    return got or {"copied": False, "source_seq": -1, "keys": 0}
 
 
 class Refused(Exception):
@@ -93,6 +111,7 @@ class Resharding:
         self.endpoint, self.ctx, self.security = endpoint, ctx, security
         self.on_changed = on_changed
         """Called with the plan under each new routing (the cluster map is rebuilt)."""
+        self.hold_bound_s = HOLD_BOUND_S
         self._lock = asyncio.Lock()
 
     @property
@@ -150,17 +169,145 @@ class Resharding:
             if not apply:
                 return plan
             moving = sum(m["keys"] for m in plan["moves"])
-            if moving:
-                raise Refused(b"409", f"{moving} key{'' if moving == 1 else 's'} would move "
-                                      "between shards: this version applies only routing "
-                                      "changes that move no key", plan)
-            return await self._flip(old, new.with_epoch(old.epoch + 1), plan)
+            if not moving:
+                return await self._flip(old, new.with_epoch(old.epoch + 1), plan)
+            return await self._move_all(old, new, plan)
 
-    async def _install(self, shard_map: ShardMap, names: list[str]) -> dict[str, str]:
-        """Install on ``names``; name -> why refused ("" installed)."""
+    # ------------------------------------------------------------------ moves
+    async def _move_all(self, old: ShardMap, new: ShardMap, plan: dict) -> dict:
+        """Keys move: one pinned prefix at a time, each under its own epoch."""
+        prefixes = moved_prefixes(old, new)
+        for prefix in prefixes:
+            try:
+                check_subtree(prefix.encode("utf-8"))
+            except ProtocolError:
+                raise Refused(b"409", f"prefix {prefix!r} holds keys and is not a subtree "
+                                      "(\"/a/\", \"/a/b/\"): only whole subtrees move",
+                              plan) from None
+        started = time.monotonic()
+        steps = []
+        for prefix, (source, target) in prefixes.items():
+            current = self.routing
+            pins = current.pins
+            now_owner = new.pins.get(prefix)
+            if now_owner is None:
+                pins.pop(prefix, None)
+            else:
+                pins[prefix] = now_owner
+            by_shard: dict[int, list[str]] = {}
+            for p, i in pins.items():
+                by_shard.setdefault(i, []).append(p)
+            step = ShardMap(current.shards, by_shard, epoch=current.epoch + 1)
+            steps.append(await self._move(current, step, prefix, source, target))
+        plan.update(epoch=self.routing.epoch, changed=True, steps=steps,
+                    servers=self._running(), at=time.time(),
+                    took_s=round(time.monotonic() - started, 3))
+        return plan
+
+    def _of_shard(self, index: int) -> list[str]:
+        return [n for n in self._running() if self.runner.servers[n].plan.index == index]
+
+    async def _active_of(self, index: int) -> str:
+        """The running server of shard ``index`` that says it is active."""
+        for name in self._of_shard(index):
+            stats = await self._ask(name)
+            if stats.get("active") and self.runner.servers[name].plan.role in (
+                    "primary", "backup"):
+                return name
+        raise Refused(b"503", f"shard {index} has no active server now; nothing was moved")
+
+    async def _step(self, name: str, op: str, **args) -> dict:
+        got = await self._ask(name, MOVE_COMMAND, json.dumps(dict(args, op=op)).encode())
+        if got.get("move_refused"):
+            raise Refused(b"409", f"{name} refused {op}: {got['move_refused']}")
+        return got
+
+    async def _until(self, name: str, done: Callable[[dict], bool], within_s: float,
+                     what: str) -> dict:
+        deadline = time.monotonic() + within_s
+        while True:
+            got = await self._ask(name)
+            move = (got.get("move") or {}).get("import") or {}
+            if move.get("error"):
+                raise Refused(b"409", f"{name}: the copy failed: {move['error']}")
+            if done(got):
+                return got
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{what} not within {within_s:g} s")
+            await asyncio.sleep(POLL_S)
+
+    async def _move(self, old: ShardMap, new: ShardMap, prefix: str, source: int,
+                    target: int) -> dict:
+        """Move ``prefix`` from shard ``source`` to ``target`` (module doc, *Moving a
+        prefix*); returns what it took."""
+        src, dst = await self._active_of(source), await self._active_of(target)
+        src_plan = self.runner.servers[src].plan
+        pair = self.plan.shards[target]
+        collector = ",".join(s.endpoint("collector") for s in (pair.primary, pair.backup))
+        began = time.monotonic()
+        await self._step(dst, "import", source=f"tcp://{src_plan.address}:{src_plan.port}",
+                         prefix=prefix)
+        try:
+            for attempt in range(1, HOLD_ATTEMPTS + 1):
+                # copied, and its tail within CATCH_UP of the source
+                src_seq = (await self._ask(src)).get("seq", 0)
+                got = await self._until(dst, lambda g: _copy(g)["copied"] and
+                                        _copy(g)["source_seq"] >= src_seq - CATCH_UP,
+                                        COPY_WAIT_S, f"the copy of {prefix!r}")
+                copied_s = time.monotonic() - began
+                held = await self._step(src, "hold", prefix=prefix)
+                hold_seq = held["move"]["hold"]["seq"]
+                hold_began = time.monotonic()
+                try:
+                    got = await self._until(dst, lambda g: _copy(g)["source_seq"] >= hold_seq,
+                                            self.hold_bound_s, "the copy's catch-up")
+                    break
+                except TimeoutError:
+                    await self._step(src, "release")
+                    log.warning("move of %r: the copy did not catch up within the hold "
+                                "bound (%.3f s), attempt %d; released", prefix,
+                                self.hold_bound_s, attempt)
+            else:
+                raise Refused(b"409", f"the copy of {prefix!r} did not catch up within the "
+                                      f"hold bound ({self.hold_bound_s:g} s) in "
+                                      f"{HOLD_ATTEMPTS} tries; the move was rolled back")
+        except BaseException:
+            await asyncio.gather(self._step(dst, "stop-import"), return_exceptions=True)
+            raise
+        keys = _copy(got)["keys"]
+        # the flip: durable here first, then the target, then the source
+        self._commit(new)
+        try:
+            await self._step(dst, "commit", routing=new.describe())
+        except Refused:
+            back = old.with_epoch(new.epoch + 1)
+            self._commit(back)
+            await self._step(src, "release")
+            await self._install(back, self._running())
+            raise
+        await self._install(new, [n for n in self._of_shard(target) if n != dst])
+        forgot = await self._install(new, [src], forget=True, forward=collector)
+        await self._install(new, [n for n in self._of_shard(source) if n != src],
+                            forget=True)
+        await self._install(new, [n for n in self._running()
+                                  if self.runner.servers[n].plan.index not in (source,
+                                                                               target)])
+        hold_s = time.monotonic() - hold_began
+        log.info("moved %r: shard %d -> %d, %d keys, epoch %d, copy %.3f s, hold %.3f s%s",
+                 prefix, source, target, keys, new.epoch, copied_s, hold_s,
+                 f" (not on {forgot})" if any(forgot.values()) else "")
+        return {"prefix": prefix, "from": source, "to": target, "keys": keys,
+                "epoch": new.epoch, "copy_s": round(copied_s, 3),
+                "hold_s": round(hold_s, 3), "attempts": attempt}
+
+    async def _install(self, shard_map: ShardMap, names: list[str], forget: bool = False,
+                       forward: str = "") -> dict[str, str]:
+        """Install on ``names``; name -> why refused ("" installed). ``forget``: the keys
+        it moves have moved (``forward``: where the held writes go)."""
         doc = json.dumps(shard_map.describe()).encode()
-        answers = await asyncio.gather(*(self._ask(n, ROUTING_COMMAND, doc) for n in names),
-                                       return_exceptions=True)
+        extra = (ROUTING_FORGET, forward.encode()) if forget else ()
+        answers = await asyncio.gather(*(self._ask(n, ROUTING_COMMAND, doc, *extra)
+                                         for n in names), return_exceptions=True)
         out = {}
         for name, got in zip(names, answers):
             if isinstance(got, dict):

@@ -62,6 +62,11 @@ ROUTING_COMMAND = b"routing"
 a newer routing (needs ``admin``; ``ShardServer.install_routing``); with a third frame
 ``ROUTING_COUNT`` it installs nothing and counts the keys it would take off the shard."""
 ROUTING_COUNT = b"count"
+ROUTING_FORGET = b"forget"
+"""Third frame of a routing install: the keys it moves have moved (forget them here)."""
+MOVE_COMMAND = b"move"
+"""A server's control service: ``[MOVE_COMMAND, JSON {op, ...}]``, one step of a move
+(``clonemap.shards.migrate``; needs ``admin``)."""
 FIRST_EPOCH = 1
 """A cluster's first routing's epoch (a description without one is read as this)."""
 _MASK64 = (1 << 64) - 1

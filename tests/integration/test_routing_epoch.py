@@ -170,29 +170,121 @@ def test_supervisor_reshard_moves_an_empty_prefix_and_clients_follow(procs, tmp_
                               "routing").read_text())
         assert routing["routing"]["epoch"] == 2
 
-    # a change that would move the key is printed and refused; nothing changes
-    refused = cli("reshard", str(config), "--to", str(back), "--yes")
-    assert refused.returncode == 1
-    assert "shard 1 -> shard 0: 1 keys" in refused.stdout
-    assert "1 key would move" in refused.stderr
-    assert fetch_cluster_map(control)["routing"]["epoch"] == 2
+    # a change that moves the key back: planned with its key, moved, epoch 3
+    moved = cli("reshard", str(config), "--to", str(back), "--yes")
+    assert moved.returncode == 0, moved.stdout + moved.stderr
+    assert "shard 1 -> shard 0: 1 keys" in moved.stdout
+    assert fetch_cluster_map(control)["routing"]["epoch"] == 3
+    rows = wait_status(control, lambda r: all(
+        ((row.get("stats") or {}).get("routing") or {}).get("epoch") == 3
+        for row in r.values()))
+    held = {name: fetch_map(zctx, row["port"], tenant.encode())[0]
+            for name, row in actives(rows).items()}
+    assert held == {"s0": {key.encode(): b"t"}, "s1": {}}
 
     # a fresh client planned from the old config follows the cluster's routing
     async def fresh():
         async with AsyncClone(config=str(config)) as clone:
-            await _until(lambda: clone.routing_epoch == 2, "a fresh client follows")
+            await _until(lambda: clone.routing_epoch == 3, "a fresh client follows")
             assert {k: clone.get(k) for k in ledger} == ledger
 
     asyncio.run(fresh())
 
-    # restarted: the run directory keeps epoch 2; the old config is refused (its data
-    # directories hold keys placed by epoch 2), the new one starts at epoch 2
+    # restarted: the run directory keeps epoch 3; the old config is refused (its data
+    # directories hold keys placed by epoch 3), the one it was resharded to starts there
     assert cli("stop", "--control", control).returncode == 0
     assert sup.wait(30) == 0
     old = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
                        "--run-dir", str(tmp_path / "run"))
     assert old.wait(30) == 2
     assert any("routes keys otherwise than the cluster" in line for line in old.stderr)
-    start(procs, later, tmp_path)
+    start(procs, back, tmp_path)
     wait_status(control, settled)
-    assert fetch_cluster_map(control)["routing"]["epoch"] == 2
+    assert fetch_cluster_map(control)["routing"]["epoch"] == 3
+
+
+def test_supervisor_reshard_moves_a_prefix_with_writers_running(procs, tmp_path, zctx):
+    """A pinned prefix holding keys moves from s0 to s1 while a ``wait=True`` writer
+    keeps writing to it and a watcher follows: every acknowledged write is there after,
+    on s1 only, the watcher saw no delete or re-add of a moved key, and the servers of s0
+    forgot the prefix."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    start(procs, config, tmp_path)
+    wait_status(control, settled)
+    first = ShardMap(2)
+    tenant = next(f"/tenant{i}/" for i in range(100) if first.owner(f"/tenant{i}/x") == 0)
+    later = _pin(config, tmp_path / "later.yaml", 1, [tenant])
+    ledger: dict[str, bytes] = {}
+
+    async def scenario():
+        async with AsyncClone(config=str(config)) as clone:
+            for i in range(300):
+                ledger[f"{tenant}{i}"] = b"v%d" % i
+            ledger.update({f"/k{i}": b"k%d" % i for i in range(50)})
+            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
+            events = []
+            watch = clone.watch(tenant)
+
+            async def collect():
+                async for change in watch:
+                    events.append(change)
+
+            collector = asyncio.ensure_future(collect())
+            stop = asyncio.Event()
+
+            async def writer():  # the same 20 keys again and again, acknowledged each
+                n = 0
+                while not stop.is_set():
+                    key = f"{tenant}{n % 20}"
+                    value = b"w%d" % n
+                    await clone.set(key, value, wait=True, timeout_s=10)
+                    ledger[key] = value
+                    n += 1
+                return n
+
+            writing = asyncio.ensure_future(writer())
+            await asyncio.sleep(0.2)  # (the writer is under way)
+            done = await asyncio.to_thread(cli, "reshard", str(config), "--to", str(later),
+                                           "--yes", "--timeout-s", "60", timeout_s=90)
+            await asyncio.sleep(0.3)  # (writes to the new owner)
+            stop.set()
+            written = await writing
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert "shard 0 -> shard 1: 300 keys" in done.stdout
+            await _until(lambda: clone.routing_epoch == 2, "the client follows")
+            assert written > 0
+            assert {k: clone.get(k) for k in ledger} == ledger
+            assert len(clone) == len(ledger)  # each key in one shard's part
+            watch.close()
+            await collector
+            kinds = {e.kind for e in events}
+            assert "delete" not in kinds, [e for e in events if e.kind == "delete"][:3]
+            # no re-add: a key's value never "changes" to the value it had
+            last: dict[str, bytes] = {}
+            for e in events:
+                if e.kind == "put":
+                    assert last.get(e.key) != e.value, f"{e.key} re-added by the move"
+                    last[e.key] = e.value
+            assert last == {k: v for k, v in ledger.items() if k.startswith(tenant)}
+
+    asyncio.run(scenario())
+    rows = wait_status(control, lambda r: all(
+        ((row.get("stats") or {}).get("routing") or {}).get("epoch") == 2
+        for row in r.values()))
+    held = {name: fetch_map(zctx, row["port"], tenant.encode())[0]
+            for name, row in actives(rows).items()}
+    assert held["s0"] == {}
+    assert {k.decode(): v for k, v in held["s1"].items()} == {
+        k: v for k, v in ledger.items() if k.startswith(tenant)}
+    # every server holds exactly its shard's keys: s0's pair forgot the prefix
+    for name, row in rows.items():
+        index = int(name[1])
+        assert row["stats"]["keys"] == sum(1 for k in ledger
+                                           if ShardMap(2, {1: [tenant]}).owner(k) == index)
+
+    async def fresh():
+        async with AsyncClone(config=str(later)) as clone:
+            assert {k: clone.get(k) for k in ledger} == ledger
+            assert len(clone) == len(ledger)
+
+    asyncio.run(fresh())

@@ -1,0 +1,274 @@
+"""Moving a prefix's keys between shards (resharding, ``clonemap.supervisor.resharding``).
+
+Two parts, one on each side of a move, driven by the supervisor through the servers'
+control services (``clonemap.shards.serve``):
+
+* ``Import``, on the target shard's active: a copy of the moving prefix, built and kept
+  current outside the store, so clients see nothing of it. It reads the source active as
+  a replica does: its TTL table and applied UUIDs (``BSTAR-TTL?``), a snapshot of the
+  prefix (``ICANHAZ?``) and, from before that snapshot, the source's updates under the
+  prefix on its publisher (queued in the SUB until the snapshot ends, then applied in
+  order, those the snapshot holds skipped). ``source_seq`` is the source sequence the copy holds
+  everything up to: the last KVPUB of the prefix, or the sequence of the last clock HUGZ,
+  whichever is later (the publisher's stream is ordered, so a HUGZ at sequence S follows
+  every KVPUB up to S).
+* ``Hold``, on the source shard's active: from ``hold`` on, its KVSETs for keys under the
+  prefix are kept, in arrival order, instead of applied (bounded in bytes). The hold
+  ends one of two ways: the owner flipped, and the held KVSETs go to the target's
+  collectors (``Forwarder``), which apply them once, after the copy; or the move is
+  rolled back, and they are applied here (``release``), as if they had just arrived.
+  After the flip the same ``Forwarder`` sends on the KVSETs that clients still routing
+  by the old epoch send here: a write is never dropped for having been sent before its
+  client learned of the move.
+
+The flip (``ShardServer.commit_import``): the target follows the new routing, then
+applies the copy as ordinary updates with its own sequences (published, logged,
+replicated to its passive), and takes the source's applied UUIDs, so a write its client
+sends again after the move is still applied once. Clients re-home each key when its first
+KVPUB from the target arrives (``clonemap.client``: no event when the value is the one
+they hold). The source then follows the new routing too, forwards what it held, and
+forgets the prefix's keys without publishing deletes (``Store.forget``).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+
+from clonemap.shards.common.errors import ProtocolError
+from clonemap.shards.common.proto import bstar_ttl, chp
+from clonemap.shards.common.proto.props import parse_props
+
+log = logging.getLogger(__name__)
+
+HOLD_MAX_BYTES = 64 << 20
+"""Bytes of KVSETs one hold may keep; past it the hold fails (``Hold.failed``) and the
+supervisor rolls the move back: no write waits on a hold that cannot end."""
+COPY_TIMEOUT_S = 30.0
+"""How long the copy's snapshot may take to arrive whole before the import fails."""
+
+
+def expiry_of(props: bytes) -> float | None:
+    """The absolute expiry in a KVPUB's properties (``expires=``), or None."""
+    if not props or b"expires=" not in props:
+        return None
+    try:
+        return float(parse_props(props)["expires"])
+    except (KeyError, ValueError, ProtocolError):
+        return None
+
+
+class Import:
+    """The target's copy of ``prefix`` from the source active at ``source`` (its snapshot
+    endpoint, P; the publisher is P+1). ``start()`` inside the server's loop."""
+
+    def __init__(self, ctx: zmq.Context, source: str, prefix: bytes, security, limits):
+        self.source = source
+        self.prefix = prefix
+        self.items: dict[bytes, tuple[bytes, float | None]] = {}
+        """key -> (value, absolute expiry or None): the copy."""
+        self.uuids: list = []
+        """The source's applied UUIDs as of its TTL table (``[uuid, seq, ...]``)."""
+        self.source_seq = 0
+        self.snapshot_seq = -1
+        """The snapshot's KTHXBAI sequence (-1 until it arrived whole)."""
+        self.updates = 0
+        self.error = ""
+        self.started_at = time.monotonic()
+        self._ctx = zmq.asyncio.Context.shadow(ctx)
+        self._security = security
+        self._limits = limits
+        self._task: asyncio.Task | None = None
+        self._socks: list = []
+
+    @property
+    def copied(self) -> bool:
+        return self.snapshot_seq >= 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def _socket(self, kind: int, endpoint: str):
+        sock = self._ctx.socket(kind)
+        sock.linger = 0
+        self._security.connect_side(sock)
+        self._socks.append(sock)
+        if kind == zmq.SUB:
+            sock.rcvhwm = 0  # a copy never drops what the source published
+            sock.setsockopt(zmq.SUBSCRIBE, self.prefix)
+            sock.setsockopt(zmq.SUBSCRIBE, chp.HUGZ)
+        sock.connect(endpoint)
+        return sock
+
+    async def _run(self) -> None:
+        host, port = self.source.rsplit(":", 1)
+        sub = self._socket(zmq.SUB, f"{host}:{int(port) + 1}")
+        try:
+            # the publisher's stream first (what it sends meanwhile waits in the SUB's
+            # queue, unbounded), the TTL table and UUIDs, then the snapshot
+            await self._subscribed(sub)
+            expiries = await self._ttl_table()
+            await asyncio.wait_for(self._snapshot(expiries), COPY_TIMEOUT_S)
+            log.info("import of %r from %s: %d keys copied at source sequence %d",
+                     self.prefix, self.source, len(self.items), self.snapshot_seq)
+            while True:
+                self._update(await sub.recv_multipart())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever it was, the import failed
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error("import of %r from %s failed: %s", self.prefix, self.source,
+                      self.error)
+
+    async def _subscribed(self, sub) -> None:
+        """Until the SUB's subscription is live: the first HUGZ (a clock HUGZ comes at
+        least every --clock-s)."""
+        while True:
+            frames = await sub.recv_multipart()
+            if frames[0] == chp.HUGZ:
+                self._update(frames)
+                return
+
+    async def _ttl_table(self) -> dict[bytes, float]:
+        dealer = self._socket(zmq.DEALER, self.source)
+        await dealer.send_multipart(bstar_ttl.request())
+        table: dict[bytes, float] = {}
+        while True:
+            chunk = bstar_ttl.decode_chunk(await asyncio.wait_for(dealer.recv_multipart(),
+                                                                  COPY_TIMEOUT_S))
+            table.update((k, t) for k, t in chunk.table.items()
+                         if k.startswith(self.prefix))
+            if chunk.last:
+                self.uuids = list(chunk.uuids)
+                return table
+
+    async def _snapshot(self, expiries: dict[bytes, float]) -> None:
+        dealer = self._socket(zmq.DEALER, self.source)
+        await dealer.send_multipart(chp.icanhaz(self.prefix))
+        items = self.items
+        while True:
+            msg = chp.decode_snapshot(await dealer.recv_multipart(), self._limits,
+                                      strict=False)
+            if isinstance(msg, chp.Kthxbai):
+                self.snapshot_seq = msg.seq
+                self.source_seq = max(self.source_seq, msg.seq)
+                return
+            items[msg.key] = (msg.value, expiries.get(msg.key))
+
+    def _update(self, frames: list[bytes]) -> None:
+        """One message of the source's publisher (after the snapshot, or buffered)."""
+        try:
+            msg = chp.decode_update(frames, self._limits, strict=False)
+        except ProtocolError:
+            return
+        if isinstance(msg, chp.Hugz):
+            clock = chp.hugz_clock(msg)
+            if clock is not None:
+                self.source_seq = max(self.source_seq, clock[1])
+            return
+        if msg.seq <= self.snapshot_seq or not msg.key.startswith(self.prefix):
+            return  # in the snapshot already (or buffered before it was asked for)
+        if msg.value:
+            self.items[msg.key] = (msg.value, expiry_of(msg.props))
+        else:
+            self.items.pop(msg.key, None)
+        self.source_seq = max(self.source_seq, msg.seq)
+        self.updates += 1
+
+    def stats(self) -> dict:
+        return {"prefix": self.prefix.decode("utf-8", "replace"), "source": self.source,
+                "copied": self.copied, "keys": len(self.items),
+                "bytes": sum(len(k) + len(v) for k, (v, _) in self.items.items()),
+                "source_seq": self.source_seq, "snapshot_seq": self.snapshot_seq,
+                "updates": self.updates, "error": self.error,
+                "age_s": round(time.monotonic() - self.started_at, 3)}
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for sock in self._socks:
+            sock.close(linger=0)
+        self._socks = []
+
+
+class Hold:
+    """The source's KVSETs for ``prefix`` kept while the owner flips (module doc)."""
+
+    def __init__(self, prefix: bytes, seq: int, max_bytes: int = HOLD_MAX_BYTES):
+        self.prefix = prefix
+        self.seq = seq
+        """The source's sequence when the hold began: no later update is under prefix."""
+        self.frames: list[list[bytes]] = []
+        self.bytes = 0
+        self.max_bytes = max_bytes
+        self.failed = ""
+        self.started_at = time.monotonic()
+
+    def keep(self, frames: list[bytes]) -> None:
+        size = sum(map(len, frames))
+        if self.bytes + size > self.max_bytes:
+            if not self.failed:
+                self.failed = f"more than {self.max_bytes} bytes of writes held"
+            return
+        self.frames.append(frames)
+        self.bytes += size
+
+    def stats(self) -> dict:
+        return {"prefix": self.prefix.decode("utf-8", "replace"), "seq": self.seq,
+                "held": len(self.frames), "bytes": self.bytes, "failed": self.failed,
+                "age_s": round(time.monotonic() - self.started_at, 3)}
+
+
+SUBSCRIBED_WAIT_S = 2.0
+"""How long a ``Forwarder`` waits for every collector's subscription before it sends."""
+
+
+class Forwarder:
+    """KVSETs for a prefix that moved away, sent on to its new shard's collectors (P+2 of
+    both servers of the pair, as a client sends them): first the writes held during the
+    move, then any that clients still routing by the old epoch send here. An XPUB, so
+    nothing is sent before the collectors' subscriptions arrived (until then they wait,
+    in order)."""
+
+    def __init__(self, ctx: zmq.Context, collectors: list[str], security):
+        self._sock = zmq.asyncio.Context.shadow(ctx).socket(zmq.XPUB)
+        self._sock.linger = 0
+        self._sock.sndhwm = 0
+        security.connect_side(self._sock)
+        for endpoint in collectors:
+            self._sock.connect(endpoint)
+        self.collectors = collectors
+        self._waiting: list[list[bytes]] | None = []
+        self.forwarded = 0
+        self._task = asyncio.get_running_loop().create_task(self._open(len(collectors)))
+
+    async def _open(self, count: int) -> None:
+        try:
+            async with asyncio.timeout(SUBSCRIBED_WAIT_S):
+                for _ in range(count):
+                    await self._sock.recv()  # one collector's subscription
+        except TimeoutError:
+            log.warning("move: not every collector of %s subscribed within %g s; "
+                        "forwarding anyway", self.collectors, SUBSCRIBED_WAIT_S)
+        waiting, self._waiting = self._waiting, None
+        for frames in waiting or ():
+            self._send(frames)
+        log.info("move: forwarding to %s (%d writes waited)", self.collectors,
+                 len(waiting or ()))
+
+    def send(self, frames: list[bytes]) -> None:
+        if self._waiting is not None:
+            self._waiting.append(frames)
+        else:
+            self._send(frames)
+
+    def _send(self, frames: list[bytes]) -> None:
+        self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        self.forwarded += 1
+
+    def close(self) -> None:
+        self._task.cancel()
+        self._sock.close(linger=0)
