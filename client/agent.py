@@ -109,6 +109,12 @@ class ShardAgent:
         """Set by a client of several shards: a key new to this shard's part that another
         shard's part holds moved here (resharding): it leaves that part; True when the
         value is the one the client held (no event)."""
+        self.rehome_installs = False
+        """Snapshots installed here are checked for keys that moved here too (set once
+        the client's routing changed: a snapshot of a shard it did not follow before)."""
+        self.moved_snapshot: Callable[[dict, int], None] | None = None
+        """With ``rehome_installs``: a snapshot installed here may hold writes another
+        shard's part waits for (sent there before the client followed the change)."""
         self.moved_echo: Callable[[bytes, int], None] | None = None
         """Set while keys move here: a KVPUB's UUID may be a write another shard's part
         waits for (a held write the old shard forwarded)."""
@@ -354,6 +360,15 @@ class ShardAgent:
                 outages.report_reset(reset)
                 self._dispatch(sm.Keep(eff.old_generation))  # -> Freeze
                 return
+        events_old = old
+        if self.rehome is not None and self.rehome_installs:
+            # keys that moved here from another shard's part: they leave it, and a value
+            # the client held already is no event (resharding)
+            moved = {k: v for k, v in new.items() if k not in old and self.rehome(self, k, v)}
+            if moved:
+                events_old = {**old, **moved}
+            if self.moved_snapshot is not None:  # writes other parts sent, applied here
+                self.moved_snapshot(new, eff.seq)
         if self.view is not None:  # (the values before their sequences, as in _apply)
             replace_in_view(self.view, old, new)
         self.map = new
@@ -365,7 +380,7 @@ class ShardAgent:
         if reset is not None:
             self.hub.reset(self.name, reset, new, eff.seq, new_seqs)
         else:
-            self.hub.installed(self.name, old, new, eff.seq, new_seqs)
+            self.hub.installed(self.name, events_old, new, eff.seq, new_seqs)
         log.info("shard %s: snapshot of %d keys at sequence %d from %s%s", self.name,
                  len(new), eff.seq, self.server, " (resync: replaced)" if eff.resync else "")
         if eff.outage is not None:

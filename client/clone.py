@@ -80,6 +80,8 @@ def _viewed_get(view: dict[str, bytes],
     return get
 
 
+RETIRE_S = 30.0
+"""How long a shard that left the routing keeps its agent while its keys move away."""
 READ_ROUTES = 1 << 16
 """Routes ``get`` keeps (key -> bytes and agent) at least; at most twice the map's keys
 or this, whichever is more; past that it starts over."""
@@ -132,6 +134,8 @@ class AsyncClone:
         self.max_lag_s = opts.max_lag_s
         self._hub = WatchHub()
         self._agents: list[ShardAgent] = []
+        self._threads = 0
+        """I/O threads the shards' sockets spread over (0: ZeroMQ's choice)."""
         self.health = Health(slow_policy=opts.slow_policy, max_lag_s=opts.max_lag_s,
                              on_slow=opts.on_slow, routing=self._routing,
                              end_watches=self._on_failed, close_agents=self._close_agents,
@@ -204,7 +208,6 @@ class AsyncClone:
             specs = [cluster.shards[cluster.shard_map.owner(self.only_key.encode("utf-8"))]]
         else:
             specs = cluster.shards_for(self._subtree_b)
-        agent_options = self.options.agent(silence)
         threads = 0
         if self.io_threads is not None:
             # the Black Box pattern: the shards' sockets spread over the context's I/O
@@ -212,22 +215,29 @@ class AsyncClone:
             threads = (min(len(specs), MAX_IO_THREADS) if isinstance(self.io_threads, str)
                        else self.io_threads)  # a number, or PER_SHARD
             self._ctx.io_threads = threads
+        self._threads = threads
         for position, spec in enumerate(specs):
-            servers = spec.servers
-            through = self.via == "relays" and bool(spec.relays or self.servers)
-            if through:
-                servers = self._relays_of(spec)
-            agent = ShardAgent(self._ctx, servers, agent_options, self._hooks, name=spec.name,
-                               relays=through, subtree=self._subtree_b, hub=self._hub,
-                               affinity=1 << (position % threads) if threads else 0,
-                               security=self.security,
-                               route=cluster.shard_map.route_of(spec.index),
-                               view=self._view)
-            self._agents.append(agent)
-            self._by_index[spec.index] = agent
+            self._agent_of_spec(cluster, spec, position)
         if len(self._agents) > 1:
             for agent in self._agents:
                 agent.rehome = self._rehome
+
+    def _agent_of_spec(self, cluster: Cluster, spec: ShardSpec, position: int) -> ShardAgent:
+        """A new agent for shard ``spec``, registered (not started)."""
+        servers = spec.servers
+        through = self.via == "relays" and bool(spec.relays or self.servers)
+        if through:
+            servers = self._relays_of(spec)
+        threads = self._threads
+        agent = ShardAgent(self._ctx, servers, self.options.agent(self.silence_timeout_s),
+                           self._hooks, name=spec.name, relays=through,
+                           subtree=self._subtree_b, hub=self._hub,
+                           affinity=1 << (position % threads) if threads else 0,
+                           security=self.security,
+                           route=cluster.shard_map.route_of(spec.index), view=self._view)
+        self._agents.append(agent)
+        self._by_index[spec.index] = agent
+        return agent
 
     def _relays_of(self, spec: ShardSpec) -> tuple[ServerAddress, ...]:
         """The shard's relays in this client's order: rotated at random, so that clients
@@ -364,11 +374,11 @@ class AsyncClone:
                 self._following = 0
 
     def _take_routing(self, cluster: Cluster) -> None:
-        """Route by ``cluster``'s later routing, in place: the same shards (the same
-        agents, maps and watches; nothing is fetched again), each agent now expecting its
-        server's new ``route=``. A routing that needs a shard this client does not follow
-        (another shard count, or a subtree that now reaches another shard) fails the
-        client with ``ConfigError``: it must be started again."""
+        """Route by ``cluster``'s later routing, in place: the shards it keeps keep their
+        agents, maps and watches (nothing is fetched again), each agent now expecting its
+        server's new ``route=``; a shard it adds that this client needs gets an agent,
+        whose snapshot re-homes the keys that moved to it without events; a shard it
+        removes keeps its agent until the keys it held have moved (``_retire``)."""
         current = self.cluster
         if current is None or self.failed is not None:
             return
@@ -377,19 +387,53 @@ class AsyncClone:
         needed = ({cluster.shard_map.owner(self.only_key.encode("utf-8"))}
                   if self.only_key is not None else
                   {spec.index for spec in cluster.shards_for(self._subtree_b)})
-        if (cluster.shard_map.shards != current.shard_map.shards
-                or not needed <= set(self._by_index)):
-            raise ConfigError(
-                f"the cluster's routing is now epoch {cluster.shard_map.epoch} over "
-                f"{cluster.shard_map.shards} shards; this client follows "
-                f"{sorted(self._by_index)} of {current.shard_map.shards} and does not add "
-                "shards while it runs: start it again", field="routing")
         self.cluster = cluster
         self._routes.clear()  # ``get``'s routes of the old map
+        for agent in self._agents:
+            agent.rehome_installs = True
+        retired = [i for i in self._by_index if i not in needed]
+        for index in retired:
+            self._retire(self._by_index.pop(index))
         for index, agent in self._by_index.items():
             agent.route = cluster.shard_map.route_of(index)
+        added = [self._agent_of_spec(cluster, cluster.shards[i], len(self._agents))
+                 for i in sorted(needed - set(self._by_index))]
+        if len(self._agents) > 1:
+            for agent in self._agents:
+                agent.rehome = self._rehome
+                agent.rehome_installs = True
+                agent.moved_snapshot = self._moved_snapshot
+                agent.moved_echo = self._moved_echo
+        if self._started:
+            for agent in added:
+                agent.start()
         self.routing_followed += 1
-        log.info("routing: now epoch %d (%s)", cluster.shard_map.epoch, cluster.source)
+        log.info("routing: now epoch %d over %d shards (%s)%s", cluster.shard_map.epoch,
+                 cluster.shard_map.shards, cluster.source,
+                 f"; following {len(added)} more" if added else "")
+
+    def _retire(self, agent: ShardAgent) -> None:
+        """A shard this client no longer follows: its agent goes once its keys moved to
+        other parts (re-homed) and the writes it sent are confirmed, or after ``RETIRE_S``
+        (what it still holds then is dropped from its part, without events, and logged;
+        a write still waiting fails as at a close)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RETIRE_S
+
+        def check() -> None:
+            # its keys re-homed, and its waiting writes confirmed (a write it sent before
+            # the change is forwarded by its old shard; its echo comes from the new one)
+            if (agent.map or agent.echoes) and loop.time() < deadline:
+                loop.call_later(0.05, check)
+                return
+            if agent.map:
+                log.warning("shard %s left the routing with %d keys not re-homed in %g s",
+                            agent.name, len(agent.map), RETIRE_S)
+            agent.close()
+            if agent in self._agents:
+                self._agents.remove(agent)
+
+        check()
 
     def _rehome(self, agent: ShardAgent, key: bytes, value: bytes) -> bool:
         """``key`` arrived from ``agent``'s shard and another part holds it: it moved
@@ -407,6 +451,11 @@ class AsyncClone:
                         each.moved_echo = self._moved_echo
                 return held == value
         return False
+
+    def _moved_snapshot(self, data: dict[bytes, bytes], seq: int) -> None:
+        for agent in self._agents:
+            if agent.echoes:
+                agent.echoes.confirm_in(data, seq)
 
     def _moved_echo(self, uuid: bytes, seq: int) -> None:
         for agent in self._agents:

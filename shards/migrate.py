@@ -1,10 +1,12 @@
-"""Moving a prefix's keys between shards (resharding, ``clonemap.supervisor.resharding``).
+"""Moving keys between shards (resharding, ``clonemap.supervisor.resharding``): a pinned
+prefix, or the routing segments that a new shard count gives to other shards.
 
 Two parts, one on each side of a move, driven by the supervisor through the servers'
 control services (``clonemap.shards.serve``):
 
-* ``Import``, on the target shard's active: a copy of the moving prefix, built and kept
-  current outside the store, so clients see nothing of it. It reads the source active as
+* ``Import``, on the target shard's active, one per source shard: a copy of the keys that
+  move here from that source (under a prefix, or from its whole map, filtered by the new
+  routing), built and kept current outside the store, so clients see nothing of it. It reads the source active as
   a replica does: its TTL table and applied UUIDs (``BSTAR-TTL?``), a snapshot of the
   prefix (``ICANHAZ?``) and, from before that snapshot, the source's updates under the
   prefix on its publisher (queued in the SUB until the snapshot ends, then applied in
@@ -12,8 +14,9 @@ control services (``clonemap.shards.serve``):
   everything up to: the last KVPUB of the prefix, or the sequence of the last clock HUGZ,
   whichever is later (the publisher's stream is ordered, so a HUGZ at sequence S follows
   every KVPUB up to S).
-* ``Hold``, on the source shard's active: from ``hold`` on, its KVSETs for keys under the
-  prefix are kept, in arrival order, instead of applied (bounded in bytes). The hold
+* ``Hold``, on the source shard's active: from ``hold`` on, its KVSETs for keys the new
+  routing gives to other shards are kept, in arrival order, instead of applied (bounded
+  in bytes). The hold
   ends one of two ways: the owner flipped, and the held KVSETs go to the target's
   collectors (``Forwarder``), which apply them once, after the copy; or the move is
   rolled back, and they are applied here (``release``), as if they had just arrived.
@@ -65,9 +68,14 @@ class Import:
     """The target's copy of ``prefix`` from the source active at ``source`` (its snapshot
     endpoint, P; the publisher is P+1). ``start()`` inside the server's loop."""
 
-    def __init__(self, ctx: zmq.Context, source: str, prefix: bytes, security, limits):
+    def __init__(self, ctx: zmq.Context, source: str, prefix: bytes, security, limits,
+                 owns=None):
+        """``prefix``: the subtree asked of the source (b"" for the whole map);
+        ``owns(key)``: whether the new routing gives a key to this shard (only those
+        are copied; None: every key under ``prefix``)."""
         self.source = source
         self.prefix = prefix
+        self.owns = owns if owns is not None else (lambda key: True)
         self.items: dict[bytes, tuple[bytes, float | None]] = {}
         """key -> (value, absolute expiry or None): the copy."""
         self.uuids: list = []
@@ -148,7 +156,7 @@ class Import:
     async def _snapshot(self, expiries: dict[bytes, float]) -> None:
         dealer = self._socket(zmq.DEALER, self.source)
         await dealer.send_multipart(chp.icanhaz(self.prefix))
-        items = self.items
+        items, owns = self.items, self.owns
         while True:
             msg = chp.decode_snapshot(await dealer.recv_multipart(), self._limits,
                                       strict=False)
@@ -156,7 +164,8 @@ class Import:
                 self.snapshot_seq = msg.seq
                 self.source_seq = max(self.source_seq, msg.seq)
                 return
-            items[msg.key] = (msg.value, expiries.get(msg.key))
+            if owns(msg.key):
+                items[msg.key] = (msg.value, expiries.get(msg.key))
 
     def _update(self, frames: list[bytes]) -> None:
         """One message of the source's publisher (after the snapshot, or buffered)."""
@@ -169,8 +178,9 @@ class Import:
             if clock is not None:
                 self.source_seq = max(self.source_seq, clock[1])
             return
-        if msg.seq <= self.snapshot_seq or not msg.key.startswith(self.prefix):
-            return  # in the snapshot already (or buffered before it was asked for)
+        if (msg.seq <= self.snapshot_seq or not msg.key.startswith(self.prefix)
+                or not self.owns(msg.key)):
+            return  # in the snapshot already, or not moving here
         if msg.value:
             self.items[msg.key] = (msg.value, expiry_of(msg.props))
         else:
@@ -195,10 +205,12 @@ class Import:
 
 
 class Hold:
-    """The source's KVSETs for ``prefix`` kept while the owner flips (module doc)."""
+    """The source's KVSETs for the keys that move, kept while the owner flips (module
+    doc). ``moves(key)``: whether a key moves (the new routing gives it to another
+    shard)."""
 
-    def __init__(self, prefix: bytes, seq: int, max_bytes: int = HOLD_MAX_BYTES):
-        self.prefix = prefix
+    def __init__(self, moves, seq: int, max_bytes: int = HOLD_MAX_BYTES):
+        self.moves = moves
         self.seq = seq
         """The source's sequence when the hold began: no later update is under prefix."""
         self.frames: list[list[bytes]] = []
@@ -217,8 +229,7 @@ class Hold:
         self.bytes += size
 
     def stats(self) -> dict:
-        return {"prefix": self.prefix.decode("utf-8", "replace"), "seq": self.seq,
-                "held": len(self.frames), "bytes": self.bytes, "failed": self.failed,
+        return {"seq": self.seq, "held": len(self.frames), "bytes": self.bytes, "failed": self.failed,
                 "age_s": round(time.monotonic() - self.started_at, 3)}
 
 
@@ -237,6 +248,7 @@ class Forwarder:
         self._sock = zmq.asyncio.Context.shadow(ctx).socket(zmq.XPUB)
         self._sock.linger = 0
         self._sock.sndhwm = 0
+        self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # each collector's subscription
         security.connect_side(self._sock)
         for endpoint in collectors:
             self._sock.connect(endpoint)

@@ -121,33 +121,39 @@ def control_stats(server: ShardServer, shard: str) -> dict:
 def _install(server: ShardServer, body: list[bytes]) -> str:
     """A control request's routing installed (``ShardServer.install_routing``); "" once
     followed, else why not. A third frame ``forget`` (the keys it moves have moved):
-    those keys are forgotten, and a prefix held for the move is forwarded to the
-    collector named in a fourth frame (``clonemap.shards.migrate.forward``)."""
+    those keys are forgotten, and the writes held for the move, and later ones for keys
+    that moved, go on to their shards' collectors named in a fourth frame (JSON
+    {shard index: [collector endpoints]}: ``clonemap.shards.migrate.Forwarder``)."""
     try:
         shard_map = ShardMap.from_description(json.loads(body[0]))
     except (IndexError, ValueError, TypeError, AttributeError, ConfigError) as exc:
         return f"not a routing: {exc}"
     forget = body[1:2] == [ROUTING_FORGET]
-    collectors = [c for c in (body[2].decode("ascii", "replace").split(",")
-                              if len(body) > 2 else ()) if c]
-    return server.install_routing(shard_map, forget=forget, forward_to=collectors)
+    try:
+        forward = {int(i): list(c) for i, c in json.loads(body[2]).items()} if (
+            len(body) > 2 and body[2]) else {}
+    except (ValueError, TypeError, AttributeError) as exc:
+        return f"not a forwarding map: {exc}"
+    return server.install_routing(shard_map, forget=forget, forward_to=forward)
 
 
 def _move(server: ShardServer, body: list[bytes]) -> str:
     """One step of a move (``clonemap.supervisor.resharding``), JSON {op, ...}: "" done,
-    else why not. ``import`` {source, prefix}: start copying; ``stop-import``; ``hold``
-    {prefix}; ``release``: apply what was held here; ``commit`` {routing}: the flip on
-    the target (``ShardServer.commit_import``)."""
+    else why not. ``import`` {source, prefix, routing}: start copying what ``routing``
+    moves here from ``source``; ``stop-import``; ``hold`` {routing}: keep the writes of
+    the keys it moves away; ``release``: apply what was held here; ``commit`` {routing}:
+    the flip on the target (``ShardServer.commit_import``)."""
     try:
         doc = json.loads(body[0])
         op = doc["op"]
         if op == "import":
-            return server.start_import(doc["source"], doc["prefix"].encode("utf-8"))
+            return server.start_import(doc["source"], doc["prefix"].encode("utf-8"),
+                                       ShardMap.from_description(doc["routing"]))
         if op == "stop-import":
             server.stop_import()
             return ""
         if op == "hold":
-            return server.begin_hold(doc["prefix"].encode("utf-8"))
+            return server.begin_hold(ShardMap.from_description(doc["routing"]))
         if op == "release":
             server.release_hold()
             return ""

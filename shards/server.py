@@ -167,12 +167,13 @@ class ShardServer:
         """Said in every HUGZ (``route=I/N/DIGEST``): a client routing with another map
         (a wrong config) is told at once instead of timing out on some keys."""
         self.set_routing(config.shard_map)
-        self.importing = None
-        """A copy of a prefix moving here from another shard (``clonemap.shards.migrate``)."""
+        self.importing: list = []
+        """Copies of the keys moving here, one per source shard (``clonemap.shards.migrate``)."""
         self.hold = None
-        """The KVSETs of a prefix moving away, kept until the flip (``clonemap.shards.migrate``)."""
+        """The KVSETs of keys moving away, kept until the flip (``clonemap.shards.migrate``)."""
         self.forwards: dict = {}
-        """Prefix that moved away -> its ``Forwarder`` to the new shard's collectors."""
+        """Shard index -> the ``Forwarder`` to its collectors, for the keys that moved
+        there from here."""
         # timers
         self.expiry = Expiry(next_expiry=lambda: self.store.next_expiry(),
                              expire=self.expire_due, enabled=self.role.expires_keys)
@@ -383,7 +384,7 @@ class ShardServer:
     # ================================================================ collector
     def on_collect(self, frames: list[bytes]) -> None:
         """A message on the collector: a KVSET becomes a KVPUB with the next sequence."""
-        if self.hold is not None and self.active and frames[0].startswith(self.hold.prefix):
+        if self.hold is not None and self.active and self.hold.moves(frames[0]):
             self.hold.keep(frames)  # moving to another shard: kept until the flip
             return
         if len(frames) == 5 and self.active:
@@ -678,37 +679,40 @@ class ShardServer:
         self.route = shard_map.route_of(index) if shard_map is not None else ""
 
     # ================================================================ moves
-    def start_import(self, source: str, prefix: bytes) -> str:
-        """Copy ``prefix`` from the source active at ``source`` (its P), invisibly (the
-        target's side of a move: ``clonemap.shards.migrate.Import``); "" once started,
-        else why not."""
+    def start_import(self, source: str, prefix: bytes, shard_map) -> str:
+        """Copy, from the source active at ``source`` (its P), the keys under ``prefix``
+        that ``shard_map`` gives this shard, invisibly (the target's side of a move:
+        ``clonemap.shards.migrate.Import``); "" once started, else why not."""
         from clonemap.shards.migrate import Import
 
         if not self.active:
             return "not active"
-        if self.importing is not None:
-            self.importing.close()
         chp.check_subtree(prefix)
-        self.importing = Import(self.ctx, source, prefix, self.security, self._limits)
-        self.importing.start()
+        owns = OwnerCache(shard_map, self.config.shard_index).owns
+        for imp in [i for i in self.importing if i.source == source]:
+            imp.close()
+            self.importing.remove(imp)
+        imp = Import(self.ctx, source, prefix, self.security, self._limits, owns)
+        self.importing.append(imp)
+        imp.start()
         return ""
 
     def stop_import(self) -> None:
-        if self.importing is not None:
-            self.importing.close()
-            self.importing = None
+        for imp in self.importing:
+            imp.close()
+        self.importing = []
 
-    def begin_hold(self, prefix: bytes) -> str:
-        """Keep this shard's KVSETs under ``prefix`` from now on (the source's side of a
-        move: ``clonemap.shards.migrate.Hold``); "" once holding."""
+    def begin_hold(self, shard_map) -> str:
+        """Keep this shard's KVSETs for the keys ``shard_map`` gives to other shards from
+        now on (the source's side of a move: ``clonemap.shards.migrate.Hold``); "" once
+        holding."""
         from clonemap.shards.migrate import Hold
 
         if not self.active:
             return "not active"
-        if self.hold is not None and self.hold.prefix != prefix:
-            return f"already holding {self.hold.prefix!r}"
+        owns = OwnerCache(shard_map, self.config.shard_index).owns
         if self.hold is None:
-            self.hold = Hold(prefix, self.store.seq)
+            self.hold = Hold(lambda key: not owns(key), self.store.seq)
         return ""
 
     def release_hold(self) -> int:
@@ -722,35 +726,39 @@ class ShardServer:
         return len(hold.frames)
 
     def commit_import(self, shard_map) -> str:
-        """The flip on the target: follow ``shard_map`` (which gives this shard the
-        imported prefix), then apply the copy as updates with this shard's sequences
-        (published, logged, replicated) and take the source's applied UUIDs. "" once
+        """The flip on the target: follow ``shard_map`` (which gives this shard the keys
+        it copied), then apply the copies as updates with this shard's sequences
+        (published, logged, replicated) and take the sources' applied UUIDs. "" once
         done, else why not (nothing changed)."""
-        imp = self.importing
-        if imp is None or not imp.copied or imp.error:
-            return "no complete copy to commit" + (f" ({imp.error})" if imp and imp.error
-                                                   else "")
+        imports = self.importing
+        unfinished = [i for i in imports if not i.copied or i.error]
+        if not imports or unfinished:
+            return "no complete copy to commit" + "".join(
+                f" ({i.source}: {i.error or 'not copied yet'})" for i in unfinished)
         if not self.active:
             return "not active"
         why = self.install_routing(shard_map)
         if why:
             return why
-        self.importing = None
-        imp.close()
+        self.stop_import()
         now = time.time()
         owns = OwnerCache(shard_map, self.config.shard_index).owns
-        for key, (value, expiry_s) in imp.items.items():
-            if (expiry_s is not None and expiry_s <= now) or not owns(key):
-                continue  # expired in the source's hands meanwhile, or pinned elsewhere
-            props = b"" if expiry_s is None else b"expires=%.3f\n" % expiry_s
-            self.apply_write(key, value, props, b"", expiry_s)
+        count = 0
+        for imp in imports:
+            for key, (value, expiry_s) in imp.items.items():
+                if (expiry_s is not None and expiry_s <= now) or not owns(key):
+                    continue  # expired in the source's hands meanwhile, or pinned elsewhere
+                props = b"" if expiry_s is None else b"expires=%.3f\n" % expiry_s
+                self.apply_write(key, value, props, b"", expiry_s)
+                count += 1
         at = self.store.seq
-        uuids = imp.uuids
-        for i in range(0, len(uuids) - 1, 2):  # applied here at or before ``at``
-            self.applied.add(uuids[i], at)
+        for imp in imports:
+            uuids = imp.uuids
+            for i in range(0, len(uuids) - 1, 2):  # applied here at or before ``at``
+                self.applied.add(uuids[i], at)
         self.flush()
-        log.info("import of %r committed: %d keys at sequence %d", imp.prefix,
-                 len(imp.items), at)
+        log.info("moves committed: %d keys from %s, at sequence %d", count,
+                 ", ".join(i.source for i in imports), at)
         return ""
 
     def forget_unowned(self) -> int:
@@ -766,17 +774,18 @@ class ShardServer:
         return count
 
     def forward_moved(self, key: bytes, frames: list[bytes]) -> bool:
-        """A KVSET for a key of a prefix that moved away from this shard goes on to its
-        new shard (``clonemap.shards.migrate.Forwarder``); False when none matches."""
-        for prefix, forwarder in self.forwards.items():
-            if key.startswith(prefix):
-                forwarder.send(frames)
-                self.writes["forwarded"] += 1
-                return True
-        return False
+        """A KVSET for a key that moved away from this shard goes on to the shard that
+        owns it now (``clonemap.shards.migrate.Forwarder``); False when no move sent
+        keys there."""
+        forwarder = self.forwards.get(self.shard_map.owner(key))
+        if forwarder is None:
+            return False
+        forwarder.send(frames)
+        self.writes["forwarded"] += 1
+        return True
 
     def install_routing(self, shard_map, forget: bool = False,
-                        forward_to: list[str] | None = None) -> str:
+                        forward_to: dict[int, list[str]] | None = None) -> str:
         """Follow ``shard_map``, a later routing of this cluster, from now on: durable in
         the data directory first (a restart never goes back to an older one). Returns ""
         once followed (or when it is the routing followed already), else why not: an
@@ -796,8 +805,10 @@ class ShardServer:
                                        " (another routing under the same epoch)"))
         if shard_map.epoch == mine.epoch:
             return ""
-        if index >= shard_map.shards:
+        if index >= shard_map.shards and not forget:
             return f"shard {index} is not among the {shard_map.shards} shards of that routing"
+        # (with ``forget``, a shard the routing removes: it owns nothing from now on, and
+        # every write that still reaches it goes on to its key's new shard)
         leaving = {} if forget else self.keys_leaving(shard_map)
         if leaving:  # checked on the reactor: no write gets in between
             keys = sum(k for k, _ in leaving.values())
@@ -817,23 +828,21 @@ class ShardServer:
                  shard_map.shards, shard_map.digest())
         if forget:
             self.forget_unowned()
-        hold, self.hold = self.hold, None
-        if hold is not None and forward_to and self.active:
+        if forward_to and self.active:
             from clonemap.shards.migrate import Forwarder
 
-            forwarder = Forwarder(self.ctx, forward_to, self.security)
+            for index, collectors in forward_to.items():
+                if index not in self.forwards and index != self.config.shard_index:
+                    self.forwards[index] = Forwarder(self.ctx, collectors, self.security)
+        hold, self.hold = self.hold, None
+        if hold is not None and self.forwards:
             for frames in hold.frames:  # first what was held, in order
-                forwarder.send(frames)
-            old = self.forwards.pop(hold.prefix, None)
-            if old is not None:
-                old.close()
-            self.forwards[hold.prefix] = forwarder
+                if not self.owns(frames[0], frames):
+                    continue  # forwarded
+                self.on_collect(frames)  # (a key it still owns: never held, but safe)
         elif hold is not None:  # not a flip that names where they go: apply them here
             self.hold = hold
             self.release_hold()
-        owned = OwnerCache(shard_map, self.config.shard_index).owns
-        for prefix in [p for p in self.forwards if owned(p)]:  # moved back here
-            self.forwards.pop(prefix).close()
         return ""
 
     def keys_leaving(self, shard_map) -> dict[int, tuple[int, int]]:
@@ -856,7 +865,9 @@ class ShardServer:
         return self.shard_map.epoch if self.shard_map is not None else 0
 
     def _forwarded(self, key: bytes) -> bool:
-        return any(key.startswith(p) for p in self.forwards)
+        """Whether a KVSET for ``key`` (not owned here) went on to its shard."""
+        return (self.active and self.shard_map is not None
+                and self.shard_map.owner(key) in self.forwards)
 
     def owns(self, key: bytes, frames: list[bytes] | None = None) -> bool:
         """Whether this shard owns ``key``; if not, its KVSET ``frames`` go on to the
@@ -938,9 +949,11 @@ class ShardServer:
             "pub_mark": self._pub_mark.stats() if self._pub_mark is not None else None,
             "collect_mark": (self._collect_mark.stats() if self._collect_mark is not None
                              else None),
-            "move": ({"import": self.importing.stats() if self.importing else None,
-                      "hold": self.hold.stats() if self.hold else None}
-                     if self.importing is not None or self.hold is not None else None),
+            "move": ({"imports": [i.stats() for i in self.importing],
+                      "hold": self.hold.stats() if self.hold else None,
+                      "forwarding": {str(i): f.forwarded for i, f in self.forwards.items()}}
+                     if self.importing or self.hold is not None or self.forwards
+                     else None),
             "routing": (None if self.shard_map is None else
                         {"shard_index": self.config.shard_index,
                          "shards": self.shard_map.shards,

@@ -1,30 +1,49 @@
-"""``cluster.reshard``: change the running cluster's routing under a new epoch.
+"""``cluster.reshard``: change the running cluster's routing under a new epoch, moving
+the keys it moves while they are written (issue 41).
 
-This is the first step of resharding (issue 41): the routing epoch and the flip. What
-it applies now is a change of the pins among the running shards that moves no key: a
-prefix that holds no key yet pinned to another shard (the new tenant's prefix placed
-before it writes), or a pin removed or moved while its prefix is empty. A change that
-would move keys, or change the shard count, is answered with its plan (keys and bytes,
-source -> target) and refused: segment moves with a bounded hold are not built yet.
+A change is given as a config (``supervisor reshard CONFIG --to NEW_CONFIG``): its shard
+count and pins are the new routing. The running shards keep their names and servers;
+shards it adds are started, shards it removes are stopped once their keys moved (their
+data directories stay). Only the highest shards can be removed: jump consistent hashing
+removes buckets from the top.
 
-How a change is applied (``Resharding.apply``):
+**The plan.** Every running server counts the keys it holds that the new routing places
+on another shard, by target (``routing``/``count`` on its control service); the largest
+count of a shard's servers is the shard's. ``--dry-run`` stops here.
 
-1. every running server counts the keys it holds that the new routing places on another
-   shard (``routing``/``count`` on its control service); one that does not answer, or
-   any key that would move, refuses the change;
-2. the new routing, with the next epoch, is written to the run directory (durable: a
-   supervisor restarted from here on serves it);
-3. it is installed on the servers of the shards that give up a prefix first, then on
-   the rest: a server installs it on its reactor only if it still holds no key the
-   routing places elsewhere, and writes it to its data directory first. Between the two
-   waves a write to a moving prefix is dropped by its old shard (``not_owner``) and not
-   yet owned by its new one: never two shards accept it;
-4. if a server refuses (a key was written to the prefix after the count), the old
-   routing is installed everywhere under the epoch after that, and the change is
-   refused: epochs only grow;
-5. servers that are not running get the routing on their next start (their command
-   line); the cluster map (``cluster.map``) serves it at once. Clients learn the new
-   epoch from the next HUGZ and follow (``clonemap.client.health``).
+**A change that moves no key** (a pin of a prefix that holds no key yet): the new routing,
+with the next epoch, is written to the run directory (``routing.json``, fsynced), then
+installed on the servers of the shards that give up a prefix, then on the rest. A
+server installs it only if it still holds no key that it moves (checked on its reactor),
+so a write that came in after the count makes it refuse; the old routing is then
+installed everywhere under the epoch after, and the change is refused.
+
+**A change that moves keys** (``Resharding._move``), each phase bounded:
+
+1. *start*: the shards the change adds are started, already following the new routing
+   (no client knows them yet);
+2. *copy*: each target's active copies, from each source's active, the keys the new
+   routing gives it (``clonemap.shards.migrate.Import``: the TTL table and applied UUIDs,
+   a snapshot of the moving prefix or of the source's map, then its tail), invisibly;
+   the phase ends when every copy is within ``CATCH_UP`` updates of its source;
+3. *hold*: every source's active holds the writes of the keys that move
+   (``clonemap.shards.migrate.Hold``) and says its sequence then; the phase ends when
+   every copy holds its source's updates up to it. Past ``hold_bound_s`` the holds are
+   released (the sources apply the writes) and the move tries again, ``HOLD_ATTEMPTS``
+   times in all: no write waits longer than the bound;
+4. *flip*: the new routing and epoch are written to the run directory; each target's
+   active follows it and applies its copies as its own updates (published once: clients
+   re-home each key as it arrives, without an event); then the targets' other servers,
+   the sources' active (which forgets the moved keys without publishing deletes and
+   forwards the held writes, and any later write for a moved key, to the new owner's
+   collectors), the sources' other servers (which forget too), and every other server;
+5. *stop*: shards the change removes are stopped, ``REMOVE_AFTER_HEARTBEATS`` heartbeats
+   later (their forwarding covers clients that have not followed yet).
+
+A failure before the flip (a copy that fails, a server that refuses, a hold past its
+bound too often, a new shard that does not start) rolls the move back: the holds are
+released, the copies dropped, added shards stopped; the routing is unchanged. If a
+target refuses at the flip, the old routing comes back under the epoch after.
 """
 from __future__ import annotations
 
@@ -36,10 +55,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from clonemap.shards.common.errors import ConfigError
+from clonemap.shards.common.errors import ConfigError, ProtocolError
 from clonemap.shards.common.mdp.client import MdpClient
 from clonemap.shards.common.placement import Plan, RoutingParams
-from clonemap.shards.common.errors import ProtocolError
 from clonemap.shards.common.proto.chp import check_subtree
 from clonemap.shards.common.routing import (MOVE_COMMAND, ROUTING_COMMAND, ROUTING_COUNT,
                                             ROUTING_FORGET, ShardMap)
@@ -52,20 +70,17 @@ log = logging.getLogger(__name__)
 ASK_TIMEOUT_S = 5.0
 """How long one server may take to count or install (a count is one pass over its map)."""
 HOLD_BOUND_S = 0.5
-"""How long a moving prefix's writes may be held (the source holds them while the copy
-catches up); past it the hold is released and the move tried again."""
+"""How long the moving keys' writes may be held (the sources hold them while the copies
+catch up); past it the holds are released and the move tried again."""
 HOLD_ATTEMPTS = 3
 COPY_WAIT_S = 120.0
-"""How long the copy may take to arrive and come within ``CATCH_UP`` of the source."""
+"""How long the copies may take to arrive and come within ``CATCH_UP`` of their sources."""
 CATCH_UP = 1000
-"""Source updates the copy may trail by before the hold begins."""
+"""Source updates a copy may trail by before the hold begins."""
+START_WAIT_S = 30.0
+"""How long an added shard's pair may take to run and elect an active."""
+REMOVE_AFTER_HEARTBEATS = 3
 POLL_S = 0.005
-
-
-def _copy(stats: dict) -> dict:
-    """The import's figures in a server's stats (empty figures while it has none)."""
-    got = (stats.get("move") or {}).get("import")
-    return got or {"copied": False, "source_seq": -1, "keys": 0}
 
 
 class Refused(Exception):
@@ -76,18 +91,13 @@ class Refused(Exception):
         self.status, self.text, self.plan = status, text, plan
 
 
-def parse_change(body: list[bytes]) -> tuple[ShardMap, bool]:
-    """A request's body: JSON {shards, pins: [[prefix, shard], ...], apply}."""
+def parse_change(body: list[bytes]) -> tuple[str, bool]:
+    """A request's body: JSON {config: the new config's path, apply}."""
     try:
         doc = json.loads(body[0])
-        pins: dict[int, list[str]] = {}
-        for prefix, shard in doc.get("pins", []):
-            pins.setdefault(shard, []).append(prefix)
-        return ShardMap(doc["shards"], pins), bool(doc.get("apply"))
+        return str(doc["config"]), bool(doc.get("apply"))
     except (IndexError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise Refused(b"400", f"not a routing change: {exc}") from None
-    except ConfigError as exc:
-        raise Refused(b"400", str(exc)) from None
 
 
 def moved_prefixes(old: ShardMap, new: ShardMap) -> dict[str, tuple[int, int]]:
@@ -100,24 +110,33 @@ def moved_prefixes(old: ShardMap, new: ShardMap) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _imports(stats: dict) -> list[dict]:
+    return (stats.get("move") or {}).get("imports") or []
+
+
 class Resharding:
     """The cluster's routing as this supervisor serves it, and its changes."""
 
     def __init__(self, plan: Plan, runner, run_dir: Path, endpoint: str, ctx, security,
-                 on_changed: Callable[[Plan], None]):
+                 on_changed: Callable[[Plan], None], load_plan: Callable[[str], Plan]):
         self.plan = plan
         self.runner = runner
         self.run_dir = Path(run_dir)
         self.endpoint, self.ctx, self.security = endpoint, ctx, security
         self.on_changed = on_changed
         """Called with the plan under each new routing (the cluster map is rebuilt)."""
+        self.load_plan = load_plan
+        """A config's path -> its plan on this host (``ConfigError`` if it does not hold)."""
         self.hold_bound_s = HOLD_BOUND_S
         self._lock = asyncio.Lock()
+        self._before = plan
+        """The plan before the change under way (what a roll-back goes back to)."""
 
     @property
     def routing(self) -> ShardMap:
         return self.plan.routing.shard_map()
 
+    # ------------------------------------------------------------------ servers
     async def _ask(self, name: str, *body: bytes) -> dict:
         proc = self.runner.servers[name]
         client = MdpClient(self.endpoint, ctx=self.ctx, timeout_s=ASK_TIMEOUT_S, retries=0,
@@ -131,6 +150,58 @@ class Resharding:
 
     def _running(self) -> list[str]:
         return [name for name, proc in self.runner.servers.items() if proc.state == RUNNING]
+
+    def _of_shard(self, index: int) -> list[str]:
+        return [n for n in self._running() if self.runner.servers[n].plan.index == index]
+
+    async def _active_of(self, index: int) -> str:
+        """The running server of shard ``index`` that says it is active."""
+        for name in self._of_shard(index):
+            if self.runner.servers[name].plan.role not in ("primary", "backup"):
+                continue
+            if (await self._ask(name)).get("active"):
+                return name
+        raise Refused(b"503", f"shard {index} has no active server now")
+
+    async def _step(self, name: str, op: str, **args) -> dict:
+        got = await self._ask(name, MOVE_COMMAND, json.dumps(dict(args, op=op)).encode())
+        if got.get("move_refused"):
+            raise Refused(b"409", f"{name} refused {op}: {got['move_refused']}")
+        return got
+
+    async def _install(self, shard_map: ShardMap, names: list[str], forget: bool = False,
+                       forward: dict[int, list[str]] | None = None) -> dict[str, str]:
+        """Install on ``names``; name -> why refused ("" installed). ``forget``: the keys
+        it moves have moved (``forward``: where writes for them go now)."""
+        doc = json.dumps(shard_map.describe()).encode()
+        extra = (ROUTING_FORGET, json.dumps(forward or {}).encode()) if forget else ()
+        answers = await asyncio.gather(*(self._ask(n, ROUTING_COMMAND, doc, *extra)
+                                         for n in names), return_exceptions=True)
+        out = {}
+        for name, got in zip(names, answers):
+            if isinstance(got, dict):
+                out[name] = got.get("routing_refused") or ""
+            else:
+                out[name] = f"no answer ({type(got).__name__}: {got})"
+        return out
+
+    # ------------------------------------------------------------------ the plan
+    def _check_plan(self, new_plan: Plan) -> None:
+        """The new config keeps the cluster, its control endpoint and every running
+        shard's name and servers (only the pins and the shard count change)."""
+        old = self.plan
+        if new_plan.cluster != old.cluster or new_plan.control != old.control:
+            raise Refused(b"409", f"the new config is another cluster ({new_plan.cluster} "
+                                  f"at {new_plan.control}, not {old.cluster} at "
+                                  f"{old.control})")
+        for a, b in zip(old.shards, new_plan.shards):
+            if (a.name, a.primary.endpoint(), a.backup.endpoint()) != (
+                    b.name, b.primary.endpoint(), b.backup.endpoint()):
+                raise Refused(b"409", f"shard {a.index} is {a.name} at "
+                                      f"{a.primary.endpoint()} and {a.backup.endpoint()} in "
+                                      f"the running cluster, but {b.name} at "
+                                      f"{b.primary.endpoint()} and {b.backup.endpoint()} in "
+                                      "the new config: resharding keeps the running shards")
 
     async def count(self, new: ShardMap) -> dict:
         """The plan: for each source shard, the keys and bytes it would give each target
@@ -149,175 +220,39 @@ class Resharding:
             for target, (keys, size) in leaving.items():
                 row = moves.setdefault((source, int(target)), [0, 0])
                 row[0], row[1] = max(row[0], keys), max(row[1], size)
+        old = self.routing
         return {"moves": [{"from": s, "to": t, "keys": k, "bytes": b}
                           for (s, t), (k, b) in sorted(moves.items())],
-                "prefixes": {p: list(st) for p, st in
-                             moved_prefixes(self.routing, new).items()},
-                "servers_counted": names}
+                "prefixes": {p: list(st) for p, st in moved_prefixes(old, new).items()},
+                "shards": [old.shards, new.shards], "epoch": old.epoch,
+                "next_epoch": old.epoch + 1, "changed": False, "servers_counted": names}
 
-    async def change(self, new: ShardMap, apply: bool) -> dict:
+    async def change(self, config: str, apply: bool) -> dict:
         async with self._lock:
+            try:
+                new_plan = self.load_plan(config)
+            except ConfigError as exc:
+                raise Refused(b"400", f"{config}: {exc}") from None
+            self._check_plan(new_plan)
+            self._before = self.plan
             old = self.routing
-            if new.shards != old.shards:
-                raise Refused(b"409", f"the routing has {old.shards} shards and the change "
-                                      f"{new.shards}: growing or shrinking moves keys between "
-                                      "shards, which this version does not do yet")
+            new = new_plan.routing.shard_map()
             if new == old:
-                return {"epoch": old.epoch, "changed": False, "moves": [], "prefixes": {}}
+                return {"epoch": old.epoch, "changed": False, "moves": [], "prefixes": {},
+                        "shards": [old.shards, old.shards]}
             plan = await self.count(new)
-            plan.update(epoch=old.epoch, next_epoch=old.epoch + 1, changed=False)
             if not apply:
                 return plan
-            moving = sum(m["keys"] for m in plan["moves"])
-            if not moving:
-                return await self._flip(old, new.with_epoch(old.epoch + 1), plan)
-            return await self._move_all(old, new, plan)
+            new = new.with_epoch(old.epoch + 1)
+            new_plan = dataclasses.replace(new_plan, routing=dataclasses.replace(
+                new_plan.routing, epoch=new.epoch))
+            if new.shards == old.shards and not any(m["keys"] for m in plan["moves"]):
+                return await self._flip(old, new, new_plan, plan)
+            return await self._move(old, new, new_plan, plan)
 
-    # ------------------------------------------------------------------ moves
-    async def _move_all(self, old: ShardMap, new: ShardMap, plan: dict) -> dict:
-        """Keys move: one pinned prefix at a time, each under its own epoch."""
-        prefixes = moved_prefixes(old, new)
-        for prefix in prefixes:
-            try:
-                check_subtree(prefix.encode("utf-8"))
-            except ProtocolError:
-                raise Refused(b"409", f"prefix {prefix!r} holds keys and is not a subtree "
-                                      "(\"/a/\", \"/a/b/\"): only whole subtrees move",
-                              plan) from None
-        started = time.monotonic()
-        steps = []
-        for prefix, (source, target) in prefixes.items():
-            current = self.routing
-            pins = current.pins
-            now_owner = new.pins.get(prefix)
-            if now_owner is None:
-                pins.pop(prefix, None)
-            else:
-                pins[prefix] = now_owner
-            by_shard: dict[int, list[str]] = {}
-            for p, i in pins.items():
-                by_shard.setdefault(i, []).append(p)
-            step = ShardMap(current.shards, by_shard, epoch=current.epoch + 1)
-            steps.append(await self._move(current, step, prefix, source, target))
-        plan.update(epoch=self.routing.epoch, changed=True, steps=steps,
-                    servers=self._running(), at=time.time(),
-                    took_s=round(time.monotonic() - started, 3))
-        return plan
-
-    def _of_shard(self, index: int) -> list[str]:
-        return [n for n in self._running() if self.runner.servers[n].plan.index == index]
-
-    async def _active_of(self, index: int) -> str:
-        """The running server of shard ``index`` that says it is active."""
-        for name in self._of_shard(index):
-            stats = await self._ask(name)
-            if stats.get("active") and self.runner.servers[name].plan.role in (
-                    "primary", "backup"):
-                return name
-        raise Refused(b"503", f"shard {index} has no active server now; nothing was moved")
-
-    async def _step(self, name: str, op: str, **args) -> dict:
-        got = await self._ask(name, MOVE_COMMAND, json.dumps(dict(args, op=op)).encode())
-        if got.get("move_refused"):
-            raise Refused(b"409", f"{name} refused {op}: {got['move_refused']}")
-        return got
-
-    async def _until(self, name: str, done: Callable[[dict], bool], within_s: float,
-                     what: str) -> dict:
-        deadline = time.monotonic() + within_s
-        while True:
-            got = await self._ask(name)
-            move = (got.get("move") or {}).get("import") or {}
-            if move.get("error"):
-                raise Refused(b"409", f"{name}: the copy failed: {move['error']}")
-            if done(got):
-                return got
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"{what} not within {within_s:g} s")
-            await asyncio.sleep(POLL_S)
-
-    async def _move(self, old: ShardMap, new: ShardMap, prefix: str, source: int,
-                    target: int) -> dict:
-        """Move ``prefix`` from shard ``source`` to ``target`` (module doc, *Moving a
-        prefix*); returns what it took."""
-        src, dst = await self._active_of(source), await self._active_of(target)
-        src_plan = self.runner.servers[src].plan
-        pair = self.plan.shards[target]
-        collector = ",".join(s.endpoint("collector") for s in (pair.primary, pair.backup))
-        began = time.monotonic()
-        await self._step(dst, "import", source=f"tcp://{src_plan.address}:{src_plan.port}",
-                         prefix=prefix)
-        try:
-            for attempt in range(1, HOLD_ATTEMPTS + 1):
-                # copied, and its tail within CATCH_UP of the source
-                src_seq = (await self._ask(src)).get("seq", 0)
-                got = await self._until(dst, lambda g: _copy(g)["copied"] and
-                                        _copy(g)["source_seq"] >= src_seq - CATCH_UP,
-                                        COPY_WAIT_S, f"the copy of {prefix!r}")
-                copied_s = time.monotonic() - began
-                held = await self._step(src, "hold", prefix=prefix)
-                hold_seq = held["move"]["hold"]["seq"]
-                hold_began = time.monotonic()
-                try:
-                    got = await self._until(dst, lambda g: _copy(g)["source_seq"] >= hold_seq,
-                                            self.hold_bound_s, "the copy's catch-up")
-                    break
-                except TimeoutError:
-                    await self._step(src, "release")
-                    log.warning("move of %r: the copy did not catch up within the hold "
-                                "bound (%.3f s), attempt %d; released", prefix,
-                                self.hold_bound_s, attempt)
-            else:
-                raise Refused(b"409", f"the copy of {prefix!r} did not catch up within the "
-                                      f"hold bound ({self.hold_bound_s:g} s) in "
-                                      f"{HOLD_ATTEMPTS} tries; the move was rolled back")
-        except BaseException:
-            await asyncio.gather(self._step(dst, "stop-import"), return_exceptions=True)
-            raise
-        keys = _copy(got)["keys"]
-        # the flip: durable here first, then the target, then the source
-        self._commit(new)
-        try:
-            await self._step(dst, "commit", routing=new.describe())
-        except Refused:
-            back = old.with_epoch(new.epoch + 1)
-            self._commit(back)
-            await self._step(src, "release")
-            await self._install(back, self._running())
-            raise
-        await self._install(new, [n for n in self._of_shard(target) if n != dst])
-        forgot = await self._install(new, [src], forget=True, forward=collector)
-        await self._install(new, [n for n in self._of_shard(source) if n != src],
-                            forget=True)
-        await self._install(new, [n for n in self._running()
-                                  if self.runner.servers[n].plan.index not in (source,
-                                                                               target)])
-        hold_s = time.monotonic() - hold_began
-        log.info("moved %r: shard %d -> %d, %d keys, epoch %d, copy %.3f s, hold %.3f s%s",
-                 prefix, source, target, keys, new.epoch, copied_s, hold_s,
-                 f" (not on {forgot})" if any(forgot.values()) else "")
-        return {"prefix": prefix, "from": source, "to": target, "keys": keys,
-                "epoch": new.epoch, "copy_s": round(copied_s, 3),
-                "hold_s": round(hold_s, 3), "attempts": attempt}
-
-    async def _install(self, shard_map: ShardMap, names: list[str], forget: bool = False,
-                       forward: str = "") -> dict[str, str]:
-        """Install on ``names``; name -> why refused ("" installed). ``forget``: the keys
-        it moves have moved (``forward``: where the held writes go)."""
-        doc = json.dumps(shard_map.describe()).encode()
-        extra = (ROUTING_FORGET, forward.encode()) if forget else ()
-        answers = await asyncio.gather(*(self._ask(n, ROUTING_COMMAND, doc, *extra)
-                                         for n in names), return_exceptions=True)
-        out = {}
-        for name, got in zip(names, answers):
-            if isinstance(got, dict):
-                out[name] = got.get("routing_refused") or ""
-            else:
-                out[name] = f"no answer ({type(got).__name__}: {got})"
-        return out
-
-    async def _flip(self, old: ShardMap, new: ShardMap, plan: dict) -> dict:
-        self._commit(new)  # durable first: a restarted supervisor serves it
+    # ------------------------------------------------------------------ no key moves
+    async def _flip(self, old: ShardMap, new: ShardMap, new_plan: Plan, plan: dict) -> dict:
+        self._commit(new_plan)  # durable first: a restarted supervisor serves it
         giving = {src for src, _ in moved_prefixes(old, new).values()}
         names = self._running()
         first = [n for n in names if self.runner.servers[n].plan.index in giving]
@@ -329,8 +264,7 @@ class Resharding:
             if refused:
                 break
         if refused:  # back to the old routing, under the epoch after
-            back = old.with_epoch(new.epoch + 1)
-            self._commit(back)
+            back = self._back(old, new)
             again = {n: why for n, why in (await self._install(back, names)).items() if why}
             log.error("routing: epoch %d refused by %s; epoch %d restores the old routing%s",
                       new.epoch, refused, back.epoch,
@@ -343,17 +277,194 @@ class Resharding:
         plan.update(epoch=new.epoch, changed=True, servers=names, at=time.time())
         return plan
 
-    def _commit(self, shard_map: ShardMap) -> None:
-        """``shard_map`` is the cluster's: the run directory, the servers' command lines
-        for their next start, the cluster map."""
-        routing_state.write(self.run_dir, self.plan.cluster, shard_map)
+    def _back(self, old: ShardMap, new: ShardMap) -> ShardMap:
+        """The old routing again, as the epoch after ``new`` (epochs only grow)."""
+        back = old.with_epoch(new.epoch + 1)
+        self._commit(dataclasses.replace(self._before, routing=dataclasses.replace(
+            self._before.routing, epoch=back.epoch)))
+        return back
+
+    # ------------------------------------------------------------------ moves
+    def _subtree(self, old: ShardMap, new: ShardMap, source: int, target: int) -> str:
+        """What a target asks its source for: the one moved pinned prefix between them
+        when that is all that moves between them, else the source's whole map."""
+        if old.shards != new.shards:
+            return ""
+        pins = [p for p, st in moved_prefixes(old, new).items() if st == (source, target)]
+        if len(pins) == 1:
+            try:
+                check_subtree(pins[0].encode("utf-8"))
+                return pins[0]
+            except ProtocolError:
+                pass
+        return ""
+
+    async def _move(self, old: ShardMap, new: ShardMap, new_plan: Plan, plan: dict) -> dict:
+        pairs = [(m["from"], m["to"]) for m in plan["moves"] if m["keys"]]
+        if new.shards > old.shards:  # the new shards' keys all come from the old ones
+            pairs = sorted(set(pairs) | {(s, t) for s in range(old.shards)
+                                         for t in range(old.shards, new.shards)})
+        sources = sorted({s for s, _ in pairs})
+        targets = sorted({t for _, t in pairs})
+        added = list(range(old.shards, new.shards))
+        removed = list(range(new.shards, old.shards))
+        began = time.monotonic()
+        phases: dict[str, float] = {}
+        try:
+            for index in added:  # 1. start, on the new routing
+                not_up = await self.runner.add_shard(new_plan.shards[index], new_plan,
+                                                     START_WAIT_S)
+                if not_up:
+                    raise Refused(b"409", f"the added shard's servers {not_up} did not start")
+                await self._wait(lambda i=index: self._active_of(i), START_WAIT_S,
+                                 f"an active server of the added shard {index}")
+            phases["start_s"] = time.monotonic() - began
+            src = {s: await self._active_of(s) for s in sources}
+            dst = {t: await self._active_of(t) for t in targets}
+            for s, t in pairs:  # 2. copy
+                plan_s = self.runner.servers[src[s]].plan
+                await self._step(dst[t], "import", source=f"tcp://{plan_s.address}:"
+                                 f"{plan_s.port}", prefix=self._subtree(old, new, s, t),
+                                 routing=new.describe())
+            for attempt in range(1, HOLD_ATTEMPTS + 1):
+                at = {s: (await self._ask(src[s])).get("seq", 0) for s in sources}
+                await self._copies(dst, lambda imp, at=at: imp["copied"] and
+                                   imp["source_seq"] >= at[self._source_of(imp, src)] -
+                                   CATCH_UP, COPY_WAIT_S, "the copies")
+                phases.setdefault("copy_s", time.monotonic() - began - phases["start_s"])
+                hold_began = time.monotonic()
+                held = {}
+                for s in sources:  # 3. hold
+                    got = await self._step(src[s], "hold", routing=new.describe())
+                    held[s] = got["move"]["hold"]["seq"]
+                try:
+                    await self._copies(dst, lambda imp: imp["source_seq"] >=
+                                       held[self._source_of(imp, src)],
+                                       self.hold_bound_s, "the copies' catch-up")
+                    break
+                except TimeoutError:
+                    for s in sources:
+                        await self._step(src[s], "release")
+                    log.warning("reshard: the copies did not catch up within the hold "
+                                "bound (%.3f s), attempt %d; writes released",
+                                self.hold_bound_s, attempt)
+            else:
+                raise Refused(b"409", f"the copies did not catch up within the hold bound "
+                                      f"({self.hold_bound_s:g} s) in {HOLD_ATTEMPTS} tries")
+        except BaseException:
+            await self._roll_back(sources, targets, added)
+            raise
+        # 4. the flip: durable here first, then the targets, then the sources
+        keys = 0
+        for t in targets:
+            keys += sum(imp["keys"] for imp in _imports(await self._ask(dst[t])))
+        self._commit(new_plan)
+        try:
+            for t in targets:
+                await self._step(dst[t], "commit", routing=new.describe())
+        except Refused:
+            back = self._back(old, new)
+            for s in sources:
+                await asyncio.gather(self._step(src[s], "release"), return_exceptions=True)
+            await self._install(back, self._running())
+            for index in added:
+                await self.runner.remove_shard(index)
+            raise
+        forward = {t: [s.endpoint("collector") for s in (new_plan.shards[t].primary,
+                                                         new_plan.shards[t].backup)]
+                   for t in targets}
+        rest = [n for t in targets for n in self._of_shard(t) if n != dst[t]]
+        await self._install(new, rest)
+        await self._install(new, [src[s] for s in sources], forget=True, forward=forward)
+        await self._install(new, [n for s in sources for n in self._of_shard(s)
+                                  if n != src[s]], forget=True)
+        await self._install(new, [n for n in self._running() if
+                                  self.runner.servers[n].plan.index not in (*sources,
+                                                                            *targets)])
+        phases["hold_s"] = time.monotonic() - hold_began
+        if removed:  # 5. stop, once clients had heartbeats to follow
+            asyncio.get_running_loop().create_task(self._remove_later(removed))
+        took = time.monotonic() - began
+        log.info("reshard: epoch %d, %d -> %d shards, %d keys moved in %.3f s (hold %.3f s, "
+                 "attempt %d)", new.epoch, old.shards, new.shards, keys, took,
+                 phases["hold_s"], attempt)
+        plan.update(epoch=new.epoch, changed=True, servers=self._running(), at=time.time(),
+                    moved_keys=keys, took_s=round(took, 3), attempts=attempt,
+                    phases={k: round(v, 3) for k, v in phases.items()}, removed=removed)
+        return plan
+
+    def _source_of(self, imp: dict, src: dict[int, str]) -> int:
+        for s, name in src.items():
+            plan = self.runner.servers[name].plan
+            if imp["source"] == f"tcp://{plan.address}:{plan.port}":
+                return s
+        raise Refused(b"409", f"a copy from an unknown source {imp['source']}")
+
+    async def _copies(self, dst: dict[int, str], done: Callable[[dict], bool],
+                      within_s: float, what: str) -> None:
+        """Until every import on every target is ``done`` (a failed copy: ``Refused``;
+        ``within_s`` passed: ``TimeoutError``)."""
+        deadline = time.monotonic() + within_s
+        while True:
+            finished = True
+            for name in dst.values():
+                for imp in _imports(await self._ask(name)):
+                    if imp.get("error"):
+                        raise Refused(b"409", f"{name}: a copy failed: {imp['error']}")
+                    finished = finished and done(imp)
+            if finished:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{what} not within {within_s:g} s")
+            await asyncio.sleep(POLL_S)
+
+    async def _wait(self, check, within_s: float, what: str) -> None:
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                await check()
+                return
+            except (Refused, ConnectionError, OSError, ValueError) as exc:
+                if time.monotonic() >= deadline:
+                    raise Refused(b"409", f"no {what} within {within_s:g} s ({exc})") from None
+            except Exception as exc:  # noqa: BLE001 - a server not answering yet
+                if time.monotonic() >= deadline:
+                    raise Refused(b"409", f"no {what} within {within_s:g} s ({exc})") from None
+            await asyncio.sleep(0.1)
+
+    async def _roll_back(self, sources: list[int], targets: list[int],
+                         added: list[int]) -> None:
+        """Before the flip: release the holds, drop the copies, stop the added shards."""
+        for index in sources:
+            for name in self._of_shard(index):
+                await asyncio.gather(self._step(name, "release"), return_exceptions=True)
+        for index in targets:
+            for name in self._of_shard(index):
+                await asyncio.gather(self._step(name, "stop-import"),
+                                     return_exceptions=True)
+        for index in added:
+            await self.runner.remove_shard(index)
+        log.warning("reshard: rolled back before the flip; the routing is unchanged")
+
+    async def _remove_later(self, removed: list[int]) -> None:
+        await asyncio.sleep(REMOVE_AFTER_HEARTBEATS * self.plan.heartbeat_s)
+        for index in removed:
+            names = await self.runner.remove_shard(index)
+            log.info("reshard: shard %d removed (%s stopped; data directories kept)", index,
+                     ", ".join(names))
+
+    def _commit(self, new_plan: Plan) -> None:
+        """``new_plan`` (its routing and shards) is the cluster's: the run directory, the
+        servers' command lines for their next start, the cluster map."""
+        shard_map = new_plan.routing.shard_map()
+        routing_state.write(self.run_dir, new_plan.cluster, shard_map)
+        # the pins as the routing has them (a shard's prefixes in the map follow them)
         by_shard = shard_map.pins_by_shard()
         prefixes = tuple(tuple(by_shard.get(i, ())) for i in range(shard_map.shards))
         self.plan = dataclasses.replace(
-            self.plan,
+            new_plan,
             routing=RoutingParams(shard_map.shards, prefixes, epoch=shard_map.epoch),
             shards=tuple(dataclasses.replace(sh, prefixes=prefixes[sh.index])
-                         for sh in self.plan.shards))
-        self.runner.set_routing(self.plan.routing)
+                         for sh in new_plan.shards))
+        self.runner.set_plan(self.plan)
         self.on_changed(self.plan)
-

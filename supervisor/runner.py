@@ -150,22 +150,7 @@ class Runner:
         self.servers: dict[str, ServerProcess] = {}
         self._changed = asyncio.Event()
         for shard in plan.shards:
-            for server, peer in ((shard.primary, shard.backup), (shard.backup, shard.primary)):
-                if not plan.is_local(server):
-                    continue  # another host's supervisor runs it
-                path = self.log_dir / f"{server.shard}-{server.role}.log"
-                argv = server_argv(server, peer, args) + routing_argv(plan.routing,
-                                                                      server.index)
-                argv += ["--subscriber-held-bytes", str(plan.subscriber_held_bytes),
-                         "--writer-held-bytes", str(plan.writer_held_bytes),
-                         "--pending-max-bytes", str(max(1 << 20, plan.writer_held_bytes)),
-                         "--dedup-bytes", str(plan.applied_uuids[0]),
-                         "--dedup-s", str(plan.applied_uuids[1])]
-                data = self.data_dir(server)
-                if data is not None:
-                    argv += ["--data-dir", str(data), "--fsync", plan.fsync]
-                argv += coordination_argv(plan, shard.index)
-                self.servers[server.name] = ServerProcess(server, argv, path)
+            self.servers.update(self._pair_of(shard, plan))
         for relay in plan.relays:
             if not plan.is_local(relay):
                 continue
@@ -174,6 +159,60 @@ class Runner:
             argv = relay_argv(relay, shard.primary, shard.backup, args) + routing_argv(
                 plan.routing, relay.index)
             self.servers[relay.name] = ServerProcess(relay, argv, path)
+
+    def _pair_of(self, shard, plan: Plan) -> dict[str, ServerProcess]:
+        """The processes of ``shard``'s pair that this host runs (not yet started)."""
+        out = {}
+        for server, peer in ((shard.primary, shard.backup), (shard.backup, shard.primary)):
+            if not plan.is_local(server):
+                continue  # another host's supervisor runs it
+            path = self.log_dir / f"{server.shard}-{server.role}.log"
+            argv = server_argv(server, peer, self.args) + routing_argv(plan.routing,
+                                                                       server.index)
+            argv += ["--subscriber-held-bytes", str(plan.subscriber_held_bytes),
+                     "--writer-held-bytes", str(plan.writer_held_bytes),
+                     "--pending-max-bytes", str(max(1 << 20, plan.writer_held_bytes)),
+                     "--dedup-bytes", str(plan.applied_uuids[0]),
+                     "--dedup-s", str(plan.applied_uuids[1])]
+            data = self.data_dir(server)
+            if data is not None:
+                argv += ["--data-dir", str(data), "--fsync", plan.fsync]
+            argv += coordination_argv(plan, shard.index)
+            out[server.name] = ServerProcess(server, argv, path)
+        return out
+
+    async def add_shard(self, shard, plan: Plan, timeout_s: float = READY_TIMEOUT_S
+                        ) -> list[str]:
+        """Start the pair of ``shard`` (a shard that ``plan``, the cluster's next plan,
+        adds; its routing is ``plan``'s): resharding grows the cluster. Returns the names
+        of its servers not RUNNING by ``timeout_s``."""
+        procs = self._pair_of(shard, plan)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.servers.update(procs)
+        for proc in procs.values():
+            self._spawn(proc, manual=True)
+        await self.wait_for(lambda: all(p.state in (RUNNING, FAILED)
+                                        for p in procs.values()), timeout_s)
+        return [p.name for p in procs.values() if p.state != RUNNING]
+
+    async def remove_shard(self, index: int) -> list[str]:
+        """Stop every process of shard ``index`` (resharding shrinks the cluster, or a
+        growth is rolled back) and forget them; their data directories stay. Names."""
+        procs = [p for p in self.servers.values() if p.plan.index == index]
+        for proc in procs:
+            self._cancel_backoff(proc)
+        await asyncio.gather(*(self._stop_one(p) for p in procs))
+        for proc in procs:
+            proc.close_log("its shard was removed from the cluster")
+            del self.servers[proc.name]
+        self._changed.set()
+        self._changed = asyncio.Event()
+        return [p.name for p in procs]
+
+    def set_plan(self, plan: Plan) -> None:
+        """The cluster's plan after a change of its routing (resharding)."""
+        self.plan = plan
+        self.set_routing(plan.routing)
 
     def set_routing(self, routing: RoutingParams) -> None:
         """Start every server and relay from now on with ``routing`` (a new epoch): the

@@ -17,7 +17,7 @@ FINAL starts with a status frame in the MMI style: ``200`` OK, ``400`` bad reque
     cluster.logs     SHARD/ROLE [, LINES]         FINAL 200, the log's last LINES (default 50)
     cluster.whoami   (none)                       FINAL 200, JSON: the caller's identity and rights
     cluster.reload   (none)                       FINAL 200, JSON {version, ...}: rights applied
-    cluster.reshard  JSON {shards, pins, apply}   FINAL 200, JSON plan (and epoch once applied);
+    cluster.reshard  JSON {config, apply}         FINAL 200, JSON plan (and epoch once applied);
                                                   409 with the plan when it is not applied
 
 ``cluster.reload`` and ``cluster.reshard`` need ``admin`` too
@@ -125,19 +125,20 @@ class ControlServices:
         self.map_body = json.dumps(cluster_map(plan), sort_keys=True).encode()
 
     async def on_reshard(self, request: Request) -> list[bytes]:
-        """cluster.reshard (admin): JSON {shards, pins: [[prefix, shard], ...], apply} ->
-        FINAL 200, JSON {epoch, next_epoch, changed, moves: [{from, to, keys, bytes}],
-        prefixes: {prefix: [from, to]}, servers...}: the plan, and once applied the new
-        epoch; 400 not a routing, 409 (with the plan as a second frame when there is one)
-        a change this version does not apply or one a server refused, 503 a server that
-        could not count (``clonemap.supervisor.resharding``)."""
+        """cluster.reshard (admin): JSON {config: the new config's path on this host,
+        apply} -> FINAL 200, JSON {epoch, next_epoch, changed, shards: [old, new], moves:
+        [{from, to, keys, bytes}], prefixes: {prefix: [from, to]}, ...}: the plan, and
+        once applied the new epoch and what the move took; 400 a config that does not
+        hold, 409 (with the plan as a second frame when there is one) a change that
+        could not be applied (rolled back), 503 a server that could not count or no
+        active server (``clonemap.supervisor.resharding``)."""
         from clonemap.supervisor.resharding import Refused, parse_change
 
         if self.resharding is None or self.runner.stopping:
             return [CONFLICT, b"the supervisor is stopping"]
         try:
-            new, apply = parse_change(request.body)
-            plan = await self.resharding.change(new, apply)
+            config, apply = parse_change(request.body)
+            plan = await self.resharding.change(config, apply)
         except Refused as exc:
             reply = [exc.status, exc.text.encode()]
             if exc.plan is not None:

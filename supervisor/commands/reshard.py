@@ -1,14 +1,16 @@
 """``supervisor reshard CONFIG --to NEW_CONFIG``: change the running cluster's routing
 (MDP ``cluster.reshard``, which needs ``admin``; ``clonemap.supervisor.resharding``).
 
-The command reads NEW_CONFIG's routing (its shard count and each shard's pinned
-prefixes), asks the supervisor for the plan (every server counts the keys it would give
-up, by target shard), prints it, and applies it with ``--yes`` (or after a yes on a
-terminal). It prints the new epoch once every running server follows it. This version
-applies routing changes that move no key (pins of prefixes that hold no key yet, among
-the running shards); any other is printed and refused. Exit 0 applied (or nothing to
-change, or ``--dry-run``), 1 refused, 2 a NEW_CONFIG that does not validate, 9 without
-``admin``, 4 when no supervisor answers.
+The supervisor plans NEW_CONFIG on its host (its shard count and pins are the new
+routing; the running shards keep their names and servers; added shards' servers are
+placed like ``start``'s), every server counts the keys it would give up, by target
+shard, and the command prints that plan. With ``--yes`` (or after a yes on a terminal)
+the supervisor applies it: added shards start, the keys move while they are written,
+the owner flips under the next epoch, removed shards stop
+(``clonemap.supervisor.resharding``). The command prints the new epoch and what the
+move took. Exit 0 applied (or nothing to change, or ``--dry-run``), 1 refused or rolled
+back, 2 a NEW_CONFIG that does not validate, 9 without ``admin``, 4 when no supervisor
+answers.
 """
 from __future__ import annotations
 
@@ -24,17 +26,19 @@ from clonemap.supervisor.control import (ReplyError, Selection, call, control_op
 
 
 def routing_change(path: str) -> dict:
-    """NEW_CONFIG's routing as ``cluster.reshard``'s body (``ConfigError`` if invalid)."""
+    """``cluster.reshard``'s body: NEW_CONFIG, checked here first (``ConfigError``)."""
+    from pathlib import Path
+
     from clonemap.shards.common.config import load_config
 
-    config = load_config(path)
-    return {"shards": len(config.shards),
-            "pins": [[prefix, i] for i, shard in enumerate(config.shards)
-                     for prefix in shard.prefixes]}
+    load_config(path)
+    return {"config": str(Path(path).resolve())}
 
 
 def plan_lines(plan: dict) -> list[str]:
-    lines = [f"routing epoch {plan['epoch']} -> {plan.get('next_epoch', plan['epoch'])}"]
+    was, now = plan.get("shards", [0, 0])
+    lines = [f"routing epoch {plan['epoch']} -> {plan.get('next_epoch', plan['epoch'])}"
+             + (f", {was} -> {now} shards" if was != now else "")]
     for prefix, (was, now) in sorted(plan.get("prefixes", {}).items()):
         lines.append(f"  prefix {prefix!r}: shard {was} -> shard {now}")
     moves = plan.get("moves", [])
@@ -44,6 +48,12 @@ def plan_lines(plan: dict) -> list[str]:
     if not moves:
         lines.append("  no key moves")
     return lines
+
+
+PLAN_TIMEOUT_S = 60.0
+"""How long the command waits for the plan (each server counts its map once)."""
+APPLY_TIMEOUT_S = 600.0
+"""How long it waits for a change to be applied (the copies of the moving keys)."""
 
 
 @click.command("reshard")
@@ -64,7 +74,7 @@ def command(sel: Selection, new_config: str, yes: bool, dry_run: bool) -> None:
         ping(endpoint, "cluster.reshard", sel.timeout_s)
         plan = json.loads(call(endpoint, "cluster.reshard",
                                json.dumps(dict(change, apply=False)).encode(),
-                               timeout_s=sel.timeout_s, retries=0))
+                               timeout_s=max(sel.timeout_s, PLAN_TIMEOUT_S), retries=0))
         if plan.get("prefixes") is not None and not plan.get("next_epoch"):
             click.echo(f"nothing to change: the cluster routes as {new_config} "
                        f"(epoch {plan['epoch']})")
@@ -82,7 +92,7 @@ def command(sel: Selection, new_config: str, yes: bool, dry_run: bool) -> None:
         try:
             done = json.loads(call(endpoint, "cluster.reshard",
                                    json.dumps(dict(change, apply=True)).encode(),
-                                   timeout_s=sel.timeout_s, retries=0))
+                                   timeout_s=max(sel.timeout_s, APPLY_TIMEOUT_S), retries=0))
         except ReplyError as exc:
             if exc.status == "409":
                 click.echo(f"error: not applied: {exc.text}", err=True)
@@ -90,6 +100,15 @@ def command(sel: Selection, new_config: str, yes: bool, dry_run: bool) -> None:
             raise
         click.echo(f"routing epoch {done['epoch']}: followed by {len(done['servers'])} "
                    "servers and relays")
+        if done.get("moved_keys") is not None:
+            phases = done.get("phases", {})
+            click.echo(f"moved {done['moved_keys']} keys in {done['took_s']:.3f} s "
+                       f"(copy {phases.get('copy_s', 0):.3f} s, writes held "
+                       f"{phases.get('hold_s', 0) * 1000:.0f} ms, attempt "
+                       f"{done['attempts']})")
+        for index in done.get("removed", []):
+            click.echo(f"shard {index} is removed: its servers stop in a few heartbeats "
+                       "(their data directories stay)")
         return 0
 
     run_command(body)

@@ -165,8 +165,11 @@ def _detach(argv: list[str], run_dir: Path, config: str) -> int:
 class Supervisor:
     def __init__(self, the_plan: Plan, run_dir: Path, *, table: bool, demo_load: bool,
                  detached: bool, ready_timeout_s: float, policy: PolicyConfig,
-                 log_max_bytes: int, config_path: str = "CONFIG"):
+                 log_max_bytes: int, config_path: str = "CONFIG",
+                 host_name: str | None = None):
         self.plan = the_plan
+        self.host_name = host_name
+        """``--host``: this supervisor's host in a config over several hosts."""
         self.config_path = config_path
         self.log_max_bytes = log_max_bytes
         self.policy = policy
@@ -224,7 +227,10 @@ class Supervisor:
         from clonemap.supervisor.resharding import Resharding
 
         resharding = Resharding(the_plan, runner, self.run_dir, control, ctx, security,
-                                on_changed=lambda plan: None)
+                                on_changed=lambda plan: None,
+                                load_plan=lambda path: plan(load_config(path),
+                                                            local_host_facts(), source=path,
+                                                            host=self.host_name))
         ControlServices(the_plan, runner, self.stop, poller=poller, health=health,
                         config_path=str(Path(self.config_path).resolve()),
                         rights_path=rights_path, broker=broker,
@@ -464,7 +470,7 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
     supervisor = Supervisor(the_plan, run_path, table=table, demo_load=demo_load,
                             detached=detached_child, ready_timeout_s=ready_timeout_s,
                             policy=policy, log_max_bytes=int(log_max_mb * 1024 * 1024),
-                            config_path=config)
+                            config_path=config, host_name=host_name)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(supervisor.run())
     raise SystemExit(code)

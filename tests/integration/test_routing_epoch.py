@@ -13,18 +13,21 @@ import json
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 import zmq
 
 from clonemap.client.api import AsyncClone
+from clonemap.client.errors import Conflict
+from conftest import free_port_base
 from clonemap.shards.common.proto import chp
 from clonemap.shards.common.routing import ShardMap
 from test_client_server import fetch_map
 from test_durable_cluster import actives, settled
 from test_server_conformance import Peer, start_server
 from test_server_hostile import stats_now
-from test_supervisor_cli import cli, start, wait_status, write_config
+from test_supervisor_cli import children_of, cli, start, wait_status, write_config
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -288,3 +291,109 @@ def test_supervisor_reshard_moves_a_prefix_with_writers_running(procs, tmp_path,
             assert len(clone) == len(ledger)
 
     asyncio.run(fresh())
+
+
+def _grown(config: Path, path: Path) -> Path:
+    """``config`` with a third shard on free ports."""
+    data = yaml.safe_load(config.read_text())
+    base = free_port_base(20)
+    data["shards"].append({"name": "s2", "primary": {"port": base, "cores": [0]},
+                           "backup": {"port": base + 10, "cores": [1]}})
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _held_by_actives(zctx, rows: dict) -> dict[str, dict[bytes, bytes]]:
+    return {name: fetch_map(zctx, row["port"])[0] for name, row in actives(rows).items()}
+
+
+def test_supervisor_reshard_grows_and_shrinks_with_writers_running(procs, tmp_path, zctx):
+    """2 -> 3 -> 2 shards under ``supervisor start`` while a ``wait=True`` writer and a
+    compare-and-set incrementer run and a watcher follows the whole map: after each
+    change a fresh client's map equals the ledger, every key is held by its owner's
+    active only, the counter equals its successful increments, the watcher saw no delete
+    and no re-add, and the removed shard's processes are gone."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = start(procs, config, tmp_path)
+    wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    ledger: dict[str, bytes] = {f"/seg{i}/k": b"v%d" % i for i in range(400)}
+    increments = 0
+
+    async def change(clone, to: Path, epoch: int, watch_events: list) -> None:
+        stop = asyncio.Event()
+
+        async def writer():
+            n = 0
+            while not stop.is_set():
+                key = f"/seg{n % 400}/k"
+                await clone.set(key, b"w%d" % n, wait=True, timeout_s=10)
+                ledger[key] = b"w%d" % n
+                n += 1
+
+        async def incrementer():
+            nonlocal increments
+            while not stop.is_set():
+                meta = clone.meta("/counter")
+                now = int(clone.get("/counter"))
+                try:
+                    await clone.set("/counter", b"%d" % (now + 1), if_seq=meta.seq,
+                                    timeout_s=10)
+                    increments += 1
+                except Conflict:
+                    await asyncio.sleep(0)
+
+        tasks = [asyncio.ensure_future(writer()), asyncio.ensure_future(incrementer())]
+        await asyncio.sleep(0.2)
+        done = await asyncio.to_thread(cli, "reshard", str(config), "--to", str(to),
+                                       "--yes", timeout_s=120)
+        await asyncio.sleep(0.3)
+        stop.set()
+        await asyncio.gather(*tasks)
+        assert done.returncode == 0, done.stdout + done.stderr
+        await _until(lambda: clone.routing_epoch == epoch, f"the client follows {epoch}")
+        assert clone.failed is None
+        assert {k: clone.get(k) for k in ledger} == ledger
+        assert int(clone.get("/counter")) == increments
+
+    async def scenario():
+        async with AsyncClone(config=str(config)) as clone:
+            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
+            await clone.set("/counter", b"0", wait=True)
+            events = []
+            watch = clone.watch("")
+
+            async def collect():
+                async for change_ in watch:
+                    events.append(change_)
+
+            collector = asyncio.ensure_future(collect())
+            await change(clone, three, 2, events)
+            assert len(clone) == len(ledger) + 1
+            await change(clone, config, 3, events)
+            assert len(clone) == len(ledger) + 1
+            watch.close()
+            await collector
+            assert not [e for e in events if e.kind == "delete"]
+            last: dict[str, bytes] = {}
+            for e in events:
+                if e.kind == "put":
+                    assert last.get(e.key) != e.value, f"{e.key} re-added by a move"
+                    last[e.key] = e.value
+
+    asyncio.run(scenario())
+    rows = wait_status(control, lambda r: set(r) == {"s0/primary", "s0/backup",
+                                                     "s1/primary", "s1/backup"}
+                       and all(((row.get("stats") or {}).get("routing") or {}).get("epoch")
+                               == 3 for row in r.values()))
+    held = _held_by_actives(zctx, rows)
+    routing = ShardMap(2, epoch=3)
+    for name, keys in held.items():
+        assert all(routing.owner(k) == int(name[1]) for k in keys), name
+    merged = {k.decode(): v for keys in held.values() for k, v in keys.items()}
+    assert sum(map(len, held.values())) == len(merged)  # no key on two shards
+    assert merged == dict(ledger, **{"/counter": b"%d" % increments})
+    # the removed shard's servers exited; its data directories stay
+    assert not [p for p in children_of(sup.pid) if "s2" in " ".join(
+        psutil.Process(p).cmdline())]
+    assert (tmp_path / "run" / "data" / "s2-primary").is_dir()
