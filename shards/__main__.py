@@ -51,7 +51,7 @@ from clonemap.shards.server_config import (CLOCK_S, COLLECT_BATCH, COLLECT_RCVHW
 
 log = logging.getLogger("clonemap.shards")
 _DEFAULT = chp.Limits()
-def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str,
+def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str, settle: bool,
              compact_min_bytes: int, compact_ratio: float, min_free_bytes: int) -> None:
     """Load the persisted map before binding (the same map, sequence, TTL instants,
     generation and, for a pair server, Binary Star term), then log every update.
@@ -116,7 +116,7 @@ def _recover(server: ShardServer, shard: str, data_dir: str, fsync: str,
         sys.exit(disk_exit(*where, f"{os_error_text(exc)} (opening a segment in "
                                    f"{data_dir})"))
     server.attach_persist(writer)
-    if server.shard_map is not None:
+    if server.shard_map is not None and settle:
         _settle_routing(server, data_dir, where)
 
 
@@ -265,6 +265,10 @@ def coordination_arg(ctx, param, value: str | None) -> list[tuple[str, int]] | N
                    "own are dropped, counted 'not_owner'. Default: own every key.")
 @click.option("--shard-index", type=click.IntRange(0), default=None,
               help="This server's shard index in --routing (required with it).")
+@click.option("--provisional-routing", is_flag=True,
+              help="A shard that a change of the routing adds (supervisor reshard): follow "
+                   "--routing, but keep it in --data-dir only once the change commits it "
+                   "(until then the cluster's routing is the one before).")
 @click.option("--pending-max", type=click.IntRange(1), default=MAX_ENTRIES,
               show_default=True, help="Pending-table entries (passive server).")
 @click.option("--pending-max-bytes", type=click.IntRange(1), default=MAX_BYTES,
@@ -323,7 +327,7 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
          max_subtree_bytes, snapshot_chunk, snapshot_stall_s, snapshot_yield_s, max_snapshots, collect_batch,
          pub_hwm, subscriber_held_bytes, writer_held_bytes, history_updates, history_bytes,
          dedup_bytes, dedup_s, collect_hwm, snapshot_hwm, snapshot_held_bytes, cpus, io_threads, pair_role, peer, shard, control,
-         parent_pid, shard_map, shard_index, pending_max, pending_max_bytes, pending_age_s, data_dir, fsync,
+         parent_pid, shard_map, shard_index, provisional_routing, pending_max, pending_max_bytes, pending_age_s, data_dir, fsync,
          compact_min_bytes, compact_ratio, min_free_bytes, keys_dir, rights, coordination, lease_s,
          lease_name, replication, log_level):
     """Run one 12/CHP shard server: standalone, or one server of a Binary Star pair."""
@@ -380,7 +384,8 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
     if data_dir is not None:
         from clonemap.shards.persist import writer as persist_writer
 
-        _recover(server, shard, data_dir, fsync, persist_writer.COMPACT_MIN_BYTES
+        _recover(server, shard, data_dir, fsync, not provisional_routing,
+                 persist_writer.COMPACT_MIN_BYTES
                  if compact_min_bytes is None else compact_min_bytes,
                  persist_writer.COMPACT_RATIO if compact_ratio is None else compact_ratio,
                  persist_writer.MIN_FREE_BYTES if min_free_bytes is None else min_free_bytes)

@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 HOLD_MAX_BYTES = 64 << 20
 """Bytes of KVSETs one hold may keep; past it the hold fails (``Hold.failed``) and the
 supervisor rolls the move back: no write waits on a hold that cannot end."""
+HOLD_SAFETY_S = 5.0
+"""An unsealed hold ends by itself after this long (the supervisor that began it holds
+it for its bound, 0.5 s by default, then releases or seals it)."""
 COPY_TIMEOUT_S = 30.0
 """How long the copy's snapshot may take to arrive whole before the import fails."""
 
@@ -218,6 +221,14 @@ class Hold:
         self.max_bytes = max_bytes
         self.failed = ""
         self.started_at = time.monotonic()
+        self.sealed = False
+        """The flip may be under way (``seal``): the hold ends only with the new routing
+        or an explicit release, never by itself (``expired``)."""
+
+    def expired(self, now: float, after_s: float = HOLD_SAFETY_S) -> bool:
+        """An unsealed hold older than ``after_s``: its supervisor is gone (it would have
+        released or sealed it within its bound); the server applies what it held."""
+        return not self.sealed and now - self.started_at > after_s
 
     def keep(self, frames: list[bytes]) -> None:
         size = sum(map(len, frames))
@@ -229,7 +240,7 @@ class Hold:
         self.bytes += size
 
     def stats(self) -> dict:
-        return {"seq": self.seq, "held": len(self.frames), "bytes": self.bytes, "failed": self.failed,
+        return {"seq": self.seq, "held": len(self.frames), "sealed": self.sealed, "bytes": self.bytes, "failed": self.failed,
                 "age_s": round(time.monotonic() - self.started_at, 3)}
 
 

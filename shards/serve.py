@@ -141,7 +141,8 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
     """One step of a move (``clonemap.supervisor.resharding``), JSON {op, ...}: "" done,
     else why not. ``import`` {source, prefix, routing}: start copying what ``routing``
     moves here from ``source``; ``stop-import``; ``hold`` {routing}: keep the writes of
-    the keys it moves away; ``release``: apply what was held here; ``commit`` {routing}:
+    the keys it moves away; ``seal``: the flip may begin (the hold no longer ends by
+    itself); ``release``: apply what was held here; ``commit`` {routing}:
     the flip on the target (``ShardServer.commit_import``)."""
     try:
         doc = json.loads(body[0])
@@ -154,6 +155,8 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
             return ""
         if op == "hold":
             return server.begin_hold(ShardMap.from_description(doc["routing"]))
+        if op == "seal":
+            return server.seal_hold()
         if op == "release":
             server.release_hold()
             return ""

@@ -715,6 +715,15 @@ class ShardServer:
             self.hold = Hold(lambda key: not owns(key), self.store.seq)
         return ""
 
+    def seal_hold(self) -> str:
+        """The flip may begin: the hold no longer ends by itself. "" once sealed."""
+        if self.hold is None:
+            return "no hold (it was released)"
+        if self.hold.failed:
+            return f"the hold failed: {self.hold.failed}"
+        self.hold.sealed = True
+        return ""
+
     def release_hold(self) -> int:
         """The move was rolled back: apply what was held, here, in order. How many."""
         hold, self.hold = self.hold, None
@@ -740,6 +749,14 @@ class ShardServer:
         why = self.install_routing(shard_map)
         if why:
             return why
+        if self.persist is not None:  # (a shard the change adds followed it unsaved)
+            from clonemap.shards.persist import routing as routing_file
+
+            try:
+                routing_file.save_routing(self.persist.path, shard_map,
+                                          self.config.shard_index)
+            except OSError as exc:
+                return f"disk error: {os_error_text(exc)}"
         self.stop_import()
         now = time.time()
         owns = OwnerCache(shard_map, self.config.shard_index).owns
@@ -757,6 +774,8 @@ class ShardServer:
             for i in range(0, len(uuids) - 1, 2):  # applied here at or before ``at``
                 self.applied.add(uuids[i], at)
         self.flush()
+        if self.persist is not None and not self.persist.sync():
+            return "disk error while committing the copies"  # (the server stops)
         log.info("moves committed: %d keys from %s, at sequence %d", count,
                  ", ".join(i.source for i in imports), at)
         return ""
@@ -909,6 +928,10 @@ class ShardServer:
         have moved the earliest expiry)."""
         self.snapshots.give_back()
         self.applied.tick(time.monotonic())
+        if self.hold is not None and self.hold.expired(time.monotonic()):
+            log.warning("move: a hold of %d writes was neither sealed nor released within "
+                        "its safety bound: applying them here", len(self.hold.frames))
+            self.release_hold()
         if self.active:
             self.expiry.arm()
 

@@ -28,12 +28,16 @@ installed everywhere under the epoch after, and the change is refused.
    the phase ends when every copy is within ``CATCH_UP`` updates of its source;
 3. *hold*: every source's active holds the writes of the keys that move
    (``clonemap.shards.migrate.Hold``) and says its sequence then; the phase ends when
-   every copy holds its source's updates up to it. Past ``hold_bound_s`` the holds are
-   released (the sources apply the writes) and the move tries again, ``HOLD_ATTEMPTS``
-   times in all: no write waits longer than the bound;
-4. *flip*: the new routing and epoch are written to the run directory; each target's
-   active follows it and applies its copies as its own updates (published once: clients
-   re-home each key as it arrives, without an event); then the targets' other servers,
+   every copy holds its source's updates up to it, and every hold is *sealed* (from
+   then on it ends only with the flip or an explicit release). Past ``hold_bound_s`` the
+   holds are released (the sources apply the writes) and the move tries again,
+   ``HOLD_ATTEMPTS`` times in all: no write waits longer than the bound. A hold its
+   supervisor neither sealed nor released (the supervisor died) ends by itself after
+   ``clonemap.shards.migrate.HOLD_SAFETY_S``;
+4. *flip*: each target's active follows the new routing and epoch (durable in its data
+   directory) and applies its copies as its own updates, fsynced before it answers
+   (published once: clients re-home each key as it arrives, without an event); then
+   the run directory takes the new routing; then the targets' other servers,
    the sources' active (which forgets the moved keys without publishing deletes and
    forwards the held writes, and any later write for a moved key, to the new owner's
    collectors), the sources' other servers (which forget too), and every other server;
@@ -51,6 +55,8 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -81,6 +87,14 @@ START_WAIT_S = 30.0
 """How long an added shard's pair may take to run and elect an active."""
 REMOVE_AFTER_HEARTBEATS = 3
 POLL_S = 0.005
+PROGRESS_S = 0.5
+"""A change under way says how far it got at least this often (the caller's reply
+timeout is per message: the command notices a supervisor gone within its own)."""
+STOP_AT_ENV = "CLONEMAP_RESHARD_STOP_AT"
+"""Tests only: a phase name (``PHASES``) at which a move stops for good, after printing
+``RESHARD_STOPPED phase=P``: the deterministic way to kill a supervisor or a server in
+the middle of a move."""
+PHASES = ("started", "copied", "held", "sealed", "committed", "flipped")
 
 
 class Refused(Exception):
@@ -131,6 +145,13 @@ class Resharding:
         self._lock = asyncio.Lock()
         self._before = plan
         """The plan before the change under way (what a roll-back goes back to)."""
+        self._adding: Plan | None = None
+        """The plan of the change under way (its added shards' servers)."""
+        self.phase = ""
+        """The phase of the move under way, or the last one reached."""
+        self.progress: Callable[[bytes], object] | None = None
+        """Where a change under way says how far it got (a PARTIAL to its caller)."""
+        self._said_at = 0.0
 
     @property
     def routing(self) -> ShardMap:
@@ -304,6 +325,7 @@ class Resharding:
         if new.shards > old.shards:  # the new shards' keys all come from the old ones
             pairs = sorted(set(pairs) | {(s, t) for s in range(old.shards)
                                          for t in range(old.shards, new.shards)})
+        self._adding = new_plan
         sources = sorted({s for s, _ in pairs})
         targets = sorted({t for _, t in pairs})
         added = list(range(old.shards, new.shards))
@@ -319,6 +341,7 @@ class Resharding:
                 await self._wait(lambda i=index: self._active_of(i), START_WAIT_S,
                                  f"an active server of the added shard {index}")
             phases["start_s"] = time.monotonic() - began
+            await self._reached("started")
             src = {s: await self._active_of(s) for s in sources}
             dst = {t: await self._active_of(t) for t in targets}
             for s, t in pairs:  # 2. copy
@@ -332,15 +355,19 @@ class Resharding:
                                    imp["source_seq"] >= at[self._source_of(imp, src)] -
                                    CATCH_UP, COPY_WAIT_S, "the copies")
                 phases.setdefault("copy_s", time.monotonic() - began - phases["start_s"])
+                await self._reached("copied")
                 hold_began = time.monotonic()
                 held = {}
                 for s in sources:  # 3. hold
                     got = await self._step(src[s], "hold", routing=new.describe())
                     held[s] = got["move"]["hold"]["seq"]
+                await self._reached("held")
                 try:
                     await self._copies(dst, lambda imp: imp["source_seq"] >=
                                        held[self._source_of(imp, src)],
                                        self.hold_bound_s, "the copies' catch-up")
+                    for s in sources:  # the flip may begin: no hold ends by itself now
+                        await self._step(src[s], "seal")
                     break
                 except TimeoutError:
                     for s in sources:
@@ -354,11 +381,11 @@ class Resharding:
         except BaseException:
             await self._roll_back(sources, targets, added)
             raise
-        # 4. the flip: durable here first, then the targets, then the sources
+        await self._reached("sealed")
+        # 4. the flip: the targets (durable there first), the run directory, the sources
         keys = 0
         for t in targets:
             keys += sum(imp["keys"] for imp in _imports(await self._ask(dst[t])))
-        self._commit(new_plan)
         try:
             for t in targets:
                 await self._step(dst[t], "commit", routing=new.describe())
@@ -366,10 +393,14 @@ class Resharding:
             back = self._back(old, new)
             for s in sources:
                 await asyncio.gather(self._step(src[s], "release"), return_exceptions=True)
-            await self._install(back, self._running())
+            # a target that committed before another refused forgets what it took
+            await self._install(back, self._running(), forget=True)
             for index in added:
                 await self.runner.remove_shard(index)
             raise
+        await self._reached("committed")
+        self._commit(new_plan)  # after the copies are durable on the targets
+        await self._reached("flipped")
         forward = {t: [s.endpoint("collector") for s in (new_plan.shards[t].primary,
                                                          new_plan.shards[t].backup)]
                    for t in targets}
@@ -393,6 +424,28 @@ class Resharding:
                     phases={k: round(v, 3) for k, v in phases.items()}, removed=removed)
         return plan
 
+    async def _say(self, **fields) -> None:
+        """Progress to the caller (a PARTIAL of ``cluster.reshard``), at most every
+        ``PROGRESS_S`` unless it is a new phase."""
+        now = time.monotonic()
+        if self.progress is None or ("phase" not in fields and
+                                     now - self._said_at < PROGRESS_S):
+            return
+        self._said_at = now
+        try:
+            await self.progress(json.dumps(dict(fields, phase=self.phase)).encode())
+        except Exception as exc:  # noqa: BLE001 - the caller left: the move goes on
+            log.debug("reshard progress not sent: %s", exc)
+
+    async def _reached(self, phase: str) -> None:
+        """The move reached ``phase`` (logged; where ``STOP_AT_ENV`` says, it stops)."""
+        self.phase = phase
+        log.info("reshard: phase %s", phase)
+        await self._say(phase=phase)
+        if os.environ.get(STOP_AT_ENV) == phase:
+            print(f"RESHARD_STOPPED phase={phase}", flush=True)
+            await asyncio.Event().wait()
+
     def _source_of(self, imp: dict, src: dict[int, str]) -> int:
         for s, name in src.items():
             plan = self.runner.servers[name].plan
@@ -407,11 +460,15 @@ class Resharding:
         deadline = time.monotonic() + within_s
         while True:
             finished = True
+            keys = size = 0
             for name in dst.values():
                 for imp in _imports(await self._ask(name)):
                     if imp.get("error"):
                         raise Refused(b"409", f"{name}: a copy failed: {imp['error']}")
                     finished = finished and done(imp)
+                    keys += imp["keys"]
+                    size += imp["bytes"]
+            await self._say(keys=keys, bytes=size)
             if finished:
                 return
             if time.monotonic() >= deadline:
@@ -442,9 +499,17 @@ class Resharding:
             for name in self._of_shard(index):
                 await asyncio.gather(self._step(name, "stop-import"),
                                      return_exceptions=True)
-        for index in added:
+        for index in added:  # they never served: their data directories go too
             await self.runner.remove_shard(index)
+            for server in self._before_added(index):
+                data = self.runner.data_dir(server)
+                if data is not None:
+                    shutil.rmtree(data, ignore_errors=True)
         log.warning("reshard: rolled back before the flip; the routing is unchanged")
+
+    def _before_added(self, index: int) -> list:
+        shard = self._adding.shards[index] if self._adding is not None else None
+        return [shard.primary, shard.backup] if shard is not None else []
 
     async def _remove_later(self, removed: list[int]) -> None:
         await asyncio.sleep(REMOVE_AFTER_HEARTBEATS * self.plan.heartbeat_s)

@@ -6,6 +6,9 @@ atomically and fsynced (``clonemap.shards.persist.format.replace_json``). ``supe
 start`` settles it against the config (``settle``):
 
 * no file: the config's routing is the cluster's first (epoch 1), and is written;
+* a server's data directory (on this host) holds a newer routing than the file: that
+  one is the cluster's (a change reached the servers and the supervisor stopped before
+  it wrote the file), and the file is brought up to it;
 * the config routes as the file does: the file's epoch is the cluster's (a cluster whose
   routing changed keeps its later epoch across restarts);
 * the config routes otherwise, and the servers persist: the start is refused. Their data
@@ -59,10 +62,41 @@ def _text(shard_map: ShardMap) -> str:
             f"{'' if shard_map.shards == 1 else 's'}, {pins}")
 
 
+def newest_of_servers(run_dir: Path, plan: Plan) -> ShardMap | None:
+    """The newest routing that this host's servers keep in their data directories
+    (``<run-dir>/<data_dir>/*/routing``), or None. A server takes a new routing before
+    the run directory does (a move's targets commit first), so after a crash in between
+    it is the newer one."""
+    from clonemap.shards.persist import CorruptLog
+    from clonemap.shards.persist.routing import read_routing
+
+    if plan.data_dir is None:
+        return None
+    newest = None
+    base = Path(run_dir) / plan.data_dir
+    for entry in sorted(base.iterdir()) if base.is_dir() else ():
+        try:
+            held = read_routing(entry)
+        except (CorruptLog, OSError):
+            continue  # the server itself reports it at its start
+        if held is not None and (newest is None or held[1].epoch > newest.epoch):
+            newest = held[1]
+    return newest
+
+
 def settle(run_dir: Path, plan: Plan) -> Plan:
     """``plan`` with the cluster's routing epoch (module doc), durable in ``run_dir``."""
     given = plan.routing.shard_map()
     held = read(run_dir)
+    servers = newest_of_servers(run_dir, plan)
+    if servers is not None and (held is None or servers.epoch > held.epoch):
+        if held is not None:
+            log.warning("routing: a server's data directory holds epoch %d, newer than the "
+                        "run directory's %d (a change was cut short after it reached the "
+                        "servers): the cluster is at epoch %d", servers.epoch, held.epoch,
+                        servers.epoch)
+        held = servers
+        write(run_dir, plan.cluster, held)
     if held is None:
         chosen = given
     elif held == given:

@@ -160,8 +160,10 @@ class Runner:
                 plan.routing, relay.index)
             self.servers[relay.name] = ServerProcess(relay, argv, path)
 
-    def _pair_of(self, shard, plan: Plan) -> dict[str, ServerProcess]:
-        """The processes of ``shard``'s pair that this host runs (not yet started)."""
+    def _pair_of(self, shard, plan: Plan, provisional: bool = False
+                 ) -> dict[str, ServerProcess]:
+        """The processes of ``shard``'s pair that this host runs (not yet started);
+        ``provisional``: a shard a change adds, on a routing not yet committed."""
         out = {}
         for server, peer in ((shard.primary, shard.backup), (shard.backup, shard.primary)):
             if not plan.is_local(server):
@@ -178,6 +180,8 @@ class Runner:
             if data is not None:
                 argv += ["--data-dir", str(data), "--fsync", plan.fsync]
             argv += coordination_argv(plan, shard.index)
+            if provisional:
+                argv.append("--provisional-routing")
             out[server.name] = ServerProcess(server, argv, path)
         return out
 
@@ -186,7 +190,7 @@ class Runner:
         """Start the pair of ``shard`` (a shard that ``plan``, the cluster's next plan,
         adds; its routing is ``plan``'s): resharding grows the cluster. Returns the names
         of its servers not RUNNING by ``timeout_s``."""
-        procs = self._pair_of(shard, plan)
+        procs = self._pair_of(shard, plan, provisional=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.servers.update(procs)
         for proc in procs.values():
@@ -215,12 +219,14 @@ class Runner:
         self.set_routing(plan.routing)
 
     def set_routing(self, routing: RoutingParams) -> None:
-        """Start every server and relay from now on with ``routing`` (a new epoch): the
-        ``--routing`` of their command lines."""
+        """Start every server and relay from now on with ``routing`` (a new epoch,
+        committed): the ``--routing`` of their command lines."""
         doc = json.dumps(routing.shard_map().describe(), separators=(",", ":"))
         for proc in self.servers.values():
             at = proc.argv.index("--routing")
             proc.argv[at + 1] = doc
+            if "--provisional-routing" in proc.argv:
+                proc.argv.remove("--provisional-routing")
 
     def data_dir(self, server: ServerPlan) -> Path | None:
         """``<run-dir>/<data_dir>/<shard>-<role>``, or None for a memory-only cluster."""

@@ -138,7 +138,11 @@ class ControlServices:
             return [CONFLICT, b"the supervisor is stopping"]
         try:
             config, apply = parse_change(request.body)
-            plan = await self.resharding.change(config, apply)
+            self.resharding.progress = request.partial
+            try:
+                plan = await self.resharding.change(config, apply)
+            finally:
+                self.resharding.progress = None
         except Refused as exc:
             reply = [exc.status, exc.text.encode()]
             if exc.plan is not None:
@@ -346,10 +350,14 @@ class StatsPoller:
         self._round: asyncio.Task | None = None
         self.endpoint = endpoint
         self.interval_s = interval_s
-        self.clients = {name: MdpClient(endpoint, ctx=ctx, timeout_s=interval_s * 0.9,
-                                        retries=0, security=security)
-                        for name in runner.servers}
+        self.ctx, self.security = ctx, security
+        self.clients = {name: self._client() for name in runner.servers}
         self.errors = 0
+        self.closed = False
+
+    def _client(self) -> MdpClient:
+        return MdpClient(self.endpoint, ctx=self.ctx, timeout_s=self.interval_s * 0.9,
+                         retries=0, security=self.security)
 
     async def run(self) -> None:
         while True:
@@ -372,8 +380,10 @@ class StatsPoller:
         service = stats_service(proc.plan.shard, proc.plan.role)
         try:
             client = self.clients.get(name)
-            if client is None:  # closed
-                return
+            if client is None:  # closed, or a server a change of the routing added
+                if self.closed:
+                    return
+                client = self.clients[name] = self._client()
             body = await client.request(service, *self._notice(proc))
             stats = json.loads(body[-1])
             if not isinstance(stats, dict):
@@ -399,6 +409,7 @@ class StatsPoller:
         if self._round is not None:
             self._round.cancel()
             await asyncio.gather(self._round, return_exceptions=True)
+        self.closed = True
         clients, self.clients = self.clients, {}
         for client in clients.values():
             await client.close()

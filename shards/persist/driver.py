@@ -73,6 +73,17 @@ class Persistence:
             return False
         return True
 
+    def sync(self) -> bool:
+        """Write and fsync the log now (``DataDir.sync``); False after a disk error."""
+        if self.failed:
+            return False
+        try:
+            self.dir.sync()
+        except OSError as exc:
+            self.fail("syncing the log", exc)
+            return False
+        return True
+
     def fail(self, what: str, exc: OSError) -> None:
         if not self.failed:
             self.failed = True

@@ -359,6 +359,13 @@ class DataDir:
                          "last good fsync may not be on disk, and is never fsynced again "
                          "as if nothing happened", self.path, exc)
 
+    def sync(self) -> None:
+        """Write what is pending and fsync it now, whatever the policy (a step that must
+        be on disk before the next one: a move's commit). Raises ``OSError``."""
+        self.flush()
+        if self._fd >= 0:
+            self._fsync()
+
     def _fsync(self) -> None:
         if self.fsync_failed is not None:
             raise self.fsync_failed

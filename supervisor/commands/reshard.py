@@ -52,8 +52,9 @@ def plan_lines(plan: dict) -> list[str]:
 
 PLAN_TIMEOUT_S = 60.0
 """How long the command waits for the plan (each server counts its map once)."""
-APPLY_TIMEOUT_S = 600.0
-"""How long it waits for a change to be applied (the copies of the moving keys)."""
+APPLY_TIMEOUT_S = 15.0
+"""How long it waits for the next word of a change under way (the supervisor says how
+far it got every half second; silence this long means it is gone)."""
 
 
 @click.command("reshard")
@@ -89,10 +90,24 @@ def command(sel: Selection, new_config: str, yes: bool, dry_run: bool) -> None:
                 return 1
             if not click.confirm("apply?", default=False):
                 return 1
+        shown = {"phase": ""}
+
+        def progress(body: bytes) -> None:
+            try:
+                doc = json.loads(body)
+            except ValueError:
+                return
+            if doc.get("phase") != shown["phase"]:
+                shown["phase"] = doc.get("phase")
+                click.echo(f"  {doc.get('phase')}")
+            elif "keys" in doc:
+                click.echo(f"    copied {doc['keys']} keys, {doc['bytes']} bytes")
+
         try:
             done = json.loads(call(endpoint, "cluster.reshard",
                                    json.dumps(dict(change, apply=True)).encode(),
-                                   timeout_s=max(sel.timeout_s, APPLY_TIMEOUT_S), retries=0))
+                                   timeout_s=max(sel.timeout_s, APPLY_TIMEOUT_S), retries=0,
+                                   on_partial=progress))
         except ReplyError as exc:
             if exc.status == "409":
                 click.echo(f"error: not applied: {exc.text}", err=True)

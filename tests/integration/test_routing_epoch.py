@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -27,7 +28,8 @@ from test_client_server import fetch_map
 from test_durable_cluster import actives, settled
 from test_server_conformance import Peer, start_server
 from test_server_hostile import stats_now
-from test_supervisor_cli import children_of, cli, start, wait_status, write_config
+from test_supervisor_cli import (children_of, cli, start, wait_gone, wait_status,
+                                 write_config)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -397,3 +399,65 @@ def test_supervisor_reshard_grows_and_shrinks_with_writers_running(procs, tmp_pa
     assert not [p for p in children_of(sup.pid) if "s2" in " ".join(
         psutil.Process(p).cmdline())]
     assert (tmp_path / "run" / "data" / "s2-primary").is_dir()
+
+
+@pytest.mark.parametrize("phase", ["sealed", "committed"])
+def test_a_supervisor_killed_in_the_middle_of_a_growth_loses_nothing(procs, tmp_path, zctx,
+                                                                     phase):
+    """The move stops at ``phase`` (``CLONEMAP_RESHARD_STOP_AT``: deterministic), the
+    supervisor is killed with SIGKILL (its servers follow it out), and the cluster is
+    started again as an operator would: before the targets committed, with the old
+    config (the routing never changed; the move can be run again); once a target
+    committed, with the new one (the old one is refused, naming the newer routing).
+    Every acknowledged write is read back by a fresh client, from its owner only."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
+                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
+                       timeout_s=60, env={"CLONEMAP_RESHARD_STOP_AT": phase})
+    wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(300)}
+
+    async def write():
+        async with AsyncClone(config=str(config)) as clone:
+            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
+
+    asyncio.run(write())
+    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
+                           str(three), "--yes")
+    sup.wait_line(f"RESHARD_STOPPED phase={phase}", timeout_s=60)
+    servers = children_of(sup.pid)
+    sup.signal(signal.SIGKILL)
+    assert sup.wait(10) == -signal.SIGKILL
+    assert wait_gone(servers, 15) == []
+    reshard.stop()  # (the command would give up after its reply timeout, 15 s)
+
+    committed = phase == "committed"
+    if committed:  # the old config no longer describes the cluster
+        old = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
+                           "--run-dir", str(tmp_path / "run"))
+        assert old.wait(30) == 2
+        assert any("routes keys otherwise" in line and "epoch 2: 3 shards" in line
+                   for line in old.stderr), old.stderr[-3:]
+    now = three if committed else config
+    start(procs, now, tmp_path)
+    rows = wait_status(control, settled)
+    shard_map = ShardMap(3 if committed else 2)
+    held = _held_by_actives(zctx, rows)
+    for name, keys in held.items():
+        assert all(shard_map.owner(k) == int(name[1]) for k in keys), name
+    merged = {k.decode(): v for keys in held.values() for k, v in keys.items()}
+    assert sum(map(len, held.values())) == len(merged) and merged == ledger
+
+    async def read_back():
+        async with AsyncClone(config=str(now)) as clone:
+            assert {k: clone.get(k) for k in ledger} == ledger
+
+    asyncio.run(read_back())
+    if not committed:  # the move can be run again, to the end
+        again = cli("reshard", str(config), "--to", str(three), "--yes", timeout_s=120)
+        assert again.returncode == 0, again.stdout + again.stderr
+        rows = wait_status(control, lambda r: len(r) == 6 and settled(r))
+        merged = {k.decode(): v for keys in _held_by_actives(zctx, rows).values()
+                  for k, v in keys.items()}
+        assert merged == ledger
