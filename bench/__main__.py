@@ -116,6 +116,11 @@ SCENARIOS = {
         "of the map cut off for 5 s (time and bytes to be current) and its memory per key "
         "(a peer this host lacks is reported missing)",
         {"smoke": "~1.5 min", "quick": "~16 min", "full": "~28 min"}),
+    "reshard": Scenario(
+        "bench.reshard", "reshard",
+        "2 -> 3 shards under supervisor start while wait=True writes run: the change's "
+        "time, the writes' waits, the follower's bytes", {"smoke": "~30 s", "quick": "~50 s",
+                                                          "full": "~2 min"}),
     "read_burst": Scenario(
         "bench.read_burst", "read_burst",
         "a reader's get latency (p50/p99/max) while its client applies a burst of "

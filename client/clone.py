@@ -80,6 +80,8 @@ def _viewed_get(view: dict[str, bytes],
     return get
 
 
+ROUTING_WAIT_S = 10.0
+"""How long a client waits for the cluster map to show a routing epoch a server follows."""
 RETIRE_S = 30.0
 """How long a shard that left the routing keeps its agent while its keys move away."""
 READ_ROUTES = 1 << 16
@@ -356,12 +358,21 @@ class AsyncClone:
 
     async def _fetch_routing(self, control: "str | Sequence[str]", epoch: int) -> None:
         try:
-            cluster = await discover(control, timeout_s=self.control_timeout_s,
-                                     keys_dir=self.keys_dir, identity=self.options.identity)
-            if cluster.shard_map.epoch < epoch:
-                raise ConfigError(f"a server follows routing epoch {epoch}, but the cluster "
-                                  f"map at {control} is at epoch {cluster.shard_map.epoch}",
-                                  field="routing")
+            deadline = asyncio.get_running_loop().time() + ROUTING_WAIT_S
+            while True:
+                cluster = await discover(control, timeout_s=self.control_timeout_s,
+                                         keys_dir=self.keys_dir,
+                                         identity=self.options.identity)
+                if cluster.shard_map.epoch >= epoch:
+                    break
+                # a change's targets take the new routing just before the supervisor's
+                # map does: ask again
+                if asyncio.get_running_loop().time() > deadline:
+                    raise ConfigError(f"a server follows routing epoch {epoch}, but the "
+                                      f"cluster map at {control} is still at epoch "
+                                      f"{cluster.shard_map.epoch} after {ROUTING_WAIT_S:g} s",
+                                      field="routing")
+                await asyncio.sleep(0.02)
             self._take_routing(cluster)
         except ClonemapError as exc:
             log.error("routing epoch %d: %s", epoch, exc)

@@ -53,6 +53,9 @@ supervisor rolls the move back: no write waits on a hold that cannot end."""
 HOLD_SAFETY_S = 5.0
 """An unsealed hold ends by itself after this long (the supervisor that began it holds
 it for its bound, 0.5 s by default, then releases or seals it)."""
+YIELD_EVERY = 256
+"""Messages a copy reads before it lets the server's loop run its other work (a ready
+socket's receive completes without yielding)."""
 COPY_TIMEOUT_S = 30.0
 """How long the copy's snapshot may take to arrive whole before the import fails."""
 
@@ -81,6 +84,8 @@ class Import:
         self.owns = owns if owns is not None else (lambda key: True)
         self.items: dict[bytes, tuple[bytes, float | None]] = {}
         """key -> (value, absolute expiry or None): the copy."""
+        self.bytes = 0
+        """Of its keys and values."""
         self.uuids: list = []
         """The source's applied UUIDs as of its TTL table (``[uuid, seq, ...]``)."""
         self.source_seq = 0
@@ -125,8 +130,12 @@ class Import:
             await asyncio.wait_for(self._snapshot(expiries), COPY_TIMEOUT_S)
             log.info("import of %r from %s: %d keys copied at source sequence %d",
                      self.prefix, self.source, len(self.items), self.snapshot_seq)
+            count = 0
             while True:
                 self._update(await sub.recv_multipart())
+                count += 1
+                if count % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # the server's own work goes on meanwhile
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever it was, the import failed
@@ -159,8 +168,12 @@ class Import:
     async def _snapshot(self, expiries: dict[bytes, float]) -> None:
         dealer = self._socket(zmq.DEALER, self.source)
         await dealer.send_multipart(chp.icanhaz(self.prefix))
-        items, owns = self.items, self.owns
+        owns = self.owns
+        count = 0
         while True:
+            count += 1
+            if count % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # (a ready socket's receive does not yield)
             msg = chp.decode_snapshot(await dealer.recv_multipart(), self._limits,
                                       strict=False)
             if isinstance(msg, chp.Kthxbai):
@@ -168,7 +181,7 @@ class Import:
                 self.source_seq = max(self.source_seq, msg.seq)
                 return
             if owns(msg.key):
-                items[msg.key] = (msg.value, expiries.get(msg.key))
+                self._put(msg.key, msg.value, expiries.get(msg.key))
 
     def _update(self, frames: list[bytes]) -> None:
         """One message of the source's publisher (after the snapshot, or buffered)."""
@@ -181,20 +194,27 @@ class Import:
             if clock is not None:
                 self.source_seq = max(self.source_seq, clock[1])
             return
+        if msg.seq > self.source_seq:  # (every update up to it was read: one stream)
+            self.source_seq = msg.seq
         if (msg.seq <= self.snapshot_seq or not msg.key.startswith(self.prefix)
                 or not self.owns(msg.key)):
             return  # in the snapshot already, or not moving here
         if msg.value:
-            self.items[msg.key] = (msg.value, expiry_of(msg.props))
+            self._put(msg.key, msg.value, expiry_of(msg.props))
         else:
-            self.items.pop(msg.key, None)
-        self.source_seq = max(self.source_seq, msg.seq)
+            old = self.items.pop(msg.key, None)
+            if old is not None:
+                self.bytes -= len(msg.key) + len(old[0])
         self.updates += 1
+
+    def _put(self, key: bytes, value: bytes, expiry_s: float | None) -> None:
+        old = self.items.get(key)
+        self.bytes += len(value) - (len(old[0]) if old is not None else -len(key))
+        self.items[key] = (value, expiry_s)
 
     def stats(self) -> dict:
         return {"prefix": self.prefix.decode("utf-8", "replace"), "source": self.source,
-                "copied": self.copied, "keys": len(self.items),
-                "bytes": sum(len(k) + len(v) for k, (v, _) in self.items.items()),
+                "copied": self.copied, "keys": len(self.items), "bytes": self.bytes,
                 "source_seq": self.source_seq, "snapshot_seq": self.snapshot_seq,
                 "updates": self.updates, "error": self.error,
                 "age_s": round(time.monotonic() - self.started_at, 3)}

@@ -713,7 +713,33 @@ class ShardServer:
         owns = OwnerCache(shard_map, self.config.shard_index).owns
         if self.hold is None:
             self.hold = Hold(lambda key: not owns(key), self.store.seq)
+            self._announce_hold(self.hold)
         return ""
+
+    def _say_routing(self) -> None:
+        """A HUGZ now, with the new ``route=``/``epoch=``: clients follow a change at once
+        rather than at the next heartbeat."""
+        if self._pub is None or self.loop is None:
+            return
+        try:
+            zio.send_frames5(self._pub, *self.heartbeat.hugz())
+        except zmq.ZMQError as exc:
+            log.debug("routing: the HUGZ was not sent: %s", exc)
+
+    def _announce_hold(self, hold) -> None:
+        """A clock HUGZ as soon as every update up to the hold is published: it tells
+        the copies (``clonemap.shards.migrate.Import.source_seq``) at once that nothing
+        under the moving keys follows, where the next periodic one could take
+        ``--clock-s``."""
+        if self.hold is not hold or self._pub is None:
+            return
+        if self.published_seq() < hold.seq:
+            self.loop.call_later(0.002, self._announce_hold, hold)
+            return
+        try:
+            zio.send_frames5(self._pub, *self.heartbeat.hugz())
+        except zmq.ZMQError as exc:
+            log.warning("move: the hold's HUGZ was not sent: %s", exc)
 
     def seal_hold(self) -> str:
         """The flip may begin: the hold no longer ends by itself. "" once sealed."""
@@ -760,14 +786,21 @@ class ShardServer:
         self.stop_import()
         now = time.time()
         owns = OwnerCache(shard_map, self.config.shard_index).owns
-        count = 0
+        count = largest = 0
+        store_apply, publish = self.store.apply, self._log_and_publish
         for imp in imports:
             for key, (value, expiry_s) in imp.items.items():
                 if (expiry_s is not None and expiry_s <= now) or not owns(key):
                     continue  # expired in the source's hands meanwhile, or pinned elsewhere
                 props = b"" if expiry_s is None else b"expires=%.3f\n" % expiry_s
-                self.apply_write(key, value, props, b"", expiry_s)
+                # (no UUID, no condition, a key no write here touched yet: no decision)
+                publish(store_apply(key, value, expiry_s), key, b"", props, value, expiry_s)
                 count += 1
+                if len(value) > largest:
+                    largest = len(value)
+        if largest + 256 > self._fast_limit:  # (before the batch goes out: ``flush``)
+            self._lower_mark(self.marks.published(largest + 256))
+        self.expiry.arm()
         at = self.store.seq
         for imp in imports:
             uuids = imp.uuids
@@ -845,6 +878,7 @@ class ShardServer:
         self.set_routing(shard_map)
         log.info("routing: now epoch %d, %d shards (digest %s)", shard_map.epoch,
                  shard_map.shards, shard_map.digest())
+        self._say_routing()
         if forget:
             self.forget_unowned()
         if forward_to and self.active:

@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from clonemap.shards.common.errors import ConfigError, ProtocolError
+from clonemap.shards.common.errors import ClonemapError, ConfigError, ProtocolError
 from clonemap.shards.common.mdp.client import MdpClient
 from clonemap.shards.common.placement import Plan, RoutingParams
 from clonemap.shards.common.proto.chp import check_subtree
@@ -81,12 +81,14 @@ catch up); past it the holds are released and the move tried again."""
 HOLD_ATTEMPTS = 3
 COPY_WAIT_S = 120.0
 """How long the copies may take to arrive and come within ``CATCH_UP`` of their sources."""
-CATCH_UP = 1000
+CATCH_UP = 200
 """Source updates a copy may trail by before the hold begins."""
+CATCH_UP_POLL_S = 0.5
+"""How long one look for a caught-up copy lasts before the sources are asked again."""
 START_WAIT_S = 30.0
 """How long an added shard's pair may take to run and elect an active."""
 REMOVE_AFTER_HEARTBEATS = 3
-POLL_S = 0.005
+POLL_S = 0.01
 PROGRESS_S = 0.5
 """A change under way says how far it got at least this often (the caller's reply
 timeout is per message: the command notices a supervisor gone within its own)."""
@@ -149,6 +151,7 @@ class Resharding:
         """The plan of the change under way (its added shards' servers)."""
         self.phase = ""
         """The phase of the move under way, or the last one reached."""
+        self._clients: dict[str, tuple[MdpClient, asyncio.Lock]] = {}
         self.progress: Callable[[bytes], object] | None = None
         """Where a change under way says how far it got (a PARTIAL to its caller)."""
         self._said_at = 0.0
@@ -159,14 +162,28 @@ class Resharding:
 
     # ------------------------------------------------------------------ servers
     async def _ask(self, name: str, *body: bytes) -> dict:
+        """One control request to server ``name`` (its own MDP client, kept for the
+        change: a move asks the same servers many times)."""
         proc = self.runner.servers[name]
-        client = MdpClient(self.endpoint, ctx=self.ctx, timeout_s=ASK_TIMEOUT_S, retries=0,
-                           security=self.security)
-        try:
-            reply = await client.request(stats_service(proc.plan.shard, proc.plan.role),
-                                         *body)
-            return json.loads(reply[-1])
-        finally:
+        entry = self._clients.get(name)
+        if entry is None:
+            entry = self._clients[name] = (
+                MdpClient(self.endpoint, ctx=self.ctx, timeout_s=ASK_TIMEOUT_S, retries=0,
+                          security=self.security), asyncio.Lock())
+        client, lock = entry
+        async with lock:
+            try:
+                reply = await client.request(stats_service(proc.plan.shard, proc.plan.role),
+                                             *body)
+            except BaseException:
+                self._clients.pop(name, None)
+                await client.close()
+                raise
+        return json.loads(reply[-1])
+
+    async def _close_clients(self) -> None:
+        clients, self._clients = self._clients, {}
+        for client, _ in clients.values():
             await client.close()
 
     def _running(self) -> list[str]:
@@ -250,26 +267,42 @@ class Resharding:
 
     async def change(self, config: str, apply: bool) -> dict:
         async with self._lock:
+            beat = asyncio.ensure_future(self._keep_saying())
             try:
-                new_plan = self.load_plan(config)
-            except ConfigError as exc:
-                raise Refused(b"400", f"{config}: {exc}") from None
-            self._check_plan(new_plan)
-            self._before = self.plan
-            old = self.routing
-            new = new_plan.routing.shard_map()
-            if new == old:
-                return {"epoch": old.epoch, "changed": False, "moves": [], "prefixes": {},
-                        "shards": [old.shards, old.shards]}
-            plan = await self.count(new)
-            if not apply:
-                return plan
-            new = new.with_epoch(old.epoch + 1)
-            new_plan = dataclasses.replace(new_plan, routing=dataclasses.replace(
-                new_plan.routing, epoch=new.epoch))
-            if new.shards == old.shards and not any(m["keys"] for m in plan["moves"]):
-                return await self._flip(old, new, new_plan, plan)
-            return await self._move(old, new, new_plan, plan)
+                return await self._change(config, apply)
+            finally:
+                beat.cancel()
+                await self._close_clients()
+
+    async def _keep_saying(self) -> None:
+        """A word to the caller at least every ``PROGRESS_S`` whatever the phase is
+        waiting on (a server busy copying answers its control service late)."""
+        while True:
+            await asyncio.sleep(PROGRESS_S)
+            if time.monotonic() - self._said_at >= PROGRESS_S:
+                await self._say(waiting=True)
+
+    async def _change(self, config: str, apply: bool) -> dict:
+        try:
+            new_plan = self.load_plan(config)
+        except ConfigError as exc:
+            raise Refused(b"400", f"{config}: {exc}") from None
+        self._check_plan(new_plan)
+        self._before = self.plan
+        old = self.routing
+        new = new_plan.routing.shard_map()
+        if new == old:
+            return {"epoch": old.epoch, "changed": False, "moves": [], "prefixes": {},
+                    "shards": [old.shards, old.shards]}
+        plan = await self.count(new)
+        if not apply:
+            return plan
+        new = new.with_epoch(old.epoch + 1)
+        new_plan = dataclasses.replace(new_plan, routing=dataclasses.replace(
+            new_plan.routing, epoch=new.epoch))
+        if new.shards == old.shards and not any(m["keys"] for m in plan["moves"]):
+            return await self._flip(old, new, new_plan, plan)
+        return await self._move(old, new, new_plan, plan)
 
     # ------------------------------------------------------------------ no key moves
     async def _flip(self, old: ShardMap, new: ShardMap, new_plan: Plan, plan: dict) -> dict:
@@ -350,24 +383,36 @@ class Resharding:
                                  f"{plan_s.port}", prefix=self._subtree(old, new, s, t),
                                  routing=new.describe())
             for attempt in range(1, HOLD_ATTEMPTS + 1):
-                at = {s: (await self._ask(src[s])).get("seq", 0) for s in sources}
-                await self._copies(dst, lambda imp, at=at: imp["copied"] and
-                                   imp["source_seq"] >= at[self._source_of(imp, src)] -
-                                   CATCH_UP, COPY_WAIT_S, "the copies")
+                # copied, and each copy within CATCH_UP of its source's sequence now
+                deadline = time.monotonic() + COPY_WAIT_S
+                while True:
+                    at = {s: (await self._ask(src[s])).get("seq", 0) for s in sources}
+                    try:
+                        await self._copies(dst, lambda imp, at=at: imp["copied"] and
+                                           imp["source_seq"] >= at[self._source_of(
+                                               imp, src)] - CATCH_UP, CATCH_UP_POLL_S,
+                                           "the copies")
+                        break
+                    except TimeoutError:
+                        if time.monotonic() > deadline:
+                            raise Refused(b"409", f"the copies did not come within "
+                                                  f"{CATCH_UP} updates of their sources "
+                                                  f"in {COPY_WAIT_S:g} s") from None
                 phases.setdefault("copy_s", time.monotonic() - began - phases["start_s"])
                 await self._reached("copied")
                 hold_began = time.monotonic()
-                held = {}
-                for s in sources:  # 3. hold
-                    got = await self._step(src[s], "hold", routing=new.describe())
-                    held[s] = got["move"]["hold"]["seq"]
+                got = await asyncio.gather(*(self._step(src[s], "hold",  # 3. hold
+                                                        routing=new.describe())
+                                             for s in sources))
+                held = {s: g["move"]["hold"]["seq"] for s, g in zip(sources, got)}
                 await self._reached("held")
                 try:
                     await self._copies(dst, lambda imp: imp["source_seq"] >=
                                        held[self._source_of(imp, src)],
                                        self.hold_bound_s, "the copies' catch-up")
-                    for s in sources:  # the flip may begin: no hold ends by itself now
-                        await self._step(src[s], "seal")
+                    # the flip may begin: no hold ends by itself now
+                    await asyncio.gather(*(self._step(src[s], "seal") for s in sources))
+                    phases["catch_up_s"] = time.monotonic() - hold_began
                     break
                 except TimeoutError:
                     for s in sources:
@@ -386,9 +431,10 @@ class Resharding:
         keys = 0
         for t in targets:
             keys += sum(imp["keys"] for imp in _imports(await self._ask(dst[t])))
+        sealed_at = time.monotonic()
         try:
-            for t in targets:
-                await self._step(dst[t], "commit", routing=new.describe())
+            await asyncio.gather(*(self._step(dst[t], "commit", routing=new.describe())
+                                   for t in targets))
         except Refused:
             back = self._back(old, new)
             for s in sources:
@@ -404,15 +450,18 @@ class Resharding:
         forward = {t: [s.endpoint("collector") for s in (new_plan.shards[t].primary,
                                                          new_plan.shards[t].backup)]
                    for t in targets}
-        rest = [n for t in targets for n in self._of_shard(t) if n != dst[t]]
-        await self._install(new, rest)
+        phases["commit_s"] = time.monotonic() - sealed_at
+        # the sources' actives first: that ends the hold (what they held goes on)
         await self._install(new, [src[s] for s in sources], forget=True, forward=forward)
-        await self._install(new, [n for s in sources for n in self._of_shard(s)
-                                  if n != src[s]], forget=True)
-        await self._install(new, [n for n in self._running() if
-                                  self.runner.servers[n].plan.index not in (*sources,
-                                                                            *targets)])
         phases["hold_s"] = time.monotonic() - hold_began
+        rest = [n for t in targets for n in self._of_shard(t) if n != dst[t]]
+        await asyncio.gather(
+            self._install(new, rest),
+            self._install(new, [n for s in sources for n in self._of_shard(s)
+                                if n != src[s]], forget=True),
+            self._install(new, [n for n in self._running() if
+                                self.runner.servers[n].plan.index not in (*sources,
+                                                                          *targets)]))
         if removed:  # 5. stop, once clients had heartbeats to follow
             asyncio.get_running_loop().create_task(self._remove_later(removed))
         took = time.monotonic() - began
@@ -462,7 +511,13 @@ class Resharding:
             finished = True
             keys = size = 0
             for name in dst.values():
-                for imp in _imports(await self._ask(name)):
+                try:
+                    stats = await self._ask(name)
+                except ClonemapError as exc:  # busy copying: asked again, to the deadline
+                    log.debug("reshard: %s did not answer: %s", name, exc)
+                    finished = False
+                    continue
+                for imp in _imports(stats):
                     if imp.get("error"):
                         raise Refused(b"409", f"{name}: a copy failed: {imp['error']}")
                     finished = finished and done(imp)

@@ -80,12 +80,14 @@ def relocated_config(config: Path, tmp: Path, data_dir: Path | None = None
 
 class Target:
     def __init__(self, name: str, argv: list[str], ready: str = "READY",
-                 timeout_s: float = READY_TIMEOUT_S):
+                 timeout_s: float = READY_TIMEOUT_S, stdin: bool = False):
+        """``stdin``: the process reads commands there (``send``)."""
         self.name = name
         self.argv = argv
         self._stderr = tempfile.TemporaryFile()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.popen = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+        self.popen = subprocess.Popen(argv, cwd=ROOT, env=env,
+                                      stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=self._stderr,
                                       start_new_session=True)
         self.pid = self.popen.pid
@@ -96,6 +98,15 @@ class Target:
         except BaseException:
             self.stop()
             raise
+
+    def send(self, text: str) -> None:
+        """A line of commands to a process started with ``stdin``."""
+        self.popen.stdin.write(text.encode())
+        self.popen.stdin.flush()
+
+    def wait_line(self, prefix: str, timeout_s: float) -> str:
+        """The next line of its output that starts with ``prefix``."""
+        return self._wait_line(prefix, timeout_s)
 
     def _wait_line(self, prefix: str, timeout_s: float) -> str:
         try:

@@ -100,7 +100,8 @@ def command(sel: Selection, new_config: str, yes: bool, dry_run: bool) -> None:
             if doc.get("phase") != shown["phase"]:
                 shown["phase"] = doc.get("phase")
                 click.echo(f"  {doc.get('phase')}")
-            elif "keys" in doc:
+            elif "keys" in doc and doc["keys"] != shown.get("keys"):
+                shown["keys"] = doc["keys"]
                 click.echo(f"    copied {doc['keys']} keys, {doc['bytes']} bytes")
 
         try:
@@ -120,7 +121,9 @@ def command(sel: Selection, new_config: str, yes: bool, dry_run: bool) -> None:
             click.echo(f"moved {done['moved_keys']} keys in {done['took_s']:.3f} s "
                        f"(copy {phases.get('copy_s', 0):.3f} s, writes held "
                        f"{phases.get('hold_s', 0) * 1000:.0f} ms, attempt "
-                       f"{done['attempts']})")
+                       f"{done['attempts']}; of the hold: catch-up "
+                       f"{phases.get('catch_up_s', 0) * 1000:.0f} ms, commit "
+                       f"{phases.get('commit_s', 0) * 1000:.0f} ms)")
         for index in done.get("removed", []):
             click.echo(f"shard {index} is removed: its servers stop in a few heartbeats "
                        "(their data directories stay)")

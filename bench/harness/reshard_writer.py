@@ -1,0 +1,113 @@
+"""The writer and follower of ``bench reshard``: ``wait=True`` writes at a fixed rate to
+random keys of the loaded map, each timed from the call to its acknowledgement, while
+its client follows the whole map.
+
+    python -m bench.harness.reshard_writer CONFIG --keys N --segments S --rate R
+        --moves NEW_CONFIG
+
+Prints ``READY`` once the client holds the map. Reads commands on standard input:
+``MARK name`` records the time (and the client's counters by shard) under ``name``; ``STOP`` ends
+the writes and prints one JSON line: ``{"t0", "writes": [[start, latency or -1,
+moving]], "marks": {name: {"t", "shards": {shard: {"applied", "snapshots", "keys",
+"bytes"}}}}, "errors"}``. A write's
+key ``moves`` when NEW_CONFIG's routing gives it to another shard than CONFIG's.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+
+
+def key_of(i: int, segments: int) -> str:
+    return f"/s{i % segments}/k{i}"
+
+
+def counters(clone) -> dict:
+    """What the client received so far, by shard: updates applied, and the keys and
+    bytes (key + value) its part holds."""
+    return {"t": time.monotonic(), "shards": {
+        agent.name: {"applied": agent.applied, "snapshots": agent.snapshots,
+                     "keys": len(agent.map),
+                     "bytes": sum(len(k) + len(v) for k, v in agent.map.items())}
+        for agent in clone.agents}}
+
+
+async def main(args) -> int:
+    from clonemap.client.api import AsyncClone
+    from clonemap.shards.common.errors import ClonemapError
+    from clonemap.shards.common.placement import load_plan
+
+    before = load_plan(args.config).routing.shard_map()
+    after = load_plan(args.moves).routing.shard_map()
+    rnd = random.Random(7)
+    writes: list[tuple[float, float, int]] = []
+    marks: dict[str, dict] = {}
+    errors: dict[str, int] = {}
+    value = b"w" * args.value_bytes
+    async with AsyncClone(config=args.config, timeout_s=600) as clone:
+        print("READY", flush=True)
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                     sys.stdin)
+        t0 = time.monotonic()
+        tasks: set[asyncio.Task] = set()
+
+        async def one(key: str, moving: int) -> None:
+            start = time.monotonic()
+            try:
+                await clone.set(key, value, wait=True, timeout_s=args.write_timeout_s)
+                writes.append((round(start - t0, 6), round(time.monotonic() - start, 6),
+                               moving))
+            except ClonemapError as exc:
+                writes.append((round(start - t0, 6), -1.0, moving))
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+
+        async def paced() -> None:
+            period = 1.0 / args.rate
+            due = time.monotonic()
+            while not stop.is_set():
+                due += period
+                i = rnd.randrange(args.keys)
+                key = key_of(i, args.segments)
+                moving = int(before.owner(key) != after.owner(key))
+                task = asyncio.ensure_future(one(key, moving))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                delay = due - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+
+        async def commands() -> None:
+            while True:
+                line = (await reader.readline()).decode().split()
+                if not line or line[0] == "STOP":
+                    stop.set()
+                    return
+                if line[0] == "MARK":
+                    marks[line[1]] = counters(clone)
+                    print(f"MARKED {line[1]}", flush=True)
+
+        await asyncio.gather(paced(), commands())
+        await asyncio.gather(*tasks, return_exceptions=True)
+        marks["end"] = counters(clone)
+    print(json.dumps({"t0": t0, "writes": writes, "marks": marks, "errors": errors}),
+          flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(prog="python -m bench.harness.reshard_writer")
+    ap.add_argument("config")
+    ap.add_argument("--moves", required=True)
+    ap.add_argument("--keys", type=int, required=True)
+    ap.add_argument("--segments", type=int, required=True)
+    ap.add_argument("--rate", type=float, default=5000.0)
+    ap.add_argument("--value-bytes", type=int, default=100)
+    ap.add_argument("--write-timeout-s", type=float, default=30.0)
+    sys.exit(asyncio.run(main(ap.parse_args())))

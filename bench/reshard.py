@@ -1,0 +1,282 @@
+"""Growing a running cluster while it is written (issue 41): ``python -m bench reshard``.
+
+``supervisor start`` of ``configs/2shard.yaml`` on free ports (durable, ``fsync:
+everysec``, heartbeat 1 s). ``--keys`` keys of ``--value-bytes`` bytes are loaded, spread
+over ``--segments`` routing segments (``/s<i % segments>/k<i>``). A writer process
+(``bench.harness.reshard_writer``) then sends ``wait=True`` writes to random keys at
+``--rate`` per second, open loop, and its client follows the whole map. After
+``--before-s``, ``supervisor reshard CONFIG --to CONFIG_WITH_A_THIRD_SHARD --yes`` runs,
+as an operator would; ``--after-s`` later the writes stop.
+
+Reported:
+
+* the change: its wall time (the command's), the keys it moved and keys/s, the longest
+  hold the supervisor reported (the writes of the moving keys waited at most that);
+* the writes: acknowledged per second before and during the change; latency p50 / p99 /
+  max before, and during the change for the keys that moved and for those that did not;
+  failed writes;
+* the follower: what its client received during the change, beyond the writer's own
+  echoes, against the moved keys' bytes (a move is not a resync). Estimated from the
+  client's counters: the keys and values its new shard's part took in its first
+  snapshot, plus the updates it applied beyond the writer's own echoes, each counted at
+  the size of one key and value.
+
+Targets (the issue's, on this 2-core host): the change within 30 s; a write to a moving
+key waits at most 500 ms (max and p99); the p99 of writes to keys that do not move
+within 2x of before; the follower receives at most 1.2x the moved keys' bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.harness import record as rec
+from bench.harness.procs import ROOT, Target, bench_main, relocated_config
+from bench.harness.stats import percentile
+
+NAME = "reshard"
+CONFIG = ROOT / "configs" / "2shard.yaml"
+DEADLINE_S = 600.0
+TARGET_TOTAL_S = 30.0
+TARGET_WAIT_S = 0.5
+TARGET_P99_RATIO = 2.0
+TARGET_BYTES_RATIO = 1.2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=f"python -m bench.{NAME}",
+                                 description="2 -> 3 shards under supervisor start while "
+                                             "wait=True writes run. Duration: smoke ~30 s, "
+                                             "full (1M keys) ~2 min")
+    ap.add_argument("--keys", type=int, default=1_000_000)
+    ap.add_argument("--segments", type=int, default=100_000)
+    ap.add_argument("--value-bytes", type=int, default=100)
+    ap.add_argument("--rate", type=float, default=5000.0, help="wait=True writes/s")
+    ap.add_argument("--before-s", type=float, default=3.0)
+    ap.add_argument("--after-s", type=float, default=2.0)
+    ap.add_argument("--keep", default=None, metavar="DIR",
+                    help="run in DIR and keep it (the supervisor's and servers' logs)")
+    ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
+    args = ap.parse_args(argv)
+    if args.keys < 1 or args.segments < 1 or args.rate <= 0:
+        ap.error("--keys, --segments and --rate must be positive")
+    return args
+
+
+def _rows(control: str) -> dict[str, dict]:
+    from clonemap.supervisor.control import status_rows
+
+    rows, _ = status_rows(control, timeout_s=5.0)
+    return {row["name"]: row for row in rows}
+
+
+def _settled(control: str, shards: int) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            rows = _rows(control)
+            if all({rows[f"s{i}/primary"]["bstar"], rows[f"s{i}/backup"]["bstar"]} ==
+                   {"ACTIVE", "PASSIVE"} for i in range(shards)):
+                return
+        except (KeyError, Exception):  # noqa: BLE001 - not up yet: ask again
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{shards} shards not settled within 60 s")
+        time.sleep(0.1)
+
+
+def _grown(config: Path, path: Path) -> Path:
+    import yaml
+
+    from bench.harness.procs import free_port_base
+
+    data = yaml.safe_load(config.read_text())
+    base = free_port_base(20)
+    data["shards"].append({"name": "s2", "primary": {"port": base},
+                           "backup": {"port": base + 10}})
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _load(config: Path, args) -> float:
+    """The map, written once (fire-and-forget, a wait=True every 2,000 to pace it)."""
+    import asyncio
+
+    from bench.harness.reshard_writer import key_of
+    from clonemap.client.api import AsyncClone
+
+    value = b"v" * args.value_bytes
+
+    async def load() -> float:
+        t0 = time.monotonic()
+        async with AsyncClone(config=str(config), timeout_s=120) as clone:
+            for i in range(args.keys):
+                if i % 2000 == 1999 or i == args.keys - 1:
+                    await clone.set(key_of(i, args.segments), value, wait=True,
+                                    timeout_s=60)
+                else:
+                    await clone.set(key_of(i, args.segments), value)
+        return time.monotonic() - t0
+
+    return asyncio.run(load())
+
+
+def _spread(latencies: list[float]) -> dict:
+    if not latencies:
+        return {"n": 0}
+    latencies.sort()
+    return {"n": len(latencies), "p50_ms": round(percentile(latencies, 50) * 1000, 2),
+            "p99_ms": round(percentile(latencies, 99) * 1000, 2),
+            "max_ms": round(latencies[-1] * 1000, 2)}
+
+
+def run(args: argparse.Namespace) -> rec.Record:
+    config_opts = {k: v for k, v in vars(args).items() if k not in ("results_dir", "keep")}
+    record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", config_opts), config_opts)
+    python = sys.executable
+    keep = Path(args.keep) if args.keep else None
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+    where = (contextlib.nullcontext(str(keep)) if keep is not None
+             else tempfile.TemporaryDirectory(prefix="clonemap-reshard-"))
+    with rec.Progress(NAME, total=4) as progress, where as tmp_dir:
+        tmp = Path(tmp_dir)
+        config, control, _ = relocated_config(CONFIG, tmp)
+        three = _grown(config, tmp / "three.yaml")
+        progress.step("supervisor start (2 shards)")
+        sup = Target("supervisor", [python, "-m", "clonemap.supervisor", "start", str(config),
+                                    "--no-table", "--run-dir", str(tmp / "run")],
+                     ready="READY supervisor", timeout_s=60)
+        writer = None
+        try:
+            _settled(control, 2)
+            progress.step(f"load {args.keys:,} keys")
+            load_s = _load(config, args)
+            progress.note(f"loaded in {load_s:.1f} s")
+            writer = Target("writer", [python, "-m", "bench.harness.reshard_writer",
+                                       str(config), "--moves", str(three), "--keys",
+                                       str(args.keys), "--segments", str(args.segments),
+                                       "--rate", str(args.rate), "--value-bytes",
+                                       str(args.value_bytes)],
+                            ready="READY", timeout_s=DEADLINE_S, stdin=True)
+            progress.step(f"writes at {args.rate:g}/s, {args.before_s:g} s before")
+            time.sleep(args.before_s)  # (the writes before: the baseline)
+            writer.send("MARK start\n")
+            writer.wait_line("MARKED start", timeout_s=30)
+            progress.step("supervisor reshard: 2 -> 3 shards")
+            t0 = time.monotonic()
+            out = subprocess.run([python, "-m", "clonemap.supervisor", "reshard", str(config),
+                                  "--to", str(three), "--yes"], cwd=ROOT, text=True,
+                                 capture_output=True, timeout=DEADLINE_S)
+            total_s = time.monotonic() - t0
+            writer.send("MARK moved\n")
+            writer.wait_line("MARKED moved", timeout_s=30)
+            progress.note(out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "")
+            if out.returncode != 0:
+                raise RuntimeError(f"supervisor reshard failed ({out.returncode}): "
+                                   f"{out.stdout}{out.stderr}")
+            time.sleep(args.after_s)
+            writer.send("STOP\n")
+            result = json.loads(writer.wait_line('{"t0"', timeout_s=120))
+        finally:
+            if writer is not None:
+                writer.stop()
+            sup.stop(grace_s=15)
+    moved = re.search(r"moved (\d+) keys in ([\d.]+) s \(copy ([\d.]+) s, writes held "
+                      r"(\d+) ms", out.stdout)
+    parts = re.search(r"catch-up (\d+) ms, commit (\d+) ms", out.stdout)
+    moved_keys, move_s, copy_s, held_ms = (int(moved[1]), float(moved[2]),
+                                           float(moved[3]), int(moved[4])) if moved else (
+        0, total_s, 0.0, 0)
+    t_start = result["marks"]["start"]["t"] - result["t0"]
+    t_end = result["marks"]["moved"]["t"] - result["t0"]
+    writes = result["writes"]
+    before = [w for w in writes if w[0] < t_start and w[1] >= 0]
+    during = [w for w in writes if t_start <= w[0] < t_end]
+    failed = sum(1 for w in writes if w[1] < 0)
+    entry = len("/s00000/k000000") + args.value_bytes
+    moved_bytes = moved_keys * entry
+    # (to the end of the run: the client follows within a heartbeat of the change)
+    a, b = result["marks"]["start"]["shards"], result["marks"]["end"]["shards"]
+    # a shard's part that is new took the moved keys in its first snapshot; the parts
+    # there before applied updates: the writer's own echoes, and any move traffic
+    snapshot_bytes = sum(v["bytes"] for name, v in b.items() if name not in a)
+    updates = sum(v["applied"] - a[name]["applied"] for name, v in b.items() if name in a)
+    updates += sum(v["applied"] for name, v in b.items() if name not in a)
+    echoes = sum(1 for w in writes if w[0] >= t_start)
+    received = snapshot_bytes + max(0, updates - echoes) * entry
+    summary = {
+        "total_s": round(total_s, 3), "move_s": move_s, "copy_s": copy_s,
+        "held_ms": held_ms, "moved_keys": moved_keys,
+        "catch_up_ms": int(parts[1]) if parts else None,
+        "commit_ms": int(parts[2]) if parts else None,
+        "keys_per_s": round(moved_keys / move_s) if move_s else None,
+        "load_s": round(load_s, 2),
+        "writes_per_s_before": round(len(before) / max(t_start, 1e-9), 1),
+        "writes_per_s_during": round(sum(1 for w in during if w[1] >= 0) /
+                                     max(t_end - t_start, 1e-9), 1),
+        "before": _spread([w[1] for w in before]),
+        "during_moving": _spread([w[1] for w in during if w[2] and w[1] >= 0]),
+        "during_staying": _spread([w[1] for w in during if not w[2] and w[1] >= 0]),
+        "failed_writes": failed, "errors": result["errors"],
+        "follower_bytes_estimated": received, "moved_bytes": moved_bytes,
+        "follower_bytes_ratio": round(received / moved_bytes, 3) if moved_bytes else None,
+        "command_output": out.stdout.strip().splitlines()[-6:],
+    }
+    record.data["summary"] = summary
+    mv, st, bf = summary["during_moving"], summary["during_staying"], summary["before"]
+    record.target("supervisor reshard 2 -> 3 shards, wall time", round(total_s, 2),
+                  TARGET_TOTAL_S, "s", higher_is_better=False)
+    if mv.get("n"):
+        record.target("longest wait of a write to a moving key", round(mv["max_ms"] / 1000, 3),
+                      TARGET_WAIT_S, "s", higher_is_better=False)
+        record.target("p99 of writes to moving keys during the change",
+                      round(mv["p99_ms"] / 1000, 3), TARGET_WAIT_S, "s",
+                      higher_is_better=False)
+    if st.get("n") and bf.get("n"):
+        record.target("p99 of writes to staying keys, during / before",
+                      round(st["p99_ms"] / bf["p99_ms"], 2), TARGET_P99_RATIO, "x",
+                      higher_is_better=False)
+    if moved_bytes:
+        record.target("follower's bytes during the change / moved keys' bytes",
+                      summary["follower_bytes_ratio"], TARGET_BYTES_RATIO, "x",
+                      higher_is_better=False)
+    return record
+
+
+def report(record: rec.Record) -> None:
+    s = record.data["summary"]
+    rows = [["moved keys", f"{s['moved_keys']:,}"], ["change, wall (s)", s["total_s"]],
+            ["keys/s moved", f"{s['keys_per_s']:,}" if s["keys_per_s"] else "-"],
+            ["copy (s)", s["copy_s"]], ["writes held (ms)", s["held_ms"]],
+            ["of the hold: catch-up / commit (ms)", f"{s['catch_up_ms']} / {s['commit_ms']}"],
+            ["writes/s before / during", f"{s['writes_per_s_before']} / "
+                                         f"{s['writes_per_s_during']}"],
+            ["before: p50 / p99 / max (ms)", _fmt(s["before"])],
+            ["during, moving keys", _fmt(s["during_moving"])],
+            ["during, staying keys", _fmt(s["during_staying"])],
+            ["failed writes", s["failed_writes"]],
+            ["follower bytes (est.) / moved bytes", s["follower_bytes_ratio"]]]
+    rec.table(record, "reshard: 2 -> 3 shards while written", ["figure", "value"], rows)
+    rec.print_targets(record)
+
+
+def _fmt(spread: dict) -> str:
+    if not spread.get("n"):
+        return "-"
+    return f"{spread['p50_ms']} / {spread['p99_ms']} / {spread['max_ms']} (n={spread['n']})"
+
+
+def main(argv: list[str] | None = None) -> rec.Record:
+    return bench_main(NAME, parse_args, run, report, argv)
+
+
+if __name__ == "__main__":
+    main()
