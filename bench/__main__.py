@@ -137,7 +137,8 @@ ORDER = ["single", "scaleout", "latency", "load", "snapshot", "fanout", "failove
 """What ``all`` runs, in this order, then ``report`` (``failover_supervised`` runs alone:
 it starts a whole 8-server cluster; ``conditional`` too: it measures the client API;
 ``peers`` runs other projects' servers, installed apart; ``read_burst`` measures a
-client's reads, the peers' read workload's companion;
+client's reads, the peers' read workload's companion; ``reshard`` starts a whole
+cluster and changes it;
 ``cluster`` belongs to the 16core profile, sized for a many-core host; ``hosts`` needs
 root, for its network namespaces)."""
 
@@ -177,6 +178,8 @@ PROFILES: dict[str, Profile] = {
         "cluster": ["--config", "configs/2shard.yaml", "--seconds", "0.5", "--warmup",
                     "0.2", "--rounds", "1"],
         "read_burst": ["--keys", "2000", "--burst", "5000", "--idle-s", "0.3", "--rounds", "1"],
+        "reshard": ["--keys", "20000", "--segments", "2000", "--rate", "1000", "--before-s",
+                    "1", "--after-s", "1"],
         "conditional": ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "1",
                         "--writers", "2"],
         "handoff": ["--modes", "inline,thread,workers", "--workers", "1,2", "--work", "cpu",
@@ -212,6 +215,7 @@ PROFILES: dict[str, Profile] = {
         "cluster": ["--config", "configs/2shard.yaml", "--seconds", "2", "--warmup", "0.5",
                     "--rounds", "2"],
         "read_burst": ["--rounds", "2", "--idle-s", "0.5"],
+        "reshard": ["--keys", "300000", "--segments", "30000"],
         "conditional": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2"],
         "handoff": ["--rate", "40000", "--seconds", "2"],
         "durability": ["--seconds", "2", "--warmup", "0.5", "--rounds", "2",
@@ -244,6 +248,7 @@ PROFILES: dict[str, Profile] = {
         "cluster": ["--config", "configs/2shard.yaml", "--seconds", "4", "--warmup", "1",
                     "--rounds", "3"],
         "read_burst": ["--rounds", "3"],
+        "reshard": [],
         "conditional": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],
         "handoff": ["--rate", "40000", "--seconds", "3"],
         "durability": ["--seconds", "4", "--warmup", "1", "--rounds", "3"],

@@ -75,13 +75,15 @@ class Import:
     endpoint, P; the publisher is P+1). ``start()`` inside the server's loop."""
 
     def __init__(self, ctx: zmq.Context, source: str, prefix: bytes, security, limits,
-                 owns=None):
+                 owns=None, index: int | None = None):
         """``prefix``: the subtree asked of the source (b"" for the whole map);
         ``owns(key)``: whether the new routing gives a key to this shard (only those
         are copied; None: every key under ``prefix``)."""
         self.source = source
         self.prefix = prefix
         self.owns = owns if owns is not None else (lambda key: True)
+        self.index = index
+        """This (the target) shard's index, named in the snapshot request (``move=``)."""
         self.items: dict[bytes, tuple[bytes, float | None]] = {}
         """key -> (value, absolute expiry or None): the copy."""
         self.bytes = 0
@@ -167,7 +169,8 @@ class Import:
 
     async def _snapshot(self, expiries: dict[bytes, float]) -> None:
         dealer = self._socket(zmq.DEALER, self.source)
-        await dealer.send_multipart(chp.icanhaz(self.prefix))
+        # (move=: a source that exports the new routing sends only what moves here)
+        await dealer.send_multipart(chp.icanhaz(self.prefix, move=self.index))
         owns = self.owns
         count = 0
         while True:

@@ -139,8 +139,9 @@ def _install(server: ShardServer, body: list[bytes]) -> str:
 
 def _move(server: ShardServer, body: list[bytes]) -> str:
     """One step of a move (``clonemap.supervisor.resharding``), JSON {op, ...}: "" done,
-    else why not. ``import`` {source, prefix, routing}: start copying what ``routing``
-    moves here from ``source``; ``stop-import``; ``hold`` {routing}: keep the writes of
+    else why not. ``export`` {routing}: the copies asked of this server (``ICANHAZ``
+    with ``move=``) hold only what ``routing`` gives their shard; ``import`` {source,
+    prefix, routing}: start copying what ``routing`` moves here from ``source``; ``stop-import``; ``hold`` {routing}: keep the writes of
     the keys it moves away; ``seal``: the flip may begin (the hold no longer ends by
     itself); ``release``: apply what was held here; ``commit`` {routing}:
     the flip on the target (``ShardServer.commit_import``)."""
@@ -155,6 +156,8 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
             return ""
         if op == "hold":
             return server.begin_hold(ShardMap.from_description(doc["routing"]))
+        if op == "export":
+            return server.export(ShardMap.from_description(doc["routing"]))
         if op == "seal":
             return server.seal_hold()
         if op == "release":

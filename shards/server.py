@@ -171,6 +171,9 @@ class ShardServer:
         """Copies of the keys moving here, one per source shard (``clonemap.shards.migrate``)."""
         self.hold = None
         """The KVSETs of keys moving away, kept until the flip (``clonemap.shards.migrate``)."""
+        self.exporting = None
+        """The routing a move copies keys from here by (``export``)."""
+        self._exported: dict = {}
         self.forwards: dict = {}
         """Shard index -> the ``Forwarder`` to its collectors, for the keys that moved
         there from here."""
@@ -692,10 +695,29 @@ class ShardServer:
         for imp in [i for i in self.importing if i.source == source]:
             imp.close()
             self.importing.remove(imp)
-        imp = Import(self.ctx, source, prefix, self.security, self._limits, owns)
+        imp = Import(self.ctx, source, prefix, self.security, self._limits, owns,
+                     self.config.shard_index)
         self.importing.append(imp)
         imp.start()
         return ""
+
+    def export(self, shard_map) -> str:
+        """A move copies from here: a snapshot asked with ``move=<index>`` holds only the
+        keys ``shard_map`` gives that shard (``exported_to``). "" once set."""
+        self.exporting = shard_map
+        self._exported = {}
+        return ""
+
+    def exported_to(self, index: int):
+        """``key -> bool``: whether the exported routing gives ``key`` to shard ``index``
+        (None when nothing is exported)."""
+        shard_map = self.exporting
+        if shard_map is None or not 0 <= index < shard_map.shards:
+            return None
+        owns = self._exported.get(index)
+        if owns is None:
+            owns = self._exported[index] = OwnerCache(shard_map, index).owns
+        return owns
 
     def stop_import(self) -> None:
         for imp in self.importing:
@@ -881,6 +903,7 @@ class ShardServer:
         self._say_routing()
         if forget:
             self.forget_unowned()
+        self.exporting = None
         if forward_to and self.active:
             from clonemap.shards.migrate import Forwarder
 

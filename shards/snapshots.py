@@ -267,6 +267,11 @@ class SnapshotService:
                     server.gate.count(scope.name, "snapshots_narrowed",
                                       f"a snapshot of {request.subtree[:80]!r} narrowed to "
                                       f"what identity {scope.name!r} may read")
+        if request.move is not None:  # a move's copy: only what moves to that shard
+            moving = server.exported_to(request.move)
+            if moving is not None:
+                readable = moving if readable is None else (
+                    lambda key, a=readable, b=moving: a(key) and b(key))
         # a request with our extension frame (meta=1) learns the map's term; a plain
         # ICANHAZ gets the empty properties 12/CHP has
         props = chp.kthxbai_props(term=server.role.term()) if request.meta else b""

@@ -377,6 +377,8 @@ class Resharding:
             await self._reached("started")
             src = {s: await self._active_of(s) for s in sources}
             dst = {t: await self._active_of(t) for t in targets}
+            await asyncio.gather(*(self._step(src[s], "export", routing=new.describe())
+                                   for s in sources))
             for s, t in pairs:  # 2. copy
                 plan_s = self.runner.servers[src[s]].plan
                 await self._step(dst[t], "import", source=f"tcp://{plan_s.address}:"

@@ -444,3 +444,24 @@ def test_peers_stops_the_other_servers_while_one_is_measured_and_continues_them(
         with paused(servers):
             raise RuntimeError("the measured turn failed")
     assert psutil.STATUS_STOPPED not in states()
+
+
+def test_reshard_grows_the_cluster_under_writes_and_loses_none(procs, tmp_path):
+    """``bench reshard`` at smoke size: ``supervisor reshard`` takes a written 2-shard
+    cluster to 3 shards; it moves exactly the keys the routing gives the new shard, no
+    write fails, and the follower's client took about the moved keys' bytes, not a
+    resync."""
+    from bench.harness.reshard_writer import key_of
+    from clonemap.shards.common.routing import ShardMap
+
+    run_bench(procs, tmp_path, "bench", "reshard", "--keys", "3000", "--segments", "300",
+              "--rate", "300", "--before-s", "0.5", "--after-s", "0.5")
+    summary = bench_record(tmp_path, "reshard")["summary"]
+    two, three = ShardMap(2), ShardMap(3)
+    moving = sum(1 for i in range(3000) if three.owner(key_of(i, 300)) == 2
+                 and two.owner(key_of(i, 300)) != 2)
+    assert summary["moved_keys"] == moving > 0
+    assert summary["failed_writes"] == 0 and summary["errors"] == {}
+    assert summary["before"]["n"] > 0 and summary["during_moving"]["n"] > 0
+    assert 0.9 <= summary["follower_bytes_ratio"] <= 1.2, summary
+    assert "2 -> 3 shards while written" in (tmp_path / "latest" / "reshard.md").read_text()

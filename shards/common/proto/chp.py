@@ -88,6 +88,9 @@ class Icanhaz(NamedTuple):
     term: int | None = None
     """... whose last update came from a server in this Binary Star term (``term=``; None:
     not said, an older client). See ``kthxbai_props``."""
+    move: int | None = None
+    """``move=<shard index>`` (a move's copy, ``clonemap.shards.migrate``): only the keys
+    that the routing the server exports gives that shard."""
 
 
 class Kvsync(NamedTuple):
@@ -260,6 +263,14 @@ def decode_icanhaz(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Ican
         subtree = check_subtree(frames[1], "ICANHAZ", limits)
         fields = parse_props(check_props(frames[2], "ICANHAZ", limits))
         meta = fields.get("meta") == "1"
+        if "move" in fields and "since" not in fields:
+            try:
+                move = int(fields["move"])
+            except ValueError:
+                raise _fail("move= is not a shard index", "ICANHAZ", "bad_move") from None
+            if move < 0:
+                raise _fail(f"move={move} is negative", "ICANHAZ", "bad_move")
+            return Icanhaz(subtree, meta=meta, move=move)
         if "since" not in fields and meta:
             return Icanhaz(subtree, meta=True)
         try:
@@ -343,14 +354,17 @@ def decode_kvset(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Kvset:
 # ---------------------------------------------------------------------------- builders
 
 def icanhaz(subtree: bytes = b"", since: int | None = None,
-            generation: str = "", meta: bool = False, term: int | None = None) -> list[bytes]:
+            generation: str = "", meta: bool = False, term: int | None = None,
+            move: int | None = None) -> list[bytes]:
     """``ICANHAZ?``; with ``since``, our resume extension: a third frame of properties
     ``since=<S>\n`` (and ``gen=<generation>\n``, ``term=<T>\n``: the Binary Star term of
     the server that gave the client its updates, see ``kthxbai_props``). A server that holds every update after
     S of that map sends only those (KVSYNCs with their own sequences, UUIDs and
     properties; an empty value deletes), then KTHXBAI with ``resume=1``; otherwise a full
     snapshot whose KTHXBAI says ``resume=0``. ``meta``: ``meta=1\n`` (see
-    ``Icanhaz.meta``)."""
+    ``Icanhaz.meta``); ``move``: ``move=<index>\n`` (see ``Icanhaz.move``)."""
+    if move is not None:
+        return [ICANHAZ, subtree, b"move=%d\n" % move + (b"meta=1\n" if meta else b"")]
     if since is None and not meta:
         return [ICANHAZ, subtree]
     props = b"" if since is None else b"since=%d\n" % since
