@@ -185,6 +185,7 @@ def run(args: argparse.Namespace) -> rec.Record:
             time.sleep(args.after_s)
             writer.send("STOP\n")
             result = json.loads(writer.wait_line('{"t0"', timeout_s=120))
+            progress.finish_step()
         finally:
             if writer is not None:
                 writer.stop()
@@ -231,6 +232,7 @@ def run(args: argparse.Namespace) -> rec.Record:
         "command_output": out.stdout.strip().splitlines()[-6:],
     }
     record.data["summary"] = summary
+    record.finish()
     mv, st, bf = summary["during_moving"], summary["during_staying"], summary["before"]
     record.target("supervisor reshard 2 -> 3 shards, wall time", round(total_s, 2),
                   TARGET_TOTAL_S, "s", higher_is_better=False)
