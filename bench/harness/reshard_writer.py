@@ -4,6 +4,7 @@ its client follows the whole map.
 
     python -m bench.harness.reshard_writer CONFIG --keys N --segments S --rate R
         --moves NEW_CONFIG
+    python -m bench.harness.reshard_writer --valkey PORT --moving-slots LO-HI,... ...
 
 Prints ``READY`` once the client holds the map. Reads commands on standard input:
 ``MARK name`` records the time (and the client's counters by shard) under ``name``; ``STOP`` ends
@@ -36,19 +37,57 @@ def counters(clone) -> dict:
         for agent in clone.agents}}
 
 
+class ValkeyTarget:
+    """The same writes to a Valkey cluster (``--valkey PORT``): redis-py's asyncio
+    cluster client, which follows MOVED and ASK redirects by itself."""
+
+    def __init__(self, port: int, moving: str):
+        from redis.asyncio.cluster import RedisCluster
+
+        self.client = RedisCluster(host="127.0.0.1", port=port)
+        self.ranges = [tuple(map(int, r.split("-"))) for r in moving.split(",") if r]
+        self.agents = ()
+
+    def moves(self, key: str) -> int:
+        from redis.crc import key_slot
+
+        slot = key_slot(key.encode())
+        return int(any(lo <= slot <= hi for lo, hi in self.ranges))
+
+    async def set(self, key: str, value: bytes, wait: bool, timeout_s: float) -> None:
+        await asyncio.wait_for(self.client.set(key, value), timeout_s)
+
+    async def __aenter__(self):
+        await self.client.initialize()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.aclose()
+
+
 async def main(args) -> int:
+    if args.valkey:
+        return await run(args, ValkeyTarget(args.valkey, args.moving_slots), None)
     from clonemap.client.api import AsyncClone
-    from clonemap.shards.common.errors import ClonemapError
     from clonemap.shards.common.placement import load_plan
 
     before = load_plan(args.config).routing.shard_map()
     after = load_plan(args.moves).routing.shard_map()
+    return await run(args, AsyncClone(config=args.config, timeout_s=600),
+                     lambda key: int(before.owner(key) != after.owner(key)))
+
+
+async def run(args, target, moves) -> int:
+    from clonemap.shards.common.errors import ClonemapError
+
+    moves = moves if moves is not None else target.moves
+    failures = (ClonemapError, OSError, asyncio.TimeoutError, Exception)
     rnd = random.Random(7)
     writes: list[tuple[float, float, int]] = []
     marks: dict[str, dict] = {}
     errors: dict[str, int] = {}
     value = b"w" * args.value_bytes
-    async with AsyncClone(config=args.config, timeout_s=600) as clone:
+    async with target as clone:
         print("READY", flush=True)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
@@ -64,7 +103,7 @@ async def main(args) -> int:
                 await clone.set(key, value, wait=True, timeout_s=args.write_timeout_s)
                 writes.append((round(start - t0, 6), round(time.monotonic() - start, 6),
                                moving))
-            except ClonemapError as exc:
+            except failures as exc:  # noqa: BLE001 - a failed write is a figure
                 writes.append((round(start - t0, 6), -1.0, moving))
                 errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
 
@@ -75,7 +114,7 @@ async def main(args) -> int:
                 due += period
                 i = rnd.randrange(args.keys)
                 key = key_of(i, args.segments)
-                moving = int(before.owner(key) != after.owner(key))
+                moving = moves(key)
                 task = asyncio.ensure_future(one(key, moving))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -103,8 +142,12 @@ async def main(args) -> int:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m bench.harness.reshard_writer")
-    ap.add_argument("config")
-    ap.add_argument("--moves", required=True)
+    ap.add_argument("config", nargs="?")
+    ap.add_argument("--moves")
+    ap.add_argument("--valkey", type=int, default=None, metavar="PORT",
+                    help="write to the Valkey cluster with a node at PORT instead")
+    ap.add_argument("--moving-slots", default="", help="with --valkey: LO-HI,... slots "
+                                                       "that move")
     ap.add_argument("--keys", type=int, required=True)
     ap.add_argument("--segments", type=int, required=True)
     ap.add_argument("--rate", type=float, default=5000.0)

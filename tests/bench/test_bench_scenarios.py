@@ -464,4 +464,4 @@ def test_reshard_grows_the_cluster_under_writes_and_loses_none(procs, tmp_path):
     assert summary["failed_writes"] == 0 and summary["errors"] == {}
     assert summary["before"]["n"] > 0 and summary["during_moving"]["n"] > 0
     assert 0.9 <= summary["follower_bytes_ratio"] <= 1.2, summary
-    assert "2 -> 3 shards while written" in (tmp_path / "latest" / "reshard.md").read_text()
+    assert "one more shard while written" in (tmp_path / "latest" / "reshard.md").read_text()
