@@ -207,7 +207,8 @@ def _summary(result: dict, args, total_s: float, moved_keys: int, move_s: float)
         "before": _spread([w[1] for w in before]),
         "during_moving": _spread([w[1] for w in during if w[2] and w[1] >= 0]),
         "during_staying": _spread([w[1] for w in during if not w[2] and w[1] >= 0]),
-        "failed_writes": sum(1 for w in writes if w[1] < 0), "errors": result["errors"]}
+        "failed_writes": sum(1 for w in writes if w[1] < 0), "errors": result["errors"],
+        "error_examples": result.get("error_examples", {})}
 
 
 def _writes_around(writer, progress, args, label: str, change) -> tuple[dict, float]:
