@@ -97,6 +97,11 @@ STOP_AT_ENV = "CLONEMAP_RESHARD_STOP_AT"
 ``RESHARD_STOPPED phase=P``: the deterministic way to kill a supervisor or a server in
 the middle of a move."""
 PHASES = ("started", "copied", "held", "sealed", "committed", "flipped")
+PAUSE_AT_ENV = "CLONEMAP_RESHARD_PAUSE_AT"
+"""Tests only: a phase at which a move waits, after printing ``RESHARD_PAUSED phase=P``,
+until the file ``CONTINUE_FILE`` appears in the run directory (a test kills a server
+there, deterministically, then lets the move go on)."""
+CONTINUE_FILE = "reshard.continue"
 
 
 class Refused(Exception):
@@ -425,8 +430,11 @@ class Resharding:
             else:
                 raise Refused(b"409", f"the copies did not catch up within the hold bound "
                                       f"({self.hold_bound_s:g} s) in {HOLD_ATTEMPTS} tries")
-        except BaseException:
+        except BaseException as exc:
             await self._roll_back(sources, targets, added)
+            if isinstance(exc, Exception) and not isinstance(exc, Refused):
+                raise Refused(b"409", f"rolled back before the flip: {type(exc).__name__}: "
+                                      f"{exc}") from exc
             raise
         await self._reached("sealed")
         # 4. the flip: the targets (durable there first), the run directory, the sources
@@ -437,7 +445,7 @@ class Resharding:
         try:
             await asyncio.gather(*(self._step(dst[t], "commit", routing=new.describe())
                                    for t in targets))
-        except Refused:
+        except Exception as exc:  # (a target gone: no answer) the old routing, later epoch
             back = self._back(old, new)
             for s in sources:
                 await asyncio.gather(self._step(src[s], "release"), return_exceptions=True)
@@ -445,7 +453,8 @@ class Resharding:
             await self._install(back, self._running(), forget=True)
             for index in added:
                 await self.runner.remove_shard(index)
-            raise
+            raise Refused(b"409", f"a target did not commit ({type(exc).__name__}: {exc}); "
+                                  f"the old routing is back as epoch {back.epoch}") from exc
         await self._reached("committed")
         self._commit(new_plan)  # after the copies are durable on the targets
         await self._reached("flipped")
@@ -496,6 +505,12 @@ class Resharding:
         if os.environ.get(STOP_AT_ENV) == phase:
             print(f"RESHARD_STOPPED phase={phase}", flush=True)
             await asyncio.Event().wait()
+        if os.environ.get(PAUSE_AT_ENV) == phase:
+            go_on = self.run_dir / CONTINUE_FILE
+            print(f"RESHARD_PAUSED phase={phase}", flush=True)
+            while not go_on.exists():
+                await asyncio.sleep(0.02)
+            go_on.unlink()
 
     def _source_of(self, imp: dict, src: dict[int, str]) -> int:
         for s, name in src.items():

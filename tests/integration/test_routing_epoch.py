@@ -461,3 +461,83 @@ def test_a_supervisor_killed_in_the_middle_of_a_growth_loses_nothing(procs, tmp_
         merged = {k.decode(): v for keys in _held_by_actives(zctx, rows).values()
                   for k, v in keys.items()}
         assert merged == ledger
+
+
+@pytest.mark.parametrize("phase,victim", [("copied", "source"), ("sealed", "target")])
+def test_a_failover_in_the_middle_of_a_move_rolls_it_back_and_loses_nothing(
+        procs, tmp_path, zctx, phase, victim):
+    """A pinned prefix moves from s0 to s1 while a ``wait=True`` writer writes it. The
+    move waits at ``phase`` (``CLONEMAP_RESHARD_PAUSE_AT``: deterministic), the source's
+    or the target's active is killed with ``supervisor kill``, its pair fails over, and
+    the move goes on: it rolls back (the routing is the old one, under a later epoch
+    when a target may have taken it), the command says so, every acknowledged write is
+    on the prefix's owner only, and the move run again completes."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
+                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
+                       timeout_s=60, env={"CLONEMAP_RESHARD_PAUSE_AT": phase})
+    rows = wait_status(control, settled)
+    first = ShardMap(2)
+    tenant = next(f"/tenant{i}/" for i in range(100) if first.owner(f"/tenant{i}/x") == 0)
+    later = _pin(config, tmp_path / "later.yaml", 1, [tenant])
+    ledger: dict[str, bytes] = {f"{tenant}{i}": b"v%d" % i for i in range(200)}
+    ledger.update({f"/k{i}": b"k%d" % i for i in range(50)})
+
+    async def scenario():
+        async with AsyncClone(config=str(config)) as clone:
+            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
+            stop = asyncio.Event()
+
+            async def writer():  # acknowledged writes only go into the ledger
+                n = 0
+                while not stop.is_set():
+                    key, value = f"{tenant}{n % 20}", b"w%d" % n
+                    try:
+                        await clone.set(key, value, wait=True, timeout_s=10)
+                        ledger[key] = value
+                    except Exception:  # noqa: BLE001 - a failover: sent again below
+                        pass
+                    n += 1
+
+            task = asyncio.ensure_future(writer())
+            reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
+                                   "--to", str(later), "--yes")
+            await asyncio.to_thread(sup.wait_line, f"RESHARD_PAUSED phase={phase}", 60)
+            shard = "s0" if victim == "source" else "s1"
+            killed = next(n for n in (f"{shard}/primary", f"{shard}/backup")
+                          if rows[n]["bstar"] == "ACTIVE")
+            assert (await asyncio.to_thread(cli, "kill", killed, "--control",
+                                            control)).returncode == 0
+            await asyncio.to_thread(wait_status, control, lambda r: any(
+                r[n]["bstar"] == "ACTIVE" for n in (f"{shard}/primary", f"{shard}/backup")
+                if n != killed))
+            (tmp_path / "run" / "reshard.continue").touch()
+            code = await asyncio.to_thread(reshard.wait, 60)
+            assert code == 1, reshard.stdout[-5:]
+            assert any("not applied" in line for line in reshard.stderr), reshard.stderr[-3:]
+            await asyncio.sleep(0.5)  # (writes across the roll-back)
+            stop.set()
+            await task
+
+    asyncio.run(scenario())
+    rows = wait_status(control, settled)
+    doc = fetch_cluster_map(control)
+    assert doc["routing"]["pins"] == []  # the old routing
+    held = _held_by_actives(zctx, rows)
+    for name, keys in held.items():
+        assert all(first.owner(k) == int(name[1]) for k in keys), name
+    merged = {k.decode(): v for keys in held.values() for k, v in keys.items()}
+    assert sum(map(len, held.values())) == len(merged) and merged == ledger
+
+    # run again, with no failover: it completes, and the keys are on s1
+    (tmp_path / "run" / "reshard.continue").unlink(missing_ok=True)
+    again = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
+                         str(later), "--yes")
+    sup.wait_line(f"RESHARD_PAUSED phase={phase}", timeout_s=60)
+    (tmp_path / "run" / "reshard.continue").touch()
+    assert again.wait(60) == 0, again.stderr[-3:]
+    rows = wait_status(control, settled)
+    held = _held_by_actives(zctx, rows)
+    assert {k.decode(): v for k, v in held["s1"].items() if k.startswith(
+        tenant.encode())} == {k: v for k, v in ledger.items() if k.startswith(tenant)}
+    assert not any(k.startswith(tenant.encode()) for k in held["s0"])
