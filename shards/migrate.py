@@ -53,9 +53,6 @@ supervisor rolls the move back: no write waits on a hold that cannot end."""
 HOLD_SAFETY_S = 5.0
 """An unsealed hold ends by itself after this long (the supervisor that began it holds
 it for its bound, 0.5 s by default, then releases or seals it)."""
-YIELD_EVERY = 256
-"""Messages a copy reads before it lets the server's loop run its other work (a ready
-socket's receive completes without yielding)."""
 COPY_TIMEOUT_S = 30.0
 """How long the copy's snapshot may take to arrive whole before the import fails."""
 
@@ -71,19 +68,22 @@ def expiry_of(props: bytes) -> float | None:
 
 
 class Import:
-    """The target's copy of ``prefix`` from the source active at ``source`` (its snapshot
-    endpoint, P; the publisher is P+1). ``start()`` inside the server's loop."""
+    """The target's copy of the keys moving here from the source active at ``source``
+    (its snapshot endpoint, P; the publisher is P+1). Driven by the server's loop
+    through ``zio.AsyncSocket`` (each message one call, read in batches: no coroutine
+    per message), on sockets from ``connect(kind, endpoint, options)`` (the server's
+    context and security). ``start()`` inside the server's loop."""
 
-    def __init__(self, ctx: zmq.Context, source: str, prefix: bytes, security, limits,
-                 owns=None, index: int | None = None):
+    def __init__(self, connect, loop, source: str, prefix: bytes, limits, owns=None,
+                 index: int | None = None):
         """``prefix``: the subtree asked of the source (b"" for the whole map);
         ``owns(key)``: whether the new routing gives a key to this shard (only those
-        are copied; None: every key under ``prefix``)."""
+        are copied; None: every key under ``prefix``); ``index``: this shard's, named
+        in the snapshot request (``move=``: the source sends only what moves here)."""
         self.source = source
         self.prefix = prefix
         self.owns = owns if owns is not None else (lambda key: True)
         self.index = index
-        """This (the target) shard's index, named in the snapshot request (``move=``)."""
         self.items: dict[bytes, tuple[bytes, float | None]] = {}
         """key -> (value, absolute expiry or None): the copy."""
         self.bytes = 0
@@ -96,98 +96,86 @@ class Import:
         self.updates = 0
         self.error = ""
         self.started_at = time.monotonic()
-        self._ctx = zmq.asyncio.Context.shadow(ctx)
-        self._security = security
+        self._connect = connect
+        self._loop = loop
         self._limits = limits
-        self._task: asyncio.Task | None = None
-        self._socks: list = []
+        self._sub = self._dealer = None
+        self._live = False
+        self._expiries: dict[bytes, float] = {}
+        self._queued: list[list[bytes]] = []
+        self._timer = None
 
     @property
     def copied(self) -> bool:
         return self.snapshot_seq >= 0
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        from clonemap.shards.common import zio
 
-    def _socket(self, kind: int, endpoint: str):
-        sock = self._ctx.socket(kind)
-        sock.linger = 0
-        self._security.connect_side(sock)
-        self._socks.append(sock)
-        if kind == zmq.SUB:
-            sock.rcvhwm = 0  # a copy never drops what the source published
-            sock.setsockopt(zmq.SUBSCRIBE, self.prefix)
-            sock.setsockopt(zmq.SUBSCRIBE, chp.HUGZ)
-        sock.connect(endpoint)
-        return sock
-
-    async def _run(self) -> None:
         host, port = self.source.rsplit(":", 1)
-        sub = self._socket(zmq.SUB, f"{host}:{int(port) + 1}")
+        sub = self._connect(zmq.SUB, f"{host}:{int(port) + 1}",
+                            ((zmq.RCVHWM, 0), (zmq.SUBSCRIBE, self.prefix),
+                             (zmq.SUBSCRIBE, chp.HUGZ)))
+        self._sub = zio.AsyncSocket(sub, self._on_update, batch=1024, loop=self._loop,
+                                    name="import updates")
+        dealer = self._connect(zmq.DEALER, self.source, ())
+        self._dealer = zio.AsyncSocket(dealer, self._on_reply, batch=1024, loop=self._loop,
+                                       name="import snapshot")
+        self._timer = self._loop.call_later(COPY_TIMEOUT_S, self._too_slow)
+
+    def _too_slow(self) -> None:
+        if not self.copied:
+            self._fail(f"no whole copy within {COPY_TIMEOUT_S:g} s")
+
+    def _fail(self, why: str) -> None:
+        if not self.error:
+            self.error = why
+            log.error("import from %s failed: %s", self.source, why)
+        self.close()
+
+    # the publisher first (what it sends meanwhile is queued), then the TTL table and
+    # the UUIDs, then the snapshot
+    def _on_update(self, frames: list[bytes]) -> None:
+        if not self._live:
+            if frames[0] != chp.HUGZ:
+                return  # (before the subscription's welcome: covered by the snapshot)
+            self._live = True
+            self._dealer.send(bstar_ttl.request())
+        if not self.copied:
+            self._queued.append(frames)
+            return
+        self._update(frames)
+
+    def _on_reply(self, frames: list[bytes]) -> None:
         try:
-            # the publisher's stream first (what it sends meanwhile waits in the SUB's
-            # queue, unbounded), the TTL table and UUIDs, then the snapshot
-            await self._subscribed(sub)
-            expiries = await self._ttl_table()
-            await asyncio.wait_for(self._snapshot(expiries), COPY_TIMEOUT_S)
+            if frames and frames[0] == bstar_ttl.REPLY:
+                chunk = bstar_ttl.decode_chunk(frames)
+                prefix = self.prefix
+                self._expiries.update((k, t) for k, t in chunk.table.items()
+                                      if k.startswith(prefix))
+                if chunk.last:
+                    self.uuids = list(chunk.uuids)
+                    self._dealer.send(chp.icanhaz(self.prefix, move=self.index))
+                return
+            msg = chp.decode_snapshot(frames, self._limits, strict=False)
+        except ProtocolError as exc:
+            self._fail(f"the source's reply does not decode: {exc}")
+            return
+        if isinstance(msg, chp.Kthxbai):
+            self.snapshot_seq = msg.seq
+            self.source_seq = max(self.source_seq, msg.seq)
+            queued, self._queued = self._queued, []
+            for one in queued:
+                self._update(one)
+            self._expiries = {}
             log.info("import of %r from %s: %d keys copied at source sequence %d",
                      self.prefix, self.source, len(self.items), self.snapshot_seq)
-            count = 0
-            while True:
-                self._update(await sub.recv_multipart())
-                count += 1
-                if count % YIELD_EVERY == 0:
-                    await asyncio.sleep(0)  # the server's own work goes on meanwhile
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - whatever it was, the import failed
-            self.error = f"{type(exc).__name__}: {exc}"
-            log.error("import of %r from %s failed: %s", self.prefix, self.source,
-                      self.error)
-
-    async def _subscribed(self, sub) -> None:
-        """Until the SUB's subscription is live: the first HUGZ (a clock HUGZ comes at
-        least every --clock-s)."""
-        while True:
-            frames = await sub.recv_multipart()
-            if frames[0] == chp.HUGZ:
-                self._update(frames)
-                return
-
-    async def _ttl_table(self) -> dict[bytes, float]:
-        dealer = self._socket(zmq.DEALER, self.source)
-        await dealer.send_multipart(bstar_ttl.request())
-        table: dict[bytes, float] = {}
-        while True:
-            chunk = bstar_ttl.decode_chunk(await asyncio.wait_for(dealer.recv_multipart(),
-                                                                  COPY_TIMEOUT_S))
-            table.update((k, t) for k, t in chunk.table.items()
-                         if k.startswith(self.prefix))
-            if chunk.last:
-                self.uuids = list(chunk.uuids)
-                return table
-
-    async def _snapshot(self, expiries: dict[bytes, float]) -> None:
-        dealer = self._socket(zmq.DEALER, self.source)
-        # (move=: a source that exports the new routing sends only what moves here)
-        await dealer.send_multipart(chp.icanhaz(self.prefix, move=self.index))
-        owns = self.owns
-        count = 0
-        while True:
-            count += 1
-            if count % YIELD_EVERY == 0:
-                await asyncio.sleep(0)  # (a ready socket's receive does not yield)
-            msg = chp.decode_snapshot(await dealer.recv_multipart(), self._limits,
-                                      strict=False)
-            if isinstance(msg, chp.Kthxbai):
-                self.snapshot_seq = msg.seq
-                self.source_seq = max(self.source_seq, msg.seq)
-                return
-            if owns(msg.key):
-                self._put(msg.key, msg.value, expiries.get(msg.key))
+            return
+        if self.owns(msg.key):
+            self._put(msg.key, msg.value, self._expiries.get(msg.key))
 
     def _update(self, frames: list[bytes]) -> None:
-        """One message of the source's publisher (after the snapshot, or buffered)."""
+        """One message of the source's publisher (after the snapshot, or queued)."""
         try:
             msg = chp.decode_update(frames, self._limits, strict=False)
         except ProtocolError:
@@ -223,11 +211,13 @@ class Import:
                 "age_s": round(time.monotonic() - self.started_at, 3)}
 
     def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        for sock in self._socks:
-            sock.close(linger=0)
-        self._socks = []
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for sock in (self._sub, self._dealer):
+            if sock is not None:
+                sock.close(linger=0)
+        self._sub = self._dealer = None
 
 
 class Hold:

@@ -695,7 +695,7 @@ class ShardServer:
         for imp in [i for i in self.importing if i.source == source]:
             imp.close()
             self.importing.remove(imp)
-        imp = Import(self.ctx, source, prefix, self.security, self._limits, owns,
+        imp = Import(self.sockets.connect, self.loop, source, prefix, self._limits, owns,
                      self.config.shard_index)
         self.importing.append(imp)
         imp.start()
