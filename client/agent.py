@@ -109,6 +109,9 @@ class ShardAgent:
         """Set by a client of several shards: a key new to this shard's part that another
         shard's part holds moved here (resharding): it leaves that part; True when the
         value is the one the client held (no event)."""
+        self.rehome_many: Callable[[ShardAgent, dict, dict], dict] | None = None
+        """The same for a snapshot installed here: ``(agent, old, new)`` -> the moved
+        keys whose value is the one the client held (no event for them)."""
         self.rehome_installs = False
         """Snapshots installed here are checked for keys that moved here too (set once
         the client's routing changed: a snapshot of a shard it did not follow before)."""
@@ -361,11 +364,11 @@ class ShardAgent:
                 self._dispatch(sm.Keep(eff.old_generation))  # -> Freeze
                 return
         events_old = old
-        if self.rehome is not None and self.rehome_installs:
+        if self.rehome_many is not None and self.rehome_installs:
             # keys that moved here from another shard's part: they leave it, and a value
             # the client held already is no event (resharding)
-            moved = {k: v for k, v in new.items() if k not in old and self.rehome(self, k, v)}
-            if moved:
+            moved = self.rehome_many(self, old, new)
+            if moved and self.hub.watches:
                 events_old = {**old, **moved}
             if self.moved_snapshot is not None:  # writes other parts sent, applied here
                 self.moved_snapshot(new, eff.seq)

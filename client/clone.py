@@ -223,6 +223,7 @@ class AsyncClone:
         if len(self._agents) > 1:
             for agent in self._agents:
                 agent.rehome = self._rehome
+                agent.rehome_many = self._rehome_many
 
     def _agent_of_spec(self, cluster: Cluster, spec: ShardSpec, position: int) -> ShardAgent:
         """A new agent for shard ``spec``, registered (not started)."""
@@ -412,6 +413,8 @@ class AsyncClone:
         if len(self._agents) > 1:
             for agent in self._agents:
                 agent.rehome = self._rehome
+                agent.rehome_many = self._rehome_many
+                agent.rehome_many = self._rehome_many
                 agent.rehome_installs = True
                 agent.moved_snapshot = self._moved_snapshot
                 agent.moved_echo = self._moved_echo
@@ -462,6 +465,32 @@ class AsyncClone:
                         each.moved_echo = self._moved_echo
                 return held == value
         return False
+
+    def _rehome_many(self, agent: ShardAgent, old: dict[bytes, bytes],
+                     new: dict[bytes, bytes]) -> dict[bytes, bytes]:
+        """``_rehome`` for a whole snapshot installed by ``agent``: the keys new to it
+        that other parts hold leave them (found by set intersection, not key by key);
+        returns those whose value is unchanged."""
+        quiet: dict[bytes, bytes] = {}
+        for other in self._agents:
+            if other is agent or not other.map:
+                continue
+            common = other.map.keys() & new.keys()
+            if old:
+                common -= old.keys()
+            if not common:
+                continue
+            held, seqs, props = other.map, other.seqs, other.props
+            for key in common:
+                value = held.pop(key)
+                seqs.pop(key, None)
+                props.pop(key, None)
+                if value == new[key]:
+                    quiet[key] = value
+            if agent.moved_echo is None:
+                for each in self._agents:
+                    each.moved_echo = self._moved_echo
+        return quiet
 
     def _moved_snapshot(self, data: dict[bytes, bytes], seq: int) -> None:
         for agent in self._agents:
