@@ -95,6 +95,31 @@ class ClusterCollector:
             return
         yield from server_families(snap)
         yield from broker_families(snap)
+        yield from reshard_families(snap)
+
+
+def reshard_families(snap: dict):
+    """The routing's epoch, and the change under way (``supervisor reshard``)."""
+    state = snap.get("reshard")
+    if not state:
+        return
+    cluster = snap["cluster"]
+    epoch = GaugeMetricFamily("clonemap_routing_epoch", "The epoch of the cluster's "
+                              "routing (one more at each change)", labels=("cluster",))
+    epoch.add_metric((cluster,), state.get("epoch", 0))
+    running = GaugeMetricFamily("clonemap_reshard_running", "1 while a change of the "
+                                "routing moves keys, by phase", labels=("cluster", "phase"))
+    running.add_metric((cluster, state.get("phase") or "none"),
+                       1 if state.get("running") else 0)
+    copied = GaugeMetricFamily("clonemap_reshard_copied", "What the change under way (or "
+                               "the last) copied so far", labels=("cluster", "unit"))
+    copied.add_metric((cluster, "keys"), state.get("keys", 0))
+    copied.add_metric((cluster, "bytes"), state.get("bytes", 0))
+    changes = CounterMetricFamily("clonemap_reshard_changes", "Changes of the routing "
+                                  "applied or tried since the supervisor started",
+                                  labels=("cluster",))
+    changes.add_metric((cluster,), state.get("changes", 0))
+    yield from (epoch, running, copied, changes)
 
 
 def server_families(snap: dict):

@@ -157,6 +157,7 @@ class Resharding:
         self.phase = ""
         """The phase of the move under way, or the last one reached."""
         self._clients: dict[str, tuple[MdpClient, asyncio.Lock]] = {}
+        self._state: dict = {"phase": "", "keys": 0, "bytes": 0, "changes": 0}
         self.progress: Callable[[bytes], object] | None = None
         """Where a change under way says how far it got (a PARTIAL to its caller)."""
         self._said_at = 0.0
@@ -272,11 +273,16 @@ class Resharding:
 
     async def change(self, config: str, apply: bool) -> dict:
         async with self._lock:
+            if apply:
+                self._state = {"phase": "planning", "keys": 0, "bytes": 0,
+                               "changes": self._state["changes"] + 1, "running": True,
+                               "to": config}
             beat = asyncio.ensure_future(self._keep_saying())
             try:
                 return await self._change(config, apply)
             finally:
                 beat.cancel()
+                self._state["running"] = False
                 await self._close_clients()
 
     async def _keep_saying(self) -> None:
@@ -484,9 +490,16 @@ class Resharding:
                     phases={k: round(v, 3) for k, v in phases.items()}, removed=removed)
         return plan
 
+    def state(self) -> dict:
+        """Where the cluster's routing stands, for status and metrics: its epoch, and the
+        change under way (or the last one): phase, keys and bytes copied so far."""
+        return dict(self._state, epoch=self.routing.epoch)
+
     async def _say(self, **fields) -> None:
         """Progress to the caller (a PARTIAL of ``cluster.reshard``), at most every
-        ``PROGRESS_S`` unless it is a new phase."""
+        ``PROGRESS_S`` unless it is a new phase; kept for ``state``."""
+        self._state.update({k: v for k, v in fields.items() if k in ("keys", "bytes")})
+        self._state["phase"] = self.phase
         now = time.monotonic()
         if self.progress is None or ("phase" not in fields and
                                      now - self._said_at < PROGRESS_S):

@@ -280,6 +280,8 @@ class ControlServices:
                        rows, [self.plan.shards[i].name for i in self.plan.across]),
                    "host": self.plan.host_name, "forbidden": dict(self.forbidden),
                    **(self.health.summary() if self.health is not None else {})}
+        if self.resharding is not None:  # the routing's epoch, and a change under way
+            summary["routing"] = self.resharding.state()
         return [OK, json.dumps(summary, sort_keys=True).encode()]
 
     def on_stop(self, request: Request) -> list[bytes]:

@@ -88,6 +88,12 @@ def status_notes(rows: list[dict], summary: dict) -> list[str]:
     from clonemap.supervisor.health import shards_without_active
 
     lines = []
+    routing = summary.get("routing") or {}
+    if routing.get("running"):
+        lines.append(f"[bold]resharding[/] to {routing.get('to')}: phase "
+                     f"{routing.get('phase') or '-'}, {routing.get('keys', 0):,} keys "
+                     f"({routing.get('bytes', 0):,} bytes) copied; routing epoch "
+                     f"{routing.get('epoch')}")
     without = summary.get("without_active")
     if not isinstance(without, list):
         without = shards_without_active(rows)

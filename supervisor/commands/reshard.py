@@ -14,6 +14,7 @@ answers.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -57,6 +58,28 @@ APPLY_TIMEOUT_S = 15.0
 far it got every half second; silence this long means it is gone)."""
 
 
+class _Bar:
+    """On a terminal: the keys copied against the plan's, and the phase (rich)."""
+
+    def __init__(self, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self._progress = Progress(TextColumn("reshard"), BarColumn(), MofNCompleteColumn(),
+                                  TextColumn("{task.description}"))
+        self._task = self._progress.add_task("planning", total=max(total, 1))
+
+    def update(self, phase: str, keys: int | None) -> None:
+        self._progress.update(self._task, description=phase,
+                              **({"completed": keys} if keys is not None else {}))
+
+    def __enter__(self) -> "_Bar":
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._progress.stop()
+
+
 @click.command("reshard")
 @click.option("--to", "new_config", required=True, type=click.Path(dir_okay=False),
               help="The config whose routing (shard count and pins) the cluster takes.")
@@ -90,12 +113,17 @@ def command(sel: Selection, new_config: str, yes: bool, dry_run: bool) -> None:
                 return 1
             if not click.confirm("apply?", default=False):
                 return 1
+        total = sum(m["keys"] for m in plan.get("moves", []))
+        bar = _Bar(total) if sys.stdout.isatty() else None
         shown = {"phase": ""}
 
         def progress(body: bytes) -> None:
             try:
                 doc = json.loads(body)
             except ValueError:
+                return
+            if bar is not None:  # a terminal: one bar, the phase beside it
+                bar.update(doc.get("phase") or "", doc.get("keys"))
                 return
             if doc.get("phase") != shown["phase"]:
                 shown["phase"] = doc.get("phase")
@@ -105,10 +133,11 @@ def command(sel: Selection, new_config: str, yes: bool, dry_run: bool) -> None:
                 click.echo(f"    copied {doc['keys']} keys, {doc['bytes']} bytes")
 
         try:
-            done = json.loads(call(endpoint, "cluster.reshard",
-                                   json.dumps(dict(change, apply=True)).encode(),
-                                   timeout_s=max(sel.timeout_s, APPLY_TIMEOUT_S), retries=0,
-                                   on_partial=progress))
+            with bar if bar is not None else contextlib.nullcontext():
+                done = json.loads(call(endpoint, "cluster.reshard",
+                                       json.dumps(dict(change, apply=True)).encode(),
+                                       timeout_s=max(sel.timeout_s, APPLY_TIMEOUT_S),
+                                       retries=0, on_partial=progress))
         except ReplyError as exc:
             if exc.status == "409":
                 click.echo(f"error: not applied: {exc.text}", err=True)

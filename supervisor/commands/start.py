@@ -238,7 +238,8 @@ class Supervisor:
         metrics = None
         if the_plan.metrics is not None:
             metrics = MetricsServer(the_plan.metrics, loop,
-                                    self._metrics_snapshot(runner, health, broker))
+                                    self._metrics_snapshot(runner, health, broker,
+                                                           resharding))
         tasks: list[asyncio.Task] = []
         pid_file = self.run_dir / "supervisor.pid"
         try:
@@ -344,10 +345,11 @@ class Supervisor:
             await asyncio.sleep(ACTIVE_POLL_S)
 
     @staticmethod
-    def _metrics_snapshot(runner, health, broker):
+    def _metrics_snapshot(runner, health, broker, resharding=None):
         async def gather() -> dict:
             return {"cluster": runner.plan.cluster, "rows": runner.describe(),
-                    "failovers": dict(health.failovers), "broker": broker.stats()}
+                    "failovers": dict(health.failovers), "broker": broker.stats(),
+                    "reshard": resharding.state() if resharding is not None else None}
         return gather
 
     async def _live(self, runner) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import json
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -281,6 +282,16 @@ def test_supervisor_reshard_moves_a_prefix_with_writers_running(procs, tmp_path,
     assert held["s0"] == {}
     assert {k.decode(): v for k, v in held["s1"].items()} == {
         k: v for k, v in ledger.items() if k.startswith(tenant)}
+    # the routing and the last change in status and in the metrics
+    from clonemap.supervisor.control import status_rows
+    _, summary = status_rows(control, timeout_s=5.0)
+    assert summary["routing"]["epoch"] == 2 and summary["routing"]["keys"] == 300
+    assert summary["routing"]["changes"] == 1 and not summary["routing"]["running"]
+    metrics = urllib.request.urlopen(
+        f"http://{yaml.safe_load(config.read_text())['metrics']}/metrics",
+        timeout=5).read().decode()
+    assert 'clonemap_routing_epoch{cluster="two"} 2.0' in metrics
+    assert 'clonemap_reshard_copied{cluster="two",unit="keys"} 300.0' in metrics
     # every server holds exactly its shard's keys: s0's pair forgot the prefix
     for name, row in rows.items():
         index = int(name[1])
