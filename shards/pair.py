@@ -55,6 +55,7 @@ from clonemap.shards.held_writes import HeldWrites
 from clonemap.shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES
 from clonemap.shards.common.proto import bstar as wire
 from clonemap.shards.common.proto import bstar_ttl
+from clonemap.shards.common.proto import chp
 from clonemap.shards.common.proto.bstar import FOLLOW, HAVE
 from clonemap.shards.replica import Follower
 from clonemap.shards.leased import Leased
@@ -354,6 +355,10 @@ class BinaryStar:
         self.link.resume(self.sync)  # first: it holds lower sequences than anything below
         writes, stale = self.held.take_at_takeover(now, self.follower.last_heard)
         for write in writes:
+            # a key that moved to another shard since it was held (resharding) goes on
+            # there, never applied here: this shard no longer owns it
+            if not server.owns(write[0], chp.kvset(write[0], write[1], write[3], write[2])):
+                continue
             server.apply_write(*write)
         server.flush()  # published now: this is not a collector batch
         applied = len(writes)

@@ -155,7 +155,8 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
             server.stop_import()
             return ""
         if op == "hold":
-            return server.begin_hold(ShardMap.from_description(doc["routing"]))
+            return server.begin_hold(ShardMap.from_description(doc["routing"]),
+                                     peer=bool(doc.get("peer")))
         if op == "export":
             return server.export(ShardMap.from_description(doc["routing"]))
         if op == "seal":

@@ -724,18 +724,22 @@ class ShardServer:
             imp.close()
         self.importing = []
 
-    def begin_hold(self, shard_map) -> str:
+    def begin_hold(self, shard_map, peer: bool = False) -> str:
         """Keep this shard's KVSETs for the keys ``shard_map`` gives to other shards from
         now on (the source's side of a move: ``clonemap.shards.migrate.Hold``); "" once
-        holding."""
+        holding. ``peer``: this is the active's peer, told in case it takes over (a
+        passive is refused otherwise: the move asked the wrong server)."""
         from clonemap.shards.migrate import Hold
 
-        if not self.active:
+        if not self.active and not peer:
             return "not active"
         owns = OwnerCache(shard_map, self.config.shard_index).owns
         if self.hold is None:
+            # (a passive holds too: should it take over before the flip ends, it keeps
+            # the moving keys' writes instead of applying them under the old routing)
             self.hold = Hold(lambda key: not owns(key), self.store.seq)
-            self._announce_hold(self.hold)
+            if self.active:
+                self._announce_hold(self.hold)
         return ""
 
     def _say_routing(self) -> None:
@@ -904,19 +908,19 @@ class ShardServer:
         if forget:
             self.forget_unowned()
         self.exporting = None
-        if forward_to and self.active:
+        if forward_to:  # (a passive forwards too, once it is active: ``owns``)
             from clonemap.shards.migrate import Forwarder
 
             for index, collectors in forward_to.items():
                 if index not in self.forwards and index != self.config.shard_index:
                     self.forwards[index] = Forwarder(self.ctx, collectors, self.security)
         hold, self.hold = self.hold, None
-        if hold is not None and self.forwards:
+        if hold is not None and self.forwards and self.active:
             for frames in hold.frames:  # first what was held, in order
                 if not self.owns(frames[0], frames):
                     continue  # forwarded
                 self.on_collect(frames)  # (a key it still owns: never held, but safe)
-        elif hold is not None:  # not a flip that names where they go: apply them here
+        elif hold is not None and self.active:  # no flip naming where they go: apply here
             self.hold = hold
             self.release_hold()
         return ""

@@ -414,22 +414,27 @@ class Resharding:
                 phases.setdefault("copy_s", time.monotonic() - began - phases["start_s"])
                 await self._reached("copied")
                 hold_began = time.monotonic()
-                got = await asyncio.gather(*(self._step(src[s], "hold",  # 3. hold
+                # 3. hold: the sources' actives, and their peers (should one take over)
+                got = await asyncio.gather(*(self._step(src[s], "hold",
                                                         routing=new.describe())
                                              for s in sources))
                 held = {s: g["move"]["hold"]["seq"] for s, g in zip(sources, got)}
+                await asyncio.gather(*(self._step(n, "hold", routing=new.describe(),
+                                                  peer=True)
+                                       for n in self._peers_of(sources, src)))
                 await self._reached("held")
                 try:
                     await self._copies(dst, lambda imp: imp["source_seq"] >=
                                        held[self._source_of(imp, src)],
                                        self.hold_bound_s, "the copies' catch-up")
                     # the flip may begin: no hold ends by itself now
-                    await asyncio.gather(*(self._step(src[s], "seal") for s in sources))
+                    await asyncio.gather(*(self._step(n, "seal") for n in [
+                        *(src[s] for s in sources), *self._peers_of(sources, src)]))
                     phases["catch_up_s"] = time.monotonic() - hold_began
                     break
                 except TimeoutError:
-                    for s in sources:
-                        await self._step(src[s], "release")
+                    for name in [*(src[s] for s in sources), *self._peers_of(sources, src)]:
+                        await self._step(name, "release")
                     log.warning("reshard: the copies did not catch up within the hold "
                                 "bound (%.3f s), attempt %d; writes released",
                                 self.hold_bound_s, attempt)
@@ -453,8 +458,8 @@ class Resharding:
                                    for t in targets))
         except Exception as exc:  # (a target gone: no answer) the old routing, later epoch
             back = self._back(old, new)
-            for s in sources:
-                await asyncio.gather(self._step(src[s], "release"), return_exceptions=True)
+            for name in [*(src[s] for s in sources), *self._peers_of(sources, src)]:
+                await asyncio.gather(self._step(name, "release"), return_exceptions=True)
             # a target that committed before another refused forgets what it took
             await self._install(back, self._running(), forget=True)
             for index in added:
@@ -475,7 +480,7 @@ class Resharding:
         await asyncio.gather(
             self._install(new, rest),
             self._install(new, [n for s in sources for n in self._of_shard(s)
-                                if n != src[s]], forget=True),
+                                if n != src[s]], forget=True, forward=forward),
             self._install(new, [n for n in self._running() if
                                 self.runner.servers[n].plan.index not in (*sources,
                                                                           *targets)]))
@@ -524,6 +529,11 @@ class Resharding:
             while not go_on.exists():
                 await asyncio.sleep(0.02)
             go_on.unlink()
+
+    def _peers_of(self, sources: list[int], src: dict[int, str]) -> list[str]:
+        """The running pair servers of the sources other than their actives."""
+        return [n for s in sources for n in self._of_shard(s) if n != src[s]
+                and self.runner.servers[n].plan.role in ("primary", "backup")]
 
     def _source_of(self, imp: dict, src: dict[int, str]) -> int:
         for s, name in src.items():

@@ -552,3 +552,69 @@ def test_a_failover_in_the_middle_of_a_move_rolls_it_back_and_loses_nothing(
     assert {k.decode(): v for k, v in held["s1"].items() if k.startswith(
         tenant.encode())} == {k: v for k, v in ledger.items() if k.startswith(tenant)}
     assert not any(k.startswith(tenant.encode()) for k in held["s0"])
+
+
+def test_the_source_fails_over_after_the_targets_committed_and_nothing_is_lost(
+        procs, tmp_path, zctx):
+    """The move waits once the target committed; the source's active is killed then,
+    before it followed the new routing. Its peer was told of the hold and of where the
+    keys go: it takes over holding the moving keys' writes instead of applying them,
+    takes the new routing, forgets the moved keys and forwards what reaches it. A
+    ``wait=True`` writer on the moving prefix and on other keys runs throughout, from a
+    client that follows the change: every acknowledged write is on its owner only."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
+                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
+                       timeout_s=60, env={"CLONEMAP_RESHARD_PAUSE_AT": "committed"})
+    rows = wait_status(control, settled)
+    first = ShardMap(2)
+    tenant = next(f"/tenant{i}/" for i in range(100) if first.owner(f"/tenant{i}/x") == 0)
+    later = _pin(config, tmp_path / "later.yaml", 1, [tenant])
+    ledger: dict[str, bytes] = {f"{tenant}{i}": b"v%d" % i for i in range(100)}
+    ledger.update({f"/k{i}": b"k%d" % i for i in range(50)})
+    moved = ShardMap(2, {1: [tenant]})
+
+    async def scenario():
+        async with AsyncClone(config=str(config)) as clone:
+            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
+            stop = asyncio.Event()
+
+            async def writer(keys):
+                n = 0
+                while not stop.is_set():
+                    key, value = keys[n % len(keys)], b"w%d" % n
+                    try:
+                        await clone.set(key, value, wait=True, timeout_s=10)
+                        ledger[key] = value
+                    except Exception:  # noqa: BLE001 - not acknowledged: not in the ledger
+                        pass
+                    n += 1
+
+            tasks = [asyncio.ensure_future(writer([f"{tenant}{i}" for i in range(10)])),
+                     asyncio.ensure_future(writer([f"/k{i}" for i in range(10)]))]
+            reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
+                                   "--to", str(later), "--yes")
+            await asyncio.to_thread(sup.wait_line, "RESHARD_PAUSED phase=committed", 60)
+            killed = next(n for n in ("s0/primary", "s0/backup")
+                          if rows[n]["bstar"] == "ACTIVE")
+            peer = "s0/backup" if killed == "s0/primary" else "s0/primary"
+            assert (await asyncio.to_thread(cli, "kill", killed, "--control",
+                                            control)).returncode == 0
+            await asyncio.to_thread(wait_status, control,
+                                    lambda r: r[peer]["bstar"] == "ACTIVE")
+            (tmp_path / "run" / "reshard.continue").touch()
+            await asyncio.to_thread(reshard.wait, 60)  # (the killed server: not installed)
+            await _until(lambda: clone.routing_epoch == 2, "the client follows")
+            await asyncio.sleep(0.5)  # (writes after the change)
+            stop.set()
+            await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+    rows = wait_status(control, lambda r: settled(r) and all(
+        ((row.get("stats") or {}).get("routing") or {}).get("epoch") == 2
+        for row in r.values()))
+    held = _held_by_actives(zctx, rows)
+    for name, keys in held.items():
+        assert all(moved.owner(k) == int(name[1]) for k in keys), name
+    merged = {k.decode(): v for keys in held.values() for k, v in keys.items()}
+    assert sum(map(len, held.values())) == len(merged) and merged == ledger
