@@ -118,16 +118,24 @@ def control_stats(server: ShardServer, shard: str) -> dict:
     return stats
 
 
+def _routing_of(body: list[bytes]) -> ShardMap | str:
+    """The routing in a control request's first frame (``ShardMap.describe()`` as JSON),
+    or why it is not one."""
+    try:
+        return ShardMap.from_description(json.loads(body[0]))
+    except (IndexError, ValueError, TypeError, AttributeError, ConfigError) as exc:
+        return f"not a routing: {exc}"
+
+
 def _install(server: ShardServer, body: list[bytes]) -> str:
     """A control request's routing installed (``ShardServer.install_routing``); "" once
     followed, else why not. A third frame ``forget`` (the keys it moves have moved):
     those keys are forgotten, and the writes held for the move, and later ones for keys
     that moved, go on to their shards' collectors named in a fourth frame (JSON
     {shard index: [collector endpoints]}: ``clonemap.shards.migrate.Forwarder``)."""
-    try:
-        shard_map = ShardMap.from_description(json.loads(body[0]))
-    except (IndexError, ValueError, TypeError, AttributeError, ConfigError) as exc:
-        return f"not a routing: {exc}"
+    shard_map = _routing_of(body)
+    if isinstance(shard_map, str):
+        return shard_map
     forget = body[1:2] == [ROUTING_FORGET]
     try:
         forward = {int(i): list(c) for i, c in json.loads(body[2]).items()} if (
@@ -141,10 +149,11 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
     """One step of a move (``clonemap.supervisor.resharding``), JSON {op, ...}: "" done,
     else why not. ``export`` {routing}: the copies asked of this server (``ICANHAZ``
     with ``move=``) hold only what ``routing`` gives their shard; ``import`` {source,
-    prefix, routing}: start copying what ``routing`` moves here from ``source``; ``stop-import``; ``hold`` {routing}: keep the writes of
-    the keys it moves away; ``seal``: the flip may begin (the hold no longer ends by
-    itself); ``release``: apply what was held here; ``commit`` {routing}:
-    the flip on the target (``ShardServer.commit_import``)."""
+    prefix, routing}: start copying what ``routing`` moves here from ``source``;
+    ``stop-import``; ``hold`` {routing, peer}: keep the writes of the keys it moves
+    away; ``seal``: the flip may begin (the hold no longer ends by itself);
+    ``release``: apply what was held here; ``commit`` {routing}: the flip on the
+    target (``ShardServer.commit_import``)."""
     try:
         doc = json.loads(body[0])
         op = doc["op"]
@@ -175,10 +184,9 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
 def _leaving(server: ShardServer, body: list[bytes]) -> dict | str:
     """What a control request's routing would take off this shard: {"shard index":
     [keys, bytes]}, or why it is not a routing."""
-    try:
-        shard_map = ShardMap.from_description(json.loads(body[0]))
-    except (IndexError, ValueError, TypeError, AttributeError, ConfigError) as exc:
-        return f"not a routing: {exc}"
+    shard_map = _routing_of(body)
+    if isinstance(shard_map, str):
+        return shard_map
     return {str(i): list(row) for i, row in server.keys_leaving(shard_map).items()}
 
 
@@ -210,27 +218,23 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
 
         service = f"shard.{shard}.{server.role.name}"
         def answer(request) -> str:
-            """Stats; a body ``peer-down`` first says the peer cannot serve by itself, and
-            ``routing`` JSON installs a newer routing (the stats' ``routing_refused``
-            says why not)."""
-            refused = None
-            if request.body[:1] == [PEER_DOWN] and isinstance(server.role, BinaryStar):
+            """Stats, after what the body asks: ``peer-down`` says the peer cannot serve
+            by itself; ``routing`` JSON installs a newer routing (``routing_refused``
+            says why not), or with ``count`` says what it would take off this shard
+            (``routing_leaving``); ``move`` JSON is one step of a move
+            (``move_refused``)."""
+            said: dict = {}
+            command = request.body[:1]
+            if command == [PEER_DOWN] and isinstance(server.role, BinaryStar):
                 server.role.peer_reported_down("the supervisor says so")
-            elif request.body[:1] == [MOVE_COMMAND]:
-                stats = control_stats(server, shard)
-                stats["move_refused"] = _move(server, request.body[1:])
-                stats["move"] = server.stats()["move"]
-                return json.dumps(stats)
-            elif request.body[:1] == [ROUTING_COMMAND]:
-                if request.body[2:3] == [ROUTING_COUNT]:
-                    leaving = _leaving(server, request.body[1:2])
-                    stats = control_stats(server, shard)
-                    stats["routing_leaving"] = leaving
-                    return json.dumps(stats)
-                refused = _install(server, request.body[1:])
-            stats = control_stats(server, shard)
-            if refused is not None:
-                stats["routing_refused"] = refused
+            elif command == [MOVE_COMMAND]:
+                said["move_refused"] = _move(server, request.body[1:])
+            elif command == [ROUTING_COMMAND] and request.body[2:3] == [ROUTING_COUNT]:
+                said["routing_leaving"] = _leaving(server, request.body[1:2])
+            elif command == [ROUTING_COMMAND]:
+                said["routing_refused"] = _install(server, request.body[1:])
+            stats = control_stats(server, shard)  # (after the step: what it left)
+            stats.update(said)
             return json.dumps(stats)
 
         worker = MdpWorker(control, service, answer, ctx=server.ctx,

@@ -742,15 +742,15 @@ class ShardServer:
                 self._announce_hold(self.hold)
         return ""
 
-    def _say_routing(self) -> None:
-        """A HUGZ now, with the new ``route=``/``epoch=``: clients follow a change at once
-        rather than at the next heartbeat."""
+    def _hugz_now(self) -> None:
+        """A HUGZ now, out of the heartbeat's turn: a new ``route=``/``epoch=`` that
+        clients follow at once, or a hold's clock (``_announce_hold``)."""
         if self._pub is None or self.loop is None:
             return
         try:
             zio.send_frames5(self._pub, *self.heartbeat.hugz())
         except zmq.ZMQError as exc:
-            log.debug("routing: the HUGZ was not sent: %s", exc)
+            log.warning("the HUGZ out of turn was not sent: %s", exc)
 
     def _announce_hold(self, hold) -> None:
         """A clock HUGZ as soon as every update up to the hold is published: it tells
@@ -762,10 +762,7 @@ class ShardServer:
         if self.published_seq() < hold.seq:
             self.loop.call_later(0.002, self._announce_hold, hold)
             return
-        try:
-            zio.send_frames5(self._pub, *self.heartbeat.hugz())
-        except zmq.ZMQError as exc:
-            log.warning("move: the hold's HUGZ was not sent: %s", exc)
+        self._hugz_now()
 
     def seal_hold(self) -> str:
         """The flip may begin: the hold no longer ends by itself. "" once sealed."""
@@ -798,10 +795,11 @@ class ShardServer:
                 f" ({i.source}: {i.error or 'not copied yet'})" for i in unfinished)
         if not self.active:
             return "not active"
+        provisional = self.routing_epoch == shard_map.epoch  # (started on it, unsaved)
         why = self.install_routing(shard_map)
         if why:
             return why
-        if self.persist is not None:  # (a shard the change adds followed it unsaved)
+        if provisional and self.persist is not None:  # a shard the change adds
             from clonemap.shards.persist import routing as routing_file
 
             try:
@@ -844,7 +842,7 @@ class ShardServer:
         deletes (its keys moved away: ``Store.forget``). How many."""
         if self.owner_cache is None:
             return 0
-        owns = OwnerCache(self.shard_map, self.config.shard_index).owns
+        owns = self.owner_cache.owns
         gone = [key for key in self.store.data if not owns(key)]
         count = self.store.forget(gone)
         if count:
@@ -904,16 +902,16 @@ class ShardServer:
         self.set_routing(shard_map)
         log.info("routing: now epoch %d, %d shards (digest %s)", shard_map.epoch,
                  shard_map.shards, shard_map.digest())
-        self._say_routing()
+        self._hugz_now()
         if forget:
             self.forget_unowned()
         self.exporting = None
         if forward_to:  # (a passive forwards too, once it is active: ``owns``)
             from clonemap.shards.migrate import Forwarder
 
-            for index, collectors in forward_to.items():
-                if index not in self.forwards and index != self.config.shard_index:
-                    self.forwards[index] = Forwarder(self.ctx, collectors, self.security)
+            for owner, collectors in forward_to.items():
+                if owner not in self.forwards and owner != index:
+                    self.forwards[owner] = Forwarder(self.ctx, collectors, self.security)
         hold, self.hold = self.hold, None
         if hold is not None and self.forwards and self.active:
             for frames in hold.frames:  # first what was held, in order

@@ -159,7 +159,7 @@ class Resharding:
         self._clients: dict[str, tuple[MdpClient, asyncio.Lock]] = {}
         self._state: dict = {"phase": "", "keys": 0, "bytes": 0, "changes": 0}
         self.progress: Callable[[bytes], object] | None = None
-        """Where a change under way says how far it got (a PARTIAL to its caller)."""
+        """Where the change under way says how far it got (``change``)."""
         self._said_at = 0.0
 
     @property
@@ -271,8 +271,12 @@ class Resharding:
                 "shards": [old.shards, new.shards], "epoch": old.epoch,
                 "next_epoch": old.epoch + 1, "changed": False, "servers_counted": names}
 
-    async def change(self, config: str, apply: bool) -> dict:
+    async def change(self, config: str, apply: bool,
+                     progress: Callable[[bytes], object] | None = None) -> dict:
+        """Plan, or apply, the change to ``config``'s routing (module doc); ``progress``:
+        where it says how far it got (a PARTIAL to its caller). One change at a time."""
         async with self._lock:
+            self.progress = progress
             if apply:
                 self._state = {"phase": "planning", "keys": 0, "bytes": 0,
                                "changes": self._state["changes"] + 1, "running": True,
@@ -283,6 +287,7 @@ class Resharding:
             finally:
                 beat.cancel()
                 self._state["running"] = False
+                self.progress = None
                 await self._close_clients()
 
     async def _keep_saying(self) -> None:
@@ -576,10 +581,7 @@ class Resharding:
             try:
                 await check()
                 return
-            except (Refused, ConnectionError, OSError, ValueError) as exc:
-                if time.monotonic() >= deadline:
-                    raise Refused(b"409", f"no {what} within {within_s:g} s ({exc})") from None
-            except Exception as exc:  # noqa: BLE001 - a server not answering yet
+            except Exception as exc:  # noqa: BLE001 - a server not up or not answering yet
                 if time.monotonic() >= deadline:
                     raise Refused(b"409", f"no {what} within {within_s:g} s ({exc})") from None
             await asyncio.sleep(0.1)

@@ -138,11 +138,7 @@ class ControlServices:
             return [CONFLICT, b"the supervisor is stopping"]
         try:
             config, apply = parse_change(request.body)
-            self.resharding.progress = request.partial
-            try:
-                plan = await self.resharding.change(config, apply)
-            finally:
-                self.resharding.progress = None
+            plan = await self.resharding.change(config, apply, request.partial)
         except Refused as exc:
             reply = [exc.status, exc.text.encode()]
             if exc.plan is not None:
