@@ -423,6 +423,19 @@ class ShardAgent:
             self._dispatch(sm.Serving())
         return False
 
+    def give_up(self, keys) -> dict[bytes, bytes]:
+        """``keys`` moved to another shard's part (resharding): they leave this part's
+        map, sequences and properties, with no event; their values, for those held."""
+        held, seqs, props = self.map, self.seqs, self.props
+        out = {}
+        for key in keys:
+            value = held.pop(key, None)
+            if value is not None:
+                out[key] = value
+                seqs.pop(key, None)
+                props.pop(key, None)
+        return out
+
     def _peek_hugz(self, frames: list[bytes]) -> bool:
         """A HUGZ read before it is applied (not on the hot path): ``_note_hugz``."""
         if len(frames) != 5 or frames[0] != _HUGZ_KEY:

@@ -220,10 +220,21 @@ class AsyncClone:
         self._threads = threads
         for position, spec in enumerate(specs):
             self._agent_of_spec(cluster, spec, position)
-        if len(self._agents) > 1:
-            for agent in self._agents:
-                agent.rehome = self._rehome
-                agent.rehome_many = self._rehome_many
+        self._wire_moves(installs=False)
+
+    def _wire_moves(self, installs: bool) -> None:
+        """A client of several shards tells its agents how to re-home a key that moved
+        between them (``_rehome``); ``installs``: its routing changed, so snapshots are
+        checked too, and writes another part waits for may be confirmed by them."""
+        if len(self._agents) < 2:
+            return
+        for agent in self._agents:
+            agent.rehome = self._rehome
+            agent.rehome_many = self._rehome_many
+            if installs:
+                agent.rehome_installs = True
+                agent.moved_snapshot = self._moved_snapshot
+                agent.moved_echo = self._moved_echo
 
     def _agent_of_spec(self, cluster: Cluster, spec: ShardSpec, position: int) -> ShardAgent:
         """A new agent for shard ``spec``, registered (not started)."""
@@ -401,8 +412,6 @@ class AsyncClone:
                   {spec.index for spec in cluster.shards_for(self._subtree_b)})
         self.cluster = cluster
         self._routes.clear()  # ``get``'s routes of the old map
-        for agent in self._agents:
-            agent.rehome_installs = True
         retired = [i for i in self._by_index if i not in needed]
         for index in retired:
             self._retire(self._by_index.pop(index))
@@ -410,14 +419,7 @@ class AsyncClone:
             agent.route = cluster.shard_map.route_of(index)
         added = [self._agent_of_spec(cluster, cluster.shards[i], len(self._agents))
                  for i in sorted(needed - set(self._by_index))]
-        if len(self._agents) > 1:
-            for agent in self._agents:
-                agent.rehome = self._rehome
-                agent.rehome_many = self._rehome_many
-                agent.rehome_many = self._rehome_many
-                agent.rehome_installs = True
-                agent.moved_snapshot = self._moved_snapshot
-                agent.moved_echo = self._moved_echo
+        self._wire_moves(installs=True)
         if self._started:
             for agent in added:
                 agent.start()
@@ -457,13 +459,10 @@ class AsyncClone:
         waiting writes (held writes the old shard forwarded)."""
         for other in self._agents:
             if other is not agent and key in other.map:
-                held = other.map.pop(key)
-                other.seqs.pop(key, None)
-                other.props.pop(key, None)
+                held = other.give_up((key,))
                 if agent.moved_echo is None:
-                    for each in self._agents:
-                        each.moved_echo = self._moved_echo
-                return held == value
+                    self._echoes_across()
+                return held.get(key) == value
         return False
 
     def _rehome_many(self, agent: ShardAgent, old: dict[bytes, bytes],
@@ -480,17 +479,16 @@ class AsyncClone:
                 common -= old.keys()
             if not common:
                 continue
-            held, seqs, props = other.map, other.seqs, other.props
-            for key in common:
-                value = held.pop(key)
-                seqs.pop(key, None)
-                props.pop(key, None)
-                if value == new[key]:
-                    quiet[key] = value
+            quiet.update((k, v) for k, v in other.give_up(common).items() if v == new[k])
             if agent.moved_echo is None:
-                for each in self._agents:
-                    each.moved_echo = self._moved_echo
+                self._echoes_across()
         return quiet
+
+    def _echoes_across(self) -> None:
+        """Keys moved between parts: a KVPUB's UUID on any part may answer a write
+        another part waits for (``_moved_echo``)."""
+        for each in self._agents:
+            each.moved_echo = self._moved_echo
 
     def _moved_snapshot(self, data: dict[bytes, bytes], seq: int) -> None:
         for agent in self._agents:
