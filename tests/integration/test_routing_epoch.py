@@ -165,9 +165,7 @@ def test_supervisor_reshard_moves_an_empty_prefix_and_clients_follow(procs, tmp_
     assert doc["routing"]["epoch"] == 2 and doc["routing"]["pins"] == [[tenant, 1]]
     assert doc["shards"][1]["prefixes"] == [tenant]
     # every server follows epoch 2, durably; the key is on s1 only
-    rows = wait_status(control, lambda r: all(
-        ((row.get("stats") or {}).get("routing") or {}).get("epoch") == 2
-        for row in r.values()))
+    rows = wait_status(control, at_epoch(2))
     held = {name: fetch_map(zctx, row["port"], tenant.encode())[0]
             for name, row in actives(rows).items()}
     assert held == {"s0": {}, "s1": {key.encode(): b"t"}}
@@ -181,9 +179,7 @@ def test_supervisor_reshard_moves_an_empty_prefix_and_clients_follow(procs, tmp_
     assert moved.returncode == 0, moved.stdout + moved.stderr
     assert "shard 1 -> shard 0: 1 keys" in moved.stdout
     assert fetch_cluster_map(control)["routing"]["epoch"] == 3
-    rows = wait_status(control, lambda r: all(
-        ((row.get("stats") or {}).get("routing") or {}).get("epoch") == 3
-        for row in r.values()))
+    rows = wait_status(control, at_epoch(3))
     held = {name: fetch_map(zctx, row["port"], tenant.encode())[0]
             for name, row in actives(rows).items()}
     assert held == {"s0": {key.encode(): b"t"}, "s1": {}}
@@ -274,9 +270,7 @@ def test_supervisor_reshard_moves_a_prefix_with_writers_running(procs, tmp_path,
             assert last == {k: v for k, v in ledger.items() if k.startswith(tenant)}
 
     asyncio.run(scenario())
-    rows = wait_status(control, lambda r: all(
-        ((row.get("stats") or {}).get("routing") or {}).get("epoch") == 2
-        for row in r.values()))
+    rows = wait_status(control, at_epoch(2))
     held = {name: fetch_map(zctx, row["port"], tenant.encode())[0]
             for name, row in actives(rows).items()}
     assert held["s0"] == {}
@@ -314,6 +308,19 @@ def _grown(config: Path, path: Path) -> Path:
                            "backup": {"port": base + 10, "cores": [1]}})
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+def at_epoch(epoch: int):
+    """A status predicate: every server follows routing ``epoch``."""
+    return lambda rows: all(((row.get("stats") or {}).get("routing") or {}).get("epoch")
+                            == epoch for row in rows.values())
+
+
+def merged_once(held: dict[str, dict[bytes, bytes]]) -> dict[str, bytes]:
+    """Every active's keys in one map; no key may be held by two shards."""
+    merged = {k.decode(): v for keys in held.values() for k, v in keys.items()}
+    assert sum(map(len, held.values())) == len(merged), "a key is on two shards"
+    return merged
 
 
 def _held_by_actives(zctx, rows: dict) -> dict[str, dict[bytes, bytes]]:
@@ -397,14 +404,12 @@ def test_supervisor_reshard_grows_and_shrinks_with_writers_running(procs, tmp_pa
     asyncio.run(scenario())
     rows = wait_status(control, lambda r: set(r) == {"s0/primary", "s0/backup",
                                                      "s1/primary", "s1/backup"}
-                       and all(((row.get("stats") or {}).get("routing") or {}).get("epoch")
-                               == 3 for row in r.values()))
+                       and at_epoch(3)(r))
     held = _held_by_actives(zctx, rows)
     routing = ShardMap(2, epoch=3)
     for name, keys in held.items():
         assert all(routing.owner(k) == int(name[1]) for k in keys), name
-    merged = {k.decode(): v for keys in held.values() for k, v in keys.items()}
-    assert sum(map(len, held.values())) == len(merged)  # no key on two shards
+    merged = merged_once(held)
     assert merged == dict(ledger, **{"/counter": b"%d" % increments})
     # the removed shard's servers exited; its data directories stay
     assert not [p for p in children_of(sup.pid) if "s2" in " ".join(
@@ -457,8 +462,7 @@ def test_a_supervisor_killed_in_the_middle_of_a_growth_loses_nothing(procs, tmp_
     held = _held_by_actives(zctx, rows)
     for name, keys in held.items():
         assert all(shard_map.owner(k) == int(name[1]) for k in keys), name
-    merged = {k.decode(): v for keys in held.values() for k, v in keys.items()}
-    assert sum(map(len, held.values())) == len(merged) and merged == ledger
+    assert merged_once(held) == ledger
 
     async def read_back():
         async with AsyncClone(config=str(now)) as clone:
@@ -469,9 +473,7 @@ def test_a_supervisor_killed_in_the_middle_of_a_growth_loses_nothing(procs, tmp_
         again = cli("reshard", str(config), "--to", str(three), "--yes", timeout_s=120)
         assert again.returncode == 0, again.stdout + again.stderr
         rows = wait_status(control, lambda r: len(r) == 6 and settled(r))
-        merged = {k.decode(): v for keys in _held_by_actives(zctx, rows).values()
-                  for k, v in keys.items()}
-        assert merged == ledger
+        assert merged_once(_held_by_actives(zctx, rows)) == ledger
 
 
 @pytest.mark.parametrize("phase,victim", [("copied", "source"), ("sealed", "target")])
@@ -537,8 +539,7 @@ def test_a_failover_in_the_middle_of_a_move_rolls_it_back_and_loses_nothing(
     held = _held_by_actives(zctx, rows)
     for name, keys in held.items():
         assert all(first.owner(k) == int(name[1]) for k in keys), name
-    merged = {k.decode(): v for keys in held.values() for k, v in keys.items()}
-    assert sum(map(len, held.values())) == len(merged) and merged == ledger
+    assert merged_once(held) == ledger
 
     # run again, with no failover: it completes, and the keys are on s1
     (tmp_path / "run" / "reshard.continue").unlink(missing_ok=True)
@@ -610,11 +611,8 @@ def test_the_source_fails_over_after_the_targets_committed_and_nothing_is_lost(
             await asyncio.gather(*tasks)
 
     asyncio.run(scenario())
-    rows = wait_status(control, lambda r: settled(r) and all(
-        ((row.get("stats") or {}).get("routing") or {}).get("epoch") == 2
-        for row in r.values()))
+    rows = wait_status(control, lambda r: settled(r) and at_epoch(2)(r))
     held = _held_by_actives(zctx, rows)
     for name, keys in held.items():
         assert all(moved.owner(k) == int(name[1]) for k in keys), name
-    merged = {k.decode(): v for keys in held.values() for k, v in keys.items()}
-    assert sum(map(len, held.values())) == len(merged) and merged == ledger
+    assert merged_once(held) == ledger
