@@ -370,20 +370,26 @@ class AsyncClone:
 
     async def _fetch_routing(self, control: "str | Sequence[str]", epoch: int) -> None:
         try:
-            deadline = asyncio.get_running_loop().time() + ROUTING_WAIT_S
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + ROUTING_WAIT_S
             while True:
-                cluster = await discover(control, timeout_s=self.control_timeout_s,
-                                         keys_dir=self.keys_dir,
-                                         identity=self.options.identity)
-                if cluster.shard_map.epoch >= epoch:
-                    break
-                # a change's targets take the new routing just before the supervisor's
-                # map does: ask again
-                if asyncio.get_running_loop().time() > deadline:
+                try:
+                    cluster = await discover(control, timeout_s=self.control_timeout_s,
+                                             keys_dir=self.keys_dir,
+                                             identity=self.options.identity)
+                    if cluster.shard_map.epoch >= epoch:
+                        break
+                    # a change's targets take the new routing just before the
+                    # supervisor's map does: ask again
+                    why = f"is still at epoch {cluster.shard_map.epoch}"
+                except ClonemapError as exc:  # a supervisor busy with the change: again
+                    if isinstance(exc, ConfigError):
+                        raise
+                    why = f"did not answer ({exc})"
+                if loop.time() > deadline:
                     raise ConfigError(f"a server follows routing epoch {epoch}, but the "
-                                      f"cluster map at {control} is still at epoch "
-                                      f"{cluster.shard_map.epoch} after {ROUTING_WAIT_S:g} s",
-                                      field="routing")
+                                      f"cluster map at {control} {why} after "
+                                      f"{ROUTING_WAIT_S:g} s", field="routing")
                 await asyncio.sleep(0.02)
             self._take_routing(cluster)
         except ClonemapError as exc:
@@ -435,6 +441,9 @@ class AsyncClone:
         a write still waiting fails as at a close)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RETIRE_S
+        # its server says a route of the new routing that names it nowhere (a shard the
+        # routing removed): that is no wrong config, so its route is not checked now
+        agent.route = ""
 
         def check() -> None:
             # its keys re-homed, and its waiting writes confirmed (a write it sent before
