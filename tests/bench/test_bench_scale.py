@@ -25,11 +25,14 @@ def check_single_record(data: dict) -> None:
         assert sub["malformed"] == 0 and sub["backwards_total"] == 0
         # every update sequenced in the window was either received or counted as lost
         assert sub["received_window"] + sub["gaps_window"] == sub["sequenced_window"]
-        if run["target"] in ("pubsub", "server"):  # XPUB_NODROP; the server runs slower than the subscriber
-            assert run["loss_window"] == 0
-        # A bare loop's PUB drops at its high-water mark when the subscriber falls behind,
-        # which three busy processes on two cores can make it do flat out (CI once saw
-        # 13,967 of ~240,000 dropped by the project's loop): the record counts it.
+        if run["target"] == "pubsub":  # the writer's XPUB_NODROP blocks rather than drop
+            assert run["loss_window"] == 0, sub
+        # The loops' and the server's publishers drop at their high-water mark for a
+        # subscriber that falls that far behind (12/CHP: a client that misses an update
+        # asks for a snapshot again), which three busy processes on two cores can make
+        # them do flat out: CI once saw 13,967 of ~240,000 dropped by the project's loop,
+        # and 45 by the server. The record counts it (the identity above); a smoke run
+        # cannot promise a subscriber that keeps up.
     s = data["summary"]
     assert s["ratio_server_to_ceiling"] > 0 and s["ratio_server_to_pubsub"] > 0
     _check_ceilings(s["ceilings"])
