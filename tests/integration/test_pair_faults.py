@@ -65,10 +65,11 @@ def check_failover(old: Updates, new: Updates, writer: Writer, new_active_port: 
     assert all(before[-1].seq < h < first_new for h in holes), (
         f"holes in the sequence: {holes[:20]}; old {before[0].seq}..{before[-1].seq}, "
         f"new {first_new}..{after[-1].seq}")
-    # how many: what the I/O thread wrote to the passive's connection and not yet to this
-    # subscriber's when the kill landed; a few, more on a loaded host (7 seen once while
-    # the whole suite ran), never a whole collector batch
-    assert len(holes) <= 32
+    # How many: what libzmq's I/O thread had written to the passive's connection and not
+    # yet to this subscriber's when the kill landed. That lag between two connections has
+    # no bound of its own (7 seen once while the whole suite ran, 102 once on a loaded
+    # host, where this test's reader fell behind); what must hold is that each hole is a
+    # KVSET the new active applied: counted just below, and its value is in the map.
     counts = Counter(m.uuid for m in log)
     sent = [u for u, _, _ in writer.sent]
     missing = [u for u in sent if counts[u] == 0]
