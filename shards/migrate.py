@@ -6,14 +6,19 @@ control services (``clonemap.shards.serve``):
 
 * ``Import``, on the target shard's active, one per source shard: a copy of the keys that
   move here from that source (under a prefix, or from its whole map, filtered by the new
-  routing), built and kept current outside the store, so clients see nothing of it. It reads the source active as
-  a replica does: its TTL table and applied UUIDs (``BSTAR-TTL?``), a snapshot of the
-  prefix (``ICANHAZ?``) and, from before that snapshot, the source's updates under the
-  prefix on its publisher (queued in the SUB until the snapshot ends, then applied in
-  order, those the snapshot holds skipped). ``source_seq`` is the source sequence the copy holds
-  everything up to: the last KVPUB of the prefix, or the sequence of the last clock HUGZ,
-  whichever is later (the publisher's stream is ordered, so a HUGZ at sequence S follows
-  every KVPUB up to S).
+  routing). It reads the source active as a replica does: its TTL table and applied
+  UUIDs (``BSTAR-TTL?``), a snapshot of the prefix (``ICANHAZ?`` with ``move=``: only
+  what moves here) and, from before that snapshot, the source's updates under the prefix
+  on its publisher (queued in the SUB until the snapshot ends, then applied in order,
+  those the snapshot holds skipped). ``source_seq`` is the source sequence the copy holds
+  everything up to: the last KVPUB of the prefix, or the sequence of the last clock
+  HUGZ, whichever is later (the publisher's stream is ordered, so a HUGZ at sequence S
+  follows every KVPUB up to S). Where the copy goes depends on the target. A shard the
+  change adds serves no client before the flip, so each key copied is *staged* as it
+  arrives (``ShardServer.stage``): applied to its store with its own sequence, logged,
+  replicated to its passive and published. Its passive then has the copy, on disk too,
+  before the hold begins. A shard that already serves keeps the copy here (``items``),
+  outside its store, so that its clients see nothing of it until the flip.
 * ``Hold``, on the source shard's active: from ``hold`` on, its KVSETs for keys the new
   routing gives to other shards are kept, in arrival order, instead of applied (bounded
   in bytes). The hold
@@ -24,13 +29,17 @@ control services (``clonemap.shards.serve``):
   by the old epoch send here: a write is never dropped for having been sent before its
   client learned of the move.
 
-The flip (``ShardServer.commit_import``): the target follows the new routing, then
-applies the copy as ordinary updates with its own sequences (published, logged,
-replicated to its passive), and takes the source's applied UUIDs, so a write its client
-sends again after the move is still applied once. Clients re-home each key when its first
-KVPUB from the target arrives (``clonemap.client``: no event when the value is the one
-they hold). The source then follows the new routing too, forwards what it held, and
-forgets the prefix's keys without publishing deletes (``Store.forget``).
+The flip (``ShardServer.commit_import``): the target follows the new routing and applies
+the copy it kept aside, if any, as ordinary updates with its own sequences (published,
+logged, replicated to its passive). A staged copy needs no per-key work there: the flip
+of an added shard is a routing file and an fsync. The target then takes the source's
+applied UUIDs, so a write its client sends again after the move is still applied once.
+Clients re-home each key when its first KVPUB from the target arrives, or from the
+target's snapshot (``clonemap.client``: no event when the value is the one they hold).
+The source then follows the new routing too, forwards what it held, and only then
+forgets the keys that moved, without publishing deletes (``Store.forget``). A move
+rolled back before the flip stops the shards it added and removes their data
+directories, staged copy and all.
 """
 from __future__ import annotations
 
@@ -75,17 +84,23 @@ class Import:
     context and security). ``start()`` inside the server's loop."""
 
     def __init__(self, connect, loop, source: str, prefix: bytes, limits, owns=None,
-                 index: int | None = None):
+                 index: int | None = None, stage=None, flush=None):
         """``prefix``: the subtree asked of the source (b"" for the whole map);
         ``owns(key)``: whether the new routing gives a key to this shard (only those
         are copied; None: every key under ``prefix``); ``index``: this shard's, named
-        in the snapshot request (``move=``: the source sends only what moves here)."""
+        in the snapshot request (``move=``: the source sends only what moves here).
+        ``stage(key, value, expiry_s)``: where each copied key goes as it arrives (an
+        empty value deletes it), with ``flush()`` after each batch read; None: the copy
+        is kept here (``items``) until the flip."""
         self.source = source
         self.prefix = prefix
         self.owns = owns if owns is not None else (lambda key: True)
         self.index = index
+        self._stage = stage
         self.items: dict[bytes, tuple[bytes, float | None]] = {}
-        """key -> (value, absolute expiry or None): the copy."""
+        """key -> (value, absolute expiry or None): the copy kept here (no ``stage``)."""
+        self.sizes: dict[bytes, int] = {}
+        """key -> bytes of key and value, of every key the copy holds (kept or staged)."""
         self.bytes = 0
         """Of its keys and values."""
         self.uuids: list = []
@@ -104,6 +119,12 @@ class Import:
         self._expiries: dict[bytes, float] = {}
         self._queued: list[list[bytes]] = []
         self._timer = None
+        self._after_batch = flush if stage is not None else None
+
+    @property
+    def staged(self) -> int:
+        """Keys staged (applied on the target as they came), not kept here."""
+        return len(self.sizes) if self._stage is not None else 0
 
     @property
     def copied(self) -> bool:
@@ -117,10 +138,10 @@ class Import:
                             ((zmq.RCVHWM, 0), (zmq.SUBSCRIBE, self.prefix),
                              (zmq.SUBSCRIBE, chp.HUGZ)))
         self._sub = zio.AsyncSocket(sub, self._on_update, batch=1024, loop=self._loop,
-                                    name="import updates")
+                                    name="import updates", after_batch=self._after_batch)
         dealer = self._connect(zmq.DEALER, self.source, ())
         self._dealer = zio.AsyncSocket(dealer, self._on_reply, batch=1024, loop=self._loop,
-                                       name="import snapshot")
+                                       name="import snapshot", after_batch=self._after_batch)
         self._timer = self._loop.call_later(COPY_TIMEOUT_S, self._too_slow)
 
     def _too_slow(self) -> None:
@@ -169,7 +190,7 @@ class Import:
                 self._update(one)
             self._expiries = {}
             log.info("import of %r from %s: %d keys copied at source sequence %d",
-                     self.prefix, self.source, len(self.items), self.snapshot_seq)
+                     self.prefix, self.source, len(self.sizes), self.snapshot_seq)
             return
         if self.owns(msg.key):
             self._put(msg.key, msg.value, self._expiries.get(msg.key))
@@ -193,19 +214,27 @@ class Import:
         if msg.value:
             self._put(msg.key, msg.value, expiry_of(msg.props))
         else:
-            old = self.items.pop(msg.key, None)
-            if old is not None:
-                self.bytes -= len(msg.key) + len(old[0])
+            old = self.sizes.pop(msg.key, None)
+            if old is not None:  # (a key the copy never held is none of its business)
+                self.bytes -= old
+                if self._stage is None:
+                    del self.items[msg.key]
+                else:
+                    self._stage(msg.key, b"", None)
         self.updates += 1
 
     def _put(self, key: bytes, value: bytes, expiry_s: float | None) -> None:
-        old = self.items.get(key)
-        self.bytes += len(value) - (len(old[0]) if old is not None else -len(key))
-        self.items[key] = (value, expiry_s)
+        size = len(key) + len(value)
+        self.bytes += size - self.sizes.get(key, 0)
+        self.sizes[key] = size
+        if self._stage is None:
+            self.items[key] = (value, expiry_s)
+        else:
+            self._stage(key, value, expiry_s)
 
     def stats(self) -> dict:
         return {"prefix": self.prefix.decode("utf-8", "replace"), "source": self.source,
-                "copied": self.copied, "keys": len(self.items), "bytes": self.bytes,
+                "copied": self.copied, "keys": len(self.sizes), "bytes": self.bytes,
                 "source_seq": self.source_seq, "snapshot_seq": self.snapshot_seq,
                 "updates": self.updates, "error": self.error,
                 "age_s": round(time.monotonic() - self.started_at, 3)}

@@ -695,8 +695,14 @@ class ShardServer:
         for imp in [i for i in self.importing if i.source == source]:
             imp.close()
             self.importing.remove(imp)
+        # A shard this change adds (started on the new routing, which it has not saved)
+        # serves no client before the flip: each key copied is applied to its store as it
+        # arrives (``stage``), so the flip has no per-key work. A shard that serves
+        # keeps the copy aside until the flip (``commit_import``).
+        added = self.shard_map is not None and self.shard_map.epoch == shard_map.epoch
         imp = Import(self.sockets.connect, self.loop, source, prefix, self._limits, owns,
-                     self.config.shard_index)
+                     self.config.shard_index, stage=self.stage if added else None,
+                     flush=self.flush)
         self.importing.append(imp)
         imp.start()
         return ""
@@ -723,6 +729,18 @@ class ShardServer:
         for imp in self.importing:
             imp.close()
         self.importing = []
+
+    def stage(self, key: bytes, value: bytes, expiry_s: float | None) -> None:
+        """One key of a move's copy, applied on a shard the change adds, before the flip
+        (``start_import``): with this shard's sequence, logged, replicated to its
+        passive and published (no client follows this shard yet). An empty value
+        deletes it. The copy calls ``flush`` after each batch."""
+        props = b"" if expiry_s is None else b"expires=%.3f\n" % expiry_s
+        size = len(key) + len(props) + len(value)
+        if size > self._fast_limit:  # (before the batch goes out: ``flush``)
+            self._lower_mark(self.marks.published(size))
+        self._log_and_publish(self.store.apply(key, value, expiry_s), key, b"", props,
+                              value, expiry_s)
 
     def begin_hold(self, shard_map, peer: bool = False) -> str:
         """Keep this shard's KVSETs for the keys ``shard_map`` gives to other shards from
@@ -785,9 +803,10 @@ class ShardServer:
 
     def commit_import(self, shard_map) -> str:
         """The flip on the target: follow ``shard_map`` (which gives this shard the keys
-        it copied), then apply the copies as updates with this shard's sequences
-        (published, logged, replicated) and take the sources' applied UUIDs. "" once
-        done, else why not (nothing changed)."""
+        it copied), then apply the copies kept aside as updates with this shard's
+        sequences (published, logged, replicated; a shard the change adds applied its
+        copies as they came: ``stage``), and take the sources' applied UUIDs; durable
+        (fsync) before it answers. "" once done, else why not (nothing changed)."""
         imports = self.importing
         unfinished = [i for i in imports if not i.copied or i.error]
         if not imports or unfinished:
@@ -813,6 +832,7 @@ class ShardServer:
         count = largest = 0
         store_apply, publish = self.store.apply, self._log_and_publish
         for imp in imports:
+            count += imp.staged
             for key, (value, expiry_s) in imp.items.items():
                 if (expiry_s is not None and expiry_s <= now) or not owns(key):
                     continue  # expired in the source's hands meanwhile, or pinned elsewhere
@@ -903,8 +923,6 @@ class ShardServer:
         log.info("routing: now epoch %d, %d shards (digest %s)", shard_map.epoch,
                  shard_map.shards, shard_map.digest())
         self._hugz_now()
-        if forget:
-            self.forget_unowned()
         self.exporting = None
         if forward_to:  # (a passive forwards too, once it is active: ``owns``)
             from clonemap.shards.migrate import Forwarder
@@ -921,6 +939,8 @@ class ShardServer:
         elif hold is not None and self.active:  # no flip naming where they go: apply here
             self.hold = hold
             self.release_hold()
+        if forget:  # after the held writes went on: they wait for nothing here
+            self.forget_unowned()
         return ""
 
     def keys_leaving(self, shard_map) -> dict[int, tuple[int, int]]:

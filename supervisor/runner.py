@@ -189,8 +189,13 @@ class Runner:
                         ) -> list[str]:
         """Start the pair of ``shard`` (a shard that ``plan``, the cluster's next plan,
         adds; its routing is ``plan``'s): resharding grows the cluster. Returns the names
-        of its servers not RUNNING by ``timeout_s``."""
+        of its servers not RUNNING by ``timeout_s``. An added shard starts empty: it holds
+        only what the change copies to it (applied as it comes), so a data directory left
+        at its place (a shard removed earlier, or a change that stopped before its flip)
+        is moved aside first, to ``<name>.before-epoch-<E>``, never deleted."""
         procs = self._pair_of(shard, plan, provisional=True)
+        for proc in procs.values():
+            self._move_aside(proc.plan, plan.routing.epoch)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.servers.update(procs)
         for proc in procs.values():
@@ -198,6 +203,19 @@ class Runner:
         await self.wait_for(lambda: all(p.state in (RUNNING, FAILED)
                                         for p in procs.values()), timeout_s)
         return [p.name for p in procs.values() if p.state != RUNNING]
+
+    def _move_aside(self, server: ServerPlan, epoch: int) -> None:
+        data = self.data_dir(server)
+        if data is None or not data.is_dir() or not any(data.iterdir()):
+            return
+        aside = data.with_name(f"{data.name}.before-epoch-{epoch}")
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = data.with_name(f"{data.name}.before-epoch-{epoch}.{n}")
+        data.rename(aside)
+        log.warning("%s: the data directory left from before was moved aside to %s: an "
+                    "added shard starts empty", server.name, aside)
 
     async def remove_shard(self, index: int) -> list[str]:
         """Stop every process of shard ``index`` (resharding shrinks the cluster, or a

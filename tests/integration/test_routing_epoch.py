@@ -470,10 +470,23 @@ def test_a_supervisor_killed_in_the_middle_of_a_growth_loses_nothing(procs, tmp_
 
     asyncio.run(read_back())
     if not committed:  # the move can be run again, to the end
+        # The stopped move's new shard had its copy applied already (staged); a key
+        # deleted since must not come back from there when the move runs again.
+        gone = [k for k in ledger if ShardMap(3).owner(k.encode()) == 2][:5]
+
+        async def delete():
+            async with AsyncClone(config=str(config)) as clone:
+                await asyncio.gather(*(clone.delete(k, wait=True) for k in gone))
+
+        asyncio.run(delete())
+        for k in gone:
+            del ledger[k]
         again = cli("reshard", str(config), "--to", str(three), "--yes", timeout_s=120)
         assert again.returncode == 0, again.stdout + again.stderr
         rows = wait_status(control, lambda r: len(r) == 6 and settled(r))
         assert merged_once(_held_by_actives(zctx, rows)) == ledger
+        # what the stopped move's new shard held was moved aside, not served or deleted
+        assert (tmp_path / "run" / "data" / "s2-primary.before-epoch-2").is_dir()
 
 
 @pytest.mark.parametrize("phase,victim", [("copied", "source"), ("sealed", "target")])
