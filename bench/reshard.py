@@ -208,7 +208,32 @@ def _summary(result: dict, args, total_s: float, moved_keys: int, move_s: float)
         "during_moving": _spread([w[1] for w in during if w[2] and w[1] >= 0]),
         "during_staying": _spread([w[1] for w in during if not w[2] and w[1] >= 0]),
         "failed_writes": sum(1 for w in writes if w[1] < 0), "errors": result["errors"],
-        "error_examples": result.get("error_examples", {})}
+        "error_examples": result.get("error_examples", {}),
+        "timeline": _timeline(writes, t_start, result),
+    }
+
+
+TIMELINE_S = 0.5
+"""The width of one row of a run's ``timeline``."""
+
+
+def _timeline(writes: list, t_start: float, result: dict) -> dict:
+    """When the slow writes were sent: by ``TIMELINE_S`` from the change's start, the
+    writes sent then (moving and staying keys together), their median and longest wait
+    (ms), and the writer's marks (``start``, ``moved``: the command returned) in seconds
+    from the change's start. Where a wait comes from shows in which rows are slow."""
+    rows: dict[int, list[float]] = {}
+    for start, wait, _ in writes:
+        if wait >= 0 and start >= t_start - 2 * TIMELINE_S:
+            rows.setdefault(int((start - t_start) // TIMELINE_S), []).append(wait)
+    out = []
+    for i in sorted(rows):
+        waits = sorted(rows[i])
+        out.append([round(i * TIMELINE_S, 2), len(waits),
+                    round(waits[len(waits) // 2] * 1000, 1), round(waits[-1] * 1000, 1)])
+    marks = {name: round(m["t"] - result["t0"] - t_start, 3)
+             for name, m in result["marks"].items()}
+    return {"row_s": TIMELINE_S, "rows": out, "marks": marks}
 
 
 def _writes_around(writer, progress, args, label: str, change) -> tuple[dict, float]:

@@ -10,7 +10,7 @@ Prints ``READY`` once the client holds the map. Reads commands on standard input
 ``MARK name`` records the time (and the client's counters by shard) under ``name``; ``STOP`` ends
 the writes and prints one JSON line: ``{"t0", "writes": [[start, latency or -1,
 moving]], "marks": {name: {"t", "shards": {shard: {"applied", "snapshots", "keys",
-"bytes"}}}}, "errors"}``. A write's
+"bytes" (the end mark only)}}}}, "errors"}``. A write's
 key ``moves`` when NEW_CONFIG's routing gives it to another shard than CONFIG's.
 """
 from __future__ import annotations
@@ -27,13 +27,15 @@ def key_of(i: int, segments: int) -> str:
     return f"/s{i % segments}/k{i}"
 
 
-def counters(clone) -> dict:
-    """What the client received so far, by shard: updates applied, and the keys and
-    bytes (key + value) its part holds."""
+def counters(clone, with_bytes: bool = False) -> dict:
+    """What the client received so far, by shard: updates applied, and the keys its part
+    holds; ``with_bytes``: and their bytes (key + value), one pass over the map (~0.4 s
+    at 1M keys on the client's loop: only once the writes are over)."""
     return {"t": time.monotonic(), "shards": {
         agent.name: {"applied": agent.applied, "snapshots": agent.snapshots,
                      "keys": len(agent.map),
-                     "bytes": sum(len(k) + len(v) for k, v in agent.map.items())}
+                     **({"bytes": sum(len(k) + len(v) for k, v in agent.map.items())}
+                        if with_bytes else {})}
         for agent in clone.agents}}
 
 
@@ -145,7 +147,7 @@ async def run(args, target, moves) -> int:
 
         await asyncio.gather(paced(), commands())
         await asyncio.gather(*tasks, return_exceptions=True)
-        marks["end"] = counters(clone)
+        marks["end"] = counters(clone, with_bytes=True)
     print(json.dumps({"t0": t0, "writes": writes, "marks": marks, "errors": errors,
                       "error_examples": examples}), flush=True)
     return 0
