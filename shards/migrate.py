@@ -263,6 +263,8 @@ class Hold:
         self.max_bytes = max_bytes
         self.failed = ""
         self.started_at = time.monotonic()
+        self.opened: list[int] = []
+        """The shards whose ``Forwarder`` the hold opened (closed if it is released)."""
         self.sealed = False
         """The flip may be under way (``seal``): the hold ends only with the new routing
         or an explicit release, never by itself (``expired``)."""

@@ -150,8 +150,9 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
     else why not. ``export`` {routing}: the copies asked of this server (``ICANHAZ``
     with ``move=``) hold only what ``routing`` gives their shard; ``import`` {source,
     prefix, routing}: start copying what ``routing`` moves here from ``source``;
-    ``stop-import``; ``hold`` {routing, peer}: keep the writes of the keys it moves
-    away; ``seal``: the flip may begin (the hold no longer ends by itself);
+    ``stop-import``; ``hold`` {routing, peer, forward}: keep the writes of the keys it
+    moves away (and connect to the collectors in ``forward`` now, so that the flip sends
+    them on at once); ``seal``: the flip may begin (the hold no longer ends by itself);
     ``release``: apply what was held here; ``commit`` {routing}: the flip on the
     target (``ShardServer.commit_import``)."""
     try:
@@ -164,8 +165,9 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
             server.stop_import()
             return ""
         if op == "hold":
+            forward = {int(i): list(c) for i, c in doc.get("forward", {}).items()}
             return server.begin_hold(ShardMap.from_description(doc["routing"]),
-                                     peer=bool(doc.get("peer")))
+                                     peer=bool(doc.get("peer")), forward_to=forward)
         if op == "export":
             return server.export(ShardMap.from_description(doc["routing"]))
         if op == "seal":

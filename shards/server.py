@@ -73,6 +73,9 @@ from clonemap.shards.gate import Gate
 
 log = logging.getLogger("clonemap.shards.server")
 
+FORGET_CHUNK = 5_000
+"""Keys a source examines and forgets per loop turn after a flip (``forget_moved``)."""
+
 
 _send = _BackendSocket.send
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -173,6 +176,9 @@ class ShardServer:
         """The KVSETs of keys moving away, kept until the flip (``clonemap.shards.migrate``)."""
         self.exporting = None
         """The routing a move copies keys from here by (``export``)."""
+        self.forgetting = None
+        """``owns(key)`` while the keys that moved away are being forgotten
+        (``forget_moved``): snapshots hold only what it accepts. None otherwise."""
         self._exported: dict = {}
         self.forwards: dict = {}
         """Shard index -> the ``Forwarder`` to its collectors, for the keys that moved
@@ -742,11 +748,14 @@ class ShardServer:
         self._log_and_publish(self.store.apply(key, value, expiry_s), key, b"", props,
                               value, expiry_s)
 
-    def begin_hold(self, shard_map, peer: bool = False) -> str:
+    def begin_hold(self, shard_map, peer: bool = False,
+                   forward_to: dict[int, list[str]] | None = None) -> str:
         """Keep this shard's KVSETs for the keys ``shard_map`` gives to other shards from
         now on (the source's side of a move: ``clonemap.shards.migrate.Hold``); "" once
         holding. ``peer``: this is the active's peer, told in case it takes over (a
-        passive is refused otherwise: the move asked the wrong server)."""
+        passive is refused otherwise: the move asked the wrong server). ``forward_to``:
+        the collectors of the shards the keys go to, connected now (``open_forwards``),
+        so that the flip forwards what was held without waiting for them."""
         from clonemap.shards.migrate import Hold
 
         if not self.active and not peer:
@@ -756,9 +765,23 @@ class ShardServer:
             # (a passive holds too: should it take over before the flip ends, it keeps
             # the moving keys' writes instead of applying them under the old routing)
             self.hold = Hold(lambda key: not owns(key), self.store.seq)
+            self.hold.opened = self.open_forwards(forward_to or {})
             if self.active:
                 self._announce_hold(self.hold)
         return ""
+
+    def open_forwards(self, forward_to: dict[int, list[str]]) -> list[int]:
+        """A ``Forwarder`` to the collectors of each shard in ``forward_to`` that has
+        none yet; the shard indexes it opened. Nothing goes through one before this
+        shard's routing places a key there."""
+        from clonemap.shards.migrate import Forwarder
+
+        opened = []
+        for owner, collectors in forward_to.items():
+            if owner not in self.forwards and owner != self.config.shard_index:
+                self.forwards[owner] = Forwarder(self.ctx, collectors, self.security)
+                opened.append(owner)
+        return opened
 
     def _hugz_now(self) -> None:
         """A HUGZ now, out of the heartbeat's turn: a new ``route=``/``epoch=`` that
@@ -796,6 +819,10 @@ class ShardServer:
         hold, self.hold = self.hold, None
         if hold is None:
             return 0
+        for owner in hold.opened:  # (the routing did not change: nothing went through)
+            forwarder = self.forwards.pop(owner, None)
+            if forwarder is not None:
+                forwarder.close()
         for frames in hold.frames:
             self.on_collect(frames)
         self.flush()
@@ -859,7 +886,7 @@ class ShardServer:
 
     def forget_unowned(self) -> int:
         """Forget every key this shard's routing places elsewhere, without publishing
-        deletes (its keys moved away: ``Store.forget``). How many."""
+        deletes (its keys moved away: ``Store.forget``), at once. How many."""
         if self.owner_cache is None:
             return 0
         owns = self.owner_cache.owns
@@ -868,6 +895,33 @@ class ShardServer:
         if count:
             log.info("routing: forgot %d keys now owned by other shards", count)
         return count
+
+    def forget_moved(self) -> None:
+        """``forget_unowned`` after a flip, on the loop a chunk at a time
+        (``FORGET_CHUNK`` keys a turn: at 500,000 keys, at once, it held the source's
+        writes for 1.7 s). The keys with a TTL go at once, first: none of them may expire
+        here. Until the last chunk, snapshots and resumes leave out what this shard no
+        longer owns (``forgetting``)."""
+        if self.owner_cache is None or self.loop is None:
+            self.forget_unowned()
+            return
+        owns = self.owner_cache.owns
+        count = self.store.forget([k for k in list(self.store.expiry_table) if not owns(k)])
+        self.forgetting = owns
+        self._forget_chunk(list(self.store.data), 0, count)
+
+    def _forget_chunk(self, keys: list[bytes], at: int, count: int) -> None:
+        if self.owner_cache is None or self.store is None:
+            self.forgetting = None
+            return
+        owns = self.owner_cache.owns  # (the routing now: it may have changed again)
+        count += self.store.forget([k for k in keys[at:at + FORGET_CHUNK] if not owns(k)])
+        if at + FORGET_CHUNK < len(keys):
+            self.loop.call_soon(self._forget_chunk, keys, at + FORGET_CHUNK, count)
+            return
+        self.forgetting = None
+        if count:
+            log.info("routing: forgot %d keys now owned by other shards", count)
 
     def forward_moved(self, key: bytes, frames: list[bytes]) -> bool:
         """A KVSET for a key that moved away from this shard goes on to the shard that
@@ -925,11 +979,7 @@ class ShardServer:
         self._hugz_now()
         self.exporting = None
         if forward_to:  # (a passive forwards too, once it is active: ``owns``)
-            from clonemap.shards.migrate import Forwarder
-
-            for owner, collectors in forward_to.items():
-                if owner not in self.forwards and owner != index:
-                    self.forwards[owner] = Forwarder(self.ctx, collectors, self.security)
+            self.open_forwards(forward_to)
         hold, self.hold = self.hold, None
         if hold is not None and self.forwards and self.active:
             for frames in hold.frames:  # first what was held, in order
@@ -940,21 +990,33 @@ class ShardServer:
             self.hold = hold
             self.release_hold()
         if forget:  # after the held writes went on: they wait for nothing here
-            self.forget_unowned()
+            self.forget_moved()
         return ""
 
     def keys_leaving(self, shard_map) -> dict[int, tuple[int, int]]:
         """Of the keys this server holds, those ``shard_map`` places on other shards:
         shard index -> (keys, bytes of key and value). One pass over the store, with the
-        owner of each routing slot computed once."""
+        owner of each routing slot computed once (where a slot's keys all go to one
+        shard: no pin under it)."""
         cache = OwnerCache(shard_map, self.config.shard_index)
-        owns, owner = cache.owns, shard_map.owner
+        owns, owner, slot_of, slots = cache.owns, shard_map.owner, cache.slot, cache.slots
+        owners: dict[bytes, int] = {}
         out: dict[int, list[int]] = {}
         for key, value in self.store.data.items():
-            if not owns(key):
-                row = out.setdefault(owner(key), [0, 0])
-                row[0] += 1
-                row[1] += len(key) + len(value)
+            if owns(key):
+                continue
+            slot = slot_of(key)
+            if slots.get(slot) is False and len(slot) < len(key):  # the whole slot goes
+                to = owners.get(slot)
+                if to is None:
+                    to = owners[slot] = owner(key)
+            else:
+                to = owner(key)
+            row = out.get(to)
+            if row is None:
+                row = out[to] = [0, 0]
+            row[0] += 1
+            row[1] += len(key) + len(value)
         return {i: (k, b) for i, (k, b) in out.items()}
 
     @property

@@ -272,6 +272,10 @@ class SnapshotService:
             if moving is not None:
                 readable = moving if readable is None else (
                     lambda key, a=readable, b=moving: a(key) and b(key))
+        elif server.forgetting is not None:  # the keys that moved away, still here
+            owned = server.forgetting
+            readable = owned if readable is None else (
+                lambda key, a=readable, b=owned: a(key) and b(key))
         # a request with our extension frame (meta=1) learns the map's term; a plain
         # ICANHAZ gets the empty properties 12/CHP has
         props = chp.kthxbai_props(term=server.role.term()) if request.meta else b""

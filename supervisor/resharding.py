@@ -381,6 +381,11 @@ class Resharding:
         removed = list(range(new.shards, old.shards))
         began = time.monotonic()
         phases: dict[str, float] = {}
+        # where the sources send the writes for moved keys on (the targets' collectors),
+        # connected from the hold on
+        forward = {t: [s.endpoint("collector") for s in (new_plan.shards[t].primary,
+                                                         new_plan.shards[t].backup)]
+                   for t in targets}
         try:
             for index in added:  # 1. start, on the new routing
                 not_up = await self.runner.add_shard(new_plan.shards[index], new_plan,
@@ -421,11 +426,12 @@ class Resharding:
                 hold_began = time.monotonic()
                 # 3. hold: the sources' actives, and their peers (should one take over)
                 got = await asyncio.gather(*(self._step(src[s], "hold",
-                                                        routing=new.describe())
+                                                        routing=new.describe(),
+                                                        forward=forward)
                                              for s in sources))
                 held = {s: g["move"]["hold"]["seq"] for s, g in zip(sources, got)}
                 await asyncio.gather(*(self._step(n, "hold", routing=new.describe(),
-                                                  peer=True)
+                                                  peer=True, forward=forward)
                                        for n in self._peers_of(sources, src)))
                 await self._reached("held")
                 try:
@@ -474,9 +480,6 @@ class Resharding:
         await self._reached("committed")
         self._commit(new_plan)  # after the copies are durable on the targets
         await self._reached("flipped")
-        forward = {t: [s.endpoint("collector") for s in (new_plan.shards[t].primary,
-                                                         new_plan.shards[t].backup)]
-                   for t in targets}
         phases["commit_s"] = time.monotonic() - sealed_at
         # the sources' actives first: that ends the hold (what they held goes on)
         await self._install(new, [src[s] for s in sources], forget=True, forward=forward)
