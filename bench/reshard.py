@@ -331,6 +331,8 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
     finally:
         if writer is not None:
             writer.stop()
+        if args.keep:  # (the servers' logs are in the run directory already)
+            (tmp / "supervisor.log").write_text(sup.stderr_tail(1 << 30))
         sup.stop(grace_s=15)
     out = outs[0]
     moved = re.search(r"moved (\d+) keys in ([\d.]+) s \(copy ([\d.]+) s, writes held "
