@@ -210,7 +210,20 @@ def _summary(result: dict, args, total_s: float, moved_keys: int, move_s: float)
         "failed_writes": sum(1 for w in writes if w[1] < 0), "errors": result["errors"],
         "error_examples": result.get("error_examples", {}),
         "timeline": _timeline(writes, t_start, result),
+        "writer_cpu_pct": _writer_cpu(result["marks"]),
     }
+
+
+def _writer_cpu(marks: dict) -> dict:
+    """The writer process's CPU (its client included) in % of one core, before the
+    change and during it: a writer near 100% cannot catch up after a stall, and what
+    its writes wait then is its own queue."""
+    def pct(a: str, b: str) -> float | None:
+        if a not in marks or b not in marks or "cpu_s" not in marks[a]:
+            return None
+        wall = marks[b]["t"] - marks[a]["t"]
+        return round(100 * (marks[b]["cpu_s"] - marks[a]["cpu_s"]) / wall, 1) if wall else None
+    return {"before": pct("t0", "start"), "during": pct("start", "moved")}
 
 
 TIMELINE_S = 0.5
@@ -383,6 +396,9 @@ def report(record: rec.Record) -> None:
             ["during, moving keys", *pick("during_moving", _fmt)],
             ["during, staying keys", *pick("during_staying", _fmt)],
             ["failed writes", *pick("failed_writes")],
+            ["writer's CPU before / during (% of a core)",
+             *[f"{runs[n]['writer_cpu_pct']['before']} / {runs[n]['writer_cpu_pct']['during']}"
+               if runs[n].get("writer_cpu_pct") else "-" for n in names]],
             ["follower bytes (est.) / moved bytes", *pick("follower_bytes_ratio")]]
     rec.table(record, "reshard: one more shard while written", ["figure", *names], rows,
               "clonemap: 2 -> 3 shards, each a Binary Star pair; Valkey: 3 -> 4 primaries "

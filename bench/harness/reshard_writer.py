@@ -7,7 +7,8 @@ its client follows the whole map.
     python -m bench.harness.reshard_writer --valkey PORT --moving-slots LO-HI,... ...
 
 Prints ``READY`` once the client holds the map. Reads commands on standard input:
-``MARK name`` records the time (and the client's counters by shard) under ``name``; ``STOP`` ends
+``MARK name`` records the time, this process's CPU time (``cpu_s``) and the client's
+counters by shard under ``name`` (``t0``: when the writes began); ``STOP`` ends
 the writes and prints one JSON line: ``{"t0", "writes": [[start, latency or -1,
 moving]], "marks": {name: {"t", "shards": {shard: {"applied", "snapshots", "keys",
 "bytes" (the end mark only)}}}}, "errors"}``. A write's
@@ -31,7 +32,7 @@ def counters(clone, with_bytes: bool = False) -> dict:
     """What the client received so far, by shard: updates applied, and the keys its part
     holds; ``with_bytes``: and their bytes (key + value), one pass over the map (~0.4 s
     at 1M keys on the client's loop: only once the writes are over)."""
-    return {"t": time.monotonic(), "shards": {
+    return {"t": time.monotonic(), "cpu_s": time.process_time(), "shards": {
         agent.name: {"applied": agent.applied, "snapshots": agent.snapshots,
                      "keys": len(agent.map),
                      **({"bytes": sum(len(k) + len(v) for k, v in agent.map.items())}
@@ -106,6 +107,7 @@ async def run(args, target, moves) -> int:
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
                                      sys.stdin)
         t0 = time.monotonic()
+        marks["t0"] = {"t": t0, "cpu_s": time.process_time(), "shards": {}}
         tasks: set[asyncio.Task] = set()
 
         async def one(key: str, moving: int) -> None:
