@@ -414,7 +414,7 @@ class Resharding:
                         await self._copies(dst, lambda imp, at=at: imp["copied"] and
                                            imp["source_seq"] >= at[self._source_of(
                                                imp, src)] - CATCH_UP, CATCH_UP_POLL_S,
-                                           "the copies")
+                                           "the copies", src)
                         break
                     except TimeoutError:
                         if time.monotonic() > deadline:
@@ -437,7 +437,7 @@ class Resharding:
                 try:
                     await self._copies(dst, lambda imp: imp["source_seq"] >=
                                        held[self._source_of(imp, src)],
-                                       self.hold_bound_s, "the copies' catch-up")
+                                       self.hold_bound_s, "the copies' catch-up", src)
                     # the flip may begin: no hold ends by itself now
                     await asyncio.gather(*(self._step(n, "seal") for n in [
                         *(src[s] for s in sources), *self._peers_of(sources, src)]))
@@ -551,20 +551,29 @@ class Resharding:
         raise Refused(b"409", f"a copy from an unknown source {imp['source']}")
 
     async def _copies(self, dst: dict[int, str], done: Callable[[dict], bool],
-                      within_s: float, what: str) -> None:
-        """Until every import on every target is ``done`` (a failed copy: ``Refused``;
-        ``within_s`` passed: ``TimeoutError``)."""
+                      within_s: float, what: str, src: dict[int, str]) -> None:
+        """Until every import on every target is ``done`` (a failed copy, or a target
+        that no longer holds one: ``Refused``; ``within_s`` passed: ``TimeoutError``)."""
         deadline = time.monotonic() + within_s
         while True:
+            gone = [n for n in src.values() if self.runner.servers[n].state != RUNNING]
+            if gone:  # (its peer, once active, serves no copy that began on it)
+                raise Refused(b"409", f"{', '.join(gone)}, the active of a source, stopped")
             finished = True
             keys = size = 0
             for name in dst.values():
                 try:
                     stats = await self._ask(name)
                 except ClonemapError as exc:  # busy copying: asked again, to the deadline
+                    if self.runner.servers[name].state != RUNNING:
+                        raise Refused(b"409", f"{name}, a target's active, stopped: its "
+                                              "copy is lost") from None
                     log.debug("reshard: %s did not answer: %s", name, exc)
                     finished = False
                     continue
+                if not stats.get("active") or not _imports(stats):
+                    raise Refused(b"409", f"{name} no longer holds its copy (it restarted, "
+                                          "or its peer took over)")
                 for imp in _imports(stats):
                     if imp.get("error"):
                         raise Refused(b"409", f"{name}: a copy failed: {imp['error']}")

@@ -417,7 +417,7 @@ def test_supervisor_reshard_grows_and_shrinks_with_writers_running(procs, tmp_pa
     assert (tmp_path / "run" / "data" / "s2-primary").is_dir()
 
 
-@pytest.mark.parametrize("phase", ["sealed", "committed"])
+@pytest.mark.parametrize("phase", ["copied", "held", "sealed", "committed", "flipped"])
 def test_a_supervisor_killed_in_the_middle_of_a_growth_loses_nothing(procs, tmp_path, zctx,
                                                                      phase):
     """The move stops at ``phase`` (``CLONEMAP_RESHARD_STOP_AT``: deterministic), the
@@ -448,7 +448,7 @@ def test_a_supervisor_killed_in_the_middle_of_a_growth_loses_nothing(procs, tmp_
     assert wait_gone(servers, 15) == []
     reshard.stop()  # (the command would give up after its reply timeout, 15 s)
 
-    committed = phase == "committed"
+    committed = phase in ("committed", "flipped")
     if committed:  # the old config no longer describes the cluster
         old = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
                            "--run-dir", str(tmp_path / "run"))
@@ -489,15 +489,22 @@ def test_a_supervisor_killed_in_the_middle_of_a_growth_loses_nothing(procs, tmp_
         assert (tmp_path / "run" / "data" / "s2-primary.before-epoch-2").is_dir()
 
 
-@pytest.mark.parametrize("phase,victim", [("copied", "source"), ("sealed", "target")])
-def test_a_failover_in_the_middle_of_a_move_rolls_it_back_and_loses_nothing(
-        procs, tmp_path, zctx, phase, victim):
+@pytest.mark.parametrize("phase,victim,flips", [
+    ("copied", "source", False), ("copied", "target", False),
+    ("held", "source", False), ("held", "target", False),
+    # sealed: the copy holds everything up to the hold, and the source's peer holds and
+    # seals too, so the flip goes on through it; the target's peer has no copy
+    ("sealed", "source", True), ("sealed", "target", False)])
+def test_a_failover_in_the_middle_of_a_move_ends_with_one_owner_and_loses_nothing(
+        procs, tmp_path, zctx, phase, victim, flips):
     """A pinned prefix moves from s0 to s1 while a ``wait=True`` writer writes it. The
     move waits at ``phase`` (``CLONEMAP_RESHARD_PAUSE_AT``: deterministic), the source's
     or the target's active is killed with ``supervisor kill``, its pair fails over, and
-    the move goes on: it rolls back (the routing is the old one, under a later epoch
-    when a target may have taken it), the command says so, every acknowledged write is
-    on the prefix's owner only, and the move run again completes."""
+    the move goes on. Before the copy is sealed, or when the target's copy died with
+    its active, it rolls back (the routing is the old one, under a later epoch when a
+    target may have taken it) and the command says so; once sealed, a source's failover
+    does not stop it (``flips``). Either way every acknowledged write is on the prefix's
+    owner only, and a move rolled back, run again, completes."""
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
     sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
                        "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
@@ -539,20 +546,29 @@ def test_a_failover_in_the_middle_of_a_move_rolls_it_back_and_loses_nothing(
                 if n != killed))
             (tmp_path / "run" / "reshard.continue").touch()
             code = await asyncio.to_thread(reshard.wait, 60)
-            assert code == 1, reshard.stdout[-5:]
-            assert any("not applied" in line for line in reshard.stderr), reshard.stderr[-3:]
-            await asyncio.sleep(0.5)  # (writes across the roll-back)
+            if flips:
+                assert code == 0, reshard.stdout[-5:] + reshard.stderr[-3:]
+                await _until(lambda: clone.routing_epoch == 2, "the client follows")
+            else:
+                assert code == 1, reshard.stdout[-5:]
+                assert any("not applied" in line for line in reshard.stderr), (
+                    reshard.stderr[-3:])
+            await asyncio.sleep(0.5)  # (writes across the roll-back or the flip)
             stop.set()
             await task
 
     asyncio.run(scenario())
-    rows = wait_status(control, settled)
+    rows = wait_status(control, (lambda r: settled(r) and at_epoch(2)(r)) if flips
+                       else settled)
     doc = fetch_cluster_map(control)
-    assert doc["routing"]["pins"] == []  # the old routing
+    now = ShardMap(2, {1: [tenant]}) if flips else first
+    assert doc["routing"]["pins"] == ([[tenant, 1]] if flips else [])
     held = _held_by_actives(zctx, rows)
     for name, keys in held.items():
-        assert all(first.owner(k) == int(name[1]) for k in keys), name
+        assert all(now.owner(k) == int(name[1]) for k in keys), name
     assert merged_once(held) == ledger
+    if flips:
+        return
 
     # run again, with no failover: it completes, and the keys are on s1
     (tmp_path / "run" / "reshard.continue").unlink(missing_ok=True)
@@ -566,6 +582,83 @@ def test_a_failover_in_the_middle_of_a_move_rolls_it_back_and_loses_nothing(
     assert {k.decode(): v for k, v in held["s1"].items() if k.startswith(
         tenant.encode())} == {k: v for k, v in ledger.items() if k.startswith(tenant)}
     assert not any(k.startswith(tenant.encode()) for k in held["s0"])
+
+
+def test_an_added_shard_that_fails_over_while_copying_rolls_the_growth_back(
+        procs, tmp_path, zctx):
+    """2 -> 3 shards; the move waits once copied, when the added shard's active has
+    applied (staged) its copy and replicated it to its passive. That active is killed:
+    its peer takes over without the copy's stream, so the change rolls back at once
+    (not after the copy's deadline): the added shard's processes are stopped and its
+    data directories removed, the routing is the old one, and every acknowledged write
+    of a ``wait=True`` writer that ran throughout is on its owner only. Run again, the
+    growth completes."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
+                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
+                       timeout_s=60, env={"CLONEMAP_RESHARD_PAUSE_AT": "copied"})
+    wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(300)}
+
+    async def scenario():
+        async with AsyncClone(config=str(config)) as clone:
+            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
+            stop = asyncio.Event()
+
+            async def writer():
+                n = 0
+                while not stop.is_set():
+                    key, value = f"/seg{n % 300}/k", b"w%d" % n
+                    try:
+                        await clone.set(key, value, wait=True, timeout_s=10)
+                        ledger[key] = value
+                    except Exception:  # noqa: BLE001 - not acknowledged: not in the ledger
+                        pass
+                    n += 1
+
+            task = asyncio.ensure_future(writer())
+            reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
+                                   "--to", str(three), "--yes")
+            await asyncio.to_thread(sup.wait_line, "RESHARD_PAUSED phase=copied", 60)
+            rows = await asyncio.to_thread(wait_status, control, lambda r: any(
+                r.get(n, {}).get("bstar") == "ACTIVE" for n in ("s2/primary", "s2/backup")))
+            killed = next(n for n in ("s2/primary", "s2/backup")
+                          if rows[n]["bstar"] == "ACTIVE")
+            assert (await asyncio.to_thread(cli, "kill", killed, "--control",
+                                            control)).returncode == 0
+            (tmp_path / "run" / "reshard.continue").touch()
+            assert await asyncio.to_thread(reshard.wait, 30) == 1, reshard.stdout[-5:]
+            assert any("no longer holds its copy" in line or "stopped" in line
+                       for line in reshard.stderr), reshard.stderr[-3:]
+            await asyncio.sleep(0.3)  # (writes after the roll-back)
+            stop.set()
+            await task
+
+    asyncio.run(scenario())
+    rows = wait_status(control, lambda r: len(r) == 4 and settled(r))
+    assert fetch_cluster_map(control)["routing"]["shards"] == 2
+    held = _held_by_actives(zctx, rows)
+    two = ShardMap(2)
+    for name, keys in held.items():
+        assert all(two.owner(k) == int(name[1]) for k in keys), name
+    assert merged_once(held) == ledger
+    assert not [p for p in children_of(sup.pid) if "s2" in " ".join(
+        psutil.Process(p).cmdline())]
+    assert not (tmp_path / "run" / "data" / "s2-primary").exists()
+    assert not (tmp_path / "run" / "data" / "s2-backup").exists()
+
+    (tmp_path / "run" / "reshard.continue").unlink(missing_ok=True)
+    again = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
+                         str(three), "--yes")
+    sup.wait_line("RESHARD_PAUSED phase=copied", timeout_s=60)
+    (tmp_path / "run" / "reshard.continue").touch()
+    assert again.wait(60) == 0, again.stderr[-3:]
+    rows = wait_status(control, lambda r: len(r) == 6 and settled(r))
+    held = _held_by_actives(zctx, rows)
+    assert merged_once(held) == ledger
+    for name, keys in held.items():
+        assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
 
 
 def test_the_source_fails_over_after_the_targets_committed_and_nothing_is_lost(
