@@ -96,7 +96,8 @@ STOP_AT_ENV = "CLONEMAP_RESHARD_STOP_AT"
 """Tests only: a phase name (``PHASES``) at which a move stops for good, after printing
 ``RESHARD_STOPPED phase=P``: the deterministic way to kill a supervisor or a server in
 the middle of a move."""
-PHASES = ("started", "copied", "held", "sealed", "committed", "flipped")
+PHASES = ("started", "copied", "held", "sealed", "committing", "committed", "flipped")
+"""``committing``: one target committed and others have not yet (a change with several)."""
 PAUSE_AT_ENV = "CLONEMAP_RESHARD_PAUSE_AT"
 """Tests only: a phase at which a move waits, after printing ``RESHARD_PAUSED phase=P``,
 until the file ``CONTINUE_FILE`` appears in the run directory (a test kills a server
@@ -464,9 +465,17 @@ class Resharding:
         for t in targets:
             keys += sum(imp["keys"] for imp in _imports(await self._ask(dst[t])))
         sealed_at = time.monotonic()
+        # recorded before any target commits: a supervisor that stops between two
+        # targets' commits leaves the next start to bring the old routing back
+        routing_state.write_move(self.run_dir, old, new, {
+            t: [f"{s.shard}-{s.role}" for s in (new_plan.shards[t].primary,
+                                                  new_plan.shards[t].backup)]
+            for t in targets})
         try:
-            await asyncio.gather(*(self._step(dst[t], "commit", routing=new.describe())
-                                   for t in targets))
+            for i, t in enumerate(targets):  # one by one: a torn flip is one state
+                await self._step(dst[t], "commit", routing=new.describe())
+                if i == 0 and len(targets) > 1:
+                    await self._reached("committing")
         except Exception as exc:  # (a target gone: no answer) the old routing, later epoch
             back = self._back(old, new)
             for name in [*(src[s] for s in sources), *self._peers_of(sources, src)]:
@@ -475,10 +484,12 @@ class Resharding:
             await self._install(back, self._running(), forget=True)
             for index in added:
                 await self.runner.remove_shard(index)
+            routing_state.clear_move(self.run_dir)
             raise Refused(b"409", f"a target did not commit ({type(exc).__name__}: {exc}); "
                                   f"the old routing is back as epoch {back.epoch}") from exc
         await self._reached("committed")
         self._commit(new_plan)  # after the copies are durable on the targets
+        routing_state.clear_move(self.run_dir)
         await self._reached("flipped")
         phases["commit_s"] = time.monotonic() - sealed_at
         # the sources' actives first: that ends the hold (what they held goes on)

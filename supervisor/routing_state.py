@@ -17,6 +17,16 @@ start`` settles it against the config (``settle``):
 * the config routes otherwise and nothing persists (every server starts empty): the
   config's routing becomes the next epoch.
 
+A change's flip is recorded first (``move.json``: the routing before and after, and the
+data directories of each shard that takes keys), before any of those shards commits,
+and removed once the run directory holds the new epoch. A start that finds it decides
+(``_settle_move``): every such shard committed (one of its servers keeps the new epoch)
+and the change goes forward, as above; some did and others did not (their copies died
+with the supervisor that stopped, and the sources still hold every key, since they
+forget only after the run directory took the new epoch), and the routing before the
+change comes back as the epoch after it, so that the shards that committed forget what
+they took, and nothing is lost.
+
 Every server gets the settled routing (``--routing``), and each server with a data
 directory keeps the newest routing it followed there too (``clonemap.shards.persist.routing``).
 """
@@ -35,6 +45,7 @@ from clonemap.shards.persist.format import replace_json
 log = logging.getLogger(__name__)
 
 ROUTING_FILE = "routing.json"
+MOVE_FILE = "move.json"
 
 
 def read(run_dir: Path) -> ShardMap | None:
@@ -54,6 +65,64 @@ def read(run_dir: Path) -> ShardMap | None:
 def write(run_dir: Path, cluster: str, shard_map: ShardMap) -> None:
     replace_json(Path(run_dir) / ROUTING_FILE,
                  {"version": 1, "cluster": cluster, "routing": shard_map.describe()})
+
+
+def write_move(run_dir: Path, before: ShardMap, after: ShardMap,
+               targets: dict[int, list[str]]) -> None:
+    """A change's flip begins: ``targets`` maps each shard that takes keys to its
+    servers' data directory names (module doc)."""
+    replace_json(Path(run_dir) / MOVE_FILE,
+                 {"version": 1, "from": before.describe(), "to": after.describe(),
+                  "targets": {str(t): names for t, names in targets.items()}})
+
+
+def clear_move(run_dir: Path) -> None:
+    (Path(run_dir) / MOVE_FILE).unlink(missing_ok=True)
+
+
+def _epoch_in(data_dir: Path) -> int:
+    from clonemap.shards.persist import CorruptLog
+    from clonemap.shards.persist.routing import read_routing
+
+    try:
+        held = read_routing(data_dir)
+    except (CorruptLog, OSError):
+        return 0
+    return held[1].epoch if held is not None else 0
+
+
+def _settle_move(run_dir: Path, plan: Plan) -> None:
+    """A flip the last supervisor began and did not record (module doc): forward when
+    every target committed, else the routing before it back, one epoch later."""
+    path = Path(run_dir) / MOVE_FILE
+    try:
+        doc = json.loads(path.read_text())
+        before = ShardMap.from_description(doc["from"])
+        after = ShardMap.from_description(doc["to"])
+        targets = {int(t): list(names) for t, names in doc["targets"].items()}
+    except FileNotFoundError:
+        return
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{path}: not a move record ({exc}); it says where a change of "
+                          "the routing stopped: restore it", field="routing") from None
+    held = read(run_dir)
+    if held is not None and held.epoch >= after.epoch:
+        clear_move(run_dir)  # the flip was recorded: nothing to decide
+        return
+    base = Path(run_dir) / (plan.data_dir or "data")
+    took = {t: any(_epoch_in(base / name) >= after.epoch for name in names)
+            for t, names in targets.items()}
+    if any(took.values()) and not all(took.values()):
+        back = before.with_epoch(after.epoch + 1)
+        log.warning("routing: a change to %s stopped after shard%s %s took its keys and "
+                    "before shard%s %s did: the routing before it is back as epoch %d, "
+                    "and the shards that took keys forget them (every key is still on "
+                    "its source)", _text(after), "" if sum(took.values()) == 1 else "s",
+                    ", ".join(str(t) for t, ok in took.items() if ok),
+                    "" if len(took) - sum(took.values()) == 1 else "s",
+                    ", ".join(str(t) for t, ok in took.items() if not ok), back.epoch)
+        write(run_dir, plan.cluster, back)
+    clear_move(run_dir)
 
 
 def _text(shard_map: ShardMap) -> str:
@@ -86,6 +155,7 @@ def newest_of_servers(run_dir: Path, plan: Plan) -> ShardMap | None:
 
 def settle(run_dir: Path, plan: Plan) -> Plan:
     """``plan`` with the cluster's routing epoch (module doc), durable in ``run_dir``."""
+    _settle_move(run_dir, plan)
     given = plan.routing.shard_map()
     held = read(run_dir)
     servers = newest_of_servers(run_dir, plan)

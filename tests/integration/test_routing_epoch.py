@@ -489,6 +489,66 @@ def test_a_supervisor_killed_in_the_middle_of_a_growth_loses_nothing(procs, tmp_
         assert (tmp_path / "run" / "data" / "s2-primary.before-epoch-2").is_dir()
 
 
+def test_a_supervisor_killed_between_two_targets_commits_brings_the_old_routing_back(
+        procs, tmp_path, zctx):
+    """3 -> 2 shards: shard 2's keys go to shards 0 and 1, which commit one after the
+    other. The supervisor is killed with SIGKILL after the first committed
+    (``committing``): the second's copy died with it. Started again with the 3-shard
+    config, the cluster is at the old routing under a later epoch (the first target
+    forgot what it took; the sources still held every key), a fresh client reads every
+    acknowledged write back, each from its owner only, and the shrink run again
+    completes."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    three = _grown(config, tmp_path / "three.yaml")
+    sup = procs.python("-m", "clonemap.supervisor", "start", str(three), "--no-table",
+                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
+                       timeout_s=60, env={"CLONEMAP_RESHARD_STOP_AT": "committing"})
+    wait_status(control, lambda r: len(r) == 6 and settled(r))
+    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(300)}
+    assert any(ShardMap(3).owner(k.encode()) == 2 for k in ledger)
+
+    async def write():
+        async with AsyncClone(config=str(three)) as clone:
+            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
+
+    asyncio.run(write())
+    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(three), "--to",
+                           str(config), "--yes")
+    sup.wait_line("RESHARD_STOPPED phase=committing", timeout_s=60)
+    servers = children_of(sup.pid)
+    sup.signal(signal.SIGKILL)
+    assert sup.wait(10) == -signal.SIGKILL
+    assert wait_gone(servers, 15) == []
+    reshard.stop()
+    assert (tmp_path / "run" / "move.json").exists()  # the torn flip, recorded
+
+    old = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
+                       "--run-dir", str(tmp_path / "run"))
+    assert old.wait(30) == 2  # the 2-shard config is not the cluster's routing
+    assert any("routes keys otherwise" in line and "epoch 3: 3 shards" in line
+               for line in old.stderr), old.stderr[-3:]
+    assert not (tmp_path / "run" / "move.json").exists()
+    start(procs, three, tmp_path)
+    rows = wait_status(control, lambda r: len(r) == 6 and settled(r) and at_epoch(3)(r))
+    held = _held_by_actives(zctx, rows)
+    for name, keys in held.items():
+        assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
+    assert merged_once(held) == ledger
+
+    async def read_back():
+        async with AsyncClone(config=str(three)) as clone:
+            assert {k: clone.get(k) for k in ledger} == ledger
+
+    asyncio.run(read_back())
+    again = cli("reshard", str(three), "--to", str(config), "--yes", timeout_s=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    rows = wait_status(control, lambda r: len(r) == 4 and settled(r) and at_epoch(4)(r))
+    held = _held_by_actives(zctx, rows)
+    for name, keys in held.items():
+        assert all(ShardMap(2).owner(k) == int(name[1]) for k in keys), name
+    assert merged_once(held) == ledger
+
+
 @pytest.mark.parametrize("phase,victim,flips", [
     ("copied", "source", False), ("copied", "target", False),
     ("held", "source", False), ("held", "target", False),

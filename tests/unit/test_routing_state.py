@@ -61,3 +61,38 @@ def test_a_server_follows_the_newer_of_its_argument_and_its_directory(tmp_path):
     (tmp_path / "routing").write_text(json.dumps({"shard_index": 1, "routing": {}}))
     with pytest.raises(CorruptLog):
         server_routing.read_routing(tmp_path)
+
+
+@pytest.mark.parametrize("took,epoch,pins", [
+    ((), 1, {}),                       # no target committed: nothing changed
+    ((0, 1), 2, {"/t/": 1, "/u/": 0}),  # every target committed: the change goes forward
+    ((1,), 3, {}),                     # torn: the routing before it, one epoch later
+])
+def test_a_flip_cut_short_goes_forward_only_when_every_target_took_its_keys(
+        tmp_path, took, epoch, pins):
+    """``move.json`` records a flip before any target commits; a target that committed
+    keeps the new epoch in its data directory (one of its two servers is enough)."""
+    before = ShardMap(2)
+    routing_state.write(tmp_path, "two", before)
+    after = ShardMap(2, {1: ["/t/"], 0: ["/u/"]}, epoch=2)
+    routing_state.write_move(tmp_path, before, after,
+                             {0: ["s0-primary", "s0-backup"], 1: ["s1-primary", "s1-backup"]})
+    for t in took:
+        (tmp_path / "data" / f"s{t}-backup").mkdir(parents=True)
+        server_routing.settle(tmp_path / "data" / f"s{t}-backup", after, t)
+    config = _plan({1: ["/t/"], 0: ["/u/"]}) if epoch == 2 else _plan()
+    settled = routing_state.settle(tmp_path, config)
+    assert settled.routing.epoch == epoch and routing_state.read(tmp_path).epoch == epoch
+    assert routing_state.read(tmp_path).pins == pins
+    assert not (tmp_path / routing_state.MOVE_FILE).exists()
+
+
+def test_a_recorded_flip_leaves_nothing_to_decide(tmp_path):
+    after = ShardMap(2, {1: ["/t/"]}, epoch=2)
+    routing_state.write_move(tmp_path, ShardMap(2), after, {1: ["s1-primary"]})
+    routing_state.write(tmp_path, "two", after)  # the run directory took it: done
+    assert routing_state.settle(tmp_path, _plan({1: ["/t/"]})).routing.epoch == 2
+    assert not (tmp_path / routing_state.MOVE_FILE).exists()
+    (tmp_path / routing_state.MOVE_FILE).write_text("{not json")
+    with pytest.raises(ConfigError, match="not a move record"):
+        routing_state.settle(tmp_path, _plan({1: ["/t/"]}))
