@@ -156,6 +156,10 @@ class Resharding:
         self._adding: Plan | None = None
         """The plan of the change under way (its added shards' servers)."""
         self.phase = ""
+        self._aborting = False
+        """An operator asked the change under way to stop (``abort``)."""
+        self._past_flip = False
+        """The change under way sealed its holds: it completes (``abort`` is refused)."""
         """The phase of the move under way, or the last one reached."""
         self._clients: dict[str, tuple[MdpClient, asyncio.Lock]] = {}
         self._state: dict = {"phase": "", "keys": 0, "bytes": 0, "changes": 0}
@@ -278,6 +282,7 @@ class Resharding:
         where it says how far it got (a PARTIAL to its caller). One change at a time."""
         async with self._lock:
             self.progress = progress
+            self._aborting = self._past_flip = False
             if apply:
                 self._state = {"phase": "planning", "keys": 0, "bytes": 0,
                                "changes": self._state["changes"] + 1, "running": True,
@@ -290,6 +295,25 @@ class Resharding:
                 self._state["running"] = False
                 self.progress = None
                 await self._close_clients()
+
+    def abort(self) -> tuple[bool, str]:
+        """Stop the change under way and roll it back (``supervisor reshard --abort``):
+        (True, what happens) once asked, (False, why not): no change runs, or it sealed
+        its holds, past which it always completes (the flip)."""
+        if not self._state.get("running"):
+            return False, "no change of the routing is running"
+        if self._past_flip:
+            return False, (f"the change is past its flip (phase {self.phase}): it "
+                           "completes")
+        self._aborting = True
+        log.warning("reshard: abort asked in phase %s: the change rolls back at its next "
+                    "step", self.phase or "planning")
+        return True, (f"the change (phase {self.phase or 'planning'}) stops at its next "
+                      "step and rolls back")
+
+    def _check_abort(self) -> None:
+        if self._aborting and not self._past_flip:
+            raise Refused(b"409", "aborted by the operator (supervisor reshard --abort)")
 
     async def _keep_saying(self) -> None:
         """A word to the caller at least every ``PROGRESS_S`` whatever the phase is
@@ -439,7 +463,9 @@ class Resharding:
                     await self._copies(dst, lambda imp: imp["source_seq"] >=
                                        held[self._source_of(imp, src)],
                                        self.hold_bound_s, "the copies' catch-up", src)
-                    # the flip may begin: no hold ends by itself now
+                    # the flip may begin: no hold ends by itself now, and no abort
+                    self._check_abort()
+                    self._past_flip = True
                     await asyncio.gather(*(self._step(n, "seal") for n in [
                         *(src[s] for s in sources), *self._peers_of(sources, src)]))
                     phases["catch_up_s"] = time.monotonic() - hold_began
@@ -536,6 +562,7 @@ class Resharding:
 
     async def _reached(self, phase: str) -> None:
         """The move reached ``phase`` (logged; where ``STOP_AT_ENV`` says, it stops)."""
+        self._check_abort()
         self.phase = phase
         log.info("reshard: phase %s", phase)
         await self._say(phase=phase)
@@ -546,6 +573,7 @@ class Resharding:
             go_on = self.run_dir / CONTINUE_FILE
             print(f"RESHARD_PAUSED phase={phase}", flush=True)
             while not go_on.exists():
+                self._check_abort()
                 await asyncio.sleep(0.02)
             go_on.unlink()
 
@@ -567,6 +595,7 @@ class Resharding:
         that no longer holds one: ``Refused``; ``within_s`` passed: ``TimeoutError``)."""
         deadline = time.monotonic() + within_s
         while True:
+            self._check_abort()
             gone = [n for n in src.values() if self.runner.servers[n].state != RUNNING]
             if gone:  # (its peer, once active, serves no copy that began on it)
                 raise Refused(b"409", f"{', '.join(gone)}, the active of a source, stopped")

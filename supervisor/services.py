@@ -19,6 +19,8 @@ FINAL starts with a status frame in the MMI style: ``200`` OK, ``400`` bad reque
     cluster.reload   (none)                       FINAL 200, JSON {version, ...}: rights applied
     cluster.reshard  JSON {config, apply}         FINAL 200, JSON plan (and epoch once applied);
                                                   409 with the plan when it is not applied
+                     {"abort": true}              FINAL 200 the change under way rolls back,
+                                                  409 none runs or it is past its flip
 
 ``cluster.reload`` and ``cluster.reshard`` need ``admin`` too
 (``clonemap.supervisor.resharding``). A request to a server's own service (``shard.*``)
@@ -81,6 +83,12 @@ def tail_lines(path: str | os.PathLike, lines: int) -> bytes:
     return b"\n".join(data.split(b"\n")[-lines:]) + (b"\n" if data else b"")
 
 
+
+ABORT_BODY = b'{"abort": true}'
+"""``cluster.reshard``'s body that stops the change under way (``supervisor reshard
+--abort``)."""
+
+
 class ControlServices:
     """The handlers, over one Runner. ``stop_requested`` is set by ``cluster.stop``."""
 
@@ -131,11 +139,16 @@ class ControlServices:
         once applied the new epoch and what the move took; 400 a config that does not
         hold, 409 (with the plan as a second frame when there is one) a change that
         could not be applied (rolled back), 503 a server that could not count or no
-        active server (``clonemap.supervisor.resharding``)."""
+        active server (``clonemap.supervisor.resharding``). JSON {abort: true}: the
+        change under way stops and rolls back (200, what happens; 409 why not: none
+        runs, or it is past its flip)."""
         from clonemap.supervisor.resharding import Refused, parse_change
 
         if self.resharding is None or self.runner.stopping:
             return [CONFLICT, b"the supervisor is stopping"]
+        if request.body[:1] == [ABORT_BODY]:  # (not behind the change's lock)
+            asked, why = self.resharding.abort()
+            return [OK if asked else CONFLICT, why.encode()]
         try:
             config, apply = parse_change(request.body)
             plan = await self.resharding.change(config, apply, request.partial)

@@ -8,9 +8,11 @@ shard, and the command prints that plan. With ``--yes`` (or after a yes on a ter
 the supervisor applies it: added shards start, the keys move while they are written,
 the owner flips under the next epoch, removed shards stop
 (``clonemap.supervisor.resharding``). The command prints the new epoch and what the
-move took. Exit 0 applied (or nothing to change, or ``--dry-run``), 1 refused or rolled
-back, 2 a NEW_CONFIG that does not validate, 9 without ``admin``, 4 when no supervisor
-answers.
+move took. ``--abort`` (from another terminal) stops the change under way at its next
+step and rolls it back, until it seals its holds (past that it always completes). Exit 0
+applied (or nothing to change, or ``--dry-run``, or an abort asked), 1 refused or rolled
+back (or an abort refused), 2 a NEW_CONFIG that does not validate, 9 without ``admin``,
+4 when no supervisor answers.
 """
 from __future__ import annotations
 
@@ -81,13 +83,37 @@ class _Bar:
 
 
 @click.command("reshard")
-@click.option("--to", "new_config", required=True, type=click.Path(dir_okay=False),
+@click.option("--to", "new_config", default=None, type=click.Path(dir_okay=False),
               help="The config whose routing (shard count and pins) the cluster takes.")
 @click.option("--yes", is_flag=True, help="Apply without asking.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and change nothing.")
+@click.option("--abort", is_flag=True,
+              help="Stop the change under way and roll it back (refused once it sealed "
+                   "its holds: past that it completes).")
 @control_options
-def command(sel: Selection, new_config: str, yes: bool, dry_run: bool) -> None:
-    """Change the running cluster's routing to NEW_CONFIG's (a new routing epoch)."""
+def command(sel: Selection, new_config: str | None, yes: bool, dry_run: bool,
+            abort: bool) -> None:
+    """Change the running cluster's routing to NEW_CONFIG's (a new routing epoch), or
+    with --abort stop the change under way."""
+    if abort:
+        def stop() -> int:
+            from clonemap.supervisor.services import ABORT_BODY
+
+            try:
+                said = call(sel.endpoint(), "cluster.reshard", ABORT_BODY,
+                            timeout_s=sel.timeout_s, retries=0)
+            except ReplyError as exc:
+                if exc.status == "409":
+                    click.echo(f"error: not aborted: {exc.text}", err=True)
+                    return 1
+                raise
+            click.echo(said.decode() if isinstance(said, bytes) else str(said))
+            return 0
+
+        run_command(stop)
+        return
+    if new_config is None:
+        raise click.UsageError("--to NEW_CONFIG is needed (or --abort)")
 
     def body() -> int:
         try:

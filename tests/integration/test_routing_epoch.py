@@ -721,6 +721,50 @@ def test_an_added_shard_that_fails_over_while_copying_rolls_the_growth_back(
         assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
 
 
+def test_an_operator_aborts_a_growth_before_its_flip(procs, tmp_path, zctx):
+    """``supervisor reshard CONFIG --abort``: with no change running it is refused;
+    while a growth waits once copied (``CLONEMAP_RESHARD_PAUSE_AT``), it stops the
+    change, which rolls back (the added shard stops, its data directories go, the
+    routing stays at epoch 1, every key on its owner); the growth run again completes."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
+                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
+                       timeout_s=60, env={"CLONEMAP_RESHARD_PAUSE_AT": "copied"})
+    wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(200)}
+
+    async def write():
+        async with AsyncClone(config=str(config)) as clone:
+            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
+
+    asyncio.run(write())
+    idle = cli("reshard", str(config), "--abort")
+    assert idle.returncode == 1 and "no change of the routing is running" in idle.stderr
+    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
+                           str(three), "--yes")
+    sup.wait_line("RESHARD_PAUSED phase=copied", timeout_s=60)
+    asked = cli("reshard", str(config), "--abort")
+    assert asked.returncode == 0 and "rolls back" in asked.stdout, asked.stderr
+    assert reshard.wait(30) == 1
+    assert any("aborted by the operator" in line for line in reshard.stderr), (
+        reshard.stderr[-3:])
+    rows = wait_status(control, lambda r: len(r) == 4 and settled(r) and at_epoch(1)(r))
+    held = _held_by_actives(zctx, rows)
+    assert merged_once(held) == ledger
+    for name, keys in held.items():
+        assert all(ShardMap(2).owner(k) == int(name[1]) for k in keys), name
+    assert not (tmp_path / "run" / "data" / "s2-primary").exists()
+
+    again = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
+                         str(three), "--yes")
+    sup.wait_line("RESHARD_PAUSED phase=copied", timeout_s=60)
+    (tmp_path / "run" / "reshard.continue").touch()
+    assert again.wait(60) == 0, again.stderr[-3:]
+    rows = wait_status(control, lambda r: len(r) == 6 and settled(r))
+    assert merged_once(_held_by_actives(zctx, rows)) == ledger
+
+
 def test_the_source_fails_over_after_the_targets_committed_and_nothing_is_lost(
         procs, tmp_path, zctx):
     """The move waits once the target committed; the source's active is killed then,
