@@ -135,7 +135,9 @@ class BinaryStar:
         self._state_pub: zmq.Socket | None = None
         self._state_sub_sock: zmq.Socket | None = None
         self._state_sub: zio.AsyncSocket | None = None
-        self._tick_handle: asyncio.TimerHandle | None = None
+        self._tick_handle: asyncio.Handle | None = None
+        self._tick_at = 0.0
+        """When ``_tick_handle`` fires (loop time)."""
         self.sync_timeout_s = (max(2.0, 10 * config.heartbeat_s) if sync_timeout_s is None
                                else sync_timeout_s)
         self.follower: Follower | None = None
@@ -319,9 +321,13 @@ class BinaryStar:
             return
         when = min(bstar.next_wakeup(self.machine), self.server.loop.time() + self.server.config.heartbeat_s)
         if self._tick_handle is not None:
-            if self._tick_handle.when() <= when:
+            if self._tick_at <= when:
                 return
             self._tick_handle.cancel()
+        # (the time is kept here: uvloop's call_at for a time already past returns a
+        # plain Handle, which has no when(); asking it failed every later step of the
+        # machine, and the pair stopped working under load)
+        self._tick_at = when
         self._tick_handle = self.server.loop.call_at(when, self.on_tick)
 
     def on_tick(self) -> None:

@@ -116,3 +116,34 @@ def test_a_vote_after_a_stall_hears_the_peers_queued_state_first(zctx):
         active_peer.close(0)
         server.close()
         loop.close()
+
+
+def test_a_tick_already_due_is_armed_again_without_failing_under_uvloop():
+    """4. After a stall (a frozen process, a loaded host) the machine's next wake-up is
+    already past when a step arms the tick. uvloop's ``call_at`` for a past time returns
+    a plain Handle, without ``when()``: the next step asked it, raised, and every later
+    step of the Binary Star machine failed the same way (seen in a suite run under load:
+    all four servers of a cluster, their pairs stuck). Forced: a machine due 10 s ago,
+    then two steps before the loop runs."""
+    import uvloop
+
+    from clonemap.shards import bstar
+    from clonemap.shards.common.proto import bstar as wire
+
+    port, peer = free_port_base(4), free_port_base(4)
+    server = pair_server(ServerConfig(port=port, heartbeat_s=0.2), role="primary",
+                         peer=("127.0.0.1", peer))
+    pair = server.role
+    loop = uvloop.new_event_loop()
+    try:
+        server.loop = loop
+        pair.machine = bstar.new_machine(wire.Role.PRIMARY, loop.time() - 10.0,
+                                         heartbeat_s=0.2, shard="0")
+        assert bstar.next_wakeup(pair.machine) < loop.time()
+        pair._arm_tick()
+        first = pair._tick_handle
+        assert first is not None and not hasattr(first, "when")  # the plain Handle
+        pair._arm_tick()  # raised AttributeError before
+        assert pair._tick_handle is first  # already due sooner than asked: kept
+    finally:
+        loop.close()
