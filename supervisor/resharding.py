@@ -529,6 +529,10 @@ class Resharding:
             self._install(new, [n for n in self._running() if
                                 self.runner.servers[n].plan.index not in (*sources,
                                                                           *targets)]))
+        if added:  # their relays, on the routing now committed
+            relays = self.runner.add_relays(self.plan, added)
+            if relays:
+                log.info("reshard: relays of the added shards started: %s", ", ".join(relays))
         if removed:  # 5. stop, once clients had heartbeats to follow
             asyncio.get_running_loop().create_task(self._remove_later(removed))
         took = time.monotonic() - began

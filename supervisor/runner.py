@@ -152,13 +152,28 @@ class Runner:
         for shard in plan.shards:
             self.servers.update(self._pair_of(shard, plan))
         for relay in plan.relays:
-            if not plan.is_local(relay):
-                continue
-            shard = plan.shards[relay.index]
-            path = self.log_dir / f"{relay.shard}-{relay.role}.log"
-            argv = relay_argv(relay, shard.primary, shard.backup, args) + routing_argv(
-                plan.routing, relay.index)
-            self.servers[relay.name] = ServerProcess(relay, argv, path)
+            if plan.is_local(relay):
+                self.servers[relay.name] = self._relay_of(relay, plan)
+
+    def _relay_of(self, relay: ServerPlan, plan: Plan) -> ServerProcess:
+        shard = plan.shards[relay.index]
+        path = self.log_dir / f"{relay.shard}-{relay.role}.log"
+        argv = relay_argv(relay, shard.primary, shard.backup, self.args) + routing_argv(
+            plan.routing, relay.index)
+        return ServerProcess(relay, argv, path)
+
+    def add_relays(self, plan: Plan, indices: list[int]) -> list[str]:
+        """Start the relays that ``plan`` (the cluster's, once a change flipped) gives
+        the shards ``indices`` that the change added; their names. Each becomes ready
+        once it holds its shard's map, as at ``start``."""
+        started = []
+        for relay in plan.relays:
+            if (relay.index in indices and plan.is_local(relay)
+                    and relay.name not in self.servers):
+                proc = self.servers[relay.name] = self._relay_of(relay, plan)
+                self._spawn(proc, manual=True)
+                started.append(relay.name)
+        return started
 
     def _pair_of(self, shard, plan: Plan, provisional: bool = False
                  ) -> dict[str, ServerProcess]:

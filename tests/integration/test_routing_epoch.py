@@ -765,6 +765,45 @@ def test_an_operator_aborts_a_growth_before_its_flip(procs, tmp_path, zctx):
     assert merged_once(_held_by_actives(zctx, rows)) == ledger
 
 
+def test_a_growth_starts_the_added_shard_s_relays_and_a_relay_client_follows(
+        procs, tmp_path, zctx):
+    """A cluster with a relay per shard grows 2 -> 3 shards while a client reads through
+    the relays (``via="relays"``): the added shard's relay starts once the change has
+    flipped, the client follows the new routing through it, and it holds every key; a
+    fresh client through the relays reads every key back."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3,
+                                   relays={"per_shard": 1,
+                                           "port_base": free_port_base(40)})
+    start(procs, config, tmp_path)
+    wait_status(control, lambda r: len(r) == 6 and settled(r))
+    three = _grown(config, tmp_path / "three.yaml")
+    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(300)}
+
+    async def scenario():
+        async with AsyncClone(config=str(config)) as writer:
+            await asyncio.gather(*(writer.set(k, v, wait=True) for k, v in ledger.items()))
+        async with AsyncClone(config=str(config), via="relays") as reader:
+            await _until(lambda: all(reader.get(k) == v for k, v in ledger.items()),
+                         "the reader holds the map")
+            done = await asyncio.to_thread(cli, "reshard", str(config), "--to", str(three),
+                                           "--yes", timeout_s=120)
+            assert done.returncode == 0, done.stdout + done.stderr
+            await _until(lambda: reader.routing_epoch == 2, "the reader follows")
+            await _until(lambda: any(a.name == "s2" and a.map for a in reader.agents),
+                         "the reader's new part holds keys")
+            assert {k: reader.get(k) for k in ledger} == ledger
+
+    asyncio.run(scenario())
+    rows = wait_status(control, lambda r: len(r) == 9 and settled(r))
+    assert rows["s2/relay0"]["state"] == "RUNNING"
+
+    async def read_back():
+        async with AsyncClone(config=str(three), via="relays") as clone:
+            assert {k: clone.get(k) for k in ledger} == ledger
+
+    asyncio.run(read_back())
+
+
 def test_the_source_fails_over_after_the_targets_committed_and_nothing_is_lost(
         procs, tmp_path, zctx):
     """The move waits once the target committed; the source's active is killed then,
