@@ -283,6 +283,23 @@ async def settle(clients: dict[str, AsyncClone], writers: list[Writer], tag: str
                     seen[change.key] = change.value
 
 
+async def holds(client: AsyncClone, prefix: str, expected: dict[str, bytes],
+                name: str) -> None:
+    """Until ``client`` (following ``prefix``) holds ``expected``: a client of a subtree
+    sees no end marker (``settle``), so it is waited for by the values it must hold."""
+    deadline = time.monotonic() + DEADLINE_S
+    async with client.watch(prefix) as watch:
+        while any(client.get(k) != v for k, v in expected.items()):
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                    await watch.__anext__()
+            except TimeoutError:
+                raise AssertionError(
+                    f"client {name}: not the writer's last values within {DEADLINE_S} s: "
+                    + str({k: (client.get(k), v) for k, v in expected.items()
+                           if client.get(k) != v})) from None
+
+
 def check_converged(zctx, active_port: int, clients: dict[str, AsyncClone],
                     writers: list[Writer], recorder: KvpubRecorder) -> dict[bytes, bytes]:
     server_map, seq = fetch_map(zctx, active_port)
@@ -352,6 +369,8 @@ def test_kill_active_then_restart_and_kill_the_other_under_writes(procs, zctx):
             for w in writers:
                 await w.stop()
             await settle(clients, writers, "round1")
+            await holds(orders, "/own/w0/", {k: v for k, v in writers[0].last.items()
+                                             if k.startswith("/own/w0/")}, "orders")
             server_map = check_converged(zctx, backup.port, clients, writers, recorder)
             assert dict(orders.items()) == {
                 k.decode(): v for k, v in server_map.items() if k.startswith(b"/own/w0/")}
@@ -375,6 +394,8 @@ def test_kill_active_then_restart_and_kill_the_other_under_writes(procs, zctx):
             for w in writers:
                 await w.stop()
             await settle(clients, writers, "round2")
+            await holds(orders, "/own/w0/", {k: v for k, v in writers[0].last.items()
+                                             if k.startswith("/own/w0/")}, "orders")
             server_map = check_converged(zctx, restarted.port, clients, writers, recorder)
             assert dict(orders.items()) == {
                 k.decode(): v for k, v in server_map.items() if k.startswith(b"/own/w0/")}
