@@ -180,6 +180,12 @@ class ShardAgent:
         self.lag = LagMeter()
         """How far behind the publisher this client reads (``clonemap.client.lag``)."""
         self.lagged = 0
+        self._behind = False
+        """Set at a resync for lag, cleared by the first HUGZ read in time again: one
+        resync per episode of falling behind (``_on_hugz``)."""
+        self.lag_resyncs_spared = 0
+        """HUGZ read late again before the client caught up since its resync for lag:
+        no further resync (another snapshot adds to the work it is behind on)."""
         self.contiguous = not subtree
         self.state = sm.State(options.machine(len(self.servers), self.contiguous))
         self.drops = DropCounter(log)
@@ -597,14 +603,22 @@ class ShardAgent:
             self._gap(info.seq)
             return
         lag_s = self.lag.observe(info.ts, time.time())
-        if (self.max_lag_s is None or lag_s <= self.max_lag_s
-                or self.state.phase != sm.ACTIVE):
+        if self.max_lag_s is None or lag_s <= self.max_lag_s:
+            self._behind = False  # caught up: a later lag is another episode
+            return
+        if self.state.phase != sm.ACTIVE:
             return
         self.lagged += 1
         log.warning("shard %s: %.2f s behind the publisher (max_lag_s %.2f)", self.name,
                     lag_s, self.max_lag_s)
         if self.on_lag is not None and self.on_lag(self, lag_s):
             return
+        if self._behind:
+            # still behind since the resync for this episode (a client short of CPU,
+            # not a backlog to skip): another snapshot would only add to the work
+            self.lag_resyncs_spared += 1
+            return
+        self._behind = True
         self._dispatch(sm.FellBehind(lag_s))
 
     def _replay(self, epoch: int) -> None:
@@ -637,7 +651,7 @@ class ShardAgent:
             "overflows": self.overflows, "snapshots": self.snapshots,
             "lag_s": round(self.lag.lag_s, 6),
             "max_lag_seen_s": round(self.lag.max_lag_seen_s, 6),
-            "lagged": self.lagged,
+            "lagged": self.lagged, "lag_resyncs_spared": self.lag_resyncs_spared,
             "disconnects": self.link.disconnects if self.link is not None else 0,
             "generation": self.generation, "term": self.term,
             **self.outages.stats(),

@@ -147,3 +147,42 @@ def test_a_tick_already_due_is_armed_again_without_failing_under_uvloop():
         assert pair._tick_handle is first  # already due sooner than asked: kept
     finally:
         loop.close()
+
+
+def test_a_client_still_behind_after_its_resync_for_lag_takes_no_second_one(zctx):
+    """5. A client short of CPU reads its shard late, resyncs (slow-subscriber policy),
+    and, with the new snapshot installed, still reads it late: it is not behind on a
+    backlog that another snapshot would skip, so it takes none (``lag_resyncs_spared``)
+    until a HUGZ read in time ends the episode. Forced: HUGZ stamped in time, then 3 s
+    late, the machine put back to ACTIVE as an install would, 3 s late again, in time,
+    late. (``bench reshard`` saw 8 snapshots of 330,000-key shards in 10 s without it.)"""
+    import time
+
+    from clonemap.client.options import AgentOptions
+
+    a = free_port_base(4)
+
+    async def main():
+        agent = ShardAgent(zctx, [f"tcp://127.0.0.1:{a}"], AgentOptions(max_lag_s=1.0))
+        agent.start()
+        asked = []
+        step = agent._dispatch
+        agent._dispatch = lambda ev: (asked.append(type(ev).__name__), step(ev))[1]
+        try:
+            def hugz(late_s: float) -> None:
+                agent.state = replace(agent.state, phase=sm.ACTIVE, live=False)
+                msg = chp.decode_update(chp.hugz(time.time() - late_s, 0))
+                agent._on_hugz(msg)
+
+            hugz(0.0)  # in time: the clock offset's floor
+            hugz(3.0)
+            assert asked.count("FellBehind") == 1 and agent.lagged == 1
+            hugz(3.0)  # installed, still late: no second snapshot
+            assert asked.count("FellBehind") == 1 and agent.lag_resyncs_spared == 1
+            hugz(0.0)  # caught up: the episode ends
+            hugz(3.0)  # a new one: a resync again
+            assert asked.count("FellBehind") == 2 and agent.lagged == 3
+        finally:
+            agent.close()
+
+    asyncio.run(main())
