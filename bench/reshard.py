@@ -342,10 +342,12 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
         result, total_s = _writes_around(writer, progress, args,
                                          "supervisor reshard: 2 -> 3 shards", change)
     finally:
-        if writer is not None:
-            writer.stop()
         if args.keep:  # (the servers' logs are in the run directory already)
             (tmp / "supervisor.log").write_text(sup.stderr_tail(1 << 30))
+            if writer is not None:
+                (tmp / "writer.log").write_text(writer.stderr_tail(1 << 30))
+        if writer is not None:
+            writer.stop()
         sup.stop(grace_s=15)
     out = outs[0]
     moved = re.search(r"moved (\d+) keys in ([\d.]+) s \(copy ([\d.]+) s, writes held "
@@ -363,6 +365,11 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
     # a shard's part that is new took the moved keys in its first snapshot; the parts
     # there before applied updates: the writer's own echoes, and any move traffic
     snapshot_bytes = sum(v["bytes"] for name, v in b.items() if name not in a)
+    # a part there before that took a snapshot again (the client fell behind by more
+    # than max_lag_s: the slow-subscriber resync) received its whole part again
+    resyncs = {name: v["snapshots"] - a[name]["snapshots"] for name, v in b.items()
+               if name in a}
+    snapshot_bytes += sum(n * b[name]["bytes"] for name, n in resyncs.items())
     updates = sum(v["applied"] - a[name]["applied"] for name, v in b.items() if name in a)
     updates += sum(v["applied"] for name, v in b.items() if name not in a)
     echoes = sum(1 for w in result["writes"] if w[0] >= t_start)
@@ -372,6 +379,7 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
         "catch_up_ms": int(parts[1]) if parts else None,
         "commit_ms": int(parts[2]) if parts else None, "load_s": round(load_s, 2),
         "follower_bytes_estimated": received, "moved_bytes": moved_bytes,
+        "follower_resyncs": resyncs,
         "follower_bytes_ratio": round(received / moved_bytes, 3) if moved_bytes else None,
         "command_output": out.stdout.strip().splitlines()[-6:]})
     return summary
@@ -399,7 +407,10 @@ def report(record: rec.Record) -> None:
             ["writer's CPU before / during (% of a core)",
              *[f"{runs[n]['writer_cpu_pct']['before']} / {runs[n]['writer_cpu_pct']['during']}"
                if runs[n].get("writer_cpu_pct") else "-" for n in names]],
-            ["follower bytes (est.) / moved bytes", *pick("follower_bytes_ratio")]]
+            ["follower bytes (est.) / moved bytes", *pick("follower_bytes_ratio")],
+            ["follower's resyncs (fell behind > max_lag_s)",
+             *[str(sum(runs[n]["follower_resyncs"].values()))
+               if runs[n].get("follower_resyncs") is not None else "-" for n in names]]]
     rec.table(record, "reshard: one more shard while written", ["figure", *names], rows,
               "clonemap: 2 -> 3 shards, each a Binary Star pair; Valkey: 3 -> 4 primaries "
               "(no replicas), a quarter of the slots")
