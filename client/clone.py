@@ -141,7 +141,8 @@ class AsyncClone:
         self.health = Health(slow_policy=opts.slow_policy, max_lag_s=opts.max_lag_s,
                              on_slow=opts.on_slow, routing=self._routing,
                              end_watches=self._on_failed, close_agents=self._close_agents,
-                             follow=self._follow_routing)
+                             follow=self._follow_routing,
+                             epoch=lambda: self.routing_epoch)
         self._following = 0
         """The routing epoch this client is fetching the map of (0: none)."""
         self.routing_followed = 0

@@ -38,11 +38,17 @@ class Health:
                  routing: Callable[[], tuple[int | str, str]],
                  end_watches: Callable[[ClonemapError], None],
                  close_agents: Callable[[], None],
-                 follow: Callable[[int], bool] | None = None):
+                 follow: Callable[[int], bool] | None = None,
+                 epoch: Callable[[], int] | None = None):
         """``routing()``: (shard count, config source) this client routes with;
         ``follow(epoch)``: True when the client takes that later routing epoch of its
-        cluster (it knows where the map is served), False when it cannot."""
+        cluster (it knows where the map is served), False when it cannot; ``epoch()``:
+        the routing epoch it follows now."""
         self._follow = follow
+        self._epoch = epoch
+        self.servers_behind = 0
+        """HUGZ from a server of this cluster still on an older routing epoch than this
+        client's (``on_wrong_route``): not a wrong config."""
         self.slow_policy = slow_policy
         self.max_lag_s = max_lag_s
         self.on_slow = on_slow
@@ -89,6 +95,14 @@ class Health:
         if self.failed is not None:
             return
         if epoch and self._follow is not None and self._follow(epoch):
+            return
+        if epoch and self._epoch is not None and epoch < self._epoch():
+            # a server of this cluster not yet told of the routing this client follows
+            # (during a change's flip the sources take it after the targets, and a
+            # server restarted meanwhile starts on the old one): it takes it shortly
+            self.servers_behind += 1
+            log.info("%s routes by epoch %d, older than this client's %d: it has not "
+                     "taken the later routing yet", agent.server, epoch, self._epoch())
             return
         index, count, _ = (theirs.split("/") + ["?", "?"])[:3]
         mine, source = self._routing()

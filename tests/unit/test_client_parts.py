@@ -94,6 +94,24 @@ def test_a_server_with_another_routing_fails_the_client_with_a_config_error():
     assert ended == [h.failed]
 
 
+def test_a_server_still_on_an_older_routing_epoch_is_no_wrong_config():
+    """A client that follows epoch 2 hears a server of its cluster still on epoch 1 (a
+    source not yet told at a change's flip, or a server restarted on the old routing
+    meanwhile): that server takes the later routing shortly. A suite run under load
+    failed a client there, its waiting writes cancelled. The same epoch with another
+    route, or a server that names no epoch, is still a wrong config."""
+    ended, closed, followed = [], [], []
+    h = Health(slow_policy=RESYNC, max_lag_s=1.0, on_slow=None,
+               routing=lambda: (2, "configs/2shard.yaml"), end_watches=ended.append,
+               close_agents=lambda: closed.append(True),
+               follow=lambda epoch: followed.append(epoch) or False, epoch=lambda: 2)
+    h.on_wrong_route(FakeAgent(), "0/2/abcd", epoch=1)
+    assert h.failed is None and h.servers_behind == 1 and ended == []
+    assert followed == [1]  # asked first: not a later epoch, so not followed
+    h.on_wrong_route(FakeAgent(), "0/2/abcd", epoch=2)
+    assert isinstance(h.failed, ConfigError) and ended == [h.failed]
+
+
 def test_an_on_slow_that_raises_is_logged_not_raised(caplog):
     def boom(exc):
         raise RuntimeError("application bug")
