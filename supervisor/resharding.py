@@ -516,14 +516,15 @@ class Resharding:
         routing_state.clear_move(self.run_dir)
         await self._reached("flipped")
         phases["commit_s"] = time.monotonic() - sealed_at
-        # the sources' actives first: that ends the hold (what they held goes on)
-        await self._install(new, [src[s] for s in sources], forget=True, forward=forward)
+        # the sources first, every server of each at once: that ends the hold (what they
+        # held goes on), also where a source's active changed since the copy (its peer
+        # is active now, and a dead one's silence must not keep it waiting)
+        await self._install(new, [n for s in sources for n in self._of_shard(s)],
+                            forget=True, forward=forward)
         phases["hold_s"] = time.monotonic() - hold_began
         rest = [n for t in targets for n in self._of_shard(t) if n != dst[t]]
         await asyncio.gather(
             self._install(new, rest),
-            self._install(new, [n for s in sources for n in self._of_shard(s)
-                                if n != src[s]], forget=True, forward=forward),
             self._install(new, [n for n in self._running() if
                                 self.runner.servers[n].plan.index not in (*sources,
                                                                           *targets)]))
