@@ -15,7 +15,7 @@ control services (``clonemap.shards.serve``):
   HUGZ, whichever is later (the publisher's stream is ordered, so a HUGZ at sequence S
   follows every KVPUB up to S). Where the copy goes depends on the target. A shard the
   change adds serves no client before the flip, so each key copied is *staged* as it
-  arrives (``ShardServer.stage``): applied to its store with its own sequence, logged,
+  arrives (``ShardServer.apply_copied``): applied to its store with its own sequence, logged,
   replicated to its passive and published. Its passive then has the copy, on disk too,
   before the hold begins. A shard that already serves keeps the copy here (``items``),
   outside its store, so that its clients see nothing of it until the flip.
@@ -96,7 +96,8 @@ class Import:
         self.prefix = prefix
         self.owns = owns if owns is not None else (lambda key: True)
         self.index = index
-        self._stage = stage
+        self._kept = stage is None
+        self._stage = self._keep if stage is None else stage
         self.items: dict[bytes, tuple[bytes, float | None]] = {}
         """key -> (value, absolute expiry or None): the copy kept here (no ``stage``)."""
         self.sizes: dict[bytes, int] = {}
@@ -119,12 +120,19 @@ class Import:
         self._expiries: dict[bytes, float] = {}
         self._queued: list[list[bytes]] = []
         self._timer = None
-        self._after_batch = flush if stage is not None else None
+        self._after_batch = None if self._kept else flush
 
     @property
     def staged(self) -> int:
         """Keys staged (applied on the target as they came), not kept here."""
-        return len(self.sizes) if self._stage is not None else 0
+        return 0 if self._kept else len(self.sizes)
+
+    def _keep(self, key: bytes, value: bytes, expiry_s: float | None) -> None:
+        """The ``stage`` of a copy kept here until the flip."""
+        if value:
+            self.items[key] = (value, expiry_s)
+        else:
+            self.items.pop(key, None)
 
     @property
     def copied(self) -> bool:
@@ -217,20 +225,14 @@ class Import:
             old = self.sizes.pop(msg.key, None)
             if old is not None:  # (a key the copy never held is none of its business)
                 self.bytes -= old
-                if self._stage is None:
-                    del self.items[msg.key]
-                else:
-                    self._stage(msg.key, b"", None)
+                self._stage(msg.key, b"", None)
         self.updates += 1
 
     def _put(self, key: bytes, value: bytes, expiry_s: float | None) -> None:
         size = len(key) + len(value)
         self.bytes += size - self.sizes.get(key, 0)
         self.sizes[key] = size
-        if self._stage is None:
-            self.items[key] = (value, expiry_s)
-        else:
-            self._stage(key, value, expiry_s)
+        self._stage(key, value, expiry_s)
 
     def stats(self) -> dict:
         return {"prefix": self.prefix.decode("utf-8", "replace"), "source": self.source,

@@ -703,12 +703,12 @@ class ShardServer:
             self.importing.remove(imp)
         # A shard this change adds (started on the new routing, which it has not saved)
         # serves no client before the flip: each key copied is applied to its store as it
-        # arrives (``stage``), so the flip has no per-key work. A shard that serves
+        # arrives (``apply_copied``), so the flip has no per-key work. A shard that serves
         # keeps the copy aside until the flip (``commit_import``).
         added = self.shard_map is not None and self.shard_map.epoch == shard_map.epoch
         imp = Import(self.sockets.connect, self.loop, source, prefix, self._limits, owns,
-                     self.config.shard_index, stage=self.stage if added else None,
-                     flush=self.flush)
+                     self.config.shard_index,
+                     stage=self.apply_copied if added else None, flush=self.flush)
         self.importing.append(imp)
         imp.start()
         return ""
@@ -736,11 +736,12 @@ class ShardServer:
             imp.close()
         self.importing = []
 
-    def stage(self, key: bytes, value: bytes, expiry_s: float | None) -> None:
-        """One key of a move's copy, applied on a shard the change adds, before the flip
-        (``start_import``): with this shard's sequence, logged, replicated to its
-        passive and published (no client follows this shard yet). An empty value
-        deletes it. The copy calls ``flush`` after each batch."""
+    def apply_copied(self, key: bytes, value: bytes, expiry_s: float | None) -> None:
+        """One key of a move's copy applied here as an update: this shard's sequence,
+        logged, replicated to its passive, published at the next ``flush``. On a shard
+        the change adds, as it arrives (no client follows it yet: ``start_import``);
+        on one that serves, at the flip (``commit_import``). An empty value deletes.
+        (No UUID, no condition: a key no write here decided on yet.)"""
         props = b"" if expiry_s is None else b"expires=%.3f\n" % expiry_s
         size = len(key) + len(props) + len(value)
         if size > self._fast_limit:  # (before the batch goes out: ``flush``)
@@ -830,9 +831,9 @@ class ShardServer:
 
     def commit_import(self, shard_map) -> str:
         """The flip on the target: follow ``shard_map`` (which gives this shard the keys
-        it copied), then apply the copies kept aside as updates with this shard's
-        sequences (published, logged, replicated; a shard the change adds applied its
-        copies as they came: ``stage``), and take the sources' applied UUIDs; durable
+        it copied), then apply the copies kept aside (``apply_copied``; a shard the
+        change adds applied its copies as they came), and take the sources' applied
+        UUIDs; durable
         (fsync) before it answers. "" once done, else why not (nothing changed)."""
         imports = self.importing
         unfinished = [i for i in imports if not i.copied or i.error]
@@ -856,21 +857,14 @@ class ShardServer:
         self.stop_import()
         now = time.time()
         owns = OwnerCache(shard_map, self.config.shard_index).owns
-        count = largest = 0
-        store_apply, publish = self.store.apply, self._log_and_publish
+        count = 0
         for imp in imports:
             count += imp.staged
             for key, (value, expiry_s) in imp.items.items():
                 if (expiry_s is not None and expiry_s <= now) or not owns(key):
                     continue  # expired in the source's hands meanwhile, or pinned elsewhere
-                props = b"" if expiry_s is None else b"expires=%.3f\n" % expiry_s
-                # (no UUID, no condition, a key no write here touched yet: no decision)
-                publish(store_apply(key, value, expiry_s), key, b"", props, value, expiry_s)
+                self.apply_copied(key, value, expiry_s)
                 count += 1
-                if len(value) > largest:
-                    largest = len(value)
-        if largest + 256 > self._fast_limit:  # (before the batch goes out: ``flush``)
-            self._lower_mark(self.marks.published(largest + 256))
         self.expiry.arm()
         at = self.store.seq
         for imp in imports:
