@@ -54,6 +54,13 @@ def largest_entry(store: Store) -> int:
     return max(map(len, data)) + max(map(len, data.values()))
 
 
+def _both(first, second):
+    """One ``may_read(key)`` of two, either of which may be None (every key)."""
+    if first is None or second is None:
+        return second if first is None else first
+    return lambda key: first(key) and second(key)
+
+
 def _readable_rows(may_read, keys: list, values: list, mods: list, expiries):
     """The columns' rows whose key ``may_read`` accepts (a requester with partial read
     rights)."""
@@ -268,14 +275,9 @@ class SnapshotService:
                                       f"a snapshot of {request.subtree[:80]!r} narrowed to "
                                       f"what identity {scope.name!r} may read")
         if request.move is not None:  # a move's copy: only what moves to that shard
-            moving = server.exported_to(request.move)
-            if moving is not None:
-                readable = moving if readable is None else (
-                    lambda key, a=readable, b=moving: a(key) and b(key))
-        elif server.forgetting is not None:  # the keys that moved away, still here
-            owned = server.forgetting
-            readable = owned if readable is None else (
-                lambda key, a=readable, b=owned: a(key) and b(key))
+            readable = _both(readable, server.exported_to(request.move))
+        else:  # the keys that moved away, while they are forgotten (None otherwise)
+            readable = _both(readable, server.forgetting)
         # a request with our extension frame (meta=1) learns the map's term; a plain
         # ICANHAZ gets the empty properties 12/CHP has
         props = chp.kthxbai_props(term=server.role.term()) if request.meta else b""
