@@ -85,16 +85,9 @@ def replace_in_view(view: dict[str, bytes], old: dict[bytes, bytes],
             text = _text(key)
             if text is not None:
                 view.pop(text, None)
-    was = old.get
-    if same:
-        for key, value in new.items():
-            if was(key) is not value and key not in same:
-                text = _text(key)
-                if text is not None:
-                    view[text] = value
-        return
+    was, same = old.get, same or {}
     for key, value in new.items():
-        if was(key) is not value:
+        if was(key) is not value and key not in same:
             text = _text(key)
             if text is not None:
                 view[text] = value
