@@ -156,11 +156,11 @@ class Resharding:
         self._adding: Plan | None = None
         """The plan of the change under way (its added shards' servers)."""
         self.phase = ""
+        """The phase of the move under way, or the last one reached."""
         self._aborting = False
         """An operator asked the change under way to stop (``abort``)."""
         self._past_flip = False
         """The change under way sealed its holds: it completes (``abort`` is refused)."""
-        """The phase of the move under way, or the last one reached."""
         self._clients: dict[str, tuple[MdpClient, asyncio.Lock]] = {}
         self._state: dict = {"phase": "", "keys": 0, "bytes": 0, "changes": 0}
         self.progress: Callable[[bytes], object] | None = None

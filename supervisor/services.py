@@ -83,7 +83,6 @@ def tail_lines(path: str | os.PathLike, lines: int) -> bytes:
     return b"\n".join(data.split(b"\n")[-lines:]) + (b"\n" if data else b"")
 
 
-
 ABORT_BODY = b'{"abort": true}'
 """``cluster.reshard``'s body that stops the change under way (``supervisor reshard
 --abort``)."""

@@ -107,7 +107,7 @@ def command(sel: Selection, new_config: str | None, yes: bool, dry_run: bool,
                     click.echo(f"error: not aborted: {exc.text}", err=True)
                     return 1
                 raise
-            click.echo(said.decode() if isinstance(said, bytes) else str(said))
+            click.echo(said.decode())
             return 0
 
         run_command(stop)
