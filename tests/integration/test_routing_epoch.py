@@ -113,6 +113,30 @@ async def _until(predicate, what: str, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
+def _start_stopping(procs, config: Path, tmp_path: Path, phase: str, pause: bool = False):
+    """``supervisor start`` whose moves stop for good at ``phase``
+    (``CLONEMAP_RESHARD_STOP_AT``), or with ``pause`` wait there until the run directory
+    has ``reshard.continue`` (``CLONEMAP_RESHARD_PAUSE_AT``): deterministic."""
+    hook = "CLONEMAP_RESHARD_PAUSE_AT" if pause else "CLONEMAP_RESHARD_STOP_AT"
+    return procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
+                        "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
+                        timeout_s=60, env={hook: phase})
+
+
+async def _acknowledged(clone, keys: list[str], ledger: dict, stop: asyncio.Event) -> None:
+    """``wait=True`` writes to ``keys`` in turn until ``stop``; only those acknowledged
+    go into ``ledger`` (one that fails over a kill is not, and is not read back)."""
+    n = 0
+    while not stop.is_set():
+        key, value = keys[n % len(keys)], b"w%d" % n
+        try:
+            await clone.set(key, value, wait=True, timeout_s=10)
+            ledger[key] = value
+        except Exception:  # noqa: BLE001 - not acknowledged: not in the ledger
+            pass
+        n += 1
+
+
 def test_supervisor_reshard_moves_an_empty_prefix_and_clients_follow(procs, tmp_path, zctx):
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
     sup = start(procs, config, tmp_path)
@@ -427,9 +451,7 @@ def test_a_supervisor_killed_in_the_middle_of_a_growth_loses_nothing(procs, tmp_
     committed, with the new one (the old one is refused, naming the newer routing).
     Every acknowledged write is read back by a fresh client, from its owner only."""
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
-    sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
-                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
-                       timeout_s=60, env={"CLONEMAP_RESHARD_STOP_AT": phase})
+    sup = _start_stopping(procs, config, tmp_path, phase)
     wait_status(control, settled)
     three = _grown(config, tmp_path / "three.yaml")
     ledger = {f"/seg{i}/k": b"v%d" % i for i in range(300)}
@@ -500,9 +522,7 @@ def test_a_supervisor_killed_between_two_targets_commits_brings_the_old_routing_
     completes."""
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
     three = _grown(config, tmp_path / "three.yaml")
-    sup = procs.python("-m", "clonemap.supervisor", "start", str(three), "--no-table",
-                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
-                       timeout_s=60, env={"CLONEMAP_RESHARD_STOP_AT": "committing"})
+    sup = _start_stopping(procs, three, tmp_path, "committing")
     wait_status(control, lambda r: len(r) == 6 and settled(r))
     ledger = {f"/seg{i}/k": b"v%d" % i for i in range(300)}
     assert any(ShardMap(3).owner(k.encode()) == 2 for k in ledger)
@@ -566,9 +586,7 @@ def test_a_failover_in_the_middle_of_a_move_ends_with_one_owner_and_loses_nothin
     does not stop it (``flips``). Either way every acknowledged write is on the prefix's
     owner only, and a move rolled back, run again, completes."""
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
-    sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
-                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
-                       timeout_s=60, env={"CLONEMAP_RESHARD_PAUSE_AT": phase})
+    sup = _start_stopping(procs, config, tmp_path, phase, pause=True)
     rows = wait_status(control, settled)
     first = ShardMap(2)
     tenant = next(f"/tenant{i}/" for i in range(100) if first.owner(f"/tenant{i}/x") == 0)
@@ -581,18 +599,8 @@ def test_a_failover_in_the_middle_of_a_move_ends_with_one_owner_and_loses_nothin
             await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
             stop = asyncio.Event()
 
-            async def writer():  # acknowledged writes only go into the ledger
-                n = 0
-                while not stop.is_set():
-                    key, value = f"{tenant}{n % 20}", b"w%d" % n
-                    try:
-                        await clone.set(key, value, wait=True, timeout_s=10)
-                        ledger[key] = value
-                    except Exception:  # noqa: BLE001 - a failover: sent again below
-                        pass
-                    n += 1
-
-            task = asyncio.ensure_future(writer())
+            task = asyncio.ensure_future(_acknowledged(
+                clone, [f"{tenant}{i}" for i in range(20)], ledger, stop))
             reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
                                    "--to", str(later), "--yes")
             await asyncio.to_thread(sup.wait_line, f"RESHARD_PAUSED phase={phase}", 60)
@@ -654,9 +662,7 @@ def test_an_added_shard_that_fails_over_while_copying_rolls_the_growth_back(
     of a ``wait=True`` writer that ran throughout is on its owner only. Run again, the
     growth completes."""
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
-    sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
-                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
-                       timeout_s=60, env={"CLONEMAP_RESHARD_PAUSE_AT": "copied"})
+    sup = _start_stopping(procs, config, tmp_path, "copied", pause=True)
     wait_status(control, settled)
     three = _grown(config, tmp_path / "three.yaml")
     ledger = {f"/seg{i}/k": b"v%d" % i for i in range(300)}
@@ -666,18 +672,8 @@ def test_an_added_shard_that_fails_over_while_copying_rolls_the_growth_back(
             await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
             stop = asyncio.Event()
 
-            async def writer():
-                n = 0
-                while not stop.is_set():
-                    key, value = f"/seg{n % 300}/k", b"w%d" % n
-                    try:
-                        await clone.set(key, value, wait=True, timeout_s=10)
-                        ledger[key] = value
-                    except Exception:  # noqa: BLE001 - not acknowledged: not in the ledger
-                        pass
-                    n += 1
-
-            task = asyncio.ensure_future(writer())
+            task = asyncio.ensure_future(_acknowledged(
+                clone, [f"/seg{i}/k" for i in range(300)], ledger, stop))
             reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
                                    "--to", str(three), "--yes")
             await asyncio.to_thread(sup.wait_line, "RESHARD_PAUSED phase=copied", 60)
@@ -727,9 +723,7 @@ def test_an_operator_aborts_a_growth_before_its_flip(procs, tmp_path, zctx):
     change, which rolls back (the added shard stops, its data directories go, the
     routing stays at epoch 1, every key on its owner); the growth run again completes."""
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
-    sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
-                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
-                       timeout_s=60, env={"CLONEMAP_RESHARD_PAUSE_AT": "copied"})
+    sup = _start_stopping(procs, config, tmp_path, "copied", pause=True)
     wait_status(control, settled)
     three = _grown(config, tmp_path / "three.yaml")
     ledger = {f"/seg{i}/k": b"v%d" % i for i in range(200)}
@@ -813,9 +807,7 @@ def test_the_source_fails_over_after_the_targets_committed_and_nothing_is_lost(
     ``wait=True`` writer on the moving prefix and on other keys runs throughout, from a
     client that follows the change: every acknowledged write is on its owner only."""
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
-    sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
-                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
-                       timeout_s=60, env={"CLONEMAP_RESHARD_PAUSE_AT": "committed"})
+    sup = _start_stopping(procs, config, tmp_path, "committed", pause=True)
     rows = wait_status(control, settled)
     first = ShardMap(2)
     tenant = next(f"/tenant{i}/" for i in range(100) if first.owner(f"/tenant{i}/x") == 0)
@@ -829,19 +821,10 @@ def test_the_source_fails_over_after_the_targets_committed_and_nothing_is_lost(
             await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
             stop = asyncio.Event()
 
-            async def writer(keys):
-                n = 0
-                while not stop.is_set():
-                    key, value = keys[n % len(keys)], b"w%d" % n
-                    try:
-                        await clone.set(key, value, wait=True, timeout_s=10)
-                        ledger[key] = value
-                    except Exception:  # noqa: BLE001 - not acknowledged: not in the ledger
-                        pass
-                    n += 1
-
-            tasks = [asyncio.ensure_future(writer([f"{tenant}{i}" for i in range(10)])),
-                     asyncio.ensure_future(writer([f"/k{i}" for i in range(10)]))]
+            tasks = [asyncio.ensure_future(_acknowledged(
+                         clone, [f"{tenant}{i}" for i in range(10)], ledger, stop)),
+                     asyncio.ensure_future(_acknowledged(
+                         clone, [f"/k{i}" for i in range(10)], ledger, stop))]
             reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
                                    "--to", str(later), "--yes")
             await asyncio.to_thread(sup.wait_line, "RESHARD_PAUSED phase=committed", 60)
