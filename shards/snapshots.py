@@ -286,7 +286,7 @@ class SnapshotService:
         make = lambda: SnapshotStream(self, identity, request.subtree,  # noqa: E731
                                       props, request.meta, readable)
         if request.since is not None:
-            make = self._resume_or_snapshot(identity, request, readable)
+            make = self._resume_or_snapshot(identity, request, readable, narrowed)
         if not self.pump.add(identity, make):
             server.drops.drop("snapshot_queue_full", f"{len(self.pump.waiting)} requests "
                                                      "wait")
@@ -306,12 +306,14 @@ class SnapshotService:
             pass
         self.server.kick_router()
 
-    def _resume_or_snapshot(self, identity: bytes, request: chp.Icanhaz, readable=None):
+    def _resume_or_snapshot(self, identity: bytes, request: chp.Icanhaz, readable=None,
+                            narrowed: bool = False):
         """A resume request (``since``): the updates after it when the client's map is of
         this generation, its updates up to ``since`` are all in this map (its ``term``,
         ``Role.resumable``) and the server's history covers the rest; else a full
         snapshot that says ``resume=0``. Decided when the request is taken, at the current
-        sequence."""
+        sequence. ``narrowed``: the requester's rights left keys out (``narrowed=1``);
+        ``readable`` may also leave out keys that moved away, which says nothing."""
         server = self.server
         entries = None
         term = server.role.term()
@@ -321,13 +323,13 @@ class SnapshotService:
             entries = server.recent.since(request.since, request.subtree)
         elif same_map:
             self.refused_terms += 1
-        narrowed = chp.NARROWED if readable is not None else b""
+        said = chp.NARROWED if narrowed else b""
         if entries is None:
-            props = chp.kthxbai_props(False, term) + narrowed
+            props = chp.kthxbai_props(False, term) + said
             return lambda: SnapshotStream(self, identity, request.subtree, props,
                                           request.meta, readable)
         seq = server.store.seq
-        props = chp.kthxbai_props(True, term) + narrowed
+        props = chp.kthxbai_props(True, term) + said
         if readable is not None:
             entries = [entry for entry in entries if readable(entry[1])]
         return lambda: ResumeStream(self, identity, request.subtree, entries, seq, props)

@@ -186,3 +186,32 @@ def test_a_client_still_behind_after_its_resync_for_lag_takes_no_second_one(zctx
             agent.close()
 
     asyncio.run(main())
+
+
+def test_a_resume_from_a_source_forgetting_its_moved_keys_is_not_said_narrowed():
+    """6. After a flip a source forgets the keys that moved a chunk per loop turn, and
+    meanwhile its snapshots and resumes leave them out (``forgetting``). That is not the
+    requester's rights narrowing what it reads: a resume then must not say ``narrowed=1``
+    (it did, since any filter set the flag), while the moved key is still left out.
+    Forced: a server in process, a key of its own and one it no longer owns, the
+    forgetting filter set, a resume asked."""
+    from clonemap.shards.server import ShardServer
+
+    async def main():
+        server = ShardServer(ServerConfig(port=free_port_base(4)))
+        server.bind()
+        server.start()
+        try:
+            server.apply_copied(b"/mine", b"1", None)
+            server.apply_copied(b"/moved", b"2", None)
+            server.flush()
+            server.forgetting = lambda key: key != b"/moved"
+            server.snapshots.on_request([b"peer", *chp.icanhaz(
+                b"", since=0, generation=server.generation)])
+            stream = server.snapshots.pump.active[b"peer"].stream
+            assert chp.RESUMED in stream.props and chp.NARROWED not in stream.props
+            assert [entry[1] for entry in stream.entries] == [b"/mine"]
+        finally:
+            server.close()
+
+    asyncio.run(main())
