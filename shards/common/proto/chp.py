@@ -264,32 +264,28 @@ def decode_icanhaz(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Ican
         fields = parse_props(check_props(frames[2], "ICANHAZ", limits))
         meta = fields.get("meta") == "1"
         if "move" in fields and "since" not in fields:
-            try:
-                move = int(fields["move"])
-            except ValueError:
-                raise _fail("move= is not a shard index", "ICANHAZ", "bad_move") from None
-            if move < 0:
-                raise _fail(f"move={move} is negative", "ICANHAZ", "bad_move")
+            move = _count_prop(fields, "move", "move= is not a shard index", "bad_move")
             return Icanhaz(subtree, meta=meta, move=move)
         if "since" not in fields and meta:
             return Icanhaz(subtree, meta=True)
-        try:
-            since = int(fields["since"])
-        except (KeyError, ValueError):
-            raise _fail("a resume needs since=<sequence>", "ICANHAZ", "bad_resume") from None
-        if since < 0:
-            raise _fail(f"since={since} is negative", "ICANHAZ", "bad_resume")
-        term = None
-        if "term" in fields:
-            try:
-                term = int(fields["term"])
-            except ValueError:
-                raise _fail("term= is not a number", "ICANHAZ", "bad_resume") from None
-            if term < 0:
-                raise _fail(f"term={term} is negative", "ICANHAZ", "bad_resume")
+        since = _count_prop(fields, "since", "a resume needs since=<sequence>", "bad_resume")
+        term = (_count_prop(fields, "term", "term= is not a number", "bad_resume")
+                if "term" in fields else None)
         return Icanhaz(subtree, since, fields.get("gen", ""), meta, term)
     _check_count(frames, 2, "ICANHAZ")
     return Icanhaz(check_subtree(frames[1], "ICANHAZ", limits))
+
+
+def _count_prop(fields: dict[str, str], name: str, missing: str, reason: str) -> int:
+    """An ICANHAZ property that is a whole number (a sequence, a term, a shard index):
+    ``missing`` when it is absent or not a number, and it may not be negative."""
+    try:
+        value = int(fields[name])
+    except (KeyError, ValueError):
+        raise _fail(missing, "ICANHAZ", reason) from None
+    if value < 0:
+        raise _fail(f"{name}={value} is negative", "ICANHAZ", reason)
+    return value
 
 
 def decode_snapshot(frames: list[bytes], limits: Limits = DEFAULT_LIMITS, *,
