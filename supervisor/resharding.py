@@ -68,7 +68,7 @@ from clonemap.shards.common.proto.chp import check_subtree
 from clonemap.shards.common.routing import (MOVE_COMMAND, ROUTING_COMMAND, ROUTING_COUNT,
                                             ROUTING_FORGET, ShardMap)
 from clonemap.supervisor import routing_state
-from clonemap.supervisor.process import RUNNING
+from clonemap.supervisor.process import BACKOFF, RUNNING, STARTING
 from clonemap.supervisor.protocol import stats_service
 
 log = logging.getLogger(__name__)
@@ -217,6 +217,26 @@ class Resharding:
         if got.get("move_refused"):
             raise Refused(b"409", f"{name} refused {op}: {got['move_refused']}")
         return got
+
+    async def _install_late(self, new: ShardMap, installed: set[str], sources: list[int],
+                            forward: dict[int, list[str]]) -> None:
+        """The servers coming back at the flip's installs (restarted during the change,
+        on the routing of its start: a start after the flip has the new one) take the new
+        routing once they run, a source's with its forget and forwards; for at most
+        ``START_WAIT_S``."""
+        deadline = time.monotonic() + START_WAIT_S
+        late = {n for n, proc in self.runner.servers.items()
+                if n not in installed and proc.state in (STARTING, BACKOFF)}
+        while late and time.monotonic() < deadline:
+            for name in [n for n in late if n in self._running()]:
+                late.discard(name)
+                giving = self.runner.servers[name].plan.index in sources
+                got = await self._install(new, [name], forget=giving,
+                                          forward=forward if giving else None)
+                log.info("reshard: %s, running again, takes epoch %d%s", name, new.epoch,
+                         f" (refused: {got[name]})" if got[name] else "")
+            if late:
+                await asyncio.sleep(POLL_S * 10)
 
     async def _install(self, shard_map: ShardMap, names: list[str], forget: bool = False,
                        forward: dict[int, list[str]] | None = None) -> dict[str, str]:
@@ -519,15 +539,15 @@ class Resharding:
         # the sources first, every server of each at once: that ends the hold (what they
         # held goes on), also where a source's active changed since the copy (its peer
         # is active now, and a dead one's silence must not keep it waiting)
-        await self._install(new, [n for s in sources for n in self._of_shard(s)],
-                            forget=True, forward=forward)
+        giving = [n for s in sources for n in self._of_shard(s)]
+        await self._install(new, giving, forget=True, forward=forward)
         phases["hold_s"] = time.monotonic() - hold_began
         rest = [n for t in targets for n in self._of_shard(t) if n != dst[t]]
-        await asyncio.gather(
-            self._install(new, rest),
-            self._install(new, [n for n in self._running() if
-                                self.runner.servers[n].plan.index not in (*sources,
-                                                                          *targets)]))
+        others = [n for n in self._running()
+                  if self.runner.servers[n].plan.index not in (*sources, *targets)]
+        await asyncio.gather(self._install(new, rest), self._install(new, others))
+        await self._install_late(new, {*giving, *rest, *others, *dst.values()}, sources,
+                                 forward)
         if added:  # their relays, on the routing now committed
             relays = self.runner.add_relays(self.plan, added)
             if relays:
