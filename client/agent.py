@@ -24,7 +24,8 @@ buffering) are peeked at: what the server says of itself (``serving``, ``gen``, 
 ``route``) goes to the link and the machine at once. Lag (the guide's Suicidal Snail):
 each clock HUGZ read live goes to the ``LagMeter`` (``clonemap.client.lag``); above ``max_lag_s``
 the agent asks ``on_lag(agent, lag_s)`` (True: handled, e.g. policy "die") or resyncs
-(``FellBehind``). Snapshots and updates are decoded liberally (``strict=False``): the
+(``FellBehind``): once per episode, and only when the backlog (the lag times the
+publisher's rate, from the same HUGZ) outnumbers the keys a snapshot would send. Snapshots and updates are decoded liberally (``strict=False``): the
 guide's reference C server's dialect works.
 """
 from __future__ import annotations
@@ -177,8 +178,12 @@ class ShardAgent:
         """Set at a resync for lag, cleared by the first HUGZ read in time again: one
         resync per episode of falling behind (``_on_hugz``)."""
         self.lag_resyncs_spared = 0
-        """HUGZ read late again before the client caught up since its resync for lag:
-        no further resync (another snapshot adds to the work it is behind on)."""
+        """HUGZ read late with no resync for it: read again before the client caught up
+        since its resync for lag (another snapshot adds to the work it is behind on), or
+        its backlog (``LagMeter.backlog``) is fewer updates than the keys it holds (a
+        snapshot would be more to read than the updates it skips)."""
+        self._reading_on = False
+        """A resync for lag was spared for its cost in this episode (logged once)."""
         self.contiguous = not subtree
         self.state = sm.State(options.machine(len(self.servers), self.contiguous))
         self.drops = DropCounter(log)
@@ -595,9 +600,9 @@ class ShardAgent:
             # (not the first message after a reconnect: that resyncs as Reconnected)
             self._gap(info.seq)
             return
-        lag_s = self.lag.observe(info.ts, time.time())
+        lag_s = self.lag.observe(info.ts, time.time(), info.seq if info.seq >= 0 else None)
         if self.max_lag_s is None or lag_s <= self.max_lag_s:
-            self._behind = False  # caught up: a later lag is another episode
+            self._behind = self._reading_on = False  # caught up: a later lag is another episode
             return
         if self.state.phase != sm.ACTIVE:
             return
@@ -610,6 +615,16 @@ class ShardAgent:
             # still behind since the resync for this episode (a client short of CPU,
             # not a backlog to skip): another snapshot would only add to the work
             self.lag_resyncs_spared += 1
+            return
+        backlog = self.lag.backlog(lag_s)
+        if backlog is not None and backlog < len(self.map):
+            # reading on is less work than a snapshot of every key held: a resync would
+            # only put the client further behind (it is short of CPU, not of updates)
+            self.lag_resyncs_spared += 1
+            if not self._reading_on:
+                self._reading_on = True
+                log.info("shard %s: reading on: about %d updates behind, fewer than the "
+                         "%d keys a snapshot would send", self.name, backlog, len(self.map))
             return
         self._behind = True
         self._dispatch(sm.FellBehind(lag_s))

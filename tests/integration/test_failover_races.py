@@ -188,6 +188,55 @@ def test_a_client_still_behind_after_its_resync_for_lag_takes_no_second_one(zctx
     asyncio.run(main())
 
 
+def test_a_client_lagging_behind_fewer_updates_than_it_holds_reads_on(zctx, monkeypatch):
+    """5b. A resync for lag sends every key the client holds; it skips only the updates
+    the client is behind on. A client that lags 3 s behind a publisher of 100 updates/s
+    (300 to read) while it holds 1,000 keys reads on (``lag_resyncs_spared``); the same
+    lag behind ~10,000 updates/s (30,000 to read) resyncs. ``bench reshard`` saw a writer
+    that lagged 1.1 s behind 2,500 updates/s take snapshots of its two 500,000-key shards,
+    and its writes wait 17 s for them. Forced: clock HUGZ stamped 0.5 s apart with their
+    sequences, read at the times this test sets (the agent's wall clock), a map of 1,000
+    keys."""
+    import time
+    import types
+
+    from clonemap.client import agent as agent_module
+    from clonemap.client.options import AgentOptions
+
+    a = free_port_base(4)
+    now = [1000.0]
+    monkeypatch.setattr(agent_module, "time", types.SimpleNamespace(
+        time=lambda: now[0], monotonic=time.monotonic))
+
+    async def main():
+        agent = ShardAgent(zctx, [f"tcp://127.0.0.1:{a}"], AgentOptions(max_lag_s=1.0),
+                           subtree=b"/t/")
+        agent.start()
+        asked = []
+        step = agent._dispatch
+        agent._dispatch = lambda ev: (asked.append(type(ev).__name__), step(ev))[1]
+        agent.map.update({b"/t/k%d" % i: b"v" for i in range(1000)})
+        try:
+            def hugz(ts: float, seq: int, read_at: float) -> None:
+                agent.state = replace(agent.state, phase=sm.ACTIVE, live=False)
+                now[0] = read_at
+                agent._on_hugz(chp.decode_update(chp.hugz(ts, seq)))
+
+            hugz(1000.0, 1000, 1000.0)  # in time: the clock's floor
+            hugz(1000.5, 1050, 1000.5)  # 100 updates/s
+            assert agent.lag.rate_per_s == pytest.approx(100.0)
+            hugz(1001.0, 1100, 1004.0)  # read 3 s late: ~300 updates behind, 1,000 held
+            assert agent.lagged == 1 and agent.lag_resyncs_spared == 1
+            assert "FellBehind" not in asked
+            hugz(1001.5, 11100, 1004.5)  # 20,000/s: the average 10,050, ~30,000 behind
+            assert agent.lag.backlog(3.0) > len(agent.map)
+            assert asked.count("FellBehind") == 1 and agent.lagged == 2
+        finally:
+            agent.close()
+
+    asyncio.run(main())
+
+
 def test_a_resume_from_a_source_forgetting_its_moved_keys_is_not_said_narrowed():
     """6. After a flip a source forgets the keys that moved a chunk per loop turn, and
     meanwhile its snapshots and resumes leave them out (``forgetting``). That is not the
