@@ -183,13 +183,15 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
         return f"not a move step: {type(exc).__name__}: {exc}"
 
 
-def _leaving(server: ShardServer, body: list[bytes]) -> dict | str:
+async def _leaving(server: ShardServer, body: list[bytes]) -> dict | str:
     """What a control request's routing would take off this shard: {"shard index":
-    [keys, bytes]}, or why it is not a routing."""
+    [keys, bytes]}, or why it is not a routing. Counted a chunk per loop turn
+    (``ShardServer.count_leaving``): the server serves meanwhile."""
     shard_map = _routing_of(body)
     if isinstance(shard_map, str):
         return shard_map
-    return {str(i): list(row) for i, row in server.keys_leaving(shard_map).items()}
+    leaving = await server.count_leaving(shard_map)
+    return {str(i): list(row) for i, row in leaving.items()}
 
 
 def _parent_gone(pid: int) -> bool:
@@ -227,16 +229,22 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
             (``move_refused``)."""
             said: dict = {}
             command = request.body[:1]
+            if command == [ROUTING_COMMAND] and request.body[2:3] == [ROUTING_COUNT]:
+                return counted(request.body[1:2])
             if command == [PEER_DOWN] and isinstance(server.role, BinaryStar):
                 server.role.peer_reported_down("the supervisor says so")
             elif command == [MOVE_COMMAND]:
                 said["move_refused"] = _move(server, request.body[1:])
-            elif command == [ROUTING_COMMAND] and request.body[2:3] == [ROUTING_COUNT]:
-                said["routing_leaving"] = _leaving(server, request.body[1:2])
             elif command == [ROUTING_COMMAND]:
                 said["routing_refused"] = _install(server, request.body[1:])
             stats = control_stats(server, shard)  # (after the step: what it left)
             stats.update(said)
+            return json.dumps(stats)
+
+        async def counted(body: list[bytes]) -> str:
+            leaving = await _leaving(server, body)
+            stats = control_stats(server, shard)
+            stats["routing_leaving"] = leaving
             return json.dumps(stats)
 
         worker = MdpWorker(control, service, answer, ctx=server.ctx,
