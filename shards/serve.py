@@ -35,6 +35,8 @@ log = logging.getLogger("clonemap.shards")
 
 PARENT_POLL_S = 0.5
 FATAL_EXIT = 1
+COMPACT_COMMAND = b"compact"
+"""A control request's first frame: start a compaction now (``compact_refused``)."""
 
 
 def parse_cpus(ctx, param, value: str | None) -> list[int] | None:
@@ -226,13 +228,18 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
             by itself; ``routing`` JSON installs a newer routing (``routing_refused``
             says why not), or with ``count`` says what it would take off this shard
             (``routing_leaving``); ``move`` JSON is one step of a move
-            (``move_refused``)."""
+            (``move_refused``); ``compact`` starts a compaction of the data directory now
+            (``compact_refused`` says why not: one is running, no data directory)."""
             said: dict = {}
             command = request.body[:1]
             if command == [ROUTING_COMMAND] and request.body[2:3] == [ROUTING_COUNT]:
                 return counted(request.body[1:2])
             if command == [PEER_DOWN] and isinstance(server.role, BinaryStar):
                 server.role.peer_reported_down("the supervisor says so")
+            elif command == [COMPACT_COMMAND]:
+                said["compact_refused"] = (server.persist.compact_now()
+                                           if server.persist is not None else
+                                           "this server keeps no data directory")
             elif command == [MOVE_COMMAND]:
                 said["move_refused"] = _move(server, request.body[1:])
             elif command == [ROUTING_COMMAND]:

@@ -99,17 +99,30 @@ class Persistence:
             self.fail("fsync of the log", exc)
             return
         if self.dir.compaction_due():
-            self._flush_held()  # the snapshot must not miss what the log will drop
-            if self.failed:
-                return
-            store, uuids = self._snapshot_of()
-            try:
-                job = self.dir.start_compaction(store, uuids)
-            except OSError:
-                return  # counted and logged by the data directory; it tries again later
-            log.info("compaction: writing the snapshot at sequence %d (%d keys)", job.seq,
-                     len(store))
-            self._drive(job)
+            self._compact("the log has grown")
+
+    def compact_now(self) -> str:
+        """Start a compaction now, whatever the log's size (an operator's, after a bulk
+        load: ``compact`` on the control service); "" once started, else why not."""
+        if self.failed:
+            return "the data directory had a disk error"
+        if self.dir.compaction is not None:
+            return "a compaction is running"
+        return "" if self._compact("asked") else "the snapshot could not be started"
+
+    def _compact(self, why: str) -> bool:
+        self._flush_held()  # the snapshot must not miss what the log will drop
+        if self.failed:
+            return False
+        store, uuids = self._snapshot_of()
+        try:
+            job = self.dir.start_compaction(store, uuids)
+        except OSError:
+            return False  # counted and logged by the data directory; tried again later
+        log.info("compaction (%s): writing the snapshot at sequence %d (%d keys)", why,
+                 job.seq, len(store))
+        self._drive(job)
+        return True
 
     # ------------------------------------------------------------------ a replaced map
     def replace(self, store: Store, generation: str, dropped_from: int | None,

@@ -163,3 +163,49 @@ def test_fsync_always_acknowledges_only_what_is_on_disk(procs, tmp_path, zctx):
     got, seq = fetch_map(zctx, port)
     assert got == {f"/s/{i}".encode(): b"v%d" % i for i in range(20)} and seq == 20
     server.stop()
+
+
+def test_a_compaction_asked_on_the_control_service_snapshots_the_map_now(procs, tmp_path,
+                                                                         zctx):
+    """``[compact]`` (an operator's, after a bulk load): the server writes its snapshot
+    at once, far below the log size that starts one by itself; a second ask while it
+    runs, or one to a server without a data directory, is refused with the reason. The
+    map comes back whole from that snapshot after a restart."""
+    import json
+
+    from clonemap.shards.common.mdp.client import SyncMdpClient
+
+    port, other = free_port_base(4), free_port_base(4)
+    control = f"tcp://127.0.0.1:{free_port_base(1)}"
+    procs.python("-m", "clonemap.supervisor", "broker", "--bind", control, ready="READY broker")
+    server = start(procs, port, tmp_path, "--shard", "s0", "--control", control)
+    procs.python("-m", "clonemap.shards", "--port", str(other), "--shard", "s1", "--control",
+                 control, ready="READY")
+    write(port, [(f"/c/{i}", b"v%d" % i, None) for i in range(300)])
+    before, seq = fetch_map(zctx, port)
+    with SyncMdpClient(control, ctx=zctx, timeout_s=5.0, retries=2) as client:
+        ask = lambda service, *body: json.loads(client.request(service, *body)[0])  # noqa: E731
+        assert ask("shard.s0.standalone")["persist"]["compactions"] == 0
+        said = ask("shard.s0.standalone", b"compact")
+        assert said["compact_refused"] == ""
+        again = ask("shard.s0.standalone", b"compact")["compact_refused"]
+        assert again in ("a compaction is running", "")  # ("" once the first one ended)
+        deadline = time.monotonic() + 10
+        while True:
+            persist = ask("shard.s0.standalone")["persist"]
+            if persist["compacting"] is None and persist["compactions"] >= 1:
+                break
+            assert time.monotonic() < deadline, f"no compaction ended: {persist}"
+            time.sleep(0.05)
+        assert persist["snapshot_bytes"] > 0 and persist["log_bytes"] < 64 << 20
+        refused = ask("shard.s1.standalone", b"compact")["compact_refused"]
+        assert refused == "this server keeps no data directory"
+    assert any("compaction (asked): writing the snapshot at sequence "
+               f"{seq} (300 keys)" in line for line in server.stderr)
+    assert server.stop() == 0
+    server = start(procs, port, tmp_path, "--shard", "s0")
+    after, seq_after = fetch_map(zctx, port)
+    assert after == before and seq_after == seq
+    recovered = [line for line in server.stderr if "recovered 300 keys" in line]
+    assert recovered and "(snapshot None" not in recovered[0]  # read from the snapshot
+    server.stop()
