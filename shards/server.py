@@ -688,11 +688,13 @@ class ShardServer:
         self.route = shard_map.route_of(index) if shard_map is not None else ""
 
     # ================================================================ moves
-    def start_import(self, source: str, prefix: bytes, shard_map) -> str:
+    def start_import(self, source: str, prefix: bytes, shard_map,
+                     rate: float | None = None, timeout_s: float | None = None) -> str:
         """Copy, from the source active at ``source`` (its P), the keys under ``prefix``
         that ``shard_map`` gives this shard, invisibly (the target's side of a move:
-        ``clonemap.shards.migrate.Import``); "" once started, else why not."""
-        from clonemap.shards.migrate import Import
+        ``clonemap.shards.migrate.Import``), at ``rate`` bytes per second at most (None:
+        unpaced), its snapshot whole within ``timeout_s``; "" once started, else why not."""
+        from clonemap.shards.migrate import COPY_TIMEOUT_S, Import
 
         if not self.active:
             return "not active"
@@ -708,7 +710,8 @@ class ShardServer:
         added = self.shard_map is not None and self.shard_map.epoch == shard_map.epoch
         imp = Import(self.sockets.connect, self.loop, source, prefix, self._limits, owns,
                      self.config.shard_index,
-                     stage=self.apply_copied if added else None, flush=self.flush)
+                     stage=self.apply_copied if added else None, flush=self.flush,
+                     rate=rate, timeout_s=timeout_s or COPY_TIMEOUT_S)
         self.importing.append(imp)
         imp.start()
         return ""

@@ -67,6 +67,7 @@ from clonemap.shards.common.placement import Plan, RoutingParams
 from clonemap.shards.common.proto.chp import check_subtree
 from clonemap.shards.common.routing import (MOVE_COMMAND, ROUTING_COMMAND, ROUTING_COUNT,
                                             ROUTING_FORGET, ShardMap)
+from clonemap.shards.migrate import COPY_TIMEOUT_S
 from clonemap.supervisor import routing_state
 from clonemap.supervisor.process import BACKOFF, RUNNING, STARTING
 from clonemap.supervisor.protocol import stats_service
@@ -80,7 +81,14 @@ HOLD_BOUND_S = 0.5
 catch up); past it the holds are released and the move tried again."""
 HOLD_ATTEMPTS = 3
 COPY_WAIT_S = 120.0
-"""How long the copies may take to arrive and come within ``CATCH_UP`` of their sources."""
+"""How long the copies may take to arrive and come within ``CATCH_UP`` of their sources
+(more for copies that ``copy_rate`` makes longer: ``copy_timeout_s``)."""
+COPY_RATE = 32 * 2**20
+"""Bytes per second each target of a move copies at most, unless the change says
+otherwise (``supervisor reshard --copy-rate``): the copy is paced so that a busy host
+keeps serving while it runs (Elasticsearch's recovery defaults to 40 MB/s, CockroachDB's
+rebalancing snapshots to 32 MiB/s); about 10 MiB/s is what a copy reaches unpaced on
+the 2-core host of ``bench reshard``, where its writer needs ``--copy-rate 4MiB``."""
 CATCH_UP = 200
 """Source updates a copy may trail by before the hold begins."""
 CATCH_UP_POLL_S = 0.5
@@ -113,13 +121,24 @@ class Refused(Exception):
         self.status, self.text, self.plan = status, text, plan
 
 
-def parse_change(body: list[bytes]) -> tuple[str, bool]:
-    """A request's body: JSON {config: the new config's path, apply}."""
+def parse_change(body: list[bytes]) -> tuple[str, bool, float | None]:
+    """A request's body: JSON {config: the new config's path, apply, copy_rate: bytes
+    per second that each target copies at most (absent: ``COPY_RATE``; 0: unpaced)}."""
     try:
         doc = json.loads(body[0])
-        return str(doc["config"]), bool(doc.get("apply"))
+        rate = doc.get("copy_rate", COPY_RATE)
+        if rate is not None and (isinstance(rate, bool) or float(rate) < 0):
+            raise ValueError(f"copy_rate must be bytes per second >= 0, got {rate!r}")
+        rate = float(rate) if rate else None  # (0 or null: unpaced)
+        return str(doc["config"]), bool(doc.get("apply")), rate
     except (IndexError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise Refused(b"400", f"not a routing change: {exc}") from None
+
+
+def copy_timeout_s(size: int, rate: float | None, floor_s: float) -> float:
+    """How long a copy of ``size`` bytes at ``rate`` bytes/s may take: twice what the
+    rate makes it, plus 10 s, and never less than ``floor_s``."""
+    return floor_s if not rate else max(floor_s, 2 * size / rate + 10.0)
 
 
 def moved_prefixes(old: ShardMap, new: ShardMap) -> dict[str, tuple[int, int]]:
@@ -164,6 +183,11 @@ class Resharding:
         self._clients: dict[str, tuple[MdpClient, asyncio.Lock]] = {}
         self._state: dict = {"phase": "", "keys": 0, "bytes": 0, "changes": 0}
         self.progress: Callable[[bytes], object] | None = None
+        self.copy_rate: float | None = COPY_RATE
+        """The change under way's ``copy_rate``."""
+        self.copy_paused_s = 0.0
+        """How long its copies paused for ``copy_rate`` (all targets together), as of
+        their last poll."""
         """Where the change under way says how far it got (``change``)."""
         self._said_at = 0.0
 
@@ -297,11 +321,15 @@ class Resharding:
                 "next_epoch": old.epoch + 1, "changed": False, "servers_counted": names}
 
     async def change(self, config: str, apply: bool,
-                     progress: Callable[[bytes], object] | None = None) -> dict:
+                     progress: Callable[[bytes], object] | None = None,
+                     copy_rate: float | None = COPY_RATE) -> dict:
         """Plan, or apply, the change to ``config``'s routing (module doc); ``progress``:
-        where it says how far it got (a PARTIAL to its caller). One change at a time."""
+        where it says how far it got (a PARTIAL to its caller); ``copy_rate``: bytes per
+        second each target copies at most (None: unpaced). One change at a time."""
         async with self._lock:
             self.progress = progress
+            self.copy_rate = copy_rate
+            self.copy_paused_s = 0.0
             self._aborting = self._past_flip = False
             if apply:
                 self._state = {"phase": "planning", "keys": 0, "bytes": 0,
@@ -445,14 +473,24 @@ class Resharding:
             dst = {t: await self._active_of(t) for t in targets}
             await asyncio.gather(*(self._step(src[s], "export", routing=new.describe())
                                    for s in sources))
-            for s, t in pairs:  # 2. copy
+            # 2. copy: each target at copy_rate at most, shared by the sources it copies
+            sizes = {(m["from"], m["to"]): m["bytes"] for m in plan["moves"]}
+            into = {t: sum(1 for _, u in pairs if u == t) for t in targets}
+            rate = self.copy_rate
+            for s, t in pairs:
                 plan_s = self.runner.servers[src[s]].plan
+                each = rate / into[t] if rate else None
                 await self._step(dst[t], "import", source=f"tcp://{plan_s.address}:"
                                  f"{plan_s.port}", prefix=self._subtree(old, new, s, t),
-                                 routing=new.describe())
+                                 routing=new.describe(), rate=each,
+                                 timeout_s=copy_timeout_s(sizes.get((s, t), 0), each,
+                                                          COPY_TIMEOUT_S))
+            copy_wait_s = copy_timeout_s(max((sum(b for (_, u), b in sizes.items() if u == t)
+                                              for t in targets), default=0), rate,
+                                         COPY_WAIT_S)
             for attempt in range(1, HOLD_ATTEMPTS + 1):
                 # copied, and each copy within CATCH_UP of its source's sequence now
-                deadline = time.monotonic() + COPY_WAIT_S
+                deadline = time.monotonic() + copy_wait_s
                 while True:
                     at = {s: (await self._ask(src[s])).get("seq", 0) for s in sources}
                     try:
@@ -465,7 +503,7 @@ class Resharding:
                         if time.monotonic() > deadline:
                             raise Refused(b"409", f"the copies did not come within "
                                                   f"{CATCH_UP} updates of their sources "
-                                                  f"in {COPY_WAIT_S:g} s") from None
+                                                  f"in {copy_wait_s:g} s") from None
                 phases.setdefault("copy_s", time.monotonic() - began - phases["start_s"])
                 await self._reached("copied")
                 hold_began = time.monotonic()
@@ -536,6 +574,7 @@ class Resharding:
         routing_state.clear_move(self.run_dir)
         await self._reached("flipped")
         phases["commit_s"] = time.monotonic() - sealed_at
+        phases["copy_paused_s"] = self.copy_paused_s
         # the sources first, every server of each at once: that ends the hold (what they
         # held goes on), also where a source's active changed since the copy (its peer
         # is active now, and a dead one's silence must not keep it waiting)
@@ -558,6 +597,7 @@ class Resharding:
         log.info("reshard: epoch %d, %d -> %d shards, %d keys moved in %.3f s (hold %.3f s, "
                  "attempt %d)", new.epoch, old.shards, new.shards, keys, took,
                  phases["hold_s"], attempt)
+        plan.update(copy_rate=self.copy_rate)
         plan.update(epoch=new.epoch, changed=True, servers=self._running(), at=time.time(),
                     moved_keys=keys, took_s=round(took, 3), attempts=attempt,
                     phases={k: round(v, 3) for k, v in phases.items()}, removed=removed)
@@ -624,6 +664,7 @@ class Resharding:
                 raise Refused(b"409", f"{', '.join(gone)}, the active of a source, stopped")
             finished = True
             keys = size = 0
+            paused = 0.0
             for name in dst.values():
                 try:
                     stats = await self._ask(name)
@@ -643,6 +684,8 @@ class Resharding:
                     finished = finished and done(imp)
                     keys += imp["keys"]
                     size += imp["bytes"]
+                    paused += imp.get("paused_s", 0.0)
+            self.copy_paused_s = paused
             await self._say(keys=keys, bytes=size)
             if finished:
                 return

@@ -149,8 +149,8 @@ class ControlServices:
             asked, why = self.resharding.abort()
             return [OK if asked else CONFLICT, why.encode()]
         try:
-            config, apply = parse_change(request.body)
-            plan = await self.resharding.change(config, apply, request.partial)
+            config, apply, copy_rate = parse_change(request.body)
+            plan = await self.resharding.change(config, apply, request.partial, copy_rate)
         except Refused as exc:
             reply = [exc.status, exc.text.encode()]
             if exc.plan is not None:

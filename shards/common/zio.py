@@ -300,6 +300,7 @@ class AsyncSocket:
         self.received = 0
         self._scheduled = False
         self._closed = False
+        self._paused: asyncio.TimerHandle | None = None
         self._writable_waiters: list[asyncio.Future] = []
         self._fd = sock.FD
         self._handle = sock.underlying
@@ -316,9 +317,22 @@ class AsyncSocket:
             self._scheduled = True
             self.loop.call_soon(self._on_fd)
 
+    def pause(self, seconds: float) -> None:
+        """Read nothing for ``seconds`` (a reader's pacing): what arrives meanwhile waits
+        in the socket, whose high-water mark then pushes back on the sender."""
+        if self._closed or seconds <= 0:
+            return
+        if self._paused is not None:
+            self._paused.cancel()
+        self._paused = self.loop.call_later(seconds, self._unpause)
+
+    def _unpause(self) -> None:
+        self._paused = None
+        self._schedule()
+
     def _on_fd(self) -> None:
         self._scheduled = False
-        if self._closed:
+        if self._closed or self._paused is not None:
             return
         sock = self.sock
         handler = self.on_message
@@ -436,6 +450,9 @@ class AsyncSocket:
         if self._closed:
             return
         self._closed = True
+        if self._paused is not None:
+            self._paused.cancel()
+            self._paused = None
         try:
             self.loop.remove_reader(self._fd)
         except Exception:  # the loop may already be closed

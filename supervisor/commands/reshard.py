@@ -28,6 +28,23 @@ from clonemap.supervisor.control import (ReplyError, Selection, call, control_op
 
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_rate(text: str) -> float:
+    """``--copy-rate``'s bytes per second: a number with an optional unit (``4MiB``,
+    ``40MB``, ``500kB``, ``1048576``; an optional ``/s``); 0: unpaced."""
+    import re
+
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*(?:/s)?\s*", text)
+    unit = found[2].lower() if found else ""
+    if found is None or unit not in _UNITS:
+        raise click.BadParameter(f"{text!r} is not bytes per second (e.g. 4MiB, 40MB, "
+                                 "1048576, 0 for unpaced)")
+    return float(found[1]) * _UNITS[unit]
+
+
 def routing_change(path: str) -> dict:
     """``cluster.reshard``'s body: NEW_CONFIG, checked here first (``ConfigError``)."""
     from pathlib import Path
@@ -87,12 +104,15 @@ class _Bar:
               help="The config whose routing (shard count and pins) the cluster takes.")
 @click.option("--yes", is_flag=True, help="Apply without asking.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and change nothing.")
+@click.option("--copy-rate", default=None, metavar="BYTES/S",
+              help="How fast each target copies at most, e.g. 4MiB (default 32MiB; "
+                   "0: unpaced). Lower it on a host with little CPU to spare.")
 @click.option("--abort", is_flag=True,
               help="Stop the change under way and roll it back (refused once it sealed "
                    "its holds: past that it completes).")
 @control_options
 def command(sel: Selection, new_config: str | None, yes: bool, dry_run: bool,
-            abort: bool) -> None:
+            copy_rate: str | None, abort: bool) -> None:
     """Change the running cluster's routing to NEW_CONFIG's (a new routing epoch), or
     with --abort stop the change under way."""
     if abort:
@@ -114,12 +134,15 @@ def command(sel: Selection, new_config: str | None, yes: bool, dry_run: bool,
         return
     if new_config is None:
         raise click.UsageError("--to NEW_CONFIG is needed (or --abort)")
+    rate = parse_rate(copy_rate) if copy_rate is not None else None
 
     def body() -> int:
         try:
             change = routing_change(new_config)
         except ConfigError as exc:
             raise ConfigError(f"{new_config}: {exc}", field=exc.field) from None
+        if rate is not None:
+            change["copy_rate"] = rate
         endpoint = sel.endpoint()
         ping(endpoint, "cluster.reshard", sel.timeout_s)
         plan = json.loads(call(endpoint, "cluster.reshard",
@@ -179,6 +202,10 @@ def command(sel: Selection, new_config: str | None, yes: bool, dry_run: bool,
                        f"{done['attempts']}; of the hold: catch-up "
                        f"{phases.get('catch_up_s', 0) * 1000:.0f} ms, commit "
                        f"{phases.get('commit_s', 0) * 1000:.0f} ms)")
+            pace = done.get("copy_rate")
+            click.echo(f"the copy paused {phases.get('copy_paused_s', 0):.3f} s to keep "
+                       f"within {pace / 2**20:.3g} MiB/s per target" if pace else
+                       "the copy was not paced (--copy-rate 0)")
         for index in done.get("removed", []):
             click.echo(f"shard {index} is removed: its servers stop in a few heartbeats "
                        "(their data directories stay)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 import urllib.request
@@ -439,6 +440,55 @@ def test_supervisor_reshard_grows_and_shrinks_with_writers_running(procs, tmp_pa
     assert not [p for p in children_of(sup.pid) if "s2" in " ".join(
         psutil.Process(p).cmdline())]
     assert (tmp_path / "run" / "data" / "s2-primary").is_dir()
+
+
+def test_a_growth_copies_at_the_rate_it_was_given_and_loses_nothing(procs, tmp_path, zctx):
+    """``supervisor reshard --copy-rate``: the added shard's copy reads the source's
+    snapshot at that many bytes per second at most, pausing between batches (the source's
+    stream waits on its high-water mark meanwhile), while a ``wait=True`` writer runs;
+    the command says how long it paused, and a fresh client's map equals the ledger. A
+    rate that is not bytes per second is refused before anything is asked."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    start(procs, config, tmp_path)
+    wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    bad = cli("reshard", str(config), "--to", str(three), "--yes", "--copy-rate", "fast")
+    assert bad.returncode == 2 and "is not bytes per second" in bad.stderr
+    value = b"x" * 1000
+    ledger: dict[str, bytes] = {f"/pace{i}/k": value for i in range(600)}
+
+    async def scenario():
+        async with AsyncClone(config=str(config)) as clone:
+            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
+            stop = asyncio.Event()
+
+            async def writer():
+                n = 0
+                while not stop.is_set():
+                    key = f"/pace{n % 600}/k"
+                    await clone.set(key, b"w%d" % n + value, wait=True, timeout_s=30)
+                    ledger[key] = b"w%d" % n + value
+                    n += 1
+
+            task = asyncio.ensure_future(writer())
+            # ~200 keys of 1 kB move, in batches of 64: at 100 kB/s per target, shared
+            # by its 2 sources
+            done = await asyncio.to_thread(cli, "reshard", str(config), "--to", str(three),
+                                           "--yes", "--copy-rate", "100kB", timeout_s=120)
+            stop.set()
+            await task
+            assert done.returncode == 0, done.stdout + done.stderr
+            paused = re.search(r"the copy paused ([\d.]+) s to keep within 0\.0954 MiB/s "
+                               r"per target", done.stdout)
+            assert paused and float(paused[1]) > 0, done.stdout
+            await _until(lambda: clone.routing_epoch == 2, "the client follows epoch 2")
+
+        async with AsyncClone(control=control) as fresh:  # (the cluster map: epoch 2)
+            assert fresh.routing_epoch == 2
+            assert {k: fresh.get(k) for k in ledger} == ledger
+            assert len(fresh) == len(ledger)
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("phase", ["copied", "held", "sealed", "committed", "flipped"])
