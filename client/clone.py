@@ -144,6 +144,8 @@ class AsyncClone:
                              follow=self._follow_routing,
                              epoch=lambda: self.routing_epoch)
         self._following = 0
+        self._routing_task: asyncio.Task | None = None
+        """The fetch of a later routing a server follows (``_follow_routing``)."""
         """The routing epoch this client is fetching the map of (0: none)."""
         self.routing_followed = 0
         """How many later routing epochs this client took while it ran."""
@@ -306,7 +308,16 @@ class AsyncClone:
                     refusals = {link: f if not f.done() else
                                 asyncio.ensure_future(link.refused.wait())
                                 for link, f in refusals.items()}
-            await ready
+                await ready
+                # a server said it follows a later routing than this client's config
+                # (a change since the config was written): follow it before returning,
+                # or the keys that moved to a shard this client did not know are missed
+                while self._routing_task is not None and not self._routing_task.done():
+                    await asyncio.wait({self._routing_task, failure},
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    if self.failed is not None:
+                        raise self.failed
+                await asyncio.gather(*(a.wait_ready() for a in self._agents))
         except TimeoutError:
             await _cancelled(ready)
             self._raise_refused()  # a refused handshake is the cause, not the wait
@@ -366,7 +377,8 @@ class AsyncClone:
             return False
         if self._following < epoch:
             self._following = epoch
-            asyncio.get_running_loop().create_task(self._fetch_routing(control, epoch))
+            self._routing_task = asyncio.get_running_loop().create_task(
+                self._fetch_routing(control, epoch))
         return True
 
     async def _fetch_routing(self, control: "str | Sequence[str]", epoch: int) -> None:

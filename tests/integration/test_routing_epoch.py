@@ -446,8 +446,10 @@ def test_a_growth_copies_at_the_rate_it_was_given_and_loses_nothing(procs, tmp_p
     """``supervisor reshard --copy-rate``: the added shard's copy reads the source's
     snapshot at that many bytes per second at most, pausing between batches (the source's
     stream waits on its high-water mark meanwhile), while a ``wait=True`` writer runs;
-    the command says how long it paused, and a fresh client's map equals the ledger. A
-    rate that is not bytes per second is refused before anything is asked."""
+    the command says how long it paused, and a fresh client's map equals the ledger,
+    though it starts from the config before the change (it follows the cluster's routing
+    before ``start()`` returns). A rate that is not bytes per second is refused before
+    anything is asked."""
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
     start(procs, config, tmp_path)
     wait_status(control, settled)
@@ -483,8 +485,10 @@ def test_a_growth_copies_at_the_rate_it_was_given_and_loses_nothing(procs, tmp_p
             assert paused and float(paused[1]) > 0, done.stdout
             await _until(lambda: clone.routing_epoch == 2, "the client follows epoch 2")
 
-        async with AsyncClone(control=control) as fresh:  # (the cluster map: epoch 2)
-            assert fresh.routing_epoch == 2
+        # a fresh client started from the config before the change: its servers say
+        # they follow epoch 2, and it returns from start() once it follows it too
+        async with AsyncClone(config=str(config)) as fresh:
+            assert fresh.routing_epoch == 2 and len(fresh.version_vector) == 3
             assert {k: fresh.get(k) for k in ledger} == ledger
             assert len(fresh) == len(ledger)
 
