@@ -144,7 +144,7 @@ class AsyncClone:
                              follow=self._follow_routing,
                              epoch=lambda: self.routing_epoch)
         self._following = 0
-        self._routing_task: asyncio.Task | None = None
+        self._routing_task: asyncio.Task[None] | None = None
         """The fetch of a later routing a server follows (``_follow_routing``)."""
         """The routing epoch this client is fetching the map of (0: none)."""
         self.routing_followed = 0
