@@ -395,9 +395,15 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
     moved_bytes = moved_keys * entry
     # (to the end of the run: the client follows within a heartbeat of the change)
     a, b = result["marks"]["start"]["shards"], result["marks"]["end"]["shards"]
-    # a shard's part that is new took the moved keys in its first snapshot; the parts
-    # there before applied updates: the writer's own echoes, and any move traffic
-    snapshot_bytes = sum(v["bytes"] for name, v in b.items() if name not in a)
+    # a shard's part that is new took the moved keys in its first snapshot, or adopted
+    # them from the parts the client held (then only the updates after the copy came:
+    # each counted at one key and value); the parts there before applied updates: the
+    # writer's own echoes, and any move traffic
+    snapshot_bytes = sum(v["bytes"] if not v.get("adoptions") else
+                         v.get("adoption_rows", 0) * (len("/s00000/k000000") +
+                                                      args.value_bytes)
+                         for name, v in b.items() if name not in a)
+    adopted = sorted(name for name, v in b.items() if name not in a and v.get("adoptions"))
     # a part there before that took a snapshot again (the client fell behind by more
     # than max_lag_s: the slow-subscriber resync) received its whole part again
     resyncs = {name: v["snapshots"] - a[name]["snapshots"] for name, v in b.items()
@@ -413,7 +419,7 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
         "commit_ms": int(parts[2]) if parts else None, "load_s": round(load_s, 2),
         "compact_s": round(compact_s, 2),
         "follower_bytes_estimated": received, "moved_bytes": moved_bytes,
-        "follower_resyncs": resyncs,
+        "follower_resyncs": resyncs, "follower_adopted": adopted,
         "follower_bytes_ratio": round(received / moved_bytes, 3) if moved_bytes else None,
         "command_output": out.stdout.strip().splitlines()[-6:]})
     return summary
@@ -442,6 +448,9 @@ def report(record: rec.Record) -> None:
              *[f"{runs[n]['writer_cpu_pct']['before']} / {runs[n]['writer_cpu_pct']['during']}"
                if runs[n].get("writer_cpu_pct") else "-" for n in names]],
             ["follower bytes (est.) / moved bytes", *pick("follower_bytes_ratio")],
+            ["follower's new shards adopted (not a snapshot)",
+             *[", ".join(runs[n]["follower_adopted"]) or "none"
+               if runs[n].get("follower_adopted") is not None else "-" for n in names]],
             ["follower's resyncs (fell behind > max_lag_s)",
              *[str(sum(runs[n]["follower_resyncs"].values()))
                if runs[n].get("follower_resyncs") is not None else "-" for n in names]]]

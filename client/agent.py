@@ -124,6 +124,32 @@ class ShardAgent:
         self.moved_echo: Callable[[bytes, int], None] | None = None
         """Set while keys move here: a KVPUB's UUID may be a write another shard's part
         waits for (a held write the old shard forwarded)."""
+        self.adopt_claim: Callable[[ShardAgent], dict[str, tuple[int, int]] | None] | None = None
+        """Set by the client for a shard a routing change added: its first request may be
+        an adoption (``adopt=``, the maps the client holds and how far), which the shard
+        answers with only the updates after its copy (``clonemap.shards.snapshots``)."""
+        self.on_adopted: Callable[[ShardAgent], None] | None = None
+        """Called once an adoption is installed: the client moves the keys it holds for
+        this shard into its part, a chunk per loop turn (``lending`` meanwhile)."""
+        self.lending: tuple = ()
+        """While an adoption's keys move here: the parts that still hold some of them
+        (reads that miss this part look there)."""
+        self.lent_at: list[tuple[ShardAgent, int]] = []
+        """Each part an adoption counts on, with its ``snapshots`` when it was claimed."""
+        self.adoption = None
+        """The ``clonemap.client.adoption.Adoption`` moving keys here, while it runs."""
+        self.lent_out: Callable[[ShardAgent], None] | None = None
+        """Called before a snapshot replaces this part's map while another part adopts
+        keys from it: they move there first."""
+        self.epoch_seen = 0
+        """The latest routing epoch a HUGZ applied in stream order named: every update
+        its server published before it follows that routing is applied here."""
+        self.on_epoch: Callable[[ShardAgent], None] | None = None
+        """Called when ``epoch_seen`` grows (an adoption waits on its lenders' streams)."""
+        self.part_epoch = 0
+        """The routing epoch this part's server followed when it sent the whole snapshot
+        the part was last built from (0: not said). Forgetting what moved away begins
+        only past that epoch, so such a part holds every key it was given."""
         self.view = view
         """The client's flat read view (every shard's keys as ``str`` -> value), which
         this agent keeps current for its keys beside ``map``; None: none kept (a codec
@@ -355,17 +381,29 @@ class ShardAgent:
         # The map's term goes with it: a server resumes only a client whose updates are
         # all in its own map (an active may have published one its passive never got).
         since = self.last_seq if eff.resume else None
+        adopt = None
+        if (since is None and not self.snapshots and self.adopt_claim is not None
+                and self.link.cas):
+            adopt = self.adopt_claim(self)
         self.link.request_snapshot(address, since, self.generation if since is not None
-                                   else "", meta=self.link.cas, term=self.term)
-        self.incoming.begin()
+                                   else "", meta=self.link.cas, term=self.term, adopt=adopt)
+        self.incoming.begin(adopting=adopt is not None)
         self._buffer.clear()
         log.info("shard %s: ICANHAZ %r to %s (%s%s)", self.name, self.subtree,
                  address.snapshot, eff.reason,
-                 f"; resume after {since}" if since is not None else "")
+                 f"; resume after {since}" if since is not None else
+                 f"; adoption of {adopt}" if adopt is not None else "")
 
     def _install_snapshot(self, eff: sm.InstallSnapshot) -> None:
+        if self.lent_out is not None:
+            self.lent_out(self)  # keys another part adopts from this one go there first
         old = self.map
+        adopted, whole = self.incoming.adopted, self.incoming.whole
         new, new_props, new_seqs = self.incoming.take()
+        if adopted:
+            new = self._adoption_deletes(new, new_props, new_seqs)
+        elif whole:
+            self.part_epoch = self.incoming.epoch
         self.link.close_dealer()
         outages = self.outages
         first = not self.snapshots
@@ -405,7 +443,33 @@ class ShardAgent:
         self.writes.installed(eff.resend, self.link.cas, self.map, self.last_seq)
         if reset is not None:
             outages.report_reset(reset)
+        if adopted and self.on_adopted is not None:
+            self.on_adopted(self)
         self._replay(self.state.epoch)
+
+    def lenders_intact(self) -> bool:
+        """No part an adoption counts on installed a snapshot since it was claimed (one
+        from a server that forgets what moved away may lack the keys it lends)."""
+        return all(other.snapshots == n for other, n in self.lent_at)
+
+    def _adoption_deletes(self, new: dict, props: dict, seqs: dict) -> dict:
+        """An adoption's rows are the updates after the copy: an empty value deleted a
+        key the client holds in another part (it leaves it, with a delete event). The
+        rest is installed as a snapshot is."""
+        gone = [k for k, v in new.items() if not v]
+        for key in gone:
+            del new[key]
+            props.pop(key, None)
+            seq = seqs.pop(key, 0)
+            for other in self.lending:
+                if other.give_up((key,)):
+                    if self.view is not None:
+                        text = _text(key)
+                        if text is not None:
+                            self.view.pop(text, None)
+                    if self.hub.watches:
+                        self.hub.changed(self.name, key, b"", seq)
+        return new
 
     def unavailable(self, within_s: float) -> str:
         """Why no server of this shard served this client lately (``clonemap.client.outages``)."""
@@ -589,6 +653,11 @@ class ShardAgent:
         info = chp.hugz_info(msg)
         if self._note_hugz(info):
             return
+        if info.epoch > self.epoch_seen and self.state.phase == sm.ACTIVE:
+            # (in stream order: every update published before it is applied here)
+            self.epoch_seen = info.epoch
+            if self.on_epoch is not None:
+                self.on_epoch(self)
         if (info.generation and self.generation and info.generation != self.generation
                 and self.state.phase == sm.ACTIVE and not self.state.live):
             self._dispatch(sm.NewGeneration(self.generation, info.generation))

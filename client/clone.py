@@ -34,8 +34,11 @@ from clonemap.shards.common.security import Security, client_keys
 from clonemap.shards.common.endpoints import MAX_IO_THREADS
 from clonemap.shards.common.proto import chp
 from clonemap.shards.common.proto.props import format_props, parse_props
+from clonemap.shards.common.routing import OwnerCache
 from clonemap.shards.common import timing
 from clonemap.shards.common.timing import HEARTBEAT_S
+from clonemap.client import shard_machine as sm
+from clonemap.client.adoption import Adoption
 from clonemap.client.agent import ShardAgent
 from clonemap.client.events import KEPT, KeyMeta
 from clonemap.client.collector import ServerAddress, parse_servers
@@ -78,6 +81,22 @@ def _viewed_get(view: dict[str, bytes],
     get.__doc__ = ("key's value in the local map, or default: one dict lookup for a key "
                    "the map holds (AsyncClone.get)")
     return get
+
+
+ADOPT_WAIT_S = 2.0
+"""How long an added shard's agent waits for the other parts to read their streams up to
+the new routing before it starts anyway (and takes a snapshot if they are behind)."""
+
+
+def _holder(agent: ShardAgent, key_b: bytes) -> ShardAgent:
+    """The part that holds ``key_b``, owned by ``agent``'s shard: its own, or, while it
+    adopts keys from other parts (``ShardAgent.lending``), the one that still has it."""
+    if key_b in agent.map or not agent.lending:
+        return agent
+    for other in agent.lending:
+        if key_b in other.map:
+            return other
+    return agent
 
 
 ROUTING_WAIT_S = 10.0
@@ -145,6 +164,9 @@ class AsyncClone:
                              epoch=lambda: self.routing_epoch)
         self._following = 0
         self._routing_task: asyncio.Task[None] | None = None
+        self._adopt_waits: dict[ShardAgent, int] = {}
+        """Added shards' agents not started yet, by the routing epoch their adoption waits
+        for the other parts to read up to (``_start_waiting``)."""
         """The fetch of a later routing a server follows (``_follow_routing``)."""
         """The routing epoch this client is fetching the map of (0: none)."""
         self.routing_followed = 0
@@ -279,7 +301,9 @@ class AsyncClone:
         if not self._started:
             self._started = True
             for agent in self._agents:
-                agent.start()
+                if agent not in self._adopt_waits:
+                    agent.start()
+            self._start_waiting()
         if self.failed is not None:
             raise self.failed
         failure = self.health.failure()
@@ -439,13 +463,88 @@ class AsyncClone:
         added = [self._agent_of_spec(cluster, cluster.shards[i], len(self._agents))
                  for i in sorted(needed - set(self._by_index))]
         self._wire_moves(installs=True)
+        waiting = []
+        if not self._subtree_b and self.only_key is None and self.via == "servers":
+            # a client of the whole map holds every key an added shard copied: it asks to
+            # adopt them (only the updates after the copy come), not for a snapshot,
+            # once its other parts read their streams up to the new routing (the copy's
+            # end is before it)
+            epoch = cluster.shard_map.epoch
+            for agent in added:
+                agent.adopt_claim = self._adopt_claim
+                agent.on_adopted = self._adopted
+                waiting.append(agent)
+            self._adopt_waits.update((a, epoch) for a in waiting)
+            for other in self._agents:
+                if other not in added:
+                    other.on_epoch = self._epoch_seen
+            if waiting:
+                asyncio.get_running_loop().call_later(ADOPT_WAIT_S, self._start_waiting,
+                                                      True)
         if self._started:
             for agent in added:
-                agent.start()
+                if agent not in waiting:
+                    agent.start()
+            self._start_waiting()
         self.routing_followed += 1
         log.info("routing: now epoch %d over %d shards (%s)%s", cluster.shard_map.epoch,
                  cluster.shard_map.shards, cluster.source,
                  f"; following {len(added)} more" if added else "")
+
+    def _epoch_seen(self, other: ShardAgent) -> None:
+        if self._adopt_waits:
+            self._start_waiting()
+
+    def _start_waiting(self, timed_out: bool = False) -> None:
+        """Start the added shards' agents that wait to adopt once every other part read
+        its stream up to their routing's epoch (or, ``timed_out``, anyway: the adoption
+        is then refused for a part still behind, and a snapshot comes instead)."""
+        if not self._started:
+            return
+        for agent, epoch in list(self._adopt_waits.items()):
+            others = [o for o in self._agents if o is not agent and o not in self._adopt_waits
+                      and o.phase == sm.ACTIVE]
+            if timed_out or all(o.epoch_seen >= epoch for o in others):
+                del self._adopt_waits[agent]
+                if agent in self._agents:
+                    agent.start()
+
+    def _adopt_claim(self, agent: ShardAgent) -> dict[str, tuple[int, int]] | None:
+        """What an added shard's agent claims in its adoption: each other part built
+        whole under an earlier routing (its server had not begun to forget what moved
+        away), by its map's generation, up to its sequence. None: no part qualifies."""
+        cluster = self.cluster
+        if cluster is None:
+            return None
+        epoch = cluster.shard_map.epoch
+        lenders = [o for o in self._agents
+                   if o is not agent and o.phase == sm.ACTIVE and o.generation
+                   and 0 < o.part_epoch < epoch]
+        if not lenders:
+            return None
+        agent.lending = tuple(lenders)
+        agent.lent_at = [(o, o.snapshots) for o in lenders]
+        for o in lenders:
+            o.lent_out = self._lent_out
+        return {o.generation: (o.last_seq, o.part_epoch) for o in lenders}
+
+    def _adopted(self, agent: ShardAgent) -> None:
+        """An adoption was installed: the keys its lenders hold for the added shard move
+        into its part, a chunk per loop turn (``clonemap.client.adoption``)."""
+        cluster = self.cluster
+        index = next((i for i, a in self._by_index.items() if a is agent), None)
+        if cluster is None or index is None or not agent.lending:
+            agent.lending, agent.lent_at = (), []
+            return
+        agent.adoption = Adoption(agent, OwnerCache(cluster.shard_map, index).owns)
+        agent.adoption.start()
+
+    def _lent_out(self, lender: ShardAgent) -> None:
+        """``lender``'s map is about to be replaced (a snapshot): every adoption that
+        takes keys from it finishes first, at once, so that no key it lends is lost."""
+        for agent in self._agents:
+            if lender in agent.lending and agent.adoption is not None:
+                agent.adoption.run()
 
     def _retire(self, agent: ShardAgent) -> None:
         """A shard this client no longer follows: its agent goes once its keys moved to
@@ -629,7 +728,11 @@ class AsyncClone:
             raise failed
         blob = route[1].map.get(route[0])
         if blob is None:
-            return default
+            if not route[1].lending:
+                return default
+            blob = _holder(route[1], route[0]).map.get(route[0])
+            if blob is None:
+                return default
         return blob if self._identity_codec else self.codec.decode(blob)
 
     def _on_failed(self, exc: ClonemapError) -> None:
@@ -653,19 +756,19 @@ class AsyncClone:
             if len(routes) >= self._routes_max:
                 routes.clear()
         routes[key] = (key_b, agent)
-        blob = agent.map.get(key_b)
+        blob = _holder(agent, key_b).map.get(key_b)
         return default if blob is None else self.codec.decode(blob)
 
     def __contains__(self, key: str) -> bool:
         key_b = self._key(key)
-        return key_b in self._agent_for(key_b).map
+        return key_b in _holder(self._agent_for(key_b), key_b).map
 
     def properties(self, key: str) -> dict[str, str]:
         """The properties the server sent with ``key``'s current value (e.g. our
         servers' ``expires=<epoch s>`` for a TTL key, or the reference C server's
         ``ttl``); empty if none or if the key is absent."""
         key_b = self._key(key)
-        raw = self._agent_for(key_b).props.get(key_b)
+        raw = _holder(self._agent_for(key_b), key_b).props.get(key_b)
         return parse_props(raw) if raw else {}
 
     def meta(self, key: str) -> KeyMeta | None:
@@ -673,7 +776,8 @@ class AsyncClone:
         (for ``set(..., if_seq=)``), its absolute expiry and properties; None if the key
         is absent. A local read, like ``get``."""
         key_b = self._key(key)
-        agent = self._agent_for(key_b)
+        owner = self._agent_for(key_b)
+        agent = _holder(owner, key_b)
         if key_b not in agent.map:
             return None
         raw = agent.props.get(key_b)
@@ -682,7 +786,10 @@ class AsyncClone:
             expires = float(props["expires"]) if "expires" in props else None
         except ValueError:
             expires = None
-        return KeyMeta(key, agent.seqs.get(key_b, 0), expires, props, agent.name)
+        # a key adopted from another part has no sequence of its new shard yet (0: a
+        # compare-and-set with it gets Conflict, which names the current one)
+        seq = agent.seqs.get(key_b, 0) if agent is owner else 0
+        return KeyMeta(key, seq, expires, props, owner.name)
 
     def items(self, prefix: str = "") -> list[tuple[str, Any]]:
         """(key, value) pairs under ``prefix``, in no particular order (a copy)."""

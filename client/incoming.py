@@ -57,13 +57,30 @@ class Incoming:
         self.resumes = self.resume_updates = self.resumes_refused = 0
         self.term: int | None = None
         """The ``term=`` of the last KTHXBAI (None: it named none)."""
+        self.epoch = 0
+        """The routing epoch its server followed when it took the request (KTHXBAI
+        ``epoch=``; 0: not said)."""
+        self.adopting = False
+        """The request was an adoption (``adopt=``): rows with an empty value are
+        deletes, as in a resume, until the KTHXBAI says whether it was answered."""
+        self.adopted = False
+        """The KTHXBAI said ``adopted=1``: the rows are the updates after the added
+        shard's copy, on top of the keys the client holds in its other parts."""
+        self.adoptions = 0
+        self.adoption_rows = 0
+        """The updates after the added shards' copies that adoptions received."""
+        self.whole = False
+        """The map received is a whole snapshot (not a resume's merge, not an adoption)."""
         self._max_key = agent.limits.max_key
         self._max_value = agent.limits.max_value
 
-    def begin(self) -> None:
-        """A request went out: receive into fresh maps."""
+    def begin(self, adopting: bool = False) -> None:
+        """A request went out: receive into fresh maps (``adopting``: an adoption)."""
         self.map, self.props, self.seqs = {}, {}, {}
         self.term = None
+        self.epoch = 0
+        self.adopting, self.adopted = adopting, False
+        self.whole = True
         self._base, self._dropped = self.messages, 0
         self._first_error = ""
 
@@ -87,7 +104,7 @@ class Incoming:
                     and 0 < len(key) <= self._max_key and len(value) <= self._max_value
                     and key not in _RESERVED and key.isascii()):
                 self.messages += 1
-                if value or agent.state.resuming:  # a resume's empty value is a delete
+                if value or agent.state.resuming or self.adopting:  # a resume's delete
                     incoming[key] = value
                     self.seqs[key] = _unpack_seq(seq)[0]
                 return None
@@ -105,7 +122,7 @@ class Incoming:
         agent = self.agent
         n, frames = _take_rows(handle, limit, zio.MAX_FRAMES, incoming, self.seqs,
                                agent.subtree, self._max_key, self._max_value, _RESERVED_WORDS,
-                               agent.state.resuming)
+                               agent.state.resuming or self.adopting)
         self.messages += n
         return n, frames
 
@@ -130,7 +147,7 @@ class Incoming:
             if not key.startswith(subtree):
                 self._dropped += 1
                 agent.drops.drop("outside_subtree", f"shard {agent.name}: KVSYNC {key[:60]!r}")
-            elif msg.value or agent.state.resuming:  # a resume's empty value is a delete
+            elif msg.value or agent.state.resuming or self.adopting:  # (a delete)
                 incoming[key] = msg.value
                 self.seqs[key] = msg.seq
                 if msg.props:
@@ -160,7 +177,23 @@ class Incoming:
                                        f"{subtree!r}")
         agent.narrowed = reply.narrowed
         self.term = reply.term
-        if agent.state.resuming:
+        self.epoch = reply.epoch
+        if self.adopting:
+            if reply.adopted and agent.lenders_intact():
+                self.adopted = True
+                self.whole = False
+                self.adoptions += 1
+                self.adoption_rows += arrived
+            elif reply.adopted:  # a part it counted on took a snapshot since: ask again
+                self.map = None
+                agent.adopt_claim = None
+                agent.link.close_dealer()
+                return sm.SnapshotRejected("an adoption answered after a part it counted "
+                                           "on was replaced: a whole snapshot instead")
+            else:  # a whole snapshot instead: its empty values are nothing
+                self._merge_resume(False, arrived)
+                self.resumes_refused -= 1  # (not a resume)
+        elif agent.state.resuming:
             self._merge_resume(reply.resumed is True, arrived)
         return sm.SnapshotDone(msg.seq, agent.link.generation)
 
@@ -176,6 +209,7 @@ class Incoming:
             self.seqs = {k: s for k, s in seqs_in.items() if incoming.get(k)}
             self.resumes_refused += 1
             return
+        self.whole = False
         merged, props, seqs = dict(agent.map), dict(agent.props), dict(agent.seqs)
         for key, value in incoming.items():
             if value:
@@ -196,5 +230,7 @@ class Incoming:
                  agent.last_seq)
 
     def stats(self) -> dict:
-        return {"snapshots_rejected": self.rejected, "resumes": self.resumes,
+        return {"snapshots_rejected": self.rejected, "adoptions": self.adoptions,
+                "adoption_rows": self.adoption_rows,
+                "resumes": self.resumes,
                 "resume_updates": self.resume_updates, "resumes_refused": self.resumes_refused}

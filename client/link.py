@@ -98,7 +98,8 @@ class Link:
 
     def request_snapshot(self, address: ServerAddress, since: int | None = None,
                          generation: str = "", meta: bool = False,
-                         term: int | None = None) -> None:
+                         term: int | None = None,
+                         adopt: dict[str, int] | None = None) -> None:
         """A fresh DEALER to ``address``'s snapshot port, and ICANHAZ on it (an abandoned
         snapshot still streaming to the old identity is dropped by the server's ROUTER,
         so two KTHXBAIs can never be confused). ``since``: ask for a resume (only the
@@ -114,7 +115,8 @@ class Link:
         self.dealer = AsyncSocket(dealer, self.on_snapshot, loop=self.loop,
                                   name=f"{self.name} DEALER {address.snapshot}",
                                   bulk=self.take_rows)
-        self.dealer.send(chp.icanhaz(self.subtree, since, generation, meta, term))
+        self.dealer.send(chp.icanhaz(self.subtree, since, generation, meta, term,
+                                     adopt=adopt))
 
     def close_dealer(self) -> None:
         if self.dealer is not None:

@@ -117,6 +117,9 @@ class Import:
         self.uuids: list = []
         """The source's applied UUIDs as of its TTL table (``[uuid, seq, ...]``)."""
         self.source_seq = 0
+        self.source_gen = ""
+        """The generation of the source's map (its HUGZ say it): a client that holds
+        that map past ``source_seq`` holds what this copy took from it."""
         self.snapshot_seq = -1
         """The snapshot's KTHXBAI sequence (-1 until it arrived whole)."""
         self.updates = 0
@@ -246,9 +249,11 @@ class Import:
         except ProtocolError:
             return
         if isinstance(msg, chp.Hugz):
-            clock = chp.hugz_clock(msg)
-            if clock is not None:
-                self.source_seq = max(self.source_seq, clock[1])
+            info = chp.hugz_info(msg)
+            if info.ts is not None:
+                self.source_seq = max(self.source_seq, info.seq)
+            if info.generation:
+                self.source_gen = info.generation
             return
         if msg.seq > self.source_seq:  # (every update up to it was read: one stream)
             self.source_seq = msg.seq
@@ -276,6 +281,7 @@ class Import:
                 "source_seq": self.source_seq, "snapshot_seq": self.snapshot_seq,
                 "updates": self.updates, "error": self.error,
                 "received": self.received, "paused_s": round(self.paused_s, 3),
+                "source_gen": self.source_gen,
                 "age_s": round(time.monotonic() - self.started_at, 3)}
 
     def close(self) -> None:

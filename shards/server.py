@@ -171,6 +171,11 @@ class ShardServer:
         (a wrong config) is told at once instead of timing out on some keys."""
         self.set_routing(config.shard_map)
         self.importing: list = []
+        self.handover: tuple[int, int, dict[str, int]] | None = None
+        """A shard a change added, at its flip: (its sequence then, the change's routing
+        epoch, {each source's map generation: the source sequence its copy holds
+        everything up to}). What an adoption (``adopt=`` in an ICANHAZ) is checked
+        against, until a later routing."""
         """Copies of the keys moving here, one per source shard (``clonemap.shards.migrate``)."""
         self.hold = None
         """The KVSETs of keys moving away, kept until the flip (``clonemap.shards.migrate``)."""
@@ -879,6 +884,11 @@ class ShardServer:
             return "disk error while committing the copies"  # (the server stops)
         log.info("moves committed: %d keys from %s, at sequence %d", count,
                  ", ".join(i.source for i in imports), at)
+        if all(not i.items and i.staged and i.source_gen for i in imports):
+            # a shard the change added holds, at ``at``, exactly what it copied: a client
+            # that holds each source's map past the copy's end resumes from here
+            self.handover = (at, shard_map.epoch,
+                             {i.source_gen: i.source_seq for i in imports})
         return ""
 
     def forget_unowned(self) -> int:

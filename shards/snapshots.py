@@ -196,6 +196,8 @@ class SnapshotService:
         self.kvsync_sent = 0
         self.resume_sent = 0
         """Updates sent in resume replies (``clonemap.shards.resume``), besides ``kvsync_sent``."""
+        self.adoptions = 0
+        """Adoptions answered with the updates after this shard's copy (``_adoption``)."""
         self.refused_terms = 0
         """Resumes of this map's generation refused because the client's updates came
         from another term past what this map holds (``Role.resumable``)."""
@@ -278,15 +280,18 @@ class SnapshotService:
             readable = _both(readable, server.exported_to(request.move))
         else:  # the keys that moved away, while they are forgotten (None otherwise)
             readable = _both(readable, server.forgetting)
-        # a request with our extension frame (meta=1) learns the map's term; a plain
-        # ICANHAZ gets the empty properties 12/CHP has
-        props = chp.kthxbai_props(term=server.role.term()) if request.meta else b""
+        # a request with our extension frame (meta=1) learns the map's term and the
+        # routing epoch; a plain ICANHAZ gets the empty properties 12/CHP has
+        props = (chp.kthxbai_props(term=server.role.term(), epoch=server.routing_epoch)
+                 if request.meta else b"")
         if narrowed:
             props += chp.NARROWED
         make = lambda: SnapshotStream(self, identity, request.subtree,  # noqa: E731
                                       props, request.meta, readable)
         if request.since is not None:
             make = self._resume_or_snapshot(identity, request, readable, narrowed)
+        elif request.adopt is not None and readable is None:
+            make = self._adoption(identity, request, props) or make
         if not self.pump.add(identity, make):
             server.drops.drop("snapshot_queue_full", f"{len(self.pump.waiting)} requests "
                                                      "wait")
@@ -333,6 +338,34 @@ class SnapshotService:
         if readable is not None:
             entries = [entry for entry in entries if readable(entry[1])]
         return lambda: ResumeStream(self, identity, request.subtree, entries, seq, props)
+
+    def _adoption(self, identity: bytes, request: chp.Icanhaz, props: bytes):
+        """An adoption (``adopt=``): a client of the whole map that holds every map a
+        change copied this (added) shard from, each at or past the sequence the copy
+        holds everything up to, and each built whole before the change's epoch (its
+        server had not begun to forget what moved), holds what the copy made of this
+        shard. It gets the
+        updates after the copy, from the history, with ``adopted=1``; None (a whole
+        snapshot) when the claim falls short, or the history no longer reaches back."""
+        server = self.server
+        handover = server.handover
+        if handover is None or request.subtree:
+            return None
+        at, epoch, sources = handover
+        if server.routing_epoch != epoch:  # a later change since: what it copied moved on
+            return None
+        claim = request.adopt or {}
+        for gen, seq in sources.items():
+            held, built = claim.get(gen, (-1, epoch))
+            if held < seq or not 0 < built < epoch:  # (built later: it may have forgotten)
+                return None
+        entries = server.recent.since(at, b"")
+        if entries is None:
+            return None
+        self.adoptions += 1
+        seq = server.store.seq
+        props = chp.RESUMED + props + chp.ADOPTED
+        return lambda: ResumeStream(self, identity, b"", entries, seq, props)
 
     # ------------------------------------------------------------------ bytes
     def _mark(self) -> int:
@@ -389,6 +422,7 @@ class SnapshotService:
             "snapshots_narrowed": self.narrowed,
             "snapshots_refused_rights": self.refused_rights,
             "resumes_refused_term": self.refused_terms,
+            "adoptions": self.adoptions,
             "kvsync_sent": self.kvsync_sent,
             "resume_sent": self.resume_sent,
             "snapshot_hwm": self.hwm,

@@ -34,6 +34,8 @@ def counters(clone, with_bytes: bool = False) -> dict:
     at 1M keys on the client's loop: only once the writes are over)."""
     return {"t": time.monotonic(), "cpu_s": time.process_time(), "shards": {
         agent.name: {"applied": agent.applied, "snapshots": agent.snapshots,
+                     "adoptions": agent.incoming.adoptions,
+                     "adoption_rows": agent.incoming.adoption_rows,
                      "keys": len(agent.map),
                      **({"bytes": sum(len(k) + len(v) for k, v in agent.map.items())}
                         if with_bytes else {})}

@@ -36,6 +36,14 @@ from test_supervisor_cli import (children_of, cli, start, wait_gone, wait_status
 pytestmark = pytest.mark.timeout(240)
 
 
+def stats_of(control: str, name: str) -> dict:
+    """The stats of server ``name`` (``s2/primary``), from its own control service."""
+    from clonemap.shards.common.mdp.client import SyncMdpClient
+
+    with SyncMdpClient(control, timeout_s=5.0, retries=1) as client:
+        return json.loads(client.request("shard." + name.replace("/", "."))[0])
+
+
 def fetch_cluster_map(control: str) -> dict:
     from clonemap.supervisor.control import call
 
@@ -493,6 +501,74 @@ def test_a_growth_copies_at_the_rate_it_was_given_and_loses_nothing(procs, tmp_p
             assert len(fresh) == len(ledger)
 
     asyncio.run(scenario())
+
+
+def test_a_client_of_the_whole_map_adopts_what_an_added_shard_copied(procs, tmp_path,
+                                                                     zctx):
+    """A growth under ``supervisor start`` with a whole-map client writing: the client
+    holds every key the added shard was copied, so its first request there is an
+    adoption, answered with only the updates after the copy (the server counts it), and
+    its part fills from the client's own parts without a snapshot of the moved keys. A
+    moved key's sequence is then unknown (``meta`` says 0): a compare-and-set with it
+    gets ``Conflict`` naming the current one, and succeeds with that. A subtree client
+    takes the added shard's snapshot, as before. Both maps, and a fresh client's, equal
+    the ledger."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    start(procs, config, tmp_path)
+    wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    ledger: dict[str, bytes] = {f"/ad{i}/k": b"v%d" % i for i in range(500)}
+    moved = [k for k in ledger if ShardMap(3).owner(k.encode()) == 2]
+    assert moved
+
+    async def scenario():
+        async with AsyncClone(config=str(config)) as whole, \
+                AsyncClone(config=str(config), subtree="/ad1/") as part:
+            await asyncio.gather(*(whole.set(k, v, wait=True) for k, v in ledger.items()))
+            stop = asyncio.Event()
+
+            async def writer():
+                n = 0
+                while not stop.is_set():
+                    key = f"/ad{n % 250}/k"  # (the keys from 250 on: unchanged by it)
+                    await whole.set(key, b"w%d" % n, wait=True, timeout_s=30)
+                    ledger[key] = b"w%d" % n
+                    n += 1
+
+            task = asyncio.ensure_future(writer())
+            done = await asyncio.to_thread(cli, "reshard", str(config), "--to", str(three),
+                                           "--yes", timeout_s=120)
+            await _until(lambda: whole.routing_epoch == 2 and part.routing_epoch == 2,
+                         "both clients follow epoch 2")
+            await _until(lambda: whole.synced and part.synced, "both clients synced")
+            stop.set()
+            await task
+            assert done.returncode == 0, done.stdout + done.stderr
+            added = whole.agent_of(moved[0])
+            assert added is not None and added.name == "s2"
+            stats = added.stats()
+            assert stats["adoptions"] == 1 and stats["snapshots"] == 1, stats
+            await _until(lambda: not added.lending, "the adoption moved every key")
+            quiet = next(k for k in moved if int(k[3:].split("/")[0]) >= 250)
+            assert whole.meta(quiet).seq == 0 and whole.get(quiet) == ledger[quiet]
+            with pytest.raises(Conflict) as err:
+                await whole.set(quiet, b"cas", if_seq=whole.meta(quiet).seq, timeout_s=10)
+            seq = await whole.set(quiet, b"cas", if_seq=err.value.current_seq, timeout_s=10)
+            ledger[quiet] = b"cas"
+            assert whole.meta(quiet).seq == seq
+            assert {k: whole.get(k) for k in ledger} == ledger and len(whole) == len(ledger)
+            sub = part.agent_of("/ad1/k")
+            assert {k: part.get(k) for k in ledger if k.startswith("/ad1/")} == {
+                k: v for k, v in ledger.items() if k.startswith("/ad1/")}
+            assert all(a.stats()["adoptions"] == 0 for a in part._agents), sub
+
+        async with AsyncClone(control=control) as fresh:
+            assert {k: fresh.get(k) for k in ledger} == ledger and len(fresh) == len(ledger)
+
+    asyncio.run(scenario())
+    rows = wait_status(control, at_epoch(2))
+    s2 = next(n for n, r in rows.items() if n.startswith("s2/") and r.get("bstar") == "ACTIVE")
+    assert stats_of(control, s2)["adoptions"] >= 1
 
 
 @pytest.mark.parametrize("phase", ["copied", "held", "sealed", "committed", "flipped"])

@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 from clonemap.shards.common.errors import ProtocolError
 from clonemap.shards.common.proto.props import (  # noqa: F401 (part of this module's interface)
-    FULL_AFTER_RESUME, NARROWED, REFUSED_READ, RESUMED, KthxbaiInfo, drop_props, format_props, in_subtree,
+    ADOPTED, FULL_AFTER_RESUME, NARROWED, REFUSED_READ, RESUMED, KthxbaiInfo, drop_props, format_props, in_subtree,
     kthxbai_info, kthxbai_props, parse_props)
 
 PROTOCOL = "12/CHP"
@@ -91,6 +91,11 @@ class Icanhaz(NamedTuple):
     move: int | None = None
     """``move=<shard index>`` (a move's copy, ``clonemap.shards.migrate``): only the keys
     that the routing the server exports gives that shard."""
+    adopt: dict[str, tuple[int, int]] | None = None
+    """``adopt=<gen>:<seq>:<epoch>,...``: the requester holds each of these maps (by
+    generation) up to that sequence, whole as its server sent it under that routing
+    epoch, and asks a shard that a routing change added to resume it from the end of
+    its copy of them (``clonemap.shards.snapshots``)."""
 
 
 class Kvsync(NamedTuple):
@@ -266,6 +271,8 @@ def decode_icanhaz(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Ican
         if "move" in fields and "since" not in fields:
             move = _count_prop(fields, "move", "move= is not a shard index", "bad_move")
             return Icanhaz(subtree, meta=meta, move=move)
+        if "adopt" in fields and "since" not in fields:
+            return Icanhaz(subtree, meta=meta, adopt=_adopt_claim(fields["adopt"]))
         if "since" not in fields and meta:
             return Icanhaz(subtree, meta=True)
         since = _count_prop(fields, "since", "a resume needs since=<sequence>", "bad_resume")
@@ -274,6 +281,24 @@ def decode_icanhaz(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Ican
         return Icanhaz(subtree, since, fields.get("gen", ""), meta, term)
     _check_count(frames, 2, "ICANHAZ")
     return Icanhaz(check_subtree(frames[1], "ICANHAZ", limits))
+
+
+ADOPT_MAPS_MAX = 256
+"""Maps one ``adopt=`` may name."""
+
+
+def _adopt_claim(text: str) -> dict[str, tuple[int, int]]:
+    """``adopt=``'s maps: generation -> (the sequence the requester holds it up to, the
+    routing epoch of the whole snapshot it was built from)."""
+    out: dict[str, tuple[int, int]] = {}
+    for item in text.split(",") if text else ():
+        parts = item.split(":")
+        if (len(parts) != 3 or not parts[0] or not parts[1].isdigit()
+                or not parts[2].isdigit() or len(out) >= ADOPT_MAPS_MAX):
+            raise _fail(f"adopt= is <generation>:<sequence>:<epoch>,... (at most "
+                        f"{ADOPT_MAPS_MAX}), got {text[:80]!r}", "ICANHAZ", "bad_adopt")
+        out[parts[0]] = (int(parts[1]), int(parts[2]))
+    return out
 
 
 def _count_prop(fields: dict[str, str], name: str, missing: str, reason: str) -> int:
@@ -351,14 +376,20 @@ def decode_kvset(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Kvset:
 
 def icanhaz(subtree: bytes = b"", since: int | None = None,
             generation: str = "", meta: bool = False, term: int | None = None,
-            move: int | None = None) -> list[bytes]:
+            move: int | None = None,
+            adopt: dict[str, tuple[int, int]] | None = None) -> list[bytes]:
     """``ICANHAZ?``; with ``since``, our resume extension: a third frame of properties
     ``since=<S>\n`` (and ``gen=<generation>\n``, ``term=<T>\n``: the Binary Star term of
     the server that gave the client its updates, see ``kthxbai_props``). A server that holds every update after
     S of that map sends only those (KVSYNCs with their own sequences, UUIDs and
     properties; an empty value deletes), then KTHXBAI with ``resume=1``; otherwise a full
     snapshot whose KTHXBAI says ``resume=0``. ``meta``: ``meta=1\n`` (see
-    ``Icanhaz.meta``); ``move``: ``move=<index>\n`` (see ``Icanhaz.move``)."""
+    ``Icanhaz.meta``); ``move``: ``move=<index>\n`` (see ``Icanhaz.move``); ``adopt``:
+    ``adopt=<gen>:<seq>:<epoch>,...\n`` (see ``Icanhaz.adopt``)."""
+    if adopt is not None:
+        claim = ",".join(f"{gen}:{seq}:{epoch}" for gen, (seq, epoch) in adopt.items())
+        claim = claim.encode("ascii")
+        return [ICANHAZ, subtree, b"adopt=%s\n" % claim + (b"meta=1\n" if meta else b"")]
     if move is not None:
         return [ICANHAZ, subtree, b"move=%d\n" % move + (b"meta=1\n" if meta else b"")]
     if since is None and not meta:

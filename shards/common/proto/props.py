@@ -11,6 +11,9 @@ RESUMED = b"resume=1\n"
 FULL_AFTER_RESUME = b"resume=0\n"
 NARROWED = b"narrowed=1\n"
 """A KTHXBAI whose snapshot (or resume) left out keys its requester may not read."""
+ADOPTED = b"adopted=1\n"
+"""A KTHXBAI that answers an adoption (``adopt=``): the updates after the copy that made
+the shard, to apply on the keys the requester holds already."""
 REFUSED_READ = b"refused=read\n"
 """An empty KTHXBAI that refuses a snapshot of a subtree its requester may read nothing
 of (``clonemap.shards.gate``)."""
@@ -60,7 +63,7 @@ def drop_props(props: bytes, names: tuple[bytes, ...]) -> bytes:
                     if not line.startswith(starts))
 
 
-def kthxbai_props(resumed: bool | None = None, term: int = 0) -> bytes:
+def kthxbai_props(resumed: bool | None = None, term: int = 0, epoch: int = 0) -> bytes:
     """The properties of a KTHXBAI that answers a request with our extension frame (a
     plain ICANHAZ gets none, as 12/CHP has it): ``resume=1``/``resume=0`` for a resume
     request, and ``term=<T>`` (T > 0): a pair's Binary Star term, a standalone
@@ -69,6 +72,8 @@ def kthxbai_props(resumed: bool | None = None, term: int = 0) -> bytes:
     props = b"" if resumed is None else (RESUMED if resumed else FULL_AFTER_RESUME)
     if term:
         props += b"term=%d\n" % term
+    if epoch:  # the routing epoch the server followed when it took the request
+        props += b"epoch=%d\n" % epoch
     return props
 
 
@@ -81,6 +86,11 @@ class KthxbaiInfo(NamedTuple):
     """Keys the requester may not read were left out (``narrowed=1``)."""
     refused: bool = False
     """The requester may read nothing of the subtree (``refused=read``): no row came."""
+    epoch: int = 0
+    """The routing epoch the server followed when it took the request (``epoch=``; 0:
+    not said)."""
+    adopted: bool = False
+    """An adoption was answered (``adopted=1``): the rows are the updates after the copy."""
 
 
 def kthxbai_info(props: bytes) -> KthxbaiInfo:
@@ -94,5 +104,10 @@ def kthxbai_info(props: bytes) -> KthxbaiInfo:
         term = int(fields["term"]) if "term" in fields else None
     except ValueError:
         term = None
+    try:
+        epoch = int(fields.get("epoch", "0"))
+    except ValueError:
+        epoch = 0
     return KthxbaiInfo(None if resume is None else resume == "1", term,
-                       fields.get("narrowed") == "1", fields.get("refused") == "read")
+                       fields.get("narrowed") == "1", fields.get("refused") == "read",
+                       epoch, fields.get("adopted") == "1")
