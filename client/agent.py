@@ -34,7 +34,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import zmq
 
@@ -51,6 +51,9 @@ from clonemap.client.outages import Outages
 from clonemap.client.writes import ShardWrites
 from clonemap.client.options import KEEP, AgentHooks, AgentOptions
 from clonemap.client.watch import WatchHub
+
+if TYPE_CHECKING:
+    from clonemap.client.adoption import Adoption
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +134,12 @@ class ShardAgent:
         self.on_adopted: Callable[[ShardAgent], None] | None = None
         """Called once an adoption is installed: the client moves the keys it holds for
         this shard into its part, a chunk per loop turn (``lending`` meanwhile)."""
-        self.lending: tuple = ()
+        self.lending: tuple[ShardAgent, ...] = ()
         """While an adoption's keys move here: the parts that still hold some of them
         (reads that miss this part look there)."""
         self.lent_at: list[tuple[ShardAgent, int]] = []
         """Each part an adoption counts on, with its ``snapshots`` when it was claimed."""
-        self.adoption = None
+        self.adoption: Adoption | None = None
         """The ``clonemap.client.adoption.Adoption`` moving keys here, while it runs."""
         self.lent_out: Callable[[ShardAgent], None] | None = None
         """Called before a snapshot replaces this part's map while another part adopts
@@ -275,7 +278,8 @@ class ShardAgent:
                          on_update=self._on_update, on_snapshot=self._on_snapshot,
                          on_event=self._on_link_event, security=self.security,
                          take_rows=self.incoming.take_rows)
-        self._synced_event = asyncio.Event()
+        if self._synced_event is None:  # (``wait_ready`` may have made it already)
+            self._synced_event = asyncio.Event()
         self.writes.start(self.loop)
         self._dispatch(sm.Start())
         self._tick_handle = self.loop.call_later(TICK_S, self._tick)
@@ -300,7 +304,10 @@ class ShardAgent:
                           f"client keeps ({info.describe()})", shard=self.name, info=info)
 
     async def wait_ready(self) -> None:
-        """Until the first snapshot is installed and replayed, and a collector listens."""
+        """Until the first snapshot is installed and replayed, and a collector listens
+        (an agent not started yet, an added shard's waiting to adopt: until it is)."""
+        if self._synced_event is None:
+            self._synced_event = asyncio.Event()
         await self._synced_event.wait()
         await self.writes.connected.wait()
 
