@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Callable
-
-if TYPE_CHECKING:
-    from clonemap.client.agent import ShardAgent
+from typing import Any, Callable
 
 log = logging.getLogger("clonemap.client.agent")
 
@@ -40,7 +37,7 @@ class Adoption:
     """The keys ``agent`` (an added shard's part) takes from ``agent.lending``; ``owns``:
     whether the routing gives a key to that shard."""
 
-    def __init__(self, agent: "ShardAgent", owns: Callable[[bytes], bool]):
+    def __init__(self, agent: Any, owns: Callable[[bytes], bool]):
         self.agent = agent
         self.owns = owns
         self.queue = [(other, list(other.map)) for other in agent.lending]
@@ -75,7 +72,7 @@ class Adoption:
         if not queue:
             self.finish()
 
-    def _move(self, other: "ShardAgent", keys: list[bytes]) -> None:
+    def _move(self, other: Any, keys: list[bytes]) -> None:
         agent = self.agent
         held, props, seqs = other.map, other.props, other.seqs
         mine, my_props = agent.map, agent.props

@@ -182,6 +182,18 @@ class PendingTable:
         self.counters["early_expired"] += early_gone
         return gone
 
+    def discard_pending(self) -> int:
+        """Forget the updates pending (a sync starts: each is in the snapshot, or never
+        taken); the early confirmations stay, so that a client's copy of an update the
+        active published before the sync, arriving after it began, is matched and not
+        applied again at a takeover (seen: a replica one sequence past its active's map).
+        How many were forgotten."""
+        gone = len(self._pending)
+        self._pending.clear()
+        self.bytes = 0
+        self.counters["drained"] += gone
+        return gone
+
     def drain(self, now: float | None = None) -> list[Pending]:
         """Everything still pending, in arrival order (expired entries first dropped when
         ``now`` is given); the table is left empty, early confirmations forgotten."""

@@ -274,7 +274,7 @@ class Follower:
         self._history = ()
         self._uuids = []
         if self.pending is not None:  # heard before: in the snapshot, or never taken
-            self.counters["pending_discarded"] += len(self.pending.drain())
+            self.counters["pending_discarded"] += self.pending.discard_pending()
         sock = self.reactor.sockets.connect(zmq.DEALER, self.snapshot_endpoint)
         self._dealer = zio.AsyncSocket(sock, self.on_snapshot_reply, batch=1024,
                                        loop=self.reactor.loop, name="peer snapshot")

@@ -32,6 +32,22 @@ def test_active_first_then_client_is_not_kept():
     assert t.counters["early"] == 1 and t.counters["early_matched"] == 1
 
 
+def test_a_sync_forgets_what_is_pending_but_not_what_the_active_published_first():
+    """A replica's sync starts (``discard_pending``): the updates pending are in its
+    snapshot or were never taken. An update the active published just before, whose
+    client copy arrives just after, must still match: before, the sync emptied the early
+    confirmations too, the copy stayed pending, and a takeover applied it a second time
+    (a replica one sequence past its active's map, seen under load)."""
+    t = PendingTable()
+    t.add(u(1), "set a", now=0.0)
+    assert t.confirm(u(2), now=0.1) is False  # the active's KVPUB of b, before b's KVSET
+    assert t.discard_pending() == 1 and len(t) == 0
+    assert t.early_count == 1
+    assert t.add(u(2), "set b", now=0.2) is False  # b's KVSET: matched, not pending
+    assert len(t) == 0 and t.counters["early_matched"] == 1
+    assert t.drain(now=0.3) == []
+
+
 def test_drain_returns_unconfirmed_in_arrival_order_with_arrival_times():
     t = PendingTable()
     for i in range(5):
