@@ -131,6 +131,10 @@ class ShardAgent:
         """Set by the client for a shard a routing change added: its first request may be
         an adoption (``adopt=``, the maps the client holds and how far), which the shard
         answers with only the updates after its copy (``clonemap.shards.snapshots``)."""
+        self.adopt_ready: Callable[[], bool] | None = None
+        """With ``adopt_claim``: whether the client's other parts are ready to lend (read
+        up to the new routing); until then the first request waits (``release_request``)."""
+        self._deferred: sm.RequestSnapshot | None = None
         self.on_adopted: Callable[[ShardAgent], None] | None = None
         """Called once an adoption is installed: the client moves the keys it holds for
         this shard into its part, a chunk per loop turn (``lending`` meanwhile)."""
@@ -391,7 +395,11 @@ class ShardAgent:
         adopt = None
         if (since is None and not self.snapshots and self.adopt_claim is not None
                 and self.link.cas):
+            if self.adopt_ready is not None and not self.adopt_ready():
+                self._deferred = eff  # (the machine's sync deadline still runs)
+                return
             adopt = self.adopt_claim(self)
+        self._deferred = None
         self.link.request_snapshot(address, since, self.generation if since is not None
                                    else "", meta=self.link.cas, term=self.term, adopt=adopt)
         self.incoming.begin(adopting=adopt is not None)
@@ -450,9 +458,16 @@ class ShardAgent:
         self.writes.installed(eff.resend, self.link.cas, self.map, self.last_seq)
         if reset is not None:
             outages.report_reset(reset)
+        self.adopt_claim = self.adopt_ready = None  # (the first request only)
         if adopted and self.on_adopted is not None:
             self.on_adopted(self)
         self._replay(self.state.epoch)
+
+    def release_request(self) -> None:
+        """Send the first request that waited for the client's other parts to lend."""
+        eff, self._deferred = self._deferred, None
+        if eff is not None and not self._closed and self.state.phase == sm.SYNCING:
+            self._request_snapshot(eff)
 
     def lenders_intact(self) -> bool:
         """No part an adoption counts on installed a snapshot since it was claimed (one

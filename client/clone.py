@@ -164,9 +164,7 @@ class AsyncClone:
                              epoch=lambda: self.routing_epoch)
         self._following = 0
         self._routing_task: asyncio.Task[None] | None = None
-        self._adopt_waits: dict[ShardAgent, int] = {}
-        """Added shards' agents not started yet, by the routing epoch their adoption waits
-        for the other parts to read up to (``_start_waiting``)."""
+
         """The fetch of a later routing a server follows (``_follow_routing``)."""
         """The routing epoch this client is fetching the map of (0: none)."""
         self.routing_followed = 0
@@ -301,9 +299,7 @@ class AsyncClone:
         if not self._started:
             self._started = True
             for agent in self._agents:
-                if agent not in self._adopt_waits:
-                    agent.start()
-            self._start_waiting()
+                agent.start()
         if self.failed is not None:
             raise self.failed
         failure = self.health.failure()
@@ -463,51 +459,46 @@ class AsyncClone:
         added = [self._agent_of_spec(cluster, cluster.shards[i], len(self._agents))
                  for i in sorted(needed - set(self._by_index))]
         self._wire_moves(installs=True)
-        waiting = []
-        if not self._subtree_b and self.only_key is None and self.via == "servers":
+        if added and not self._subtree_b and self.only_key is None and self.via == "servers":
             # a client of the whole map holds every key an added shard copied: it asks to
             # adopt them (only the updates after the copy come), not for a snapshot,
             # once its other parts read their streams up to the new routing (the copy's
-            # end is before it)
+            # end is before it), or after ADOPT_WAIT_S anyway
             epoch = cluster.shard_map.epoch
             for agent in added:
                 agent.adopt_claim = self._adopt_claim
                 agent.on_adopted = self._adopted
-                waiting.append(agent)
-            self._adopt_waits.update((a, epoch) for a in waiting)
+                agent.adopt_ready = (lambda a=agent, e=epoch: self._lenders_read_up_to(a, e))
             for other in self._agents:
                 if other not in added:
                     other.on_epoch = self._epoch_seen
-            if waiting:
-                asyncio.get_running_loop().call_later(ADOPT_WAIT_S, self._start_waiting,
-                                                      True)
+            asyncio.get_running_loop().call_later(ADOPT_WAIT_S, self._adopt_now, added)
         if self._started:
             for agent in added:
-                if agent not in waiting:
-                    agent.start()
-            self._start_waiting()
+                agent.start()
         self.routing_followed += 1
         log.info("routing: now epoch %d over %d shards (%s)%s", cluster.shard_map.epoch,
                  cluster.shard_map.shards, cluster.source,
                  f"; following {len(added)} more" if added else "")
 
-    def _epoch_seen(self, other: ShardAgent) -> None:
-        if self._adopt_waits:
-            self._start_waiting()
+    def _lenders_read_up_to(self, agent: ShardAgent, epoch: int) -> bool:
+        """Every other part that could lend ``agent`` its keys read its stream up to a
+        HUGZ naming ``epoch``: everything its server published before it followed that
+        routing (the copies' ends among it) is applied there."""
+        return all(o.epoch_seen >= epoch for o in self._agents
+                   if o is not agent and o.phase == sm.ACTIVE and o.adopt_claim is None)
 
-    def _start_waiting(self, timed_out: bool = False) -> None:
-        """Start the added shards' agents that wait to adopt once every other part read
-        its stream up to their routing's epoch (or, ``timed_out``, anyway: the adoption
-        is then refused for a part still behind, and a snapshot comes instead)."""
-        if not self._started:
-            return
-        for agent, epoch in list(self._adopt_waits.items()):
-            others = [o for o in self._agents if o is not agent and o not in self._adopt_waits
-                      and o.phase == sm.ACTIVE]
-            if timed_out or all(o.epoch_seen >= epoch for o in others):
-                del self._adopt_waits[agent]
-                if agent in self._agents:
-                    agent.start()
+    def _epoch_seen(self, other: ShardAgent) -> None:
+        for agent in self._agents:
+            if agent.adopt_ready is not None and agent.adopt_ready():
+                agent.release_request()
+
+    def _adopt_now(self, added: list[ShardAgent]) -> None:
+        """``ADOPT_WAIT_S`` passed: the added shards' first requests go now (a part
+        still behind makes the shard refuse the adoption and send a snapshot)."""
+        for agent in added:
+            agent.adopt_ready = None
+            agent.release_request()
 
     def _adopt_claim(self, agent: ShardAgent) -> dict[str, tuple[int, int]] | None:
         """What an added shard's agent claims in its adoption: each other part built

@@ -449,9 +449,10 @@ def test_peers_stops_the_other_servers_while_one_is_measured_and_continues_them(
 def test_reshard_grows_the_cluster_under_writes_and_loses_none(procs, tmp_path):
     """``bench reshard`` at smoke size: ``supervisor reshard`` takes a written 2-shard
     cluster to 3 shards; it moves exactly the keys the routing gives the new shard, no
-    write fails, and the follower's client adopted the new shard's keys from the parts
-    it held: it received far less than the moved keys' bytes (only the updates after
-    the copy), and no resync."""
+    write fails, and the follower's client took at most the moved keys' bytes: it
+    adopted the new shard's keys from the parts it held (only the updates after the
+    copy came), or, when its parts were still behind the copy after ``ADOPT_WAIT_S``
+    (a loaded host), the new shard's snapshot; no resync either way."""
     from bench.harness.reshard_writer import key_of
     from clonemap.shards.common.routing import ShardMap
 
@@ -464,7 +465,10 @@ def test_reshard_grows_the_cluster_under_writes_and_loses_none(procs, tmp_path):
     assert summary["moved_keys"] == moving > 0
     assert summary["failed_writes"] == 0 and summary["errors"] == {}
     assert summary["before"]["n"] > 0 and summary["during_moving"]["n"] > 0
-    assert summary["follower_adopted"] == ["s2"], summary
+    assert summary["follower_adopted"] in (["s2"], []), summary
     assert summary["follower_resyncs"] == {"s0": 0, "s1": 0}, summary
-    assert 0 <= summary["follower_bytes_ratio"] < 0.9, summary
+    if summary["follower_adopted"]:
+        assert 0 <= summary["follower_bytes_ratio"] < 0.9, summary
+    else:
+        assert 0.9 <= summary["follower_bytes_ratio"] <= 1.2, summary
     assert "one more shard while written" in (tmp_path / "latest" / "reshard.md").read_text()
