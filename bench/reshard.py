@@ -404,6 +404,7 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
                                                       args.value_bytes)
                          for name, v in b.items() if name not in a)
     adopted = sorted(name for name, v in b.items() if name not in a and v.get("adoptions"))
+    refused = sorted(name for name, v in b.items() if v.get("adoptions_refused"))
     # a part there before that took a snapshot again (the client fell behind by more
     # than max_lag_s: the slow-subscriber resync) received its whole part again
     resyncs = {name: v["snapshots"] - a[name]["snapshots"] for name, v in b.items()
@@ -420,6 +421,7 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
         "compact_s": round(compact_s, 2),
         "follower_bytes_estimated": received, "moved_bytes": moved_bytes,
         "follower_resyncs": resyncs, "follower_adopted": adopted,
+        "follower_adoptions_refused": refused,
         "follower_bytes_ratio": round(received / moved_bytes, 3) if moved_bytes else None,
         "command_output": out.stdout.strip().splitlines()[-6:]})
     return summary

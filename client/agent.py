@@ -393,12 +393,12 @@ class ShardAgent:
         # all in its own map (an active may have published one its passive never got).
         since = self.last_seq if eff.resume else None
         adopt = None
-        if (since is None and not self.snapshots and self.adopt_claim is not None
-                and self.link.cas):
-            if self.adopt_ready is not None and not self.adopt_ready():
+        if since is None and not self.snapshots and self.adopt_claim is not None:
+            if self.adopt_ready is not None and not self.may_adopt():
                 self._deferred = eff  # (the machine's sync deadline still runs)
                 return
-            adopt = self.adopt_claim(self)
+            if self.link.cas:  # (our server: it said so in a HUGZ)
+                adopt = self.adopt_claim(self)
         self._deferred = None
         self.link.request_snapshot(address, since, self.generation if since is not None
                                    else "", meta=self.link.cas, term=self.term, adopt=adopt)
@@ -463,6 +463,11 @@ class ShardAgent:
             self.on_adopted(self)
         self._replay(self.state.epoch)
 
+    def may_adopt(self) -> bool:
+        """The first request may go as an adoption: this shard's server said in a HUGZ
+        that it is ours (``cas=1``), and the client's other parts are ready to lend."""
+        return bool(self.link.cas) and self.adopt_ready is not None and self.adopt_ready()
+
     def release_request(self) -> None:
         """Send the first request that waited for the client's other parts to lend."""
         eff, self._deferred = self._deferred, None
@@ -516,6 +521,8 @@ class ShardAgent:
             if self.state.phase == sm.ACTIVE and not self.state.live and not self.term:
                 self.term = info.term  # (the stream we follow is of that term)
         link.cas = info.cas
+        if self._deferred is not None and self.may_adopt():
+            self.release_request()
         if not info.serving and len(self.servers) > 1:
             self._dispatch(sm.NotServing())
             return True

@@ -490,7 +490,7 @@ class AsyncClone:
 
     def _epoch_seen(self, other: ShardAgent) -> None:
         for agent in self._agents:
-            if agent.adopt_ready is not None and agent.adopt_ready():
+            if agent.may_adopt():
                 agent.release_request()
 
     def _adopt_now(self, added: list[ShardAgent]) -> None:

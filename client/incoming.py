@@ -69,6 +69,9 @@ class Incoming:
         self.adoptions = 0
         self.adoption_rows = 0
         """The updates after the added shards' copies that adoptions received."""
+        self.adoptions_refused = 0
+        """Adoptions answered with a whole snapshot (a part was behind the copy, or the
+        shard no longer had what it needed to check)."""
         self.whole = False
         """The map received is a whole snapshot (not a resume's merge, not an adoption)."""
         self._max_key = agent.limits.max_key
@@ -193,6 +196,7 @@ class Incoming:
             else:  # a whole snapshot instead: its empty values are nothing
                 self._merge_resume(False, arrived)
                 self.resumes_refused -= 1  # (not a resume)
+                self.adoptions_refused += 1
         elif agent.state.resuming:
             self._merge_resume(reply.resumed is True, arrived)
         return sm.SnapshotDone(msg.seq, agent.link.generation)
@@ -232,5 +236,6 @@ class Incoming:
     def stats(self) -> dict:
         return {"snapshots_rejected": self.rejected, "adoptions": self.adoptions,
                 "adoption_rows": self.adoption_rows,
+                "adoptions_refused": self.adoptions_refused,
                 "resumes": self.resumes,
                 "resume_updates": self.resume_updates, "resumes_refused": self.resumes_refused}

@@ -36,6 +36,7 @@ def counters(clone, with_bytes: bool = False) -> dict:
         agent.name: {"applied": agent.applied, "snapshots": agent.snapshots,
                      "adoptions": agent.incoming.adoptions,
                      "adoption_rows": agent.incoming.adoption_rows,
+                     "adoptions_refused": agent.incoming.adoptions_refused,
                      "keys": len(agent.map),
                      **({"bytes": sum(len(k) + len(v) for k, v in agent.map.items())}
                         if with_bytes else {})}
