@@ -24,23 +24,25 @@ gets ``Conflict`` naming the current one."""
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any, Callable
-
-log = logging.getLogger("clonemap.client.agent")
 
 ADOPT_CHUNK = 5_000
 """Keys of the lenders looked at per loop turn."""
 
 
 class Adoption:
-    """The keys ``agent`` (an added shard's part) takes from ``agent.lending``; ``owns``:
-    whether the routing gives a key to that shard."""
+    """The keys the routing gives the added shard (``owns``), moved out of ``lenders``
+    (parts, each with ``map`` and ``give_up``) by ``take(values, props)`` (the added
+    shard's part takes what it does not hold yet; how many it took); ``on_done(moved)``
+    once every key was looked at."""
 
-    def __init__(self, agent: Any, owns: Callable[[bytes], bool]):
-        self.agent = agent
+    def __init__(self, lenders: tuple, owns: Callable[[bytes], bool],
+                 take: Callable[[dict[bytes, bytes], dict[bytes, bytes]], int],
+                 on_done: Callable[[int], None]):
         self.owns = owns
-        self.queue = [(other, list(other.map)) for other in agent.lending]
+        self.take = take
+        self.on_done = on_done
+        self.queue: list[tuple[Any, list[bytes]]] = [(o, list(o.map)) for o in lenders]
         self.moved = 0
         self.done = False
         self._handle: asyncio.Handle | None = None
@@ -58,7 +60,7 @@ class Adoption:
 
     def run(self, budget: int | None = None) -> None:
         """Look at ``budget`` more keys (None: all that are left)."""
-        queue, owns, agent = self.queue, self.owns, self.agent
+        queue, owns = self.queue, self.owns
         while queue and (budget is None or budget > 0):
             other, keys = queue[-1]
             n = len(keys) if budget is None else min(budget, len(keys))
@@ -66,27 +68,14 @@ class Adoption:
             del keys[len(keys) - n:]
             if budget is not None:
                 budget -= n
-            self._move(other, [k for k in chunk if owns(k)])
+            props: dict[bytes, bytes] = {}
+            values = other.give_up([k for k in chunk if owns(k)], props)
+            if values:
+                self.moved += self.take(values, props)
             if not keys:
                 queue.pop()
         if not queue:
             self.finish()
-
-    def _move(self, other: Any, keys: list[bytes]) -> None:
-        agent = self.agent
-        held, props, seqs = other.map, other.props, other.seqs
-        mine, my_props = agent.map, agent.props
-        for key in keys:
-            value = held.pop(key, None)
-            if value is None:
-                continue
-            seqs.pop(key, None)
-            prop = props.pop(key, None)
-            if key not in mine:  # (else its new shard wrote it since: that value stays)
-                mine[key] = value
-                if prop:
-                    my_props[key] = prop
-                self.moved += 1
 
     def finish(self) -> None:
         if self.done:
@@ -95,8 +84,4 @@ class Adoption:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        agent = self.agent
-        lenders, agent.lending, agent.lent_at = agent.lending, (), []
-        agent.adoption = None
-        log.info("shard %s: adopted %d keys from %s", agent.name, self.moved,
-                 ", ".join(o.name for o in lenders))
+        self.on_done(self.moved)

@@ -34,7 +34,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import zmq
 
@@ -51,9 +51,7 @@ from clonemap.client.outages import Outages
 from clonemap.client.writes import ShardWrites
 from clonemap.client.options import KEEP, AgentHooks, AgentOptions
 from clonemap.client.watch import WatchHub
-
-if TYPE_CHECKING:
-    from clonemap.client.adoption import Adoption
+from clonemap.client.adoption import Adoption
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +125,13 @@ class ShardAgent:
         self.moved_echo: Callable[[bytes, int], None] | None = None
         """Set while keys move here: a KVPUB's UUID may be a write another shard's part
         waits for (a held write the old shard forwarded)."""
-        self.adopt_claim: Callable[[ShardAgent], dict[str, tuple[int, int]] | None] | None = None
+        self.adopt_claim: Callable[[ShardAgent], tuple[dict[str, tuple[int, int]],
+                                                        tuple[ShardAgent, ...]] | None
+                                   ] | None = None
         """Set by the client for a shard a routing change added: its first request may be
-        an adoption (``adopt=``, the maps the client holds and how far), which the shard
-        answers with only the updates after its copy (``clonemap.shards.snapshots``)."""
+        an adoption (``adopt=``, the maps the client holds and how far, and the parts that
+        hold them), which the shard answers with only the updates after its copy
+        (``clonemap.shards.snapshots``)."""
         self.adopt_ready: Callable[[], bool] | None = None
         """With ``adopt_claim``: whether the client's other parts are ready to lend (read
         up to the new routing); until then the first request waits (``release_request``)."""
@@ -397,8 +398,10 @@ class ShardAgent:
             if self.adopt_ready is not None and not self.may_adopt():
                 self._deferred = eff  # (the machine's sync deadline still runs)
                 return
-            if self.link.cas:  # (our server: it said so in a HUGZ)
-                adopt = self.adopt_claim(self)
+            claimed = self.adopt_claim(self) if self.link.cas else None  # (our server)
+            if claimed is not None:
+                adopt, self.lending = claimed
+                self.lent_at = [(o, o.snapshots) for o in self.lending]
         self._deferred = None
         self.link.request_snapshot(address, since, self.generation if since is not None
                                    else "", meta=self.link.cas, term=self.term, adopt=adopt)
@@ -530,9 +533,11 @@ class ShardAgent:
             self._dispatch(sm.Serving())
         return False
 
-    def give_up(self, keys) -> dict[bytes, bytes]:
+    def give_up(self, keys, props_out: dict[bytes, bytes] | None = None
+                ) -> dict[bytes, bytes]:
         """``keys`` moved to another shard's part (resharding): they leave this part's
-        map, sequences and properties, with no event; their values, for those held."""
+        map, sequences and properties, with no event; their values, for those held
+        (``props_out``: their properties go there)."""
         held, seqs, props = self.map, self.seqs, self.props
         out = {}
         for key in keys:
@@ -540,8 +545,39 @@ class ShardAgent:
             if value is not None:
                 out[key] = value
                 seqs.pop(key, None)
-                props.pop(key, None)
+                prop = props.pop(key, None)
+                if prop and props_out is not None:
+                    props_out[key] = prop
         return out
+
+    def start_adoption(self, owns) -> None:
+        """An adoption was installed: the keys ``owns`` gives this shard move here from
+        ``lending``, a chunk per loop turn (``clonemap.client.adoption``)."""
+        if not self.lending:
+            self.lent_at = []
+            return
+        self.adoption = Adoption(self.lending, owns, self._take_adopted, self._adopted)
+        self.adoption.start()
+
+    def _take_adopted(self, values: dict[bytes, bytes], props: dict[bytes, bytes]) -> int:
+        """Keys another part held for this shard (its copy's values); one this shard
+        wrote since keeps that value. How many were taken."""
+        mine, my_props = self.map, self.props
+        taken = 0
+        for key, value in values.items():
+            if key not in mine:
+                mine[key] = value
+                prop = props.get(key)
+                if prop:
+                    my_props[key] = prop
+                taken += 1
+        return taken
+
+    def _adopted(self, moved: int) -> None:
+        lenders, self.lending, self.lent_at = self.lending, (), []
+        self.adoption = None
+        log.info("shard %s: adopted %d keys from %s", self.name, moved,
+                 ", ".join(o.name for o in lenders))
 
     def _peek_hugz(self, frames: list[bytes]) -> bool:
         """A HUGZ read before it is applied (not on the hot path): ``_note_hugz``."""

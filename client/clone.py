@@ -38,7 +38,6 @@ from clonemap.shards.common.routing import OwnerCache
 from clonemap.shards.common import timing
 from clonemap.shards.common.timing import HEARTBEAT_S
 from clonemap.client import shard_machine as sm
-from clonemap.client.adoption import Adoption
 from clonemap.client.agent import ShardAgent
 from clonemap.client.events import KEPT, KeyMeta
 from clonemap.client.collector import ServerAddress, parse_servers
@@ -163,10 +162,9 @@ class AsyncClone:
                              follow=self._follow_routing,
                              epoch=lambda: self.routing_epoch)
         self._following = 0
-        self._routing_task: asyncio.Task[None] | None = None
-
-        """The fetch of a later routing a server follows (``_follow_routing``)."""
         """The routing epoch this client is fetching the map of (0: none)."""
+        self._routing_task: asyncio.Task[None] | None = None
+        """The fetch of a later routing a server follows (``_follow_routing``)."""
         self.routing_followed = 0
         """How many later routing epochs this client took while it ran."""
         """Falling behind, and failing (``clonemap.client.health``)."""
@@ -472,6 +470,7 @@ class AsyncClone:
             for other in self._agents:
                 if other not in added:
                     other.on_epoch = self._epoch_seen
+                    other.lent_out = self._lent_out
             asyncio.get_running_loop().call_later(ADOPT_WAIT_S, self._adopt_now, added)
         if self._started:
             for agent in added:
@@ -500,10 +499,12 @@ class AsyncClone:
             agent.adopt_ready = None
             agent.release_request()
 
-    def _adopt_claim(self, agent: ShardAgent) -> dict[str, tuple[int, int]] | None:
-        """What an added shard's agent claims in its adoption: each other part built
-        whole under an earlier routing (its server had not begun to forget what moved
-        away), by its map's generation, up to its sequence. None: no part qualifies."""
+    def _adopt_claim(self, agent: ShardAgent) -> tuple[dict[str, tuple[int, int]],
+                                                       tuple[ShardAgent, ...]] | None:
+        """What an added shard's agent claims in its adoption, and the parts it counts
+        on: each other part built whole under an earlier routing (its server had not
+        begun to forget what moved away), by its map's generation, up to its sequence.
+        None: no part qualifies."""
         cluster = self.cluster
         if cluster is None:
             return None
@@ -513,22 +514,15 @@ class AsyncClone:
                    and 0 < o.part_epoch < epoch]
         if not lenders:
             return None
-        agent.lending = tuple(lenders)
-        agent.lent_at = [(o, o.snapshots) for o in lenders]
-        for o in lenders:
-            o.lent_out = self._lent_out
-        return {o.generation: (o.last_seq, o.part_epoch) for o in lenders}
+        return {o.generation: (o.last_seq, o.part_epoch) for o in lenders}, tuple(lenders)
 
     def _adopted(self, agent: ShardAgent) -> None:
         """An adoption was installed: the keys its lenders hold for the added shard move
-        into its part, a chunk per loop turn (``clonemap.client.adoption``)."""
+        into its part, a chunk per loop turn (``ShardAgent.start_adoption``)."""
         cluster = self.cluster
         index = next((i for i, a in self._by_index.items() if a is agent), None)
-        if cluster is None or index is None or not agent.lending:
-            agent.lending, agent.lent_at = (), []
-            return
-        agent.adoption = Adoption(agent, OwnerCache(cluster.shard_map, index).owns)
-        agent.adoption.start()
+        if cluster is not None and index is not None:
+            agent.start_adoption(OwnerCache(cluster.shard_map, index).owns)
 
     def _lent_out(self, lender: ShardAgent) -> None:
         """``lender``'s map is about to be replaced (a snapshot): every adoption that

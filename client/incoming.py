@@ -189,7 +189,6 @@ class Incoming:
                 self.adoption_rows += arrived
             elif reply.adopted:  # a part it counted on took a snapshot since: ask again
                 self.map = None
-                agent.adopt_claim = None
                 agent.link.close_dealer()
                 return sm.SnapshotRejected("an adoption answered after a part it counted "
                                            "on was replaced: a whole snapshot instead")

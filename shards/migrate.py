@@ -183,11 +183,10 @@ class Import:
         pause until the bytes read are within it."""
         if self._after_batch is not None:
             self._after_batch()
-        if self.rate is None or self.copied or self._dealer is None:
+        if (self.rate is None or self.copied or self._dealer is None
+                or self._paced_from is None):  # (no snapshot asked yet: nothing to pace)
             return
         now = self._loop.time()
-        if self._paced_from is None:
-            self._paced_from = now
         ahead = self._paced_from + self.received / self.rate - now
         if ahead > PACE_MIN_S:
             self.paused_s += ahead

@@ -1,39 +1,47 @@
 """The client's adoption of the keys a routing change copied to an added shard
-(``clonemap.client.adoption``), pure: parts as plain objects, the loop's turns forced by
-calling ``run`` with a budget. Each key is in exactly one part after every turn; a key
-the new shard wrote meanwhile keeps its value there; a lender about to be replaced gives
-everything at once (``run()``); the end clears the lending."""
+(``clonemap.client.adoption``, driven by ``ShardAgent.start_adoption``), on real agents
+that are never started: the loop's turns forced by calling ``run`` with a budget. Each
+key is in exactly one part after every turn; a key the new shard wrote meanwhile keeps
+its value there; a lender about to be replaced gives everything at once (``run()``);
+the end clears the lending."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from clonemap.client.adoption import Adoption
+from clonemap.client.agent import ShardAgent
 
 
-def part(name: str, keys: dict[bytes, bytes], props: dict[bytes, bytes] | None = None):
-    return SimpleNamespace(name=name, map=dict(keys), props=dict(props or {}),
-                           seqs={k: 100 + i for i, k in enumerate(keys)}, lending=(),
-                           lent_at=[], adoption=None)
+def part(name: str, keys: dict[bytes, bytes], props: dict[bytes, bytes] | None = None
+         ) -> ShardAgent:
+    agent = ShardAgent(None, ["tcp://127.0.0.1:5999"], name=name)  # (never started)
+    agent.map.update(keys)
+    agent.props.update(props or {})
+    agent.seqs.update({k: 100 + i for i, k in enumerate(keys)})
+    return agent
+
+
+def adopting(agent: ShardAgent, lenders: tuple, owns) -> Adoption:
+    agent.lending = lenders
+    agent.lent_at = [(o, o.snapshots) for o in lenders]
+    adoption = Adoption(lenders, owns, agent._take_adopted, agent._adopted)
+    agent.adoption = adoption
+    return adoption
 
 
 def test_keys_move_a_budget_at_a_time_each_in_one_part_and_the_new_shards_writes_stay():
     s0 = part("s0", {b"/a/%d" % i: b"v%d" % i for i in range(10)}, {b"/a/3": b"expires=9\n"})
     s1 = part("s1", {b"/b/%d" % i: b"w%d" % i for i in range(10)})
     s2 = part("s2", {b"/a/5": b"newer"})  # written on s2 since its copy (an update)
-    s2.lending, s2.lent_at = (s0, s1), [(s0, 1), (s1, 1)]
     owned = lambda key: key[-1:] in b"3579"  # noqa: E731 - what the routing gives s2
-    adoption = Adoption(s2, owned)
-    s2.adoption = adoption
-    total = 20
+    adoption = adopting(s2, (s0, s1), owned)
     for _ in range(6):
         adoption.run(4)
         # (/a/5 is in s0 too only because this test put it there: a client's update
         # from s2 re-homes it at once; the adoption drops such a stale copy)
         keys = [k for k in [*s0.map, *s1.map, *s2.map] if k != b"/a/5"]
-        assert len(keys) == len(set(keys)) == total - 1
+        assert len(keys) == len(set(keys)) == 19
         if adoption.done:
             break
-    assert adoption.done and s2.lending == () and s2.adoption is None
+    assert adoption.done and s2.lending == () and s2.lent_at == [] and s2.adoption is None
     assert s2.map == {b"/a/3": b"v3", b"/a/5": b"newer", b"/a/7": b"v7", b"/a/9": b"v9",
                       b"/b/3": b"w3", b"/b/5": b"w5", b"/b/7": b"w7", b"/b/9": b"w9"}
     assert s2.props == {b"/a/3": b"expires=9\n"} and not s0.props
@@ -46,11 +54,17 @@ def test_keys_move_a_budget_at_a_time_each_in_one_part_and_the_new_shards_writes
 def test_a_lender_about_to_be_replaced_gives_everything_at_once():
     s0 = part("s0", {b"/a/%d" % i: b"v" for i in range(1000)})
     s2 = part("s2", {})
-    s2.lending = (s0,)
-    adoption = Adoption(s2, lambda key: key.endswith(b"7"))
+    adoption = adopting(s2, (s0,), lambda key: key.endswith(b"7"))
     adoption.run(10)
     assert not adoption.done
     adoption.run()  # (``AsyncClone._lent_out``: before the lender's map is replaced)
     assert adoption.done and len(s2.map) == 100 and not any(k.endswith(b"7") for k in s0.map)
     adoption.run(10)  # finished: nothing more
-    assert len(s2.map) == 100 and adoption.moved == 100
+    assert len(s2.map) == 100 and adoption.moved == 100 and s2.lending == ()
+
+
+def test_an_adoption_with_no_lender_left_starts_nothing():
+    s2 = part("s2", {})
+    s2.lent_at = [(part("s0", {}), 0)]
+    s2.start_adoption(lambda key: True)  # (its claim found no lender)
+    assert s2.adoption is None and s2.lent_at == []
