@@ -169,10 +169,29 @@ class Etcd:
         self.call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)})
 
     def get(self, key: bytes) -> bytes | None:
+        return self.get_revision(key)[0]
+
+    def get_revision(self, key: bytes) -> tuple[bytes | None, int]:
+        """``key``'s value and the revision that last changed it ((None, 0): none)."""
         got = self.call("/v3/kv/range", {"key": _b64(key)})
         for kv in got.get("kvs", []):
-            return base64.b64decode(kv.get("value", ""))
-        return None
+            return base64.b64decode(kv.get("value", "")), int(kv.get("mod_revision", 0))
+        return None, 0
+
+    def put_if_revision(self, key: bytes, value: bytes, revision: int) -> bool:
+        """Put ``value`` if ``key`` was last changed at ``revision`` (0: if it does not
+        exist): one compare-and-swap. False: someone else changed it first."""
+        compare = ({"key": _b64(key), "result": "EQUAL", "target": "MOD",
+                    "mod_revision": str(revision)} if revision else
+                   {"key": _b64(key), "result": "EQUAL", "target": "CREATE",
+                    "create_revision": "0"})
+        got = self.call("/v3/kv/txn", {
+            "compare": [compare],
+            "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}]})
+        return bool(got.get("succeeded"))
+
+    def delete(self, key: bytes) -> None:
+        self.call("/v3/kv/deleterange", {"key": _b64(key)})
 
 
 @dataclass(frozen=True, slots=True)

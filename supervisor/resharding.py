@@ -106,6 +106,10 @@ STOP_AT_ENV = "CLONEMAP_RESHARD_STOP_AT"
 the middle of a move."""
 PHASES = ("started", "copied", "held", "sealed", "committing", "committed", "flipped")
 """``committing``: one target committed and others have not yet (a change with several)."""
+CLAIM_TTL_S = 10.0
+"""Across hosts, the lease under which the supervisor that runs a change holds the
+cluster's one change at a time in etcd (renewed while it runs; one that dies frees it
+within this)."""
 PAUSE_AT_ENV = "CLONEMAP_RESHARD_PAUSE_AT"
 """Tests only: a phase at which a move waits, after printing ``RESHARD_PAUSED phase=P``,
 until the file ``CONTINUE_FILE`` appears in the run directory (a test kills a server
@@ -190,26 +194,65 @@ class Resharding:
         their last poll."""
         """Where the change under way says how far it got (``change``)."""
         self._said_at = 0.0
+        self.shared = routing_state.SharedRouting.of(plan)
+        """Across hosts: the routing in etcd, the cluster's source of truth (else None)."""
+        self.config_path = ""
+        """The config whose routing the cluster follows, once a change set it (etcd
+        tells the other hosts' supervisors which config to plan)."""
+        self._unshared: ShardMap | None = None
+        """A routing committed here that etcd did not take yet (it did not answer):
+        ``follow`` tries again."""
+        self._claim = 0
+        """The etcd lease under which this supervisor holds the change under way."""
+        self._new_config = ""
+        """The config of the change under way (the path every host plans)."""
+        self._parts: Plan | None = None
+        """The plan of another host's change whose added shards this host started."""
+        self._part_shards: set[int] = set()
+        """Those shards, until the routing has them (or they are dropped)."""
 
     @property
     def routing(self) -> ShardMap:
         return self.plan.routing.shard_map()
 
     # ------------------------------------------------------------------ servers
+    def _server(self, name: str):
+        """Server ``name``'s plan (``shard/role``), on any host: the running routing's
+        shards, else those the change under way adds."""
+        proc = self.runner.servers.get(name)
+        if proc is not None:
+            return proc.plan
+        for plan in (self.plan, self._adding):
+            if plan is not None:
+                try:
+                    return plan.server(name)
+                except KeyError:
+                    pass
+        raise KeyError(name)
+
+    def _endpoint_of(self, server) -> str:
+        """Where to ask ``server``: this supervisor's broker, or (across hosts) the
+        broker of the supervisor that runs it."""
+        plan = self._adding if self._adding is not None and server.index >= len(
+            self.plan.shards) else self.plan
+        if plan.is_local(server):
+            return self.endpoint
+        return plan.control_of(server)
+
     async def _ask(self, name: str, *body: bytes) -> dict:
         """One control request to server ``name`` (its own MDP client, kept for the
-        change: a move asks the same servers many times)."""
-        proc = self.runner.servers[name]
+        change: a move asks the same servers many times), through the broker of the
+        supervisor that runs it."""
+        server = self._server(name)
         entry = self._clients.get(name)
         if entry is None:
             entry = self._clients[name] = (
-                MdpClient(self.endpoint, ctx=self.ctx, timeout_s=ASK_TIMEOUT_S, retries=0,
-                          security=self.security), asyncio.Lock())
+                MdpClient(self._endpoint_of(server), ctx=self.ctx, timeout_s=ASK_TIMEOUT_S,
+                          retries=0, security=self.security), asyncio.Lock())
         client, lock = entry
         async with lock:
             try:
-                reply = await client.request(stats_service(proc.plan.shard, proc.plan.role),
-                                             *body)
+                reply = await client.request(stats_service(server.shard, server.role), *body)
             except BaseException:
                 self._clients.pop(name, None)
                 await client.close()
@@ -222,19 +265,38 @@ class Resharding:
             await client.close()
 
     def _running(self) -> list[str]:
-        return [name for name, proc in self.runner.servers.items() if proc.state == RUNNING]
+        """The servers of the cluster that run: this host's that its runner says run,
+        and (across hosts) every pair server another host's supervisor runs (asked
+        through its broker; one that does not answer fails the request it is asked)."""
+        here = [name for name, proc in self.runner.servers.items() if proc.state == RUNNING]
+        there = []
+        for plan in (self.plan, self._adding):
+            for server in plan.servers if plan is not None else ():
+                if (not plan.is_local(server) and server.name not in there
+                        and server.name not in self.runner.servers):
+                    there.append(server.name)
+        return here + there
+
+    def _local(self, name: str) -> bool:
+        return name in self.runner.servers
 
     def _of_shard(self, index: int) -> list[str]:
-        return [n for n in self._running() if self.runner.servers[n].plan.index == index]
+        return [n for n in self._running() if self._server(n).index == index]
 
     async def _active_of(self, index: int) -> str:
-        """The running server of shard ``index`` that says it is active."""
+        """The running server of shard ``index`` that says it is active (one that does
+        not answer is not)."""
+        why = "no server answered"
         for name in self._of_shard(index):
-            if self.runner.servers[name].plan.role not in ("primary", "backup"):
+            if self._server(name).role not in ("primary", "backup"):
                 continue
-            if (await self._ask(name)).get("active"):
-                return name
-        raise Refused(b"503", f"shard {index} has no active server now")
+            try:
+                if (await self._ask(name)).get("active"):
+                    return name
+                why = f"{name} is not active"
+            except ClonemapError as exc:
+                why = f"{name}: {exc}"
+        raise Refused(b"503", f"shard {index} has no active server now ({why})")
 
     async def _step(self, name: str, op: str, **args) -> dict:
         got = await self._ask(name, MOVE_COMMAND, json.dumps(dict(args, op=op)).encode())
@@ -254,7 +316,7 @@ class Resharding:
         while late and time.monotonic() < deadline:
             for name in [n for n in late if n in self._running()]:
                 late.discard(name)
-                giving = self.runner.servers[name].plan.index in sources
+                giving = self._server(name).index in sources
                 got = await self._install(new, [name], forget=giving,
                                           forward=forward if giving else None)
                 log.info("reshard: %s, running again, takes epoch %d%s", name, new.epoch,
@@ -309,7 +371,7 @@ class Resharding:
             if not isinstance(leaving, dict):
                 raise Refused(b"503", f"server {name} did not count the keys it would give "
                                       f"up ({got!r}); nothing was changed")
-            source = self.runner.servers[name].plan.index
+            source = self._server(name).index
             for target, (keys, size) in leaving.items():
                 row = moves.setdefault((source, int(target)), [0, 0])
                 row[0], row[1] = max(row[0], keys), max(row[1], size)
@@ -335,6 +397,8 @@ class Resharding:
                 self._state = {"phase": "planning", "keys": 0, "bytes": 0,
                                "changes": self._state["changes"] + 1, "running": True,
                                "to": config}
+            if apply:
+                await self._take_claim(config)
             beat = asyncio.ensure_future(self._keep_saying())
             try:
                 return await self._change(config, apply)
@@ -342,7 +406,39 @@ class Resharding:
                 beat.cancel()
                 self._state["running"] = False
                 self.progress = None
+                self._adding = None
                 await self._close_clients()
+                await self._give_claim()
+
+    async def _take_claim(self, config: str) -> None:
+        """Across hosts: one change at a time in the whole cluster (an etcd key under a
+        lease this supervisor keeps while the change runs: ``CLAIM_TTL_S``)."""
+        if self.plan.hosts and self.shared is None:
+            raise Refused(b"409", "a cluster over several hosts keeps its routing epoch in "
+                                  "etcd: add coordination: {etcd: [HOST:PORT, ...]} to its "
+                                  "config to reshard it")
+        if self.shared is None:
+            return
+        from clonemap.shards.coord import CoordinationError
+
+        who = f"host {self.plan.host_name}: {config}"
+        try:
+            self._claim, holder = await asyncio.to_thread(self.shared.claim, who,
+                                                          CLAIM_TTL_S)
+        except CoordinationError as exc:
+            raise Refused(b"503", f"etcd {self.shared.url} did not answer ({exc}): a "
+                                  "change of a cluster over several hosts needs it") from None
+        if not self._claim:
+            raise Refused(b"409", f"another change of the routing is under way ({holder})")
+
+    async def _give_claim(self) -> None:
+        claim, self._claim = self._claim, 0
+        if claim and self.shared is not None:
+            try:
+                await asyncio.to_thread(self.shared.release, claim)
+            except Exception as exc:  # noqa: BLE001 - it expires by itself
+                log.warning("reshard: the claim on etcd was not given back (%s); it "
+                            "expires in %g s", exc, CLAIM_TTL_S)
 
     def abort(self) -> tuple[bool, str]:
         """Stop the change under way and roll it back (``supervisor reshard --abort``):
@@ -365,11 +461,19 @@ class Resharding:
 
     async def _keep_saying(self) -> None:
         """A word to the caller at least every ``PROGRESS_S`` whatever the phase is
-        waiting on (a server busy copying answers its control service late)."""
+        waiting on (a server busy copying answers its control service late); across
+        hosts, the claim kept alive."""
+        kept = time.monotonic()
         while True:
             await asyncio.sleep(PROGRESS_S)
             if time.monotonic() - self._said_at >= PROGRESS_S:
                 await self._say(waiting=True)
+            if self._claim and time.monotonic() - kept >= CLAIM_TTL_S / 4:
+                kept = time.monotonic()
+                try:
+                    await asyncio.to_thread(self.shared.keep, self._claim)
+                except Exception as exc:  # noqa: BLE001 - tried again at the next beat
+                    log.warning("reshard: the claim on etcd was not renewed (%s)", exc)
 
     async def _change(self, config: str, apply: bool) -> dict:
         try:
@@ -389,16 +493,17 @@ class Resharding:
         new = new.with_epoch(old.epoch + 1)
         new_plan = dataclasses.replace(new_plan, routing=dataclasses.replace(
             new_plan.routing, epoch=new.epoch))
+        self._new_config = config
         if new.shards == old.shards and not any(m["keys"] for m in plan["moves"]):
             return await self._flip(old, new, new_plan, plan)
         return await self._move(old, new, new_plan, plan)
 
     # ------------------------------------------------------------------ no key moves
     async def _flip(self, old: ShardMap, new: ShardMap, new_plan: Plan, plan: dict) -> dict:
-        self._commit(new_plan)  # durable first: a restarted supervisor serves it
+        await self._commit(new_plan)  # durable first: a restarted supervisor serves it
         giving = {src for src, _ in moved_prefixes(old, new).values()}
         names = self._running()
-        first = [n for n in names if self.runner.servers[n].plan.index in giving]
+        first = [n for n in names if self._server(n).index in giving]
         rest = [n for n in names if n not in first]
         refused = {}
         for wave in (first, rest):
@@ -407,7 +512,7 @@ class Resharding:
             if refused:
                 break
         if refused:  # back to the old routing, under the epoch after
-            back = self._back(old, new)
+            back = await self._back(old, new)
             again = {n: why for n, why in (await self._install(back, names)).items() if why}
             log.error("routing: epoch %d refused by %s; epoch %d restores the old routing%s",
                       new.epoch, refused, back.epoch,
@@ -420,10 +525,11 @@ class Resharding:
         plan.update(epoch=new.epoch, changed=True, servers=names, at=time.time())
         return plan
 
-    def _back(self, old: ShardMap, new: ShardMap) -> ShardMap:
+    async def _back(self, old: ShardMap, new: ShardMap) -> ShardMap:
         """The old routing again, as the epoch after ``new`` (epochs only grow)."""
         back = old.with_epoch(new.epoch + 1)
-        self._commit(dataclasses.replace(self._before, routing=dataclasses.replace(
+        self._new_config = self.config_path
+        await self._commit(dataclasses.replace(self._before, routing=dataclasses.replace(
             self._before.routing, epoch=back.epoch)))
         return back
 
@@ -463,6 +569,7 @@ class Resharding:
             for index in added:  # 1. start, on the new routing
                 not_up = await self.runner.add_shard(new_plan.shards[index], new_plan,
                                                      START_WAIT_S)
+                not_up += await self._on_hosts(new_plan, index, "start")
                 if not_up:
                     raise Refused(b"409", f"the added shard's servers {not_up} did not start")
                 await self._wait(lambda i=index: self._active_of(i), START_WAIT_S,
@@ -478,7 +585,7 @@ class Resharding:
             into = {t: sum(1 for _, u in pairs if u == t) for t in targets}
             rate = self.copy_rate
             for s, t in pairs:
-                plan_s = self.runner.servers[src[s]].plan
+                plan_s = self._server(src[s])
                 each = rate / into[t] if rate else None
                 await self._step(dst[t], "import", source=f"tcp://{plan_s.address}:"
                                  f"{plan_s.port}", prefix=self._subtree(old, new, s, t),
@@ -559,18 +666,19 @@ class Resharding:
                 if i == 0 and len(targets) > 1:
                     await self._reached("committing")
         except Exception as exc:  # (a target gone: no answer) the old routing, later epoch
-            back = self._back(old, new)
+            back = await self._back(old, new)
             for name in [*(src[s] for s in sources), *self._peers_of(sources, src)]:
                 await asyncio.gather(self._step(name, "release"), return_exceptions=True)
             # a target that committed before another refused forgets what it took
             await self._install(back, self._running(), forget=True)
             for index in added:
                 await self.runner.remove_shard(index)
+                await self._on_hosts(new_plan, index, "drop")
             routing_state.clear_move(self.run_dir)
             raise Refused(b"409", f"a target did not commit ({type(exc).__name__}: {exc}); "
                                   f"the old routing is back as epoch {back.epoch}") from exc
         await self._reached("committed")
-        self._commit(new_plan)  # after the copies are durable on the targets
+        await self._commit(new_plan)  # after the copies are durable on the targets
         routing_state.clear_move(self.run_dir)
         await self._reached("flipped")
         phases["commit_s"] = time.monotonic() - sealed_at
@@ -583,7 +691,7 @@ class Resharding:
         phases["hold_s"] = time.monotonic() - hold_began
         rest = [n for t in targets for n in self._of_shard(t) if n != dst[t]]
         others = [n for n in self._running()
-                  if self.runner.servers[n].plan.index not in (*sources, *targets)]
+                  if self._server(n).index not in (*sources, *targets)]
         await asyncio.gather(self._install(new, rest), self._install(new, others))
         await self._install_late(new, {*giving, *rest, *others, *dst.values()}, sources,
                                  forward)
@@ -643,11 +751,11 @@ class Resharding:
     def _peers_of(self, sources: list[int], src: dict[int, str]) -> list[str]:
         """The running pair servers of the sources other than their actives."""
         return [n for s in sources for n in self._of_shard(s) if n != src[s]
-                and self.runner.servers[n].plan.role in ("primary", "backup")]
+                and self._server(n).role in ("primary", "backup")]
 
     def _source_of(self, imp: dict, src: dict[int, str]) -> int:
         for s, name in src.items():
-            plan = self.runner.servers[name].plan
+            plan = self._server(name)
             if imp["source"] == f"tcp://{plan.address}:{plan.port}":
                 return s
         raise Refused(b"409", f"a copy from an unknown source {imp['source']}")
@@ -659,7 +767,8 @@ class Resharding:
         deadline = time.monotonic() + within_s
         while True:
             self._check_abort()
-            gone = [n for n in src.values() if self.runner.servers[n].state != RUNNING]
+            gone = [n for n in src.values()
+                    if self._local(n) and self.runner.servers[n].state != RUNNING]
             if gone:  # (its peer, once active, serves no copy that began on it)
                 raise Refused(b"409", f"{', '.join(gone)}, the active of a source, stopped")
             finished = True
@@ -669,7 +778,7 @@ class Resharding:
                 try:
                     stats = await self._ask(name)
                 except ClonemapError as exc:  # busy copying: asked again, to the deadline
-                    if self.runner.servers[name].state != RUNNING:
+                    if self._local(name) and self.runner.servers[name].state != RUNNING:
                         raise Refused(b"409", f"{name}, a target's active, stopped: its "
                                               "copy is lost") from None
                     log.debug("reshard: %s did not answer: %s", name, exc)
@@ -716,6 +825,8 @@ class Resharding:
                                      return_exceptions=True)
         for index in added:  # they never served: their data directories go too
             await self.runner.remove_shard(index)
+            if self._adding is not None:
+                await self._on_hosts(self._adding, index, "drop")
             for server in self._before_added(index):
                 data = self.runner.data_dir(server)
                 if data is not None:
@@ -726,6 +837,169 @@ class Resharding:
         shard = self._adding.shards[index] if self._adding is not None else None
         return [shard.primary, shard.backup] if shard is not None else []
 
+    # ------------------------------------------------------------------ across hosts
+    async def _on_hosts(self, plan: Plan, index: int, op: str) -> list[str]:
+        """Ask every other host's supervisor that runs a server of shard ``index`` (a
+        shard the change adds) to ``start`` it or ``drop`` it (``part``); the names of
+        the servers that did not start."""
+        hosts = dict(plan.placed)
+        others = sorted({hosts[s.name] for s in plan.shards[index].servers
+                         if not plan.is_local(s) and s.name in hosts})
+        failed: list[str] = []
+        for host in others:
+            endpoint = dict(plan.hosts)[host]
+            body = json.dumps({"part": op, "config": self._new_config, "shards": [index],
+                               "epoch": plan.routing.epoch}).encode()
+            client = MdpClient(endpoint, ctx=self.ctx, retries=0, security=self.security,
+                               timeout_s=START_WAIT_S + ASK_TIMEOUT_S if op == "start"
+                               else ASK_TIMEOUT_S)
+            try:
+                got = json.loads((await client.request(b"cluster.reshard", body))[-1])
+                failed += got.get("not_up", [])
+            except Exception as exc:  # noqa: BLE001 - named: the change rolls back
+                log.warning("reshard: host %s did not %s shard %d: %s", host, op, index, exc)
+                failed += [s.name for s in plan.shards[index].servers
+                           if hosts.get(s.name) == host]
+            finally:
+                await client.close()
+        return failed
+
+    async def part(self, doc: dict) -> dict:
+        """Another host's supervisor runs a change that adds shards with servers on this
+        host: ``start`` them (from ``doc["config"]``, planned for this host, at the
+        change's epoch), or ``drop`` them (the change rolled back: stopped, their data
+        directories removed, since they never served)."""
+        op, indices = doc.get("part"), [int(i) for i in doc.get("shards", [])]
+        if op == "start":
+            try:
+                new_plan = self.load_plan(str(doc.get("config", "")))
+            except ConfigError as exc:
+                raise Refused(b"400", f"{doc.get('config')}: {exc}") from None
+            new_plan = dataclasses.replace(new_plan, routing=dataclasses.replace(
+                new_plan.routing, epoch=int(doc.get("epoch", self.routing.epoch + 1))))
+            self._parts = new_plan
+            not_up: list[str] = []
+            for index in indices:
+                if index >= len(new_plan.shards):
+                    raise Refused(b"400", f"{doc.get('config')} has no shard {index}")
+                if any(p.plan.index == index for p in self.runner.servers.values()):
+                    await self.runner.remove_shard(index)  # left from an earlier attempt
+                    await self._drop_data(new_plan, index)
+                self._part_shards.add(index)
+                not_up += await self.runner.add_shard(new_plan.shards[index], new_plan,
+                                                      START_WAIT_S)
+            log.info("reshard: shard%s %s started here for a change run by another host",
+                     "" if len(indices) == 1 else "s", ", ".join(map(str, indices)))
+            return {"started": indices, "not_up": not_up}
+        if op == "drop":
+            for index in indices:
+                await self._drop_part(index)
+                self._part_shards.discard(index)
+            return {"dropped": indices}
+        raise Refused(b"400", f"part {op!r}: not start or drop")
+
+    async def _drop_part(self, index: int) -> None:
+        names = await self.runner.remove_shard(index)
+        if self._parts is not None:
+            await self._drop_data(self._parts, index)
+        log.info("reshard: shard %d dropped here (%s): the change that added it rolled "
+                 "back", index, ", ".join(names) or "none ran")
+
+    async def _drop_data(self, plan: Plan, index: int) -> None:
+        """The data directories of this host's servers of added shard ``index`` (it
+        never served)."""
+        for server in plan.shards[index].servers if index < len(plan.shards) else ():
+            data = self.runner.data_dir(server)
+            if data is not None and plan.is_local(server):
+                shutil.rmtree(data, ignore_errors=True)
+
+    async def _orphans(self) -> None:
+        """Shards this host started for another host's change (``part``) that neither
+        came (the routing has fewer shards) nor is still under way (no claim in etcd):
+        that change rolled back and its ``drop`` did not reach this host (a partition,
+        its supervisor died): dropped here."""
+        self._part_shards = {i for i in self._part_shards if i >= self.routing.shards}
+        extra = sorted(self._part_shards)
+        if not extra or self.shared is None or await asyncio.to_thread(self.shared.claimed):
+            return
+        log.warning("reshard: the change that added shard%s %s here is no longer under "
+                    "way and did not flip: dropping %s", "" if len(extra) == 1 else "s",
+                    ", ".join(map(str, extra)), "it" if len(extra) == 1 else "them")
+        for index in extra:
+            await self._drop_part(index)
+        self._part_shards.clear()
+
+    async def follow(self) -> None:
+        """Across hosts: every heartbeat, the routing in etcd; a later epoch than this
+        supervisor's (a change another host's supervisor ran) becomes this one's: its
+        plan (the config that set it, planned for this host), run directory, cluster map
+        and the servers it runs; a shard the change removed stops here too. A routing
+        committed here that etcd did not take is given to it again."""
+        from clonemap.shards.coord import CoordinationError
+
+        said = ""
+        while True:
+            await asyncio.sleep(self.plan.heartbeat_s)
+            if self._lock.locked() or self.shared is None:
+                continue
+            await self._share()
+            try:
+                held, config, _ = await asyncio.to_thread(self.shared.read)
+            except (CoordinationError, ConfigError) as exc:
+                if str(exc) != said:
+                    said = str(exc)
+                    log.warning("routing: etcd %s: %s (this host keeps epoch %d)",
+                                self.shared.url, exc, self.routing.epoch)
+                continue
+            if held is None or held.epoch <= self.routing.epoch or self._lock.locked():
+                try:
+                    await self._orphans()
+                except Exception as exc:  # noqa: BLE001 - etcd gone: tried again
+                    log.warning("reshard: checking for shards of a change that rolled "
+                                "back: %s", exc)
+                continue
+            try:
+                await self._follow(held, config)
+                said = ""
+            except (ConfigError, Refused) as exc:
+                if str(exc) != said:
+                    said = str(exc)
+                    log.error("routing: epoch %d in etcd not followed: %s", held.epoch, exc)
+
+    async def _follow(self, held: ShardMap, config: str) -> None:
+        old = self.routing
+        if held.shards == old.shards:
+            new_plan = self.plan
+        else:
+            try:
+                new_plan = self.load_plan(config)
+            except ConfigError as exc:
+                raise ConfigError(f"it has {held.shards} shards, set by {config or '?'}, "
+                                  f"which does not plan here: {exc}") from None
+            if new_plan.routing.shard_map() != held:
+                raise ConfigError(f"{config} routes otherwise than epoch {held.epoch}")
+        prefixes = held.pins_by_shard()
+        new_plan = dataclasses.replace(new_plan, routing=RoutingParams(
+            held.shards, tuple(tuple(prefixes.get(i, ())) for i in range(held.shards)),
+            epoch=held.epoch))
+        self.config_path = config or self.config_path
+        log.info("routing: epoch %d from etcd (set by %s): %d -> %d shards", held.epoch,
+                 config or "a reshard", old.shards, held.shards)
+        self._take(new_plan)
+        for index in range(old.shards, held.shards):  # this host away at the change
+            shard = new_plan.shards[index]
+            if any(new_plan.is_local(s) and s.name not in self.runner.servers
+                   for s in shard.servers):
+                await self.runner.add_shard(shard, new_plan, START_WAIT_S)
+        mine = [n for n in self._running() if self._local(n)]
+        refused = {n: why for n, why in (await self._install(held, mine)).items() if why}
+        if refused:
+            log.info("routing: epoch %d not installed on %s", held.epoch, refused)
+        await self._close_clients()
+        removed = list(range(held.shards, old.shards))
+        if removed:
+            asyncio.get_running_loop().create_task(self._remove_later(removed))
+
     async def _remove_later(self, removed: list[int]) -> None:
         await asyncio.sleep(REMOVE_AFTER_HEARTBEATS * self.plan.heartbeat_s)
         for index in removed:
@@ -733,9 +1007,40 @@ class Resharding:
             log.info("reshard: shard %d removed (%s stopped; data directories kept)", index,
                      ", ".join(names))
 
-    def _commit(self, new_plan: Plan) -> None:
-        """``new_plan`` (its routing and shards) is the cluster's: the run directory, the
-        servers' command lines for their next start, the cluster map."""
+    async def _commit(self, new_plan: Plan) -> None:
+        """``new_plan`` (its routing and shards) is the cluster's: etcd (across hosts),
+        the run directory, the servers' command lines for their next start, the cluster
+        map. etcd that does not answer does not stop the flip: the servers hold the new
+        epoch already, and ``follow`` gives it to etcd once it answers (a start of this
+        host does too: its run directory is newer)."""
+        shard_map = new_plan.routing.shard_map()
+        self.config_path = getattr(self, "_new_config", "") or self.config_path
+        if self.shared is not None:
+            self._unshared = shard_map
+            await self._share()
+        self._take(new_plan)
+
+    async def _share(self) -> None:
+        """Give etcd the routing committed here that it does not hold yet."""
+        from clonemap.shards.coord import CoordinationError
+
+        routing = self._unshared
+        if routing is None or self.shared is None:
+            return
+        try:
+            held = await asyncio.to_thread(self.shared.advance, routing, self.config_path)
+        except (CoordinationError, ConfigError) as exc:
+            log.error("routing: etcd %s did not take epoch %d (%s); tried again every "
+                      "heartbeat", self.shared.url, routing.epoch, exc)
+            return
+        self._unshared = None
+        if held.epoch > routing.epoch:
+            log.error("routing: etcd holds epoch %d, later than the %d committed here: "
+                      "this supervisor follows it", held.epoch, routing.epoch)
+
+    def _take(self, new_plan: Plan) -> None:
+        """This supervisor serves ``new_plan``'s routing (run directory, command lines,
+        cluster map)."""
         shard_map = new_plan.routing.shard_map()
         routing_state.write(self.run_dir, new_plan.cluster, shard_map)
         # the pins as the routing has them (a shard's prefixes in the map follow them)

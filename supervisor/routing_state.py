@@ -29,6 +29,18 @@ they took, and nothing is lost.
 
 Every server gets the settled routing (``--routing``), and each server with a data
 directory keeps the newest routing it followed there too (``clonemap.shards.persist.routing``).
+
+**Across hosts** (a config with ``hosts:`` and ``coordination.etcd``) the routing's single
+source of truth is one etcd key, ``clonemap/<cluster>/routing`` (``SharedRouting``): the
+routing, its epoch and the config that set it. It only moves forward, by a
+compare-and-swap on the key's revision, so of two supervisors that race, one wins and the
+other reads the winner's. ``settle`` reads it first: an epoch newer than the run
+directory's (the cluster changed while this host was away) becomes this host's, so the
+config it starts must route as the cluster does (else the start is refused, naming the
+config that set it); a run directory or server newer than etcd (a change stopped after
+its flip reached this host and before etcd took it) moves etcd forward. Each host's
+supervisor then follows the key (``Resharding.follow``), so every host serves the same
+map within a heartbeat of a change. etcd unreachable at a start: the start is refused.
 """
 from __future__ import annotations
 
@@ -45,6 +57,8 @@ from clonemap.shards.persist.format import replace_json
 log = logging.getLogger(__name__)
 
 ROUTING_FILE = "routing.json"
+SHARED_TIMEOUT_S = 2.0
+"""How long one etcd call of the shared routing may take."""
 MOVE_FILE = "move.json"
 
 
@@ -153,8 +167,135 @@ def newest_of_servers(run_dir: Path, plan: Plan) -> ShardMap | None:
     return newest
 
 
-def settle(run_dir: Path, plan: Plan) -> Plan:
-    """``plan`` with the cluster's routing epoch (module doc), durable in ``run_dir``."""
+class SharedRouting:
+    """The routing of a cluster over several hosts, in etcd (module doc)."""
+
+    def __init__(self, url: str, cluster: str, timeout_s: float = SHARED_TIMEOUT_S):
+        from clonemap.shards.coord import Etcd, parse_url
+
+        self.url = url
+        self.etcd = Etcd(parse_url(url), timeout_s)
+        self.key = f"clonemap/{cluster}/routing".encode()
+        self.cluster = cluster
+
+    @classmethod
+    def of(cls, plan: Plan) -> "SharedRouting | None":
+        """The plan's shared routing: a config over several hosts with etcd; else None."""
+        if not plan.hosts or plan.coordination is None:
+            return None
+        return cls(plan.coordination[0], plan.cluster)
+
+    def read(self) -> tuple[ShardMap | None, str, int]:
+        """(the routing etcd holds or None, the config that set it, the key's revision);
+        ``CoordinationError`` when etcd does not answer, ``ConfigError`` if it does not parse."""
+        raw, revision = self.etcd.get_revision(self.key)
+        if raw is None:
+            return None, "", 0
+        try:
+            doc = json.loads(raw)
+            return ShardMap.from_description(doc["routing"]), doc.get("config", ""), revision
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"etcd {self.url}: {self.key.decode()} is not a routing "
+                              f"({exc})", field="routing") from None
+
+    def advance(self, shard_map: ShardMap, config: str = "") -> ShardMap:
+        """Make ``shard_map`` the cluster's unless etcd holds a later epoch already; the
+        routing etcd holds afterwards (a compare-and-swap, tried again when another
+        supervisor changed the key in between)."""
+        while True:
+            held, _, revision = self.read()
+            if held is not None and held.epoch >= shard_map.epoch:
+                return held
+            doc = {"version": 1, "cluster": self.cluster, "routing": shard_map.describe(),
+                   "config": config}
+            if self.etcd.put_if_revision(self.key, json.dumps(doc).encode(), revision):
+                return shard_map
+
+
+    def claim(self, who: str, ttl_s: float) -> tuple[int, str]:
+        """Take the cluster's one change at a time: (lease, "") once this supervisor holds
+        ``clonemap/<cluster>/change`` under a lease of ``ttl_s`` (kept by ``keep``, given
+        back by ``release``), or (0, who holds it)."""
+        lease = self.etcd.grant(ttl_s)
+        got, holder = self.etcd.put_if_absent(self._change_key, who.encode(), lease)
+        if got:
+            return lease, ""
+        self.etcd.revoke(lease)
+        return 0, holder.decode(errors="replace")
+
+    def claimed(self) -> bool:
+        """Whether a change is under way (a supervisor holds the claim)."""
+        return self.etcd.get(self._change_key) is not None
+
+    def keep(self, lease: int) -> bool:
+        return self.etcd.keepalive(lease) > 0
+
+    def release(self, lease: int) -> None:
+        self.etcd.revoke(lease)
+
+    @property
+    def _change_key(self) -> bytes:
+        return f"clonemap/{self.cluster}/change".encode()
+
+
+def _settle_shared(run_dir: Path, plan: Plan, shared: SharedRouting) -> str:
+    """etcd's routing, when newer than the run directory's, becomes this host's; the
+    config that set etcd's routing ("" if none is named)."""
+    from clonemap.shards.coord import CoordinationError
+
+    try:
+        held, config, _ = shared.read()
+    except CoordinationError as exc:
+        raise ConfigError(f"etcd {shared.url} did not answer ({exc}): a cluster over "
+                          "several hosts keeps its routing epoch there; start etcd first",
+                          field="coordination") from None
+    mine = read(run_dir)
+    if held is not None and (mine is None or held.epoch > mine.epoch):
+        if mine is not None:
+            log.warning("routing: etcd holds epoch %d, newer than this host's %d (set by "
+                        "%s while this host was away): the cluster is at epoch %d",
+                        held.epoch, mine.epoch, config or "a reshard", held.epoch)
+        write(run_dir, plan.cluster, held)
+    return config
+
+
+def settle(run_dir: Path, plan: Plan, config: str = "") -> Plan:
+    """``plan`` with the cluster's routing epoch (module doc), durable in ``run_dir``
+    (and, across hosts, in etcd, with ``config``: the path of the config that routes so,
+    which another host's supervisor plans to follow it)."""
+    shared = SharedRouting.of(plan)
+    if shared is None:
+        return _settle_here(run_dir, plan)
+    setter = _settle_shared(run_dir, plan, shared)
+    try:
+        settled = _settle_here(run_dir, plan)
+    except ConfigError as exc:
+        if not setter or setter == config:
+            raise
+        raise ConfigError(f"{exc}. The cluster's routing was set by {setter}",
+                          field=exc.field) from None
+    if shared is not None:
+        chosen = settled.routing.shard_map()
+        from clonemap.shards.coord import CoordinationError
+
+        try:
+            now = shared.advance(chosen, config)
+        except CoordinationError as exc:
+            raise ConfigError(f"etcd {shared.url} did not answer ({exc}): a cluster over "
+                              "several hosts keeps its routing epoch there",
+                              field="coordination") from None
+        if now != chosen:  # another host's supervisor moved it on in between
+            raise ConfigError(f"the cluster's routing changed while this host started "
+                              f"(etcd: {_text(now)}; this host: {_text(chosen)}): start "
+                              "again", field="routing")
+        if now.epoch != chosen.epoch:  # the same routing, a later epoch: etcd's
+            write(run_dir, plan.cluster, now)
+            settled = dataclasses.replace(settled, routing=dataclasses.replace(
+                settled.routing, epoch=now.epoch))
+    return settled
+
+
+def _settle_here(run_dir: Path, plan: Plan) -> Plan:
     _settle_move(run_dir, plan)
     given = plan.routing.shard_map()
     held = read(run_dir)

@@ -149,6 +149,9 @@ class ControlServices:
             asked, why = self.resharding.abort()
             return [OK if asked else CONFLICT, why.encode()]
         try:
+            part = _part_of(request.body)
+            if part is not None:  # another host's supervisor runs a change (its added shards)
+                return [OK, json.dumps(await self.resharding.part(part)).encode()]
             config, apply, copy_rate = parse_change(request.body)
             plan = await self.resharding.change(config, apply, request.partial, copy_rate)
         except Refused as exc:
@@ -423,3 +426,13 @@ class StatsPoller:
         clients, self.clients = self.clients, {}
         for client in clients.values():
             await client.close()
+
+
+def _part_of(body: list[bytes]) -> dict | None:
+    """``cluster.reshard``'s body from another host's supervisor (JSON with ``part``:
+    ``clonemap.supervisor.resharding.Resharding.part``), else None."""
+    try:
+        doc = json.loads(body[0])
+    except (IndexError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and "part" in doc else None

@@ -155,6 +155,8 @@ class Plan:
     """(etcd URL, lease_s, replication) for the pairs across hosts."""
     across: frozenset[int] = frozenset()
     """Indexes of the shards whose two servers are on different hosts."""
+    placed: tuple[tuple[str, str], ...] = ()
+    """A cluster over several hosts: each pair server (``shard/role``) and its host's name."""
     access: Access = field(default=OPEN, compare=False)
     """The named client identities' rights (``security.clients`` and ``.roles``)."""
 
@@ -168,6 +170,15 @@ class Plan:
     @property
     def servers(self) -> list[ServerPlan]:
         return [s for shard in self.shards for s in shard.servers]
+
+    def control_of(self, server: "ServerPlan") -> str:
+        """The control endpoint of the supervisor that runs ``server`` (this one's, unless
+        another host's runs it)."""
+        if self.is_local(server):
+            return self.control
+        name = server.name if not server.role.startswith("relay") else f"{server.shard}/primary"
+        host = dict(self.placed).get(name)
+        return dict(self.hosts).get(host, self.control) if host else self.control
 
     def server(self, name: str) -> ServerPlan:
         """``"s1/backup"`` -> its ServerPlan (KeyError if there is none)."""
@@ -454,7 +465,10 @@ def plan(config: ClusterConfig, facts: HostFacts, *, source: str = "",
                 hosts=tuple((name, h.control) for name, h in (config.hosts or {}).items()),
                 remote=remote, coordination=coordination, access=config.security.access(),
                 across=frozenset(i for i in range(len(config.shards))
-                                 if config.pair_across_hosts(i)))
+                                 if config.pair_across_hosts(i)),
+                placed=tuple((f"{shard.name}/{role}", shard.server(role).at)
+                             for shard in config.shards for role in ROLES
+                             if config.hosts is not None))
 
 
 # ---------------------------------------------------------------- the OS check

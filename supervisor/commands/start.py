@@ -231,6 +231,7 @@ class Supervisor:
                                 load_plan=lambda path: plan(load_config(path),
                                                             local_host_facts(), source=path,
                                                             host=self.host_name))
+        resharding.config_path = str(Path(self.config_path).resolve())
         ControlServices(the_plan, runner, self.stop, poller=poller, health=health,
                         config_path=str(Path(self.config_path).resolve()),
                         rights_path=rights_path, broker=broker,
@@ -259,6 +260,8 @@ class Supervisor:
                 log.info("metrics on %s", metrics.url)
             pid_file.write_text(f"{os.getpid()}\n")
             tasks.append(loop.create_task(poller.run()))
+            if resharding.shared is not None:  # every host serves etcd's routing
+                tasks.append(loop.create_task(resharding.follow()))
             starting = loop.create_task(runner.start_all(self.ready_timeout_s))
             stopping = loop.create_task(self.stop.wait())
             await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -447,7 +450,8 @@ def command(config: str, detach: bool, run_dir: str | None, demo_load: bool,
         _fail(exc, exc.exit_code)
     run_path.mkdir(parents=True, exist_ok=True)
     try:  # the routing's epoch: the run directory's (a resharded cluster keeps its own)
-        the_plan = routing_state.settle(run_path, the_plan)
+        the_plan = routing_state.settle(run_path, the_plan,
+                                        config=str(Path(config).resolve()))
     except ConfigError as exc:
         _fail(exc, exc.exit_code)
     if detach and not detached_child:

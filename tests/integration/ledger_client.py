@@ -5,6 +5,9 @@
         write and ``FAIL KEY ERROR`` for each that was not (the ledger)
     python ledger_client.py read SERVERS           a fresh client: prints ``KEY VALUE`` for
         every key of its complete copy, then ``END N``
+    python ledger_client.py dump SERVER            one server's whole map, by a raw
+        ICANHAZ (whatever routing it follows): ``KEY VALUE`` lines, ``END N``; exit 3
+        when it does not answer within 2 s
 
 SERVERS: ``tcp://A:P,tcp://B:P`` (one shard's pair), or ``control=tcp://H:P[,...]`` (the
 whole cluster, through a supervisor's map). Prints ``READY`` once started.
@@ -19,6 +22,8 @@ from clonemap.client.api import ClonemapError, Clone
 
 def main() -> int:
     mode, where = sys.argv[1], sys.argv[2]
+    if mode == "dump":
+        return dump(where)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     if where.startswith("control="):
@@ -45,6 +50,24 @@ def main() -> int:
                 print("FAIL", key, f"{type(exc).__name__}: {exc}", flush=True)
             i += 1
     return 0
+
+
+def dump(endpoint: str) -> int:
+    import zmq
+
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"ICANHAZ?", b""])
+    n = 0
+    while dealer.poll(2000):
+        frames = dealer.recv_multipart()
+        if frames[0] == b"KTHXBAI":
+            print("END", n, flush=True)
+            return 0
+        print(frames[0].decode(), frames[4].decode(), flush=True)
+        n += 1
+    return 3
 
 
 if __name__ == "__main__":

@@ -1,0 +1,311 @@
+"""Resharding a cluster over two hosts (network namespaces), one supervisor per host from
+one config, its routing epoch in a real etcd: ``supervisor reshard`` run against either
+host's supervisor grows the cluster with a shard whose pair spans both hosts, then moves
+a pinned prefix, while ``wait=True`` writers keep a ledger from a third host. After each
+change etcd and both supervisors' cluster maps name the new epoch; at the end a fresh
+read of each shard's pair holds exactly the keys its routing gives it, and together they
+hold every acknowledged write. A partition in the middle of a growth rolls it back,
+with the shard it started on the cut-off host dropped there once the cut heals.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import PYTHON, ROOT, EtcdServer, Procs
+from bench.harness.netns import Hosts
+from clonemap.shards.common.routing import ShardMap
+
+pytestmark = pytest.mark.timeout(240)
+LEDGER = str(Path(__file__).with_name("ledger_client.py"))
+ENV = {"PYTHONPATH": str(ROOT)}
+
+
+def run_on(hosts: Hosts, host: str, *args: str, timeout_s: float = 60,
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*hosts.prefix(host), PYTHON, *args], capture_output=True,
+                          text=True, timeout=timeout_s, cwd=ROOT,
+                          env={**os.environ, **ENV, **(env or {})})
+
+
+class TwoHosts:
+    """etcd on e; shards s0 (primary on a, backup on b) and s1 (primary on b, backup on
+    a), durable; a supervisor per host; writers and readers on c."""
+
+    def __init__(self, hosts: Hosts, tmp: Path, env_a: dict | None = None):
+        self.hosts, self.tmp = hosts, tmp
+        self.procs = Procs()
+        self.etcd = EtcdServer(tmp / "etcd", host=hosts.address["e"], prefix=hosts.prefix("e"))
+        a, b = hosts.address["a"], hosts.address["b"]
+        self.doc = {
+            "cluster": "moving", "heartbeat_s": 0.2, "data_dir": "data",
+            "hosts": {"a": {"control": f"tcp://{a}:5555"},
+                      "b": {"control": f"tcp://{b}:5555"}},
+            "coordination": {"etcd": [f"{self.etcd.host}:{self.etcd.port}"], "lease_s": 2},
+            "shards": [
+                {"name": "s0", "primary": {"at": "a", "host": a, "port": 6000},
+                 "backup": {"at": "b", "host": b, "port": 6000}},
+                {"name": "s1", "primary": {"at": "b", "host": b, "port": 6020},
+                 "backup": {"at": "a", "host": a, "port": 6020}}]}
+        self.config = self.write("two.yaml", self.doc)
+        self.controls = f"control=tcp://{a}:5555,tcp://{b}:5555"
+        self.writers: dict[str, object] = {}
+        self.servers_read: list[tuple[int, str, dict]] = []
+        self.supervisors = {h: self._supervisor(h, env_a if h == "a" else None)
+                            for h in ("a", "b")}
+        for host, sup in self.supervisors.items():  # each host's pairs need the other's
+            ready = sup.wait_line("READY supervisor", 60)
+            assert ready.startswith("READY") and "active_shards=2/2" in ready, (host, ready)
+
+    def _supervisor(self, host: str, env: dict | None):
+        return self.procs.spawn([*self.hosts.prefix(host), PYTHON, "-m",
+                                 "clonemap.supervisor", "start", str(self.config), "--host",
+                                 host, "--no-table", "--run-dir", str(self.run_dir(host))],
+                                env={**ENV, **(env or {})})
+
+    def run_dir(self, host: str) -> Path:
+        return self.tmp / f"run-{host}"
+
+    def write(self, name: str, doc: dict) -> Path:
+        path = self.tmp / name
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    def grown(self) -> dict:
+        """The config with s2: primary on b, backup on a (both hosts start a part)."""
+        a, b = self.hosts.address["a"], self.hosts.address["b"]
+        doc = json.loads(json.dumps(self.doc))
+        doc["shards"].append({"name": "s2", "primary": {"at": "b", "host": b, "port": 6040},
+                              "backup": {"at": "a", "host": a, "port": 6040}})
+        return doc
+
+    def reshard(self, to: Path, via: str) -> subprocess.CompletedProcess:
+        """``supervisor reshard CONFIG --to NEW --yes`` from host c, to ``via``'s supervisor."""
+        return run_on(self.hosts, "c", "-m", "clonemap.supervisor", "reshard",
+                      str(self.config), "--to", str(to), "--yes", "--host", via,
+                      timeout_s=150)
+
+    def etcd_routing(self) -> dict:
+        """What etcd holds under ``clonemap/moving/routing``, read from host c."""
+        done = run_on(self.hosts, "c", "-c",
+                      "import sys; from clonemap.shards.coord import Etcd; "
+                      "print((Etcd([(sys.argv[1], int(sys.argv[2]))]).get("
+                      "b'clonemap/moving/routing') or b'{}').decode())",
+                      self.etcd.host, str(self.etcd.port))
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    def map_epoch(self, host: str) -> int:
+        """The routing epoch of the cluster map that ``host``'s supervisor serves."""
+        done = run_on(self.hosts, "c", "-c",
+                      "import sys, json; from clonemap.supervisor.control import call; "
+                      "print(json.loads(call(sys.argv[1], 'cluster.map', timeout_s=5.0))"
+                      "['routing']['epoch'])", f"tcp://{self.hosts.address[host]}:5555")
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout)
+
+    def wait_epoch(self, epoch: int, timeout_s: float = 15.0) -> None:
+        """Until etcd and both hosts' supervisors serve ``epoch`` (each check a round
+        trip to each of them)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            now = (self.etcd_routing().get("routing", {}).get("epoch"),
+                   self.map_epoch("a"), self.map_epoch("b"))
+            if now == (epoch, epoch, epoch):
+                return
+            assert time.monotonic() < deadline, f"(etcd, a, b) at {now}, not {epoch}"
+
+    def writer(self, prefix: str):
+        self.writers[prefix] = self.procs.spawn(
+            [*self.hosts.prefix("c"), PYTHON, LEDGER, "write", self.controls, prefix],
+            ready="READY", timeout_s=60, env=ENV)
+
+    def wait_acks(self, prefix: str, more: int, timeout_s: float = 60.0) -> None:
+        """Until ``prefix``'s writer has ``more`` acknowledgements beyond its count now
+        (each awaited as the writer's next output line)."""
+        proc = self.writers[prefix]
+        want = sum(1 for line in proc.stdout if line.startswith("ACK ")) + more
+        deadline = time.monotonic() + timeout_s
+        while sum(1 for line in proc.stdout if line.startswith("ACK ")) < want:
+            proc._out.wait_for(lambda line: line.startswith("ACK "),
+                               max(0.01, deadline - time.monotonic()))
+
+    def ledger(self) -> dict[str, str]:
+        """Stop every writer; every acknowledged (key, value)."""
+        out = {}
+        for prefix, proc in self.writers.items():
+            proc.signal(signal.SIGTERM)
+            assert proc.wait(30) == 0, "\n".join(proc.stderr[-20:])
+            for line in proc.stdout:
+                if line.startswith("ACK "):
+                    key = line.split()[1]
+                    out[key] = key[len(prefix):]
+        return out
+
+    def read(self, where: str) -> dict[str, str]:
+        """A fresh client's map, on host c: ``where`` is a pair (one shard's map) or the
+        control endpoints (the whole map)."""
+        proc = self.procs.spawn([*self.hosts.prefix("c"), PYTHON, LEDGER, "read", where],
+                                env=ENV)
+        assert proc.wait(60) == 0, "\n".join(proc.stderr[-20:])
+        assert proc.stdout[-1].startswith("END ")
+        return dict(line.split(" ", 1) for line in proc.stdout[1:-1])
+
+    def shard_maps(self, shards: list[dict]) -> dict[int, dict[str, str]]:
+        """Each shard's map, read from its active by a raw ICANHAZ from host c; every
+        server that answers (a passive may not) holds only keys its shard owns."""
+        out: dict[int, dict[str, str]] = {}
+        for i, sh in enumerate(shards):
+            for role in ("primary", "backup"):
+                proc = self.procs.spawn([*self.hosts.prefix("c"), PYTHON, LEDGER, "dump",
+                                         f"tcp://{sh[role]['host']}:{sh[role]['port']}"],
+                                        env=ENV)
+                code = proc.wait(30)
+                if code == 3:
+                    continue
+                assert code == 0, "\n".join(proc.stderr[-20:])
+                assert proc.stdout[-1].startswith("END ")
+                held = dict(line.split(" ", 1) for line in proc.stdout[:-1])
+                if len(held) > len(out.get(i, {})):
+                    out[i] = held
+                self.servers_read.append((i, role, held))
+            assert i in out, f"no server of shard {i} answered"
+        return out
+
+    def stop(self) -> None:
+        self.procs.stop_all()
+        self.etcd.stop()
+
+
+@pytest.fixture
+def two_hosts(hosts, tmp_path):
+    made = TwoHosts(hosts, tmp_path)
+    try:
+        yield made
+    finally:
+        made.stop()
+
+
+def owned_once(maps: dict[int, dict[str, str]], routing: ShardMap,
+               servers: list[tuple[int, str, dict]]) -> dict[str, str]:
+    """Every server (and so every shard) holds only the keys ``routing`` gives its shard,
+    and no key is on two shards."""
+    for index, _, keys in servers:
+        strays = [k for k in keys if routing.owner(k) != index]
+        assert not strays, f"shard {index} holds {len(strays)} keys it does not own: " \
+                           f"{strays[:5]}"
+    merged = {k: v for keys in maps.values() for k, v in keys.items()}
+    assert len(merged) == sum(map(len, maps.values())), "a key is on two shards"
+    return merged
+
+
+def test_a_cluster_over_two_hosts_grows_and_moves_a_pin_under_one_epoch_in_etcd(
+        two_hosts: TwoHosts):
+    cluster = two_hosts
+    assert cluster.etcd_routing()["routing"]["epoch"] == 1
+    cluster.writer("k")      # keys k0, k1, ...: spread over every shard
+    cluster.writer("/p/")    # one segment: the prefix the second change pins
+    cluster.wait_acks("k", 40)
+    cluster.wait_acks("/p/", 20)
+
+    # grow through host a's supervisor: s2's primary starts on b (b's supervisor starts
+    # it, asked by a's), its backup on a
+    grown = cluster.grown()
+    done = cluster.reshard(cluster.write("three.yaml", grown), via="a")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "routing epoch 2" in done.stdout, done.stdout
+    cluster.wait_epoch(2)
+    held = cluster.etcd_routing()
+    assert held["routing"]["shards"] == 3 and held["config"].endswith("three.yaml")
+    cluster.wait_acks("k", 30)
+
+    # move /p/ to another shard through host b's supervisor
+    owner = ShardMap(3).owner("/p/0")
+    target = (owner + 1) % 3
+    grown["shards"][target]["prefixes"] = ["/p/"]
+    done = cluster.reshard(cluster.write("pinned.yaml", grown), via="b")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"prefix '/p/': shard {owner} -> shard {target}" in done.stdout, done.stdout
+    cluster.wait_epoch(3)
+    cluster.wait_acks("/p/", 20)
+
+    # b's supervisor stopped and started again: the old config is refused, naming the
+    # config that set the cluster's routing; the new one follows etcd's epoch
+    done = run_on(cluster.hosts, "c", "-m", "clonemap.supervisor", "stop",
+                  str(cluster.config), "--host", "b")
+    assert done.returncode == 0, done.stderr
+    assert cluster.supervisors["b"].wait(30) == 0
+    old = cluster._supervisor("b", None)
+    assert old.wait(60) == 2
+    refusal = "\n".join(old.stderr)
+    assert "routes keys otherwise" in refusal and "pinned.yaml" in refusal, refusal
+    cluster.config = cluster.tmp / "pinned.yaml"
+    again = cluster._supervisor("b", None)
+    assert again.wait_line("READY supervisor", 60).startswith("READY")
+    assert cluster.map_epoch("b") == 3
+    cluster.wait_acks("/p/", 20)
+    cluster.wait_acks("k", 20)
+
+    acked = cluster.ledger()
+    routing = ShardMap(3, {target: ["/p/"]}, epoch=3)
+    merged = owned_once(cluster.shard_maps(grown["shards"]), routing, cluster.servers_read)
+    lost = sorted(k for k, v in acked.items() if merged.get(k) != v)
+    assert not lost, f"{len(lost)} of {len(acked)} acknowledged writes lost: {lost[:5]}"
+    assert any(routing.owner(k) == 2 for k in acked), "the added shard took no key"
+    whole = cluster.read(cluster.controls)  # a client of the whole map, through the map
+    assert {k: whole.get(k) for k in acked} == acked
+
+
+def test_a_partition_in_the_middle_of_a_growth_rolls_it_back_and_drops_its_part(
+        hosts, tmp_path):
+    """Host a's supervisor runs a growth whose added shard has its primary on b; once the
+    copy is done (the move paused there by ``CLONEMAP_RESHARD_PAUSE_AT``, deterministic)
+    host b is cut off from everyone (its link down). The hold cannot reach s1's active
+    on b: the growth rolls back, and the routing stays at epoch 1. b's supervisor, cut
+    off, never got the word to drop s2's primary; once the link is back it finds that
+    change no longer under way in etcd and drops it. Run again, the growth completes;
+    every acknowledged write is on its one owner."""
+    cluster = TwoHosts(hosts, tmp_path, env_a={"CLONEMAP_RESHARD_PAUSE_AT": "copied"})
+    try:
+        cluster.writer("k")
+        cluster.wait_acks("k", 40)
+        sup_a, sup_b = cluster.supervisors["a"], cluster.supervisors["b"]
+        three = cluster.write("three.yaml", cluster.grown())
+        change = cluster.procs.spawn(
+            [*hosts.prefix("c"), PYTHON, "-m", "clonemap.supervisor", "reshard",
+             str(cluster.config), "--to", str(three), "--yes", "--host", "a"], env=ENV)
+        sup_a.wait_line("RESHARD_PAUSED phase=copied", 60)
+        hosts.isolate("b")
+        (cluster.run_dir("a") / "reshard.continue").touch()
+        assert change.wait(90) == 1, "\n".join(change.stdout + change.stderr)
+        assert any("rolled back" in line for line in change.stderr), change.stderr
+        # s1's backup on a takes over once b's lease lapses: writes go on
+        cluster.wait_acks("k", 20)
+        hosts.heal()
+        sup_b.wait_stderr("shard 2 dropped here", 0, 30)
+        assert cluster.etcd_routing()["routing"]["epoch"] == 1
+        assert cluster.map_epoch("a") == cluster.map_epoch("b") == 1
+
+        change = cluster.procs.spawn(
+            [*hosts.prefix("c"), PYTHON, "-m", "clonemap.supervisor", "reshard",
+             str(cluster.config), "--to", str(three), "--yes", "--host", "a"], env=ENV)
+        sup_a.wait_line("RESHARD_PAUSED phase=copied", 60)
+        (cluster.run_dir("a") / "reshard.continue").touch()
+        assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
+        cluster.wait_epoch(2)
+        cluster.wait_acks("k", 20)
+
+        acked = cluster.ledger()
+        merged = owned_once(cluster.shard_maps(cluster.grown()["shards"]), ShardMap(3),
+                            cluster.servers_read)
+        lost = sorted(k for k, v in acked.items() if merged.get(k) != v)
+        assert not lost, f"{len(lost)} of {len(acked)} acknowledged writes lost: {lost[:5]}"
+    finally:
+        cluster.stop()
