@@ -667,13 +667,16 @@ class Resharding:
                     await self._reached("committing")
         except Exception as exc:  # (a target gone: no answer) the old routing, later epoch
             back = await self._back(old, new)
-            for name in [*(src[s] for s in sources), *self._peers_of(sources, src)]:
-                await asyncio.gather(self._step(name, "release"), return_exceptions=True)
+            await asyncio.gather(*(self._step(name, "release") for name in [
+                *(src[s] for s in sources), *self._peers_of(sources, src)]),
+                return_exceptions=True)  # at once: a server cut off costs one timeout
             # a target that committed before another refused forgets what it took
-            await self._install(back, self._running(), forget=True)
+            # (and the added shards stop: other hosts' parts asked at the same time)
+            await asyncio.gather(self._install(back, self._running(), forget=True),
+                                 *(self._on_hosts(new_plan, index, "drop")
+                                   for index in added))
             for index in added:
                 await self.runner.remove_shard(index)
-                await self._on_hosts(new_plan, index, "drop")
             routing_state.clear_move(self.run_dir)
             raise Refused(b"409", f"a target did not commit ({type(exc).__name__}: {exc}); "
                                   f"the old routing is back as epoch {back.epoch}") from exc
@@ -815,18 +818,18 @@ class Resharding:
 
     async def _roll_back(self, sources: list[int], targets: list[int],
                          added: list[int]) -> None:
-        """Before the flip: release the holds, drop the copies, stop the added shards."""
-        for index in sources:
-            for name in self._of_shard(index):
-                await asyncio.gather(self._step(name, "release"), return_exceptions=True)
-        for index in targets:
-            for name in self._of_shard(index):
-                await asyncio.gather(self._step(name, "stop-import"),
-                                     return_exceptions=True)
+        """Before the flip: release the holds, drop the copies, stop the added shards
+        (every server asked at once: servers cut off cost one timeout, not one each)."""
+        adding = self._adding
+        await asyncio.gather(*(self._step(name, "release") for index in sources
+                               for name in self._of_shard(index)),
+                             *(self._step(name, "stop-import") for index in targets
+                               for name in self._of_shard(index)),
+                             *(self._on_hosts(adding, index, "drop") for index in added
+                               if adding is not None),
+                             return_exceptions=True)
         for index in added:  # they never served: their data directories go too
             await self.runner.remove_shard(index)
-            if self._adding is not None:
-                await self._on_hosts(self._adding, index, "drop")
             for server in self._before_added(index):
                 data = self.runner.data_dir(server)
                 if data is not None:
@@ -954,9 +957,11 @@ class Resharding:
             if held is None or held.epoch <= self.routing.epoch or self._lock.locked():
                 try:
                     await self._orphans()
+                    if held is not None and held.epoch == self.routing.epoch:
+                        await self._laggards()
                 except Exception as exc:  # noqa: BLE001 - etcd gone: tried again
-                    log.warning("reshard: checking for shards of a change that rolled "
-                                "back: %s", exc)
+                    log.warning("reshard: checking this host's servers against the "
+                                "routing: %s", exc)
                 continue
             try:
                 await self._follow(held, config)
@@ -965,6 +970,28 @@ class Resharding:
                 if str(exc) != said:
                     said = str(exc)
                     log.error("routing: epoch %d in etcd not followed: %s", held.epoch, exc)
+
+    async def _laggards(self) -> None:
+        """This host's running servers that say (in their last stats) they follow an
+        older routing than etcd's, committed one: cut off from the change's supervisor
+        at its flip, or restarted since on the routing of an earlier start. Each takes
+        it now with ``forget`` (a key it holds that the routing places elsewhere has
+        moved: etcd holds a routing only once every target committed) and forwards to
+        every shard's collectors (the writes it held or still gets for moved keys)."""
+        now = self.routing
+        late = [name for name, proc in self.runner.servers.items()
+                if proc.state == RUNNING and proc.plan.role in ("primary", "backup")
+                and 0 < ((proc.stats.get("routing") or {}).get("epoch") or 0) < now.epoch]
+        if not late:
+            return
+        forward = {i: [sv.endpoint("collector") for sv in sh.servers]
+                   for i, sh in enumerate(self.plan.shards)}
+        got = await self._install(now, late, forget=True, forward=forward)
+        for name, why in got.items():
+            log.info("routing: %s, on an older routing, takes epoch %d%s", name, now.epoch,
+                     f" (refused: {why})" if why else "")
+        for name in late:  # their next stats say where they are
+            self.runner.servers[name].stats = {}
 
     async def _follow(self, held: ShardMap, config: str) -> None:
         old = self.routing
@@ -991,8 +1018,12 @@ class Resharding:
             if any(new_plan.is_local(s) and s.name not in self.runner.servers
                    for s in shard.servers):
                 await self.runner.add_shard(shard, new_plan, START_WAIT_S)
+        # this host's servers, as the flip does (``_laggards``: etcd's routing is committed)
         mine = [n for n in self._running() if self._local(n)]
-        refused = {n: why for n, why in (await self._install(held, mine)).items() if why}
+        forward = {i: [sv.endpoint("collector") for sv in sh.servers]
+                   for i, sh in enumerate(new_plan.shards)}
+        refused = {n: why for n, why in (await self._install(
+            held, mine, forget=True, forward=forward)).items() if why}
         if refused:
             log.info("routing: epoch %d not installed on %s", held.epoch, refused)
         await self._close_clients()

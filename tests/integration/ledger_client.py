@@ -5,9 +5,10 @@
         write and ``FAIL KEY ERROR`` for each that was not (the ledger)
     python ledger_client.py read SERVERS           a fresh client: prints ``KEY VALUE`` for
         every key of its complete copy, then ``END N``
-    python ledger_client.py dump SERVER            one server's whole map, by a raw
-        ICANHAZ (whatever routing it follows): ``KEY VALUE`` lines, ``END N``; exit 3
-        when it does not answer within 2 s
+    python ledger_client.py dump SERVER[,SERVER..] each server's whole map, by a raw
+        ICANHAZ (whatever routing it follows), asked all at once: for each, ``FROM
+        SERVER``, its ``KEY VALUE`` lines and ``END N``, or ``SILENT SERVER`` when it
+        does not answer within 2 s (a passive may not)
 
 SERVERS: ``tcp://A:P,tcp://B:P`` (one shard's pair), or ``control=tcp://H:P[,...]`` (the
 whole cluster, through a supervisor's map). Prints ``READY`` once started.
@@ -52,22 +53,35 @@ def main() -> int:
     return 0
 
 
-def dump(endpoint: str) -> int:
+def dump(endpoints: str) -> int:
+    import time
+
     import zmq
 
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.linger = 0
-    dealer.connect(endpoint)
-    dealer.send_multipart([b"ICANHAZ?", b""])
-    n = 0
-    while dealer.poll(2000):
-        frames = dealer.recv_multipart()
-        if frames[0] == b"KTHXBAI":
-            print("END", n, flush=True)
-            return 0
-        print(frames[0].decode(), frames[4].decode(), flush=True)
-        n += 1
-    return 3
+    ctx = zmq.Context.instance()
+    poller = zmq.Poller()
+    asked = {}
+    for endpoint in endpoints.split(","):
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.connect(endpoint)
+        dealer.send_multipart([b"ICANHAZ?", b""])
+        poller.register(dealer, zmq.POLLIN)
+        asked[dealer] = (endpoint, [])
+    deadline = time.monotonic() + 2.0
+    while poller.sockets and time.monotonic() < deadline:
+        for dealer, _ in poller.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            endpoint, rows = asked[dealer]
+            frames = dealer.recv_multipart()
+            if frames[0] != b"KTHXBAI":
+                rows.append(f"{frames[0].decode()} {frames[4].decode()}")
+                continue
+            poller.unregister(dealer)
+            print(f"FROM {endpoint}", *rows, f"END {len(rows)}", sep="\n", flush=True)
+            deadline = time.monotonic() + 2.0  # (a large map takes its time)
+    for dealer in dict(poller.sockets):
+        print("SILENT", asked[dealer][0], flush=True)
+    return 0
 
 
 if __name__ == "__main__":

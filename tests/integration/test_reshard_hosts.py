@@ -122,6 +122,25 @@ class TwoHosts:
                 return
             assert time.monotonic() < deadline, f"(etcd, a, b) at {now}, not {epoch}"
 
+    def server_epochs(self, on: str | None = None) -> dict[str, int | None]:
+        """Every server of both hosts, or of host ``on`` (``status --json`` from c), and
+        the routing epoch its last stats name."""
+        done = run_on(self.hosts, "c", "-m", "clonemap.supervisor", "status",
+                      str(self.config), "--json", *(("--host", on) if on else ()))
+        rows = json.loads(done.stdout)["servers"]
+        return {f"{r['name']}@{r['role'].partition('@')[2] or on}":
+                ((r.get("stats") or {}).get("routing") or {}).get("epoch") for r in rows}
+
+    def wait_servers_at(self, epoch: int, count: int, timeout_s: float = 15.0,
+                        on: str | None = None) -> None:
+        """Until ``count`` servers (of host ``on``) run and each says it follows ``epoch``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            now = self.server_epochs(on)
+            if len(now) == count and set(now.values()) == {epoch}:
+                return
+            assert time.monotonic() < deadline, f"servers' epochs {now}, not all {epoch}"
+
     def writer(self, prefix: str):
         self.writers[prefix] = self.procs.spawn(
             [*self.hosts.prefix("c"), PYTHON, LEDGER, "write", self.controls, prefix],
@@ -159,24 +178,29 @@ class TwoHosts:
         return dict(line.split(" ", 1) for line in proc.stdout[1:-1])
 
     def shard_maps(self, shards: list[dict]) -> dict[int, dict[str, str]]:
-        """Each shard's map, read from its active by a raw ICANHAZ from host c; every
-        server that answers (a passive may not) holds only keys its shard owns."""
+        """Each shard's map, read from its active by a raw ICANHAZ from host c (every
+        server asked at once); every server that answers (a passive may not) holds only
+        keys its shard owns (``servers_read``)."""
+        where = {f"tcp://{sh[r]['host']}:{sh[r]['port']}": (i, r)
+                 for i, sh in enumerate(shards) for r in ("primary", "backup")}
+        proc = self.procs.spawn([*self.hosts.prefix("c"), PYTHON, LEDGER, "dump",
+                                 ",".join(where)], env=ENV)
+        assert proc.wait(30) == 0, "\n".join(proc.stderr[-20:])
         out: dict[int, dict[str, str]] = {}
-        for i, sh in enumerate(shards):
-            for role in ("primary", "backup"):
-                proc = self.procs.spawn([*self.hosts.prefix("c"), PYTHON, LEDGER, "dump",
-                                         f"tcp://{sh[role]['host']}:{sh[role]['port']}"],
-                                        env=ENV)
-                code = proc.wait(30)
-                if code == 3:
-                    continue
-                assert code == 0, "\n".join(proc.stderr[-20:])
-                assert proc.stdout[-1].startswith("END ")
-                held = dict(line.split(" ", 1) for line in proc.stdout[:-1])
-                if len(held) > len(out.get(i, {})):
-                    out[i] = held
-                self.servers_read.append((i, role, held))
-            assert i in out, f"no server of shard {i} answered"
+        held: dict[str, str] = {}
+        for line in proc.stdout:
+            word, _, rest = line.partition(" ")
+            if word == "FROM":
+                server, held = where[rest], {}
+            elif word == "END":
+                index, role = server
+                self.servers_read.append((index, role, held))
+                if len(held) > len(out.get(index, {})):
+                    out[index] = held
+            elif word != "SILENT":
+                held[word] = rest
+        missing = [i for i in range(len(shards)) if i not in out]
+        assert not missing, f"no server of shard{missing} answered: {proc.stdout[-10:]}"
         return out
 
     def stop(self) -> None:
@@ -263,43 +287,79 @@ def test_a_cluster_over_two_hosts_grows_and_moves_a_pin_under_one_epoch_in_etcd(
     assert {k: whole.get(k) for k in acked} == acked
 
 
-def test_a_partition_in_the_middle_of_a_growth_rolls_it_back_and_drops_its_part(
-        hosts, tmp_path):
-    """Host a's supervisor runs a growth whose added shard has its primary on b; once the
-    copy is done (the move paused there by ``CLONEMAP_RESHARD_PAUSE_AT``, deterministic)
-    host b is cut off from everyone (its link down). The hold cannot reach s1's active
-    on b: the growth rolls back, and the routing stays at epoch 1. b's supervisor, cut
-    off, never got the word to drop s2's primary; once the link is back it finds that
-    change no longer under way in etcd and drops it. Run again, the growth completes;
-    every acknowledged write is on its one owner."""
-    cluster = TwoHosts(hosts, tmp_path, env_a={"CLONEMAP_RESHARD_PAUSE_AT": "copied"})
+@pytest.mark.parametrize("phase,epoch,fault", [("copied", 1, "isolate"),
+                                               ("sealed", 3, "isolate"),
+                                               ("committed", 2, "isolate"),
+                                               ("committed", 2, "cut")])
+def test_a_host_cut_off_in_the_middle_of_a_growth_leaves_one_owner_per_key(
+        hosts, tmp_path, phase, epoch, fault):
+    """Host a's supervisor runs a growth whose added shard has its primary on b; at a
+    phase of the move (paused there by ``CLONEMAP_RESHARD_PAUSE_AT``, deterministic)
+    host b is cut off from everyone (its link down).
+
+    - ``copied``: the hold cannot reach s1's active on b: the growth rolls back, and
+      the routing stays at epoch 1;
+    - ``sealed`` (every source holds the moving keys' writes, past the point where a
+      hold ends by itself): the commit cannot reach s2's active on b: the old routing
+      comes back as epoch 3, the sources on a are released, and s1's active on b, cut
+      off from etcd, loses its lease: s1's backup on a takes over, released too;
+    - ``committed`` (s2's active on b took the keys): the flip goes on, epoch 2 in
+      etcd; the servers on b do not hear it, and their pairs' servers on a take over.
+
+    In the first two, b's supervisor never got the word to drop s2's primary: once the
+    link is back it finds that change no longer under way in etcd and drops it, and the
+    growth, run again, completes. In the third, b's servers hear of epoch 2 once the
+    link is back. With ``cut`` only a and b cannot reach each other (``ip route add
+    prohibit``: the requests a sent b are refused, not kept for later), and b keeps
+    etcd: its servers keep their leases, s1's active on b keeps its sealed hold, and b's
+    supervisor follows epoch 2 from etcd within a heartbeat and gives it to them, with
+    the word to forget the keys that moved and to forward what they held. Every server
+    of every pair ends at one epoch, holding only the keys its shard owns, and every
+    acknowledged write is on its one owner."""
+    cluster = TwoHosts(hosts, tmp_path, env_a={"CLONEMAP_RESHARD_PAUSE_AT": phase})
     try:
         cluster.writer("k")
         cluster.wait_acks("k", 40)
         sup_a, sup_b = cluster.supervisors["a"], cluster.supervisors["b"]
         three = cluster.write("three.yaml", cluster.grown())
-        change = cluster.procs.spawn(
-            [*hosts.prefix("c"), PYTHON, "-m", "clonemap.supervisor", "reshard",
-             str(cluster.config), "--to", str(three), "--yes", "--host", "a"], env=ENV)
-        sup_a.wait_line("RESHARD_PAUSED phase=copied", 60)
-        hosts.isolate("b")
-        (cluster.run_dir("a") / "reshard.continue").touch()
-        assert change.wait(90) == 1, "\n".join(change.stdout + change.stderr)
-        assert any("rolled back" in line for line in change.stderr), change.stderr
-        # s1's backup on a takes over once b's lease lapses: writes go on
-        cluster.wait_acks("k", 20)
-        hosts.heal()
-        sup_b.wait_stderr("shard 2 dropped here", 0, 30)
-        assert cluster.etcd_routing()["routing"]["epoch"] == 1
-        assert cluster.map_epoch("a") == cluster.map_epoch("b") == 1
 
-        change = cluster.procs.spawn(
-            [*hosts.prefix("c"), PYTHON, "-m", "clonemap.supervisor", "reshard",
-             str(cluster.config), "--to", str(three), "--yes", "--host", "a"], env=ENV)
-        sup_a.wait_line("RESHARD_PAUSED phase=copied", 60)
+        def grow():
+            return cluster.procs.spawn(
+                [*hosts.prefix("c"), PYTHON, "-m", "clonemap.supervisor", "reshard",
+                 str(cluster.config), "--to", str(three), "--yes", "--host", "a"], env=ENV)
+
+        change = grow()
+        sup_a.wait_line(f"RESHARD_PAUSED phase={phase}", 60)
+        if fault == "isolate":
+            hosts.isolate("b")
+        else:
+            hosts.cut("a", "b")
         (cluster.run_dir("a") / "reshard.continue").touch()
-        assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
-        cluster.wait_epoch(2)
+        code = change.wait(90)
+        said = "\n".join(change.stdout + change.stderr)
+        if phase == "committed":
+            assert code == 0 and "routing epoch 2" in said, said
+        else:
+            assert code == 1, said
+            assert ("rolled back" if phase == "copied" else
+                    "the old routing is back as epoch 3") in said, said
+        # (isolate) the pairs' servers on a take over once b's leases lapse; (cut) b
+        # serves on: writes go on
+        cluster.wait_acks("k", 20)
+        if fault == "cut":  # b follows etcd, cut or not
+            cluster.wait_servers_at(epoch, 3, on="b")
+        hosts.heal()
+        if phase != "committed":
+            sup_b.wait_stderr("shard 2 dropped here", 0, 30)
+            cluster.wait_epoch(epoch)
+            assert cluster.etcd_routing()["routing"]["shards"] == 2
+            change = grow()
+            sup_a.wait_line(f"RESHARD_PAUSED phase={phase}", 60)
+            (cluster.run_dir("a") / "reshard.continue").touch()
+            assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
+            epoch += 1
+        cluster.wait_epoch(epoch)
+        cluster.wait_servers_at(epoch, 6)
         cluster.wait_acks("k", 20)
 
         acked = cluster.ledger()
