@@ -381,6 +381,7 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
             coordination=coordination, lease_s=lease_s, lease_name=lease_name,
             replication=replication))
     load_access(server, keys_dir, rights, "shards")
+    server.routing_provisional = provisional_routing
     if data_dir is not None:
         from clonemap.shards.persist import writer as persist_writer
 

@@ -171,12 +171,17 @@ class ShardServer:
         (a wrong config) is told at once instead of timing out on some keys."""
         self.set_routing(config.shard_map)
         self.importing: list = []
+        """Copies of the keys moving here, one per source shard (``clonemap.shards.migrate``)."""
+        self.routing_provisional = False
+        """Started on a routing a change has not committed (``--provisional-routing``: a
+        shard the change adds), until it commits or follows a later one. Its stats say
+        so, so that a supervisor settling a change whose own supervisor died can tell a
+        target that committed from one that only started on the routing."""
         self.handover: tuple[int, int, dict[str, int]] | None = None
         """A shard a change added, at its flip: (its sequence then, the change's routing
         epoch, {each source's map generation: the source sequence its copy holds
         everything up to}). What an adoption (``adopt=`` in an ICANHAZ) is checked
         against, until a later routing."""
-        """Copies of the keys moving here, one per source shard (``clonemap.shards.migrate``)."""
         self.hold = None
         """The KVSETs of keys moving away, kept until the flip (``clonemap.shards.migrate``)."""
         self.exporting = None
@@ -863,6 +868,7 @@ class ShardServer:
             except OSError as exc:
                 return f"disk error: {os_error_text(exc)}"
         self.stop_import()
+        self.routing_provisional = False
         now = time.time()
         owns = OwnerCache(shard_map, self.config.shard_index).owns
         count = 0
@@ -981,6 +987,7 @@ class ShardServer:
                           os_error_text(exc))
                 return f"disk error: {os_error_text(exc)}"
         self.set_routing(shard_map)
+        self.routing_provisional = False
         log.info("routing: now epoch %d, %d shards (digest %s)", shard_map.epoch,
                  shard_map.shards, shard_map.digest())
         self._hugz_now()
@@ -1125,6 +1132,7 @@ class ShardServer:
                         {"shard_index": self.config.shard_index,
                          "shards": self.shard_map.shards,
                          "epoch": self.shard_map.epoch,
+                         "provisional": self.routing_provisional,
                          "digest": self.shard_map.digest(),
                          "owner_slots": len(self.owner_cache.slots)
                          if self.owner_cache else 0}),

@@ -106,10 +106,13 @@ STOP_AT_ENV = "CLONEMAP_RESHARD_STOP_AT"
 the middle of a move."""
 PHASES = ("started", "copied", "held", "sealed", "committing", "committed", "flipped")
 """``committing``: one target committed and others have not yet (a change with several)."""
-CLAIM_TTL_S = 10.0
+CLAIM_TTL_S = 5.0
 """Across hosts, the lease under which the supervisor that runs a change holds the
 cluster's one change at a time in etcd (renewed while it runs; one that dies frees it
 within this)."""
+SETTLE_ASK_S = 1.0
+"""How long a supervisor that settles a dead supervisor's change waits for a target's
+server to say its epoch (one on the dead host does not answer)."""
 PAUSE_AT_ENV = "CLONEMAP_RESHARD_PAUSE_AT"
 """Tests only: a phase at which a move waits, after printing ``RESHARD_PAUSED phase=P``,
 until the file ``CONTINUE_FILE`` appears in the run directory (a test kills a server
@@ -199,9 +202,6 @@ class Resharding:
         self.config_path = ""
         """The config whose routing the cluster follows, once a change set it (etcd
         tells the other hosts' supervisors which config to plan)."""
-        self._unshared: ShardMap | None = None
-        """A routing committed here that etcd did not take yet (it did not answer):
-        ``follow`` tries again."""
         self._claim = 0
         """The etcd lease under which this supervisor holds the change under way."""
         self._new_config = ""
@@ -631,13 +631,14 @@ class Resharding:
                     # the flip may begin: no hold ends by itself now, and no abort
                     self._check_abort()
                     self._past_flip = True
+                    await self._record_move(old, new, new_plan, targets)
                     await asyncio.gather(*(self._step(n, "seal") for n in [
                         *(src[s] for s in sources), *self._peers_of(sources, src)]))
                     phases["catch_up_s"] = time.monotonic() - hold_began
                     break
                 except TimeoutError:
-                    for name in [*(src[s] for s in sources), *self._peers_of(sources, src)]:
-                        await self._step(name, "release")
+                    await asyncio.gather(*(self._step(name, "release") for name in [
+                        *(src[s] for s in sources), *self._peers_of(sources, src)]))
                     log.warning("reshard: the copies did not catch up within the hold "
                                 "bound (%.3f s), attempt %d; writes released",
                                 self.hold_bound_s, attempt)
@@ -678,11 +679,13 @@ class Resharding:
             for index in added:
                 await self.runner.remove_shard(index)
             routing_state.clear_move(self.run_dir)
+            await self._clear_record()
             raise Refused(b"409", f"a target did not commit ({type(exc).__name__}: {exc}); "
                                   f"the old routing is back as epoch {back.epoch}") from exc
         await self._reached("committed")
         await self._commit(new_plan)  # after the copies are durable on the targets
         routing_state.clear_move(self.run_dir)
+        await self._clear_record()  # etcd took the flip: the record is done with
         await self._reached("flipped")
         phases["commit_s"] = time.monotonic() - sealed_at
         phases["copy_paused_s"] = self.copy_paused_s
@@ -834,6 +837,7 @@ class Resharding:
                 data = self.runner.data_dir(server)
                 if data is not None:
                     shutil.rmtree(data, ignore_errors=True)
+        await self._clear_record()
         log.warning("reshard: rolled back before the flip; the routing is unchanged")
 
     def _before_added(self, index: int) -> list:
@@ -901,6 +905,107 @@ class Resharding:
             return {"dropped": indices}
         raise Refused(b"400", f"part {op!r}: not start or drop")
 
+    async def _record_move(self, old: ShardMap, new: ShardMap, new_plan: Plan,
+                           targets: list[int]) -> None:
+        """Across hosts, before the holds are sealed: the change's record in etcd (the
+        routings, their configs, and where each target's servers are asked), so that
+        another host's supervisor settles it should this one die past the seal, when the
+        sealed holds of its own host's servers would otherwise never end. Not recorded:
+        the change rolls back."""
+        if self.shared is None:
+            return
+        doc = {"from": old.describe(), "to": new.describe(), "host": self.plan.host_name,
+               "from_config": self.config_path, "config": self._new_config,
+               "targets": {str(t): {sv.name: new_plan.control_of(sv)
+                                    for sv in new_plan.shards[t].servers}
+                           for t in targets}}
+        await asyncio.to_thread(self.shared.write_move, doc)
+
+    async def _clear_record(self) -> None:
+        if self.shared is None:
+            return
+        try:
+            await asyncio.to_thread(self.shared.clear_move)
+        except Exception as exc:  # noqa: BLE001 - settled later: the epoch says it is done
+            log.warning("reshard: the move's record in etcd was not removed (%s)", exc)
+
+    async def _epoch_at(self, endpoint: str, name: str) -> int | None:
+        """The routing epoch server ``name`` follows and committed (0: it runs on a
+        routing it did not commit), asked through the broker at ``endpoint``; None when
+        it does not answer."""
+        shard, _, role = name.partition("/")
+        client = MdpClient(endpoint, ctx=self.ctx, timeout_s=SETTLE_ASK_S, retries=0,
+                           security=self.security)
+        try:
+            stats = json.loads((await client.request(stats_service(shard, role)))[-1])
+            routing = stats.get("routing") or {}
+            # (a shard the change adds runs on its routing before it commits)
+            return 0 if routing.get("provisional") else int(routing.get("epoch") or 0)
+        except Exception:  # noqa: BLE001 - gone with its host, or cut off
+            return None
+        finally:
+            await client.close()
+
+    async def _settle_orphan(self) -> bool:
+        """A change whose supervisor died past its seal (its record in etcd, and nobody
+        holds the claim): this supervisor takes the claim and decides, as a start does
+        on one host. Every target (a server of each answering) took the new routing:
+        etcd takes it. Else the routing before comes back as the epoch after. Then the
+        record goes, and every host's supervisor follows etcd's routing as after any
+        change: the sealed holds end (forwarded, or applied where the keys stayed), and
+        what a target took is forgotten when the routing came back. A target none of
+        whose servers answers (all on the dead host) leaves it to that host's restart.
+        True while there was a record (the caller looks again next turn)."""
+        record = await asyncio.to_thread(self.shared.read_move)
+        if record is None:
+            return False
+        try:
+            before = ShardMap.from_description(record["from"])
+            after = ShardMap.from_description(record["to"])
+            targets = {int(t): dict(servers) for t, servers in record["targets"].items()}
+        except (ConfigError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            log.error("reshard: the move's record in etcd does not parse (%s): removed", exc)
+            await asyncio.to_thread(self.shared.clear_move)
+            return True
+        held, _, _ = await asyncio.to_thread(self.shared.read)
+        if held is not None and held.epoch >= after.epoch:
+            await asyncio.to_thread(self.shared.clear_move)  # it was settled
+            return True
+        lease, _ = await asyncio.to_thread(
+            self.shared.claim, f"host {self.plan.host_name}: settling the change to epoch "
+                               f"{after.epoch} of host {record.get('host')}", CLAIM_TTL_S)
+        if not lease:
+            return True  # its own supervisor still runs it, or another settles it
+        try:
+            took = {}
+            for t, servers in targets.items():
+                epochs = [e for e in await asyncio.gather(*(
+                    self._epoch_at(endpoint, name) for name, endpoint in servers.items()))
+                    if e is not None]
+                if not epochs:
+                    log.warning("reshard: the change to epoch %d of host %s stopped past "
+                                "its seal; no server of its target shard %d answers: left "
+                                "to that host's next start", after.epoch,
+                                record.get("host"), t)
+                    return True
+                took[t] = max(epochs) >= after.epoch
+            if all(took.values()):
+                now = after
+                config = str(record.get("config") or "")
+            else:
+                now = before.with_epoch(after.epoch + 1)
+                config = str(record.get("from_config") or "")
+            await asyncio.to_thread(self.shared.advance, now, config)
+            await asyncio.to_thread(self.shared.clear_move)
+            log.warning("reshard: the change to epoch %d of host %s stopped past its seal "
+                        "(its supervisor is gone); settled here: %s", after.epoch,
+                        record.get("host"), "every target took its keys, the change goes "
+                        "forward" if now is after else f"the routing before it is back "
+                        f"as epoch {now.epoch}")
+            return True
+        finally:
+            await asyncio.to_thread(self.shared.release, lease)
+
     async def _drop_part(self, index: int) -> None:
         names = await self.runner.remove_shard(index)
         if self._parts is not None:
@@ -916,15 +1021,19 @@ class Resharding:
             if data is not None and plan.is_local(server):
                 shutil.rmtree(data, ignore_errors=True)
 
-    async def _orphans(self) -> None:
+    async def _orphans(self, held: ShardMap) -> None:
         """Shards this host started for another host's change (``part``) that neither
-        came (the routing has fewer shards) nor is still under way (no claim in etcd):
-        that change rolled back and its ``drop`` did not reach this host (a partition,
-        its supervisor died): dropped here."""
-        self._part_shards = {i for i in self._part_shards if i >= self.routing.shards}
+        came (etcd's routing, ``held``, has fewer shards) nor is still under way (no
+        claim in etcd, no change's record waiting to be settled): that change rolled
+        back and its ``drop`` did not reach this host (a partition, its supervisor
+        died): dropped here."""
+        self._part_shards = {i for i in self._part_shards
+                             if i >= self.routing.shards and i >= held.shards}
         extra = sorted(self._part_shards)
         if not extra or self.shared is None or await asyncio.to_thread(self.shared.claimed):
             return
+        if await asyncio.to_thread(self.shared.read_move) is not None:
+            return  # settled first (``_settle_orphan``)
         log.warning("reshard: the change that added shard%s %s here is no longer under "
                     "way and did not flip: dropping %s", "" if len(extra) == 1 else "s",
                     ", ".join(map(str, extra)), "it" if len(extra) == 1 else "them")
@@ -936,8 +1045,11 @@ class Resharding:
         """Across hosts: every heartbeat, the routing in etcd; a later epoch than this
         supervisor's (a change another host's supervisor ran) becomes this one's: its
         plan (the config that set it, planned for this host), run directory, cluster map
-        and the servers it runs; a shard the change removed stops here too. A routing
-        committed here that etcd did not take is given to it again."""
+        and the servers it runs; a shard the change removed stops here too. In between:
+        a change whose supervisor died past its seal is settled (``_settle_orphan``), a
+        shard started here for a change that rolled back unseen is dropped
+        (``_orphans``), and a server here on an older epoch is given etcd's
+        (``_laggards``)."""
         from clonemap.shards.coord import CoordinationError
 
         said = ""
@@ -945,7 +1057,6 @@ class Resharding:
             await asyncio.sleep(self.plan.heartbeat_s)
             if self._lock.locked() or self.shared is None:
                 continue
-            await self._share()
             try:
                 held, config, _ = await asyncio.to_thread(self.shared.read)
             except (CoordinationError, ConfigError) as exc:
@@ -955,10 +1066,11 @@ class Resharding:
                                 self.shared.url, exc, self.routing.epoch)
                 continue
             if held is None or held.epoch <= self.routing.epoch or self._lock.locked():
-                try:
-                    await self._orphans()
-                    if held is not None and held.epoch == self.routing.epoch:
-                        await self._laggards()
+                try:  # (each on etcd as read now: a settle changes it, seen next turn)
+                    if held is not None and not await self._settle_orphan():
+                        await self._orphans(held)
+                        if held.epoch == self.routing.epoch:
+                            await self._laggards()
                 except Exception as exc:  # noqa: BLE001 - etcd gone: tried again
                     log.warning("reshard: checking this host's servers against the "
                                 "routing: %s", exc)
@@ -1041,33 +1153,27 @@ class Resharding:
     async def _commit(self, new_plan: Plan) -> None:
         """``new_plan`` (its routing and shards) is the cluster's: etcd (across hosts),
         the run directory, the servers' command lines for their next start, the cluster
-        map. etcd that does not answer does not stop the flip: the servers hold the new
-        epoch already, and ``follow`` gives it to etcd once it answers (a start of this
-        host does too: its run directory is newer)."""
-        shard_map = new_plan.routing.shard_map()
-        self.config_path = getattr(self, "_new_config", "") or self.config_path
-        if self.shared is not None:
-            self._unshared = shard_map
-            await self._share()
-        self._take(new_plan)
-
-    async def _share(self) -> None:
-        """Give etcd the routing committed here that it does not hold yet."""
+        map. Across hosts etcd must take it first: if it does not answer, or holds a
+        later routing (another host's supervisor settled this change, having found no
+        claim on it), ``Refused``, and nothing here changes. The change's record in etcd
+        lets the first supervisor that reaches etcd settle it (``_settle_orphan``)."""
         from clonemap.shards.coord import CoordinationError
 
-        routing = self._unshared
-        if routing is None or self.shared is None:
-            return
-        try:
-            held = await asyncio.to_thread(self.shared.advance, routing, self.config_path)
-        except (CoordinationError, ConfigError) as exc:
-            log.error("routing: etcd %s did not take epoch %d (%s); tried again every "
-                      "heartbeat", self.shared.url, routing.epoch, exc)
-            return
-        self._unshared = None
-        if held.epoch > routing.epoch:
-            log.error("routing: etcd holds epoch %d, later than the %d committed here: "
-                      "this supervisor follows it", held.epoch, routing.epoch)
+        shard_map = new_plan.routing.shard_map()
+        config = self._new_config or self.config_path
+        if self.shared is not None:
+            try:
+                held = await asyncio.to_thread(self.shared.advance, shard_map, config)
+            except (CoordinationError, ConfigError) as exc:
+                raise Refused(b"503", f"etcd {self.shared.url} did not take epoch "
+                                      f"{shard_map.epoch} ({exc}); the change is settled "
+                                      "by the first supervisor that reaches etcd") from None
+            if held.epoch != shard_map.epoch or held != shard_map:
+                raise Refused(b"409", f"etcd holds epoch {held.epoch}, not this change's "
+                                      f"{shard_map.epoch}: another supervisor settled it; "
+                                      "this one follows etcd")
+        self.config_path = config
+        self._take(new_plan)
 
     def _take(self, new_plan: Plan) -> None:
         """This supervisor serves ``new_plan``'s routing (run directory, command lines,

@@ -41,6 +41,8 @@ config that set it); a run directory or server newer than etcd (a change stopped
 its flip reached this host and before etcd took it) moves etcd forward. Each host's
 supervisor then follows the key (``Resharding.follow``), so every host serves the same
 map within a heartbeat of a change. etcd unreachable at a start: the start is refused.
+A change records itself under ``clonemap/<cluster>/move`` before it seals its holds, so
+that another host's supervisor settles it should its own die (``Resharding``).
 """
 from __future__ import annotations
 
@@ -236,6 +238,29 @@ class SharedRouting:
     @property
     def _change_key(self) -> bytes:
         return f"clonemap/{self.cluster}/change".encode()
+
+    @property
+    def _move_key(self) -> bytes:
+        return f"clonemap/{self.cluster}/move".encode()
+
+    def write_move(self, doc: dict) -> None:
+        """A change is about to seal its holds (past that it completes or comes back
+        only through a flip): its record, for whoever settles it should its supervisor
+        die (``Resharding._settle_orphan``)."""
+        self.etcd.put(self._move_key, json.dumps(doc).encode())
+
+    def read_move(self) -> dict | None:
+        raw = self.etcd.get(self._move_key)
+        try:
+            return json.loads(raw) if raw is not None else None
+        except ValueError:
+            log.error("etcd %s: %s is not a move record; removed", self.url,
+                      self._move_key.decode())
+            self.clear_move()
+            return None
+
+    def clear_move(self) -> None:
+        self.etcd.delete(self._move_key)
 
 
 def _settle_shared(run_dir: Path, plan: Plan, shared: SharedRouting) -> str:

@@ -1,0 +1,66 @@
+"""A supervisor killed past the seal of a change across hosts (network namespaces, a
+real etcd): the other host's supervisor settles the change from its record in etcd once
+the dead one's claim lapses, the sealed holds end, and nothing acknowledged is lost.
+The cluster and its helpers are ``test_reshard_hosts``'s.
+"""
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from conftest import PYTHON
+from test_reshard_hosts import ENV, TwoHosts, owned_once
+from clonemap.shards.common.routing import ShardMap
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.mark.parametrize("phase,epoch,config", [("sealed", 3, "two.yaml"),
+                                                ("committed", 2, "three.yaml")])
+def test_a_supervisor_killed_past_the_seal_is_settled_by_the_other_host(
+        hosts, tmp_path, phase, epoch, config):
+    """Host a's supervisor runs a growth and is killed (SIGKILL; its servers go with
+    it) once it reached ``phase`` (``CLONEMAP_RESHARD_STOP_AT``: deterministic). The
+    holds are sealed: s1's active on b holds the moving keys' writes, and no hold that
+    is sealed ends by itself. Once a's claim on the change lapses in etcd, b's
+    supervisor settles the change from its record there: ``sealed``, s2's active (on
+    b) did not take the new routing, and the routing before comes back as epoch 3;
+    ``committed``, it did, and epoch 2 goes to etcd. b's servers follow: the hold ends
+    (applied, or forwarded to s2), and what moved is forgotten. Host a's supervisor,
+    started again with the config of etcd's routing, follows it; every acknowledged
+    write is on its one owner."""
+    cluster = TwoHosts(hosts, tmp_path, env_a={"CLONEMAP_RESHARD_STOP_AT": phase})
+    try:
+        cluster.writer("k")
+        cluster.wait_acks("k", 40)
+        sup_a, sup_b = cluster.supervisors["a"], cluster.supervisors["b"]
+        three = cluster.write("three.yaml", cluster.grown())
+        change = cluster.procs.spawn(
+            [*hosts.prefix("c"), PYTHON, "-m", "clonemap.supervisor", "reshard",
+             str(cluster.config), "--to", str(three), "--yes", "--host", "a"], env=ENV)
+        sup_a.wait_line(f"RESHARD_STOPPED phase={phase}", 60)
+        sup_a.signal(signal.SIGKILL)
+        assert sup_a.wait(30) == -signal.SIGKILL
+        assert change.wait(60) != 0  # its supervisor is gone
+        settled = sup_b.wait_stderr("settled here", 0, 30)
+        assert ("goes forward" if phase == "committed" else
+                f"back as epoch {epoch}") in sup_b.stderr[settled], sup_b.stderr[settled]
+        assert cluster.etcd_routing()["routing"]["epoch"] == epoch
+        cluster.wait_acks("k", 20)  # b's servers serve every shard meanwhile
+
+        cluster.config = tmp_path / config
+        cluster.supervisors["a"] = cluster._supervisor("a", None)
+        assert cluster.supervisors["a"].wait_line("READY supervisor", 60).startswith("READY")
+        cluster.wait_epoch(epoch)
+        shards = cluster.grown()["shards"][:2 if phase == "sealed" else 3]
+        cluster.wait_servers_at(epoch, 2 * len(shards))
+        cluster.wait_acks("k", 20)
+
+        acked = cluster.ledger()
+        merged = owned_once(cluster.shard_maps(shards), ShardMap(len(shards)),
+                            cluster.servers_read)
+        lost = sorted(k for k, v in acked.items() if merged.get(k) != v)
+        assert not lost, f"{len(lost)} of {len(acked)} acknowledged writes lost: {lost[:5]}"
+    finally:
+        cluster.stop()
