@@ -522,6 +522,7 @@ class Resharding:
                 f"; the old routing is back as epoch {back.epoch}", plan)
         log.info("routing: epoch %d installed on %d servers (%s)", new.epoch, len(names),
                  ", ".join(f"{p} {a}->{b}" for p, (a, b) in plan["prefixes"].items()))
+        await self._install_late(new, set(names), [], {})  # (a server starting meanwhile)
         plan.update(epoch=new.epoch, changed=True, servers=names, at=time.time())
         return plan
 

@@ -1,7 +1,8 @@
 """Resharding a cluster over two hosts (network namespaces), one supervisor per host from
 one config, its routing epoch in a real etcd: ``supervisor reshard`` run against either
-host's supervisor grows the cluster with a shard whose pair spans both hosts, then moves
-a pinned prefix, while ``wait=True`` writers keep a ledger from a third host. After each
+host's supervisor grows the cluster with a shard whose pair spans both hosts, moves a
+pinned prefix, and shrinks it back, while ``wait=True`` writers keep a ledger from a
+third host. After each
 change etcd and both supervisors' cluster maps name the new epoch; at the end a fresh
 read of each shard's pair holds exactly the keys its routing gives it, and together they
 hold every acknowledged write. A partition in the middle of a growth rolls it back,
@@ -230,7 +231,7 @@ def owned_once(maps: dict[int, dict[str, str]], routing: ShardMap,
     return merged
 
 
-def test_a_cluster_over_two_hosts_grows_and_moves_a_pin_under_one_epoch_in_etcd(
+def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_in_etcd(
         two_hosts: TwoHosts):
     cluster = two_hosts
     assert cluster.etcd_routing()["routing"]["epoch"] == 1
@@ -250,9 +251,9 @@ def test_a_cluster_over_two_hosts_grows_and_moves_a_pin_under_one_epoch_in_etcd(
     assert held["routing"]["shards"] == 3 and held["config"].endswith("three.yaml")
     cluster.wait_acks("k", 30)
 
-    # move /p/ to another shard through host b's supervisor
+    # move /p/ to another of the first two shards through host b's supervisor
     owner = ShardMap(3).owner("/p/0")
-    target = (owner + 1) % 3
+    target = 1 if owner == 0 else 0
     grown["shards"][target]["prefixes"] = ["/p/"]
     done = cluster.reshard(cluster.write("pinned.yaml", grown), via="b")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -276,13 +277,33 @@ def test_a_cluster_over_two_hosts_grows_and_moves_a_pin_under_one_epoch_in_etcd(
     assert cluster.map_epoch("b") == 3
     cluster.wait_acks("/p/", 20)
     cluster.wait_acks("k", 20)
-
     acked = cluster.ledger()
     routing = ShardMap(3, {target: ["/p/"]}, epoch=3)
     merged = owned_once(cluster.shard_maps(grown["shards"]), routing, cluster.servers_read)
     lost = sorted(k for k, v in acked.items() if merged.get(k) != v)
     assert not lost, f"{len(lost)} of {len(acked)} acknowledged writes lost: {lost[:5]}"
     assert any(routing.owner(k) == 2 for k in acked), "the added shard took no key"
+
+    # shrink back to 2 through host a's supervisor (s2's keys go to s0 and s1: two
+    # targets); b's supervisor stops its s2 server when it follows
+    cluster.writers.clear()
+    cluster.writer("k")
+    cluster.wait_acks("k", 20)
+    shrunk = cluster.write("shrunk.yaml", dict(grown, shards=grown["shards"][:2]))
+    done = cluster.reshard(shrunk, via="a")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "shard 2 is removed" in done.stdout, done.stdout
+    cluster.wait_epoch(4)
+    cluster.wait_servers_at(4, 4)  # s2's servers gone from both hosts
+    assert (cluster.run_dir("b") / "data" / "s2-primary").is_dir()  # (kept)
+    cluster.wait_acks("k", 20)
+    acked.update(cluster.ledger())
+    routing = ShardMap(2, {target: ["/p/"]}, epoch=4)
+    cluster.servers_read.clear()
+    merged = owned_once(cluster.shard_maps(grown["shards"][:2]), routing,
+                        cluster.servers_read)
+    lost = sorted(k for k, v in acked.items() if merged.get(k) != v)
+    assert not lost, f"{len(lost)} of {len(acked)} acknowledged writes lost: {lost[:5]}"
     whole = cluster.read(cluster.controls)  # a client of the whole map, through the map
     assert {k: whole.get(k) for k in acked} == acked
 
