@@ -89,6 +89,12 @@ otherwise (``supervisor reshard --copy-rate``): the copy is paced so that a busy
 keeps serving while it runs (Elasticsearch's recovery defaults to 40 MB/s, CockroachDB's
 rebalancing snapshots to 32 MiB/s); about 10 MiB/s is what a copy reaches unpaced on
 the 2-core host of ``bench reshard``, where its writer needs ``--copy-rate 4MiB``."""
+PLAN_KEPT_S = 60.0
+"""A change applied within this of its plan (``supervisor reshard`` prints the plan, then
+applies it) uses the counts of that plan instead of counting every server's map again:
+on a map of a million keys that pass kept the servers busy for seconds, for figures that
+only size the copy's deadlines and its progress. (Whether a key moves is decided by each
+server at the move, not by the counts.)"""
 CATCH_UP = 200
 """Source updates a copy may trail by before the hold begins."""
 CATCH_UP_POLL_S = 0.5
@@ -206,6 +212,8 @@ class Resharding:
         """The etcd lease under which this supervisor holds the change under way."""
         self._new_config = ""
         """The config of the change under way (the path every host plans)."""
+        self._counted: tuple | None = None
+        """The last plan counted: ((config, epoch, routing), when, the plan as JSON)."""
         self._parts: Plan | None = None
         """The plan of another host's change whose added shards this host started."""
         self._part_shards: set[int] = set()
@@ -487,7 +495,20 @@ class Resharding:
         if new == old:
             return {"epoch": old.epoch, "changed": False, "moves": [], "prefixes": {},
                     "shards": [old.shards, old.shards]}
-        plan = await self.count(new)
+        counted = self._counted
+        kept = (json.loads(counted[2]) if apply and counted is not None
+                and counted[0] == (config, old.epoch, new)
+                and time.monotonic() - counted[1] <= PLAN_KEPT_S else None)
+        # (a plan that moved no key is counted again: a key written since makes the
+        # change a move, not a change of the routing alone)
+        if kept is not None and (new.shards != old.shards
+                                 or any(m["keys"] for m in kept["moves"])):
+            plan = kept  # what the command just printed, counted once
+            log.info("reshard: the plan counted %.1f s ago is applied", time.monotonic() -
+                     counted[1])
+        else:
+            plan = await self.count(new)
+        self._counted = ((config, old.epoch, new), time.monotonic(), json.dumps(plan))
         if not apply:
             return plan
         new = new.with_epoch(old.epoch + 1)
@@ -550,10 +571,16 @@ class Resharding:
         return ""
 
     async def _move(self, old: ShardMap, new: ShardMap, new_plan: Plan, plan: dict) -> dict:
-        pairs = [(m["from"], m["to"]) for m in plan["moves"] if m["keys"]]
-        if new.shards > old.shards:  # the new shards' keys all come from the old ones
-            pairs = sorted(set(pairs) | {(s, t) for s in range(old.shards)
-                                         for t in range(old.shards, new.shards)})
+        # every pair of shards the routing can move keys between, whatever the counts
+        # said (a key written since the count is copied too): the counted moves; a
+        # growth's added shards from every old one; a shrink's removed shards to every
+        # one that stays; each moved pin's old owner to its new one
+        pairs = sorted({(m["from"], m["to"]) for m in plan["moves"] if m["keys"]}
+                       | {(s, t) for s in range(old.shards)
+                          for t in range(old.shards, new.shards)}
+                       | {(s, t) for s in range(new.shards, old.shards)
+                          for t in range(new.shards)}
+                       | set(moved_prefixes(old, new).values()))
         self._adding = new_plan
         sources = sorted({s for s, _ in pairs})
         targets = sorted({t for _, t in pairs})

@@ -351,6 +351,10 @@ def test_a_host_cut_off_in_the_middle_of_a_growth_leaves_one_owner_per_key(
 
         change = grow()
         sup_a.wait_line(f"RESHARD_PAUSED phase={phase}", 60)
+        if phase == "copied":  # one change at a time, whichever host is asked
+            other = cluster.reshard(cluster.write("other.yaml", cluster.grown()), via="b")
+            assert other.returncode == 1, other.stdout + other.stderr
+            assert "another change of the routing is under way (host a: " in other.stderr
         if fault == "isolate":
             hosts.isolate("b")
         else:

@@ -422,6 +422,8 @@ def test_supervisor_reshard_grows_and_shrinks_with_writers_running(procs, tmp_pa
 
             collector = asyncio.ensure_future(collect())
             await change(clone, three, 2, events)
+            # the apply used the plan the command printed: every map counted once
+            assert any("the plan counted" in line for line in sup.stderr), sup.stderr[-20:]
             assert len(clone) == len(ledger) + 1
             await change(clone, config, 3, events)
             assert len(clone) == len(ledger) + 1
