@@ -102,12 +102,21 @@ def _settled(control: str, shards: int) -> None:
 
 
 def _grown(config: Path, path: Path) -> Path:
+    """``config`` with a third shard on 20 free ports that the config does not use
+    already: it is written before the cluster starts, so its control port and its
+    servers' ports, free when probed, must be left out by hand."""
     import yaml
 
     from bench.harness.procs import free_port_base
 
     data = yaml.safe_load(config.read_text())
-    base = free_port_base(20)
+    taken = {int(data["control"].rsplit(":", 1)[1])} | {
+        server["port"] + i for shard in data["shards"] for role in ("primary", "backup")
+        for server in [shard[role]] for i in range(4)}
+    while True:
+        base = free_port_base(20)
+        if not taken & set(range(base, base + 20)):
+            break
     data["shards"].append({"name": "s2", "primary": {"port": base},
                            "backup": {"port": base + 10}})
     path.write_text(yaml.safe_dump(data))
