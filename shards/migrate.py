@@ -220,7 +220,11 @@ class Import:
                                       if k.startswith(prefix))
                 if chunk.last:
                     self.uuids = list(chunk.uuids)
-                    self._dealer.send(chp.icanhaz(self.prefix, move=self.index))
+                    # (the source paces its side too: it would otherwise fill the
+                    # pipe's high-water mark at full speed, its writes waiting)
+                    self._dealer.send(chp.icanhaz(
+                        self.prefix, move=self.index,
+                        pace=int(self.rate) if self.rate is not None else None))
                     self._paced_from = self._loop.time()
                 return
             msg = chp.decode_snapshot(frames, self._limits, strict=False)

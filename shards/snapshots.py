@@ -3,6 +3,7 @@ on the server's ``clonemap.shards.streams.StreamPump``."""
 from __future__ import annotations
 
 import logging
+import time
 
 import zmq
 from zmq.backend import Socket as _BackendSocket
@@ -29,6 +30,13 @@ _MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
 _pack_seq = chp.pack_seq
 
 
+PACE_AHEAD_S = 0.25
+"""How far ahead of its ``pace`` a move's copy may be sent (its head start, in seconds of
+the rate): the copy's own pauses (``clonemap.shards.migrate``) keep it about there."""
+PACE_BURST_S = 0.05
+"""A paced copy is sent at least this many seconds of its rate at a time: at 4 MiB/s, a
+millisecond's worth at a time (the pump's retry) cost the source more CPU in wake-ups
+and small fetches than the rows themselves."""
 REQUESTERS_MAX = 4096
 """ICANHAZ requesters whose rights wait to be read (``SnapshotService.requested_by``)."""
 
@@ -76,10 +84,22 @@ class SnapshotStream:
     KVSYNCs from a point-in-time cursor, ``chunk`` per turn, then KTHXBAI."""
 
     __slots__ = ("identity", "subtree", "cursor", "seq_frame", "pending", "pos", "chunk",
-                 "sent", "service", "kthxbai_props", "meta", "readable")
+                 "sent", "service", "kthxbai_props", "meta", "readable", "pace",
+                 "paced_from", "paced_bytes", "row_bytes", "wait_s")
 
     def __init__(self, service: "SnapshotService", identity: bytes, subtree: bytes,
-                 kthxbai_props: bytes = b"", meta: bool = False, readable=None):
+                 kthxbai_props: bytes = b"", meta: bool = False, readable=None,
+                 pace: int | None = None):
+        self.pace = pace
+        """A move's copy asked at this many bytes per second (``pace=``): the rows go no
+        faster (``PACE_AHEAD_S`` ahead at most), where they would otherwise fill the
+        pipe's high-water mark at full speed as the copy starts. None: unpaced."""
+        self.paced_from: float | None = None
+        self.paced_bytes = 0.0
+        self.row_bytes = 128.0
+        """The rows' mean size (key and value) in the last columns fetched."""
+        self.wait_s = 0.0
+        """How long a paced stream that is ahead waits (``streams.PACED``)."""
         self.readable = readable
         """``may_read(key)`` of a requester that may read only some of the subtree
         (``clonemap.shards.gate``): every row is checked; None: every row goes."""
@@ -107,6 +127,16 @@ class SnapshotStream:
         identity, seq_frame, cursor = self.identity, self.seq_frame, self.cursor
         meta = self.meta
         budget = self.chunk
+        if self.pace is not None:
+            now = time.monotonic()
+            if self.paced_from is None:
+                self.paced_from = now
+            allowed = self.pace * (now - self.paced_from + PACE_AHEAD_S) - self.paced_bytes
+            least = max(self.row_bytes, self.pace * PACE_BURST_S)
+            if allowed < least:  # (a burst's worth at a time: few wake-ups, big fetches)
+                self.wait_s = max(streams.PAUSE_S, (least - allowed) / self.pace)
+                return streams.PACED
+            budget = max(1, min(budget, int(allowed // self.row_bytes)))
         pending, pos = self.pending, self.pos
         sent = fetched = 0
         outcome = streams.BLOCKED
@@ -131,6 +161,9 @@ class SnapshotStream:
                     props = b"" if expiries is None else [
                         b"" if e is None else b"expires=%.3f\n" % e for e in expiries]
                     pending = _Rows(keys, values, mods, props)
+                    if keys and self.pace is not None:
+                        self.row_bytes = max(1.0, (sum(map(len, keys)) + sum(
+                            map(len, values))) / len(keys))
                     if keys:  # before any of them is queued: the byte bound holds
                         self.service.entries(max(map(len, keys)) + max(map(len, values)))
                         if not self.sent:  # this peer's pipe may have the bind-time mark
@@ -164,6 +197,7 @@ class SnapshotStream:
         finally:
             self.pending, self.pos = pending, pos
             self.sent += sent
+            self.paced_bytes += sent * self.row_bytes
             self.service.kvsync_sent += sent
         if outcome == streams.DONE:
             log.debug("snapshot of %d keys under %r at seq %d sent to %r", self.sent,
@@ -286,8 +320,9 @@ class SnapshotService:
                  if request.meta else b"")
         if narrowed:
             props += chp.NARROWED
+        pace = request.pace if request.move is not None else None
         make = lambda: SnapshotStream(self, identity, request.subtree,  # noqa: E731
-                                      props, request.meta, readable)
+                                      props, request.meta, readable, pace)
         if request.since is not None:
             make = self._resume_or_snapshot(identity, request, readable, narrowed)
         elif request.adopt is not None and readable is None:

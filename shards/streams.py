@@ -28,8 +28,9 @@ server's loop and owns the rules they share:
   mark from a byte budget for that).
 
 A stream implements ``send_some(sock) -> str``: ``PROGRESS`` (sent something, more to
-come), ``DONE`` (sent its last message) or ``BLOCKED`` (nothing accepted: the pipe was
-full at once). It catches ``zmq.Again`` itself (a pipe that fills up partway is progress
+come), ``DONE`` (sent its last message), ``BLOCKED`` (nothing accepted: the pipe was
+full at once) or ``PACED`` (a paced stream ahead of its rate: it goes on after its
+``wait_s``, and is not stalled). It catches ``zmq.Again`` itself (a pipe that fills up partway is progress
 if anything went out) and lets ``zmq.ZMQError`` with ``EHOSTUNREACH`` through to the
 pump. ``close()`` releases what it holds.
 """
@@ -44,7 +45,7 @@ import zmq
 
 log = logging.getLogger("clonemap.shards.streams")
 
-PROGRESS, DONE, BLOCKED = "progress", "done", "blocked"
+PROGRESS, DONE, BLOCKED, PACED = "progress", "done", "blocked", "paced"
 PAUSE_S = 0.001
 """Retry delay for a stream whose peer's pipe is full."""
 STALLED_RETRY_S = 0.05
@@ -190,6 +191,11 @@ class StreamPump:
             if outcome == DONE:
                 self.counters["done"] += 1
                 finished.append(identity)
+            elif outcome == PACED:
+                entry.progress_s = now
+                entry.retry_at_s = now + entry.stream.wait_s  # type: ignore[attr-defined]
+                next_retry = entry.retry_at_s if next_retry is None else min(
+                    next_retry, entry.retry_at_s)
             elif outcome == PROGRESS:
                 entry.progress_s = now
                 progressed = True

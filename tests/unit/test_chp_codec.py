@@ -545,3 +545,20 @@ def test_an_adoption_claim_and_its_answer_travel_in_the_extension_frames():
     info = chp.kthxbai_info(chp.kthxbai_props(True, 4, epoch=2) + chp.ADOPTED)
     assert (info.resumed, info.term, info.epoch, info.adopted) == (True, 4, 2, True)
     assert chp.kthxbai_info(b"epoch=x\n").epoch == 0  # unreadable: absent
+
+
+def test_a_move_s_copy_names_its_shard_and_its_pace():
+    """``move=<index>`` (a move's copy), with ``pace=<bytes per second>`` when the copy
+    is paced: the source sends no faster. A pace that is not a count is a protocol error;
+    0 or absent: unpaced."""
+    frames = chp.icanhaz(b"/p/", move=2, pace=4 << 20)
+    assert frames[2] == b"move=2\npace=4194304\n"
+    request = chp.decode_icanhaz(frames)
+    assert (request.subtree, request.move, request.pace) == (b"/p/", 2, 4 << 20)
+    assert chp.icanhaz(b"", move=1)[2] == b"move=1\n"
+    assert chp.decode_icanhaz(chp.icanhaz(b"", move=1)).pace is None
+    assert chp.decode_icanhaz([chp.ICANHAZ, b"", b"move=1\npace=0\n"]).pace is None
+    for bad in (b"move=1\npace=x\n", b"move=1\npace=-5\n"):
+        with pytest.raises(ProtocolError) as err:
+            chp.decode_icanhaz([chp.ICANHAZ, b"", bad])
+        assert err.value.reason == "bad_move"

@@ -91,6 +91,10 @@ class Icanhaz(NamedTuple):
     move: int | None = None
     """``move=<shard index>`` (a move's copy, ``clonemap.shards.migrate``): only the keys
     that the routing the server exports gives that shard."""
+    pace: int | None = None
+    """With ``move=``, ``pace=<bytes per second>``: the copy's rate; the server sends the
+    snapshot no faster (keys and values), so that it does not fill the pipe's high-water
+    mark at full speed at the start (None: as fast as the pipe takes it)."""
     adopt: dict[str, tuple[int, int]] | None = None
     """``adopt=<gen>:<seq>:<epoch>,...``: the requester holds each of these maps (by
     generation) up to that sequence, whole as its server sent it under that routing
@@ -270,7 +274,9 @@ def decode_icanhaz(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Ican
         meta = fields.get("meta") == "1"
         if "move" in fields and "since" not in fields:
             move = _count_prop(fields, "move", "move= is not a shard index", "bad_move")
-            return Icanhaz(subtree, meta=meta, move=move)
+            pace = (_count_prop(fields, "pace", "pace= is not bytes per second", "bad_move")
+                    if "pace" in fields else None)
+            return Icanhaz(subtree, meta=meta, move=move, pace=pace or None)
         if "adopt" in fields and "since" not in fields:
             return Icanhaz(subtree, meta=meta, adopt=_adopt_claim(fields["adopt"]))
         if "since" not in fields and meta:
@@ -377,21 +383,24 @@ def decode_kvset(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Kvset:
 def icanhaz(subtree: bytes = b"", since: int | None = None,
             generation: str = "", meta: bool = False, term: int | None = None,
             move: int | None = None,
-            adopt: dict[str, tuple[int, int]] | None = None) -> list[bytes]:
+            adopt: dict[str, tuple[int, int]] | None = None,
+            pace: int | None = None) -> list[bytes]:
     """``ICANHAZ?``; with ``since``, our resume extension: a third frame of properties
     ``since=<S>\n`` (and ``gen=<generation>\n``, ``term=<T>\n``: the Binary Star term of
     the server that gave the client its updates, see ``kthxbai_props``). A server that holds every update after
     S of that map sends only those (KVSYNCs with their own sequences, UUIDs and
     properties; an empty value deletes), then KTHXBAI with ``resume=1``; otherwise a full
     snapshot whose KTHXBAI says ``resume=0``. ``meta``: ``meta=1\n`` (see
-    ``Icanhaz.meta``); ``move``: ``move=<index>\n`` (see ``Icanhaz.move``); ``adopt``:
+    ``Icanhaz.meta``); ``move``: ``move=<index>\n`` (see ``Icanhaz.move``), with
+    ``pace``: ``pace=<bytes per second>\n`` (see ``Icanhaz.pace``); ``adopt``:
     ``adopt=<gen>:<seq>:<epoch>,...\n`` (see ``Icanhaz.adopt``)."""
     if adopt is not None:
         claim = ",".join(f"{gen}:{seq}:{epoch}" for gen, (seq, epoch) in adopt.items())
         claim = claim.encode("ascii")
         return [ICANHAZ, subtree, b"adopt=%s\n" % claim + (b"meta=1\n" if meta else b"")]
     if move is not None:
-        return [ICANHAZ, subtree, b"move=%d\n" % move + (b"meta=1\n" if meta else b"")]
+        return [ICANHAZ, subtree, b"move=%d\n" % move + (b"pace=%d\n" % pace if pace else b"")
+                + (b"meta=1\n" if meta else b"")]
     if since is None and not meta:
         return [ICANHAZ, subtree]
     props = b"" if since is None else b"since=%d\n" % since
