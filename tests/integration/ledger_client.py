@@ -5,10 +5,10 @@
         write and ``FAIL KEY ERROR`` for each that was not (the ledger)
     python ledger_client.py read SERVERS           a fresh client: prints ``KEY VALUE`` for
         every key of its complete copy, then ``END N``
-    python ledger_client.py dump SERVER[,SERVER..] each server's whole map, by a raw
-        ICANHAZ (whatever routing it follows), asked all at once: for each, ``FROM
-        SERVER``, its ``KEY VALUE`` lines and ``END N``, or ``SILENT SERVER`` when it
-        does not answer within 2 s (a passive may not)
+    python ledger_client.py dump SERVER[,SERVER..] [WAIT_S]
+        each server's whole map, by a raw ICANHAZ (whatever routing it follows), asked
+        all at once: for each, ``FROM SERVER``, its ``KEY VALUE`` lines and ``END N``,
+        or ``SILENT SERVER`` when it does not answer within WAIT_S (default 2)
 
 SERVERS: ``tcp://A:P,tcp://B:P`` (one shard's pair), or ``control=tcp://H:P[,...]`` (the
 whole cluster, through a supervisor's map). Prints ``READY`` once started.
@@ -24,7 +24,7 @@ from clonemap.client.api import ClonemapError, Clone
 def main() -> int:
     mode, where = sys.argv[1], sys.argv[2]
     if mode == "dump":
-        return dump(where)
+        return dump(where, float(sys.argv[3]) if len(sys.argv) > 3 else 2.0)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     if where.startswith("control="):
@@ -53,7 +53,7 @@ def main() -> int:
     return 0
 
 
-def dump(endpoints: str) -> int:
+def dump(endpoints: str, wait_s: float) -> int:
     import time
 
     import zmq
@@ -68,7 +68,7 @@ def dump(endpoints: str) -> int:
         dealer.send_multipart([b"ICANHAZ?", b""])
         poller.register(dealer, zmq.POLLIN)
         asked[dealer] = (endpoint, [])
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + wait_s
     while poller.sockets and time.monotonic() < deadline:
         for dealer, _ in poller.poll(max(1, int((deadline - time.monotonic()) * 1000))):
             endpoint, rows = asked[dealer]
@@ -78,7 +78,7 @@ def dump(endpoints: str) -> int:
                 continue
             poller.unregister(dealer)
             print(f"FROM {endpoint}", *rows, f"END {len(rows)}", sep="\n", flush=True)
-            deadline = time.monotonic() + 2.0  # (a large map takes its time)
+            deadline = time.monotonic() + wait_s  # (a large map takes its time)
     for dealer in dict(poller.sockets):
         print("SILENT", asked[dealer][0], flush=True)
     return 0

@@ -178,15 +178,36 @@ class TwoHosts:
         assert proc.stdout[-1].startswith("END ")
         return dict(line.split(" ", 1) for line in proc.stdout[1:-1])
 
+    def actives(self) -> set[str]:
+        """The servers (``shard/role``) whose last stats say ACTIVE, on either host."""
+        active = set()
+        for host in ("a", "b"):
+            done = run_on(self.hosts, "c", "-m", "clonemap.supervisor", "status",
+                          str(self.config), "--json", "--host", host)
+            for row in json.loads(done.stdout or "{}").get("servers", []):
+                if row.get("bstar") == "ACTIVE":
+                    active.add(row["name"])
+        return active
+
     def shard_maps(self, shards: list[dict]) -> dict[int, dict[str, str]]:
-        """Each shard's map, read from its active by a raw ICANHAZ from host c (every
-        server asked at once); every server that answers (a passive may not) holds only
-        keys its shard owns (``servers_read``)."""
+        """Each shard's map, read from its active by a raw ICANHAZ from host c (the
+        actives named by ``status``: an ICANHAZ to a passive is a client's vote, which
+        this reader must not cast), every server of a shard that has none named asked
+        instead. Each server that answered is in ``servers_read`` (shard, role, map)."""
+        active = set()
+        deadline = time.monotonic() + 15
+        while True:  # (each look a status round trip to both hosts)
+            active = self.actives()
+            if all(any(f"{sh['name']}/{r}" in active for r in ("primary", "backup"))
+                   for sh in shards) or time.monotonic() > deadline:
+                break
         where = {f"tcp://{sh[r]['host']}:{sh[r]['port']}": (i, r)
-                 for i, sh in enumerate(shards) for r in ("primary", "backup")}
+                 for i, sh in enumerate(shards) for r in ("primary", "backup")
+                 if f"{sh['name']}/{r}" in active
+                 or not any(f"{sh['name']}/{o}" in active for o in ("primary", "backup"))}
         proc = self.procs.spawn([*self.hosts.prefix("c"), PYTHON, LEDGER, "dump",
-                                 ",".join(where)], env=ENV)
-        assert proc.wait(30) == 0, "\n".join(proc.stderr[-20:])
+                                 ",".join(where), "20"], env=ENV)
+        assert proc.wait(60) == 0, "\n".join(proc.stderr[-20:])
         out: dict[int, dict[str, str]] = {}
         held: dict[str, str] = {}
         for line in proc.stdout:
@@ -216,6 +237,19 @@ def two_hosts(hosts, tmp_path):
         yield made
     finally:
         made.stop()
+
+
+def lost_writes(acked: dict[str, str], merged: dict[str, str], routing: ShardMap,
+                servers: list[tuple[int, str, dict]]) -> str:
+    """Empty when every acknowledged write is in ``merged``; else which were lost, their
+    owner, and what each server read held of them (for the failure's message)."""
+    lost = sorted(k for k, v in acked.items() if merged.get(k) != v)
+    if not lost:
+        return ""
+    seen = [(index, role, len(keys), {k: keys.get(k) for k in lost[:5]})
+            for index, role, keys in servers]
+    return (f"{len(lost)} of {len(acked)} acknowledged writes lost: {lost[:5]}, owners "
+            f"{[routing.owner(k) for k in lost[:5]]}; servers read: {seen}")
 
 
 def owned_once(maps: dict[int, dict[str, str]], routing: ShardMap,
@@ -280,8 +314,8 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     acked = cluster.ledger()
     routing = ShardMap(3, {target: ["/p/"]}, epoch=3)
     merged = owned_once(cluster.shard_maps(grown["shards"]), routing, cluster.servers_read)
-    lost = sorted(k for k, v in acked.items() if merged.get(k) != v)
-    assert not lost, f"{len(lost)} of {len(acked)} acknowledged writes lost: {lost[:5]}"
+    lost = lost_writes(acked, merged, routing, cluster.servers_read)
+    assert not lost, lost
     assert any(routing.owner(k) == 2 for k in acked), "the added shard took no key"
 
     # shrink back to 2 through host a's supervisor (s2's keys go to s0 and s1: two
@@ -302,8 +336,8 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     cluster.servers_read.clear()
     merged = owned_once(cluster.shard_maps(grown["shards"][:2]), routing,
                         cluster.servers_read)
-    lost = sorted(k for k, v in acked.items() if merged.get(k) != v)
-    assert not lost, f"{len(lost)} of {len(acked)} acknowledged writes lost: {lost[:5]}"
+    lost = lost_writes(acked, merged, routing, cluster.servers_read)
+    assert not lost, lost
     whole = cluster.read(cluster.controls)  # a client of the whole map, through the map
     assert {k: whole.get(k) for k in acked} == acked
 
@@ -389,7 +423,7 @@ def test_a_host_cut_off_in_the_middle_of_a_growth_leaves_one_owner_per_key(
         acked = cluster.ledger()
         merged = owned_once(cluster.shard_maps(cluster.grown()["shards"]), ShardMap(3),
                             cluster.servers_read)
-        lost = sorted(k for k, v in acked.items() if merged.get(k) != v)
-        assert not lost, f"{len(lost)} of {len(acked)} acknowledged writes lost: {lost[:5]}"
+        lost = lost_writes(acked, merged, ShardMap(3), cluster.servers_read)
+        assert not lost, lost
     finally:
         cluster.stop()

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from conftest import PYTHON
-from test_reshard_hosts import ENV, TwoHosts, owned_once
+from test_reshard_hosts import ENV, TwoHosts, lost_writes, owned_once
 from clonemap.shards.common.routing import ShardMap
 
 pytestmark = pytest.mark.timeout(240)
@@ -60,7 +60,7 @@ def test_a_supervisor_killed_past_the_seal_is_settled_by_the_other_host(
         acked = cluster.ledger()
         merged = owned_once(cluster.shard_maps(shards), ShardMap(len(shards)),
                             cluster.servers_read)
-        lost = sorted(k for k, v in acked.items() if merged.get(k) != v)
-        assert not lost, f"{len(lost)} of {len(acked)} acknowledged writes lost: {lost[:5]}"
+        lost = lost_writes(acked, merged, ShardMap(len(shards)), cluster.servers_read)
+        assert not lost, lost
     finally:
         cluster.stop()
