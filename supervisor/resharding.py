@@ -164,6 +164,14 @@ def moved_prefixes(old: ShardMap, new: ShardMap) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _collectors(plan: Plan, indices=None) -> dict[int, list[str]]:
+    """Where a server forwards the writes for keys that moved (``ROUTING_FORGET``): the
+    collectors of both servers of each shard in ``indices`` (every shard of ``plan``
+    when None)."""
+    return {i: [sv.endpoint("collector") for sv in plan.shards[i].servers]
+            for i in (range(len(plan.shards)) if indices is None else indices)}
+
+
 def _imports(stats: dict) -> list[dict]:
     return (stats.get("move") or {}).get("imports") or []
 
@@ -590,9 +598,7 @@ class Resharding:
         phases: dict[str, float] = {}
         # where the sources send the writes for moved keys on (the targets' collectors),
         # connected from the hold on
-        forward = {t: [s.endpoint("collector") for s in (new_plan.shards[t].primary,
-                                                         new_plan.shards[t].backup)]
-                   for t in targets}
+        forward = _collectors(new_plan, targets)
         try:
             for index in added:  # 1. start, on the new routing
                 not_up = await self.runner.add_shard(new_plan.shards[index], new_plan,
@@ -861,16 +867,10 @@ class Resharding:
                              return_exceptions=True)
         for index in added:  # they never served: their data directories go too
             await self.runner.remove_shard(index)
-            for server in self._before_added(index):
-                data = self.runner.data_dir(server)
-                if data is not None:
-                    shutil.rmtree(data, ignore_errors=True)
+            if adding is not None:
+                await self._drop_data(adding, index)
         await self._clear_record()
         log.warning("reshard: rolled back before the flip; the routing is unchanged")
-
-    def _before_added(self, index: int) -> list:
-        shard = self._adding.shards[index] if self._adding is not None else None
-        return [shard.primary, shard.backup] if shard is not None else []
 
     # ------------------------------------------------------------------ across hosts
     async def _on_hosts(self, plan: Plan, index: int, op: str) -> list[str]:
@@ -1124,14 +1124,12 @@ class Resharding:
                 and 0 < ((proc.stats.get("routing") or {}).get("epoch") or 0) < now.epoch]
         if not late:
             return
-        forward = {i: [sv.endpoint("collector") for sv in sh.servers]
-                   for i, sh in enumerate(self.plan.shards)}
-        got = await self._install(now, late, forget=True, forward=forward)
+        got = await self._install(now, late, forget=True, forward=_collectors(self.plan))
         for name, why in got.items():
             log.info("routing: %s, on an older routing, takes epoch %d%s", name, now.epoch,
                      f" (refused: {why})" if why else "")
         for name in late:  # their next stats say where they are
-            self.runner.servers[name].stats = {}
+            self.runner.servers[name].clear_stats()
 
     async def _follow(self, held: ShardMap, config: str) -> None:
         old = self.routing
@@ -1160,10 +1158,8 @@ class Resharding:
                 await self.runner.add_shard(shard, new_plan, START_WAIT_S)
         # this host's servers, as the flip does (``_laggards``: etcd's routing is committed)
         mine = [n for n in self._running() if self._local(n)]
-        forward = {i: [sv.endpoint("collector") for sv in sh.servers]
-                   for i, sh in enumerate(new_plan.shards)}
         refused = {n: why for n, why in (await self._install(
-            held, mine, forget=True, forward=forward)).items() if why}
+            held, mine, forget=True, forward=_collectors(new_plan))).items() if why}
         if refused:
             log.info("routing: epoch %d not installed on %s", held.epoch, refused)
         await self._close_clients()

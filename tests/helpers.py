@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from pathlib import Path
 from typing import Any, Coroutine, TypeVar
 
@@ -29,6 +30,21 @@ def run_async(coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
 def wait_stderr(proc, text: str, timeout_s: float = DEADLINE_S, start: int = 0) -> int:
     """The index of ``proc``'s first stderr line (from ``start``) holding ``text``."""
     return proc.wait_stderr(text, start, timeout_s)
+
+
+def acknowledged(writers: dict) -> dict[str, str]:
+    """Stop every ``ledger_client.py write`` process in ``writers`` (prefix -> its
+    process) and collect its ledger: each key it reported acknowledged, and its value
+    (the key's number after the prefix)."""
+    out = {}
+    for prefix, proc in writers.items():
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, "\n".join(proc.stderr[-20:])
+        for line in proc.stdout:
+            if line.startswith("ACK "):
+                key = line.split()[1]
+                out[key] = key[len(prefix):]
+    return out
 
 
 def fill_disk(disk: Path, leave: int) -> Path:

@@ -11,7 +11,6 @@ is in the map a fresh client reads afterwards, with its value.
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 from conftest import PYTHON, ROOT, EtcdServer, Procs
+from helpers import acknowledged
 from bench.harness.netns import Hosts
 
 pytestmark = pytest.mark.timeout(180)
@@ -123,15 +123,7 @@ class Cluster:
 
     def ledger(self) -> dict[str, str]:
         """Stop every writer; every acknowledged (key, value)."""
-        out = {}
-        for prefix, proc in self.writers.items():
-            proc.signal(signal.SIGTERM)
-            assert proc.wait(30) == 0, "\n".join(proc.stderr[-20:])
-            for line in proc.stdout:
-                if line.startswith("ACK "):
-                    key = line.split()[1]
-                    out[key] = key[len(prefix):]
-        return out
+        return acknowledged(self.writers)
 
     def read(self, host: str = "c") -> dict[str, str]:
         proc = self.procs.spawn([*self.hosts.prefix(host), PYTHON, LEDGER, "read",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from conftest import PYTHON, ROOT, EtcdServer, Procs
+from helpers import acknowledged
 from bench.harness.netns import Hosts
 from clonemap.shards.common.routing import ShardMap
 
@@ -93,6 +93,13 @@ class TwoHosts:
                       str(self.config), "--to", str(to), "--yes", "--host", via,
                       timeout_s=150)
 
+    def start_reshard(self, to: Path, via: str):
+        """The same command as ``reshard``, started and left running (the caller waits
+        on it while the move stops or pauses at a phase)."""
+        return self.procs.spawn([*self.hosts.prefix("c"), PYTHON, "-m", "clonemap.supervisor",
+                                 "reshard", str(self.config), "--to", str(to), "--yes",
+                                 "--host", via], env=ENV)
+
     def etcd_routing(self) -> dict:
         """What etcd holds under ``clonemap/moving/routing``, read from host c."""
         done = run_on(self.hosts, "c", "-c",
@@ -159,15 +166,7 @@ class TwoHosts:
 
     def ledger(self) -> dict[str, str]:
         """Stop every writer; every acknowledged (key, value)."""
-        out = {}
-        for prefix, proc in self.writers.items():
-            proc.signal(signal.SIGTERM)
-            assert proc.wait(30) == 0, "\n".join(proc.stderr[-20:])
-            for line in proc.stdout:
-                if line.startswith("ACK "):
-                    key = line.split()[1]
-                    out[key] = key[len(prefix):]
-        return out
+        return acknowledged(self.writers)
 
     def read(self, where: str) -> dict[str, str]:
         """A fresh client's map, on host c: ``where`` is a pair (one shard's map) or the
@@ -377,12 +376,7 @@ def test_a_host_cut_off_in_the_middle_of_a_growth_leaves_one_owner_per_key(
         sup_a, sup_b = cluster.supervisors["a"], cluster.supervisors["b"]
         three = cluster.write("three.yaml", cluster.grown())
 
-        def grow():
-            return cluster.procs.spawn(
-                [*hosts.prefix("c"), PYTHON, "-m", "clonemap.supervisor", "reshard",
-                 str(cluster.config), "--to", str(three), "--yes", "--host", "a"], env=ENV)
-
-        change = grow()
+        change = cluster.start_reshard(three, via="a")
         sup_a.wait_line(f"RESHARD_PAUSED phase={phase}", 60)
         if phase == "copied":  # one change at a time, whichever host is asked
             other = cluster.reshard(cluster.write("other.yaml", cluster.grown()), via="b")
@@ -411,7 +405,7 @@ def test_a_host_cut_off_in_the_middle_of_a_growth_leaves_one_owner_per_key(
             sup_b.wait_stderr("shard 2 dropped here", 0, 30)
             cluster.wait_epoch(epoch)
             assert cluster.etcd_routing()["routing"]["shards"] == 2
-            change = grow()
+            change = cluster.start_reshard(three, via="a")
             sup_a.wait_line(f"RESHARD_PAUSED phase={phase}", 60)
             (cluster.run_dir("a") / "reshard.continue").touch()
             assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)

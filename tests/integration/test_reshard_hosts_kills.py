@@ -9,8 +9,7 @@ import signal
 
 import pytest
 
-from conftest import PYTHON
-from test_reshard_hosts import ENV, TwoHosts, lost_writes, owned_once
+from test_reshard_hosts import TwoHosts, lost_writes, owned_once
 from clonemap.shards.common.routing import ShardMap
 
 pytestmark = pytest.mark.timeout(240)
@@ -36,9 +35,7 @@ def test_a_supervisor_killed_past_the_seal_is_settled_by_the_other_host(
         cluster.wait_acks("k", 40)
         sup_a, sup_b = cluster.supervisors["a"], cluster.supervisors["b"]
         three = cluster.write("three.yaml", cluster.grown())
-        change = cluster.procs.spawn(
-            [*hosts.prefix("c"), PYTHON, "-m", "clonemap.supervisor", "reshard",
-             str(cluster.config), "--to", str(three), "--yes", "--host", "a"], env=ENV)
+        change = cluster.start_reshard(three, via="a")
         sup_a.wait_line(f"RESHARD_STOPPED phase={phase}", 60)
         sup_a.signal(signal.SIGKILL)
         assert sup_a.wait(30) == -signal.SIGKILL
