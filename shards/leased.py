@@ -218,4 +218,6 @@ class Leased:
                 self._answer(frames)  # waits too while writes are parked
 
     def stats(self) -> dict[str, Any]:
-        return {**self.lease.stats(), "fenced_batches": self.fenced_batches}
+        return {**self.lease.stats(), "fenced_batches": self.fenced_batches,
+                "snapshots_waiting_passive": len(self._waiting),
+                "votes_waiting_lease": len(self._deferred)}

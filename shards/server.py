@@ -520,12 +520,16 @@ class ShardServer:
             self._persist_flush = self.loop.call_soon(self.flush)
 
     def _send_replies(self, replies: list[list[bytes]]) -> None:
+        """KVREPLYs on P's ROUTER, from the publish path (never P's reader): the sends
+        may take the edge of the FD that reader waits on (a new peer's attach, processed
+        here, leaves its first message unsignalled), so the reader looks again after."""
         sock = self.router_socket
         for frames in replies:
             try:
                 zio.send_frames(sock, frames)
             except zmq.ZMQError:  # the writer's DEALER is not (or no longer) connected
                 self.writes["replies_unsent"] += 1
+        self.kick_router()
 
     def reapply_pub_mark(self) -> None:
         """Set a lowered publisher mark again, so that it reaches the pipes of

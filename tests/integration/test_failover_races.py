@@ -264,3 +264,69 @@ def test_a_resume_from_a_source_forgetting_its_moved_keys_is_not_said_narrowed()
             server.close()
 
     asyncio.run(main())
+
+
+def test_a_reply_sent_outside_the_snapshot_reader_leaves_that_reader_awake(zctx):
+    """7. KVREPLYs go out on P's ROUTER from the publish path (a flush, a batch the
+    passive confirmed), not from P's reader. libzmq's send processes the socket's pending
+    commands, among them a new peer's attach; that takes the edge of the FD the reader
+    waits on, and the peer's first message, on a pipe nobody has looked at, raises none:
+    its ICANHAZ waited, unanswered, until something else woke the reader (seen across
+    hosts: an active silent to a reader for 20 s after a resharding test's writers
+    stopped, and a passive's sync restarting after 2 s of silence). Forced: a writer's
+    reply made to go out, synchronously, between a new peer's connection reaching the
+    server and its ICANHAZ."""
+    import select
+
+    from clonemap.shards.server import ShardServer
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        port = free_port_base(4)
+        server = ShardServer(ServerConfig(port=port))
+        server.bind()
+        server.start()
+        writer, collector, reader = (zctx.socket(kind) for kind in
+                                     (zmq.DEALER, zmq.PUB, zmq.DEALER))
+        try:
+            for sock in (writer, collector, reader):
+                sock.linger = 0
+            async def answer(sock: zmq.Socket) -> list[bytes]:
+                deadline = loop.time() + 5
+                while not sock.poll(0):  # the server's loop runs meanwhile
+                    assert loop.time() < deadline, "no answer on P"
+                    await asyncio.sleep(0.01)
+                return sock.recv_multipart()
+
+            writer.routing_id = b"writer"
+            writer.connect(f"tcp://127.0.0.1:{port}")
+            writer.send_multipart(chp.icanhaz(b""))  # known on P: replies can reach it
+            assert (await answer(writer))[0] == chp.KTHXBAI
+            collector.connect(f"tcp://127.0.0.1:{port + 2}")
+            props = chp.write_props(reply_to=b"writer")
+            deadline = loop.time() + 5
+            while not writer.poll(0):  # sent again until the collector's SUB has joined
+                assert loop.time() < deadline, "the first write was never answered"
+                collector.send_multipart(chp.kvset(b"/a", b"1", b"u" * 16, props))
+                await asyncio.sleep(0.05)
+            assert writer.recv_multipart()[0] == chp.KVREPLY
+            while writer.poll(100):  # (the resends' answers: duplicate)
+                writer.recv_multipart()
+
+            fd = server.router_socket.getsockopt(zmq.FD)
+            reader.connect(f"tcp://127.0.0.1:{port}")
+            # the reader's connection reaches the server: its attach is pending (the FD
+            # readable), and the loop does not run until the next await
+            assert select.select([fd], [], [], 5)[0], "the connection never arrived"
+            server.on_collect(chp.kvset(b"/b", b"2", b"v" * 16, props))
+            server.flush()  # its reply goes out here, outside P's reader
+            assert writer.poll(5000) and writer.recv_multipart()[0] == chp.KVREPLY
+            reader.send_multipart(chp.icanhaz(b""))
+            frames = [await answer(reader) for _ in range(3)]
+            assert frames[-1][0] == chp.KTHXBAI and {f[0] for f in frames[:2]} == {b"/a", b"/b"}
+        finally:
+            for sock in (writer, collector, reader):
+                sock.close(0)
+            server.close()
+
+    asyncio.run(main())

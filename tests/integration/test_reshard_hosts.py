@@ -221,7 +221,22 @@ class TwoHosts:
             elif word != "SILENT":
                 held[word] = rest
         missing = [i for i in range(len(shards)) if i not in out]
-        assert not missing, f"no server of shard{missing} answered: {proc.stdout[-10:]}"
+        assert not missing, (f"no server of shard{missing} answered: {proc.stdout[-10:]}; "
+                             f"their stats: {self.stats_of(shards, missing)}")
+        return out
+
+    def stats_of(self, shards: list[dict], indices: list[int]) -> dict[str, dict]:
+        """The last stats of the servers of ``shards[i]`` for i in ``indices`` (``status
+        --json`` of both hosts): what a failure message shows of servers that said
+        nothing."""
+        names = {sh["name"] for i, sh in enumerate(shards) if i in indices}
+        out = {}
+        for host in ("a", "b"):
+            done = run_on(self.hosts, "c", "-m", "clonemap.supervisor", "status",
+                          str(self.config), "--json", "--host", host)
+            for row in json.loads(done.stdout or "{}").get("servers", []):
+                if row["name"].partition("/")[0] in names:
+                    out[f"{row['name']}@{host}"] = row.get("stats")
         return out
 
     def stop(self) -> None:
