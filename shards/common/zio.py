@@ -35,6 +35,7 @@ import asyncio
 import functools
 import logging
 import os
+import select
 from typing import Callable
 
 import zmq
@@ -298,6 +299,8 @@ class AsyncSocket:
         self.loop = loop or asyncio.get_running_loop()
         self.errors = 0
         self.received = 0
+        self.missed_edges = 0
+        """Times ``look_again`` found messages the FD had not announced."""
         self._scheduled = False
         self._closed = False
         self._paused: asyncio.TimerHandle | None = None
@@ -444,6 +447,30 @@ class AsyncSocket:
     def kick(self) -> None:
         """Re-check the socket on the next loop turn (after using ``sock`` directly)."""
         self._schedule()
+
+    def look_again(self) -> bool:
+        """A periodic look for messages that wait while the FD announces nothing (its
+        edge taken by a call on the socket outside this reader that was not followed by
+        ``kick``): read them on the next turn, counted in ``missed_edges``; True if
+        there were. The FD is asked first (a readable one is the loop's to handle), so
+        the ``EVENTS`` query here takes no edge the loop was about to see."""
+        if self._closed or self._scheduled or self._paused is not None or \
+                self.on_message is None:
+            return False
+        try:
+            if select.select([self._fd], [], [], 0)[0]:
+                return False
+            events = _get(self.sock, _EVENTS)
+        except (OSError, ValueError, zmq.ZMQError):  # closed meanwhile
+            return False
+        if not events & POLLIN:
+            return False
+        self.missed_edges += 1
+        log.warning("%s: %d message(s) waited with no wake-up from the socket (a call on "
+                    "it outside its reader took the edge); read now", self.name,
+                    self.missed_edges)
+        self._schedule()
+        return True
 
     # ------------------------------------------------------------------ closing
     def close(self, linger: int = 0) -> None:

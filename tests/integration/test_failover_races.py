@@ -277,6 +277,7 @@ def test_a_reply_sent_outside_the_snapshot_reader_leaves_that_reader_awake(zctx)
     reply made to go out, synchronously, between a new peer's connection reaching the
     server and its ICANHAZ."""
     import select
+    import time
 
     from clonemap.shards.server import ShardServer
 
@@ -318,12 +319,16 @@ def test_a_reply_sent_outside_the_snapshot_reader_leaves_that_reader_awake(zctx)
             # the reader's connection reaches the server: its attach is pending (the FD
             # readable), and the loop does not run until the next await
             assert select.select([fd], [], [], 5)[0], "the connection never arrived"
+            # a send processes commands at most once per ~1 ms of CPU clock (libzmq's
+            # throttle): past it, the reply's send surely does, the attach among them
+            time.sleep(0.01)
             server.on_collect(chp.kvset(b"/b", b"2", b"v" * 16, props))
             server.flush()  # its reply goes out here, outside P's reader
             assert writer.poll(5000) and writer.recv_multipart()[0] == chp.KVREPLY
             reader.send_multipart(chp.icanhaz(b""))
             frames = [await answer(reader) for _ in range(3)]
             assert frames[-1][0] == chp.KTHXBAI and {f[0] for f in frames[:2]} == {b"/a", b"/b"}
+            assert server.missed_edges() == 0  # the kick read it, not a beat's look
         finally:
             for sock in (writer, collector, reader):
                 sock.close(0)

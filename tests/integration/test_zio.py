@@ -1,6 +1,7 @@
 """shards.common.zio over real sockets: whole messages, capped batches, timers not starved.
 Every test runs on each frame path (``frame_path``: pure, and compiled where built)."""
 import asyncio
+import itertools
 
 import pytest
 import zmq
@@ -12,6 +13,10 @@ from clonemap.shards.common import zio
 @pytest.fixture(autouse=True)
 def _each_path(frame_path):
     return frame_path
+
+
+_INPROC = itertools.count()
+"""Unique inproc endpoint names within this process."""
 
 
 def run(coro):
@@ -184,3 +189,53 @@ def test_a_recv_only_reader_wakes_for_every_message_after_draining(zctx):
 
     got = run(main())
     assert len(got) == 1300 and got[-1] == [b"n999"]
+
+
+def test_a_look_again_reads_a_message_whose_edge_a_send_took(zctx):
+    """A send on a ROUTER outside its reader processes the socket's pending commands: a
+    new peer's attach among them, that peer's first message then raises no edge on the
+    FD (its pipe was never found empty, so libzmq does not say it has one). ``look_again``
+    (each server beat) finds it waiting, reads it and counts the missed edge; with
+    nothing waiting it does nothing. Forced in order over inproc (the attach is queued
+    by ``connect`` itself, the message written by ``send``), the loop not running in
+    between: the attach pending, a send to another peer, the new peer's message."""
+    import select
+    import time
+
+    endpoint = f"inproc://look-again-{next(_INPROC)}"
+    router = zctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind(endpoint)
+    known, late = zctx.socket(zmq.DEALER), zctx.socket(zmq.DEALER)
+    known.linger = late.linger = 0
+    known.connect(endpoint)
+
+    async def main():
+        got: list = []
+        reader = zio.AsyncSocket(router, got.append, name="router")
+        try:
+            known.send(b"hello")
+            while not got:
+                await asyncio.sleep(0.01)
+            assert reader.look_again() is False and reader.missed_edges == 0
+            # no await from here: the loop (and the reader) do not run meanwhile
+            late.connect(endpoint)
+            assert select.select([router.FD], [], [], 0)[0], "the attach is not pending"
+            # a send processes commands at most once per ~1 ms of CPU clock (libzmq's
+            # throttle): past it, this one surely does, the attach among them
+            time.sleep(0.01)
+            zio.send_frames(router, [got[0][0], b"reply"], 0)
+            late.send(b"first")
+            assert not select.select([router.FD], [], [], 0)[0], "the FD announced it"
+            assert reader.look_again() is True and reader.missed_edges == 1
+            while len(got) < 2:
+                await asyncio.sleep(0.01)
+            assert got[1][1:] == [b"first"] and reader.look_again() is False
+            assert known.poll(5000) and known.recv() == b"reply"
+        finally:
+            reader.close()
+            known.close(0)
+            late.close(0)
+
+    run(main())
+
