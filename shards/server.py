@@ -658,10 +658,10 @@ class ShardServer:
         if self._router is not None:
             self._router.kick()
 
-    def missed_edges(self) -> int:
+    def late_reads(self) -> int:
         """Times a beat found P's or the collector's messages waiting unannounced
-        (``zio.AsyncSocket.look_again``): 0 unless a send on one of them skipped its kick."""
-        return sum(a.missed_edges for a in (self._router, self._collector) if a is not None)
+        (``zio.AsyncSocket.look_again``)."""
+        return sum(a.late_reads for a in (self._router, self._collector) if a is not None)
 
     def handler_errors(self) -> int:
         """Exceptions the socket readers caught and logged."""
@@ -1108,7 +1108,7 @@ class ShardServer:
         have moved the earliest expiry)."""
         self.snapshots.give_back()
         self.applied.tick(time.monotonic())
-        for reader in (self._router, self._collector):  # a missed edge waits a beat at most
+        for reader in (self._router, self._collector):  # a missed wake-up waits a beat at most
             if reader is not None:
                 reader.look_again()
         if self.hold is not None and self.hold.expired(time.monotonic()):
@@ -1174,7 +1174,7 @@ class ShardServer:
             "persist": self.persist.stats() if self.persist is not None else None,
             "disk_error": self.disk_error,
             "handler_errors": self.handler_errors(),
-            "missed_edges": self.missed_edges(),
+            "late_reads": self.late_reads(),
             "rss_bytes": self.process.memory_info().rss,
             "uptime_s": round(time.monotonic() - self.started_s, 3),
             "frame_path": zio.FRAME_PATH,

@@ -35,18 +35,21 @@ KINDS = {"unit": "unit", "integration": "integration", "bench": "bench"}
 
 
 LONGEST_FIRST = (
-    "integration/test_reshard_hosts.py", "bench/test_bench_all.py",
-    "integration/test_reshard_hosts_kills.py", "integration/test_partitions.py",
-    "integration/test_disk_faults.py", "bench/test_bench_scenarios.py",
-    "integration/test_relay_conformance.py", "integration/test_doc_examples.py",
+    "integration/test_routing_epoch.py", "integration/test_reshard_hosts.py",
+    "bench/test_bench_all.py", "bench/test_bench_scenarios.py",
+    "integration/test_disk_faults.py", "integration/test_reshard_hosts_kills.py",
+    "integration/test_partitions.py", "integration/test_wheel.py",
+    "integration/test_relay_conformance.py", "integration/test_operator_first_hour.py",
+    "bench/test_bench_load.py", "integration/test_doc_examples.py",
+    "integration/test_pair_lease.py", "integration/test_access_control.py",
     "integration/test_supervisor_cli.py", "integration/test_chp_cli.py",
-    "integration/test_wheel.py", "integration/test_pair_lease.py",
-    "integration/test_operator_first_hour.py", "bench/test_bench_load.py",
-    "integration/test_durable_cluster.py", "bench/test_bench_reconnect.py")
-"""The modules that took longest on a clean clone (38-145 s each on 2 cores), longest
-first. pytest-xdist's ``--dist loadfile`` hands whole modules to idle workers in
-collection order, so these are collected first: a long module started last would
-otherwise run on alone after the others finished (about a minute of ``make test``)."""
+    "integration/test_durable_cluster.py", "integration/test_conditional.py",
+    "integration/test_identities.py", "integration/test_operations.py")
+"""The modules that took longest in a full run (``--junitxml``, 27-157 s each, summed
+over their tests, on 2 cores), longest first. pytest-xdist's ``--dist loadfile`` hands
+whole modules to idle workers in collection order, so these are collected first: a long
+module started last would otherwise run on alone after the others finished (the longest,
+``test_routing_epoch``, missing from this list cost about a minute of ``make test``)."""
 
 
 def pytest_collection_modifyitems(config, items):

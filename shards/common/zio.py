@@ -299,7 +299,7 @@ class AsyncSocket:
         self.loop = loop or asyncio.get_running_loop()
         self.errors = 0
         self.received = 0
-        self.missed_edges = 0
+        self.late_reads = 0
         """Times ``look_again`` found messages the FD had not announced."""
         self._scheduled = False
         self._closed = False
@@ -451,9 +451,12 @@ class AsyncSocket:
     def look_again(self) -> bool:
         """A periodic look for messages that wait while the FD announces nothing (its
         edge taken by a call on the socket outside this reader that was not followed by
-        ``kick``): read them on the next turn, counted in ``missed_edges``; True if
-        there were. The FD is asked first (a readable one is the loop's to handle), so
-        the ``EVENTS`` query here takes no edge the loop was about to see."""
+        ``kick``): read them on the next turn, counted in ``late_reads``; True if there
+        were. The FD is asked first (a readable one is the loop's to handle), so the
+        ``EVENTS`` query here takes no edge the loop was about to see. A message that
+        arrives between the two is counted too: about 1 look in 1,000 on a socket
+        receiving 1,000 messages/s, 1 in 40 at 20,000/s (measured here), so the count
+        alone does not prove a missed wake-up."""
         if self._closed or self._scheduled or self._paused is not None or \
                 self.on_message is None:
             return False
@@ -465,10 +468,9 @@ class AsyncSocket:
             return False
         if not events & POLLIN:
             return False
-        self.missed_edges += 1
-        log.warning("%s: %d message(s) waited with no wake-up from the socket (a call on "
-                    "it outside its reader took the edge); read now", self.name,
-                    self.missed_edges)
+        self.late_reads += 1
+        log.debug("%s: messages waiting that the socket had not announced: read now (%d "
+                  "such reads)", self.name, self.late_reads)
         self._schedule()
         return True
 

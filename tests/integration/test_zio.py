@@ -195,7 +195,7 @@ def test_a_look_again_reads_a_message_whose_edge_a_send_took(zctx):
     """A send on a ROUTER outside its reader processes the socket's pending commands: a
     new peer's attach among them, that peer's first message then raises no edge on the
     FD (its pipe was never found empty, so libzmq does not say it has one). ``look_again``
-    (each server beat) finds it waiting, reads it and counts the missed edge; with
+    (each server beat) finds it waiting, reads it and counts the late read; with
     nothing waiting it does nothing. Forced in order over inproc (the attach is queued
     by ``connect`` itself, the message written by ``send``), the loop not running in
     between: the attach pending, a send to another peer, the new peer's message."""
@@ -217,7 +217,7 @@ def test_a_look_again_reads_a_message_whose_edge_a_send_took(zctx):
             known.send(b"hello")
             while not got:
                 await asyncio.sleep(0.01)
-            assert reader.look_again() is False and reader.missed_edges == 0
+            assert reader.look_again() is False and reader.late_reads == 0
             # no await from here: the loop (and the reader) do not run meanwhile
             late.connect(endpoint)
             assert select.select([router.FD], [], [], 0)[0], "the attach is not pending"
@@ -227,7 +227,7 @@ def test_a_look_again_reads_a_message_whose_edge_a_send_took(zctx):
             zio.send_frames(router, [got[0][0], b"reply"], 0)
             late.send(b"first")
             assert not select.select([router.FD], [], [], 0)[0], "the FD announced it"
-            assert reader.look_again() is True and reader.missed_edges == 1
+            assert reader.look_again() is True and reader.late_reads == 1
             while len(got) < 2:
                 await asyncio.sleep(0.01)
             assert got[1][1:] == [b"first"] and reader.look_again() is False
