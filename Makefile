@@ -24,11 +24,13 @@ demo: $(STAMP)
 
 # the suite waits on real processes far more than it computes: three workers on 2 cores,
 # each test module whole in one of them (its module fixtures, a cluster or an etcd, made
-# once); two took 10.4-10.9 min on a clean clone
+# once), handed out in the order tests/conftest.py collects them, the longest first
+# (pytest-xdist would otherwise hand out the modules with the most tests first, and the
+# one-test 2-minute benchmark module ran on alone at the end: 10.3 min, not 9)
 TEST_WORKERS ?= 3
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -m unit

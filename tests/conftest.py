@@ -46,10 +46,12 @@ LONGEST_FIRST = (
     "integration/test_durable_cluster.py", "integration/test_conditional.py",
     "integration/test_identities.py", "integration/test_operations.py")
 """The modules that took longest in a full run (``--junitxml``, 27-157 s each, summed
-over their tests, on 2 cores), longest first. pytest-xdist's ``--dist loadfile`` hands
-whole modules to idle workers in collection order, so these are collected first: a long
-module started last would otherwise run on alone after the others finished (the longest,
-``test_routing_epoch``, missing from this list cost about a minute of ``make test``)."""
+over their tests, on 2 cores), longest first. With ``--no-loadscope-reorder`` (the
+Makefile's), pytest-xdist's ``--dist loadfile`` hands whole modules to idle workers in
+collection order, so these are collected first: a long module started last would
+otherwise run on alone after the others finished. (Without that option pytest-xdist
+orders modules by their number of tests, and ``test_bench_all``, one test of 2 minutes,
+started last: 617 s of ``make test`` where this order predicts 536.)"""
 
 
 def pytest_collection_modifyitems(config, items):
