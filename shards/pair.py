@@ -360,22 +360,35 @@ class BinaryStar:
         server.set_active(True)
         self.link.resume(self.sync)  # first: it holds lower sequences than anything below
         writes, stale = self.held.take_at_takeover(now, self.follower.last_heard)
+        kept = 0
         for write in writes:
+            frames = write.kvset()
             # a key that moved to another shard since it was held (resharding) goes on
             # there, never applied here: this shard no longer owns it
-            if not server.owns(write[0], chp.kvset(write[0], write[1], write[3], write[2])):
+            if not server.owns(write.key, frames):
+                continue
+            hold = server.hold
+            if hold is not None and hold.moves(write.key):
+                # the source's peer of a move held as the active did: a write to a
+                # moving key waits with the hold (forwarded at the flip, applied here if
+                # the move rolls back), as if the client had sent it now. Applied now,
+                # it was acknowledged here past the target's copy, and forgotten at the
+                # flip: an acknowledged write lost (seen across hosts)
+                hold.keep(frames)
+                kept += 1
                 continue
             server.apply_write(*write)
         server.flush()  # published now: this is not a collector batch
-        applied = len(writes)
+        applied = len(writes) - kept
         if self.leased is not None:
             self.leased.became_active()
         if self.sync:
             self.link.go_alone_now()  # after taking over from a silent peer
         log.warning("shard %s: %s is ACTIVE (%s, was %s, term %d): %d late updates from the "
-                    "old active, %d pending updates applied (%d stale dropped), sequence now "
-                    "%d", self.shard, self.name, effect.reason, effect.previous.name,
-                    effect.term, drained, applied, stale, self.server.store.seq)
+                    "old active, %d pending updates applied (%d stale dropped%s), sequence "
+                    "now %d", self.shard, self.name, effect.reason, effect.previous.name,
+                    effect.term, drained, applied, stale,
+                    f", {kept} held for the move" if kept else "", self.server.store.seq)
 
     def on_become_passive(self, effect: bstar.BecamePassive, now: float) -> None:
         self.server.set_active(False)

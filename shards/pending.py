@@ -47,6 +47,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
+from clonemap.shards.common.proto import chp
+
 MAX_ENTRIES = 100_000
 MAX_AGE_S = 30.0
 MAX_BYTES = 64 << 20
@@ -62,6 +64,13 @@ class HeldWrite(NamedTuple):
     uuid: bytes
     expiry_s: float | None
     reply_to: bytes = b""
+
+    def kvset(self) -> list[bytes]:
+        """The KVSET a client would send for this write now: its properties (an absolute
+        ``expires=`` for a relative ``ttl``) and its ``reply=`` term."""
+        props = self.props + (chp.write_props(reply_to=self.reply_to) if self.reply_to
+                              else b"")
+        return chp.kvset(self.key, self.value, self.uuid, props)
 
 
 class Pending(NamedTuple):

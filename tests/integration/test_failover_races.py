@@ -335,3 +335,47 @@ def test_a_reply_sent_outside_the_snapshot_reader_leaves_that_reader_awake(zctx)
             server.close()
 
     asyncio.run(main())
+
+
+def test_the_passive_of_a_moves_source_keeps_its_held_writes_to_moving_keys_at_takeover():
+    """8. A move's source holds its writes to the moving keys from the hold to the flip,
+    and its pair's passive is told to hold too. A write the passive heard from a client
+    (its pending table) and the dying active never published is applied by the passive
+    when it takes over. For a moving key it was applied, and acknowledged, after the
+    target's copy, then forgotten at the flip: an acknowledged write lost (seen across
+    hosts, the source's active killed at the seal). It must wait with the hold, as a
+    write the new active had heard itself. Forced in process: the passive holds a
+    write to a moving key and one to a staying key, the move's hold begins on it as the
+    peer, and it takes over."""
+    from clonemap.shards import bstar
+    from clonemap.shards.common.proto import bstar as wire
+    from clonemap.shards.common.routing import ShardMap
+
+    before = ShardMap(2)
+    prefix = next(f"/t{i}/" for i in range(100) if before.owner(f"/t{i}/x") == 0)
+    staying = next(f"/s{i}" for i in range(100) if before.owner(f"/s{i}") == 0)
+    after = ShardMap(2, {1: [prefix]}, epoch=2)
+    port, peer = free_port_base(4), free_port_base(4)
+    server = pair_server(ServerConfig(port=port, shard_map=before, shard_index=0),
+                         role="backup", peer=("127.0.0.1", peer))
+    pair = server.role
+    loop = asyncio.new_event_loop()
+    try:
+        server.bind()
+        server.loop = loop
+        moving_write = chp.kvset(f"{prefix}x".encode(), b"1", b"m" * 16,
+                                 chp.write_props(reply_to=b"writer"))
+        pair.held.hold(moving_write)
+        pair.held.hold(chp.kvset(staying.encode(), b"2", b"s" * 16))
+        assert server.begin_hold(after, peer=True) == ""
+        pair.on_become_active(bstar.BecameActive(wire.State.PASSIVE, "a test", 2),
+                              loop.time())
+        assert server.active
+        assert server.hold.frames == [moving_write]  # kept, with its reply= term
+        assert server.store.get(f"{prefix}x".encode()) is None
+        assert server.store.get(staying.encode()) is not None  # applied as before
+        assert server.release_hold() == 1  # rolled back: applied here, once
+        assert server.store.get(f"{prefix}x".encode()) is not None
+    finally:
+        server.close()
+        loop.close()

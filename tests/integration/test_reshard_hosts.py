@@ -1,8 +1,9 @@
 """Resharding a cluster over two hosts (network namespaces), one supervisor per host from
 one config, its routing epoch in a real etcd: ``supervisor reshard`` run against either
 host's supervisor grows the cluster with a shard whose pair spans both hosts, moves a
-pinned prefix, and shrinks it back, while ``wait=True`` writers keep a ledger from a
-third host. After each
+pinned prefix (its source's active killed in the middle: the pair fails over across the
+hosts and the move goes on), and shrinks it back, while ``wait=True`` writers keep a
+ledger from a third host. After each
 change etcd and both supervisors' cluster maps name the new epoch; at the end a fresh
 read of each shard's pair holds exactly the keys its routing gives it, and together they
 hold every acknowledged write. A partition in the middle of a growth rolls it back,
@@ -40,7 +41,8 @@ class TwoHosts:
     """etcd on e; shards s0 (primary on a, backup on b) and s1 (primary on b, backup on
     a), durable; a supervisor per host; writers and readers on c."""
 
-    def __init__(self, hosts: Hosts, tmp: Path, env_a: dict | None = None):
+    def __init__(self, hosts: Hosts, tmp: Path, env_a: dict | None = None,
+                 env_b: dict | None = None):
         self.hosts, self.tmp = hosts, tmp
         self.procs = Procs()
         self.etcd = EtcdServer(tmp / "etcd", host=hosts.address["e"], prefix=hosts.prefix("e"))
@@ -59,7 +61,7 @@ class TwoHosts:
         self.controls = f"control=tcp://{a}:5555,tcp://{b}:5555"
         self.writers: dict[str, object] = {}
         self.servers_read: list[tuple[int, str, dict]] = []
-        self.supervisors = {h: self._supervisor(h, env_a if h == "a" else None)
+        self.supervisors = {h: self._supervisor(h, env_a if h == "a" else env_b)
                             for h in ("a", "b")}
         for host, sup in self.supervisors.items():  # each host's pairs need the other's
             ready = sup.wait_line("READY supervisor", 60)
@@ -246,7 +248,8 @@ class TwoHosts:
 
 @pytest.fixture
 def two_hosts(hosts, tmp_path):
-    made = TwoHosts(hosts, tmp_path)
+    """Host b's supervisor pauses the changes it runs at *sealed*."""
+    made = TwoHosts(hosts, tmp_path, env_b={"CLONEMAP_RESHARD_PAUSE_AT": "sealed"})
     try:
         yield made
     finally:
@@ -299,13 +302,29 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     assert held["routing"]["shards"] == 3 and held["config"].endswith("three.yaml")
     cluster.wait_acks("k", 30)
 
-    # move /p/ to another of the first two shards through host b's supervisor
+    # move /p/ to another of the first two shards through host b's supervisor; at
+    # *sealed* the source's active is killed (on whichever host it runs): its pair fails
+    # over across the hosts, the new active holds and seals too, and the flip goes on
     owner = ShardMap(3).owner("/p/0")
     target = 1 if owner == 0 else 0
     grown["shards"][target]["prefixes"] = ["/p/"]
-    done = cluster.reshard(cluster.write("pinned.yaml", grown), via="b")
+    change = cluster.start_reshard(cluster.write("pinned.yaml", grown), via="b")
+    cluster.supervisors["b"].wait_line("RESHARD_PAUSED phase=sealed", 60)
+    source = grown["shards"][owner]
+    pair = {f"{source['name']}/{role}": source[role]["at"] for role in ("primary", "backup")}
+    active = cluster.actives() & set(pair)
+    assert len(active) == 1, active
+    (killed,) = active
+    done = run_on(cluster.hosts, "c", "-m", "clonemap.supervisor", "kill", killed,
+                  "--config", str(cluster.config), "--host", pair[killed])
     assert done.returncode == 0, done.stdout + done.stderr
-    assert f"prefix '/p/': shard {owner} -> shard {target}" in done.stdout, done.stdout
+    deadline = time.monotonic() + 30
+    while not (cluster.actives() & set(pair)) - {killed}:  # each look a status round trip
+        assert time.monotonic() < deadline, f"{source['name']} did not fail over"
+    (cluster.run_dir("b") / "reshard.continue").touch()
+    assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
+    said = "\n".join(change.stdout)
+    assert f"prefix '/p/': shard {owner} -> shard {target}" in said, said
     cluster.wait_epoch(3)
     cluster.wait_acks("/p/", 20)
 
