@@ -1,8 +1,9 @@
 """Resharding a cluster over two hosts (network namespaces), one supervisor per host from
 one config, its routing epoch in a real etcd: ``supervisor reshard`` run against either
-host's supervisor grows the cluster with a shard whose pair spans both hosts, moves a
-pinned prefix (its source's active killed in the middle: the pair fails over across the
-hosts and the move goes on), and shrinks it back, while ``wait=True`` writers keep a
+host's supervisor grows the cluster with a shard whose pair spans both hosts (its
+active killed in the middle of the first try: the growth rolls back, the second
+completes), moves a pinned prefix (its source's active killed in the middle: the pair
+fails over across the hosts and the move goes on), and shrinks it back, while ``wait=True`` writers keep a
 ledger from a third host. After each
 change etcd and both supervisors' cluster maps name the new epoch; at the end a fresh
 read of each shard's pair holds exactly the keys its routing gives it, and together they
@@ -227,6 +228,22 @@ class TwoHosts:
                              f"their stats: {self.stats_of(shards, missing)}")
         return out
 
+    def fail_over(self, shard: dict) -> str:
+        """``supervisor kill`` (from host c, through the victim's host) of ``shard``'s
+        active, then wait until its peer is active; the name killed (it restarts)."""
+        pair = {f"{shard['name']}/{role}": shard[role]["at"] for role in ("primary", "backup")}
+        deadline = time.monotonic() + 30
+        while not (active := self.actives() & set(pair)):  # an added pair: its election
+            assert time.monotonic() < deadline, f"{shard['name']} has no active"
+        assert len(active) == 1, active
+        (killed,) = active
+        done = run_on(self.hosts, "c", "-m", "clonemap.supervisor", "kill", killed,
+                      "--config", str(self.config), "--host", pair[killed])
+        assert done.returncode == 0, done.stdout + done.stderr
+        while not (self.actives() & set(pair)) - {killed}:  # each look a status round trip
+            assert time.monotonic() < deadline, f"{shard['name']} did not fail over"
+        return killed
+
     def stats_of(self, shards: list[dict], indices: list[int]) -> dict[str, dict]:
         """The last stats of the servers of ``shards[i]`` for i in ``indices`` (``status
         --json`` of both hosts): what a failure message shows of servers that said
@@ -248,8 +265,10 @@ class TwoHosts:
 
 @pytest.fixture
 def two_hosts(hosts, tmp_path):
-    """Host b's supervisor pauses the changes it runs at *sealed*."""
-    made = TwoHosts(hosts, tmp_path, env_b={"CLONEMAP_RESHARD_PAUSE_AT": "sealed"})
+    """Host a's supervisor pauses the changes it runs at *copied*, host b's at
+    *sealed*."""
+    made = TwoHosts(hosts, tmp_path, env_a={"CLONEMAP_RESHARD_PAUSE_AT": "copied"},
+                    env_b={"CLONEMAP_RESHARD_PAUSE_AT": "sealed"})
     try:
         yield made
     finally:
@@ -292,11 +311,25 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     cluster.wait_acks("/p/", 20)
 
     # grow through host a's supervisor: s2's primary starts on b (b's supervisor starts
-    # it, asked by a's), its backup on a
+    # it, asked by a's), its backup on a. At *copied* the added pair's active is
+    # killed: its copy dies with it, the growth rolls back, and both hosts drop s2's
+    # servers; run again, it completes
     grown = cluster.grown()
-    done = cluster.reshard(cluster.write("three.yaml", grown), via="a")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "routing epoch 2" in done.stdout, done.stdout
+    three = cluster.write("three.yaml", grown)
+    change = cluster.start_reshard(three, via="a")
+    cluster.supervisors["a"].wait_line("RESHARD_PAUSED phase=copied", 60)
+    cluster.fail_over(grown["shards"][2])
+    (cluster.run_dir("a") / "reshard.continue").touch()
+    assert change.wait(90) == 1, "\n".join(change.stdout + change.stderr)
+    assert any("not applied" in line for line in change.stderr), change.stderr[-5:]
+    cluster.wait_servers_at(1, 4)  # s2's servers gone from both hosts
+    assert cluster.etcd_routing()["routing"]["epoch"] == 1
+    cluster.wait_acks("k", 20)
+    change = cluster.start_reshard(three, via="a")
+    cluster.supervisors["a"].wait_line("RESHARD_PAUSED phase=copied", 60)
+    (cluster.run_dir("a") / "reshard.continue").touch()
+    assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
+    assert "routing epoch 2" in "\n".join(change.stdout), change.stdout
     cluster.wait_epoch(2)
     held = cluster.etcd_routing()
     assert held["routing"]["shards"] == 3 and held["config"].endswith("three.yaml")
@@ -310,17 +343,7 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     grown["shards"][target]["prefixes"] = ["/p/"]
     change = cluster.start_reshard(cluster.write("pinned.yaml", grown), via="b")
     cluster.supervisors["b"].wait_line("RESHARD_PAUSED phase=sealed", 60)
-    source = grown["shards"][owner]
-    pair = {f"{source['name']}/{role}": source[role]["at"] for role in ("primary", "backup")}
-    active = cluster.actives() & set(pair)
-    assert len(active) == 1, active
-    (killed,) = active
-    done = run_on(cluster.hosts, "c", "-m", "clonemap.supervisor", "kill", killed,
-                  "--config", str(cluster.config), "--host", pair[killed])
-    assert done.returncode == 0, done.stdout + done.stderr
-    deadline = time.monotonic() + 30
-    while not (cluster.actives() & set(pair)) - {killed}:  # each look a status round trip
-        assert time.monotonic() < deadline, f"{source['name']} did not fail over"
+    cluster.fail_over(grown["shards"][owner])
     (cluster.run_dir("b") / "reshard.continue").touch()
     assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
     said = "\n".join(change.stdout)
@@ -357,9 +380,11 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     cluster.writer("k")
     cluster.wait_acks("k", 20)
     shrunk = cluster.write("shrunk.yaml", dict(grown, shards=grown["shards"][:2]))
-    done = cluster.reshard(shrunk, via="a")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "shard 2 is removed" in done.stdout, done.stdout
+    change = cluster.start_reshard(shrunk, via="a")
+    cluster.supervisors["a"].wait_line("RESHARD_PAUSED phase=copied", 60)
+    (cluster.run_dir("a") / "reshard.continue").touch()
+    assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
+    assert "shard 2 is removed" in "\n".join(change.stdout), change.stdout
     cluster.wait_epoch(4)
     cluster.wait_servers_at(4, 4)  # s2's servers gone from both hosts
     assert (cluster.run_dir("b") / "data" / "s2-primary").is_dir()  # (kept)
