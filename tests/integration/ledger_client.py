@@ -7,8 +7,9 @@
         every key of its complete copy, then ``END N``
     python ledger_client.py dump SERVER[,SERVER..] [WAIT_S]
         each server's whole map, by a raw ICANHAZ (whatever routing it follows), asked
-        all at once: for each, ``FROM SERVER``, its ``KEY VALUE`` lines and ``END N``,
-        or ``SILENT SERVER`` when it does not answer within WAIT_S (default 2)
+        all at once: for each, ``FROM SERVER``, its ``KEY VALUE`` lines and ``END N``;
+        ``AGAIN SERVER`` when its stream stopped for WAIT_S (default 2) and it is asked
+        again, ``SILENT SERVER`` when it was asked ``ASKS`` times
 
 SERVERS: ``tcp://A:P,tcp://B:P`` (one shard's pair), or ``control=tcp://H:P[,...]`` (the
 whole cluster, through a supervisor's map). Prints ``READY`` once started.
@@ -53,34 +54,59 @@ def main() -> int:
     return 0
 
 
+ASKS = 3
+"""How many times ``dump`` asks a server that stays silent."""
+
+
 def dump(endpoints: str, wait_s: float) -> int:
+    """Each server's map by a raw ICANHAZ, all asked at once. A server whose stream
+    stops for ``wait_s`` is asked again on a new connection, as a client would (prints
+    ``AGAIN SERVER``): the server closes a connection whose PONGs do not come within 3
+    heartbeats, and this reader's process, starved on a loaded host, may not send them
+    in time; the rows of a stream cut off are dropped. ``SILENT`` after ``ASKS`` tries."""
     import time
 
     import zmq
 
     ctx = zmq.Context.instance()
     poller = zmq.Poller()
-    asked = {}
-    for endpoint in endpoints.split(","):
+    asked: dict = {}
+
+    def ask(endpoint: str, tries: int) -> None:
         dealer = ctx.socket(zmq.DEALER)
         dealer.linger = 0
         dealer.connect(endpoint)
         dealer.send_multipart([b"ICANHAZ?", b""])
         poller.register(dealer, zmq.POLLIN)
-        asked[dealer] = (endpoint, [])
-    deadline = time.monotonic() + wait_s
-    while poller.sockets and time.monotonic() < deadline:
-        for dealer, _ in poller.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-            endpoint, rows = asked[dealer]
+        asked[dealer] = [endpoint, [], time.monotonic(), tries]
+
+    def drop(dealer) -> None:
+        poller.unregister(dealer)
+        dealer.close(0)
+        del asked[dealer]
+
+    for endpoint in endpoints.split(","):
+        ask(endpoint, 1)
+    while asked:
+        now = time.monotonic()
+        for dealer, (endpoint, _, heard, tries) in list(asked.items()):
+            if now - heard < wait_s:
+                continue
+            drop(dealer)
+            if tries < ASKS:
+                print("AGAIN", endpoint, flush=True)
+                ask(endpoint, tries + 1)
+            else:
+                print("SILENT", endpoint, flush=True)
+        for dealer, _ in poller.poll(1000):
+            state = asked[dealer]
+            state[2] = time.monotonic()  # (a large map takes its time)
             frames = dealer.recv_multipart()
             if frames[0] != b"KTHXBAI":
-                rows.append(f"{frames[0].decode()} {frames[4].decode()}")
+                state[1].append(f"{frames[0].decode()} {frames[4].decode()}")
                 continue
-            poller.unregister(dealer)
-            print(f"FROM {endpoint}", *rows, f"END {len(rows)}", sep="\n", flush=True)
-            deadline = time.monotonic() + wait_s  # (a large map takes its time)
-    for dealer in dict(poller.sockets):
-        print("SILENT", asked[dealer][0], flush=True)
+            print(f"FROM {state[0]}", *state[1], f"END {len(state[1])}", sep="\n", flush=True)
+            drop(dealer)
     return 0
 
 

@@ -142,10 +142,15 @@ def ext4_repair(path: Path, image: Path, control: str, name: str) -> None:
     else:
         raise AssertionError(f"{path} stayed busy")
     subprocess.run(["losetup", "-d", device], capture_output=True)  # (autoclear may have)
-    deadline = time.monotonic() + 10
-    while subprocess.run(["losetup", "-j", str(image)], capture_output=True,
-                         text=True).stdout.strip():
-        assert time.monotonic() < deadline, f"{image} still attached to a loop device"
+    # a device someone still has open (udev probing it after the unmount) detaches at
+    # its last close: asked again each look, for as long as a loaded host takes (it
+    # took over 10 s once, with three test workers on 2 cores)
+    deadline = time.monotonic() + 30
+    while attached := subprocess.run(["losetup", "-j", str(image)], capture_output=True,
+                                     text=True).stdout.strip():
+        assert time.monotonic() < deadline, f"{image} still attached: {attached}"
+        for line in attached.splitlines():
+            subprocess.run(["losetup", "-d", line.partition(":")[0]], capture_output=True)
         time.sleep(0.05)
     check = subprocess.run(["e2fsck", "-f", "-y", str(image)], capture_output=True, text=True)
     assert check.returncode < 4, f"e2fsck could not repair {image}: {check.stdout[-2000:]}"

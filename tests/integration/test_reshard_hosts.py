@@ -208,8 +208,8 @@ class TwoHosts:
                  if f"{sh['name']}/{r}" in active
                  or not any(f"{sh['name']}/{o}" in active for o in ("primary", "backup"))}
         proc = self.procs.spawn([*self.hosts.prefix("c"), PYTHON, LEDGER, "dump",
-                                 ",".join(where), "20"], env=ENV)
-        assert proc.wait(60) == 0, "\n".join(proc.stderr[-20:])
+                                 ",".join(where), "10"], env=ENV)
+        assert proc.wait(120) == 0, "\n".join(proc.stderr[-20:])
         out: dict[int, dict[str, str]] = {}
         held: dict[str, str] = {}
         for line in proc.stdout:
@@ -221,7 +221,7 @@ class TwoHosts:
                 self.servers_read.append((index, role, held))
                 if len(held) > len(out.get(index, {})):
                     out[index] = held
-            elif word != "SILENT":
+            elif word not in ("SILENT", "AGAIN"):
                 held[word] = rest
         missing = [i for i in range(len(shards)) if i not in out]
         assert not missing, (f"no server of shard{missing} answered: {proc.stdout[-10:]}; "
