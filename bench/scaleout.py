@@ -218,7 +218,9 @@ def summarize(record: rec.Record, ceilings: dict) -> None:
     for p in points:
         med = p["received_per_s"]["median"]
         fwd = by.get(("forwarder", p["shards"]))
-        if p["target"] == "server" and fwd:
+        # (a forwarder that delivered nothing in its window, as once in a 0.3 s smoke
+        # round on a loaded host, gives no ratio: "-" in the table)
+        if p["target"] == "server" and fwd and fwd["received_per_s"]["median"] > 0:
             p["ratio_to_forwarder"] = round(med / fwd["received_per_s"]["median"], 3)
         if p["target"] == "server" and plain:  # the second ceiling: n plain loops' worth
             p["ratio_to_plain_loop"] = round(med / (p["shards"] * plain), 3)
