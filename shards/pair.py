@@ -55,7 +55,6 @@ from clonemap.shards.held_writes import HeldWrites
 from clonemap.shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES
 from clonemap.shards.common.proto import bstar as wire
 from clonemap.shards.common.proto import bstar_ttl
-from clonemap.shards.common.proto import chp
 from clonemap.shards.common.proto.bstar import FOLLOW, HAVE
 from clonemap.shards.replica import Follower
 from clonemap.shards.leased import Leased
@@ -367,14 +366,11 @@ class BinaryStar:
             # there, never applied here: this shard no longer owns it
             if not server.owns(write.key, frames):
                 continue
-            hold = server.hold
-            if hold is not None and hold.moves(write.key):
-                # the source's peer of a move held as the active did: a write to a
-                # moving key waits with the hold (forwarded at the flip, applied here if
-                # the move rolls back), as if the client had sent it now. Applied now,
-                # it was acknowledged here past the target's copy, and forgotten at the
-                # flip: an acknowledged write lost (seen across hosts)
-                hold.keep(frames)
+            # the source's peer of a move holds as the active did: a write to a moving
+            # key waits with the hold, as if the client had sent it now. Applied here,
+            # it was acknowledged past the target's copy, and forgotten at the flip: an
+            # acknowledged write lost (seen across hosts)
+            if server.keep_moving(frames):
                 kept += 1
                 continue
             server.apply_write(*write)

@@ -413,8 +413,7 @@ class ShardServer:
     # ================================================================ collector
     def on_collect(self, frames: list[bytes]) -> None:
         """A message on the collector: a KVSET becomes a KVPUB with the next sequence."""
-        if self.hold is not None and self.active and self.hold.moves(frames[0]):
-            self.hold.keep(frames)  # moving to another shard: kept until the flip
+        if self.hold is not None and self.keep_moving(frames):
             return
         if len(frames) == 5 and self.active:
             key, seq_frame, uuid, props, value = frames
@@ -448,6 +447,17 @@ class ShardServer:
                 self.outbox.updates += key, _pack_seq(seq), uuid, b"", value
                 return
         self._collect_checked(frames)
+
+    def keep_moving(self, frames: list[bytes]) -> bool:
+        """A client's KVSET for a key this active holds for a move (``begin_hold``): kept
+        until the flip (forwarded then to the key's new shard, or applied here if the
+        move rolls back); True if kept. From the collector, and for the writes a passive
+        heard and applies as it takes over (``clonemap.shards.pair``)."""
+        hold = self.hold
+        if hold is None or not self.active or not hold.moves(frames[0]):
+            return False
+        hold.keep(frames)
+        return True
 
     def note_received(self, frames: list[bytes]) -> None:
         """A message off the fast path: a larger one than any so far lowers the

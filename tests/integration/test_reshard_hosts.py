@@ -179,16 +179,17 @@ class TwoHosts:
         assert proc.stdout[-1].startswith("END ")
         return dict(line.split(" ", 1) for line in proc.stdout[1:-1])
 
+    def status_rows(self, host: str) -> list[dict]:
+        """``supervisor status --json --host HOST`` from host c: its servers' rows (none
+        when that supervisor does not answer)."""
+        done = run_on(self.hosts, "c", "-m", "clonemap.supervisor", "status",
+                      str(self.config), "--json", "--host", host)
+        return json.loads(done.stdout or "{}").get("servers", [])
+
     def actives(self) -> set[str]:
         """The servers (``shard/role``) whose last stats say ACTIVE, on either host."""
-        active = set()
-        for host in ("a", "b"):
-            done = run_on(self.hosts, "c", "-m", "clonemap.supervisor", "status",
-                          str(self.config), "--json", "--host", host)
-            for row in json.loads(done.stdout or "{}").get("servers", []):
-                if row.get("bstar") == "ACTIVE":
-                    active.add(row["name"])
-        return active
+        return {row["name"] for host in ("a", "b") for row in self.status_rows(host)
+                if row.get("bstar") == "ACTIVE"}
 
     def shard_maps(self, shards: list[dict]) -> dict[int, dict[str, str]]:
         """Each shard's map, read from its active by a raw ICANHAZ from host c (the
@@ -248,14 +249,8 @@ class TwoHosts:
         --json`` of both hosts): what a failure message shows of servers that said
         nothing."""
         names = {sh["name"] for i, sh in enumerate(shards) if i in indices}
-        out = {}
-        for host in ("a", "b"):
-            done = run_on(self.hosts, "c", "-m", "clonemap.supervisor", "status",
-                          str(self.config), "--json", "--host", host)
-            for row in json.loads(done.stdout or "{}").get("servers", []):
-                if row["name"].partition("/")[0] in names:
-                    out[f"{row['name']}@{host}"] = row.get("stats")
-        return out
+        return {f"{row['name']}@{host}": row.get("stats") for host in ("a", "b")
+                for row in self.status_rows(host) if row["name"].partition("/")[0] in names}
 
     def stop(self) -> None:
         self.procs.stop_all()
