@@ -86,6 +86,15 @@ used where the two servers are on different hosts)::
     (L4) dual passive (both fenced, e.g. after etcd was unreachable): the server with
          the later map (``later_state`` on the live sequence, ``with_sequence``) wants
          the lease; nobody exits.
+    (L5) a restarted server (PRIMARY/BACKUP) that holds a map (term or sequence not 0,
+         not ``needs_peer``) and hears its peer PASSIVE wants the lease too, but only
+         where etcd's alone record names it (``lease_if_alone``: the shell's acquire
+         fails otherwise). Rule (1) expects the passive to take over, and it tries, but
+         the record written by this server's last run, which acknowledged writes the
+         passive may lack, bars it: without L5 the primary waits for the passive and
+         the passive for the lease, and the shard has no active (found across hosts).
+         Where the record is absent or names the peer, nothing changes: the passive
+         takes over as before.
 
 Decisions the architecture leaves open:
 
@@ -211,6 +220,9 @@ class Machine:
     """Leased mode: a rule would make this server ACTIVE; it becomes so only once the
     lease is acquired (the shell tries while this is set, or while ACTIVE)."""
     wants_because: str = ""
+    lease_if_alone: bool = False
+    """Leased mode (L5): the lease is wanted only where etcd's alone record names this
+    server; the shell's acquire fails otherwise."""
 
 
 def new_machine(role: Role, now: float, heartbeat_s: float = HEARTBEAT_S, shard: str = "",
@@ -246,6 +258,13 @@ def lease_wanted(machine: Machine) -> bool:
     """Leased mode: whether the shell must hold (or try to acquire) the lease now."""
     return machine.config.leased and not machine.fatal and (
         machine.state is State.ACTIVE or machine.wants_lease)
+
+
+def lease_if_alone(machine: Machine) -> bool:
+    """Leased mode (L5): whether the lease is wanted only where the alone record names
+    this server."""
+    return lease_wanted(machine) and machine.state is not State.ACTIVE \
+        and machine.lease_if_alone
 
 
 def with_sequence(machine: Machine, seq: int) -> Machine:
@@ -381,17 +400,17 @@ def _publish_now(m: Machine, now: float) -> tuple[Machine, list[Effect]]:
 
 def _to_active(m: Machine, now: float, reason: str) -> tuple[Machine, list[Effect]]:
     if m.config.leased and not m.lease_held:  # (L1): only through the lease
-        return replace(m, wants_lease=True, wants_because=reason), []
+        return replace(m, wants_lease=True, wants_because=reason, lease_if_alone=False), []
     previous = m.state
     m = replace(m, state=State.ACTIVE, term=m.term + 1,
-                next_publish_at=now + m.config.heartbeat_s)
+                next_publish_at=now + m.config.heartbeat_s, lease_if_alone=False)
     return m, [BecameActive(previous, reason, m.term), PublishState(m.state, m.term)]
 
 
 def _to_passive(m: Machine, now: float, reason: str) -> tuple[Machine, list[Effect]]:
     previous = m.state
     m = replace(m, state=State.PASSIVE, next_publish_at=now + m.config.heartbeat_s,
-                wants_lease=False, wants_because="")
+                wants_lease=False, wants_because="", lease_if_alone=False)
     return m, [BecamePassive(previous, reason), PublishState(m.state, m.term)]
 
 
@@ -466,11 +485,18 @@ def _peer(m: Machine, msg: StateMessage, kind: Event,
         m = replace(m, term=msg.term)
     if c.leased:
         if peer_state is State.ACTIVE and m.wants_lease and m.state is not State.ACTIVE:
-            m = replace(m, wants_lease=False, wants_because="")  # (L3): it serves
+            m = replace(m, wants_lease=False, wants_because="",
+                        lease_if_alone=False)  # (L3): it serves
         if rule is Rule.DUAL_ACTIVE:  # (L3): the lease decides, nobody exits
             if m.lease_held:
                 return m, [SplitBrainSurvived("dual active", "this server holds the lease")]
             return _to_passive(m, now, "peer is active and this server holds no lease")
+        if (m.state in (State.PRIMARY, State.BACKUP) and peer_state is State.PASSIVE
+                and not m.wants_lease and not m.needs_peer
+                and (m.term, m.data_seq) != (0, 0)):  # (L5)
+            return replace(m, wants_lease=True, lease_if_alone=True,
+                           wants_because="the passive peer does not take over: this "
+                                         "server's last run may have gone on alone"), []
         if rule is Rule.DUAL_PASSIVE:  # (L4): nobody serves; the later map asks
             if later_state(m, msg) and not m.needs_peer:
                 return _to_active(m, now, "both passive: this server holds the later map")

@@ -139,16 +139,26 @@ class Etcd:
     def revoke(self, lease: int) -> None:
         self.call("/v3/lease/revoke", {"ID": str(lease)})
 
-    def put_if_absent(self, key: bytes, value: bytes, lease: int, unless: bytes = b""
-                      ) -> tuple[bool, bytes]:
-        """(True, value) when ``key`` was created under ``lease``; else (False, holder).
-        ``unless``: a key that must not exist, or must hold ``value``, for the put."""
+    def put_if_absent(self, key: bytes, value: bytes, lease: int) -> tuple[bool, bytes]:
+        """(True, value) when ``key`` was created under ``lease``; else (False, holder)."""
+        ok, holder, _ = self.put_unless(key, value, lease)
+        return ok, holder
+
+    def put_unless(self, key: bytes, value: bytes, lease: int, unless: bytes = b"",
+                   require: bool = False) -> tuple[bool, bytes, bool]:
+        """``put_if_absent``, where ``unless`` names a key that must not exist, or must
+        hold ``value``, for the put (``require``: it must hold ``value``). The third
+        value: the put was made and ``unless`` held ``value`` (one transaction compared
+        both)."""
         compare = [{"key": _b64(key), "result": "EQUAL", "target": "CREATE",
                     "create_revision": "0"}]
+        other = None
         if unless:
             other = self.get(unless)
             if other is not None and other != value:
-                return False, b"(went on alone) " + other
+                return False, b"(went on alone) " + other, False
+            if require and other is None:
+                return False, b"(no alone record of this server)", False
             compare.append({"key": _b64(unless), "result": "EQUAL", "target": "VALUE",
                             "value": _b64(value)} if other is not None else
                            {"key": _b64(unless), "result": "EQUAL", "target": "CREATE",
@@ -159,11 +169,11 @@ class Etcd:
                                          "lease": str(lease)}}],
             "failure": [{"request_range": {"key": _b64(key)}}]})
         if got.get("succeeded"):
-            return True, value
+            return True, value, other is not None
         for response in got.get("responses", []):
             for kv in response.get("response_range", {}).get("kvs", []):
-                return False, base64.b64decode(kv.get("value", ""))
-        return False, b""  # deleted in between: the next try takes it
+                return False, base64.b64decode(kv.get("value", "")), False
+        return False, b"", False  # deleted in between: the next try takes it
 
     def put(self, key: bytes, value: bytes) -> None:
         self.call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)})
@@ -201,6 +211,10 @@ class LeaseView:
     valid_until: float = 0.0
     holder: str = ""
     error: str = ""
+    alone_mine: bool = False
+    """When acquired: etcd's alone record named this server (its last run, or this one,
+    went on alone): the server is alone from its first write until its passive holds
+    everything again, and clears the record then."""
 
 
 class Lease:
@@ -233,6 +247,7 @@ class Lease:
                                        "errors"), 0)
         self._lease = 0
         self._want = False
+        self._only_if_alone = False
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"lease {name}", daemon=True)
@@ -240,7 +255,10 @@ class Lease:
     def start(self) -> None:
         self._thread.start()
 
-    def want(self, wanted: bool) -> None:
+    def want(self, wanted: bool, only_if_alone: bool = False) -> None:
+        """Acquire and keep the lease (``wanted``), or give it back. ``only_if_alone``:
+        acquire only where the alone record names this server (Binary Star's L5)."""
+        self._only_if_alone = only_if_alone
         if wanted != self._want:
             self._want = wanted
             self._wake.set()
@@ -313,8 +331,10 @@ class Lease:
         sent = self.clock()
         if not self._lease:
             self._lease = self.etcd.grant(self.lease_s)
-        ok, holder = self.etcd.put_if_absent(self.key, self.me.encode(), self._lease,
-                                             unless=self.alone_key)
+        only_if_alone = self._only_if_alone
+        ok, holder, mine = self.etcd.put_unless(self.key, self.me.encode(), self._lease,
+                                                unless=self.alone_key,
+                                                require=only_if_alone)
         holder_text = holder.decode(errors="replace")
         if not ok:  # the peer holds it: this grant is not kept alive, give it back
             self.counters["refused"] += 1
@@ -323,9 +343,10 @@ class Lease:
             self._revoke_quietly(lease)
             return self.retry_s
         self.counters["acquired"] += 1
-        log.info("lease %s: acquired by %s (%g s)", self.key.decode(), self.me, self.lease_s)
+        log.info("lease %s: acquired by %s (%g s)%s", self.key.decode(), self.me,
+                 self.lease_s, ": the alone record names it" if mine else "")
         self._set(held=True, valid_until=self._deadline(sent, self.lease_s),
-                  holder=self.me, error="")
+                  holder=self.me, error="", alone_mine=mine)
         return self.renew_s
 
     def _lost(self, why: str) -> None:

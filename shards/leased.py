@@ -49,7 +49,7 @@ class Lease(Protocol):
     view: coord.LeaseView
 
     def start(self) -> None: ...
-    def want(self, wanted: bool) -> None: ...
+    def want(self, wanted: bool, only_if_alone: bool = False) -> None: ...
     def valid(self, now: float) -> bool: ...
     def close(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
@@ -137,7 +137,11 @@ class Leased:
         """After each step: whether the machine wants the lease now."""
         machine = self._machine()
         if machine is not None:
-            self.lease.want(bstar.lease_wanted(machine))
+            self.lease.want(bstar.lease_wanted(machine), bstar.lease_if_alone(machine))
+
+    def alone_mine(self) -> bool:
+        """The lease was acquired while etcd's alone record named this server."""
+        return self.lease.view.alone_mine
 
     def ran_out(self) -> bool:
         """Holding the lease by the machine's account, but past its deadline now."""

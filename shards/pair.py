@@ -129,6 +129,9 @@ class BinaryStar:
         self.fatal = ""
         self.done = asyncio.Event()
         self.takeovers = 0
+        self.term_resyncs = 0
+        self._followed_term: int | None = None
+        """Passive: the term of the active its replica follows (``_follow_term``)."""
         self.refused_votes = 0
         self.split_brains_survived = 0
         self._state_pub: zmq.Socket | None = None
@@ -348,6 +351,29 @@ class BinaryStar:
             self.server.drops.drop("peer_" + err.reason, str(err))
             return
         self._step(msg)
+        if msg.state is bstar.State.ACTIVE and self.machine.state is bstar.State.PASSIVE:
+            self._follow_term(msg.term)
+
+    def _follow_term(self, term: int) -> None:
+        """Passive: the active's term, heard in its state. A passive follows one term of
+        the active. A later one means that the peer went active again without this
+        server taking over in between: its lease lapsed and it took it back (L2 then
+        L4), or a restarted server went active through its alone record (L5). Its
+        link to this replica was dropped on the way, and its map may hold what this
+        replica never saw: the replica copies the map again, and its link follows
+        anew. (Kept following, it confirmed nothing more, the active went on alone, and
+        after a kill of that active nobody could take over.)"""
+        followed = self._followed_term
+        if followed is None or term < followed:
+            self._followed_term = term
+            return
+        if term == followed:
+            return
+        self._followed_term = term
+        self.term_resyncs += 1
+        log.warning("shard %s: the active's term went from %d to %d under this passive: "
+                    "it copies the active's map again", self.shard, followed, term)
+        self.follower.start_sync(self.server.loop.time())
 
     # ================================================================ transitions
     def on_become_active(self, effect: bstar.BecameActive, now: float) -> None:
@@ -358,6 +384,9 @@ class BinaryStar:
         server = self.server
         server.set_active(True)
         self.link.resume(self.sync)  # first: it holds lower sequences than anything below
+        self._followed_term = None
+        if self.sync and self.leased is not None and self.leased.alone_mine():
+            self.link.adopt_alone()  # its last run went on alone: the record stands
         writes, stale = self.held.take_at_takeover(now, self.follower.last_heard)
         kept = 0
         for write in writes:
@@ -401,6 +430,7 @@ class BinaryStar:
         self.ttl_tables.clear()
         log.info("shard %s: %s is PASSIVE (%s, was %s)", self.shard, self.name,
                  effect.reason, effect.previous.name)
+        self._followed_term = None
         self.follower.start_sync(now)
 
     def on_fatal(self, effect: bstar.Fatal) -> None:
@@ -643,6 +673,7 @@ class BinaryStar:
             "needs_peer": self.map.needs_peer,
             "peer_reported_down": bool(m is not None and m.peer_down),
             "takeovers": self.takeovers,
+            "term_resyncs": self.term_resyncs,
             "term_history": [list(pair) for pair in self.map.history],
             "dropped_updates": self.map.dropped_updates,
             "refused_votes": self.refused_votes,

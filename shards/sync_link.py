@@ -17,9 +17,10 @@ could forge it.
 The passive lost (no confirmation for ``timeout_s``, or at once when the server took
 over from a silent peer): ``clonemap/NAME/alone`` is written in etcd first (off the
 loop), and only then is everything parked published; from then on batches go out at once
-(and to the passive too, if one is attached). Once the passive has confirmed everything
-up to the moment the record was written, the record is deleted and the server waits for
-the passive again. Going passive (fenced) keeps what was parked with the map
+(and to the passive too, if one is attached). Once the passive is attached and holds
+everything up to the moment the record was written (or up to where it followed), new
+batches wait for it again; once it also holds the last batch acknowledged alone, the
+record is deleted. Going passive (fenced) keeps what was parked with the map
 (``keep``): published if this server serves that map again (``resume``),
 dropped with it when it copies its peer's (``drop``).
 
@@ -27,8 +28,9 @@ dropped with it when it copies its peer's (``drop``).
 released when a ``BSTAR-HAVE`` from the peer's P+3 says the passive's replica (applied
 and written to its log) reaches the batch's last sequence; batches go out in the order
 they were parked, never one before an earlier one. After going alone, the passive must
-confirm everything up to the sequence at which going alone was recorded before the
-record is cleared.
+confirm everything every sequence acknowledged alone before the record is
+cleared: a record cleared earlier would let a passive that lacks an acknowledged write
+take over.
 
 A ``SyncLink`` holds no reference to the server or the pair: it is built from callbacks
 (send to the passive, publish a batch, record in etcd, the clock and a timer) and is
@@ -90,8 +92,14 @@ class SyncLink:
         """This active recorded in etcd that it acknowledges without its passive."""
         self._alone_busy = False
         self._clear_alone_at: int | None = None
-        self.counters = dict.fromkeys(("batches", "released", "went_alone", "alone_cleared",
-                                       "alone_failed", "unsent", "links"), 0)
+        """Alone: the sequence the passive must hold before batches wait for it again
+        (the map's when going alone was recorded, or when the passive followed)."""
+        self._alone_upto = 0
+        """Alone: the last sequence acknowledged without the passive. The record is
+        cleared only once the passive holds it."""
+        self.counters = dict.fromkeys(("batches", "released", "went_alone", "alone_adopted",
+                                       "alone_cleared", "alone_failed", "unsent", "links"),
+                                      0)
 
     @property
     def parked(self) -> int:
@@ -130,17 +138,26 @@ class SyncLink:
             self._attach(link, seq)
         self.peer_has = max(self.peer_has, seq)
         self._release(self.peer_has)
-        if (self.alone and self._clear_alone_at is not None
-                and self.peer_has >= self._clear_alone_at):
+        if self.alone and self._rejoined() and self.peer_has >= self._alone_upto:
             self._set_alone(False)
+
+    def _rejoined(self) -> bool:
+        """Alone, with the passive attached and holding everything up to where it
+        followed: new batches wait for it again, so that what was acknowledged alone
+        stops growing and the passive can hold all of it (published alone until then,
+        each batch would move the point it has to reach, and under a steady load it
+        could chase that point for ever)."""
+        return (self.peer is not None and self._clear_alone_at is not None
+                and self.peer_has >= self._clear_alone_at)
 
     # ------------------------------------------------------------------ the publish path
     def park(self, batch: Batch) -> bool:
         """``batch`` waits until the passive holds it: True. False when it may go out now
         (going alone is recorded; a passive still attached is sent it too)."""
-        if self.alone and not self.awaiting:
+        if self.alone and not self.awaiting and not self._rejoined():
             # acknowledged by this server alone; a passive still attached gets the
             # batch too, and catching up ends the alone record
+            self._alone_upto = max(self._alone_upto, batch.last_seq)
             if self.peer is not None and batch.updates:
                 self._send(batch.updates)
             return False
@@ -211,6 +228,19 @@ class SyncLink:
         if not self.alone and self._peer_gone():
             self._set_alone(True)
 
+    def adopt_alone(self) -> None:
+        """Became active under a lease acquired while etcd's alone record named this
+        server (its last run went on alone, and was then killed): the record stands
+        until the passive holds everything from now on, as if written now."""
+        if self.alone:
+            return
+        self.alone = True
+        self._clear_alone_at = self._alone_upto = self._current_seq()
+        self.counters["alone_adopted"] += 1
+        log.warning("shard %s: etcd's alone record names this %s: it acknowledges alone "
+                    "until the passive holds sequence %d", self.shard, self.name,
+                    self._clear_alone_at)
+
     def _alone_done(self, alone: bool, exc: BaseException | None) -> None:
         self._alone_busy = False
         if exc is not None:
@@ -220,7 +250,9 @@ class SyncLink:
             return
         if alone:
             self.alone = True
-            self._clear_alone_at = self._current_seq()  # what the passive must confirm first
+            # what the passive must confirm first: everything released below
+            self._clear_alone_at = self._current_seq()
+            self._alone_upto = max(self._alone_upto, self._clear_alone_at)
             self.counters["went_alone"] += 1
             log.warning("shard %s: the passive confirmed nothing for %.1f s: recorded in "
                         "etcd, this %s acknowledges alone (the passive may not take over "

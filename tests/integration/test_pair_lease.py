@@ -320,3 +320,122 @@ def test_a_passive_syncing_gets_the_parked_writes_while_readers_wait(procs, zctx
         assert alone(etcd_server, name) == f"primary@127.0.0.1:{p}".encode()
     finally:
         backup.signal(signal.SIGCONT)
+
+
+def revoke_holders_lease(etcd, name: str) -> None:
+    """End the lease of whoever holds the pair's key, in etcd itself: its next renewal
+    finds the lease gone (the way a lapse under load ends), deterministically."""
+    import base64
+
+    client = coord.Etcd([(etcd.host, etcd.port)])
+    got = client.call("/v3/kv/range",
+                      {"key": base64.b64encode(coord.lease_key(name)).decode()})
+    client.revoke(int(got["kvs"][0]["lease"]))
+
+
+def wait_stats(server, watch, what: str, ok) -> dict:
+    """The server's stats (SIGUSR1), asked once per heartbeat until ``ok(stats)``."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        stats = stats_on_sigusr1(server, watch)
+        if ok(stats):
+            return stats
+        assert time.monotonic() < deadline, f"{what}: never so; last stats {stats}"
+
+
+def test_an_active_whose_lease_lapsed_and_came_back_keeps_its_passive_following(
+        procs, zctx, port_base, etcd_server):
+    """The active's lease ends under it (revoked in etcd: a lapse). It is fenced, both
+    servers are passive, and it takes the lease back with the later map, under a new
+    term. The passive, which never stopped being passive, copies the map again and
+    follows anew: writes are confirmed by it, nobody goes on alone, and when the
+    active is then killed the passive takes over with every acknowledged write. (It
+    kept following the old term's link before: the active went on alone, and after
+    the kill the record barred the passive, and the shard had no active.)"""
+    name, p, b, primary, backup, watch = leased_pair(procs, zctx, port_base, etcd_server)
+    writer, at_p = settled_writer(zctx, watch, p, b)
+    acked = {m.key: m.value for m in at_p.got}
+    for i in range(20):
+        uuid = writer.kvset(f"/before/{i}".encode(), b"v")
+        acked[f"/before/{i}".encode()] = at_p.wait(lambda m, u=uuid: m.uuid == u).value
+    term = stats_on_sigusr1(primary, watch[p])["term"]
+
+    revoke_holders_lease(etcd_server, name)
+    watch[p].wait_state(PASSIVE, timeout_s=LEASE_S + DEADLINE_S)  # fenced
+    watch[p].wait_state(ACTIVE, timeout_s=LEASE_S + DEADLINE_S)  # took it back
+    assert holder(etcd_server, name) == f"primary@127.0.0.1:{p}".encode()
+    replica = wait_stats(backup, watch[b], "the passive copies the map of the new term",
+                         lambda s: s["term_resyncs"] == 1 and s["replica"]["phase"] == "live")
+    assert replica["term"] == term + 1
+    wait_stats(primary, watch[p], "the passive's link is attached again",
+               lambda s: s["sync_replication"]["peer_attached"])
+    for i in range(20):
+        uuid = writer.kvset(f"/after/{i}".encode(), b"w")
+        acked[f"/after/{i}".encode()] = at_p.wait(lambda m, u=uuid: m.uuid == u).value
+    assert alone(etcd_server, name) is None  # the passive confirmed every one
+
+    primary.signal(signal.SIGKILL)  # no release: the backup waits the lease out
+    snap, _ = vote(zctx, b, timeout_s=LEASE_S + DEADLINE_S)
+    assert {k: snap.get(k) for k in acked} == acked
+    assert "dual active" not in stderr_text(backup)
+
+
+def test_a_restarted_active_that_went_on_alone_serves_when_its_passive_cannot(
+        procs, zctx, port_base, etcd_server, tmp_path):
+    """The active went on alone (its passive frozen) and was killed: the record bars the
+    passive. The active, started again on its data directory, hears the passive and
+    waits for it to take over (Binary Star's rule 1), which it cannot. Rule L5: it takes
+    the lease where the record names it, and serves its map, with the write only it
+    held. The passive copies it, the record is cleared once the passive holds everything,
+    and a second kill of the active then fails the shard over as usual."""
+    name = f"t-{uuidlib.uuid4().hex[:8]}"
+    p, b = two_bases(port_base)
+    durable = {role: ("--data-dir", str(tmp_path / role), "--fsync", "always")
+               for role in ("primary", "backup")}
+    primary, backup, watch = start_pair(procs, zctx, p, b, *leased(etcd_server, name))
+    # (start_pair passes one set of options to both: restart each on its own directory)
+    primary.signal(signal.SIGKILL)
+    backup.signal(signal.SIGKILL)
+    primary.wait(DEADLINE_S)
+    backup.wait(DEADLINE_S)
+    from test_pair import start_server
+    primary = start_server(procs, p, "primary", b, *leased(etcd_server, name),
+                           *durable["primary"])
+    backup = start_server(procs, b, "backup", p, *leased(etcd_server, name),
+                          *durable["backup"])
+    watch[p].wait_state(ACTIVE, timeout_s=LEASE_S + DEADLINE_S)
+    watch[b].wait_state(PASSIVE)
+    writer, at_p = settled_writer(zctx, watch, p, b)
+    acked = {m.key: m.value for m in at_p.got}
+    uuid = writer.kvset(b"/both", b"1")
+    acked[b"/both"] = at_p.wait(lambda m: m.uuid == uuid).value
+
+    backup.signal(signal.SIGSTOP)
+    uuid = writer.kvset(b"/only/on/primary", b"2")
+    acked[b"/only/on/primary"] = at_p.wait(lambda m: m.uuid == uuid).value
+    assert alone(etcd_server, name) == f"primary@127.0.0.1:{p}".encode()
+    primary.signal(signal.SIGKILL)
+    primary.wait(DEADLINE_S)
+    backup.signal(signal.SIGCONT)
+    assert snapshot(zctx, b, timeout_s=LEASE_S) is None  # barred: it lacks a write
+
+    primary = start_server(procs, p, "primary", b, *leased(etcd_server, name),
+                           *durable["primary"])
+    # (its watcher may still hold the killed run's messages: its log says when)
+    primary.wait_stderr("the alone record names it", timeout_s=LEASE_S + DEADLINE_S)
+    primary.wait_stderr("is ACTIVE")
+    writer2, at_p2 = settled_writer(zctx, watch, p, b)
+    uuid = writer2.kvset(b"/after/restart", b"3")
+    acked[b"/after/restart"] = at_p2.wait(lambda m: m.uuid == uuid).value
+    deadline = time.monotonic() + DEADLINE_S
+    while alone(etcd_server, name) is not None:  # the passive holds everything again
+        assert time.monotonic() < deadline, (
+            "the adopted alone record was never cleared\n" + "\n".join(primary.stderr[-15:])
+            + "\n" + "\n".join(backup.stderr[-15:]))
+        watch[b].next()
+    snap, _ = snapshot(zctx, p)
+    assert {k: snap.get(k) for k in acked} == acked
+
+    primary.signal(signal.SIGKILL)
+    snap, _ = vote(zctx, b, timeout_s=LEASE_S + DEADLINE_S)
+    assert {k: snap.get(k) for k in acked} == acked

@@ -2,8 +2,9 @@
 one config, its routing epoch in a real etcd: ``supervisor reshard`` run against either
 host's supervisor grows the cluster with a shard whose pair spans both hosts (its
 active killed in the middle of the first try: the growth rolls back, the second
-completes), moves a pinned prefix, and shrinks it back, while ``wait=True`` writers keep a
-ledger from a third host. After each
+completes), moves a pinned prefix (its source's active killed in the middle: the pair
+fails over across the hosts and the move goes on), and shrinks it back, while
+``wait=True`` writers keep a ledger from a third host. After each
 change etcd and both supervisors' cluster maps name the new epoch; at the end a fresh
 read of each shard's pair holds exactly the keys its routing gives it, and together they
 hold every acknowledged write. A partition in the middle of a growth rolls it back,
@@ -259,8 +260,10 @@ class TwoHosts:
 
 @pytest.fixture
 def two_hosts(hosts, tmp_path):
-    """Host a's supervisor pauses the changes it runs at *copied*."""
-    made = TwoHosts(hosts, tmp_path, env_a={"CLONEMAP_RESHARD_PAUSE_AT": "copied"})
+    """Host a's supervisor pauses the changes it runs at *copied*, host b's at
+    *sealed*."""
+    made = TwoHosts(hosts, tmp_path, env_a={"CLONEMAP_RESHARD_PAUSE_AT": "copied"},
+                    env_b={"CLONEMAP_RESHARD_PAUSE_AT": "sealed"})
     try:
         yield made
     finally:
@@ -327,13 +330,19 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     assert held["routing"]["shards"] == 3 and held["config"].endswith("three.yaml")
     cluster.wait_acks("k", 30)
 
-    # move /p/ to another of the first two shards through host b's supervisor
+    # move /p/ to another of the first two shards through host b's supervisor; at
+    # *sealed* the source's active is killed (on whichever host it runs): its pair fails
+    # over across the hosts, the new active holds and seals too, and the flip goes on
     owner = ShardMap(3).owner("/p/0")
     target = 1 if owner == 0 else 0
     grown["shards"][target]["prefixes"] = ["/p/"]
-    done = cluster.reshard(cluster.write("pinned.yaml", grown), via="b")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert f"prefix '/p/': shard {owner} -> shard {target}" in done.stdout, done.stdout
+    change = cluster.start_reshard(cluster.write("pinned.yaml", grown), via="b")
+    cluster.supervisors["b"].wait_line("RESHARD_PAUSED phase=sealed", 60)
+    cluster.fail_over(grown["shards"][owner])
+    (cluster.run_dir("b") / "reshard.continue").touch()
+    assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
+    said = "\n".join(change.stdout)
+    assert f"prefix '/p/': shard {owner} -> shard {target}" in said, said
     cluster.wait_epoch(3)
     cluster.wait_acks("/p/", 20)
 

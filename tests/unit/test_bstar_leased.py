@@ -109,6 +109,39 @@ def test_l4_both_passive_the_later_map_asks_for_the_lease():
     assert not m.wants_lease and not m.fatal and effects == []
 
 
+def test_l5_a_restarted_server_with_a_map_hearing_a_passive_wants_the_lease_only_if_alone():
+    """Its last run went on alone and was killed: the passive cannot take the lease, and
+    rule (1) keeps the primary waiting for it. L5 asks etcd whether the record names
+    this server; granted, it serves its own map."""
+    m = leased(term=3, data_seq=40)
+    m, effects = step(m, peer(State.PASSIVE, term=3, seq=30), T0)
+    assert m.state is State.PRIMARY and effects == []
+    assert bstar.lease_wanted(m) and bstar.lease_if_alone(m)
+    m, effects = step(m, Event.LEASE_ACQUIRED, T0 + 0.3)
+    assert m.state is State.ACTIVE and m.term == 4 and BecameActive in kinds(effects)
+    assert "alone" in effects[0].reason
+    assert bstar.lease_wanted(m) and not bstar.lease_if_alone(m)
+
+
+def test_l5_a_server_that_holds_no_map_waits_for_the_passive():
+    for m in (leased(), leased(term=3, data_seq=40, needs_peer=True)):
+        m, _ = step(m, peer(State.PASSIVE, term=3, seq=30), T0)
+        assert not bstar.lease_wanted(m) and m.state is State.PRIMARY
+
+
+def test_l5_the_wish_ends_when_the_peer_serves_and_a_vote_makes_it_an_ordinary_one():
+    m, _ = step(leased(Role.BACKUP, term=2, data_seq=5),
+                peer(State.PASSIVE, Role.PRIMARY, term=2), T0)
+    assert bstar.lease_if_alone(m)
+    served, _ = step(m, peer(State.ACTIVE, Role.PRIMARY, term=3), T0 + 0.5)
+    assert not bstar.lease_wanted(served) and not served.lease_if_alone
+    m, _ = step(leased(term=2, data_seq=5), peer(State.PASSIVE, term=2), T0)
+    assert bstar.lease_if_alone(m)
+    m, effects = step(m, Event.CLIENT_REQUEST, T0 + 5)  # the peer went silent
+    assert kinds(effects) == [RefuseRequest]
+    assert bstar.lease_wanted(m) and not bstar.lease_if_alone(m)  # the peer is gone
+
+
 def test_unleased_machines_are_untouched_by_lease_events():
     m = new_machine(Role.PRIMARY, T0, heartbeat_s=HB)
     assert not bstar.lease_wanted(m)

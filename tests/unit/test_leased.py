@@ -25,8 +25,9 @@ class FakeLease:
     def start(self):
         self.started = True
 
-    def want(self, wanted):
+    def want(self, wanted, only_if_alone=False):
         self.wanted.append(wanted)
+        self.only_if_alone = only_if_alone
 
     def valid(self, now):
         return self.view.held and now < self.view.valid_until

@@ -196,6 +196,46 @@ def test_the_alone_record_is_cleared_once_the_passive_holds_everything_again():
     assert h.link.park(h.batch(4)) is True  # synchronous again
 
 
+def test_an_adopted_alone_record_acknowledges_at_once_and_is_cleared_by_the_passive():
+    """A restarted server took the lease through an alone record its last run wrote
+    (Binary Star's L5): it is alone from its first write, with nothing written to etcd,
+    until the passive that copied its map confirms everything from then on."""
+    h = Harness()
+    h.seq = 40  # the map it recovered
+    h.link.adopt_alone()
+    h.link.adopt_alone()  # once
+    assert h.link.alone and h.link.counters["alone_adopted"] == 1 and h.records == []
+    assert h.link.park(h.batch(41)) is False  # acknowledged alone
+    h.link.on_follow(LINK, 41)  # the passive copied the map up to 41
+    h.link.park(h.batch(42))
+    h.confirm(41)
+    assert h.records == []  # it must hold 42 too: the sequence when it followed
+    h.confirm(42)
+    assert [alone for alone, _ in h.records] == [False]
+    h.records[0][1](None)
+    assert not h.link.alone and h.link.park(h.batch(43)) is True
+
+
+def test_alone_the_record_stays_until_the_passive_holds_the_last_batch_acknowledged_alone():
+    """The passive follows from 3 and confirms it while batch 4 went out alone: the
+    record must stay until it holds 4 too, and batch 5, written once the passive holds
+    where it followed, waits for it (it is not acknowledged alone: nothing to chase)."""
+    h = Harness()
+    h.link.park(h.batch(1))
+    h.timers.advance(TIMEOUT_S + 0.01)
+    h.records[0][1](None)
+    h.link.park(h.batch(2, 3))
+    h.link.on_follow(LINK, 3)
+    assert h.link.park(h.batch(4)) is False  # alone: the passive is not there yet
+    h.confirm(3)
+    assert [alone for alone, _ in h.records] == [True]  # 4 was acknowledged alone
+    assert h.link.park(h.batch(5)) is True  # synchronous again
+    assert published_seqs(h) == [1]  # (2-3 and 4 went out at once: not parked)
+    h.confirm(5)
+    assert published_seqs(h) == [1, 5]
+    assert [alone for alone, _ in h.records] == [True, False]
+
+
 def test_with_the_peer_gone_a_parked_batch_records_going_alone_at_once():
     h = Harness(peer_gone=True)
     assert h.link.park(h.batch(1))
