@@ -405,9 +405,10 @@ class AsyncClone:
             deadline = loop.time() + ROUTING_WAIT_S
             while True:
                 try:
+                    # (the keys this client already uses: with config= they are the
+                    # config's, which keys_dir does not name)
                     cluster = await discover(control, timeout_s=self.control_timeout_s,
-                                             keys_dir=self.keys_dir,
-                                             identity=self.options.identity)
+                                             security=self.security)
                     if cluster.shard_map.epoch >= epoch:
                         break
                     # a change's targets take the new routing just before the

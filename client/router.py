@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import zmq
 
@@ -31,6 +31,9 @@ from clonemap.shards.common.errors import (CONFIG_MODULES, ConfigError, Protocol
 from clonemap.shards.common.routing import ShardMap
 from clonemap.client.collector import ServerAddress, parse_server
 from clonemap.client.options import CONTROL_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from clonemap.shards.common.security import Security
 
 CLUSTER_MAP_SERVICE = "cluster.map"
 WHOAMI_SERVICE = "cluster.whoami"
@@ -222,17 +225,22 @@ async def fetch_cluster(endpoint: str, *, ctx: zmq.Context | None = None,
 
 
 async def discover(control: "str | Sequence[str]", *, timeout_s: float,
-                   keys_dir=None, identity: str | None = None) -> Cluster:
+                   keys_dir=None, identity: str | None = None,
+                   security: "Security | None" = None) -> Cluster:
     """The cluster map from the first of ``control``'s supervisors that answers (a list,
     or a comma-separated string: one per host of a cluster over several hosts, each
     serving the same map). ``Timeout`` naming each endpoint's failure when none does.
     The request runs on a context of its own: a client's context may still be waiting
-    for its ``io_threads`` to be set, which must happen before its first socket."""
+    for its ``io_threads`` to be set, which must happen before its first socket.
+    ``security``: the keys of a client that already routes (a config's CURVE keys
+    included); else those ``keys_dir`` and ``identity`` name."""
     from clonemap.shards.common.errors import Timeout
     from clonemap.shards.common.security import client_keys
 
     endpoints = ([e.strip() for e in control.split(",") if e.strip()]
                  if isinstance(control, str) else list(control))
+    if security is None:
+        security = client_keys(keys_dir, identity=identity)
     failures = []
     ctx = zmq.Context()
     try:
@@ -240,8 +248,7 @@ async def discover(control: "str | Sequence[str]", *, timeout_s: float,
             try:
                 return await fetch_cluster(endpoint, ctx=ctx, timeout_s=timeout_s,
                                            retries=0 if len(endpoints) > 1 else 1,
-                                           security=client_keys(keys_dir,
-                                                                identity=identity))
+                                           security=security)
             except Timeout as exc:
                 failures.append(f"{endpoint}: {exc}")
     finally:

@@ -334,3 +334,62 @@ def test_values_do_not_travel_in_clear_text(procs, cluster_keys):
     assert value in seen  # the capture works: plain TCP shows the value
     hidden = _write_and_capture(f"tcp://127.0.0.1:{curve_port}", value, keys=cluster_keys)
     assert len(hidden) > 1000 and value not in hidden
+
+
+def test_a_curve_cluster_grows_a_shard_under_its_keys_and_strangers_reach_none_of_it(
+        procs, tmp_path, zctx):
+    """``supervisor reshard`` of a CURVE cluster (issue 41), as its operator runs it:
+    the added shard's pair starts with the cluster's keys, its copy goes over CURVE
+    links, a ``wait=True`` writer running through the change keeps a ledger that a fresh
+    client reads back whole, and a plain peer gets nothing from the added shard."""
+    import yaml
+
+    from test_routing_epoch import _grown, at_epoch
+
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3,
+                                   security={"curve": True})
+    assert cli("keygen", str(config)).returncode == 0
+    sup = start(procs, config, tmp_path)
+    secure = Control(control, Security.load(config.parent / "keys", "client"))
+    wait_status(secure, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    assert yaml.safe_load(three.read_text())["security"] == {"curve": True}
+
+    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(300)}
+
+    async def grow() -> None:
+        async with AsyncClone(config=str(config)) as clone:
+            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
+            stop = asyncio.Event()
+
+            async def writer():
+                n = 0
+                while not stop.is_set():
+                    key = f"/seg{n % 300}/k"
+                    await clone.set(key, b"w%d" % n, wait=True, timeout_s=10)
+                    ledger[key] = b"w%d" % n
+                    n += 1
+
+            task = asyncio.ensure_future(writer())
+            done = await asyncio.to_thread(cli, "reshard", str(config), "--to", str(three),
+                                           "--yes", timeout_s=120)
+            stop.set()
+            await task
+            assert done.returncode == 0, done.stdout + done.stderr
+            deadline = time.monotonic() + 10
+            while clone.routing_epoch != 2:
+                assert time.monotonic() < deadline, "the client never followed epoch 2"
+                await asyncio.sleep(0.05)
+        async with AsyncClone(config=str(three)) as fresh:
+            assert {k: fresh.get(k) for k in ledger} == ledger
+
+    asyncio.run(grow())
+    rows = wait_status(secure, lambda r: len(r) == 6 and settled(r) and at_epoch(2)(r))
+    added = next(r for r in rows.values() if r["shard"] == "s2" and r["bstar"] == "ACTIVE")
+    plain = zctx.socket(zmq.DEALER)
+    plain.linger = 0
+    plain.connect(f"tcp://127.0.0.1:{added['port']}")
+    try_send(plain, chp.icanhaz())
+    assert not plain.poll(1000), "a plain peer was answered by the added shard"
+    assert cli("stop", "--config", str(config)).returncode == 0
+    sup.wait(30)
