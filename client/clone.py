@@ -476,10 +476,52 @@ class AsyncClone:
         if self._started:
             for agent in added:
                 agent.start()
+        self._hand_over_replies(cluster)
         self.routing_followed += 1
         log.info("routing: now epoch %d over %d shards (%s)%s", cluster.shard_map.epoch,
                  cluster.shard_map.shards, cluster.source,
                  f"; following {len(added)} more" if added else "")
+
+    def _hand_over_replies(self, cluster: Cluster) -> None:
+        """Writes waiting for a KVREPLY from a shard that no longer owns their key (a
+        conditional write, or a named identity's ``wait=True``, sent before this client
+        followed): that shard forwarded them to the key's new owner, whose answer went
+        to a reply id it does not know, and was lost. The new owner's part sends each
+        again (same UUID: applied once) and its answer resolves the same wait
+        (``Writes.take_over``). Found by a growth under a named identity's writer: its
+        writes timed out with their outcome unknown."""
+        owner = cluster.shard_map.owner
+        moves: dict[int, list] = {}
+        for agent in self._agents:
+            replies = agent.writes.replies
+            if replies is None or not replies.waiting:
+                continue
+            for uuid, (_, frames) in list(replies.waiting.items()):
+                index = owner(frames[0])
+                new = self._by_index.get(index)
+                if new is None or new is agent or new.writes.replies is None:
+                    continue  # (a part not started yet: its answer cannot come here)
+                entry = replies.give_up(uuid)
+                if entry is not None:
+                    moves.setdefault(index, []).append((uuid, *entry))
+        for index, waits in moves.items():
+            new = self._by_index[index]
+            for uuid, fut, _ in waits:
+                fut.add_done_callback(
+                    lambda f, u=uuid, a=new: self._answered_moved(f, u, a))
+            new.writes.take_over(waits)
+            log.info("routing: %d writes waiting for an answer sent again to shard %s, "
+                     "their key's owner now", len(waits), new.name)
+
+    def _answered_moved(self, fut: asyncio.Future, uuid: bytes, agent: ShardAgent) -> None:
+        """A handed-over write was answered by its key's new shard: applied at a
+        sequence ``agent``'s map already holds, its echo waits in vain in the part
+        that sent it first (its KVPUB came before, or inside a snapshot): confirm it."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        reply = fut.result()
+        if reply.outcome in (chp.APPLIED, chp.DUPLICATE) and reply.seq <= agent.last_seq:
+            self._moved_echo(uuid, agent.last_seq)
 
     def _lenders_read_up_to(self, agent: ShardAgent, epoch: int) -> bool:
         """Every other part that could lend ``agent`` its keys read its stream up to a

@@ -98,6 +98,20 @@ class Replies:
         fut.add_done_callback(lambda f, u=uuid: self._forget(u, f))
         return fut
 
+    def adopt(self, uuid: bytes, fut: asyncio.Future, frames: list[bytes]) -> None:
+        """Answer ``fut`` (another part's wait) with this path's KVREPLY for ``uuid``:
+        its key moved to this part's shard (``Writes.take_over``)."""
+        self.waiting[uuid] = (fut, frames)
+        fut.add_done_callback(lambda f, u=uuid: self._forget(u, f))
+
+    def give_up(self, uuid: bytes) -> tuple[asyncio.Future, list[bytes]] | None:
+        """Stop waiting here for ``uuid``'s KVREPLY; its future and frames, if still
+        open (another part answers it now)."""
+        entry = self.waiting.pop(uuid, None)
+        if entry is None or entry[0].done():
+            return None
+        return entry
+
     def _forget(self, uuid: bytes, fut: asyncio.Future) -> None:
         entry = self.waiting.get(uuid)
         if entry is not None and entry[0] is fut:

@@ -295,6 +295,17 @@ class Clone:
     def cluster(self) -> Cluster | None:
         return self._async.cluster
 
+    @property
+    def routing_epoch(self) -> int:
+        """The epoch of the routing this client routes by (0: no cluster yet), as
+        ``AsyncClone.routing_epoch``."""
+        return self._async.routing_epoch
+
+    @property
+    def routing_followed(self) -> int:
+        """How many later routings this client followed in place."""
+        return self._async.routing_followed
+
     # ------------------------------------------------------------------ watches
     def watch(self, prefix: str = "", callback: Callable[[Change], Any] | None = None, *,
               on_error: Callable[[BaseException], None] | None = None,

@@ -26,6 +26,7 @@ import zmq
 
 from clonemap.shards.common.drops import DropCounter
 from clonemap.shards.common.proto import chp
+from clonemap.shards.common.proto.props import drop_props
 from clonemap.shards.common.security import Security
 from clonemap.client.collector import KvsetSender
 from clonemap.client.echoes import Echoes
@@ -151,6 +152,35 @@ class ShardWrites:
                 echoes.confirm(reply.uuid, last_seq)
             else:  # its KVPUB is on the way, or will be folded into a snapshot
                 echoes.applied(reply.uuid, reply.seq)
+
+    def take_over(self, waits: list[tuple[bytes, asyncio.Future, list[bytes]]]) -> None:
+        """Writes another part sent, waiting for their KVREPLY, whose keys belong to this
+        part's shard under a later routing: the old shard forwarded them here, and this
+        shard's answer went to a reply id it does not know. Each is sent again, same
+        UUID (applied once: this shard knows it, forwarded or copied with the keys),
+        saying this part's reply id, and its answer resolves the same future."""
+        if not waits:
+            return
+        self.replies.connect(self.servers[self._current()])
+        ident = self.reply_props()
+        again = []
+        for uuid, fut, frames in waits:
+            props = drop_props(frames[3], (b"reply",)) + ident
+            resent = [frames[0], frames[1], frames[2], props, frames[4]]
+            self.replies.adopt(uuid, fut, resent)
+            again.append(resent)
+        self.loop.create_task(self._send_when_connected(again))
+
+    async def _send_when_connected(self, frames_list: list[list[bytes]]) -> None:
+        """Send once the replies DEALER is connected (or after ``REPLY_CONNECT_S``)."""
+        try:
+            async with asyncio.timeout(REPLY_CONNECT_S):
+                await self.replies.ready.wait()
+        except TimeoutError:
+            pass
+        for frames in frames_list:
+            if frames[2] in self.replies.waiting:  # (not answered or closed meanwhile)
+                self.send_kvset(frames)
 
     # ------------------------------------------------------------------ the shard moved
     def connected_to(self, server) -> None:

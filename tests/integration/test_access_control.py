@@ -574,3 +574,83 @@ def test_zz_a_reload_takes_rights_away_from_live_subscriptions(cluster, zctx):
     assert back.returncode == 0 and "rights version 3" in back.stdout, back.stderr
     out = run_chp(cluster, "orders", "get", "/orders/1")
     assert (out.returncode, out.stdout.strip()) == (0, "o1"), out.stderr
+
+
+def test_a_growth_keeps_each_identity_s_rights_on_the_added_shard(procs, tmp_path):
+    """``supervisor reshard`` 2 -> 3 of a cluster with named identities (issue 41), run
+    by ``ops``: ``orders`` writes its segments with ``wait=True`` through the change,
+    and ``dashboard`` (everything but what starts ``/secret``) follows the whole map.
+    Keys are routed by their first segment, so each kind spans 60 segments, some of
+    which move to the added shard. After it both clients follow the new routing with
+    their own keys; the reader holds every readable key, the added shard's included,
+    and not one secret; the writer's ledger reads back whole; the added shard refuses
+    the reader's write."""
+    import asyncio
+
+    import yaml
+
+    from test_routing_epoch import _grown
+
+    security = {**SECURITY, "roles": {
+        "reader": {"read": ["/"], "deny": ["/secret"]},
+        "orders": {"read": ["/orders"], "write": ["/orders"]},
+        "admin": {"read": [""], "write": [""], "admin": True}}}
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3,
+                                   security=security)
+    assert cli("keygen", str(config)).returncode == 0
+    start(procs, config, tmp_path)
+    cluster = Cluster(config, control, config.parent / "keys")
+    cluster.rows(lambda r: sum(x["bstar"] == "ACTIVE" for x in r.values()) == 2)
+    three = _grown(config, tmp_path / "three.yaml")
+    assert yaml.safe_load(three.read_text())["security"]["roles"] == security["roles"]
+    orders = {f"/orders{i}/k": b"o%d" % i for i in range(60)}
+    secrets = {f"/secret{i}/k": b"s%d" % i for i in range(60)}
+    public = {f"/pub{i}/k": b"p%d" % i for i in range(60)}
+    with cluster.clone("ops") as ops:
+        for key, value in {**orders, **secrets, **public}.items():
+            ops.set(key, value)
+        ops.set("/pub/last", b"x", wait=True)
+    public["/pub/last"] = b"x"
+
+    with cluster.clone("dashboard") as reader, cluster.clone("orders") as writer:
+        wait_until(lambda: reader.get("/pub/last") == b"x", "the reader's copy")
+        stop = False
+
+        def write() -> None:
+            n = 0
+            while not stop:
+                key = f"/orders{n % 60}/k"
+                writer.set(key, b"w%d" % n, wait=True, timeout_s=10)
+                orders[key] = b"w%d" % n
+                n += 1
+
+        async def during() -> subprocess.CompletedProcess:
+            nonlocal stop
+            task = asyncio.ensure_future(asyncio.to_thread(write))
+            done = await asyncio.to_thread(cli, "reshard", str(config), "--to",
+                                           str(three), "--yes", "--identity", "ops",
+                                           timeout_s=120)
+            stop = True
+            await task
+            return done
+
+        done = asyncio.run(during())
+        assert done.returncode == 0, done.stdout + done.stderr
+        wait_until(lambda: reader.routing_epoch == 2 and writer.routing_epoch == 2,
+                   "both clients follow epoch 2")
+        routing = reader.cluster.shard_map
+        moved = {kind: [k for k in keys if routing.owner(k) == 2] for kind, keys in
+                 (("orders", orders), ("secrets", secrets), ("public", public))}
+        assert all(moved.values()), moved  # each kind has keys on the added shard
+        wait_until(lambda: all(reader.get(k) == v for k, v in orders.items()),
+                   "the reader holds the last orders")
+        held = dict(reader.items())
+        assert not [k for k in held if k.startswith("/secret")]
+        assert {k: held.get(k) for k in public} == public
+        with pytest.raises(WriteRefused, match="dashboard"):
+            reader.set(moved["public"][0], b"defaced", wait=True)
+    got = fresh_map(cluster)
+    assert {k: got.get(k) for k in orders} == orders
+    assert {k: got.get(k) for k in secrets} == secrets
+    assert got[moved["public"][0]] == public[moved["public"][0]]
+    assert cli("stop", str(config), "--identity", "ops").returncode == 0

@@ -980,3 +980,75 @@ def test_the_source_fails_over_after_the_targets_committed_and_nothing_is_lost(
     for name, keys in held.items():
         assert all(moved.owner(k) == int(name[1]) for k in keys), name
     assert merged_once(held) == ledger
+
+
+def test_writes_waiting_for_their_answer_across_the_flip_are_answered_once(
+        procs, tmp_path, zctx):
+    """2 -> 3 shards; the change waits at *flipped* (``CLONEMAP_RESHARD_PAUSE_AT``): the
+    targets hold the new routing, the sources still hold the moving keys' writes. Two
+    writes that ask for an answer go to a moving key's old shard then: a ``create=True``
+    of a new key and an ``if_seq=`` of an existing one. Both are held, and forwarded to
+    the added shard when the sources take the new routing, which answers a reply id it
+    does not know. The client, once it follows, sends them again (same UUIDs) to the
+    added shard: the create is answered with its sequence and applied once, and the
+    compare-and-set gets ``Conflict`` (the moved key's sequence is the added shard's
+    now). Before, both waited out their timeout with their outcome unknown."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = _start_stopping(procs, config, tmp_path, "flipped", pause=True)
+    wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    grown = ShardMap(3)
+    moving = [f"/seg{i}/k" for i in range(200) if grown.owner(f"/seg{i}/k") == 2]
+    created, existing = moving[0], moving[1]
+
+    async def scenario():
+        async with AsyncClone(config=str(config)) as clone:
+            for i in range(5):  # (its sequence there is past the added shard's copy's)
+                await clone.set(existing, b"v%d" % (i - 4), wait=True)
+            old_seq = clone.meta(existing).seq
+            assert old_seq >= 5
+            puts = []
+            watch = clone.watch(created)
+
+            async def collect():
+                async for change_ in watch:
+                    if change_.kind == "put":
+                        puts.append(change_.value)
+
+            collector = asyncio.ensure_future(collect())
+            reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
+                                   "--to", str(three), "--yes")
+            await asyncio.to_thread(sup.wait_line, "RESHARD_PAUSED phase=flipped", 60)
+            create = asyncio.ensure_future(clone.set(created, b"c", create=True,
+                                                     timeout_s=20))
+            swap = asyncio.ensure_future(clone.set(existing, b"v1", if_seq=old_seq,
+                                                   timeout_s=20))
+            sources = {f"s{ShardMap(2).owner(k)}" for k in (created, existing)}
+
+            def held() -> int:
+                total = 0
+                for shard in sources:
+                    for role in ("primary", "backup"):
+                        move = stats_of(control, f"{shard}/{role}").get("move") or {}
+                        if (move.get("hold") or {}).get("held"):
+                            total += move["hold"]["held"]
+                return total
+
+            await _until(lambda: held() >= 2, "both writes held by their sources")
+            (tmp_path / "run" / "reshard.continue").touch()
+            assert await asyncio.to_thread(reshard.wait, 60) == 0, reshard.stderr[-3:]
+            seq = await create
+            assert seq > 0
+            with pytest.raises(Conflict) as conflict:
+                await swap
+            assert 0 < conflict.value.current_seq < old_seq
+            assert clone.routing_epoch == 2
+            await _until(lambda: clone.get(created) == b"c", "the created key here")
+            watch.close()
+            await collector
+            assert puts == [b"c"]  # applied once
+        async with AsyncClone(config=str(three)) as fresh:
+            assert (fresh.get(created), fresh.get(existing)) == (b"c", b"v0")
+            assert fresh.meta(created).seq == seq
+
+    asyncio.run(scenario())
