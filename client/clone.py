@@ -21,6 +21,7 @@ values go through the codec (``clonemap.client.codec``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import logging
 import os
@@ -491,7 +492,7 @@ class AsyncClone:
         (``Writes.take_over``). Found by a growth under a named identity's writer: its
         writes timed out with their outcome unknown."""
         owner = cluster.shard_map.owner
-        moves: dict[int, list] = {}
+        moves: dict[int, list[tuple[bytes, asyncio.Future[chp.Kvreply], list[bytes]]]] = {}
         for agent in self._agents:
             replies = agent.writes.replies
             if replies is None or not replies.waiting:
@@ -507,13 +508,14 @@ class AsyncClone:
         for index, waits in moves.items():
             new = self._by_index[index]
             for uuid, fut, _ in waits:
-                fut.add_done_callback(
-                    lambda f, u=uuid, a=new: self._answered_moved(f, u, a))
+                fut.add_done_callback(functools.partial(self._answered_moved, uuid=uuid,
+                                                        agent=new))
             new.writes.take_over(waits)
             log.info("routing: %d writes waiting for an answer sent again to shard %s, "
                      "their key's owner now", len(waits), new.name)
 
-    def _answered_moved(self, fut: asyncio.Future, uuid: bytes, agent: ShardAgent) -> None:
+    def _answered_moved(self, fut: asyncio.Future[chp.Kvreply], *, uuid: bytes,
+                        agent: ShardAgent) -> None:
         """A handed-over write was answered by its key's new shard: applied at a
         sequence ``agent``'s map already holds, its echo waits in vain in the part
         that sent it first (its KVPUB came before, or inside a snapshot): confirm it."""

@@ -98,13 +98,14 @@ class Replies:
         fut.add_done_callback(lambda f, u=uuid: self._forget(u, f))
         return fut
 
-    def adopt(self, uuid: bytes, fut: asyncio.Future, frames: list[bytes]) -> None:
+    def adopt(self, uuid: bytes, fut: asyncio.Future[chp.Kvreply],
+              frames: list[bytes]) -> None:
         """Answer ``fut`` (another part's wait) with this path's KVREPLY for ``uuid``:
         its key moved to this part's shard (``Writes.take_over``)."""
         self.waiting[uuid] = (fut, frames)
         fut.add_done_callback(lambda f, u=uuid: self._forget(u, f))
 
-    def give_up(self, uuid: bytes) -> tuple[asyncio.Future, list[bytes]] | None:
+    def give_up(self, uuid: bytes) -> tuple[asyncio.Future[chp.Kvreply], list[bytes]] | None:
         """Stop waiting here for ``uuid``'s KVREPLY; its future and frames, if still
         open (another part answers it now)."""
         entry = self.waiting.pop(uuid, None)

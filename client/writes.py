@@ -153,7 +153,8 @@ class ShardWrites:
             else:  # its KVPUB is on the way, or will be folded into a snapshot
                 echoes.applied(reply.uuid, reply.seq)
 
-    def take_over(self, waits: list[tuple[bytes, asyncio.Future, list[bytes]]]) -> None:
+    def take_over(self, waits: list[tuple[bytes, asyncio.Future[chp.Kvreply],
+                                          list[bytes]]]) -> None:
         """Writes another part sent, waiting for their KVREPLY, whose keys belong to this
         part's shard under a later routing: the old shard forwarded them here, and this
         shard's answer went to a reply id it does not know. Each is sent again, same

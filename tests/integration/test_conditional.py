@@ -33,7 +33,14 @@ WRITER = textwrap.dedent("""
     with Clone(config=config, timeout_s=15) as c:
         print("READY", flush=True)
         open(go).read()  # a FIFO: every writer starts when the test opens it
+        said = time.monotonic()
         while len(wrote) < count:
+            if time.monotonic() - said > 5:  # what a failure message shows (stderr)
+                said = time.monotonic()
+                shard = next(s for s in c.stats()["shards"] if s["shard"] == "s0")
+                print(f"progress: wrote {{len(wrote)}}, conflicts {{conflicts}}, key at "
+                      f"{{c.meta(key)}}, shard s0 {{json.dumps(shard)}}", file=sys.stderr,
+                      flush=True)
             meta = c.meta(key)
             n = json.loads(c.get(key))["n"] if meta else 0
             try:
