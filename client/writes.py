@@ -68,6 +68,10 @@ class ShardWrites:
         its DEALER connected on first use (``clonemap.client.replies``)."""
         self.connected: asyncio.Event | None = None
         """Set while at least one collector is connected."""
+        self.resend_owed = False
+        """A resend was dropped because the shard asked its server again before it went
+        (``_send_when_ready``): the next install sends the writes again, whatever made
+        it."""
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -202,6 +206,7 @@ class ShardWrites:
         it holds, and after an outage send again what still awaits its echo (see the
         module doc)."""
         echoes = self.echoes
+        resend, self.resend_owed = resend or self.resend_owed, False
         if resend and (echoes or self.replies.waiting):
             # writes made while no server took them (a KVSET sent into a connection that
             # was already dead is gone), sent again now that the shard serves again
@@ -235,8 +240,13 @@ class ShardWrites:
                 await self.replies.ready.wait()
         except TimeoutError:
             pass
-        if epoch != self._epoch():  # moved on (or closed: None): the next outage
-            return                  # sends them again
+        now = self._epoch()
+        if epoch != now:  # asked again (or closed: None): the next install sends them
+            # (an outage's install resent anyway, but a request for a gap, a new
+            # generation or a lag made none, and a conditional write waiting for its
+            # answer waited out its timeout, its outcome unknown)
+            self.resend_owed = now is not None
+            return
         for frames in frames_list:
             self.send_kvset(frames)
 

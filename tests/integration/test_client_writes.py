@@ -115,3 +115,43 @@ def test_an_installed_map_confirms_what_it_holds_and_resends_the_rest_unless_clo
 
     with asyncio.Runner() as runner:
         runner.run(main())
+
+
+def test_a_resend_the_shard_outran_goes_with_the_next_install_whatever_made_it(zctx):
+    """An outage's install schedules the resend of a write waiting for its answer; before
+    it goes (the replies DEALER waits to connect), the shard asks its server again (a
+    gap, a new generation: its epoch moves on) and the scheduled resend is dropped. The
+    next install is no outage's, and sends the write all the same. (It sent nothing
+    before: a conditional write across a kill waited out its timeout under load, its
+    outcome unknown.)"""
+    socks, servers = collectors(zctx)
+
+    async def main():
+        shard = Shard()
+        writes = writes_for(zctx, servers, shard)
+        writes.start(asyncio.get_running_loop())
+        await subscribed(writes, socks)
+        frames = chp.kvset(b"/c", b"v", uuid=b"c" * 16)
+        frames[3] += writes.reply_props()
+        answer = writes.conditional(frames)
+        assert socks[0].poll(5000)
+        assert socks[0].recv_multipart()[2] == b"c" * 16  # the first send
+        before = asyncio.all_tasks()
+        writes.installed(True, True, {}, 5)  # after an outage: scheduled
+        (scheduled,) = asyncio.all_tasks() - before
+        shard.epoch += 1  # asked again before it went
+        loop = asyncio.get_running_loop()
+        await scheduled  # (no server answers: its wait for the DEALER runs out)
+        assert not socks[0].poll(0), "sent in a request that is gone"
+        assert writes.resend_owed
+        writes.installed(False, True, {}, 6)  # a gap's install: no outage
+        got = await loop.run_in_executor(None, socks[0].poll, 10_000)
+        assert got, "the owed resend never went"
+        again = socks[0].recv_multipart()
+        assert again[2] == b"c" * 16 and b"reply=" in again[3]
+        assert not writes.resend_owed and not answer.done()
+        answer.cancel()
+        writes.close(0)
+
+    with asyncio.Runner() as runner:
+        runner.run(main())
