@@ -341,9 +341,12 @@ def test_a_curve_cluster_grows_a_shard_under_its_keys_and_strangers_reach_none_o
     """``supervisor reshard`` of a CURVE cluster (issue 41), as its operator runs it:
     the added shard's pair starts with the cluster's keys, its copy goes over CURVE
     links, a ``wait=True`` writer running through the change keeps a ledger that a fresh
-    client reads back whole, and a plain peer gets nothing from the added shard."""
+    client reads back whole, and a plain peer gets nothing from the added shard. The
+    command-line client given the old config reads a key the added shard holds, and a
+    shrink back to two shards brings every key home."""
     import yaml
 
+    from clonemap.shards.common.routing import ShardMap
     from test_routing_epoch import _grown, at_epoch
 
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3,
@@ -391,5 +394,22 @@ def test_a_curve_cluster_grows_a_shard_under_its_keys_and_strangers_reach_none_o
     plain.connect(f"tcp://127.0.0.1:{added['port']}")
     try_send(plain, chp.icanhaz())
     assert not plain.poll(1000), "a plain peer was answered by the added shard"
+    # the command-line client given the first config follows the grown cluster with the
+    # config's keys: it reads a key the added shard holds now
+    on_added = next(k for k in ledger if ShardMap(3).owner(k) == 2)
+    got = subprocess.run([PYTHON, "-m", "clonemap.client.cli", "--config", str(config), "get",
+                          on_added], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0 and got.stdout.strip() == ledger[on_added].decode(), got.stderr
+    # and back to two shards: the removed shard's keys go home over CURVE links too
+    shrunk = cli("reshard", str(three), "--to", str(config), "--yes", timeout_s=120)
+    assert shrunk.returncode == 0, shrunk.stdout + shrunk.stderr
+
+    async def read_back() -> None:
+        async with AsyncClone(config=str(config)) as fresh:
+            # (epoch 3 routes as epoch 1 did, which the config names: nothing to follow)
+            assert fresh.cluster.shard_map.shards == 2
+            assert {k: fresh.get(k) for k in ledger} == ledger
+
+    asyncio.run(read_back())
     assert cli("stop", "--config", str(config)).returncode == 0
     sup.wait(30)
