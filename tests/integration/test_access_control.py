@@ -579,7 +579,9 @@ def test_zz_a_reload_takes_rights_away_from_live_subscriptions(cluster, zctx):
 def test_a_growth_keeps_each_identity_s_rights_on_the_added_shard(procs, tmp_path):
     """``supervisor reshard`` 2 -> 3 of a cluster with named identities (issue 41), run
     by ``ops``: ``orders`` writes its segments with ``wait=True`` through the change,
-    and ``dashboard`` (everything but what starts ``/secret``) follows the whole map.
+    and ``dashboard`` (everything but what starts ``/secret``) follows the whole map,
+    once from the servers and once through the relays (a relay per shard: the added
+    shard's starts once the change flipped).
     Keys are routed by their first segment, so each kind spans 60 segments, some of
     which move to the added shard. After it both clients follow the new routing with
     their own keys; the reader holds every readable key, the added shard's included,
@@ -595,12 +597,16 @@ def test_a_growth_keeps_each_identity_s_rights_on_the_added_shard(procs, tmp_pat
         "reader": {"read": ["/"], "deny": ["/secret"]},
         "orders": {"read": ["/orders"], "write": ["/orders"]},
         "admin": {"read": [""], "write": [""], "admin": True}}}
+    from conftest import free_port_base
+
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3,
-                                   security=security)
+                                   security=security,
+                                   relays={"per_shard": 1, "port_base": free_port_base(40)})
     assert cli("keygen", str(config)).returncode == 0
     start(procs, config, tmp_path)
     cluster = Cluster(config, control, config.parent / "keys")
-    cluster.rows(lambda r: sum(x["bstar"] == "ACTIVE" for x in r.values()) == 2)
+    cluster.rows(lambda r: sum(x["bstar"] == "ACTIVE" for x in r.values()) == 2
+                 and len(r) == 6 and all(x["state"] == "RUNNING" for x in r.values()))
     three = _grown(config, tmp_path / "three.yaml")
     assert yaml.safe_load(three.read_text())["security"]["roles"] == security["roles"]
     orders = {f"/orders{i}/k": b"o%d" % i for i in range(60)}
@@ -612,8 +618,10 @@ def test_a_growth_keeps_each_identity_s_rights_on_the_added_shard(procs, tmp_pat
         ops.set("/pub/last", b"x", wait=True)
     public["/pub/last"] = b"x"
 
-    with cluster.clone("dashboard") as reader, cluster.clone("orders") as writer:
-        wait_until(lambda: reader.get("/pub/last") == b"x", "the reader's copy")
+    with cluster.clone("dashboard") as reader, cluster.clone("orders") as writer, \
+            cluster.clone("dashboard", via="relays") as relayed:
+        wait_until(lambda: reader.get("/pub/last") == b"x"
+                   and relayed.get("/pub/last") == b"x", "the readers' copies")
         stop = False
 
         def write() -> None:
@@ -636,17 +644,21 @@ def test_a_growth_keeps_each_identity_s_rights_on_the_added_shard(procs, tmp_pat
 
         done = asyncio.run(during())
         assert done.returncode == 0, done.stdout + done.stderr
-        wait_until(lambda: reader.routing_epoch == 2 and writer.routing_epoch == 2,
-                   "both clients follow epoch 2")
+        wait_until(lambda: reader.routing_epoch == 2 and writer.routing_epoch == 2
+                   and relayed.routing_epoch == 2, "the clients follow epoch 2")
         routing = reader.cluster.shard_map
         moved = {kind: [k for k in keys if routing.owner(k) == 2] for kind, keys in
                  (("orders", orders), ("secrets", secrets), ("public", public))}
         assert all(moved.values()), moved  # each kind has keys on the added shard
         wait_until(lambda: all(reader.get(k) == v for k, v in orders.items()),
                    "the reader holds the last orders")
-        held = dict(reader.items())
-        assert not [k for k in held if k.startswith("/secret")]
-        assert {k: held.get(k) for k in public} == public
+        # through the added shard's relay too (it starts once the change flipped)
+        wait_until(lambda: all(relayed.get(k) == v for k, v in orders.items()),
+                   "the relay reader holds the last orders")
+        for copy in (reader, relayed):
+            held = dict(copy.items())
+            assert not [k for k in held if k.startswith("/secret")]
+            assert {k: held.get(k) for k in public} == public
         with pytest.raises(WriteRefused, match="dashboard"):
             reader.set(moved["public"][0], b"defaced", wait=True)
     got = fresh_map(cluster)
