@@ -1052,3 +1052,57 @@ def test_writes_waiting_for_their_answer_across_the_flip_are_answered_once(
             assert fresh.meta(created).seq == seq
 
     asyncio.run(scenario())
+
+
+def test_keys_with_a_ttl_keep_their_expiry_across_a_growth(procs, tmp_path, zctx):
+    """2 -> 3 shards with keys that expire: the added shard takes the moved keys with
+    their absolute expiry (the copy carries the TTL table), so a short-lived key that
+    moved expires on time there (a delete each client hears once), and a long-lived one
+    keeps the same expiry it had (its ``expires=`` property); no key that moved comes
+    back after its expiry, and none that stayed is touched."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    start(procs, config, tmp_path)
+    wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    grown = ShardMap(3)
+    keys = [f"/seg{i}/k" for i in range(120)]
+    moving = [k for k in keys if grown.owner(k) == 2]
+    short = keys[:60]  # ttl 4 s; the rest 600 s
+    assert {k for k in moving if k in short} and {k for k in moving if k not in short}
+
+    async def scenario():
+        async with AsyncClone(config=str(config)) as clone:
+            await asyncio.gather(*(clone.set(k, b"v", ttl=4.0 if k in short else 600.0,
+                                             wait=True) for k in keys))
+            expires = {k: clone.properties(k)["expires"] for k in keys}
+            deletes: list[str] = []
+            watch = clone.watch("")
+
+            async def collect():
+                async for change_ in watch:
+                    if change_.kind == "delete":
+                        deletes.append(change_.key)
+
+            collector = asyncio.ensure_future(collect())
+            done = await asyncio.to_thread(cli, "reshard", str(config), "--to", str(three),
+                                           "--yes", timeout_s=120)
+            assert done.returncode == 0, done.stdout + done.stderr
+            await _until(lambda: clone.routing_epoch == 2, "the client follows")
+            lasting = [k for k in moving if k not in short]
+            async with AsyncClone(config=str(three)) as fresh:
+                assert {k: fresh.properties(k)["expires"] for k in lasting} == {
+                    k: expires[k] for k in lasting}
+            await _until(lambda: not any(clone.get(k) for k in short), "the short TTLs",
+                         timeout_s=20)
+            watch.close()
+            await collector
+            assert sorted(deletes) == sorted(short)  # each expiry heard once, no other
+        async with AsyncClone(config=str(three)) as fresh:
+            assert not [k for k in short if fresh.get(k) is not None]
+            assert {k: fresh.properties(k)["expires"] for k in keys if k not in short} == {
+                k: expires[k] for k in keys if k not in short}
+
+    asyncio.run(scenario())
+    rows = wait_status(control, lambda r: len(r) == 6 and settled(r) and at_epoch(2)(r))
+    for name, held in _held_by_actives(zctx, rows).items():
+        assert not [k for k in held if k.decode() in short], name
