@@ -176,7 +176,18 @@ class Import:
 
     def _too_slow(self) -> None:
         if not self.copied:
-            self._fail(f"no whole copy within {self.timeout_s:g} s")
+            # where it stopped: the source's publisher never said a HUGZ (no request
+            # sent), the TTL table or the snapshot did not come (or came in part)
+            self._fail(f"no whole copy within {self.timeout_s:g} s ({self._where()})")
+
+    def _where(self) -> str:
+        step = ("waiting for the source's first HUGZ" if not self._live else
+                "TTL table asked" if self._paced_from is None else "snapshot asked")
+        return (f"{step}; {len(self.sizes)} keys, {self.received} bytes of the snapshot "
+                f"read, {self.paused_s:.2f} s paused, {len(self._queued)} updates queued, "
+                f"source sequence {self.source_seq}; snapshot reader: "
+                f"{_reader_state(self._dealer)}; updates reader: "
+                f"{_reader_state(self._sub)}")
 
     def _paced(self) -> None:
         """After a batch of the snapshot: staged keys flushed, and with a ``rate``, a
@@ -338,6 +349,19 @@ class Hold:
 
 SUBSCRIBED_WAIT_S = 2.0
 """How long a ``Forwarder`` waits for every collector's subscription before it sends."""
+
+
+def _reader_state(reader) -> str:
+    """What a failure message says of a ``zio.AsyncSocket``: messages read, paused, and
+    whether messages wait in it now (a reader that missed its wake-up)."""
+    if reader is None or reader.sock.closed:
+        return "closed"
+    try:
+        waiting = bool(reader.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+    except zmq.ZMQError:
+        waiting = False
+    return (f"{reader.received} read, paused {reader.paused}, "
+            f"messages waiting {waiting}, late reads {reader.late_reads}")
 
 
 class Forwarder:

@@ -329,6 +329,11 @@ class AsyncSocket:
             self._paused.cancel()
         self._paused = self.loop.call_later(seconds, self._unpause)
 
+    @property
+    def paused(self) -> bool:
+        """Reading is paused (``pause``)."""
+        return self._paused is not None
+
     def _unpause(self) -> None:
         self._paused = None
         self._schedule()

@@ -3,8 +3,9 @@ one config, its routing epoch in a real etcd: ``supervisor reshard`` run against
 host's supervisor grows the cluster with a shard whose pair spans both hosts (its
 active killed in the middle of the first try: the growth rolls back, the second
 completes), moves a pinned prefix (its source's active killed in the middle: the pair
-fails over across the hosts and the move goes on), and shrinks it back, while
-``wait=True`` writers keep a ledger from a third host. After each
+fails over across the hosts and the move goes on), and shrinks it back (the removed
+shard's active killed in the middle of the first try: the shrink rolls back, the second
+completes), while ``wait=True`` writers keep a ledger from a third host. After each
 change etcd and both supervisors' cluster maps name the new epoch; at the end a fresh
 read of each shard's pair holds exactly the keys its routing gives it, and together they
 hold every acknowledged write. A partition in the middle of a growth rolls it back,
@@ -370,11 +371,25 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     assert any(routing.owner(k) == 2 for k in acked), "the added shard took no key"
 
     # shrink back to 2 through host a's supervisor (s2's keys go to s0 and s1: two
-    # targets); b's supervisor stops its s2 server when it follows
+    # targets); b's supervisor stops its s2 server when it follows. At *copied* the
+    # removed shard's active (the shrink's source) is killed: the shrink rolls back, the
+    # routing stays at epoch 3, and s2 serves on; run again, it completes
     cluster.writers.clear()
     cluster.writer("k")
     cluster.wait_acks("k", 20)
     shrunk = cluster.write("shrunk.yaml", dict(grown, shards=grown["shards"][:2]))
+    change = cluster.start_reshard(shrunk, via="a")
+    cluster.supervisors["a"].wait_line("RESHARD_PAUSED phase=copied", 60)
+    cluster.fail_over(grown["shards"][2])
+    (cluster.run_dir("a") / "reshard.continue").touch()
+    assert change.wait(90) == 1, "\n".join(change.stdout + change.stderr)
+    assert any("not applied" in line for line in change.stderr), change.stderr[-5:]
+    assert cluster.etcd_routing()["routing"]["epoch"] == 3
+    cluster.wait_acks("k", 20)
+    acked.update(cluster.ledger())  # (the writer stops: a new one for the second try)
+    cluster.writers.clear()
+    cluster.writer("k")
+    cluster.wait_acks("k", 20)
     change = cluster.start_reshard(shrunk, via="a")
     cluster.supervisors["a"].wait_line("RESHARD_PAUSED phase=copied", 60)
     (cluster.run_dir("a") / "reshard.continue").touch()
