@@ -99,6 +99,8 @@ CATCH_UP = 200
 """Source updates a copy may trail by before the hold begins."""
 CATCH_UP_POLL_S = 0.5
 """How long one look for a caught-up copy lasts before the sources are asked again."""
+NO_ANSWER = "no answer"
+"""How an install a server did not answer is said (``_install``)."""
 START_WAIT_S = 30.0
 """How long an added shard's pair may take to run and elect an active."""
 REMOVE_AFTER_HEARTBEATS = 3
@@ -321,22 +323,34 @@ class Resharding:
         return got
 
     async def _install_late(self, new: ShardMap, installed: set[str], sources: list[int],
-                            forward: dict[int, list[str]]) -> None:
+                            forward: dict[int, list[str]],
+                            again: set[str] = frozenset()) -> None:
         """The servers coming back at the flip's installs (restarted during the change,
         on the routing of its start: a start after the flip has the new one) take the new
         routing once they run, a source's with its forget and forwards; for at most
-        ``START_WAIT_S``."""
+        ``START_WAIT_S``. ``again``: running servers whose install was not answered,
+        asked again while they run: one restarted just before the flip may not serve
+        its control service yet, or the broker may still hand its requests to its dead
+        predecessor's worker (until that worker expires). Left at the old routing, it
+        stayed there after the change (seen in a test where a source's killed active
+        came back at the flip)."""
         deadline = time.monotonic() + START_WAIT_S
         late = {n for n, proc in self.runner.servers.items()
-                if n not in installed and proc.state in (STARTING, BACKOFF)}
+                if n not in installed and proc.state in (STARTING, BACKOFF)} | set(again)
         while late and time.monotonic() < deadline:
-            for name in [n for n in late if n in self._running()]:
-                late.discard(name)
+            running = self._running()
+            for name in [n for n in late if n in running]:
                 giving = self._server(name).index in sources
                 got = await self._install(new, [name], forget=giving,
                                           forward=forward if giving else None)
+                if got[name].startswith(NO_ANSWER) and time.monotonic() < deadline:
+                    log.info("reshard: %s did not answer epoch %d: asked again while it "
+                             "runs", name, new.epoch)
+                    continue
+                late.discard(name)
                 log.info("reshard: %s, running again, takes epoch %d%s", name, new.epoch,
                          f" (refused: {got[name]})" if got[name] else "")
+            late -= {n for n in again if n not in running}  # (gone: its restart has it)
             if late:
                 await asyncio.sleep(POLL_S * 10)
 
@@ -353,7 +367,7 @@ class Resharding:
             if isinstance(got, dict):
                 out[name] = got.get("routing_refused") or ""
             else:
-                out[name] = f"no answer ({type(got).__name__}: {got})"
+                out[name] = f"{NO_ANSWER} ({type(got).__name__}: {got})"
         return out
 
     # ------------------------------------------------------------------ the plan
@@ -727,14 +741,16 @@ class Resharding:
         # held goes on), also where a source's active changed since the copy (its peer
         # is active now, and a dead one's silence must not keep it waiting)
         giving = [n for s in sources for n in self._of_shard(s)]
-        await self._install(new, giving, forget=True, forward=forward)
+        answers = [await self._install(new, giving, forget=True, forward=forward)]
         phases["hold_s"] = time.monotonic() - hold_began
         rest = [n for t in targets for n in self._of_shard(t) if n != dst[t]]
         others = [n for n in self._running()
                   if self._server(n).index not in (*sources, *targets)]
-        await asyncio.gather(self._install(new, rest), self._install(new, others))
-        await self._install_late(new, {*giving, *rest, *others, *dst.values()}, sources,
-                                 forward)
+        answers += await asyncio.gather(self._install(new, rest), self._install(new, others))
+        unanswered = {n for got in answers for n, why in got.items()
+                      if why.startswith(NO_ANSWER)}
+        await self._install_late(new, {*giving, *rest, *others, *dst.values()} - unanswered,
+                                 sources, forward, again=unanswered)
         if added:  # their relays, on the routing now committed
             relays = self.runner.add_relays(self.plan, added)
             if relays:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import time
@@ -1106,3 +1107,45 @@ def test_keys_with_a_ttl_keep_their_expiry_across_a_growth(procs, tmp_path, zctx
     rows = wait_status(control, lambda r: len(r) == 6 and settled(r) and at_epoch(2)(r))
     for name, held in _held_by_actives(zctx, rows).items():
         assert not [k for k in held if k.decode() in short], name
+
+
+def test_a_server_that_did_not_answer_the_flip_is_given_the_routing_once_it_answers(
+        procs, tmp_path, zctx):
+    """2 -> 3 shards; the change waits at *committed*, and a source's passive is frozen
+    (SIGSTOP) so that it cannot answer the flip's install (as a server restarted just
+    before the flip could not: its control service not yet there, or the broker still
+    handing its requests to its dead predecessor's worker). The supervisor asks it again
+    while it runs; thawed, it takes epoch 2 and forgets the keys that moved. Before, it
+    stayed at epoch 1 after the change (seen once in a clean-clone run)."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = _start_stopping(procs, config, tmp_path, "committed", pause=True)
+    rows = wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(200)}
+
+    async def load():
+        async with AsyncClone(config=str(config)) as clone:
+            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
+
+    asyncio.run(load())
+    frozen = next(n for n in ("s0/primary", "s0/backup") if rows[n]["bstar"] == "PASSIVE")
+    pid = rows[frozen]["pid"]
+    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
+                           str(three), "--yes")
+    sup.wait_line("RESHARD_PAUSED phase=committed", 60)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        (tmp_path / "run" / "reshard.continue").touch()
+        seen = len(sup.stderr)
+        sup.wait_stderr(f"{frozen} did not answer epoch 2", start=seen, timeout_s=30)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    sup.wait_stderr(f"{frozen}, running again, takes epoch 2", start=seen, timeout_s=30)
+    assert reshard.wait(60) == 0, reshard.stderr[-3:]
+    rows = wait_status(control, lambda r: len(r) == 6 and settled(r) and at_epoch(2)(r))
+    assert rows[frozen]["pid"] == pid  # the same process, never restarted
+    routing = ShardMap(3, epoch=2)
+    held = _held_by_actives(zctx, rows)
+    assert merged_once(held) == {k: v for k, v in ledger.items()}
+    for name, keys in held.items():
+        assert all(routing.owner(k) == int(name[1]) for k in keys), name
