@@ -118,6 +118,8 @@ class Import:
         """The source's applied UUIDs as of its TTL table (``[uuid, seq, ...]``)."""
         self.source_seq = 0
         self.source_gen = ""
+        self.source_term = 0
+        """The Binary Star term the source's active said in its HUGZ (0: none said)."""
         """The generation of the source's map (its HUGZ say it): a client that holds
         that map past ``source_seq`` holds what this copy took from it."""
         self.snapshot_seq = -1
@@ -268,6 +270,15 @@ class Import:
                 self.source_seq = max(self.source_seq, info.seq)
             if info.generation:
                 self.source_gen = info.generation
+            if info.serving and info.term:
+                if self.source_term and info.term != self.source_term:
+                    # a new process at the source's address serves (one killed and back
+                    # through its alone record, Binary Star's L5): what it published
+                    # before this SUB was connected again is not in the copy
+                    self._fail(f"the source's active changed under the copy (term "
+                               f"{self.source_term} -> {info.term})")
+                    return
+                self.source_term = info.term
             return
         if msg.seq > self.source_seq:  # (every update up to it was read: one stream)
             self.source_seq = msg.seq

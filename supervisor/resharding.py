@@ -316,6 +316,21 @@ class Resharding:
                 why = f"{name}: {exc}"
         raise Refused(b"503", f"shard {index} has no active server now ({why})")
 
+    async def _sources_sealed(self, sources: list[int]) -> None:
+        """Before any target commits: each source's active now holds the moving keys'
+        writes, sealed. One that does not (a server that went on alone, was killed past
+        the seal and came back through its alone record, Binary Star's L5, holding
+        nothing: the hold lived in the killed process) has applied writes that no
+        target's copy holds; the flip would forget them. ``Refused``: the change goes
+        back to the old routing."""
+        for s in sources:
+            name = await self._active_of(s)
+            hold = ((await self._ask(name)).get("move") or {}).get("hold") or {}
+            if not hold.get("sealed"):
+                raise Refused(b"409", f"shard {s}'s active {name} does not hold the moving "
+                                      f"keys' writes (it took over without the move's "
+                                      f"hold): the flip would lose what it applied")
+
     async def _step(self, name: str, op: str, **args) -> dict:
         got = await self._ask(name, MOVE_COMMAND, json.dumps(dict(args, op=op)).encode())
         if got.get("move_refused"):
@@ -710,6 +725,7 @@ class Resharding:
                                                   new_plan.shards[t].backup)]
             for t in targets})
         try:
+            await self._sources_sealed(sources)
             for i, t in enumerate(targets):  # one by one: a torn flip is one state
                 await self._step(dst[t], "commit", routing=new.describe())
                 if i == 0 and len(targets) > 1:
@@ -728,8 +744,8 @@ class Resharding:
                 await self.runner.remove_shard(index)
             routing_state.clear_move(self.run_dir)
             await self._clear_record()
-            raise Refused(b"409", f"a target did not commit ({type(exc).__name__}: {exc}); "
-                                  f"the old routing is back as epoch {back.epoch}") from exc
+            raise Refused(b"409", f"not flipped ({type(exc).__name__}: {exc}); the old "
+                                  f"routing is back as epoch {back.epoch}") from exc
         await self._reached("committed")
         await self._commit(new_plan)  # after the copies are durable on the targets
         routing_state.clear_move(self.run_dir)
