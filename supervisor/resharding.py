@@ -644,6 +644,10 @@ class Resharding:
             await asyncio.gather(*(self._step(src[s], "export", routing=new.describe())
                                    for s in sources))
             # 2. copy: each target at copy_rate at most, shared by the sources it copies
+            # (first, whatever copy an earlier change left on a target goes: one that
+            # failed would fail this change at its first look at the copies)
+            await asyncio.gather(*(self._step(dst[t], "stop-import") for t in targets),
+                                 return_exceptions=True)
             sizes = {(m["from"], m["to"]): m["bytes"] for m in plan["moves"]}
             into = {t: sum(1 for _, u in pairs if u == t) for t in targets}
             rate = self.copy_rate
@@ -732,8 +736,12 @@ class Resharding:
                     await self._reached("committing")
         except Exception as exc:  # (a target gone: no answer) the old routing, later epoch
             back = await self._back(old, new)
+            # the holds released, and the targets' copies dropped (a copy left behind,
+            # failed, made the next change roll back at its first look at the copies)
             await asyncio.gather(*(self._step(name, "release") for name in [
                 *(src[s] for s in sources), *self._peers_of(sources, src)]),
+                *(self._step(name, "stop-import") for t in targets
+                  for name in self._of_shard(t)),
                 return_exceptions=True)  # at once: a server cut off costs one timeout
             # a target that committed before another refused forgets what it took
             # (and the added shards stop: other hosts' parts asked at the same time)
