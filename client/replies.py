@@ -94,14 +94,14 @@ class Replies:
     def expect(self, uuid: bytes, frames: list[bytes]) -> asyncio.Future:
         """The future of ``uuid``'s KVREPLY; forgotten once done (or cancelled)."""
         fut = self.loop.create_future()
-        self.waiting[uuid] = (fut, frames)
-        fut.add_done_callback(lambda f, u=uuid: self._forget(u, f))
+        self.adopt(uuid, fut, frames)
         return fut
 
     def adopt(self, uuid: bytes, fut: asyncio.Future[chp.Kvreply],
               frames: list[bytes]) -> None:
-        """Answer ``fut`` (another part's wait) with this path's KVREPLY for ``uuid``:
-        its key moved to this part's shard (``Writes.take_over``)."""
+        """Answer ``fut`` with this path's KVREPLY for ``uuid`` (``expect``'s, or
+        another part's wait whose key moved to this part's shard: ``Writes.take_over``);
+        forgotten once done (or cancelled)."""
         self.waiting[uuid] = (fut, frames)
         fut.add_done_callback(lambda f, u=uuid: self._forget(u, f))
 

@@ -178,11 +178,7 @@ class ShardWrites:
 
     async def _send_when_connected(self, frames_list: list[list[bytes]]) -> None:
         """Send once the replies DEALER is connected (or after ``REPLY_CONNECT_S``)."""
-        try:
-            async with asyncio.timeout(REPLY_CONNECT_S):
-                await self.replies.ready.wait()
-        except TimeoutError:
-            pass
+        await self._replies_connected()
         for frames in frames_list:
             if frames[2] in self.replies.waiting:  # (not answered or closed meanwhile)
                 self.send_kvset(frames)
@@ -232,14 +228,19 @@ class ShardWrites:
         if epoch is not None:
             self.loop.create_task(self._send_when_ready(again, epoch))
 
-    async def _send_when_ready(self, frames_list: list[list[bytes]], epoch: int) -> None:
-        """Send once the replies DEALER is connected (so no answer is lost), or after
-        ``REPLY_CONNECT_S`` anyway."""
+    async def _replies_connected(self) -> None:
+        """Until the replies DEALER is connected (so no answer is lost), or
+        ``REPLY_CONNECT_S`` passed anyway."""
         try:
             async with asyncio.timeout(REPLY_CONNECT_S):
                 await self.replies.ready.wait()
         except TimeoutError:
             pass
+
+    async def _send_when_ready(self, frames_list: list[list[bytes]], epoch: int) -> None:
+        """Send once the replies DEALER is connected (``_replies_connected``), unless the
+        shard asked its server again meanwhile."""
+        await self._replies_connected()
         now = self._epoch()
         if epoch != now:  # asked again (or closed: None): the next install sends them
             # (an outage's install resent anyway, but a request for a gap, a new

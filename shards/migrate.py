@@ -118,10 +118,10 @@ class Import:
         """The source's applied UUIDs as of its TTL table (``[uuid, seq, ...]``)."""
         self.source_seq = 0
         self.source_gen = ""
-        self.source_term = 0
-        """The Binary Star term the source's active said in its HUGZ (0: none said)."""
         """The generation of the source's map (its HUGZ say it): a client that holds
         that map past ``source_seq`` holds what this copy took from it."""
+        self.source_term = 0
+        """The Binary Star term the source's active said in its HUGZ (0: none said)."""
         self.snapshot_seq = -1
         """The snapshot's KTHXBAI sequence (-1 until it arrived whole)."""
         self.updates = 0

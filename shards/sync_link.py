@@ -28,9 +28,8 @@ dropped with it when it copies its peer's (``drop``).
 released when a ``BSTAR-HAVE`` from the peer's P+3 says the passive's replica (applied
 and written to its log) reaches the batch's last sequence; batches go out in the order
 they were parked, never one before an earlier one. After going alone, the passive must
-confirm everything every sequence acknowledged alone before the record is
-cleared: a record cleared earlier would let a passive that lacks an acknowledged write
-take over.
+confirm every sequence acknowledged alone before the record is cleared: a record cleared
+earlier would let a passive that lacks an acknowledged write take over.
 
 A ``SyncLink`` holds no reference to the server or the pair: it is built from callbacks
 (send to the passive, publish a batch, record in etcd, the clock and a timer) and is
