@@ -147,6 +147,28 @@ async def _acknowledged(clone, keys: list[str], ledger: dict, stop: asyncio.Even
         n += 1
 
 
+def _write_all(config: Path, ledger: dict[str, bytes]) -> None:
+    """Every (key, value) of ``ledger`` written with ``wait=True`` by a fresh client of
+    ``config``."""
+    async def write():
+        async with AsyncClone(config=str(config)) as clone:
+            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
+
+    asyncio.run(write())
+
+
+async def _write_until(clone, keys: list[str], ledger: dict, stop: asyncio.Event,
+                       timeout_s: float = 10.0) -> None:
+    """``wait=True`` writes to ``keys`` in turn until ``stop``, each into ``ledger``; a
+    write that fails fails the caller (where a write may fail: ``_acknowledged``)."""
+    n = 0
+    while not stop.is_set():
+        key, value = keys[n % len(keys)], b"w%d" % n
+        await clone.set(key, value, wait=True, timeout_s=timeout_s)
+        ledger[key] = value
+        n += 1
+
+
 def test_supervisor_reshard_moves_an_empty_prefix_and_clients_follow(procs, tmp_path, zctx):
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
     sup = start(procs, config, tmp_path)
@@ -377,14 +399,6 @@ def test_supervisor_reshard_grows_and_shrinks_with_writers_running(procs, tmp_pa
     async def change(clone, to: Path, epoch: int, watch_events: list) -> None:
         stop = asyncio.Event()
 
-        async def writer():
-            n = 0
-            while not stop.is_set():
-                key = f"/seg{n % 400}/k"
-                await clone.set(key, b"w%d" % n, wait=True, timeout_s=10)
-                ledger[key] = b"w%d" % n
-                n += 1
-
         async def incrementer():
             nonlocal increments
             while not stop.is_set():
@@ -397,7 +411,8 @@ def test_supervisor_reshard_grows_and_shrinks_with_writers_running(procs, tmp_pa
                 except Conflict:
                     await asyncio.sleep(0)
 
-        tasks = [asyncio.ensure_future(writer()), asyncio.ensure_future(incrementer())]
+        tasks = [asyncio.ensure_future(_write_until(clone, list(ledger), ledger, stop)),
+                 asyncio.ensure_future(incrementer())]
         await asyncio.sleep(0.2)
         done = await asyncio.to_thread(cli, "reshard", str(config), "--to", str(to),
                                        "--yes", timeout_s=120)
@@ -530,15 +545,8 @@ def test_a_client_of_the_whole_map_adopts_what_an_added_shard_copied(procs, tmp_
             await asyncio.gather(*(whole.set(k, v, wait=True) for k, v in ledger.items()))
             stop = asyncio.Event()
 
-            async def writer():
-                n = 0
-                while not stop.is_set():
-                    key = f"/ad{n % 250}/k"  # (the keys from 250 on: unchanged by it)
-                    await whole.set(key, b"w%d" % n, wait=True, timeout_s=30)
-                    ledger[key] = b"w%d" % n
-                    n += 1
-
-            task = asyncio.ensure_future(writer())
+            task = asyncio.ensure_future(_write_until(  # (keys from 250 on: unchanged)
+                whole, [f"/ad{i}/k" for i in range(250)], ledger, stop, timeout_s=30))
             done = await asyncio.to_thread(cli, "reshard", str(config), "--to", str(three),
                                            "--yes", timeout_s=120)
             await _until(lambda: whole.routing_epoch == 2 and part.routing_epoch == 2,
@@ -589,11 +597,7 @@ def test_a_supervisor_killed_in_the_middle_of_a_growth_loses_nothing(procs, tmp_
     three = _grown(config, tmp_path / "three.yaml")
     ledger = {f"/seg{i}/k": b"v%d" % i for i in range(300)}
 
-    async def write():
-        async with AsyncClone(config=str(config)) as clone:
-            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
-
-    asyncio.run(write())
+    _write_all(config, ledger)
     reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
                            str(three), "--yes")
     sup.wait_line(f"RESHARD_STOPPED phase={phase}", timeout_s=60)
@@ -660,11 +664,7 @@ def test_a_supervisor_killed_between_two_targets_commits_brings_the_old_routing_
     ledger = {f"/seg{i}/k": b"v%d" % i for i in range(300)}
     assert any(ShardMap(3).owner(k.encode()) == 2 for k in ledger)
 
-    async def write():
-        async with AsyncClone(config=str(three)) as clone:
-            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
-
-    asyncio.run(write())
+    _write_all(three, ledger)
     reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(three), "--to",
                            str(config), "--yes")
     sup.wait_line("RESHARD_STOPPED phase=committing", timeout_s=60)
@@ -861,11 +861,7 @@ def test_an_operator_aborts_a_growth_before_its_flip(procs, tmp_path, zctx):
     three = _grown(config, tmp_path / "three.yaml")
     ledger = {f"/seg{i}/k": b"v%d" % i for i in range(200)}
 
-    async def write():
-        async with AsyncClone(config=str(config)) as clone:
-            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
-
-    asyncio.run(write())
+    _write_all(config, ledger)
     idle = cli("reshard", str(config), "--abort")
     assert idle.returncode == 1 and "no change of the routing is running" in idle.stderr
     reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
@@ -1123,11 +1119,7 @@ def test_a_server_that_did_not_answer_the_flip_is_given_the_routing_once_it_answ
     three = _grown(config, tmp_path / "three.yaml")
     ledger = {f"/seg{i}/k": b"v%d" % i for i in range(200)}
 
-    async def load():
-        async with AsyncClone(config=str(config)) as clone:
-            await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
-
-    asyncio.run(load())
+    _write_all(config, ledger)
     frozen = next(n for n in ("s0/primary", "s0/backup") if rows[n]["bstar"] == "PASSIVE")
     pid = rows[frozen]["pid"]
     reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",

@@ -347,7 +347,7 @@ def test_a_curve_cluster_grows_a_shard_under_its_keys_and_strangers_reach_none_o
     import yaml
 
     from clonemap.shards.common.routing import ShardMap
-    from test_routing_epoch import _grown, at_epoch
+    from test_routing_epoch import _grown, _write_until, at_epoch
 
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3,
                                    security={"curve": True})
@@ -364,16 +364,7 @@ def test_a_curve_cluster_grows_a_shard_under_its_keys_and_strangers_reach_none_o
         async with AsyncClone(config=str(config)) as clone:
             await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
             stop = asyncio.Event()
-
-            async def writer():
-                n = 0
-                while not stop.is_set():
-                    key = f"/seg{n % 300}/k"
-                    await clone.set(key, b"w%d" % n, wait=True, timeout_s=10)
-                    ledger[key] = b"w%d" % n
-                    n += 1
-
-            task = asyncio.ensure_future(writer())
+            task = asyncio.ensure_future(_write_until(clone, list(ledger), ledger, stop))
             done = await asyncio.to_thread(cli, "reshard", str(config), "--to", str(three),
                                            "--yes", timeout_s=120)
             stop.set()
