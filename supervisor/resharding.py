@@ -304,13 +304,18 @@ class Resharding:
     async def _active_of(self, index: int) -> str:
         """The running server of shard ``index`` that says it is active (one that does
         not answer is not)."""
+        return (await self._active_stats(index))[0]
+
+    async def _active_stats(self, index: int) -> tuple[str, dict]:
+        """``_active_of``, with the stats in which it said so."""
         why = "no server answered"
         for name in self._of_shard(index):
             if self._server(name).role not in ("primary", "backup"):
                 continue
             try:
-                if (await self._ask(name)).get("active"):
-                    return name
+                stats = await self._ask(name)
+                if stats.get("active"):
+                    return name, stats
                 why = f"{name} is not active"
             except ClonemapError as exc:
                 why = f"{name}: {exc}"
@@ -323,9 +328,9 @@ class Resharding:
         nothing: the hold lived in the killed process) has applied writes that no
         target's copy holds; the flip would forget them. ``Refused``: the change goes
         back to the old routing."""
-        for s in sources:
-            name = await self._active_of(s)
-            hold = ((await self._ask(name)).get("move") or {}).get("hold") or {}
+        actives = await asyncio.gather(*(self._active_stats(s) for s in sources))
+        for s, (name, stats) in zip(sources, actives):  # (one look each: writes are held)
+            hold = (stats.get("move") or {}).get("hold") or {}
             if not hold.get("sealed"):
                 raise Refused(b"409", f"shard {s}'s active {name} does not hold the moving "
                                       f"keys' writes (it took over without the move's "
