@@ -36,7 +36,7 @@ KINDS = {"unit": "unit", "integration": "integration", "bench": "bench"}
 
 LONGEST_FIRST = (
     "integration/test_routing_epoch.py", "integration/test_reshard_hosts.py",
-    "bench/test_bench_all.py", "bench/test_bench_scenarios.py",
+    "bench/test_bench_all.py", "integration/test_reshard_hosts_cuts.py", "bench/test_bench_scenarios.py",
     "integration/test_disk_faults.py", "integration/test_reshard_hosts_kills.py",
     "integration/test_partitions.py", "integration/test_wheel.py",
     "integration/test_relay_conformance.py", "integration/test_operator_first_hour.py",

@@ -8,8 +8,9 @@ shard's active killed in the middle of the first try: the shrink rolls back, the
 completes), while ``wait=True`` writers keep a ledger from a third host. After each
 change etcd and both supervisors' cluster maps name the new epoch; at the end a fresh
 read of each shard's pair holds exactly the keys its routing gives it, and together they
-hold every acknowledged write. A partition in the middle of a growth rolls it back,
-with the shard it started on the cut-off host dropped there once the cut heals.
+hold every acknowledged write. A host cut off in the middle of a growth:
+``test_reshard_hosts_cuts.py``; a supervisor killed past the seal:
+``test_reshard_hosts_kills.py``.
 """
 from __future__ import annotations
 
@@ -474,85 +475,3 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     assert not lost, lost
     whole = cluster.read(cluster.controls)  # a client of the whole map, through the map
     assert {k: whole.get(k) for k in acked} == acked
-
-
-@pytest.mark.parametrize("phase,epoch,fault", [("copied", 1, "isolate"),
-                                               ("sealed", 3, "isolate"),
-                                               ("committed", 2, "cut")])
-def test_a_host_cut_off_in_the_middle_of_a_growth_leaves_one_owner_per_key(
-        hosts, tmp_path, phase, epoch, fault):
-    """Host a's supervisor runs a growth whose added shard has its primary on b; at a
-    phase of the move (paused there by ``CLONEMAP_RESHARD_PAUSE_AT``, deterministic)
-    host b is cut off from everyone (its link down).
-
-    - ``copied``: the hold cannot reach s1's active on b: the growth rolls back, and
-      the routing stays at epoch 1;
-    - ``sealed`` (every source holds the moving keys' writes, past the point where a
-      hold ends by itself): the commit cannot reach s2's active on b: the old routing
-      comes back as epoch 3, the sources on a are released, and s1's active on b, cut
-      off from etcd, loses its lease: s1's backup on a takes over, released too;
-    - ``committed`` (s2's active on b took the keys), with ``cut``: only a and b cannot
-      reach each other (``ip route add prohibit``: the requests a sent b are refused,
-      not kept for later), and b keeps etcd. The flip goes on, epoch 2 in etcd; b's
-      servers keep their leases and do not hear it from a, and s1's active on b keeps
-      its sealed hold. b's supervisor follows epoch 2 from etcd within a heartbeat and
-      gives it to them, with the word to forget the keys that moved and to forward what
-      they held.
-
-    In the first two, b's supervisor never got the word to drop s2's primary: once the
-    link is back it finds that change no longer under way in etcd and drops it, and the
-    growth, run again, completes. Every server
-    of every pair ends at one epoch, holding only the keys its shard owns, and every
-    acknowledged write is on its one owner."""
-    cluster = TwoHosts(hosts, tmp_path, env_a={"CLONEMAP_RESHARD_PAUSE_AT": phase})
-    try:
-        cluster.writer("k")
-        cluster.wait_acks("k", 40)
-        sup_a, sup_b = cluster.supervisors["a"], cluster.supervisors["b"]
-        three = cluster.write("three.yaml", cluster.grown())
-
-        change = cluster.start_reshard(three, via="a")
-        sup_a.wait_line(f"RESHARD_PAUSED phase={phase}", 60)
-        if phase == "copied":  # one change at a time, whichever host is asked
-            other = cluster.reshard(cluster.write("other.yaml", cluster.grown()), via="b")
-            assert other.returncode == 1, other.stdout + other.stderr
-            assert "another change of the routing is under way (host a: " in other.stderr
-        if fault == "isolate":
-            hosts.isolate("b")
-        else:
-            hosts.cut("a", "b")
-        (cluster.run_dir("a") / "reshard.continue").touch()
-        code = change.wait(90)
-        said = "\n".join(change.stdout + change.stderr)
-        if phase == "committed":
-            assert code == 0 and "routing epoch 2" in said, said
-        else:
-            assert code == 1, said
-            assert ("rolled back" if phase == "copied" else
-                    "the old routing is back as epoch 3") in said, said
-        # (isolate) the pairs' servers on a take over once b's leases lapse; (cut) b
-        # serves on: writes go on
-        cluster.wait_acks("k", 20)
-        if fault == "cut":  # b follows etcd, cut or not
-            cluster.wait_servers_at(epoch, 3, on="b")
-        hosts.heal()
-        if phase != "committed":
-            sup_b.wait_stderr("shard 2 dropped here", 0, 30)
-            cluster.wait_epoch(epoch)
-            assert cluster.etcd_routing()["routing"]["shards"] == 2
-            change = cluster.start_reshard(three, via="a")
-            sup_a.wait_line(f"RESHARD_PAUSED phase={phase}", 60)
-            (cluster.run_dir("a") / "reshard.continue").touch()
-            assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
-            epoch += 1
-        cluster.wait_epoch(epoch)
-        cluster.wait_servers_at(epoch, 6)
-        cluster.wait_acks("k", 20)
-
-        acked = cluster.ledger()
-        merged = owned_once(cluster.shard_maps(cluster.grown()["shards"]), ShardMap(3),
-                            cluster.servers_read)
-        lost = lost_writes(acked, merged, ShardMap(3), cluster.servers_read)
-        assert not lost, lost
-    finally:
-        cluster.stop()
