@@ -30,9 +30,9 @@ WRITER = textwrap.dedent("""
     config, key, me, count, go = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), \
         sys.argv[5]
     wrote, conflicts, PACE_S = [], 0, 0.01
-    with Clone(config=config, timeout_s=15) as c:
+    with Clone(config=config, timeout_s=15) as c, open(go) as start:
         print("READY", flush=True)
-        open(go).read()  # a FIFO: every writer starts when the test opens it
+        start.read()  # a FIFO: every writer starts when the test closes its end
         said = time.monotonic()
         while len(wrote) < count:
             if time.monotonic() - said > 5:  # what a failure message shows (stderr)
@@ -76,6 +76,11 @@ def test_compare_and_set_counter_across_a_kill_of_the_active(procs, tmp_path):
     script.write_text(WRITER.format(root=str(ROOT)))
     go = tmp_path / "go"
     os.mkfifo(go)
+    # the test holds the FIFO's write end from before the writers start, so each opens
+    # it at once, before READY, and waits in read() for the EOF of its close: a writer
+    # that opened it only after READY could open it after that close, and block in
+    # open() for good (a writer, descheduled between READY and open, once did)
+    barrier = os.open(go, os.O_RDWR)
     writers = [procs.spawn([PYTHON, str(script), str(config), key, f"w{i}",
                             str(INCREMENTS), str(go)], ready="READY", timeout_s=30)
                for i in range(WRITERS)]
@@ -87,8 +92,7 @@ def test_compare_and_set_counter_across_a_kill_of_the_active(procs, tmp_path):
                 reached.set()
 
         with watcher.watch(key, on_change):
-            with open(go, "w"):
-                pass  # all at once: they contend
+            os.close(barrier)  # all at once: they contend
             assert reached.wait(60), "the writers made no progress"
         active = "s0/primary" if rows["s0/primary"]["bstar"] == "ACTIVE" else "s0/backup"
         at_kill = json.loads(watcher.get(key))["n"]
