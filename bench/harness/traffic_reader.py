@@ -7,8 +7,8 @@ import os
 import time
 
 from bench.harness.traffic import (CHECK_EVERY, GO_DEADLINE_S, KEY_FORMAT, MERGE_SAMPLES,
-                                   STAMP_BYTES, SubscriberConfig, Window, _pin, _secure, _unpack_u64,
-                                   percentiles_ms)
+                                   READY_DEADLINE_S, STAMP_BYTES, SubscriberConfig, Window,
+                                   _pin, _secure, _unpack_u64, percentiles_ms)
 
 
 class SourceState:
@@ -102,7 +102,8 @@ def _sub_socket(ctx, endpoint: str, subscribe: bytes, rcvhwm: int, keys_dir: str
                 bind: bool = False, identity: str = ""):
     """A SUB with linger 0 and one subscription, bound to ``endpoint`` or connected to it
     (with the cluster's client key when ``keys_dir`` is set); closed if any step fails,
-    so that the caller's context can still terminate."""
+    so that the caller's context can still terminate. A connected one has a monitor
+    (``_handshaken`` waits on it and closes it)."""
     import zmq
 
     sock = ctx.socket(zmq.SUB)
@@ -114,11 +115,51 @@ def _sub_socket(ctx, endpoint: str, subscribe: bytes, rcvhwm: int, keys_dir: str
             sock.bind(endpoint)
         else:
             _secure(sock, keys_dir, identity)
+            _MONITORS[sock] = sock.get_monitor_socket(HANDSHAKE_EVENTS)
             sock.connect(endpoint)
     except BaseException:
+        _drop_monitor(sock)
         sock.close(0)
         raise
     return sock
+
+
+HANDSHAKE_EVENTS = 0x1000 | 0x2000 | 0x4000 | 0x8000
+"""ZMQ_EVENT_HANDSHAKE_SUCCEEDED and the three HANDSHAKE_FAILED events (libzmq 4.3)."""
+
+_MONITORS: dict = {}  # a connected SUB -> its monitor, until _handshaken
+
+
+def _drop_monitor(sock) -> None:
+    monitor = _MONITORS.pop(sock, None)
+    if monitor is not None:
+        sock.disable_monitor()
+        monitor.close(0)
+
+
+def _handshaken(socks, endpoints, deadline_s: float) -> None:
+    """Until every connected SUB in ``socks`` has finished its ZMTP handshake (its
+    subscription goes out right after), then their monitors are closed. A subscriber
+    that reported ready on connect() alone, on a loaded host, was still connecting
+    through a whole 0.3 s smoke window and read 0 updates. RuntimeError on a failed
+    handshake or none by the deadline."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    deadline = time.monotonic() + deadline_s
+    try:
+        for sock, endpoint in zip(socks, endpoints):
+            monitor = _MONITORS.get(sock)
+            while monitor is not None:
+                left_ms = int(1000 * (deadline - time.monotonic()))
+                if left_ms <= 0 or not monitor.poll(left_ms):
+                    raise RuntimeError(f"no ZMTP handshake with {endpoint} in {deadline_s} s")
+                event = recv_monitor_message(monitor)["event"]
+                if event == 0x1000:
+                    break
+                raise RuntimeError(f"the handshake with {endpoint} failed (event {event:#x})")
+    finally:
+        for sock in socks:
+            _drop_monitor(sock)
 
 
 def subscriber_main(cfg: SubscriberConfig, conn) -> None:
@@ -141,6 +182,7 @@ def subscriber_main(cfg: SubscriberConfig, conn) -> None:
         for endpoint in cfg.sources:
             socks.append(_sub_socket(ctx, endpoint, cfg.subscribe, cfg.rcvhwm, cfg.keys_dir,
                                      cfg.bind, cfg.identity))
+        _handshaken(socks, cfg.sources, READY_DEADLINE_S)
         conn.send({"ready": True})
         if not conn.poll(GO_DEADLINE_S):
             return
@@ -149,7 +191,7 @@ def subscriber_main(cfg: SubscriberConfig, conn) -> None:
         conn.send(result)
     except KeyboardInterrupt:
         pass
-    except zmq.ZMQError as exc:
+    except (zmq.ZMQError, RuntimeError) as exc:  # (RuntimeError: _handshaken)
         result["error"] = f"subscriber on {cfg.sources}: {exc}"
         conn.send(result)
     finally:
@@ -284,6 +326,8 @@ def settle(publishers: list[str], *, keys_dir: str = "", quiet_s: float = SETTLE
         for endpoint in publishers:
             socks.append(_sub_socket(ctx, endpoint, prefix, 0, keys_dir))
             poller.register(socks[-1], zmq.POLLIN)
+        # connected, or "quiet for quiet_s" could be a subscription not yet in effect
+        _handshaken(socks, publishers, deadline_s)
         last = t0
         while True:
             now = time.monotonic()

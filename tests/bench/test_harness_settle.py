@@ -4,7 +4,9 @@ only after the settle's subscription reached it (no slow-joiner guess), HUGZ int
 from __future__ import annotations
 
 import threading
+import time
 
+import pytest
 import zmq
 
 from bench.harness.traffic import key_of
@@ -72,3 +74,54 @@ def test_a_config_that_gives_a_shard_count_is_relocated_like_a_list(tmp_path):
     assert "port_base" not in data and control != "tcp://127.0.0.1:5555"
     primary, backup = cluster.shards[0].primary.port, cluster.shards[0].backup.port
     assert primary == data["shards"][0]["primary"]["port"] and backup == primary + 10
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_subscriber_is_ready_only_once_its_handshake_is_done():
+    """The harness's SUB reports ready after its ZMTP handshake, not after connect(): the
+    publisher here binds only after a while, and ``_handshaken`` returns after that."""
+    from bench.harness.traffic_reader import _MONITORS, _handshaken, _sub_socket
+
+    ctx = zmq.Context.instance()
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    sub = _sub_socket(ctx, endpoint, b"", 0)
+    bound = threading.Event()
+    pub = ctx.socket(zmq.XPUB)
+    pub.linger = 0
+
+    def bind_late() -> None:
+        time.sleep(0.3)  # (the delay is the point: connect() alone is not ready)
+        bound.set()
+        pub.bind(endpoint)
+
+    thread = threading.Thread(target=bind_late)
+    thread.start()
+    try:
+        _handshaken([sub], [endpoint], 10.0)
+        assert bound.is_set() and sub not in _MONITORS
+        assert pub.poll(5000) and pub.recv() == b"\x01"  # its subscription follows
+    finally:
+        thread.join(10)
+        sub.close(0)
+        pub.close(0)
+
+
+def test_a_subscriber_without_a_publisher_names_it_at_the_deadline():
+    from bench.harness.traffic_reader import _MONITORS, _handshaken, _sub_socket
+
+    ctx = zmq.Context.instance()
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    sub = _sub_socket(ctx, endpoint, b"", 0)
+    try:
+        with pytest.raises(RuntimeError, match=f"no ZMTP handshake with {endpoint} in 0.5 s"):
+            _handshaken([sub], [endpoint], 0.5)
+        assert sub not in _MONITORS
+    finally:
+        sub.close(0)
