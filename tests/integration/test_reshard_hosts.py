@@ -226,6 +226,7 @@ class TwoHosts:
         assert proc.wait(120) == 0, "\n".join(proc.stderr[-20:])
         out: dict[int, dict[str, str]] = {}
         held: dict[str, str] = {}
+        said: dict[str, str] = {}  # server -> what its dump came to
         for line in proc.stdout:
             word, _, rest = line.partition(" ")
             if word == "FROM":
@@ -233,13 +234,17 @@ class TwoHosts:
             elif word == "END":
                 index, role = server
                 self.servers_read.append((index, role, held))
-                if len(held) > len(out.get(index, {})):
+                said[f"{shards[index]['name']}/{role}"] = f"{len(held)} keys"
+                if held and len(held) > len(out.get(index, {})):
                     out[index] = held
-            elif word not in ("SILENT", "AGAIN"):
+            elif word == "SILENT":
+                said[f"{shards[where[rest][0]]['name']}/{where[rest][1]}"] = "silent"
+            elif word != "AGAIN":
                 held[word] = rest
         missing = [i for i in range(len(shards)) if i not in out]
-        assert not missing, (f"no server of shard{missing} answered: {proc.stdout[-10:]}; "
-                             f"their stats: {self.stats_of(shards, missing)}")
+        # (the short form first: a CI log may keep only the start of the message)
+        assert not missing, (f"shard{missing}: no keys from {said} (named active: "
+                             f"{sorted(active)}); stats: {self.stats_of(shards, missing)}")
         return out
 
     def active_pids(self) -> dict[str, int]:
