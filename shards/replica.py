@@ -319,15 +319,23 @@ class Follower:
         """A KVPUB or HUGZ from the active's P+1."""
         reactor = self.reactor
         state = self.state
-        if state.phase == rm.IDLE:
-            self.counters["ignored_while_idle"] += 1
-            return
         try:
             msg = chp.decode_update(frames, reactor.config.limits)
         except ProtocolError as err:
             reactor.drops.drop("peer_" + err.reason, f"from {self.updates_endpoint}: {err}")
             return
         now = reactor.loop.time()
+        if state.phase == rm.IDLE:
+            # Not following yet, but what the active published is confirmed all the same
+            # (an early confirmation, kept when a sync starts): its KVSET may still wait
+            # in this server's collector, read only once the sync began. Held then, never
+            # confirmed (its KVPUB came already), it was applied again at a takeover: a
+            # second application of a write the snapshot held (a raw 12/CHP writer's
+            # UUID is not in the applied table)
+            if self.pending is not None and isinstance(msg, chp.Kvpub):
+                self.pending.confirm(msg.uuid, now)
+            self.counters["ignored_while_idle"] += 1
+            return
         if not isinstance(msg, chp.Kvpub):
             self.counters["hugz"] += 1
             info = chp.hugz_info(msg) if msg.props else None

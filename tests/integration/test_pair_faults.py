@@ -13,10 +13,12 @@ import signal
 import time
 from collections import Counter
 
+import zmq
+
 from clonemap.shards.held_writes import pending_grace_s
 from test_server_hostile import stats_now
-from clonemap.shards.common.proto import chp
-from test_pair import (ACTIVE, DEADLINE_S, HEARTBEAT_S, PASSIVE, Updates, Watcher,
+from clonemap.shards.common.proto import bstar_ttl, chp
+from test_pair import (ACTIVE, BACKUP, DEADLINE_S, HEARTBEAT_S, PASSIVE, Updates, Watcher,
                        Writer, settle, snapshot, start_pair, start_server, stderr_text,
                        two_bases, vote)
 
@@ -306,3 +308,102 @@ def test_a_server_rejoining_under_writes_gets_an_exact_replica(procs, zctx, port
     expect_ttl = 5000 + len({k for k in before if k.startswith(b"/live/")
                              and k != b"/live/last" and int(before[k]) % 5 == 0})
     assert got["ttl_keys"] == expect_ttl
+
+
+class RawActive:
+    """An active primary at frame level: its snapshot ROUTER (P: BSTAR-TTL? and ICANHAZ
+    answered from ``self.map`` at ``self.seq``), its update XPUB (P+1) and its state XPUB
+    (P+3), which says ACTIVE only once told to (``beat``). XPUBs, so that the test sees
+    the backup subscribe."""
+
+    def __init__(self, zctx, port: int):
+        from clonemap.shards.common.proto import bstar as wire
+
+        self.wire = wire
+        self.router = zctx.socket(zmq.ROUTER)
+        self.updates = zctx.socket(zmq.XPUB)
+        self.state = zctx.socket(zmq.XPUB)
+        for sock, at in ((self.router, port), (self.updates, port + 1),
+                         (self.state, port + 3)):
+            sock.linger = 0
+            sock.bind(f"tcp://127.0.0.1:{at}")
+        self.map: dict[bytes, tuple[bytes, int]] = {}
+        self.seq = 0
+
+    def subscribed(self) -> None:
+        """Until the backup's SUBs on P+1 and P+3 subscribed."""
+        for sock in (self.updates, self.state):
+            assert sock.poll(DEADLINE_S * 1000), "the backup did not subscribe"
+            sock.recv()
+
+    def publish(self, key: bytes, value: bytes, uuid: bytes) -> None:
+        self.seq += 1
+        self.map[key] = (value, self.seq)
+        self.updates.send_multipart(chp.kvpub(key, self.seq, value, uuid))
+
+    def beat(self) -> None:
+        """One heartbeat: the state message (ACTIVE, primary) and a HUGZ; then every
+        request waiting on P is answered."""
+        wire = self.wire
+        self.state.send_multipart(wire.encode(wire.StateMessage(
+            wire.State.ACTIVE, wire.Role.PRIMARY, HEARTBEAT_S, 1, self.seq, "t")))
+        self.updates.send_multipart(chp.hugz(seq=self.seq))
+        while self.router.poll(0):
+            frames = self.router.recv_multipart()
+            peer, request = frames[0], frames[1:]
+            if request == bstar_ttl.request():
+                self.router.send_multipart([peer, *bstar_ttl.encode_chunk(
+                    self.seq, (), True, "raw1")])
+            elif request[0] == b"ICANHAZ?":
+                for key, (value, seq) in self.map.items():
+                    self.router.send_multipart([peer, *chp.kvsync(key, value, seq)])
+                self.router.send_multipart([peer, *chp.kthxbai(self.seq)])
+            # (the backup's link, FOLLOW, goes unanswered: this active confirms nothing)
+
+    def close(self) -> None:
+        for sock in (self.router, self.updates, self.state):
+            sock.close(0)
+
+
+def test_a_write_published_before_the_passive_followed_is_not_applied_twice(
+        procs, zctx, port_base):
+    """The interleaving that made a rejoined passive apply a batch again at its takeover,
+    forced: the active's KVPUB of W reaches the backup while it is still BACKUP (its
+    replica not following yet); W's own KVSET (a raw 12/CHP writer's, no resendable
+    UUID) reaches the backup's collector only after its sync began, when the snapshot
+    already holds W. The active then falls silent and a client votes: the new active's
+    map is the snapshot, at its sequence, W applied once."""
+    import uuid as uuidlib
+
+    from test_pair import stats_on_sigusr1
+
+    p, b = two_bases(port_base)
+    active = RawActive(zctx, p)
+    try:
+        backup = start_server(procs, b, "backup", p)
+        watch = Watcher(zctx, b)
+        active.subscribed()
+        w = uuidlib.uuid4().bytes
+        active.publish(b"/w", b"once", w)
+        stats = stats_on_sigusr1(backup, watch)  # (it read W's KVPUB: logged after it)
+        assert stats["replica"]["phase"] == "idle" and watch.last.state == BACKUP
+        assert stats["replica"]["ignored_while_idle"] >= 1
+        deadline = time.monotonic() + DEADLINE_S
+        while watch.last.state != PASSIVE or watch.last.sequence != 1:
+            assert time.monotonic() < deadline, f"the backup did not follow: {watch.last}"
+            active.beat()
+            watch.next()
+        writer = Writer(zctx, [b])
+        writer.kvset(b"/w", b"once", uuid=w)  # the client's copy, late
+        deadline = time.monotonic() + DEADLINE_S
+        while True:  # until the backup has read it (held, or matched)
+            active.beat()
+            held = stats_on_sigusr1(backup, watch)["pending_counters"]
+            if held["added"] + held["early_matched"] >= 1:
+                break
+            assert time.monotonic() < deadline, held
+    finally:
+        active.close()  # silent from here: within the grace, a held W would be applied
+    took, at = vote(zctx, b)
+    assert (took, at) == ({b"/w": b"once"}, 1), held  # (before the fix: at 2, W again)
+    assert held["early_matched"] == 1 and held["added"] == 0, held
