@@ -707,7 +707,10 @@ def test_a_supervisor_killed_between_two_targets_commits_brings_the_old_routing_
     ("held", "source", False), ("held", "target", False),
     # sealed: the copy holds everything up to the hold, and the source's peer holds and
     # seals too, so the flip goes on through it; the target's peer has no copy
-    ("sealed", "source", True), ("sealed", "target", False)])
+    ("sealed", "source", True), ("sealed", "target", False),
+    # committed: the target took the new routing and the copy as its own updates,
+    # replicated to its peer; flipped: both pairs route by the new epoch
+    ("committed", "target", True), ("flipped", "source", True), ("flipped", "target", True)])
 def test_a_failover_in_the_middle_of_a_move_ends_with_one_owner_and_loses_nothing(
         procs, tmp_path, zctx, phase, victim, flips):
     """A pinned prefix moves from s0 to s1 while a ``wait=True`` writer writes it. The
