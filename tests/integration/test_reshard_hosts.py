@@ -221,9 +221,18 @@ class TwoHosts:
                  for i, sh in enumerate(shards) for r in ("primary", "backup")
                  if f"{sh['name']}/{r}" in active
                  or not any(f"{sh['name']}/{o}" in active for o in ("primary", "backup"))}
-        proc = self.procs.spawn([*self.hosts.prefix("c"), PYTHON, LEDGER, "dump",
-                                 ",".join(where), "10"], env=ENV)
-        assert proc.wait(120) == 0, "\n".join(proc.stderr[-20:])
+        for _ in range(2):
+            proc = self.procs.spawn([*self.hosts.prefix("c"), PYTHON, LEDGER, "dump",
+                                     ",".join(where), "10"], env=ENV)
+            code = proc.wait(120)
+            # libzmq 4.3.5 (pyzmq's wheel) may abort a process whose connection fails
+            # while it has output queued: "Assertion failed: !_io_error
+            # (src/stream_engine_base.cpp:310)", zeromq/libzmq#4841, open upstream. Seen
+            # once in this reader, on a connection its server closed; asked again
+            if not (code == -signal.SIGABRT and any("!_io_error" in line
+                                                    for line in proc.stderr)):
+                break
+        assert code == 0, "\n".join(proc.stderr[-20:])
         out: dict[int, dict[str, str]] = {}
         held: dict[str, str] = {}
         said: dict[str, str] = {}  # server -> what its dump came to
