@@ -36,7 +36,7 @@ from clonemap.shards.common.errors import ConfigError, Exit, os_error_text
 from clonemap.shards.common.memory import return_large_frees
 from clonemap.shards import coord, streams
 from clonemap.shards.pair import BinaryStar
-from clonemap.shards.pending import MAX_AGE_S, MAX_BYTES, MAX_ENTRIES
+from clonemap.shards.pending import MAX_AGE_S, MAX_ENTRIES
 from clonemap.shards.common.proto import chp
 from clonemap.shards.byte_marks import SUBSCRIBER_HELD_BYTES, WRITER_HELD_BYTES
 from clonemap.shards.history import MAX_BYTES as HISTORY_BYTES, MAX_UPDATES as HISTORY_UPDATES
@@ -271,10 +271,10 @@ def coordination_arg(ctx, param, value: str | None) -> list[tuple[str, int]] | N
                    "(until then the cluster's routing is the one before).")
 @click.option("--pending-max", type=click.IntRange(1), default=MAX_ENTRIES,
               show_default=True, help="Pending-table entries (passive server).")
-@click.option("--pending-max-bytes", type=click.IntRange(1), default=MAX_BYTES,
-              show_default=True,
+@click.option("--pending-max-bytes", type=click.IntRange(1), default=None,
               help="Key, properties and value bytes the pending table holds (passive); "
-                   "the oldest go first, counted evicted_bytes.")
+                   "the oldest go first, counted evicted_bytes. [default: "
+                   "--writer-held-bytes, at least 1 MiB, as under the supervisor]")
 @click.option("--pending-age-s", type=click.FloatRange(0.001), default=MAX_AGE_S,
               show_default=True, help="Longest a pending update is kept.")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
@@ -377,7 +377,9 @@ def main(port, host, heartbeat_s, clock_s, max_key_bytes, max_value_bytes, max_p
     else:
         server = ShardServer(config, BinaryStar(
             config, role=pair_role, peer=peer, shard=shard, pending_max=pending_max,
-            pending_age_s=pending_age_s, pending_max_bytes=pending_max_bytes,
+            pending_age_s=pending_age_s,
+            pending_max_bytes=(pending_max_bytes if pending_max_bytes is not None
+                               else max(1 << 20, writer_held_bytes)),
             coordination=coordination, lease_s=lease_s, lease_name=lease_name,
             replication=replication))
     load_access(server, keys_dir, rights, "shards")
