@@ -145,6 +145,7 @@ class Follower:
         self.counters = dict.fromkeys(
             ("syncs_started", "syncs_done", "sync_timeouts", "sync_retries", "gaps",
              "duplicates", "applied", "hugz", "hugz_not_serving", "ignored_while_idle",
+             "ignored_while_retrying",
              "kvsync", "ttl_chunks", "pending_discarded"),
             0)
         self.last_heard = 0.0
@@ -365,6 +366,9 @@ class Follower:
                 self._sub.sock.setsockopt(zmq.RCVHWM, self._mark())
         if self.pending is not None:
             self.pending.confirm(msg.uuid, now)
+        if rm.discarding(state):
+            self.counters["ignored_while_retrying"] += 1
+            return
         if rm.buffering(state):
             self._buffer_bytes += size + MESSAGE_OVERHEAD
             if (len(self._buffer) >= self.buffer_max

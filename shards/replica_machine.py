@@ -172,7 +172,13 @@ def accepts_snapshot(state: State) -> bool:
 
 def buffering(state: State) -> bool:
     """Whether a KVPUB from the active now waits in the shell's buffer (not applied)."""
-    return state.phase == SYNCING
+    return state.phase == SYNCING and state.step != RETRY
+
+
+def discarding(state: State) -> bool:
+    """Whether a KVPUB from the active is of no use now: the sync was abandoned, and the
+    next one opens with an empty buffer (buffered, it held memory for nothing)."""
+    return state.phase == SYNCING and state.step == RETRY
 
 
 # -------------------------------------------------------------------------------- step

@@ -151,3 +151,17 @@ def test_unknown_events_are_refused():
     link.step(StartSync(), 0.0)
     with pytest.raises(TypeError):
         rm.step(link.state, object(), 0.1)
+
+
+def test_an_abandoned_sync_neither_buffers_nor_applies_until_it_starts_again():
+    """Between an abandoned sync and the next (the retry's pause), a KVPUB is discarded:
+    the next sync opens with an empty buffer, and the map is not live."""
+    link = FakeLink()
+    link.step(StartSync(), 0.0)
+    assert rm.buffering(link.state) and not rm.discarding(link.state)
+    assert [type(e) for e in link.step(BufferOverflow(10), 0.1)] == [Abandon]
+    assert rm.discarding(link.state) and not rm.buffering(link.state)
+    link.publish(5)
+    assert link.buffered == []
+    assert link.step(Tick(0.1), 1.2) == [OpenSync()]  # retry_s later
+    assert rm.buffering(link.state) and not rm.discarding(link.state)
