@@ -1,7 +1,8 @@
 """A supervisor killed past the seal of a change across hosts (network namespaces, a
 real etcd): the other host's supervisor settles the change from its record in etcd once
 the dead one's claim lapses, the sealed holds end, and nothing acknowledged is lost.
-The cluster and its helpers are ``test_reshard_hosts``'s.
+Pairs failed over across the hosts at the flip: the change goes on. The cluster and its
+helpers are ``test_reshard_hosts``'s.
 """
 from __future__ import annotations
 
@@ -59,5 +60,39 @@ def test_a_supervisor_killed_past_the_seal_is_settled_by_the_other_host(
                             cluster.servers_read)
         lost = lost_writes(acked, merged, ShardMap(len(shards)), cluster.servers_read)
         assert not lost, lost
+    finally:
+        cluster.stop()
+
+
+def test_failovers_across_hosts_at_the_flip_leave_one_owner_and_lose_nothing(
+        hosts, tmp_path):
+    """A growth run through host a's supervisor waits at *flipped*
+    (``CLONEMAP_RESHARD_PAUSE_AT``): the targets route by the new epoch, the sources
+    still hold the moving keys' writes. The added shard's active, then a source's (each
+    on whichever host runs it), is killed with ``supervisor kill``; each pair fails over
+    across the hosts. The change goes on: the new epoch in etcd, every server on it, and
+    every acknowledged write of a writer that ran throughout on its one owner."""
+    cluster = TwoHosts(hosts, tmp_path, env_a={"CLONEMAP_RESHARD_PAUSE_AT": "flipped"})
+    try:
+        cluster.writer("k")
+        cluster.wait_acks("k", 40)
+        grown = cluster.grown()
+        three = cluster.write("three.yaml", grown)
+        change = cluster.start_reshard(three, via="a")
+        cluster.supervisors["a"].wait_line("RESHARD_PAUSED phase=flipped", 60)
+        cluster.fail_over(grown["shards"][2])
+        cluster.fail_over(grown["shards"][0])
+        (cluster.run_dir("a") / "reshard.continue").touch()
+        assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
+        cluster.wait_epoch(2)
+        assert cluster.etcd_routing()["routing"]["shards"] == 3
+        cluster.wait_servers_at(2, 6)
+        cluster.wait_acks("k", 20)
+        acked = cluster.ledger()
+        merged = owned_once(cluster.shard_maps(grown["shards"]), ShardMap(3),
+                            cluster.servers_read)
+        lost = lost_writes(acked, merged, ShardMap(3), cluster.servers_read)
+        assert not lost, lost
+        assert any(ShardMap(3).owner(k) == 2 for k in acked), "the added shard took none"
     finally:
         cluster.stop()
