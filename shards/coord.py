@@ -392,6 +392,6 @@ class Lease:
     def stats(self) -> dict:
         view = self.view
         return {"key": self.key.decode(), "held": view.held, "holder": view.holder,
-                "lease_s": self.lease_s, "error": view.error,
+                "lease_id": self._lease, "lease_s": self.lease_s, "error": view.error,
                 "valid_for_s": round(max(0.0, view.valid_until - self.clock()), 3)
                 if view.held else 0.0, **self.counters}
