@@ -73,7 +73,7 @@ class Outages:
                             eff.reason, eff.silent_s)
         self.left_because[info.old] = (f"{eff.reason} after {eff.silent_s:.1f} s",
                                        agent.clock())
-        if eff.passive or "not serving" in eff.reason:
+        if eff.passive:
             self.passive_at[info.old] = agent.clock()
         if not agent.snapshots:
             if eff.passive:

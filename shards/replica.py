@@ -326,15 +326,15 @@ class Follower:
             reactor.drops.drop("peer_" + err.reason, f"from {self.updates_endpoint}: {err}")
             return
         now = reactor.loop.time()
-        if state.phase == rm.IDLE:
-            # Not following yet, but what the active published is confirmed all the same
-            # (an early confirmation, kept when a sync starts): its KVSET may still wait
-            # in this server's collector, read only once the sync began. Held then, never
+        if self.pending is not None and isinstance(msg, chp.Kvpub):
+            # confirmed in every phase, while not following yet too (an early
+            # confirmation, kept when a sync starts): its KVSET may still wait in this
+            # server's collector, read only once the sync began. Held then, never
             # confirmed (its KVPUB came already), it was applied again at a takeover: a
             # second application of a write the snapshot held (a raw 12/CHP writer's
             # UUID is not in the applied table)
-            if self.pending is not None and isinstance(msg, chp.Kvpub):
-                self.pending.confirm(msg.uuid, now)
+            self.pending.confirm(msg.uuid, now)
+        if state.phase == rm.IDLE:
             self.counters["ignored_while_idle"] += 1
             return
         if not isinstance(msg, chp.Kvpub):
@@ -364,8 +364,6 @@ class Follower:
             self._largest = size
             if self._sub is not None:
                 self._sub.sock.setsockopt(zmq.RCVHWM, self._mark())
-        if self.pending is not None:
-            self.pending.confirm(msg.uuid, now)
         if rm.discarding(state):
             self.counters["ignored_while_retrying"] += 1
             return

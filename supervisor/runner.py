@@ -188,7 +188,7 @@ class Runner:
                                                                        server.index)
             argv += ["--subscriber-held-bytes", str(plan.subscriber_held_bytes),
                      "--writer-held-bytes", str(plan.writer_held_bytes),
-                     "--pending-max-bytes", str(max(1 << 20, plan.writer_held_bytes)),
+                     # (the pending table's bound follows --writer-held-bytes: the server's rule)
                      "--dedup-bytes", str(plan.applied_uuids[0]),
                      "--dedup-s", str(plan.applied_uuids[1])]
             data = self.data_dir(server)

@@ -115,7 +115,9 @@ def _sub_socket(ctx, endpoint: str, subscribe: bytes, rcvhwm: int, keys_dir: str
             sock.bind(endpoint)
         else:
             _secure(sock, keys_dir, identity)
-            _MONITORS[sock] = sock.get_monitor_socket(HANDSHAKE_EVENTS)
+            _MONITORS[sock] = sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
             sock.connect(endpoint)
     except BaseException:
         _drop_monitor(sock)
@@ -123,9 +125,6 @@ def _sub_socket(ctx, endpoint: str, subscribe: bytes, rcvhwm: int, keys_dir: str
         raise
     return sock
 
-
-HANDSHAKE_EVENTS = 0x1000 | 0x2000 | 0x4000 | 0x8000
-"""ZMQ_EVENT_HANDSHAKE_SUCCEEDED and the three HANDSHAKE_FAILED events (libzmq 4.3)."""
 
 _MONITORS: dict = {}  # a connected SUB -> its monitor, until _handshaken
 
@@ -143,6 +142,7 @@ def _handshaken(socks, endpoints, deadline_s: float) -> None:
     that reported ready on connect() alone, on a loaded host, was still connecting
     through a whole 0.3 s smoke window and read 0 updates. RuntimeError on a failed
     handshake or none by the deadline."""
+    import zmq
     from zmq.utils.monitor import recv_monitor_message
 
     deadline = time.monotonic() + deadline_s
@@ -154,7 +154,7 @@ def _handshaken(socks, endpoints, deadline_s: float) -> None:
                 if left_ms <= 0 or not monitor.poll(left_ms):
                     raise RuntimeError(f"no ZMTP handshake with {endpoint} in {deadline_s} s")
                 event = recv_monitor_message(monitor)["event"]
-                if event == 0x1000:
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     break
                 raise RuntimeError(f"the handshake with {endpoint} failed (event {event:#x})")
     finally:
