@@ -106,6 +106,16 @@ class TwoHosts:
                                  "reshard", str(self.config), "--to", str(to), "--yes",
                                  "--host", via], env=ENV)
 
+    def start_growth(self, via: str, line: str) -> tuple[dict, Path, object]:
+        """The growth to three shards (``grown``, written to ``three.yaml``) started
+        through ``via``'s supervisor, once that one printed ``line`` (the phase where it
+        stops or pauses): the grown config, its file and the running command."""
+        grown = self.grown()
+        three = self.write("three.yaml", grown)
+        change = self.start_reshard(three, via=via)
+        self.supervisors[via].wait_line(line, 60)
+        return grown, three, change
+
     def etcd_routing(self) -> dict:
         """What etcd holds under ``clonemap/moving/routing``, read from host c."""
         done = run_on(self.hosts, "c", "-c",
@@ -344,10 +354,7 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     # it, asked by a's), its backup on a. At *copied* the added pair's active is
     # killed: its copy dies with it, the growth rolls back, and both hosts drop s2's
     # servers; run again, it completes
-    grown = cluster.grown()
-    three = cluster.write("three.yaml", grown)
-    change = cluster.start_reshard(three, via="a")
-    cluster.supervisors["a"].wait_line("RESHARD_PAUSED phase=copied", 60)
+    grown, three, change = cluster.start_growth("a", "RESHARD_PAUSED phase=copied")
     cluster.fail_over(grown["shards"][2])
     (cluster.run_dir("a") / "reshard.continue").touch()
     assert change.wait(90) == 1, "\n".join(change.stdout + change.stderr)

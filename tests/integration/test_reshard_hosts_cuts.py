@@ -45,10 +45,7 @@ def test_a_host_cut_off_in_the_middle_of_a_growth_leaves_one_owner_per_key(
         cluster.writer("k")
         cluster.wait_acks("k", 40)
         sup_a, sup_b = cluster.supervisors["a"], cluster.supervisors["b"]
-        three = cluster.write("three.yaml", cluster.grown())
-
-        change = cluster.start_reshard(three, via="a")
-        sup_a.wait_line(f"RESHARD_PAUSED phase={phase}", 60)
+        _, three, change = cluster.start_growth("a", f"RESHARD_PAUSED phase={phase}")
         if phase == "copied":  # one change at a time, whichever host is asked
             other = cluster.reshard(cluster.write("other.yaml", cluster.grown()), via="b")
             assert other.returncode == 1, other.stdout + other.stderr

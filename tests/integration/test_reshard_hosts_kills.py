@@ -35,9 +35,7 @@ def test_a_supervisor_killed_past_the_seal_is_settled_by_the_other_host(
         cluster.writer("k")
         cluster.wait_acks("k", 40)
         sup_a, sup_b = cluster.supervisors["a"], cluster.supervisors["b"]
-        three = cluster.write("three.yaml", cluster.grown())
-        change = cluster.start_reshard(three, via="a")
-        sup_a.wait_line(f"RESHARD_STOPPED phase={phase}", 60)
+        _, _, change = cluster.start_growth("a", f"RESHARD_STOPPED phase={phase}")
         sup_a.signal(signal.SIGKILL)
         assert sup_a.wait(30) == -signal.SIGKILL
         assert change.wait(60) != 0  # its supervisor is gone
@@ -76,10 +74,7 @@ def test_failovers_across_hosts_at_the_flip_leave_one_owner_and_lose_nothing(
     try:
         cluster.writer("k")
         cluster.wait_acks("k", 40)
-        grown = cluster.grown()
-        three = cluster.write("three.yaml", grown)
-        change = cluster.start_reshard(three, via="a")
-        cluster.supervisors["a"].wait_line("RESHARD_PAUSED phase=flipped", 60)
+        grown, _, change = cluster.start_growth("a", "RESHARD_PAUSED phase=flipped")
         cluster.fail_over(grown["shards"][2])
         cluster.fail_over(grown["shards"][0])
         (cluster.run_dir("a") / "reshard.continue").touch()
