@@ -185,7 +185,9 @@ class StreamPump:
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
                 self.counters["unreachable"] += 1
-                log.info("%s to %r: the peer has gone", self.name, identity)
+                log.info("%s to %r: the peer has gone (%s messages sent, the last "
+                         "progress %.1f s ago)", self.name, identity,
+                         getattr(entry.stream, "sent", "?"), now - entry.progress_s)
                 finished.append(identity)
                 continue
             if outcome == DONE:

@@ -1,8 +1,9 @@
 """A real client for the partition tests, run as a process inside a network namespace.
 
-    python ledger_client.py write SERVERS PREFIX   writes PREFIX0, PREFIX1, ... with
-        wait=True, one at a time, until SIGTERM; prints ``ACK KEY`` for each acknowledged
-        write and ``FAIL KEY ERROR`` for each that was not (the ledger)
+    python ledger_client.py write SERVERS PREFIX [RATE]   writes PREFIX0, PREFIX1, ...
+        with wait=True, one at a time (at most RATE a second, when given), until
+        SIGTERM; prints ``ACK KEY`` for each acknowledged write and ``FAIL KEY ERROR``
+        for each that was not (the ledger)
     python ledger_client.py read SERVERS           a fresh client: prints ``KEY VALUE`` for
         every key of its complete copy, then ``END N``
     python ledger_client.py dump SERVER[,SERVER..] [WAIT_S]
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 
 from clonemap.client.api import ClonemapError, Clone
 
@@ -42,8 +44,14 @@ def main() -> int:
             print("END", len(keys), flush=True)
             return 0
         prefix = sys.argv[3]
+        rate = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
         i = 0
+        started = time.monotonic()
         while not stop:
+            if rate:  # a steady load, as a user's writer: the i-th write not before i/rate
+                ahead = started + i / rate - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
             key = f"{prefix}{i}"
             try:
                 clone.set(key, str(i).encode(), wait=True, timeout_s=2.0)
@@ -64,7 +72,6 @@ def dump(endpoints: str, wait_s: float) -> int:
     ``AGAIN SERVER``): the server closes a connection whose PONGs do not come within 3
     heartbeats, and this reader's process, starved on a loaded host, may not send them
     in time; the rows of a stream cut off are dropped. ``SILENT`` after ``ASKS`` tries."""
-    import time
 
     import zmq
 
@@ -89,10 +96,13 @@ def dump(endpoints: str, wait_s: float) -> int:
         ask(endpoint, 1)
     while asked:
         now = time.monotonic()
-        for dealer, (endpoint, _, heard, tries) in list(asked.items()):
+        for dealer, (endpoint, asked_rows, heard, tries) in list(asked.items()):
             if now - heard < wait_s:
                 continue
             drop(dealer)
+            print(f"{time.strftime('%H:%M:%S')} {endpoint}: {len(asked_rows)} rows, "
+                  f"then nothing for {wait_s} s "
+                  f"(ask {tries})", file=sys.stderr, flush=True)
             if tries < ASKS:
                 print("AGAIN", endpoint, flush=True)
                 ask(endpoint, tries + 1)

@@ -41,6 +41,13 @@ def run_on(hosts: Hosts, host: str, *args: str, timeout_s: float = 60,
                           env={**os.environ, **ENV, **(env or {})})
 
 
+WRITER_RATE = 300
+"""Writes a second per ledger writer: a steady load through every phase of every change.
+Unpaced, two writers put ~2,000 writes a second each into a cluster on 2 shared cores,
+their maps grew past 100,000 keys, and every copy and sync of the test took that much
+longer (the module's CPU time with them)."""
+
+
 class TwoHosts:
     """etcd on e; shards s0 (primary on a, backup on b) and s1 (primary on b, backup on
     a), durable; a supervisor per host; writers and readers on c."""
@@ -176,9 +183,10 @@ class TwoHosts:
             assert time.monotonic() < deadline, f"servers' epochs {now}, not all {epoch}"
 
     def writer(self, prefix: str):
+        """A ledger writer of ``prefix`` on host c, at ``WRITER_RATE``."""
         self.writers[prefix] = self.procs.spawn(
-            [*self.hosts.prefix("c"), PYTHON, LEDGER, "write", self.controls, prefix],
-            ready="READY", timeout_s=60, env=ENV)
+            [*self.hosts.prefix("c"), PYTHON, LEDGER, "write", self.controls, prefix,
+             str(WRITER_RATE)], ready="READY", timeout_s=60, env=ENV)
 
     def wait_acks(self, prefix: str, more: int, timeout_s: float = 60.0) -> None:
         """Until ``prefix``'s writer has ``more`` acknowledgements beyond its count now
@@ -261,9 +269,10 @@ class TwoHosts:
             elif word != "AGAIN":
                 held[word] = rest
         missing = [i for i in range(len(shards)) if i not in out]
-        # (the short form first: a CI log may keep only the start of the message)
+        # (short, the stats condensed: a CI log keeps only a failure's start and end)
         assert not missing, (f"shard{missing}: no keys from {said} (named active: "
-                             f"{sorted(active)}); stats: {self.stats_of(shards, missing)}")
+                             f"{sorted(active)}); the reader said {proc.stderr[-3:]}; "
+                             f"servers: {self.brief_stats(shards, missing)}")
         return out
 
     def active_pids(self) -> dict[str, int]:
@@ -297,6 +306,22 @@ class TwoHosts:
         names = {sh["name"] for i, sh in enumerate(shards) if i in indices}
         return {f"{row['name']}@{host}": row.get("stats") for host in ("a", "b")
                 for row in self.status_rows(host) if row["name"].partition("/")[0] in names}
+
+    def brief_stats(self, shards: list[dict], indices: list[int]) -> dict[str, str]:
+        """``stats_of`` in a line per server: its state, term, sequence, keys, votes it
+        refused, lease and routing epoch."""
+        out = {}
+        for name, stats in self.stats_of(shards, indices).items():
+            if not stats:
+                out[name] = "no stats"
+                continue
+            lease = stats.get("lease") or {}
+            out[name] = (f"{stats.get('bstar_state')} t{stats.get('term')} "
+                         f"seq {stats.get('seq')} keys {stats.get('keys')} "
+                         f"refused {stats.get('refused_votes')} "
+                         f"lease {lease.get('state', lease.get('lease_id'))} "
+                         f"epoch {(stats.get('routing') or {}).get('epoch')}")
+        return out
 
     def stop(self) -> None:
         self.procs.stop_all()
