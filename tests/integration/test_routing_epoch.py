@@ -9,6 +9,7 @@ sees the same HUGZ key and sequence 0; the epoch is one more property line).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -133,12 +134,31 @@ def _start_stopping(procs, config: Path, tmp_path: Path, phase: str, pause: bool
                         timeout_s=60, env={hook: phase})
 
 
+WRITES_PER_S = 250
+"""The pace of each writer loop here: a steady load through every phase of a change.
+Flat out, each loop took as much of the 2 shared cores as the servers gave it, and the
+module ~300 s of the suite."""
+
+
+_LOOPS = itertools.count()
+"""Numbers the writer loops: each loop's values differ from every other's (a watcher
+tells a move's re-add from a write by the value)."""
+
+
+async def _paced(started: float, n: int) -> None:
+    """Until the ``n``-th write of a loop started at ``started`` is due."""
+    ahead = started + n / WRITES_PER_S - time.monotonic()
+    if ahead > 0:
+        await asyncio.sleep(ahead)
+
+
 async def _acknowledged(clone, keys: list[str], ledger: dict, stop: asyncio.Event) -> None:
     """``wait=True`` writes to ``keys`` in turn until ``stop``; only those acknowledged
     go into ``ledger`` (one that fails over a kill is not, and is not read back)."""
-    n = 0
+    n, started, loop = 0, time.monotonic(), next(_LOOPS)
     while not stop.is_set():
-        key, value = keys[n % len(keys)], b"w%d" % n
+        await _paced(started, n)
+        key, value = keys[n % len(keys)], b"w%d.%d" % (loop, n)
         try:
             await clone.set(key, value, wait=True, timeout_s=10)
             ledger[key] = value
@@ -161,9 +181,10 @@ async def _write_until(clone, keys: list[str], ledger: dict, stop: asyncio.Event
                        timeout_s: float = 10.0) -> None:
     """``wait=True`` writes to ``keys`` in turn until ``stop``, each into ``ledger``; a
     write that fails fails the caller (where a write may fail: ``_acknowledged``)."""
-    n = 0
+    n, started, loop = 0, time.monotonic(), next(_LOOPS)
     while not stop.is_set():
-        key, value = keys[n % len(keys)], b"w%d" % n
+        await _paced(started, n)
+        key, value = keys[n % len(keys)], b"w%d.%d" % (loop, n)
         await clone.set(key, value, wait=True, timeout_s=timeout_s)
         ledger[key] = value
         n += 1
@@ -291,8 +312,9 @@ def test_supervisor_reshard_moves_a_prefix_with_writers_running(procs, tmp_path,
             stop = asyncio.Event()
 
             async def writer():  # the same 20 keys again and again, acknowledged each
-                n = 0
+                n, started = 0, time.monotonic()
                 while not stop.is_set():
+                    await _paced(started, n)
                     key = f"{tenant}{n % 20}"
                     value = b"w%d" % n
                     await clone.set(key, value, wait=True, timeout_s=10)
@@ -491,8 +513,9 @@ def test_a_growth_copies_at_the_rate_it_was_given_and_loses_nothing(procs, tmp_p
             stop = asyncio.Event()
 
             async def writer():
-                n = 0
+                n, started = 0, time.monotonic()
                 while not stop.is_set():
+                    await _paced(started, n)
                     key = f"/pace{n % 600}/k"
                     await clone.set(key, b"w%d" % n + value, wait=True, timeout_s=30)
                     ledger[key] = b"w%d" % n + value
