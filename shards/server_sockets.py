@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple
 
 import zmq
 
+from clonemap.shards.common import zio
 from clonemap.shards.common.errors import PortInUse
 from clonemap.shards.common.security import Authenticator, Security
 from clonemap.shards.server_config import (ServerConfig, collector_frame_limit,
@@ -62,6 +63,8 @@ class ServerSockets:
         self._auth = Authenticator(self.ctx, self._security(), identities)
         try:
             router = self.socket(zmq.ROUTER)
+            # a reader of a large snapshot is cut off only as the pump abandons it
+            zio.patient_with_readers(router, cfg.snapshot_stall_s)
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.SNDHWM, router_hwm)
             router.setsockopt(zmq.MAXMSGSIZE, request_frame_limit(cfg.limits))

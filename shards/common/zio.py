@@ -528,3 +528,23 @@ def link_heartbeats(sock: zmq.Socket, interval_s: float) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TTL, LINK_BEATS * ms)
     sock.setsockopt(zmq.CONNECT_TIMEOUT, LINK_BEATS * ms)
     sock.setsockopt(zmq.TCP_MAXRT, LINK_BEATS * ms)
+
+
+def patient_with_readers(sock: zmq.Socket, stall_s: float) -> None:
+    """A bound socket that streams to its peers (a server's snapshot ROUTER): with
+    ``link_heartbeats`` on it, a connection is closed only when its peer has answered
+    nothing for ``stall_s``, TCP included; a peer reconnecting under the routing id of a
+    connection not yet closed takes it over (``ROUTER_HANDOVER``). A PING queues behind
+    the data already on its way, and its PONG behind what the peer has not read yet: a
+    reader that takes a second to drain its buffers (a large snapshot, a loaded host)
+    answered too late for three heartbeats and was cut off at every try (and TCP, at a
+    zero window held that long). The connecting sides keep the three-heartbeat rule:
+    they make a stalled link again within about three heartbeats of a heal. No-op on a
+    socket without heartbeats."""
+    if sock.getsockopt(zmq.HEARTBEAT_IVL) <= 0:
+        return
+    ms = max(sock.getsockopt(zmq.HEARTBEAT_TIMEOUT), int(stall_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
+    sock.setsockopt(zmq.TCP_MAXRT, ms)
+    if sock.type == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)

@@ -69,9 +69,9 @@ ASKS = 3
 def dump(endpoints: str, wait_s: float) -> int:
     """Each server's map by a raw ICANHAZ, all asked at once. A server whose stream
     stops for ``wait_s`` is asked again on a new connection, as a client would (prints
-    ``AGAIN SERVER``): the server closes a connection whose PONGs do not come within 3
-    heartbeats, and this reader's process, starved on a loaded host, may not send them
-    in time; the rows of a stream cut off are dropped. ``SILENT`` after ``ASKS`` tries."""
+    ``AGAIN SERVER``; the rows of a stream cut off are dropped). ``SILENT`` after
+    ``ASKS`` tries. (A leased server once closed a slow reader's connection after 3
+    heartbeats without a PONG, at every try: ``zio.patient_with_readers``.)"""
 
     import zmq
 

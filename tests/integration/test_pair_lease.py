@@ -14,6 +14,7 @@ import time
 import uuid as uuidlib
 
 import pytest
+import zmq
 
 from conftest import EtcdServer
 from clonemap.shards import coord
@@ -446,3 +447,37 @@ def test_a_restarted_active_that_went_on_alone_serves_when_its_passive_cannot(
     primary.signal(signal.SIGKILL)
     snap, _ = vote(zctx, b, timeout_s=LEASE_S + DEADLINE_S)
     assert {k: snap.get(k) for k in acked} == acked
+
+
+def test_a_slow_reader_gets_a_large_snapshot_whole(procs, zctx, port_base, etcd_server):
+    """A leased server puts ZMTP heartbeats on its sockets. Its PINGs queue behind the
+    snapshot already on the way, and a reader's PONG behind what it has not read yet: a
+    reader that drains a large map slowly (~20,000 messages a second, as a Python reader
+    on a loaded host) answered too late for three heartbeats and was cut off at every
+    ask (seen as a raw reader's ICANHAZ silent three times, 112,000 keys, on 2 shared
+    cores). It gets the whole map."""
+    name, p, b, primary, backup, watch = leased_pair(procs, zctx, port_base, etcd_server)
+    writer, at_p = settled_writer(zctx, watch, p, b)
+    keys = 120_000
+    for start in range(0, keys, 5000):  # (in steps the collector's mark holds)
+        for i in range(start, start + 5000):
+            last = writer.kvset(b"/big/%07d" % i, b"v" * 60)
+        at_p.wait(lambda m, last=last: m.uuid == last, what="(a step's last write)")
+        at_p.got.clear()
+    reader = zctx.socket(zmq.DEALER)
+    reader.linger = 0
+    reader.connect(f"tcp://127.0.0.1:{p}")
+    reader.send_multipart([b"ICANHAZ?", b""])
+    got, started = 0, time.monotonic()
+    while True:
+        assert reader.poll(10_000), f"the snapshot stopped after {got} of {keys} keys"
+        frames = reader.recv_multipart()
+        if frames[0] == b"KTHXBAI":
+            break
+        got += frames[0].startswith(b"/big/")
+        ahead = started + got / 20_000 - time.monotonic()  # the reader's pace
+        if ahead > 0.01:
+            time.sleep(ahead)
+    reader.close(0)
+    assert got == keys
+    assert not [line for line in primary.stderr if "the peer has gone" in line]
