@@ -317,6 +317,8 @@ class BinaryStar:
             zio.send_frames(self._state_pub, frames)
         except zmq.Again:  # a PUB never blocks; kept for safety
             self.server.drops.drop("state_hwm", "state message not sent")
+        if self.sync and self.machine.state is bstar.State.PASSIVE:
+            self.follower.reconfirm()  # each heartbeat: a lost HAVE is said again
 
     def _arm_tick(self) -> None:
         if self.machine is None or self.server.loop is None or self.fatal:

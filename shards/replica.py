@@ -154,7 +154,8 @@ class Follower:
         self.link_id = b""
         """Synchronous replication: the DEALER on the active's P that receives each batch
         before it is published, and confirms it (``FOLLOW``, ``UPDATES``, ``HAVE``)."""
-        self.link_counters = dict.fromkeys(("links", "updates", "confirmed", "malformed"), 0)
+        self.link_counters = dict.fromkeys(("links", "updates", "confirmed", "reconfirmed",
+                                           "malformed"), 0)
         self._unconfirmed = False
 
     @property
@@ -224,6 +225,17 @@ class Follower:
         self._unconfirmed = False
         self.confirm(self.link_id)
         self.link_counters["confirmed"] += 1
+
+    def reconfirm(self) -> None:
+        """Say again how far the replica goes (the pair's heartbeat): a ``HAVE`` lost on
+        its way (the active's SUB on this state PUB reconnecting after a stall, the PUB
+        dropping it meanwhile) was otherwise repeated only by the next batch, and with
+        no more writes the active's alone record stayed (seen once this server's link
+        outlived a 2 s freeze: the link's batches came, their HAVE was lost)."""
+        if self.confirm is None or self._link is None or self.state.phase != rm.LIVE:
+            return
+        self.confirm(self.link_id)
+        self.link_counters["reconfirmed"] += 1
 
     # ------------------------------------------------------------------ machine
     def _dispatch(self, event, now: float) -> None:

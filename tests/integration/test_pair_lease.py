@@ -481,3 +481,31 @@ def test_a_slow_reader_gets_a_large_snapshot_whole(procs, zctx, port_base, etcd_
     reader.close(0)
     assert got == keys
     assert not [line for line in primary.stderr if "the peer has gone" in line]
+
+
+def test_a_passive_says_how_far_it_goes_again_each_heartbeat(procs, zctx, port_base,
+                                                             etcd_server):
+    """A passive's ``BSTAR-HAVE`` goes out on a PUB: one published while the active's
+    SUB reconnects is lost. The passive says it again with each heartbeat, so a lost one
+    holds nothing up for longer than that (before, only the next batch repeated it: with
+    no more writes, an alone record stayed after its passive had caught up). A raw SUB
+    that joins after the last write still reads the passive's HAVE of that write."""
+    from clonemap.shards.common.proto import bstar as wire
+
+    name, p, b, primary, backup, watch = leased_pair(procs, zctx, port_base, etcd_server)
+    writer, at_p = settled_writer(zctx, watch, p, b)
+    uuid = writer.kvset(b"/last", b"1")
+    seq = at_p.wait(lambda m: m.uuid == uuid).seq  # (confirmed: the passive holds it)
+    late = zctx.socket(zmq.SUB)
+    late.linger = 0
+    late.setsockopt(zmq.SUBSCRIBE, wire.HAVE)
+    late.connect(f"tcp://127.0.0.1:{b + 3}")
+    seen = []
+    while len(seen) < 2:  # (each within a heartbeat or two)
+        assert late.poll(DEADLINE_S * 1000), f"no BSTAR-HAVE again: {seen}"
+        frames = late.recv_multipart()
+        assert frames[0] == wire.HAVE and len(frames) == 3, frames
+        seen.append(int.from_bytes(frames[2], "big"))
+    late.close(0)
+    assert seen == [seq, seq]
+    assert stats_on_sigusr1(backup, watch[b])["replica"]["link"]["reconfirmed"] >= 2
