@@ -317,8 +317,10 @@ class BinaryStar:
             zio.send_frames(self._state_pub, frames)
         except zmq.Again:  # a PUB never blocks; kept for safety
             self.server.drops.drop("state_hwm", "state message not sent")
-        if self.sync and self.machine.state is bstar.State.PASSIVE:
-            self.follower.reconfirm()  # each heartbeat: a lost HAVE is said again
+        if (self.sync and self.machine.state is bstar.State.PASSIVE
+                and self._followed_term is not None):
+            # each heartbeat: a lost HAVE is said again, for the term it follows only
+            self.follower.reconfirm(self._followed_term)
 
     def _arm_tick(self) -> None:
         if self.machine is None or self.server.loop is None or self.fatal:
@@ -547,14 +549,19 @@ class BinaryStar:
         if leased is not None:
             leased.after_vote(frames)
 
-    def confirm_replica(self, link_id: bytes) -> None:
+    def confirm_replica(self, link_id: bytes, term: int | None = None) -> None:
         """Passive (the follower's ``confirm``): write what the active's batch brought
         (the log, fsync under always), then say how far this replica goes: ``BSTAR-HAVE``
-        on this server's state PUB."""
+        on this server's state PUB. ``term``: said again (a heartbeat's repeat), for the
+        active's term this replica follows, a fourth frame: an active of another term
+        takes nothing from it."""
         self.server.flush()
         seq = self.server.store.seq
+        frames = [HAVE, link_id, seq.to_bytes(8, "big")]
+        if term is not None:
+            frames.append(term.to_bytes(8, "big"))
         try:
-            zio.send_frames(self._state_pub, [HAVE, link_id, seq.to_bytes(8, "big")])
+            zio.send_frames(self._state_pub, frames)
         except zmq.Again:  # a PUB never blocks; a lost one is followed by the next
             self.server.drops.drop("state_hwm", "BSTAR-HAVE not sent")
 
@@ -641,9 +648,18 @@ class BinaryStar:
         synchronous active only; the link takes nothing past the lease."""
         if self.leased is None:
             return
-        if len(frames) != 3 or len(frames[2]) != 8 or not frames[1]:
+        if (len(frames) not in (3, 4) or len(frames[2]) != 8 or not frames[1]
+                or (len(frames) == 4 and len(frames[3]) != 8)):
             self.server.drops.drop("peer_bad_confirmation",
                                    f"{len(frames)}-frame BSTAR-HAVE")
+            return
+        if len(frames) == 4 and int.from_bytes(frames[3], "big") != self.term():
+            # a repeat for another term: the passive copied another active's map (or
+            # this server's before it went active again), which may differ from this
+            # map at the same sequences; it copies this one once it hears this term
+            self.server.drops.drop("peer_confirmation_other_term",
+                                   f"BSTAR-HAVE for term {int.from_bytes(frames[3], 'big')},"
+                                   f" this server's is {self.term()}")
             return
         if self.sync:
             self.link.on_confirmation(frames[1], int.from_bytes(frames[2], "big"))

@@ -103,7 +103,7 @@ class Follower:
     def __init__(self, sink: ReplicaSink, reactor: "ShardServer", peer_host: str,
                  peer_port: int, *, shard: str, sync_timeout_s: float,
                  buffer_max: int = BUFFER_MAX, pending: PendingTable | None = None,
-                 confirm: Callable[[bytes], None] | None = None):
+                 confirm: Callable[..., None] | None = None):
         self.sink = sink
         self.reactor = reactor
         """The server whose loop, context and security the follower's sockets use."""
@@ -112,8 +112,9 @@ class Follower:
         """A passive's table of writes heard from clients (``clonemap.shards.pending``): the
         active's KVPUB confirms each; emptied when a sync starts."""
         self.confirm = confirm
-        """Synchronous replication (a leased pair): ``confirm(link_id)`` writes what the
-        link brought and says how far the replica goes (``BSTAR-HAVE``); None: no link."""
+        """Synchronous replication (a leased pair): ``confirm(link_id, term=None)``
+        writes what the link brought and says how far the replica goes (``BSTAR-HAVE``;
+        ``term``: a repeat, for that term of the active); None: no link."""
         self.snapshot_endpoint = f"tcp://{peer_host}:{peer_port}"
         self.updates_endpoint = f"tcp://{peer_host}:{peer_port + 1}"
         self.sync_timeout_s = sync_timeout_s
@@ -226,15 +227,18 @@ class Follower:
         self.confirm(self.link_id)
         self.link_counters["confirmed"] += 1
 
-    def reconfirm(self) -> None:
-        """Say again how far the replica goes (the pair's heartbeat): a ``HAVE`` lost on
-        its way (the active's SUB on this state PUB reconnecting after a stall, the PUB
-        dropping it meanwhile) was otherwise repeated only by the next batch, and with
-        no more writes the active's alone record stayed (seen once this server's link
-        outlived a 2 s freeze: the link's batches came, their HAVE was lost)."""
+    def reconfirm(self, term: int) -> None:
+        """Say again how far the replica goes (the pair's heartbeat), for the active's
+        ``term`` it follows: a ``HAVE`` lost on its way (the active's SUB on this state
+        PUB reconnecting after a stall, the PUB dropping it meanwhile) was otherwise
+        repeated only by the next batch, and with no more writes the active's alone
+        record stayed (seen once this server's link outlived a 2 s freeze: the link's
+        batches came, their HAVE was lost). The term keeps a repeat from confirming
+        anything to an active that went active again (restarted, say) before this
+        replica heard of it: its map may differ at the same sequences."""
         if self.confirm is None or self._link is None or self.state.phase != rm.LIVE:
             return
-        self.confirm(self.link_id)
+        self.confirm(self.link_id, term)
         self.link_counters["reconfirmed"] += 1
 
     # ------------------------------------------------------------------ machine

@@ -503,8 +503,58 @@ def test_a_passive_says_how_far_it_goes_again_each_heartbeat(procs, zctx, port_b
     while len(seen) < 2:  # (each within a heartbeat or two)
         assert late.poll(DEADLINE_S * 1000), f"no BSTAR-HAVE again: {seen}"
         frames = late.recv_multipart()
-        assert frames[0] == wire.HAVE and len(frames) == 3, frames
-        seen.append(int.from_bytes(frames[2], "big"))
+        assert frames[0] == wire.HAVE and len(frames) == 4, frames  # (a repeat: the term)
+        seen.append((int.from_bytes(frames[2], "big"), int.from_bytes(frames[3], "big")))
     late.close(0)
-    assert seen == [seq, seq]
+    term = stats_on_sigusr1(primary, watch[p])["term"]
+    assert seen == [(seq, term), (seq, term)]
     assert stats_on_sigusr1(backup, watch[b])["replica"]["link"]["reconfirmed"] >= 2
+
+
+def test_a_repeated_confirmation_for_another_term_releases_nothing(procs, zctx, port_base,
+                                                                   etcd_server):
+    """A passive says its BSTAR-HAVE again each heartbeat, with the active's term it
+    follows. An active of another term (one that went active again before the passive
+    heard of it: its map may differ at the same sequences) takes nothing from it: a
+    raw passive on the backup's P+3 repeats a huge sequence for another term, and the
+    write waits until going alone is recorded in etcd, the repeat counted as a drop."""
+    from clonemap.shards.common.proto import bstar as wire
+
+    from test_pair import HEARTBEAT_S, Watcher, start_server
+
+    name = f"t-{uuidlib.uuid4().hex[:8]}"
+    p, b = two_bases(port_base)
+    peer = zctx.socket(zmq.XPUB)  # the backup's P+3, at frame level
+    peer.linger = 0
+    peer.bind(f"tcp://127.0.0.1:{b + 3}")
+    primary = start_server(procs, p, "primary", b, *leased(etcd_server, name))
+    assert peer.poll(DEADLINE_S * 1000), "the primary did not subscribe to its peer"
+    peer.recv()
+    watch = Watcher(zctx, p)
+
+    def beat(state) -> None:
+        peer.send_multipart(wire.encode(wire.StateMessage(
+            state, wire.Role.BACKUP, HEARTBEAT_S, 0, 0, "t")))
+
+    deadline = time.monotonic() + DEADLINE_S
+    while watch.next().state != ACTIVE:  # (a heartbeat of ours per one of the primary's)
+        assert time.monotonic() < deadline, "the primary did not go active"
+        beat(wire.State.BACKUP)
+    term = watch.last.term
+    writer = Writer(zctx, [p])
+    updates = Updates(zctx, p)
+    updates.connected()
+    uuid = writer.kvset(b"/stale", b"s")
+    other = (term + 7).to_bytes(8, "big")
+    deadline = time.monotonic() + DEADLINE_S
+    while not any(m.uuid == uuid for m in updates.got):
+        assert time.monotonic() < deadline, "the write was never acknowledged"
+        beat(wire.State.PASSIVE)
+        peer.send_multipart([wire.HAVE, b"Lraw", (10**9).to_bytes(8, "big"), other])
+        watch.next()
+        updates.pump()
+    # released by going alone (recorded first), not by the repeat
+    assert alone(etcd_server, name) == f"primary@127.0.0.1:{p}".encode()
+    stats = stats_on_sigusr1(primary, watch)
+    assert stats["drops"]["peer_confirmation_other_term"] >= 1
+    assert stats["sync_replication"]["peer_has"] == 0

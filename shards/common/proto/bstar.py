@@ -29,7 +29,9 @@ UTF-8 (``bad_shard``).
 
 A pair across hosts with synchronous replication (``clonemap.shards.pair``) also publishes its
 passive's confirmations on P+3: 3 frames, ``BSTAR-HAVE``, the name of its link to the
-active (1..255 bytes) and the sequence its replica holds (8 bytes). A reader of P+3 tells
+active (1..255 bytes) and the sequence its replica holds (8 bytes); the same said again
+with each heartbeat has a fourth, the active's term the replica follows (8 bytes), and
+an active of another term ignores it. A reader of P+3 tells
 them apart by the first frame (``is_confirmation``); the active's SUB reads them only
 from its configured peer. ``BSTAR-FOLLOW`` (on P, with the sequence) and ``BSTAR-UPD``
 (active -> passive on P, a KVPUB's 5 frames after it) complete that link.
