@@ -653,13 +653,13 @@ class BinaryStar:
             self.server.drops.drop("peer_bad_confirmation",
                                    f"{len(frames)}-frame BSTAR-HAVE")
             return
-        if len(frames) == 4 and int.from_bytes(frames[3], "big") != self.term():
+        if len(frames) == 4 and (term := int.from_bytes(frames[3], "big")) != self.term():
             # a repeat for another term: the passive copied another active's map (or
             # this server's before it went active again), which may differ from this
             # map at the same sequences; it copies this one once it hears this term
             self.server.drops.drop("peer_confirmation_other_term",
-                                   f"BSTAR-HAVE for term {int.from_bytes(frames[3], 'big')},"
-                                   f" this server's is {self.term()}")
+                                   f"BSTAR-HAVE for term {term}, this server's is "
+                                   f"{self.term()}")
             return
         if self.sync:
             self.link.on_confirmation(frames[1], int.from_bytes(frames[2], "big"))

@@ -370,6 +370,16 @@ def stats_on_sigusr1(server, watch: Watcher) -> dict:
     raise AssertionError("no stats line after SIGUSR1")
 
 
+def wait_stats(server, watch, what: str, ok) -> dict:
+    """The server's stats (SIGUSR1), asked once per heartbeat until ``ok(stats)``."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        stats = stats_on_sigusr1(server, watch)
+        if ok(stats):
+            return stats
+        assert time.monotonic() < deadline, f"{what}: never so; last stats {stats}"
+
+
 def test_a_large_ttl_table_streams_in_chunks_and_the_backup_keeps_every_ttl(
         procs, zctx, port_base):
     p, b = two_bases(port_base)

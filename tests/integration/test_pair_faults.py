@@ -375,7 +375,7 @@ def test_a_write_published_before_the_passive_followed_is_not_applied_twice(
     map is the snapshot, at its sequence, W applied once."""
     import uuid as uuidlib
 
-    from test_pair import stats_on_sigusr1
+    from test_pair import stats_on_sigusr1, wait_stats
 
     p, b = two_bases(port_base)
     active = RawActive(zctx, p)
@@ -385,14 +385,11 @@ def test_a_write_published_before_the_passive_followed_is_not_applied_twice(
         active.subscribed()
         w = uuidlib.uuid4().bytes
         active.publish(b"/w", b"once", w)
-        deadline = time.monotonic() + DEADLINE_S
-        while True:  # until the backup has read W's KVPUB (the publish and the signal
-            # race: libzmq's I/O thread may deliver W after the stats are logged)
-            stats = stats_on_sigusr1(backup, watch)
-            assert stats["replica"]["phase"] == "idle" and watch.last.state == BACKUP
-            if stats["replica"]["ignored_while_idle"] >= 1:
-                break
-            assert time.monotonic() < deadline, stats["replica"]
+        # (the publish and the signal race: libzmq's I/O thread may deliver W after
+        # the stats are logged)
+        stats = wait_stats(backup, watch, "the backup read W's KVPUB",
+                           lambda s: s["replica"]["ignored_while_idle"] >= 1)
+        assert stats["replica"]["phase"] == "idle" and watch.last.state == BACKUP
         deadline = time.monotonic() + DEADLINE_S
         while watch.last.state != PASSIVE or watch.last.sequence != 1:
             assert time.monotonic() < deadline, f"the backup did not follow: {watch.last}"

@@ -19,7 +19,8 @@ import zmq
 from conftest import EtcdServer
 from clonemap.shards import coord
 from test_pair import (ACTIVE, DEADLINE_S, PASSIVE, Updates, Writer, settle, snapshot,
-                       start_pair, stats_on_sigusr1, stderr_text, two_bases, vote)
+                       start_pair, stats_on_sigusr1, stderr_text, two_bases, vote,
+                       wait_stats)
 
 LEASE_S = 2.0
 pytestmark = pytest.mark.timeout(120)
@@ -334,16 +335,6 @@ def revoke_holders_lease(etcd, name: str) -> int:
     lease = int(got["kvs"][0]["lease"])
     client.revoke(lease)
     return lease
-
-
-def wait_stats(server, watch, what: str, ok) -> dict:
-    """The server's stats (SIGUSR1), asked once per heartbeat until ``ok(stats)``."""
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        stats = stats_on_sigusr1(server, watch)
-        if ok(stats):
-            return stats
-        assert time.monotonic() < deadline, f"{what}: never so; last stats {stats}"
 
 
 def test_an_active_whose_lease_lapsed_and_came_back_keeps_its_passive_following(

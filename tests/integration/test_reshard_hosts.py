@@ -309,7 +309,7 @@ class TwoHosts:
 
     def brief_stats(self, shards: list[dict], indices: list[int]) -> dict[str, str]:
         """``stats_of`` in a line per server: its state, term, sequence, keys, votes it
-        refused, lease and routing epoch."""
+        refused, whether it holds its lease (and the lease's ID) and its routing epoch."""
         out = {}
         for name, stats in self.stats_of(shards, indices).items():
             if not stats:
@@ -319,7 +319,7 @@ class TwoHosts:
             out[name] = (f"{stats.get('bstar_state')} t{stats.get('term')} "
                          f"seq {stats.get('seq')} keys {stats.get('keys')} "
                          f"refused {stats.get('refused_votes')} "
-                         f"lease {lease.get('state', lease.get('lease_id'))} "
+                         f"lease held {lease.get('held')} id {lease.get('lease_id')} "
                          f"epoch {(stats.get('routing') or {}).get('epoch')}")
         return out
 

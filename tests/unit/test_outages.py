@@ -20,10 +20,16 @@ class Agent:
         return self.now
 
 
-def test_a_passive_answer_is_named_after_a_later_move_for_silence():
+def after_a_passive_answer() -> tuple[Agent, Outages]:
+    """An agent whose client left server b (1) for a (0) because b said it is passive."""
     agent = Agent()
     outages = Outages(agent, None, None)
     outages.failed_over(sm.Failover(1, 0, "server not serving (passive)", 0.0, passive=True))
+    return agent, outages
+
+
+def test_a_passive_answer_is_named_after_a_later_move_for_silence():
+    agent, outages = after_a_passive_answer()
     agent.now += 1.0
     outages.failed_over(sm.Failover(0, 1, "server silent", 0.6))
     agent.now += 1.0
@@ -33,9 +39,7 @@ def test_a_passive_answer_is_named_after_a_later_move_for_silence():
 
 
 def test_no_passive_answer_within_the_window_names_none():
-    agent = Agent()
-    outages = Outages(agent, None, None)
-    outages.failed_over(sm.Failover(1, 0, "server not serving (passive)", 0.0, passive=True))
+    agent, outages = after_a_passive_answer()
     agent.now += 20.0
     outages.failed_over(sm.Failover(0, 1, "server silent", 0.6))
     text = outages.unavailable(10.0)
