@@ -215,6 +215,10 @@ class LeaseView:
     """When acquired: etcd's alone record named this server (its last run, or this one,
     went on alone): the server is alone from its first write until its passive holds
     everything again, and clears the record then."""
+    generation: int = 0
+    """How many times this server has acquired the lease: a new value is a new grant in
+    etcd. The loop compares it with the one it took, so that a lease lost and acquired
+    again before the loop looked is still a loss (``clonemap.shards.leased``)."""
 
 
 class Lease:
@@ -279,7 +283,8 @@ class Lease:
     def _set(self, **changes) -> None:
         old = self.view
         self.view = new = replace(old, **changes)
-        if (new.held, new.holder, new.error) != (old.held, old.holder, old.error) \
+        if (new.held, new.holder, new.error, new.generation) != \
+                (old.held, old.holder, old.error, old.generation) \
                 and self.on_change is not None:
             self.on_change(new)
 
@@ -346,7 +351,8 @@ class Lease:
         log.info("lease %s: acquired by %s (%g s)%s", self.key.decode(), self.me,
                  self.lease_s, ": the alone record names it" if mine else "")
         self._set(held=True, valid_until=self._deadline(sent, self.lease_s),
-                  holder=self.me, error="", alone_mine=mine)
+                  holder=self.me, error="", alone_mine=mine,
+                  generation=self.view.generation + 1)
         return self.renew_s
 
     def _lost(self, why: str) -> None:
@@ -392,6 +398,7 @@ class Lease:
     def stats(self) -> dict:
         view = self.view
         return {"key": self.key.decode(), "held": view.held, "holder": view.holder,
-                "lease_id": self._lease, "lease_s": self.lease_s, "error": view.error,
+                "lease_id": self._lease, "generation": view.generation,
+                "lease_s": self.lease_s, "error": view.error,
                 "valid_for_s": round(max(0.0, view.valid_until - self.clock()), 3)
                 if view.held else 0.0, **self.counters}

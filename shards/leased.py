@@ -80,6 +80,10 @@ class Leased:
         self._answer, self._drop, self._clock = answer, drop, clock
         self.closed = False
         self.fenced_batches = 0
+        self.losses_caught_late = 0
+        """Leases lost and acquired again before the loop looked (a loss all the same)."""
+        self._generation = 0
+        """The lease's generation the machine holds (``LeaseView.generation``)."""
         self._fence_handle: asyncio.TimerHandle | None = None
         self._waiting: list[list[bytes]] = []
         """ICANHAZ requests waiting for the passive to confirm what is parked."""
@@ -116,7 +120,23 @@ class Leased:
             return
         now = self._clock()
         valid = self.lease.valid(now)
+        view = self.lease.view
+        if valid and machine.lease_held and view.generation != self._generation:
+            # lost and acquired again by the lease's thread (still wanted) before this
+            # check ran: the machine held the old grant, and between the two the key was
+            # free. It hears the loss as if it had looked in time (it stays in its term;
+            # the new grant is given back unless the machine wants it again).
+            self.losses_caught_late += 1
+            log.warning("shard %s: %s fenced: its lease was lost and acquired again "
+                        "before it looked (grant %d -> %d); it stops acknowledging",
+                        self.shard, self.name, self._generation, view.generation)
+            self._step(bstar.Event.LEASE_LOST)
+            machine = self._machine()
+            if machine is None or machine.fatal or self.closed:
+                return
+            valid = self.lease.valid(now) and bstar.lease_wanted(machine)
         if valid and not machine.lease_held:
+            self._generation = view.generation
             self._step(bstar.Event.LEASE_ACQUIRED)
         elif not valid and machine.lease_held:
             log.warning("shard %s: %s fenced: its lease is not renewed (%s); it stops "
@@ -144,10 +164,13 @@ class Leased:
         return self.lease.view.alone_mine
 
     def ran_out(self) -> bool:
-        """Holding the lease by the machine's account, but past its deadline now."""
+        """Holding the lease by the machine's account, but past its deadline now, or
+        holding another grant than the one the machine took (lost and acquired again:
+        between the two the key was free, and the server must not go on as before)."""
         machine = self._machine()
         return (machine is not None and machine.lease_held
-                and not self.lease.valid(self._clock()))
+                and (not self.lease.valid(self._clock())
+                     or self.lease.view.generation != self._generation))
 
     def fenced(self) -> bool:
         """Asked before publishing (acknowledging) anything: past the lease's deadline
@@ -223,5 +246,6 @@ class Leased:
 
     def stats(self) -> dict[str, Any]:
         return {**self.lease.stats(), "fenced_batches": self.fenced_batches,
+                "losses_caught_late": self.losses_caught_late,
                 "snapshots_waiting_passive": len(self._waiting),
                 "votes_waiting_lease": len(self._deferred)}

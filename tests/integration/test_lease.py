@@ -92,3 +92,23 @@ def test_a_holder_cut_from_etcd_is_fenced_at_its_own_deadline(tmp_path, claimant
         assert a.lease.counters["lost"] == 1 and a.lease.counters["errors"] >= 1
     finally:
         etcd.stop()
+
+
+def test_a_revoked_lease_still_wanted_comes_back_as_a_new_generation(etcd_server, claimants):
+    """etcd revokes the holder's lease (a lapse, as an operator's `etcdctl lease revoke`
+    makes one). Its next renewal finds it gone: a loss; still wanted, it is acquired again
+    under a new grant, and the view says so by its generation, so that a loop which looks
+    only after both can still tell the loss (``clonemap.shards.leased``)."""
+    name = f"l-{uuidlib.uuid4().hex[:8]}"
+    a = claimants(etcd_server, name, "a")
+    a.lease.want(True)
+    _, first = a.wait(lambda v: v.held, "acquire")
+    assert first.generation == 1
+    client = coord.Etcd([(etcd_server.host, etcd_server.port)])
+    revoked = time.monotonic()
+    client.revoke(a.lease.stats()["lease_id"])
+    lost_at, _ = a.wait(lambda v: not v.held, "loss", since=revoked)
+    _, again = a.wait(lambda v: v.held, "acquire again", since=lost_at)
+    assert again.generation == 2 and a.lease.view.generation == 2
+    assert a.lease.counters["lost"] == 1 and a.lease.counters["acquired"] == 2
+    assert client.get(coord.lease_key(name)) == b"a"

@@ -39,7 +39,17 @@ class FakeLease:
         return {"held": self.view.held}
 
     def grant(self, until: float):
-        self.view = LeaseView(True, until, "primary@host")
+        """Acquired (again): a grant of its own, as each acquire in etcd is."""
+        self.view = LeaseView(True, until, "primary@host", generation=self.view.generation + 1)
+        self.on_change(self.view)
+
+    def renew(self, until: float):
+        """Renewed: the same grant, a later deadline."""
+        self.view = LeaseView(True, until, "primary@host", generation=self.view.generation)
+        self.on_change(self.view)
+
+    def lose(self):
+        self.view = LeaseView(generation=self.view.generation)
         self.on_change(self.view)
 
 
@@ -130,12 +140,35 @@ def test_past_the_deadline_nothing_is_published_and_the_machine_loses_the_lease(
     assert not p.leased.fenced()  # passive: nothing is asked of the lease any more
 
 
+def test_a_lease_lost_and_taken_again_before_the_loop_looked_is_still_a_loss():
+    """The lease's thread finds the lease gone in etcd (revoked: a lapse under load) and,
+    still wanted, acquires a new one, all before the loop runs the check that the loss
+    handed it. The machine must still hear LEASE_LOST: it held the old lease, and
+    between the two anybody could have taken the pair's key (seen once: the active
+    stayed ACTIVE in its old term, and its passive never copied the map again)."""
+    p = Pair()
+    p.become_active()
+    term = p.machine.term
+    p.lease.lose()
+    p.lease.grant(p.now + 5)  # the thread's next turn, before the loop's
+    assert p.leased.ran_out() and p.leased.fenced()  # a batch now: not published
+    p.loop.run_soon()  # both checks see the latest view: held, valid
+    assert p.machine.state is State.PASSIVE and p.machine.term == term
+    assert p.leased.losses_caught_late == 1
+    assert p.lease.wanted[-1] is False  # the new grant is given back
+    p.lease.lose()  # (released by the thread)
+    p.loop.run_soon()
+    assert not p.machine.lease_held and p.loop.at == []
+    assert p.machine.state is State.PASSIVE and p.leased.losses_caught_late == 1
+
+
 def test_a_renewed_lease_moves_the_fence_timer():
     p = Pair()
     p.become_active()
-    p.lease.grant(T0 + 9)
+    p.lease.renew(T0 + 9)
     p.loop.run_soon()
     assert [when for when, _ in p.loop.at] == [T0 + 9]
+    assert p.machine.state is State.ACTIVE and p.leased.losses_caught_late == 0
 
 
 def test_an_icanhaz_waits_while_writes_are_parked_and_is_answered_after():
