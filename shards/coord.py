@@ -175,6 +175,16 @@ class Etcd:
                 return False, base64.b64decode(kv.get("value", "")), False
         return False, b"", False  # deleted in between: the next try takes it
 
+    def put_while_held(self, key: bytes, value: bytes, claim_key: bytes, lease: int) -> bool:
+        """Put ``value`` only while ``claim_key`` is held under ``lease`` (one
+        transaction). False: that lease lapsed or was revoked, and the claim is gone or
+        another's."""
+        got = self.call("/v3/kv/txn", {
+            "compare": [{"key": _b64(claim_key), "result": "EQUAL", "target": "LEASE",
+                         "lease": str(lease)}],
+            "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}]})
+        return bool(got.get("succeeded"))
+
     def put(self, key: bytes, value: bytes) -> None:
         self.call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)})
 

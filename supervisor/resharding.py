@@ -220,6 +220,9 @@ class Resharding:
         tells the other hosts' supervisors which config to plan)."""
         self._claim = 0
         """The etcd lease under which this supervisor holds the change under way."""
+        self._claim_lapsed = ""
+        """Why that claim is known to be gone ("" while held): before its flip the
+        change rolls back (``_check_abort``); the move's record is written only under it."""
         self._new_config = ""
         """The config of the change under way (the path every host plans)."""
         self._counted: tuple | None = None
@@ -443,6 +446,7 @@ class Resharding:
             self.copy_rate = copy_rate
             self.copy_paused_s = 0.0
             self._aborting = self._past_flip = False
+            self._claim_lapsed = ""
             if apply:
                 self._state = {"phase": "planning", "keys": 0, "bytes": 0,
                                "changes": self._state["changes"] + 1, "running": True,
@@ -506,24 +510,43 @@ class Resharding:
                       "step and rolls back")
 
     def _check_abort(self) -> None:
-        if self._aborting and not self._past_flip:
+        if self._past_flip:
+            return
+        if self._aborting:
             raise Refused(b"409", "aborted by the operator (supervisor reshard --abort)")
+        if self._claim_lapsed:
+            raise Refused(b"409", self._lapsed_text())
+
+    def _lapsed_text(self) -> str:
+        return (f"this supervisor's claim on the change in etcd lapsed "
+                f"({self._claim_lapsed}): another change may have begun; rolled back "
+                "before the flip")
 
     async def _keep_saying(self) -> None:
         """A word to the caller at least every ``PROGRESS_S`` whatever the phase is
         waiting on (a server busy copying answers its control service late); across
         hosts, the claim kept alive."""
-        kept = time.monotonic()
+        kept = tried = time.monotonic()
         while True:
             await asyncio.sleep(PROGRESS_S)
             if time.monotonic() - self._said_at >= PROGRESS_S:
                 await self._say(waiting=True)
-            if self._claim and time.monotonic() - kept >= CLAIM_TTL_S / 4:
-                kept = time.monotonic()
+            if self._claim and not self._claim_lapsed and \
+                    time.monotonic() - tried >= CLAIM_TTL_S / 4:
+                tried = time.monotonic()
                 try:
-                    await asyncio.to_thread(self.shared.keep, self._claim)
+                    if await asyncio.to_thread(self.shared.keep, self._claim):
+                        kept = tried
+                    else:
+                        self._claim_lapsed = "etcd says its lease is gone"
                 except Exception as exc:  # noqa: BLE001 - tried again at the next beat
                     log.warning("reshard: the claim on etcd was not renewed (%s)", exc)
+                    if time.monotonic() - kept >= CLAIM_TTL_S:
+                        self._claim_lapsed = f"not renewed for {CLAIM_TTL_S:g} s: {exc}"
+                if self._claim_lapsed:
+                    log.error("reshard: the claim on the change lapsed (%s)%s",
+                              self._claim_lapsed, "" if self._past_flip else
+                              ": the change rolls back at its next step")
 
     async def _change(self, config: str, apply: bool) -> dict:
         try:
@@ -992,7 +1015,9 @@ class Resharding:
                "targets": {str(t): {sv.name: new_plan.control_of(sv)
                                     for sv in new_plan.shards[t].servers}
                            for t in targets}}
-        await asyncio.to_thread(self.shared.write_move, doc)
+        if not await asyncio.to_thread(self.shared.write_move, doc, self._claim):
+            self._claim_lapsed = self._claim_lapsed or "the record found it gone"
+            raise Refused(b"409", self._lapsed_text())
 
     async def _clear_record(self) -> None:
         if self.shared is None:

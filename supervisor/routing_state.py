@@ -243,11 +243,17 @@ class SharedRouting:
     def _move_key(self) -> bytes:
         return f"clonemap/{self.cluster}/move".encode()
 
-    def write_move(self, doc: dict) -> None:
+    def write_move(self, doc: dict, claim: int = 0) -> bool:
         """A change is about to seal its holds (past that it completes or comes back
         only through a flip): its record, for whoever settles it should its supervisor
-        die (``Resharding._settle_orphan``)."""
-        self.etcd.put(self._move_key, json.dumps(doc).encode())
+        die (``Resharding._settle_orphan``). ``claim``: written only while the change's
+        claim is still held under that lease (one transaction): False when it lapsed,
+        and another supervisor may have begun a change of its own."""
+        value = json.dumps(doc).encode()
+        if not claim:
+            self.etcd.put(self._move_key, value)
+            return True
+        return self.etcd.put_while_held(self._move_key, value, self._change_key, claim)
 
     def read_move(self) -> dict | None:
         raw = self.etcd.get(self._move_key)

@@ -133,6 +133,29 @@ class TwoHosts:
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 
+    def take_over_claim(self, who: str) -> int:
+        """The change under way loses its claim in etcd (its lease revoked, as an expiry
+        ends it), and ``who`` claims the next change (a lease of 60 s, not renewed): the
+        lease it holds. Run from host c."""
+        done = run_on(self.hosts, "c", "-c",
+                      "import base64, sys; "
+                      "from clonemap.supervisor.routing_state import SharedRouting; "
+                      "r = SharedRouting(sys.argv[1], 'moving'); "
+                      "kv = r.etcd.call('/v3/kv/range', {'key': base64.b64encode("
+                      "b'clonemap/moving/change').decode()})['kvs'][0]; "
+                      "r.release(int(kv['lease'])); print(r.claim(sys.argv[2], 60)[0])",
+                      f"etcd://{self.etcd.host}:{self.etcd.port}", who)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout)
+
+    def give_claim(self, lease: int) -> None:
+        done = run_on(self.hosts, "c", "-c",
+                      "import sys; from clonemap.supervisor.routing_state import "
+                      "SharedRouting; SharedRouting(sys.argv[1], 'moving').release("
+                      "int(sys.argv[2]))", f"etcd://{self.etcd.host}:{self.etcd.port}",
+                      str(lease))
+        assert done.returncode == 0, done.stderr
+
     def alone(self, shard: str) -> str:
         """Who etcd's alone record of ``shard``'s pair names ("": none), read from c."""
         done = run_on(self.hosts, "c", "-c",
@@ -386,6 +409,20 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     assert any("not applied" in line for line in change.stderr), change.stderr[-5:]
     cluster.wait_servers_at(1, 4)  # s2's servers gone from both hosts
     assert cluster.etcd_routing()["routing"]["epoch"] == 1
+    cluster.wait_acks("k", 20)
+    # run again, its claim on the change lapses while it copies and another supervisor
+    # claims the next change: it rolls back rather than seal beside that one
+    change = cluster.start_reshard(three, via="a")
+    cluster.supervisors["a"].wait_line("RESHARD_PAUSED phase=copied", 60)
+    other = cluster.take_over_claim("host b: a change of its own")
+    (cluster.run_dir("a") / "reshard.continue").touch()
+    assert change.wait(90) == 1, "\n".join(change.stdout + change.stderr)
+    assert any("claim on the change in etcd lapsed" in line
+               for line in change.stdout + change.stderr), change.stderr[-5:]
+    cluster.wait_servers_at(1, 4)
+    assert cluster.etcd_routing()["routing"]["epoch"] == 1
+    cluster.give_claim(other)
+    (cluster.run_dir("a") / "reshard.continue").unlink(missing_ok=True)
     cluster.wait_acks("k", 20)
     change = cluster.start_reshard(three, via="a")
     cluster.supervisors["a"].wait_line("RESHARD_PAUSED phase=copied", 60)
