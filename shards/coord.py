@@ -175,14 +175,25 @@ class Etcd:
                 return False, base64.b64decode(kv.get("value", "")), False
         return False, b"", False  # deleted in between: the next try takes it
 
-    def put_while_held(self, key: bytes, value: bytes, claim_key: bytes, lease: int) -> bool:
+    def put_while_held(self, key: bytes, value: bytes, claim_key: bytes, lease: int) -> int:
         """Put ``value`` only while ``claim_key`` is held under ``lease`` (one
-        transaction). False: that lease lapsed or was revoked, and the claim is gone or
-        another's."""
+        transaction): the revision it was written at, or 0 when that lease lapsed or was
+        revoked, and the claim is gone or another's."""
         got = self.call("/v3/kv/txn", {
             "compare": [{"key": _b64(claim_key), "result": "EQUAL", "target": "LEASE",
                          "lease": str(lease)}],
             "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}]})
+        if not got.get("succeeded"):
+            return 0
+        return int(got.get("header", {}).get("revision", 0)) or 1
+
+    def delete_if_revision(self, key: bytes, revision: int) -> bool:
+        """Delete ``key`` if it was last changed at ``revision`` (it is still the value
+        the caller wrote or read). False: it changed since, or is gone."""
+        got = self.call("/v3/kv/txn", {
+            "compare": [{"key": _b64(key), "result": "EQUAL", "target": "MOD",
+                         "mod_revision": str(revision)}],
+            "success": [{"request_delete_range": {"key": _b64(key)}}]})
         return bool(got.get("succeeded"))
 
     def put(self, key: bytes, value: bytes) -> None:
@@ -395,8 +406,16 @@ class Lease:
     def record_alone(self) -> None:
         """Say in etcd that this server acknowledges without its passive (before it
         does): the passive, whose copy may now fall behind, can no longer acquire the
-        lease. Blocking: run it off the loop. Raises CoordinationError."""
-        self.etcd.put(self.alone_key, self.me.encode())
+        lease. Written only while this server holds the pair's key under its lease (one
+        transaction): a server whose lease lapsed while it was about to write must not
+        name itself after its peer took over (the record would bar the peer's next
+        acquire, with nobody to clear it). Blocking: run it off the loop. Raises
+        CoordinationError."""
+        lease = self._lease
+        if not lease or not self.view.held:
+            raise CoordinationError("the pair's lease is not held here")
+        if not self.etcd.put_while_held(self.alone_key, self.me.encode(), self.key, lease):
+            raise CoordinationError("the pair's lease is no longer this server's")
 
     def clear_alone(self) -> None:
         """The passive holds everything again: it may take over once more."""

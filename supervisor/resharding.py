@@ -220,6 +220,8 @@ class Resharding:
         tells the other hosts' supervisors which config to plan)."""
         self._claim = 0
         """The etcd lease under which this supervisor holds the change under way."""
+        self._record_at = 0
+        """The etcd revision of the change's record, once written (``_record_move``)."""
         self._claim_lapsed = ""
         """Why that claim is known to be gone ("" while held): before its flip the
         change rolls back (``_check_abort``); the move's record is written only under it."""
@@ -446,7 +448,7 @@ class Resharding:
             self.copy_rate = copy_rate
             self.copy_paused_s = 0.0
             self._aborting = self._past_flip = False
-            self._claim_lapsed = ""
+            self._claim_lapsed, self._record_at = "", 0
             if apply:
                 self._state = {"phase": "planning", "keys": 0, "bytes": 0,
                                "changes": self._state["changes"] + 1, "running": True,
@@ -1015,15 +1017,22 @@ class Resharding:
                "targets": {str(t): {sv.name: new_plan.control_of(sv)
                                     for sv in new_plan.shards[t].servers}
                            for t in targets}}
-        if not await asyncio.to_thread(self.shared.write_move, doc, self._claim):
+        self._record_at = await asyncio.to_thread(self.shared.write_move, doc, self._claim)
+        if not self._record_at:
             self._claim_lapsed = self._claim_lapsed or "the record found it gone"
             raise Refused(b"409", self._lapsed_text())
 
     async def _clear_record(self) -> None:
-        if self.shared is None:
+        """This change's record goes, if it wrote one and it is still there (never
+        another change's, begun since by a supervisor that found this one's claim
+        lapsed)."""
+        at, self._record_at = self._record_at, 0
+        if self.shared is None or not at:
             return
         try:
-            await asyncio.to_thread(self.shared.clear_move)
+            if not await asyncio.to_thread(self.shared.clear_move, at):
+                log.warning("reshard: the move's record in etcd is no longer this "
+                            "change's (written at revision %d): left as it is", at)
         except Exception as exc:  # noqa: BLE001 - settled later: the epoch says it is done
             log.warning("reshard: the move's record in etcd was not removed (%s)", exc)
 
@@ -1054,7 +1063,7 @@ class Resharding:
         what a target took is forgotten when the routing came back. A target none of
         whose servers answers (all on the dead host) leaves it to that host's restart.
         True while there was a record (the caller looks again next turn)."""
-        record = await asyncio.to_thread(self.shared.read_move)
+        record, at = await asyncio.to_thread(self.shared.read_move_at)
         if record is None:
             return False
         try:
@@ -1063,11 +1072,11 @@ class Resharding:
             targets = {int(t): dict(servers) for t, servers in record["targets"].items()}
         except (ConfigError, KeyError, TypeError, ValueError, AttributeError) as exc:
             log.error("reshard: the move's record in etcd does not parse (%s): removed", exc)
-            await asyncio.to_thread(self.shared.clear_move)
+            await asyncio.to_thread(self.shared.clear_move, at)
             return True
         held, _, _ = await asyncio.to_thread(self.shared.read)
         if held is not None and held.epoch >= after.epoch:
-            await asyncio.to_thread(self.shared.clear_move)  # it was settled
+            await asyncio.to_thread(self.shared.clear_move, at)  # it was settled
             return True
         lease, _ = await asyncio.to_thread(
             self.shared.claim, f"host {self.plan.host_name}: settling the change to epoch "
@@ -1094,7 +1103,7 @@ class Resharding:
                 now = before.with_epoch(after.epoch + 1)
                 config = str(record.get("from_config") or "")
             await asyncio.to_thread(self.shared.advance, now, config)
-            await asyncio.to_thread(self.shared.clear_move)
+            await asyncio.to_thread(self.shared.clear_move, at)
             log.warning("reshard: the change to epoch %d of host %s stopped past its seal "
                         "(its supervisor is gone); settled here: %s", after.epoch,
                         record.get("host"), "every target took its keys, the change goes "

@@ -243,30 +243,43 @@ class SharedRouting:
     def _move_key(self) -> bytes:
         return f"clonemap/{self.cluster}/move".encode()
 
-    def write_move(self, doc: dict, claim: int = 0) -> bool:
+    def write_move(self, doc: dict, claim: int = 0) -> int:
         """A change is about to seal its holds (past that it completes or comes back
         only through a flip): its record, for whoever settles it should its supervisor
-        die (``Resharding._settle_orphan``). ``claim``: written only while the change's
-        claim is still held under that lease (one transaction): False when it lapsed,
-        and another supervisor may have begun a change of its own."""
+        die (``Resharding._settle_orphan``); the revision it was written at (to clear
+        it by: ``clear_move``). ``claim``: written only while the change's claim is
+        still held under that lease (one transaction): 0 when it lapsed, and another
+        supervisor may have begun a change of its own."""
         value = json.dumps(doc).encode()
         if not claim:
             self.etcd.put(self._move_key, value)
-            return True
+            return self.etcd.get_revision(self._move_key)[1]
         return self.etcd.put_while_held(self._move_key, value, self._change_key, claim)
 
     def read_move(self) -> dict | None:
-        raw = self.etcd.get(self._move_key)
+        return self.read_move_at()[0]
+
+    def read_move_at(self) -> tuple[dict | None, int]:
+        """The record of a change past its seal, if any, and the revision it was
+        written at."""
+        raw, revision = self.etcd.get_revision(self._move_key)
         try:
-            return json.loads(raw) if raw is not None else None
+            return (json.loads(raw) if raw is not None else None), revision
         except ValueError:
             log.error("etcd %s: %s is not a move record; removed", self.url,
                       self._move_key.decode())
-            self.clear_move()
-            return None
+            self.clear_move(revision)
+            return None, 0
 
-    def clear_move(self) -> None:
-        self.etcd.delete(self._move_key)
+    def clear_move(self, revision: int = 0) -> bool:
+        """The record goes: only the one written (or read) at ``revision`` when that is
+        given, so that a supervisor done with its own change, or with one it settled,
+        never removes the record of a change begun since by another (its claim lapsed
+        meanwhile). False: the key holds another record now, or none."""
+        if not revision:
+            self.etcd.delete(self._move_key)
+            return True
+        return self.etcd.delete_if_revision(self._move_key, revision)
 
 
 def _settle_shared(run_dir: Path, plan: Plan, shared: SharedRouting) -> str:

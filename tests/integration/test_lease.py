@@ -112,3 +112,32 @@ def test_a_revoked_lease_still_wanted_comes_back_as_a_new_generation(etcd_server
     assert again.generation == 2 and a.lease.view.generation == 2
     assert a.lease.counters["lost"] == 1 and a.lease.counters["acquired"] == 2
     assert client.get(coord.lease_key(name)) == b"a"
+
+
+def test_the_alone_record_is_written_only_by_the_holder_of_the_lease(etcd_server, claimants):
+    """Going on alone is recorded under the lease: a server whose lease lapsed (revoked
+    here) and whose peer took the lease meanwhile cannot name itself in the record."""
+    name = f"l-{uuidlib.uuid4().hex[:8]}"
+    a, b = claimants(etcd_server, name, "a"), claimants(etcd_server, name, "b")
+    client = coord.Etcd([(etcd_server.host, etcd_server.port)])
+    a.lease.want(True)
+    a.wait(lambda v: v.held, "acquire")
+    a.lease.record_alone()
+    assert client.get(coord.alone_key(name)) == b"a"
+    a.lease.clear_alone()
+    assert client.get(coord.alone_key(name)) is None
+    lease = a.lease.stats()["lease_id"]
+    b.lease.want(True)  # refused while a holds it, tried again every 0.2 s
+    revoked = time.monotonic()
+    client.revoke(lease)
+    b.wait(lambda v: v.held, "b's acquire once a's lease is gone", since=revoked)
+    # the write a server makes, under the lease it held: refused now that b holds the
+    # key (a server frozen between its check of the lease and this write)
+    assert not client.put_while_held(coord.alone_key(name), b"a", coord.lease_key(name),
+                                     lease)
+    assert client.get(coord.alone_key(name)) is None
+    a.wait(lambda v: not v.held, "a's loss", since=revoked)
+    with pytest.raises(coord.CoordinationError, match="not held"):
+        a.lease.record_alone()
+    b.lease.record_alone()  # the holder's own record is written
+    assert client.get(coord.alone_key(name)) == b"b"

@@ -108,21 +108,27 @@ def test_a_change_s_record_is_written_only_under_its_claim(etcd):
     """The record of a change about to seal is written only while its supervisor's claim
     holds: once its lease lapsed (revoked here: what an expiry does), and the more so
     once another supervisor claimed the next change, the record is refused, so that a
-    supervisor that missed its renewals cannot seal a change beside another one."""
+    supervisor that missed its renewals cannot seal a change beside another one. And a
+    supervisor clears only its own record: the one written at its revision."""
     routing = shared(etcd, "claimed-record")
     doc = {"from": ShardMap(2).describe(), "to": ShardMap(3, epoch=2).describe(),
            "targets": {}}
     lease, _ = routing.claim("host a: /cfg/three.yaml", 10)
-    assert routing.write_move(doc, lease) and routing.read_move() == doc
-    routing.clear_move()
+    mine = routing.write_move(doc, lease)
+    assert mine and routing.read_move_at() == (doc, mine)
     routing.release(lease)  # (lapsed: gone from etcd, as at the end of its TTL)
-    assert not routing.write_move(doc, lease) and routing.read_move() is None
+    assert not routing.write_move(doc, lease)
     other, _ = routing.claim("host b: /cfg/four.yaml", 10)
     assert other and other != lease
-    assert not routing.write_move(doc, lease) and routing.read_move() is None
+    assert not routing.write_move(doc, lease)
     assert not routing.keep(lease)  # what the lapsed supervisor's renewal hears
-    assert routing.write_move(doc, other) and routing.read_move() == doc
-    routing.clear_move()
+    theirs_doc = dict(doc, host="b")
+    theirs = routing.write_move(theirs_doc, other)
+    assert theirs > mine
+    # a, rolling back, clears its record: b's stays
+    assert not routing.clear_move(mine)
+    assert routing.read_move_at() == (theirs_doc, theirs)
+    assert routing.clear_move(theirs) and routing.read_move() is None
     routing.release(other)
 
 
