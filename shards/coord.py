@@ -127,9 +127,12 @@ class Etcd:
                 raise CoordinationError(f"{host}:{port}: not JSON: {exc}") from None
         raise CoordinationError("; ".join(errors))
 
-    def grant(self, ttl_s: float) -> int:
+    def grant(self, ttl_s: float) -> tuple[int, float]:
+        """A new lease of ``ttl_s`` rounded to whole seconds: its ID and the TTL etcd
+        gave it (which may be shorter than asked: 2.4 s is 2 s; or longer: etcd's
+        minimum)."""
         got = self.call("/v3/lease/grant", {"TTL": max(1, round(ttl_s))})
-        return int(got["ID"])
+        return int(got["ID"]), float(got.get("TTL", 0))
 
     def keepalive(self, lease: int) -> float:
         """The lease's TTL after the renewal; 0 when it has already expired."""
@@ -271,6 +274,10 @@ class Lease:
         self.counters = dict.fromkeys(("acquired", "refused", "renewed", "lost", "released",
                                        "errors"), 0)
         self._lease = 0
+        self._granted_at = 0.0
+        """When the grant of ``_lease`` was asked for (this clock)."""
+        self._granted_ttl = 0.0
+        """The TTL etcd gave that grant (the deadline counts from it, not ``lease_s``)."""
         self._want = False
         self._only_if_alone = False
         self._wake = threading.Event()
@@ -354,9 +361,12 @@ class Lease:
         return self.renew_s
 
     def _acquire(self) -> float:
-        sent = self.clock()
         if not self._lease:
-            self._lease = self.etcd.grant(self.lease_s)
+            # the lease's time runs from its grant, whatever happens after: a put that
+            # failed (an etcd timeout) is tried again under the same grant, and the
+            # deadline must not count from the retry (it came after etcd's expiry)
+            self._granted_at = self.clock()
+            self._lease, self._granted_ttl = self.etcd.grant(self.lease_s)
         only_if_alone = self._only_if_alone
         ok, holder, mine = self.etcd.put_unless(self.key, self.me.encode(), self._lease,
                                                 unless=self.alone_key,
@@ -371,7 +381,7 @@ class Lease:
         self.counters["acquired"] += 1
         log.info("lease %s: acquired by %s (%g s)%s", self.key.decode(), self.me,
                  self.lease_s, ": the alone record names it" if mine else "")
-        self._set(held=True, valid_until=self._deadline(sent, self.lease_s),
+        self._set(held=True, valid_until=self._deadline(self._granted_at, self._granted_ttl),
                   holder=self.me, error="", alone_mine=mine,
                   generation=self.view.generation + 1)
         return self.renew_s

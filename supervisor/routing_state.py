@@ -218,7 +218,7 @@ class SharedRouting:
         """Take the cluster's one change at a time: (lease, "") once this supervisor holds
         ``clonemap/<cluster>/change`` under a lease of ``ttl_s`` (kept by ``keep``, given
         back by ``release``), or (0, who holds it)."""
-        lease = self.etcd.grant(ttl_s)
+        lease, _ = self.etcd.grant(ttl_s)
         got, holder = self.etcd.put_if_absent(self._change_key, who.encode(), lease)
         if got:
             return lease, ""

@@ -141,3 +141,46 @@ def test_the_alone_record_is_written_only_by_the_holder_of_the_lease(etcd_server
         a.lease.record_alone()
     b.lease.record_alone()  # the holder's own record is written
     assert client.get(coord.alone_key(name)) == b"b"
+
+
+class FirstPutTimesOut(coord.Etcd):
+    """A real etcd whose first acquire put times out after the grant (a fault at the
+    client's boundary: etcd itself cannot be made to answer one request late)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.granted_at: list[float] = []
+        self.failed = False
+
+    def grant(self, ttl_s: float) -> tuple[int, float]:
+        self.granted_at.append(time.monotonic())
+        return super().grant(ttl_s)
+
+    def put_unless(self, *args, **kwargs):
+        if not self.failed:
+            self.failed = True
+            time.sleep(1.0)  # as long as the client's timeout
+            raise coord.CoordinationError("injected: timed out")
+        return super().put_unless(*args, **kwargs)
+
+
+def test_the_fencing_deadline_counts_from_the_grant_etcd_gave(etcd_server):
+    """The deadline after an acquire counts from the grant, with the TTL etcd gave:
+    ``lease_s`` 2.4 is granted as 2 s, and the put that failed first was made again
+    under that grant 1 s later. Counted from the retry with 2.4 s, the deadline came
+    after etcd could let the lease go (and the peer acquire it)."""
+    name = f"l-{uuidlib.uuid4().hex[:8]}"
+    etcd = FirstPutTimesOut([(etcd_server.host, etcd_server.port)], timeout_s=1.0)
+    held = threading.Event()
+    lease = coord.Lease(etcd, name, "a", lease_s=2.4,
+                        on_change=lambda view: view.held and held.set())
+    lease.start()
+    try:
+        lease.want(True)
+        assert held.wait(15), lease.stats()
+        view = lease.view
+        assert etcd.failed and len(etcd.granted_at) == 1  # one grant, the put tried twice
+        assert view.valid_until <= etcd.granted_at[0] + 2.0 * (1 - coord.DRIFT), (
+            view.valid_until - etcd.granted_at[0])
+    finally:
+        lease.close()
