@@ -240,6 +240,29 @@ class ShardMap:
             pins.setdefault(shard, []).append(prefix)
         return pins
 
+    def may_take_from(self, old: "ShardMap", index: int) -> tuple[bytes, ...] | None:
+        """Where this routing can place elsewhere a key that ``old`` gives shard
+        ``index``, decided from the two routings alone: ``()`` nowhere (no key of that
+        shard moves); a tuple of prefixes: only keys under one of them can move; None:
+        any key may (each must be asked). A key's owner is its longest matching pin's
+        shard, else the jump hash of its segment over the shard count, so:
+
+        * the same count: only keys under a pin that was added, removed or moved;
+        * the same pins and fewer shards: only the removed shards' keys (jump
+          consistent hashing moves no other key when buckets go from the top);
+        * otherwise (more shards, or fewer with other pins): any key.
+
+        It saves the pass over a shard's whole map that a target made inside the hold
+        of a shrink or a pin move, and that every staying server made to count a
+        change or to take its routing."""
+        before, after = old.pins, self.pins
+        if old.shards == self.shards:
+            return tuple(sorted(p.encode("utf-8") for p in before.keys() | after.keys()
+                                if before.get(p) != after.get(p)))
+        if before == after and self.shards < old.shards:
+            return () if index < self.shards else None
+        return None
+
     def newer_than(self, other: "ShardMap") -> bool:
         """This map is a later routing of the cluster than ``other`` (a larger epoch)."""
         return self.epoch > other.epoch

@@ -181,6 +181,55 @@ def test_subtree_fan_out_is_tight_for_complete_segments(sm, subtree):
     assert sorted({smap.owner(k) for k in witnesses}) == owners
 
 
+@st.composite
+def routing_changes(draw):
+    """Two routings of one cluster: a shrink or growth with the same pins, or the same
+    count with pins added, removed or moved (what ``supervisor reshard`` applies), or
+    both at once."""
+    old, pinned = draw(shard_maps())
+    kind = draw(st.sampled_from(["count", "pins", "both"]))
+    shards = old.shards if kind == "pins" else draw(st.integers(1, 40))
+    if kind == "count":
+        changed = {p: s for p, s in pinned.items() if s < shards}
+        if changed != pinned:  # a pin on a removed shard: its prefix moves too
+            kind = "both"
+    else:
+        changed = draw(st.dictionaries(prefixes, st.integers(0, shards - 1), max_size=5))
+    pins: dict[int, list[str]] = {}
+    for prefix, shard in changed.items():
+        pins.setdefault(shard, []).append(prefix)
+    return old, ShardMap(shards, pins)
+
+
+@settings(max_examples=400)
+@given(routing_changes(), st.lists(keys, min_size=1, max_size=20))
+def test_what_a_routing_change_may_take_from_a_shard_covers_every_key_it_takes(
+        change, some_keys):
+    """Where ``may_take_from`` says no key of a shard moves, or only keys under some
+    prefixes, every key that shard holds under the old routing and the new routing
+    places elsewhere is within what it said (for the shard that owns the first key)."""
+    old, new = change
+    index = old.owner(some_keys[0].encode("utf-8"))
+    where = new.may_take_from(old, index)
+    for key in some_keys:
+        raw = key.encode("utf-8")
+        if old.owner(raw) != index or new.owner(raw) == index:
+            continue
+        assert where is None or (where and raw.startswith(where)), (key, where)
+
+
+def test_what_a_routing_change_may_take_examples():
+    two, three = ShardMap(2), ShardMap(3)
+    assert two.may_take_from(three, 0) == () and two.may_take_from(three, 1) == ()
+    assert two.may_take_from(three, 2) is None  # the removed shard: every key
+    assert three.may_take_from(two, 0) is None  # a growth: any key may go
+    pinned = ShardMap(3, {1: ["/hot/"]})
+    assert pinned.may_take_from(three, 0) == (b"/hot/",)
+    assert three.may_take_from(three.with_epoch(4), 2) == ()
+    assert ShardMap(2, {1: ["/hot/"]}).may_take_from(pinned, 0) == ()  # the same pins
+    assert ShardMap(2, {0: ["/hot/"]}).may_take_from(pinned, 0) is None  # pins differ
+
+
 def test_subtree_examples_without_pins():
     smap = ShardMap(4)
     assert smap.owners_of_subtree("") == [0, 1, 2, 3]
