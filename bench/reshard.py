@@ -435,10 +435,17 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
     adopted = sorted(name for name, v in b.items() if name not in a and v.get("adoptions"))
     refused = sorted(name for name, v in b.items() if v.get("adoptions_refused"))
     # a part there before that took a snapshot again (the client fell behind by more
-    # than max_lag_s: the slow-subscriber resync) received its whole part again
-    resyncs = {name: v["snapshots"] - a[name]["snapshots"] for name, v in b.items()
-               if name in a}
+    # than max_lag_s, or saw a gap no resume could fill) received its whole part again;
+    # one that resumed after a gap received the updates it missed (each counted at one
+    # key and value)
+    resumes = {name: v.get("resumes", 0) - a[name].get("resumes", 0)
+               for name, v in b.items() if name in a}
+    resyncs = {name: v["snapshots"] - a[name]["snapshots"] - resumes[name]
+               for name, v in b.items() if name in a}
     snapshot_bytes += sum(n * b[name]["bytes"] for name, n in resyncs.items())
+    snapshot_bytes += sum((v.get("resume_updates", 0) - a[name].get("resume_updates", 0))
+                          * (len("/s00000/k000000") + args.value_bytes)
+                          for name, v in b.items() if name in a)
     updates = sum(v["applied"] - a[name]["applied"] for name, v in b.items() if name in a)
     updates += sum(v["applied"] for name, v in b.items() if name not in a)
     echoes = sum(1 for w in result["writes"] if w[0] >= t_start)
@@ -449,7 +456,8 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
         "commit_ms": int(parts[2]) if parts else None, "load_s": round(load_s, 2),
         "compact_s": round(compact_s, 2),
         "follower_bytes_estimated": received, "moved_bytes": moved_bytes,
-        "follower_resyncs": resyncs, "follower_adopted": adopted,
+        "follower_resyncs": resyncs, "follower_resumes": resumes,
+        "follower_adopted": adopted,
         "follower_adoptions_refused": refused,
         "follower_bytes_ratio": round(received / moved_bytes, 3) if moved_bytes else None,
         "command_output": out.stdout.strip().splitlines()[-6:]})
@@ -482,9 +490,12 @@ def report(record: rec.Record) -> None:
             ["follower's new shards adopted (not a snapshot)",
              *[", ".join(runs[n]["follower_adopted"]) or "none"
                if runs[n].get("follower_adopted") is not None else "-" for n in names]],
-            ["follower's resyncs (fell behind > max_lag_s)",
+            ["follower's resyncs (the whole part again)",
              *[str(sum(runs[n]["follower_resyncs"].values()))
-               if runs[n].get("follower_resyncs") is not None else "-" for n in names]]]
+               if runs[n].get("follower_resyncs") is not None else "-" for n in names]],
+            ["follower's resumes (a gap: the updates it missed)",
+             *[str(sum(runs[n]["follower_resumes"].values()))
+               if runs[n].get("follower_resumes") is not None else "-" for n in names]]]
     if record.data["config"].get("change") == "shrink":
         rec.table(record, "reshard: one shard fewer while written", ["figure", *names], rows,
                   "clonemap: 3 -> 2 shards, each a Binary Star pair; the two that stay "

@@ -10,7 +10,8 @@ Prints ``READY`` once the client holds the map. Reads commands on standard input
 ``MARK name`` records the time, this process's CPU time (``cpu_s``) and the client's
 counters by shard under ``name`` (``t0``: when the writes began); ``STOP`` ends
 the writes and prints one JSON line: ``{"t0", "writes": [[start, latency or -1,
-moving]], "marks": {name: {"t", "shards": {shard: {"applied", "snapshots", "keys",
+moving]], "marks": {name: {"t", "shards": {shard: {"applied", "snapshots", "resumes",
+"resume_updates", "keys",
 "bytes" (the end mark only)}}}}, "errors"}``. A write's
 key ``moves`` when NEW_CONFIG's routing gives it to another shard than CONFIG's.
 """
@@ -37,6 +38,8 @@ def counters(clone, with_bytes: bool = False) -> dict:
                      "adoptions": agent.incoming.adoptions,
                      "adoption_rows": agent.incoming.adoption_rows,
                      "adoptions_refused": agent.incoming.adoptions_refused,
+                     "resumes": agent.incoming.resumes,
+                     "resume_updates": agent.incoming.resume_updates,
                      "keys": len(agent.map),
                      **({"bytes": sum(len(k) + len(v) for k, v in agent.map.items())}
                         if with_bytes else {})}

@@ -191,8 +191,9 @@ def test_a_client_still_behind_after_its_resync_for_lag_takes_no_second_one(zctx
 def test_a_client_lagging_behind_fewer_updates_than_it_holds_reads_on(zctx, monkeypatch):
     """5b. A resync for lag sends every key the client holds; it skips only the updates
     the client is behind on. A client that lags 3 s behind a publisher of 100 updates/s
-    (300 to read) while it holds 1,000 keys reads on (``lag_resyncs_spared``); the same
-    lag behind ~10,000 updates/s (30,000 to read) resyncs. ``bench reshard`` saw a writer
+    (300 to read) while it holds 1,000 keys reads on (``lag_resyncs_spared``), and so
+    after one interval of 20,000/s (a burst, read by then); the same lag behind 20,000
+    updates/s kept up over two intervals (60,000 to read) resyncs. ``bench reshard`` saw a writer
     that lagged 1.1 s behind 2,500 updates/s take snapshots of its two 500,000-key shards,
     and its writes wait 17 s for them. Forced: clock HUGZ stamped 0.5 s apart with their
     sequences, read at the times this test sets (the agent's wall clock), a map of 1,000
@@ -228,9 +229,12 @@ def test_a_client_lagging_behind_fewer_updates_than_it_holds_reads_on(zctx, monk
             hugz(1001.0, 1100, 1004.0)  # read 3 s late: ~300 updates behind, 1,000 held
             assert agent.lagged == 1 and agent.lag_resyncs_spared == 1
             assert "FellBehind" not in asked
-            hugz(1001.5, 11100, 1004.5)  # 20,000/s: the average 10,050, ~30,000 behind
+            hugz(1001.5, 11100, 1004.5)  # 10,000 in one interval: a burst, read already
+            assert agent.lag.backlog(3.0) == pytest.approx(300.0)  # at the rate kept up
+            assert "FellBehind" not in asked and agent.lag_resyncs_spared == 2
+            hugz(1002.0, 21100, 1005.0)  # 20,000/s kept up: ~60,000 behind
             assert agent.lag.backlog(3.0) > len(agent.map)
-            assert asked.count("FellBehind") == 1 and agent.lagged == 2
+            assert asked.count("FellBehind") == 1 and agent.lagged == 3
         finally:
             agent.close()
 
