@@ -238,11 +238,8 @@ class ControlServices:
         signalled = []
         for name, proc in self.runner.servers.items():
             if proc.pid is not None and proc.state == RUNNING:
-                try:
-                    os.kill(proc.pid, signal.SIGHUP)
-                    signalled.append(name)
-                except ProcessLookupError:
-                    pass
+                proc.send(signal.SIGHUP)  # (through its Popen: never a reaped pid)
+                signalled.append(name)
         log.info("rights version %d: %d identities, changed: %s; signalled %d servers",
                  self.rights_version, len(access.identities), ", ".join(changed) or "none",
                  len(signalled))
