@@ -154,7 +154,8 @@ class FirstPutTimesOut(coord.Etcd):
 
     def grant(self, ttl_s: float) -> tuple[int, float]:
         self.granted_at.append(time.monotonic())
-        return super().grant(ttl_s)
+        lease, self.ttl = super().grant(ttl_s)
+        return lease, self.ttl
 
     def put_unless(self, *args, **kwargs):
         if not self.failed:
@@ -180,7 +181,8 @@ def test_the_fencing_deadline_counts_from_the_grant_etcd_gave(etcd_server):
         assert held.wait(15), lease.stats()
         view = lease.view
         assert etcd.failed and len(etcd.granted_at) == 1  # one grant, the put tried twice
-        assert view.valid_until <= etcd.granted_at[0] + 2.0 * (1 - coord.DRIFT), (
+        assert etcd.ttl == 2.0  # whole seconds: 2.4 asked
+        assert view.valid_until <= etcd.granted_at[0] + etcd.ttl * (1 - coord.DRIFT), (
             view.valid_until - etcd.granted_at[0])
     finally:
         lease.close()
