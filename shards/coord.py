@@ -361,6 +361,11 @@ class Lease:
         return self.renew_s
 
     def _acquire(self) -> float:
+        if self._lease and self.clock() >= self._granted_at + self._granted_ttl:
+            # a grant kept across a failed put (an etcd timeout) that outlived its TTL:
+            # etcd let it go, and every put under it would fail ("lease not found"), so
+            # the server could never acquire again
+            self._lease = 0
         if not self._lease:
             # the lease's time runs from its grant, whatever happens after: a put that
             # failed (an etcd timeout) is tried again under the same grant, and the

@@ -144,13 +144,15 @@ def test_the_alone_record_is_written_only_by_the_holder_of_the_lease(etcd_server
 
 
 class FirstPutTimesOut(coord.Etcd):
-    """A real etcd whose first acquire put times out after the grant (a fault at the
-    client's boundary: etcd itself cannot be made to answer one request late)."""
+    """A real etcd whose first acquire put times out after the grant, ``timeout_for``
+    seconds later (a fault at the client's boundary: etcd itself cannot be made to
+    answer one request late)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, timeout_for: float = 1.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.granted_at: list[float] = []
         self.failed = False
+        self.timeout_for = timeout_for
 
     def grant(self, ttl_s: float) -> tuple[int, float]:
         self.granted_at.append(time.monotonic())
@@ -160,7 +162,7 @@ class FirstPutTimesOut(coord.Etcd):
     def put_unless(self, *args, **kwargs):
         if not self.failed:
             self.failed = True
-            time.sleep(1.0)  # as long as the client's timeout
+            time.sleep(self.timeout_for)  # (what the client waited for its answer)
             raise coord.CoordinationError("injected: timed out")
         return super().put_unless(*args, **kwargs)
 
@@ -184,5 +186,26 @@ def test_the_fencing_deadline_counts_from_the_grant_etcd_gave(etcd_server):
         assert etcd.ttl == 2.0  # whole seconds: 2.4 asked
         assert view.valid_until <= etcd.granted_at[0] + etcd.ttl * (1 - coord.DRIFT), (
             view.valid_until - etcd.granted_at[0])
+    finally:
+        lease.close()
+
+
+def test_a_grant_that_outlived_a_failed_put_is_not_used_again(etcd_server):
+    """The put after a grant times out for longer than the grant's TTL (etcd cut off
+    meanwhile): etcd let that lease go, and a put under it fails for good ("lease not
+    found"). The next try takes a new grant and acquires; before, it retried the dead
+    grant forever and the server could never hold the lease again."""
+    name = f"l-{uuidlib.uuid4().hex[:8]}"
+    etcd = FirstPutTimesOut([(etcd_server.host, etcd_server.port)], timeout_s=1.0,
+                            timeout_for=3.5)  # the TTL (2 s) and etcd's expiry tick
+    held = threading.Event()
+    lease = coord.Lease(etcd, name, "a", lease_s=2.0,
+                        on_change=lambda view: view.held and held.set())
+    lease.start()
+    try:
+        lease.want(True)
+        assert held.wait(15), lease.stats()
+        assert etcd.failed and len(etcd.granted_at) == 2
+        assert lease.valid(time.monotonic())
     finally:
         lease.close()
