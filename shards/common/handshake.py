@@ -6,6 +6,11 @@ until its deadline (7.8 s for ``chp``, reported as "is the supervisor up?"). lib
 why on the socket's monitor at the first try; ``cause_of`` turns that event into one of
 ``errors.HANDSHAKE_CAUSES``, which every connecting client reports as
 ``errors.HandshakeRefused`` at once.
+
+Attach the monitor before ``connect``: libzmq reports a refused handshake once (a
+mechanism mismatch, measured with libzmq 4.3.5: one ``HANDSHAKE_FAILED_PROTOCOL`` and
+no new connection after it), so an event from before the monitor is lost, and the
+client waits out its deadline (``test_handshake_causes.py`` forces it).
 """
 from __future__ import annotations
 

@@ -194,12 +194,16 @@ class MdpClient:
             sock = self.ctx.socket(zmq.DEALER)
             sock.linger = 0
             self.security.connect_side(sock)
-            sock.connect(self.endpoint)
-            self._asock = AsyncSocket(sock, self._on_message, name=f"mdp-client {self.endpoint}")
+            # the monitor before the connect: libzmq does not reconnect after a failed
+            # handshake, so a refusal it reports before the monitor is attached is never
+            # seen, and the request waits out its deadline (seen in a clean clone: a
+            # plain chp told "requires CURVE" after 30 s, its first attempt's timeout)
+            self._refusals = Refusals(self.security.curve)
             self._monitor = AsyncSocket(sock.get_monitor_socket(FAILED_EVENTS),
                                         self._on_monitor,
                                         name=f"mdp-client monitor {self.endpoint}")
-            self._refusals = Refusals(self.security.curve)
+            sock.connect(self.endpoint)
+            self._asock = AsyncSocket(sock, self._on_message, name=f"mdp-client {self.endpoint}")
             self.counters["sockets"] += 1
         self._service = name
         self._inbox.clear()
