@@ -44,6 +44,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Iterable
 
 import psutil
 import zmq
@@ -1046,23 +1047,22 @@ class ShardServer:
         shard: no pin under it)."""
         tally = LeavingTally(shard_map, self.config.shard_index)
         owned = self.forgetting  # (keys that moved away, not forgotten yet, do not count)
-        items = self._items_that_may_leave(shard_map)
-        tally.add(items if owned is None else ((k, v) for k, v in items if owned(k)))
+        data = self.store.data
+        tally.add((k, data[k]) for k in self._keys_that_may_leave(shard_map)
+                  if owned is None or owned(k))
         return tally.rows()
 
-    def _items_that_may_leave(self, shard_map):
-        """The (key, value) pairs of the store that ``shard_map`` may place on another
-        shard, as the two routings tell (``ShardMap.may_take_from``): none, those under
-        the pins that changed, or all (every key this server holds is its shard's under
-        the routing it follows)."""
+    def _keys_that_may_leave(self, shard_map) -> Iterable[bytes]:
+        """The keys of the store that ``shard_map`` may place on another shard, as the
+        two routings tell (``ShardMap.may_take_from``): none, those under the pins that
+        changed, or all (every key this server holds is its shard's under the routing
+        it follows)."""
         data = self.store.data
         where = (None if self.shard_map is None else
                  shard_map.may_take_from(self.shard_map, self.config.shard_index))
         if where is None:
-            return data.items()
-        if not where:
-            return ()
-        return ((k, v) for k, v in data.items() if k.startswith(where))
+            return data
+        return [k for k in data if k.startswith(where)] if where else ()
 
     async def count_leaving(self, shard_map) -> dict[int, tuple[int, int]]:
         """``keys_leaving`` for a plan (``supervisor reshard`` asks every server at once),
@@ -1071,7 +1071,7 @@ class ShardServer:
         are still held when their chunk's turn comes, at their value then."""
         tally = LeavingTally(shard_map, self.config.shard_index)
         data = self.store.data
-        keys = [k for k, _ in self._items_that_may_leave(shard_map)]
+        keys = list(self._keys_that_may_leave(shard_map))
         for at in range(0, len(keys), FORGET_CHUNK):
             began = time.perf_counter()
             owned = self.forgetting  # (as ``keys_leaving``)
