@@ -3,6 +3,7 @@ passes at once, a holder that cannot renew loses it at its own deadline (before 
 it go), and the other claimant acquires it only after that."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid as uuidlib
@@ -167,27 +168,35 @@ class FirstPutTimesOut(coord.Etcd):
         return super().put_unless(*args, **kwargs)
 
 
-def test_the_fencing_deadline_counts_from_the_grant_etcd_gave(etcd_server):
-    """The deadline after an acquire counts from the grant, with the TTL etcd gave:
-    ``lease_s`` 2.4 is granted as 2 s, and the put that failed first was made again
-    under that grant 1 s later. Counted from the retry with 2.4 s, the deadline came
-    after etcd could let the lease go (and the peer acquire it)."""
-    name = f"l-{uuidlib.uuid4().hex[:8]}"
-    etcd = FirstPutTimesOut([(etcd_server.host, etcd_server.port)], timeout_s=1.0)
+@contextlib.contextmanager
+def acquired_after_a_failed_put(etcd_server, lease_s: float, timeout_for: float):
+    """A lease of ``lease_s`` wanted through ``FirstPutTimesOut``, once it is held: (the
+    lease, its etcd client). Closed on the way out."""
+    etcd = FirstPutTimesOut([(etcd_server.host, etcd_server.port)], timeout_s=1.0,
+                            timeout_for=timeout_for)
     held = threading.Event()
-    lease = coord.Lease(etcd, name, "a", lease_s=2.4,
+    lease = coord.Lease(etcd, f"l-{uuidlib.uuid4().hex[:8]}", "a", lease_s=lease_s,
                         on_change=lambda view: view.held and held.set())
     lease.start()
     try:
         lease.want(True)
         assert held.wait(15), lease.stats()
+        yield lease, etcd
+    finally:
+        lease.close()
+
+
+def test_the_fencing_deadline_counts_from_the_grant_etcd_gave(etcd_server):
+    """The deadline after an acquire counts from the grant, with the TTL etcd gave:
+    ``lease_s`` 2.4 is granted as 2 s, and the put that failed first was made again
+    under that grant 1 s later. Counted from the retry with 2.4 s, the deadline came
+    after etcd could let the lease go (and the peer acquire it)."""
+    with acquired_after_a_failed_put(etcd_server, 2.4, timeout_for=1.0) as (lease, etcd):
         view = lease.view
         assert etcd.failed and len(etcd.granted_at) == 1  # one grant, the put tried twice
         assert etcd.ttl == 2.0  # whole seconds: 2.4 asked
         assert view.valid_until <= etcd.granted_at[0] + etcd.ttl * (1 - coord.DRIFT), (
             view.valid_until - etcd.granted_at[0])
-    finally:
-        lease.close()
 
 
 def test_a_grant_that_outlived_a_failed_put_is_not_used_again(etcd_server):
@@ -195,17 +204,7 @@ def test_a_grant_that_outlived_a_failed_put_is_not_used_again(etcd_server):
     meanwhile): etcd let that lease go, and a put under it fails for good ("lease not
     found"). The next try takes a new grant and acquires; before, it retried the dead
     grant forever and the server could never hold the lease again."""
-    name = f"l-{uuidlib.uuid4().hex[:8]}"
-    etcd = FirstPutTimesOut([(etcd_server.host, etcd_server.port)], timeout_s=1.0,
-                            timeout_for=3.5)  # the TTL (2 s) and etcd's expiry tick
-    held = threading.Event()
-    lease = coord.Lease(etcd, name, "a", lease_s=2.0,
-                        on_change=lambda view: view.held and held.set())
-    lease.start()
-    try:
-        lease.want(True)
-        assert held.wait(15), lease.stats()
+    # (3.5 s: the TTL, 2 s, and etcd's expiry tick)
+    with acquired_after_a_failed_put(etcd_server, 2.0, timeout_for=3.5) as (lease, etcd):
         assert etcd.failed and len(etcd.granted_at) == 2
         assert lease.valid(time.monotonic())
-    finally:
-        lease.close()
