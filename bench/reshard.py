@@ -429,8 +429,7 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
     # each counted at one key and value); the parts there before applied updates: the
     # writer's own echoes, and any move traffic
     snapshot_bytes = sum(v["bytes"] if not v.get("adoptions") else
-                         v.get("adoption_rows", 0) * (len("/s00000/k000000") +
-                                                      args.value_bytes)
+                         v.get("adoption_rows", 0) * entry
                          for name, v in b.items() if name not in a)
     adopted = sorted(name for name, v in b.items() if name not in a and v.get("adoptions"))
     refused = sorted(name for name, v in b.items() if v.get("adoptions_refused"))
@@ -444,8 +443,7 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
                for name, v in b.items() if name in a}
     snapshot_bytes += sum(n * b[name]["bytes"] for name, n in resyncs.items())
     snapshot_bytes += sum((v.get("resume_updates", 0) - a[name].get("resume_updates", 0))
-                          * (len("/s00000/k000000") + args.value_bytes)
-                          for name, v in b.items() if name in a)
+                          * entry for name, v in b.items() if name in a)
     updates = sum(v["applied"] - a[name]["applied"] for name, v in b.items() if name in a)
     updates += sum(v["applied"] for name, v in b.items() if name not in a)
     echoes = sum(1 for w in result["writes"] if w[0] >= t_start)
@@ -496,14 +494,15 @@ def report(record: rec.Record) -> None:
             ["follower's resumes (a gap: the updates it missed)",
              *[str(sum(runs[n]["follower_resumes"].values()))
                if runs[n].get("follower_resumes") is not None else "-" for n in names]]]
-    if record.data["config"].get("change") == "shrink":
-        rec.table(record, "reshard: one shard fewer while written", ["figure", *names], rows,
-                  "clonemap: 3 -> 2 shards, each a Binary Star pair; the two that stay "
-                  "serve already, and apply the removed shard's keys at the flip")
-    else:
-        rec.table(record, "reshard: one more shard while written", ["figure", *names], rows,
-                  "clonemap: 2 -> 3 shards, each a Binary Star pair; Valkey: 3 -> 4 "
-                  "primaries (no replicas), a quarter of the slots")
+    title, caption = (
+        ("reshard: one shard fewer while written",
+         "clonemap: 3 -> 2 shards, each a Binary Star pair; the two that stay serve "
+         "already, and apply the removed shard's keys at the flip")
+        if record.data["config"].get("change") == "shrink" else
+        ("reshard: one more shard while written",
+         "clonemap: 2 -> 3 shards, each a Binary Star pair; Valkey: 3 -> 4 primaries (no "
+         "replicas), a quarter of the slots"))
+    rec.table(record, title, ["figure", *names], rows, caption)
     rec.print_targets(record)
 
 
