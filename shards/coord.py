@@ -199,8 +199,10 @@ class Etcd:
             "success": [{"request_delete_range": {"key": _b64(key)}}]})
         return bool(got.get("succeeded"))
 
-    def put(self, key: bytes, value: bytes) -> None:
-        self.call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)})
+    def put(self, key: bytes, value: bytes) -> int:
+        """The revision it was written at."""
+        got = self.call("/v3/kv/put", {"key": _b64(key), "value": _b64(value)})
+        return int(got.get("header", {}).get("revision", 0))
 
     def get(self, key: bytes) -> bytes | None:
         return self.get_revision(key)[0]

@@ -252,8 +252,7 @@ class SharedRouting:
         supervisor may have begun a change of its own."""
         value = json.dumps(doc).encode()
         if not claim:
-            self.etcd.put(self._move_key, value)
-            return self.etcd.get_revision(self._move_key)[1]
+            return self.etcd.put(self._move_key, value)
         return self.etcd.put_while_held(self._move_key, value, self._change_key, claim)
 
     def read_move(self) -> dict | None:

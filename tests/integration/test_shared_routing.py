@@ -98,8 +98,8 @@ def test_a_change_s_record_is_kept_until_cleared(etcd):
     assert routing.read_move() is None
     doc = {"from": ShardMap(2).describe(), "to": ShardMap(3, epoch=2).describe(),
            "targets": {"2": {"s2/primary": "tcp://10.0.0.2:5555"}}}
-    routing.write_move(doc)
-    assert routing.read_move() == doc
+    at = routing.write_move(doc)
+    assert at and routing.read_move_at() == (doc, at)
     routing.clear_move()
     assert routing.read_move() is None
 
