@@ -30,8 +30,11 @@ within 2x of before; the follower receives at most 1.2x the moved keys' bytes.
 
 ``--change shrink`` runs the way back instead: the cluster starts with the third shard,
 and ``supervisor reshard`` removes it (3 -> 2). Its keys go to the two shards that stay,
-which already serve: each keeps its copy aside and applies it at the flip, inside the
-hold (what this measures; clonemap alone, the anchor's 3 -> 4 is a growth).
+which already serve: each stages its copy as it arrives, under a prefix our clients do
+not subscribe to, and the client of the whole map takes the keys from the part that held
+them at the flip (clonemap alone: the anchor's 3 -> 4 is a growth). Its copy rate is
+2 MiB/s per target by default: the two targets copy 4 MiB/s in all, as the growth's one
+does.
 """
 from __future__ import annotations
 
@@ -69,10 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rate", type=float, default=5000.0, help="wait=True writes/s")
     ap.add_argument("--before-s", type=float, default=3.0)
     ap.add_argument("--after-s", type=float, default=2.0)
-    ap.add_argument("--copy-rate", default="4MiB",
-                    help="supervisor reshard --copy-rate: this host's two cores are ~70%% "
-                         "busy with the writes before the change; an unpaced copy "
-                         "(0) takes the rest and more")
+    ap.add_argument("--copy-rate", default=None,
+                    help="supervisor reshard --copy-rate, per target (default 4MiB; 2MiB "
+                         "with --change shrink, whose two targets copy 4 MiB/s in all): "
+                         "this host's two cores are ~70%% busy with the writes before the "
+                         "change; an unpaced copy (0) takes the rest and more")
     ap.add_argument("--change", choices=("grow", "shrink"), default="grow",
                     help="grow: 2 -> 3 shards; shrink: 3 -> 2 (the shards that stay, "
                          "already serving, take the removed one's keys)")
@@ -86,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--keys, --segments and --rate must be positive")
     if args.change == "shrink" and args.systems != "clonemap":
         ap.error("--change shrink runs clonemap alone (--systems clonemap)")
+    if args.copy_rate is None:
+        args.copy_rate = "2MiB" if args.change == "shrink" else "4MiB"
     return args
 
 
@@ -444,6 +450,10 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
     snapshot_bytes += sum(n * b[name]["bytes"] for name, n in resyncs.items())
     snapshot_bytes += sum((v.get("resume_updates", 0) - a[name].get("resume_updates", 0))
                           * entry for name, v in b.items() if name in a)
+    # a serving target stages its copy under a prefix the client does not subscribe to:
+    # the client only skips those sequences (told by a HUGZ), and receives none of it
+    staged = sum(v.get("staged", 0) - a[name].get("staged", 0)
+                 for name, v in b.items() if name in a)
     updates = sum(v["applied"] - a[name]["applied"] for name, v in b.items() if name in a)
     updates += sum(v["applied"] for name, v in b.items() if name not in a)
     echoes = sum(1 for w in result["writes"] if w[0] >= t_start)
@@ -455,6 +465,7 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
         "compact_s": round(compact_s, 2),
         "follower_bytes_estimated": received, "moved_bytes": moved_bytes,
         "follower_resyncs": resyncs, "follower_resumes": resumes,
+        "follower_staged_skipped": staged,
         "follower_adopted": adopted,
         "follower_adoptions_refused": refused,
         "follower_bytes_ratio": round(received / moved_bytes, 3) if moved_bytes else None,
@@ -493,11 +504,16 @@ def report(record: rec.Record) -> None:
                if runs[n].get("follower_resyncs") is not None else "-" for n in names]],
             ["follower's resumes (a gap: the updates it missed)",
              *[str(sum(runs[n]["follower_resumes"].values()))
-               if runs[n].get("follower_resumes") is not None else "-" for n in names]]]
+               if runs[n].get("follower_resumes") is not None else "-" for n in names]],
+            ["staged sequences the follower skipped (not received)",
+             *[f"{runs[n]['follower_staged_skipped']:,}"
+               if runs[n].get("follower_staged_skipped") is not None else "-"
+               for n in names]]]
     title, caption = (
         ("reshard: one shard fewer while written",
          "clonemap: 3 -> 2 shards, each a Binary Star pair; the two that stay serve "
-         "already, and apply the removed shard's keys at the flip")
+         "already: each stages its copy, and clients take the keys from the part that "
+         "held them")
         if record.data["config"].get("change") == "shrink" else
         ("reshard: one more shard while written",
          "clonemap: 2 -> 3 shards, each a Binary Star pair; Valkey: 3 -> 4 primaries (no "

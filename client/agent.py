@@ -61,6 +61,8 @@ PHASE_LOG_MAX = 64
 
 _Hugz = chp.Hugz
 _HUGZ_KEY = chp.HUGZ
+_STAGED = chp.STAGED
+_STAGED_RANGES = b"staged="
 _decode_update = chp.decode_update
 _check_seq = sm.check_seq
 
@@ -239,6 +241,8 @@ class ShardAgent:
         self.applied = 0
         self.stale = 0
         self.skipped = 0
+        self.staged = 0
+        """KVPUBs of keys a move staged on this shard, not applied (``chp.STAGED``)."""
         self.gaps = 0
         self.overflows = 0
         self.snapshots = 0
@@ -587,7 +591,7 @@ class ShardAgent:
             msg = _decode_update(frames, self.limits, strict=False)
         except ProtocolError:
             return False  # counted when applied
-        if msg.__class__ is not _Hugz:
+        if msg.__class__ is not _Hugz or msg.props[:7] == _STAGED_RANGES:
             return False
         return self._note_hugz(chp.hugz_info(msg))
 
@@ -633,7 +637,9 @@ class ShardAgent:
             self.drops.drop(exc.reason, f"shard {self.name} SUB: {exc}")
             return
         if msg.__class__ is _Hugz:
-            if (msg.props or msg.seq) and not replay:
+            if msg.props[:7] == _STAGED_RANGES:  # (in a replay too: it is a place in the stream)
+                self._skip_staged(msg.props)
+            elif (msg.props or msg.seq) and not replay:
                 self._on_hugz(msg)
             return
         seq = msg.seq
@@ -654,6 +660,12 @@ class ShardAgent:
                 self._gap(seq)
             return
         self.last_seq = seq
+        props = msg.props
+        if props and _STAGED in props:
+            # a key a move copies here before this shard owns it: the client holds it in
+            # its owner's part, and takes it from there when it follows the new routing
+            self.staged += 1
+            return
         key = msg.key
         if not key.startswith(self.subtree):
             # only through the "HUGZ" subscription's prefix (a key like "HUGZY")
@@ -695,6 +707,16 @@ class ShardAgent:
             self.echoes.confirm(msg.uuid, self.last_seq)
         if self.moved_echo is not None and msg.uuid:
             self.moved_echo(msg.uuid, self.last_seq)
+
+    def _skip_staged(self, props: bytes) -> None:
+        """The server published staged updates (``chp.STAGED``) under a prefix this
+        client does not subscribe to, and says their sequences: the stream goes on after
+        them (no gap). A range that begins past the next sequence is left to the gap
+        rule."""
+        for first, last in chp.staged_ranges(props) or ():
+            if first - 1 <= self.last_seq < last:
+                self.staged += last - self.last_seq
+                self.last_seq = last
 
     def _gap(self, seq: int) -> None:
         """Sequence ``seq`` is known to be published while ``last_seq + 1`` was never
@@ -789,7 +811,8 @@ class ShardAgent:
         return {
             "shard": self.name, "server": str(self.server), "phase": self.phase,
             "keys": len(self.map), "last_seq": self.last_seq, "applied": self.applied,
-            "stale": self.stale, "skipped": self.skipped, "gaps": self.gaps,
+            "stale": self.stale, "skipped": self.skipped, "staged": self.staged,
+            "gaps": self.gaps,
             "overflows": self.overflows, "snapshots": self.snapshots,
             "lag_s": round(self.lag.lag_s, 6),
             "max_lag_seen_s": round(self.lag.max_lag_seen_s, 6),

@@ -35,7 +35,7 @@ from clonemap.shards.common.security import Security, client_keys
 from clonemap.shards.common.endpoints import MAX_IO_THREADS
 from clonemap.shards.common.proto import chp
 from clonemap.shards.common.proto.props import format_props, parse_props
-from clonemap.shards.common.routing import OwnerCache
+from clonemap.shards.common.routing import OwnerCache, ShardMap
 from clonemap.shards.common import timing
 from clonemap.shards.common.timing import HEARTBEAT_S
 from clonemap.client import shard_machine as sm
@@ -99,6 +99,9 @@ def _holder(agent: ShardAgent, key_b: bytes) -> ShardAgent:
     return agent
 
 
+STAGED_WAIT_S = 10.0
+"""How long a shard's part that gained keys it had staged waits for the parts that hold
+them to read their streams up to the new routing, before it takes them anyway."""
 ROUTING_WAIT_S = 10.0
 """How long a client waits for the cluster map to show a routing epoch a server follows."""
 RETIRE_S = 30.0
@@ -183,6 +186,10 @@ class AsyncClone:
         self._ctx = context if context is not None else zmq.Context()
         self.cluster: Cluster | None = None
         self._by_index: dict[int, ShardAgent] = {}
+        self._staged_adoptions: dict[ShardAgent, tuple[Callable[[bytes], bool], int]] = {}
+        """Agents whose shard gained keys it had staged, waiting to adopt them from the
+        parts that hold them: what it owns now, and the routing epoch
+        (``_adopt_staged``)."""
         self._routes: dict[str, tuple[bytes, ShardAgent]] = {}
         self._routes_max = READ_ROUTES
         """``get``'s routes: a key read before -> (its bytes, its shard's agent)."""
@@ -451,6 +458,7 @@ class AsyncClone:
                   {spec.index for spec in cluster.shards_for(self._subtree_b)})
         self.cluster = cluster
         self._routes.clear()  # ``get``'s routes of the old map
+        held_by = dict(self._by_index)  # (the parts that may lend keys that moved)
         retired = [i for i in self._by_index if i not in needed]
         for index in retired:
             self._retire(self._by_index.pop(index))
@@ -474,6 +482,8 @@ class AsyncClone:
                     other.on_epoch = self._epoch_seen
                     other.lent_out = self._lent_out
             asyncio.get_running_loop().call_later(ADOPT_WAIT_S, self._adopt_now, added)
+        if self.only_key is None:
+            self._adopt_staged(current.shard_map, cluster.shard_map, held_by, added)
         if self._started:
             for agent in added:
                 agent.start()
@@ -525,6 +535,51 @@ class AsyncClone:
         if reply.outcome in (chp.APPLIED, chp.DUPLICATE) and reply.seq <= agent.last_seq:
             self._moved_echo(uuid, agent.last_seq)
 
+    def _adopt_staged(self, old: ShardMap, new: ShardMap, held_by: dict[int, ShardAgent],
+                      added: list[ShardAgent]) -> None:
+        """A shard this client already follows gains keys (a shrink's target, a pin
+        moved to it): its server staged them before the flip, and this client did not
+        apply those updates (``chp.STAGED``); it holds them in the parts of the shards
+        they leave. They move into its part (an adoption, as for an added shard's, no
+        event) once each of those parts read its stream up to the new routing (what its
+        server published before it followed, every value up to the hold), or after
+        ``STAGED_WAIT_S`` anyway. Meanwhile a read that misses its part looks there."""
+        lenders = tuple(agent for index, agent in held_by.items()
+                        if new.may_take_from(old, index) != ())
+        if not lenders:
+            return
+        for index, agent in self._by_index.items():
+            if agent in added or agent.lending or old.may_take_from(new, index) == ():
+                continue  # (gains nothing, or an adoption runs there already)
+            mine = tuple(o for o in lenders if o is not agent)
+            if not mine:
+                continue
+            agent.lending = mine
+            self._staged_adoptions[agent] = (OwnerCache(new, index).owns, new.epoch)
+            for other in mine:
+                other.on_epoch = self._epoch_seen
+                other.lent_out = self._lent_out
+        if self._staged_adoptions:
+            asyncio.get_running_loop().call_later(STAGED_WAIT_S, self._adopt_staged_now,
+                                                  True)
+            self._adopt_staged_now()
+
+    def _adopt_staged_now(self, late: bool = False) -> None:
+        """Start each pending adoption of staged keys whose lenders read their streams
+        up to its routing (``late``: every one still pending)."""
+        for agent, (owns, epoch) in list(self._staged_adoptions.items()):
+            if agent.closed or not agent.lending:
+                del self._staged_adoptions[agent]
+                continue
+            if late or all(o.epoch_seen >= epoch for o in agent.lending
+                           if o.phase == sm.ACTIVE):
+                del self._staged_adoptions[agent]
+                if late:
+                    log.warning("shard %s: adopting the keys it gained before %s read "
+                                "their streams up to routing epoch %d", agent.name,
+                                ", ".join(o.name for o in agent.lending), epoch)
+                agent.start_adoption(owns)
+
     def _lenders_read_up_to(self, agent: ShardAgent, epoch: int) -> bool:
         """Every other part that could lend ``agent`` its keys read its stream up to a
         HUGZ naming ``epoch``: everything its server published before it followed that
@@ -536,6 +591,8 @@ class AsyncClone:
         for agent in self._agents:
             if agent.may_adopt():
                 agent.release_request()
+        if self._staged_adoptions:
+            self._adopt_staged_now()
 
     def _adopt_now(self, added: list[ShardAgent]) -> None:
         """``ADOPT_WAIT_S`` passed: the added shards' first requests go now (a part
@@ -573,7 +630,12 @@ class AsyncClone:
         """``lender``'s map is about to be replaced (a snapshot): every adoption that
         takes keys from it finishes first, at once, so that no key it lends is lost."""
         for agent in self._agents:
-            if lender in agent.lending and agent.adoption is not None:
+            if lender not in agent.lending:
+                continue
+            if agent in self._staged_adoptions:  # (it had not begun: it begins now)
+                owns, _ = self._staged_adoptions.pop(agent)
+                agent.start_adoption(owns)
+            if agent.adoption is not None:
                 agent.adoption.run()
 
     def _retire(self, agent: ShardAgent) -> None:

@@ -13,12 +13,17 @@ control services (``clonemap.shards.serve``):
   those the snapshot holds skipped). ``source_seq`` is the source sequence the copy holds
   everything up to: the last KVPUB of the prefix, or the sequence of the last clock
   HUGZ, whichever is later (the publisher's stream is ordered, so a HUGZ at sequence S
-  follows every KVPUB up to S). Where the copy goes depends on the target. A shard the
-  change adds serves no client before the flip, so each key copied is *staged* as it
-  arrives (``ShardServer.apply_copied``): applied to its store with its own sequence, logged,
-  replicated to its passive and published. Its passive then has the copy, on disk too,
-  before the hold begins. A shard that already serves keeps the copy here (``items``),
-  outside its store, so that its clients see nothing of it until the flip.
+  follows every KVPUB up to S). Each key copied is *staged* as it arrives
+  (``ShardServer.apply_copied``): applied to the target's store with its own sequence,
+  logged, replicated to its passive and published, so that the target's passive has the
+  copy, on disk too, before the hold begins, and the flip has no per-key work. A shard
+  the change adds serves no client before the flip. A shard that already serves marks
+  each such KVPUB ``staged=1`` (``ShardServer.stage_copied``): our clients do not apply
+  it (they hold the key in its owner's part, and take it from there once they follow the
+  new routing: ``clonemap.client``), our clients' snapshots leave such keys out, and a
+  KVSET for one is not this shard's to apply. A strict 12/CHP peer sees ordinary
+  updates. A move rolled back deletes what it staged, in updates marked the same way
+  (``ShardServer.abort_import``).
 * ``Hold``, on the source shard's active: from ``hold`` on, its KVSETs for keys the new
   routing gives to other shards are kept, in arrival order, instead of applied (bounded
   in bytes). The hold
@@ -29,17 +34,17 @@ control services (``clonemap.shards.serve``):
   by the old epoch send here: a write is never dropped for having been sent before its
   client learned of the move.
 
-The flip (``ShardServer.commit_import``): the target follows the new routing and applies
-the copy it kept aside, if any, as ordinary updates with its own sequences (published,
-logged, replicated to its passive). A staged copy needs no per-key work there: the flip
-of an added shard is a routing file and an fsync. The target then takes the source's
-applied UUIDs, so a write its client sends again after the move is still applied once.
-Clients re-home each key when its first KVPUB from the target arrives, or from the
-target's snapshot (``clonemap.client``: no event when the value is the one they hold).
-The source then follows the new routing too, forwards what it held, and only then
-forgets the keys that moved, without publishing deletes (``Store.forget``). A move
-rolled back before the flip stops the shards it added and removes their data
-directories, staged copy and all.
+The flip (``ShardServer.commit_import``): the target follows the new routing (a routing
+file and an fsync) and takes the source's applied UUIDs, so a write its client sends
+again after the move is still applied once. A client of the whole map adopts the keys it
+holds already: an added shard's part asks the shard for the updates after its copy
+(``adopt=``), and a serving shard's part takes them from the parts that held them, once
+those read their streams up to the new routing. Others re-home each key from the
+target's snapshot. The source then follows the new routing too, forwards what it held,
+and only then forgets the keys that moved, without publishing deletes
+(``Store.forget``). A move rolled back before the flip stops the shards it added and
+removes their data directories, staged copy and all, and a serving target deletes what
+it staged.
 """
 from __future__ import annotations
 
@@ -96,8 +101,7 @@ class Import:
         are copied; None: every key under ``prefix``); ``index``: this shard's, named
         in the snapshot request (``move=``: the source sends only what moves here).
         ``stage(key, value, expiry_s)``: where each copied key goes as it arrives (an
-        empty value deletes it), with ``flush()`` after each batch read; None: the copy
-        is kept here (``items``) until the flip. ``rate``: the snapshot's bytes (keys and
+        empty value deletes it), with ``flush()`` after each batch read. ``rate``: the snapshot's bytes (keys and
         values) read per second at most (None: as fast as they come): between two
         batches the reader pauses until it is back within the rate, and the source's
         stream waits on its high-water mark meanwhile. ``timeout_s``: how long the
@@ -106,10 +110,7 @@ class Import:
         self.prefix = prefix
         self.owns = owns if owns is not None else (lambda key: True)
         self.index = index
-        self._kept = stage is None
-        self._stage = self._keep if stage is None else stage
-        self.items: dict[bytes, tuple[bytes, float | None]] = {}
-        """key -> (value, absolute expiry or None): the copy kept here (no ``stage``)."""
+        self._stage = stage
         self.sizes: dict[bytes, int] = {}
         """key -> bytes of key and value, of every key the copy holds (kept or staged)."""
         self.bytes = 0
@@ -135,7 +136,7 @@ class Import:
         self._expiries: dict[bytes, float] = {}
         self._queued: list[list[bytes]] = []
         self._timer = None
-        self._after_batch = None if self._kept else flush
+        self._after_batch = flush
         self.rate = rate
         self.timeout_s = timeout_s
         self.received = 0
@@ -146,15 +147,8 @@ class Import:
 
     @property
     def staged(self) -> int:
-        """Keys staged (applied on the target as they came), not kept here."""
-        return 0 if self._kept else len(self.sizes)
-
-    def _keep(self, key: bytes, value: bytes, expiry_s: float | None) -> None:
-        """The ``stage`` of a copy kept here until the flip."""
-        if value:
-            self.items[key] = (value, expiry_s)
-        else:
-            self.items.pop(key, None)
+        """Keys staged (applied on the target as they came)."""
+        return len(self.sizes)
 
     @property
     def copied(self) -> bool:

@@ -91,6 +91,8 @@ class PairMap:
         snapshot, and its UUID, so that a resend is applied once."""
         server = self.server
         server.store.apply(msg.key, msg.value, expiry_s)
+        if msg.props and chp.STAGED in msg.props:  # a key a move stages on the shard
+            server.note_staged(msg.key, msg.value)
         resendable = chp.is_resendable(msg.uuid)
         if server.persist is not None:  # the active's stream, with its sequences
             server.log_applied(msg.seq, msg.key, msg.value, expiry_s,
@@ -98,6 +100,9 @@ class PairMap:
         server.remember(msg.seq, msg.key, msg.uuid, msg.props, msg.value)
         if resendable:
             server.applied.add(msg.uuid, msg.seq)
+
+    def staged_ranges(self, frames: list[bytes]) -> None:
+        """The active's HUGZ that names staged sequences: this replica had them all."""
 
     def install(self, store: Store, generation: str = "",
                 history: tuple[tuple[int, int], ...] = (), uuids: list = ()) -> None:

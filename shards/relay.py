@@ -72,6 +72,7 @@ class RelayFollower(Follower):
 
     # ---------------------------------------------------------------- the stream
     def on_update(self, frames: list[bytes]) -> None:
+        frames = chp.unstaged(frames)
         if (len(frames) == 5 and frames[0] == chp.HUGZ and frames[3]
                 and b"serving=0" in frames[3]):
             self.counters["hugz_not_serving"] += 1
@@ -335,7 +336,14 @@ class Relay:
         """An update of the shard, applied with its sequence: published to our clients."""
         server = self.server
         server.store.apply(msg.key, msg.value, expiry_s)
-        server.publish(msg.seq, msg.key, msg.uuid, msg.props, msg.value)
+        staged = bool(msg.props) and chp.STAGED in msg.props
+        if staged:  # a key a move stages on the shard: not to our clients either
+            server.note_staged(msg.key, msg.value)
+        server.publish(msg.seq, msg.key, msg.uuid, msg.props, msg.value, staged=staged)
+
+    def staged_ranges(self, frames: list[bytes]) -> None:
+        """The shard's HUGZ that names staged sequences: on to our clients, after them."""
+        self.server.publish_raw(frames)
 
     def install(self, store: Store, generation: str = "",
                 history: tuple[tuple[int, int], ...] = (), uuids: list = ()) -> None:

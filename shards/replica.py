@@ -95,6 +95,10 @@ class ReplicaSink(Protocol):
         """A whole copy: ``store`` at its sequence, the active's map ``generation`` (kept
         when it sent none), term ``history`` and applied ``uuids``."""
 
+    def staged_ranges(self, frames: list[bytes]) -> None:
+        """The active's HUGZ that names the sequences of staged updates it published
+        under ``chp.STAGED_PREFIX`` (``chp.staged_ranges_hugz``): a relay publishes it on."""
+
 
 class Follower:
     """Keeps a ``ReplicaSink`` a replica of the active peer's map: the I/O shell around
@@ -135,6 +139,9 @@ class Follower:
         self._buffer: list[chp.Kvpub] = []
         self._building: Store | None = None
         self._uuids: list = []
+        self._staged: set[bytes] = set()
+        """The keys staged in the active's store (its BSTAR-TTL table's, then the staged
+        updates T+1..S): the server's ``staged`` once the copy is installed."""
         """The active's applied UUIDs (BSTAR-TTL), for the installed map."""
         self._ttl_table: dict[bytes, float] = {}
         self._generation = ""
@@ -290,6 +297,7 @@ class Follower:
         self._generation = ""
         self._history = ()
         self._uuids = []
+        self._staged = set()
         if self.pending is not None:  # heard before: in the snapshot, or never taken
             self.counters["pending_discarded"] += self.pending.discard_pending()
         sock = self.reactor.sockets.connect(zmq.DEALER, self.snapshot_endpoint)
@@ -333,9 +341,10 @@ class Follower:
 
     # ------------------------------------------------------------------ stream
     def on_update(self, frames: list[bytes]) -> None:
-        """A KVPUB or HUGZ from the active's P+1."""
+        """A KVPUB or HUGZ from the active's P+1 (a staged update under its prefix)."""
         reactor = self.reactor
         state = self.state
+        frames = chp.unstaged(frames)
         try:
             msg = chp.decode_update(frames, reactor.config.limits)
         except ProtocolError as err:
@@ -355,6 +364,9 @@ class Follower:
             return
         if not isinstance(msg, chp.Kvpub):
             self.counters["hugz"] += 1
+            if msg.props[:7] == b"staged=":  # (after the staged updates it names)
+                self.sink.staged_ranges(frames)
+                return
             info = chp.hugz_info(msg) if msg.props else None
             if info is not None and not info.serving:
                 # not from an active: the peer restarted (its welcome HUGZ) and is not
@@ -426,6 +438,7 @@ class Follower:
                     self._generation = chunk.generation or self._generation
                     self._history = chunk.history or self._history
                     self._uuids += chunk.uuids
+                    self._staged.update(chunk.staged)
                     self.counters["ttl_chunks"] += 1
                 return
             reply = chp.decode_snapshot(frames, reactor.config.limits)
@@ -448,10 +461,13 @@ class Follower:
         store = self._building
         uuids = self._uuids
         # keys rewritten between the TTL table (T) and the snapshot (S)
+        staged = self._staged
         for m in self._buffer:
             if ttl_seq < m.seq <= snap_seq:
                 if chp.is_resendable(m.uuid):
                     uuids += (m.uuid, m.seq)
+                if m.props and chp.STAGED in m.props:
+                    (staged.add if m.value else staged.discard)(m.key)
                 value = store.get(m.key)
                 if value is not None:
                     store.put(m.key, value, expires_of(m.props) if m.value else None,
@@ -464,7 +480,9 @@ class Follower:
         self._building = None
         self._close_dealer()
         self._uuids = []
+        self._staged = set()
         self.sink.install(store, self._generation, self._history, uuids)
+        self.reactor.staged = staged  # (then each staged update: ``ReplicaSink.apply``)
         self.counters["syncs_done"] += 1
         log.info("shard %s: replica synchronised: %d keys at sequence %d (%d TTL keys)",
                  self.shard, len(store), snap_seq, store.ttl_keys)

@@ -166,8 +166,8 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
                                        ShardMap.from_description(doc["routing"]),
                                        rate=float(rate) if rate else None,
                                        timeout_s=float(timeout_s) if timeout_s else None)
-        if op == "stop-import":
-            server.stop_import()
+        if op == "stop-import":  # (the move rolled back: what was staged goes too)
+            server.abort_import()
             return ""
         if op == "hold":
             forward = {int(i): list(c) for i, c in doc.get("forward", {}).items()}

@@ -200,6 +200,13 @@ class ShardServer:
         self.forgetting = None
         """``owns(key)`` while the keys that moved away are being forgotten
         (``forget_moved``): snapshots hold only what it accepts. None otherwise."""
+        self._staged_out = 0
+        """Staged updates in the outbox, not published yet (``_publish_staged``)."""
+        self.staged: set[bytes] = set()
+        """The keys a move staged in this store before this shard owns them
+        (``stage_copied``; on a passive or a relay, the staged updates it applied:
+        ``note_staged``), until the flip or the roll back. Our clients' snapshots leave
+        them out, and no KVSET for one takes the hot path's shortcut."""
         self._exported: dict = {}
         self.forwards: dict = {}
         """Shard index -> the ``Forwarder`` to its collectors, for the keys that moved
@@ -425,7 +432,8 @@ class ShardServer:
                     and size + len(value) <= self._fast_limit
                     and key.isascii() and key not in _RESERVED):
                 owned = self._owned_slots
-                if (owned is not None and key not in self.store.data and owned.get(
+                if (owned is not None and (key not in self.store.data or key in self.staged)
+                        and owned.get(
                         key if (end := key.find(b"/", 1)) < 0 else key[:end + 1]) is not True
                         and not self.owns(key, frames)):
                     return  # forwarded to its new shard, or counted not_owner
@@ -581,15 +589,24 @@ class ShardServer:
             self.log_applied(seq, key, value, expiry_s, kept)
         self.outbox.updates += key, _pack_seq(seq), uuid, props, value
 
-    def publish(self, seq: int, key: bytes, uuid: bytes, props: bytes, value: bytes) -> None:
+    def publish(self, seq: int, key: bytes, uuid: bytes, props: bytes, value: bytes,
+                staged: bool = False) -> None:
         """Publish an update applied elsewhere with its own sequence (a relay's copy of
-        its shard), now, and keep it for resumes."""
+        its shard), now, and keep it for resumes. ``staged``: under
+        ``chp.STAGED_PREFIX`` (its shard's ``staged_ranges_hugz`` follows: ``publish_raw``)."""
         size = len(key) + len(props) + len(value)
         if size > self._fast_limit:
             self._lower_mark(self.marks.published(size))
         if self._remember is not None:
             self._remember(seq, key, uuid, props, value)
-        zio.send_frames5(self._pub, key, _pack_seq(seq), uuid, props, value)
+        zio.send_frames5(self._pub, chp.STAGED_PREFIX + key if staged else key,
+                         _pack_seq(seq), uuid, props, value)
+
+    def publish_raw(self, frames: list[bytes]) -> None:
+        """Publish a message as it came from upstream (a relay: its shard's HUGZ that
+        names staged sequences)."""
+        if self._pub is not None:
+            zio.send_frames5(self._pub, *frames)
 
     def remember(self, seq: int, key: bytes, uuid: bytes, props: bytes,
                  value: bytes) -> None:
@@ -644,11 +661,37 @@ class ShardServer:
         if updates:
             if parked:
                 self.outbox.unpark(batch.count)
-            self._publish_many(updates)  # key, seq, uuid, props, value, key, ...: in order
+            if self._staged_out:  # (staged updates go under their own prefix: not to clients)
+                self._publish_staged(updates)
+            else:
+                self._publish_many(updates)  # key, seq, uuid, props, value, key, ...: in order
             if self._remember is not None:
                 self.recent.extend(updates)  # the list itself: no copy
         if batch.replies:
             self._send_replies(batch.replies)
+
+    def _publish_staged(self, updates: list[bytes]) -> None:
+        """``_publish_many`` for a batch that may hold staged updates (``chp.STAGED``):
+        each goes under ``chp.STAGED_PREFIX``, then one HUGZ names their sequences, so
+        that our clients, which do not receive them, see no gap."""
+        wire, ranges = updates, []
+        for i in range(0, len(updates), KVPUB_FRAMES):
+            props = updates[i + 3]
+            if props and chp.STAGED in props:
+                if wire is updates:
+                    wire = list(updates)
+                wire[i] = chp.STAGED_PREFIX + updates[i]
+                seq = int.from_bytes(updates[i + 1], "big")
+                if ranges and ranges[-1][1] == seq - 1:
+                    ranges[-1] = (ranges[-1][0], seq)
+                else:
+                    ranges.append((seq, seq))
+                self._staged_out -= 1
+        self._publish_many(wire)
+        if ranges:
+            zio.send_frames5(self._pub, *chp.staged_ranges_hugz(ranges))
+        elif not self.staged:  # (one dropped with its batch: our clients drop it by its mark)
+            self._staged_out = 0
 
     def replace_store(self, store: Store, uuids=()) -> None:
         """Serve ``store`` from now on (a passive's whole copy of its active's map) with
@@ -743,15 +786,17 @@ class ShardServer:
         for imp in [i for i in self.importing if i.source == source]:
             imp.close()
             self.importing.remove(imp)
-        # A shard this change adds (started on the new routing, which it has not saved)
-        # serves no client before the flip: each key copied is applied to its store as it
-        # arrives (``apply_copied``), so the flip has no per-key work. A shard that serves
-        # keeps the copy aside until the flip (``commit_import``).
+        # Each key copied is applied to the store as it arrives, so that the flip has no
+        # per-key work: its own sequence, logged, replicated to the passive. A shard this
+        # change adds (started on the new routing, which it has not saved) serves no
+        # client before the flip (``apply_copied``). A shard that serves marks each such
+        # update staged (``stage_copied``): our clients do not apply it, and take the key
+        # from the parts that hold it at the flip.
         added = self.shard_map is not None and self.shard_map.epoch == shard_map.epoch
         imp = Import(self.sockets.connect, self.loop, source, prefix, self._limits, owns,
                      self.config.shard_index,
-                     stage=self.apply_copied if added else None, flush=self.flush,
-                     rate=rate, timeout_s=timeout_s or COPY_TIMEOUT_S)
+                     stage=self.apply_copied if added else self.stage_copied,
+                     flush=self.flush, rate=rate, timeout_s=timeout_s or COPY_TIMEOUT_S)
         self.importing.append(imp)
         imp.start()
         return ""
@@ -780,18 +825,85 @@ class ShardServer:
             imp.close()
         self.importing = []
 
-    def apply_copied(self, key: bytes, value: bytes, expiry_s: float | None) -> None:
-        """One key of a move's copy applied here as an update: this shard's sequence,
-        logged, replicated to its passive, published at the next ``flush``. On a shard
-        the change adds, as it arrives (no client follows it yet: ``start_import``);
-        on one that serves, at the flip (``commit_import``). An empty value deletes.
-        (No UUID, no condition: a key no write here decided on yet.)"""
+    def apply_copied(self, key: bytes, value: bytes, expiry_s: float | None,
+                     staged: bool = False) -> None:
+        """One key of a move's copy applied here as an update, as it arrives
+        (``start_import``): this shard's sequence, logged, replicated to its passive,
+        published at the next ``flush``. An empty value deletes. (No UUID, no condition:
+        a key no write here decided on yet.) ``staged``: this shard serves, and does
+        not own the key yet (``stage_copied``)."""
         props = b"" if expiry_s is None else b"expires=%.3f\n" % expiry_s
+        if staged:
+            props += chp.STAGED
+            self._staged_out += 1
         size = len(key) + len(props) + len(value)
         if size > self._fast_limit:  # (before the batch goes out: ``flush``)
             self._lower_mark(self.marks.published(size))
         self._log_and_publish(self.store.apply(key, value, expiry_s), key, b"", props,
                               value, expiry_s)
+
+    def stage_copied(self, key: bytes, value: bytes, expiry_s: float | None) -> None:
+        """``apply_copied`` on a shard that serves: the update says it is staged
+        (``chp.STAGED``), so that our clients leave the key to its owner until the flip."""
+        self.staged.add(key)
+        self.apply_copied(key, value, expiry_s, staged=True)
+
+    def staged_filter(self):
+        """``readable(key)`` for our clients' snapshots while keys are staged here (None
+        otherwise): everything but them."""
+        staged = self.staged
+        return (lambda key: key not in staged) if staged else None
+
+    def abort_import(self) -> int:
+        """The move was rolled back before the flip: stop the copies, and delete what
+        was staged here (``stage_copied``), a chunk per loop turn, each delete marked
+        staged: published, logged and replicated as the copy was (our clients ignore
+        them, a strict 12/CHP peer sees the keys go). A passive only stops its copies:
+        its active's deletes reach it. How many keys go."""
+        self.stop_import()
+        if not self.staged or not self.active:
+            return 0
+        owns = self.owner_cache.owns if self.owner_cache is not None else None
+        gone = [key for key in self.staged if owns is None or not owns(key)]
+        self._unstage(gone, 0)
+        return len(gone)
+
+    def _unstage(self, keys: list[bytes], at: int) -> None:
+        end = min(at + FORGET_CHUNK, len(keys))
+        staged, data = self.staged, self.store.data
+        for key in keys[at:end]:
+            if key in staged:
+                staged.discard(key)
+                if key in data:
+                    self.apply_copied(key, b"", None, staged=True)
+        self.flush()
+        if end < len(keys) and self.loop is not None:
+            self.loop.call_soon(self._unstage, keys, end)
+        elif keys:
+            log.info("moves rolled back: %d staged keys deleted", len(keys))
+
+    def note_staged(self, key: bytes, value: bytes) -> None:
+        """A passive or a relay applied a staged update of ``key`` from its active."""
+        if value:
+            self.staged.add(key)
+        else:
+            self.staged.discard(key)
+
+    def _unstage_for(self, shard_map) -> None:
+        """A routing is followed: the keys staged here that it gives this shard are its
+        own now; the rest (the move that staged them rolled back, and the routing came
+        back under a later epoch) are forgotten, without deletes."""
+        staged, self.staged = self.staged, set()
+        if not staged:
+            return
+        owns = OwnerCache(shard_map, self.config.shard_index).owns
+        if self.config.shard_index >= shard_map.shards:
+            gone = list(staged)
+        else:
+            gone = [key for key in staged if not owns(key)]
+        count = self.store.forget(gone)
+        if count:
+            log.info("routing: forgot %d keys a rolled-back move had staged", count)
 
     def begin_hold(self, shard_map, peer: bool = False,
                    forward_to: dict[int, list[str]] | None = None) -> str:
@@ -875,10 +987,9 @@ class ShardServer:
 
     def commit_import(self, shard_map) -> str:
         """The flip on the target: follow ``shard_map`` (which gives this shard the keys
-        it copied), then apply the copies kept aside (``apply_copied``; a shard the
-        change adds applied its copies as they came), and take the sources' applied
-        UUIDs; durable
-        (fsync) before it answers. "" once done, else why not (nothing changed)."""
+        it copied, staged as they came: ``start_import``; no per-key work here), and
+        take the sources' applied UUIDs; durable (fsync) before it answers. "" once
+        done, else why not (nothing changed)."""
         imports = self.importing
         unfinished = [i for i in imports if not i.copied or i.error]
         if not imports or unfinished:
@@ -887,8 +998,12 @@ class ShardServer:
         if not self.active:
             return "not active"
         provisional = self.routing_epoch == shard_map.epoch  # (started on it, unsaved)
+        # what the copies staged here is this shard's under ``shard_map`` (they copied
+        # only such keys): no pass over it inside the hold
+        staged, self.staged = self.staged, set()
         why = self.install_routing(shard_map)
         if why:
+            self.staged = staged
             return why
         if provisional and self.persist is not None:  # a shard the change adds
             from clonemap.shards.persist import routing as routing_file
@@ -900,16 +1015,7 @@ class ShardServer:
                 return f"disk error: {os_error_text(exc)}"
         self.stop_import()
         self.routing_provisional = False
-        now = time.time()
-        owns = OwnerCache(shard_map, self.config.shard_index).owns
-        count = 0
-        for imp in imports:
-            count += imp.staged
-            for key, (value, expiry_s) in imp.items.items():
-                if (expiry_s is not None and expiry_s <= now) or not owns(key):
-                    continue  # expired in the source's hands meanwhile, or pinned elsewhere
-                self.apply_copied(key, value, expiry_s)
-                count += 1
+        count = sum(imp.staged for imp in imports)
         self.expiry.arm()
         at = self.store.seq
         for imp in imports:
@@ -921,7 +1027,7 @@ class ShardServer:
             return "disk error while committing the copies"  # (the server stops)
         log.info("moves committed: %d keys from %s, at sequence %d", count,
                  ", ".join(i.source for i in imports), at)
-        if all(not i.items and i.staged and i.source_gen for i in imports):
+        if provisional and all(i.staged and i.source_gen for i in imports):
             # a shard the change added holds, at ``at``, exactly what it copied: a client
             # that holds each source's map past the copy's end resumes from here
             self.handover = (at, shard_map.epoch,
@@ -1021,6 +1127,7 @@ class ShardServer:
                 return f"disk error: {os_error_text(exc)}"
         self.set_routing(shard_map)
         self.routing_provisional = False
+        self._unstage_for(shard_map)
         log.info("routing: now epoch %d, %d shards (digest %s)", shard_map.epoch,
                  shard_map.shards, shard_map.digest())
         self._hugz_now()
@@ -1047,9 +1154,10 @@ class ShardServer:
         shard: no pin under it)."""
         tally = LeavingTally(shard_map, self.config.shard_index)
         owned = self.forgetting  # (keys that moved away, not forgotten yet, do not count)
+        staged = self.staged  # (nor keys a move staged here: not this shard's yet)
         data = self.store.data
         tally.add((k, data[k]) for k in self._keys_that_may_leave(shard_map)
-                  if owned is None or owned(k))
+                  if (owned is None or owned(k)) and k not in staged)
         return tally.rows()
 
     def _keys_that_may_leave(self, shard_map) -> Iterable[bytes]:
@@ -1075,8 +1183,9 @@ class ShardServer:
         for at in range(0, len(keys), FORGET_CHUNK):
             began = time.perf_counter()
             owned = self.forgetting  # (as ``keys_leaving``)
+            staged = self.staged
             tally.add((k, data[k]) for k in keys[at:at + FORGET_CHUNK]
-                      if k in data and (owned is None or owned(k)))
+                      if k in data and (owned is None or owned(k)) and k not in staged)
             # (idle as long as the chunk took: at most half a core, every server of the
             # cluster counting at once beside the writes)
             await asyncio.sleep((time.perf_counter() - began) * COUNT_IDLE)
@@ -1110,10 +1219,16 @@ class ShardServer:
         """Keys' expiries, each ``(key, seq)`` already applied to the store: logged and
         published in one burst (``flush``). How many."""
         count = 0
+        staged = self.staged
         for key, seq in deletes:
             if len(key) > self._fast_limit:  # a key recovered from disk, never published
                 self._lower_mark(self.marks.published(len(key)))
-            self._log_and_publish(seq, key, b"", b"", b"", None)
+            # (a key a move staged here expires as its copy would: not to our clients)
+            if key in staged:
+                self._staged_out += 1
+                self._log_and_publish(seq, key, b"", chp.STAGED, b"", None)
+            else:
+                self._log_and_publish(seq, key, b"", b"", b"", None)
             count += 1
         self.flush()
         return count

@@ -314,6 +314,8 @@ class SnapshotService:
             readable = _both(readable, server.exported_to(request.move))
         else:  # the keys that moved away, while they are forgotten (None otherwise)
             readable = _both(readable, server.forgetting)
+            if request.meta:  # and, for our clients, the keys a move stages here
+                readable = _both(readable, server.staged_filter())
         # a request with our extension frame (meta=1) learns the map's term and the
         # routing epoch; a plain ICANHAZ gets the empty properties 12/CHP has
         props = (chp.kthxbai_props(term=server.role.term(), epoch=server.routing_epoch)

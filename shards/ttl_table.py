@@ -36,12 +36,14 @@ class TtlStream:
     can span loop turns), one chunk per turn."""
 
     __slots__ = ("identity", "seq", "generation", "history", "entries", "left", "frames",
-                 "counters", "uuids")
+                 "counters", "uuids", "staged")
 
     def __init__(self, identity: bytes, seq: int, expiries: dict[bytes, float],
                  generation: str, counters: dict[str, int],
-                 history: tuple[tuple[int, int], ...] = (), uuids: list = ()):
+                 history: tuple[tuple[int, int], ...] = (), uuids: list = (),
+                 staged: list[bytes] = ()):
         self.uuids = uuids
+        self.staged = staged
         self.identity = identity
         self.seq = seq
         self.generation = generation
@@ -58,7 +60,8 @@ class TtlStream:
             self.left -= len(chunk)
             self.frames = bstar_ttl.encode_chunk(self.seq, chunk, last=self.left <= 0,
                                                  generation=self.generation,
-                                                 history=self.history, uuids=self.uuids)
+                                                 history=self.history, uuids=self.uuids,
+                                                 staged=self.staged)
         try:
             zio.send_frames(sock, [self.identity, *self.frames])
         except zmq.Again:  # the peer's pipe is full: the pump retries, or abandons
@@ -102,8 +105,9 @@ class TtlTables:
         seq, expiries = server.store.seq, server.store.expiries()
         uuids = server.applied.items_upto(seq)
         generation = server.generation
+        staged = list(server.staged)  # (a move's copy here, not this shard's yet)
         self.pump.add(identity, lambda: TtlStream(identity, seq, expiries, generation,
-                                                  self.counters, history, uuids))
+                                                  self.counters, history, uuids, staged))
 
     def stats(self) -> dict:
         pump = self.pump

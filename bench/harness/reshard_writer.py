@@ -10,8 +10,8 @@ Prints ``READY`` once the client holds the map. Reads commands on standard input
 ``MARK name`` records the time, this process's CPU time (``cpu_s``) and the client's
 counters by shard under ``name`` (``t0``: when the writes began); ``STOP`` ends
 the writes and prints one JSON line: ``{"t0", "writes": [[start, latency or -1,
-moving]], "marks": {name: {"t", "shards": {shard: {"applied", "snapshots", "resumes",
-"resume_updates", "keys",
+moving]], "marks": {name: {"t", "shards": {shard: {"applied", "snapshots", "staged",
+"resumes", "resume_updates", "keys",
 "bytes" (the end mark only)}}}}, "errors"}``. A write's
 key ``moves`` when NEW_CONFIG's routing gives it to another shard than CONFIG's.
 """
@@ -35,6 +35,7 @@ def counters(clone, with_bytes: bool = False) -> dict:
     at 1M keys on the client's loop: only once the writes are over)."""
     return {"t": time.monotonic(), "cpu_s": time.process_time(), "shards": {
         agent.name: {"applied": agent.applied, "snapshots": agent.snapshots,
+                     "staged": agent.staged,
                      "adoptions": agent.incoming.adoptions,
                      "adoption_rows": agent.incoming.adoption_rows,
                      "adoptions_refused": agent.incoming.adoptions_refused,

@@ -876,6 +876,155 @@ def test_an_added_shard_that_fails_over_while_copying_rolls_the_growth_back(
         assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
 
 
+def _meta_snapshot(ctx: zmq.Context, port: int, subtree: bytes) -> dict[bytes, bytes]:
+    """What our clients' ICANHAZ (``meta=1``) gets from the server at ``port``."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        dealer.send_multipart([b"ICANHAZ?", subtree, b"meta=1\n"])
+        out: dict[bytes, bytes] = {}
+        while True:
+            assert dealer.poll(10_000), f"no KTHXBAI from port {port} within 10 s"
+            frames = dealer.recv_multipart()
+            if frames[0] == b"KTHXBAI":
+                return out
+            out[frames[0]] = frames[4]
+    finally:
+        dealer.close(0)
+
+
+def _staged_updates(sub, count: int, deletes: bool) -> dict[bytes, bytes]:
+    """Read ``sub`` until ``count`` staged KVPUBs (sets, or with ``deletes`` empty values)
+    arrived: key -> value. Each must come under ``chp.STAGED_PREFIX`` and say
+    ``staged=1``."""
+    seen: dict[bytes, bytes] = {}
+    deadline = time.monotonic() + 30
+    while len(seen) < count:
+        assert sub.poll(max(1, int((deadline - time.monotonic()) * 1000))), (
+            f"{len(seen)} of {count} staged updates within 30 s")
+        frames = sub.recv_multipart()
+        assert frames[0].startswith(chp.STAGED_PREFIX), frames[:1]
+        msg = chp.decode_update(chp.unstaged(frames))
+        assert chp.STAGED in msg.props, (msg.key, msg.props)
+        if bool(msg.value) != deletes:
+            seen[msg.key] = msg.value
+    return seen
+
+
+def test_a_serving_target_stages_the_copy_and_clients_adopt_it_at_the_flip(
+        procs, tmp_path, zctx):
+    """A pinned prefix moves to a shard that serves (s0 -> s1). s1 stages each key
+    copied as it arrives: applied with its own sequence, logged, replicated and
+    published as staged, so that its flip has no per-key work. While the move
+    waits once copied (``CLONEMAP_RESHARD_PAUSE_AT``):
+
+    - a subscriber of s1's publisher received every key under ``chp.STAGED_PREFIX``,
+      saying ``staged=1`` (our clients subscribe to every other first byte: they
+      receive none, only a HUGZ that names their sequences);
+    - a plain ICANHAZ to s1 has them, our clients' (``meta=1``) has none;
+    - a client of the whole map applied none of them (its s1 part counts them staged),
+      reads every key from its s0 part, and its watcher saw nothing.
+
+    Rolled back (``--abort``), s1 deletes what it staged (the deletes marked too), and
+    every server, passives included, holds only its shard's keys. Run again to its end,
+    the client adopts the keys from its s0 part with no event, each server holds its
+    shard's keys, and a fresh client reads the ledger back."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = _start_stopping(procs, config, tmp_path, "copied", pause=True)
+    rows = wait_status(control, settled)
+    first = ShardMap(2)
+    tenant = next(f"/tenant{i}/" for i in range(100) if first.owner(f"/tenant{i}/x") == 0)
+    later = _pin(config, tmp_path / "later.yaml", 1, [tenant])
+    moved = {f"{tenant}{i}": b"v%d" % i for i in range(300)}
+    ledger = {**moved, **{f"/k{i}": b"k%d" % i for i in range(50)}}
+    _write_all(config, ledger)
+    target = actives(rows)["s1"]["port"]
+    sub = zctx.socket(zmq.SUB)  # (a strict subscriber of everything sees them so)
+    sub.setsockopt(zmq.SUBSCRIBE, chp.STAGED_PREFIX + tenant.encode())
+    sub.connect(f"tcp://127.0.0.1:{target + 1}")
+    hugz_of(zctx, target)  # (the server publishes; the subscription has had time to reach it)
+    as_bytes = {k.encode(): v for k, v in moved.items()}
+
+    def keys_per_server(routing: ShardMap):
+        def check(rows: dict) -> bool:
+            return settled(rows) and all(
+                row["stats"]["keys"] == sum(1 for k in ledger
+                                            if routing.owner(k) == int(name[1]))
+                for name, row in rows.items())
+        return check
+
+    async def scenario():
+        async with AsyncClone(config=str(config)) as clone:
+            events = []
+            watch = clone.watch("")
+
+            async def collect():
+                async for change in watch:
+                    events.append(change)
+
+            collector = asyncio.ensure_future(collect())
+            await _until(lambda: any(e.kind == "synced" for e in events),
+                         "the watch's first puts")
+            events.clear()
+            part = lambda name: next(p for p in clone.stats()["shards"]  # noqa: E731
+                                     if p["shard"] == name)
+
+            # the copy, staged and shown to no client of ours
+            reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
+                                   "--to", str(later), "--yes")
+            await asyncio.to_thread(sup.wait_line, "RESHARD_PAUSED phase=copied", 60)
+            assert await asyncio.to_thread(_staged_updates, sub, 300, False) == as_bytes
+            assert fetch_map(zctx, target, tenant.encode())[0] == as_bytes
+            assert await asyncio.to_thread(_meta_snapshot, zctx, target,
+                                           tenant.encode()) == {}
+            await _until(lambda: part("s1")["staged"] >= 300, "the s1 part sees the copy")
+            assert {k: clone.get(k) for k in ledger} == ledger
+            assert len(clone) == len(ledger) and part("s0")["keys"] == 300 + sum(
+                1 for k in ledger if not k.startswith(tenant) and first.owner(k) == 0)
+
+            # rolled back: what s1 staged goes, in marked deletes
+            asked = await asyncio.to_thread(cli, "reshard", str(config), "--abort")
+            assert asked.returncode == 0, asked.stderr
+            assert await asyncio.to_thread(reshard.wait, 30) == 1
+            assert set(await asyncio.to_thread(_staged_updates, sub, 300, True)) == set(
+                as_bytes)
+            await asyncio.to_thread(wait_status, control, keys_per_server(first))
+            assert {k: clone.get(k) for k in ledger} == ledger and clone.routing_epoch == 1
+
+            # run again to its end: the client adopts what s1 staged, silently
+            again = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
+                                 "--to", str(later), "--yes")
+            await asyncio.to_thread(sup.wait_line, "RESHARD_PAUSED phase=copied", 60)
+            (tmp_path / "run" / "reshard.continue").touch()
+            assert await asyncio.to_thread(again.wait, 60) == 0, again.stderr[-3:]
+            await _until(lambda: clone.routing_epoch == 2, "the client follows")
+            await _until(lambda: part("s0")["keys"] == len(ledger) - 300 - sum(
+                1 for k in ledger if not k.startswith(tenant) and first.owner(k) == 1),
+                "the s0 part lends the moved keys away")
+            assert part("s1")["keys"] == 300 + sum(
+                1 for k in ledger if not k.startswith(tenant) and first.owner(k) == 1)
+            assert {k: clone.get(k) for k in ledger} == ledger
+            assert len(clone) == len(ledger)
+            watch.close()
+            await collector
+            assert events == [], events[:3]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        sub.close(0)
+    wait_status(control, lambda r: at_epoch(2)(r) and keys_per_server(
+        ShardMap(2, {1: [tenant]}))(r))
+
+    async def fresh():
+        async with AsyncClone(config=str(later)) as clone:
+            assert {k: clone.get(k) for k in ledger} == ledger
+            assert len(clone) == len(ledger)
+
+    asyncio.run(fresh())
+
+
 def test_an_operator_aborts_a_growth_before_its_flip(procs, tmp_path, zctx):
     """``supervisor reshard CONFIG --abort``: with no change running it is refused;
     while a growth waits once copied (``CLONEMAP_RESHARD_PAUSE_AT``), it stops the

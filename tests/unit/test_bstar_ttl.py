@@ -18,7 +18,7 @@ def test_a_chunk_round_trips(table, seq, last):
     frames = bstar_ttl.encode_chunk(seq, table.items(), last)
     assert frames[0] == b"BSTAR-TTL" and len(frames[1]) == 8
     assert frames[3] == (b"\x01" if last else b"\x00")
-    assert bstar_ttl.decode_chunk(frames) == (seq, table, last, "", (), [])
+    assert bstar_ttl.decode_chunk(frames) == (seq, table, last, "", (), [], ())
 
 
 def test_the_request_is_one_frame():
@@ -28,7 +28,7 @@ def test_the_request_is_one_frame():
 def test_an_empty_table_is_one_empty_last_chunk():
     frames = bstar_ttl.encode_chunk(7, [], last=True)
     assert frames == [b"BSTAR-TTL", struct.pack(">Q", 7), b"", b"\x01"]
-    assert bstar_ttl.decode_chunk(frames) == (7, {}, True, "", (), [])
+    assert bstar_ttl.decode_chunk(frames) == (7, {}, True, "", (), [], ())
 
 
 GOOD = bstar_ttl.encode_chunk(3, [(b"/a", 1.5)], last=False)
@@ -38,7 +38,7 @@ def test_a_chunk_carries_the_map_generation_when_given():
     frames = bstar_ttl.encode_chunk(9, [(b"/k", 12.5)], last=True, generation="a1b2c3d4e5f60718")
     assert frames[4] == b"a1b2c3d4e5f60718"
     assert bstar_ttl.decode_chunk(frames) == (9, {b"/k": 12.5}, True, "a1b2c3d4e5f60718", (),
-                                               [])
+                                               [], ())
 
 
 @given(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
@@ -49,9 +49,22 @@ def test_a_chunk_carries_the_term_history_when_given(history):
     assert bstar_ttl.decode_chunk(frames).history == tuple(history)
 
 
+@given(st.lists(st.binary(min_size=1, max_size=300), max_size=40), st.booleans())
+def test_the_last_chunk_carries_the_staged_keys(staged, last):
+    """The keys a move staged in the active's store (f7, the last chunk only): a passive
+    or relay that copies the map keeps them out of its clients' snapshots."""
+    frames = bstar_ttl.encode_chunk(4, [(b"/t", 2.0)], last, generation="g1", staged=staged)
+    chunk = bstar_ttl.decode_chunk(frames)
+    assert chunk.staged == (tuple(staged) if last else ())
+    assert len(frames) == (8 if last and staged else 5)
+    assert (chunk.seq, chunk.table, chunk.generation) == (4, {b"/t": 2.0}, "g1")
+
+
 @pytest.mark.parametrize("frames, fault", [
-    (GOOD[:3], "expected 4 to 7 frames"),
-    (GOOD + [b"gen", b"", b"", b""], "expected 4 to 7 frames"),
+    (GOOD[:3], "expected 4 to 8 frames"),
+    (GOOD + [b"gen", b"", b"", b"", b""], "expected 4 to 8 frames"),
+    (GOOD + [b"gen", b"", b"", b"\x00"], "truncated staged key"),
+    (GOOD + [b"gen", b"", b"", b"\x00\x05/ab"], "truncated staged key"),
     (GOOD + [b"gen", b"", b"x" * 23], "UUID table of 23 bytes"),
     (GOOD + [b"gen", b"\x00" * 15], "term history of 15 bytes"),
     (GOOD + [b"g\xff", b""], "generation"),

@@ -23,6 +23,10 @@ Frames (DEALER <-> ROUTER; the ROUTER's identity frame is not shown)::
                 only): (UUID 16 bytes, sequence u64) repeated, oldest first
                 (``clonemap.shards.applied``: so a write sent again is applied once after a
                 failover to this passive too)
+             f7 the keys a move staged in the active's store as of T (optional, needs
+                f6, last chunk only): (key_len u16, key) repeated. The snapshot holds
+                them like any key; the passive or relay keeps them out of its own
+                clients' snapshots until the flip (``ShardServer.staged``)
 
 A table with no TTL key is one chunk with an empty f2 and f3 = 0x01. The generation
 (``clonemap.shards.server_config.new_generation``) tells the passive which map its replica now copies:
@@ -50,6 +54,7 @@ _ENTRY = struct.Struct(">dH")
 _SEQ = struct.Struct(">Q")
 _TERM = struct.Struct(">QQ")
 _UUID_ENTRY = struct.Struct(">16sQ")
+_KEY_LEN = struct.Struct(">H")
 
 
 MAX_GENERATION = 64
@@ -63,6 +68,8 @@ class Chunk(NamedTuple):
     history: tuple[tuple[int, int], ...] = ()
     uuids: list = []
     """``[uuid, seq, ...]`` (f6), oldest first."""
+    staged: tuple[bytes, ...] = ()
+    """The keys staged in the active's store (f7)."""
 
 
 def request() -> list[bytes]:
@@ -71,23 +78,27 @@ def request() -> list[bytes]:
 
 def encode_chunk(seq: int, entries: Iterable[tuple[bytes, float]], last: bool,
                  generation: str = "", history: Iterable[tuple[int, int]] = (),
-                 uuids: list = ()) -> list[bytes]:
+                 uuids: list = (), staged: Iterable[bytes] = ()) -> list[bytes]:
     """One reply chunk for ``entries``: (key, absolute expiry in epoch seconds) pairs;
-    ``uuids`` (``[uuid, seq, ...]``) go in the last one."""
+    ``uuids`` (``[uuid, seq, ...]``) and the ``staged`` keys go in the last one."""
+    staged = list(staged) if last else []
     parts = []
     for key, expiry_s in entries:
         parts.append(_ENTRY.pack(expiry_s, len(key)))
         parts.append(key)
     frames = [REPLY, _SEQ.pack(seq), b"".join(parts), LAST if last else MORE]
     history = list(history)
-    if generation or history or (uuids and last):
+    more = bool(uuids and last) or bool(staged)
+    if generation or history or more:
         frames.append(generation.encode("ascii"))
-    if history or (uuids and last):
+    if history or more:
         frames.append(b"".join(_TERM.pack(term, first) for term, first in history))
-    if uuids and last:
+    if more:
         pack = _UUID_ENTRY.pack
         frames.append(b"".join(pack(uuids[i], uuids[i + 1])
                                for i in range(0, len(uuids) - 1, 2) if len(uuids[i]) == 16))
+    if staged:
+        frames.append(b"".join(_KEY_LEN.pack(len(key)) + key for key in staged))
     return frames
 
 
@@ -97,8 +108,8 @@ def _fail(message: str) -> ProtocolError:
 
 
 def decode_chunk(frames: list[bytes]) -> Chunk:
-    if len(frames) not in (4, 5, 6, 7):
-        raise _fail(f"expected 4 to 7 frames, got {len(frames)}")
+    if len(frames) not in (4, 5, 6, 7, 8):
+        raise _fail(f"expected 4 to 8 frames, got {len(frames)}")
     generation = ""
     history: tuple[tuple[int, int], ...] = ()
     if len(frames) >= 5:
@@ -110,7 +121,20 @@ def decode_chunk(frames: list[bytes]) -> Chunk:
                         "letters and digits")
         generation = raw.decode("ascii")
     uuids: list = []
-    if len(frames) == 7:
+    staged: list[bytes] = []
+    if len(frames) == 8:
+        raw = bytes(frames[7])
+        pos = 0
+        while pos < len(raw):
+            if pos + _KEY_LEN.size > len(raw):
+                raise _fail("truncated staged key")
+            (size,) = _KEY_LEN.unpack_from(raw, pos)
+            pos += _KEY_LEN.size
+            if pos + size > len(raw):
+                raise _fail("truncated staged key")
+            staged.append(raw[pos:pos + size])
+            pos += size
+    if len(frames) >= 7:
         raw = bytes(frames[6])
         if len(raw) % _UUID_ENTRY.size:
             raise _fail(f"UUID table of {len(raw)} bytes is not whole 24-byte entries")
@@ -141,4 +165,4 @@ def decode_chunk(frames: list[bytes]) -> Chunk:
         table[body[pos:pos + key_len]] = expiry_s
         pos += key_len
     return Chunk(_SEQ.unpack(frames[1])[0], table, frames[3] == LAST, generation, history,
-                 uuids)
+                 uuids, tuple(staged))

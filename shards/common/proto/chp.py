@@ -44,8 +44,8 @@ from typing import NamedTuple
 
 from clonemap.shards.common.errors import ProtocolError
 from clonemap.shards.common.proto.props import (  # noqa: F401 (part of this module's interface)
-    ADOPTED, FULL_AFTER_RESUME, NARROWED, REFUSED_READ, RESUMED, KthxbaiInfo, drop_props, format_props, in_subtree,
-    kthxbai_info, kthxbai_props, parse_props)
+    ADOPTED, FULL_AFTER_RESUME, NARROWED, REFUSED_READ, RESUMED, STAGED, KthxbaiInfo, drop_props,
+    format_props, in_subtree, kthxbai_info, kthxbai_props, parse_props)
 
 PROTOCOL = "12/CHP"
 
@@ -379,6 +379,52 @@ def decode_kvset(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Kvset:
 
 
 # ---------------------------------------------------------------------------- builders
+
+STAGED_PREFIX = b"\xff"
+"""On a publisher, what a staged update's key (``STAGED``) is sent under: no key starts
+with it (keys are UTF-8), so a subscriber to every other first byte (``subscribe_all``:
+our clients) never receives it, while a server's passive and relays, subscribed to
+everything, do (``unstaged``). The resume history, the log and the link to the passive
+keep the plain key."""
+_STAGED_RANGE = b"staged="
+
+
+def subscribe_all(sock) -> None:
+    """Subscribe ``sock`` (a SUB) to every update and HUGZ but staged ones: each first
+    byte of a key but ``STAGED_PREFIX``'s."""
+    for byte in range(256):
+        if byte != STAGED_PREFIX[0]:
+            sock.subscribe(bytes((byte,)))
+
+
+def unstaged(frames: list[bytes]) -> list[bytes]:
+    """A KVPUB as published, with a staged update's key given back (``STAGED_PREFIX``)."""
+    if frames and frames[0][:1] == STAGED_PREFIX:
+        return [frames[0][1:], *frames[1:]]
+    return frames
+
+
+def staged_ranges_hugz(ranges: list[tuple[int, int]]) -> list[bytes]:
+    """The HUGZ that follows staged updates on a publisher (their sequences ``ranges``,
+    inclusive), so that a subscriber that did not receive them (``subscribe_all``) knows
+    its stream has no gap there: ``staged=A-B,C-D``. A strict 12/CHP peer sees a HUGZ."""
+    text = ",".join(f"{a}-{b}" for a, b in ranges).encode()
+    return [HUGZ, SEQ_ZERO, b"", _STAGED_RANGE + text + b"\n", b""]
+
+
+def staged_ranges(props: bytes) -> list[tuple[int, int]] | None:
+    """The sequence ranges a ``staged_ranges_hugz`` names, or None (another HUGZ)."""
+    if not props.startswith(_STAGED_RANGE):
+        return None
+    out = []
+    try:
+        for part in props[len(_STAGED_RANGE):].strip().split(b","):
+            a, _, b = part.partition(b"-")
+            out.append((int(a), int(b)))
+    except ValueError:
+        return None
+    return out
+
 
 def icanhaz(subtree: bytes = b"", since: int | None = None,
             generation: str = "", meta: bool = False, term: int | None = None,

@@ -14,6 +14,12 @@ NARROWED = b"narrowed=1\n"
 ADOPTED = b"adopted=1\n"
 """A KTHXBAI that answers an adoption (``adopt=``): the updates after the copy that made
 the shard, to apply on the keys the requester holds already."""
+STAGED = b"staged=1\n"
+"""A KVPUB of a key a move copies to a shard that already serves (resharding): the shard
+stages the copy in its store (logged, replicated to its passive) before it owns the key.
+Our clients never apply it (they hold the key from its owner, and take it from there at
+the flip); a strict 12/CHP peer sees an ordinary update. Its deletes, when the move rolls
+back, carry it too."""
 REFUSED_READ = b"refused=read\n"
 """An empty KTHXBAI that refuses a snapshot of a subtree its requester may read nothing
 of (``clonemap.shards.gate``)."""
