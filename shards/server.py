@@ -1277,6 +1277,7 @@ class ShardServer:
             "seq": store.seq,
             "generation": self.generation,
             "keys": len(store),
+            "staged": len(self.staged),
             "updates": store.seq - self.expiry.expired,
             "ttl_keys": store.ttl_keys,
             "ttl_expired": self.expiry.expired,

@@ -924,7 +924,9 @@ def test_a_serving_target_stages_the_copy_and_clients_adopt_it_at_the_flip(
       receive none, only a HUGZ that names their sequences);
     - a plain ICANHAZ to s1 has them, our clients' (``meta=1``) has none;
     - a client of the whole map applied none of them (its s1 part counts them staged),
-      reads every key from its s0 part, and its watcher saw nothing.
+      reads every key from its s0 part, and its watcher saw nothing;
+    - s1's passive, killed and restarted, copies its active's map and knows which keys
+      are staged (the active's BSTAR-TTL table says so).
 
     Rolled back (``--abort``), s1 deletes what it staged (the deletes marked too), and
     every server, passives included, holds only its shard's keys. Run again to its end,
@@ -982,6 +984,18 @@ def test_a_serving_target_stages_the_copy_and_clients_adopt_it_at_the_flip(
             assert {k: clone.get(k) for k in ledger} == ledger
             assert len(clone) == len(ledger) and part("s0")["keys"] == 300 + sum(
                 1 for k in ledger if not k.startswith(tenant) and first.owner(k) == 0)
+            assert part("s1")["drops"] == {}  # (it received none of them)
+
+            # s1's passive, restarted now, copies its active's map and learns which keys
+            # are staged from its TTL table (nothing of the copy flows any more)
+            passive = next(n for n in ("s1/primary", "s1/backup")
+                           if rows[n]["bstar"] != "ACTIVE")
+            assert (await asyncio.to_thread(cli, "kill", passive, "--control",
+                                            control)).returncode == 0
+            await asyncio.to_thread(wait_status, control, lambda r: (
+                r[passive].get("pid") != rows[passive]["pid"]
+                and r[passive]["bstar"] == "PASSIVE"
+                and (r[passive].get("stats") or {}).get("staged") == 300))
 
             # rolled back: what s1 staged goes, in marked deletes
             asked = await asyncio.to_thread(cli, "reshard", str(config), "--abort")
@@ -989,7 +1003,8 @@ def test_a_serving_target_stages_the_copy_and_clients_adopt_it_at_the_flip(
             assert await asyncio.to_thread(reshard.wait, 30) == 1
             assert set(await asyncio.to_thread(_staged_updates, sub, 300, True)) == set(
                 as_bytes)
-            await asyncio.to_thread(wait_status, control, keys_per_server(first))
+            after = await asyncio.to_thread(wait_status, control, keys_per_server(first))
+            assert all(row["stats"]["staged"] == 0 for row in after.values())
             assert {k: clone.get(k) for k in ledger} == ledger and clone.routing_epoch == 1
 
             # run again to its end: the client adopts what s1 staged, silently
