@@ -30,8 +30,8 @@ within 2x of before; the follower receives at most 1.2x the moved keys' bytes.
 
 ``--change shrink`` runs the way back instead: the cluster starts with the third shard,
 and ``supervisor reshard`` removes it (3 -> 2). Its keys go to the two shards that stay,
-which already serve: each stages its copy as it arrives, under a prefix our clients do
-not subscribe to, and the client of the whole map takes the keys from the part that held
+which already serve: each stages its copy as it arrives, under a key prefix the server
+sends to no client, and the client of the whole map takes the keys from the part that held
 them at the flip (clonemap alone: the anchor's 3 -> 4 is a growth). Its copy rate is
 1 MiB/s per target by default (2 MiB/s in all): its targets are the shards the writes go
 to, and at the growth's 4 MiB/s in all they and their passives took more than the host's
@@ -451,7 +451,7 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
     snapshot_bytes += sum(n * b[name]["bytes"] for name, n in resyncs.items())
     snapshot_bytes += sum((v.get("resume_updates", 0) - a[name].get("resume_updates", 0))
                           * entry for name, v in b.items() if name in a)
-    # a serving target stages its copy under a prefix the client does not subscribe to:
+    # a serving target stages its copy under a key prefix the server sends to no client:
     # the client only skips those sequences (told by a HUGZ), and receives none of it
     staged = sum(v.get("staged", 0) - a[name].get("staged", 0)
                  for name, v in b.items() if name in a)

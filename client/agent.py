@@ -709,8 +709,8 @@ class ShardAgent:
             self.moved_echo(msg.uuid, self.last_seq)
 
     def _skip_staged(self, props: bytes) -> None:
-        """The server published staged updates (``chp.STAGED``) under a prefix this
-        client does not subscribe to, and says their sequences: the stream goes on after
+        """The server published staged updates (``chp.STAGED``) under a key prefix it
+        sends to no client, and says their sequences: the stream goes on after
         them (no gap). A range that begins past the next sequence is left to the gap
         rule."""
         for first, last in chp.staged_ranges(props) or ():

@@ -227,11 +227,9 @@ async def do_watch_from(target: Target, subtree: str, as_json: bool, count: int 
     end: list = [None]
     sub = ctx.socket(zmq.SUB)
     sub.linger = 0
+    sub.subscribe(sub_b)
     if sub_b:
-        sub.subscribe(sub_b)
         sub.subscribe(chp.HUGZ)  # the welcome: the subscription is live
-    else:  # (not what a move stages on a shard before it owns it)
-        chp.subscribe_all(sub)
     security.connect_side(sub)
     sub.connect(server.publisher)
     dealer = ctx.socket(zmq.DEALER)

@@ -79,11 +79,9 @@ class Link:
         sub.linger = 0
         sub.affinity = self.affinity
         sub.rcvhwm = self.sub_rcvhwm
+        sub.subscribe(self.subtree)
         if self.subtree:
-            sub.subscribe(self.subtree)
             sub.subscribe(chp.HUGZ)
-        else:  # every key but those a move stages on a shard before it owns them
-            chp.subscribe_all(sub)
         monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
                                          | zmq.EVENT_DISCONNECTED | FAILED_EVENTS)
         self.security.connect_side(sub)

@@ -99,9 +99,24 @@ class Heartbeat:
 
     # ------------------------------------------------------------------ welcomes
     def on_subscription(self, frames: list[bytes]) -> None:
-        """A (un)subscription on the publisher (XPUB, verbose): welcome a new one."""
-        if frames[0][:1] == b"\x01":
+        """A (un)subscription on the publisher (XPUB, verbose, manual): applied
+        (``apply``); a new one welcomed."""
+        message = frames[0]
+        if len(frames) != 1 or not message or message[0] > 1:
+            return
+        self.apply(message[0] == 1, message[1:])
+        if message[0] == 1:
             self.welcome_soon()
+
+    def apply(self, subscribe: bool, topic: bytes) -> None:
+        """(Un)subscribe the connection whose message was read last to ``topic``. The
+        empty topic (everything) is every key's (``chp.EVERY_KEY``): not a move's staged
+        updates, which only a subscriber of their own prefix receives (a passive, a
+        relay: ``chp.STAGED_PREFIX``)."""
+        option = zmq.SUBSCRIBE if subscribe else zmq.UNSUBSCRIBE
+        pub = self._pub
+        for each in chp.EVERY_KEY if not topic else (topic,):
+            pub.setsockopt(option, each)
 
     def use_gate(self, gate) -> None:
         """Apply subscriptions under these rights from now on (a reload)."""
@@ -121,10 +136,9 @@ class Heartbeat:
         if len(frames) != 1 or not message or message[0] > 1:
             return
         subscribe, topic = message[0] == 1, message[1:]
-        pub = self._pub
         scope = self._gate.scope(user_id)
         if scope is None:
-            pub.setsockopt(zmq.SUBSCRIBE if subscribe else zmq.UNSUBSCRIBE, topic)
+            self.apply(subscribe, topic)
         elif subscribe:
             prefixes = scope.subscription(topic)
             shown = topic[:80].decode("utf-8", "replace")
@@ -140,7 +154,7 @@ class Heartbeat:
                                  f"the subscription of {scope.name!r} to {shown!r} was "
                                  f"narrowed to {len(prefixes)} prefixes it may read")
             for prefix in prefixes:
-                pub.setsockopt(zmq.SUBSCRIBE, prefix)
+                self.apply(True, prefix)
         if subscribe:
             self.welcome_soon()
 

@@ -5,7 +5,8 @@ copy into a ``ReplicaSink``: a passive Binary Star server (``clonemap.shards.pai
 relay (``clonemap.shards.relay.Relay``). It owns two sockets on the loop:
 
     DEALER -> the active's P     BSTAR-TTL? and ICANHAZ? "" (the whole map)
-    SUB    -> the active's P+1   KVPUB, HUGZ (subscribed to everything, connected at start)
+    SUB    -> the active's P+1   KVPUB, HUGZ (subscribed to everything, a move's staged
+                                 updates too: ``chp.STAGED_PREFIX``; connected at start)
 
 The rules are the pure machine ``clonemap.shards.replica_machine`` (phases, the T..S check,
 deadlines, retries); this module is its I/O shell: sockets, the buffer, the TTL table and
@@ -174,7 +175,8 @@ class Follower:
     def open(self) -> None:
         """Connect the SUB to the active's P+1 (once, at start)."""
         sock = self.reactor.sockets.connect(
-            zmq.SUB, self.updates_endpoint, ((zmq.RCVHWM, self._mark()), (zmq.SUBSCRIBE, b"")))
+            zmq.SUB, self.updates_endpoint, ((zmq.RCVHWM, self._mark()), (zmq.SUBSCRIBE, b""),
+                                             (zmq.SUBSCRIBE, chp.STAGED_PREFIX)))
         self._sub = zio.AsyncSocket(sock, self.on_update,
                                     batch=self.reactor.config.collect_batch,
                                     loop=self.reactor.loop, name="peer updates")

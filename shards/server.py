@@ -233,7 +233,6 @@ class ShardServer:
         gate = self.gate
         bound = self.sockets.open(
             self.snapshots.hwm, self.marks.pub_hwm, self.marks.collect_hwm,
-            manual_pub=gate.enforcing,
             identities=frozenset(gate.access.identities) if gate.enforcing else None)
         self.router_socket, self._pub, self._collector_sock = bound
         self._publish_many = zio.publisher_many(self._pub, KVPUB_FRAMES)

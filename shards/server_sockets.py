@@ -52,12 +52,14 @@ class ServerSockets:
         self._auth: Authenticator | None = None
 
     def open(self, router_hwm: int, pub_hwm: int, collect_hwm: int,
-             manual_pub: bool = False, identities: frozenset[str] | None = None) -> Bound:
+             identities: frozenset[str] | None = None) -> Bound:
         """The context, then P, P+1, P+2 bound with these marks; returned (the server
-        keeps them). ``manual_pub``: the publisher applies no subscription itself
-        (``ZMQ_XPUB_MANUAL``): the server applies each, narrowed to what its subscriber
-        may read (``clonemap.shards.gate``). ``identities``: the only named identities
-        the ZAP handler admits (None: every one with a key)."""
+        keeps them). The publisher applies no subscription itself
+        (``ZMQ_XPUB_MANUAL``): the server applies each (``clonemap.shards.heartbeat``),
+        narrowed to what its subscriber may read (``clonemap.shards.gate``), a
+        subscription to everything as one to every key (``chp.EVERY_KEY``: not to a
+        move's staged updates). ``identities``: the only named identities the ZAP
+        handler admits (None: every one with a key)."""
         cfg = self.config
         self.ctx = zmq.Context(io_threads=cfg.io_threads)
         self._auth = Authenticator(self.ctx, self._security(), identities)
@@ -72,8 +74,7 @@ class ServerSockets:
             pub = self.socket(zmq.XPUB)
             pub.setsockopt(zmq.SNDHWM, pub_hwm)
             pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-            if manual_pub:
-                pub.setsockopt(zmq.XPUB_MANUAL, 1)
+            pub.setsockopt(zmq.XPUB_MANUAL, 1)
             pub.setsockopt(zmq.MAXMSGSIZE, request_frame_limit(cfg.limits))
             self.bind(pub, cfg.endpoint(1))
             collector = self.socket(zmq.SUB)

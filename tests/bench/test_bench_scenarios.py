@@ -477,7 +477,7 @@ def test_reshard_grows_the_cluster_under_writes_and_loses_none(procs, tmp_path):
 def test_reshard_shrinks_the_cluster_under_writes_and_loses_none(procs, tmp_path):
     """``bench reshard --change shrink`` at smoke size: the written 3-shard cluster goes
     to 2; exactly the removed shard's keys move, to the two shards that serve already
-    (each stages its copy under a prefix our clients do not subscribe to), no write
+    (each stages its copy under a prefix no client receives), no write
     fails, and the follower's client received none of the moved keys again: it skipped
     the staged sequences (at least one per key moved) and took the keys from the part
     that held them (no resync)."""

@@ -343,8 +343,7 @@ def test_malformed_updates_are_counted_and_dropped(fake, zctx):
         fake.xpub.send_multipart([b"k", b"\x00" * 7, b"", b"", b"v"])         # short sequence
         fake.xpub.send_multipart([b"k", chp.pack_seq(1), b"u" * 15, b"", b"v"])  # 15-byte UUID
         fake.xpub.send_multipart([b"k", chp.pack_seq(1)])                    # 2 frames
-        # not UTF-8 (and not under chp.STAGED_PREFIX, which the client does not subscribe to)
-        fake.xpub.send_multipart([b"\xfe\xff", chp.pack_seq(1), b"", b"", b"v"])
+        fake.xpub.send_multipart([b"\xff\xfe", chp.pack_seq(1), b"", b"", b"v"])  # not UTF-8
         fake.publish(b"k", 1, b"good")
         change = await next_change(w)
         stats = clone.stats()["shards"][0]

@@ -919,9 +919,10 @@ def test_a_serving_target_stages_the_copy_and_clients_adopt_it_at_the_flip(
     published as staged, so that its flip has no per-key work. While the move
     waits once copied (``CLONEMAP_RESHARD_PAUSE_AT``):
 
-    - a subscriber of s1's publisher received every key under ``chp.STAGED_PREFIX``,
-      saying ``staged=1`` (our clients subscribe to every other first byte: they
-      receive none, only a HUGZ that names their sequences);
+    - a subscriber of ``chp.STAGED_PREFIX`` on s1's publisher (as a passive or a relay
+      is) received every key, saying ``staged=1``; a subscriber of everything (a
+      strict 12/CHP peer, our clients) received none of them, only HUGZ, one of which
+      names their sequences;
     - a plain ICANHAZ to s1 has them, our clients' (``meta=1``) has none;
     - a client of the whole map applied none of them (its s1 part counts them staged),
       reads every key from its s0 part, and its watcher saw nothing;
@@ -942,10 +943,13 @@ def test_a_serving_target_stages_the_copy_and_clients_adopt_it_at_the_flip(
     ledger = {**moved, **{f"/k{i}": b"k%d" % i for i in range(50)}}
     _write_all(config, ledger)
     target = actives(rows)["s1"]["port"]
-    sub = zctx.socket(zmq.SUB)  # (a strict subscriber of everything sees them so)
+    sub = zctx.socket(zmq.SUB)  # (what a passive or a relay subscribes to, besides "")
     sub.setsockopt(zmq.SUBSCRIBE, chp.STAGED_PREFIX + tenant.encode())
     sub.connect(f"tcp://127.0.0.1:{target + 1}")
-    hugz_of(zctx, target)  # (the server publishes; the subscription has had time to reach it)
+    strict = zctx.socket(zmq.SUB)  # a strict 12/CHP subscriber of everything
+    strict.setsockopt(zmq.SUBSCRIBE, b"")
+    strict.connect(f"tcp://127.0.0.1:{target + 1}")
+    hugz_of(zctx, target)  # (the server publishes; the subscriptions have had time to reach it)
     as_bytes = {k.encode(): v for k, v in moved.items()}
 
     def keys_per_server(routing: ShardMap):
@@ -977,6 +981,11 @@ def test_a_serving_target_stages_the_copy_and_clients_adopt_it_at_the_flip(
                                    "--to", str(later), "--yes")
             await asyncio.to_thread(sup.wait_line, "RESHARD_PAUSED phase=copied", 60)
             assert await asyncio.to_thread(_staged_updates, sub, 300, False) == as_bytes
+            heard = []
+            while strict.poll(0):
+                heard.append(strict.recv_multipart())
+            assert heard and all(f[0] == chp.HUGZ for f in heard), [f[0] for f in heard][:5]
+            assert any(f[3].startswith(b"staged=") for f in heard)  # (the sequences skipped)
             assert fetch_map(zctx, target, tenant.encode())[0] == as_bytes
             assert await asyncio.to_thread(_meta_snapshot, zctx, target,
                                            tenant.encode()) == {}
@@ -1029,6 +1038,7 @@ def test_a_serving_target_stages_the_copy_and_clients_adopt_it_at_the_flip(
         asyncio.run(scenario())
     finally:
         sub.close(0)
+        strict.close(0)
     wait_status(control, lambda r: at_epoch(2)(r) and keys_per_server(
         ShardMap(2, {1: [tenant]}))(r))
 

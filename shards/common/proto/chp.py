@@ -382,19 +382,16 @@ def decode_kvset(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> Kvset:
 
 STAGED_PREFIX = b"\xff"
 """On a publisher, what a staged update's key (``STAGED``) is sent under: no key starts
-with it (keys are UTF-8), so a subscriber to every other first byte (``subscribe_all``:
-our clients) never receives it, while a server's passive and relays, subscribed to
-everything, do (``unstaged``). The resume history, the log and the link to the passive
-keep the plain key."""
+with it (keys are UTF-8). Our servers take a subscription to everything (an empty topic)
+as one to every first byte a UTF-8 key can have (``EVERY_KEY``): no client, strict
+12/CHP peer or not, receives a staged update. A server's passive and its relays also
+subscribe to this prefix, and take it off (``unstaged``). The resume history, the log and
+the link to the passive keep the plain key."""
 _STAGED_RANGE = b"staged="
 
-
-def subscribe_all(sock) -> None:
-    """Subscribe ``sock`` (a SUB) to every update and HUGZ but staged ones: each first
-    byte of a key but ``STAGED_PREFIX``'s."""
-    for byte in range(256):
-        if byte != STAGED_PREFIX[0]:
-            sock.subscribe(bytes((byte,)))
+EVERY_KEY = tuple(bytes((byte,)) for byte in (*range(0x80), *range(0xC2, 0xF5)))
+"""The topics a subscription to everything becomes on our publishers: each first byte of
+a UTF-8 string (HUGZ among them), not ``STAGED_PREFIX``."""
 
 
 def unstaged(frames: list[bytes]) -> list[bytes]:
@@ -406,7 +403,7 @@ def unstaged(frames: list[bytes]) -> list[bytes]:
 
 def staged_ranges_hugz(ranges: list[tuple[int, int]]) -> list[bytes]:
     """The HUGZ that follows staged updates on a publisher (their sequences ``ranges``,
-    inclusive), so that a subscriber that did not receive them (``subscribe_all``) knows
+    inclusive), so that a subscriber that did not receive them (``EVERY_KEY``) knows
     its stream has no gap there: ``staged=A-B,C-D``. A strict 12/CHP peer sees a HUGZ."""
     text = ",".join(f"{a}-{b}" for a, b in ranges).encode()
     return [HUGZ, SEQ_ZERO, b"", _STAGED_RANGE + text + b"\n", b""]
