@@ -105,6 +105,13 @@ START_WAIT_S = 30.0
 """How long an added shard's pair may take to run and elect an active."""
 REMOVE_AFTER_HEARTBEATS = 3
 POLL_S = 0.01
+"""How often the copies are looked at while writes are held (the catch-up's bound is
+0.5 s)."""
+COPY_POLL_S = 0.1
+"""How often they are looked at while they copy: each look is a stats request that each
+target's loop answers (1-3 ms at a million keys), which a shard that serves takes from
+its writes. At ``POLL_S`` it was a tenth of a serving target's loop during a shrink's
+copy (py-spy)."""
 PROGRESS_S = 0.5
 """A change under way says how far it got at least this often (the caller's reply
 timeout is per message: the command notices a supervisor gone within its own)."""
@@ -701,7 +708,7 @@ class Resharding:
                         await self._copies(dst, lambda imp, at=at: imp["copied"] and
                                            imp["source_seq"] >= at[self._source_of(
                                                imp, src)] - CATCH_UP, CATCH_UP_POLL_S,
-                                           "the copies", src)
+                                           "the copies", src, poll_s=COPY_POLL_S)
                         break
                     except TimeoutError:
                         if time.monotonic() > deadline:
@@ -871,9 +878,11 @@ class Resharding:
         raise Refused(b"409", f"a copy from an unknown source {imp['source']}")
 
     async def _copies(self, dst: dict[int, str], done: Callable[[dict], bool],
-                      within_s: float, what: str, src: dict[int, str]) -> None:
+                      within_s: float, what: str, src: dict[int, str],
+                      poll_s: float = POLL_S) -> None:
         """Until every import on every target is ``done`` (a failed copy, or a target
-        that no longer holds one: ``Refused``; ``within_s`` passed: ``TimeoutError``)."""
+        that no longer holds one: ``Refused``; ``within_s`` passed: ``TimeoutError``),
+        looking every ``poll_s``."""
         deadline = time.monotonic() + within_s
         while True:
             self._check_abort()
@@ -910,7 +919,7 @@ class Resharding:
                 return
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{what} not within {within_s:g} s")
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(poll_s)
 
     async def _wait(self, check, within_s: float, what: str) -> None:
         deadline = time.monotonic() + within_s
