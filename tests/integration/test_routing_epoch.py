@@ -1093,7 +1093,10 @@ def test_a_growth_starts_the_added_shard_s_relays_and_a_relay_client_follows(
     """A cluster with a relay per shard grows 2 -> 3 shards while a client reads through
     the relays (``via="relays"``): the added shard's relay starts once the change has
     flipped, the client follows the new routing through it, and it holds every key; a
-    fresh client through the relays reads every key back."""
+    fresh client through the relays reads every key back. Then 40 pinned prefixes move to
+    a shard that serves (s0 -> s1): s1's relay passes on what s1 stages under its
+    prefix, and the sequences it names, so the client receives none of it, sees no gap,
+    takes the keys from its s0 part with no event, and reads them back."""
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3,
                                    relays={"per_shard": 1,
                                            "port_base": free_port_base(40)})
@@ -1116,12 +1119,39 @@ def test_a_growth_starts_the_added_shard_s_relays_and_a_relay_client_follows(
                          "the reader's new part holds keys")
             assert {k: reader.get(k) for k in ledger} == ledger
 
+            events = []
+            watch = reader.watch("")
+
+            async def collect():
+                async for change in watch:
+                    events.append(change)
+
+            collector = asyncio.ensure_future(collect())
+            await _until(lambda: any(e.kind == "synced" for e in events), "the watch")
+            events.clear()
+            done = await asyncio.to_thread(cli, "reshard", str(three), "--to", str(pinned),
+                                           "--yes", timeout_s=120)
+            assert done.returncode == 0, done.stdout + done.stderr
+            await _until(lambda: reader.routing_epoch == 3, "the reader follows the pin")
+            part = {a.name: a for a in reader.agents}
+            await _until(lambda: moved <= set(part["s1"].map) and not (
+                moved & set(part["s0"].map)), "the s1 part takes the moved keys")
+            assert part["s1"].staged >= len(moved) and not part["s1"].drops.counts
+            assert {k: reader.get(k) for k in ledger} == ledger and len(reader) == len(ledger)
+            watch.close()
+            await collector
+            assert events == [], events[:3]
+
+    grown = ShardMap(3)
+    tenants = [f"/seg{i}/" for i in range(300) if grown.owner(f"/seg{i}/k") == 0][:40]
+    pinned = _pin(three, tmp_path / "pinned.yaml", 1, tenants)
+    moved = {k.encode() for k in ledger if k.startswith(tuple(tenants))}
     asyncio.run(scenario())
     rows = wait_status(control, lambda r: len(r) == 9 and settled(r))
     assert rows["s2/relay0"]["state"] == "RUNNING"
 
     async def read_back():
-        async with AsyncClone(config=str(three), via="relays") as clone:
+        async with AsyncClone(config=str(pinned), via="relays") as clone:
             assert {k: clone.get(k) for k in ledger} == ledger
 
     asyncio.run(read_back())
