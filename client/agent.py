@@ -115,6 +115,10 @@ class ShardAgent:
         """Set by a client of several shards: a key new to this shard's part that another
         shard's part holds moved here (resharding): it leaves that part; True when the
         value is the one the client held (no event)."""
+        self.superseded: Callable[[ShardAgent, bytes], bool] | None = None
+        """Set with ``rehome``: whether an update of a key this part does not hold is
+        older than the part that holds it (its shard published it before the key moved
+        there): it is then not applied."""
         self.rehome_many: Callable[[ShardAgent, dict, dict], dict] | None = None
         """The same for a snapshot installed here: ``(agent, old, new)`` -> the moved
         keys whose value is the one the client held (no event for them)."""
@@ -243,6 +247,8 @@ class ShardAgent:
         self.skipped = 0
         self.staged = 0
         """KVPUBs of keys a move staged on this shard, not applied (``chp.STAGED``)."""
+        self.superseded_updates = 0
+        """Updates of keys that had moved on, not applied (``superseded``)."""
         self.gaps = 0
         self.overflows = 0
         self.snapshots = 0
@@ -678,6 +684,16 @@ class ShardAgent:
         # conditional write conflicts and is tried again), never an old value with the
         # new sequence (which would be accepted, and lose an update)
         quiet = False
+        if (self.superseded is not None and key not in self.map
+                and self.superseded(self, key)):
+            # published by this shard before the key moved on: the key's new shard has
+            # sent it since (resharding); only its echo counts
+            self.superseded_updates += 1
+            if self.echoes:
+                self.echoes.confirm(msg.uuid, self.last_seq)
+            if self.moved_echo is not None and msg.uuid:
+                self.moved_echo(msg.uuid, self.last_seq)
+            return
         if value:
             if self.rehome is not None and key not in self.map:
                 # new to this shard: if another shard's part holds it, it moved here
@@ -812,6 +828,7 @@ class ShardAgent:
             "shard": self.name, "server": str(self.server), "phase": self.phase,
             "keys": len(self.map), "last_seq": self.last_seq, "applied": self.applied,
             "stale": self.stale, "skipped": self.skipped, "staged": self.staged,
+            "superseded": self.superseded_updates,
             "gaps": self.gaps,
             "overflows": self.overflows, "snapshots": self.snapshots,
             "lag_s": round(self.lag.lag_s, 6),

@@ -259,6 +259,7 @@ class AsyncClone:
             return
         for agent in self._agents:
             agent.rehome = self._rehome
+            agent.superseded = self._superseded
             agent.rehome_many = self._rehome_many
             if installs:
                 agent.rehome_installs = True
@@ -677,6 +678,19 @@ class AsyncClone:
                     self._echoes_across()
                 return held.get(key) == value
         return False
+
+    def _superseded(self, agent: ShardAgent, key: bytes) -> bool:
+        """``key`` arrived from ``agent``'s shard, whose part does not hold it, while
+        that part's stream has not reached this client's routing: when the routing gives
+        the key to another part that holds it, the update is one that shard published
+        before the key moved, and the part holding it has a later value (a write the
+        new shard applied after the flip). Taking the key back would undo that write,
+        and the adoption would keep the older value."""
+        cluster = self.cluster
+        if cluster is None or agent.epoch_seen >= cluster.shard_map.epoch:
+            return False
+        owner = self._by_index.get(cluster.shard_map.owner(key))
+        return owner is not None and owner is not agent and key in owner.map
 
     def _rehome_many(self, agent: ShardAgent, old: dict[bytes, bytes],
                      new: dict[bytes, bytes]) -> dict[bytes, bytes]:

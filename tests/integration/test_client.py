@@ -10,6 +10,7 @@ does (a SUB that nobody polls never sends its subscription to a peer that connec
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import threading
 import time
@@ -629,3 +630,85 @@ def test_a_snapshot_s_every_kind_of_row_is_installed_or_dropped_as_the_decoder_s
     others = [r[0] for r in rows if r[0] not in plain] + [chp.KTHXBAI]
     # every row went through Python one by one, or only those the C taker leaves to it
     assert handled == ([r[0] for r in rows] + [chp.KTHXBAI] if taker == "python" else others)
+
+
+# ----------------------------------------------------------------------------- resharding
+
+def test_a_late_update_from_a_key_s_old_shard_does_not_undo_its_new_shard_s_write(zctx):
+    """A key moves from s0 to s1 (a pin, epoch 2). The client follows the new routing,
+    and s1's part applies a write s1 made to the key after the flip. Only then does s0's
+    part read an update s0 published before the flip (the client read s0's stream late).
+    That update is older: the key stays at s1's value, in s1's part, with no event for
+    it, and the part counts it ``superseded``. (Before, s0's part took the key back at
+    the older value, and kept it.) Two ``FakeServer`` shards and an in-process MDP broker
+    serving ``cluster.map``; every step is one message, in this order."""
+    from clonemap.shards.common.mdp.broker import Broker
+    from clonemap.shards.common.routing import ShardMap
+    from conftest import free_port_base
+
+    first = ShardMap(2)
+    tenant = next(f"/t{i}/" for i in range(100) if first.owner(f"/t{i}/k".encode()) == 0)
+    key = f"{tenant}k".encode()
+    later = ShardMap(2, {1: [tenant]}, epoch=2)
+    shards = [FakeServer(zctx, free_port_base(4)), FakeServer(zctx, free_port_base(4))]
+    control = f"tcp://127.0.0.1:{free_port_base(1)}"
+    routing = [first]
+
+    def cluster_map(_request) -> list[bytes]:
+        return [b"200", json.dumps({"routing": routing[0].describe(), "shards": [
+            {"name": f"s{i}", "index": i, "primary": {"address": "127.0.0.1",
+                                                      "port": s.base}}
+            for i, s in enumerate(shards)]}).encode()]
+
+    def hugz(server: FakeServer, index: int, epoch_map: ShardMap) -> None:
+        props = (f"route={epoch_map.route_of(index)}\nepoch={epoch_map.epoch}\n").encode()
+        server.xpub.send_multipart([chp.HUGZ, chp.SEQ_ZERO, b"", props, b""])
+
+    async def main():
+        broker = Broker(control)
+        broker.register("cluster.map", cluster_map)
+        await broker.start()
+        clone = AsyncClone(control=control, context=zctx)
+        try:
+            serving = [asyncio.create_task(asyncio.to_thread(s.serve_snapshot, items, seq))
+                       for s, items, seq in ((shards[0], {key: b"v0"}, 1),
+                                             (shards[1], {}, 0))]
+            await clone.start()
+            await asyncio.gather(*serving)
+            watch = clone.watch("")
+            watch.open()
+            await changes_until(watch, lambda c: c.kind == SYNCED)
+            # the flip: s1 says the new routing, and the client follows it
+            routing[0] = later
+            hugz(shards[1], 1, later)
+            deadline = time.monotonic() + DEADLINE_S
+            while clone.routing_epoch != 2:
+                assert time.monotonic() < deadline, "the client did not follow epoch 2"
+                await asyncio.sleep(0.01)
+            shards[1].publish(key, 1, b"v2")  # a write s1 applied after the flip
+            change = await next_change(watch)
+            assert (change.key, change.value, change.shard) == (key.decode(), b"v2", "s1")
+            shards[0].publish(key, 2, b"v1")  # published by s0 before the flip, read now
+            hugz(shards[0], 0, later)  # (then s0's stream reaches the new routing)
+            parts = {a.name: a for a in clone.agents}
+            deadline = time.monotonic() + DEADLINE_S
+            while parts["s0"].epoch_seen < 2 or parts["s0"].last_seq < 2:
+                assert time.monotonic() < deadline, "s0's part did not read its stream"
+                await asyncio.sleep(0.01)
+            got = clone.get(key.decode())
+            stats = {a.name: a.stats() for a in clone.agents}
+            with pytest.raises(asyncio.TimeoutError):
+                await next_change(watch, 0.3)  # no event for the older value
+            return got, stats
+        finally:
+            await clone.close()
+            await broker.stop()
+
+    try:
+        got, stats = run(main())
+    finally:
+        for s in shards:
+            s.close()
+    assert got == b"v2"
+    assert stats["s0"]["superseded"] == 1 and stats["s0"]["keys"] == 0
+    assert stats["s1"]["keys"] == 1
