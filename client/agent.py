@@ -62,7 +62,7 @@ PHASE_LOG_MAX = 64
 _Hugz = chp.Hugz
 _HUGZ_KEY = chp.HUGZ
 _STAGED = chp.STAGED
-_STAGED_RANGES = b"staged="
+_STAGED_RANGES = chp.STAGED_RANGES
 _decode_update = chp.decode_update
 _check_seq = sm.check_seq
 
@@ -597,7 +597,7 @@ class ShardAgent:
             msg = _decode_update(frames, self.limits, strict=False)
         except ProtocolError:
             return False  # counted when applied
-        if msg.__class__ is not _Hugz or msg.props[:7] == _STAGED_RANGES:
+        if msg.__class__ is not _Hugz or msg.props.startswith(_STAGED_RANGES):
             return False
         return self._note_hugz(chp.hugz_info(msg))
 
@@ -643,7 +643,7 @@ class ShardAgent:
             self.drops.drop(exc.reason, f"shard {self.name} SUB: {exc}")
             return
         if msg.__class__ is _Hugz:
-            if msg.props[:7] == _STAGED_RANGES:  # (in a replay too: it is a place in the stream)
+            if msg.props.startswith(_STAGED_RANGES):  # (in a replay too: a place in the stream)
                 self._skip_staged(msg.props)
             elif (msg.props or msg.seq) and not replay:
                 self._on_hugz(msg)
@@ -684,20 +684,19 @@ class ShardAgent:
         # conditional write conflicts and is tried again), never an old value with the
         # new sequence (which would be accepted, and lose an update)
         quiet = False
-        if (self.superseded is not None and key not in self.map
-                and self.superseded(self, key)):
-            # published by this shard before the key moved on: the key's new shard has
-            # sent it since (resharding); only its echo counts
-            self.superseded_updates += 1
-            if self.echoes:
-                self.echoes.confirm(msg.uuid, self.last_seq)
-            if self.moved_echo is not None and msg.uuid:
-                self.moved_echo(msg.uuid, self.last_seq)
-            return
-        if value:
-            if self.rehome is not None and key not in self.map:
-                # new to this shard: if another shard's part holds it, it moved here
+        if self.rehome is not None and key not in self.map:  # (``superseded`` is set too)
+            if self.superseded(self, key):
+                # published by this shard before the key moved on: the key's new shard
+                # has sent it since (resharding); only its echo counts
+                self.superseded_updates += 1
+                if self.echoes:
+                    self.echoes.confirm(msg.uuid, self.last_seq)
+                if self.moved_echo is not None and msg.uuid:
+                    self.moved_echo(msg.uuid, self.last_seq)
+                return
+            if value:  # new to this shard: if another shard's part holds it, it moved here
                 quiet = self.rehome(self, key, value)
+        if value:
             self.map[key] = value
             if view is not None:
                 text = _text(key)

@@ -94,14 +94,15 @@ class Import:
     context and security). ``start()`` inside the server's loop."""
 
     def __init__(self, connect, loop, source: str, prefix: bytes, limits, owns=None,
-                 index: int | None = None, stage=None, flush=None,
+                 index: int | None = None, *, stage, flush,
                  rate: float | None = None, timeout_s: float = COPY_TIMEOUT_S):
         """``prefix``: the subtree asked of the source (b"" for the whole map);
         ``owns(key)``: whether the new routing gives a key to this shard (only those
         are copied; None: every key under ``prefix``); ``index``: this shard's, named
         in the snapshot request (``move=``: the source sends only what moves here).
         ``stage(key, value, expiry_s)``: where each copied key goes as it arrives (an
-        empty value deletes it), with ``flush()`` after each batch read. ``rate``: the snapshot's bytes (keys and
+        empty value deletes it), with ``flush()`` after each batch read. ``rate``: the
+        snapshot's bytes (keys and
         values) read per second at most (None: as fast as they come): between two
         batches the reader pauses until it is back within the rate, and the source's
         stream waits on its high-water mark meanwhile. ``timeout_s``: how long the
@@ -188,8 +189,7 @@ class Import:
     def _paced(self) -> None:
         """After a batch of the snapshot: staged keys flushed, and with a ``rate``, a
         pause until the bytes read are within it."""
-        if self._after_batch is not None:
-            self._after_batch()
+        self._after_batch()
         if (self.rate is None or self.copied or self._dealer is None
                 or self._paced_from is None):  # (no snapshot asked yet: nothing to pace)
             return

@@ -72,7 +72,6 @@ class RelayFollower(Follower):
 
     # ---------------------------------------------------------------- the stream
     def on_update(self, frames: list[bytes]) -> None:
-        frames = chp.unstaged(frames)
         if (len(frames) == 5 and frames[0] == chp.HUGZ and frames[3]
                 and b"serving=0" in frames[3]):
             self.counters["hugz_not_serving"] += 1
@@ -82,8 +81,8 @@ class RelayFollower(Follower):
         if resume is None:
             super().on_update(frames)
             return
-        try:
-            msg = chp.decode_update(frames, self.reactor.config.limits)
+        try:  # (a staged update under its prefix: ``Follower.on_update``)
+            msg = chp.decode_update(chp.unstaged(frames), self.reactor.config.limits)
         except ProtocolError as err:
             self.reactor.drops.drop("peer_" + err.reason,
                                     f"from {self.updates_endpoint}: {err}")

@@ -366,7 +366,7 @@ class Follower:
             return
         if not isinstance(msg, chp.Kvpub):
             self.counters["hugz"] += 1
-            if msg.props[:7] == b"staged=":  # (after the staged updates it names)
+            if msg.props.startswith(chp.STAGED_RANGES):  # (after the staged updates it names)
                 self.sink.staged_ranges(frames)
                 return
             info = chp.hugz_info(msg) if msg.props else None

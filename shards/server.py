@@ -862,8 +862,7 @@ class ShardServer:
         self.stop_import()
         if not self.staged or not self.active:
             return 0
-        owns = self.owner_cache.owns if self.owner_cache is not None else None
-        gone = [key for key in self.staged if owns is None or not owns(key)]
+        gone = list(self.staged)  # (none of them this shard's: the flip did not come)
         self._unstage(gone, 0)
         return len(gone)
 
@@ -896,11 +895,7 @@ class ShardServer:
         if not staged:
             return
         owns = OwnerCache(shard_map, self.config.shard_index).owns
-        if self.config.shard_index >= shard_map.shards:
-            gone = list(staged)
-        else:
-            gone = [key for key in staged if not owns(key)]
-        count = self.store.forget(gone)
+        count = self.store.forget([key for key in staged if not owns(key)])
         if count:
             log.info("routing: forgot %d keys a rolled-back move had staged", count)
 

@@ -124,6 +124,25 @@ async def _until(predicate, what: str, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def _watching(clone, subtree: str = "", past_first: bool = False):
+    """Every change ``clone.watch(subtree)`` yields, collected by a task: (that list, the
+    watch, the task; close the watch, then await the task). ``past_first``: the list
+    starts after the watch's first puts (its ``synced``)."""
+    events: list = []
+    watch = clone.watch(subtree)
+
+    async def collect():
+        async for change in watch:
+            events.append(change)
+
+    collector = asyncio.ensure_future(collect())
+    if past_first:
+        await _until(lambda: any(e.kind == "synced" for e in events),
+                     "the watch's first puts")
+        events.clear()
+    return events, watch, collector
+
+
 def _start_stopping(procs, config: Path, tmp_path: Path, phase: str, pause: bool = False):
     """``supervisor start`` whose moves stop for good at ``phase``
     (``CLONEMAP_RESHARD_STOP_AT``), or with ``pause`` wait there until the run directory
@@ -204,14 +223,7 @@ def test_supervisor_reshard_moves_an_empty_prefix_and_clients_follow(procs, tmp_
     async def scenario():
         async with AsyncClone(config=str(config)) as clone:
             assert clone.routing_epoch == 1
-            events = []
-            watch = clone.watch("")
-
-            async def collect():
-                async for change in watch:
-                    events.append(change)
-
-            collector = asyncio.ensure_future(collect())
+            events, watch, collector = await _watching(clone)
             for i in range(20):
                 ledger[f"/k{i}"] = b"%d" % i
                 await clone.set(f"/k{i}", ledger[f"/k{i}"], wait=True)
@@ -301,14 +313,7 @@ def test_supervisor_reshard_moves_a_prefix_with_writers_running(procs, tmp_path,
                 ledger[f"{tenant}{i}"] = b"v%d" % i
             ledger.update({f"/k{i}": b"k%d" % i for i in range(50)})
             await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
-            events = []
-            watch = clone.watch(tenant)
-
-            async def collect():
-                async for change in watch:
-                    events.append(change)
-
-            collector = asyncio.ensure_future(collect())
+            events, watch, collector = await _watching(clone, tenant)
             stop = asyncio.Event()
 
             async def writer():  # the same 20 keys again and again, acknowledged each
@@ -451,14 +456,7 @@ def test_supervisor_reshard_grows_and_shrinks_with_writers_running(procs, tmp_pa
         async with AsyncClone(config=str(config)) as clone:
             await asyncio.gather(*(clone.set(k, v, wait=True) for k, v in ledger.items()))
             await clone.set("/counter", b"0", wait=True)
-            events = []
-            watch = clone.watch("")
-
-            async def collect():
-                async for change_ in watch:
-                    events.append(change_)
-
-            collector = asyncio.ensure_future(collect())
+            events, watch, collector = await _watching(clone)
             await change(clone, three, 2, events)
             # the apply used the plan the command printed: every map counted once
             assert any("the plan counted" in line for line in sup.stderr), sup.stderr[-20:]
@@ -962,17 +960,7 @@ def test_a_serving_target_stages_the_copy_and_clients_adopt_it_at_the_flip(
 
     async def scenario():
         async with AsyncClone(config=str(config)) as clone:
-            events = []
-            watch = clone.watch("")
-
-            async def collect():
-                async for change in watch:
-                    events.append(change)
-
-            collector = asyncio.ensure_future(collect())
-            await _until(lambda: any(e.kind == "synced" for e in events),
-                         "the watch's first puts")
-            events.clear()
+            events, watch, collector = await _watching(clone, "", past_first=True)
             part = lambda name: next(p for p in clone.stats()["shards"]  # noqa: E731
                                      if p["shard"] == name)
 
@@ -1119,16 +1107,7 @@ def test_a_growth_starts_the_added_shard_s_relays_and_a_relay_client_follows(
                          "the reader's new part holds keys")
             assert {k: reader.get(k) for k in ledger} == ledger
 
-            events = []
-            watch = reader.watch("")
-
-            async def collect():
-                async for change in watch:
-                    events.append(change)
-
-            collector = asyncio.ensure_future(collect())
-            await _until(lambda: any(e.kind == "synced" for e in events), "the watch")
-            events.clear()
+            events, watch, collector = await _watching(reader, "", past_first=True)
             done = await asyncio.to_thread(cli, "reshard", str(three), "--to", str(pinned),
                                            "--yes", timeout_s=120)
             assert done.returncode == 0, done.stdout + done.stderr
@@ -1234,15 +1213,7 @@ def test_writes_waiting_for_their_answer_across_the_flip_are_answered_once(
                 await clone.set(existing, b"v%d" % (i - 4), wait=True)
             old_seq = clone.meta(existing).seq
             assert old_seq >= 5
-            puts = []
-            watch = clone.watch(created)
-
-            async def collect():
-                async for change_ in watch:
-                    if change_.kind == "put":
-                        puts.append(change_.value)
-
-            collector = asyncio.ensure_future(collect())
+            events, watch, collector = await _watching(clone, created)
             reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
                                    "--to", str(three), "--yes")
             await asyncio.to_thread(sup.wait_line, "RESHARD_PAUSED phase=flipped", 60)
@@ -1273,7 +1244,7 @@ def test_writes_waiting_for_their_answer_across_the_flip_are_answered_once(
             await _until(lambda: clone.get(created) == b"c", "the created key here")
             watch.close()
             await collector
-            assert puts == [b"c"]  # applied once
+            assert [e.value for e in events if e.kind == "put"] == [b"c"]  # applied once
         async with AsyncClone(config=str(three)) as fresh:
             assert (fresh.get(created), fresh.get(existing)) == (b"c", b"v0")
             assert fresh.meta(created).seq == seq
@@ -1302,15 +1273,7 @@ def test_keys_with_a_ttl_keep_their_expiry_across_a_growth(procs, tmp_path, zctx
             await asyncio.gather(*(clone.set(k, b"v", ttl=4.0 if k in short else 600.0,
                                              wait=True) for k in keys))
             expires = {k: clone.properties(k)["expires"] for k in keys}
-            deletes: list[str] = []
-            watch = clone.watch("")
-
-            async def collect():
-                async for change_ in watch:
-                    if change_.kind == "delete":
-                        deletes.append(change_.key)
-
-            collector = asyncio.ensure_future(collect())
+            events, watch, collector = await _watching(clone)
             done = await asyncio.to_thread(cli, "reshard", str(config), "--to", str(three),
                                            "--yes", timeout_s=120)
             assert done.returncode == 0, done.stdout + done.stderr
@@ -1323,6 +1286,7 @@ def test_keys_with_a_ttl_keep_their_expiry_across_a_growth(procs, tmp_path, zctx
                          timeout_s=20)
             watch.close()
             await collector
+            deletes = [e.key for e in events if e.kind == "delete"]
             assert sorted(deletes) == sorted(short)  # each expiry heard once, no other
         async with AsyncClone(config=str(three)) as fresh:
             assert not [k for k in short if fresh.get(k) is not None]

@@ -387,7 +387,9 @@ as one to every first byte a UTF-8 key can have (``EVERY_KEY``): no client, stri
 12/CHP peer or not, receives a staged update. A server's passive and its relays also
 subscribe to this prefix, and take it off (``unstaged``). The resume history, the log and
 the link to the passive keep the plain key."""
-_STAGED_RANGE = b"staged="
+STAGED_RANGES = b"staged="
+"""How the properties of the HUGZ that names staged sequences begin
+(``staged_ranges_hugz``)."""
 
 EVERY_KEY = tuple(bytes((byte,)) for byte in (*range(0x80), *range(0xC2, 0xF5)))
 """The topics a subscription to everything becomes on our publishers: each first byte of
@@ -406,16 +408,16 @@ def staged_ranges_hugz(ranges: list[tuple[int, int]]) -> list[bytes]:
     inclusive), so that a subscriber that did not receive them (``EVERY_KEY``) knows
     its stream has no gap there: ``staged=A-B,C-D``. A strict 12/CHP peer sees a HUGZ."""
     text = ",".join(f"{a}-{b}" for a, b in ranges).encode()
-    return [HUGZ, SEQ_ZERO, b"", _STAGED_RANGE + text + b"\n", b""]
+    return [HUGZ, SEQ_ZERO, b"", STAGED_RANGES + text + b"\n", b""]
 
 
 def staged_ranges(props: bytes) -> list[tuple[int, int]] | None:
     """The sequence ranges a ``staged_ranges_hugz`` names, or None (another HUGZ)."""
-    if not props.startswith(_STAGED_RANGE):
+    if not props.startswith(STAGED_RANGES):
         return None
     out = []
     try:
-        for part in props[len(_STAGED_RANGE):].strip().split(b","):
+        for part in props[len(STAGED_RANGES):].strip().split(b","):
             a, _, b = part.partition(b"-")
             out.append((int(a), int(b)))
     except ValueError:
