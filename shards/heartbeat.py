@@ -61,6 +61,14 @@ class Heartbeat:
         clock_s, heartbeat_s = config.clock_s, config.heartbeat_s
         return min(heartbeat_s, clock_s) if clock_s > 0 else heartbeat_s
 
+    def read_subscriptions(self) -> None:
+        """Apply the subscriptions waiting on the publisher now. A snapshot point is taken
+        after them: a peer that subscribed and then asked for a snapshot misses nothing
+        between the two (the publisher applies subscriptions itself only as it reads
+        them: ``ZMQ_XPUB_MANUAL``)."""
+        if self._reader is not None:
+            self._reader.read_now()
+
     def kick(self) -> None:
         """Look at the publisher again on the next turn (after a call on it elsewhere
         that may have taken its FD's edge)."""

@@ -286,6 +286,7 @@ class SnapshotService:
     def on_request(self, frames: list[bytes]) -> None:
         """An ICANHAZ on the ROUTER: queue a snapshot (or resume) for this peer."""
         server = self.server
+        server.heartbeat.read_subscriptions()  # (a subscription that came first applies)
         server.flush_pending()  # a snapshot point must not show what is not on disk yet
         identity = frames[0]
         try:

@@ -453,6 +453,11 @@ class AsyncSocket:
         """Re-check the socket on the next loop turn (after using ``sock`` directly)."""
         self._schedule()
 
+    def read_now(self) -> None:
+        """Read what waits now, in this turn (a handler elsewhere needs it handled
+        first)."""
+        self._on_fd()
+
     def look_again(self) -> bool:
         """A periodic look for messages that wait while the FD announces nothing (its
         edge taken by a call on the socket outside this reader that was not followed by
