@@ -293,20 +293,34 @@ TIMELINE_S = 0.5
 def _timeline(writes: list, t_start: float, result: dict) -> dict:
     """When the slow writes were sent: by ``TIMELINE_S`` from the change's start, the
     writes sent then (moving and staying keys together), their median and longest wait
-    (ms), and the writer's marks (``start``, ``moved``: the command returned) in seconds
-    from the change's start. Where a wait comes from shows in which rows are slow."""
+    (ms), the longest the writer's own loop was late in it and its loop thread's CPU in
+    that time (ms: as long, its client's own work; short, its process waited for a core;
+    0 when never ``STALL_S`` late); the writer's garbage collections (``collections``:
+    every full one, and any other of 5 ms or more: when, which generation, ms, the loop
+    thread's CPU ms); and the writer's marks (``start``, ``moved``: the command
+    returned) in seconds from the change's start. Where a wait comes from shows in which
+    rows are slow."""
     rows: dict[int, list[float]] = {}
     for start, wait, _ in writes:
         if wait >= 0 and start >= t_start - 2 * TIMELINE_S:
             rows.setdefault(int((start - t_start) // TIMELINE_S), []).append(wait)
+    stalled: dict[int, tuple[float, float]] = {}
+    for at, late, cpu in result.get("stalls", ()):
+        i = int((at - t_start) // TIMELINE_S)
+        stalled[i] = max(stalled.get(i, (0.0, 0.0)), (late, cpu))
     out = []
     for i in sorted(rows):
         waits = sorted(rows[i])
         out.append([round(i * TIMELINE_S, 2), len(waits),
-                    round(waits[len(waits) // 2] * 1000, 1), round(waits[-1] * 1000, 1)])
+                    round(waits[len(waits) // 2] * 1000, 1), round(waits[-1] * 1000, 1),
+                    *(round(x * 1000, 1) for x in stalled.get(i, (0.0, 0.0)))])
     marks = {name: round(m["t"] - result["t0"] - t_start, 3)
              for name, m in result["marks"].items()}
-    return {"row_s": TIMELINE_S, "rows": out, "marks": marks}
+    collected = [[round(at - t_start, 3), generation, round(took * 1000, 1),
+                  round(cpu * 1000, 1), *rest]
+                 for at, generation, took, cpu, *rest in result.get("collections", ())
+                 if at >= t_start - 2 * TIMELINE_S]
+    return {"row_s": TIMELINE_S, "rows": out, "marks": marks, "collections": collected}
 
 
 def _writes_around(writer, progress, args, label: str, change) -> tuple[dict, float]:
