@@ -311,14 +311,19 @@ class OwnerCache:
     reads ``slots`` directly and calls ``owns`` only when the slot is not known True.
     """
 
-    __slots__ = ("shard_map", "index", "slots", "max_slots", "_deep_pins")
+    __slots__ = ("shard_map", "index", "slots", "max_slots", "_deep_pins", "known")
 
-    def __init__(self, shard_map: ShardMap, index: int, max_slots: int = OWNER_CACHE_MAX):
+    def __init__(self, shard_map: ShardMap, index: int, max_slots: int = OWNER_CACHE_MAX,
+                 known: dict[bytes, int] | None = None):
         self.shard_map = shard_map
         self.index = index
         self.slots: dict[bytes, bool | None] = {}
         self.max_slots = max_slots
         self._deep_pins = [p.encode("utf-8") for p in shard_map.pins]
+        self.known = known or {}
+        """The owner of whole slots (no pin under them) someone already asked of this
+        same routing: a slot found there is not hashed again (a move's export, after
+        the plan's count walked the same keys: ``LeavingTally.slot_owners``)."""
 
     @staticmethod
     def slot(key: bytes) -> bytes:
@@ -332,13 +337,27 @@ class OwnerCache:
             return self.shard_map.owner(key) == self.index
         if known is not _UNKNOWN:
             return known
-        if slot[-1:] != b"/" or len(slot) == len(key):  # the slot is the whole key
+        if slot[-1:] != b"/":  # the slot is the whole key: no other key shares it
             owned = self.shard_map.owner(key) == self.index
         elif any(p.startswith(slot) and len(p) > len(slot) for p in self._deep_pins):
             owned = None  # "/users/vip/" pinned elsewhere than "/users/x"
         else:  # every key under the slot matches the same pins as the slot itself
-            owned = self.shard_map.owner(slot) == self.index
+            told = self.known.get(slot)
+            owned = (self.shard_map.owner(slot) if told is None else told) == self.index
         if len(self.slots) >= self.max_slots:
             self.slots.clear()
         self.slots[slot] = owned
         return self.shard_map.owner(key) == self.index if owned is None else owned
+
+    def owned(self, keys) -> list[bytes]:
+        """The keys of ``keys`` this shard owns: ``owns`` of each, with the slot's
+        lookup inlined (a client's adoption looks at every key it holds: at 1M keys
+        that lookup was most of its work, 0.6 s of its loop)."""
+        slots, owns, unknown = self.slots, self.owns, _UNKNOWN
+        out = []
+        for key in keys:
+            end = key.find(b"/", 1)
+            known = slots.get(key if end < 0 else key[:end + 1], unknown)
+            if known is True or (known is not False and owns(key)):
+                out.append(key)
+        return out

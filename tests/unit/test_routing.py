@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from clonemap.shards.common.errors import ConfigError
-from clonemap.shards.common.routing import (FIRST_EPOCH, ROUTING_VERSION, ShardMap, jump_consistent_hash, routing_segment,
-                            segment_hash)
+from clonemap.shards.common.routing import (FIRST_EPOCH, ROUTING_VERSION, OwnerCache, ShardMap,
+                                            jump_consistent_hash, routing_segment,
+                                            segment_hash)
 
 # A small alphabet makes keys, subtrees and pins collide often.
 ALPHABET = "/ab1é"
@@ -144,6 +145,54 @@ def test_every_key_has_exactly_one_owner_in_range(sm, key):
     assert 0 <= owner < smap.shards
     assert smap.owner(key.encode("utf-8")) == owner
     assert smap.owner(key) == owner  # deterministic
+
+
+@given(shard_maps(), st.lists(keys, max_size=30), st.data())
+def test_a_shard_s_owned_keys_are_those_its_owner_cache_owns(sm, some, data):
+    """``OwnerCache.owned`` (a client's adoption: its slot lookup inlined) picks exactly
+    the keys the map gives the shard, whatever the cache already knew of their slots."""
+    smap, pinned = sm
+    slots = [OwnerCache.slot(p.encode("utf-8")) for p in pinned]  # "/a/" of a pin "/a/b"
+    some = [*slots, *(k.encode("utf-8") for k in [*some, *pinned,
+                                                   *(p + "x/y" for p in pinned)])]
+    index = data.draw(st.integers(0, smap.shards - 1))
+    cache = OwnerCache(smap, index)
+    for key in data.draw(st.lists(st.sampled_from(some), max_size=5)) if some else []:
+        cache.owns(key)  # (some slots known first)
+    assert cache.owned(some) == [k for k in some if smap.owner(k) == index]
+    assert cache.owned(some) == [k for k in some if cache.owns(k)]
+
+
+def test_a_key_that_is_its_own_slot_does_not_hide_a_pin_under_it():
+    """Until 2026-11-30 the owner of a key such as "/users/" was remembered for its whole
+    slot, so a key under "/users/vip/" pinned elsewhere was then answered by it."""
+    smap = ShardMap(4, {0: ["/users/vip/"]})
+    assert smap.owner("/users/") != 0 and smap.owner("/users/vip/x") == 0
+    cache = OwnerCache(smap, 0)
+    assert not cache.owns(b"/users/") and cache.owns(b"/users/vip/x")
+    assert cache.owned([b"/users/", b"/users/vip/y", b"/users/z"]) == [b"/users/vip/y"]
+    # owners told for a slot with a pin under it are not taken for the pinned keys
+    told = OwnerCache(smap, 0, known={b"/users/": smap.owner("/users/")})
+    assert told.owns(b"/users/vip/x") and not told.owns(b"/users/z")
+
+
+@given(shard_maps(), st.lists(keys, max_size=30))
+def test_the_slot_owners_a_count_found_are_the_routing_s(sm, some):
+    """``LeavingTally.slot_owners`` (a plan's count), which a move's export takes as
+    known (``OwnerCache(known=)``), names each slot's true owner, and an export told
+    them picks the same keys as one that hashes every slot."""
+    from clonemap.shards.server import LeavingTally
+
+    smap, pinned = sm
+    some = [k.encode("utf-8") for k in [*some, *pinned, *(p + "x/y" for p in pinned)]]
+    tally = LeavingTally(smap, 0)
+    tally.add((k, b"v") for k in some)
+    owners = tally.slot_owners()
+    for slot, owner in owners.items():
+        assert slot.endswith(b"/") and smap.owner(slot + b"k") == owner
+    for index in range(smap.shards):
+        told = OwnerCache(smap, index, known=owners)
+        assert told.owned(some) == [k for k in some if smap.owner(k) == index]
 
 
 @given(shard_maps(), keys)
