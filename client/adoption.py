@@ -27,29 +27,40 @@ import asyncio
 import time
 from typing import Any, Callable
 
-ADOPT_CHUNK = 5_000
-"""Keys of the lenders looked at per loop turn."""
-ADOPT_IDLE = 1.0
+ADOPT_CHUNK = 2_000
+"""Keys of the lenders looked at per loop turn. In `bench reshard`'s writer (1M keys
+held) a turn of 5,000 took 15-24 ms of its loop's CPU, each a wait for every write in
+flight; 2,000 keep a turn under about 10 ms."""
+ADOPT_IDLE = 3.0
 """After each chunk the loop idles this many times the chunk's own time: the adoption is
 background work, and at a flip the application's own writes wait on the same loop (and
 for a threaded ``Clone``, on the same interpreter lock). At full speed, `bench reshard`'s
 writer spent about half a second of its loop re-homing 336,160 keys at the flip, and its
-writes waited behind it."""
+writes waited behind it; idling as long as each chunk (half the loop) still took the
+loop from ~45% busy to saturated for the 2 s the adoption then lasted. A quarter of the
+loop: the servers' share for their own background passes (their ``FORGET_IDLE``)."""
 
 
 class Adoption:
-    """The keys the routing gives the added shard (``owns``), moved out of ``lenders``
+    """The keys the routing gives the added shard (``owned``: those of a list of keys it
+    owns, e.g. ``OwnerCache.owned``), moved out of ``lenders``
     (parts, each with ``map`` and ``give_up``) by ``take(values, props)`` (the added
     shard's part takes what it does not hold yet; how many it took); ``on_done(moved)``
     once every key was looked at."""
 
-    def __init__(self, lenders: tuple, owns: Callable[[bytes], bool],
+    def __init__(self, lenders: tuple, owned: Callable[[list[bytes]], list[bytes]],
                  take: Callable[[dict[bytes, bytes], dict[bytes, bytes]], int],
                  on_done: Callable[[int], None]):
-        self.owns = owns
+        self.owned = owned
         self.take = take
         self.on_done = on_done
-        self.queue: list[tuple[Any, list[bytes]]] = [(o, list(o.map)) for o in lenders]
+        # each lender's keys as they were, and how many of them were looked at: a tuple,
+        # which the garbage collector stops walking at its first pass (a list of the
+        # 500,000 keys a lender holds was walked by every collection the adoption
+        # outlived, 13-18 ms of the loop each for the first two, on the writer of
+        # `bench reshard`)
+        self.queue: list[tuple[Any, tuple[bytes, ...], list[int]]] = [
+            (o, tuple(o.map), [0]) for o in lenders]
         self.moved = 0
         self.done = False
         self._handle: asyncio.Handle | None = None
@@ -69,19 +80,19 @@ class Adoption:
 
     def run(self, budget: int | None = None) -> None:
         """Look at ``budget`` more keys (None: all that are left)."""
-        queue, owns = self.queue, self.owns
+        queue, owned = self.queue, self.owned
         while queue and (budget is None or budget > 0):
-            other, keys = queue[-1]
-            n = len(keys) if budget is None else min(budget, len(keys))
-            chunk = keys[len(keys) - n:]
-            del keys[len(keys) - n:]
+            other, keys, looked = queue[-1]
+            at = looked[0]
+            end = len(keys) if budget is None else min(at + budget, len(keys))
+            looked[0] = end
             if budget is not None:
-                budget -= n
+                budget -= end - at
             props: dict[bytes, bytes] = {}
-            values = other.give_up([k for k in chunk if owns(k)], props)
+            values = other.give_up(owned(keys[at:end]), props)
             if values:
                 self.moved += self.take(values, props)
-            if not keys:
+            if end == len(keys):
                 queue.pop()
         if not queue:
             self.finish()

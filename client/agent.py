@@ -560,13 +560,14 @@ class ShardAgent:
                     props_out[key] = prop
         return out
 
-    def start_adoption(self, owns) -> None:
-        """An adoption was installed: the keys ``owns`` gives this shard move here from
+    def start_adoption(self, owned) -> None:
+        """An adoption was installed: the keys ``owned`` gives this shard (of a list of
+        keys, those it owns: ``OwnerCache.owned``) move here from
         ``lending``, a chunk per loop turn (``clonemap.client.adoption``)."""
         if not self.lending:
             self.lent_at = []
             return
-        self.adoption = Adoption(self.lending, owns, self._take_adopted, self._adopted)
+        self.adoption = Adoption(self.lending, owned, self._take_adopted, self._adopted)
         self.adoption.start()
 
     def _take_adopted(self, values: dict[bytes, bytes], props: dict[bytes, bytes]) -> int:

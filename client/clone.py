@@ -186,9 +186,11 @@ class AsyncClone:
         self._ctx = context if context is not None else zmq.Context()
         self.cluster: Cluster | None = None
         self._by_index: dict[int, ShardAgent] = {}
-        self._staged_adoptions: dict[ShardAgent, tuple[Callable[[bytes], bool], int]] = {}
+        self._staged_adoptions: dict[ShardAgent, tuple[Callable[[list[bytes]], list[bytes]],
+                                                        int]] = {}
         """Agents whose shard gained keys it had staged, waiting to adopt them from the
-        parts that hold them: what it owns now, and the routing epoch
+        parts that hold them: which keys it owns now (``OwnerCache.owned``), and the
+        routing epoch
         (``_adopt_staged``)."""
         self._routes: dict[str, tuple[bytes, ShardAgent]] = {}
         self._routes_max = READ_ROUTES
@@ -556,7 +558,7 @@ class AsyncClone:
             if not mine:
                 continue
             agent.lending = mine
-            self._staged_adoptions[agent] = (OwnerCache(new, index).owns, new.epoch)
+            self._staged_adoptions[agent] = (OwnerCache(new, index).owned, new.epoch)
             for other in mine:
                 other.on_epoch = self._epoch_seen
                 other.lent_out = self._lent_out
@@ -568,7 +570,7 @@ class AsyncClone:
     def _adopt_staged_now(self, late: bool = False) -> None:
         """Start each pending adoption of staged keys whose lenders read their streams
         up to its routing (``late``: every one still pending)."""
-        for agent, (owns, epoch) in list(self._staged_adoptions.items()):
+        for agent, (owned, epoch) in list(self._staged_adoptions.items()):
             if agent.closed or not agent.lending:
                 del self._staged_adoptions[agent]
                 continue
@@ -579,7 +581,7 @@ class AsyncClone:
                     log.warning("shard %s: adopting the keys it gained before %s read "
                                 "their streams up to routing epoch %d", agent.name,
                                 ", ".join(o.name for o in agent.lending), epoch)
-                agent.start_adoption(owns)
+                agent.start_adoption(owned)
 
     def _lenders_read_up_to(self, agent: ShardAgent, epoch: int) -> bool:
         """Every other part that could lend ``agent`` its keys read its stream up to a
@@ -625,7 +627,7 @@ class AsyncClone:
         cluster = self.cluster
         index = next((i for i, a in self._by_index.items() if a is agent), None)
         if cluster is not None and index is not None:
-            agent.start_adoption(OwnerCache(cluster.shard_map, index).owns)
+            agent.start_adoption(OwnerCache(cluster.shard_map, index).owned)
 
     def _lent_out(self, lender: ShardAgent) -> None:
         """``lender``'s map is about to be replaced (a snapshot): every adoption that
@@ -634,8 +636,8 @@ class AsyncClone:
             if lender not in agent.lending:
                 continue
             if agent in self._staged_adoptions:  # (it had not begun: it begins now)
-                owns, _ = self._staged_adoptions.pop(agent)
-                agent.start_adoption(owns)
+                owned, _ = self._staged_adoptions.pop(agent)
+                agent.start_adoption(owned)
             if agent.adoption is not None:
                 agent.adoption.run()
 

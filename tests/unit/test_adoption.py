@@ -22,7 +22,8 @@ def part(name: str, keys: dict[bytes, bytes], props: dict[bytes, bytes] | None =
 def adopting(agent: ShardAgent, lenders: tuple, owns) -> Adoption:
     agent.lending = lenders
     agent.lent_at = [(o, o.snapshots) for o in lenders]
-    adoption = Adoption(lenders, owns, agent._take_adopted, agent._adopted)
+    adoption = Adoption(lenders, lambda keys: [k for k in keys if owns(k)],
+                        agent._take_adopted, agent._adopted)
     agent.adoption = adoption
     return adoption
 
