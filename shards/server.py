@@ -27,10 +27,14 @@ at a limited rate, and dropped. ``stats()`` returns a JSON-able dict.
 Ownership: with a routing map (``ServerConfig.shard_map`` and ``shard_index``), a KVSET
 for a key this shard does not own is dropped and counted ``not_owner``. The answer is
 cached per *routing slot* (``OwnerCache``: the key up to the slash that ends its routing
-segment). The hot path first asks the store: a key it already holds was owned when it
-was applied, and that lookup is the one ``Store.apply`` repeats at once on warm cache
-lines; only a key new to the store reads the slot cache. Without a map (or with one
-shard) every key is owned and the check costs nothing.
+segment; a slot with a pin under it, such as ``/users/`` under ``/users/vip/``, is
+answered per key). The hot path first asks the store: a key it already holds was owned
+when it was applied, and that lookup is the one ``Store.apply`` repeats at once on warm
+cache lines; only a key new to the store reads the slot cache. Without a map (or with
+one shard) every key is owned and the check costs nothing. (Until 2026-11-30 a key that
+is a slot itself, ``/users/``, cached its own owner for the slot without looking for pins
+under it, and a shard that had seen it then took KVSETs for ``/users/vip/...`` that
+another shard owned.)
 
 Whether this server may publish and answer snapshots is decided in one place,
 ``set_active``: a standalone server is active from ``start``, a Binary Star server when
@@ -59,7 +63,7 @@ from clonemap.shards.common.connections import reset_connections
 from clonemap.shards.common.errors import ConfigError, ProtocolError, os_error_text
 from clonemap.shards.common.live_mark import LiveMark
 from clonemap.shards.common.proto import chp
-from clonemap.shards.common.routing import OwnerCache
+from clonemap.shards.common.routing import OwnerCache, ShardMap
 from clonemap.shards.common.security import Security
 from clonemap.shards.store import Store, ttl_props
 from clonemap.shards.server_config import ServerConfig, new_generation
@@ -197,6 +201,11 @@ class ShardServer:
         """The KVSETs of keys moving away, kept until the flip (``clonemap.shards.migrate``)."""
         self.exporting = None
         """The routing a move copies keys from here by (``export``)."""
+        self.slot_owners: tuple[ShardMap, dict[bytes, int]] | None = None
+        """The routing the last plan was counted by here, and the owner of each whole slot
+        the count found: the export for that routing asks no slot again (at the copy's
+        start every key's slot was new to it: ~6 us of hashing each, most of the
+        sources' loop for their first second)."""
         self.forgetting = None
         """``owns(key)`` while the keys that moved away are being forgotten
         (``forget_moved``): snapshots hold only what it accepts. None otherwise."""
@@ -815,7 +824,9 @@ class ShardServer:
             return None
         owns = self._exported.get(index)
         if owns is None:
-            owns = self._exported[index] = OwnerCache(shard_map, index).owns
+            counted = self.slot_owners
+            known = counted[1] if counted is not None and counted[0] == shard_map else None
+            owns = self._exported[index] = OwnerCache(shard_map, index, known=known).owns
         owned = self.forgetting  # a key that moved away, not forgotten yet: not exported
         return owns if owned is None else (lambda key: owned(key) and owns(key))
 
@@ -862,11 +873,11 @@ class ShardServer:
         self.stop_import()
         if not self.staged or not self.active:
             return 0
-        gone = list(self.staged)  # (none of them this shard's: the flip did not come)
+        gone = tuple(self.staged)  # (none of them this shard's: the flip did not come)
         self._unstage(gone, 0)
         return len(gone)
 
-    def _unstage(self, keys: list[bytes], at: int) -> None:
+    def _unstage(self, keys: tuple[bytes, ...], at: int) -> None:
         end = min(at + FORGET_CHUNK, len(keys))
         staged, data = self.staged, self.store.data
         for key in keys[at:end]:
@@ -1052,9 +1063,11 @@ class ShardServer:
         owns = self.owner_cache.owns
         count = self.store.forget([k for k in list(self.store.expiry_table) if not owns(k)])
         self.forgetting = owns
-        self._forget_chunk(list(self.store.data), 0, count)
+        # (a tuple: the garbage collector stops walking it at its first pass, where a
+        # list of 500,000 keys was walked by every collection the forgetting outlived)
+        self._forget_chunk(tuple(self.store.data), 0, count)
 
-    def _forget_chunk(self, keys: list[bytes], at: int, count: int) -> None:
+    def _forget_chunk(self, keys: tuple[bytes, ...], at: int, count: int) -> None:
         if self.owner_cache is None or self.store is None:
             self.forgetting = None
             return
@@ -1125,7 +1138,7 @@ class ShardServer:
         log.info("routing: now epoch %d, %d shards (digest %s)", shard_map.epoch,
                  shard_map.shards, shard_map.digest())
         self._hugz_now()
-        self.exporting = None
+        self.exporting = self.slot_owners = None
         if forward_to:  # (a passive forwards too, once it is active: ``owns``)
             self.open_forwards(forward_to)
         hold, self.hold = self.hold, None
@@ -1173,7 +1186,7 @@ class ShardServer:
         are still held when their chunk's turn comes, at their value then."""
         tally = LeavingTally(shard_map, self.config.shard_index)
         data = self.store.data
-        keys = list(self._keys_that_may_leave(shard_map))
+        keys = tuple(self._keys_that_may_leave(shard_map))  # (as ``forget_moved``'s)
         for at in range(0, len(keys), FORGET_CHUNK):
             began = time.perf_counter()
             owned = self.forgetting  # (as ``keys_leaving``)
@@ -1183,6 +1196,7 @@ class ShardServer:
             # (idle as long as the chunk took: at most half a core, every server of the
             # cluster counting at once beside the writes)
             await asyncio.sleep((time.perf_counter() - began) * COUNT_IDLE)
+        self.slot_owners = (shard_map, tally.slot_owners())
         return tally.rows()
 
     @property
@@ -1323,13 +1337,23 @@ class LeavingTally:
     The owner of each routing slot is asked once where a slot's keys all go to one shard
     (no pin under it)."""
 
-    __slots__ = ("_cache", "_owner", "_owners", "_out")
+    __slots__ = ("_cache", "_owner", "_owners", "_out", "_index")
 
     def __init__(self, shard_map, index: int):
         self._cache = OwnerCache(shard_map, index)
         self._owner = shard_map.owner
         self._owners: dict[bytes, int] = {}
         self._out: dict[int, list[int]] = {}
+        self._index = index
+
+    def slot_owners(self) -> dict[bytes, int]:
+        """The owner of every routing slot the tally saw whole (no pin under it), this
+        shard's included: what a move's export asks again of each key
+        (``OwnerCache``'s ``known``)."""
+        owners = {slot: self._index for slot, owned in self._cache.slots.items()
+                  if owned is True and slot[-1:] == b"/"}
+        owners.update(self._owners)
+        return owners
 
     def add(self, items) -> None:
         cache, owner, owners, out = self._cache, self._owner, self._owners, self._out

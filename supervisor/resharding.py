@@ -420,11 +420,25 @@ class Resharding:
                                       f"{b.primary.endpoint()} and {b.backup.endpoint()} in "
                                       "the new config: resharding keeps the running shards")
 
+    async def _counting(self) -> list[str]:
+        """The servers that count a plan: each shard's active, or every server of a
+        shard that has none active now. A pair's two hold the same keys, and counting on
+        both was a second pass over every key, beside the writes, on a host that runs
+        both (``bench reshard``: the four servers took 1.4 cores for 3 s)."""
+        names: list[str] = []
+        for index in sorted({self._server(n).index for n in self._running()}):
+            try:
+                names.append(await self._active_of(index))
+            except Refused:
+                names += [n for n in self._of_shard(index)
+                          if self._server(n).role in ("primary", "backup")]
+        return names
+
     async def count(self, new: ShardMap) -> dict:
         """The plan: for each source shard, the keys and bytes it would give each target
-        (the largest count among its servers: a pair's two hold the same keys)."""
+        (``_counting``; the largest count where both servers of a pair counted)."""
         doc = json.dumps(new.describe()).encode()
-        names = self._running()
+        names = await self._counting()
         answers = await asyncio.gather(*(self._ask(n, ROUTING_COMMAND, doc, ROUTING_COUNT)
                                          for n in names), return_exceptions=True)
         moves: dict[tuple[int, int], list[int]] = {}

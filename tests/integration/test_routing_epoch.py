@@ -233,6 +233,12 @@ def test_supervisor_reshard_moves_an_empty_prefix_and_clients_follow(procs, tmp_
             assert f"prefix '{tenant}': shard 0 -> shard 1" in plan.stdout
             assert "no key moves" in plan.stdout and "epoch 1 -> 2" in plan.stdout
             assert fetch_cluster_map(control)["routing"]["epoch"] == 1  # a dry run
+            # counted by each shard's active alone (its passive holds the same keys)
+            from clonemap.supervisor.control import call
+            counted = json.loads(call(control, "cluster.reshard", json.dumps(
+                {"config": str(later.resolve()), "apply": False}).encode(), timeout_s=30))
+            assert sorted(counted["servers_counted"]) == sorted(
+                name for name, row in rows.items() if row["bstar"] == "ACTIVE"), counted
             done = await asyncio.to_thread(cli, "reshard", str(config), "--to", str(later),
                                            "--yes")
             assert done.returncode == 0, done.stderr
