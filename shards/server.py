@@ -63,7 +63,7 @@ from clonemap.shards.common.connections import reset_connections
 from clonemap.shards.common.errors import ConfigError, ProtocolError, os_error_text
 from clonemap.shards.common.live_mark import LiveMark
 from clonemap.shards.common.proto import chp
-from clonemap.shards.common.routing import OwnerCache, ShardMap
+from clonemap.shards.common.routing import OWNER_CACHE_MAX, OwnerCache, ShardMap
 from clonemap.shards.common.security import Security
 from clonemap.shards.store import Store, ttl_props
 from clonemap.shards.server_config import ServerConfig, new_generation
@@ -1196,7 +1196,8 @@ class ShardServer:
             # (idle as long as the chunk took: at most half a core, every server of the
             # cluster counting at once beside the writes)
             await asyncio.sleep((time.perf_counter() - began) * COUNT_IDLE)
-        self.slot_owners = (shard_map, tally.slot_owners())
+        owners = tally.slot_owners()  # (kept as long as the owner cache would keep them)
+        self.slot_owners = (shard_map, owners) if len(owners) <= OWNER_CACHE_MAX else None
         return tally.rows()
 
     @property
