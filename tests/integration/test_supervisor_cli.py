@@ -108,10 +108,22 @@ def wait_status(control: str, predicate, timeout_s: float = 20.0) -> dict[str, d
     deadline = time.monotonic() + timeout_s
     rows = status(control)
     while not predicate(rows):
-        assert time.monotonic() < deadline, json.dumps(rows, indent=1)[:3000]
+        assert time.monotonic() < deadline, brief(rows) + "\n" + json.dumps(rows)[:3000]
         time.sleep(0.3)
         rows = status(control)
     return rows
+
+
+def brief(rows: dict[str, dict]) -> str:
+    """A line per server of ``supervisor status`` rows: what a failed wait shows first
+    (the whole rows, cut to fit a CI log, showed one server of four)."""
+    def line(name: str, row: dict) -> str:
+        stats = row.get("stats") or {}
+        return (f"{name}: {row.get('state')} {row.get('bstar')} pid {row.get('pid')} "
+                f"restarts {row.get('restarts')} ({row.get('reason')}, last exit "
+                f"{row.get('last_exit')}) keys {row.get('keys')} seq {row.get('seq')} "
+                f"epoch {(stats.get('routing') or {}).get('epoch')}")
+    return "\n".join(line(n, r) for n, r in sorted(rows.items()))
 
 
 def snapshot_answered(zctx, address: str, port: int, timeout_s: float = 5.0) -> int:
