@@ -200,6 +200,9 @@ class Resharding:
         """A config's path -> its plan on this host (``ConfigError`` if it does not hold)."""
         self.hold_bound_s = HOLD_BOUND_S
         self._lock = asyncio.Lock()
+        self._changed_at = 0.0
+        """When the last change ended: on one host, only stats taken since then say that
+        a server lags behind it (``follow``)."""
         self._before = plan
         """The plan before the change under way (what a roll-back goes back to)."""
         self._adding: Plan | None = None
@@ -481,6 +484,7 @@ class Resharding:
                 return await self._change(config, apply)
             finally:
                 beat.cancel()
+                self._changed_at = time.monotonic()
                 self._state["running"] = False
                 self.progress = None
                 self._adding = None
@@ -1179,13 +1183,22 @@ class Resharding:
         a change whose supervisor died past its seal is settled (``_settle_orphan``), a
         shard started here for a change that rolled back unseen is dropped
         (``_orphans``), and a server here on an older epoch is given etcd's
-        (``_laggards``)."""
+        (``_laggards``). On one host, every heartbeat between changes: a server on an
+        older epoch than this supervisor's is given it (``_laggards``)."""
         from clonemap.shards.coord import CoordinationError
 
         said = ""
         while True:
             await asyncio.sleep(self.plan.heartbeat_s)
-            if self._lock.locked() or self.shared is None:
+            if self._lock.locked():
+                continue
+            if self.shared is None:  # one host: the routing is this supervisor's
+                try:
+                    async with self._lock:
+                        await self._laggards(since=self._changed_at)
+                except Exception as exc:  # noqa: BLE001 - a server gone: tried again
+                    log.warning("reshard: checking the servers against the routing: %s",
+                                exc)
                 continue
             try:
                 held, config, _ = await asyncio.to_thread(self.shared.read)
@@ -1213,16 +1226,20 @@ class Resharding:
                     said = str(exc)
                     log.error("routing: epoch %d in etcd not followed: %s", held.epoch, exc)
 
-    async def _laggards(self) -> None:
-        """This host's running servers that say (in their last stats) they follow an
-        older routing than etcd's, committed one: cut off from the change's supervisor
-        at its flip, or restarted since on the routing of an earlier start. Each takes
-        it now with ``forget`` (a key it holds that the routing places elsewhere has
-        moved: etcd holds a routing only once every target committed) and forwards to
-        every shard's collectors (the writes it held or still gets for moved keys)."""
+    async def _laggards(self, since: float = 0.0) -> None:
+        """This host's running servers that say (in their last stats, taken after
+        ``since``) they follow an older routing than the committed one (etcd's across
+        hosts, this supervisor's on one): cut off from the change's supervisor at its
+        flip, restarted on the routing of an earlier start, or (on one host, seen under
+        load in `test_routing_epoch.py`) a source's active killed while the move waited
+        at its seal, back as passive, that no install of the flip reached. Each takes it
+        now with ``forget`` (a key it holds that the routing places elsewhere has moved:
+        a routing is committed only once every target committed) and forwards to every
+        shard's collectors (the writes it held or still gets for moved keys)."""
         now = self.routing
         late = [name for name, proc in self.runner.servers.items()
                 if proc.state == RUNNING and proc.plan.role in ("primary", "backup")
+                and (proc.stats_at or 0.0) > since
                 and 0 < ((proc.stats.get("routing") or {}).get("epoch") or 0) < now.epoch]
         if not late:
             return

@@ -260,8 +260,9 @@ class Supervisor:
                 log.info("metrics on %s", metrics.url)
             pid_file.write_text(f"{os.getpid()}\n")
             tasks.append(loop.create_task(poller.run()))
-            if resharding.shared is not None:  # every host serves etcd's routing
-                tasks.append(loop.create_task(resharding.follow()))
+            # every host serves etcd's routing; on one host, a server left on an older
+            # routing than the supervisor's is given it
+            tasks.append(loop.create_task(resharding.follow()))
             starting = loop.create_task(runner.start_all(self.ready_timeout_s))
             stopping = loop.create_task(self.stop.wait())
             await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
