@@ -317,8 +317,8 @@ def _timeline(writes: list, t_start: float, result: dict) -> dict:
     marks = {name: round(m["t"] - result["t0"] - t_start, 3)
              for name, m in result["marks"].items()}
     collected = [[round(at - t_start, 3), generation, round(took * 1000, 1),
-                  round(cpu * 1000, 1), *rest]
-                 for at, generation, took, cpu, *rest in result.get("collections", ())
+                  round(cpu * 1000, 1)]
+                 for at, generation, took, cpu in result.get("collections", ())
                  if at >= t_start - 2 * TIMELINE_S]
     return {"row_s": TIMELINE_S, "rows": out, "marks": marks, "collections": collected}
 

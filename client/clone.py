@@ -190,8 +190,7 @@ class AsyncClone:
                                                         int]] = {}
         """Agents whose shard gained keys it had staged, waiting to adopt them from the
         parts that hold them: which keys it owns now (``OwnerCache.owned``), and the
-        routing epoch
-        (``_adopt_staged``)."""
+        routing epoch (``_adopt_staged``)."""
         self._routes: dict[str, tuple[bytes, ShardAgent]] = {}
         self._routes_max = READ_ROUTES
         """``get``'s routes: a key read before -> (its bytes, its shard's agent)."""

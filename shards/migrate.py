@@ -102,11 +102,10 @@ class Import:
         in the snapshot request (``move=``: the source sends only what moves here).
         ``stage(key, value, expiry_s)``: where each copied key goes as it arrives (an
         empty value deletes it), with ``flush()`` after each batch read. ``rate``: the
-        snapshot's bytes (keys and
-        values) read per second at most (None: as fast as they come): between two
-        batches the reader pauses until it is back within the rate, and the source's
-        stream waits on its high-water mark meanwhile. ``timeout_s``: how long the
-        snapshot may take to arrive whole."""
+        snapshot's bytes (keys and values) read per second at most (None: as fast as
+        they come): between two batches the reader pauses until it is back within the
+        rate, and the source's stream waits on its high-water mark meanwhile.
+        ``timeout_s``: how long the snapshot may take to arrive whole."""
         self.source = source
         self.prefix = prefix
         self.owns = owns if owns is not None else (lambda key: True)
