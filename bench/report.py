@@ -2,8 +2,8 @@
 
     python -m bench.report [--results-dir bench/results] [--out DIR]
 
-Reads ``<results-dir>/latest/<name>.json`` for every scenario (chp_throughput, scaleout,
-latency, snapshot, fanout, failover, load, handoff) and writes ``<out>/REPORT.md`` and
+Reads ``<results-dir>/latest/<name>.json`` for every scenario in ``SCENARIOS`` (from
+chp_throughput to the resharding records) and writes ``<out>/REPORT.md`` and
 ``<out>/plots/{scaleout,latency,snapshot,fanout}.png`` (out defaults to the results dir).
 Takes a few seconds. Every figure comes from a record, beside the command that produced
 it and the host it ran on; nothing is measured here.
@@ -50,7 +50,27 @@ SCENARIOS = [
     ("hot_path", "The hot path: one shard against the plain five-receive loop",
      "python -m bench hot_path"),
     ("peers", "Against Redis, NATS KV and etcd at everyday rates", "python -m bench peers"),
+    ("peers-read", "Reads of a live map, 4 readers: against Redis's cache, NATS KV and etcd",
+     "python -m bench peers --workloads read"),
+    ("peers-read-1reader", "Reads of a live map, 1 reader",
+     "python -m bench peers --workloads read --readers 1"),
+    ("peers-reconnect", "A live map's copy after a broken link",
+     "python -m bench peers --workloads reconnect"),
+    ("peers-memory", "A live map's copy: memory per key",
+     "python -m bench peers --systems clonemap,redis --workloads memory "
+     "--memory-keys 100000,1000000"),
+    ("read_burst", "Reads of a live map during a burst of updates", "python -m bench read_burst"),
+    ("conditional", "Conditional writes: compare-and-set against plain writes",
+     "python -m bench conditional"),
+    ("hosts", "A pair over two hosts: replication and takeover", "python -m bench hosts"),
+    ("reshard", "Resharding a running cluster: a growth, 2 -> 3 shards",
+     "python -m bench reshard"),
+    ("reshard-shrink", "Resharding a running cluster: a shrink, 3 -> 2 shards",
+     "python -m bench reshard --change shrink"),
 ]
+LINKED = {"peers-read", "peers-read-1reader", "peers-reconnect", "peers-memory"}
+"""Records whose tables only their scenario draws (per path and system): the report
+links their Markdown and lists their targets."""
 FORWARDER_TARGET = 0.70   # one shard / bare forwarding loop
 
 
@@ -268,6 +288,33 @@ def points_table(name: str, data: dict) -> list[str]:
                                               for p in pts], left=0)
 
 
+SYSTEM_FIGURES = (("the change (s)", ("total_s",)), ("keys moved", ("moved_keys",)),
+                  ("keys/s", ("keys_per_s",)), ("writes/s before", ("writes_per_s_before",)),
+                  ("writes/s during", ("writes_per_s_during",)),
+                  ("p99 before (ms)", ("before", "p99_ms")),
+                  ("moving keys: p99 / longest (ms)", ("during_moving", "p99_ms"),
+                   ("during_moving", "max_ms")),
+                  ("staying keys: p99 / longest (ms)", ("during_staying", "p99_ms"),
+                   ("during_staying", "max_ms")),
+                  ("writes failed", ("failed_writes",)))
+
+
+def systems_table(data: dict) -> list[str]:
+    """A record that ran the same change on several systems (``reshard``'s clonemap and
+    Valkey): their figures side by side."""
+    systems = data.get("systems")
+    if not isinstance(systems, dict) or len(systems) < 2:
+        return []
+    names = [n for n, v in systems.items() if isinstance(v, dict)]
+    def cell(system: dict, path: tuple) -> str:
+        v = get(system, *path)
+        return num(v) if isinstance(v, (int, float)) else "-"
+
+    rows = [[label, *(" / ".join(cell(systems[n], path) for path in paths) for n in names)]
+            for label, *paths in SYSTEM_FIGURES]
+    return ["Side by side, in the same run:", ""] + md_table(["figure", *names], rows)
+
+
 def targets_table(data: dict) -> list[str]:
     rows = []
     for t in data.get("targets") or []:
@@ -402,6 +449,10 @@ def render(results_dir: Path, out: Path, records: dict, plots: dict[str, str]) -
                   f"- when: {data.get('started_at', '?')} to {data.get('finished_at', '?')}"
                   f" ({num(data.get('duration_s'))} s)",
                   f"- host: {host_line(data)}", ""]
+        if name in LINKED:  # (its tables are the scenario's own: the record's Markdown)
+            shown = _rel(results_dir / "latest" / f"{name}.md", out)
+            lines += [f"Tables: [{shown}]({shown}).", ""] + targets_table(data)
+            continue
         lines += points_table(name, data) + figures_tables(summary)
         lines += ceilings_table(summary) + ratios(summary)
         for key in ("contention",):
@@ -413,7 +464,7 @@ def render(results_dir: Path, out: Path, records: dict, plots: dict[str, str]) -
             lines += [f"- {k}: " + (", ".join(f"{a} {fmt(b)}" for a, b in v.items())
                                     if isinstance(v, dict) else fmt(v))
                       for k, v in summary["estimate_16core"].items()] + [""]
-        lines += targets_table(data)
+        lines += systems_table(data) + targets_table(data)
         if name in plots:
             lines += [f"![{name}]({plots[name]})", ""]
     mdp = results_dir / "mdp" / "SUMMARY.md"

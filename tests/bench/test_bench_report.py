@@ -253,3 +253,34 @@ def test_a_saturated_harness_reads_harness_bound_not_no():
     record.target("aggregate", 0.5, 1.0, "ratio")
     words = [rec.met_word(t) for t in record.data["targets"]]
     assert words == ["harness-bound", "NO"]
+
+
+def test_the_resharding_and_live_map_records_have_sections_and_targets(tmp_path):
+    """A resharding record that ran clonemap and Valkey in one run shows them side by side
+    (odd figures as dashes), and a live-map record (its tables the scenario's own) is linked,
+    with its targets in the section and at a glance."""
+    from bench import report
+
+    systems = {"clonemap": {"total_s": 14.6, "moved_keys": 336160,
+                            "before": {"p99_ms": 5.37},
+                            "during_staying": {"p99_ms": 54.5, "max_ms": 188.2}},
+               "valkey": {"total_s": 0.83, "moved_keys": "many", "before": None}}
+    target = {"name": "p99 of writes to staying keys, during / before", "value": 10.2,
+              "target": 2.0, "unit": "x", "higher_is_better": False, "met": False}
+    memory = {"name": "memory: bytes per key clonemap get / redis cache", "value": 2.36,
+              "target": 1.5, "unit": "x", "higher_is_better": False, "met": False}
+    records = {"reshard": {"benchmark": "reshard", "summary": {}, "systems": systems,
+                           "targets": [target]},
+               "peers-memory": {"benchmark": "peers", "summary": {"memory": {}},
+                                "targets": [memory]}}
+    text = report.render(tmp_path, tmp_path, records, {})
+    assert "| figure | clonemap | valkey |" in text
+    assert "| the change (s) | 14.6 | 0.83 |" in text
+    assert "| keys moved | 336,160 | - |" in text
+    assert "| staying keys: p99 / longest (ms) | 54.5 / 188.2 | - / - |" in text
+    assert "Tables: [latest/peers-memory.md](latest/peers-memory.md)." in text
+    rows = [r for r in report.glance_rows(records) if r[0] in ("reshard", "peers-memory")]
+    assert rows == [["peers-memory", memory["name"], "2.36 x", "< 1.5", "NOT met"],
+                    ["reshard", target["name"], "10.2 x", "< 2", "NOT met"]]
+    assert "## Resharding a running cluster: a shrink, 3 -> 2 shards (`reshard-shrink`)" in text
+    assert "Not run yet: `python -m bench reshard --change shrink`" in text
