@@ -428,13 +428,18 @@ class Resharding:
         shard that has none active now. A pair's two hold the same keys, and counting on
         both was a second pass over every key, beside the writes, on a host that runs
         both (``bench reshard``: the four servers took 1.4 cores for 3 s)."""
+        indices = sorted({self._server(n).index for n in self._running()})
+        actives = await asyncio.gather(*(self._active_of(i) for i in indices),
+                                       return_exceptions=True)  # (the shards asked at once)
         names: list[str] = []
-        for index in sorted({self._server(n).index for n in self._running()}):
-            try:
-                names.append(await self._active_of(index))
-            except Refused:
+        for index, active in zip(indices, actives):
+            if isinstance(active, Refused):
                 names += [n for n in self._of_shard(index)
                           if self._server(n).role in ("primary", "backup")]
+            elif isinstance(active, BaseException):
+                raise active
+            else:
+                names.append(active)
         return names
 
     async def count(self, new: ShardMap) -> dict:
@@ -768,7 +773,7 @@ class Resharding:
                 raise Refused(b"409", f"the copies did not catch up within the hold bound "
                                       f"({self.hold_bound_s:g} s) in {HOLD_ATTEMPTS} tries")
         except BaseException as exc:
-            await self._roll_back(sources, targets, added)
+            await self._roll_back(sources, targets, added, exc)
             if isinstance(exc, Exception) and not isinstance(exc, Refused):
                 raise Refused(b"409", f"rolled back before the flip: {type(exc).__name__}: "
                                       f"{exc}") from exc
@@ -951,9 +956,10 @@ class Resharding:
             await asyncio.sleep(0.1)
 
     async def _roll_back(self, sources: list[int], targets: list[int],
-                         added: list[int]) -> None:
-        """Before the flip: release the holds, drop the copies, stop the added shards
-        (every server asked at once: servers cut off cost one timeout, not one each)."""
+                         added: list[int], why: BaseException) -> None:
+        """Before the flip, because of ``why``: release the holds, drop the copies, stop
+        the added shards (every server asked at once: servers cut off cost one timeout,
+        not one each)."""
         adding = self._adding
         await asyncio.gather(*(self._step(name, "release") for index in sources
                                for name in self._of_shard(index)),
@@ -967,7 +973,8 @@ class Resharding:
             if adding is not None:
                 await self._drop_data(adding, index)
         await self._clear_record()
-        log.warning("reshard: rolled back before the flip; the routing is unchanged")
+        log.warning("reshard: rolled back before the flip (%s); the routing is unchanged",
+                    why.text if isinstance(why, Refused) else f"{type(why).__name__}: {why}")
 
     # ------------------------------------------------------------------ across hosts
     async def _on_hosts(self, plan: Plan, index: int, op: str) -> list[str]:

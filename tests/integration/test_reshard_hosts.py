@@ -120,8 +120,17 @@ class TwoHosts:
         grown = self.grown()
         three = self.write("three.yaml", grown)
         change = self.start_reshard(three, via=via)
-        self.supervisors[via].wait_line(line, 60)
+        self.wait_phase(via, line, change)
         return grown, three, change
+
+    def wait_phase(self, via: str, line: str, change) -> None:
+        """Until ``via``'s supervisor prints ``line``; a failure shows what the running
+        reshard command ``change`` said too (why the change ended before it)."""
+        try:
+            self.supervisors[via].wait_line(line, 60)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nthe reshard command said:\n" +
+                                 "\n".join(change.stdout + change.stderr)) from None
 
     def etcd_routing(self) -> dict:
         """What etcd holds under ``clonemap/moving/routing``, read from host c."""

@@ -74,7 +74,7 @@ def test_a_host_cut_off_in_the_middle_of_a_growth_leaves_one_owner_per_key(
             cluster.wait_epoch(epoch)
             assert cluster.etcd_routing()["routing"]["shards"] == 2
             change = cluster.start_reshard(three, via="a")
-            sup_a.wait_line(f"RESHARD_PAUSED phase={phase}", 60)
+            cluster.wait_phase("a", f"RESHARD_PAUSED phase={phase}", change)
             (cluster.run_dir("a") / "reshard.continue").touch()
             assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
             epoch += 1
