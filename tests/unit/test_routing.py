@@ -348,3 +348,33 @@ def test_unknown_routing_version_is_refused():
 
 def test_invalid_utf8_bytes_key_still_has_an_owner():
     assert 0 <= ShardMap(16).owner(b"/\xff\xfe/x") < 16
+
+
+def test_the_segment_owners_remembered_stay_bounded_right_and_out_of_the_collector(
+        monkeypatch):
+    """``_hashed_owner`` remembers owners per shard count in two dicts of bytes -> int:
+    the garbage collector tracks neither (a full collection does not walk them), they
+    hold between HASHED_MEMO and twice that, a segment asked again after the newer half
+    filled is found in the older and moved up, and every answer is the jump hash's."""
+    import gc
+
+    from clonemap.shards.common import routing
+
+    monkeypatch.setattr(routing, "HASHED_MEMO", 100)
+    monkeypatch.setattr(routing, "_memo", {})
+    segments = [b"seg%d" % i for i in range(350)]
+    for segment in segments:
+        assert routing._hashed_owner(segment, 7) == jump_consistent_hash(
+            segment_hash(segment), 7)
+    newer, older = routing._memo[7]
+    assert len(newer) == 50 and len(older) == 100  # (350 = 3 x 100 + 50)
+    assert not gc.is_tracked(newer) and not gc.is_tracked(older)
+    assert set(older) == set(segments[200:300])
+    assert routing._hashed_owner(segments[250], 7) == older[segments[250]]
+    assert segments[250] in routing._memo[7][0]
+    assert routing._hashed_owner(segments[0], 3) == jump_consistent_hash(
+        segment_hash(segments[0]), 3)
+    assert set(routing._memo) == {3, 7}
+    for shards in range(10, 18):  # a ninth count: the memo starts again
+        routing._hashed_owner(b"x", shards)
+    assert len(routing._memo) <= 8 and 7 not in routing._memo
