@@ -26,10 +26,13 @@ installed everywhere under the epoch after, and the change is refused.
    routing gives it (``clonemap.shards.migrate.Import``: the TTL table and applied UUIDs,
    a snapshot of the moving prefix or of the source's map, then its tail), invisibly;
    the phase ends when every copy is within ``CATCH_UP`` updates of its source;
-3. *hold*: every source's active holds the writes of the keys that move
+3. *hold*: every source's peer is told to hold should it take over (a passive keeps
+   nothing: one that does not answer fails the move before any write waits); then
+   every source's active holds the writes of the keys that move
    (``clonemap.shards.migrate.Hold``) and says its sequence then; the phase ends when
    every copy holds its source's updates up to it, and every hold is *sealed* (from
-   then on it ends only with the flip or an explicit release). Past ``hold_bound_s`` the
+   then on it ends only with the flip or an explicit release). Past ``hold_bound_s``
+   (the actives' answers and the catch-up together) the
    holds are released (the sources apply the writes) and the move tries again,
    ``HOLD_ATTEMPTS`` times in all: no write waits longer than the bound. A hold its
    supervisor neither sealed nor released (the supervisor died) ends by itself after
@@ -740,21 +743,28 @@ class Resharding:
                                                   f"in {copy_wait_s:g} s") from None
                 phases.setdefault("copy_s", time.monotonic() - began - phases["start_s"])
                 await self._reached("copied")
-                hold_began = time.monotonic()
-                # 3. hold: the sources' actives, and their peers (should one take over)
-                got = await asyncio.gather(*(self._step(src[s], "hold",
-                                                        routing=new.describe(),
-                                                        forward=forward)
-                                             for s in sources))
-                held = {s: g["move"]["hold"]["seq"] for s, g in zip(sources, got)}
+                # 3. hold: first the sources' peers (should one take over), whose hold
+                # keeps no write while they are passive: one that does not answer (a
+                # frozen server) fails the move before any write waits. Then the
+                # actives: from their hold on, the writes of the moving keys wait, and
+                # their answers and the catch-up share the hold's bound.
+                peers = self._peers_of(sources, src)
+                log.info("reshard: the sources' peers hold first (%s)", ", ".join(peers))
                 await asyncio.gather(*(self._step(n, "hold", routing=new.describe(),
                                                   peer=True, forward=forward)
-                                       for n in self._peers_of(sources, src)))
-                await self._reached("held")
+                                       for n in peers))
+                hold_began = time.monotonic()
                 try:
+                    got = await asyncio.wait_for(asyncio.gather(*(
+                        self._step(src[s], "hold", routing=new.describe(), forward=forward)
+                        for s in sources)), self.hold_bound_s)
+                    held = {s: g["move"]["hold"]["seq"] for s, g in zip(sources, got)}
+                    answered_s = time.monotonic() - hold_began
+                    await self._reached("held")
                     await self._copies(dst, lambda imp: imp["source_seq"] >=
                                        held[self._source_of(imp, src)],
-                                       self.hold_bound_s, "the copies' catch-up", src)
+                                       max(self.hold_bound_s - answered_s, 0.0),
+                                       "the copies' catch-up", src)
                     # the flip may begin: no hold ends by itself now, and no abort
                     self._check_abort()
                     self._past_flip = True
@@ -765,10 +775,10 @@ class Resharding:
                     break
                 except TimeoutError:
                     await asyncio.gather(*(self._step(name, "release") for name in [
-                        *(src[s] for s in sources), *self._peers_of(sources, src)]))
-                    log.warning("reshard: the copies did not catch up within the hold "
-                                "bound (%.3f s), attempt %d; writes released",
-                                self.hold_bound_s, attempt)
+                        *(src[s] for s in sources), *peers]))
+                    log.warning("reshard: the sources' holds and the copies' catch-up did "
+                                "not end within the hold bound (%.3f s), attempt %d; writes "
+                                "released", self.hold_bound_s, attempt)
             else:
                 raise Refused(b"409", f"the copies did not catch up within the hold bound "
                                       f"({self.hold_bound_s:g} s) in {HOLD_ATTEMPTS} tries")

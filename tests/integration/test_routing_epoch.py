@@ -1341,3 +1341,61 @@ def test_a_server_that_did_not_answer_the_flip_is_given_the_routing_once_it_answ
     assert merged_once(held) == {k: v for k, v in ledger.items()}
     for name, keys in held.items():
         assert all(routing.owner(k) == int(name[1]) for k in keys), name
+
+
+def _holding(control: str, name: str) -> bool:
+    """Server ``name`` holds writes for a move now (its stats' ``move.hold``)."""
+    return bool((stats_of(control, name).get("move") or {}).get("hold"))
+
+
+def test_a_frozen_source_peer_fails_the_move_before_any_write_is_held(procs, tmp_path,
+                                                                        zctx):
+    """A pinned prefix moves from s0 to s1; at *copied* s0's passive is frozen (SIGSTOP:
+    a server that cannot answer). The supervisor asks the sources' peers to hold first,
+    so while it waits for the frozen one (its request's whole timeout) s0's active holds
+    nothing, and a ``wait=True`` write to a moving key is acknowledged before the change
+    ends. (Asked the other way round, s0's active held that write until the roll-back,
+    past the hold's 0.5 s bound.) The change rolls back; thawed, run again, it completes
+    with every acknowledged write on s1."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = _start_stopping(procs, config, tmp_path, "copied", pause=True)
+    rows = wait_status(control, settled)
+    tenant = next(f"/tenant{i}/" for i in range(100) if ShardMap(2).owner(f"/tenant{i}/x") == 0)
+    later = _pin(config, tmp_path / "later.yaml", 1, [tenant])
+    ledger = {f"{tenant}{i}": b"v%d" % i for i in range(50)}
+    _write_all(config, ledger)
+    active = next(n for n in ("s0/primary", "s0/backup") if rows[n]["bstar"] == "ACTIVE")
+    frozen = next(n for n in ("s0/primary", "s0/backup") if n != active)
+    pid = rows[frozen]["pid"]
+    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
+                           str(later), "--yes")
+    sup.wait_line("RESHARD_PAUSED phase=copied", 60)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        seen = len(sup.stderr)
+        (tmp_path / "run" / "reshard.continue").touch()
+        sup.wait_stderr(f"the sources' peers hold first ({frozen}", start=seen, timeout_s=30)
+        assert not _holding(control, active)
+
+        async def write_while_it_waits():
+            async with AsyncClone(config=str(config)) as clone:
+                await clone.set(f"{tenant}during", b"during", wait=True)
+
+        asyncio.run(write_while_it_waits())
+        ledger[f"{tenant}during"] = b"during"
+        assert reshard.popen.poll() is None, "the change ended before the write's answer"
+        assert not _holding(control, active)
+        assert reshard.wait(60) == 1, reshard.stdout[-5:]
+        assert any("not applied" in line for line in reshard.stderr), reshard.stderr[-3:]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    rows = wait_status(control, settled)
+    (tmp_path / "run" / "reshard.continue").touch()  # (the next pause goes on at once)
+    again = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
+                         str(later), "--yes")
+    assert again.wait(60) == 0, again.stderr[-3:]
+    rows = wait_status(control, lambda r: settled(r) and at_epoch(2)(r))
+    held = _held_by_actives(zctx, rows)
+    assert {k.decode(): v for k, v in held["s1"].items() if k.startswith(
+        tenant.encode())} == ledger
+    assert not any(k.startswith(tenant.encode()) for k in held["s0"])
