@@ -31,10 +31,10 @@ installed everywhere under the epoch after, and the change is refused.
    every source's active holds the writes of the keys that move
    (``clonemap.shards.migrate.Hold``) and says its sequence then; the phase ends when
    every copy holds its source's updates up to it, and every hold is *sealed* (from
-   then on it ends only with the flip or an explicit release). Past ``hold_bound_s``
-   (the actives' answers and the catch-up together) the
-   holds are released (the sources apply the writes) and the move tries again,
-   ``HOLD_ATTEMPTS`` times in all: no write waits longer than the bound. A hold its
+   then on it ends only with the flip or an explicit release). The actives' answers,
+   the catch-up and the seals share ``hold_bound_s`` (a test's pause not counted): past
+   it the holds are released (the sources apply the writes) and the move tries again,
+   ``HOLD_ATTEMPTS`` times in all. No write waits longer than the bound. A hold its
    supervisor neither sealed nor released (the supervisor died) ends by itself after
    ``clonemap.shards.migrate.HOLD_SAFETY_S``;
 4. *flip*: each target's active follows the new routing and epoch (durable in its data
@@ -77,12 +77,17 @@ from clonemap.supervisor.protocol import stats_service
 
 log = logging.getLogger(__name__)
 
-ASK_TIMEOUT_S = 5.0
-"""How long one server may take to count or install (a count is one pass over its map)."""
+ASK_TIMEOUT_S = float(os.environ.get("CLONEMAP_RESHARD_ASK_S") or 5.0)
+"""How long one server may take to count or install (a count is one pass over its map).
+Tests only: ``CLONEMAP_RESHARD_ASK_S`` sets it, so that a frozen server's request
+outlasts any bound the test checks by far."""
 HOLD_BOUND_S = 0.5
 """How long the moving keys' writes may be held (the sources hold them while the copies
 catch up); past it the holds are released and the move tried again."""
 HOLD_ATTEMPTS = 3
+SEAL_MIN_S = 0.02
+"""The least time the seals are given when the catch-up used the hold's bound up to it
+(their round trips; past it the holds are released and the move tried again)."""
 COPY_WAIT_S = 120.0
 """How long the copies may take to arrive and come within ``CATCH_UP`` of their sources
 (more for copies that ``copy_rate`` makes longer: ``copy_timeout_s``)."""
@@ -729,7 +734,7 @@ class Resharding:
                 # copied, and each copy within CATCH_UP of its source's sequence now
                 deadline = time.monotonic() + copy_wait_s
                 while True:
-                    at = {s: (await self._ask(src[s])).get("seq", 0) for s in sources}
+                    at = {s: await self._source_seq(src[s]) for s in sources}
                     try:
                         await self._copies(dst, lambda imp, at=at: imp["copied"] and
                                            imp["source_seq"] >= at[self._source_of(
@@ -755,30 +760,36 @@ class Resharding:
                                        for n in peers))
                 hold_began = time.monotonic()
                 try:
-                    got = await asyncio.wait_for(asyncio.gather(*(
+                    got = await self._within_bound(asyncio.gather(*(
                         self._step(src[s], "hold", routing=new.describe(), forward=forward)
-                        for s in sources)), self.hold_bound_s)
+                        for s in sources)), self.hold_bound_s, "their holds",
+                        [src[s] for s in sources])
                     held = {s: g["move"]["hold"]["seq"] for s, g in zip(sources, got)}
-                    answered_s = time.monotonic() - hold_began
-                    await self._reached("held")
+                    spent_s = time.monotonic() - hold_began
+                    await self._reached("held")  # (a test's pause here is not counted)
+                    resumed = time.monotonic()
                     await self._copies(dst, lambda imp: imp["source_seq"] >=
                                        held[self._source_of(imp, src)],
-                                       max(self.hold_bound_s - answered_s, 0.0),
+                                       max(self.hold_bound_s - spent_s, 0.0),
                                        "the copies' catch-up", src)
+                    spent_s += time.monotonic() - resumed
                     # the flip may begin: no hold ends by itself now, and no abort
                     self._check_abort()
                     self._past_flip = True
                     await self._record_move(old, new, new_plan, targets)
-                    await asyncio.gather(*(self._step(n, "seal") for n in [
-                        *(src[s] for s in sources), *self._peers_of(sources, src)]))
+                    sealing = [*(src[s] for s in sources), *self._peers_of(sources, src)]
+                    await self._within_bound(asyncio.gather(*(
+                        self._step(n, "seal") for n in sealing)),
+                        max(self.hold_bound_s - spent_s, SEAL_MIN_S), "their seals", sealing)
                     phases["catch_up_s"] = time.monotonic() - hold_began
                     break
-                except TimeoutError:
+                except TimeoutError as exc:  # the catch-up, or answers, past the bound
+                    self._past_flip = False
+                    log.warning("reshard: %s, attempt %d: the writes are released", exc,
+                                attempt)
                     await asyncio.gather(*(self._step(name, "release") for name in [
                         *(src[s] for s in sources), *peers]))
-                    log.warning("reshard: the sources' holds and the copies' catch-up did "
-                                "not end within the hold bound (%.3f s), attempt %d; writes "
-                                "released", self.hold_bound_s, attempt)
+                    await self._clear_record()
             else:
                 raise Refused(b"409", f"the copies did not catch up within the hold bound "
                                       f"({self.hold_bound_s:g} s) in {HOLD_ATTEMPTS} tries")
@@ -897,6 +908,29 @@ class Resharding:
                 self._check_abort()
                 await asyncio.sleep(0.02)
             go_on.unlink()
+
+    async def _source_seq(self, name: str) -> int:
+        """The sequence of ``name``, a source's active when its copies began; ``Refused``
+        once it is not active (it failed over: its copies end with it, and would be
+        waited for until the copy's whole timeout)."""
+        stats = await self._ask(name)
+        if not stats.get("active"):
+            raise Refused(b"409", f"{name}, the source's active its copies come from, is "
+                                  "no longer active")
+        return stats.get("seq", 0)
+
+    async def _within_bound(self, steps, within_s: float, what: str, names: list[str]):
+        """``steps`` (the holds' or the seals' requests) answered within ``within_s``,
+        what is left of the hold's bound; else ``TimeoutError``, as for a catch-up past
+        the bound: the writes held meanwhile are released at once, rather than after a
+        frozen or restarting server's whole request timeout, and the move tries again
+        (one that does not answer its release rolls the move back)."""
+        try:
+            return await asyncio.wait_for(steps, within_s)
+        except TimeoutError:
+            raise TimeoutError(f"{', '.join(names)} did not answer {what} within the hold "
+                               f"bound ({within_s:.3f} s left of {self.hold_bound_s:g} s)"
+                               ) from None
 
     def _peers_of(self, sources: list[int], src: dict[int, str]) -> list[str]:
         """The running pair servers of the sources other than their actives."""

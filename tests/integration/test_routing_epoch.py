@@ -1343,6 +1343,12 @@ def test_a_server_that_did_not_answer_the_flip_is_given_the_routing_once_it_answ
         assert all(routing.owner(k) == int(name[1]) for k in keys), name
 
 
+def _holding_keys(control: str, name: str) -> int:
+    """How many writes server ``name`` holds for a move now."""
+    hold = (stats_of(control, name).get("move") or {}).get("hold") or {}
+    return hold.get("held", 0)
+
+
 def _holding(control: str, name: str) -> bool:
     """Server ``name`` holds writes for a move now (its stats' ``move.hold``)."""
     return bool((stats_of(control, name).get("move") or {}).get("hold"))
@@ -1390,6 +1396,67 @@ def test_a_frozen_source_peer_fails_the_move_before_any_write_is_held(procs, tmp
     finally:
         os.kill(pid, signal.SIGCONT)
     rows = wait_status(control, settled)
+    (tmp_path / "run" / "reshard.continue").touch()  # (the next pause goes on at once)
+    again = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
+                         str(later), "--yes")
+    assert again.wait(60) == 0, again.stderr[-3:]
+    rows = wait_status(control, lambda r: settled(r) and at_epoch(2)(r))
+    held = _held_by_actives(zctx, rows)
+    assert {k.decode(): v for k, v in held["s1"].items() if k.startswith(
+        tenant.encode())} == ledger
+    assert not any(k.startswith(tenant.encode()) for k in held["s0"])
+
+
+def test_a_source_peer_frozen_before_its_seal_releases_the_writes_within_the_bound(
+        procs, tmp_path, zctx):
+    """The same move, paused at *held* (every source's peer and active hold), where s0's
+    passive is frozen. Its seal is not answered within what is left of the hold's bound:
+    s0's active is told to release at once and applies the writes it held, and the move,
+    whose release the frozen server does not answer either, rolls back. (The seal used to
+    wait for the frozen server's whole request timeout, 5 s, with the writes held.)
+    Thawed, run again, it completes with every acknowledged write on s1."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
+                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
+                       timeout_s=60, env={"CLONEMAP_RESHARD_PAUSE_AT": "held",
+                                          "CLONEMAP_RESHARD_ASK_S": "8"})
+    rows = wait_status(control, settled)
+    tenant = next(f"/tenant{i}/" for i in range(100) if ShardMap(2).owner(f"/tenant{i}/x") == 0)
+    later = _pin(config, tmp_path / "later.yaml", 1, [tenant])
+    ledger = {f"{tenant}{i}": b"v%d" % i for i in range(50)}
+    _write_all(config, ledger)
+    active = next(n for n in ("s0/primary", "s0/backup") if rows[n]["bstar"] == "ACTIVE")
+    frozen = next(n for n in ("s0/primary", "s0/backup") if n != active)
+    pid = rows[frozen]["pid"]
+    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
+                           str(later), "--yes")
+    sup.wait_line("RESHARD_PAUSED phase=held", 60)
+    assert _holding(control, active)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        seen = len(sup.stderr)
+
+        async def held_then_answered():
+            """A write to a moving key made while held; answered once the holds are
+            released, within the client's 4 s, long before the frozen server's seal
+            request (8 s here) could time out."""
+            async with AsyncClone(config=str(config)) as clone:
+                write = asyncio.ensure_future(clone.set(f"{tenant}held", b"held",
+                                                        wait=True, timeout_s=4))
+                await _until(lambda: _holding_keys(control, active) > 0, "the write held")
+                (tmp_path / "run" / "reshard.continue").touch()
+                await write
+
+        asyncio.run(held_then_answered())
+        ledger[f"{tenant}held"] = b"held"
+        assert not _holding(control, active)
+        sup.wait_stderr("did not answer their seals within the hold bound", start=seen,
+                        timeout_s=60)
+        assert reshard.wait(90) == 1, reshard.stdout[-5:]
+        assert any("not applied" in line for line in reshard.stderr), reshard.stderr[-3:]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    rows = wait_status(control, lambda r: settled(r) and at_epoch(1)(r))
     (tmp_path / "run" / "reshard.continue").touch()  # (the next pause goes on at once)
     again = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
                          str(later), "--yes")
