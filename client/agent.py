@@ -711,7 +711,6 @@ class ShardAgent:
                 if text is not None:
                     view.pop(text, None)
             self.seqs.pop(key, None)
-        props = msg.props
         if props and value:
             self.props[key] = props
         elif self.props:
