@@ -143,14 +143,16 @@ async def _watching(clone, subtree: str = "", past_first: bool = False):
     return events, watch, collector
 
 
-def _start_stopping(procs, config: Path, tmp_path: Path, phase: str, pause: bool = False):
+def _start_stopping(procs, config: Path, tmp_path: Path, phase: str, pause: bool = False,
+                    env: dict | None = None):
     """``supervisor start`` whose moves stop for good at ``phase``
     (``CLONEMAP_RESHARD_STOP_AT``), or with ``pause`` wait there until the run directory
-    has ``reshard.continue`` (``CLONEMAP_RESHARD_PAUSE_AT``): deterministic."""
+    has ``reshard.continue`` (``CLONEMAP_RESHARD_PAUSE_AT``): deterministic. ``env``:
+    more of the supervisor's environment."""
     hook = "CLONEMAP_RESHARD_PAUSE_AT" if pause else "CLONEMAP_RESHARD_STOP_AT"
     return procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
                         "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
-                        timeout_s=60, env={hook: phase})
+                        timeout_s=60, env={hook: phase, **(env or {})})
 
 
 WRITES_PER_S = 250
@@ -808,11 +810,7 @@ def test_a_failover_in_the_middle_of_a_move_ends_with_one_owner_and_loses_nothin
     sup.wait_line(f"RESHARD_PAUSED phase={phase}", timeout_s=60)
     (tmp_path / "run" / "reshard.continue").touch()
     assert again.wait(60) == 0, again.stderr[-3:]
-    rows = wait_status(control, settled)
-    held = _held_by_actives(zctx, rows)
-    assert {k.decode(): v for k, v in held["s1"].items() if k.startswith(
-        tenant.encode())} == {k: v for k, v in ledger.items() if k.startswith(tenant)}
-    assert not any(k.startswith(tenant.encode()) for k in held["s0"])
+    _on_s1_only(zctx, wait_status(control, settled), tenant, ledger)
 
 
 def test_an_added_shard_that_fails_over_while_copying_rolls_the_growth_back(
@@ -1354,6 +1352,65 @@ def _holding(control: str, name: str) -> bool:
     return bool((stats_of(control, name).get("move") or {}).get("hold"))
 
 
+def _on_s1_only(zctx, rows: dict, tenant: str, ledger: dict[str, bytes]) -> None:
+    """Every acknowledged write under ``tenant`` is on s1's active, and none on s0's."""
+    held = _held_by_actives(zctx, rows)
+    assert {k.decode(): v for k, v in held["s1"].items() if k.startswith(
+        tenant.encode())} == {k: v for k, v in ledger.items() if k.startswith(tenant)}
+    assert not any(k.startswith(tenant.encode()) for k in held["s0"])
+
+
+class _FrozenMove:
+    """A durable 2-shard cluster whose moves pause at ``phase``; a tenant of s0 with 50
+    acknowledged writes (``ledger``), and ``reshard`` pinning it to s1 running, paused
+    there. ``freeze()`` stops s0's passive (SIGSTOP), ``thaw()`` lets it go on;
+    ``again()`` runs the move once more, unpaused, and checks it completed with every
+    acknowledged write on s1 only."""
+
+    def __init__(self, procs, tmp_path, zctx, phase: str, env: dict | None = None):
+        self.procs, self.tmp_path, self.zctx = procs, tmp_path, zctx
+        self.config, self.control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+        self.sup = _start_stopping(procs, self.config, tmp_path, phase, pause=True, env=env)
+        rows = wait_status(self.control, settled)
+        self.tenant = next(f"/tenant{i}/" for i in range(100)
+                           if ShardMap(2).owner(f"/tenant{i}/x") == 0)
+        self.later = _pin(self.config, tmp_path / "later.yaml", 1, [self.tenant])
+        self.ledger = {f"{self.tenant}{i}": b"v%d" % i for i in range(50)}
+        _write_all(self.config, self.ledger)
+        self.active = next(n for n in ("s0/primary", "s0/backup")
+                           if rows[n]["bstar"] == "ACTIVE")
+        self.frozen = next(n for n in ("s0/primary", "s0/backup") if n != self.active)
+        self.pid = rows[self.frozen]["pid"]
+        self.reshard = self._reshard()
+        self.sup.wait_line(f"RESHARD_PAUSED phase={phase}", 60)
+
+    def _reshard(self):
+        return self.procs.python("-m", "clonemap.supervisor", "reshard", str(self.config),
+                                 "--to", str(self.later), "--yes")
+
+    def go_on(self) -> None:
+        (self.tmp_path / "run" / "reshard.continue").touch()
+
+    def freeze(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def rolled_back(self, within_s: float) -> None:
+        assert self.reshard.wait(within_s) == 1, self.reshard.stdout[-5:]
+        assert any("not applied" in line for line in self.reshard.stderr), (
+            self.reshard.stderr[-3:])
+
+    def again(self) -> None:
+        wait_status(self.control, lambda r: settled(r) and at_epoch(1)(r))
+        self.go_on()  # (the next pause goes on at once)
+        again = self._reshard()
+        assert again.wait(60) == 0, again.stderr[-3:]
+        _on_s1_only(self.zctx, wait_status(self.control, lambda r: settled(r) and
+                                           at_epoch(2)(r)), self.tenant, self.ledger)
+
+
 def test_a_frozen_source_peer_fails_the_move_before_any_write_is_held(procs, tmp_path,
                                                                         zctx):
     """A pinned prefix moves from s0 to s1; at *copied* s0's passive is frozen (SIGSTOP:
@@ -1363,48 +1420,27 @@ def test_a_frozen_source_peer_fails_the_move_before_any_write_is_held(procs, tmp
     ends. (Asked the other way round, s0's active held that write until the roll-back,
     past the hold's 0.5 s bound.) The change rolls back; thawed, run again, it completes
     with every acknowledged write on s1."""
-    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
-    sup = _start_stopping(procs, config, tmp_path, "copied", pause=True)
-    rows = wait_status(control, settled)
-    tenant = next(f"/tenant{i}/" for i in range(100) if ShardMap(2).owner(f"/tenant{i}/x") == 0)
-    later = _pin(config, tmp_path / "later.yaml", 1, [tenant])
-    ledger = {f"{tenant}{i}": b"v%d" % i for i in range(50)}
-    _write_all(config, ledger)
-    active = next(n for n in ("s0/primary", "s0/backup") if rows[n]["bstar"] == "ACTIVE")
-    frozen = next(n for n in ("s0/primary", "s0/backup") if n != active)
-    pid = rows[frozen]["pid"]
-    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
-                           str(later), "--yes")
-    sup.wait_line("RESHARD_PAUSED phase=copied", 60)
-    os.kill(pid, signal.SIGSTOP)
+    move = _FrozenMove(procs, tmp_path, zctx, "copied")
+    move.freeze()
     try:
-        seen = len(sup.stderr)
-        (tmp_path / "run" / "reshard.continue").touch()
-        sup.wait_stderr(f"the sources' peers hold first ({frozen}", start=seen, timeout_s=30)
-        assert not _holding(control, active)
+        seen = len(move.sup.stderr)
+        move.go_on()
+        move.sup.wait_stderr(f"the sources' peers hold first ({move.frozen}", start=seen,
+                             timeout_s=30)
+        assert not _holding(move.control, move.active)
 
         async def write_while_it_waits():
-            async with AsyncClone(config=str(config)) as clone:
-                await clone.set(f"{tenant}during", b"during", wait=True)
+            async with AsyncClone(config=str(move.config)) as clone:
+                await clone.set(f"{move.tenant}during", b"during", wait=True)
 
         asyncio.run(write_while_it_waits())
-        ledger[f"{tenant}during"] = b"during"
-        assert reshard.popen.poll() is None, "the change ended before the write's answer"
-        assert not _holding(control, active)
-        assert reshard.wait(60) == 1, reshard.stdout[-5:]
-        assert any("not applied" in line for line in reshard.stderr), reshard.stderr[-3:]
+        move.ledger[f"{move.tenant}during"] = b"during"
+        assert move.reshard.popen.poll() is None, "the change ended before the write's answer"
+        assert not _holding(move.control, move.active)
+        move.rolled_back(60)
     finally:
-        os.kill(pid, signal.SIGCONT)
-    rows = wait_status(control, settled)
-    (tmp_path / "run" / "reshard.continue").touch()  # (the next pause goes on at once)
-    again = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
-                         str(later), "--yes")
-    assert again.wait(60) == 0, again.stderr[-3:]
-    rows = wait_status(control, lambda r: settled(r) and at_epoch(2)(r))
-    held = _held_by_actives(zctx, rows)
-    assert {k.decode(): v for k, v in held["s1"].items() if k.startswith(
-        tenant.encode())} == ledger
-    assert not any(k.startswith(tenant.encode()) for k in held["s0"])
+        move.thaw()
+    move.again()
 
 
 def test_a_source_peer_frozen_before_its_seal_releases_the_writes_within_the_bound(
@@ -1415,54 +1451,30 @@ def test_a_source_peer_frozen_before_its_seal_releases_the_writes_within_the_bou
     whose release the frozen server does not answer either, rolls back. (The seal used to
     wait for the frozen server's whole request timeout, 5 s, with the writes held.)
     Thawed, run again, it completes with every acknowledged write on s1."""
-    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
-    sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
-                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
-                       timeout_s=60, env={"CLONEMAP_RESHARD_PAUSE_AT": "held",
-                                          "CLONEMAP_RESHARD_ASK_S": "8"})
-    rows = wait_status(control, settled)
-    tenant = next(f"/tenant{i}/" for i in range(100) if ShardMap(2).owner(f"/tenant{i}/x") == 0)
-    later = _pin(config, tmp_path / "later.yaml", 1, [tenant])
-    ledger = {f"{tenant}{i}": b"v%d" % i for i in range(50)}
-    _write_all(config, ledger)
-    active = next(n for n in ("s0/primary", "s0/backup") if rows[n]["bstar"] == "ACTIVE")
-    frozen = next(n for n in ("s0/primary", "s0/backup") if n != active)
-    pid = rows[frozen]["pid"]
-    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
-                           str(later), "--yes")
-    sup.wait_line("RESHARD_PAUSED phase=held", 60)
-    assert _holding(control, active)
-    os.kill(pid, signal.SIGSTOP)
+    move = _FrozenMove(procs, tmp_path, zctx, "held", env={"CLONEMAP_RESHARD_ASK_S": "8"})
+    assert _holding(move.control, move.active)
+    move.freeze()
     try:
-        seen = len(sup.stderr)
+        seen = len(move.sup.stderr)
 
         async def held_then_answered():
             """A write to a moving key made while held; answered once the holds are
             released, within the client's 4 s, long before the frozen server's seal
             request (8 s here) could time out."""
-            async with AsyncClone(config=str(config)) as clone:
-                write = asyncio.ensure_future(clone.set(f"{tenant}held", b"held",
+            async with AsyncClone(config=str(move.config)) as clone:
+                write = asyncio.ensure_future(clone.set(f"{move.tenant}held", b"held",
                                                         wait=True, timeout_s=4))
-                await _until(lambda: _holding_keys(control, active) > 0, "the write held")
-                (tmp_path / "run" / "reshard.continue").touch()
+                await _until(lambda: _holding_keys(move.control, move.active) > 0,
+                             "the write held")
+                move.go_on()
                 await write
 
         asyncio.run(held_then_answered())
-        ledger[f"{tenant}held"] = b"held"
-        assert not _holding(control, active)
-        sup.wait_stderr("did not answer their seals within the hold bound", start=seen,
-                        timeout_s=60)
-        assert reshard.wait(90) == 1, reshard.stdout[-5:]
-        assert any("not applied" in line for line in reshard.stderr), reshard.stderr[-3:]
+        move.ledger[f"{move.tenant}held"] = b"held"
+        assert not _holding(move.control, move.active)
+        move.sup.wait_stderr("did not answer their seals within the hold bound", start=seen,
+                             timeout_s=60)
+        move.rolled_back(90)
     finally:
-        os.kill(pid, signal.SIGCONT)
-    rows = wait_status(control, lambda r: settled(r) and at_epoch(1)(r))
-    (tmp_path / "run" / "reshard.continue").touch()  # (the next pause goes on at once)
-    again = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
-                         str(later), "--yes")
-    assert again.wait(60) == 0, again.stderr[-3:]
-    rows = wait_status(control, lambda r: settled(r) and at_epoch(2)(r))
-    held = _held_by_actives(zctx, rows)
-    assert {k.decode(): v for k, v in held["s1"].items() if k.startswith(
-        tenant.encode())} == ledger
-    assert not any(k.startswith(tenant.encode()) for k in held["s0"])
+        move.thaw()
+    move.again()
