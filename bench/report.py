@@ -306,6 +306,7 @@ def systems_table(data: dict) -> list[str]:
     if not isinstance(systems, dict) or len(systems) < 2:
         return []
     names = [n for n, v in systems.items() if isinstance(v, dict)]
+
     def cell(system: dict, path: tuple) -> str:
         v = get(system, *path)
         return num(v) if isinstance(v, (int, float)) else "-"
