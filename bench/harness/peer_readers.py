@@ -273,21 +273,24 @@ def followed(result: dict, clone) -> dict:
 
 
 def clonemap_reader(variant: str, o: dict) -> dict:
-    keys = key_names("clonemap", o["keys"])
-    if variant in ("get", "dict", "lean"):
+    if o.get("memory"):  # the copy's footprint; no key list is made before the baseline
+        import zmq  # (imported, and its context made, before the copy: not counted)
+
         from clonemap.client.api import Clone
 
-        if o.get("memory"):
-            import zmq  # (imported, and its context made, before the copy: not counted)
+        zmq.Context.instance()
+        foot = Footprint()
+        if variant == "dict":  # the floor: a dict of the same keys (made after the
+            # baseline, as a copy from the wire makes its own) and value sizes
+            plain = {k: value(o["value_bytes"], 0) for k in key_names("clonemap", o["keys"])}
+            return foot.held(len(plain))
+        with Clone(o["address"], codec="bytes", timeout_s=600, subtree="/r/",
+                   read_view=variant != "lean") as c:
+            return foot.held(len(c))
+    keys = key_names("clonemap", o["keys"])
+    if variant in ("get", "dict"):
+        from clonemap.client.api import Clone
 
-            zmq.Context.instance()
-            foot = Footprint()
-            if variant == "dict":  # the floor: a dict of the same keys and value sizes
-                plain = {k: value(o["value_bytes"], 0) for k in keys}
-                return foot.held(len(plain))
-            with Clone(o["address"], codec="bytes", timeout_s=600, subtree="/r/",
-                       read_view=variant != "lean") as c:
-                return foot.held(len(c))
         with Clone(o["address"], codec="bytes", timeout_s=60, subtree="/r/") as c:
             if o.get("reconnect"):
                 mark("BUILT")
@@ -315,7 +318,9 @@ def redis_reader(variant: str, o: dict) -> dict:
     import redis
 
     host, port = o["address"].rsplit(":", 1)
-    keys = key_names("redis", o["keys"])
+    # (memory: the cache's key strings are made after the baseline, as a copy from the
+    # wire makes its own; none made before it, whose freed memory the cache would reuse)
+    keys = key_names("redis", o["keys"]) if not o.get("memory") else []
     r = redis.Redis(host=host, port=int(port), protocol=2)
     if variant == "get":
         ready(o)
@@ -394,8 +399,8 @@ def redis_reader(variant: str, o: dict) -> dict:
     thread.start()
     fetch = r.get
     foot = Footprint()
-    if o.get("memory"):  # the cache's own key strings, made after the baseline (as a
-        keys = key_names("redis", o["keys"])  # copy from the wire makes its own)
+    if o.get("memory"):
+        keys = key_names("redis", o["keys"])
     fill()
     if o.get("memory"):
         keys.clear()  # (the list itself is not the cache's)

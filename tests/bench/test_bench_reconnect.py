@@ -42,3 +42,26 @@ def test_reconnect_and_memory_workloads_measure_every_copy_of_every_present_syst
     assert per_key["clonemap dict"] > 100, per_key  # at least the values themselves
     table = (tmp_path / "latest" / "peers.md").read_text()
     assert "peers reconnect" in table and "peers memory" in table
+
+
+def test_the_memory_floor_counts_the_key_strings_a_copy_makes(tmp_path):
+    """The memory workload's RSS baseline is taken before any key string exists: a copy
+    from the wire makes its own keys, so they count. The plain-dict floor, in a process
+    of its own, adds at least its values' and keys' objects per key (with the key list
+    made before the baseline, as it was, it added about the values alone). The same
+    holds for Redis's cache: its keys were made twice, and the first ones, freed after
+    the baseline, left room that hid about 77 B a key of the cache."""
+    import json
+    import subprocess
+    import sys
+
+    from bench.harness.peer_readers import key_names, value
+
+    out = tmp_path / "floor.json"
+    options = {"memory": True, "keys": 50_000, "value_bytes": 100, "out": str(out)}
+    subprocess.run([sys.executable, "-m", "bench.harness.peer_readers", "reader", "clonemap",
+                    "dict", json.dumps(options)], check=True, timeout=60,
+                   capture_output=True)
+    got = json.loads(out.read_text())
+    objects = sys.getsizeof(value(100, 0)) + sys.getsizeof(key_names("clonemap", 1)[0])
+    assert got["copy_keys"] == 50_001 and got["bytes_per_key"] > objects, (got, objects)
