@@ -109,6 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--memory-keys", default="100000,1000000",
                     help="memory: map sizes (keys, comma-separated) at which each copy's "
                          "RSS per key is measured")
+    ap.add_argument("--client-sessions", choices=("own", "shared"), default="own",
+                    help="each client process (writers, watchers, readers) in a session "
+                         "of its own, as separate services are (own: with the kernel's "
+                         "autogroup, a CPU group each), or all in this command's session, "
+                         "each in its own process group, as one application's worker "
+                         "processes are (shared: one CPU group) [default: own]")
     ap.add_argument("--keys", type=int, default=100_000)
     ap.add_argument("--value-bytes", type=int, default=100)
     ap.add_argument("--seconds", type=float, default=3.0)
@@ -136,6 +142,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Client:
     """A client process: its START/END lines, then its JSON result."""
 
+    own_session = True
+    """``--client-sessions``: each client process in a session of its own (True), or in
+    this command's session, in a process group of its own (False: a terminal's Ctrl-C
+    still does not reach it). Under the kernel's autogroup
+    (``/proc/sys/kernel/sched_autogroup_enabled``) a session is a CPU group: see
+    bench/README.md, *Reads of a live map*."""
+
     def __init__(self, system: str, workload: str, options: dict, stdin: bool = False,
                  command: list[str] | None = None):
         self.err = tempfile.TemporaryFile(mode="w+")
@@ -147,7 +160,8 @@ class Client:
                                       stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=self.err, text=True,
                                       cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                      start_new_session=True)
+                                      start_new_session=self.own_session,
+                                      process_group=None if self.own_session else 0)
         self.what = f"{system} {workload}"
 
     def line(self, want: str, timeout_s: float = 120.0) -> str:
@@ -177,6 +191,10 @@ class Client:
 
     def stop(self) -> None:
         terminate(self.popen, 5.0)
+        for pipe in (self.popen.stdout, self.popen.stdin):
+            if pipe is not None:
+                with contextlib.suppress(OSError):  # (a write to a gone reader's stdin)
+                    pipe.close()
         self.err.close()
         Path(self.out).unlink(missing_ok=True)
 
@@ -577,12 +595,23 @@ def read_figures(seen: list[dict], wrote: dict, server_cpu_s: float) -> dict:
 
 # ---------------------------------------------------------------------------- the scenario
 
+def autogroup() -> bool | None:
+    """Whether the kernel groups the CPU time of each session (``sched_autogroup``), which
+    ``--client-sessions`` makes count; None where it cannot be read."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return None
+
+
 def run(args: argparse.Namespace) -> rec.Record:
     config = {k: v for k, v in vars(args).items()
               if k not in ("results_dir", "system_list", "workload_list",
                            "memory_key_list")}
     record = rec.Record(NAME, rec.command_line(f"bench.{NAME}", config), config)
     record.data["acks"] = {s: servers.ACKS[s] for s in args.system_list}
+    Client.own_session = args.client_sessions == "own"
+    record.data["sched_autogroup"] = autogroup()
     missing, running, versions = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         try:
@@ -840,8 +869,11 @@ def report(record: rec.Record) -> None:
     reads = d["summary"].get("read") or {}
     if reads.get("paths"):
         paths = list(reads["paths"])
+        group = {True: "autogroup on", False: "autogroup off"}.get(
+            d.get("sched_autogroup"), "autogroup unknown")
         rec.table(record, f"{NAME} read: medians of {c['rounds']} rounds, {c['readers']} "
-                  f"readers, {c['read_rate']:,} changes/s", ["", *paths],
+                  f"readers, {c['read_rate']:,} changes/s, client sessions "
+                  f"{c.get('client_sessions', 'own')} ({group})", ["", *paths],
                   [[label, *[_cell(reads["paths"][p].get(f)) for p in paths]]
                    for f, label in READ_FIELDS],
                   "staleness: a change's acknowledgement to its first sight in each reader; "

@@ -65,3 +65,31 @@ def test_the_memory_floor_counts_the_key_strings_a_copy_makes(tmp_path):
     got = json.loads(out.read_text())
     objects = sys.getsizeof(value(100, 0)) + sys.getsizeof(key_names("clonemap", 1)[0])
     assert got["copy_keys"] == 50_001 and got["bytes_per_key"] > objects, (got, objects)
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_client_sessions_place_each_client_process_as_asked(monkeypatch, own):
+    """``bench peers --client-sessions``: ``own`` starts each client process in a session
+    of its own (a CPU group of its own under the kernel's autogroup); ``shared`` keeps it
+    in this session, in a process group of its own (a terminal's Ctrl-C does not reach
+    it, and it shares this session's CPU group)."""
+    import json
+    import os
+    import sys
+
+    from bench.peers import Client
+
+    monkeypatch.setattr(Client, "own_session", own)
+    tell = ("import json, os, sys; o = json.loads(sys.argv[1]); "
+            "json.dump({'sid': os.getsid(0), 'pgid': os.getpgid(0), 'pid': os.getpid()}, "
+            "open(o['out'], 'w')); print('DONE', flush=True)")
+    client = Client("none", "none", {}, command=[sys.executable, "-c", tell])
+    try:
+        got = client.result()
+    finally:
+        client.stop()
+    assert got["pgid"] == got["pid"], got
+    if own:
+        assert got["sid"] == got["pid"], got
+    else:
+        assert got["sid"] == os.getsid(0) != got["pid"], got
