@@ -36,7 +36,7 @@ from clonemap.shards.common.endpoints import MAX_IO_THREADS
 from clonemap.shards.common.proto import chp
 from clonemap.shards.common.proto.props import format_props, parse_props
 from clonemap.shards.common.routing import OwnerCache, ShardMap
-from clonemap.shards.common import timing
+from clonemap.shards.common import timing, zio
 from clonemap.shards.common.timing import HEARTBEAT_S
 from clonemap.client import shard_machine as sm
 from clonemap.client.agent import ShardAgent
@@ -63,12 +63,21 @@ async def _cancelled(task: asyncio.Future[Any]) -> None:
 _MISSING = object()
 
 
+_C_VIEWED_GET = zio.compiled_function("viewed_get")
+"""The compiled ``_viewed_get`` (``clonemap.shards.common._zframes``), or None on the pure
+path: the same lookup without a Python frame per call."""
+
+
 def _viewed_get(view: dict[str, bytes],
                 slow: Callable[[str, Any], Any]) -> Callable[..., Any]:
     """``AsyncClone.get`` over a flat view: a key the view holds costs one dict lookup
     and no attribute of the client; any other key (absent, not a str, outside the
     subtree, or every key once the client failed and the view was emptied) goes to
-    ``slow``, which checks it, raises, or returns ``default``."""
+    ``slow``, which checks it, raises, or returns ``default``. On the compiled path the
+    get is a builtin (no Python frame: a key the view holds costs what ``dict.get``
+    does)."""
+    if _C_VIEWED_GET is not None:
+        return _C_VIEWED_GET(view, slow)
     look = view.get
     missing = _MISSING
 

@@ -742,7 +742,52 @@ static PyObject *zf_untrack(PyObject *self, PyObject *frames) {
     return frames;
 }
 
+/* viewed_get(view, slow) -> get: the client's get over its flat read view
+ * (clonemap.client.clone._viewed_get), as a builtin: get(key, default=None) is one
+ * dict lookup for a str key the view holds, and anything else (a key it does not hold,
+ * not a str, arguments that are not (key[, default]), every key once the client failed
+ * and emptied the view) is slow called as get was, which checks the key, raises or
+ * returns the default. A Python
+ * closure doing the same costs a frame per call: 71 ns a hit against 46 ns here and
+ * 44 ns for dict.get (100,000 keys, this 2-core host). The function's self is the tuple
+ * (view, slow). */
+static PyObject *vg_get(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                        PyObject *kwnames) {
+    Py_ssize_t keywords = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    if (nargs >= 1 && nargs + keywords <= 2 && PyUnicode_Check(args[0])
+        && (keywords == 0 || (nargs == 1 && PyUnicode_CompareWithASCIIString(
+                                  PyTuple_GET_ITEM(kwnames, 0), "default") == 0))) {
+        PyObject *value = PyDict_GetItemWithError(PyTuple_GET_ITEM(self, 0), args[0]);
+        if (value != NULL)
+            return Py_NewRef(value);
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    return PyObject_Vectorcall(PyTuple_GET_ITEM(self, 1), args, nargs, kwnames);
+}
+
+static PyMethodDef vg_def = {
+    "get", (PyCFunction)(void (*)(void))vg_get, METH_FASTCALL | METH_KEYWORDS,
+    "get($self, key, default=None, /)\n--\n\n"
+    "key's value in the local map, or default: one dict lookup for a key the map holds "
+    "(AsyncClone.get)"};
+
+static PyObject *zf_viewed_get(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyDict_CheckExact(args[0]) || !PyCallable_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "viewed_get(view: dict, slow: callable)");
+        return NULL;
+    }
+    PyObject *bound = PyTuple_Pack(2, args[0], args[1]);
+    if (bound == NULL)
+        return NULL;
+    PyObject *get = PyCFunction_NewEx(&vg_def, bound, NULL);
+    Py_DECREF(bound);
+    return get;
+}
+
 static PyMethodDef methods[] = {
+    {"viewed_get", (PyCFunction)(void (*)(void))zf_viewed_get, METH_FASTCALL,
+     "viewed_get(view, slow) -> get: one dict lookup for a str key in view, else slow"},
     {"untrack", zf_untrack, METH_O,
      "untrack(frames) -> frames: a list of bytes off the cyclic GC's lists"},
     {"send_many", (PyCFunction)(void (*)(void))zf_send_many, METH_FASTCALL,

@@ -1,11 +1,13 @@
 """The client's parts alone, with fakes for what they are given (no sockets, no loop
-running): ``Health`` (falling behind, failing) and ``Incoming`` (the snapshot being
-received: it returns the machine's event instead of stepping the agent)."""
+running): ``Health`` (falling behind, failing), ``Incoming`` (the snapshot being
+received: it returns the machine's event instead of stepping the agent) and the read
+view's get."""
 from __future__ import annotations
 
 import asyncio
 import logging
 
+import pytest
 
 from clonemap.client import shard_machine as sm
 from clonemap.client.errors import SlowSubscriber
@@ -153,3 +155,48 @@ def test_incoming_counts_a_message_outside_a_sync_as_a_drop():
     inc = Incoming(agent)
     assert inc.on_message(kvsync(b"/a", b"1", 1)) is None
     assert agent.drops.counts.get("unexpected_snapshot") == 1
+
+
+def test_the_read_views_get_is_one_lookup_and_sends_everything_else_to_the_checked_path(
+        monkeypatch):
+    """``AsyncClone.get`` over the flat view, compiled (a builtin, where the extension is
+    built) and pure (a closure), alike: a str key the view holds (a subclass too, and with
+    a default by position or keyword) is the very value object; a key it does not hold,
+    or one that is not a str, goes to the checked path with its default; no key is a
+    TypeError; a key set in the view later is found (the get holds the view)."""
+    import types
+
+    from clonemap.client import clone as clone_module
+    from clonemap.shards.common import zio
+
+    compiled = zio.compiled_function("viewed_get")
+    for path in ("compiled", "pure"):
+        if path == "pure":
+            monkeypatch.setattr(clone_module, "_C_VIEWED_GET", None)
+        value = b"v" * 100
+        view = {"/r/a": value}
+        asked: list[tuple] = []
+
+        def slow(key, default=None):
+            asked.append((key, default))
+            return default
+
+        get = clone_module._viewed_get(view, slow)
+        if path == "compiled" and compiled is not None:
+            assert isinstance(get, types.BuiltinFunctionType), get
+        else:
+            assert isinstance(get, types.FunctionType), (path, get)
+
+        class Text(str):
+            pass
+
+        for hit in (get("/r/a"), get("/r/a", 5), get("/r/a", default=5), get(Text("/r/a"))):
+            assert hit is value, (path, hit)
+        assert asked == []
+        assert get("/r/b") is None and get("/r/b", 7) == 7 and get("/r/b", default=8) == 8
+        assert get(b"/r/a", 9) == 9
+        assert asked == [("/r/b", None), ("/r/b", 7), ("/r/b", 8), (b"/r/a", 9)], (path, asked)
+        with pytest.raises(TypeError):
+            get()
+        view["/r/b"] = b"later"
+        assert get("/r/b") == b"later"
