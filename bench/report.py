@@ -50,8 +50,11 @@ SCENARIOS = [
     ("hot_path", "The hot path: one shard against the plain five-receive loop",
      "python -m bench hot_path"),
     ("peers", "Against Redis, NATS KV and etcd at everyday rates", "python -m bench peers"),
-    ("peers-read", "Reads of a live map, 4 readers: against Redis's cache, NATS KV and etcd",
+    ("peers-read", "Reads of a live map, 4 readers, a session each: against Redis's cache, "
+     "NATS KV and etcd",
      "python -m bench peers --workloads read"),
+    ("peers-read-shared", "Reads of a live map, 4 readers in one session",
+     "python -m bench peers --workloads read --client-sessions shared"),
     ("peers-read-1reader", "Reads of a live map, 1 reader",
      "python -m bench peers --workloads read --readers 1"),
     ("peers-reconnect", "A live map's copy after a broken link",
@@ -68,7 +71,8 @@ SCENARIOS = [
     ("reshard-shrink", "Resharding a running cluster: a shrink, 3 -> 2 shards",
      "python -m bench reshard --change shrink"),
 ]
-LINKED = {"peers-read", "peers-read-1reader", "peers-reconnect", "peers-memory"}
+LINKED = {"peers-read", "peers-read-shared", "peers-read-1reader", "peers-reconnect",
+          "peers-memory"}
 """Records whose tables only their scenario draws (per path and system): the report
 links their Markdown and lists their targets."""
 FORWARDER_TARGET = 0.70   # one shard / bare forwarding loop
