@@ -63,7 +63,8 @@ async def _cancelled(task: asyncio.Future[Any]) -> None:
 _MISSING = object()
 
 
-_C_VIEWED_GET = zio.compiled_function("viewed_get")
+_C_VIEWED_GET: Callable[[dict[str, bytes], Callable[..., Any]], Callable[..., Any]] | None = \
+    zio.compiled_function("viewed_get")
 """The compiled ``_viewed_get`` (``clonemap.shards.common._zframes``), or None on the pure
 path: the same lookup without a Python frame per call."""
 
