@@ -125,12 +125,16 @@ class TwoHosts:
 
     def wait_phase(self, via: str, line: str, change) -> None:
         """Until ``via``'s supervisor prints ``line``; a failure shows what the running
-        reshard command ``change`` said too (why the change ended before it)."""
+        reshard command ``change`` said too (why the change ended before it), and the
+        other hosts' supervisors' last lines (what they did to the change's servers)."""
         try:
             self.supervisors[via].wait_line(line, 60)
         except AssertionError as exc:
+            others = "".join(f"\nhost {host}'s supervisor, last lines:\n" +
+                             "\n".join(sup.stderr[-25:])
+                             for host, sup in sorted(self.supervisors.items()) if host != via)
             raise AssertionError(f"{exc}\nthe reshard command said:\n" +
-                                 "\n".join(change.stdout + change.stderr)) from None
+                                 "\n".join(change.stdout + change.stderr) + others) from None
 
     def etcd_routing(self) -> dict:
         """What etcd holds under ``clonemap/moving/routing``, read from host c."""
