@@ -160,6 +160,8 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
     try:
         doc = json.loads(body[0])
         op = doc["op"]
+        log.info("move: %s asked%s", op, f" (routing epoch {doc['routing'].get('epoch')})"
+                 if isinstance(doc.get("routing"), dict) else "")
         if op == "import":
             rate, timeout_s = doc.get("rate"), doc.get("timeout_s")
             return server.start_import(doc["source"], doc["prefix"].encode("utf-8"),

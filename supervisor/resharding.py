@@ -972,7 +972,10 @@ class Resharding:
                     continue
                 if not stats.get("active") or not _imports(stats):
                     raise Refused(b"409", f"{name} no longer holds its copy (it restarted, "
-                                          "or its peer took over)")
+                                          "or its peer took over: it says active "
+                                          f"{stats.get('active')}, {stats.get('bstar_state')},"
+                                          f" {len(_imports(stats))} copies, up "
+                                          f"{stats.get('uptime_s')} s)")
                 for imp in _imports(stats):
                     if imp.get("error"):
                         raise Refused(b"409", f"{name}: a copy failed: {imp['error']}")
