@@ -148,8 +148,10 @@ def _install(server: ShardServer, body: list[bytes]) -> str:
 
 
 def _move(server: ShardServer, body: list[bytes]) -> str:
-    """One step of a move (``clonemap.supervisor.resharding``), JSON {op, ...}: "" done,
-    else why not. ``export`` {routing}: the copies asked of this server (``ICANHAZ``
+    """One step of a move (``clonemap.supervisor.resharding``), JSON {op, epoch, ...}: ""
+    done, else why not. ``epoch``: the routing epoch of the change the step belongs to;
+    a step of an earlier change than one this server took part in is refused
+    (``ShardServer.take_step_of``). ``export`` {routing}: the copies asked of this server (``ICANHAZ``
     with ``move=``) hold only what ``routing`` gives their shard; ``import`` {source,
     prefix, routing}: start copying what ``routing`` moves here from ``source``;
     ``stop-import``; ``hold`` {routing, peer, forward}: keep the writes of the keys it
@@ -160,8 +162,14 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
     try:
         doc = json.loads(body[0])
         op = doc["op"]
-        log.info("move: %s asked%s", op, f" (routing epoch {doc['routing'].get('epoch')})"
-                 if isinstance(doc.get("routing"), dict) else "")
+        epoch = doc.get("epoch")  # (the change's; a supervisor before it sent none)
+        log.info("move: %s asked%s", op, f" (the change to epoch {epoch})"
+                 if epoch is not None else "")
+        if isinstance(epoch, int) and not isinstance(epoch, bool):
+            late = server.take_step_of(epoch)
+            if late:
+                log.warning("move: %s refused: %s", op, late)
+                return late
         if op == "import":
             rate, timeout_s = doc.get("rate"), doc.get("timeout_s")
             return server.start_import(doc["source"], doc["prefix"].encode("utf-8"),

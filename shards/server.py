@@ -201,6 +201,9 @@ class ShardServer:
         """The KVSETs of keys moving away, kept until the flip (``clonemap.shards.migrate``)."""
         self.exporting = None
         """The routing a move copies keys from here by (``export``)."""
+        self.move_epoch = 0
+        """The latest change (its routing epoch) whose move steps this server took
+        (``take_step_of``)."""
         self.slot_owners: tuple[ShardMap, dict[bytes, int]] | None = None
         """The routing the last plan was counted by here, and the owner of each whole slot
         the count found: the export for that routing asks no slot again (at the copy's
@@ -779,6 +782,23 @@ class ShardServer:
         self.route = shard_map.route_of(index) if shard_map is not None else ""
 
     # ================================================================ moves
+    def take_step_of(self, epoch: int) -> str:
+        """A move step of the change to routing ``epoch`` is about to run here: "" if it
+        may, else why not. A step of an earlier change than one this server has taken
+        part in (or than the change it was started for, a shard that change adds) is a
+        late request: sent before a partition, while this host was cut off, and
+        delivered once the link came back (TCP resends what a closed socket had
+        written). Run, a stale ``stop-import`` dropped a later change's copies, and a
+        stale ``release`` would end a later change's hold early."""
+        floor = self.move_epoch
+        if self.routing_provisional and self.shard_map is not None:
+            floor = max(floor, self.shard_map.epoch)
+        if epoch < floor:
+            return (f"a step of the change to epoch {epoch}, older than the change to "
+                    f"epoch {floor} this server takes part in (a late request)")
+        self.move_epoch = epoch
+        return ""
+
     def start_import(self, source: str, prefix: bytes, shard_map,
                      rate: float | None = None, timeout_s: float | None = None) -> str:
         """Copy, from the source active at ``source`` (its P), the keys under ``prefix``

@@ -1478,3 +1478,32 @@ def test_a_source_peer_frozen_before_its_seal_releases_the_writes_within_the_bou
     finally:
         move.thaw()
     move.again()
+
+
+def test_a_late_step_of_an_earlier_change_is_refused_and_the_move_goes_on(procs, tmp_path,
+                                                                          zctx):
+    """A move step carries its change's routing epoch, and a server refuses a step of an
+    earlier change than one it takes part in. Such a step is a request sent before a
+    partition and delivered after it healed (TCP resends what a closed socket wrote): in
+    the cross-host cut test, a late ``stop-import`` of the first attempt reached the new
+    target of the second and dropped its copies, and the change rolled back. Here, at
+    *copied* of a move to epoch 2, a ``stop-import`` of the change to epoch 1 is sent to
+    the target's active: it is refused as late, its copy stays, and the move completes
+    with every acknowledged write on the target only."""
+    from clonemap.shards.common.mdp.client import SyncMdpClient
+    from clonemap.shards.common.routing import MOVE_COMMAND
+
+    move = _FrozenMove(procs, tmp_path, zctx, "copied")
+    rows = wait_status(move.control, lambda r: True)
+    target = next(n for n in ("s1/primary", "s1/backup") if rows[n]["bstar"] == "ACTIVE")
+    assert (stats_of(move.control, target).get("move") or {}).get("imports")
+    late = json.dumps({"op": "stop-import", "epoch": 1}).encode()
+    with SyncMdpClient(move.control, timeout_s=5.0, retries=0) as client:
+        said = json.loads(client.request("shard." + target.replace("/", "."),
+                                         MOVE_COMMAND, late)[0])
+    assert "a late request" in said["move_refused"], said
+    assert (said.get("move") or {}).get("imports"), said  # the copy is still there
+    move.go_on()
+    assert move.reshard.wait(60) == 0, move.reshard.stderr[-3:]
+    _on_s1_only(zctx, wait_status(move.control, lambda r: settled(r) and at_epoch(2)(r)),
+                move.tenant, move.ledger)
