@@ -151,9 +151,10 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
     """One step of a move (``clonemap.supervisor.resharding``), JSON {op, epoch, ...}: ""
     done, else why not. ``epoch``: the routing epoch of the change the step belongs to;
     a step of an earlier change than one this server took part in is refused
-    (``ShardServer.take_step_of``). ``export`` {routing}: the copies asked of this server (``ICANHAZ``
-    with ``move=``) hold only what ``routing`` gives their shard; ``import`` {source,
-    prefix, routing}: start copying what ``routing`` moves here from ``source``;
+    (``ShardServer.take_step_of``). ``export`` {routing}: the copies asked of this
+    server (``ICANHAZ`` with ``move=``) hold only what ``routing`` gives their shard;
+    ``import`` {source, prefix, routing}: start copying what ``routing`` moves here
+    from ``source``;
     ``stop-import``; ``hold`` {routing, peer, forward}: keep the writes of the keys it
     moves away (and connect to the collectors in ``forward`` now, so that the flip sends
     them on at once); ``seal``: the flip may begin (the hold no longer ends by itself);

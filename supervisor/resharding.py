@@ -214,7 +214,8 @@ class Resharding:
         self._before = plan
         """The plan before the change under way (what a roll-back goes back to)."""
         self._adding: Plan | None = None
-        """The plan of the change under way (its added shards' servers)."""
+        """The plan of the change under way while its move runs (its added shards'
+        servers; its routing epoch names each move step, ``_step``)."""
         self.phase = ""
         """The phase of the move under way, or the last one reached."""
         self._aborting = False
@@ -238,9 +239,6 @@ class Resharding:
         tells the other hosts' supervisors which config to plan)."""
         self._claim = 0
         """The etcd lease under which this supervisor holds the change under way."""
-        self._step_epoch = 0
-        """The routing epoch of the change whose move runs (0: none), sent with each
-        step (``_step``)."""
         self._record_at = 0
         """The etcd revision of the change's record, once written (``_record_move``)."""
         self._claim_lapsed = ""
@@ -363,11 +361,11 @@ class Resharding:
                                       f"hold): the flip would lose what it applied")
 
     async def _step(self, name: str, op: str, **args) -> dict:
-        """One move step on server ``name``, named by the change's routing epoch (a
-        server refuses a step of an earlier change: one delivered late, after a
-        partition healed)."""
-        if self._step_epoch:
-            args["epoch"] = self._step_epoch
+        """One move step on server ``name``, named by the routing epoch of the change
+        whose move runs (``_adding``'s: a server refuses a step of an earlier change,
+        one delivered late, after a partition healed)."""
+        if self._adding is not None:
+            args["epoch"] = self._adding.routing.epoch
         got = await self._ask(name, MOVE_COMMAND, json.dumps(dict(args, op=op)).encode())
         if got.get("move_refused"):
             raise Refused(b"409", f"{name} refused {op}: {got['move_refused']}")
@@ -509,7 +507,6 @@ class Resharding:
                 self._state["running"] = False
                 self.progress = None
                 self._adding = None
-                self._step_epoch = 0
                 await self._close_clients()
                 await self._give_claim()
 
@@ -696,7 +693,6 @@ class Resharding:
                           for t in range(new.shards)}
                        | set(moved_prefixes(old, new).values()))
         self._adding = new_plan
-        self._step_epoch = new.epoch
         sources = sorted({s for s, _ in pairs})
         targets = sorted({t for _, t in pairs})
         added = list(range(old.shards, new.shards))
