@@ -38,12 +38,13 @@ from test_supervisor_cli import (children_of, cli, start, wait_gone, wait_status
 pytestmark = pytest.mark.timeout(240)
 
 
-def stats_of(control: str, name: str) -> dict:
-    """The stats of server ``name`` (``s2/primary``), from its own control service."""
+def stats_of(control: str, name: str, *body: bytes, retries: int = 1) -> dict:
+    """The stats of server ``name`` (``s2/primary``), from its own control service,
+    after what ``body`` asks of it (``[MOVE_COMMAND, JSON]``: a move step)."""
     from clonemap.shards.common.mdp.client import SyncMdpClient
 
-    with SyncMdpClient(control, timeout_s=5.0, retries=1) as client:
-        return json.loads(client.request("shard." + name.replace("/", "."))[0])
+    with SyncMdpClient(control, timeout_s=5.0, retries=retries) as client:
+        return json.loads(client.request("shard." + name.replace("/", "."), *body)[0])
 
 
 def fetch_cluster_map(control: str) -> dict:
@@ -1490,7 +1491,6 @@ def test_a_late_step_of_an_earlier_change_is_refused_and_the_move_goes_on(procs,
     *copied* of a move to epoch 2, a ``stop-import`` of the change to epoch 1 is sent to
     the target's active: it is refused as late, its copy stays, and the move completes
     with every acknowledged write on the target only."""
-    from clonemap.shards.common.mdp.client import SyncMdpClient
     from clonemap.shards.common.routing import MOVE_COMMAND
 
     move = _FrozenMove(procs, tmp_path, zctx, "copied")
@@ -1498,9 +1498,7 @@ def test_a_late_step_of_an_earlier_change_is_refused_and_the_move_goes_on(procs,
     target = next(n for n in ("s1/primary", "s1/backup") if rows[n]["bstar"] == "ACTIVE")
     assert (stats_of(move.control, target).get("move") or {}).get("imports")
     late = json.dumps({"op": "stop-import", "epoch": 1}).encode()
-    with SyncMdpClient(move.control, timeout_s=5.0, retries=0) as client:
-        said = json.loads(client.request("shard." + target.replace("/", "."),
-                                         MOVE_COMMAND, late)[0])
+    said = stats_of(move.control, target, MOVE_COMMAND, late, retries=0)
     assert "a late request" in said["move_refused"], said
     assert (said.get("move") or {}).get("imports"), said  # the copy is still there
     move.go_on()
