@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from dataclasses import dataclass
 
 from bench.harness import record as rec
@@ -331,16 +332,20 @@ def run_offer(targets: Targets, *, warmup: float, seconds: float, offer: Offer |
                   "subscribers": load.pids("subscriber")}
         all_pids = [p for pids in groups.values() for p in pids]
         wait = progress.wait_until if progress else _sleep_until
+        early, t_early = cpu_seconds(all_pids), time.monotonic()  # (the fallback: below)
         wait(window.t_start, status=lambda: "warm-up, " + load.status())
-        cpu0 = cpu_seconds(all_pids)
+        cpu0, t0 = cpu_seconds(all_pids), time.monotonic()
         wait(window.t_end, status=load.status)
-        cpu1 = cpu_seconds(all_pids)
+        cpu1, t1 = cpu_seconds(all_pids), time.monotonic()
         result = load.collect(window)
         targets.check_alive()
     figures = result.figures(split=(offer or targets.offer).split)
-    figures["cpu_pct"] = cpu_pct_by_group(groups, cpu0, cpu1, window.seconds)
-    figures.update(charge(groups, cpu0, cpu1, window.seconds,
+    cpu0, span, cpu_late = cpu_span(window, (early, t_early), (cpu0, t0), t1)
+    figures["cpu_pct"] = cpu_pct_by_group(groups, cpu0, cpu1, span)
+    figures.update(charge(groups, cpu0, cpu1, span,
                           [s["gaps_window"] for s in result.subscribers]))
+    if cpu_late:
+        figures["harness_bound"] = "; ".join(filter(None, [figures["harness_bound"], cpu_late]))
     late = [f"subscriber {i} first ran {s['late_s']} s into the window"
             + (" and missed it" if not s["window_s"] else "")
             for i, s in enumerate(result.subscribers) if s.get("late_s", 0) > 0.1 * seconds]
@@ -361,6 +366,24 @@ def run_offer(targets: Targets, *, warmup: float, seconds: float, offer: Offer |
     figures["writers"] = result.writers
     figures["subscribers"] = result.subscribers
     return figures
+
+
+def cpu_span(window, early: tuple[dict, float], start: tuple[dict, float],
+             t1: float) -> tuple[dict, float, str]:
+    """Which ``cpu_seconds`` sample a window's CPU figures start from, over how many
+    seconds, and why they are not the window's own ("" when they are). The figures are
+    what the processes used between two samples this process takes, over the part of the
+    window between them (the load stops at its end): ``start`` at the window's start and
+    the one at ``t1``, its end. On a host busier than the plan this process may itself
+    run late: a start sample taken past the window's middle (once both came after its
+    end, and 0.3 s of smoke load read as 0 % CPU) gives way to ``early``, taken as the
+    load began, and the span takes in the warm-up."""
+    (cpu0, t0), late = start, ""
+    if t0 - window.t_start > 0.5 * window.seconds:
+        late = (f"the CPU sample at the window's start came {t0 - window.t_start:.2f} s "
+                f"late: the CPU figures span the warm-up too")
+        cpu0, t0 = early
+    return cpu0, max(min(t1, window.t_end) - t0, 1e-3), late
 
 
 def charge(groups: dict[str, list[int]], before: dict, after: dict, seconds: float,

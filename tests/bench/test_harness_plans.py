@@ -10,7 +10,9 @@ import pytest
 
 from bench.harness import record as rec
 from bench.harness.fleet import LoadResult, merged
-from bench.harness.offer import charge, harness_plan, subscriber_shares
+from bench.harness.procs import cpu_pct_by_group
+from bench.harness.offer import charge, cpu_span, harness_plan, subscriber_shares
+from bench.harness.traffic import Window
 from bench.harness.readers import subscriber_processes, weighted_percentiles
 
 SIXTEEN = list(range(16))
@@ -99,6 +101,27 @@ def test_a_loss_is_charged_to_the_harness_only_where_its_subscriber_was_saturate
     calm = charge(groups, before, {11: 1.0, 12: 1.0, 21: 1.0, 22: 1.0}, 2.0, [0, 3])
     assert calm["harness_bound"] == "" and calm["loss_targets"] == 3
     assert calm["harness_max_pct"] == 50.0
+
+
+def test_a_late_cpu_sample_at_the_window_start_falls_back_to_the_one_taken_at_the_load_start():
+    """The harness's own process may run late on a busy host (a smoke run in the suite
+    read 0 % CPU: it took both samples after its 0.3 s window had ended). The window's
+    CPU is then measured from the sample taken as the load began, and the figures say
+    so."""
+    window = Window(t_start=10.0, t_end=10.3)
+    early, on_time, late = {"host_busy": 1.0}, {"host_busy": 2.0}, {"host_busy": 3.0}
+    # on time: the window's own sample, over the window from it to its end
+    cpu0, span, why = cpu_span(window, (early, 9.5), (on_time, 10.01), 10.31)
+    assert cpu0 is on_time and span == pytest.approx(0.29) and why == ""
+    # a second sample taken late does not stretch the span past the window's end
+    assert cpu_span(window, (early, 9.5), (on_time, 10.01), 11.0)[1] == pytest.approx(0.29)
+    # a start sample taken past the window's middle (here after its end): the early one
+    cpu0, span, why = cpu_span(window, (early, 9.5), (late, 10.4), 10.41)
+    assert cpu0 is early and span == pytest.approx(0.8)
+    assert "came 0.40 s late" in why and "warm-up" in why
+    figures = cpu_pct_by_group({"targets": [1]}, {1: 0.0, **early}, {1: 0.4, "host_busy": 1.8},
+                               span)
+    assert figures["targets"] == 50.0 and figures["host"] == 100.0
 
 
 def test_a_target_the_saturated_harness_set_reads_harness_bound():
