@@ -43,11 +43,11 @@ import sys
 
 import click
 
-from clonemap import __version__
 from clonemap.shards.common.endpoints import DEFAULT_CONTROL
 from clonemap.client.cli_ops import (do_del_prefix, do_dump, do_get, do_keys, do_set, do_trace,
                             do_watch, do_watch_from, do_which, do_whoami)
 from clonemap.client.cli_target import DEFAULT_TIMEOUT_S, EXIT_USAGE, BadUsage, Target, run
+from clonemap.shards.common.version_option import version_option
 
 
 # ------------------------------------------------------------------ the command line
@@ -91,8 +91,7 @@ def _value_of(value: str | None, hex_value: bool, path: str | None) -> bytes:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "--version", "-V", prog_name="chp",
-                      message="%(prog)s (clonemap) %(version)s")
+@version_option("chp")
 @click.option("--control", metavar="ENDPOINT", default=None,
               help="The supervisor's control endpoint (MDP cluster.map) [default: "
                    f"$CLONEMAP_CONTROL or {DEFAULT_CONTROL}].")

@@ -16,14 +16,8 @@ In a checkout the three packages are the repository's top-level folders ``client
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version as _dist_version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-try:
-    __version__: str = _dist_version("clonemap")
-except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
-    __version__ = "0+checkout"
 
 # A checkout that is not installed (PYTHONPATH=., a worktree for an A/B): the packages are
 # the folders beside this one. An installed wheel has them inside, and this adds nothing.
@@ -32,6 +26,7 @@ if not (_here / "shards").is_dir() and (_here.parent / "shards" / "server.py").i
     __path__.append(str(_here.parent))
 
 if TYPE_CHECKING:
+    __version__: str
     from clonemap.client.api import (DEFAULT_TIMEOUT_S, AsyncClone, Change, ClientOptions,
                                      Clone, ClonemapError, Conflict, FailoverInfo, KeyMeta,
                                      NotRunning, NotSupported, ResetInfo, ShardReset,
@@ -43,7 +38,21 @@ __all__ = ["AsyncClone", "Change", "ClientOptions", "Clone", "ClonemapError", "C
            "WriteRefused", "__version__"]
 
 
+def _version() -> str:
+    """The installed distribution's version (looked up on first use: ``importlib.metadata``
+    and what it imports cost every process of the cluster ~20 ms at its start)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("clonemap")
+    except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        return "0+checkout"
+
+
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        globals()[name] = value = _version()
+        return value
     if name in __all__:
         value = getattr(importlib.import_module("clonemap.client.api"), name)
         globals()[name] = value

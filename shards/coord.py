@@ -34,7 +34,6 @@ on the server's event loop; the loop learns of changes through ``on_change``.
 from __future__ import annotations
 
 import base64
-import http.client
 import json
 import logging
 import threading
@@ -101,6 +100,8 @@ class Etcd:
         self._first = 0
 
     def call(self, path: str, body: dict) -> dict:
+        import http.client  # (here: only a pair fenced by etcd pays for it at its start)
+
         data = json.dumps(body).encode()
         errors = []
         n = len(self.endpoints)

@@ -7,9 +7,9 @@ import pkgutil
 
 import click
 
-from clonemap import __version__
 from clonemap.supervisor import commands as _commands
 from clonemap.supervisor.control import common_options
+from clonemap.shards.common.version_option import version_option
 
 
 def _group_options(fn):
@@ -19,8 +19,7 @@ def _group_options(fn):
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "--version", "-V", prog_name="supervisor",
-                      message="%(prog)s (clonemap) %(version)s")
+@version_option("supervisor")
 @_group_options
 def main(control: str | None, config: str | None, host: str | None,
          identity: str | None, timeout_s: float | None) -> None:

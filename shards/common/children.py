@@ -13,7 +13,6 @@ One piece for the supervisor, the benchmarks, the demo and the tests, which all 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import queue
 import signal
@@ -25,7 +24,7 @@ from typing import IO, Callable
 
 _PR_SET_PDEATHSIG = 1
 _LINUX = sys.platform.startswith("linux")
-_prctl = (ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+_prctl = (ctypes.CDLL(None, use_errno=True).prctl  # (this process's symbols: libc's)
           if _LINUX else None)  # resolved before any fork: preexec_fn only calls it
 
 

@@ -18,7 +18,6 @@ other than glibc it does nothing and says so.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 log = logging.getLogger(__name__)
@@ -31,10 +30,8 @@ LARGE_BYTES = 128 * 1024
 
 def return_large_frees(threshold: int = LARGE_BYTES) -> bool:
     """Fix glibc's mmap threshold at ``threshold`` bytes. True if it was applied."""
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # (this process's symbols: its C library's)
     except (OSError, AttributeError, TypeError):
         log.debug("no mallopt in this C library: large frees stay with the allocator")
         return False
@@ -59,7 +56,7 @@ def freeze_startup_objects() -> int:
 
 def _bind_malloc_trim():
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+        fn = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError, TypeError):
         return None
     fn.argtypes = (ctypes.c_size_t,)

@@ -266,10 +266,10 @@ SYNC_FILE_RANGE_WRITE = 2
 
 def _bind_sync_file_range():
     import ctypes
-    import ctypes.util
 
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).sync_file_range
+    try:  # (this process's symbols, its C library's: no ``find_library``, which runs
+        # ``ldconfig -p`` in a child process at every start)
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError, TypeError):
         return None  # not Linux (or no glibc): the fsync does all the writeback
     fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
