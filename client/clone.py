@@ -168,6 +168,8 @@ class AsyncClone:
         self.max_lag_s = opts.max_lag_s
         self._hub = WatchHub()
         self._agents: list[ShardAgent] = []
+        self._parts_changed = asyncio.Event()
+        """Set when a part is retired (``_parts_ready``)."""
         self._threads = 0
         """I/O threads the shards' sockets spread over (0: ZeroMQ's choice)."""
         self.health = Health(slow_policy=opts.slow_policy, max_lag_s=opts.max_lag_s,
@@ -321,7 +323,7 @@ class AsyncClone:
         if self.failed is not None:
             raise self.failed
         failure = self.health.failure()
-        ready = asyncio.ensure_future(asyncio.gather(*(a.wait_ready() for a in self._agents)))
+        ready = asyncio.ensure_future(self._parts_ready())
         # a server that refuses this client's handshake (no keys for a CURVE cluster, a
         # key it does not admit) refuses every retry too: fail at once, not at the deadline
         links = [a.link for a in self._agents if a.link is not None]
@@ -370,6 +372,31 @@ class AsyncClone:
             for fut in refusals.values():
                 fut.cancel()
         return self
+
+    async def _parts_ready(self) -> None:
+        """Until every part this client has is ready (``ShardAgent.wait_ready``). A
+        routing followed during ``start`` may retire a part before its first snapshot
+        came (its shard holds nothing this client needs any more, ``_retire``): from
+        then on it does not count. ``start`` waited on the parts it began with, and one
+        retired so kept it waiting to its deadline, the added shard's part ready beside
+        it (``chp --config BEFORE get KEY`` of a key a growth gave the added shard, once
+        in the suite: "clone not ready within 5.0 s")."""
+        while True:
+            self._parts_changed.clear()
+            waits = {asyncio.ensure_future(a.wait_ready()) for a in self._agents}
+            changed = asyncio.ensure_future(self._parts_changed.wait())
+            try:
+                while waits and not changed.done():
+                    done, _ = await asyncio.wait({*waits, changed},
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    for fut in done - {changed}:
+                        fut.result()
+                        waits.discard(fut)
+                if not waits:
+                    return
+            finally:
+                for fut in (*waits, changed):
+                    fut.cancel()
 
     def _raise_refused(self) -> None:
         """Raise ``HandshakeRefused`` for the first server that refused this client's
@@ -673,6 +700,7 @@ class AsyncClone:
             agent.close()
             if agent in self._agents:
                 self._agents.remove(agent)
+                self._parts_changed.set()  # (a ``start`` under way waits on it no more)
 
         check()
 

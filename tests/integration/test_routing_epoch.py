@@ -419,6 +419,56 @@ def _held_by_actives(zctx, rows: dict) -> dict[str, dict[bytes, bytes]]:
     return {name: fetch_map(zctx, row["port"])[0] for name, row in actives(rows).items()}
 
 
+def test_a_start_that_follows_a_later_routing_waits_on_no_part_it_retired(procs, tmp_path,
+                                                                          monkeypatch):
+    """``chp --config BEFORE get KEY`` after a growth, for a key it gave the added shard,
+    with the race forced: the part of the key's shard under the old routing never gets
+    its snapshot (each reply is dropped), so the routing the client follows retires it
+    before it was ready. ``start`` returns once the added shard's part is, with the
+    key's value; it waited on the retired part until its deadline (once in the suite,
+    under load: "clone not ready within 5.0 s", the added shard's part ready)."""
+    from clonemap.client.agent import ShardAgent
+
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    start(procs, config, tmp_path)
+    wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    key = next(k for k in (f"/seg{i}/k" for i in range(1000))
+               if ShardMap(3).owner(k.encode()) == 2)
+    before = f"s{ShardMap(2).owner(key.encode())}"
+
+    async def write() -> None:
+        async with AsyncClone(config=str(config)) as clone:
+            await clone.set(key, b"moved", wait=True)
+
+    asyncio.run(write())
+    done = cli("reshard", str(config), "--to", str(three), "--yes", timeout_s=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    wait_status(control, lambda r: len(r) == 6 and settled(r) and at_epoch(2)(r))
+    dropped: list[str] = []
+    on_snapshot = ShardAgent._on_snapshot
+
+    def withheld(agent: ShardAgent, frames: list[bytes]) -> None:
+        if agent.name == before:
+            dropped.append(agent.name)
+            return
+        on_snapshot(agent, frames)
+
+    monkeypatch.setattr(ShardAgent, "_on_snapshot", withheld)
+
+    async def read() -> None:
+        clone = AsyncClone(config=str(config), only_key=key, codec="bytes", timeout_s=5.0)
+        try:
+            await clone.start()
+            assert clone.routing_epoch == 2 and clone.shard_names == ["s2"]
+            assert clone.get(key) == b"moved"
+        finally:
+            await clone.close()
+
+    asyncio.run(read())
+    assert dropped, f"no snapshot of {before} came: the race was not forced"
+
+
 def test_supervisor_reshard_grows_and_shrinks_with_writers_running(procs, tmp_path, zctx):
     """2 -> 3 -> 2 shards under ``supervisor start`` while a ``wait=True`` writer and a
     compare-and-set incrementer run and a watcher follows the whole map: after each
