@@ -139,8 +139,7 @@ def test_kill9_under_writes_restart_rejoin_kill_the_other(procs, zctx, port_base
     # The round-1 writer's socket queued its KVSETs for the dead primary and delivered them
     # to the new one on reconnection: stale, long published by the backup. Let more than
     # the pending grace pass so the takeover below must drop them, not replay them.
-    for _ in range(GRACE_BEATS):
-        watch[p].next()
+    watch[p].beats_from_now(GRACE_BEATS)
     writer.sent.clear()
     for i in range(300):
         writer.kvset(b"/b/%d" % (i % 40), b"w%d" % i, b"ttl=600\n" if i % 3 == 0 else b"")
@@ -247,8 +246,7 @@ def test_a_pending_update_the_active_had_time_to_publish_is_not_replayed(procs, 
     deadline = time.monotonic() + DEADLINE_S
     while stats_now(backup)["pending"] < 1:
         assert time.monotonic() < deadline, "the backup never held the write"
-    for _ in range(GRACE_BEATS):  # the active beats on meanwhile
-        watch[p].next()
+    watch[p].beats_from_now(GRACE_BEATS)  # the active beats on meanwhile
     fresh = writer.kvset(b"/fresh", b"new")
     seq = at_p.wait(lambda m: m.uuid == fresh).seq
     watch[b].wait_seq(seq)  # the backup heard the active after the grace, whatever its load
