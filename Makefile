@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml shards/common/_zframes.c
 	touch $(STAMP)
 
 # Every server, supervisor and client command is a Python process that imports the
-# project's modules. Where PYTHONDONTWRITEBYTECODE is set (this project's CI and
-# development hosts set it) none of them caches its bytecode, so each compiled the
+# project's modules. Where PYTHONDONTWRITEBYTECODE is set (this project's development
+# hosts set it, and likely CI) none of them caches its bytecode, so each compiled the
 # modules again at its start: 50-65 ms of CPU of a server's ~0.2 s, and the suite starts
 # thousands. Python still reads bytecode that is there; this writes it (only what changed
 # since the last time: a fraction of a second).
