@@ -357,7 +357,7 @@ class AsyncClone:
                                        return_when=asyncio.FIRST_COMPLETED)
                     if self.failed is not None:
                         raise self.failed
-                await asyncio.gather(*(a.wait_ready() for a in self._agents))
+                await self._parts_ready()  # (the parts the routing added too)
         except TimeoutError:
             await _cancelled(ready)
             self._raise_refused()  # a refused handshake is the cause, not the wait
