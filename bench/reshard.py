@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "with --change shrink, whose two targets serve the writes): "
                          "this host's two cores are ~70%% busy with the writes before the "
                          "change; an unpaced copy (0) takes the rest and more")
+    ap.add_argument("--copy-priority", choices=("idle", "normal"), default="idle",
+                    help="supervisor reshard --copy-priority: the added shard's servers "
+                         "under SCHED_IDLE while they copy (the default), or not")
     ap.add_argument("--change", choices=("grow", "shrink"), default="grow",
                     help="grow: 2 -> 3 shards; shrink: 3 -> 2 (the shards that stay, "
                          "already serving, take the removed one's keys)")
@@ -419,7 +422,8 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
         def change() -> None:
             out = subprocess.run([python, "-m", "clonemap.supervisor", "reshard", str(config),
                                   "--to", str(to), "--yes", "--copy-rate",
-                                  args.copy_rate], cwd=ROOT, text=True,
+                                  args.copy_rate, "--copy-priority", args.copy_priority],
+                                 cwd=ROOT, text=True,
                                  capture_output=True, timeout=DEADLINE_S)
             outs.append(out)
             progress.note(out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "")

@@ -159,7 +159,9 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
     moves away (and connect to the collectors in ``forward`` now, so that the flip sends
     them on at once); ``seal``: the flip may begin (the hold no longer ends by itself);
     ``release``: apply what was held here; ``commit`` {routing}: the flip on the
-    target (``ShardServer.commit_import``)."""
+    target (``ShardServer.commit_import``); ``background`` {on}: this server's threads
+    at background CPU priority, or back (``ShardServer.background``: a shard the change
+    adds, while it copies)."""
     try:
         doc = json.loads(body[0])
         op = doc["op"]
@@ -193,6 +195,8 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
             return ""
         if op == "commit":
             return server.commit_import(ShardMap.from_description(doc["routing"]))
+        if op == "background":
+            return server.background(bool(doc["on"]))
         return f"no move step {op!r}"
     except (IndexError, ValueError, TypeError, KeyError, AttributeError, ConfigError,
             ProtocolError) as exc:

@@ -187,6 +187,8 @@ class ShardServer:
         self.set_routing(config.shard_map)
         self.importing: list = []
         """Copies of the keys moving here, one per source shard (``clonemap.shards.migrate``)."""
+        self.in_background = False
+        """Its threads run at background CPU priority (``background``)."""
         self.routing_provisional = False
         """Started on a routing a change has not committed (``--provisional-routing``: a
         shard the change adds), until it commits or follows a later one. Its stats say
@@ -1113,6 +1115,26 @@ class ShardServer:
         self.writes["forwarded"] += 1
         return True
 
+    def background(self, on: bool) -> str:
+        """This server's threads at background CPU priority (``on``: a shard a change
+        added, while it copies and serves no client) or back to normal
+        (``clonemap.shards.common.cpu_priority``). "" once done, else why not: the server
+        goes on at normal priority."""
+        from clonemap.shards.common import cpu_priority
+
+        if not on and not self.in_background:
+            return ""
+        why = cpu_priority.background(on)
+        if why:
+            log.warning("cpu priority: %s", why)
+            if on:
+                cpu_priority.background(False)  # (a refusal part way: all back)
+                return why
+        self.in_background = on and not why
+        log.info("cpu priority: %s", "background (SCHED_IDLE)" if self.in_background
+                 else "normal")
+        return why
+
     def install_routing(self, shard_map, forget: bool = False,
                         forward_to: dict[int, list[str]] | None = None) -> str:
         """Follow ``shard_map``, a later routing of this cluster, from now on: durable in
@@ -1121,8 +1143,12 @@ class ShardServer:
         older epoch, the same epoch as another routing, a routing without this shard, a
         server without a routing, a key held here that the routing places elsewhere
         (unless ``forget``: those keys moved, and are forgotten), or a disk error (the
-        server goes on with its own)."""
+        server goes on with its own). A server in the background (``background``) comes
+        back to normal priority first: it serves what it follows."""
         from clonemap.shards.persist import routing as routing_file
+
+        if self.in_background:
+            self.background(False)
 
         mine, index = self.shard_map, self.config.shard_index
         if mine is None:
@@ -1334,6 +1360,7 @@ class ShardServer:
                          "shards": self.shard_map.shards,
                          "epoch": self.shard_map.epoch,
                          "provisional": self.routing_provisional,
+                         "background": self.in_background,
                          "digest": self.shard_map.digest(),
                          "owner_slots": len(self.owner_cache.slots)
                          if self.owner_cache else 0}),

@@ -152,8 +152,9 @@ class ControlServices:
             part = _part_of(request.body)
             if part is not None:  # another host's supervisor runs a change (its added shards)
                 return [OK, json.dumps(await self.resharding.part(part)).encode()]
-            config, apply, copy_rate = parse_change(request.body)
-            plan = await self.resharding.change(config, apply, request.partial, copy_rate)
+            config, apply, copy_rate, priority = parse_change(request.body)
+            plan = await self.resharding.change(config, apply, request.partial, copy_rate,
+                                                priority)
         except Refused as exc:
             reply = [exc.status, exc.text.encode()]
             if exc.plan is not None:

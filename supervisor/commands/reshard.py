@@ -107,12 +107,16 @@ class _Bar:
 @click.option("--copy-rate", default=None, metavar="BYTES/S",
               help="How fast each target copies at most, e.g. 4MiB (default 32MiB; "
                    "0: unpaced). Lower it on a host with little CPU to spare.")
+@click.option("--copy-priority", type=click.Choice(["idle", "normal"]), default=None,
+              help="The CPU priority of an added shard's servers while they copy: idle "
+                   "(the default: only the CPU the serving shards leave; needs root or "
+                   "CAP_SYS_NICE, else normal) or normal.")
 @click.option("--abort", is_flag=True,
               help="Stop the change under way and roll it back (refused once it sealed "
                    "its holds: past that it completes).")
 @control_options
 def command(sel: Selection, new_config: str | None, yes: bool, dry_run: bool,
-            copy_rate: str | None, abort: bool) -> None:
+            copy_rate: str | None, copy_priority: str | None, abort: bool) -> None:
     """Change the running cluster's routing to NEW_CONFIG's (a new routing epoch), or
     with --abort stop the change under way."""
     if abort:
@@ -143,6 +147,8 @@ def command(sel: Selection, new_config: str | None, yes: bool, dry_run: bool,
             raise ConfigError(f"{new_config}: {exc}", field=exc.field) from None
         if rate is not None:
             change["copy_rate"] = rate
+        if copy_priority is not None:
+            change["copy_priority"] = copy_priority
         endpoint = sel.endpoint()
         ping(endpoint, "cluster.reshard", sel.timeout_s)
         plan = json.loads(call(endpoint, "cluster.reshard",
@@ -206,6 +212,12 @@ def command(sel: Selection, new_config: str | None, yes: bool, dry_run: bool,
             click.echo(f"the copy paused {phases.get('copy_paused_s', 0):.3f} s to keep "
                        f"within {pace / 2**20:.3g} MiB/s per target" if pace else
                        "the copy was not paced (--copy-rate 0)")
+            before, after = (done.get("shards") or [0, 0])[:2]
+            if done.get("background"):
+                click.echo(f"copied at background CPU priority: {', '.join(done['background'])}")
+            elif done.get("copy_priority") == "idle" and after > before:
+                click.echo("copied at normal CPU priority (--copy-priority idle needs root "
+                           "or CAP_SYS_NICE: see the supervisor's log)")
         for index in done.get("removed", []):
             click.echo(f"shard {index} is removed: its servers stop in a few heartbeats "
                        "(their data directories stay)")

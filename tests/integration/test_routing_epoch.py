@@ -601,6 +601,50 @@ def test_a_growth_copies_at_the_rate_it_was_given_and_loses_nothing(procs, tmp_p
     asyncio.run(scenario())
 
 
+def _thread_policies(pid: int) -> set[int]:
+    """The scheduling policies of every thread of process ``pid``."""
+    return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_an_added_shard_copies_at_background_cpu_priority_then_serves_at_normal(
+        procs, tmp_path, zctx):
+    """``supervisor reshard`` with ``--copy-priority idle``, the default. The change
+    waits at *started* (``CLONEMAP_RESHARD_PAUSE_AT``). Every thread of both of the added
+    shard's servers then runs under ``SCHED_IDLE``, and their stats say so. Once the
+    change is done every thread is back under ``SCHED_OTHER``, the command names the
+    servers that copied in the background, and every key is on its owner, once.
+    ``--copy-priority`` takes only ``idle`` or ``normal``."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = _start_stopping(procs, config, tmp_path, "started", pause=True)
+    wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    bad = cli("reshard", str(config), "--to", str(three), "--yes", "--copy-priority", "low")
+    assert bad.returncode == 2 and "'low' is not one of" in bad.stderr, bad.stderr
+    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(200)}
+    _write_all(config, ledger)
+
+    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
+                           str(three), "--yes")
+    sup.wait_line("RESHARD_PAUSED phase=started", timeout_s=60)
+    rows = wait_status(control, lambda r: sum(n.startswith("s2/") for n in r) == 2)
+    added = {n: r["pid"] for n, r in rows.items() if n.startswith("s2/")}
+    for name, pid in added.items():
+        assert _thread_policies(pid) == {os.SCHED_IDLE}, name
+        assert stats_of(control, name)["routing"]["background"], name
+    (tmp_path / "run" / "reshard.continue").touch()
+    assert reshard.wait(60) == 0, reshard.stderr[-3:]
+    said = "\n".join(reshard.stdout)
+    assert re.search(r"copied at background CPU priority: s2/\w+, s2/\w+", said), said
+    for name, pid in added.items():
+        assert _thread_policies(pid) == {os.SCHED_OTHER}, name
+        assert not stats_of(control, name)["routing"]["background"], name
+    rows = wait_status(control, lambda r: len(r) == 6 and settled(r))
+    held = _held_by_actives(zctx, rows)
+    assert merged_once(held) == ledger
+    for name, keys in held.items():
+        assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
+
+
 def test_a_client_of_the_whole_map_adopts_what_an_added_shard_copied(procs, tmp_path,
                                                                      zctx):
     """A growth under ``supervisor start`` with a whole-map client writing: the client

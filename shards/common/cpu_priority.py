@@ -1,0 +1,72 @@
+"""This process's CPU priority for background work: every one of its threads under the
+kernel's ``SCHED_IDLE`` policy (``background(True)``), and back to ``SCHED_OTHER``.
+
+A thread under ``SCHED_IDLE`` weighs 3 against a normal thread's 1,024 (sched(7)): on a
+busy core it gets about 0.3% of the time, and a normal thread that wakes takes the core
+from it at once. A shard that a routing change adds copies its keys in the CPU the
+serving shards and their clients leave (``supervisor reshard --copy-priority``). At
+``nice 19`` it would still take about 1.5%.
+
+Going back needs ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` soft limit of 20 (the kernel
+treats leaving ``SCHED_IDLE`` as raising the priority), so a process goes to the
+background only where it can come back (``can_return``): a server left idle after the
+copy would serve its shard on leftovers. Linux only; elsewhere nothing changes.
+"""
+from __future__ import annotations
+
+import os
+import resource
+
+_CAP_SYS_NICE = 23
+"""The capability's bit in ``CapEff`` (linux/capability.h)."""
+
+
+def can_return() -> bool:
+    """Whether this process may leave ``SCHED_IDLE`` once in it."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    if soft == resource.RLIM_INFINITY or soft >= 20:
+        return True
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"CapEff:"):
+                    return bool(int(line.split()[1], 16) >> _CAP_SYS_NICE & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def threads() -> list[int]:
+    """The thread ids of this process (Linux: ``/proc/self/task``)."""
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]  # (0: the calling thread)
+
+
+def background(on: bool) -> str:
+    """Every thread of this process to ``SCHED_IDLE`` (``on``) or back to ``SCHED_OTHER``
+    (threads it starts later inherit their creator's). "" once done, else why not (this
+    process could not come back: nothing is changed; or the kernel refused)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return "this platform has no SCHED_IDLE"
+    if on and not can_return():
+        return ("not at background priority: leaving it again would need CAP_SYS_NICE "
+                "or RLIMIT_NICE 20")
+    policy = os.SCHED_IDLE if on else os.SCHED_OTHER
+    refused = ""
+    for tid in threads():
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        except OSError as exc:
+            refused = refused or f"thread {tid}: {exc.strerror or exc}"
+    return refused
+
+
+def is_background(pid: int = 0) -> bool:
+    """Whether ``pid``'s thread (0: the calling one) runs under ``SCHED_IDLE``."""
+    return hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(pid) == os.SCHED_IDLE
