@@ -27,10 +27,10 @@ import asyncio
 import time
 from typing import Any, Callable
 
-ADOPT_CHUNK = 2_000
+ADOPT_CHUNK = 500
 """Keys of the lenders looked at per loop turn. In `bench reshard`'s writer (1M keys
 held) a turn of 5,000 took 15-24 ms of its loop's CPU, each a wait for every write in
-flight; 2,000 keep a turn under about 10 ms."""
+flight; 500 keep a turn near 2 ms."""
 ADOPT_IDLE = 3.0
 """After each chunk the loop idles this many times the chunk's own time: the adoption is
 background work, and at a flip the application's own writes wait on the same loop (and
@@ -57,7 +57,9 @@ class Adoption:
         # each lender's keys as they were, in a tuple, which the garbage collector stops
         # walking at its first pass (a list of the 500,000 keys a lender holds was
         # walked by every collection the adoption outlived, 13-18 ms of the loop each
-        # for the first two, on the writer of `bench reshard`); the last is looked at
+        # for the first two, on the writer of `bench reshard`; a copy of the lender's
+        # dict, which no collection walks, cost the writer's loop three times as much
+        # CPU at the flip: it touches every key and value); the last is looked at
         # first, up to ``_at``
         self.queue: list[tuple[Any, tuple[bytes, ...]]] = [(o, tuple(o.map)) for o in lenders]
         self._at = 0

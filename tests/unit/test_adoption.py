@@ -69,3 +69,21 @@ def test_an_adoption_with_no_lender_left_starts_nothing():
     s2.lent_at = [(part("s0", {}), 0)]
     s2.start_adoption(lambda key: True)  # (its claim found no lender)
     assert s2.adoption is None and s2.lent_at == []
+
+
+def test_a_lender_whose_map_grows_and_shrinks_meanwhile_gives_what_it_held():
+    """What the adoption walks is the lenders' keys as they were at its start, apart
+    from each lender's map, which grows and shrinks between its turns (a staying key
+    written, another deleted): each moving key is taken once, the staying ones stay."""
+    s0 = part("s0", {b"/a/%d" % i: b"v%d" % i for i in range(100)})
+    s2 = part("s2", {})
+    owned = lambda key: key.endswith(b"7")  # noqa: E731
+    adoption = adopting(s2, (s0,), owned)
+    adoption.run(10)
+    s0.map[b"/new/1"] = b"n"
+    del s0.map[b"/a/50"]
+    while not adoption.done:
+        adoption.run(10)
+    assert s2.map == {b"/a/%d" % i: b"v%d" % i for i in range(100) if owned(b"/a/%d" % i)}
+    assert b"/new/1" in s0.map and b"/a/50" not in s0.map
+    assert not any(owned(k) for k in s0.map)
