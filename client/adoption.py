@@ -54,14 +54,17 @@ class Adoption:
         self.owned = owned
         self.take = take
         self.on_done = on_done
-        # each lender's keys as they were, in a tuple, which the garbage collector stops
-        # walking at its first pass (a list of the 500,000 keys a lender holds was
-        # walked by every collection the adoption outlived, 13-18 ms of the loop each
-        # for the first two, on the writer of `bench reshard`; a copy of the lender's
-        # dict, which no collection walks, cost the writer's loop three times as much
-        # CPU at the flip: it touches every key and value); the last is looked at
-        # first, up to ``_at``
-        self.queue: list[tuple[Any, tuple[bytes, ...]]] = [(o, tuple(o.map)) for o in lenders]
+        # each lender's keys, in a tuple taken when its turn comes (the last lender's
+        # first, up to ``_at``): a lender gains no key of the added shard once the
+        # adoption began (it held its shard's map up to the copy's sequence already: the
+        # shard checked ``adopt=``), so a later tuple misses none, and the flip pays for
+        # one lender's instead of all. A tuple, which the garbage collector stops walking at its
+        # first pass: a list of the 500,000 keys a lender holds was walked by every
+        # collection the adoption outlived, 13-18 ms of the loop each for the first two,
+        # on the writer of `bench reshard`; a copy of the lender's dict, which no
+        # collection walks, cost the writer's loop three times as much CPU at the flip
+        # (it touches every key and value)
+        self.queue: list[tuple[Any, tuple[bytes, ...] | None]] = [(o, None) for o in lenders]
         self._at = 0
         self.moved = 0
         self.done = False
@@ -85,6 +88,9 @@ class Adoption:
         queue, owned = self.queue, self.owned
         while queue and (budget is None or budget > 0):
             other, keys = queue[-1]
+            if keys is None:
+                keys = tuple(other.map)
+                queue[-1] = (other, keys)
             at = self._at
             end = self._at = len(keys) if budget is None else min(at + budget, len(keys))
             if budget is not None:
