@@ -1123,10 +1123,12 @@ class ShardServer:
         return True
 
     def background(self, on: bool) -> str:
-        """This server's threads at background CPU priority (``on``: a shard a change
-        added, while it copies and serves no client) or back to normal
-        (``clonemap.shards.common.cpu_priority``). "" once done, else why not: the server
-        goes on at normal priority."""
+        """This server at background CPU priority (``on``: a shard a change added, while
+        it copies and serves no client) or back to normal
+        (``clonemap.shards.common.cpu_priority``): its threads under ``SCHED_IDLE``
+        (where it can come back: root, ``CAP_SYS_NICE``), and its own autogroup at nice
+        19 (a server that leads its session: no privilege needed). "" once either is
+        done, else why neither: the server goes on at normal priority."""
         from clonemap.shards.common import cpu_priority
 
         if not on and not self.in_background:
@@ -1136,11 +1138,31 @@ class ShardServer:
             log.warning("cpu priority: %s", why)
             if on:
                 cpu_priority.background(False)  # (a refusal part way: all back)
-                return why
-        self.in_background = on and not why
-        log.info("cpu priority: %s", "background (SCHED_IDLE)" if self.in_background
-                 else "normal")
-        return why
+        grouped = cpu_priority.own_autogroup()
+        if grouped:
+            self._autogroup_nice(cpu_priority.AUTOGROUP_NICE if on else 0)
+        self.in_background = on and (not why or grouped)
+        log.info("cpu priority: %s", ("normal" if not self.in_background else
+                                       "background (" + ", ".join(
+                                           (["SCHED_IDLE"] if not why else [])
+                                           + (["autogroup nice 19"] if grouped else []))
+                                       + ")"))
+        return why if on and not self.in_background else ""
+
+    def _autogroup_nice(self, nice: int, tries: int = 5) -> None:
+        """This server's autogroup to ``nice``; the kernel takes one change per 100 ms
+        from a process without ``CAP_SYS_ADMIN`` (``EAGAIN``), so a refusal is tried
+        again a little later, while it is still wanted."""
+        from clonemap.shards.common import cpu_priority
+
+        why = cpu_priority.autogroup_nice(nice)
+        if not why:
+            return
+        if tries > 1 and self.loop is not None:
+            self.loop.call_later(0.15, lambda: self._autogroup_nice(nice, tries - 1)
+                                 if self.in_background == (nice > 0) else None)
+        else:
+            log.warning("cpu priority: %s", why)
 
     def install_routing(self, shard_map, forget: bool = False,
                         forward_to: dict[int, list[str]] | None = None) -> str:

@@ -73,7 +73,7 @@ class ServerProcess:
     # ----------------------------------------------------------------- I/O
     def spawn(self, on_line: Callable[["ServerProcess", str], None],
               on_exit: Callable[["ServerProcess", subprocess.Popen, int], None]) -> None:
-        """Start a run: the child (in its own process group, pinned and bound to die with
+        """Start a run: the child (in a session of its own, pinned and bound to die with
         this process between fork and exec), its stdout read line by line on the loop
         (each line copied to the log, then ``on_line``), and its pidfd watched
         (``on_exit`` once it has exited, with everything it printed read). Raises
@@ -84,7 +84,10 @@ class ServerProcess:
             self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=self._log.fileno(), close_fds=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            process_group=0,  # a terminal's Ctrl-C reaches the supervisor only
+            # a session of its own: a terminal's Ctrl-C reaches the supervisor only, and
+            # under the kernel's autogroup each server is a CPU group of its own, whose
+            # weight an added shard's lowers while it copies (``cpu_priority``)
+            start_new_session=True,
             preexec_fn=die_with_parent(os.getpid(), self.plan.cores))
         self.popen, self.pid = popen, popen.pid
         fd = popen.stdout.fileno()

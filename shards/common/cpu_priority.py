@@ -7,6 +7,13 @@ from it at once. A shard that a routing change adds copies its keys in the CPU t
 serving shards and their clients leave (``supervisor reshard --copy-priority``). At
 ``nice 19`` it would still take about 1.5%.
 
+That holds among the threads of one CPU group. Under the kernel's autogroup (on in many
+distributions) each session is a group, weighed against the others by the group's own
+nice value, whatever its threads' policies: a ``SCHED_IDLE`` loop in one session took half
+of a core from a busy loop in another here. So a server that leads its own session (the
+supervisor starts each so) also sets its group's nice to 19 (``autogroup_nice``), which
+needs no privilege, and back to 0.
+
 Going back needs ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` soft limit of 20 (the kernel
 treats leaving ``SCHED_IDLE`` as raising the priority), so a process goes to the
 background only where it can come back (``can_return``): a server left idle after the
@@ -65,6 +72,31 @@ def background(on: bool) -> str:
         except OSError as exc:
             refused = refused or f"thread {tid}: {exc.strerror or exc}"
     return refused
+
+
+AUTOGROUP_NICE = 19
+"""The nice value of this process's autogroup while in the background."""
+
+
+def own_autogroup() -> bool:
+    """Whether this process leads its session, and so has a kernel autogroup of its own
+    (Linux with ``CONFIG_SCHED_AUTOGROUP``): its nice value weighs this process's
+    threads against other sessions' (sched(7), "The autogroup feature")."""
+    return os.path.exists("/proc/self/autogroup") and os.getsid(0) == os.getpid()
+
+
+def autogroup_nice(nice: int) -> str:
+    """This process's autogroup to ``nice`` (0 to 19 need no privilege). "" once done or
+    where it has none of its own (``own_autogroup``), else why not (``EAGAIN``: the kernel
+    takes one change per 100 ms from a process without ``CAP_SYS_ADMIN``)."""
+    if not own_autogroup():
+        return ""
+    try:
+        with open("/proc/self/autogroup", "wb", buffering=0) as group:
+            group.write(b"%d" % nice)
+    except OSError as exc:
+        return f"autogroup nice {nice}: {exc.strerror or exc}"
+    return ""
 
 
 def is_background(pid: int = 0) -> bool:

@@ -617,12 +617,22 @@ def _thread_policies(pid: int) -> set[int]:
     return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
+def _autogroup_nice(pid: int) -> str | None:
+    """The nice value of process ``pid``'s autogroup (None: a kernel without one)."""
+    try:
+        with open(f"/proc/{pid}/autogroup") as group:
+            return group.read().split()[-1]
+    except FileNotFoundError:
+        return None
+
+
 def test_an_added_shard_copies_at_background_cpu_priority_then_serves_at_normal(
         procs, tmp_path, zctx):
     """``supervisor reshard`` with ``--copy-priority idle``, the default. The change
     waits at *started* (``CLONEMAP_RESHARD_PAUSE_AT``). Every thread of both of the added
-    shard's servers then runs under ``SCHED_IDLE``, and their stats say so. Once the
-    change is done every thread is back under ``SCHED_OTHER``, the command names the
+    shard's servers then runs under ``SCHED_IDLE``, each server (a session of its own)
+    has its autogroup at nice 19, and their stats say so. Once the change is done every
+    thread is back under ``SCHED_OTHER`` and each group at nice 0, the command names the
     servers that copied in the background, and every key is on its owner, once.
     ``--copy-priority`` takes only ``idle`` or ``normal``."""
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
@@ -641,6 +651,7 @@ def test_an_added_shard_copies_at_background_cpu_priority_then_serves_at_normal(
     added = {n: r["pid"] for n, r in rows.items() if n.startswith("s2/")}
     for name, pid in added.items():
         assert _thread_policies(pid) == {os.SCHED_IDLE}, name
+        assert os.getsid(pid) == pid and _autogroup_nice(pid) in ("19", None), name
         assert stats_of(control, name)["routing"]["background"], name
     (tmp_path / "run" / "reshard.continue").touch()
     assert reshard.wait(60) == 0, reshard.stderr[-3:]
@@ -648,6 +659,7 @@ def test_an_added_shard_copies_at_background_cpu_priority_then_serves_at_normal(
     assert re.search(r"copied at background CPU priority: s2/\w+, s2/\w+", said), said
     for name, pid in added.items():
         assert _thread_policies(pid) == {os.SCHED_OTHER}, name
+        assert _autogroup_nice(pid) in ("0", None), name
         assert not stats_of(control, name)["routing"]["background"], name
     rows = wait_status(control, lambda r: len(r) == 6 and settled(r))
     held = _held_by_actives(zctx, rows)

@@ -73,3 +73,32 @@ def test_a_process_that_could_not_come_back_stays_at_normal_priority():
     assert not got["can_return"]
     assert "CAP_SYS_NICE" in got["went"] and got["now"] == os.SCHED_OTHER
     assert got["back"] == "" and got["after"] == os.SCHED_OTHER
+
+
+_AUTOGROUP = """
+import json
+from clonemap.shards.common import cpu_priority
+def group():
+    with open("/proc/self/autogroup") as f:
+        return f.read().split()[-1]
+went = cpu_priority.autogroup_nice(19)
+during = group()
+back = cpu_priority.autogroup_nice(0)
+print(json.dumps({"own": cpu_priority.own_autogroup(), "went": went, "during": during,
+                  "back": back, "after": group()}))
+"""
+
+
+@pytest.mark.parametrize("own_session", [True, False])
+def test_a_session_leader_weighs_its_own_autogroup_and_no_other(own_session):
+    """A process that leads its session (a server, as the supervisor starts it) sets its
+    autogroup's nice to 19 and back to 0. One that does not would set its whole
+    session's (the caller's terminal, a test runner): it leaves it alone."""
+    if not os.path.exists("/proc/self/autogroup"):  # (a kernel without autogroup)
+        assert not cpu_priority.own_autogroup() and cpu_priority.autogroup_nice(19) == ""
+        return
+    out = subprocess.run([sys.executable, "-c", _AUTOGROUP], capture_output=True,
+                         text=True, timeout=30, check=True, start_new_session=own_session)
+    got = json.loads(out.stdout)
+    assert got["own"] is own_session and got["went"] == got["back"] == ""
+    assert (got["during"], got["after"]) == (("19", "0") if own_session else ("0", "0")), got
