@@ -278,7 +278,9 @@ def _summary(result: dict, args, total_s: float, moved_keys: int, move_s: float)
         "during_staying": _spread([w[1] for w in during if not w[2] and w[1] >= 0]),
         "failed_writes": sum(1 for w in writes if w[1] < 0), "errors": result["errors"],
         "error_examples": result.get("error_examples", {}),
-        "timeline": _timeline(writes, t_start, result),
+        "timeline": _timeline(writes, t_start, result, slow_s=(
+            TARGET_P99_RATIO * percentile(sorted(w[1] for w in before), 99)
+            if before else None)),
         "writer_cpu_pct": _writer_cpu(result["marks"]),
     }
 
@@ -299,20 +301,27 @@ TIMELINE_S = 0.5
 """The width of one row of a run's ``timeline``."""
 
 
-def _timeline(writes: list, t_start: float, result: dict) -> dict:
+def _timeline(writes: list, t_start: float, result: dict,
+              slow_s: float | None = None) -> dict:
     """When the slow writes were sent: by ``TIMELINE_S`` from the change's start, the
     writes sent then (moving and staying keys together), their median and longest wait
     (ms), the longest the writer's own loop was late in it and its loop thread's CPU in
     that time (ms: as long, its client's own work; short, its process waited for a core;
-    0 when never ``STALL_S`` late); the writer's garbage collections (``collections``:
+    0 when never ``STALL_S`` late), and how many of the writes to staying keys waited
+    longer than ``slow_s`` (``slow_ms``: the target's bound, 2x the p99 before: the rows
+    that hold the writes past it set the p99); the writer's garbage collections (``collections``:
     every full one, and any other of 5 ms or more: when, which generation, ms, the loop
     thread's CPU ms); and the writer's marks (``start``, ``moved``: the command
     returned) in seconds from the change's start. Where a wait comes from shows in which
     rows are slow."""
     rows: dict[int, list[float]] = {}
-    for start, wait, _ in writes:
+    slow: dict[int, int] = {}
+    for start, wait, moving in writes:
         if wait >= 0 and start >= t_start - 2 * TIMELINE_S:
-            rows.setdefault(int((start - t_start) // TIMELINE_S), []).append(wait)
+            i = int((start - t_start) // TIMELINE_S)
+            rows.setdefault(i, []).append(wait)
+            if slow_s is not None and not moving and wait > slow_s:
+                slow[i] = slow.get(i, 0) + 1
     stalled: dict[int, tuple[float, float]] = {}
     for at, late, cpu in result.get("stalls", ()):
         i = int((at - t_start) // TIMELINE_S)
@@ -322,14 +331,16 @@ def _timeline(writes: list, t_start: float, result: dict) -> dict:
         waits = sorted(rows[i])
         out.append([round(i * TIMELINE_S, 2), len(waits),
                     round(waits[len(waits) // 2] * 1000, 1), round(waits[-1] * 1000, 1),
-                    *(round(x * 1000, 1) for x in stalled.get(i, (0.0, 0.0)))])
+                    *(round(x * 1000, 1) for x in stalled.get(i, (0.0, 0.0))),
+                    slow.get(i, 0)])
     marks = {name: round(m["t"] - result["t0"] - t_start, 3)
              for name, m in result["marks"].items()}
     collected = [[round(at - t_start, 3), generation, round(took * 1000, 1),
                   round(cpu * 1000, 1)]
                  for at, generation, took, cpu in result.get("collections", ())
                  if at >= t_start - 2 * TIMELINE_S]
-    return {"row_s": TIMELINE_S, "rows": out, "marks": marks, "collections": collected}
+    return {"row_s": TIMELINE_S, "rows": out, "marks": marks, "collections": collected,
+            "slow_ms": None if slow_s is None else round(slow_s * 1000, 2)}
 
 
 def _writes_around(writer, progress, args, label: str, change) -> tuple[dict, float]:

@@ -14,7 +14,7 @@ earlier routing qualify: their server had not begun to forget what moved away
 
 Once the adoption is installed (its updates re-home their keys as any snapshot's do),
 ``Adoption`` moves the rest from the parts that lend them into the added shard's part,
-``ADOPT_CHUNK`` keys at a time, then an idle as long (``ADOPT_IDLE``): silently (the values are those the client
+``ADOPT_CHUNK`` keys at a time, each followed by an idle (``ADOPT_IDLE``): silently (the values are those the client
 held), each key in exactly one part at any time, so ``len``, ``items`` and watches see
 each key once. Until it ends, a read that misses the added shard's part looks in the
 lenders (``ShardAgent.lending``). A lender whose map is about to be replaced (a snapshot)
@@ -31,14 +31,17 @@ ADOPT_CHUNK = 500
 """Keys of the lenders looked at per loop turn. In `bench reshard`'s writer (1M keys
 held) a turn of 5,000 took 15-24 ms of its loop's CPU, each a wait for every write in
 flight; 500 keep a turn near 2 ms."""
-ADOPT_IDLE = 3.0
+ADOPT_IDLE = 9.0
 """After each chunk the loop idles this many times the chunk's own time: the adoption is
 background work, and at a flip the application's own writes wait on the same loop (and
 for a threaded ``Clone``, on the same interpreter lock). At full speed, `bench reshard`'s
 writer spent about half a second of its loop re-homing 336,160 keys at the flip, and its
 writes waited behind it; idling as long as each chunk (half the loop) still took the
-loop from ~45% busy to saturated for the 2 s the adoption then lasted. A quarter of the
-loop: the servers' share for their own background passes (their ``FORGET_IDLE``)."""
+loop from ~45% busy to saturated for the 2 s the adoption then lasted. A tenth of the
+loop, as the servers' share for their own background passes (their ``FORGET_IDLE``):
+at a quarter the writes waited 2.9-6.5 ms at the median for the two seconds after the
+flip, at a tenth 0.7-1.4 ms (the servers' forgetting slowed as much). Until it ends a
+read that misses the added shard's part looks in the lenders."""
 
 
 class Adoption:

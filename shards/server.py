@@ -84,16 +84,21 @@ FORGET_CHUNK = 1_000
 a plan's count looks at (``count_leaving``). Each chunk is a wait for the writes that
 come meanwhile: in ``bench reshard`` (1M keys, 2 -> 3 shards) a count chunk of 5,000
 keys took 12-15 ms of a source's loop, 1,000 about 2 ms."""
-COUNT_IDLE = 1.0
+COUNT_IDLE = 3.0
 """After each chunk of a plan's count (``count_leaving``), the server idles this many
-times the chunk's own time: every server counts at once, and at full speed the four of
-``bench reshard`` held the writes at a p50 of 23-59 ms for the count's two seconds."""
-FORGET_IDLE = 3.0
+times the chunk's own time (a quarter of a core at most): every server counts at once,
+and at full speed the four of ``bench reshard`` held the writes at a p50 of 23-59 ms for
+the count's two seconds; idling as long as each chunk (half a core), the count's
+half-seconds had the writes at a p50 of 1.7-3.2 ms; three times as long, 0.5-1.6 ms."""
+FORGET_IDLE = 9.0
 """After each chunk a source forgets, it waits this many times the chunk's own time
-before the next (at most a quarter of a core): forgetting is background work, and at a
+before the next (a tenth of a core at most): forgetting is background work, and at a
 flip every server of every source forgets at once, beside the writes the flip just let
 go (at full speed, the four servers of ``bench reshard`` took 1.4 cores for 1.5 s, and
-the writer, runnable, waited for them)."""
+the writer, runnable, waited for them; at a quarter of a core each, the writes waited
+2.9-6.5 ms at the median for two seconds after the flip, at a tenth 0.7-1.4 ms). At
+500,000 keys a source forgets for about 10 s; until it is done its snapshots, counts
+and copies leave the moved keys out (``forgetting``)."""
 
 
 _send = _BackendSocket.send
