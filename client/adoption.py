@@ -14,13 +14,13 @@ earlier routing qualify: their server had not begun to forget what moved away
 
 Once the adoption is installed (its updates re-home their keys as any snapshot's do),
 ``Adoption`` moves the rest from the parts that lend them into the added shard's part,
-``ADOPT_CHUNK`` keys at a time, each followed by an idle (``ADOPT_IDLE``): silently (the values are those the client
-held), each key in exactly one part at any time, so ``len``, ``items`` and watches see
-each key once. Until it ends, a read that misses the added shard's part looks in the
-lenders (``ShardAgent.lending``). A lender whose map is about to be replaced (a snapshot)
-gives what it still lends first, at once. A key adopted so has no sequence of its new
-shard until that shard next writes it: ``meta()`` says 0, and a compare-and-set with it
-gets ``Conflict`` naming the current one."""
+``ADOPT_CHUNK`` keys at a time, each followed by an idle (``ADOPT_IDLE``): silently (the
+values are those the client held), each key in exactly one part at any time, so
+``len``, ``items`` and watches see each key once. Until it ends, a read that misses the
+added shard's part looks in the lenders (``ShardAgent.lending``). A lender whose map is
+about to be replaced (a snapshot) gives what it still lends first, at once. A key adopted
+so has no sequence of its new shard until that shard next writes it: ``meta()`` says 0,
+and a compare-and-set with it gets ``Conflict`` naming the current one."""
 from __future__ import annotations
 
 import asyncio

@@ -48,8 +48,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
-from itertools import islice
+from collections.abc import Iterable
 
 import psutil
 import zmq
@@ -197,7 +196,7 @@ class ShardServer:
         self.importing: list = []
         """Copies of the keys moving here, one per source shard (``clonemap.shards.migrate``)."""
         self.in_background = False
-        """Its threads run at background CPU priority (``background``)."""
+        """It runs at background CPU priority (``background``)."""
         self.routing_provisional = False
         """Started on a routing a change has not committed (``--provisional-routing``: a
         shard the change adds), until it commits or follows a later one. Its stats say
@@ -1098,19 +1097,18 @@ class ShardServer:
         # list of 500,000 keys was walked by every collection the forgetting outlived; a
         # copy of the dict, which no collection walks, cost more: it touches every key
         # and value)
-        self._forget_chunk(iter(tuple(self.store.data)), count)
+        self._forget_chunk(tuple(self.store.data), 0, count)
 
-    def _forget_chunk(self, keys: Iterator[bytes], count: int) -> None:
+    def _forget_chunk(self, keys: tuple[bytes, ...], at: int, count: int) -> None:
         if self.owner_cache is None or self.store is None:
             self.forgetting = None
             return
         began = time.perf_counter()
         owns = self.owner_cache.owns  # (the routing now: it may have changed again)
-        chunk = list(islice(keys, FORGET_CHUNK))
-        count += self.store.forget([k for k in chunk if not owns(k)])
-        if len(chunk) == FORGET_CHUNK:
+        count += self.store.forget([k for k in keys[at:at + FORGET_CHUNK] if not owns(k)])
+        if at + FORGET_CHUNK < len(keys):
             self.loop.call_later((time.perf_counter() - began) * FORGET_IDLE,
-                                 self._forget_chunk, keys, count)
+                                 self._forget_chunk, keys, at + FORGET_CHUNK, count)
             return
         self.forgetting = None
         if count:
@@ -1146,13 +1144,11 @@ class ShardServer:
         grouped = cpu_priority.own_autogroup()
         if grouped:
             self._autogroup_nice(cpu_priority.AUTOGROUP_NICE if on else 0)
-        self.in_background = on and (not why or grouped)
-        log.info("cpu priority: %s", ("normal" if not self.in_background else
-                                       "background (" + ", ".join(
-                                           (["SCHED_IDLE"] if not why else [])
-                                           + (["autogroup nice 19"] if grouped else []))
-                                       + ")"))
-        return why if on and not self.in_background else ""
+        how = [name for name, done in (("SCHED_IDLE", not why), ("autogroup nice 19", grouped))
+               if done] if on else []
+        self.in_background = bool(how)
+        log.info("cpu priority: %s", f"background ({', '.join(how)})" if how else "normal")
+        return why if on and not how else ""
 
     def _autogroup_nice(self, nice: int, tries: int = 5) -> None:
         """This server's autogroup to ``nice``; the kernel takes one change per 100 ms
@@ -1266,15 +1262,15 @@ class ShardServer:
         are still held when their chunk's turn comes, at their value then."""
         tally = LeavingTally(shard_map, self.config.shard_index)
         data = self.store.data
-        keys = iter(tuple(self._keys_that_may_leave(shard_map)))  # (as ``forget_moved``'s)
-        while chunk := list(islice(keys, FORGET_CHUNK)):
+        keys = tuple(self._keys_that_may_leave(shard_map))  # (as ``forget_moved``'s)
+        for at in range(0, len(keys), FORGET_CHUNK):
             began = time.perf_counter()
             owned = self.forgetting  # (as ``keys_leaving``)
             staged = self.staged
-            tally.add((k, data[k]) for k in chunk
+            tally.add((k, data[k]) for k in keys[at:at + FORGET_CHUNK]
                       if k in data and (owned is None or owned(k)) and k not in staged)
-            # (idle as long as the chunk took: at most half a core, every server of the
-            # cluster counting at once beside the writes)
+            # (idle ``COUNT_IDLE`` times as long as the chunk took: a quarter of a core at
+            # most, every shard's active counting at once beside the writes)
             await asyncio.sleep((time.perf_counter() - began) * COUNT_IDLE)
         owners = tally.slot_owners()  # (kept as long as the owner cache would keep them)
         self.slot_owners = (shard_map, owners) if len(owners) <= OWNER_CACHE_MAX else None

@@ -109,8 +109,8 @@ class _Bar:
                    "0: unpaced). Lower it on a host with little CPU to spare.")
 @click.option("--copy-priority", type=click.Choice(["idle", "normal"]), default=None,
               help="The CPU priority of an added shard's servers while they copy: idle "
-                   "(the default: only the CPU the serving shards leave; needs root or "
-                   "CAP_SYS_NICE, else normal) or normal.")
+                   "(the default: only the CPU the serving shards and their clients "
+                   "leave) or normal.")
 @click.option("--abort", is_flag=True,
               help="Stop the change under way and roll it back (refused once it sealed "
                    "its holds: past that it completes).")
@@ -216,8 +216,8 @@ def command(sel: Selection, new_config: str | None, yes: bool, dry_run: bool,
             if done.get("background"):
                 click.echo(f"copied at background CPU priority: {', '.join(done['background'])}")
             elif done.get("copy_priority") == "idle" and after > before:
-                click.echo("copied at normal CPU priority (--copy-priority idle needs root "
-                           "or CAP_SYS_NICE: see the supervisor's log)")
+                click.echo("copied at normal CPU priority (the added shard's servers could "
+                           "not go to the background: see the supervisor's log)")
         for index in done.get("removed", []):
             click.echo(f"shard {index} is removed: its servers stop in a few heartbeats "
                        "(their data directories stay)")
