@@ -1131,11 +1131,18 @@ class ShardServer:
         (``clonemap.shards.common.cpu_priority``): its threads under ``SCHED_IDLE``
         (where it can come back: root, ``CAP_SYS_NICE``), and its own autogroup at nice
         19 (a server that leads its session: no privilege needed). "" once either is
-        done, else why neither: the server goes on at normal priority."""
+        done, else why neither: the server goes on at normal priority. A leased pair
+        (its role gates publishing by the clock) never goes: its lease's renewals have
+        deadlines, and a server starved on a busy host lost its lease, and its copy with
+        it (``test_reshard_hosts``, under the suite's load)."""
         from clonemap.shards.common import cpu_priority
 
         if not on and not self.in_background:
             return ""
+        if on and self._gated:
+            why = "a leased pair stays at normal priority: its lease's renewals have deadlines"
+            log.info("cpu priority: %s", why)
+            return why
         why = cpu_priority.background(on)
         if why:
             log.warning("cpu priority: %s", why)

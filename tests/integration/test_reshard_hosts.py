@@ -442,6 +442,8 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     (cluster.run_dir("a") / "reshard.continue").touch()
     assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
     assert "routing epoch 2" in "\n".join(change.stdout), change.stdout
+    # (a leased pair never copies in the background: its renewals have deadlines)
+    assert "copied at normal CPU priority" in "\n".join(change.stdout), change.stdout
     cluster.wait_epoch(2)
     held = cluster.etcd_routing()
     assert held["routing"]["shards"] == 3 and held["config"].endswith("three.yaml")
