@@ -81,8 +81,15 @@ AUTOGROUP_NICE = 19
 def own_autogroup() -> bool:
     """Whether this process leads its session, and so has a kernel autogroup of its own
     (Linux with ``CONFIG_SCHED_AUTOGROUP``): its nice value weighs this process's
-    threads against other sessions' (sched(7), "The autogroup feature")."""
-    return os.path.exists("/proc/self/autogroup") and os.getsid(0) == os.getpid()
+    threads against other sessions' (sched(7), "The autogroup feature"). Not init, nor a
+    session leader the kernel left in its root group: that group's nice cannot be set."""
+    if os.getsid(0) != os.getpid():
+        return False
+    try:  # (empty for the kernel's root group: init, or a process in init's session)
+        with open("/proc/self/autogroup", "rb") as group:
+            return bool(group.read().strip())
+    except OSError:  # (a kernel without autogroup)
+        return False
 
 
 def autogroup_nice(nice: int) -> str:
