@@ -7,6 +7,8 @@ timings. Each scenario ends every process it starts by PID, even on the SIGTERM 
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from test_bench_scale import check_latency_record, check_scaleout_record, check_single_record
@@ -496,6 +498,26 @@ def test_reshard_shrinks_the_cluster_under_writes_and_loses_none(procs, tmp_path
     assert 0 <= summary["follower_bytes_ratio"] < 0.2, summary
     assert "one shard fewer while written" in (
         tmp_path / "latest" / "reshard-shrink.md").read_text()
+
+
+def test_reshard_floor_runs_background_work_and_moves_nothing(procs, tmp_path):
+    """``bench reshard --change floor-copy`` at smoke size: no change, two processes
+    that went to the background as an added shard's servers do (``SCHED_IDLE``, each its
+    own session at autogroup nice 19, as root runs the suite) work while the writes run;
+    every write is a staying key's, none fails, and the report names the floor."""
+    run_bench(procs, tmp_path, "bench", "reshard", "--change", "floor-copy", "--floor-s",
+              "1", "--keys", "3000", "--segments", "300", "--rate", "300", "--before-s",
+              "0.5", "--after-s", "0.5")
+    summary = bench_record(tmp_path, "reshard-floor-copy")["summary"]
+    assert summary["moved_keys"] == 0 and summary["during_moving"] == {"n": 0}, summary
+    assert summary["during_staying"]["n"] > 0 and summary["failed_writes"] == 0, summary
+    load = summary["idle_load"]
+    assert load["work"] == "copy" and load["seconds"] >= 1 and len(load["procs"]) == 2
+    for proc in load["procs"]:
+        assert proc["idle"] and proc["done"] > 0, load
+        assert proc["autogroup_19"] is os.path.exists("/proc/self/autogroup"), load
+    assert "the floor, no change, copy at background priority" in (
+        tmp_path / "latest" / "reshard-floor-copy.md").read_text()
 
 
 def test_reshard_without_the_anchor_says_so_before_it_runs(monkeypatch, capsys):
