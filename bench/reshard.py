@@ -319,19 +319,23 @@ def _timeline(writes: list, t_start: float, result: dict,
     that time (ms: as long, its client's own work; short, its process waited for a core;
     0 when never ``STALL_S`` late), and how many of the writes to staying keys waited
     longer than ``slow_s`` (``slow_ms``: the target's bound, 2x the p99 before: the rows
-    that hold the writes past it set the p99); the writer's garbage collections (``collections``:
+    that hold the writes past it set the p99), and their p99 in that half second (ms;
+    None: none sent then: runs whose p99 before differs compare by it); the writer's garbage collections (``collections``:
     every full one, and any other of 5 ms or more: when, which generation, ms, the loop
     thread's CPU ms); and the writer's marks (``start``, ``moved``: the command
     returned) in seconds from the change's start. Where a wait comes from shows in which
     rows are slow."""
     rows: dict[int, list[float]] = {}
+    staying: dict[int, list[float]] = {}
     slow: dict[int, int] = {}
     for start, wait, moving in writes:
         if wait >= 0 and start >= t_start - 2 * TIMELINE_S:
             i = int((start - t_start) // TIMELINE_S)
             rows.setdefault(i, []).append(wait)
-            if slow_s is not None and not moving and wait > slow_s:
-                slow[i] = slow.get(i, 0) + 1
+            if not moving:
+                staying.setdefault(i, []).append(wait)
+                if slow_s is not None and wait > slow_s:
+                    slow[i] = slow.get(i, 0) + 1
     stalled: dict[int, tuple[float, float]] = {}
     for at, late, cpu in result.get("stalls", ()):
         i = int((at - t_start) // TIMELINE_S)
@@ -342,7 +346,9 @@ def _timeline(writes: list, t_start: float, result: dict,
         out.append([round(i * TIMELINE_S, 2), len(waits),
                     round(waits[len(waits) // 2] * 1000, 1), round(waits[-1] * 1000, 1),
                     *(round(x * 1000, 1) for x in stalled.get(i, (0.0, 0.0))),
-                    slow.get(i, 0)])
+                    slow.get(i, 0),
+                    round(percentile(sorted(staying[i]), 99) * 1000, 2) if i in staying
+                    else None])
     marks = {name: round(m["t"] - result["t0"] - t_start, 3)
              for name, m in result["marks"].items()}
     collected = [[round(at - t_start, 3), generation, round(took * 1000, 1),

@@ -69,16 +69,6 @@ def _both(first, second):
     return lambda key: first(key) and second(key)
 
 
-def _readable_rows(may_read, keys: list, values: list, mods: list, expiries):
-    """The columns' rows whose key ``may_read`` accepts (a requester with partial read
-    rights)."""
-    rows = [i for i, key in enumerate(keys) if may_read(key)]
-    if len(rows) == len(keys):
-        return keys, values, mods, expiries
-    return ([keys[i] for i in rows], [values[i] for i in rows], [mods[i] for i in rows],
-            None if expiries is None else [expiries[i] for i in rows])
-
-
 class SnapshotStream:
     """One snapshot being streamed to one ROUTER peer (a ``clonemap.shards.streams`` stream):
     KVSYNCs from a point-in-time cursor, ``chunk`` per turn, then KTHXBAI."""
@@ -154,10 +144,8 @@ class SnapshotStream:
                     if fetched >= 8:  # a sparse subtree: examined enough keys this turn
                         outcome = streams.PROGRESS
                         break
-                    keys, values, mods, expiries = cursor.next_columns(budget * 4, meta)
-                    if self.readable is not None:
-                        keys, values, mods, expiries = _readable_rows(
-                            self.readable, keys, values, mods, expiries)
+                    keys, values, mods, expiries = cursor.next_columns(
+                        budget * 4, meta, self.readable)  # (only what the requester reads)
                     props = b"" if expiries is None else [
                         b"" if e is None else b"expires=%.3f\n" % e for e in expiries]
                     pending = _Rows(keys, values, mods, props)

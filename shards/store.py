@@ -363,12 +363,14 @@ class SnapshotCursor:
         out[0::4], out[1::4], out[2::4], out[3::4] = keys, values, expiries, mods
         return out
 
-    def next_columns(self, n: int, with_expiry: bool = False
+    def next_columns(self, n: int, with_expiry: bool = False, keep=None
                      ) -> tuple[list, list, list, list | None]:
         """What a KVSYNC carries for the next keys, as of ``seq``, in columns (built by
         C-level maps: the snapshot stream's hot path): ``(keys, values, mod_seqs,
         expiries)``, ``expiries`` None unless ``with_expiry`` (then each key's absolute
-        expiry or None; the cursor must be opened ``with_expiry``)."""
+        expiry or None; the cursor must be opened ``with_expiry``). ``keep(key)``: only
+        the keys it accepts of the next ``n`` (a move's copy, which sends about a third of
+        the keys it looks at: their values and sequences are not read)."""
         undo, old_seq = self.undo, self.undo_seq  # before the last chunk closes the cursor
         old_expiry = self.undo_expiry
         store = self.store
@@ -383,26 +385,31 @@ class SnapshotCursor:
             keys = list(compress(listed, inside))
             if walked is not None:
                 walked = list(compress(walked[0], inside)), list(compress(walked[1], inside))
+        if keep is not None:
+            kept = list(map(keep, keys))
+            if not all(kept):
+                keys = list(compress(keys, kept))
+                if walked is not None:
+                    walked = list(compress(walked[0], kept)), list(compress(walked[1], kept))
         if self._pos >= len(self._keys):
             self.close()
-        changed = bool(undo) and any(key in undo for key in keys)
+        # (a key in ``undo`` was rewritten or deleted since the cursor opened: its value
+        # and sequence then are there; any other is as it is now)
+        changed = bool(undo) and not undo.keys().isdisjoint(keys)
         if walked is not None and not changed:
             values, mods = walked  # (as they were at ``seq``: no key of them changed)
         elif changed:
-            get_old = undo.get
-            data = store.data
-            values = [get_old(key) or data[key] for key in keys]
-            mod = store.mod
-            mods = [old_seq[key] if key in old_seq else mod[key] for key in keys]
+            data, mod = store.data, store.mod
+            values = list(map(undo.get, keys, map(data.get, keys)))
+            mods = list(map(old_seq.get, keys, map(mod.get, keys)))
         else:
             values = list(map(store.data.__getitem__, keys))
             mods = list(map(store.mod.__getitem__, keys))
         expiries = None
         if with_expiry:
             expiry = store.expiry_table
-            if old_expiry and any(key in old_seq for key in keys):
-                expiries = [old_expiry[key] if key in old_seq else expiry.get(key)
-                            for key in keys]
+            if old_expiry and not old_seq.keys().isdisjoint(keys):
+                expiries = list(map(old_expiry.get, keys, map(expiry.get, keys)))
             elif expiry:
                 expiries = list(map(expiry.get, keys))
             else:

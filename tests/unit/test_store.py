@@ -269,7 +269,8 @@ def test_entries_with_expiry_are_the_map_and_its_ttls_at_open(data):
     it gives is the map, each key's absolute expiry and the sequence that last changed it
     as they were when it opened, however the
     keys and their TTLs change between chunks (rewritten with or without a TTL, deleted,
-    new), with no TTL anywhere or some."""
+    new), with no TTL anywhere or some; with ``keep`` (a move's copy), the same of only
+    the keys it accepts."""
     rng = random.Random(data.draw(st.integers(0, 2**32)))
     ttls = data.draw(st.booleans())
     s = Store()
@@ -286,7 +287,9 @@ def test_entries_with_expiry_are_the_map_and_its_ttls_at_open(data):
     got = {}
     synced = {}
     synced_cur = s.open_snapshot(with_expiry=True)
-    while not cur.done or not synced_cur.done:
+    kept, kept_cur = {}, s.open_snapshot(with_expiry=True)  # (a move's copy: a third)
+    third = lambda key: int(key.rsplit(b"/", 1)[1]) % 3 == 0  # noqa: E731
+    while not cur.done or not synced_cur.done or not kept_cur.done:
         for _ in range(rng.randrange(4)):
             write(rng.choice([b"", b"w%d" % rng.randrange(100)]))
         flat = cur.next_entries(rng.randrange(1, 5))
@@ -295,8 +298,12 @@ def test_entries_with_expiry_are_the_map_and_its_ttls_at_open(data):
                                                          flat[3::4]))
         ks, values, mods, expiries = synced_cur.next_columns(rng.randrange(1, 5), True)
         synced.update((k, (v, e, m)) for k, v, m, e in zip(ks, values, mods, expiries))
+        ks, values, mods, expiries = kept_cur.next_columns(rng.randrange(1, 5), True, third)
+        assert len(ks) == len(values) == len(mods) == len(expiries)
+        kept.update((k, (v, e, m)) for k, v, m, e in zip(ks, values, mods, expiries))
     assert got == expected
     assert synced == expected
+    assert kept == {k: v for k, v in expected.items() if third(k)}
 
 
 @pytest.mark.parametrize("subtree", [b"", b"/a/"])
@@ -311,11 +318,11 @@ def test_a_cursor_walks_the_dicts_in_order_until_a_key_is_inserted_or_deleted(su
         s.apply(b"/%s/%d" % (b"ab"[i % 2:i % 2 + 1], i), b"v%d" % i)
     at_open = {k: (v, s.mod_seq(k)) for k, v in s.data.items() if k.startswith(subtree)}
 
-    def drain(cur, between) -> dict:
+    def drain(cur, between, keep=None) -> dict:
         got = {}
         step = 0
         while not cur.done:
-            keys, values, mods, _ = cur.next_columns(7)
+            keys, values, mods, _ = cur.next_columns(7, keep=keep)
             got.update(zip(keys, zip(values, mods)))
             between(step)
             step += 1
@@ -327,6 +334,16 @@ def test_a_cursor_walks_the_dicts_in_order_until_a_key_is_inserted_or_deleted(su
                                    s.apply(b"/a/%d" % (step * 2), b"rewritten")))
     assert got == at_open
     assert walked[:-1] == [True] * (len(walked) - 1)  # rewrites alone never end the walk
+
+    # a move's copy (``keep``) walks the same way, and gives only what ``keep`` accepts
+    even = lambda key: int(key.rsplit(b"/", 1)[1]) % 4 < 2  # noqa: E731
+    at_open = {k: (v, s.mod_seq(k)) for k, v in s.data.items() if k.startswith(subtree)}
+    cur = s.open_snapshot(subtree)
+    walked = []
+    got = drain(cur, lambda step: (walked.append(cur.walks is not None),
+                                   s.apply(b"/b/%d" % (step * 2 + 1), b"again")), keep=even)
+    assert got == {k: v for k, v in at_open.items() if even(k)} != {}
+    assert walked[:-1] == [True] * (len(walked) - 1)
 
     for change in (lambda: s.apply(b"/a/new", b"x"), lambda: s.apply(b"/a/0", b"")):
         at_open = {k: (v, s.mod_seq(k)) for k, v in s.data.items() if k.startswith(subtree)}
