@@ -57,7 +57,7 @@ from zmq.backend import Socket as _BackendSocket
 from clonemap.shards.applied import APPLY, DUPLICATE, AppliedUuids, decide
 from clonemap.shards.history import History
 from clonemap.shards.byte_marks import ByteMarks
-from clonemap.shards.common import zio
+from clonemap.shards.common import cpu_priority, zio
 from clonemap.shards.common.drops import DropCounter
 from clonemap.shards.common.connections import reset_connections
 from clonemap.shards.common.errors import ConfigError, ProtocolError, os_error_text
@@ -195,8 +195,9 @@ class ShardServer:
         self.set_routing(config.shard_map)
         self.importing: list = []
         """Copies of the keys moving here, one per source shard (``clonemap.shards.migrate``)."""
-        self.in_background = False
-        """It runs at background CPU priority (``background``)."""
+        self.in_background = cpu_priority.started_in_background()
+        """It runs at background CPU priority (``background``; or it was started so: an
+        added shard's server, ``supervisor.runner.add_shard``)."""
         self.routing_provisional = False
         """Started on a routing a change has not committed (``--provisional-routing``: a
         shard the change adds), until it commits or follows a later one. Its stats say
@@ -1135,8 +1136,6 @@ class ShardServer:
         (its role gates publishing by the clock) never goes: its lease's renewals have
         deadlines, and a server starved on a busy host lost its lease, and its copy with
         it (``test_reshard_hosts``, under the suite's load)."""
-        from clonemap.shards.common import cpu_priority
-
         if not on and not self.in_background:
             return ""
         if on and self._gated:
@@ -1161,8 +1160,6 @@ class ShardServer:
         """This server's autogroup to ``nice``; the kernel takes one change per 100 ms
         from a process without ``CAP_SYS_ADMIN`` (``EAGAIN``), so a refusal is tried
         again a little later, while it is still wanted."""
-        from clonemap.shards.common import cpu_priority
-
         why = cpu_priority.autogroup_nice(nice)
         if not why:
             return

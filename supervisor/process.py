@@ -72,7 +72,8 @@ class ServerProcess:
 
     # ----------------------------------------------------------------- I/O
     def spawn(self, on_line: Callable[["ServerProcess", str], None],
-              on_exit: Callable[["ServerProcess", subprocess.Popen, int], None]) -> None:
+              on_exit: Callable[["ServerProcess", subprocess.Popen, int], None],
+              background: bool = False) -> None:
         """Start a run: the child (in a session of its own, pinned and bound to die with
         this process between fork and exec), its stdout read line by line on the loop
         (each line copied to the log, then ``on_line``), and its pidfd watched
@@ -88,7 +89,7 @@ class ServerProcess:
             # under the kernel's autogroup each server is a CPU group of its own, whose
             # weight an added shard's lowers while it copies (``cpu_priority``)
             start_new_session=True,
-            preexec_fn=die_with_parent(os.getpid(), self.plan.cores))
+            preexec_fn=die_with_parent(os.getpid(), self.plan.cores, background))
         self.popen, self.pid = popen, popen.pid
         fd = popen.stdout.fileno()
         os.set_blocking(fd, False)

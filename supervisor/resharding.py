@@ -746,8 +746,9 @@ class Resharding:
         forward = _collectors(new_plan, targets)
         try:
             for index in added:  # 1. start, on the new routing
-                not_up = await self.runner.add_shard(new_plan.shards[index], new_plan,
-                                                     START_WAIT_S)
+                not_up = await self.runner.add_shard(
+                    new_plan.shards[index], new_plan, START_WAIT_S,
+                    background=self.copy_priority == "idle")
                 not_up += await self._on_hosts(new_plan, index, "start")
                 if not_up:
                     raise Refused(b"409", f"the added shard's servers {not_up} did not start")

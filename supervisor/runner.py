@@ -200,21 +200,25 @@ class Runner:
             out[server.name] = ServerProcess(server, argv, path)
         return out
 
-    async def add_shard(self, shard, plan: Plan, timeout_s: float = READY_TIMEOUT_S
-                        ) -> list[str]:
+    async def add_shard(self, shard, plan: Plan, timeout_s: float = READY_TIMEOUT_S,
+                        background: bool = False) -> list[str]:
         """Start the pair of ``shard`` (a shard that ``plan``, the cluster's next plan,
         adds; its routing is ``plan``'s): resharding grows the cluster. Returns the names
         of its servers not RUNNING by ``timeout_s``. An added shard starts empty: it holds
         only what the change copies to it (applied as it comes), so a data directory left
         at its place (a shard removed earlier, or a change that stopped before its flip)
-        is moved aside first, to ``<name>.before-epoch-<E>``, never deleted."""
+        is moved aside first, to ``<name>.before-epoch-<E>``, never deleted.
+        ``background``: its servers start at background CPU priority (``die_with_parent``),
+        unless the pair is leased across hosts (its lease's renewals have deadlines); a
+        restart of either starts at normal priority."""
+        background = background and not coordination_argv(plan, shard.index)
         procs = self._pair_of(shard, plan, provisional=True)
         for proc in procs.values():
             self._move_aside(proc.plan, plan.routing.epoch)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.servers.update(procs)
         for proc in procs.values():
-            self._spawn(proc, manual=True)
+            self._spawn(proc, manual=True, background=background)
         await self.wait_for(lambda: all(p.state in (RUNNING, FAILED)
                                         for p in procs.values()), timeout_s)
         return [p.name for p in procs.values() if p.state != RUNNING]
@@ -321,7 +325,8 @@ class Runner:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _spawn(self, proc: ServerProcess, manual: bool = False) -> None:
+    def _spawn(self, proc: ServerProcess, manual: bool = False,
+               background: bool = False) -> None:
         proc.cancel_restart()
         proc.stop_requested = False
         proc.ready.clear()
@@ -331,7 +336,7 @@ class Runner:
         self._rotate_log(proc)
         now = self.clock()
         try:
-            proc.spawn(self._on_line, self._on_exit)
+            proc.spawn(self._on_line, self._on_exit, background)
         except OSError as exc:
             proc.history.append(Run(started_at=now, exited_at=now, exit_code=127,
                                     manual=manual))
@@ -343,7 +348,8 @@ class Runner:
         self._set_state(proc, STARTING, "waiting for READY")
         self._event(proc, f"started pid {proc.pid} on cores {format_cores(proc.plan.cores)}"
                           f" at {proc.plan.address}:{proc.plan.port}"
-                    + (f" (restart {proc.restarts})" if proc.restarts else ""))
+                    + (f" (restart {proc.restarts})" if proc.restarts else "")
+                    + (" at background CPU priority" if background else ""))
 
     def _on_line(self, proc: ServerProcess, text: str) -> None:
         """A line the current run printed: ``READY`` makes it RUNNING; ``DISK_ERROR``

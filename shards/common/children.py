@@ -112,14 +112,25 @@ def terminate(popen: subprocess.Popen, grace_s: float = 5.0, *, kill_wait_s: flo
     return popen.returncode
 
 
-def die_with_parent(parent_pid: int | None = None,
-                    cores: tuple[int, ...] = ()) -> Callable[[], None] | None:
+def die_with_parent(parent_pid: int | None = None, cores: tuple[int, ...] = (),
+                    background: bool = False) -> Callable[[], None] | None:
     """A ``preexec_fn`` (runs in the child between fork and exec: a C call and os calls,
     no locks): SIGTERM when the parent dies; exit at once if it is already gone; pin to
-    ``cores`` if given. None where ``prctl`` does not exist and nothing is to be pinned."""
+    ``cores`` if given. ``background``: the child starts at background CPU priority
+    (``clonemap.shards.common.cpu_priority``): under ``SCHED_IDLE`` where it could come
+    back (asked of this process, before the fork: its capabilities are the child's), and
+    its autogroup at nice 19 where it leads a session of its own (``start_new_session``:
+    the session is made before this runs); its interpreter's start and imports then take
+    only the CPU that the rest leave. None where ``prctl`` does not exist and nothing is
+    to be pinned."""
     parent_pid = os.getpid() if parent_pid is None else parent_pid
     if not _LINUX and not cores:
         return None
+    idle = False
+    if background:
+        from clonemap.shards.common import cpu_priority
+
+        idle = cpu_priority.can_return()
 
     def setup() -> None:
         if _prctl is not None:
@@ -128,5 +139,16 @@ def die_with_parent(parent_pid: int | None = None,
                 os._exit(1)
         if cores:
             os.sched_setaffinity(0, cores)
+        if idle:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        if background and os.getsid(0) == os.getpid():
+            try:  # (no privilege needed for 0 to 19; the root group refuses: left as is)
+                group = os.open("/proc/self/autogroup", os.O_WRONLY)
+                try:
+                    os.write(group, b"19")
+                finally:
+                    os.close(group)
+            except OSError:
+                pass
 
     return setup

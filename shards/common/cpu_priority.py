@@ -106,6 +106,21 @@ def autogroup_nice(nice: int) -> str:
     return ""
 
 
+def started_in_background() -> bool:
+    """Whether this process was started at background CPU priority
+    (``clonemap.shards.common.children.die_with_parent``): its thread under
+    ``SCHED_IDLE``, or its own autogroup at a nice above 0."""
+    if is_background():
+        return True
+    if not own_autogroup():
+        return False
+    try:
+        with open("/proc/self/autogroup", "rb") as group:
+            return int(group.read().split()[-1]) > 0
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def is_background(pid: int = 0) -> bool:
     """Whether ``pid``'s thread (0: the calling one) runs under ``SCHED_IDLE``."""
     return hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(pid) == os.SCHED_IDLE

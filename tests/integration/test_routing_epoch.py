@@ -649,7 +649,9 @@ def test_an_added_shard_copies_at_background_cpu_priority_then_serves_at_normal(
     sup.wait_line("RESHARD_PAUSED phase=started", timeout_s=60)
     rows = wait_status(control, lambda r: sum(n.startswith("s2/") for n in r) == 2)
     added = {n: r["pid"] for n, r in rows.items() if n.startswith("s2/")}
-    for name, pid in added.items():
+    for name, pid in added.items():  # (from its start: its interpreter's start included)
+        started = sup.stderr[sup.wait_stderr(f"{name}: started pid {pid} ")]
+        assert started.endswith(" at background CPU priority"), started
         assert _thread_policies(pid) == {os.SCHED_IDLE}, name
         assert os.getsid(pid) == pid and _autogroup_nice(pid) in ("19", None), name
         assert stats_of(control, name)["routing"]["background"], name

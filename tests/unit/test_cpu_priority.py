@@ -107,3 +107,36 @@ def test_a_session_leader_weighs_its_own_autogroup_and_no_other(own_session):
     assert got["own"] is own_session and got["went"] == got["back"] == ""
     unchanged = (got["before"], got["before"])
     assert (got["during"], got["after"]) == (("19", "0") if own_session else unchanged), got
+
+
+_STARTED = """
+import json, os
+from clonemap.shards.common import cpu_priority
+try:
+    with open("/proc/self/autogroup") as f:
+        group = (f.read().split() or [""])[-1]
+except FileNotFoundError:  # (a kernel without autogroup)
+    group = None
+print(json.dumps({"started": cpu_priority.started_in_background(), "group": group,
+                  "policy": os.sched_getscheduler(0)}))
+"""
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_child_started_in_the_background_runs_so_from_its_first_instruction(background):
+    """``die_with_parent(..., background=True)``, the ``preexec_fn`` of an added shard's
+    server (``supervisor.runner.add_shard``): the child's interpreter starts under
+    ``SCHED_IDLE`` with its session's autogroup at nice 19, and the server sees it
+    (``started_in_background``: its ``in_background`` from the start, so that it comes
+    back when told). Without it, nothing changes."""
+    from clonemap.shards.common.children import die_with_parent
+
+    grouped = os.path.exists("/proc/self/autogroup")
+    out = subprocess.run([sys.executable, "-c", _STARTED], capture_output=True, text=True,
+                         timeout=30, check=True, start_new_session=True,
+                         preexec_fn=die_with_parent(os.getpid(), (), background))
+    got = json.loads(out.stdout)
+    assert got == ({"started": True, "group": "19" if grouped else None,
+                    "policy": os.SCHED_IDLE} if background else
+                   {"started": False, "group": "0" if grouped else None,
+                    "policy": os.SCHED_OTHER}), got
