@@ -97,6 +97,11 @@ class AppliedUuids:
                     out += (uuid, at)
         return out
 
+    def generations(self) -> tuple[dict[bytes, int], dict[bytes, int]]:
+        """Copies of the two generations, oldest first (C-level dict copies: ~1 ms per
+        65,536 entries), which later writes and rotations leave as they are."""
+        return dict(self.previous), dict(self.current)
+
     def load(self, flat: list) -> None:
         """Add ``[uuid, seq, ...]`` (oldest first) as if just applied."""
         add = self.add

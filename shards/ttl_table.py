@@ -25,6 +25,11 @@ from clonemap.shards.common.proto import bstar_ttl
 if TYPE_CHECKING:
     from clonemap.shards.server import ShardServer
 
+UUID_PIECE = 8192
+"""Applied UUIDs packed per loop turn for a table's last chunk (~1.5 ms of the answering
+server's loop): the whole table, up to 131,072 entries by default, took 27 ms at once,
+and every write to that server waited for it (a move's copy asks its source at its
+start)."""
 TTL_STREAMS_MAX = 4
 """BSTAR-TTL tables streamed at once: a peer's second request replaces its first; more
 peers than this (there is normally one) drop the oldest."""
@@ -36,13 +41,19 @@ class TtlStream:
     can span loop turns), one chunk per turn."""
 
     __slots__ = ("identity", "seq", "generation", "history", "entries", "left", "frames",
-                 "counters", "uuids", "staged")
+                 "counters", "uuids", "staged", "uuid_items", "packed")
 
     def __init__(self, identity: bytes, seq: int, expiries: dict[bytes, float],
                  generation: str, counters: dict[str, int],
                  history: tuple[tuple[int, int], ...] = (), uuids: list = (),
-                 staged: list[bytes] = ()):
+                 staged: list[bytes] = (), uuid_tables: tuple[dict, ...] = ()):
+        """``uuids``: the applied UUIDs as ``[uuid, seq, ...]``; or ``uuid_tables``,
+        copies of the table's generations (``AppliedUuids.generations``), oldest first,
+        packed ``UUID_PIECE`` entries a turn before the last chunk goes."""
         self.uuids = uuids
+        self.uuid_items = (itertools.chain.from_iterable(t.items() for t in uuid_tables)
+                           if any(uuid_tables) else None)
+        self.packed: list[bytes] = []
         self.staged = staged
         self.identity = identity
         self.seq = seq
@@ -56,12 +67,23 @@ class TtlStream:
 
     def send_some(self, sock: zmq.Socket) -> str:
         if self.frames is None:
+            if self.uuid_items is not None and self.left <= bstar_ttl.CHUNK_ENTRIES:
+                # the next chunk is the last: its UUIDs first, a piece a turn (each turn
+                # "progress": the pump goes on at the next one)
+                piece = list(itertools.islice(self.uuid_items, UUID_PIECE))
+                if piece:
+                    seq = self.seq
+                    self.packed.append(bstar_ttl.pack_uuids(
+                        entry for entry in piece if entry[1] <= seq))
+                    return streams.PROGRESS
+                self.uuid_items = None
             chunk = list(itertools.islice(self.entries, bstar_ttl.CHUNK_ENTRIES))
             self.left -= len(chunk)
-            self.frames = bstar_ttl.encode_chunk(self.seq, chunk, last=self.left <= 0,
-                                                 generation=self.generation,
-                                                 history=self.history, uuids=self.uuids,
-                                                 staged=self.staged)
+            last = self.left <= 0
+            self.frames = bstar_ttl.encode_chunk(
+                self.seq, chunk, last=last, generation=self.generation,
+                history=self.history, uuids=self.uuids, staged=self.staged,
+                packed_uuids=b"".join(self.packed) if last else b"")
         try:
             zio.send_frames(sock, [self.identity, *self.frames])
         except zmq.Again:  # the peer's pipe is full: the pump retries, or abandons
@@ -103,11 +125,12 @@ class TtlTables:
             return
         self.counters["tables"] += 1
         seq, expiries = server.store.seq, server.store.expiries()
-        uuids = server.applied.items_upto(seq)
+        tables = server.applied.generations()
         generation = server.generation
         staged = list(server.staged)  # (a move's copy here, not this shard's yet)
         self.pump.add(identity, lambda: TtlStream(identity, seq, expiries, generation,
-                                                  self.counters, history, uuids, staged))
+                                                  self.counters, history, (), staged,
+                                                  uuid_tables=tables))
 
     def stats(self) -> dict:
         pump = self.pump

@@ -81,6 +81,10 @@ def test_the_table_forgets_by_age():
     table.tick(10.0)
     assert table.get(b"A" * 16) is None and table.get(b"B" * 16) == 2
     assert table.items_upto(2) == [b"B" * 16, 2] and table.items_upto(1) == []
+    older, newer = table.generations()  # (copies: what comes later leaves them as they are)
+    table.add(b"C" * 16, 3)
+    table.tick(20.0)
+    assert (older, newer) == ({b"B" * 16: 2}, {}) and table.get(b"B" * 16) is None
 
 
 def test_sequences_and_uuids_survive_a_restart_with_and_without_compaction(tmp_path):

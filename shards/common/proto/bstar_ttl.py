@@ -78,9 +78,11 @@ def request() -> list[bytes]:
 
 def encode_chunk(seq: int, entries: Iterable[tuple[bytes, float]], last: bool,
                  generation: str = "", history: Iterable[tuple[int, int]] = (),
-                 uuids: list = (), staged: Iterable[bytes] = ()) -> list[bytes]:
+                 uuids: list = (), staged: Iterable[bytes] = (),
+                 packed_uuids: bytes = b"") -> list[bytes]:
     """One reply chunk for ``entries``: (key, absolute expiry in epoch seconds) pairs;
-    ``uuids`` (``[uuid, seq, ...]``) and the ``staged`` keys go in the last one."""
+    ``uuids`` (``[uuid, seq, ...]``) and the ``staged`` keys go in the last one, after
+    ``packed_uuids`` (entries packed already, by ``pack_uuids``)."""
     staged = list(staged) if last else []
     parts = []
     for key, expiry_s in entries:
@@ -88,18 +90,23 @@ def encode_chunk(seq: int, entries: Iterable[tuple[bytes, float]], last: bool,
         parts.append(key)
     frames = [REPLY, _SEQ.pack(seq), b"".join(parts), LAST if last else MORE]
     history = list(history)
-    more = bool(uuids and last) or bool(staged)
+    more = bool((uuids or packed_uuids) and last) or bool(staged)
     if generation or history or more:
         frames.append(generation.encode("ascii"))
     if history or more:
         frames.append(b"".join(_TERM.pack(term, first) for term, first in history))
     if more:
-        pack = _UUID_ENTRY.pack
-        frames.append(b"".join(pack(uuids[i], uuids[i + 1])
-                               for i in range(0, len(uuids) - 1, 2) if len(uuids[i]) == 16))
+        frames.append(packed_uuids + pack_uuids(zip(uuids[0::2], uuids[1::2])))
     if staged:
         frames.append(b"".join(_KEY_LEN.pack(len(key)) + key for key in staged))
     return frames
+
+
+def pack_uuids(entries: Iterable[tuple[bytes, int]]) -> bytes:
+    """(uuid, sequence) pairs as the UUID table's entries; a UUID that is not 16 bytes is
+    left out."""
+    pack = _UUID_ENTRY.pack
+    return b"".join(pack(uuid, at) for uuid, at in entries if len(uuid) == 16)
 
 
 def _fail(message: str) -> ProtocolError:
