@@ -109,14 +109,15 @@ def autogroup_nice(nice: int) -> str:
 def started_in_background() -> bool:
     """Whether this process was started at background CPU priority
     (``clonemap.shards.common.children.die_with_parent``): its thread under
-    ``SCHED_IDLE``, or its own autogroup at a nice above 0."""
+    ``SCHED_IDLE``, or its own autogroup at ``AUTOGROUP_NICE`` (a nice an operator gave
+    a session of their own is theirs: a server leaves it alone)."""
     if is_background():
         return True
     if not own_autogroup():
         return False
     try:
         with open("/proc/self/autogroup", "rb") as group:
-            return int(group.read().split()[-1]) > 0
+            return int(group.read().split()[-1]) == AUTOGROUP_NICE
     except (OSError, ValueError, IndexError):
         return False
 

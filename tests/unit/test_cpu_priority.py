@@ -140,3 +140,21 @@ def test_a_child_started_in_the_background_runs_so_from_its_first_instruction(ba
                     "policy": os.SCHED_IDLE} if background else
                    {"started": False, "group": "0" if grouped else None,
                     "policy": os.SCHED_OTHER}), got
+
+
+def test_a_session_an_operator_niced_is_not_taken_for_the_background():
+    """A server that leads a session whose autogroup its operator set to another nice
+    (here 5) was not started in the background: it will not set that nice back to 0."""
+    if not os.path.exists("/proc/self/autogroup"):
+        assert not cpu_priority.started_in_background()
+        return
+
+    def nice_5() -> None:  # (between fork and exec, in the new session)
+        group = os.open("/proc/self/autogroup", os.O_WRONLY)
+        os.write(group, b"5")
+        os.close(group)
+
+    out = subprocess.run([sys.executable, "-c", _STARTED], capture_output=True, text=True,
+                         timeout=30, check=True, start_new_session=True, preexec_fn=nice_5)
+    assert json.loads(out.stdout) == {"started": False, "group": "5",
+                                      "policy": os.SCHED_OTHER}, out.stdout
