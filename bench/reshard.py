@@ -78,7 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "with --change shrink, whose two targets serve the writes): "
                          "this host's two cores are ~70%% busy with the writes before the "
                          "change; an unpaced copy (0) takes the rest and more")
-    ap.add_argument("--copy-priority", choices=("idle", "normal"), default="idle",
+    from clonemap.shards.common.cpu_priority import COPY_PRIORITIES
+
+    ap.add_argument("--copy-priority", choices=COPY_PRIORITIES, default="idle",
                     help="supervisor reshard --copy-priority: the added shard's servers "
                          "under SCHED_IDLE while they copy (the default), or not")
     ap.add_argument("--change", choices=("grow", "shrink", "floor-spin", "floor-copy"),

@@ -41,16 +41,15 @@ class TtlStream:
     can span loop turns), one chunk per turn."""
 
     __slots__ = ("identity", "seq", "generation", "history", "entries", "left", "frames",
-                 "counters", "uuids", "staged", "uuid_items", "packed")
+                 "counters", "staged", "uuid_items", "packed")
 
     def __init__(self, identity: bytes, seq: int, expiries: dict[bytes, float],
                  generation: str, counters: dict[str, int],
-                 history: tuple[tuple[int, int], ...] = (), uuids: list = (),
-                 staged: list[bytes] = (), uuid_tables: tuple[dict, ...] = ()):
-        """``uuids``: the applied UUIDs as ``[uuid, seq, ...]``; or ``uuid_tables``,
-        copies of the table's generations (``AppliedUuids.generations``), oldest first,
-        packed ``UUID_PIECE`` entries a turn before the last chunk goes."""
-        self.uuids = uuids
+                 history: tuple[tuple[int, int], ...] = (), staged: list[bytes] = (),
+                 uuid_tables: tuple[dict, ...] = ()):
+        """``uuid_tables``: copies of the applied UUIDs' generations
+        (``AppliedUuids.generations``), oldest first, packed ``UUID_PIECE`` entries a turn
+        before the last chunk goes."""
         self.uuid_items = (itertools.chain.from_iterable(t.items() for t in uuid_tables)
                            if any(uuid_tables) else None)
         self.packed: list[bytes] = []
@@ -82,7 +81,7 @@ class TtlStream:
             last = self.left <= 0
             self.frames = bstar_ttl.encode_chunk(
                 self.seq, chunk, last=last, generation=self.generation,
-                history=self.history, uuids=self.uuids, staged=self.staged,
+                history=self.history, staged=self.staged,
                 packed_uuids=b"".join(self.packed) if last else b"")
         try:
             zio.send_frames(sock, [self.identity, *self.frames])
@@ -129,8 +128,7 @@ class TtlTables:
         generation = server.generation
         staged = list(server.staged)  # (a move's copy here, not this shard's yet)
         self.pump.add(identity, lambda: TtlStream(identity, seq, expiries, generation,
-                                                  self.counters, history, (), staged,
-                                                  uuid_tables=tables))
+                                                  self.counters, history, staged, tables))
 
     def stats(self) -> dict:
         pump = self.pump

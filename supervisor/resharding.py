@@ -64,6 +64,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from clonemap.shards.common.cpu_priority import COPY_PRIORITIES
 from clonemap.shards.common.errors import ClonemapError, ConfigError, ProtocolError
 from clonemap.shards.common.mdp.client import MdpClient
 from clonemap.shards.common.placement import Plan, RoutingParams
@@ -97,7 +98,6 @@ otherwise (``supervisor reshard --copy-rate``): the copy is paced so that a busy
 keeps serving while it runs (Elasticsearch's recovery defaults to 40 MB/s, CockroachDB's
 rebalancing snapshots to 32 MiB/s); about 10 MiB/s is what a copy reaches unpaced on
 the 2-core host of ``bench reshard``, where its writer needs ``--copy-rate 4MiB``."""
-COPY_PRIORITIES = ("idle", "normal")
 COPY_PRIORITY = "idle"
 """The CPU priority of the servers of a shard the change adds, from their start until
 their copies' snapshots are in (``supervisor reshard --copy-priority``): ``idle``, in
@@ -168,7 +168,7 @@ class Refused(Exception):
 def parse_change(body: list[bytes]) -> tuple[str, bool, float | None, str]:
     """A request's body: JSON {config: the new config's path, apply, copy_rate: bytes
     per second that each target copies at most (absent: ``COPY_RATE``; 0: unpaced),
-    copy_priority: ``COPY_PRIORITIES`` (absent: ``COPY_PRIORITY``)}."""
+    copy_priority: one of ``cpu_priority.COPY_PRIORITIES`` (absent: ``COPY_PRIORITY``)}."""
     try:
         doc = json.loads(body[0])
         rate = doc.get("copy_rate", COPY_RATE)

@@ -126,11 +126,12 @@ def die_with_parent(parent_pid: int | None = None, cores: tuple[int, ...] = (),
     parent_pid = os.getpid() if parent_pid is None else parent_pid
     if not _LINUX and not cores:
         return None
-    idle = False
+    idle, nice = False, b""
     if background:
         from clonemap.shards.common import cpu_priority
 
         idle = cpu_priority.can_return()
+        nice = b"%d" % cpu_priority.AUTOGROUP_NICE
 
     def setup() -> None:
         if _prctl is not None:
@@ -145,7 +146,7 @@ def die_with_parent(parent_pid: int | None = None, cores: tuple[int, ...] = (),
             try:  # (no privilege needed for 0 to 19; the root group refuses: left as is)
                 group = os.open("/proc/self/autogroup", os.O_WRONLY)
                 try:
-                    os.write(group, b"19")
+                    os.write(group, nice)
                 finally:
                     os.close(group)
             except OSError:

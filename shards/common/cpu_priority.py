@@ -76,6 +76,21 @@ def background(on: bool) -> str:
 
 AUTOGROUP_NICE = 19
 """The nice value of this process's autogroup while in the background."""
+COPY_PRIORITIES = ("idle", "normal")
+"""``supervisor reshard --copy-priority``: an added shard's servers copy in the
+background (``idle``), or as any server (``normal``)."""
+
+
+def _own_autogroup_nice() -> int | None:
+    """The nice value of this process's own autogroup; None where it has none
+    (``own_autogroup``)."""
+    if os.getsid(0) != os.getpid():
+        return None
+    try:  # (empty for the kernel's root group: init, or a process in init's session)
+        with open("/proc/self/autogroup", "rb") as group:
+            return int(group.read().split()[-1])
+    except (OSError, ValueError, IndexError):  # (a kernel without autogroup; the root group)
+        return None
 
 
 def own_autogroup() -> bool:
@@ -83,13 +98,7 @@ def own_autogroup() -> bool:
     (Linux with ``CONFIG_SCHED_AUTOGROUP``): its nice value weighs this process's
     threads against other sessions' (sched(7), "The autogroup feature"). Not init, nor a
     session leader the kernel left in its root group: that group's nice cannot be set."""
-    if os.getsid(0) != os.getpid():
-        return False
-    try:  # (empty for the kernel's root group: init, or a process in init's session)
-        with open("/proc/self/autogroup", "rb") as group:
-            return bool(group.read().strip())
-    except OSError:  # (a kernel without autogroup)
-        return False
+    return _own_autogroup_nice() is not None
 
 
 def autogroup_nice(nice: int) -> str:
@@ -111,15 +120,7 @@ def started_in_background() -> bool:
     (``clonemap.shards.common.children.die_with_parent``): its thread under
     ``SCHED_IDLE``, or its own autogroup at ``AUTOGROUP_NICE`` (a nice an operator gave
     a session of their own is theirs: a server leaves it alone)."""
-    if is_background():
-        return True
-    if not own_autogroup():
-        return False
-    try:
-        with open("/proc/self/autogroup", "rb") as group:
-            return int(group.read().split()[-1]) == AUTOGROUP_NICE
-    except (OSError, ValueError, IndexError):
-        return False
+    return is_background() or _own_autogroup_nice() == AUTOGROUP_NICE
 
 
 def is_background(pid: int = 0) -> bool:

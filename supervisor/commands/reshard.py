@@ -22,6 +22,7 @@ import sys
 
 import click
 
+from clonemap.shards.common.cpu_priority import COPY_PRIORITIES
 from clonemap.shards.common.errors import ConfigError
 from clonemap.supervisor.control import (ReplyError, Selection, call, control_options, ping,
                                          run_command)
@@ -107,7 +108,7 @@ class _Bar:
 @click.option("--copy-rate", default=None, metavar="BYTES/S",
               help="How fast each target copies at most, e.g. 4MiB (default 32MiB; "
                    "0: unpaced). Lower it on a host with little CPU to spare.")
-@click.option("--copy-priority", type=click.Choice(["idle", "normal"]), default=None,
+@click.option("--copy-priority", type=click.Choice(COPY_PRIORITIES), default=None,
               help="The CPU priority of an added shard's servers while they copy: idle "
                    "(the default: only the CPU the serving shards and their clients "
                    "leave) or normal.")
