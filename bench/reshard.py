@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> rec.Record:
     mine, theirs = runs.get("clonemap"), runs.get("valkey")
     if mine is not None:
         mv, st, bf = mine["during_moving"], mine["during_staying"], mine["before"]
-        if not args.change.startswith("floor"):
+        if not _floor_work(args.change):
             record.target(f"supervisor reshard {_shards_label(args)}, wall time",
                           round(mine["total_s"], 2),
                           TARGET_TOTAL_S, "s", higher_is_better=False)
@@ -322,8 +322,9 @@ def _timeline(writes: list, t_start: float, result: dict,
     0 when never ``STALL_S`` late), and how many of the writes to staying keys waited
     longer than ``slow_s`` (``slow_ms``: the target's bound, 2x the p99 before: the rows
     that hold the writes past it set the p99), and their p99 in that half second (ms;
-    None: none sent then: runs whose p99 before differs compare by it); the writer's garbage collections (``collections``:
-    every full one, and any other of 5 ms or more: when, which generation, ms, the loop
+    None: none sent then: runs whose p99 before differs compare by it); the writer's
+    garbage collections (``collections``: every full one, and any other of 5 ms or
+    more: when, which generation, ms, the loop
     thread's CPU ms); and the writer's marks (``start``, ``moved``: the command
     returned) in seconds from the change's start. Where a wait comes from shows in which
     rows are slow."""
@@ -419,9 +420,15 @@ def _run_valkey(args, tmp: Path, progress) -> dict:
     return summary
 
 
+def _floor_work(change: str) -> str | None:
+    """The background work of ``--change floor-spin`` or ``floor-copy`` (``spin``,
+    ``copy``); None for a change of the routing."""
+    return change.split("-", 1)[1] if change.startswith("floor-") else None
+
+
 def _shards_label(args) -> str:
-    if args.change.startswith("floor"):
-        return f"no change, {args.change.split('-')[1]} at background priority"
+    if _floor_work(args.change):
+        return f"no change, {_floor_work(args.change)} at background priority"
     return "3 -> 2 shards" if args.change == "shrink" else "2 -> 3 shards"
 
 
@@ -430,7 +437,7 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
     two, control, _ = relocated_config(CONFIG, tmp)
     three = _grown(two, tmp / "three.yaml")
     config, to = ((three, two) if args.change == "shrink" else
-                  (two, two) if args.change.startswith("floor") else (two, three))
+                  (two, two) if _floor_work(args.change) else (two, three))
     shards = 3 if args.change == "shrink" else 2
     progress.step(f"supervisor start ({shards} shards)")
     sup = Target("supervisor", [python, "-m", "clonemap.supervisor", "start", str(config),
@@ -451,10 +458,10 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
                         ready="READY", timeout_s=DEADLINE_S, stdin=True)
         outs = []
 
-        if args.change.startswith("floor"):  # (no keys move: every write is a staying key's)
+        if _floor_work(args.change):  # (no keys move: every write is a staying key's)
             command = [python, "-m", "bench.harness.idle_load", "--seconds",
                        str(args.floor_s), "--procs", "2", "--work",
-                       args.change.split("-")[1]]
+                       _floor_work(args.change)]
         else:
             command = [python, "-m", "clonemap.supervisor", "reshard", str(config), "--to",
                        str(to), "--yes", "--copy-rate", args.copy_rate, "--copy-priority",
@@ -533,7 +540,7 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
         "follower_adoptions_refused": refused,
         "follower_bytes_ratio": round(received / moved_bytes, 3) if moved_bytes else None,
         "command_output": out.stdout.strip().splitlines()[-6:]})
-    if args.change.startswith("floor"):  # (each process's work, and whether it went idle)
+    if _floor_work(args.change):  # (each process's work, and whether it went idle)
         summary["idle_load"] = json.loads(out.stdout.strip().splitlines()[-1])
     return summary
 
@@ -584,7 +591,7 @@ def report(record: rec.Record) -> None:
          "clonemap: 2 shards, each a Binary Star pair, no change: two processes (each a "
          "session of its own) under SCHED_IDLE, autogroup nice 19, work for --floor-s "
          "while the writes run (every key stays)")
-        if record.data["config"].get("change", "").startswith("floor") else
+        if _floor_work(record.data["config"].get("change", "")) else
         ("reshard: one more shard while written",
          "clonemap: 2 -> 3 shards, each a Binary Star pair; Valkey: 3 -> 4 primaries (no "
          "replicas), a quarter of the slots"))
