@@ -195,6 +195,37 @@ def test_the_slot_owners_a_count_found_are_the_routing_s(sm, some):
         assert told.owned(some) == [k for k in some if smap.owner(k) == index]
 
 
+@given(shard_maps(), st.lists(keys, max_size=40), st.lists(keys, max_size=10),
+       st.integers(1, 64))
+def test_a_count_by_columns_is_the_key_by_key_count(sm, some, absent, max_slots):
+    """``LeavingTally.add_keys`` (the plan's count: slots and what the owner cache knows
+    of them read in C, only the leaving keys looked at one by one) finds the same keys,
+    bytes and slot owners as ``add``, for any routing and pins, keys a store no longer
+    holds, slots that are whole keys, and an owner cache cleared between keys."""
+    from clonemap.shards.server import LeavingTally
+
+    smap, pinned = sm
+    held = [k.encode("utf-8") for k in [*some, *pinned, *(p + "x/y" for p in pinned)]]
+    data = {k: b"v" * (len(k) % 5) for k in held}
+    asked = list(dict.fromkeys(held + [k.encode("utf-8") + b"/gone" for k in absent]))
+    for index in range(min(smap.shards, 3)):
+        one, cols = LeavingTally(smap, index), LeavingTally(smap, index)
+        cols._cache.max_slots = max_slots
+        one.add((k, data[k]) for k in asked if k in data)
+        for at in range(0, len(asked), 7):  # (in chunks, as a count goes)
+            cols.add_keys(asked[at:at + 7], data)
+        assert cols.rows() == one.rows()
+        expected = {}
+        for k, v in data.items():
+            if smap.owner(k) != index:
+                row = expected.setdefault(smap.owner(k), [0, 0])
+                row[0] += 1
+                row[1] += len(k) + len(v)
+        assert cols.rows() == {i: tuple(r) for i, r in expected.items()}
+        for slot, owner in cols.slot_owners().items():
+            assert smap.owner(slot + b"k") == owner
+
+
 @given(shard_maps(), keys)
 def test_longest_pinned_prefix_wins(sm, key):
     smap, pinned = sm
