@@ -481,7 +481,9 @@ class Resharding:
         shard that has none active now. A pair's two hold the same keys, and counting on
         both was a second pass over every key, beside the writes, on a host that runs
         both (``bench reshard``: the four servers took 1.4 cores for 3 s)."""
-        indices = sorted({self._server(n).index for n in self._running()})
+        shards = self.routing.shards  # (not a shard being added: it holds no key yet)
+        indices = sorted({i for i in (self._server(n).index for n in self._running())
+                          if i < shards})
         actives = await asyncio.gather(*(self._active_of(i) for i in indices),
                                        return_exceptions=True)  # (the shards asked at once)
         names: list[str] = []
@@ -654,23 +656,41 @@ class Resharding:
                 and time.monotonic() - counted[1] <= PLAN_KEPT_S else None)
         # (a plan that moved no key is counted again: a key written since makes the
         # change a move, not a change of the routing alone)
+        counting = None
         if kept is not None and (new.shards != old.shards
                                  or any(m["keys"] for m in kept["moves"])):
             plan = kept  # what the command just printed, counted once
             log.info("reshard: the plan counted %.1f s ago is applied", time.monotonic() -
                      counted[1])
+        elif apply and new.shards > old.shards:
+            # applied as asked (``--yes``): the added shards' servers start while the
+            # servers count (``_move``), where they would start after it
+            counting = asyncio.ensure_future(self.count(new))
+            plan = {"moves": []}
+            log.info("reshard: the plan is counted while the added shards start")
         else:
             plan = await self.count(new)
-        self._counted = ((config, old.epoch, new), time.monotonic(), json.dumps(plan))
-        if not apply:
-            return plan
+            self._counted = ((config, old.epoch, new), time.monotonic(), json.dumps(plan))
+            if not apply:
+                return plan
+            await self._say_plan(plan)
         new = new.with_epoch(old.epoch + 1)
         new_plan = dataclasses.replace(new_plan, routing=dataclasses.replace(
             new_plan.routing, epoch=new.epoch))
         self._new_config = config
-        if new.shards == old.shards and not any(m["keys"] for m in plan["moves"]):
+        if counting is None and new.shards == old.shards and not any(
+                m["keys"] for m in plan["moves"]):
             return await self._flip(old, new, new_plan, plan)
-        return await self._move(old, new, new_plan, plan)
+        return await self._move(old, new, new_plan, plan, counting)
+
+    async def _say_plan(self, plan: dict) -> None:
+        """The plan counted for an apply, to its caller (a PARTIAL ``{"plan": ...}``):
+        ``supervisor reshard --yes`` prints it from there."""
+        if self.progress is not None:
+            try:
+                await self.progress(json.dumps({"plan": plan, "phase": "planned"}).encode())
+            except Exception as exc:  # noqa: BLE001 - the caller left: the change goes on
+                log.debug("reshard plan not sent: %s", exc)
 
     # ------------------------------------------------------------------ no key moves
     async def _flip(self, old: ShardMap, new: ShardMap, new_plan: Plan, plan: dict) -> dict:
@@ -723,17 +743,23 @@ class Resharding:
                 pass
         return ""
 
-    async def _move(self, old: ShardMap, new: ShardMap, new_plan: Plan, plan: dict) -> dict:
-        # every pair of shards the routing can move keys between, whatever the counts
-        # said (a key written since the count is copied too): the counted moves; a
-        # growth's added shards from every old one; a shrink's removed shards to every
-        # one that stays; each moved pin's old owner to its new one
-        pairs = sorted({(m["from"], m["to"]) for m in plan["moves"] if m["keys"]}
-                       | {(s, t) for s in range(old.shards)
-                          for t in range(old.shards, new.shards)}
-                       | {(s, t) for s in range(new.shards, old.shards)
-                          for t in range(new.shards)}
-                       | set(moved_prefixes(old, new).values()))
+    async def _move(self, old: ShardMap, new: ShardMap, new_plan: Plan, plan: dict,
+                    counting: asyncio.Future | None = None) -> dict:
+        """``counting``: the plan still being counted (``count``), awaited once the added
+        shards started (their start is then not a wait of its own)."""
+        def pairs_of(plan: dict) -> list[tuple[int, int]]:
+            # every pair of shards the routing can move keys between, whatever the
+            # counts said (a key written since the count is copied too): the counted
+            # moves; a growth's added shards from every old one; a shrink's removed
+            # shards to every one that stays; each moved pin's old owner to its new one
+            return sorted({(m["from"], m["to"]) for m in plan["moves"] if m["keys"]}
+                          | {(s, t) for s in range(old.shards)
+                             for t in range(old.shards, new.shards)}
+                          | {(s, t) for s in range(new.shards, old.shards)
+                             for t in range(new.shards)}
+                          | set(moved_prefixes(old, new).values()))
+
+        pairs = pairs_of(plan)
         self._adding = new_plan
         sources = sorted({s for s, _ in pairs})
         targets = sorted({t for _, t in pairs})
@@ -754,7 +780,15 @@ class Resharding:
                     raise Refused(b"409", f"the added shard's servers {not_up} did not start")
                 await self._wait(lambda i=index: self._active_of(i), START_WAIT_S,
                                  f"an active server of the added shard {index}")
-            phases["start_s"] = time.monotonic() - began
+            if counting is not None:  # (a server that could not count: rolled back below)
+                phases["added_s"] = time.monotonic() - began
+                plan = await counting
+                await self._say_plan(plan)
+                pairs = pairs_of(plan)
+                sources = sorted({s for s, _ in pairs})
+                targets = sorted({t for _, t in pairs})
+                forward = _collectors(new_plan, targets)
+            phases["start_s"] = time.monotonic() - began  # (and, with ``counting``, counted)
             # the added shards serve no client yet: their copy takes the CPU the rest
             # leave, up to its snapshots (then the tails, the hold and the flip at normal)
             background = (await self._priority([n for i in added for n in self._of_shard(i)],
@@ -854,6 +888,10 @@ class Resharding:
                 raise Refused(b"409", f"the copies did not catch up within the hold bound "
                                       f"({self.hold_bound_s:g} s) in {HOLD_ATTEMPTS} tries")
         except BaseException as exc:
+            if counting is not None and not counting.done():
+                counting.cancel()  # (the start failed first)
+            elif counting is not None and not counting.cancelled():
+                counting.exception()  # (read: the roll-back says why)
             await self._roll_back(sources, targets, added, exc)
             if isinstance(exc, Exception) and not isinstance(exc, Refused):
                 raise Refused(b"409", f"rolled back before the flip: {type(exc).__name__}: "

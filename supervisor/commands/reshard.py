@@ -152,34 +152,47 @@ def command(sel: Selection, new_config: str | None, yes: bool, dry_run: bool,
             change["copy_priority"] = copy_priority
         endpoint = sel.endpoint()
         ping(endpoint, "cluster.reshard", sel.timeout_s)
-        plan = json.loads(call(endpoint, "cluster.reshard",
-                               json.dumps(dict(change, apply=False)).encode(),
-                               timeout_s=max(sel.timeout_s, PLAN_TIMEOUT_S), retries=0))
-        if plan.get("prefixes") is not None and not plan.get("next_epoch"):
-            click.echo(f"nothing to change: the cluster routes as {new_config} "
-                       f"(epoch {plan['epoch']})")
-            return 0
-        for line in plan_lines(plan):
-            click.echo(line)
-        if dry_run:
-            return 0
-        if not yes:
+        printed = {"plan": False}
+        if dry_run or not yes:  # the plan first, then the question
+            plan = json.loads(call(endpoint, "cluster.reshard",
+                                   json.dumps(dict(change, apply=False)).encode(),
+                                   timeout_s=max(sel.timeout_s, PLAN_TIMEOUT_S), retries=0))
+            if plan.get("prefixes") is not None and not plan.get("next_epoch"):
+                click.echo(f"nothing to change: the cluster routes as {new_config} "
+                           f"(epoch {plan['epoch']})")
+                return 0
+            for line in plan_lines(plan):
+                click.echo(line)
+            printed["plan"] = True
+            if dry_run:
+                return 0
             if not sys.stdin.isatty():
                 click.echo("error: not applied: add --yes (no terminal to ask on)", err=True)
                 return 1
             if not click.confirm("apply?", default=False):
                 return 1
-        total = sum(m["keys"] for m in plan.get("moves", []))
-        bar = _Bar(total) if sys.stdout.isatty() else None
+        # (with --yes one request: the supervisor counts the plan while it starts the
+        # added shards, and says the plan first, which is printed then)
         shown = {"phase": ""}
+        bars = contextlib.ExitStack()
+        bar: list[_Bar] = []
 
         def progress(body: bytes) -> None:
             try:
                 doc = json.loads(body)
             except ValueError:
                 return
-            if bar is not None:  # a terminal: one bar, the phase beside it
-                bar.update(doc.get("phase") or "", doc.get("keys"))
+            if isinstance(doc.get("plan"), dict):
+                if not printed["plan"]:
+                    printed["plan"] = True
+                    for line in plan_lines(doc["plan"]):
+                        click.echo(line)
+                if sys.stdout.isatty() and not bar:
+                    bar.append(bars.enter_context(_Bar(sum(
+                        m["keys"] for m in doc["plan"].get("moves", [])))))
+                return
+            if bar:  # a terminal: one bar, the phase beside it
+                bar[0].update(doc.get("phase") or "", doc.get("keys"))
                 return
             if doc.get("phase") != shown["phase"]:
                 shown["phase"] = doc.get("phase")
@@ -189,7 +202,7 @@ def command(sel: Selection, new_config: str | None, yes: bool, dry_run: bool,
                 click.echo(f"    copied {doc['keys']} keys, {doc['bytes']} bytes")
 
         try:
-            with bar if bar is not None else contextlib.nullcontext():
+            with bars:
                 done = json.loads(call(endpoint, "cluster.reshard",
                                        json.dumps(dict(change, apply=True)).encode(),
                                        timeout_s=max(sel.timeout_s, APPLY_TIMEOUT_S),
@@ -199,6 +212,10 @@ def command(sel: Selection, new_config: str | None, yes: bool, dry_run: bool,
                 click.echo(f"error: not applied: {exc.text}", err=True)
                 return 1
             raise
+        if done.get("changed") is False:
+            click.echo(f"nothing to change: the cluster routes as {new_config} "
+                       f"(epoch {done['epoch']})")
+            return 0
         click.echo(f"routing epoch {done['epoch']}: followed by {len(done['servers'])} "
                    "servers and relays")
         if done.get("moved_keys") is not None:

@@ -517,6 +517,10 @@ def test_supervisor_reshard_grows_and_shrinks_with_writers_running(procs, tmp_pa
         stop.set()
         await asyncio.gather(*tasks)
         assert done.returncode == 0, done.stdout + done.stderr
+        # the plan, printed before the phases (with --yes, from the apply's first word)
+        lines = done.stdout.splitlines()
+        assert lines[0].startswith(f"routing epoch {epoch - 1} -> {epoch}"), lines[:3]
+        assert any(" -> shard " in line and " keys, " in line for line in lines[1:4]), lines
         await _until(lambda: clone.routing_epoch == epoch, f"the client follows {epoch}")
         assert clone.failed is None
         assert {k: clone.get(k) for k in ledger} == ledger
@@ -528,8 +532,9 @@ def test_supervisor_reshard_grows_and_shrinks_with_writers_running(procs, tmp_pa
             await clone.set("/counter", b"0", wait=True)
             events, watch, collector = await _watching(clone)
             await change(clone, three, 2, events)
-            # the apply used the plan the command printed: every map counted once
-            assert any("the plan counted" in line for line in sup.stderr), sup.stderr[-20:]
+            # --yes: one request, the plan counted (once) while the added shard started
+            assert any("counted while the added shards start" in line
+                       for line in sup.stderr), sup.stderr[-20:]
             assert len(clone) == len(ledger) + 1
             await change(clone, config, 3, events)
             assert len(clone) == len(ledger) + 1
@@ -1198,6 +1203,49 @@ def test_an_operator_aborts_a_growth_before_its_flip(procs, tmp_path, zctx):
     assert again.wait(60) == 0, again.stderr[-3:]
     rows = wait_status(control, lambda r: len(r) == 6 and settled(r))
     assert merged_once(_held_by_actives(zctx, rows)) == ledger
+
+
+def test_a_growth_whose_plan_cannot_be_counted_stops_the_shard_it_started(
+        procs, tmp_path, zctx):
+    """``reshard --yes`` counts the plan while the added shard starts. Both servers of
+    shard 1 are frozen (SIGSTOP), so no server of it counts: the change is refused with
+    the count's reason (exit 1), the added shard's servers it started are stopped and
+    their data directories removed, and the routing is epoch 1's. Thawed, the growth run
+    again completes with every key on its owner."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
+                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
+                       timeout_s=60, env={"CLONEMAP_RESHARD_ASK_S": "1"})
+    rows = wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(200)}
+    _write_all(config, ledger)
+    frozen = [rows["s1/primary"]["pid"], rows["s1/backup"]["pid"]]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        refused = cli("reshard", str(config), "--to", str(three), "--yes", timeout_s=60)
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "did not count the keys it would give up" in refused.stderr, refused.stderr
+    assert any("counted while the added shards start" in line for line in sup.stderr)
+    assert any("s2/primary: started pid" in line for line in sup.stderr)
+    rows = wait_status(control, lambda r: len(r) == 4 and settled(r) and at_epoch(1)(r))
+    assert not [p for p in children_of(sup.pid) if "s2" in " ".join(
+        psutil.Process(p).cmdline())]
+    assert not (tmp_path / "run" / "data" / "s2-primary").exists()
+    assert not (tmp_path / "run" / "data" / "s2-backup").exists()
+    assert merged_once(_held_by_actives(zctx, rows)) == ledger
+
+    again = cli("reshard", str(config), "--to", str(three), "--yes", timeout_s=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    rows = wait_status(control, lambda r: len(r) == 6 and settled(r) and at_epoch(2)(r))
+    held = _held_by_actives(zctx, rows)
+    assert merged_once(held) == ledger
+    for name, keys in held.items():
+        assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
 
 
 def test_a_growth_starts_the_added_shard_s_relays_and_a_relay_client_follows(
