@@ -4,10 +4,11 @@
 The supervisor plans NEW_CONFIG on its host (its shard count and pins are the new
 routing; the running shards keep their names and servers; added shards' servers are
 placed like ``start``'s), every server counts the keys it would give up, by target
-shard, and the command prints that plan. With ``--yes`` (or after a yes on a terminal)
-the supervisor applies it: added shards start, the keys move while they are written,
-the owner flips under the next epoch, removed shards stop
-(``clonemap.supervisor.resharding``). The command prints the new epoch and what the
+shard, and the command prints that plan. After a yes on a terminal the supervisor
+applies it: added shards start, the keys move while they are written, the owner flips
+under the next epoch, removed shards stop (``clonemap.supervisor.resharding``). With
+``--yes`` the command sends the apply at once: the supervisor starts the added shards
+while the servers count, and says the plan first (printed as it comes). The command prints the new epoch and what the
 move took. ``--abort`` (from another terminal) stops the change under way at its next
 step and rolls it back, until it seals its holds (past that it always completes). Exit 0
 applied (or nothing to change, or ``--dry-run``, or an abort asked), 1 refused or rolled
