@@ -87,16 +87,6 @@ class AppliedUuids:
         self.current, self.previous, self._dying = {}, {}, {}
         self._since = now
 
-    def items_upto(self, seq: int) -> list:
-        """``[uuid, seq, uuid, seq, ...]`` of the entries applied at or before ``seq``,
-        oldest first (for a snapshot file or a peer)."""
-        out: list = []
-        for table in (self.previous, self.current):
-            for uuid, at in table.items():
-                if at <= seq:
-                    out += (uuid, at)
-        return out
-
     def generations(self) -> tuple[dict[bytes, int], dict[bytes, int]]:
         """Copies of the two generations, oldest first (C-level dict copies: ~1 ms per
         65,536 entries), which later writes and rotations leave as they are."""

@@ -119,7 +119,7 @@ class PairMap:
             fork = fork_point(self.history, list(history)) if history else None
             dropped_from = fork if fork is not None and fork <= old_seq else None
             replaced = server.persist.replace(store, generation or server.generation,
-                                              dropped_from, server.applied.items_upto(store.seq))
+                                              dropped_from, server.applied.generations())
             if replaced is None:  # a disk error (reported: this server stops)
                 return
             dropped, self.install_job = replaced

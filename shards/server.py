@@ -752,7 +752,7 @@ class ShardServer:
         opened after the recovered sequence) from now on."""
         self.persist = Persistence(
             data_dir, flush_held=self.flush,
-            snapshot_of=lambda: (self.store, self.applied.items_upto(self.store.seq)),
+            snapshot_of=lambda: (self.store, self.applied.generations()),
             on_disk_error=self.on_disk_error,
             on_compacted=getattr(self.role, "on_compacted", None) or (lambda job: None))
 

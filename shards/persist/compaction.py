@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from itertools import chain, islice
 from pathlib import Path
 
 from clonemap.shards.persist import format as fmt
@@ -17,6 +18,11 @@ from clonemap.shards.store import SnapshotCursor
 SNAPSHOT_CHUNK_KEYS = 256
 """Keys written per loop turn by a compaction: ~0.3 ms here, so a KVSET arriving during
 a compaction waits at most that long for the reactor."""
+UUID_PIECE = 8192
+"""Applied UUIDs written per loop turn, after the entries: each piece its own ``uuids``
+record (a reader adds them up). 120,000 UUIDs flattened and packed in one turn took
+~11 ms of the loop on an idle host (4 ms to flatten, 7 to pack); now the snapshot's
+start copies the two generations (3.5 ms) and no step takes more than ~1.1 ms."""
 
 
 class Compaction:
@@ -50,29 +56,47 @@ class Compaction:
         """``finish`` is running on another thread: ``abort`` leaves the file to it."""
         self.removed: list[Path] = []
         self.only_copy = False
-        self.uuids: list = []
-        """``[uuid, seq, ...]``: the applied UUIDs as of the snapshot's sequence, written
-        after its entries (``clonemap.shards.applied``)."""
         """The snapshot of a map installed from the peer (``DataDir.replace``): the old
         files are gone, so until it is whole the map is on no disk here, and failing to
         write it is a disk error, not a compaction to try again later."""
+        self.uuids: list | tuple = []
+        """The applied UUIDs as of the snapshot's sequence, written after its entries,
+        ``UUID_PIECE`` a turn: ``[uuid, seq, ...]``, or dicts ``{uuid: seq}`` oldest
+        first (``AppliedUuids.generations``: copies, taken with the snapshot; an entry
+        past the snapshot's sequence is left out)."""
+        self._uuid_pairs = None
 
     def step(self, keys: int = SNAPSHOT_CHUNK_KEYS) -> bool:
         """Write the next chunk; True once the snapshot is all written (not yet synced)."""
         if self.written:
             return True
-        entries = self.cursor.next_entries(keys)
+        entries = None if self.cursor.done else self.cursor.next_entries(keys)
         if entries:
             data = fmt.record(entries)
             fmt.write_all(self._fd, data)
             self.keys += len(entries) // 4
             self.bytes += len(data)
         if self.cursor.done:
-            if self.uuids:
-                fmt.write_all(self._fd, fmt.record({"uuids": self.uuids}))
+            if self._uuid_pairs is None:
+                self._uuid_pairs = self._pairs()
+            piece = list(chain.from_iterable(islice(self._uuid_pairs, UUID_PIECE)))
+            if piece:
+                fmt.write_all(self._fd, fmt.record({"uuids": piece}))
+                if len(piece) == 2 * UUID_PIECE:
+                    return False  # (more, at the next turn)
             fmt.write_all(self._fd, fmt.record({"keys": self.keys}))
             self.written = True
         return self.written
+
+    def _pairs(self):
+        """``(uuid, seq)`` of ``uuids`` at or before the snapshot's sequence."""
+        uuids, seq = self.uuids, self.seq
+        if isinstance(uuids, list):
+            flat = iter(uuids)
+            pairs = zip(flat, flat)
+        else:
+            pairs = chain.from_iterable(table.items() for table in uuids)
+        return (pair for pair in pairs if pair[1] <= seq)
 
     def finish(self) -> None:
         """Blocking (run it off the loop): fsync the segment the rotation retired and the

@@ -40,7 +40,7 @@ class Persistence:
     """One server's data directory on its loop (see the module doc)."""
 
     def __init__(self, data_dir: DataDir, *, flush_held: Callable[[], None],
-                 snapshot_of: Callable[[], tuple[Store, list]],
+                 snapshot_of: Callable[[], tuple[Store, list | tuple]],
                  on_disk_error: Callable[[str, OSError], None],
                  on_compacted: Callable[[Compaction], None] = lambda job: None):
         self.dir = data_dir

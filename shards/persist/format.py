@@ -37,8 +37,8 @@ from which a restarted server rebuilds its table of applied UUIDs (``clonemap.sh
 
 Snapshot records: first ``{"seq": S}``, then chunks ``[key, value, expires, mod_seq,
 ...]`` (a multiple of 4 items; ``mod_seq`` the sequence that last changed the key), then
-``{"uuids": [uuid, seq, ...]}`` (the applied UUIDs as of S), last ``{"keys": n}`` (the
-count, checked on load).
+``{"uuids": [uuid, seq, ...]}`` records (the applied UUIDs as of S, oldest first, in
+pieces: ``compaction.UUID_PIECE``), last ``{"keys": n}`` (the count, checked on load).
 
 Version 1 (written before conditional writes) had no UUIDs: segment records of 3 items
 per update, snapshot chunks of 3 (no ``mod_seq``: its keys are loaded with the

@@ -433,7 +433,7 @@ class DataDir:
                 and self.clock() >= self._compact_retry_at
                 and self.log_bytes > self.compact_ratio * self.snapshot_bytes)
 
-    def start_compaction(self, store: Store, uuids: list | None = None) -> Compaction:
+    def start_compaction(self, store: Store, uuids: list | tuple | None = None) -> Compaction:
         """Rotate the log and start writing ``store``'s snapshot at its sequence, with
         ``uuids`` (the applied UUIDs as of it). The retired segment is written now and
         fsynced by the compaction, off the reactor."""
@@ -488,7 +488,7 @@ class DataDir:
 
     # ------------------------------------------------------------------ replacement
     def replace(self, store: Store, generation: str, dropped_from: int | None,
-                uuids: list | None = None) -> int:
+                uuids: list | tuple | None = None) -> int:
         """A passive installs ``store`` (its active's map): keep the updates from
         ``dropped_from`` on (if any) in a ``dropped-<utc>.cml`` file, delete the old
         files, start a new segment after ``store.seq`` and a compaction that writes

@@ -80,7 +80,6 @@ def test_the_table_forgets_by_age():
     table.add(b"B" * 16, 2)
     table.tick(10.0)
     assert table.get(b"A" * 16) is None and table.get(b"B" * 16) == 2
-    assert table.items_upto(2) == [b"B" * 16, 2] and table.items_upto(1) == []
     older, newer = table.generations()  # (copies: what comes later leaves them as they are)
     table.add(b"C" * 16, 3)
     table.tick(20.0)
@@ -100,7 +99,7 @@ def test_sequences_and_uuids_survive_a_restart_with_and_without_compaction(tmp_p
     got = recover(tmp_path)
     assert got.store.mod == {b"/a": 3, b"/b": 2}
     assert got.uuids == [b"A" * 16, 1, b"B" * 16, 2, b"C" * 16, 3]
-    job = writer.start_compaction(store, applied.items_upto(store.seq))
+    job = writer.start_compaction(store, applied.generations())
     while not job.step(keys=1):
         pass
     seq = store.apply(b"/c", b"4")  # after the snapshot: in the new segment
@@ -130,3 +129,41 @@ def test_a_version_1_directory_is_still_read(tmp_path):
     assert got.store.data == {b"/a": b"1", b"/b": b"2", b"/c": b"3"}
     assert got.store.mod == {b"/a": 2, b"/b": 2, b"/c": 3} and got.store.seq == 3
     assert got.uuids == []
+
+
+def test_a_compaction_writes_its_applied_uuids_a_piece_a_turn(tmp_path, monkeypatch):
+    """The applied UUIDs go into the snapshot ``UUID_PIECE`` a step (a loop turn), each
+    piece a ``uuids`` record, after the entries; one applied after the snapshot's
+    sequence (in a generation copied later) is left out; recovery reads every piece back,
+    oldest first."""
+    from clonemap.shards.persist import compaction
+
+    monkeypatch.setattr(compaction, "UUID_PIECE", 4)
+    store, writer = Store(), DataDir(tmp_path, "always")
+    writer.open(GEN, 0)
+    applied = AppliedUuids()
+    for i in range(10):
+        uuid = b"%016d" % i
+        seq = store.apply(b"/k%d" % i, b"v")
+        applied.add(uuid, seq)
+        writer.append(seq, b"/k%d" % i, b"v", None, uuid)
+        if i == 5:
+            applied.rotate()  # (two generations: the older one's entries first)
+    writer.flush()
+    older, newer = applied.generations()
+    newer[b"late" * 4] = store.seq + 1  # (past the snapshot: not in it)
+    job = writer.start_compaction(store, (older, newer))
+    steps = 0
+    while not job.step(keys=100):
+        steps += 1
+    assert steps == 2  # entries and the first piece, then a piece a turn: 4 + 4 + 2
+    job.finish()
+    writer.compacted(job)
+    writer.close()
+    [snap] = tmp_path.glob("snap-*.cms")
+    scan = fmt.Scan(snap, fmt.SNAP_MAGIC, allow_torn=False)
+    pieces = [obj["uuids"] for _, obj in scan.records()
+              if isinstance(obj, dict) and "uuids" in obj]
+    assert [len(p) // 2 for p in pieces] == [4, 4, 2]
+    got = recover(tmp_path)
+    assert got.uuids == [x for i in range(10) for x in (b"%016d" % i, i + 1)]
