@@ -226,6 +226,10 @@ class Resharding:
         self.load_plan = load_plan
         """A config's path -> its plan on this host (``ConfigError`` if it does not hold)."""
         self.hold_bound_s = HOLD_BOUND_S
+        self._late_clears: set[asyncio.Task] = set()
+        self.instance = os.urandom(8).hex()
+        """This supervisor process's mark on the records it writes to etcd: one found
+        there while it runs no change is its own, written late (``_settle_orphan``)."""
         self._lock = asyncio.Lock()
         self._changed_at = 0.0
         """When the last change ended: on one host, only stats taken since then say that
@@ -870,7 +874,10 @@ class Resharding:
                     # the flip may begin: no hold ends by itself now, and no abort
                     self._check_abort()
                     self._past_flip = True
-                    await self._record_move(old, new, new_plan, targets)
+                    recording = time.monotonic()
+                    await self._record_move(old, new, new_plan, targets,
+                                            max(self.hold_bound_s - spent_s, SEAL_MIN_S))
+                    spent_s += time.monotonic() - recording
                     sealing = [*(src[s] for s in sources), *self._peers_of(sources, src)]
                     await self._within_bound(asyncio.gather(*(
                         self._step(n, "seal") for n in sealing)),
@@ -1184,23 +1191,55 @@ class Resharding:
         raise Refused(b"400", f"part {op!r}: not start or drop")
 
     async def _record_move(self, old: ShardMap, new: ShardMap, new_plan: Plan,
-                           targets: list[int]) -> None:
+                           targets: list[int], within_s: float) -> None:
         """Across hosts, before the holds are sealed: the change's record in etcd (the
         routings, their configs, and where each target's servers are asked), so that
         another host's supervisor settles it should this one die past the seal, when the
         sealed holds of its own host's servers would otherwise never end. Not recorded:
-        the change rolls back."""
+        the change rolls back. The writes wait meanwhile, so etcd has what is left of
+        the hold's bound (``within_s``): past it, ``TimeoutError`` (the holds are
+        released and the move tried again), and a record that etcd takes later is
+        removed then (at its revision: never a later attempt's)."""
         if self.shared is None:
             return
         doc = {"from": old.describe(), "to": new.describe(), "host": self.plan.host_name,
+               "instance": self.instance,
                "from_config": self.config_path, "config": self._new_config,
                "targets": {str(t): {sv.name: new_plan.control_of(sv)
                                     for sv in new_plan.shards[t].servers}
                            for t in targets}}
-        self._record_at = await asyncio.to_thread(self.shared.write_move, doc, self._claim)
+        writing = asyncio.ensure_future(asyncio.to_thread(self.shared.write_move, doc,
+                                                          self._claim))
+        try:
+            self._record_at = await asyncio.wait_for(asyncio.shield(writing), within_s)
+        except TimeoutError:
+            writing.add_done_callback(self._late_record)
+            raise TimeoutError(f"etcd did not take the move's record within {within_s:.3f} "
+                               "s (what the hold's bound left)") from None
         if not self._record_at:
             self._claim_lapsed = self._claim_lapsed or "the record found it gone"
             raise Refused(b"409", self._lapsed_text())
+
+    def _late_record(self, writing: asyncio.Future) -> None:
+        """A record etcd took after its attempt gave up on it (``_record_move``): removed
+        at the revision it was written at."""
+        if writing.cancelled() or writing.exception() is not None or not writing.result():
+            return
+        at = writing.result()
+
+        async def clear() -> None:
+            try:
+                gone = await asyncio.to_thread(self.shared.clear_move, at)
+            except Exception as exc:  # noqa: BLE001 - a later settle finds and clears it
+                log.warning("reshard: the move's record etcd took late (revision %d) was "
+                            "not removed: %s", at, exc)
+                return
+            log.warning("reshard: etcd took the move's record late (revision %d): %s", at,
+                        "removed" if gone else "already replaced or gone")
+
+        task = asyncio.get_running_loop().create_task(clear())
+        self._late_clears.add(task)  # (kept until done: a task nobody holds may be dropped)
+        task.add_done_callback(self._late_clears.discard)
 
     async def _clear_record(self) -> None:
         """This change's record goes, if it wrote one and it is still there (never
@@ -1246,6 +1285,15 @@ class Resharding:
         record, at = await asyncio.to_thread(self.shared.read_move_at)
         if record is None:
             return False
+        if isinstance(record, dict) and record.get("instance") == self.instance:
+            # this supervisor's own record, and it runs no change (``follow``): one that
+            # etcd took after its attempt gave up on it (a put etcd read from its socket
+            # once it ran again): the change rolled back, or its record went since
+            await asyncio.to_thread(self.shared.clear_move, at)
+            log.warning("reshard: a record of this supervisor's change to epoch %s in "
+                        "etcd, written after its attempt gave up on it: removed",
+                        record.get("to", {}).get("epoch"))
+            return True
         try:
             before = ShardMap.from_description(record["from"])
             after = ShardMap.from_description(record["to"])

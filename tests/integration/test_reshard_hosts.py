@@ -146,6 +146,19 @@ class TwoHosts:
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 
+    def etcd_key(self, name: str) -> str | None:
+        """What etcd holds under ``clonemap/moving/<name>`` (None: nothing), read from
+        host c: ``move``, the record of a change past its seal; ``change``, the claim
+        of the change under way."""
+        done = run_on(self.hosts, "c", "-c",
+                      "import json, sys; from clonemap.shards.coord import Etcd; "
+                      "got = Etcd([(sys.argv[1], int(sys.argv[2]))]).get("
+                      "b'clonemap/moving/' + sys.argv[3].encode()); "
+                      "print(json.dumps(got.decode() if got is not None else None))",
+                      self.etcd.host, str(self.etcd.port), name)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
     def take_over_claim(self, who: str) -> int:
         """The change under way loses its claim in etcd (its lease revoked, as an expiry
         ends it), and ``who`` claims the next change (a lease of 60 s, not renewed): the

@@ -1,10 +1,14 @@
 """A host cut off in the middle of a growth across hosts (network namespaces, a real
-etcd, one supervisor per host): each key ends with exactly one owner, accepting writes,
-with every acknowledged write there. The cluster and its helpers are
+etcd, one supervisor per host), or etcd stopped at the seal: each key ends with exactly
+one owner, accepting writes, with every acknowledged write there. The cluster and its helpers are
 ``test_reshard_hosts``'s; the tests live apart so that the suite's workers run them
 beside that module's long one.
 """
 from __future__ import annotations
+
+import os
+import signal
+import time
 
 import pytest
 
@@ -82,6 +86,68 @@ def test_a_host_cut_off_in_the_middle_of_a_growth_leaves_one_owner_per_key(
         cluster.wait_servers_at(epoch, 6)
         cluster.wait_acks("k", 20)
 
+        acked = cluster.ledger()
+        merged = owned_once(cluster.shard_maps(cluster.grown()["shards"]), ShardMap(3),
+                            cluster.servers_read)
+        lost = lost_writes(acked, merged, ShardMap(3), cluster.servers_read)
+        assert not lost, lost
+    finally:
+        cluster.stop()
+
+
+def test_an_etcd_that_does_not_answer_at_the_seal_keeps_no_write_past_the_hold_bound(
+        hosts, tmp_path):
+    """The change's record goes to etcd inside the hold, before the seal. Host a's
+    supervisor pauses a growth at *held* (the sources hold the moving keys' writes), and
+    etcd is stopped (SIGSTOP: it takes connections and answers nothing; its client
+    waits 2 s). Each attempt gives etcd only what is left of the hold's bound, then
+    releases the holds and tries again (before, the hold lasted the client's 2 s, and
+    the writes waited as long); after the last the growth rolls back. A record that
+    etcd takes once it runs again is removed. With etcd back the growth, run again,
+    completes, and every acknowledged write is on its one owner."""
+    from clonemap.supervisor.resharding import HOLD_ATTEMPTS
+
+    cluster = TwoHosts(hosts, tmp_path, env_a={"CLONEMAP_RESHARD_PAUSE_AT": "held"})
+    try:
+        cluster.writer("k")
+        cluster.wait_acks("k", 40)
+        sup_a = cluster.supervisors["a"]
+        _, three, change = cluster.start_growth("a", "RESHARD_PAUSED phase=held")
+        go_on = cluster.run_dir("a") / "reshard.continue"
+        etcd = cluster.etcd.member.pid
+        os.kill(etcd, signal.SIGSTOP)
+        try:
+            seen = 0
+            for attempt in range(HOLD_ATTEMPTS):
+                go_on.touch()
+                seen = sup_a.wait_stderr("etcd did not take the move's record within",
+                                         seen, 30) + 1
+                if attempt < HOLD_ATTEMPTS - 1:
+                    sup_a.wait_line("RESHARD_PAUSED phase=held", 30)
+            code = change.wait(60)
+        finally:
+            os.kill(etcd, signal.SIGCONT)
+        said = "\n".join(change.stdout + change.stderr)
+        assert code == 1 and "not applied" in said, said
+        released = [line for line in sup_a.stderr if "the writes are released" in line]
+        assert len(released) == HOLD_ATTEMPTS, released
+        cluster.wait_epoch(1)
+        cluster.wait_acks("k", 20)  # (the pairs' leases renewed once etcd runs)
+        # a record etcd read from a socket once it ran again (the client had given up on
+        # it) is its supervisor's own, found while it runs no change: removed; and the
+        # claim that could not be given back while etcd was stopped ends with its lease
+        deadline = time.monotonic() + 20
+        while (left := {k: cluster.etcd_key(k) for k in ("move", "change")}) != {
+                "move": None, "change": None}:
+            assert time.monotonic() < deadline, f"left in etcd: {left}"
+
+        change = cluster.start_reshard(three, via="a")
+        cluster.wait_phase("a", "RESHARD_PAUSED phase=held", change)
+        go_on.touch()
+        assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
+        cluster.wait_epoch(2)
+        cluster.wait_servers_at(2, 6)
+        cluster.wait_acks("k", 20)
         acked = cluster.ledger()
         merged = owned_once(cluster.shard_maps(cluster.grown()["shards"]), ShardMap(3),
                             cluster.servers_read)
