@@ -27,6 +27,8 @@ import asyncio
 import time
 from typing import Any, Callable
 
+from clonemap.shards.common import zio
+
 ADOPT_CHUNK = 500
 """Keys of the lenders looked at per loop turn. In `bench reshard`'s writer (1M keys
 held) a turn of 5,000 took 15-24 ms of its loop's CPU, each a wait for every write in
@@ -61,13 +63,16 @@ class Adoption:
         # first, up to ``_at``): a lender gains no key of the added shard once the
         # adoption began (it held its shard's map up to the copy's sequence already: the
         # shard checked ``adopt=``), so a later tuple misses none, and the flip pays for
-        # one lender's instead of all. A tuple, which the garbage collector stops walking at its
-        # first pass: a list of the 500,000 keys a lender holds was walked by every
+        # one lender's instead of all. A list taken off the garbage collector's lists
+        # (``zio.untrack_frames``: it holds only bytes), which no collection walks: a
+        # tracked list of the 500,000 keys a lender holds was walked by every
         # collection the adoption outlived, 13-18 ms of the loop each for the first two,
-        # on the writer of `bench reshard`; a copy of the lender's dict, which no
-        # collection walks, cost the writer's loop three times as much CPU at the flip
-        # (it touches every key and value)
-        self.queue: list[tuple[Any, tuple[bytes, ...] | None]] = [(o, None) for o in lenders]
+        # on the writer of `bench reshard`; a tuple (used until 2026-11-30) is walked
+        # once, by the next young collection (3.3 ms for 500,000 keys here, idle); a
+        # copy of the lender's dict, which no collection walks, cost the writer's loop
+        # three times as much CPU at the flip (it touches every key and value). On the
+        # pure path (no compiled module) it is a tuple still
+        self.queue: list[tuple[Any, Any]] = [(o, None) for o in lenders]
         self._at = 0
         self.moved = 0
         self.done = False
@@ -92,7 +97,8 @@ class Adoption:
         while queue and (budget is None or budget > 0):
             other, keys = queue[-1]
             if keys is None:
-                keys = tuple(other.map)
+                keys = (zio.untrack_frames(list(other.map)) if zio.COMPILED
+                        else tuple(other.map))
                 queue[-1] = (other, keys)
             at = self._at
             end = self._at = len(keys) if budget is None else min(at + budget, len(keys))

@@ -6,8 +6,11 @@ its value there; a lender about to be replaced gives everything at once (``run()
 the end clears the lending."""
 from __future__ import annotations
 
+import gc
+
 from clonemap.client.adoption import Adoption
 from clonemap.client.agent import ShardAgent
+from clonemap.shards.common import zio
 
 
 def part(name: str, keys: dict[bytes, bytes], props: dict[bytes, bytes] | None = None
@@ -58,6 +61,11 @@ def test_a_lender_about_to_be_replaced_gives_everything_at_once():
     adoption = adopting(s2, (s0,), lambda key: key.endswith(b"7"))
     adoption.run(10)
     assert not adoption.done
+    # the lender's keys, as the adoption began: no garbage collection walks them
+    # (compiled: a list taken off the collector's lists; pure: a tuple, walked once)
+    walked = adoption.queue[-1][1]
+    assert len(walked) == 1000
+    assert not gc.is_tracked(walked) if zio.COMPILED else isinstance(walked, tuple)
     adoption.run()  # (``AsyncClone._lent_out``: before the lender's map is replaced)
     assert adoption.done and len(s2.map) == 100 and not any(k.endswith(b"7") for k in s0.map)
     adoption.run(10)  # finished: nothing more
