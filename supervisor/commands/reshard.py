@@ -178,6 +178,14 @@ def command(sel: Selection, new_config: str | None, yes: bool, dry_run: bool,
         bars = contextlib.ExitStack()
         bar: list[_Bar] = []
 
+        def show_bar(plan: dict) -> None:  # (on a terminal: the keys copied, the phase)
+            if sys.stdout.isatty() and not bar:
+                bar.append(bars.enter_context(_Bar(sum(
+                    m["keys"] for m in plan.get("moves", [])))))
+
+        if printed["plan"]:
+            show_bar(plan)
+
         def progress(body: bytes) -> None:
             try:
                 doc = json.loads(body)
@@ -188,9 +196,7 @@ def command(sel: Selection, new_config: str | None, yes: bool, dry_run: bool,
                     printed["plan"] = True
                     for line in plan_lines(doc["plan"]):
                         click.echo(line)
-                if sys.stdout.isatty() and not bar:
-                    bar.append(bars.enter_context(_Bar(sum(
-                        m["keys"] for m in doc["plan"].get("moves", [])))))
+                show_bar(doc["plan"])
                 return
             if bar:  # a terminal: one bar, the phase beside it
                 bar[0].update(doc.get("phase") or "", doc.get("keys"))
