@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -25,7 +26,7 @@ import zmq
 
 from clonemap.client.api import AsyncClone
 from clonemap.client.errors import Conflict
-from conftest import free_port_base
+from conftest import ROOT, free_port_base
 from clonemap.shards.common.proto import chp
 from clonemap.shards.common.routing import ShardMap
 from test_client_server import fetch_map
@@ -1202,6 +1203,74 @@ def test_an_operator_aborts_a_growth_before_its_flip(procs, tmp_path, zctx):
     (tmp_path / "run" / "reshard.continue").touch()
     assert again.wait(60) == 0, again.stderr[-3:]
     rows = wait_status(control, lambda r: len(r) == 6 and settled(r))
+    assert merged_once(_held_by_actives(zctx, rows)) == ledger
+
+
+def _on_a_terminal(args: list[str], answer: bytes = b"", timeout_s: float = 60.0
+                   ) -> tuple[int, str]:
+    """``python -m clonemap.supervisor ARGS`` with a pseudo-terminal for its stdin,
+    stdout and stderr (as an operator runs it), ``answer`` typed once it asks; its exit
+    code and everything it wrote."""
+    import pty
+    import select
+    import subprocess
+
+    main, side = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "clonemap.supervisor", *args],
+                            stdin=side, stdout=side, stderr=side, cwd=ROOT,
+                            start_new_session=True)
+    os.close(side)
+    out, asked = b"", not answer
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([main], [], [], 0.5)
+            if ready:
+                try:
+                    got = os.read(main, 65536)
+                except OSError:  # (the child closed the terminal: it exited)
+                    break
+                if not got:
+                    break
+                out += got
+                if not asked and b"apply?" in out:
+                    os.write(main, answer)
+                    asked = True
+            elif proc.poll() is not None:
+                break
+        return proc.wait(10), out.decode("utf-8", "replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        os.close(main)
+
+
+def test_reshard_on_a_terminal_prints_the_plan_then_a_progress_bar(procs, tmp_path, zctx):
+    """As an operator runs it, on a terminal: ``reshard --to`` prints the plan, asks,
+    and once answered ``y`` shows a progress bar and the result; ``--yes`` (one
+    request, the plan counted while the added shard starts) prints the plan as the
+    supervisor says it, then the bar."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    start(procs, config, tmp_path)
+    wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(200)}
+    _write_all(config, ledger)
+
+    code, said = _on_a_terminal(["reshard", str(config), "--to", str(three)], b"y\n")
+    assert code == 0, said
+    plan = said.index("routing epoch 1 -> 2, 2 -> 3 shards")
+    assert said.index("shard 0 -> shard 2: ") > plan and said.index("apply?") > plan
+    assert "━" in said[said.index("apply?"):], said  # (rich's bar)
+    assert "routing epoch 2: followed by 6 servers" in said, said
+
+    code, said = _on_a_terminal(["reshard", str(three), "--to", str(config), "--yes"])
+    assert code == 0, said
+    plan = said.index("routing epoch 2 -> 3, 3 -> 2 shards")
+    assert said.index("shard 2 -> shard 0: ") > plan and "apply?" not in said
+    assert "━" in said[plan:] and "routing epoch 3: followed by" in said, said
+    rows = wait_status(control, lambda r: len(r) == 4 and settled(r) and at_epoch(3)(r))
     assert merged_once(_held_by_actives(zctx, rows)) == ledger
 
 
