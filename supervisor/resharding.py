@@ -59,6 +59,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections import deque
 import shutil
 import time
 from pathlib import Path
@@ -157,6 +158,13 @@ there, deterministically, then lets the move go on)."""
 CONTINUE_FILE = "reshard.continue"
 
 
+def _read_outcome(done: asyncio.Future) -> None:
+    """A done-callback for a future nobody awaits any more: its exception is read (so
+    asyncio does not report it as never retrieved)."""
+    if not done.cancelled():
+        done.exception()
+
+
 class Refused(Exception):
     """A change this supervisor does not apply: ``status`` is the control reply's."""
 
@@ -226,10 +234,12 @@ class Resharding:
         self.load_plan = load_plan
         """A config's path -> its plan on this host (``ConfigError`` if it does not hold)."""
         self.hold_bound_s = HOLD_BOUND_S
-        self._late_clears: set[asyncio.Task] = set()
-        self.instance = os.urandom(8).hex()
-        """This supervisor process's mark on the records it writes to etcd: one found
-        there while it runs no change is its own, written late (``_settle_orphan``)."""
+        self._change_id = ""
+        """The change under way's mark on its record in etcd."""
+        self._ended: deque[str] = deque(maxlen=64)
+        """The marks of this supervisor's changes that ended with no record left on
+        purpose (all but one that stopped past its seal): a record of one of them found
+        in etcd later is a put that etcd took after it was given up on (``_settle_orphan``)."""
         self._lock = asyncio.Lock()
         self._changed_at = 0.0
         """When the last change ended: on one host, only stats taken since then say that
@@ -547,9 +557,15 @@ class Resharding:
             if apply:
                 await self._take_claim(config)
             beat = asyncio.ensure_future(self._keep_saying())
+            self._change_id = os.urandom(8).hex()
+            applied = False
             try:
-                return await self._change(config, apply)
+                done = await self._change(config, apply)
+                applied = True
+                return done
             finally:
+                if applied or not self._past_flip:  # (else its record waits to be settled)
+                    self._ended.append(self._change_id)
                 beat.cancel()
                 self._changed_at = time.monotonic()
                 self._state["running"] = False
@@ -1198,12 +1214,14 @@ class Resharding:
         sealed holds of its own host's servers would otherwise never end. Not recorded:
         the change rolls back. The writes wait meanwhile, so etcd has what is left of
         the hold's bound (``within_s``): past it, ``TimeoutError`` (the holds are
-        released and the move tried again), and a record that etcd takes later is
-        removed then (at its revision: never a later attempt's)."""
+        released and the move tried again). A put that etcd still takes later writes
+        this same change's record (it holds only while the change's claim does), and
+        this supervisor removes it once the change ended without leaving its record on
+        purpose (``_settle_orphan``)."""
         if self.shared is None:
             return
         doc = {"from": old.describe(), "to": new.describe(), "host": self.plan.host_name,
-               "instance": self.instance,
+               "change": self._change_id,
                "from_config": self.config_path, "config": self._new_config,
                "targets": {str(t): {sv.name: new_plan.control_of(sv)
                                     for sv in new_plan.shards[t].servers}
@@ -1213,33 +1231,12 @@ class Resharding:
         try:
             self._record_at = await asyncio.wait_for(asyncio.shield(writing), within_s)
         except TimeoutError:
-            writing.add_done_callback(self._late_record)
+            writing.add_done_callback(_read_outcome)
             raise TimeoutError(f"etcd did not take the move's record within {within_s:.3f} "
                                "s (what the hold's bound left)") from None
         if not self._record_at:
             self._claim_lapsed = self._claim_lapsed or "the record found it gone"
             raise Refused(b"409", self._lapsed_text())
-
-    def _late_record(self, writing: asyncio.Future) -> None:
-        """A record etcd took after its attempt gave up on it (``_record_move``): removed
-        at the revision it was written at."""
-        if writing.cancelled() or writing.exception() is not None or not writing.result():
-            return
-        at = writing.result()
-
-        async def clear() -> None:
-            try:
-                gone = await asyncio.to_thread(self.shared.clear_move, at)
-            except Exception as exc:  # noqa: BLE001 - a later settle finds and clears it
-                log.warning("reshard: the move's record etcd took late (revision %d) was "
-                            "not removed: %s", at, exc)
-                return
-            log.warning("reshard: etcd took the move's record late (revision %d): %s", at,
-                        "removed" if gone else "already replaced or gone")
-
-        task = asyncio.get_running_loop().create_task(clear())
-        self._late_clears.add(task)  # (kept until done: a task nobody holds may be dropped)
-        task.add_done_callback(self._late_clears.discard)
 
     async def _clear_record(self) -> None:
         """This change's record goes, if it wrote one and it is still there (never
@@ -1285,10 +1282,10 @@ class Resharding:
         record, at = await asyncio.to_thread(self.shared.read_move_at)
         if record is None:
             return False
-        if isinstance(record, dict) and record.get("instance") == self.instance:
-            # this supervisor's own record, and it runs no change (``follow``): one that
-            # etcd took after its attempt gave up on it (a put etcd read from its socket
-            # once it ran again): the change rolled back, or its record went since
+        if isinstance(record, dict) and record.get("change") in self._ended:
+            # the record of a change this supervisor ran, which ended without leaving one
+            # (it rolled back, or flipped): a put that etcd took after its attempt gave up
+            # on it (read from its socket once etcd ran again, while the claim held)
             await asyncio.to_thread(self.shared.clear_move, at)
             log.warning("reshard: a record of this supervisor's change to epoch %s in "
                         "etcd, written after its attempt gave up on it: removed",
