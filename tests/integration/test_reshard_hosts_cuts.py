@@ -155,3 +155,45 @@ def test_an_etcd_that_does_not_answer_at_the_seal_keeps_no_write_past_the_hold_b
         assert not lost, lost
     finally:
         cluster.stop()
+
+
+def test_an_etcd_that_does_not_take_the_epoch_leaves_the_change_to_be_settled(
+        hosts, tmp_path):
+    """Host a's supervisor pauses a growth at *committed*: the targets took the new
+    routing, and etcd has yet to. etcd is stopped (SIGSTOP), so the epoch's
+    compare-and-swap gets no answer: the command fails (exit 1), and its record stays
+    in etcd on purpose (the holds are sealed; this supervisor does not remove it as a
+    late put). Once etcd runs again and the change's claim lapses, a supervisor settles
+    it from the record: every target committed, so epoch 2 goes to etcd and every server
+    follows (or etcd takes the swap it read before it stopped: epoch 2 too); nothing
+    acknowledged is lost and no record is left."""
+    cluster = TwoHosts(hosts, tmp_path, env_a={"CLONEMAP_RESHARD_PAUSE_AT": "committed"})
+    try:
+        cluster.writer("k")
+        cluster.wait_acks("k", 40)
+        _, _, change = cluster.start_growth("a", "RESHARD_PAUSED phase=committed")
+        etcd = cluster.etcd.member.pid
+        os.kill(etcd, signal.SIGSTOP)
+        try:
+            (cluster.run_dir("a") / "reshard.continue").touch()
+            code = change.wait(60)
+        finally:
+            os.kill(etcd, signal.SIGCONT)
+        said = "\n".join(change.stdout + change.stderr)
+        assert code == 1 and "did not take epoch 2" in said, said
+        # (etcd may also take the compare-and-swap it reads from its socket once it runs
+        # again: the same epoch 2, and the record is then settled already)
+        cluster.wait_epoch(2, timeout_s=40)
+        assert cluster.etcd_routing()["routing"]["epoch"] == 2
+        cluster.wait_servers_at(2, 6)
+        deadline = time.monotonic() + 20
+        while (left := cluster.etcd_key("move")) is not None:
+            assert time.monotonic() < deadline, f"left in etcd: {left}"
+        cluster.wait_acks("k", 20)
+        acked = cluster.ledger()
+        merged = owned_once(cluster.shard_maps(cluster.grown()["shards"]), ShardMap(3),
+                            cluster.servers_read)
+        lost = lost_writes(acked, merged, ShardMap(3), cluster.servers_read)
+        assert not lost, lost
+    finally:
+        cluster.stop()
