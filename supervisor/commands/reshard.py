@@ -8,12 +8,12 @@ shard, and the command prints that plan. After a yes on a terminal the superviso
 applies it: added shards start, the keys move while they are written, the owner flips
 under the next epoch, removed shards stop (``clonemap.supervisor.resharding``). With
 ``--yes`` the command sends the apply at once: the supervisor starts the added shards
-while the servers count, and says the plan first (printed as it comes). The command prints the new epoch and what the
-move took. ``--abort`` (from another terminal) stops the change under way at its next
-step and rolls it back, until it seals its holds (past that it always completes). Exit 0
-applied (or nothing to change, or ``--dry-run``, or an abort asked), 1 refused or rolled
-back (or an abort refused), 2 a NEW_CONFIG that does not validate, 9 without ``admin``,
-4 when no supervisor answers.
+while the servers count, and says the plan first (printed as it comes). The command
+prints the new epoch and what the move took. ``--abort`` (from another terminal) stops
+the change under way at its next step and rolls it back, until it seals its holds (past
+that it always completes). Exit 0 applied (or nothing to change, or ``--dry-run``, or an
+abort asked), 1 refused or rolled back (or an abort refused), 2 a NEW_CONFIG that does
+not validate, 9 without ``admin``, 4 when no supervisor answers.
 """
 from __future__ import annotations
 
