@@ -1242,13 +1242,18 @@ class ShardServer:
         owner of each routing slot computed once (where a slot's keys all go to one
         shard: no pin under it)."""
         tally = LeavingTally(shard_map, self.config.shard_index)
-        owned = self.forgetting  # (keys that moved away, not forgotten yet, do not count)
-        staged = self.staged  # (nor keys a move staged here: not this shard's yet)
-        keys = self._keys_that_may_leave(shard_map)
-        if owned is not None or staged:
-            keys = [k for k in keys if (owned is None or owned(k)) and k not in staged]
-        tally.add_keys(keys, self.store.data)
+        tally.add_keys(self._countable(self._keys_that_may_leave(shard_map)),
+                       self.store.data)
         return tally.rows()
+
+    def _countable(self, keys):
+        """Of ``keys``, those a count of what leaves looks at: not keys that moved away
+        and are not forgotten yet (``forgetting``), nor keys a move staged here (not this
+        shard's yet)."""
+        owned, staged = self.forgetting, self.staged
+        if owned is None and not staged:
+            return keys
+        return [k for k in keys if (owned is None or owned(k)) and k not in staged]
 
     def _keys_that_may_leave(self, shard_map) -> Iterable[bytes]:
         """The keys of the store that ``shard_map`` may place on another shard, as the
@@ -1273,12 +1278,8 @@ class ShardServer:
         started, busy = time.perf_counter(), 0.0
         for at in range(0, len(keys), FORGET_CHUNK):
             began = time.perf_counter()
-            owned = self.forgetting  # (as ``keys_leaving``)
-            staged = self.staged
-            chunk = keys[at:at + FORGET_CHUNK]
-            if owned is not None or staged:
-                chunk = [k for k in chunk if (owned is None or owned(k)) and k not in staged]
-            tally.add_keys(chunk, data)  # (those still held: at their value now)
+            # (those still held, as they stand when the chunk's turn comes)
+            tally.add_keys(self._countable(keys[at:at + FORGET_CHUNK]), data)
             took = time.perf_counter() - began
             busy += took
             # (idle ``COUNT_IDLE`` times as long as the chunk took: a quarter of a core at
@@ -1431,14 +1432,15 @@ _UNSEEN = object()
 
 class LeavingTally:
     """The keys and bytes that a routing takes off one shard, by the shard it places
-    them on (``ShardServer.keys_leaving``), added up from any run of (key, value) pairs.
+    them on (``ShardServer.keys_leaving``), added up from any runs of keys of a map.
     The owner of each routing slot is asked once where a slot's keys all go to one shard
     (no pin under it)."""
 
     __slots__ = ("_cache", "_owner", "_owners", "_out", "_index")
 
-    def __init__(self, shard_map, index: int):
-        self._cache = OwnerCache(shard_map, index)
+    def __init__(self, shard_map, index: int, max_slots: int = OWNER_CACHE_MAX):
+        """``max_slots``: the slots its owner cache keeps (``OwnerCache``)."""
+        self._cache = OwnerCache(shard_map, index, max_slots)
         self._owner = shard_map.owner
         self._owners: dict[bytes, int] = {}
         self._out: dict[int, list[int]] = {}
@@ -1453,32 +1455,14 @@ class LeavingTally:
         owners.update(self._owners)
         return owners
 
-    def add(self, items) -> None:
-        cache, owner, owners, out = self._cache, self._owner, self._owners, self._out
-        owns, slot_of, slots = cache.owns, cache.slot, cache.slots
-        for key, value in items:
-            if owns(key):
-                continue
-            slot = slot_of(key)
-            if slots.get(slot) is False and len(slot) < len(key):  # the whole slot goes
-                to = owners.get(slot)
-                if to is None:
-                    to = owners[slot] = owner(key)
-            else:
-                to = owner(key)
-            row = out.get(to)
-            if row is None:
-                row = out[to] = [0, 0]
-            row[0] += 1
-            row[1] += len(key) + len(value)
-
     def add_keys(self, keys, data: dict) -> None:
-        """``add`` of ``(key, data[key])`` for each of ``keys`` that ``data`` holds, with
-        the per-key work in C where it can be: each key's slot, and what the owner cache
-        knows of it, are C-level maps, and only the keys whose slot does not stay here
-        (or is not known yet) take a Python step. On ``bench reshard``'s keys (a growth
-        2 -> 3 keeps two keys in three on a source) it takes 0.66-0.71 us a key, ``add``
-        0.87-1.08 (500,770 keys, this 2-core host, idle)."""
+        """Count each of ``keys`` that ``data`` holds and the routing places on another
+        shard, with its bytes (key and ``data[key]``). The per-key work is in C where it
+        can be: each key's slot, and what the owner cache knows of it, are C-level maps,
+        and only the keys whose slot does not stay here (or is not known yet) take a
+        Python step. On ``bench reshard``'s keys (a growth 2 -> 3 keeps two keys in
+        three on a source) it takes 0.66-0.71 us a key, where a Python step for every
+        key took 0.87-1.08 (500,770 keys, this 2-core host, idle)."""
         cache = self._cache
         known = cache.slots
         keys = list(filter(data.__contains__, keys))

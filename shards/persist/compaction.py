@@ -59,11 +59,11 @@ class Compaction:
         """The snapshot of a map installed from the peer (``DataDir.replace``): the old
         files are gone, so until it is whole the map is on no disk here, and failing to
         write it is a disk error, not a compaction to try again later."""
-        self.uuids: list | tuple = []
+        self.uuids: tuple[dict[bytes, int], ...] = ()
         """The applied UUIDs as of the snapshot's sequence, written after its entries,
-        ``UUID_PIECE`` a turn: ``[uuid, seq, ...]``, or dicts ``{uuid: seq}`` oldest
-        first (``AppliedUuids.generations``: copies, taken with the snapshot; an entry
-        past the snapshot's sequence is left out)."""
+        ``UUID_PIECE`` a turn: dicts ``{uuid: seq}``, oldest first
+        (``AppliedUuids.generations``: copies, taken with the snapshot; an entry past the
+        snapshot's sequence is left out)."""
         self._uuid_pairs = None
 
     def step(self, keys: int = SNAPSHOT_CHUNK_KEYS) -> bool:
@@ -90,13 +90,9 @@ class Compaction:
 
     def _pairs(self):
         """``(uuid, seq)`` of ``uuids`` at or before the snapshot's sequence."""
-        uuids, seq = self.uuids, self.seq
-        if isinstance(uuids, list):
-            flat = iter(uuids)
-            pairs = zip(flat, flat)
-        else:
-            pairs = chain.from_iterable(table.items() for table in uuids)
-        return (pair for pair in pairs if pair[1] <= seq)
+        seq = self.seq
+        return (pair for pair in chain.from_iterable(table.items() for table in self.uuids)
+                if pair[1] <= seq)
 
     def finish(self) -> None:
         """Blocking (run it off the loop): fsync the segment the rotation retired and the

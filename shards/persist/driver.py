@@ -40,7 +40,7 @@ class Persistence:
     """One server's data directory on its loop (see the module doc)."""
 
     def __init__(self, data_dir: DataDir, *, flush_held: Callable[[], None],
-                 snapshot_of: Callable[[], tuple[Store, list | tuple]],
+                 snapshot_of: Callable[[], tuple[Store, tuple[dict[bytes, int], ...]]],
                  on_disk_error: Callable[[str, OSError], None],
                  on_compacted: Callable[[Compaction], None] = lambda job: None):
         self.dir = data_dir
@@ -126,7 +126,7 @@ class Persistence:
 
     # ------------------------------------------------------------------ a replaced map
     def replace(self, store: Store, generation: str, dropped_from: int | None,
-                uuids: list) -> tuple[int, Compaction] | None:
+                uuids: tuple[dict[bytes, int], ...]) -> tuple[int, Compaction] | None:
         """Rewrite the directory from ``store`` (a Binary Star peer's map): how many of
         this directory's updates were dropped (kept in ``dropped-*``), and the snapshot
         being written (its only copy: a failure of it is a disk error). None after a

@@ -433,10 +433,11 @@ class DataDir:
                 and self.clock() >= self._compact_retry_at
                 and self.log_bytes > self.compact_ratio * self.snapshot_bytes)
 
-    def start_compaction(self, store: Store, uuids: list | tuple | None = None) -> Compaction:
+    def start_compaction(self, store: Store, uuids: tuple[dict[bytes, int], ...] = ()
+                         ) -> Compaction:
         """Rotate the log and start writing ``store``'s snapshot at its sequence, with
-        ``uuids`` (the applied UUIDs as of it). The retired segment is written now and
-        fsynced by the compaction, off the reactor."""
+        ``uuids`` (the applied UUIDs as of it: ``AppliedUuids.generations``). The
+        retired segment is written now and fsynced by the compaction, off the reactor."""
         self.flush()
         retired, self._fd = self._fd, -1
         segment, size, log_bytes = self.segment, self._segment_bytes, self.log_bytes
@@ -450,7 +451,7 @@ class DataDir:
         cursor = store.open_snapshot(with_expiry=True)
         try:
             self.compaction = Compaction(self.path, cursor, self.generation, retired_fd=retired)
-            self.compaction.uuids = uuids or []
+            self.compaction.uuids = uuids
         except OSError as exc:
             cursor.close()
             os.fsync(retired)  # what the compaction would have done, off the reactor
@@ -488,7 +489,7 @@ class DataDir:
 
     # ------------------------------------------------------------------ replacement
     def replace(self, store: Store, generation: str, dropped_from: int | None,
-                uuids: list | tuple | None = None) -> int:
+                uuids: tuple[dict[bytes, int], ...] = ()) -> int:
         """A passive installs ``store`` (its active's map): keep the updates from
         ``dropped_from`` on (if any) in a ``dropped-<utc>.cml`` file, delete the old
         files, start a new segment after ``store.seq`` and a compaction that writes
@@ -509,7 +510,7 @@ class DataDir:
         self._open_segment(store.seq + 1)
         self.compaction = Compaction(self.path, store.open_snapshot(with_expiry=True), generation)
         self.compaction.only_copy = True
-        self.compaction.uuids = uuids or []
+        self.compaction.uuids = uuids
         self.counters["replaced"] += 1
         self.counters["dropped_updates"] += dropped
         return dropped

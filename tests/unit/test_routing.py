@@ -186,7 +186,7 @@ def test_the_slot_owners_a_count_found_are_the_routing_s(sm, some):
     smap, pinned = sm
     some = [k.encode("utf-8") for k in [*some, *pinned, *(p + "x/y" for p in pinned)]]
     tally = LeavingTally(smap, 0)
-    tally.add((k, b"v") for k in some)
+    tally.add_keys(some, dict.fromkeys(some, b"v"))
     owners = tally.slot_owners()
     for slot, owner in owners.items():
         assert slot.endswith(b"/") and smap.owner(slot + b"k") == owner
@@ -199,9 +199,10 @@ def test_the_slot_owners_a_count_found_are_the_routing_s(sm, some):
        st.integers(1, 64))
 def test_a_count_by_columns_is_the_key_by_key_count(sm, some, absent, max_slots):
     """``LeavingTally.add_keys`` (the plan's count: slots and what the owner cache knows
-    of them read in C, only the leaving keys looked at one by one) finds the same keys,
-    bytes and slot owners as ``add``, for any routing and pins, keys a store no longer
-    holds, slots that are whole keys, and an owner cache cleared between keys."""
+    of them read in C, only the leaving keys looked at one by one) finds the keys, bytes
+    and slot owners that the routing gives, key by key, for any routing and pins, keys a
+    store no longer holds, slots that are whole keys, and an owner cache cleared between
+    keys; in one call or in chunks, as a count goes."""
     from clonemap.shards.server import LeavingTally
 
     smap, pinned = sm
@@ -209,12 +210,12 @@ def test_a_count_by_columns_is_the_key_by_key_count(sm, some, absent, max_slots)
     data = {k: b"v" * (len(k) % 5) for k in held}
     asked = list(dict.fromkeys(held + [k.encode("utf-8") + b"/gone" for k in absent]))
     for index in range(min(smap.shards, 3)):
-        one, cols = LeavingTally(smap, index), LeavingTally(smap, index)
-        cols._cache.max_slots = max_slots
-        one.add((k, data[k]) for k in asked if k in data)
+        whole = LeavingTally(smap, index)
+        cols = LeavingTally(smap, index, max_slots=max_slots)
+        whole.add_keys(asked, data)
         for at in range(0, len(asked), 7):  # (in chunks, as a count goes)
             cols.add_keys(asked[at:at + 7], data)
-        assert cols.rows() == one.rows()
+        assert cols.rows() == whole.rows()
         expected = {}
         for k, v in data.items():
             if smap.owner(k) != index:
