@@ -59,9 +59,9 @@ import dataclasses
 import json
 import logging
 import os
-from collections import deque
 import shutil
 import time
+from collections import deque
 from pathlib import Path
 from typing import Callable
 
@@ -767,22 +767,22 @@ class Resharding:
                     counting: asyncio.Future | None = None) -> dict:
         """``counting``: the plan still being counted (``count``), awaited once the added
         shards started (their start is then not a wait of its own)."""
-        def pairs_of(plan: dict) -> list[tuple[int, int]]:
+        def moves_of(plan: dict) -> tuple[list[tuple[int, int]], list[int], list[int]]:
             # every pair of shards the routing can move keys between, whatever the
             # counts said (a key written since the count is copied too): the counted
             # moves; a growth's added shards from every old one; a shrink's removed
-            # shards to every one that stays; each moved pin's old owner to its new one
-            return sorted({(m["from"], m["to"]) for m in plan["moves"] if m["keys"]}
-                          | {(s, t) for s in range(old.shards)
-                             for t in range(old.shards, new.shards)}
-                          | {(s, t) for s in range(new.shards, old.shards)
-                             for t in range(new.shards)}
-                          | set(moved_prefixes(old, new).values()))
+            # shards to every one that stays; each moved pin's old owner to its new one;
+            # and the sources and the targets of those pairs
+            pairs = sorted({(m["from"], m["to"]) for m in plan["moves"] if m["keys"]}
+                           | {(s, t) for s in range(old.shards)
+                              for t in range(old.shards, new.shards)}
+                           | {(s, t) for s in range(new.shards, old.shards)
+                              for t in range(new.shards)}
+                           | set(moved_prefixes(old, new).values()))
+            return pairs, sorted({s for s, _ in pairs}), sorted({t for _, t in pairs})
 
-        pairs = pairs_of(plan)
+        pairs, sources, targets = moves_of(plan)
         self._adding = new_plan
-        sources = sorted({s for s, _ in pairs})
-        targets = sorted({t for _, t in pairs})
         added = list(range(old.shards, new.shards))
         removed = list(range(new.shards, old.shards))
         began = time.monotonic()
@@ -804,9 +804,7 @@ class Resharding:
                 phases["added_s"] = time.monotonic() - began
                 plan = await counting
                 await self._say_plan(plan)
-                pairs = pairs_of(plan)
-                sources = sorted({s for s, _ in pairs})
-                targets = sorted({t for _, t in pairs})
+                pairs, sources, targets = moves_of(plan)
                 forward = _collectors(new_plan, targets)
             phases["start_s"] = time.monotonic() - began  # (and, with ``counting``, counted)
             # the added shards serve no client yet: their copy takes the CPU the rest
@@ -911,10 +909,9 @@ class Resharding:
                 raise Refused(b"409", f"the copies did not catch up within the hold bound "
                                       f"({self.hold_bound_s:g} s) in {HOLD_ATTEMPTS} tries")
         except BaseException as exc:
-            if counting is not None and not counting.done():
-                counting.cancel()  # (the start failed first)
-            elif counting is not None and not counting.cancelled():
-                counting.exception()  # (read: the roll-back says why)
+            if counting is not None:  # (stopped if the start failed first; else its
+                counting.cancel()  # outcome is read: the roll-back says why)
+                counting.add_done_callback(_read_outcome)
             await self._roll_back(sources, targets, added, exc)
             if isinstance(exc, Exception) and not isinstance(exc, Refused):
                 raise Refused(b"409", f"rolled back before the flip: {type(exc).__name__}: "

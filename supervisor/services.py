@@ -139,9 +139,9 @@ class ControlServices:
         hold, 409 (with the plan as a second frame when there is one) a change that
         could not be applied (rolled back), 503 a server that could not count or no
         active server (``clonemap.supervisor.resharding``). An apply that counts its
-        plan says it first in a PARTIAL, JSON {plan, phase: "planned"}. JSON {abort: true}: the
-        change under way stops and rolls back (200, what happens; 409 why not: none
-        runs, or it is past its flip)."""
+        plan says it first in a PARTIAL, JSON {plan, phase: "planned"}. JSON {abort:
+        true}: the change under way stops and rolls back (200, what happens; 409 why
+        not: none runs, or it is past its flip)."""
         from clonemap.supervisor.resharding import Refused, parse_change
 
         if self.resharding is None or self.runner.stopping:
