@@ -138,18 +138,12 @@ class TwoHosts:
 
     def etcd_routing(self) -> dict:
         """What etcd holds under ``clonemap/moving/routing``, read from host c."""
-        done = run_on(self.hosts, "c", "-c",
-                      "import sys; from clonemap.shards.coord import Etcd; "
-                      "print((Etcd([(sys.argv[1], int(sys.argv[2]))]).get("
-                      "b'clonemap/moving/routing') or b'{}').decode())",
-                      self.etcd.host, str(self.etcd.port))
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
+        return json.loads(self.etcd_key("routing") or "{}")
 
     def etcd_key(self, name: str) -> str | None:
         """What etcd holds under ``clonemap/moving/<name>`` (None: nothing), read from
-        host c: ``move``, the record of a change past its seal; ``change``, the claim
-        of the change under way."""
+        host c: ``routing``; ``move``, the record of a change past its seal; ``change``,
+        the claim of the change under way."""
         done = run_on(self.hosts, "c", "-c",
                       "import json, sys; from clonemap.shards.coord import Etcd; "
                       "got = Etcd([(sys.argv[1], int(sys.argv[2]))]).get("
@@ -246,6 +240,17 @@ class TwoHosts:
         while sum(1 for line in proc.stdout if line.startswith("ACK ")) < want:
             proc._out.wait_for(lambda line: line.startswith("ACK "),
                                max(0.01, deadline - time.monotonic()))
+
+    def lose_nothing(self, shards: list[dict], routing: ShardMap,
+                     acked: dict[str, str] | None = None) -> dict[str, str]:
+        """Every server of ``shards`` holds only the keys ``routing`` gives its shard, no
+        key is on two shards, and every acknowledged write (the writers' ledger, or
+        ``acked``) is on its one owner: those writes."""
+        acked = self.ledger() if acked is None else acked
+        merged = owned_once(self.shard_maps(shards), routing, self.servers_read)
+        lost = lost_writes(acked, merged, routing, self.servers_read)
+        assert not lost, lost
+        return acked
 
     def ledger(self) -> dict[str, str]:
         """Stop every writer; every acknowledged (key, value)."""
@@ -541,11 +546,8 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     assert cluster.map_epoch("b") == epoch
     cluster.wait_acks("/p/", 20)
     cluster.wait_acks("k", 20)
-    acked = cluster.ledger()
     routing = ShardMap(3, {target: ["/p/"]}, epoch=epoch)
-    merged = owned_once(cluster.shard_maps(grown["shards"]), routing, cluster.servers_read)
-    lost = lost_writes(acked, merged, routing, cluster.servers_read)
-    assert not lost, lost
+    acked = cluster.lose_nothing(grown["shards"], routing)
     assert any(routing.owner(k) == 2 for k in acked), "the added shard took no key"
 
     # shrink back to 2 through host a's supervisor (s2's keys go to s0 and s1: two
@@ -580,9 +582,6 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     acked.update(cluster.ledger())
     routing = ShardMap(2, {target: ["/p/"]}, epoch=epoch + 1)
     cluster.servers_read.clear()
-    merged = owned_once(cluster.shard_maps(grown["shards"][:2]), routing,
-                        cluster.servers_read)
-    lost = lost_writes(acked, merged, routing, cluster.servers_read)
-    assert not lost, lost
+    cluster.lose_nothing(grown["shards"][:2], routing, acked)
     whole = cluster.read(cluster.controls)  # a client of the whole map, through the map
     assert {k: whole.get(k) for k in acked} == acked

@@ -1,18 +1,16 @@
 """A host cut off in the middle of a growth across hosts (network namespaces, a real
 etcd, one supervisor per host), or etcd stopped at the seal: each key ends with exactly
-one owner, accepting writes, with every acknowledged write there. The cluster and its helpers are
-``test_reshard_hosts``'s; the tests live apart so that the suite's workers run them
-beside that module's long one.
+one owner, accepting writes, with every acknowledged write there. The cluster and its
+helpers are ``test_reshard_hosts``'s; the tests live apart so that the suite's workers
+run them beside that module's long one.
 """
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import pytest
 
-from test_reshard_hosts import TwoHosts, lost_writes, owned_once
+from test_reshard_hosts import TwoHosts
+from test_operations import frozen
+from conftest import wait_until
 from clonemap.shards.common.routing import ShardMap
 
 
@@ -86,11 +84,7 @@ def test_a_host_cut_off_in_the_middle_of_a_growth_leaves_one_owner_per_key(
         cluster.wait_servers_at(epoch, 6)
         cluster.wait_acks("k", 20)
 
-        acked = cluster.ledger()
-        merged = owned_once(cluster.shard_maps(cluster.grown()["shards"]), ShardMap(3),
-                            cluster.servers_read)
-        lost = lost_writes(acked, merged, ShardMap(3), cluster.servers_read)
-        assert not lost, lost
+        cluster.lose_nothing(cluster.grown()["shards"], ShardMap(3))
     finally:
         cluster.stop()
 
@@ -114,9 +108,7 @@ def test_an_etcd_that_does_not_answer_at_the_seal_keeps_no_write_past_the_hold_b
         sup_a = cluster.supervisors["a"]
         _, three, change = cluster.start_growth("a", "RESHARD_PAUSED phase=held")
         go_on = cluster.run_dir("a") / "reshard.continue"
-        etcd = cluster.etcd.member.pid
-        os.kill(etcd, signal.SIGSTOP)
-        try:
+        with frozen([cluster.etcd.member.pid]):  # (SIGCONT at the end, whatever came)
             seen = 0
             for attempt in range(HOLD_ATTEMPTS):  # (each attempt pauses at held again)
                 go_on.touch()
@@ -124,8 +116,6 @@ def test_an_etcd_that_does_not_answer_at_the_seal_keeps_no_write_past_the_hold_b
                 if attempt < HOLD_ATTEMPTS - 1:
                     sup_a.wait_line("RESHARD_PAUSED phase=held", 30)
             code = change.wait(60)
-        finally:
-            os.kill(etcd, signal.SIGCONT)
         said = "\n".join(change.stdout + change.stderr)
         assert code == 1 and "not applied" in said, said
         released = [line for line in sup_a.stderr if "the writes are released" in line]
@@ -139,10 +129,9 @@ def test_an_etcd_that_does_not_answer_at_the_seal_keeps_no_write_past_the_hold_b
         # a record etcd read from a socket once it ran again (the client had given up on
         # it) is its supervisor's own, found while it runs no change: removed; and the
         # claim that could not be given back while etcd was stopped ends with its lease
-        deadline = time.monotonic() + 20
-        while (left := {k: cluster.etcd_key(k) for k in ("move", "change")}) != {
-                "move": None, "change": None}:
-            assert time.monotonic() < deadline, f"left in etcd: {left}"
+        wait_until(lambda: cluster.etcd_key("move") is None and
+                   cluster.etcd_key("change") is None,
+                   "etcd without a change's record or claim", timeout_s=20)
 
         change = cluster.start_reshard(three, via="a")
         cluster.wait_phase("a", "RESHARD_PAUSED phase=held", change)
@@ -151,11 +140,7 @@ def test_an_etcd_that_does_not_answer_at_the_seal_keeps_no_write_past_the_hold_b
         cluster.wait_epoch(2)
         cluster.wait_servers_at(2, 6)
         cluster.wait_acks("k", 20)
-        acked = cluster.ledger()
-        merged = owned_once(cluster.shard_maps(cluster.grown()["shards"]), ShardMap(3),
-                            cluster.servers_read)
-        lost = lost_writes(acked, merged, ShardMap(3), cluster.servers_read)
-        assert not lost, lost
+        cluster.lose_nothing(cluster.grown()["shards"], ShardMap(3))
     finally:
         cluster.stop()
 
@@ -175,13 +160,9 @@ def test_an_etcd_that_does_not_take_the_epoch_leaves_the_change_to_be_settled(
         cluster.writer("k")
         cluster.wait_acks("k", 40)
         _, _, change = cluster.start_growth("a", "RESHARD_PAUSED phase=committed")
-        etcd = cluster.etcd.member.pid
-        os.kill(etcd, signal.SIGSTOP)
-        try:
+        with frozen([cluster.etcd.member.pid]):
             (cluster.run_dir("a") / "reshard.continue").touch()
             code = change.wait(60)
-        finally:
-            os.kill(etcd, signal.SIGCONT)
         said = "\n".join(change.stdout + change.stderr)
         assert code == 1 and "did not take epoch 2" in said, said
         # (etcd may also take the compare-and-swap it reads from its socket once it runs
@@ -189,14 +170,9 @@ def test_an_etcd_that_does_not_take_the_epoch_leaves_the_change_to_be_settled(
         cluster.wait_epoch(2, timeout_s=40)
         assert cluster.etcd_routing()["routing"]["epoch"] == 2
         cluster.wait_servers_at(2, 6)
-        deadline = time.monotonic() + 20
-        while (left := cluster.etcd_key("move")) is not None:
-            assert time.monotonic() < deadline, f"left in etcd: {left}"
+        wait_until(lambda: cluster.etcd_key("move") is None,
+                   "etcd without a change's record", timeout_s=20)
         cluster.wait_acks("k", 20)
-        acked = cluster.ledger()
-        merged = owned_once(cluster.shard_maps(cluster.grown()["shards"]), ShardMap(3),
-                            cluster.servers_read)
-        lost = lost_writes(acked, merged, ShardMap(3), cluster.servers_read)
-        assert not lost, lost
+        cluster.lose_nothing(cluster.grown()["shards"], ShardMap(3))
     finally:
         cluster.stop()
