@@ -29,7 +29,7 @@ from clonemap.shards.common.proto.bstar import PEER_DOWN
 from clonemap.shards.common.routing import (MOVE_COMMAND, ROUTING_COMMAND, ROUTING_COUNT,
                                             ROUTING_FORGET, ShardMap)
 from clonemap.shards.pair import BinaryStar, parse_peer
-from clonemap.shards.server import ShardServer
+from clonemap.shards.server import COUNT_BEAT_S, ShardServer
 
 log = logging.getLogger("clonemap.shards")
 
@@ -37,6 +37,8 @@ PARENT_POLL_S = 0.5
 FATAL_EXIT = 1
 COMPACT_COMMAND = b"compact"
 """A control request's first frame: start a compaction now (``compact_refused``)."""
+MIN_BEAT_S = 0.05
+"""The shortest beat a count's request may ask for (``_leaving``)."""
 
 
 def parse_cpus(ctx, param, value: str | None) -> list[int] | None:
@@ -203,14 +205,28 @@ def _move(server: ShardServer, body: list[bytes]) -> str:
         return f"not a move step: {type(exc).__name__}: {exc}"
 
 
-async def _leaving(server: ShardServer, body: list[bytes]) -> dict | str:
-    """What a control request's routing would take off this shard: {"shard index":
-    [keys, bytes]}, or why it is not a routing. Counted a chunk per loop turn
-    (``ShardServer.count_leaving``): the server serves meanwhile."""
-    shard_map = _routing_of(body)
+async def _leaving(server: ShardServer, request) -> dict | str:
+    """What a control request's routing (``[ROUTING_COMMAND, routing, ROUTING_COUNT,
+    beat]``) would take off this shard: {"shard index": [keys, bytes]}, or why it is
+    not a routing. Counted a chunk per loop turn (``ShardServer.count_leaving``): the
+    server serves meanwhile, and says every ``beat`` seconds (the optional fourth frame,
+    ``COUNT_BEAT_S`` without it) how far it got, in a PARTIAL ``{"counting": keys looked
+    at, "of": keys}``: a count lasts as long as the map is large, and the asker waits
+    for the next word, not for the whole count."""
+    shard_map = _routing_of(request.body[1:2])
     if isinstance(shard_map, str):
         return shard_map
-    leaving = await server.count_leaving(shard_map)
+    beat_s = COUNT_BEAT_S
+    if len(request.body) > 3:
+        try:
+            beat_s = min(max(float(request.body[3]), MIN_BEAT_S), COUNT_BEAT_S * 10)
+        except ValueError:
+            return f"not a beat in seconds: {request.body[3][:32]!r}"
+
+    async def beat(looked_at: int, of: int) -> None:
+        await request.partial(json.dumps({"counting": looked_at, "of": of}).encode())
+
+    leaving = await server.count_leaving(shard_map, beat, beat_s)
     return {str(i): list(row) for i, row in leaving.items()}
 
 
@@ -251,7 +267,7 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
             said: dict = {}
             command = request.body[:1]
             if command == [ROUTING_COMMAND] and request.body[2:3] == [ROUTING_COUNT]:
-                return counted(request.body[1:2])
+                return counted(request)
             if command == [PEER_DOWN] and isinstance(server.role, BinaryStar):
                 server.role.peer_reported_down("the supervisor says so")
             elif command == [COMPACT_COMMAND]:
@@ -266,8 +282,8 @@ async def _serve(server: ShardServer, shard: str, control: str | None,
             stats.update(said)
             return json.dumps(stats)
 
-        async def counted(body: list[bytes]) -> str:
-            leaving = await _leaving(server, body)
+        async def counted(request) -> str:
+            leaving = await _leaving(server, request)
             stats = control_stats(server, shard)
             stats["routing_leaving"] = leaving
             return json.dumps(stats)

@@ -91,6 +91,14 @@ times the chunk's own time (a quarter of a core at most): every server counts at
 and at full speed the four of ``bench reshard`` held the writes at a p50 of 23-59 ms for
 the count's two seconds; idling as long as each chunk (half a core), the count's
 half-seconds had the writes at a p50 of 1.7-3.2 ms; three times as long, 0.5-1.6 ms."""
+COUNT_PAUSE_S = float(os.environ.get("CLONEMAP_COUNT_PAUSE_S") or 0.0)
+"""Tests only (``CLONEMAP_COUNT_PAUSE_S``): the least idle after each chunk of a count, so
+that a small map's count lasts as long as a large one's (a beat of ``count_leaving``)."""
+COUNT_BEAT_S = 1.0
+"""How often a count that is still running says so (``count_leaving``'s ``beat``),
+unless its request asks otherwise: a count lasts as long as the map is large (~3 s of
+wall at 500,000 keys here), and whoever asked for it waits for the next word, not for
+the whole count."""
 FORGET_IDLE = 9.0
 """After each chunk a source forgets, it waits this many times the chunk's own time
 before the next (a tenth of a core at most): forgetting is background work, and at a
@@ -1267,24 +1275,45 @@ class ShardServer:
             return data
         return [k for k in data if k.startswith(where)] if where else ()
 
-    async def count_leaving(self, shard_map) -> dict[int, tuple[int, int]]:
+    async def count_leaving(self, shard_map, beat=None,
+                            beat_s: float = COUNT_BEAT_S) -> dict[int, tuple[int, int]]:
         """``keys_leaving`` for a plan (``supervisor reshard`` asks every server at once),
         ``FORGET_CHUNK`` keys per loop turn: at 500,000 keys one pass held each server's
         writes for about half a second. It counts the keys held when it was asked that
-        are still held when their chunk's turn comes, at their value then."""
+        are still held when their chunk's turn comes, at their value then. ``await
+        beat(looked_at, of)`` every ``beat_s`` while it runs: its length grows with the
+        map, so the one who asked waits for the next beat rather than for the whole
+        count (``supervisor reshard`` gives each reply ``ASK_TIMEOUT_S``)."""
         tally = LeavingTally(shard_map, self.config.shard_index)
         data = self.store.data
         keys = tuple(self._keys_that_may_leave(shard_map))  # (as ``forget_moved``'s)
         started, busy = time.perf_counter(), 0.0
-        for at in range(0, len(keys), FORGET_CHUNK):
-            began = time.perf_counter()
-            # (those still held, as they stand when the chunk's turn comes)
-            tally.add_keys(self._countable(keys[at:at + FORGET_CHUNK]), data)
-            took = time.perf_counter() - began
-            busy += took
-            # (idle ``COUNT_IDLE`` times as long as the chunk took: a quarter of a core at
-            # most, every shard's active counting at once beside the writes)
-            await asyncio.sleep(took * COUNT_IDLE)
+        looked_at = 0
+
+        async def beating() -> None:  # (on its own timer: however long a chunk's idle)
+            while True:
+                await asyncio.sleep(beat_s)
+                try:
+                    await beat(looked_at, len(keys))
+                except Exception as exc:  # noqa: BLE001 - the asker left: the count goes on
+                    log.debug("routing: the count's beat not sent (%s)", exc)
+                    return
+
+        beater = asyncio.ensure_future(beating()) if beat is not None else None
+        try:
+            for looked_at in range(0, len(keys), FORGET_CHUNK):
+                began = time.perf_counter()
+                # (those still held, as they stand when the chunk's turn comes)
+                tally.add_keys(self._countable(keys[looked_at:looked_at + FORGET_CHUNK]),
+                               data)
+                took = time.perf_counter() - began
+                busy += took
+                # (idle ``COUNT_IDLE`` times as long as the chunk took: a quarter of a core
+                # at most, every shard's active counting at once beside the writes)
+                await asyncio.sleep(max(took * COUNT_IDLE, COUNT_PAUSE_S))
+        finally:
+            if beater is not None:
+                beater.cancel()
         owners = tally.slot_owners()  # (kept as long as the owner cache would keep them)
         self.slot_owners = (shard_map, owners) if len(owners) <= OWNER_CACHE_MAX else None
         rows = tally.rows()

@@ -83,6 +83,8 @@ ASK_TIMEOUT_S = float(os.environ.get("CLONEMAP_RESHARD_ASK_S") or 5.0)
 """How long one server may take to count or install (a count is one pass over its map).
 Tests only: ``CLONEMAP_RESHARD_ASK_S`` sets it, so that a frozen server's request
 outlasts any bound the test checks by far."""
+COUNT_BEATS = 4
+"""A count is asked to say how far it got this many times per ``ASK_TIMEOUT_S`` (``count``)."""
 HOLD_BOUND_S = 0.5
 """How long the moving keys' writes may be held (the sources hold them while the copies
 catch up); past it the holds are released and the move tried again."""
@@ -316,10 +318,12 @@ class Resharding:
             return self.endpoint
         return plan.control_of(server)
 
-    async def _ask(self, name: str, *body: bytes) -> dict:
+    async def _ask(self, name: str, *body: bytes, beats=None) -> dict:
         """One control request to server ``name`` (its own MDP client, kept for the
         change: a move asks the same servers many times), through the broker of the
-        supervisor that runs it."""
+        supervisor that runs it. Each reply message may take ``ASK_TIMEOUT_S``.
+        ``beats(body)``: the request's PARTIALs go there (a count says how far it got),
+        each restarting that wait."""
         server = self._server(name)
         entry = self._clients.get(name)
         if entry is None:
@@ -327,9 +331,16 @@ class Resharding:
                 MdpClient(self._endpoint_of(server), ctx=self.ctx, timeout_s=ASK_TIMEOUT_S,
                           retries=0, security=self.security), asyncio.Lock())
         client, lock = entry
+        service = stats_service(server.shard, server.role)
         async with lock:
             try:
-                reply = await client.request(stats_service(server.shard, server.role), *body)
+                if beats is None:
+                    reply = await client.request(service, *body)
+                else:
+                    async with client.stream(service, *body) as replies:
+                        async for partial in replies:
+                            beats(partial)
+                    reply = replies.final
             except BaseException:
                 self._clients.pop(name, None)
                 await client.close()
@@ -516,7 +527,25 @@ class Resharding:
         (``_counting``; the largest count where both servers of a pair counted)."""
         doc = json.dumps(new.describe()).encode()
         names = await self._counting()
-        answers = await asyncio.gather(*(self._ask(n, ROUTING_COMMAND, doc, ROUTING_COUNT)
+        # (a count lasts as long as its server's map is large: each says every beat how
+        # far it got, and is given ``ASK_TIMEOUT_S`` for each word, not for the whole)
+        beat = b"%g" % max(ASK_TIMEOUT_S / COUNT_BEATS, 0.05)
+        looked_at: dict[str, tuple[int, int]] = {}
+
+        def beats(name: str):
+            def heard(body: list[bytes]) -> None:
+                try:
+                    got = json.loads(body[-1])
+                    looked_at[name] = (int(got["counting"]), int(got["of"]))
+                except (ValueError, KeyError, TypeError, IndexError):
+                    return  # (a word of another kind: it still said the server counts)
+                if self._state.get("running"):
+                    self._state["counted"] = [sum(a for a, _ in looked_at.values()),
+                                              sum(b for _, b in looked_at.values())]
+            return heard
+
+        answers = await asyncio.gather(*(self._ask(n, ROUTING_COMMAND, doc, ROUTING_COUNT,
+                                                   beat, beats=beats(n))
                                          for n in names), return_exceptions=True)
         moves: dict[tuple[int, int], list[int]] = {}
         for name, got in zip(names, answers):

@@ -1317,6 +1317,62 @@ def test_a_growth_whose_plan_cannot_be_counted_stops_the_shard_it_started(
         assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
 
 
+def test_a_count_longer_than_the_supervisor_s_wait_beats_and_the_growth_completes(
+        procs, tmp_path, zctx):
+    """A plan's count lasts as long as its server's map is large, and the supervisor
+    waits ``ASK_TIMEOUT_S`` for each reply: the count says every beat how far it got
+    (an MDP PARTIAL), so a count that lasts longer than that wait is not taken for a
+    silent server. Here every count chunk idles 0.6 s (``CLONEMAP_COUNT_PAUSE_S``) and
+    the supervisor waits 1 s for a word: each shard's count of ~3,000 keys (three chunks)
+    lasts 1.8 s. The growth completes: the plan it printed is exact, status showed how far
+    the count got, and every key is on its owner."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
+                       "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
+                       timeout_s=60, env={"CLONEMAP_RESHARD_ASK_S": "1",
+                                          "CLONEMAP_COUNT_PAUSE_S": "0.6"})
+    wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(6000)}
+    _write_all(config, ledger)
+    moving = {}
+    for key in ledger:
+        was, now = ShardMap(2).owner(key), ShardMap(3).owner(key)
+        if was != now:
+            moving[(was, now)] = moving.get((was, now), 0) + 1
+    assert moving and all(now == 2 for _, now in moving)
+
+    async def grow():  # (status shows the count under way: keys looked at, of how many)
+        from clonemap.supervisor.control import call
+
+        growth = asyncio.create_task(asyncio.to_thread(
+            cli, "reshard", str(config), "--to", str(three), "--yes", timeout_s=120))
+        seen = None
+        while not growth.done() and seen is None:
+            row = json.loads(await asyncio.to_thread(
+                call, control, "cluster.status", b"", timeout_s=5)).get("routing") or {}
+            seen = row.get("counted")
+            await asyncio.sleep(0.1)
+        return await growth, seen
+
+    done, seen = asyncio.run(grow())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert seen is not None and 0 <= seen[0] <= seen[1] == len(ledger), seen
+    for (was, now), keys in moving.items():  # (the plan, counted as the pair started)
+        assert f"shard {was} -> shard {now}: {keys} keys" in done.stdout, done.stdout
+    logs = [(tmp_path / "run" / "logs" / f"s{i}-{role}.log").read_text()
+            for i in (0, 1) for role in ("primary", "backup")]
+    took = [float(t) for t in re.findall(
+        r"routing: counted \d+ keys for epoch \d+ in ([\d.]+) s", "\n".join(logs))]
+    assert len(took) == 2 and min(took) >= 1.5, took  # (each shard's active; 1 s a word)
+    rows = wait_status(control, lambda r: len(r) == 6 and settled(r) and at_epoch(2)(r))
+    held = _held_by_actives(zctx, rows)
+    assert merged_once(held) == ledger
+    for name, keys in held.items():
+        assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
+    assert sup.popen.poll() is None  # (the supervisor serves on)
+
+
 def test_a_growth_starts_the_added_shard_s_relays_and_a_relay_client_follows(
         procs, tmp_path, zctx):
     """A cluster with a relay per shard grows 2 -> 3 shards while a client reads through
