@@ -70,8 +70,13 @@ HOLD_SAFETY_S = 5.0
 """An unsealed hold ends by itself after this long (the supervisor that began it holds
 it for its bound, 0.5 s by default, then releases or seals it)."""
 COPY_TIMEOUT_S = 30.0
-"""How long the copy's snapshot may take to arrive whole before the import fails (the
-supervisor allows more for a copy its rate makes longer: ``clonemap.supervisor.resharding``)."""
+"""How long the copy may go without progress before the import fails: its source's first
+HUGZ, the TTL table, and then each ``timeout_s`` some more of the snapshot (the supervisor
+allows more for a copy its rate makes longer: ``clonemap.supervisor.resharding``). A copy
+that moves slower than its rate, under idle priority on a busy host, goes on; a source
+that stopped sending fails it. (Until 2026-11-30 it was the whole snapshot's deadline: on a
+2-core host whose writes left the copy too little CPU, 168,768 of 336,160 keys came in
+30 s, and the growth failed.)"""
 PACE_MIN_S = 0.002
 """A copy ahead of its rate by less than this reads on (no timer for less)."""
 DRAIN_CHUNK = 500
@@ -111,7 +116,7 @@ class Import:
         snapshot's bytes (keys and values) read per second at most (None: as fast as
         they come): between two batches the reader pauses until it is back within the
         rate, and the source's stream waits on its high-water mark meanwhile.
-        ``timeout_s``: how long the snapshot may take to arrive whole."""
+        ``timeout_s``: how long the copy may go without progress (``COPY_TIMEOUT_S``)."""
         self.source = source
         self.prefix = prefix
         self.owns = owns if owns is not None else (lambda key: True)
@@ -152,6 +157,9 @@ class Import:
         self.paused_s = 0.0
         """Time the reader paused to keep within ``rate``."""
         self._paced_from: float | None = None
+        self._looked = (False, False, 0)
+        """How far the copy had got at the last look of ``_too_slow``: the source's
+        publisher heard, the snapshot asked, its bytes read."""
 
     @property
     def staged(self) -> int:
@@ -180,10 +188,20 @@ class Import:
         self._timer = self._loop.call_later(self.timeout_s, self._too_slow)
 
     def _too_slow(self) -> None:
-        if self.snapshot_seq < 0:
-            # where it stopped: the source's publisher never said a HUGZ (no request
-            # sent), the TTL table or the snapshot did not come (or came in part)
-            self._fail(f"no whole copy within {self.timeout_s:g} s ({self._where()})")
+        """Every ``timeout_s`` until the snapshot is whole: a copy that got further since
+        the last look goes on; one that did not fails."""
+        if self.snapshot_seq >= 0:
+            return
+        now = (self._live, self._paced_from is not None, self.received)
+        if now != self._looked:
+            self._looked = now
+            self._timer = self._loop.call_later(self.timeout_s, self._too_slow)
+            return
+        # where it stopped: the source's publisher never said a HUGZ (no request
+        # sent), the TTL table or the snapshot did not come (or stopped coming)
+        self._fail(f"no progress of the copy in {self.timeout_s:g} s, "
+                   f"{time.monotonic() - self.started_at:.1f} s after it began "
+                   f"({self._where()})")
 
     def _where(self) -> str:
         step = ("waiting for the source's first HUGZ" if not self._live else

@@ -94,7 +94,8 @@ SEAL_MIN_S = 0.02
 (their round trips; past it the holds are released and the move tried again)."""
 COPY_WAIT_S = 120.0
 """How long the copies may take to arrive and come within ``CATCH_UP`` of their sources
-(more for copies that ``copy_rate`` makes longer: ``copy_timeout_s``)."""
+(more for copies that ``copy_rate`` makes longer: ``copy_timeout_s``), counted from the
+last look at which a snapshot had come further: a copy slower than its rate goes on."""
 COPY_RATE = 32 * 2**20
 """Bytes per second each target of a move copies at most, unless the change says
 otherwise (``supervisor reshard --copy-rate``): the copy is paced so that a busy host
@@ -283,6 +284,9 @@ class Resharding:
         change rolls back (``_check_abort``); the move's record is written only under it."""
         self._new_config = ""
         """The config of the change under way (the path every host plans)."""
+        self._snapshot_looks: dict = {}
+        self._moved_at = 0.0
+        """When a copy's snapshot last came further (``_copies``, ``_snapshots_moved``)."""
         self._counted: tuple | None = None
         """The last plan counted: ((config, epoch, routing), when, the plan as JSON)."""
         self._parts: Plan | None = None
@@ -579,6 +583,7 @@ class Resharding:
             self.copy_paused_s = 0.0
             self._aborting = self._past_flip = False
             self._claim_lapsed, self._record_at = "", 0
+            self._snapshot_looks, self._moved_at = {}, 0.0
             if apply:
                 self._state = {"phase": "planning", "keys": 0, "bytes": 0,
                                "changes": self._state["changes"] + 1, "running": True,
@@ -867,7 +872,8 @@ class Resharding:
             if background:
                 try:
                     await self._copies(dst, lambda imp: imp["copied"], copy_wait_s,
-                                       "the copies' snapshots", src, poll_s=COPY_POLL_S)
+                                       "the copies' snapshots", src, poll_s=COPY_POLL_S,
+                                       while_moving=True)
                 except TimeoutError as exc:
                     raise Refused(b"409", str(exc)) from None
                 await self._priority(background, False)
@@ -882,8 +888,8 @@ class Resharding:
                                                imp, src)] - CATCH_UP, CATCH_UP_POLL_S,
                                            "the copies", src, poll_s=COPY_POLL_S)
                         break
-                    except TimeoutError:
-                        if time.monotonic() > deadline:
+                    except TimeoutError:  # (a snapshot still coming: more time)
+                        if time.monotonic() > max(deadline, self._moved_at + copy_wait_s):
                             raise Refused(b"409", f"the copies did not come within "
                                                   f"{CATCH_UP} updates of their sources "
                                                   f"in {copy_wait_s:g} s") from None
@@ -1094,10 +1100,12 @@ class Resharding:
 
     async def _copies(self, dst: dict[int, str], done: Callable[[dict], bool],
                       within_s: float, what: str, src: dict[int, str],
-                      poll_s: float = POLL_S) -> None:
+                      poll_s: float = POLL_S, while_moving: bool = False) -> None:
         """Until every import on every target is ``done`` (a failed copy, or a target
         that no longer holds one: ``Refused``; ``within_s`` passed: ``TimeoutError``),
-        looking every ``poll_s``."""
+        looking every ``poll_s``. ``while_moving``: ``within_s`` counts from the last
+        look at which a snapshot had come further (``_snapshots_moved``), not from the
+        start: a copy slower than its rate (idle priority on a busy host) goes on."""
         deadline = time.monotonic() + within_s
         while True:
             self._check_abort()
@@ -1108,6 +1116,7 @@ class Resharding:
             finished = True
             keys = size = 0
             paused = 0.0
+            stats_seen: list[dict] = []
             for name in dst.values():
                 try:
                     stats = await self._ask(name)
@@ -1128,6 +1137,7 @@ class Resharding:
                     if imp.get("error"):
                         raise Refused(b"409", f"{name}: a copy failed: {imp['error']}")
                     finished = finished and done(imp)
+                    stats_seen.append(imp)
                     keys += imp["keys"]
                     size += imp["bytes"]
                     paused += imp.get("paused_s", 0.0)
@@ -1135,9 +1145,22 @@ class Resharding:
             await self._say(keys=keys, bytes=size)
             if finished:
                 return
+            if self._snapshots_moved(stats_seen):
+                self._moved_at = time.monotonic()
+                if while_moving:
+                    deadline = self._moved_at + within_s
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{what} not within {within_s:g} s")
             await asyncio.sleep(poll_s)
+
+    def _snapshots_moved(self, imports: list[dict]) -> bool:
+        """Whether any of ``imports`` (the copies' stats at one look) read more of its
+        snapshot since the last look, or has it whole now while it had not then."""
+        now = {(imp.get("source"), imp.get("prefix")): (imp.get("received", 0),
+                                                       imp.get("snapshot_seq", -1) >= 0)
+               for imp in imports}
+        was, self._snapshot_looks = self._snapshot_looks, now
+        return any(now[k] != was.get(k) and not was.get(k, (0, False))[1] for k in now)
 
     async def _wait(self, check, within_s: float, what: str) -> None:
         deadline = time.monotonic() + within_s
