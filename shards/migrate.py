@@ -9,9 +9,9 @@ control services (``clonemap.shards.serve``):
   routing). It reads the source active as a replica does: its TTL table and applied
   UUIDs (``BSTAR-TTL?``), a snapshot of the prefix (``ICANHAZ?`` with ``move=``: only
   what moves here) and, from before that snapshot, the source's updates under the prefix
-  on its publisher (queued until the snapshot ends, then applied in order,
+  on its publisher (each key's last update kept until the snapshot ends, then applied,
   ``DRAIN_CHUNK`` a loop turn, those the snapshot holds skipped; the copy is ``copied``
-  once they are). ``source_seq`` is the source sequence the copy holds
+  once they are: the queue is bounded by the keys that move, however long the copy). ``source_seq`` is the source sequence the copy holds
   everything up to: the last KVPUB of the prefix, or the sequence of the last clock
   HUGZ, whichever is later (the publisher's stream is ordered, so a HUGZ at sequence S
   follows every KVPUB up to S). Each key copied is *staged* as it arrives
@@ -52,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 
 import zmq
 import zmq.asyncio
@@ -145,7 +144,16 @@ class Import:
         self._sub = self._dealer = None
         self._live = False
         self._expiries: dict[bytes, float] = {}
-        self._queued: deque[list[bytes]] = deque()
+        self._queued: dict[bytes, chp.Kvpub] = {}
+        """The source's last update of each moving key while the snapshot comes (and while
+        the queue is applied): one a key, however often it is written meanwhile, so the
+        queue is bounded by the keys that move, not by the writes' rate and the copy's
+        length (``_on_update``)."""
+        self._queued_seq = 0
+        """The last sequence the source said while the queue was kept (a HUGZ's, or a
+        KVPUB's): ``source_seq`` once the queue is applied."""
+        self._applying = None
+        """The queued updates being applied (an iterator), ``DRAIN_CHUNK`` a loop turn."""
         self._draining: asyncio.Handle | None = None
         """The queued updates are being applied, ``DRAIN_CHUNK`` a loop turn (``_drain``)."""
         self._timer = None
@@ -239,10 +247,20 @@ class Import:
                 return  # (before the subscription's welcome: covered by the snapshot)
             self._live = True
             self._dealer.send(bstar_ttl.request())
-        if not self.copied:
-            self._queued.append(frames)
+        if self.copied:
+            self._update(frames)
             return
-        self._update(frames)
+        # (the snapshot is still coming, or the queue is being applied: each key's last
+        # update is kept, applied after the snapshot if it is later than the snapshot)
+        msg = self._decode(frames)
+        if msg is None:
+            return
+        if isinstance(msg, chp.Hugz):
+            self._heard(msg, queued=True)
+        else:
+            self._queued_seq = max(self._queued_seq, msg.seq)
+            if msg.key.startswith(self.prefix) and self.owns(msg.key):
+                self._queued[msg.key] = msg
 
     def _on_reply(self, frames: list[bytes]) -> None:
         try:
@@ -271,53 +289,88 @@ class Import:
             log.info("import of %r from %s: %d keys copied at source sequence %d, %d "
                      "updates queued meanwhile", self.prefix, self.source,
                      len(self.sizes), self.snapshot_seq, len(self._queued))
+            self._applying = iter(self._take_queued())
             self._draining = self._loop.call_soon(self._drain)
             return
         self.received += len(msg.key) + len(msg.value)
         if self.owns(msg.key):
             self._put(msg.key, msg.value, self._expiries.get(msg.key))
 
+    def _take_queued(self) -> list[chp.Kvpub]:
+        queued, self._queued = self._queued, {}  # (what comes meanwhile: a fresh queue)
+        return list(queued.values())
+
     def _drain(self) -> None:
-        """Apply up to ``DRAIN_CHUNK`` of the updates queued during the snapshot, in
-        order, then the next chunk at the next loop turn; what the publisher sends
-        meanwhile is queued behind them. A serving target (a shrink's) applied them all
-        in one turn: ~33,000 updates of a 20 s copy, half a second in which its own
-        writes waited."""
-        queued, update = self._queued, self._update
-        for _ in range(min(DRAIN_CHUNK, len(queued))):
-            update(queued.popleft())
-            if self.error:  # (an update failed the copy: closed)
-                return
+        """Apply up to ``DRAIN_CHUNK`` of the updates queued during the snapshot, then
+        the next chunk at the next loop turn; what the publisher sends meanwhile is
+        queued again, and applied after them (a key's later update after its earlier
+        one). A serving target (a shrink's) applied them all in one turn: ~33,000
+        updates of a 20 s copy, half a second in which its own writes waited."""
+        apply, done = self._apply, 0
+        while done < DRAIN_CHUNK:
+            for msg in self._applying:
+                apply(msg)
+                if self.error:  # (an update failed the copy: closed)
+                    return
+                done += 1
+                if done >= DRAIN_CHUNK:
+                    break
+            else:  # (this queue is applied: then what came meanwhile, if anything)
+                if not self._queued:
+                    self._applying = None
+                    self.source_seq = max(self.source_seq, self._queued_seq)
+                    self._after_batch()
+                    self._draining = None
+                    return
+                self._applying = iter(self._take_queued())
         self._after_batch()
-        if queued:
-            self._draining = self._loop.call_soon(self._drain)
-        else:
-            self._draining = None
+        self._draining = self._loop.call_soon(self._drain)
+
+    def _decode(self, frames: list[bytes]):
+        """A message of the source's publisher, decoded (None: one that does not decode,
+        left out)."""
+        try:
+            return chp.decode_update(frames, self._limits, strict=False)
+        except ProtocolError:
+            return None
 
     def _update(self, frames: list[bytes]) -> None:
-        """One message of the source's publisher (after the snapshot, or queued)."""
-        try:
-            msg = chp.decode_update(frames, self._limits, strict=False)
-        except ProtocolError:
+        """One message of the source's publisher, once the copy is ``copied``."""
+        msg = self._decode(frames)
+        if msg is None:
             return
         if isinstance(msg, chp.Hugz):
-            info = chp.hugz_info(msg)
-            if info.ts is not None:
-                self.source_seq = max(self.source_seq, info.seq)
-            if info.generation:
-                self.source_gen = info.generation
-            if info.serving and info.term:
-                if self.source_term and info.term != self.source_term:
-                    # a new process at the source's address serves (one killed and back
-                    # through its alone record, Binary Star's L5): what it published
-                    # before this SUB was connected again is not in the copy
-                    self._fail(f"the source's active changed under the copy (term "
-                               f"{self.source_term} -> {info.term})")
-                    return
-                self.source_term = info.term
+            self._heard(msg)
             return
         if msg.seq > self.source_seq:  # (every update up to it was read: one stream)
             self.source_seq = msg.seq
+        self._apply(msg)
+
+    def _heard(self, msg: chp.Hugz, queued: bool = False) -> None:
+        """A HUGZ of the source: the sequence it names (``queued``: the queue holds
+        everything up to it, ``source_seq`` once applied), its map's generation, and its
+        Binary Star term (a new one fails the copy)."""
+        info = chp.hugz_info(msg)
+        if info.ts is not None:
+            if queued:
+                self._queued_seq = max(self._queued_seq, info.seq)
+            else:
+                self.source_seq = max(self.source_seq, info.seq)
+        if info.generation:
+            self.source_gen = info.generation
+        if info.serving and info.term:
+            if self.source_term and info.term != self.source_term:
+                # a new process at the source's address serves (one killed and back
+                # through its alone record, Binary Star's L5): what it published
+                # before this SUB was connected again is not in the copy
+                self._fail(f"the source's active changed under the copy (term "
+                           f"{self.source_term} -> {info.term})")
+                return
+            self.source_term = info.term
+
+    def _apply(self, msg: chp.Kvpub) -> None:
+        """A KVPUB of the source staged here, unless the snapshot holds it already or
+        its key does not move here."""
         if (msg.seq <= self.snapshot_seq or not msg.key.startswith(self.prefix)
                 or not self.owns(msg.key)):
             return  # in the snapshot already, or not moving here
@@ -340,7 +393,7 @@ class Import:
         return {"prefix": self.prefix.decode("utf-8", "replace"), "source": self.source,
                 "copied": self.copied, "keys": len(self.sizes), "bytes": self.bytes,
                 "source_seq": self.source_seq, "snapshot_seq": self.snapshot_seq,
-                "updates": self.updates, "error": self.error,
+                "updates": self.updates, "queued": len(self._queued), "error": self.error,
                 "received": self.received, "paused_s": round(self.paused_s, 3),
                 "source_gen": self.source_gen,
                 "age_s": round(time.monotonic() - self.started_at, 3)}
