@@ -456,7 +456,7 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
                                    "--rate", str(args.rate), "--value-bytes",
                                    str(args.value_bytes)],
                         ready="READY", timeout_s=DEADLINE_S, stdin=True)
-        outs = []
+        outs, cpus = [], []
 
         if _floor_work(args.change):  # (no keys move: every write is a staying key's)
             command = [python, "-m", "bench.harness.idle_load", "--seconds",
@@ -468,8 +468,10 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
                        args.copy_priority]
 
         def change() -> None:
+            cpu_before = _servers_cpu(sup.pid)
             out = subprocess.run(command, cwd=ROOT, text=True,
                                  capture_output=True, timeout=DEADLINE_S)
+            cpus.append(_cpu_over(cpu_before, _servers_cpu(sup.pid)))
             outs.append(out)
             progress.note(out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "")
             if out.returncode != 0:
@@ -539,10 +541,49 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
         "follower_adopted": adopted,
         "follower_adoptions_refused": refused,
         "follower_bytes_ratio": round(received / moved_bytes, 3) if moved_bytes else None,
+        "servers_cpu_s": cpus[0] if cpus else {},
+        "added_cpu_us_per_key": _added_cpu_per_key(cpus[0] if cpus else {}, shards,
+                                                   moved_keys),
         "command_output": out.stdout.strip().splitlines()[-6:]})
     if _floor_work(args.change):  # (each process's work, and whether it went idle)
         summary["idle_load"] = json.loads(out.stdout.strip().splitlines()[-1])
     return summary
+
+
+def _servers_cpu(supervisor_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each server the supervisor runs, by ``s0-primary``
+    and the like (``psutil``; a server gone meanwhile is left out)."""
+    import psutil
+
+    out = {}
+    try:
+        children = psutil.Process(supervisor_pid).children()
+    except psutil.NoSuchProcess:
+        return out
+    for proc in children:
+        try:
+            argv = proc.cmdline()
+            if "clonemap.shards" not in argv or "--shard" not in argv:
+                continue
+            role = "primary" if "--primary" in argv else "backup"
+            times = proc.cpu_times()
+            out[f"{argv[argv.index('--shard') + 1]}-{role}"] = times.user + times.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+            continue
+    return out
+
+
+def _cpu_over(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Each server's CPU seconds over the change: a server started meanwhile (an added
+    shard's) counts from its start; one gone by the end (a removed shard's) is left out."""
+    return {name: round(t - before.get(name, 0.0), 3) for name, t in sorted(after.items())}
+
+
+def _added_cpu_per_key(cpu: dict[str, float], shards: int, moved: int) -> float | None:
+    """The added shard's servers' CPU over the change, in microseconds per key moved (a
+    growth's; None otherwise)."""
+    added = sum(t for name, t in cpu.items() if int(name.split("-")[0][1:]) >= shards)
+    return round(added / moved * 1e6, 2) if added and moved else None
 
 
 def report(record: rec.Record) -> None:
@@ -567,6 +608,13 @@ def report(record: rec.Record) -> None:
             ["writer's CPU before / during (% of a core)",
              *[f"{runs[n]['writer_cpu_pct']['before']} / {runs[n]['writer_cpu_pct']['during']}"
                if runs[n].get("writer_cpu_pct") else "-" for n in names]],
+            ["servers' CPU over the change: all / added shard (s)",
+             *[f"{sum(runs[n]['servers_cpu_s'].values()):.1f} / "
+               f"{runs[n]['added_cpu_us_per_key'] * runs[n]['moved_keys'] / 1e6:.1f}"
+               if runs[n].get("added_cpu_us_per_key") else
+               (f"{sum(runs[n]['servers_cpu_s'].values()):.1f} / -"
+                if runs[n].get("servers_cpu_s") else "-") for n in names]],
+            ["added shard's CPU per key moved (us)", *pick("added_cpu_us_per_key")],
             ["follower bytes (est.) / moved bytes", *pick("follower_bytes_ratio")],
             ["follower's new shards adopted (not a snapshot)",
              *[", ".join(runs[n]["follower_adopted"]) or "none"
