@@ -201,6 +201,15 @@ def copy_timeout_s(size: int, rate: float | None, floor_s: float) -> float:
     return floor_s if not rate else max(floor_s, 2 * size / rate + 10.0)
 
 
+def snapshots_moved(was: dict, imports: list[tuple[str, dict]]) -> tuple[bool, dict]:
+    """Whether any of ``imports`` (each target's copies' stats at one look: (target, an
+    import's stats)) read more of its snapshot since the look that gave ``was``, or has
+    it whole now while it had not then; and what this look gives the next."""
+    now = {(name, imp.get("source"), imp.get("prefix")): (
+        imp.get("received", 0), imp.get("snapshot_seq", -1) >= 0) for name, imp in imports}
+    return any(now[k] != was.get(k) and not was.get(k, (0, False))[1] for k in now), now
+
+
 def moved_prefixes(old: ShardMap, new: ShardMap) -> dict[str, tuple[int, int]]:
     """Each pinned prefix (of either map) whose owner changes: prefix -> (from, to)."""
     out = {}
@@ -286,7 +295,7 @@ class Resharding:
         """The config of the change under way (the path every host plans)."""
         self._snapshot_looks: dict = {}
         self._moved_at = 0.0
-        """When a copy's snapshot last came further (``_copies``, ``_snapshots_moved``)."""
+        """When a copy's snapshot last came further (``_copies``, ``snapshots_moved``)."""
         self._counted: tuple | None = None
         """The last plan counted: ((config, epoch, routing), when, the plan as JSON)."""
         self._parts: Plan | None = None
@@ -1104,7 +1113,7 @@ class Resharding:
         """Until every import on every target is ``done`` (a failed copy, or a target
         that no longer holds one: ``Refused``; ``within_s`` passed: ``TimeoutError``),
         looking every ``poll_s``. ``while_moving``: ``within_s`` counts from the last
-        look at which a snapshot had come further (``_snapshots_moved``), not from the
+        look at which a snapshot had come further (``snapshots_moved``), not from the
         start: a copy slower than its rate (idle priority on a busy host) goes on."""
         deadline = time.monotonic() + within_s
         while True:
@@ -1116,7 +1125,7 @@ class Resharding:
             finished = True
             keys = size = 0
             paused = 0.0
-            stats_seen: list[dict] = []
+            stats_seen: list[tuple[str, dict]] = []
             for name in dst.values():
                 try:
                     stats = await self._ask(name)
@@ -1137,7 +1146,7 @@ class Resharding:
                     if imp.get("error"):
                         raise Refused(b"409", f"{name}: a copy failed: {imp['error']}")
                     finished = finished and done(imp)
-                    stats_seen.append(imp)
+                    stats_seen.append((name, imp))
                     keys += imp["keys"]
                     size += imp["bytes"]
                     paused += imp.get("paused_s", 0.0)
@@ -1145,22 +1154,14 @@ class Resharding:
             await self._say(keys=keys, bytes=size)
             if finished:
                 return
-            if self._snapshots_moved(stats_seen):
+            moved, self._snapshot_looks = snapshots_moved(self._snapshot_looks, stats_seen)
+            if moved:
                 self._moved_at = time.monotonic()
                 if while_moving:
                     deadline = self._moved_at + within_s
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{what} not within {within_s:g} s")
             await asyncio.sleep(poll_s)
-
-    def _snapshots_moved(self, imports: list[dict]) -> bool:
-        """Whether any of ``imports`` (the copies' stats at one look) read more of its
-        snapshot since the last look, or has it whole now while it had not then."""
-        now = {(imp.get("source"), imp.get("prefix")): (imp.get("received", 0),
-                                                       imp.get("snapshot_seq", -1) >= 0)
-               for imp in imports}
-        was, self._snapshot_looks = self._snapshot_looks, now
-        return any(now[k] != was.get(k) and not was.get(k, (0, False))[1] for k in now)
 
     async def _wait(self, check, within_s: float, what: str) -> None:
         deadline = time.monotonic() + within_s

@@ -1,0 +1,43 @@
+"""The supervisor's wait for a move's copies counts from their last progress
+(``clonemap.supervisor.resharding.snapshots_moved``, read at each look by ``_copies``):
+a snapshot read further, or whole now, is progress; the same figures twice, or a copy
+whole already, are not. Each target's copy from each source is its own: two targets
+copying from one source (a growth by two shards) do not stand in for each other."""
+from __future__ import annotations
+
+from clonemap.supervisor.resharding import snapshots_moved
+
+
+def imp(source: str, received: int, whole: bool = False) -> dict:
+    return {"source": source, "prefix": "", "received": received,
+            "snapshot_seq": 7 if whole else -1}
+
+
+def test_a_snapshot_read_further_is_progress_and_the_same_figures_are_not():
+    moved, was = snapshots_moved({}, [("s2/primary", imp("tcp://a", 0))])
+    assert moved  # (the first look)
+    moved, was = snapshots_moved(was, [("s2/primary", imp("tcp://a", 0))])
+    assert not moved
+    moved, was = snapshots_moved(was, [("s2/primary", imp("tcp://a", 4096))])
+    assert moved
+    moved, was = snapshots_moved(was, [("s2/primary", imp("tcp://a", 4096, whole=True))])
+    assert moved  # (whole now)
+    moved, was = snapshots_moved(was, [("s2/primary", imp("tcp://a", 4096, whole=True))])
+    assert not moved
+
+
+def test_each_target_s_copy_from_one_source_is_its_own():
+    stuck, going = imp("tcp://a", 100), imp("tcp://a", 100)
+    _, was = snapshots_moved({}, [("s2/primary", stuck), ("s3/primary", going)])
+    moved, was = snapshots_moved(was, [("s2/primary", imp("tcp://a", 100)),
+                                       ("s3/primary", imp("tcp://a", 100))])
+    assert not moved  # (keyed by one source alone, the two would have looked alike)
+    moved, _ = snapshots_moved(was, [("s2/primary", imp("tcp://a", 100)),
+                                     ("s3/primary", imp("tcp://a", 900))])
+    assert moved
+
+
+def test_a_copy_whole_already_is_no_progress_whatever_its_figures():
+    _, was = snapshots_moved({}, [("s2/primary", imp("tcp://a", 100, whole=True))])
+    moved, _ = snapshots_moved(was, [("s2/primary", imp("tcp://a", 200, whole=True))])
+    assert not moved  # (its tail catching up is the catch-up's own deadline)
