@@ -94,11 +94,14 @@ def test_an_etcd_that_does_not_answer_at_the_seal_keeps_no_write_past_the_hold_b
     """The change's record goes to etcd inside the hold, before the seal. Host a's
     supervisor pauses a growth at *held* (the sources hold the moving keys' writes), and
     etcd is stopped (SIGSTOP: it takes connections and answers nothing; its client
-    waits 2 s). Each attempt gives etcd only what is left of the hold's bound, then
-    releases the holds and tries again (before, the hold lasted the client's 2 s, and
-    the writes waited as long); after the last the growth rolls back. A record that
-    etcd takes once it runs again is removed. With etcd back the growth, run again,
-    completes, and every acknowledged write is on its one owner."""
+    waits 2 s) until that attempt's writes are released. Each attempt gives etcd only
+    what is left of the hold's bound, then releases the holds and tries again (before,
+    the hold lasted the client's 2 s, and the writes waited as long); after the last the
+    growth rolls back. A record that etcd takes once it runs again is removed. With etcd
+    back the growth, run again, completes, and every acknowledged write is on its one
+    owner. (etcd runs between the attempts: stopped through all three, the pairs' leases
+    could lapse first on a slow host, and the change rolled back for its source's
+    active, not for its record.)"""
     from clonemap.supervisor.resharding import HOLD_ATTEMPTS
 
     cluster = TwoHosts(hosts, tmp_path, env_a={"CLONEMAP_RESHARD_PAUSE_AT": "held"})
@@ -108,14 +111,14 @@ def test_an_etcd_that_does_not_answer_at_the_seal_keeps_no_write_past_the_hold_b
         sup_a = cluster.supervisors["a"]
         _, three, change = cluster.start_growth("a", "RESHARD_PAUSED phase=held")
         go_on = cluster.run_dir("a") / "reshard.continue"
-        with frozen([cluster.etcd.member.pid]):  # (SIGCONT at the end, whatever came)
-            seen = 0
-            for attempt in range(HOLD_ATTEMPTS):  # (each attempt pauses at held again)
+        seen = 0
+        for attempt in range(HOLD_ATTEMPTS):  # (each attempt pauses at held again)
+            with frozen([cluster.etcd.member.pid]):  # (SIGCONT once released, whatever came)
                 go_on.touch()
                 seen = sup_a.wait_stderr("the writes are released", seen, 30) + 1
-                if attempt < HOLD_ATTEMPTS - 1:
-                    sup_a.wait_line("RESHARD_PAUSED phase=held", 30)
-            code = change.wait(60)
+            if attempt < HOLD_ATTEMPTS - 1:
+                sup_a.wait_line("RESHARD_PAUSED phase=held", 30)
+        code = change.wait(60)
         said = "\n".join(change.stdout + change.stderr)
         assert code == 1 and "not applied" in said, said
         released = [line for line in sup_a.stderr if "the writes are released" in line]
