@@ -128,7 +128,12 @@ CATCH_UP_POLL_S = 0.5
 NO_ANSWER = "no answer"
 """How an install a server did not answer is said (``_install``)."""
 START_WAIT_S = 30.0
-"""How long an added shard's pair may take to run and elect an active."""
+"""How long an added shard's pair may take to elect an active once its servers run, and
+to run, counted from the last progress of their start (the CPU their processes used
+grew: one started in the background on a busy host gets only what the others leave)."""
+START_PROGRESS_S = float(os.environ.get("CLONEMAP_RESHARD_START_S") or START_WAIT_S)
+"""Tests only (``CLONEMAP_RESHARD_START_S``): the servers' start's wait without progress,
+shorter than a start takes, so that a test sees it extended."""
 REMOVE_AFTER_HEARTBEATS = 3
 POLL_S = 0.01
 """How often the copies are looked at while writes are held (the catch-up's bound is
@@ -836,7 +841,7 @@ class Resharding:
         try:
             for index in added:  # 1. start, on the new routing
                 not_up = await self.runner.add_shard(
-                    new_plan.shards[index], new_plan, START_WAIT_S,
+                    new_plan.shards[index], new_plan, START_PROGRESS_S,
                     background=self.copy_priority == "idle")
                 not_up += await self._on_hosts(new_plan, index, "start")
                 if not_up:

@@ -38,6 +38,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
 from clonemap.shards.common.config_values import format_cores
 from clonemap.shards.common.placement import Plan, RoutingParams, ServerPlan
 from clonemap.supervisor.policy import (DEFAULT_POLICY, GiveUp, Leave, PolicyConfig, Restart, Run,
@@ -76,6 +78,19 @@ def _after_fields(text: str) -> str:
     while words and "=" in words[0] and not words[0].endswith(":"):
         words.pop(0)
     return " ".join(words)
+
+
+def _cpu_seconds(procs) -> float:
+    """The CPU time (user and system) the running ``procs`` used so far, together."""
+    total = 0.0
+    for proc in procs:
+        try:
+            if proc.pid is not None:
+                times = psutil.Process(proc.pid).cpu_times()
+                total += times.user + times.system
+        except psutil.Error:
+            continue
+    return total
 
 
 def server_argv(server: ServerPlan, peer: ServerPlan, args: ServerArgs) -> list[str]:
@@ -219,8 +234,17 @@ class Runner:
         self.servers.update(procs)
         for proc in procs.values():
             self._spawn(proc, manual=True, background=background)
-        await self.wait_for(lambda: all(p.state in (RUNNING, FAILED)
-                                        for p in procs.values()), timeout_s)
+        up = lambda: all(p.state in (RUNNING, FAILED) for p in procs.values())  # noqa: E731
+        # (``timeout_s`` from the last progress: a server started in the background on a
+        # busy host gets only what the others leave, and its interpreter's start, ~1.5 s
+        # of CPU, took longer than 30 s once beside the suite's three workers)
+        used = _cpu_seconds(procs.values())
+        while not await self.wait_for(up, timeout_s):
+            now = _cpu_seconds(procs.values())
+            if now <= used:
+                break
+            used = now
+            log.info("%s: still starting (%.1f s of CPU so far)", shard.name, now)
         return [p.name for p in procs.values() if p.state != RUNNING]
 
     def _move_aside(self, server: ServerPlan, epoch: int) -> None:

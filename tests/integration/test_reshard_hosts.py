@@ -53,7 +53,8 @@ class TwoHosts:
     a), durable; a supervisor per host; writers and readers on c."""
 
     def __init__(self, hosts: Hosts, tmp: Path, env_a: dict | None = None,
-                 env_b: dict | None = None):
+                 env_b: dict | None = None, lease_s: float = 2):
+        """``lease_s``: the pairs' leases in etcd (2 s, the least: failovers come fast)."""
         self.hosts, self.tmp = hosts, tmp
         self.procs = Procs()
         self.etcd = EtcdServer(tmp / "etcd", host=hosts.address["e"], prefix=hosts.prefix("e"))
@@ -62,7 +63,8 @@ class TwoHosts:
             "cluster": "moving", "heartbeat_s": 0.2, "data_dir": "data",
             "hosts": {"a": {"control": f"tcp://{a}:5555"},
                       "b": {"control": f"tcp://{b}:5555"}},
-            "coordination": {"etcd": [f"{self.etcd.host}:{self.etcd.port}"], "lease_s": 2},
+            "coordination": {"etcd": [f"{self.etcd.host}:{self.etcd.port}"],
+                             "lease_s": lease_s},
             "shards": [
                 {"name": "s0", "primary": {"at": "a", "host": a, "port": 6000},
                  "backup": {"at": "b", "host": b, "port": 6000}},

@@ -99,12 +99,14 @@ def test_an_etcd_that_does_not_answer_at_the_seal_keeps_no_write_past_the_hold_b
     the hold lasted the client's 2 s, and the writes waited as long); after the last the
     growth rolls back. A record that etcd takes once it runs again is removed. With etcd
     back the growth, run again, completes, and every acknowledged write is on its one
-    owner. (etcd runs between the attempts: stopped through all three, the pairs' leases
-    could lapse first on a slow host, and the change rolled back for its source's
-    active, not for its record.)"""
+    owner. (etcd runs between the attempts, and the pairs' leases are 6 s: on a slower
+    2-core host, with 2 s leases, a source's active missed two renewals in the two
+    attempts' stops and fenced itself, and the change rolled back for its source, not
+    for its record.)"""
     from clonemap.supervisor.resharding import HOLD_ATTEMPTS
 
-    cluster = TwoHosts(hosts, tmp_path, env_a={"CLONEMAP_RESHARD_PAUSE_AT": "held"})
+    cluster = TwoHosts(hosts, tmp_path, env_a={"CLONEMAP_RESHARD_PAUSE_AT": "held"},
+                       lease_s=6)
     try:
         cluster.writer("k")
         cluster.wait_acks("k", 40)
