@@ -598,6 +598,8 @@ class Resharding:
             self._aborting = self._past_flip = False
             self._claim_lapsed, self._record_at = "", 0
             self._snapshot_looks, self._moved_at = {}, 0.0
+            # (the beats before the first phase say this one's, never the last change's)
+            self.phase = "planning"
             if apply:
                 self._state = {"phase": "planning", "keys": 0, "bytes": 0,
                                "changes": self._state["changes"] + 1, "running": True,

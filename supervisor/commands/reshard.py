@@ -198,6 +198,8 @@ def command(sel: Selection, new_config: str | None, yes: bool, dry_run: bool,
                         click.echo(line)
                 show_bar(doc["plan"])
                 return
+            if not printed["plan"]:  # (the count's beats: the plan comes first)
+                return
             if bar:  # a terminal: one bar, the phase beside it
                 bar[0].update(doc.get("phase") or "", doc.get("keys"))
                 return

@@ -1325,7 +1325,9 @@ def test_a_count_longer_than_the_supervisor_s_wait_beats_and_the_growth_complete
     silent server. Here every count chunk idles 0.6 s (``CLONEMAP_COUNT_PAUSE_S``) and
     the supervisor waits 1 s for a word: each shard's count of ~3,000 keys (three chunks)
     lasts 1.8 s. The growth completes: the plan it printed is exact, status showed how far
-    the count got, and every key is on its owner."""
+    the count got, and every key is on its owner. The way back prints its plan first: the
+    beats of its count said the last change's phase until 2026-11-30 ("flipped", printed
+    before the plan, seen in a clean clone on a slower host)."""
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
     sup = procs.python("-m", "clonemap.supervisor", "start", str(config), "--no-table",
                        "--run-dir", str(tmp_path / "run"), ready="READY supervisor",
@@ -1370,6 +1372,15 @@ def test_a_count_longer_than_the_supervisor_s_wait_beats_and_the_growth_complete
     assert merged_once(held) == ledger
     for name, keys in held.items():
         assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
+
+    # the way back: its count's beats (s2's ~2,000 keys, 1.2 s) come before its plan,
+    # and say its phase, not the last change's ("flipped" was printed before the plan)
+    back = cli("reshard", str(three), "--to", str(config), "--yes", timeout_s=120)
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert back.stdout.splitlines()[0].startswith("routing epoch 2 -> 3, 3 -> 2 shards"), \
+        back.stdout
+    rows = wait_status(control, lambda r: len(r) == 4 and settled(r) and at_epoch(3)(r))
+    assert merged_once(_held_by_actives(zctx, rows)) == ledger
     assert sup.popen.poll() is None  # (the supervisor serves on)
 
 
