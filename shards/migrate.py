@@ -289,16 +289,18 @@ class Import:
             log.info("import of %r from %s: %d keys copied at source sequence %d, %d "
                      "updates queued meanwhile", self.prefix, self.source,
                      len(self.sizes), self.snapshot_seq, len(self._queued))
-            self._applying = iter(self._take_queued())
+            self._applying = self._take_queued()
             self._draining = self._loop.call_soon(self._drain)
             return
         self.received += len(msg.key) + len(msg.value)
         if self.owns(msg.key):
             self._put(msg.key, msg.value, self._expiries.get(msg.key))
 
-    def _take_queued(self) -> list[chp.Kvpub]:
-        queued, self._queued = self._queued, {}  # (what comes meanwhile: a fresh queue)
-        return list(queued.values())
+    def _take_queued(self):
+        """The queued updates, to apply (an iterator); what comes meanwhile is queued
+        afresh."""
+        queued, self._queued = self._queued, {}
+        return iter(queued.values())
 
     def _drain(self) -> None:
         """Apply up to ``DRAIN_CHUNK`` of the updates queued during the snapshot, then
@@ -306,23 +308,22 @@ class Import:
         queued again, and applied after them (a key's later update after its earlier
         one). A serving target (a shrink's) applied them all in one turn: ~33,000
         updates of a 20 s copy, half a second in which its own writes waited."""
-        apply, done = self._apply, 0
+        done = 0
         while done < DRAIN_CHUNK:
-            for msg in self._applying:
-                apply(msg)
-                if self.error:  # (an update failed the copy: closed)
-                    return
-                done += 1
-                if done >= DRAIN_CHUNK:
-                    break
-            else:  # (this queue is applied: then what came meanwhile, if anything)
+            msg = next(self._applying, None)
+            if msg is None:  # (this queue is applied: then what came meanwhile, if any)
                 if not self._queued:
                     self._applying = None
                     self.source_seq = max(self.source_seq, self._queued_seq)
                     self._after_batch()
                     self._draining = None
                     return
-                self._applying = iter(self._take_queued())
+                self._applying = self._take_queued()
+                continue
+            self._apply(msg)
+            if self.error:  # (an update failed the copy: closed)
+                return
+            done += 1
         self._after_batch()
         self._draining = self._loop.call_soon(self._drain)
 
