@@ -115,6 +115,14 @@ class TwoHosts:
                                  "reshard", str(self.config), "--to", str(to), "--yes",
                                  "--host", via], env=ENV)
 
+    def reshard_past(self, to: Path, phase: str, via: str = "a"):
+        """``start_reshard`` through ``via``, once its supervisor paused it at ``phase``
+        (``CLONEMAP_RESHARD_PAUSE_AT``) let go on: the running command."""
+        change = self.start_reshard(to, via=via)
+        self.wait_phase(via, f"RESHARD_PAUSED phase={phase}", change)
+        (self.run_dir(via) / "reshard.continue").touch()
+        return change
+
     def start_growth(self, via: str, line: str) -> tuple[dict, Path, object]:
         """The growth to three shards (``grown``, written to ``three.yaml``) started
         through ``via``'s supervisor, once that one printed ``line`` (the phase where it
@@ -457,9 +465,7 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     cluster.give_claim(other)
     (cluster.run_dir("a") / "reshard.continue").unlink(missing_ok=True)
     cluster.wait_acks("k", 20)
-    change = cluster.start_reshard(three, via="a")
-    cluster.supervisors["a"].wait_line("RESHARD_PAUSED phase=copied", 60)
-    (cluster.run_dir("a") / "reshard.continue").touch()
+    change = cluster.reshard_past(three, "copied")
     assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
     assert "routing epoch 2" in "\n".join(change.stdout), change.stdout
     # (a leased pair never copies in the background: its renewals have deadlines)
@@ -572,9 +578,7 @@ def test_a_cluster_over_two_hosts_grows_moves_a_pin_and_shrinks_under_one_epoch_
     cluster.writers.clear()
     cluster.writer("k")
     cluster.wait_acks("k", 20)
-    change = cluster.start_reshard(shrunk, via="a")
-    cluster.supervisors["a"].wait_line("RESHARD_PAUSED phase=copied", 60)
-    (cluster.run_dir("a") / "reshard.continue").touch()
+    change = cluster.reshard_past(shrunk, "copied")
     assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
     assert "shard 2 is removed" in "\n".join(change.stdout), change.stdout
     cluster.wait_epoch(epoch + 1)

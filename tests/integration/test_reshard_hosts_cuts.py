@@ -75,9 +75,7 @@ def test_a_host_cut_off_in_the_middle_of_a_growth_leaves_one_owner_per_key(
             sup_b.wait_stderr("shard 2 dropped here", 0, 30)
             cluster.wait_epoch(epoch)
             assert cluster.etcd_routing()["routing"]["shards"] == 2
-            change = cluster.start_reshard(three, via="a")
-            cluster.wait_phase("a", f"RESHARD_PAUSED phase={phase}", change)
-            (cluster.run_dir("a") / "reshard.continue").touch()
+            change = cluster.reshard_past(three, phase)
             assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
             epoch += 1
         cluster.wait_epoch(epoch)
@@ -138,9 +136,7 @@ def test_an_etcd_that_does_not_answer_at_the_seal_keeps_no_write_past_the_hold_b
                    cluster.etcd_key("change") is None,
                    "etcd without a change's record or claim", timeout_s=20)
 
-        change = cluster.start_reshard(three, via="a")
-        cluster.wait_phase("a", "RESHARD_PAUSED phase=held", change)
-        go_on.touch()
+        change = cluster.reshard_past(three, "held")
         assert change.wait(90) == 0, "\n".join(change.stdout + change.stderr)
         cluster.wait_epoch(2)
         cluster.wait_servers_at(2, 6)
