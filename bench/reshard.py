@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 from bench.harness import record as rec
-from bench.harness.procs import ROOT, Target, bench_main, relocated_config
+from bench.harness.procs import ROOT, Target, bench_main, cpu_seconds, relocated_config
 from bench.harness.stats import percentile
 
 NAME = "reshard"
@@ -552,25 +552,24 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
 
 def _servers_cpu(supervisor_pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of each server the supervisor runs, by ``s0-primary``
-    and the like (``psutil``; a server gone meanwhile is left out)."""
+    and the like (``procs.cpu_seconds``; a server gone meanwhile is left out)."""
     import psutil
 
-    out = {}
+    names: dict[int, str] = {}
     try:
         children = psutil.Process(supervisor_pid).children()
     except psutil.NoSuchProcess:
-        return out
+        return {}
     for proc in children:
         try:
             argv = proc.cmdline()
-            if "clonemap.shards" not in argv or "--shard" not in argv:
-                continue
-            role = "primary" if "--primary" in argv else "backup"
-            times = proc.cpu_times()
-            out[f"{argv[argv.index('--shard') + 1]}-{role}"] = times.user + times.system
-        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        except psutil.Error:
             continue
-    return out
+        if "clonemap.shards" in argv and "--shard" in argv:
+            role = "primary" if "--primary" in argv else "backup"
+            names[proc.pid] = f"{argv[argv.index('--shard') + 1]}-{role}"
+    used = cpu_seconds(list(names)) if names else {}
+    return {name: used[pid] for pid, name in names.items() if used.get(pid)}
 
 
 def _cpu_over(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
