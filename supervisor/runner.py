@@ -80,17 +80,33 @@ def _after_fields(text: str) -> str:
     return " ".join(words)
 
 
-def _cpu_seconds(procs) -> float:
-    """The CPU time (user and system) the running ``procs`` used so far, together."""
-    total = 0.0
+def _progress(procs) -> tuple[float, bool]:
+    """How far the running ``procs`` got: the CPU time they used so far together (to the
+    nanosecond where Linux's ``/proc/PID/schedstat`` says it: user and system time are
+    counted in 10 ms ticks, and a process at background priority on a saturated host may
+    run less than a tick between two looks), and whether any of them is runnable now
+    (it waits for a core: starved, not stuck). Their main threads' time: the threads
+    they start later (libzmq's) are not counted, so the sum never falls when one ends."""
+    total, runnable = 0.0, False
     for proc in procs:
+        if proc.pid is None:
+            continue
         try:
-            if proc.pid is not None:
-                times = psutil.Process(proc.pid).cpu_times()
-                total += times.user + times.system
+            handle = psutil.Process(proc.pid)
+            runnable = runnable or handle.status() == psutil.STATUS_RUNNING
+            total += _ran_s(handle)
         except psutil.Error:
             continue
-    return total
+    return total, runnable
+
+
+def _ran_s(handle: psutil.Process) -> float:
+    """The time ``handle``'s main thread ran (where its interpreter starts), in seconds."""
+    try:
+        return int(Path(f"/proc/{handle.pid}/schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):  # (not Linux)
+        times = handle.cpu_times()
+        return times.user + times.system
 
 
 def server_argv(server: ServerPlan, peer: ServerPlan, args: ServerArgs) -> list[str]:
@@ -237,14 +253,16 @@ class Runner:
         up = lambda: all(p.state in (RUNNING, FAILED) for p in procs.values())  # noqa: E731
         # (``timeout_s`` from the last progress: a server started in the background on a
         # busy host gets only what the others leave, and its interpreter's start, ~1.5 s
-        # of CPU, took longer than 30 s once beside the suite's three workers)
-        used = _cpu_seconds(procs.values())
+        # of CPU, took longer than 30 s once beside the suite's three workers. Progress:
+        # its CPU time grew, or one of them waits for a core now)
+        used, _ = _progress(procs.values())
         while not await self.wait_for(up, timeout_s):
-            now = _cpu_seconds(procs.values())
-            if now <= used:
+            now, runnable = _progress(procs.values())
+            if now <= used and not runnable:
                 break
             used = now
-            log.info("%s: still starting (%.1f s of CPU so far)", shard.name, now)
+            log.info("%s: still starting (%.2f s of CPU so far%s)", shard.name, now,
+                     ", waiting for a core" if runnable else "")
         return [p.name for p in procs.values() if p.state != RUNNING]
 
     def _move_aside(self, server: ServerPlan, epoch: int) -> None:
