@@ -65,7 +65,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
-from clonemap.shards.common.cpu_priority import COPY_PRIORITIES
+from clonemap.shards.common.cpu_priority import COPY_PRIORITIES, is_background
 from clonemap.shards.common.errors import ClonemapError, ConfigError, ProtocolError
 from clonemap.shards.common.mdp.client import MdpClient
 from clonemap.shards.common.placement import Plan, RoutingParams
@@ -76,13 +76,15 @@ from clonemap.shards.migrate import COPY_TIMEOUT_S
 from clonemap.supervisor import routing_state
 from clonemap.supervisor.process import BACKOFF, RUNNING, STARTING
 from clonemap.supervisor.protocol import stats_service
+from clonemap.supervisor.runner import progress
 
 log = logging.getLogger(__name__)
 
 ASK_TIMEOUT_S = float(os.environ.get("CLONEMAP_RESHARD_ASK_S") or 5.0)
 """How long one server may take to count or install (a count is one pass over its map).
-Tests only: ``CLONEMAP_RESHARD_ASK_S`` sets it, so that a frozen server's request
-outlasts any bound the test checks by far."""
+An added shard's server in the background is waited on past it while it runs or waits
+for a core (``_patience``). Tests only: ``CLONEMAP_RESHARD_ASK_S`` sets it, so that a
+frozen server's request outlasts any bound the test checks by far."""
 COUNT_BEATS = 4
 """A count is asked to say how far it got this many times per ``ASK_TIMEOUT_S`` (``count``)."""
 HOLD_BOUND_S = 0.5
@@ -353,7 +355,8 @@ class Resharding:
         async with lock:
             try:
                 if beats is None:
-                    reply = await client.request(service, *body)
+                    reply = await client.request(service, *body,
+                                                 patient=self._patience(name))
                 else:
                     async with client.stream(service, *body) as replies:
                         async for partial in replies:
@@ -364,6 +367,35 @@ class Resharding:
                 await client.close()
                 raise
         return json.loads(reply[-1])
+
+    def _patience(self, name: str):
+        """For a server of this host at background CPU priority (``COPY_PRIORITY``):
+        ``patient()``, whether a request that got no reply in ``ASK_TIMEOUT_S`` may wait
+        as long again, because the server ran meanwhile or waits for a core now. On a
+        saturated host such a server runs a few milliseconds a second (4 ms every
+        1.5-2 s beside four busy loops): a step asked of it took longer than 5 s beside
+        four test workers on two cores, and the growth was rolled back. A server that is
+        stopped, or sleeps without answering, is not waited for; None for the others."""
+        proc = self.runner.servers.get(name)
+        if proc is None or proc.pid is None:
+            return None
+        last = [progress([proc])[0]]
+
+        def patient() -> bool:
+            try:
+                if not is_background(proc.pid):
+                    return False
+            except OSError:  # (gone)
+                return False
+            ran, runnable = progress([proc])
+            moved, last[0] = ran > last[0], ran
+            if moved or runnable:
+                log.info("reshard: %s at background priority has not answered yet (%s); "
+                         "waiting on", name, "waiting for a core" if runnable else
+                         "it ran meanwhile")
+            return moved or runnable
+
+        return patient
 
     async def _close_clients(self) -> None:
         clients, self._clients = self._clients, {}

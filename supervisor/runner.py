@@ -80,7 +80,7 @@ def _after_fields(text: str) -> str:
     return " ".join(words)
 
 
-def _progress(procs) -> tuple[float, bool]:
+def progress(procs) -> tuple[float, bool]:
     """How far the running ``procs`` got: the CPU time they used so far together (to the
     nanosecond where Linux's ``/proc/PID/schedstat`` says it: user and system time are
     counted in 10 ms ticks, and a process at background priority on a saturated host may
@@ -255,9 +255,9 @@ class Runner:
         # busy host gets only what the others leave, and its interpreter's start, ~1.5 s
         # of CPU, took longer than 30 s once beside the suite's three workers. Progress:
         # its CPU time grew, or one of them waits for a core now)
-        used, _ = _progress(procs.values())
+        used, _ = progress(procs.values())
         while not await self.wait_for(up, timeout_s):
-            now, runnable = _progress(procs.values())
+            now, runnable = progress(procs.values())
             if now <= used and not runnable:
                 break
             used = now

@@ -304,6 +304,40 @@ def test_client_retries_on_a_fresh_socket_and_checks_replies(port_base):
     run(body)
 
 
+def test_a_patient_request_waits_on_its_one_attempt_while_told_to(port_base):
+    """``patient()`` (a supervisor asking a server it knows runs, starved at background
+    priority): each deadline without a reply asks it; True waits again on the same socket,
+    nothing sent again; False ends the request as before."""
+    endpoint = f"tcp://127.0.0.1:{port_base}"
+
+    async def body(ctx):
+        router = fake_broker(ctx, port_base)
+        client = MdpClient(endpoint, ctx=ctx, timeout_s=0.2, retries=2)
+        asked: list[list[bytes]] = []
+        looks: list[float] = []
+
+        def patient() -> bool:
+            looks.append(time.monotonic())
+            if len(looks) == 3:  # the worker answers at last, on the first attempt
+                router.send_multipart([asked[0][0], *mdp.client_final(b"stats", b"late")])
+            return True
+
+        began = time.monotonic()
+        pending = asyncio.ensure_future(client.request("stats", b"q", patient=patient))
+        asked.append(await asyncio.to_thread(recv, router))
+        assert await pending == [b"late"]
+        assert len(looks) == 3 and looks[0] - began >= 0.2
+        assert client.counters["patient_waits"] == 3 and client.counters["timeouts"] == 0
+        assert client.counters["attempts"] == 1 and client.counters["sockets"] == 1
+        assert router.poll(0) == 0  # (nothing was sent again)
+        # told not to wait: the deadline ends the attempt, and the retries go on as ever
+        with pytest.raises(RequestTimeout):
+            await client.request("stats", b"q2", retries=0, patient=lambda: False)
+        assert client.counters["timeouts"] == 1 and client.counters["patient_waits"] == 3
+        await client.close()
+    run(body)
+
+
 def test_abandoned_stream_closes_the_socket(port_base):
     endpoint = f"tcp://127.0.0.1:{port_base}"
 

@@ -1,5 +1,5 @@
 """How the supervisor tells an added shard's servers that still start from ones that are
-stuck (``clonemap.supervisor.runner._progress``): the time their main threads ran, to
+stuck (``clonemap.supervisor.runner.progress``): the time their main threads ran, to
 the nanosecond, and whether one of them waits for a core. Real processes in each state:
 a process at background priority on a saturated host runs a few milliseconds a second
 (measured here beside four busy loops: 4 ms every 1.5-2 s), less than the 10 ms tick in
@@ -11,13 +11,13 @@ import signal
 import time
 import types
 
-from clonemap.supervisor.runner import _progress
+from clonemap.supervisor.runner import progress
 
 SPIN = "while True: pass"
 
 
 def _look(proc) -> tuple[float, bool]:
-    return _progress([proc])
+    return progress([proc])
 
 
 def _wait_state(proc, states: set[str]) -> None:
@@ -54,7 +54,7 @@ def test_a_sleeping_or_stopped_process_is_neither_runnable_nor_progressing(procs
         stopped = _look(spinning)
         assert stopped[1] is False and _look(spinning) == stopped
         # (together: the runnable one says the pair still starts)
-        both = _progress([idle, spinning])
+        both = progress([idle, spinning])
         assert both == (first[0] + stopped[0], False)
     finally:
         spinning.signal(signal.SIGCONT)
@@ -63,4 +63,4 @@ def test_a_sleeping_or_stopped_process_is_neither_runnable_nor_progressing(procs
 def test_a_process_that_is_gone_or_never_started_counts_nothing(procs):
     gone = procs.python("-c", "pass")
     assert gone.wait(30) == 0
-    assert _progress([gone, types.SimpleNamespace(pid=None)]) == (0.0, False)
+    assert progress([gone, types.SimpleNamespace(pid=None)]) == (0.0, False)

@@ -114,7 +114,7 @@ class MdpClient:
         self.max_pending = max_pending
         self.drops = DropCounter(log)
         self.counters = dict.fromkeys(("requests", "attempts", "sockets", "partials",
-                                       "finals", "timeouts", "unqueued"), 0)
+                                       "finals", "timeouts", "unqueued", "patient_waits"), 0)
         self._asock: AsyncSocket | None = None
         self._monitor: AsyncSocket | None = None
         self._refused = ""
@@ -128,11 +128,15 @@ class MdpClient:
 
     # ----------------------------------------------------------------- public
     async def request(self, service: str | bytes, *body: bytes, timeout_s: float | None = None,
-                      retries: int | None = None) -> list[bytes]:
-        """Send a REQUEST and return the FINAL body (PARTIALs are skipped)."""
+                      retries: int | None = None, patient=None) -> list[bytes]:
+        """Send a REQUEST and return the FINAL body (PARTIALs are skipped). ``patient()``:
+        asked when ``timeout_s`` passes without a reply; True waits that long again for
+        the same attempt (its worker is known to be alive and slow: a server starved at
+        background priority), neither closing the socket nor sending again."""
         name = _name(service)
         async with self.busy:
-            return await self.exchange(name, body, timeout_s, retries, stream=None)
+            return await self.exchange(name, body, timeout_s, retries, stream=None,
+                                       patient=patient)
 
     def stream(self, service: str | bytes, *body: bytes, timeout_s: float | None = None,
                retries: int | None = None) -> "Stream":
@@ -152,9 +156,11 @@ class MdpClient:
         await self.close()
 
     # ----------------------------------------------------------------- internals
-    async def exchange(self, name: bytes, body, timeout_s, retries, stream) -> list[bytes]:
+    async def exchange(self, name: bytes, body, timeout_s, retries, stream,
+                       patient=None) -> list[bytes]:
         """One request's dialogue, retries included, under ``busy`` (``request`` and a
-        ``Stream`` call it); PARTIAL bodies go to ``stream``; the FINAL body."""
+        ``Stream`` call it); PARTIAL bodies go to ``stream``; the FINAL body.
+        ``patient``: ``request``'s."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         retries = self.retries if retries is None else retries
         frames = mdp.client_request(name, *body)
@@ -167,7 +173,13 @@ class MdpClient:
                 self.send_frames_now(name, frames)
                 try:
                     while True:
-                        command, reply = await self.next_reply(timeout_s)
+                        try:
+                            command, reply = await self.next_reply(timeout_s)
+                        except _Silence:
+                            if patient is None or not patient():
+                                raise
+                            self.counters["patient_waits"] += 1
+                            continue
                         if command == C_FINAL:
                             self.counters["finals"] += 1
                             done = True

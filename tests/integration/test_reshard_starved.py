@@ -1,0 +1,97 @@
+"""A growth whose added shard, copying at background CPU priority (the default), is
+starved of CPU: beside four test workers on two cores such a server runs a few
+milliseconds a second, and a step the supervisor asked of it went unanswered past the
+supervisor's wait (5 s), so the growth was rolled back ("RequestTimeout: MDP request to
+service 'shard.s2.primary' ... no reply within 5 s"). The supervisor now waits on a
+server of its own host at background priority while it runs or waits for a core
+(``clonemap.supervisor.resharding``'s ``_patience``; a stopped one still fails the step:
+``test_a_frozen_source_peer_fails_the_move_before_any_write_is_held``).
+
+The starvation is made, not hoped for: at *started* both of the added shard's servers go
+into a CPU cgroup of their own (the kernel's CFS bandwidth control) allowed 1 ms of CPU a
+second, runnable but held, and stay there until the supervisor says it waits on them."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from clonemap.shards.common.routing import ShardMap
+from test_durable_cluster import settled
+from test_routing_epoch import (_grown, _held_by_actives, _start_stopping, _write_all,
+                                merged_once)
+from test_supervisor_cli import wait_status, write_config
+
+V1 = Path("/sys/fs/cgroup/cpu")
+V2 = Path("/sys/fs/cgroup")
+
+
+@contextlib.contextmanager
+def starved(pids: list[int], name: str):
+    """``pids`` in a CPU cgroup allowed 1 ms each second (cgroup v1's ``cpu`` controller,
+    else v2's ``cpu.max``), made for the block and removed after it, the processes back
+    where they were."""
+    if (V1 / "cpu.cfs_quota_us").exists():
+        root = V1
+        group = V1 / name
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text("1000000")
+        (group / "cpu.cfs_quota_us").write_text("1000")
+    else:
+        assert "cpu" in (V2 / "cgroup.controllers").read_text().split(), \
+            "this test needs a CPU cgroup controller (v1 or v2), as root"
+        root = V2
+        group = V2 / name
+        group.mkdir()
+        (group / "cpu.max").write_text("1000 1000000")
+    try:
+        for pid in pids:
+            (group / "cgroup.procs").write_text(str(pid))
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(OSError):  # (one that ended)
+                (root / "cgroup.procs").write_text(str(pid))
+        group.rmdir()
+
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_an_added_shard_starved_of_cpu_while_it_copies_is_waited_on_not_rolled_back(
+        procs, tmp_path, zctx):
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    # (the supervisor's wait for each reply, 5 s for users, is 0.5 s here)
+    sup = _start_stopping(procs, config, tmp_path, "started", pause=True,
+                          env={"CLONEMAP_RESHARD_ASK_S": "0.5"})
+    wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(200)}
+    _write_all(config, ledger)
+    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
+                           str(three), "--yes")
+    sup.wait_line("RESHARD_PAUSED phase=started", timeout_s=60)
+    rows = wait_status(control, lambda r: sum(n.startswith("s2/") for n in r) == 2)
+    added = [r["pid"] for n, r in rows.items() if n.startswith("s2/")]
+    mark = len(sup.stderr)
+    with starved(added, f"clonemap-test-{os.getpid()}"):
+        (tmp_path / "run" / "reshard.continue").touch()
+        try:
+            at = sup.wait_stderr("at background priority has not answered yet",
+                                 start=mark, timeout_s=60)
+        except AssertionError as exc:  # (what the change said, if it ended meanwhile)
+            raise AssertionError(f"reshard: {reshard.stdout[-3:]} {reshard.stderr[-3:]}\n"
+                                 f"{exc}") from None
+        assert re.search(r"s2/\w+ at background priority has not answered yet \("
+                         r"(waiting for a core|it ran meanwhile)\); waiting on",
+                         sup.stderr[at]), sup.stderr[at]
+    assert reshard.wait(120) == 0, reshard.stdout[-5:] + reshard.stderr[-5:]
+    assert "routing epoch 2" in "\n".join(reshard.stdout), reshard.stdout
+    rows = wait_status(control, lambda r: len(r) == 6 and settled(r))
+    held = _held_by_actives(zctx, rows)
+    assert merged_once(held) == ledger
+    for name, keys in held.items():
+        assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
