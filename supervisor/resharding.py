@@ -375,13 +375,15 @@ class Resharding:
         saturated host such a server runs a few milliseconds a second (4 ms every
         1.5-2 s beside four busy loops): a step asked of it took longer than 5 s beside
         four test workers on two cores, and the growth was rolled back. A server that is
-        stopped, or sleeps without answering, is not waited for; None for the others."""
+        stopped, or sleeps without answering, is not waited for; None for the others.
+        An operator's ``--abort`` (or a lapsed claim) ends the wait at the next look."""
         proc = self.runner.servers.get(name)
         if proc is None or proc.pid is None:
             return None
         last = [progress([proc])[0]]
 
         def patient() -> bool:
+            self._check_abort()  # (raises: the change rolls back)
             try:
                 if not is_background(proc.pid):
                     return False

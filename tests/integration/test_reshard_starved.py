@@ -22,8 +22,8 @@ import pytest
 from clonemap.shards.common.routing import ShardMap
 from test_durable_cluster import settled
 from test_routing_epoch import (_grown, _held_by_actives, _start_stopping, _write_all,
-                                merged_once)
-from test_supervisor_cli import wait_status, write_config
+                                at_epoch, merged_once)
+from test_supervisor_cli import cli, wait_status, write_config
 
 V1 = Path("/sys/fs/cgroup/cpu")
 V2 = Path("/sys/fs/cgroup")
@@ -61,10 +61,10 @@ def starved(pids: list[int], name: str):
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_an_added_shard_starved_of_cpu_while_it_copies_is_waited_on_not_rolled_back(
-        procs, tmp_path, zctx):
+def _growth_at_started(procs, tmp_path):
+    """A 2-shard cluster with 200 keys, and its growth to 3 shards waiting at *started*,
+    the supervisor's wait for each reply 0.5 s (5 s for users)."""
     config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
-    # (the supervisor's wait for each reply, 5 s for users, is 0.5 s here)
     sup = _start_stopping(procs, config, tmp_path, "started", pause=True,
                           env={"CLONEMAP_RESHARD_ASK_S": "0.5"})
     wait_status(control, settled)
@@ -76,18 +76,29 @@ def test_an_added_shard_starved_of_cpu_while_it_copies_is_waited_on_not_rolled_b
     sup.wait_line("RESHARD_PAUSED phase=started", timeout_s=60)
     rows = wait_status(control, lambda r: sum(n.startswith("s2/") for n in r) == 2)
     added = [r["pid"] for n, r in rows.items() if n.startswith("s2/")]
+    return config, control, sup, reshard, ledger, added
+
+
+def _waits_on_it(sup, reshard, mark: int) -> None:
+    """The supervisor says it waits on an added server that has not answered."""
+    try:
+        at = sup.wait_stderr("at background priority has not answered yet", start=mark,
+                             timeout_s=60)
+    except AssertionError as exc:  # (what the change said, if it ended meanwhile)
+        raise AssertionError(f"reshard: {reshard.stdout[-3:]} {reshard.stderr[-3:]}\n"
+                             f"{exc}") from None
+    assert re.search(r"s2/\w+ at background priority has not answered yet \("
+                     r"(waiting for a core|it ran meanwhile)\); waiting on",
+                     sup.stderr[at]), sup.stderr[at]
+
+
+def test_an_added_shard_starved_of_cpu_while_it_copies_is_waited_on_not_rolled_back(
+        procs, tmp_path, zctx):
+    config, control, sup, reshard, ledger, added = _growth_at_started(procs, tmp_path)
     mark = len(sup.stderr)
     with starved(added, f"clonemap-test-{os.getpid()}"):
         (tmp_path / "run" / "reshard.continue").touch()
-        try:
-            at = sup.wait_stderr("at background priority has not answered yet",
-                                 start=mark, timeout_s=60)
-        except AssertionError as exc:  # (what the change said, if it ended meanwhile)
-            raise AssertionError(f"reshard: {reshard.stdout[-3:]} {reshard.stderr[-3:]}\n"
-                                 f"{exc}") from None
-        assert re.search(r"s2/\w+ at background priority has not answered yet \("
-                         r"(waiting for a core|it ran meanwhile)\); waiting on",
-                         sup.stderr[at]), sup.stderr[at]
+        _waits_on_it(sup, reshard, mark)
     assert reshard.wait(120) == 0, reshard.stdout[-5:] + reshard.stderr[-5:]
     assert "routing epoch 2" in "\n".join(reshard.stdout), reshard.stdout
     rows = wait_status(control, lambda r: len(r) == 6 and settled(r))
@@ -95,3 +106,28 @@ def test_an_added_shard_starved_of_cpu_while_it_copies_is_waited_on_not_rolled_b
     assert merged_once(held) == ledger
     for name, keys in held.items():
         assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
+
+
+def test_an_operator_aborts_a_growth_that_waits_on_a_starved_added_shard(
+        procs, tmp_path, zctx):
+    """The wait has no bound of its own (a starved server is not a stuck one), so
+    ``supervisor reshard --abort`` ends it at its next look, the servers still starved:
+    the change rolls back, nothing lost."""
+    config, control, sup, reshard, ledger, added = _growth_at_started(procs, tmp_path)
+    mark = len(sup.stderr)
+    with starved(added, f"clonemap-test-{os.getpid()}"):
+        (tmp_path / "run" / "reshard.continue").touch()
+        _waits_on_it(sup, reshard, mark)
+        asked = cli("reshard", str(config), "--abort")
+        assert asked.returncode == 0 and "rolls back" in asked.stdout, asked.stderr
+        assert reshard.wait(60) == 1, reshard.stdout[-5:]  # (its servers still starved)
+    # the wait ended at its first look after the abort: no server waited on after it
+    aborted = sup.wait_stderr("reshard: abort asked in phase", start=mark)
+    assert not [line for line in sup.stderr[aborted:] if "has not answered yet" in line]
+    assert any("aborted by the operator" in line for line in reshard.stderr), (
+        reshard.stderr[-3:])
+    rows = wait_status(control, lambda r: len(r) == 4 and settled(r) and at_epoch(1)(r))
+    held = _held_by_actives(zctx, rows)
+    assert merged_once(held) == ledger
+    for name, keys in held.items():
+        assert all(ShardMap(2).owner(k) == int(name[1]) for k in keys), name
