@@ -99,6 +99,21 @@ def _worker_ports() -> tuple[int, int]:
     return lo + index * width, lo + (index + 1) * width
 
 
+def _bench_ports() -> str:
+    """This worker's slice of the benchmarks' ports (``bench.harness.procs.PORT_RANGE``),
+    as ``_worker_ports`` slices the tests'."""
+    from bench.harness.procs import PORT_RANGE
+
+    index, count = _workers()
+    lo, hi = PORT_RANGE
+    width = (hi - lo) // count // 10 * 10
+    return f"{lo + index * width}-{lo + (index + 1) * width}"
+
+
+# every benchmark a test starts takes its ports from this worker's slice: with four
+# workers, two benchmarks run at once took the same port between one's check and its bind
+os.environ["CLONEMAP_BENCH_PORTS"] = _bench_ports()  # (bench.harness.procs.PORTS_ENV)
+
 _used_ranges: collections.deque[tuple[int, int]] = collections.deque(
     maxlen=RECENT_RANGES // _workers()[1])
 """The ranges handed out most recently: a new range keeps clear of them. Older ones may

@@ -39,9 +39,32 @@ Linux's ephemeral range (32768-60999), from which any process's outgoing connect
 take a port between our check and our bind."""
 
 
+PORTS_ENV = "CLONEMAP_BENCH_PORTS"
+"""``LO-HI``: a part of ``PORT_RANGE`` this benchmark takes its ports from (the test suite
+gives each of its workers its own, so that two benchmarks run at once never pick the same
+ports between one's check and its bind: with four workers, a supervisor's port was taken
+so once)."""
+
+
+def port_range() -> tuple[int, int]:
+    """``PORT_RANGE``, or the part of it ``PORTS_ENV`` names."""
+    said = os.environ.get(PORTS_ENV)
+    if not said:
+        return PORT_RANGE
+    try:
+        lo, hi = (int(x) for x in said.split("-"))
+    except ValueError:
+        raise SystemExit(f"${PORTS_ENV}: expected LO-HI, got {said!r}") from None
+    if not PORT_RANGE[0] <= lo < hi <= PORT_RANGE[1]:
+        raise SystemExit(f"${PORTS_ENV}: {said!r} is not inside {PORT_RANGE[0]}-"
+                         f"{PORT_RANGE[1]}")
+    return lo, hi
+
+
 def free_port_base(count: int = 4, host: str = "127.0.0.1") -> int:
-    """A base P in ``PORT_RANGE`` such that P..P+count-1 can be bound on ``host`` now."""
-    return ports.free_port_base(PORT_RANGE[0], PORT_RANGE[1], count, host)
+    """A base P in ``port_range()`` such that P..P+count-1 can be bound on ``host`` now."""
+    lo, hi = port_range()
+    return ports.free_port_base(lo, hi, count, host)
 
 
 PORTS_PER_SHARD = 20

@@ -205,3 +205,20 @@ def test_read_figures_time_each_change_to_its_first_sight_and_count_stale_reads(
     assert (got["staleness_p50_ms"], got["staleness_max_ms"]) == (20.0, 600.0)
     assert (got["stale_reads"], got["probe_reads"]) == (2, 6)  # at 1015 ms and 2500 ms
     assert got["reads_per_s"] == 300.0 and got["client_cpu_us"] == 5.0
+
+
+def test_the_ports_env_narrows_where_a_benchmark_takes_its_ports(monkeypatch):
+    """``CLONEMAP_BENCH_PORTS`` (the suite sets each worker's slice of ``PORT_RANGE``):
+    every base comes from it; a malformed or outside range is refused, saying why."""
+    from bench.harness import procs
+
+    monkeypatch.setenv(procs.PORTS_ENV, "15000-15100")
+    assert procs.port_range() == (15000, 15100)
+    assert all(15000 <= procs.free_port_base(20) <= 15080 for _ in range(20))
+    for bad, said in (("15000", "expected LO-HI"), ("9000-12000", "is not inside"),
+                      ("15100-15000", "is not inside")):
+        monkeypatch.setenv(procs.PORTS_ENV, bad)
+        with pytest.raises(SystemExit, match=said):
+            procs.port_range()
+    monkeypatch.delenv(procs.PORTS_ENV)
+    assert procs.port_range() == procs.PORT_RANGE
