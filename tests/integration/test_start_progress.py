@@ -42,7 +42,9 @@ def test_a_busy_process_is_runnable_and_its_time_grows_below_a_tick(procs):
 
 
 def test_a_sleeping_or_stopped_process_is_neither_runnable_nor_progressing(procs):
-    idle = procs.python("-c", "import time; time.sleep(60)")
+    # (asleep once it said so: not caught in a wait of its interpreter's start)
+    idle = procs.python("-c", "import time; print('asleep', flush=True); time.sleep(60)",
+                        ready="asleep")
     _wait_state(idle, {"S"})
     first = _look(idle)
     assert first[1] is False and _look(idle) == first
