@@ -21,8 +21,8 @@ import pytest
 
 from clonemap.shards.common.routing import ShardMap
 from test_durable_cluster import settled
-from test_routing_epoch import (_grown, _held_by_actives, _start_stopping, _write_all,
-                                at_epoch, merged_once)
+from test_routing_epoch import (_grown, _start_stopping, _write_all, at_epoch,
+                                each_key_once_on_its_owner)
 from test_supervisor_cli import cli, wait_status, write_config
 
 V1 = Path("/sys/fs/cgroup/cpu")
@@ -102,10 +102,7 @@ def test_an_added_shard_starved_of_cpu_while_it_copies_is_waited_on_not_rolled_b
     assert reshard.wait(120) == 0, reshard.stdout[-5:] + reshard.stderr[-5:]
     assert "routing epoch 2" in "\n".join(reshard.stdout), reshard.stdout
     rows = wait_status(control, lambda r: len(r) == 6 and settled(r))
-    held = _held_by_actives(zctx, rows)
-    assert merged_once(held) == ledger
-    for name, keys in held.items():
-        assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
+    each_key_once_on_its_owner(zctx, rows, ledger, ShardMap(3))
 
 
 def test_an_operator_aborts_a_growth_that_waits_on_a_starved_added_shard(
@@ -127,7 +124,4 @@ def test_an_operator_aborts_a_growth_that_waits_on_a_starved_added_shard(
     assert any("aborted by the operator" in line for line in reshard.stderr), (
         reshard.stderr[-3:])
     rows = wait_status(control, lambda r: len(r) == 4 and settled(r) and at_epoch(1)(r))
-    held = _held_by_actives(zctx, rows)
-    assert merged_once(held) == ledger
-    for name, keys in held.items():
-        assert all(ShardMap(2).owner(k) == int(name[1]) for k in keys), name
+    each_key_once_on_its_owner(zctx, rows, ledger, ShardMap(2))

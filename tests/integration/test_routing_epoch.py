@@ -420,6 +420,17 @@ def _held_by_actives(zctx, rows: dict) -> dict[str, dict[bytes, bytes]]:
     return {name: fetch_map(zctx, row["port"])[0] for name, row in actives(rows).items()}
 
 
+def each_key_once_on_its_owner(zctx, rows: dict, expected: dict[str, bytes],
+                               routing: ShardMap) -> dict[str, dict[bytes, bytes]]:
+    """Every active asked for its keys: each key is on one shard only, the one ``routing``
+    gives it, and together they are ``expected`` (a ledger). What each active holds."""
+    held = _held_by_actives(zctx, rows)
+    for name, keys in held.items():
+        assert all(routing.owner(k) == int(name[1]) for k in keys), name
+    assert merged_once(held) == expected
+    return held
+
+
 def test_a_start_that_follows_a_later_routing_waits_on_no_part_it_retired(procs, tmp_path,
                                                                           monkeypatch):
     """``chp --config BEFORE get KEY`` after a growth, for a key it gave the added shard,
@@ -552,12 +563,8 @@ def test_supervisor_reshard_grows_and_shrinks_with_writers_running(procs, tmp_pa
     rows = wait_status(control, lambda r: set(r) == {"s0/primary", "s0/backup",
                                                      "s1/primary", "s1/backup"}
                        and at_epoch(3)(r))
-    held = _held_by_actives(zctx, rows)
-    routing = ShardMap(2, epoch=3)
-    for name, keys in held.items():
-        assert all(routing.owner(k) == int(name[1]) for k in keys), name
-    merged = merged_once(held)
-    assert merged == dict(ledger, **{"/counter": b"%d" % increments})
+    each_key_once_on_its_owner(zctx, rows, dict(ledger, **{"/counter": b"%d" % increments}),
+                               ShardMap(2, epoch=3))
     # the removed shard's servers exited; its data directories stay
     assert not [p for p in children_of(sup.pid) if "s2" in " ".join(
         psutil.Process(p).cmdline())]
@@ -670,10 +677,7 @@ def test_an_added_shard_copies_at_background_cpu_priority_then_serves_at_normal(
         assert _autogroup_nice(pid) in ("0", None), name
         assert not stats_of(control, name)["routing"]["background"], name
     rows = wait_status(control, lambda r: len(r) == 6 and settled(r))
-    held = _held_by_actives(zctx, rows)
-    assert merged_once(held) == ledger
-    for name, keys in held.items():
-        assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
+    each_key_once_on_its_owner(zctx, rows, ledger, ShardMap(3))
 
 
 def test_a_client_of_the_whole_map_adopts_what_an_added_shard_copied(procs, tmp_path,
@@ -773,10 +777,7 @@ def test_a_supervisor_killed_in_the_middle_of_a_growth_loses_nothing(procs, tmp_
     start(procs, now, tmp_path)
     rows = wait_status(control, settled)
     shard_map = ShardMap(3 if committed else 2)
-    held = _held_by_actives(zctx, rows)
-    for name, keys in held.items():
-        assert all(shard_map.owner(k) == int(name[1]) for k in keys), name
-    assert merged_once(held) == ledger
+    each_key_once_on_its_owner(zctx, rows, ledger, shard_map)
 
     async def read_back():
         async with AsyncClone(config=str(now)) as clone:
@@ -838,10 +839,7 @@ def test_a_supervisor_killed_between_two_targets_commits_brings_the_old_routing_
     assert not (tmp_path / "run" / "move.json").exists()
     start(procs, three, tmp_path)
     rows = wait_status(control, lambda r: len(r) == 6 and settled(r) and at_epoch(3)(r))
-    held = _held_by_actives(zctx, rows)
-    for name, keys in held.items():
-        assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
-    assert merged_once(held) == ledger
+    each_key_once_on_its_owner(zctx, rows, ledger, ShardMap(3))
 
     async def read_back():
         async with AsyncClone(config=str(three)) as clone:
@@ -851,10 +849,7 @@ def test_a_supervisor_killed_between_two_targets_commits_brings_the_old_routing_
     again = cli("reshard", str(three), "--to", str(config), "--yes", timeout_s=120)
     assert again.returncode == 0, again.stdout + again.stderr
     rows = wait_status(control, lambda r: len(r) == 4 and settled(r) and at_epoch(4)(r))
-    held = _held_by_actives(zctx, rows)
-    for name, keys in held.items():
-        assert all(ShardMap(2).owner(k) == int(name[1]) for k in keys), name
-    assert merged_once(held) == ledger
+    each_key_once_on_its_owner(zctx, rows, ledger, ShardMap(2))
 
 
 @pytest.mark.parametrize("phase,victim,flips", [
@@ -922,10 +917,7 @@ def test_a_failover_in_the_middle_of_a_move_ends_with_one_owner_and_loses_nothin
     doc = fetch_cluster_map(control)
     now = ShardMap(2, {1: [tenant]}) if flips else first
     assert doc["routing"]["pins"] == ([[tenant, 1]] if flips else [])
-    held = _held_by_actives(zctx, rows)
-    for name, keys in held.items():
-        assert all(now.owner(k) == int(name[1]) for k in keys), name
-    assert merged_once(held) == ledger
+    each_key_once_on_its_owner(zctx, rows, ledger, now)
     if flips:
         return
 
@@ -981,11 +973,7 @@ def test_an_added_shard_that_fails_over_while_copying_rolls_the_growth_back(
     asyncio.run(scenario())
     rows = wait_status(control, lambda r: len(r) == 4 and settled(r))
     assert fetch_cluster_map(control)["routing"]["shards"] == 2
-    held = _held_by_actives(zctx, rows)
-    two = ShardMap(2)
-    for name, keys in held.items():
-        assert all(two.owner(k) == int(name[1]) for k in keys), name
-    assert merged_once(held) == ledger
+    each_key_once_on_its_owner(zctx, rows, ledger, ShardMap(2))
     assert not [p for p in children_of(sup.pid) if "s2" in " ".join(
         psutil.Process(p).cmdline())]
     assert not (tmp_path / "run" / "data" / "s2-primary").exists()
@@ -998,10 +986,7 @@ def test_an_added_shard_that_fails_over_while_copying_rolls_the_growth_back(
     (tmp_path / "run" / "reshard.continue").touch()
     assert again.wait(60) == 0, again.stderr[-3:]
     rows = wait_status(control, lambda r: len(r) == 6 and settled(r))
-    held = _held_by_actives(zctx, rows)
-    assert merged_once(held) == ledger
-    for name, keys in held.items():
-        assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
+    each_key_once_on_its_owner(zctx, rows, ledger, ShardMap(3))
 
 
 def _meta_snapshot(ctx: zmq.Context, port: int, subtree: bytes) -> dict[bytes, bytes]:
@@ -1191,10 +1176,7 @@ def test_an_operator_aborts_a_growth_before_its_flip(procs, tmp_path, zctx):
     assert any("aborted by the operator" in line for line in reshard.stderr), (
         reshard.stderr[-3:])
     rows = wait_status(control, lambda r: len(r) == 4 and settled(r) and at_epoch(1)(r))
-    held = _held_by_actives(zctx, rows)
-    assert merged_once(held) == ledger
-    for name, keys in held.items():
-        assert all(ShardMap(2).owner(k) == int(name[1]) for k in keys), name
+    each_key_once_on_its_owner(zctx, rows, ledger, ShardMap(2))
     assert not (tmp_path / "run" / "data" / "s2-primary").exists()
 
     again = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
@@ -1311,10 +1293,7 @@ def test_a_growth_whose_plan_cannot_be_counted_stops_the_shard_it_started(
     again = cli("reshard", str(config), "--to", str(three), "--yes", timeout_s=120)
     assert again.returncode == 0, again.stdout + again.stderr
     rows = wait_status(control, lambda r: len(r) == 6 and settled(r) and at_epoch(2)(r))
-    held = _held_by_actives(zctx, rows)
-    assert merged_once(held) == ledger
-    for name, keys in held.items():
-        assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
+    each_key_once_on_its_owner(zctx, rows, ledger, ShardMap(3))
 
 
 def test_a_count_longer_than_the_supervisor_s_wait_beats_and_the_growth_completes(
@@ -1368,10 +1347,7 @@ def test_a_count_longer_than_the_supervisor_s_wait_beats_and_the_growth_complete
         r"routing: counted \d+ keys for epoch \d+ in ([\d.]+) s", "\n".join(logs))]
     assert len(took) == 2 and min(took) >= 1.5, took  # (each shard's active; 1 s a word)
     rows = wait_status(control, lambda r: len(r) == 6 and settled(r) and at_epoch(2)(r))
-    held = _held_by_actives(zctx, rows)
-    assert merged_once(held) == ledger
-    for name, keys in held.items():
-        assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
+    each_key_once_on_its_owner(zctx, rows, ledger, ShardMap(3))
 
     # the way back: its count's beats (s2's ~2,000 keys, 1.2 s) come before its plan,
     # and say its phase, not the last change's ("flipped" was printed before the plan)
@@ -1411,10 +1387,7 @@ def test_an_added_shard_slower_to_start_than_the_wait_completes_while_it_progres
     # asserted: a supervisor whose own loop waited for a core finds the servers running
     # when it looks, and without the loop above the growth is refused, "did not start")
     rows = wait_status(control, lambda r: len(r) == 6 and settled(r) and at_epoch(2)(r))
-    held = _held_by_actives(zctx, rows)
-    assert merged_once(held) == ledger
-    for name, keys in held.items():
-        assert all(ShardMap(3).owner(k) == int(name[1]) for k in keys), name
+    each_key_once_on_its_owner(zctx, rows, ledger, ShardMap(3))
 
 
 def test_a_growth_starts_the_added_shard_s_relays_and_a_relay_client_follows(
@@ -1523,10 +1496,7 @@ def test_the_source_fails_over_after_the_targets_committed_and_nothing_is_lost(
 
     asyncio.run(scenario())
     rows = wait_status(control, lambda r: settled(r) and at_epoch(2)(r))
-    held = _held_by_actives(zctx, rows)
-    for name, keys in held.items():
-        assert all(moved.owner(k) == int(name[1]) for k in keys), name
-    assert merged_once(held) == ledger
+    each_key_once_on_its_owner(zctx, rows, ledger, moved)
 
 
 def test_writes_waiting_for_their_answer_across_the_flip_are_answered_once(
@@ -1671,11 +1641,7 @@ def test_a_server_that_did_not_answer_the_flip_is_given_the_routing_once_it_answ
     assert reshard.wait(60) == 0, reshard.stderr[-3:]
     rows = wait_status(control, lambda r: len(r) == 6 and settled(r) and at_epoch(2)(r))
     assert rows[frozen]["pid"] == pid  # the same process, never restarted
-    routing = ShardMap(3, epoch=2)
-    held = _held_by_actives(zctx, rows)
-    assert merged_once(held) == {k: v for k, v in ledger.items()}
-    for name, keys in held.items():
-        assert all(routing.owner(k) == int(name[1]) for k in keys), name
+    each_key_once_on_its_owner(zctx, rows, ledger, ShardMap(3, epoch=2))
 
 
 def _holding_keys(control: str, name: str) -> int:
