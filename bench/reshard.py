@@ -290,6 +290,7 @@ def _summary(result: dict, args, total_s: float, moved_keys: int, move_s: float)
         "during_staying": _spread([w[1] for w in during if not w[2] and w[1] >= 0]),
         "failed_writes": sum(1 for w in writes if w[1] < 0), "errors": result["errors"],
         "error_examples": result.get("error_examples", {}),
+        "redirects": result.get("redirects", {}),  # (Valkey's writer: MOVED, ASK, ...)
         "timeline": _timeline(writes, t_start, result, slow_s=(
             TARGET_P99_RATIO * percentile(sorted(w[1] for w in before), 99)
             if before else None)),
