@@ -113,7 +113,7 @@ def _exit_code(exc: BaseException) -> int:
 
 def checked_endpoint(text: str, where: str) -> str:
     """``tcp://IPV4:PORT`` or a usage error naming the option (exit 2, one line)."""
-    from clonemap.shards.common.config_values import parse_endpoint
+    from clonemap.shards.common.endpoints import parse_endpoint
 
     try:
         return parse_endpoint(text).replace("tcp://*:", "tcp://127.0.0.1:")

@@ -11,10 +11,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from clonemap.shards.common.errors import ClonemapError, ConfigError, Exit, HandshakeRefused
-from clonemap.shards.common.endpoints import ensure_listening
+from clonemap.shards.common.endpoints import DEFAULT_CONTROL, ensure_listening, parse_endpoint
 from clonemap.shards.common.mdp.client import SyncMdpClient
-from clonemap.shards.common.config import DEFAULT_CONTROL, load_config
-from clonemap.shards.common.config_values import parse_endpoint
 from clonemap.shards.common.security import Security, client_keys
 from clonemap.supervisor.protocol import check_target
 
@@ -34,6 +32,15 @@ class Control(str):
         return out
 
 
+def _load_config(path: str):
+    """``load_config``, imported when a CONFIG is named: the config's models (pydantic)
+    cost ~0.1 s of a command's start, which ``supervisor status``, ``kill`` or ``stop``
+    with ``--control`` or none at all do not need."""
+    from clonemap.shards.common.config import load_config
+
+    return load_config(path)
+
+
 def resolve_control(control: str | None, config: str | None, host: str | None = None,
                     identity: str | None = None) -> Control:
     """The control endpoint: ``--control``, else the CONFIG's ``control`` (for a config
@@ -42,7 +49,7 @@ def resolve_control(control: str | None, config: str | None, host: str | None = 
     directory), else the CONFIG's (with ``security.curve``), else none
     (``clonemap.shards.common.security.client_keys``); ``identity`` (else
     ``$CLONEMAP_IDENTITY``): present that named identity's pair."""
-    cluster = load_config(config) if config else None
+    cluster = _load_config(config) if config else None
     if control:
         endpoint = _checked(control, "--control")
     elif cluster is not None and cluster.hosts is not None:
@@ -192,7 +199,7 @@ class Selection:
         """The host names of a config over several hosts (none for one host or none)."""
         if self.control or not self.config:
             return []
-        cluster = load_config(self.config)
+        cluster = _load_config(self.config)
         return sorted(cluster.hosts) if cluster.hosts else []
 
     def on_host(self, host: str) -> "Selection":

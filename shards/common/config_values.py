@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, PlainValidator
 
-from clonemap.shards.common.endpoints import MAX_IO_THREADS, WILDCARD, endpoint_parts
+from clonemap.shards.common.endpoints import (  # noqa: F401 - parse_endpoint: here too
+    MAX_IO_THREADS, WILDCARD, _host_port, endpoint_parts, parse_endpoint)
 
 PORTS_PER_SERVER = 4
 MAX_PORT_BASE = 65535 - (PORTS_PER_SERVER - 1)
@@ -119,34 +120,6 @@ def parse_seconds(value: Any) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError("expected a number of seconds > 0 such as 1.0")
     return float(value)
-
-
-def parse_endpoint(value: Any) -> str:
-    """``tcp://IPV4:PORT`` (or ``tcp://*:PORT``) -> a normalised endpoint string."""
-    expected = "expected tcp://IPV4:PORT such as tcp://127.0.0.1:5555 (or tcp://*:PORT)"
-    if not isinstance(value, str):
-        raise ValueError(expected)
-    host, port = _host_port(value.strip(), r"tcp://([^:/]+):(\d+)", expected)
-    host = "*" if host == WILDCARD else host
-    return f"tcp://{host}:{port}"
-
-
-def _host_port(text: str, pattern: str, expected: str) -> tuple[str, int]:
-    """An IPv4 address (``*`` and 0.0.0.0: every interface, as 0.0.0.0) and a port
-    1..65535 from ``text`` matching ``pattern`` (two groups); ValueError naming
-    ``expected`` otherwise."""
-    m = re.fullmatch(pattern, text)
-    if not m:
-        raise ValueError(expected)
-    host, port = m.group(1), int(m.group(2))
-    host = WILDCARD if host == "*" else host
-    try:
-        host = str(ipaddress.IPv4Address(host))
-    except ValueError:
-        raise ValueError(f"{host!r} is not an IPv4 address; {expected}") from None
-    if not 1 <= port <= 65535:
-        raise ValueError(f"port {port} is out of range; expected 1..65535")
-    return host, port
 
 
 DEFAULT_METRICS = "127.0.0.1:9464"

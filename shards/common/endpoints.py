@@ -1,8 +1,13 @@
 """Endpoint facts every process must agree on: the default control endpoint, which
-host to reach a server at when it binds a wildcard address, and how many I/O threads a
-ZeroMQ context of ours may be given.
+host to reach a server at when it binds a wildcard address, how many I/O threads a
+ZeroMQ context of ours may be given, and how an endpoint is read (``parse_endpoint``:
+here, not beside the config's models, so that a command given ``--control`` does not
+import pydantic).
 """
 from __future__ import annotations
+
+import ipaddress
+import re
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_CONTROL = f"tcp://{LOOPBACK}:5555"
@@ -56,3 +61,31 @@ def ensure_listening(endpoint: str) -> None:
         raise _refused(endpoint, port) from None
     except OSError:
         return
+
+
+def parse_endpoint(value) -> str:
+    """``tcp://IPV4:PORT`` (or ``tcp://*:PORT``) -> a normalised endpoint string."""
+    expected = "expected tcp://IPV4:PORT such as tcp://127.0.0.1:5555 (or tcp://*:PORT)"
+    if not isinstance(value, str):
+        raise ValueError(expected)
+    host, port = _host_port(value.strip(), r"tcp://([^:/]+):(\d+)", expected)
+    host = "*" if host == WILDCARD else host
+    return f"tcp://{host}:{port}"
+
+
+def _host_port(text: str, pattern: str, expected: str) -> tuple[str, int]:
+    """An IPv4 address (``*`` and 0.0.0.0: every interface, as 0.0.0.0) and a port
+    1..65535 from ``text`` matching ``pattern`` (two groups); ValueError naming
+    ``expected`` otherwise."""
+    m = re.fullmatch(pattern, text)
+    if not m:
+        raise ValueError(expected)
+    host, port = m.group(1), int(m.group(2))
+    host = WILDCARD if host == "*" else host
+    try:
+        host = str(ipaddress.IPv4Address(host))
+    except ValueError:
+        raise ValueError(f"{host!r} is not an IPv4 address; {expected}") from None
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range; expected 1..65535")
+    return host, port
