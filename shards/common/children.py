@@ -12,7 +12,6 @@ One piece for the supervisor, the benchmarks, the demo and the tests, which all 
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
 import signal
@@ -22,10 +21,11 @@ import threading
 import time
 from typing import IO, Callable
 
+from clonemap.shards.common import libc
+
 _PR_SET_PDEATHSIG = 1
 _LINUX = sys.platform.startswith("linux")
-_prctl = (ctypes.CDLL(None, use_errno=True).prctl  # (this process's symbols: libc's)
-          if _LINUX else None)  # resolved before any fork: preexec_fn only calls it
+_prctl = libc.function("prctl") if _LINUX else None  # (before any fork: preexec_fn calls it)
 
 
 class LinePump:

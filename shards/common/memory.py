@@ -20,6 +20,8 @@ from __future__ import annotations
 import ctypes
 import logging
 
+from clonemap.shards.common import libc
+
 log = logging.getLogger(__name__)
 
 M_MMAP_THRESHOLD = -3
@@ -30,13 +32,10 @@ LARGE_BYTES = 128 * 1024
 
 def return_large_frees(threshold: int = LARGE_BYTES) -> bool:
     """Fix glibc's mmap threshold at ``threshold`` bytes. True if it was applied."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt  # (this process's symbols: its C library's)
-    except (OSError, AttributeError, TypeError):
+    mallopt = libc.function("mallopt", (ctypes.c_int, ctypes.c_int))
+    if mallopt is None:
         log.debug("no mallopt in this C library: large frees stay with the allocator")
         return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
     return mallopt(M_MMAP_THRESHOLD, threshold) == 1
 
 
@@ -54,17 +53,7 @@ def freeze_startup_objects() -> int:
     return gc.get_freeze_count()
 
 
-def _bind_malloc_trim():
-    try:
-        fn = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes = (ctypes.c_size_t,)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_malloc_trim = _bind_malloc_trim()
+_malloc_trim = libc.function("malloc_trim", (ctypes.c_size_t,))
 
 
 def give_back() -> bool:

@@ -47,6 +47,7 @@ server reads both and writes version 2.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -58,6 +59,7 @@ from typing import Iterator
 
 import msgpack
 
+from clonemap.shards.common import libc
 from clonemap.shards.common.errors import ClonemapError
 
 VERSION = 2
@@ -263,19 +265,6 @@ def fsync_dir(path: Path) -> None:
 SYNC_FILE_RANGE_WRITE = 2
 """linux/fs.h: start writeback of the range's dirty pages, without waiting for it."""
 
-
-def _bind_sync_file_range():
-    import ctypes
-
-    try:  # (this process's symbols, its C library's: no ``find_library``, which runs
-        # ``ldconfig -p`` in a child process at every start)
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError, TypeError):
-        return None  # not Linux (or no glibc): the fsync does all the writeback
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-sync_file_range = _bind_sync_file_range()
+sync_file_range = libc.function("sync_file_range", (ctypes.c_int, ctypes.c_int64,
+                                                     ctypes.c_int64, ctypes.c_uint))
 """``sync_file_range(fd, offset, nbytes, flags)`` (Linux), or None."""
