@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, PlainValidator
 
 from clonemap.shards.common.endpoints import (  # noqa: F401 - parse_endpoint: here too
-    MAX_IO_THREADS, WILDCARD, _host_port, endpoint_parts, parse_endpoint)
+    MAX_IO_THREADS, WILDCARD, endpoint_parts, host_port, parse_endpoint)
 
 PORTS_PER_SERVER = 4
 MAX_PORT_BASE = 65535 - (PORTS_PER_SERVER - 1)
@@ -135,7 +135,7 @@ def parse_metrics(value: Any) -> str | None:
         return None
     if not isinstance(value, str):
         raise ValueError(expected)
-    host, port = _host_port(value.strip(), r"([^:/\s]+):(\d+)", expected)
+    host, port = host_port(value.strip(), r"([^:/\s]+):(\d+)", expected)
     return f"{host}:{port}"
 
 

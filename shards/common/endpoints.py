@@ -68,12 +68,12 @@ def parse_endpoint(value) -> str:
     expected = "expected tcp://IPV4:PORT such as tcp://127.0.0.1:5555 (or tcp://*:PORT)"
     if not isinstance(value, str):
         raise ValueError(expected)
-    host, port = _host_port(value.strip(), r"tcp://([^:/]+):(\d+)", expected)
+    host, port = host_port(value.strip(), r"tcp://([^:/]+):(\d+)", expected)
     host = "*" if host == WILDCARD else host
     return f"tcp://{host}:{port}"
 
 
-def _host_port(text: str, pattern: str, expected: str) -> tuple[str, int]:
+def host_port(text: str, pattern: str, expected: str) -> tuple[str, int]:
     """An IPv4 address (``*`` and 0.0.0.0: every interface, as 0.0.0.0) and a port
     1..65535 from ``text`` matching ``pattern`` (two groups); ValueError naming
     ``expected`` otherwise."""
