@@ -21,9 +21,9 @@ import pytest
 
 from clonemap.shards.common.routing import ShardMap
 from test_durable_cluster import settled
-from test_routing_epoch import (_grown, _start_stopping, _write_all, at_epoch,
+from test_routing_epoch import (_growth_ready, _reshard, at_epoch,
                                 each_key_once_on_its_owner)
-from test_supervisor_cli import cli, wait_status, write_config
+from test_supervisor_cli import cli, wait_status
 
 V1 = Path("/sys/fs/cgroup/cpu")
 V2 = Path("/sys/fs/cgroup")
@@ -64,15 +64,9 @@ pytestmark = pytest.mark.timeout(240)
 def _growth_at_started(procs, tmp_path):
     """A 2-shard cluster with 200 keys, and its growth to 3 shards waiting at *started*,
     the supervisor's wait for each reply 0.5 s (5 s for users)."""
-    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
-    sup = _start_stopping(procs, config, tmp_path, "started", pause=True,
-                          env={"CLONEMAP_RESHARD_ASK_S": "0.5"})
-    wait_status(control, settled)
-    three = _grown(config, tmp_path / "three.yaml")
-    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(200)}
-    _write_all(config, ledger)
-    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
-                           str(three), "--yes")
+    config, control, sup, _, three, ledger = _growth_ready(
+        procs, tmp_path, "started", 200, pause=True, env={"CLONEMAP_RESHARD_ASK_S": "0.5"})
+    reshard = _reshard(procs, config, three)
     sup.wait_line("RESHARD_PAUSED phase=started", timeout_s=60)
     rows = wait_status(control, lambda r: sum(n.startswith("s2/") for n in r) == 2)
     added = [r["pid"] for n, r in rows.items() if n.startswith("s2/")]

@@ -403,6 +403,28 @@ def _grown(config: Path, path: Path) -> Path:
     return path
 
 
+def _growth_ready(procs, tmp_path: Path, phase: str, keys: int, pause: bool = False,
+                  env: dict | None = None):
+    """A durable 2-shard cluster (heartbeat 0.3 s) under ``supervisor start`` whose moves
+    stop or pause at ``phase`` (``_start_stopping``), settled, with ``keys`` acknowledged
+    writes to as many segments (the ledger), and ``three.yaml``, its growth to 3 shards,
+    not begun. Returns the config, the control endpoint, the supervisor, its settled
+    rows, the grown config and the ledger."""
+    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
+    sup = _start_stopping(procs, config, tmp_path, phase, pause=pause, env=env)
+    rows = wait_status(control, settled)
+    three = _grown(config, tmp_path / "three.yaml")
+    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(keys)}
+    _write_all(config, ledger)
+    return config, control, sup, rows, three, ledger
+
+
+def _reshard(procs, config: Path, to: Path):
+    """``supervisor reshard CONFIG --to TO --yes``, running (its process)."""
+    return procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to", str(to),
+                        "--yes")
+
+
 def at_epoch(epoch: int):
     """A status predicate: every server follows routing ``epoch``."""
     return lambda rows: all(((row.get("stats") or {}).get("routing") or {}).get("epoch")
@@ -648,17 +670,12 @@ def test_an_added_shard_copies_at_background_cpu_priority_then_serves_at_normal(
     thread is back under ``SCHED_OTHER`` and each group at nice 0, the command names the
     servers that copied in the background, and every key is on its owner, once.
     ``--copy-priority`` takes only ``idle`` or ``normal``."""
-    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
-    sup = _start_stopping(procs, config, tmp_path, "started", pause=True)
-    wait_status(control, settled)
-    three = _grown(config, tmp_path / "three.yaml")
+    config, control, sup, _, three, ledger = _growth_ready(procs, tmp_path, "started", 200,
+                                                           pause=True)
     bad = cli("reshard", str(config), "--to", str(three), "--yes", "--copy-priority", "low")
     assert bad.returncode == 2 and "'low' is not one of" in bad.stderr, bad.stderr
-    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(200)}
-    _write_all(config, ledger)
 
-    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
-                           str(three), "--yes")
+    reshard = _reshard(procs, config, three)
     sup.wait_line("RESHARD_PAUSED phase=started", timeout_s=60)
     rows = wait_status(control, lambda r: sum(n.startswith("s2/") for n in r) == 2)
     added = {n: r["pid"] for n, r in rows.items() if n.startswith("s2/")}
@@ -750,15 +767,8 @@ def test_a_supervisor_killed_in_the_middle_of_a_growth_loses_nothing(procs, tmp_
     config (the routing never changed; the move can be run again); once a target
     committed, with the new one (the old one is refused, naming the newer routing).
     Every acknowledged write is read back by a fresh client, from its owner only."""
-    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
-    sup = _start_stopping(procs, config, tmp_path, phase)
-    wait_status(control, settled)
-    three = _grown(config, tmp_path / "three.yaml")
-    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(300)}
-
-    _write_all(config, ledger)
-    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
-                           str(three), "--yes")
+    config, control, sup, _, three, ledger = _growth_ready(procs, tmp_path, phase, 300)
+    reshard = _reshard(procs, config, three)
     sup.wait_line(f"RESHARD_STOPPED phase={phase}", timeout_s=60)
     servers = children_of(sup.pid)
     sup.signal(signal.SIGKILL)
@@ -821,8 +831,7 @@ def test_a_supervisor_killed_between_two_targets_commits_brings_the_old_routing_
     assert any(ShardMap(3).owner(k.encode()) == 2 for k in ledger)
 
     _write_all(three, ledger)
-    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(three), "--to",
-                           str(config), "--yes")
+    reshard = _reshard(procs, three, config)
     sup.wait_line("RESHARD_STOPPED phase=committing", timeout_s=60)
     servers = children_of(sup.pid)
     sup.signal(signal.SIGKILL)
@@ -887,8 +896,7 @@ def test_a_failover_in_the_middle_of_a_move_ends_with_one_owner_and_loses_nothin
 
             task = asyncio.ensure_future(_acknowledged(
                 clone, [f"{tenant}{i}" for i in range(20)], ledger, stop))
-            reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
-                                   "--to", str(later), "--yes")
+            reshard = _reshard(procs, config, later)
             await asyncio.to_thread(sup.wait_line, f"RESHARD_PAUSED phase={phase}", 60)
             shard = "s0" if victim == "source" else "s1"
             killed = next(n for n in (f"{shard}/primary", f"{shard}/backup")
@@ -923,8 +931,7 @@ def test_a_failover_in_the_middle_of_a_move_ends_with_one_owner_and_loses_nothin
 
     # run again, with no failover: it completes, and the keys are on s1
     (tmp_path / "run" / "reshard.continue").unlink(missing_ok=True)
-    again = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
-                         str(later), "--yes")
+    again = _reshard(procs, config, later)
     sup.wait_line(f"RESHARD_PAUSED phase={phase}", timeout_s=60)
     (tmp_path / "run" / "reshard.continue").touch()
     assert again.wait(60) == 0, again.stderr[-3:]
@@ -953,8 +960,7 @@ def test_an_added_shard_that_fails_over_while_copying_rolls_the_growth_back(
 
             task = asyncio.ensure_future(_acknowledged(
                 clone, [f"/seg{i}/k" for i in range(300)], ledger, stop))
-            reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
-                                   "--to", str(three), "--yes")
+            reshard = _reshard(procs, config, three)
             await asyncio.to_thread(sup.wait_line, "RESHARD_PAUSED phase=copied", 60)
             rows = await asyncio.to_thread(wait_status, control, lambda r: any(
                 r.get(n, {}).get("bstar") == "ACTIVE" for n in ("s2/primary", "s2/backup")))
@@ -980,8 +986,7 @@ def test_an_added_shard_that_fails_over_while_copying_rolls_the_growth_back(
     assert not (tmp_path / "run" / "data" / "s2-backup").exists()
 
     (tmp_path / "run" / "reshard.continue").unlink(missing_ok=True)
-    again = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
-                         str(three), "--yes")
+    again = _reshard(procs, config, three)
     sup.wait_line("RESHARD_PAUSED phase=copied", timeout_s=60)
     (tmp_path / "run" / "reshard.continue").touch()
     assert again.wait(60) == 0, again.stderr[-3:]
@@ -1080,8 +1085,7 @@ def test_a_serving_target_stages_the_copy_and_clients_adopt_it_at_the_flip(
                                      if p["shard"] == name)
 
             # the copy, staged and shown to no client of ours
-            reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
-                                   "--to", str(later), "--yes")
+            reshard = _reshard(procs, config, later)
             await asyncio.to_thread(sup.wait_line, "RESHARD_PAUSED phase=copied", 60)
             assert await asyncio.to_thread(_staged_updates, sub, 300, False) == as_bytes
             heard = []
@@ -1120,8 +1124,7 @@ def test_a_serving_target_stages_the_copy_and_clients_adopt_it_at_the_flip(
             assert {k: clone.get(k) for k in ledger} == ledger and clone.routing_epoch == 1
 
             # run again to its end: the client adopts what s1 staged, silently
-            again = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
-                                 "--to", str(later), "--yes")
+            again = _reshard(procs, config, later)
             await asyncio.to_thread(sup.wait_line, "RESHARD_PAUSED phase=copied", 60)
             (tmp_path / "run" / "reshard.continue").touch()
             assert await asyncio.to_thread(again.wait, 60) == 0, again.stderr[-3:]
@@ -1158,17 +1161,11 @@ def test_an_operator_aborts_a_growth_before_its_flip(procs, tmp_path, zctx):
     while a growth waits once copied (``CLONEMAP_RESHARD_PAUSE_AT``), it stops the
     change, which rolls back (the added shard stops, its data directories go, the
     routing stays at epoch 1, every key on its owner); the growth run again completes."""
-    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
-    sup = _start_stopping(procs, config, tmp_path, "copied", pause=True)
-    wait_status(control, settled)
-    three = _grown(config, tmp_path / "three.yaml")
-    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(200)}
-
-    _write_all(config, ledger)
+    config, control, sup, _, three, ledger = _growth_ready(procs, tmp_path, "copied", 200,
+                                                           pause=True)
     idle = cli("reshard", str(config), "--abort")
     assert idle.returncode == 1 and "no change of the routing is running" in idle.stderr
-    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
-                           str(three), "--yes")
+    reshard = _reshard(procs, config, three)
     sup.wait_line("RESHARD_PAUSED phase=copied", timeout_s=60)
     asked = cli("reshard", str(config), "--abort")
     assert asked.returncode == 0 and "rolls back" in asked.stdout, asked.stderr
@@ -1179,8 +1176,7 @@ def test_an_operator_aborts_a_growth_before_its_flip(procs, tmp_path, zctx):
     each_key_once_on_its_owner(zctx, rows, ledger, ShardMap(2))
     assert not (tmp_path / "run" / "data" / "s2-primary").exists()
 
-    again = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
-                         str(three), "--yes")
+    again = _reshard(procs, config, three)
     sup.wait_line("RESHARD_PAUSED phase=copied", timeout_s=60)
     (tmp_path / "run" / "reshard.continue").touch()
     assert again.wait(60) == 0, again.stderr[-3:]
@@ -1477,8 +1473,7 @@ def test_the_source_fails_over_after_the_targets_committed_and_nothing_is_lost(
                          clone, [f"{tenant}{i}" for i in range(10)], ledger, stop)),
                      asyncio.ensure_future(_acknowledged(
                          clone, [f"/k{i}" for i in range(10)], ledger, stop))]
-            reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
-                                   "--to", str(later), "--yes")
+            reshard = _reshard(procs, config, later)
             await asyncio.to_thread(sup.wait_line, "RESHARD_PAUSED phase=committed", 60)
             killed = next(n for n in ("s0/primary", "s0/backup")
                           if rows[n]["bstar"] == "ACTIVE")
@@ -1525,8 +1520,7 @@ def test_writes_waiting_for_their_answer_across_the_flip_are_answered_once(
             old_seq = clone.meta(existing).seq
             assert old_seq >= 5
             events, watch, collector = await _watching(clone, created)
-            reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config),
-                                   "--to", str(three), "--yes")
+            reshard = _reshard(procs, config, three)
             await asyncio.to_thread(sup.wait_line, "RESHARD_PAUSED phase=flipped", 60)
             create = asyncio.ensure_future(clone.set(created, b"c", create=True,
                                                      timeout_s=20))
@@ -1618,17 +1612,11 @@ def test_a_server_that_did_not_answer_the_flip_is_given_the_routing_once_it_answ
     handing its requests to its dead predecessor's worker). The supervisor asks it again
     while it runs; thawed, it takes epoch 2 and forgets the keys that moved. Before, it
     stayed at epoch 1 after the change (seen once in a clean-clone run)."""
-    config, control = write_config(tmp_path, "2shard.yaml", heartbeat_s=0.3)
-    sup = _start_stopping(procs, config, tmp_path, "committed", pause=True)
-    rows = wait_status(control, settled)
-    three = _grown(config, tmp_path / "three.yaml")
-    ledger = {f"/seg{i}/k": b"v%d" % i for i in range(200)}
-
-    _write_all(config, ledger)
+    config, control, sup, rows, three, ledger = _growth_ready(procs, tmp_path, "committed",
+                                                              200, pause=True)
     frozen = next(n for n in ("s0/primary", "s0/backup") if rows[n]["bstar"] == "PASSIVE")
     pid = rows[frozen]["pid"]
-    reshard = procs.python("-m", "clonemap.supervisor", "reshard", str(config), "--to",
-                           str(three), "--yes")
+    reshard = _reshard(procs, config, three)
     sup.wait_line("RESHARD_PAUSED phase=committed", 60)
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -1688,8 +1676,7 @@ class _FrozenMove:
         self.sup.wait_line(f"RESHARD_PAUSED phase={phase}", 60)
 
     def _reshard(self):
-        return self.procs.python("-m", "clonemap.supervisor", "reshard", str(self.config),
-                                 "--to", str(self.later), "--yes")
+        return _reshard(self.procs, self.config, self.later)
 
     def go_on(self) -> None:
         (self.tmp_path / "run" / "reshard.continue").touch()
