@@ -89,14 +89,18 @@ def _workers() -> tuple[int, int]:
     return index, count
 
 
-def _worker_ports() -> tuple[int, int]:
-    """This process's share of ``TEST_PORTS``: all of it, or under pytest-xdist one slice
-    per worker, so that two workers never pick the same range between a check and a
-    bind."""
+def _share(lo: int, hi: int, step: int = 1) -> tuple[int, int]:
+    """This process's share of the ports ``lo``-``hi``: all of them, or under pytest-xdist
+    one slice per worker (its width a multiple of ``step``), so that two workers never
+    pick the same range between a check and a bind."""
     index, count = _workers()
-    lo, hi = TEST_PORTS
-    width = (hi - lo) // count
+    width = (hi - lo) // count // step * step
     return lo + index * width, lo + (index + 1) * width
+
+
+def _worker_ports() -> tuple[int, int]:
+    """This process's share of ``TEST_PORTS``."""
+    return _share(*TEST_PORTS)
 
 
 def _bench_ports() -> str:
@@ -104,10 +108,8 @@ def _bench_ports() -> str:
     as ``_worker_ports`` slices the tests'."""
     from bench.harness.procs import PORT_RANGE
 
-    index, count = _workers()
-    lo, hi = PORT_RANGE
-    width = (hi - lo) // count // 10 * 10
-    return f"{lo + index * width}-{lo + (index + 1) * width}"
+    lo, hi = _share(*PORT_RANGE, step=10)
+    return f"{lo}-{hi}"
 
 
 # every benchmark a test starts takes its ports from this worker's slice: with four
