@@ -76,7 +76,7 @@ from clonemap.shards.migrate import COPY_TIMEOUT_S
 from clonemap.supervisor import routing_state
 from clonemap.supervisor.process import BACKOFF, RUNNING, STARTING
 from clonemap.supervisor.protocol import stats_service
-from clonemap.supervisor.runner import progress
+from clonemap.supervisor.runner import Progress
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +380,7 @@ class Resharding:
         proc = self.runner.servers.get(name)
         if proc is None or proc.pid is None:
             return None
-        last = [progress([proc])[0]]
+        ran = Progress([proc])
 
         def patient() -> bool:
             self._check_abort()  # (raises: the change rolls back)
@@ -389,13 +389,12 @@ class Resharding:
                     return False
             except OSError:  # (gone)
                 return False
-            ran, runnable = progress([proc])
-            moved, last[0] = ran > last[0], ran
-            if moved or runnable:
+            grew, runnable = ran.look()
+            if grew or runnable:
                 log.info("reshard: %s at background priority has not answered yet (%s); "
                          "waiting on", name, "waiting for a core" if runnable else
                          "it ran meanwhile")
-            return moved or runnable
+            return grew or runnable
 
         return patient
 

@@ -100,6 +100,23 @@ def progress(procs) -> tuple[float, bool]:
     return total, runnable
 
 
+class Progress:
+    """Whether ``procs`` got further since the last ``look`` (or since it was made):
+    their CPU time grew (``progress``), or one of them waits for a core now. What a wait
+    on servers that may be starved, not stuck, goes on while."""
+
+    def __init__(self, procs):
+        self.procs = list(procs)
+        self.ran, _ = progress(self.procs)
+        """Their CPU time at the last look, in seconds."""
+
+    def look(self) -> tuple[bool, bool]:
+        """(their CPU time grew since the last look, one of them is runnable now)."""
+        ran, runnable = progress(self.procs)
+        grew, self.ran = ran > self.ran, ran
+        return grew, runnable
+
+
 def _ran_s(handle: psutil.Process) -> float:
     """The time ``handle``'s main thread ran (where its interpreter starts), in seconds."""
     try:
@@ -255,13 +272,12 @@ class Runner:
         # busy host gets only what the others leave, and its interpreter's start, ~1.5 s
         # of CPU, took longer than 30 s once beside the suite's three workers. Progress:
         # its CPU time grew, or one of them waits for a core now)
-        used, _ = progress(procs.values())
+        started = Progress(procs.values())
         while not await self.wait_for(up, timeout_s):
-            now, runnable = progress(procs.values())
-            if now <= used and not runnable:
+            grew, runnable = started.look()
+            if not (grew or runnable):
                 break
-            used = now
-            log.info("%s: still starting (%.2f s of CPU so far%s)", shard.name, now,
+            log.info("%s: still starting (%.2f s of CPU so far%s)", shard.name, started.ran,
                      ", waiting for a core" if runnable else "")
         return [p.name for p in procs.values() if p.state != RUNNING]
 

@@ -11,7 +11,7 @@ import signal
 import time
 import types
 
-from clonemap.supervisor.runner import progress
+from clonemap.supervisor.runner import Progress, progress
 
 SPIN = "while True: pass"
 
@@ -55,7 +55,7 @@ def test_a_sleeping_or_stopped_process_is_neither_runnable_nor_progressing(procs
         _wait_state(spinning, {"T"})
         stopped = _look(spinning)
         assert stopped[1] is False and _look(spinning) == stopped
-        # (together: the runnable one says the pair still starts)
+        # (together: their times add up, and neither waits for a core)
         both = progress([idle, spinning])
         assert both == (first[0] + stopped[0], False)
     finally:
@@ -66,3 +66,18 @@ def test_a_process_that_is_gone_or_never_started_counts_nothing(procs):
     gone = procs.python("-c", "pass")
     assert gone.wait(30) == 0
     assert progress([gone, types.SimpleNamespace(pid=None)]) == (0.0, False)
+
+
+def test_a_look_says_whether_the_time_grew_since_the_last_one(procs):
+    busy = procs.python("-c", SPIN)
+    _wait_state(busy, {"R"})
+    watch = Progress([busy])
+    while not watch.look()[0]:  # (it runs: its time grows between two looks)
+        pass
+    busy.signal(signal.SIGSTOP)
+    try:
+        _wait_state(busy, {"T"})
+        watch.look()  # (what it ran before it stopped)
+        assert watch.look() == (False, False)
+    finally:
+        busy.signal(signal.SIGCONT)
