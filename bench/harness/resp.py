@@ -152,7 +152,7 @@ class RespCluster:
             reply = await conn.send(payload)
             if reply[:1] != b"-":
                 return
-            kind, *rest = reply[1:].split()
+            kind, *rest = reply[1:].split() or [b"ERR"]  # (a bare "-": an error too)
             self.redirects[kind.decode(errors="replace")] += 1
             if kind in (b"MOVED", b"ASK") and len(rest) == 2:
                 host, _, port = rest[1].decode().rpartition(":")

@@ -138,6 +138,8 @@ def test_tryagain_is_sent_again_and_another_error_fails_the_write():
             return b"-TRYAGAIN Multiple keys request during rehashing of slot\r\n"
         if args[1] == b"bad":
             return b"-WRONGTYPE Operation against a key holding the wrong kind\r\n"
+        if args[1] == b"bare":
+            return b"-\r\n"
         return b"+OK\r\n"
 
     async def scenario():
@@ -147,11 +149,13 @@ def test_tryagain_is_sent_again_and_another_error_fails_the_write():
             await cluster.set(b"busy", b"v")
             with pytest.raises(RespError, match="WRONGTYPE"):
                 await cluster.set(b"bad", b"v")
+            with pytest.raises(RespError, match="^-$"):
+                await cluster.set(b"bare", b"v")
         finally:
             cluster.close()
             node.close()
-        assert [args[1] for args in node.seen] == [b"busy"] * 3 + [b"bad"]
-        assert cluster.redirects == {"TRYAGAIN": 2, "WRONGTYPE": 1}
+        assert [args[1] for args in node.seen] == [b"busy"] * 3 + [b"bad", b"bare"]
+        assert cluster.redirects == {"TRYAGAIN": 2, "WRONGTYPE": 1, "ERR": 1}
 
     _run(scenario)
 
