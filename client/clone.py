@@ -987,7 +987,10 @@ class AsyncClone:
                 "resets": sum(a.outages.resets for a in self._agents),
                 "slow_policy": self.slow_policy, "fell_behind": self.fell_behind,
                 "max_lag_s": self.max_lag_s,
-                "failed": str(self.failed) if self.failed is not None else None}
+                "failed": str(self.failed) if self.failed is not None else None,
+                # process-wide: libzmq's sends turned from EACCES into a dead peer
+                "send_guard": {"state": zio.SEND_GUARD,
+                               "refused_sends": zio.refused_sends()}}
 
     # ------------------------------------------------------------------ writes
     def prepare_write(self, key: str, value: Any, ttl: float | None,

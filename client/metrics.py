@@ -25,6 +25,9 @@ labels ``client`` (yours) and ``shard``:
     clonemap_client_fell_behind_total     slow-subscriber events (no shard label)
     clonemap_client_failed                1 once the client is dead (slow_policy "die",
                                           a wrong cluster map)
+    clonemap_client_refused_sends_total   libzmq's TCP sends in this process that failed
+                                          with EACCES (a route became "prohibit"), handed
+                                          to libzmq as a dead peer (no shard label)
 """
 from __future__ import annotations
 
@@ -46,7 +49,8 @@ CLIENT_METRIC_NAMES = (
     "clonemap_client_snapshots_total", "clonemap_client_failovers_total",
     "clonemap_client_resets_total", "clonemap_client_kvsets_sent_total",
     "clonemap_client_kvsets_dropped_total", "clonemap_client_drops_total",
-    "clonemap_client_fell_behind_total", "clonemap_client_failed")
+    "clonemap_client_fell_behind_total", "clonemap_client_failed",
+    "clonemap_client_refused_sends_total")
 
 _PER_SHARD = (
     # (family, stats key, help, counter?)
@@ -97,5 +101,10 @@ class CloneCollector:
         failed = GaugeMetricFamily("clonemap_client_failed", "1 once the client is dead",
                                    labels=("client",))
         failed.add_metric((self.client,), 1 if stats.get("failed") else 0)
+        refused = CounterMetricFamily("clonemap_client_refused_sends", "libzmq's TCP "
+                                      "sends that failed with EACCES, handed to libzmq as "
+                                      "a dead peer", labels=("client",))
+        refused.add_metric((self.client,),
+                           (stats.get("send_guard") or {}).get("refused_sends", 0))
         yield from families
-        yield from (drops, behind, failed)
+        yield from (drops, behind, failed, refused)

@@ -31,6 +31,8 @@ every query names one of them:
     clonemap_server_disk_ok            0 while a server is down on a disk error
     clonemap_server_disk_errors_total  runs that stopped on a disk error
     clonemap_recovery_torn_updates     updates in a torn last record truncated at recovery
+    clonemap_refused_sends_total       libzmq's TCP sends that failed with EACCES (a route
+                                       became "prohibit"), handed to libzmq as a dead peer
     clonemap_access_refused_total{identity,what}  refusals (and narrowings) by identity:
                                        writes_refused, snapshots_narrowed, ... (access control)
     clonemap_broker_events_total{event}   the control broker's counters
@@ -68,7 +70,8 @@ METRIC_NAMES = (
     "clonemap_persist_fsync_seconds", "clonemap_broker_events_total",
     "clonemap_broker_drops_total", "clonemap_broker_held_bytes", "clonemap_broker_workers",
     "clonemap_server_disk_ok", "clonemap_server_disk_errors_total",
-    "clonemap_recovery_torn_updates", "clonemap_access_refused_total")
+    "clonemap_recovery_torn_updates", "clonemap_access_refused_total",
+    "clonemap_refused_sends_total")
 
 
 def _number(value: Any) -> float | None:
@@ -167,6 +170,10 @@ def server_families(snap: dict):
     torn = GaugeMetricFamily("clonemap_recovery_torn_updates", "Updates in the torn last "
                              "record truncated when the server's current run recovered",
                              labels=SERVER)
+    refused_sends = CounterMetricFamily("clonemap_refused_sends", "libzmq's TCP sends "
+                                        "that failed with EACCES (a route became "
+                                        "prohibit), handed to libzmq as a dead peer",
+                                        labels=SERVER)
     by_shard: dict[str, list[dict]] = {}
     for row in rows:
         by_shard.setdefault(row["shard"], []).append(row)
@@ -205,6 +212,9 @@ def server_families(snap: dict):
             for identity, counts in sorted(access.items()):
                 for what, count in sorted(counts.items()):
                     refused.add_metric(labels + (identity, what), count)
+            sends = (stats.get("send_guard") or {}).get("refused_sends")
+            if _number(sends) is not None:
+                refused_sends.add_metric(labels, sends)
             if _number(stats.get("pending")) is not None:
                 pending.add_metric(labels, stats["pending"])
             torn_updates = (stats.get("persist") or {}).get("torn_updates_recovered")
@@ -223,7 +233,7 @@ def server_families(snap: dict):
                                  sum_value=stats["persist"].get("fsync_s_total", 0.0))
     yield from (up, active, has_active, sequence, keys, updates, drops, served, streaming,
                 restarts, rss, cpu, failovers, pending, lag, fsync, disk_ok, disk_errors,
-                torn, refused)
+                torn, refused, refused_sends)
 
 
 def _process_figures(pid: int | None, labels: tuple, rss, cpu) -> None:

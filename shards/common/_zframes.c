@@ -19,6 +19,14 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <string.h>
+#ifdef __linux__
+#include <elf.h>
+#include <link.h>
+#include <stdint.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#endif
 
 typedef struct { unsigned char bytes[64]; } __attribute__((aligned(8))) zmsg_t;
 
@@ -785,7 +793,188 @@ static PyObject *zf_viewed_get(PyObject *module, PyObject *const *args, Py_ssize
     return get;
 }
 
+/* The send guard (guard_send, send_refusals).
+ *
+ * libzmq 4.3.5's tcp_write, which its I/O thread calls for every TCP send, asserts that
+ * send() did not fail with EACCES, and aborts the process when it did. Linux fails a
+ * send with EACCES on a connection whose route became "prohibit" (or a firewall
+ * rejected it that way) once TCP_USER_TIMEOUT gives up on it: the error the
+ * retransmissions met becomes the socket's error. Whether recv() or send() meets it
+ * first is a race in libzmq's I/O thread (a heartbeat's PING, or a speculative write
+ * after a message is queued, can come before the poller's error event), so a process
+ * cut off from a peer that way aborted some of the time.
+ *
+ * guard_send points libzmq's own import of send() (its GOT entry) at guarded_send,
+ * which calls the C library's send and turns EACCES into EHOSTUNREACH: an error libzmq
+ * treats as a dead peer, closing the connection and reconnecting. Nothing else in the
+ * process is touched: only libzmq's calls to send go through the wrapper. */
+#if defined(__linux__) && (defined(__x86_64__) || defined(__aarch64__))
+#define SEND_GUARD 1
+#if defined(__x86_64__)
+#define R_PLT_SLOT R_X86_64_JUMP_SLOT
+#define R_DATA_SLOT R_X86_64_GLOB_DAT
+#else
+#define R_PLT_SLOT R_AARCH64_JUMP_SLOT
+#define R_DATA_SLOT R_AARCH64_GLOB_DAT
+#endif
+
+static ssize_t (*libc_send)(int, const void *, size_t, int) = NULL;
+static unsigned long long refusals = 0;
+
+static ssize_t guarded_send(int fd, const void *buf, size_t len, int flags) {
+    ssize_t n = libc_send(fd, buf, len, flags);
+    if (n == -1 && errno == EACCES) {
+        __atomic_add_fetch(&refusals, 1, __ATOMIC_RELAXED);
+        errno = EHOSTUNREACH;
+    }
+    return n;
+}
+
+struct loaded {
+    uintptr_t inside;         /* an address in the object sought */
+    uintptr_t base;           /* its load bias */
+    const ElfW(Phdr) *phdr;
+    int phnum;
+    int found;
+};
+
+static int find_loaded(struct dl_phdr_info *info, size_t size, void *data) {
+    struct loaded *want = data;
+    (void)size;
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        const ElfW(Phdr) *p = &info->dlpi_phdr[i];
+        uintptr_t lo = info->dlpi_addr + p->p_vaddr;
+        if (p->p_type == PT_LOAD && want->inside >= lo && want->inside < lo + p->p_memsz) {
+            want->base = info->dlpi_addr;
+            want->phdr = info->dlpi_phdr;
+            want->phnum = info->dlpi_phnum;
+            want->found = 1;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* One GOT slot set to value. A slot in the RELRO range (full RELRO: read-only once the
+ * loader is done) is made writable for the store and read-only again after. */
+static int set_slot(void **slot, void *value, uintptr_t relro_lo, uintptr_t relro_hi) {
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t start = (uintptr_t)slot & ~(page - 1);
+    int sealed = (uintptr_t)slot >= relro_lo && (uintptr_t)slot < relro_hi;
+    if (sealed && mprotect((void *)start, page, PROT_READ | PROT_WRITE) != 0)
+        return -1;
+    __atomic_store_n(slot, value, __ATOMIC_SEQ_CST);
+    if (sealed)
+        mprotect((void *)start, page, PROT_READ);
+    return 0;
+}
+
+/* The relocations in [rel, rel + bytes) that bind the import `send`, pointed at
+ * guarded_send; returns how many (already guarded ones included), or -1 (errno). */
+static int guard_relocations(uintptr_t base, const ElfW(Rela) *rel, size_t bytes,
+                             const ElfW(Sym) *symtab, const char *strtab, size_t strsz,
+                             uintptr_t relro_lo, uintptr_t relro_hi) {
+    int guarded = 0;
+    for (size_t i = 0; rel != NULL && i < bytes / sizeof *rel; i++) {
+        unsigned long type = ELF64_R_TYPE(rel[i].r_info);
+        if (type != R_PLT_SLOT && type != R_DATA_SLOT)
+            continue;
+        const ElfW(Sym) *sym = &symtab[ELF64_R_SYM(rel[i].r_info)];
+        if (sym->st_shndx != SHN_UNDEF || sym->st_name >= strsz ||
+            strcmp(strtab + sym->st_name, "send") != 0)
+            continue;
+        void **slot = (void **)(base + rel[i].r_offset);
+        if (*slot != (void *)guarded_send &&
+            set_slot(slot, (void *)guarded_send, relro_lo, relro_hi) != 0)
+            return -1;
+        guarded++;
+    }
+    return guarded;
+}
+
+static PyObject *zf_guard_send(PyObject *self, PyObject *args) {
+    const char *path;
+    if (!PyArg_ParseTuple(args, "s", &path))
+        return NULL;
+    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    void *inside = lib == NULL ? NULL : dlsym(lib, "zmq_send");
+    if (inside == NULL) {
+        PyErr_Format(PyExc_ImportError, "%s is not a loaded libzmq", path);
+        return NULL;
+    }
+    if (libc_send == NULL)
+        *(void **)(&libc_send) = dlsym(RTLD_DEFAULT, "send");
+    if (libc_send == NULL) {
+        PyErr_SetString(PyExc_ImportError, "the C library's send was not found");
+        return NULL;
+    }
+    struct loaded obj = {(uintptr_t)inside, 0, NULL, 0, 0};
+    dl_iterate_phdr(find_loaded, &obj);
+    if (!obj.found) {
+        PyErr_Format(PyExc_ImportError, "%s: its program headers were not found", path);
+        return NULL;
+    }
+    const ElfW(Dyn) *dyn = NULL;
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), relro_lo = 0, relro_hi = 0;
+    for (int i = 0; i < obj.phnum; i++) {
+        const ElfW(Phdr) *p = &obj.phdr[i];
+        if (p->p_type == PT_DYNAMIC)
+            dyn = (const ElfW(Dyn) *)(obj.base + p->p_vaddr);
+        if (p->p_type == PT_GNU_RELRO) { /* the loader seals whole pages only */
+            relro_lo = (obj.base + p->p_vaddr) & ~(page - 1);
+            relro_hi = (obj.base + p->p_vaddr + p->p_memsz) & ~(page - 1);
+        }
+    }
+    if (dyn == NULL) {
+        PyErr_Format(PyExc_ImportError, "%s has no dynamic section", path);
+        return NULL;
+    }
+    /* The loader has rebased some of these in place on some platforms and not others:
+     * a value below the load bias is still an offset. */
+#define AT(v) ((uintptr_t)(v) < obj.base ? obj.base + (uintptr_t)(v) : (uintptr_t)(v))
+    const ElfW(Sym) *symtab = NULL;
+    const char *strtab = NULL;
+    const ElfW(Rela) *plt = NULL, *rela = NULL;
+    size_t strsz = 0, plt_bytes = 0, rela_bytes = 0;
+    long plt_kind = DT_RELA;
+    for (; dyn->d_tag != DT_NULL; dyn++) {
+        switch (dyn->d_tag) {
+        case DT_SYMTAB: symtab = (const ElfW(Sym) *)AT(dyn->d_un.d_ptr); break;
+        case DT_STRTAB: strtab = (const char *)AT(dyn->d_un.d_ptr); break;
+        case DT_STRSZ: strsz = dyn->d_un.d_val; break;
+        case DT_JMPREL: plt = (const ElfW(Rela) *)AT(dyn->d_un.d_ptr); break;
+        case DT_PLTRELSZ: plt_bytes = dyn->d_un.d_val; break;
+        case DT_PLTREL: plt_kind = (long)dyn->d_un.d_val; break;
+        case DT_RELA: rela = (const ElfW(Rela) *)AT(dyn->d_un.d_ptr); break;
+        case DT_RELASZ: rela_bytes = dyn->d_un.d_val; break;
+        }
+    }
+#undef AT
+    if (symtab == NULL || strtab == NULL || plt_kind != DT_RELA) {
+        PyErr_Format(PyExc_ImportError, "%s: an unexpected relocation layout", path);
+        return NULL;
+    }
+    int a = guard_relocations(obj.base, plt, plt_bytes, symtab, strtab, strsz, relro_lo,
+                              relro_hi);
+    int b = a < 0 ? a : guard_relocations(obj.base, rela, rela_bytes, symtab, strtab,
+                                          strsz, relro_lo, relro_hi);
+    if (a < 0 || b < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    return PyLong_FromLong(a + b);
+}
+
+static PyObject *zf_send_refusals(PyObject *self, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(__atomic_load_n(&refusals, __ATOMIC_RELAXED));
+}
+#endif /* the send guard */
+
 static PyMethodDef methods[] = {
+#ifdef SEND_GUARD
+    {"guard_send", zf_guard_send, METH_VARARGS,
+     "guard_send(libzmq_path) -> slots: libzmq's send() turns EACCES into EHOSTUNREACH"},
+    {"send_refusals", zf_send_refusals, METH_NOARGS,
+     "send_refusals() -> count: libzmq's sends that failed with EACCES"},
+#endif
     {"viewed_get", (PyCFunction)(void (*)(void))zf_viewed_get, METH_FASTCALL,
      "viewed_get(view, slow) -> get: one dict lookup for a str key in view, else slow"},
     {"untrack", zf_untrack, METH_O,

@@ -79,6 +79,41 @@ def _error_of(errno: int) -> zmq.ZMQError:
     return zmq.Again(errno) if errno == zmq.EAGAIN else zmq.ZMQError(errno)
 
 
+def _guard_sends(path: str | None) -> tuple[Callable[[], int], str]:
+    """Make libzmq survive a send that fails with EACCES, and say how (``SEND_GUARD``).
+
+    libzmq 4.3.5 aborts the whole process when a TCP send fails with EACCES (an
+    assertion in its ``tcp_write``), and Linux gives that error to a connection whose
+    route became ``prohibit`` once ``TCP_USER_TIMEOUT`` (``link_heartbeats``) gives up on
+    it. The compiled extension points libzmq's own calls to ``send`` at a wrapper that
+    reports EHOSTUNREACH instead, which libzmq handles as a dead peer (it closes the
+    connection and reconnects). Installed whatever the frame path (``CLONEMAP_PURE``
+    chooses frame calls, not safety); without the extension a process is as exposed as
+    any pyzmq program. Returns the count of sends so turned, and the state in words."""
+    try:
+        from clonemap.shards.common import _zframes
+    except ImportError:
+        return int, "off (the compiled extension is not built)"
+    guard = getattr(_zframes, "guard_send", None)
+    if guard is None:
+        return int, "off (not available on this platform)"
+    if path is None:
+        return int, "off (pyzmq's libzmq was not found in this process's maps)"
+    try:
+        slots = guard(path)
+    except (ImportError, OSError) as exc:
+        return int, f"off ({exc})"
+    if slots == 0:
+        return int, "off (libzmq does not import send)"
+    return _zframes.send_refusals, "on"
+
+
+_LIBZMQ = _libzmq_path()
+refused_sends, SEND_GUARD = _guard_sends(_LIBZMQ)
+"""``refused_sends()``: libzmq's sends that failed with EACCES and were reported to it
+as EHOSTUNREACH in this process; ``SEND_GUARD``: "on", or "off (why)"."""
+
+
 def _load_compiled():
     """The bound ``_zframes`` module and why, or None and why not."""
     if os.environ.get("CLONEMAP_PURE", "") not in ("", "0"):
@@ -87,7 +122,7 @@ def _load_compiled():
         from clonemap.shards.common import _zframes
     except ImportError as exc:
         return None, f"pure (the compiled extension is not built: {exc})"
-    path = _libzmq_path()
+    path = _LIBZMQ
     if path is None:
         return None, "pure (pyzmq's libzmq was not found in this process's maps)"
     try:

@@ -103,6 +103,8 @@ def test_metrics_status_and_takeover_under_the_supervisor(procs, tmp_path):
     assert sample(families, "clonemap_server_active", shard="s0", role="primary") == 1
     assert sample(families, "clonemap_server_active", shard="s0", role="backup") == 0
     assert sample(families, "clonemap_shard_has_active", shard="s0", cluster="one") == 1
+    # nothing here is cut off by a refused route: the guard is on and turned no send
+    assert sample(families, "clonemap_refused_sends_total", shard="s0", role="primary") == 0
 
     with Clone(config=str(config), codec="bytes", timeout_s=10) as clone:
         for i in range(10):
@@ -286,3 +288,4 @@ def test_the_client_collector_exports_its_stats(procs, tmp_path):
     assert sample(families, "clonemap_client_kvsets_sent_total", client="test",
                   shard="s0") >= 1
     assert sample(families, "clonemap_client_failed", client="test") == 0
+    assert sample(families, "clonemap_client_refused_sends_total", client="test") == 0
