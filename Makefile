@@ -31,15 +31,15 @@ run: $(STAMP) bytecode
 demo: $(STAMP) bytecode
 	$(BIN)/python -m clonemap.client.demo
 
-# the suite waits on real processes far more than it computes: three workers on 2 cores
-# (four were 10-20% faster on a slower host, but two tests across hosts, their pairs'
-# leases 2 s, ran at once there and rolled their growths back until their 60 s passed,
-# in two clean clones of five), each test module whole in one of them (its module
-# fixtures, a cluster or an etcd, made once), handed out in the order tests/conftest.py
-# collects them, the longest first (pytest-xdist would otherwise hand out the modules
-# with the most tests first, and the one-test 2-minute benchmark module ran on alone at
-# the end: 10.3 min, not 9)
-TEST_WORKERS ?= 3
+# the suite waits on real processes far more than it computes: four workers on 2 cores
+# (a census of one run: 1,138 s of CPU in its processes over 2,100 s of test time), each
+# test module whole in one of them (its module fixtures, a cluster or an etcd, made once),
+# handed out in the order tests/conftest.py collects them, the longest first (pytest-xdist
+# would otherwise hand out the modules with the most tests first, and a long module ran
+# on alone at the end). The modules whose pairs span hosts, 2 s leases in etcd, run one
+# after another in one worker (conftest's ONE_AT_A_TIME): two of them at once starved
+# each other's renewals, which is why this was 3 workers until 2026-12
+TEST_WORKERS ?= 4
 
 test: $(STAMP) bytecode
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

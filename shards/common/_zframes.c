@@ -10,6 +10,9 @@
  * from it (dlopen with RTLD_NOLOAD first). So the extension needs no zmq.h and always
  * talks to pyzmq's own libzmq. zmq_msg_t is 64 opaque bytes in every libzmq 4.x.
  *
+ * It also carries the send guard (guard_send, below): libzmq's own calls to send() go
+ * through a wrapper that keeps an EACCES from aborting the process.
+ *
  * Socket handles are the integers pyzmq gives as Socket.underlying. The caller
  * guarantees that the socket is open: drain() checks its owner's `_closed` after every
  * handler call, because a handler may close its own socket.
