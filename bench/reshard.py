@@ -8,8 +8,10 @@ comes due in the middle of the change). A writer process
 (``bench.harness.reshard_writer``) then sends ``wait=True`` writes to random keys at
 ``--rate`` per second, open loop, and its client follows the whole map. After
 ``--before-s``, ``supervisor reshard CONFIG --to CONFIG_WITH_A_THIRD_SHARD --yes
---copy-rate RATE`` runs, as an operator would (``--copy-rate``, 4 MiB/s by default: the
-writes keep this 2-core host ~70% busy, and an unpaced copy takes the rest and more); ``--after-s`` later the writes stop.
+[--copy-rate RATE]`` runs, as an operator would (the command's own rate unless
+``--copy-rate`` is given: 2 MiB/s a core, so 4 MiB/s on this 2-core host, which the
+writes keep ~70% busy; an unpaced copy takes the rest and more); ``--after-s`` later the
+writes stop.
 
 Reported:
 
@@ -78,8 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "late turns fell in it or not)")
     ap.add_argument("--after-s", type=float, default=2.0)
     ap.add_argument("--copy-rate", default=None,
-                    help="supervisor reshard --copy-rate, per target (default 4MiB; 1MiB "
-                         "with --change shrink, whose two targets serve the writes): "
+                    help="supervisor reshard --copy-rate, per target (default: the "
+                         "command's own, 2 MiB/s a core; 1MiB with --change shrink, whose "
+                         "two targets serve the writes): "
                          "this host's two cores are ~70%% busy with the writes before the "
                          "change; an unpaced copy (0) takes the rest and more")
     from clonemap.shards.common.cpu_priority import COPY_PRIORITIES
@@ -115,8 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         lacking = missing()
         if lacking is not None:
             ap.error(f"--systems valkey: {lacking}")
-    if args.copy_rate is None:
-        args.copy_rate = "1MiB" if args.change == "shrink" else "4MiB"
+    if args.copy_rate is None and args.change == "shrink":
+        args.copy_rate = "1MiB"
     return args
 
 
@@ -469,8 +472,9 @@ def _run_clonemap(args, tmp: Path, progress) -> dict:
                        _floor_work(args.change)]
         else:
             command = [python, "-m", "clonemap.supervisor", "reshard", str(config), "--to",
-                       str(to), "--yes", "--copy-rate", args.copy_rate, "--copy-priority",
-                       args.copy_priority]
+                       str(to), "--yes", "--copy-priority", args.copy_priority]
+            if args.copy_rate is not None:
+                command += ["--copy-rate", args.copy_rate]
 
         def change() -> None:
             cpu_before = _servers_cpu(sup.pid)

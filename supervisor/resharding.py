@@ -98,12 +98,29 @@ COPY_WAIT_S = 120.0
 """How long the copies may take to arrive and come within ``CATCH_UP`` of their sources
 (more for copies that ``copy_rate`` makes longer: ``copy_timeout_s``), counted from the
 last look at which a snapshot had come further: a copy slower than its rate goes on."""
-COPY_RATE = 32 * 2**20
+COPY_RATE_PER_CORE = 2 * 2**20
+COPY_RATE_LEAST = 4 * 2**20
+COPY_RATE_MOST = 32 * 2**20
 """Bytes per second each target of a move copies at most, unless the change says
-otherwise (``supervisor reshard --copy-rate``): the copy is paced so that a busy host
-keeps serving while it runs (Elasticsearch's recovery defaults to 40 MB/s, CockroachDB's
-rebalancing snapshots to 32 MiB/s); about 10 MiB/s is what a copy reaches unpaced on
-the 2-core host of ``bench reshard``, where its writer needs ``--copy-rate 4MiB``."""
+otherwise (``supervisor reshard --copy-rate``): ``default_copy_rate``."""
+
+
+def default_copy_rate(cores: int | None = None) -> float:
+    """The copy rate a change takes when none is named: 2 MiB/s for each core this
+    supervisor may run on (``cores``, else its CPU affinity), 4 MiB/s at least and
+    32 MiB/s at most. The copy is paced so that a busy host keeps serving while it
+    runs (Elasticsearch's recovery defaults to 40 MB/s, CockroachDB's rebalancing
+    snapshots to 32 MiB/s, the cap here). A copy costs the target ~30 us of CPU a key
+    (~130 bytes): it never reaches 32 MiB/s in one process, and on the 2-core host of
+    ``bench reshard``, whose writes keep it ~70% busy, the old flat default of 32 MiB/s
+    let the sources send faster than the added shard took in: the change took 44 s and
+    a write waited 688 ms, where 4 MiB/s (this rule's figure for 2 cores) took 19-37 s
+    with no write over 281 ms."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0))
+    return float(min(COPY_RATE_MOST, max(COPY_RATE_LEAST, COPY_RATE_PER_CORE * cores)))
+
+
 COPY_PRIORITY = "idle"
 """The CPU priority of the servers of a shard the change adds, from their start until
 their copies' snapshots are in (``supervisor reshard --copy-priority``): ``idle``, in
@@ -185,11 +202,12 @@ class Refused(Exception):
 
 def parse_change(body: list[bytes]) -> tuple[str, bool, float | None, str]:
     """A request's body: JSON {config: the new config's path, apply, copy_rate: bytes
-    per second that each target copies at most (absent: ``COPY_RATE``; 0: unpaced),
+    per second that each target copies at most (absent: ``default_copy_rate``; 0:
+    unpaced),
     copy_priority: one of ``cpu_priority.COPY_PRIORITIES`` (absent: ``COPY_PRIORITY``)}."""
     try:
         doc = json.loads(body[0])
-        rate = doc.get("copy_rate", COPY_RATE)
+        rate = doc["copy_rate"] if "copy_rate" in doc else default_copy_rate()
         if rate is not None and (isinstance(rate, bool) or float(rate) < 0):
             raise ValueError(f"copy_rate must be bytes per second >= 0, got {rate!r}")
         rate = float(rate) if rate else None  # (0 or null: unpaced)
@@ -277,7 +295,7 @@ class Resharding:
         self._clients: dict[str, tuple[MdpClient, asyncio.Lock]] = {}
         self._state: dict = {"phase": "", "keys": 0, "bytes": 0, "changes": 0}
         self.progress: Callable[[bytes], object] | None = None
-        self.copy_rate: float | None = COPY_RATE
+        self.copy_rate: float | None = None
         """The change under way's ``copy_rate``."""
         self.copy_priority = COPY_PRIORITY
         """The change under way's ``copy_priority``."""
@@ -617,7 +635,7 @@ class Resharding:
 
     async def change(self, config: str, apply: bool,
                      progress: Callable[[bytes], object] | None = None,
-                     copy_rate: float | None = COPY_RATE,
+                     copy_rate: float | None = None,
                      copy_priority: str = COPY_PRIORITY) -> dict:
         """Plan, or apply, the change to ``config``'s routing (module doc); ``progress``:
         where it says how far it got (a PARTIAL to its caller); ``copy_rate``: bytes per

@@ -107,8 +107,9 @@ class _Bar:
 @click.option("--yes", is_flag=True, help="Apply without asking.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and change nothing.")
 @click.option("--copy-rate", default=None, metavar="BYTES/S",
-              help="How fast each target copies at most, e.g. 4MiB (default 32MiB; "
-                   "0: unpaced). Lower it on a host with little CPU to spare.")
+              help="How fast each target copies at most, e.g. 4MiB (default: 2 MiB/s "
+                   "per core the supervisor may use, from 4 to 32 MiB/s; 0: unpaced). "
+                   "Lower it on a host with little CPU to spare.")
 @click.option("--copy-priority", type=click.Choice(COPY_PRIORITIES), default=None,
               help="The CPU priority of an added shard's servers while they copy: idle "
                    "(the default: only the CPU the serving shards and their clients "

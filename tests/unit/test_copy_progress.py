@@ -2,10 +2,14 @@
 (``clonemap.supervisor.resharding.snapshots_moved``, read at each look by ``_copies``):
 a snapshot read further, or whole now, is progress; the same figures twice, or a copy
 whole already, are not. Each target's copy from each source is its own: two targets
-copying from one source (a growth by two shards) do not stand in for each other."""
+copying from one source (a growth by two shards) do not stand in for each other. And the
+rate a copy keeps to when the operator names none."""
 from __future__ import annotations
 
-from clonemap.supervisor.resharding import snapshots_moved
+import json
+import os
+
+from clonemap.supervisor.resharding import default_copy_rate, parse_change, snapshots_moved
 
 
 def imp(source: str, received: int, whole: bool = False) -> dict:
@@ -41,3 +45,20 @@ def test_a_copy_whole_already_is_no_progress_whatever_its_figures():
     _, was = snapshots_moved({}, [("s2/primary", imp("tcp://a", 100, whole=True))])
     moved, _ = snapshots_moved(was, [("s2/primary", imp("tcp://a", 200, whole=True))])
     assert not moved  # (its tail catching up is the catch-up's own deadline)
+
+
+def test_the_default_copy_rate_follows_the_cores_within_its_bounds():
+    """``supervisor reshard`` without ``--copy-rate``: 2 MiB/s a core, 4 to 32 MiB/s
+    (the request's body without a rate takes it; 0 is unpaced)."""
+    mib = 2**20
+    assert default_copy_rate(1) == 4 * mib
+    assert default_copy_rate(2) == 4 * mib
+    assert default_copy_rate(5) == 10 * mib
+    assert default_copy_rate(16) == 32 * mib
+    assert default_copy_rate(64) == 32 * mib
+    cores = len(os.sched_getaffinity(0))
+    assert default_copy_rate() == default_copy_rate(cores)
+    _, _, rate, _ = parse_change([json.dumps({"config": "c.yaml"}).encode()])
+    assert rate == default_copy_rate(cores)
+    _, _, rate, _ = parse_change([json.dumps({"config": "c.yaml", "copy_rate": 0}).encode()])
+    assert rate is None
