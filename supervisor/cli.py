@@ -6,9 +6,16 @@ short command's start."""
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 
-import click
+# pydantic looks for plugins when it builds its first model, by reading the metadata of
+# every installed distribution: ~80 ms of a `supervisor validate` here (0.43 -> 0.35 s of
+# CPU), paid by every command that reads a config. The supervisor's commands use no
+# pydantic plugin; a value the operator set wins.
+os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+
+import click  # noqa: E402  (after the setting above, as the imports below are)
 
 from clonemap.supervisor import commands as _commands
 from clonemap.supervisor.control import common_options
