@@ -136,3 +136,15 @@ def test_the_guard_says_why_it_is_off():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, check=True)
     assert out.stdout.strip() == "off (the compiled extension is not built) 0"
+
+
+def test_the_pure_frame_path_keeps_the_guard():
+    """``CLONEMAP_PURE`` chooses pyzmq's frame calls over the extension's; the guard is
+    about libzmq's own sends and stays on."""
+    if guard_state() != "on":
+        pytest.skip("the guard needs the compiled extension")
+    code = "from clonemap.shards.common import zio; print(zio.FRAME_PATH, '|', zio.SEND_GUARD)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, check=True,
+                         env={**os.environ, "CLONEMAP_PURE": "1"})
+    assert out.stdout.strip() == "pure (CLONEMAP_PURE is set) | on"
