@@ -169,6 +169,8 @@ class Updates:
         self.got: list[chp.Kvpub] = []
 
         self.hugz = 0
+        self.top = -1
+        """The highest sequence heard, in a KVPUB or in a HUGZ's clock."""
 
     def pump(self, timeout_s: float = 0.0) -> int:
         """Read what is there (waiting up to ``timeout_s`` for the first message)."""
@@ -179,9 +181,11 @@ class Updates:
             msg = chp.decode_update(self.sock.recv_multipart())
             if isinstance(msg, chp.Kvpub):
                 self.got.append(msg)
+                self.top = max(self.top, msg.seq)
                 n += 1
             else:
                 self.hugz += 1
+                self.top = max(self.top, chp.hugz_info(msg).seq)
         return n
 
     def connected(self, timeout_s: float = DEADLINE_S) -> None:
@@ -190,6 +194,18 @@ class Updates:
         deadline = time.monotonic() + timeout_s
         while not (self.got or self.hugz):
             assert time.monotonic() < deadline, f"port {self.port}: silent"
+            self.pump(max(0.001, deadline - time.monotonic()))
+
+    def wait_seq(self, seq: int, timeout_s: float = DEADLINE_S, what: str = "") -> None:
+        """Until the server says it reached ``seq``, in a KVPUB or in the HUGZ it sends
+        once a heartbeat passes with nothing published. A reader slower than a burst
+        misses KVPUBs (the server's PUB drops past its high-water mark), never the HUGZ
+        after it."""
+        deadline = time.monotonic() + timeout_s
+        while self.top < seq:
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"port {self.port}: sequence {self.top}, not {seq}, "
+                                     f"within {timeout_s} s {what}")
             self.pump(max(0.001, deadline - time.monotonic()))
 
     def wait(self, pred, timeout_s: float = DEADLINE_S, what: str = "") -> chp.Kvpub:
