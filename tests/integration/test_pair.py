@@ -199,7 +199,8 @@ class Updates:
     def wait_seq(self, seq: int, timeout_s: float = DEADLINE_S, what: str = "") -> None:
         """Until the server says it reached ``seq``, in a KVPUB or in the HUGZ it sends
         once a heartbeat passes with nothing published. A reader slower than a burst
-        misses KVPUBs (the server's PUB drops past its high-water mark), never the HUGZ
+        can miss KVPUBs (past the PUB's high-water mark, or, from a leased server, what
+        was queued on a connection closed because its PONGs came late), never the HUGZ
         after it."""
         deadline = time.monotonic() + timeout_s
         while self.top < seq:
