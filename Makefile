@@ -31,15 +31,17 @@ run: $(STAMP) bytecode
 demo: $(STAMP) bytecode
 	$(BIN)/python -m clonemap.client.demo
 
-# the suite waits on real processes far more than it computes: four workers on 2 cores
+# the suite waits on real processes far more than it computes: three workers on 2 cores
 # (a census of one run: 1,138 s of CPU in its processes over 2,100 s of test time), each
 # test module whole in one of them (its module fixtures, a cluster or an etcd, made once),
 # handed out in the order tests/conftest.py collects them, the longest first (pytest-xdist
 # would otherwise hand out the modules with the most tests first, and a long module ran
 # on alone at the end). The modules whose pairs span hosts, 2 s leases in etcd, run one
 # after another in one worker (conftest's ONE_AT_A_TIME): two of them at once starved
-# each other's renewals, which is why this was 3 workers until 2026-12
-TEST_WORKERS ?= 4
+# each other's renewals. Four workers were 5-10% faster on 2026-12-01 (628-767 s of
+# pytest against 771 s), but the CPU is then all taken (1.9 of 2 cores) and a growth
+# across hosts did not reach its copy's end within its test's 60 s once in five clones
+TEST_WORKERS ?= 3
 
 # pytest rewrites the test modules' asserts at import, and caches the result as bytecode
 # only where bytecode may be written: under PYTHONDONTWRITEBYTECODE each worker rewrote
