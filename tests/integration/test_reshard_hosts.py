@@ -144,7 +144,19 @@ class TwoHosts:
                              "\n".join(sup.stderr[-25:])
                              for host, sup in sorted(self.supervisors.items()) if host != via)
             raise AssertionError(f"{exc}\nthe reshard command said:\n" +
-                                 "\n".join(change.stdout + change.stderr) + others) from None
+                                 "\n".join(change.stdout + change.stderr) + others
+                                 + self.server_log_tails()) from None
+
+    def server_log_tails(self, lines: int = 12) -> str:
+        """The last lines of every server's log on both hosts (a failure's evidence: a
+        growth across hosts once did not reach its copy's end in 60 s, and the
+        supervisors' lines alone did not say which server held it up)."""
+        out = []
+        for host in ("a", "b"):
+            for log in sorted((self.run_dir(host) / "logs").glob("*.log")):
+                tail = log.read_text(errors="replace").splitlines()[-lines:]
+                out.append(f"\nhost {host}, {log.name}:\n" + "\n".join(tail))
+        return "".join(out)
 
     def etcd_routing(self) -> dict:
         """What etcd holds under ``clonemap/moving/routing``, read from host c."""
