@@ -989,8 +989,7 @@ class AsyncClone:
                 "max_lag_s": self.max_lag_s,
                 "failed": str(self.failed) if self.failed is not None else None,
                 # process-wide: libzmq's sends turned from EACCES into a dead peer
-                "send_guard": {"state": zio.SEND_GUARD,
-                               "refused_sends": zio.refused_sends()}}
+                "send_guard": zio.send_guard_stats()}
 
     # ------------------------------------------------------------------ writes
     def prepare_write(self, key: str, value: Any, ttl: float | None,

@@ -1450,7 +1450,7 @@ class ShardServer:
             "rss_bytes": self.process.memory_info().rss,
             "uptime_s": round(time.monotonic() - self.started_s, 3),
             "frame_path": zio.FRAME_PATH,
-            "send_guard": {"state": zio.SEND_GUARD, "refused_sends": zio.refused_sends()},
+            "send_guard": zio.send_guard_stats(),
         }
         out.update(self.role.stats())
         return out

@@ -203,8 +203,8 @@ class Refused(Exception):
 def parse_change(body: list[bytes]) -> tuple[str, bool, float | None, str]:
     """A request's body: JSON {config: the new config's path, apply, copy_rate: bytes
     per second that each target copies at most (absent: ``default_copy_rate``; 0:
-    unpaced),
-    copy_priority: one of ``cpu_priority.COPY_PRIORITIES`` (absent: ``COPY_PRIORITY``)}."""
+    unpaced), copy_priority: one of ``cpu_priority.COPY_PRIORITIES`` (absent:
+    ``COPY_PRIORITY``)}."""
     try:
         doc = json.loads(body[0])
         rate = doc["copy_rate"] if "copy_rate" in doc else default_copy_rate()

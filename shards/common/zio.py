@@ -114,6 +114,11 @@ refused_sends, SEND_GUARD = _guard_sends(_LIBZMQ)
 as EHOSTUNREACH in this process; ``SEND_GUARD``: "on", or "off (why)"."""
 
 
+def send_guard_stats() -> dict:
+    """The guard's state and count, as a server's and a client's stats report them."""
+    return {"state": SEND_GUARD, "refused_sends": refused_sends()}
+
+
 def _load_compiled():
     """The bound ``_zframes`` module and why, or None and why not."""
     if os.environ.get("CLONEMAP_PURE", "") not in ("", "0"):

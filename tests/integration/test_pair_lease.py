@@ -454,8 +454,8 @@ def test_a_slow_reader_gets_a_large_snapshot_whole(procs, zctx, port_base, etcd_
     for start in range(0, keys, 5000):  # (in steps the collector's mark holds)
         for i in range(start, start + 5000):
             writer.kvset(b"/big/%07d" % i, b"v" * 60)
-        # (not the step's last KVPUB: this SUB, starved of CPU beside three other test
-        # workers, saw 2,028 of a step's 5,000, the last one not among them: its
+        # (not the step's last KVPUB: this SUB, starved of CPU beside the other test
+        # workers (four in all, that run), saw 2,028 of a step's 5,000, the last one not among them: its
         # libzmq stops reading at the high-water mark, the server's PINGs wait behind
         # the data, and the server closes the connection, as for the reader below. The
         # HUGZ after the burst says the sequence all the same)

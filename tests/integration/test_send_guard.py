@@ -21,6 +21,7 @@ import sys
 
 import pytest
 
+from clonemap.shards.common import zio
 from conftest import ROOT, free_port_base
 
 # One process: a PUSH bound on the port, a PULL connected to it, one message through;
@@ -98,13 +99,6 @@ def run_child(mode: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
 
-def guard_state() -> str:
-    out = subprocess.run([sys.executable, "-c", "from clonemap.shards.common import zio; "
-                          "print(zio.SEND_GUARD)"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60, check=True)
-    return out.stdout.strip()
-
-
 def test_without_the_guard_libzmq_aborts_on_eacces():
     """The failure the guard exists for, with this environment's libzmq. If a pyzmq
     upgrade brings a libzmq that no longer asserts, this fails: the guard may go."""
@@ -114,7 +108,7 @@ def test_without_the_guard_libzmq_aborts_on_eacces():
     assert json.loads(done.stdout.splitlines()[0])["refusing"] > 2
 
 
-@pytest.mark.skipif(guard_state() != "on", reason="the guard needs the compiled "
+@pytest.mark.skipif(zio.SEND_GUARD != "on", reason="the guard needs the compiled "
                     "extension (test_frame_paths checks that it is built where a "
                     "compiler is)")
 def test_with_the_guard_the_connection_is_dropped_and_the_process_lives():
@@ -141,7 +135,7 @@ def test_the_guard_says_why_it_is_off():
 def test_the_pure_frame_path_keeps_the_guard():
     """``CLONEMAP_PURE`` chooses pyzmq's frame calls over the extension's; the guard is
     about libzmq's own sends and stays on."""
-    if guard_state() != "on":
+    if zio.SEND_GUARD != "on":
         pytest.skip("the guard needs the compiled extension")
     code = "from clonemap.shards.common import zio; print(zio.FRAME_PATH, '|', zio.SEND_GUARD)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
