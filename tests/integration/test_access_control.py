@@ -625,8 +625,9 @@ def test_a_growth_keeps_each_identity_s_rights_on_the_added_shard(procs, tmp_pat
         stop = False
 
         def write() -> None:
-            n = 0
-            while not stop:
+            n, started = 0, time.monotonic()
+            while not stop:  # (250 a second: a steady load through the change)
+                time.sleep(max(0.0, started + n / 250 - time.monotonic()))
                 key = f"/orders{n % 60}/k"
                 writer.set(key, b"w%d" % n, wait=True, timeout_s=10)
                 orders[key] = b"w%d" % n

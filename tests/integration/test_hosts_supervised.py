@@ -83,7 +83,7 @@ def test_a_supervisor_per_host_runs_one_cluster_and_survives_a_host(hosts, tmp_p
 
         # a client given host a's control endpoint writes to both shards
         control = f"control=tcp://{hosts.address['a']}:5555"
-        writer = procs.spawn([*hosts.prefix("c"), PYTHON, LEDGER, "write", control, "/k/"],
+        writer = procs.spawn([*hosts.prefix("c"), PYTHON, LEDGER, "write", control, "/k/", "300"],
                              ready="READY", timeout_s=60, env=ENV)
         writer._out.wait_for(lambda line: line.startswith("ACK /k/40"), 60)
 

@@ -28,6 +28,9 @@ HEARTBEAT_S = 0.2
 CLUSTER = "part"
 PORT = 6000
 LEDGER = str(Path(__file__).with_name("ledger_client.py"))
+WRITER_RATE = 300
+"""Each ledger writer's writes a second: a steady load, as a user's writer (flat out, one
+write at a time, a writer across hosts took most of a core, and its servers another)."""
 
 
 class Cluster:
@@ -61,7 +64,7 @@ class Cluster:
 
     def writer(self, host: str, prefix: str):
         proc = self.procs.spawn([*self.hosts.prefix(host), PYTHON, LEDGER, "write",
-                                 self.endpoints, prefix], ready="READY", timeout_s=40,
+                                 self.endpoints, prefix, str(WRITER_RATE)], ready="READY", timeout_s=40,
                                 env={"PYTHONPATH": str(ROOT)})
         self.writers[prefix] = proc
         return proc

@@ -532,7 +532,10 @@ def test_supervisor_reshard_grows_and_shrinks_with_writers_running(procs, tmp_pa
 
         async def incrementer():
             nonlocal increments
+            n, started = 0, time.monotonic()
             while not stop.is_set():
+                await _paced(started, n)  # (a try that conflicts counts as one too)
+                n += 1
                 meta = clone.meta("/counter")
                 now = int(clone.get("/counter"))
                 try:
