@@ -29,8 +29,9 @@ CLUSTER = "part"
 PORT = 6000
 LEDGER = str(Path(__file__).with_name("ledger_client.py"))
 WRITER_RATE = 300
-"""Each ledger writer's writes a second: a steady load, as a user's writer (flat out, one
-write at a time, a writer across hosts took most of a core, and its servers another)."""
+"""Each ledger writer's writes a second: a steady load, as a user's writer. Flat out (one
+write at a time, as fast as the pair acknowledged), this module and test_hosts_supervised
+took 70.6 s of CPU where they take 43.2 s paced, in the same wall time."""
 
 
 class Cluster:
