@@ -30,6 +30,12 @@ opens a watch and hands its changes to N worker processes:
   capacity plus, per worker, 2 x ``queue_batches`` x ``batch_bytes``.
 * **Ended by PID.** ``close()`` (or leaving the ``with``) lets each worker finish what it
   holds (up to ``stop_timeout_s``), then ends it: SIGTERM, then SIGKILL.
+* **Never outliving the caller.** Each worker reads a pipe whose other end only the
+  caller's process holds (its lifeline): when that process is gone (killed, crashed,
+  or an interpreter that ended without ``close()``), the pipe's end of file ends the
+  worker at once. Before, such a worker waited on its ZeroMQ pipe for ever. A pipe, not
+  ``PR_SET_PDEATHSIG``: Linux sends that when the *thread* that started the worker
+  ends, and a pool may be made by a thread that ends before it.
 
 Why processes and not threads: a Python callback holds the GIL, so threads add no
 cores. Each worker is a fresh interpreter (``python -m clonemap.client.workers``, its parameters
@@ -194,6 +200,8 @@ class Workers:
         self._ctx = zmq.Context()
         self._pushes: list[zmq.Socket[bytes]] = []
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._lifelines: list[int] = []
+        """The write end of each worker's lifeline (closed once the workers ended)."""
         self._ready: list[IO[bytes]] = []
         """Each worker's READY pipe (its stdout stays the caller's)."""
         self._stopping = threading.Event()
@@ -219,17 +227,20 @@ class Workers:
                 # READY comes back on a pipe of its own: the worker's stdout stays the
                 # caller's, for whatever its handler prints
                 ready_r, ready_w = os.pipe()
+                life_r, life_w = os.pipe()  # (its write end stays in this process only)
+                self._lifelines.append(life_w)
                 try:
                     proc = subprocess.Popen([sys.executable, "-m", "clonemap.client.workers"],
                                             stdin=subprocess.PIPE, env=env,
-                                            pass_fds=(ready_w,))
+                                            pass_fds=(ready_w, life_r))
                 finally:
                     os.close(ready_w)
+                    os.close(life_r)
                 self._ready.append(os.fdopen(ready_r, "rb"))
                 self._procs.append(proc)
                 assert proc.stdin is not None  # stdin=PIPE
                 proc.stdin.write(pickle.dumps((i, self.setup, tuple(args), codec, endpoint,
-                                               report, queue_batches, ready_w)))
+                                               report, queue_batches, ready_w, life_r)))
                 proc.stdin.close()
             deadline = time.monotonic() + start_timeout_s
             for i, (proc, ready) in enumerate(zip(self._procs, self._ready)):
@@ -404,6 +415,9 @@ class Workers:
                         pass
         for ready in self._ready:
             ready.close()
+        for fd in self._lifelines:
+            os.close(fd)
+        self._lifelines.clear()
 
     def _cleanup(self) -> None:
         for sock in (*self._pushes, self._report):
@@ -431,12 +445,29 @@ def _line_by(ready: IO[bytes], deadline: float) -> str | None:
     return ready.readline().decode("utf-8", "replace").strip()
 
 
+def _end_with_caller(lifeline: int, index: int) -> None:
+    """Wait for the end of file on ``lifeline``: the caller's process is gone (its
+    ``close()`` ends the workers first, by PID). Nobody is left to hand this worker a
+    change or to read its counts: it exits at once."""
+    while True:
+        try:
+            if not os.read(lifeline, 1):
+                break
+        except InterruptedError:
+            continue
+    log.warning("worker %d: the process that started it is gone; exiting", index)
+    logging.shutdown()
+    os._exit(1)
+
+
 def _main() -> None:
     """``python -m clonemap.client.workers``: one worker; its parameters pickled on stdin."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     (index, setup, args, codec, endpoint, report, queue_batches,
-     ready_fd) = pickle.loads(sys.stdin.buffer.read())
+     ready_fd, lifeline) = pickle.loads(sys.stdin.buffer.read())
+    threading.Thread(target=_end_with_caller, args=(lifeline, index), daemon=True,
+                     name="clonemap-worker lifeline").start()
     with os.fdopen(ready_fd, "w") as out:
         worker_main(index, setup, args, codec, endpoint, report, queue_batches, out)
 

@@ -124,3 +124,33 @@ def test_a_bad_setup_is_a_clear_error_and_leaves_no_process(server):
     after = {p.pid for p in psutil.Process().children(recursive=True)
              if p.status() != "zombie"}
     assert after <= before
+
+
+# The caller, in a process of its own: a client and a pool of two workers; it prints their
+# PIDs, then waits to be killed.
+CALLER = r'''
+import sys, threading
+sys.path.insert(0, sys.argv[2])
+from clonemap.client.api import Clone
+from clonemap.client.workers import Workers
+
+clone = Clone(sys.argv[1], silence_timeout_s=0.6)
+pool = Workers(clone, "/gone/", "workers_handlers:flaky", workers=2)
+print("PIDS", *pool.pids, flush=True)
+threading.Event().wait()
+'''
+
+
+def test_workers_end_when_the_process_that_started_them_is_killed(server, procs):
+    """SIGKILL of the caller (no ``close()``): each worker sees its lifeline's end of file
+    and exits. (Before, they waited on their pipes for ever, children of init.)"""
+    caller = procs.python("-c", CALLER, server, str(Path(__file__).parent), ready="PIDS",
+                          timeout_s=DEADLINE_S)
+    pids = [int(p) for p in next(line for line in caller.stdout
+                                 if line.startswith("PIDS")).split()[1:]]
+    assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids), pids
+    workers = [psutil.Process(p) for p in pids]
+    caller.popen.kill()
+    caller.popen.wait(10)
+    gone_, alive = psutil.wait_procs(workers, timeout=DEADLINE_S)
+    assert not alive, [p.pid for p in alive]
