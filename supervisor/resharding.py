@@ -32,9 +32,11 @@ installed everywhere under the epoch after, and the change is refused.
    (``clonemap.shards.migrate.Hold``) and says its sequence then; the phase ends when
    every copy holds its source's updates up to it, and every hold is *sealed* (from
    then on it ends only with the flip or an explicit release). The actives' answers,
-   the catch-up and the seals share ``hold_bound_s`` (a test's pause not counted): past
-   it the holds are released (the sources apply the writes) and the move tries again,
-   ``HOLD_ATTEMPTS`` times in all. No write waits longer than the bound. A hold its
+   the catch-up (each look at the copies too), the record and the seals share
+   ``hold_bound_s`` less what is kept for the flip after them (``flip_reserve``; a
+   test's pause not counted): past it the holds are released (the sources apply the
+   writes) and the move tries again, ``HOLD_ATTEMPTS`` times in all. No write waits
+   longer than the bound unless the flip takes longer than was kept for it. A hold its
    supervisor neither sealed nor released (the supervisor died) ends by itself after
    ``clonemap.shards.migrate.HOLD_SAFETY_S``;
 4. *flip*: each target's active follows the new routing and epoch (durable in its data
@@ -91,6 +93,12 @@ HOLD_BOUND_S = 0.5
 """How long the moving keys' writes may be held (the sources hold them while the copies
 catch up); past it the holds are released and the move tried again."""
 HOLD_ATTEMPTS = 3
+FLIP_RESERVE_S = 0.15
+"""The part of the hold's bound kept for the flip that follows the seals (the targets'
+commits, the run directory's record, the sources' install: 60-150 ms in ``bench
+reshard`` on this 2-core host): the holds' answers, the catch-up, the record in etcd and
+the seals share the rest, so that a held write is answered within the bound. A
+supervisor keeps more once it measured a longer flip (``flip_reserve``)."""
 SEAL_MIN_S = 0.02
 """The least time the seals are given when the catch-up used the hold's bound up to it
 (their round trips; past it the holds are released and the move tried again)."""
@@ -103,6 +111,13 @@ COPY_RATE_LEAST = 4 * 2**20
 COPY_RATE_MOST = 32 * 2**20
 """Bytes per second each target of a move copies at most, unless the change says
 otherwise (``supervisor reshard --copy-rate``): ``default_copy_rate``."""
+
+
+def flip_reserve(bound_s: float, last_flip_s: float) -> float:
+    """What of a hold's ``bound_s`` is kept for the flip: ``FLIP_RESERVE_S``, or half as
+    much again as the last flip this supervisor measured (``last_flip_s``) when that is
+    more; half the bound at most, so that the catch-up always has the other half."""
+    return min(max(FLIP_RESERVE_S, 1.5 * last_flip_s), bound_s / 2)
 
 
 def default_copy_rate(cores: int | None = None) -> float:
@@ -271,6 +286,13 @@ class Resharding:
         self.load_plan = load_plan
         """A config's path -> its plan on this host (``ConfigError`` if it does not hold)."""
         self.hold_bound_s = HOLD_BOUND_S
+        self.last_flip_s = 0.0
+        """How long the last flip this supervisor made took, from its seals to the
+        sources' new routing (a test's pauses not counted): ``flip_reserve``."""
+        self._paused_s = 0.0
+        """Time spent paused at a phase for a test (``PAUSE_AT_ENV``), in all."""
+        self._reserve = FLIP_RESERVE_S
+        """What the hold under way keeps of its bound for the flip (``flip_reserve``)."""
         self._change_id = ""
         """The change under way's mark on its record in etcd."""
         self._ended: deque[str] = deque(maxlen=64)
@@ -973,32 +995,34 @@ class Resharding:
                                                   peer=True, forward=forward)
                                        for n in peers))
                 hold_began = time.monotonic()
+                # (the flip after the seals holds the writes too: its part of the bound
+                # is kept for it)
+                reserve = self._reserve = flip_reserve(self.hold_bound_s, self.last_flip_s)
+                bound_s = self.hold_bound_s - reserve
                 try:
                     got = await self._within_bound(asyncio.gather(*(
                         self._step(src[s], "hold", routing=new.describe(), forward=forward)
-                        for s in sources)), self.hold_bound_s, "their holds",
+                        for s in sources)), bound_s, "their holds",
                         [src[s] for s in sources])
                     held = {s: g["move"]["hold"]["seq"] for s, g in zip(sources, got)}
                     spent_s = time.monotonic() - hold_began
                     await self._reached("held")  # (a test's pause here is not counted)
                     resumed = time.monotonic()
-                    await self._copies(dst, lambda imp: imp["source_seq"] >=
-                                       held[self._source_of(imp, src)],
-                                       max(self.hold_bound_s - spent_s, 0.0),
-                                       "the copies' catch-up", src)
+                    await self._catch_up(dst, held, src, max(bound_s - spent_s, 0.0))
                     spent_s += time.monotonic() - resumed
                     # the flip may begin: no hold ends by itself now, and no abort
                     self._check_abort()
                     self._past_flip = True
                     recording = time.monotonic()
                     await self._record_move(old, new, new_plan, targets,
-                                            max(self.hold_bound_s - spent_s, SEAL_MIN_S))
+                                            max(bound_s - spent_s, SEAL_MIN_S))
                     spent_s += time.monotonic() - recording
                     sealing = [*(src[s] for s in sources), *self._peers_of(sources, src)]
                     await self._within_bound(asyncio.gather(*(
                         self._step(n, "seal") for n in sealing)),
-                        max(self.hold_bound_s - spent_s, SEAL_MIN_S), "their seals", sealing)
+                        max(bound_s - spent_s, SEAL_MIN_S), "their seals", sealing)
                     phases["catch_up_s"] = time.monotonic() - hold_began
+                    phases["flip_reserve_s"] = reserve
                     break
                 except TimeoutError as exc:  # the catch-up, or answers, past the bound
                     self._past_flip = False
@@ -1023,6 +1047,7 @@ class Resharding:
         # 4. the flip: the targets (durable there first), the run directory, the sources
         keys = self._state.get("keys", 0)  # (the copies' last poll: a target may be gone)
         sealed_at = time.monotonic()
+        paused_before = self._paused_s
         # recorded before any target commits: a supervisor that stops between two
         # targets' commits leaves the next start to bring the old routing back
         routing_state.write_move(self.run_dir, old, new, {
@@ -1068,6 +1093,9 @@ class Resharding:
         giving = [n for s in sources for n in self._of_shard(s)]
         answers = [await self._install(new, giving, forget=True, forward=forward)]
         phases["hold_s"] = time.monotonic() - hold_began
+        # (from the seals to the sources' new routing: what the next change keeps for it)
+        self.last_flip_s = phases["flip_s"] = max(
+            0.0, time.monotonic() - sealed_at - (self._paused_s - paused_before))
         rest = [n for t in targets for n in self._of_shard(t) if n != dst[t]]
         others = [n for n in self._running()
                   if self._server(n).index not in (*sources, *targets)]
@@ -1125,10 +1153,12 @@ class Resharding:
         if os.environ.get(PAUSE_AT_ENV) == phase:
             go_on = self.run_dir / CONTINUE_FILE
             print(f"RESHARD_PAUSED phase={phase}", flush=True)
+            paused = time.monotonic()
             while not go_on.exists():
                 self._check_abort()
                 await asyncio.sleep(0.02)
             go_on.unlink()
+            self._paused_s += time.monotonic() - paused
 
     async def _source_seq(self, name: str) -> int:
         """The sequence of ``name``, a source's active when its copies began; ``Refused``
@@ -1140,6 +1170,25 @@ class Resharding:
                                   "no longer active")
         return stats.get("seq", 0)
 
+    async def _catch_up(self, dst: dict[int, str], held: dict[int, int],
+                        src: dict[int, str], within_s: float) -> None:
+        """Until every copy holds its source's updates up to the hold (``held``), within
+        ``within_s``, what is left of the hold's bound: else ``TimeoutError``, and the
+        holds are released. The looks themselves are bounded too: a target's active
+        that does not answer (frozen, or a host that gives it no core) kept the writes
+        held for its request's whole timeout, 5 s, before the bound was looked at."""
+        looking = self._copies(dst, lambda imp: imp["source_seq"] >=
+                               held[self._source_of(imp, src)], within_s,
+                               "the copies' catch-up", src)
+        try:
+            await asyncio.wait_for(looking, within_s)
+        except TimeoutError as exc:
+            if str(exc):  # (the looks came, and the copies were behind at the deadline)
+                raise
+            raise TimeoutError(f"the copies' catch-up not within {within_s:.3f} s: "
+                               f"{', '.join(dst.values())} did not answer in time"
+                               ) from None
+
     async def _within_bound(self, steps, within_s: float, what: str, names: list[str]):
         """``steps`` (the holds' or the seals' requests) answered within ``within_s``,
         what is left of the hold's bound; else ``TimeoutError``, as for a catch-up past
@@ -1150,8 +1199,8 @@ class Resharding:
             return await asyncio.wait_for(steps, within_s)
         except TimeoutError:
             raise TimeoutError(f"{', '.join(names)} did not answer {what} within the hold "
-                               f"bound ({within_s:.3f} s left of {self.hold_bound_s:g} s)"
-                               ) from None
+                               f"bound ({within_s:.3f} s left of {self.hold_bound_s:g} s, "
+                               f"{self._reserve:.3f} s of it kept for the flip)") from None
 
     def _peers_of(self, sources: list[int], src: dict[int, str]) -> list[str]:
         """The running pair servers of the sources other than their actives."""

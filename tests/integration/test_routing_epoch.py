@@ -1773,6 +1773,61 @@ def test_a_source_peer_frozen_before_its_seal_releases_the_writes_within_the_bou
     move.again()
 
 
+def test_a_target_frozen_in_the_catch_up_releases_the_writes_within_the_bound(
+        procs, tmp_path, zctx):
+    """The same move, paused at *held* with a write to a moving key held; then s1's
+    active, the target, is frozen: the catch-up's look at its copy gets no answer. The
+    catch-up has what is left of the hold's bound less the part kept for the flip, its
+    looks included: s0's active is told to release, and the write is answered within
+    the client's 4 s. (The look used to wait for the frozen server's whole request
+    timeout, 5 s, with the writes held: the write timed out.) Thawed, the move goes on:
+    the next attempt completes it, or, where s1's pair failed over while its active was
+    frozen (its copy gone with it), the move rolls back and completes when run again.
+    Either way every acknowledged write ends on s1."""
+    from clonemap.supervisor.resharding import FLIP_RESERVE_S, HOLD_BOUND_S
+
+    move = _FrozenMove(procs, tmp_path, zctx, "held")
+    rows = wait_status(move.control, lambda r: True)
+    target = next(n for n in ("s1/primary", "s1/backup") if rows[n]["bstar"] == "ACTIVE")
+    seen = len(move.sup.stderr)
+
+    async def held_then_answered():
+        async with AsyncClone(config=str(move.config)) as clone:
+            write = asyncio.ensure_future(clone.set(f"{move.tenant}held", b"held",
+                                                    wait=True, timeout_s=4))
+            await _until(lambda: _holding_keys(move.control, move.active) > 0,
+                         "the write held")
+            os.kill(rows[target]["pid"], signal.SIGSTOP)
+            try:
+                move.go_on()
+                await write
+            finally:
+                os.kill(rows[target]["pid"], signal.SIGCONT)
+
+    asyncio.run(held_then_answered())
+    move.ledger[f"{move.tenant}held"] = b"held"
+    line = move.sup.stderr[move.sup.wait_stderr("the writes are released", start=seen,
+                                                timeout_s=30)]
+    said = re.search(r"the copies' catch-up not within ([\d.]+) s: (\S+) did not answer "
+                     r"in time, attempt 1", line)
+    assert said and said[2] == target, line
+    # (the bound less the flip's part, less what the holds' answers took)
+    assert 0 < float(said[1]) <= HOLD_BOUND_S - FLIP_RESERVE_S, line
+    deadline = time.monotonic() + 60
+    while (move.reshard.popen.poll() is None and
+           sum("RESHARD_PAUSED phase=held" in x for x in move.sup.stdout) < 2):
+        assert time.monotonic() < deadline, "neither a second attempt nor a roll-back"
+        time.sleep(0.05)
+    if move.reshard.popen.poll() is None:  # the second attempt, paused at held
+        move.go_on()
+        assert move.reshard.wait(60) == 0, move.reshard.stderr[-3:]
+        _on_s1_only(zctx, wait_status(move.control, lambda r: settled(r) and
+                                      at_epoch(2)(r)), move.tenant, move.ledger)
+    else:
+        move.rolled_back(5)
+        move.again()
+
+
 def test_a_late_step_of_an_earlier_change_is_refused_and_the_move_goes_on(procs, tmp_path,
                                                                           zctx):
     """A move step carries its change's routing epoch, and a server refuses a step of an

@@ -3,13 +3,15 @@
 a snapshot read further, or whole now, is progress; the same figures twice, or a copy
 whole already, are not. Each target's copy from each source is its own: two targets
 copying from one source (a growth by two shards) do not stand in for each other. And the
-rate a copy keeps to when the operator names none."""
+rate a copy keeps to when the operator names none, and the part of a hold's bound kept for
+the flip."""
 from __future__ import annotations
 
 import json
 import os
 
-from clonemap.supervisor.resharding import default_copy_rate, parse_change, snapshots_moved
+from clonemap.supervisor.resharding import (FLIP_RESERVE_S, default_copy_rate, flip_reserve,
+                                            parse_change, snapshots_moved)
 
 
 def imp(source: str, received: int, whole: bool = False) -> dict:
@@ -62,3 +64,13 @@ def test_the_default_copy_rate_follows_the_cores_within_its_bounds():
     assert rate == default_copy_rate(cores)
     _, _, rate, _ = parse_change([json.dumps({"config": "c.yaml", "copy_rate": 0}).encode()])
     assert rate is None
+
+
+def test_the_flip_keeps_its_part_of_the_hold_s_bound():
+    """The floor before any flip was measured, half as much again as the last one once
+    that is more, and never more than half the bound: the catch-up keeps the rest."""
+    assert flip_reserve(0.5, 0.0) == FLIP_RESERVE_S == 0.15
+    assert flip_reserve(0.5, 0.05) == FLIP_RESERVE_S
+    assert abs(flip_reserve(0.5, 0.14) - 0.21) < 1e-9
+    assert flip_reserve(0.5, 0.4) == 0.25
+    assert flip_reserve(0.2, 0.0) == 0.1
