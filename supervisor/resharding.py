@@ -291,8 +291,6 @@ class Resharding:
         sources' new routing (a test's pauses not counted): ``flip_reserve``."""
         self._paused_s = 0.0
         """Time spent paused at a phase for a test (``PAUSE_AT_ENV``), in all."""
-        self._reserve = FLIP_RESERVE_S
-        """What the hold under way keeps of its bound for the flip (``flip_reserve``)."""
         self._change_id = ""
         """The change under way's mark on its record in etcd."""
         self._ended: deque[str] = deque(maxlen=64)
@@ -997,7 +995,7 @@ class Resharding:
                 hold_began = time.monotonic()
                 # (the flip after the seals holds the writes too: its part of the bound
                 # is kept for it)
-                reserve = self._reserve = flip_reserve(self.hold_bound_s, self.last_flip_s)
+                reserve = flip_reserve(self.hold_bound_s, self.last_flip_s)
                 bound_s = self.hold_bound_s - reserve
                 try:
                     got = await self._within_bound(asyncio.gather(*(
@@ -1008,7 +1006,13 @@ class Resharding:
                     spent_s = time.monotonic() - hold_began
                     await self._reached("held")  # (a test's pause here is not counted)
                     resumed = time.monotonic()
-                    await self._catch_up(dst, held, src, max(bound_s - spent_s, 0.0))
+                    # (each look bounded too: a target that does not answer, frozen or
+                    # given no core, held the writes for its request's whole 5 s)
+                    left = max(bound_s - spent_s, 0.0)
+                    await self._within_bound(self._copies(
+                        dst, lambda imp: imp["source_seq"] >= held[self._source_of(imp, src)],
+                        left, "the copies' catch-up", src), left, "the copies' catch-up",
+                        list(dst.values()))
                     spent_s += time.monotonic() - resumed
                     # the flip may begin: no hold ends by itself now, and no abort
                     self._check_abort()
@@ -1170,37 +1174,27 @@ class Resharding:
                                   "no longer active")
         return stats.get("seq", 0)
 
-    async def _catch_up(self, dst: dict[int, str], held: dict[int, int],
-                        src: dict[int, str], within_s: float) -> None:
-        """Until every copy holds its source's updates up to the hold (``held``), within
-        ``within_s``, what is left of the hold's bound: else ``TimeoutError``, and the
-        holds are released. The looks themselves are bounded too: a target's active
-        that does not answer (frozen, or a host that gives it no core) kept the writes
-        held for its request's whole timeout, 5 s, before the bound was looked at."""
-        looking = self._copies(dst, lambda imp: imp["source_seq"] >=
-                               held[self._source_of(imp, src)], within_s,
-                               "the copies' catch-up", src)
-        try:
-            await asyncio.wait_for(looking, within_s)
-        except TimeoutError as exc:
-            if str(exc):  # (the looks came, and the copies were behind at the deadline)
-                raise
-            raise TimeoutError(f"the copies' catch-up not within {within_s:.3f} s: "
-                               f"{', '.join(dst.values())} did not answer in time"
-                               ) from None
-
     async def _within_bound(self, steps, within_s: float, what: str, names: list[str]):
-        """``steps`` (the holds' or the seals' requests) answered within ``within_s``,
-        what is left of the hold's bound; else ``TimeoutError``, as for a catch-up past
-        the bound: the writes held meanwhile are released at once, rather than after a
-        frozen or restarting server's whole request timeout, and the move tries again
-        (one that does not answer its release rolls the move back)."""
+        """``steps`` (the holds', the catch-up's looks, the seals' requests) done within
+        ``within_s``, what is left of the hold's bound; else ``TimeoutError``: the writes
+        held meanwhile are released at once, rather than after a frozen or restarting
+        server's whole request timeout, and the move tries again (one that does not
+        answer its release rolls the move back). What the steps raise themselves (the
+        catch-up's copies behind at its deadline) is raised as it is."""
+        task = asyncio.ensure_future(steps)
         try:
-            return await asyncio.wait_for(steps, within_s)
-        except TimeoutError:
-            raise TimeoutError(f"{', '.join(names)} did not answer {what} within the hold "
-                               f"bound ({within_s:.3f} s left of {self.hold_bound_s:g} s, "
-                               f"{self._reserve:.3f} s of it kept for the flip)") from None
+            done, _ = await asyncio.wait({task}, timeout=within_s)
+        except asyncio.CancelledError:  # (the change itself is stopped: the steps too)
+            task.cancel()
+            raise
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        reserve = flip_reserve(self.hold_bound_s, self.last_flip_s)
+        raise TimeoutError(f"{', '.join(names)} did not answer {what} within the hold "
+                           f"bound ({within_s:.3f} s left of {self.hold_bound_s:g} s, "
+                           f"{reserve:.3f} s of it kept for the flip)")
 
     def _peers_of(self, sources: list[int], src: dict[int, str]) -> list[str]:
         """The running pair servers of the sources other than their actives."""
