@@ -35,7 +35,10 @@ opens a watch and hands its changes to N worker processes:
   or an interpreter that ended without ``close()``), the pipe's end of file ends the
   worker at once. Before, such a worker waited on its ZeroMQ pipe for ever. A pipe, not
   ``PR_SET_PDEATHSIG``: Linux sends that when the *thread* that started the worker
-  ends, and a pool may be made by a thread that ends before it.
+  ends, and a pool may be made by a thread that ends before it. A child the caller forks
+  without exec (``os.fork``, ``multiprocessing``'s fork) closes its copies of the write
+  ends at once (``Workers.forget_lifelines_after_fork``): until 2026-12-01 such a child
+  kept every worker alive after the caller was killed, for as long as it lived itself.
 
 Why processes and not threads: a Python callback holds the GIL, so threads add no
 cores. Each worker is a fresh interpreter (``python -m clonemap.client.workers``, its parameters
@@ -57,6 +60,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 import zlib
 from typing import IO, TYPE_CHECKING, Any, Callable
 
@@ -174,6 +178,9 @@ class Workers:
     """N worker processes fed by one watch of ``clone`` (a ``clonemap.client.api.Clone``) under
     ``prefix``; see the module doc."""
 
+    pools: "weakref.WeakSet[Workers]" = weakref.WeakSet()
+    """Every pool of this process that is alive (``forget_lifelines_after_fork``)."""
+
     def __init__(self, clone: "Clone", prefix: str = "", setup: str | Setup = "", *,
                  workers: int = 4, args: tuple[Any, ...] = (), batch: int = BATCH,
                  batch_bytes: int = BATCH_BYTES, queue_batches: int = QUEUE_BATCHES,
@@ -202,6 +209,7 @@ class Workers:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._lifelines: list[int] = []
         """The write end of each worker's lifeline (closed once the workers ended)."""
+        Workers.pools.add(self)
         self._ready: list[IO[bytes]] = []
         """Each worker's READY pipe (its stdout stays the caller's)."""
         self._stopping = threading.Event()
@@ -425,6 +433,19 @@ class Workers:
         self._ctx.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
+    def forget_lifelines_after_fork(self) -> None:
+        """Called in a child forked from the caller without exec (``os.register_at_fork``,
+        for every pool): close the child's copies of this pool's lifeline write ends, and
+        forget them (a ``close()`` of the pool there must not close those numbers again:
+        by then they may be other files). The caller's own ends are untouched: its
+        workers still end with it."""
+        for fd in self._lifelines:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._lifelines = []
+
     def __enter__(self) -> "Workers":
         return self
 
@@ -443,6 +464,14 @@ def _line_by(ready: IO[bytes], deadline: float) -> str | None:
     if not readable:
         return None
     return ready.readline().decode("utf-8", "replace").strip()
+
+
+def _forget_lifelines_after_fork() -> None:
+    for pool in list(Workers.pools):
+        pool.forget_lifelines_after_fork()
+
+
+os.register_at_fork(after_in_child=_forget_lifelines_after_fork)
 
 
 def _end_with_caller(lifeline: int, index: int) -> None:

@@ -141,6 +141,16 @@ threading.Event().wait()
 '''
 
 
+# The same caller, which then forks a child (no exec) that lives on after it.
+FORKING_CALLER = CALLER.replace("threading.Event().wait()", '''import os, signal
+child = os.fork()
+if child == 0:
+    signal.pause()
+    os._exit(0)
+print("CHILD", child, flush=True)
+threading.Event().wait()''')
+
+
 def test_workers_end_when_the_process_that_started_them_is_killed(server, procs):
     """SIGKILL of the caller (no ``close()``): each worker sees its lifeline's end of file
     and exits. (Before, they waited on their pipes for ever, children of init.)"""
@@ -154,3 +164,28 @@ def test_workers_end_when_the_process_that_started_them_is_killed(server, procs)
     caller.popen.wait(10)
     gone_, alive = psutil.wait_procs(workers, timeout=DEADLINE_S)
     assert not alive, [p.pid for p in alive]
+
+
+def test_a_child_forked_by_the_caller_does_not_keep_the_workers_alive(server, procs):
+    """The caller forks (``os.fork``, no exec: a copy of its file descriptors, lifelines
+    included), then is killed. The child lives on, and the workers still end: the child
+    closed its copies of the lifelines at the fork. (Until 2026-12-01 they lived as long
+    as the child.)"""
+    caller = procs.python("-c", FORKING_CALLER, server, str(Path(__file__).parent),
+                          ready="CHILD", timeout_s=DEADLINE_S)
+    lines = list(caller.stdout)
+    pids = [int(p) for p in next(line for line in lines if line.startswith("PIDS")).split()[1:]]
+    child = psutil.Process(int(next(line for line in lines
+                                    if line.startswith("CHILD")).split()[1]))
+    try:
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids), pids
+        workers = [psutil.Process(p) for p in pids]
+        caller.popen.kill()
+        caller.popen.wait(10)
+        assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+        gone_, alive = psutil.wait_procs(workers, timeout=DEADLINE_S)
+        assert not alive, [p.pid for p in alive]
+        assert child.is_running()  # (it outlived them: its copies did not hold them)
+    finally:
+        child.kill()  # ours: the caller we started forked it
+        child.wait(10)
