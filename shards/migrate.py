@@ -104,7 +104,8 @@ class Import:
     """The target's copy of the keys moving here from the source active at ``source``
     (its snapshot endpoint, P; the publisher is P+1). Driven by the server's loop
     through ``zio.AsyncSocket`` (each message one call, read in batches: no coroutine
-    per message), on sockets from ``connect(kind, endpoint, options)`` (the server's
+    per message; on the compiled frame path the snapshot's plain rows many to a C call,
+    ``_take_rows``), on sockets from ``connect(kind, endpoint, options)`` (the server's
     context and security). ``start()`` inside the server's loop."""
 
     def __init__(self, connect, loop, source: str, prefix: bytes, limits, owns=None,
