@@ -239,6 +239,19 @@ def cluster(procs, tmp_path):
 
             wait_status(control, back, timeout_s=timeout_s)
 
+        def start_whole(self) -> None:
+            """``start``, then wait until the backup follows the primary with the whole
+            map (``wait_back``). Until then the active acknowledges alone (one host:
+            Binary Star replicates after the acknowledgement), and a fault of its disk
+            in that window leaves the backup to serve its own copy, the active's writes
+            kept only in its ``dropped-*`` file (``bstar`` rule 9, the README's
+            limits): the failover these tests check is that of a pair that is whole.
+            (In one run of the suite the primary took 65 writes in the 90 ms before the
+            backup heard it was active, then filled its disk: 65 of 295 lost.)"""
+            self.start()
+            assert self.active() == "primary"
+            self.wait_back("backup")
+
     c = Cluster()
     try:
         yield c
@@ -257,8 +270,7 @@ def restart_all_and_check(cluster, ledger: Ledger) -> None:
 
 
 def test_a_full_disk_on_the_active_fails_over_and_it_rejoins_when_space_returns(cluster):
-    cluster.start()
-    assert cluster.active() == "primary"
+    cluster.start_whole()
     filler = fill_disk(cluster.disks["primary"], leave=512 << 10)
     with Ledger(cluster.config) as ledger:
         cluster.ledger = ledger
@@ -301,7 +313,7 @@ def test_read_only_disk_eio_and_a_failed_fsync_each_fail_over(cluster, monkeypat
     monkeypatch.setenv("FAULT", "write:EIO")
     image = cluster.config.parent / "primary.ext4"
     ext4(cluster.disks["primary"], image)
-    cluster.start()
+    cluster.start_whole()
     with Ledger(cluster.config, value_bytes=1000, per_s=200) as ledger:
         cluster.ledger = ledger
         ledger.wait_acked(20)
@@ -325,7 +337,7 @@ def test_read_only_disk_eio_and_a_failed_fsync_each_fail_over(cluster, monkeypat
 
 def test_a_failed_fsync_is_never_retried_the_server_stops(cluster, monkeypatch):
     monkeypatch.setenv("FAULT", "fsync:EIO")
-    cluster.start()
+    cluster.start_whole()
     with Ledger(cluster.config, value_bytes=1000, per_s=200) as ledger:
         cluster.ledger = ledger
         ledger.wait_acked(20)
