@@ -301,7 +301,19 @@ class Import:
             return
         self.received += len(msg.key) + len(msg.value)
         if self.owns(msg.key):
-            self._put(msg.key, msg.value, self._expiries.get(msg.key))
+            try:
+                self._put(msg.key, msg.value, self._expiries.get(msg.key))
+            except Exception as exc:
+                self._staging_failed(exc)
+
+    def _staging_failed(self, exc: Exception) -> None:
+        """A copied key could not be staged: the copy cannot be whole, so it fails (the
+        supervisor rolls the move back), rather than go on without that key (before
+        2026-12-01 the reader logged the error and read on: the flip would have lost
+        the key)."""
+        log.error("import from %s: staging a copied key failed", self.source,
+                  exc_info=exc)
+        self._fail(f"staging a copied key failed: {exc!r}")
 
     def _take_rows(self, handle: int, limit: int):
         """The snapshot DEALER's ``bulk`` (``zio.AsyncSocket``, compiled path): once the
@@ -324,10 +336,14 @@ class Import:
         if rows:
             owns, put, expiries = self.owns, self._put, self._expiries
             received = 0
-            for key, value in rows.items():
-                received += len(key) + len(value)
-                if owns(key):
-                    put(key, value, expiries.get(key))
+            try:
+                for key, value in rows.items():
+                    received += len(key) + len(value)
+                    if owns(key):
+                        put(key, value, expiries.get(key))
+            except Exception as exc:  # (a key not staged: the copy cannot be whole)
+                self._staging_failed(exc)
+                return n, None
             self.received += received
         return n, frames
 
@@ -410,13 +426,17 @@ class Import:
         if (msg.seq <= self.snapshot_seq or not msg.key.startswith(self.prefix)
                 or not self.owns(msg.key)):
             return  # in the snapshot already, or not moving here
-        if msg.value:
-            self._put(msg.key, msg.value, expiry_of(msg.props))
-        else:
-            old = self.sizes.pop(msg.key, None)
-            if old is not None:  # (a key the copy never held is none of its business)
-                self.bytes -= old
-                self._stage(msg.key, b"", None)
+        try:
+            if msg.value:
+                self._put(msg.key, msg.value, expiry_of(msg.props))
+            else:
+                old = self.sizes.pop(msg.key, None)
+                if old is not None:  # (a key the copy never held is none of its business)
+                    self.bytes -= old
+                    self._stage(msg.key, b"", None)
+        except Exception as exc:
+            self._staging_failed(exc)
+            return
         self.updates += 1
 
     def _put(self, key: bytes, value: bytes, expiry_s: float | None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -89,7 +90,7 @@ async def _burst_source(ctx: zmq.asyncio.Context, port: int, expiries: list,
 
 
 async def _copy(keys: int, stop_after: int | None, *, rows=None, expiries=(),
-                owns=None) -> tuple[migrate.Import, list, float]:
+                owns=None, refuse: bytes = b"") -> tuple[migrate.Import, list, float]:
     ctx = zmq.asyncio.Context()
     sync_ctx = zmq.Context()
     port = free_port_base(2)
@@ -108,7 +109,7 @@ async def _copy(keys: int, stop_after: int | None, *, rows=None, expiries=(),
     loop = asyncio.get_running_loop()
     imp = migrate.Import(connect, loop, f"tcp://127.0.0.1:{port}", b"/m/",
                          chp.DEFAULT_LIMITS, owns,
-                         stage=lambda k, v, e: staged.append(k if rows is None else (k, v, e)),
+                         stage=lambda k, v, e: staged.append(_staged(k, v, e, rows, refuse)),
                          flush=lambda: None, timeout_s=TIMEOUT_S)
     began = time.monotonic()
     imp.start()
@@ -122,6 +123,14 @@ async def _copy(keys: int, stop_after: int | None, *, rows=None, expiries=(),
         await asyncio.gather(source, return_exceptions=True)
         ctx.term()
         sync_ctx.term()
+
+
+def _staged(key: bytes, value: bytes, expiry: float | None, rows, refuse: bytes):
+    """What the test's ``stage`` keeps of a key; it raises for ``refuse`` (a disk error,
+    a bug: a key the target could not stage)."""
+    if key == refuse:
+        raise OSError(28, "No space left on device")
+    return key if rows is None else (key, value, expiry)
 
 
 def test_a_copy_slower_than_its_deadline_in_all_but_never_stalled_completes():
@@ -170,3 +179,18 @@ def test_a_burst_of_rows_is_staged_in_order_with_the_same_checks_whichever_way_i
     else:
         assert imp.rows_taken == 0
     assert imp.stats()["rows_taken"] == imp.rows_taken
+
+
+@pytest.mark.parametrize("refused", [b"/m/1500", "/m/é1400".encode()],
+                         ids=["plain-row", "decoded-row"])
+def test_a_key_that_cannot_be_staged_fails_the_copy_instead_of_leaving_it_out(refused):
+    """Staging raises for one key, read in bulk (a plain row) or through the decoder (a
+    non-ASCII key): the copy fails and says why (the supervisor then rolls the move
+    back), never completes without that key. (Before, the reader logged the handler's
+    error and read on: the flip would have lost the key.)"""
+    rows = [["/m/é{}".format(i).encode() if i % 7 == 0 else b"/m/%d" % i,
+             chp.pack_seq(1 + i), b"", b"", b"v"] for i in range(3000)]
+    imp, staged, took_ = asyncio.run(_copy(0, None, rows=rows, refuse=refused))
+    assert not imp.copied
+    assert imp.error.startswith("staging a copied key failed: OSError(28"), imp.error
+    assert refused not in [key for key, _, _ in staged]
